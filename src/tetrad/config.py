@@ -1,0 +1,328 @@
+"""The one config: typed dataclasses, loaded from TOML, overridable as `--section.key=value`.
+
+Everything is checked here, before any process starts, and every error names the fix.
+The section and key names are a contract (see DESIGN.md): users' scripts rely on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from tetrad.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says what to change."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 384
+    vocab_size: int = 256
+    seq_len: int = 128
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    pos: Literal["rope", "learned"] = "rope"
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    vpp: int = 1
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = "1f1b"
+    zero: int = 0
+    sequence_parallel: bool = False
+    cp_algo: Literal["ring", "alltoall"] = "ring"
+    grad_bucket_mb: Union[float, Literal["auto"]] = 25.0
+    grad_codec: Literal["none", "bf16", "int8", "powersgd"] = "none"
+    hierarchical: Union[bool, Literal["auto"]] = False
+    ranks_per_node: int = 8
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16
+    micro_batch: int = 4
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    recompute: Literal["none", "selective", "full"] = "none"
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    # A built-in corpus name, a text file or folder, or a token file (.bin of uint16 / .npy).
+    source: str = "licenses"
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # empty: RUN_DIR/checkpoints
+    every: int = 0
+    keep: int = 2
+    resume: str = "auto"  # "auto" | "never" | a checkpoint path
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/tetrad"
+    log_every: int = 10
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
+                world_size: int | None = None, runtime: bool = True) -> Config:
+    """Read a TOML file (optional), apply overrides, resolve the preset, type-check and validate.
+
+    `overrides` is a list of `section.key=value` strings (values parsed as TOML literals, falling
+    back to plain strings) or a nested dict. `world_size`, when known (under torchrun), must equal
+    dp*tp*pp*cp. `runtime=False` (estimate/plan) also admits what only the cost model knows (fp8).
+    """
+    raw: dict[str, dict] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    if isinstance(overrides, dict):
+        for section, values in overrides.items():
+            raw.setdefault(section, {}).update(values)
+    else:
+        for item in overrides or []:
+            section, key, value = _parse_override(item)
+            raw.setdefault(section, {})[key] = value
+    cfg = _build(raw)
+    validate(cfg, world_size, runtime)
+    return cfg
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    item = item[2:] if item.startswith("--") else item
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"override {item!r} must look like --section.key=value, e.g. --parallel.tp=2")
+    dotted, text = item.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word such as 1f1b or runs/x
+    return section, key, value
+
+
+def _build(raw: dict) -> Config:
+    for section in raw:
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}]{_did_you_mean(section, SECTIONS)}; "
+                              f"sections are {', '.join(SECTIONS)}")
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"[{section}] must be a table of keys, got {raw[section]!r}")
+    model_raw = dict(raw.get("model", {}))
+    preset = model_raw.get("preset", ModelConfig.preset)
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown model.preset {preset!r}{_did_you_mean(preset, PRESETS)}; "
+                          f"presets are {', '.join(PRESETS)}")
+    model_raw = {**PRESETS[preset], **model_raw, "preset": preset}
+    sections = {}
+    for name, cls in SECTIONS.items():
+        values = model_raw if name == "model" else raw.get(name, {})
+        sections[name] = _build_section(name, cls, values)
+    return Config(**sections)
+
+
+def _build_section(section: str, cls: type, values: dict):
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown key {section}.{key}{_did_you_mean(key, known)}; "
+                              f"[{section}] keys are {', '.join(known)}")
+        values[key] = _check_type(f"{section}.{key}", value, hints[key])
+    return cls(**values)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> Any:
+    """Return value (ints widened to float where a float is wanted) or raise a ConfigError."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    for option in options:
+        if typing.get_origin(option) is Literal:
+            if value in typing.get_args(option):
+                return value
+        elif option is bool:
+            if isinstance(value, bool):
+                return value
+        elif option is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        elif option in (int, str):
+            if isinstance(value, option) and not isinstance(value, bool):
+                return value
+    raise ConfigError(f"{name} must be {_describe(options)}, got {value!r} ({type(value).__name__})")
+
+
+def _describe(options: tuple) -> str:
+    words = []
+    for option in options:
+        if typing.get_origin(option) is Literal:
+            words.append("one of " + ", ".join(repr(v) for v in typing.get_args(option)))
+        else:
+            words.append({bool: "true or false", int: "an integer", float: "a number",
+                          str: "a string"}[option])
+    return " or ".join(words)
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -> None:
+    """Raise ConfigError for the first problem found, naming the fix."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for section, obj in (("model", m), ("parallel", p), ("train", t)):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            positive = f.name in {"n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size",
+                                  "seq_len", "dp", "tp", "pp", "cp", "vpp", "ranks_per_node", "steps",
+                                  "global_batch", "micro_batch"}
+            if positive and v < 1:
+                raise ConfigError(f"{section}.{f.name} must be at least 1, got {v}")
+    if world_size is not None and p.world_size != world_size:
+        others = p.tp * p.pp * p.cp
+        fix = (f"set parallel.dp={world_size // others}" if world_size % others == 0
+               else f"choose tp*pp*cp dividing {world_size}")
+        raise ConfigError(f"dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {p.world_size} but the job has "
+                          f"{world_size} ranks; {fix}")
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"d_model={m.d_model} is not divisible by n_heads={m.n_heads}; "
+                          f"use n_heads in {_divisors(m.d_model)}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}; "
+                          f"use n_kv_heads in {_divisors(m.n_heads)}")
+    if m.pos == "rope" and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head_dim, got d_model/n_heads = {m.head_dim}")
+    common = sorted(set(_divisors(m.n_heads)) & set(_divisors(m.n_kv_heads)))
+    if m.n_heads % p.tp:
+        raise ConfigError(f"tp={p.tp} does not divide n_heads={m.n_heads}; use tp in {common}")
+    if m.n_kv_heads % p.tp:
+        raise ConfigError(f"tp={p.tp} does not divide n_kv_heads={m.n_kv_heads}; use tp in {common}")
+    if m.ffn_hidden % p.tp:
+        raise ConfigError(f"tp={p.tp} does not divide ffn_hidden={m.ffn_hidden}; "
+                          f"use tp in {sorted(set(common) & set(_divisors(m.ffn_hidden)))}")
+    if p.vpp > 1 and p.schedule != "interleaved":
+        raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.schedule='interleaved' "
+                          f"(got {p.schedule!r}); or set vpp=1")
+    if p.schedule == "interleaved" and p.vpp < 2:
+        raise ConfigError("parallel.schedule='interleaved' needs parallel.vpp >= 2 virtual stages per rank")
+    stages = p.pp * p.vpp
+    if m.n_layers < stages:
+        raise ConfigError(f"n_layers={m.n_layers} is fewer than pp*vpp = {p.pp}*{p.vpp} = {stages} pipeline "
+                          f"stages; use pp*vpp <= {m.n_layers}")
+    if p.cp > 1 and m.seq_len % (2 * p.cp):
+        ok = [c for c in _divisors(m.seq_len // 2) if c > 1][:8]
+        raise ConfigError(f"seq_len={m.seq_len} is not divisible by 2*cp = {2 * p.cp} (the sequence is cut "
+                          f"into 2*cp chunks for load balance); use cp in {[1] + ok} or change seq_len")
+    if t.global_batch % (t.micro_batch * p.dp):
+        raise ConfigError(f"global_batch={t.global_batch} is not divisible by micro_batch*dp = "
+                          f"{t.micro_batch}*{p.dp} = {t.micro_batch * p.dp}; use a global_batch that is a "
+                          f"multiple of {t.micro_batch * p.dp}, or change micro_batch")
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
+    if isinstance(p.grad_bucket_mb, float) and p.grad_bucket_mb <= 0:
+        raise ConfigError(f"parallel.grad_bucket_mb must be > 0 (or 'auto'), got {p.grad_bucket_mb}")
+    if t.warmup < 0 or t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"need lr > 0, 0 <= min_lr <= lr and warmup >= 0; got lr={t.lr}, "
+                          f"min_lr={t.min_lr}, warmup={t.warmup}")
+    if runtime and t.dtype == "fp8":
+        raise ConfigError("train.dtype='fp8' is accepted by `tetrad estimate`/`plan` only; the runtime trains "
+                          "in fp32, bf16 or fp16")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if cfg.checkpoint.keep < 1 or cfg.checkpoint.every < 0:
+        raise ConfigError("checkpoint.keep must be >= 1 and checkpoint.every >= 0 (0 = never)")

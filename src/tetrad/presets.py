@@ -1,0 +1,27 @@
+"""Model presets: named shapes that fill the `[model]` section before the user's own keys apply.
+
+Shapes follow the published model cards (Llama 3 paper, Table 3; GPT-3 paper, Table 2.1).
+"""
+
+from __future__ import annotations
+
+_LLAMA3 = dict(norm="rmsnorm", mlp="swiglu", pos="rope", tie_embeddings=False, vocab_size=128256,
+               rope_theta=500000.0, norm_eps=1e-5, seq_len=8192)
+
+PRESETS: dict[str, dict] = {
+    # Small enough for 8 CPU ranks: 4 layers (pp=2 x vpp=2), heads and KV heads divisible by 2,
+    # seq_len divisible by 2*cp for cp in {1, 2, 4}; byte-level vocabulary.
+    "tiny": dict(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_hidden=384, vocab_size=256,
+                 seq_len=128, norm="rmsnorm", mlp="swiglu", pos="rope", tie_embeddings=False,
+                 rope_theta=10000.0, norm_eps=1e-5),
+    # The learned-position GPT variant at the same size.
+    "tiny-gpt": dict(n_layers=4, d_model=128, n_heads=4, n_kv_heads=4, ffn_hidden=512, vocab_size=256,
+                     seq_len=128, norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True,
+                     rope_theta=10000.0, norm_eps=1e-5),
+    "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, **_LLAMA3),
+    "llama3-70b": dict(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_hidden=28672, **_LLAMA3),
+    "llama3-405b": dict(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8, ffn_hidden=53248, **_LLAMA3),
+    "gpt3-175b": dict(n_layers=96, d_model=12288, n_heads=96, n_kv_heads=96, ffn_hidden=49152, vocab_size=50257,
+                      seq_len=2048, norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True,
+                      rope_theta=10000.0, norm_eps=1e-5),
+}

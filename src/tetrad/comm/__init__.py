@@ -1,0 +1,1 @@
+"""Accounted collectives (ops.py); codecs and hierarchical reduction join them here."""

@@ -1,0 +1,156 @@
+"""Every collective tetrad issues goes through `Comm`, which counts calls, bytes and time per
+(op, group). The step report shows these counts and the planner predicts the same numbers.
+
+Byte convention (per rank, the op's logical payload): all_reduce the tensor; all_gather the
+gathered output; reduce_scatter the unscattered input; all_to_all the input; point-to-point the
+bytes this rank sends (receives are not counted, so a transfer is counted once). Time is the
+wall time a rank spent inside a blocking call, or inside `wait()` of a non-blocking one: the
+part of the communication that was not hidden behind compute.
+
+A group of one rank is a no-op and is not counted, so model code is the same at every size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from tetrad.topology import Topology
+
+# The dp x cp gradient group is reported as "dp" (DESIGN.md: comm_bytes by tp, cp, pp, dp).
+REPORTED_GROUP = {"dp_cp": "dp"}
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class Pending:
+    """A non-blocking collective; `wait()` charges the time spent blocked to its counter."""
+
+    def __init__(self, works, stats: OpStats | None):
+        self._works = works if isinstance(works, list) else [works]
+        self._stats = stats
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        if self._stats is not None:
+            self._stats.seconds += time.perf_counter() - start
+
+
+DONE = Pending([], None)
+
+
+class Comm:
+    """Accounted collectives over the named groups of one Topology."""
+
+    def __init__(self, topo: "Topology"):
+        self.topo = topo
+        self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+
+    # ------------------------------------------------------------------ accounting
+    def _entry(self, op: str, group: str, nbytes: int) -> OpStats:
+        entry = self.stats[(op, REPORTED_GROUP.get(group, group))]
+        entry.calls += 1
+        entry.bytes += nbytes
+        return entry
+
+    def _run(self, op: str, group: str, nbytes: int, fn, async_op: bool):
+        entry = self._entry(op, group, nbytes)
+        start = time.perf_counter()
+        work = fn()
+        entry.seconds += time.perf_counter() - start
+        return Pending(work, entry) if async_op else DONE
+
+    def bytes_by_group(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (_, group), s in self.stats.items():
+            out[group] += s.bytes
+        return dict(out)
+
+    def seconds_by_group(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for (_, group), s in self.stats.items():
+            out[group] += s.seconds
+        return dict(out)
+
+    def reset(self) -> None:
+        self.stats.clear()
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, group: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+        pg = self.topo.group(group)
+        if pg is None:
+            return DONE
+        return self._run("all_reduce", group, _nbytes(tensor),
+                         lambda: dist.all_reduce(tensor, op=op, group=pg, async_op=async_op), async_op)
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
+        """Concatenate every rank's `tensor` along dim 0 into `output`."""
+        pg = self.topo.group(group)
+        if pg is None:
+            output.copy_(tensor)
+            return DONE
+        return self._run("all_gather", group, _nbytes(output),
+                         lambda: dist.all_gather_into_tensor(output, tensor, group=pg, async_op=async_op),
+                         async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: str,
+                       op=dist.ReduceOp.SUM, async_op: bool = False):
+        """Sum `tensor` over the group and keep this rank's dim-0 slice in `output`."""
+        pg = self.topo.group(group)
+        if pg is None:
+            output.copy_(tensor)
+            return DONE
+        return self._run("reduce_scatter", group, _nbytes(tensor),
+                         lambda: dist.reduce_scatter_tensor(output, tensor, op=op, group=pg, async_op=async_op),
+                         async_op)
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
+        """Equal dim-0 splits of `tensor` to each rank of the group, received into `output`."""
+        pg = self.topo.group(group)
+        if pg is None:
+            output.copy_(tensor)
+            return DONE
+        return self._run("all_to_all", group, _nbytes(tensor),
+                         lambda: dist.all_to_all_single(output, tensor, group=pg, async_op=async_op), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src_local: int, group: str, async_op: bool = False):
+        """Broadcast from the group's local rank `src_local`."""
+        pg = self.topo.group(group)
+        if pg is None:
+            return DONE
+        src = dist.get_global_rank(pg, src_local)
+        return self._run("broadcast", group, _nbytes(tensor),
+                         lambda: dist.broadcast(tensor, src=src, group=pg, async_op=async_op), async_op)
+
+    def p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+            group: str) -> Pending:
+        """Start sends and receives (tensor, global peer rank) together as one batched, non-blocking
+        operation; only the sent bytes are counted."""
+        pg = self.topo.group(group)
+        ops = [dist.P2POp(dist.isend, t, peer, pg) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, pg) for t, peer in recvs]
+        if not ops:
+            return DONE
+        entry = self._entry("send_recv", group, sum(_nbytes(t) for t, _ in sends))
+        start = time.perf_counter()
+        works = dist.batch_isend_irecv(ops)
+        entry.seconds += time.perf_counter() - start
+        return Pending(works, entry)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,64 @@
+"""Everything that depends on the kind of device lives here: choosing it, its collective backend,
+binding a rank to it, synchronising, and reading its memory counters. The rest of tetrad calls
+these and never `torch.cuda` directly.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_device_type(requested: str) -> str:
+    """'auto' picks the accelerator torch finds (cuda, xpu, ...) and falls back to cpu."""
+    if requested == "auto":
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        return acc.type if acc is not None else "cpu"
+    if requested != "cpu" and not (torch.accelerator.is_available()
+                                   and torch.accelerator.current_accelerator().type == requested):
+        raise RuntimeError(f"train.device={requested!r} but torch sees no {requested} device on this machine; "
+                           "use train.device='cpu' or 'auto'")
+    return requested
+
+
+def backend_for(device_type: str) -> str:
+    """The collective backend torch pairs with the device: gloo for cpu, nccl for cuda, ..."""
+    return dist.Backend.default_device_backend_map.get(device_type, "gloo")
+
+
+def local_device_count(device_type: str) -> int:
+    return 1 if device_type == "cpu" else torch.accelerator.device_count()
+
+
+def bind_rank(device_type: str, local_rank: int) -> torch.device:
+    """The device this rank computes on; accelerators get one device per local rank."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    torch.accelerator.set_device_index(local_rank)
+    return torch.device(device_type, local_rank)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on an accelerator; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def threads_per_rank(ranks_on_this_machine: int) -> int:
+    """Intra-op threads so that local ranks do not oversubscribe the cores (PLATFORM.md: 36x
+    slower with 2 threads per rank at 8 ranks on 2 cores)."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_on_this_machine))

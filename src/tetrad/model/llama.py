@@ -1,0 +1,150 @@
+"""The one model definition: a decoder-only transformer, Llama-style (RMSNorm, RoPE, SwiGLU,
+grouped-query attention) or GPT-style (LayerNorm, GELU, learned positions), by config.
+
+Parallelism enters only through the layers it is built from: with every size 1 they are plain
+linears and the model is an ordinary single-device model. A `Transformer` can hold a slice of the
+layers (a pipeline chunk): the embedding lives on the first chunk, the final norm, head and loss
+on the last; parameter names keep the global layer index, so they are the same in every layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tetrad.config import ModelConfig
+from tetrad.model.attention import local_attention
+from tetrad.model.sharding import new_param
+from tetrad.model.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                 column_parallel_linear, vocab_parallel_cross_entropy)
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm (with bias) over the last dimension; replicated over tp."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.weight = new_param((cfg.d_model,), init="ones")
+        self.bias = new_param((cfg.d_model,), init="zeros") if cfg.norm == "layernorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rmsnorm":
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each token's true position, [s, head_dim/2] (positions: [s])."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of each head, the HF Llama convention. x: [b, s, heads, d]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, topo, out_std: float):
+        super().__init__()
+        self.cfg, self.topo = cfg, topo
+        hd = cfg.head_dim
+        self.heads = cfg.n_heads // topo.tp_size
+        self.kv_heads = cfg.n_kv_heads // topo.tp_size
+        self.wq = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, topo)
+        self.wk = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo)
+        self.wv = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo)
+        self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, topo, std=out_std)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.wq(x).view(b, s, self.heads, hd)
+        k = self.wk(x).view(b, s, self.kv_heads, hd)
+        v = self.wv(x).view(b, s, self.kv_heads, hd)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return self.wo(local_attention(q, k, v).reshape(b, s, self.heads * hd))
+
+
+class MLP(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x)) or GELU (w2(gelu(w1 x))); column then row parallel."""
+
+    def __init__(self, cfg: ModelConfig, topo, out_std: float):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        self.w1 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo)
+        self.w3 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo) if self.swiglu else None
+        self.w2 = RowParallelLinear(cfg.ffn_hidden, cfg.d_model, topo, std=out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, topo):
+        super().__init__()
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2/Megatron scaling of residual outputs
+        self.attn_norm = Norm(cfg)
+        self.attn = Attention(cfg, topo, out_std)
+        self.mlp_norm = Norm(cfg)
+        self.mlp = MLP(cfg, topo, out_std)
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class Transformer(nn.Module):
+    """Layers `layers` (global indices) of the model; `first`/`last` add embedding and head."""
+
+    def __init__(self, cfg: ModelConfig, topo, layers: range | None = None, first: bool = True, last: bool = True):
+        super().__init__()
+        self.cfg, self.topo = cfg, topo
+        self.first, self.last = first, last
+        layers = range(cfg.n_layers) if layers is None else layers
+        if first:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, topo)
+            if cfg.pos == "learned":
+                self.pos_embed = new_param((cfg.seq_len, cfg.d_model), std=0.01)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, topo) for i in layers})
+        if last:
+            self.norm = Norm(cfg)
+            if cfg.tie_embeddings and first:
+                self.head = None  # logits from the embedding's weight
+            else:
+                self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, pad_to=topo.tp_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """x: tokens [b, s] on the first chunk, else hidden states [b, s, d]; positions: [s], each
+        token's true position. On the last chunk returns the summed token loss (labels given)
+        or this rank's vocabulary slice of the logits; otherwise the hidden states."""
+        if self.first:
+            h = self.embed(x)
+            if self.cfg.pos == "learned":
+                h = h + self.pos_embed[positions]
+        else:
+            h = x
+        rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta) if self.cfg.pos == "rope" else None
+        for block in self.layers.values():
+            h = block(h, rope)
+        if not self.last:
+            return h
+        h = self.norm(h)
+        weight = self.embed.weight if self.head is None else self.head.weight
+        logits = column_parallel_linear(h, weight, self.topo)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.topo).sum()
+

@@ -1,0 +1,107 @@
+"""The logical (unsharded) parameter space, and how each local parameter maps into it.
+
+Every parameter carries a `ParamSpec`: its logical shape, which dimension (if any) is split over
+which group, the padding that makes that dimension divisible, and how it is initialised. From
+that one record follow: layout-independent initialisation (the same seed gives the same logical
+weights at any dp/tp/pp/cp), gathering the full tensor for parity tests and HF export, and
+slicing a full tensor into any layout's shard (checkpoint resharding).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+_SPEC_ATTR = "_tetrad_spec"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    full_shape: tuple[int, ...]  # logical shape, without padding
+    shard_dim: int | None = None  # None: replicated over the group
+    group: str = "tp"
+    padded_size: int | None = None  # size of shard_dim once padded to a multiple of the group size
+    init: str = "normal"  # "normal" (std below), "ones" or "zeros"
+    std: float = 0.02
+
+    def padded_shape(self) -> tuple[int, ...]:
+        if self.shard_dim is None or self.padded_size is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.shard_dim] = self.padded_size
+        return tuple(shape)
+
+
+def new_param(full_shape: tuple[int, ...], *, shard_dim: int | None = None, parts: int = 1, index: int = 0,
+              pad_to: int | None = None, init: str = "normal", std: float = 0.02, group: str = "tp") -> nn.Parameter:
+    """An uninitialised local parameter holding shard `index` of `parts` of a logical tensor.
+
+    `pad_to` rounds the sharded dimension up (vocabulary padding); the pad rows are zero and are
+    not part of the logical tensor. Values are filled later by `init_parameters`.
+    """
+    padded = None
+    local = list(full_shape)
+    if shard_dim is not None:
+        size = full_shape[shard_dim]
+        padded = math.ceil(size / (pad_to or parts)) * (pad_to or parts)
+        if padded % parts:
+            raise ValueError(f"padded size {padded} of dim {shard_dim} does not split into {parts} parts")
+        local[shard_dim] = padded // parts
+    param = nn.Parameter(torch.empty(local))
+    set_spec(param, ParamSpec(tuple(full_shape), shard_dim, group, padded, init, std), index, parts)
+    return param
+
+
+def set_spec(param: torch.Tensor, spec: ParamSpec, index: int = 0, parts: int = 1) -> None:
+    setattr(param, _SPEC_ATTR, (spec, index, parts))
+
+
+def spec_of(param: torch.Tensor) -> tuple[ParamSpec, int, int]:
+    """(spec, shard index, number of shards); a parameter without a spec is replicated."""
+    found = getattr(param, _SPEC_ATTR, None)
+    return found if found is not None else (ParamSpec(tuple(param.shape)), 0, 1)
+
+
+def shard_of(full: torch.Tensor, spec: ParamSpec, index: int, parts: int) -> torch.Tensor:
+    """This shard of a logical tensor (padding with zeros where the spec pads)."""
+    if spec.shard_dim is None:
+        return full
+    padded = spec.padded_size or full.shape[spec.shard_dim]
+    extra = padded - full.shape[spec.shard_dim]
+    if extra:
+        pad_shape = list(full.shape)
+        pad_shape[spec.shard_dim] = extra
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=spec.shard_dim)
+    return full.chunk(parts, dim=spec.shard_dim)[index]
+
+
+def unpad(full_padded: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
+    """Drop the padding of a gathered tensor, giving the logical tensor."""
+    if spec.shard_dim is None:
+        return full_padded
+    return full_padded.narrow(spec.shard_dim, 0, spec.full_shape[spec.shard_dim])
+
+
+def logical_init(name: str, spec: ParamSpec, seed: int) -> torch.Tensor:
+    """The logical tensor a parameter starts from: a function of (seed, name) alone, so every
+    layout builds the same model."""
+    if spec.init == "ones":
+        return torch.ones(spec.full_shape)
+    if spec.init == "zeros":
+        return torch.zeros(spec.full_shape)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return torch.randn(spec.full_shape, generator=gen) * spec.std
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int) -> None:
+    """Fill every local parameter with its shard of the logical initial tensor, one parameter at a
+    time, so a model too large for one device is never materialised whole."""
+    for name, param in model.named_parameters():
+        spec, index, parts = spec_of(param)
+        full = logical_init(name, spec, seed)
+        param.copy_(shard_of(full, spec, index, parts))

@@ -1,0 +1,53 @@
+"""Model numerics against an implementation nobody here wrote: HF transformers' LlamaForCausalLM."""
+
+import pytest
+import torch
+
+from tetrad.config import load_config
+from tetrad.model.llama import Transformer
+from tetrad.model.sharding import init_parameters
+from tetrad.topology import Topology
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_model_from(model: Transformer, cfg) -> "transformers.LlamaForCausalLM":
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
+        attn_implementation="eager")
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    ours = dict(model.named_parameters())
+    state = {"model.embed_tokens.weight": ours["embed.weight"], "model.norm.weight": ours["norm.weight"]}
+    if not cfg.tie_embeddings:
+        state["lm_head.weight"] = ours["head.weight"]
+    names = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
+             "attn.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj",
+             "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    for i in range(cfg.n_layers):
+        for ours_name, hf_name in names.items():
+            state[f"model.layers.{i}.{hf_name}.weight"] = ours[f"layers.{i}.{ours_name}.weight"]
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m or (cfg.tie_embeddings and m == "lm_head.weight") for m in missing)
+    if cfg.tie_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+@pytest.mark.parametrize("kv_heads,tied", [(2, False), (4, True)])
+def test_logits_match_hf_llama(kv_heads, tied):
+    cfg = load_config(overrides={"model": {"n_kv_heads": kv_heads, "tie_embeddings": tied, "n_layers": 2,
+                                           "rope_theta": 10000.0, "seq_len": 32}}).model
+    model = Transformer(cfg, Topology.single())
+    init_parameters(model, seed=3)
+    hf = hf_model_from(model, cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens, torch.arange(cfg.seq_len))
+        theirs = hf(tokens).logits
+    # fp32, same math in a different order: agreement to ~1e-6 relative; 1e-4 absolute is loose
+    # enough for summation-order differences and tight enough to catch any real mismatch.
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert ours.abs().max() > 1e-3  # a non-trivial comparison

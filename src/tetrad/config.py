@@ -77,7 +77,7 @@ class TrainConfig:
     global_batch: int = 16
     micro_batch: int = 4
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -316,9 +316,9 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
     if isinstance(p.grad_bucket_mb, float) and p.grad_bucket_mb <= 0:
         raise ConfigError(f"parallel.grad_bucket_mb must be > 0 (or 'auto'), got {p.grad_bucket_mb}")
-    if t.warmup < 0 or t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise ConfigError(f"need lr > 0, 0 <= min_lr <= lr and warmup >= 0; got lr={t.lr}, "
-                          f"min_lr={t.min_lr}, warmup={t.warmup}")
+    if t.warmup < 0 or t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0; got lr={t.lr}, "
+                          f"min_lr_ratio={t.min_lr_ratio}, warmup={t.warmup}")
     if runtime and t.dtype == "fp8":
         raise ConfigError("train.dtype='fp8' is accepted by `tetrad estimate`/`plan` only; the runtime trains "
                           "in fp32, bf16 or fp16")

@@ -105,3 +105,20 @@ def init_parameters(model: nn.Module, seed: int) -> None:
         spec, index, parts = spec_of(param)
         full = logical_init(name, spec, seed)
         param.copy_(shard_of(full, spec, index, parts))
+
+
+@torch.no_grad()
+def gather_full(param: torch.Tensor, topo) -> torch.Tensor:
+    """The logical tensor of a (possibly tp-sharded) parameter, on every rank of its group."""
+    spec, _, parts = spec_of(param)
+    if parts == 1:
+        return unpad(param.detach(), spec)
+    local = param.detach().movedim(spec.shard_dim, 0).contiguous()
+    out = local.new_empty((parts * local.shape[0], *local.shape[1:]))
+    topo.comm.all_gather(out, local, spec.group)
+    return unpad(out.movedim(0, spec.shard_dim), spec)
+
+
+def full_state_dict(model: nn.Module, topo) -> dict[str, torch.Tensor]:
+    """Logical name -> logical tensor for every parameter this rank's model chunk holds."""
+    return {name: gather_full(p, topo).cpu().clone() for name, p in model.named_parameters()}

@@ -1,0 +1,25 @@
+# The whole set-up is two commands: `make demo` and `make test` (each creates the venv if missing).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel, pinned: an unpinned torch would pull a CUDA build of several GB. GPU clusters
+# install their own CUDA torch instead (README, "On a GPU cluster").
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_CPU)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/tetrad train configs/demo.toml
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

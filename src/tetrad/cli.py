@@ -1,0 +1,81 @@
+"""`tetrad` command line: train, estimate, plan, schedule, bench, report, convert."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tetrad.config import ConfigError, load_config
+
+USAGE = """usage: tetrad COMMAND [ARGS]
+
+commands:
+  train [CONFIG] [--section.key=value ...]   train (spawns local ranks, or runs under torchrun)
+"""
+
+
+def _split_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """CONFIG is the one argument that is not a --section.key=value override."""
+    paths = [a for a in argv if not a.startswith("--")]
+    if len(paths) > 1:
+        raise ConfigError(f"expected at most one CONFIG file, got {paths}")
+    return (paths[0] if paths else None), [a for a in argv if a.startswith("--")]
+
+
+def train_command(argv: list[str]) -> int:
+    from tetrad import device as devices
+    from tetrad import launch
+    from tetrad.train.trainer import train_on_this_rank
+
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: tetrad train [CONFIG] [--section.key=value ...]\n"
+              "Without CONFIG the defaults apply: the tiny preset on the built-in corpus, one process.")
+        return 0
+    path, overrides = _split_config_args(argv)
+    cfg = load_config(path, overrides, world_size=launch.torchrun_world_size())
+    device_type = devices.resolve_device_type(cfg.train.device)
+    p = cfg.parallel
+    if launch.in_torchrun():
+        launch.init_from_torchrun(device_type)
+        train_on_this_rank(cfg, device_type)
+        return 0
+    if device_type != "cpu" and p.world_size > devices.local_device_count(device_type):
+        raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
+                          f"{devices.local_device_count(device_type)} {device_type} devices; use torchrun across "
+                          "nodes, or a smaller layout")
+    print(f"tetrad: training {cfg.model.preset} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
+          f"({p.world_size} rank{'s' if p.world_size > 1 else ''} on {device_type}), "
+          f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
+    history = launch.run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type)[0]
+    if history:
+        print(f"tetrad: loss {history[0]['loss']:.4f} at step 1 -> {history[-1]['loss']:.4f} at step "
+              f"{history[-1]['step']}; metrics in {cfg.run.dir}/metrics.jsonl")
+    return 0
+
+
+COMMANDS = {"train": train_command}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as e:
+        print(f"tetrad: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tetrad: interrupted; every rank was stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        from tetrad.launch import RankFailure
+        if isinstance(e, RankFailure):
+            print(f"tetrad: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""AdamW, the warmup + cosine schedule, and gradient clipping by the true global norm."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tetrad.config import TrainConfig
+from tetrad.model.sharding import spec_of
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms, biases), as Megatron and nanoGPT do."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to lr over `warmup` steps, then cosine decay to lr * min_lr_ratio at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def global_grad_norm(params: list[torch.nn.Parameter], topo) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, as one device would compute it.
+
+    Shards of a tp-split parameter are summed over tp; a replicated parameter is counted on tp
+    rank 0 only; pipeline stages hold different parameters, so their sums add over pp. DP ranks
+    hold identical (already reduced) gradients and are not summed.
+    """
+    sq = torch.zeros((), dtype=torch.float32, device=topo.device)
+    for p in params:
+        if p.grad is None:
+            continue
+        spec, _, parts = spec_of(p)
+        if parts > 1 or topo.tp_rank == 0:
+            sq += p.grad.detach().float().pow(2).sum()
+    topo.comm.all_reduce(sq, "tp")
+    topo.comm.all_reduce(sq, "pp")
+    return sq.sqrt()
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, topo) -> float:
+    """Scale gradients so their global norm is at most max_norm (0 disables); returns the norm."""
+    norm = global_grad_norm(params, topo)
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, scale)
+    return float(norm)

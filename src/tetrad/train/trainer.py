@@ -1,0 +1,115 @@
+"""The training loop. Runs on every rank after the process group exists.
+
+A step: each micro-batch's forward and backward (the loss divided by the global token count, so
+accumulation and data parallelism give the single-device gradient), the gradient reduction
+over dp x cp, clipping by the true global norm, the AdamW update, metrics on rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from tetrad import device as devices
+from tetrad.config import Config
+from tetrad.model.llama import Transformer
+from tetrad.model.sharding import full_state_dict, init_parameters
+from tetrad.parallel.data import GradReducer
+from tetrad.topology import Layout, Topology
+from tetrad.train.data import Batches, load_tokens
+from tetrad.train.metrics import MetricsLog
+from tetrad.train.optim import build_optimizer, clip_gradients, lr_at
+
+
+def build_model(cfg: Config, topo: Topology) -> Transformer:
+    """This rank's model, built on the meta device and materialised one parameter at a time, so
+    a model larger than one device's memory never exists whole."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model, topo)
+    model.to_empty(device=topo.device)
+    init_parameters(model, cfg.train.seed)
+    return model
+
+
+class Trainer:
+    def __init__(self, cfg: Config, device: torch.device):
+        self.cfg = cfg
+        p = cfg.parallel
+        self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node)
+        # Dropout differs per rank but is reproducible; weights come from the logical init.
+        torch.manual_seed(cfg.train.seed + 7919 * self.topo.rank)
+        self.model = build_model(cfg, self.topo)
+        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.train)
+        self.grads = GradReducer(self.params, self.topo)
+        self.batches = Batches(load_tokens(cfg.data.source), cfg.model.seq_len, cfg.train.global_batch,
+                               cfg.train.seed, cfg.model.vocab_size)
+        self.run_dir = Path(cfg.run.dir)
+        self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+
+    def forward_backward(self, microbatches) -> torch.Tensor:
+        """Summed token loss of this rank's micro-batches; gradients accumulate in .grad."""
+        positions = torch.arange(self.cfg.model.seq_len, device=self.topo.device)
+        total = torch.zeros((), device=self.topo.device)
+        for inputs, labels in microbatches:
+            loss = self.model(inputs.to(self.topo.device), positions, labels.to(self.topo.device))
+            (loss / self.tokens_per_step).backward()
+            total += loss.detach()
+        return total
+
+    def train_step(self, step: int) -> dict:
+        cfg, topo = self.cfg, self.topo
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.train)
+        topo.comm.reset()
+        start = time.perf_counter()
+        micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
+        loss_sum = self.forward_backward(micro)
+        self.grads.reduce()
+        grad_norm = clip_gradients(self.params, cfg.train.grad_clip, topo)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # The loss lives on the last pipeline stage of each dp x cp replica; sum them all.
+        topo.comm.all_reduce(loss_sum, "dp_cp")
+        topo.comm.all_reduce(loss_sum, "pp")
+        loss = float(loss_sum) / self.tokens_per_step
+        devices.synchronize(topo.device)
+        step_time = time.perf_counter() - start
+        comm_s = topo.comm.seconds_by_group()
+        exposed = sum(comm_s.values())
+        return {
+            "step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+            "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, "mfu": None,
+            "compute_s": step_time - exposed, "exposed_comm_s": exposed, "bubble_s": 0.0,
+            "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in ("tp", "cp", "pp", "dp")},
+        }
+
+    def fit(self) -> list[dict]:
+        cfg = self.cfg
+        is_logger = self.topo.rank == 0
+        if is_logger:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+        log = MetricsLog(self.run_dir, cfg.train.steps, 0, is_logger)
+        history = []
+        try:
+            for step in range(cfg.train.steps):
+                record = self.train_step(step)
+                history.append(record)
+                log.log(record)
+        finally:
+            log.close()
+        return history
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Logical parameters of this rank's chunk (gathered over tp), for tests and export."""
+        return full_state_dict(self.model, self.topo)
+
+
+def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:
+    """Entry point of a rank inside an initialised process group (local or torchrun)."""
+    device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    return Trainer(cfg, device).fit()

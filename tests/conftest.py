@@ -1,0 +1,67 @@
+"""Shared helpers for tests: real multi-process gloo runs through tetrad's own launcher."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+from tetrad import launch
+from tetrad.config import load_config
+from tetrad.train.trainer import Trainer
+
+# Short process-group timeouts turn a mismatched collective into a fast failure; the deadline
+# ends a hung test instead of blocking the suite.
+PG_TIMEOUT_S = 60
+DEADLINE_S = 300
+
+# Tiny shapes: the whole suite must stay within minutes on 2 cores (DESIGN.md, Testing).
+TINY = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
+                  "seq_len": 32},
+        "train": {"steps": 5, "global_batch": 8, "micro_batch": 2, "warmup": 2, "lr": 1e-2}}
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = DEADLINE_S):
+    """Run fn(*args) on `world_size` forked gloo ranks and return every rank's result."""
+    return launch.run_local(fn, world_size, args, timeout_s=timeout_s, pg_timeout_s=PG_TIMEOUT_S)
+
+
+def tiny_config(**sections):
+    """The TINY test config with per-section overrides, e.g. tiny_config(parallel={"dp": 2})."""
+    merged = {name: dict(values) for name, values in TINY.items()}
+    for name, values in sections.items():
+        merged.setdefault(name, {}).update(values)
+    merged.setdefault("run", {}).setdefault("dir", tempfile.mkdtemp(prefix="tetrad-test-run-"))
+    return load_config(overrides=merged)
+
+
+def _train_rank(cfg):
+    trainer = Trainer(cfg, torch.device("cpu"))
+    history = trainer.fit()
+    return [r["loss"] for r in history], trainer.full_state(), history
+
+
+def train_layout(cfg):
+    """Train `cfg` on dp*tp*pp*cp ranks; return (per-step losses, merged logical parameters, rank-0 history)."""
+    results = run_ranks(_train_rank, cfg.parallel.world_size, cfg)
+    state = {}
+    for _, rank_state, _ in results:
+        state.update(rank_state)
+    return results[0][0], state, results[0][2]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _scratch_tmpdir():
+    """Keep torch's and the launcher's temporary files in one scratch folder (PLATFORM.md)."""
+    with tempfile.TemporaryDirectory(prefix="tetrad-tests-") as tmp:
+        old = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = tmp
+        tempfile.tempdir = None
+        yield
+        if old is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old
+        tempfile.tempdir = None

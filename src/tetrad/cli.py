@@ -11,6 +11,9 @@ USAGE = """usage: tetrad COMMAND [ARGS]
 
 commands:
   train [CONFIG] [--section.key=value ...]   train (spawns local ranks, or runs under torchrun)
+  estimate CONFIG --cluster C [--json]        the cost model for one layout
+  plan --model M --cluster C --global-batch N rank every legal layout by predicted step time
+  convert SRC --to-hf OUT | --to-tetrad CKPT  tetrad checkpoint <-> HF safetensors (LlamaForCausalLM)
 """
 
 
@@ -53,7 +56,22 @@ def train_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_command}
+def estimate_command(argv: list[str]) -> int:
+    from tetrad.plan.cli import estimate_command as run
+    return run(argv)
+
+
+def plan_command(argv: list[str]) -> int:
+    from tetrad.plan.cli import plan_command as run
+    return run(argv)
+
+
+def convert_command(argv: list[str]) -> int:
+    from tetrad.train.convert import convert_command as run
+    return run(argv)
+
+
+COMMANDS = {"train": train_command, "estimate": estimate_command, "plan": plan_command, "convert": convert_command}
 
 
 def main(argv: list[str] | None = None) -> int:

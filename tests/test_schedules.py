@@ -252,6 +252,15 @@ def test_step_time_is_when_the_last_rank_finishes():
     assert r.step_time == 13 and r.busy == [2, 12]
 
 
+def test_planner_scale_without_timeline():
+    """pp=64, m=512: integer costs keep the closed form exact; timeline=False skips the rows."""
+    s = build_schedule("1f1b", 64, 512)
+    full, bare = simulate(s, StageCosts(1, 1, 1)), simulate(s, StageCosts(1, 1, 1), timeline=False)
+    assert full.step_time == bare.step_time == (512 + 63) * 3
+    assert len(full.timeline) == 64 * 1024 and bare.timeline == []
+    assert bare.peak_inflight == full.peak_inflight and bare.busy == full.busy == [1536] * 64
+
+
 def test_cost_list_of_wrong_length_is_rejected():
     with pytest.raises(ScheduleError, match="3 F costs given for 4 pipeline stages"):
         simulate(build_schedule("interleaved", 2, 2, 2), StageCosts([1, 1, 1], 1, 1))

@@ -14,6 +14,9 @@ commands:
   estimate CONFIG --cluster C [--json]        the cost model for one layout
   plan --model M --cluster C --global-batch N rank every legal layout by predicted step time
   convert SRC --to-hf OUT | --to-tetrad CKPT  tetrad checkpoint <-> HF safetensors (LlamaForCausalLM)
+  bench [comm|gemm] [--out DIR]               measure matmul and collective rates; write a hardware profile
+  schedule --pp P --microbatches M --schedule S [--vpp V] [--out x.png]   simulate and draw a pipeline schedule
+  report RUN_DIR [--cluster C]                loss, step-time breakdown, comm bytes, timelines as HTML + PNGs
 """
 
 
@@ -71,7 +74,23 @@ def convert_command(argv: list[str]) -> int:
     return run(argv)
 
 
-COMMANDS = {"train": train_command, "estimate": estimate_command, "plan": plan_command, "convert": convert_command}
+def bench_command(argv: list[str]) -> int:
+    from tetrad.bench import bench_command as run
+    return run(argv)
+
+
+def schedule_command(argv: list[str]) -> int:
+    from tetrad.viz.timeline import schedule_command as run
+    return run(argv)
+
+
+def report_command(argv: list[str]) -> int:
+    from tetrad.viz.report import report_command as run
+    return run(argv)
+
+
+COMMANDS = {"train": train_command, "schedule": schedule_command, "estimate": estimate_command, "plan": plan_command, "convert": convert_command,
+            "bench": bench_command, "report": report_command}
 
 
 def main(argv: list[str] | None = None) -> int:

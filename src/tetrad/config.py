@@ -85,6 +85,8 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     recompute: Literal["none", "selective", "full"] = "none"
     device: Literal["cpu", "cuda", "auto"] = "auto"
+    # torch.profiler Chrome traces of these steps (1-based, "3-5" or "4"), one per rank in RUN_DIR/traces/.
+    profile: str = ""
 
 
 @dataclass
@@ -262,9 +264,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def profile_steps(spec: str) -> range:
+    """The 1-based steps `train.profile` names ("3-5", "4"; "" for none)."""
+    if not spec:
+        return range(0)
+    first, _, last = spec.partition("-")
+    try:
+        steps = range(int(first), int(last or first) + 1)
+    except ValueError:
+        steps = range(0)
+    if not steps or steps.start < 1:
+        raise ConfigError(f"train.profile={spec!r} must name steps like '3-5' or '4' (1-based, first <= last)")
+    return steps
+
+
 def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -> None:
     """Raise ConfigError for the first problem found, naming the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    profile_steps(t.profile)
     for section, obj in (("model", m), ("parallel", p), ("train", t)):
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
@@ -308,6 +325,10 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
         ok = [c for c in _divisors(m.seq_len // 2) if c > 1][:8]
         raise ConfigError(f"seq_len={m.seq_len} is not divisible by 2*cp = {2 * p.cp} (the sequence is cut "
                           f"into 2*cp chunks for load balance); use cp in {[1] + ok} or change seq_len")
+    if p.cp > 1 and p.cp_algo == "alltoall" and (m.n_heads % (p.cp * p.tp) or m.n_kv_heads % (p.cp * p.tp)):
+        ok = [c for c in _divisors(m.seq_len // 2) if not m.n_heads % (c * p.tp) and not m.n_kv_heads % (c * p.tp)]
+        raise ConfigError(f"cp_algo='alltoall' splits heads over cp*tp = {p.cp}*{p.tp}, which must divide "
+                          f"n_heads={m.n_heads} and n_kv_heads={m.n_kv_heads}; use cp in {ok} or cp_algo='ring'")
     if t.global_batch % (t.micro_batch * p.dp):
         raise ConfigError(f"global_batch={t.global_batch} is not divisible by micro_batch*dp = "
                           f"{t.micro_batch}*{p.dp} = {t.micro_batch * p.dp}; use a global_batch that is a "

@@ -5,6 +5,7 @@ these and never `torch.cuda` directly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 
@@ -44,6 +45,28 @@ def bind_rank(device_type: str, local_rank: int) -> torch.device:
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
+
+
+@contextlib.contextmanager
+def phase(name: str, device: torch.device):
+    """A named range for torch.profiler traces and, on CUDA, for Nsight Systems (NVTX); outside a
+    profiler it costs a few microseconds."""
+    with torch.profiler.record_function(name):
+        if device.type == "cuda":
+            torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            if device.type == "cuda":
+                torch.cuda.nvtx.range_pop()
+
+
+def profiler_activities(device: torch.device) -> list:
+    """What torch.profiler should record on this device: CPU ops, plus the accelerator's kernels."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
 
 
 def reset_peak_memory(device: torch.device) -> None:

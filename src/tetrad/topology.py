@@ -68,8 +68,9 @@ class Topology:
     same model code runs as a plain single-device model.
     """
 
-    def __init__(self, layout: Layout, device: torch.device, ranks_per_node: int = 8):
+    def __init__(self, layout: Layout, device: torch.device, ranks_per_node: int = 8, cp_algo: str = "ring"):
         self.layout = layout
+        self.cp_algo = cp_algo  # how attention uses the cp dimension: "ring" or "alltoall"
         self.device = device
         self.ranks_per_node = ranks_per_node
         self.distributed = dist.is_available() and dist.is_initialized()

@@ -12,6 +12,7 @@ A group of one rank is a no-op and is not counted, so model code is the same at 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from tetrad.comm import watchdog
 
 if TYPE_CHECKING:
     from tetrad.topology import Topology
@@ -35,17 +38,20 @@ class OpStats:
 
 
 class Pending:
-    """A non-blocking collective; `wait()` charges the time spent blocked to its counter."""
+    """A non-blocking collective; `wait()` charges the time spent blocked to its counter and turns
+    a timeout into an error naming the op, group and missing ranks (`watch`, see watchdog.py)."""
 
-    def __init__(self, works, stats: OpStats | None):
+    def __init__(self, works, stats: OpStats | None, watch=None):
         self._works = works if isinstance(works, list) else [works]
         self._stats = stats
+        self._watch = watch
 
     def wait(self) -> None:
         start = time.perf_counter()
         for work in self._works:
             if work is not None:
-                work.wait()
+                with self._watch() if self._watch else contextlib.nullcontext():
+                    work.wait()
         if self._stats is not None:
             self._stats.seconds += time.perf_counter() - start
 
@@ -59,6 +65,19 @@ class Comm:
     def __init__(self, topo: "Topology"):
         self.topo = topo
         self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+        self.calls: dict[str, int] = defaultdict(int)  # collectives per group, never reset: equal on all members
+
+    @contextlib.contextmanager
+    def _watch(self, op: str, group: str, call: int | None):
+        """Re-raise a timeout inside the block as a CollectiveTimeout naming who did not arrive."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not watchdog.is_timeout(e):
+                raise
+            pg = self.topo.group(group)
+            timeout = pg._get_backend(self.topo.device).options._timeout.total_seconds()
+            raise watchdog.explain(op, group, call, pg, e, timeout) from None
 
     # ------------------------------------------------------------------ accounting
     def _entry(self, op: str, group: str, nbytes: int) -> OpStats:
@@ -69,10 +88,13 @@ class Comm:
 
     def _run(self, op: str, group: str, nbytes: int, fn, async_op: bool):
         entry = self._entry(op, group, nbytes)
+        self.calls[group] += 1
+        call = self.calls[group]
         start = time.perf_counter()
-        work = fn()
+        with self._watch(op, group, call):
+            work = fn()
         entry.seconds += time.perf_counter() - start
-        return Pending(work, entry) if async_op else DONE
+        return Pending(work, entry, lambda: self._watch(op, group, call)) if async_op else DONE
 
     def bytes_by_group(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -149,7 +171,8 @@ class Comm:
         start = time.perf_counter()
         works = dist.batch_isend_irecv(ops)
         entry.seconds += time.perf_counter() - start
-        return Pending(works, entry)
+        # Point-to-point involves only some ranks of the group: no common call number.
+        return Pending(works, entry, lambda: self._watch("send_recv", group, None))
 
 
 def _nbytes(t: torch.Tensor) -> int:

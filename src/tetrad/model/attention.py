@@ -1,13 +1,27 @@
 """The attention core: softmax(q k^T / sqrt(d)) v with a causal mask, on this rank's heads.
 
-Goes through `scaled_dot_product_attention`, so fused and flash kernels are used where the
-device has them. Context-parallel variants (ring, all-to-all) plug in here.
+`attention` dispatches on context parallelism: with cp = 1 it is one
+`scaled_dot_product_attention` call (fused and flash kernels where the device has them); with
+cp > 1 each rank holds two load-balanced chunks of the sequence (parallel/context.py) and either
+
+- ring (`cp_algo="ring"`): K/V blocks travel the CP ring with non-blocking point-to-point, the
+  next block in flight while the current one is computed, and partial outputs are merged with
+  the log-sum-exp trick. The backward re-circulates K/V and passes the dK/dV accumulators
+  around the ring, so nothing but the local block is kept for backward. Only KV heads travel.
+- all-to-all (`cp_algo="alltoall"`, Ulysses): re-shard from sequence to heads, attend over the
+  whole sequence on heads/cp heads, re-shard back.
+
+Block kernels: on CPU the flash kernel `_scaled_dot_product_flash_attention_for_cpu`, which
+returns the log-sum-exp the merge needs and whose backward accepts the final (merged) output
+and log-sum-exp; elsewhere a plain fp32 matmul + logsumexp with the same contract.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tetrad.parallel.context import load_balanced_order
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -19,3 +33,195 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo) -> torch.Tensor:
+    """Causal attention of this rank's tokens (shapes as `local_attention`), context parallel
+    over topo's cp group with `topo.cp_algo` when cp > 1."""
+    if topo.size("cp") == 1:
+        return local_attention(q, k, v)
+    if topo.cp_algo == "ring":
+        out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo)
+        return out.transpose(1, 2)
+    return alltoall_attention(q, k, v, topo)
+
+
+# ----------------------------------------------------------------------------- block kernels
+# q [b, h, sq, d]; k, v [b, h, sk, d] (same heads); lse [b, h, sq] in fp32.
+
+def _block_forward(q, k, v, causal: bool):
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return _math_forward(q, k, v, causal)
+
+
+def _math_forward(q, k, v, causal: bool):
+    scores = _scores(q, k, causal)
+    lse = scores.logsumexp(-1)
+    return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool):
+    """dq, dk, dv of one block, given the *final* output and log-sum-exp of the rows."""
+    dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal)
+    return _math_backward(dout, q, k, v, out, lse, causal)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal: bool):
+    scale = q.shape[-1] ** -0.5
+    p = torch.exp(_scores(q, k, causal) - lse[..., None])
+    dout = dout.float()
+    dv = p.transpose(-1, -2) @ dout
+    ds = p * (dout @ v.float().transpose(-1, -2) - (dout * out.float()).sum(-1, keepdim=True))
+    dq, dk = (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _scores(q, k, causal: bool):
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores
+
+
+# ----------------------------------------------------------------------------- ring
+
+def _visible(step: int, src: int, rank: int, half: int):
+    """Which of my query rows see which of `src`'s key columns, and whether causally.
+
+    I hold chunks (rank, 2cp−1−rank), src holds (src, 2cp−1−src). Step 0 (my own block) is plain
+    causal. If src < rank, all my rows see src's first chunk and none its second. If src > rank,
+    only my second chunk sees src, all of it. So every other step is half a block, on every rank.
+    """
+    if step == 0:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(None, half), False
+    return slice(half, None), slice(None), False
+
+
+def _pass_on(tensor: torch.Tensor, topo):
+    """Start sending `tensor` to the next CP rank and receiving the previous one's; returns
+    (pending, receive buffer)."""
+    cp, rank = topo.size("cp"), topo.local_rank("cp")
+    recv = torch.empty_like(tensor)
+    pending = topo.comm.p2p(sends=[(tensor, topo.global_rank(cp=(rank + 1) % cp))],
+                            recvs=[(recv, topo.global_rank(cp=(rank - 1) % cp))], group="cp")
+    return pending, recv
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
+    b, h, s, d = x.shape
+    return x.view(b, h // groups, groups, s, d).sum(2) if groups > 1 else x
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention over the CP group; q [b, heads, s, d], k/v [b, kv_heads, s, d], where s is
+    this rank's two chunks. Its backward is a second ring, not autograd through the first."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, topo):
+        cp, rank = topo.size("cp"), topo.local_rank("cp")
+        half, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+        kv = torch.stack([k, v])  # the block that travels: KV heads only
+        for step in range(cp):
+            pending, incoming = _pass_on(kv, topo) if step < cp - 1 else (None, None)
+            rows, cols, causal = _visible(step, (rank - step) % cp, rank, half)
+            blk_out, blk_lse = _block_forward(q[:, :, rows], _repeat_kv(kv[0][:, :, cols], groups),
+                                              _repeat_kv(kv[1][:, :, cols], groups), causal)
+            new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
+            out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - new_lse).exp()[..., None]
+                               + blk_out.float() * (blk_lse - new_lse).exp()[..., None])
+            lse[:, :, rows] = new_lse
+            if pending is not None:
+                pending.wait()
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.topo = topo
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        topo = ctx.topo
+        cp, rank = topo.size("cp"), topo.local_rank("cp")
+        half, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv_pending = dkv_incoming = None
+        for step in range(cp):
+            kv_pending, kv_incoming = _pass_on(kv, topo) if step < cp - 1 else (None, None)
+            rows, cols, causal = _visible(step, (rank - step) % cp, rank, half)
+            dq_b, dk_b, dv_b = _block_backward(dout[:, :, rows], q[:, :, rows],
+                                               _repeat_kv(kv[0][:, :, cols], groups),
+                                               _repeat_kv(kv[1][:, :, cols], groups),
+                                               out[:, :, rows], lse[:, :, rows], causal)
+            dq[:, :, rows] += dq_b
+            # The dK/dV of the block in hand, fp32; the accumulator for it arrives from the
+            # previous rank and leaves for the next, reaching the owner after cp passes.
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            dkv[0][:, :, cols] = _sum_groups(dk_b.float(), groups)
+            dkv[1][:, :, cols] = _sum_groups(dv_b.float(), groups)
+            if dkv_pending is not None:
+                dkv_pending.wait()
+                dkv += dkv_incoming
+            dkv_pending, dkv_incoming = _pass_on(dkv, topo)
+            if kv_pending is not None:
+                kv_pending.wait()
+                kv = kv_incoming
+        dkv_pending.wait()
+        return dq.to(q.dtype), dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype), None
+
+
+# ----------------------------------------------------------------------------- all-to-all
+
+def _reshard(x: torch.Tensor, topo, to_heads: bool) -> torch.Tensor:
+    """[b, s, H, d] sequence-sharded -> [b, cp·s, H/cp, d] head-sharded (to_heads), or back.
+    The gathered sequence is the ranks' shards end to end, in rank order."""
+    cp = topo.size("cp")
+    if to_heads:
+        b, s, h, d = x.shape
+        send = x.reshape(b, s, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    else:
+        b, s, h, d = x.shape[0], x.shape[1] // cp, x.shape[2], x.shape[3]
+        send = x.reshape(b, cp, s, h, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    topo.comm.all_to_all(recv, send, "cp")
+    if to_heads:
+        return recv.transpose(0, 1).reshape(b, cp * s, h // cp, d)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s, cp * h, d)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Sequence <-> heads re-shard; the backward is the opposite re-shard."""
+
+    @staticmethod
+    def forward(ctx, x, topo, to_heads: bool):
+        ctx.topo, ctx.to_heads = topo, to_heads
+        return _reshard(x, topo, to_heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reshard(grad.contiguous(), ctx.topo, not ctx.to_heads), None, None
+
+
+def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo) -> torch.Tensor:
+    """Ulysses: every rank attends over the whole sequence for heads/cp of its heads. The
+    gathered sequence is put in true-position order so the causal kernel applies, then back."""
+    cp = topo.size("cp")
+    order = load_balanced_order(q.shape[1] * cp, cp, q.device)  # true position of each gathered token
+    natural = torch.argsort(order)
+    q, k, v = (_AllToAll.apply(t, topo, True)[:, natural] for t in (q, k, v))
+    return _AllToAll.apply(local_attention(q, k, v)[:, order], topo, False)

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tetrad.config import ModelConfig
-from tetrad.model.attention import local_attention
+from tetrad.model.attention import attention
 from tetrad.model.sharding import new_param
 from tetrad.model.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                  column_parallel_linear, vocab_parallel_cross_entropy)
@@ -72,7 +72,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, self.kv_heads, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.wo(local_attention(q, k, v).reshape(b, s, self.heads * hd))
+        return self.wo(attention(q, k, v, self.topo).reshape(b, s, self.heads * hd))
 
 
 class MLP(nn.Module):

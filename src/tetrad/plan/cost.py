@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from tetrad.config import Config
 from tetrad.parallel.pipeline.schedules import build_schedule
-from tetrad.parallel.pipeline.simulate import StageCosts, simulate
+from tetrad.parallel.pipeline.simulate import StageCosts, peak_inflight, simulate
 from tetrad.plan import flops
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.memory import GIB, Memory, estimate_memory
@@ -88,6 +88,11 @@ def ring_time(op: str, nbytes: float, n: int, alpha: float, bw: float) -> float:
 
 
 def stage_layer_counts(n_layers: int, stages: int, head_layers: float = 0.0) -> list[int]:
+    return list(_stage_layer_counts(n_layers, stages, round(head_layers, 2)))
+
+
+@lru_cache(maxsize=4096)
+def _stage_layer_counts(n_layers: int, stages: int, head_layers: float) -> tuple[int, ...]:
     """Layers per pipeline stage, balancing cost: the last stage also runs the head, worth
     `head_layers` layers, so it gets fewer layers (each stage keeps at least one)."""
     counts = [0] * stages
@@ -101,43 +106,51 @@ def stage_layer_counts(n_layers: int, stages: int, head_layers: float = 0.0) -> 
             j = max(range(stages), key=lambda k: counts[k])
             counts[j] -= 1
             counts[i] = 1
-    return counts
+    return tuple(counts)
 
 
 @lru_cache(maxsize=65536)
 def _simulate(schedule: str, pp: int, m: int, vpp: int, f: tuple, bi: tuple, bw: tuple, p2p: float):
-    result = simulate(build_schedule(schedule, pp, m, vpp), StageCosts(list(f), list(bi), list(bw), p2p))
-    return result.step_time, tuple(result.peak_inflight)
+    return simulate(build_schedule(schedule, pp, m, vpp), StageCosts(list(f), list(bi), list(bw), p2p)).step_time
+
+
+@lru_cache(maxsize=4096)
+def _inflight(schedule: str, pp: int, m: int, vpp: int) -> tuple[int, ...]:
+    """Peak in-flight micro-batch activations per rank: the schedule's order alone decides it,
+    and past 3*pp micro-batches it stops growing (except GPipe's, which holds all m)."""
+    if schedule == "gpipe":
+        return tuple(m * vpp for _ in range(pp))
+    return tuple(peak_inflight(build_schedule(schedule, pp, min(m, 3 * pp), vpp)))
 
 
 def _pipeline(schedule: str, pp: int, m: int, vpp: int, f: list, bi: list, bw: list, p2p: float):
-    """(step time, bubble fraction, peak in-flight per rank) from the schedule simulator.
+    """(step time, bubble fraction) from the schedule simulator.
 
-    Costs are normalised and rounded to 3 significant digits so similar layouts share one
-    simulation. Beyond a few rounds the schedules are periodic, so a long one is simulated at
+    Costs are normalised and rounded to 2 significant digits (1% of the slowest stage) so
+    similar layouts share one simulation. Beyond a few rounds the schedules are periodic, so a long one is simulated at
     m0 and m0 + pp micro-batches and extended linearly: exact in steady state, and it keeps a
     search over thousands of micro-batches fast.
     """
     unit = max(f) or 1.0
-    norm = lambda xs: tuple(float(f"{x / unit:.3g}") for x in xs)  # noqa: E731
-    nf, nbi, nbw, np2p = norm(f), norm(bi), norm(bw), float(f"{p2p / unit:.3g}")
-    m0 = 3 * pp
+    norm = lambda xs: tuple(round(x / unit, 2) for x in xs)  # noqa: E731
+    nf, nbi, nbw, np2p = norm(f), norm(bi), norm(bw), round(p2p / unit, 2)
+    m0 = 2 * pp
     if m <= m0 + pp or pp == 1:
-        t, peak = _simulate(schedule, pp, m, vpp, nf, nbi, nbw, np2p)
+        t = _simulate(schedule, pp, m, vpp, nf, nbi, nbw, np2p)
     else:
-        t0, _ = _simulate(schedule, pp, m0, vpp, nf, nbi, nbw, np2p)
-        t1, peak = _simulate(schedule, pp, m0 + pp, vpp, nf, nbi, nbw, np2p)
+        t0 = _simulate(schedule, pp, m0, vpp, nf, nbi, nbw, np2p)
+        t1 = _simulate(schedule, pp, m0 + pp, vpp, nf, nbi, nbw, np2p)
         t = t1 + (m - m0 - pp) * (t1 - t0) / pp
-        if schedule == "gpipe":  # every micro-batch's activations are alive at the flush
-            peak = tuple(m * vpp for _ in range(pp))
     busy = m * (sum(nf) + sum(nbi) + sum(nbw))
-    return t * unit, 1.0 - busy / (pp * t), peak
+    return t * unit, 1.0 - busy / (pp * t)
 
 
-def estimate(cfg: Config, cluster: Cluster, kernels: str = "fused") -> Estimate:
+def estimate(cfg: Config, cluster: Cluster, kernels: str = "fused", simulate_pipeline: bool = True) -> Estimate:
     """Predict one layout. `kernels` is the software stack's kind: "fused" (flash attention and
     fused or compiled element-wise ops: tetrad's SDPA path, most stacks since 2022) or
-    "unfused" (attention scores materialised in HBM, more element-wise traffic: Megatron-LM 2021)."""
+    "unfused" (attention scores materialised in HBM, more element-wise traffic: Megatron-LM 2021).
+    `simulate_pipeline=False` replaces the simulated pipeline time by its lower bound (the
+    busiest rank's work, no bubble): the search uses it to skip layouts that cannot win."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     gpu = cluster.gpu
     world = p.world_size
@@ -201,7 +214,13 @@ def estimate(cfg: Config, cluster: Cluster, kernels: str = "fused") -> Estimate:
     bw_cost[-1] += t_head
     pp_alpha, pp_bw = _link(cluster, p.tp * p.cp * p.dp >= per_node and p.pp > 1)
     t_p2p = ring_time("p2p", tokens * m.d_model * act_bytes, 2, pp_alpha, pp_bw) if p.pp > 1 else 0.0
-    pipe_time, bubble, inflight = _pipeline(p.schedule, p.pp, microbatches, p.vpp, f_cost, bi_cost, bw_cost, t_p2p)
+    inflight = _inflight(p.schedule, p.pp, microbatches, p.vpp)
+    if simulate_pipeline:
+        pipe_time, bubble = _pipeline(p.schedule, p.pp, microbatches, p.vpp, f_cost, bi_cost, bw_cost, t_p2p)
+    else:
+        work = [sum(f_cost[c * p.pp + r] + bi_cost[c * p.pp + r] + bw_cost[c * p.pp + r] for c in range(p.vpp))
+                for r in range(p.pp)]
+        pipe_time, bubble = microbatches * max(work), 0.0
 
     # --- data parallel: gradient reduction over dp x cp, overlapped with the backward
     params_rank = flops.parameter_count(m) / (p.tp * p.pp)
@@ -281,20 +300,24 @@ def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
             qkvo = tokens * (2 * m.n_heads + 2 * m.n_kv_heads) // p.tp * m.head_dim * act
             out["cp"] = micro * layers * 2 * qkvo
     if p.dp * p.cp > 1:
-        params = sum(_stage_params(cfg, counts, chunk * p.pp) for chunk in range(p.vpp)) / p.tp
-        out["dp"] = int(params * 4) + 4
+        split, replicated = map(sum, zip(*(_stage_params(cfg, counts, chunk * p.pp) for chunk in range(p.vpp))))
+        out["dp"] = int((split / p.tp + replicated) * 4) + 4
     return out
 
 
-def _stage_params(cfg: Config, counts: list[int], stage: int) -> float:
+def _stage_params(cfg: Config, counts: list[int], stage: int) -> tuple[float, float]:
+    """(tp-split, tp-replicated) parameter counts of a pipeline stage: norms and learned
+    positions are replicated over tp, everything else is split."""
     m = cfg.model
-    total = flops.parameter_count(m)
+    norm = m.d_model * (1 if m.norm == "rmsnorm" else 2)
     embed = m.vocab_size * m.d_model
-    per_layer = (total - embed * (1 if m.tie_embeddings else 2) - (m.seq_len * m.d_model if m.pos == "learned" else 0)
-                 - m.d_model * (1 if m.norm == "rmsnorm" else 2)) / m.n_layers
-    params = counts[stage] * per_layer
+    per_layer = (flops.parameter_count(m) - embed * (1 if m.tie_embeddings else 2)
+                 - (m.seq_len * m.d_model if m.pos == "learned" else 0) - norm) / m.n_layers
+    split, replicated = counts[stage] * (per_layer - 2 * norm), counts[stage] * 2 * norm
     if stage == 0:
-        params += embed + (m.seq_len * m.d_model if m.pos == "learned" else 0)
+        split += embed
+        replicated += m.seq_len * m.d_model if m.pos == "learned" else 0
     if stage == len(counts) - 1:
-        params += (0 if m.tie_embeddings and len(counts) == 1 else embed) + m.d_model * (1 if m.norm == "rmsnorm" else 2)
-    return params
+        split += 0 if m.tie_embeddings and len(counts) == 1 else embed
+        replicated += norm
+    return split, replicated

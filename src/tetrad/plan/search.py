@@ -64,16 +64,29 @@ def _schedules(pp: int, micro: int, layers: int):
 
 def plan(base: Config, cluster: Cluster, top: int = 10) -> list[Estimate]:
     """The `top` fastest layouts that fit in memory (best first); if none fits, the ones closest
-    to fitting, so the user sees why."""
-    fitting, closest = [], []
+    to fitting, so the user sees why.
+
+    Branch and bound: every candidate is first costed with the pipeline's lower bound (its
+    busiest rank's work); candidates are then simulated in that order until the next lower
+    bound is slower than the `top`-th simulated time, so the ranking is exact.
+    """
+    bounded, closest = [], []
     for cfg in candidates(base, cluster):
         for zero in (0, 1, 2, 3):
-            est = estimate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=zero)), cluster)
+            layout = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=zero))
+            est = estimate(layout, cluster, simulate_pipeline=False)
             if est.fits:
-                fitting.append(est)
+                bounded.append(est)
                 break
         else:
             closest.append(est)
-    if fitting:
-        return sorted(fitting, key=lambda e: e.step_time_s)[:top]
-    return sorted(closest, key=lambda e: e.peak_memory_gib)[:top]
+    if not bounded:
+        return sorted(closest, key=lambda e: e.peak_memory_gib)[:top]
+    bounded.sort(key=lambda e: e.step_time_s)
+    ranked: list[Estimate] = []
+    for lower in bounded:
+        if len(ranked) >= top and lower.step_time_s > ranked[top - 1].step_time_s:
+            break
+        ranked.append(estimate(lower.cfg, cluster))
+        ranked.sort(key=lambda e: e.step_time_s)
+    return ranked[:top]

@@ -7,6 +7,7 @@ over dp x cp, clipping by the true global norm, the AdamW update, metrics on ran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -14,11 +15,13 @@ from pathlib import Path
 import torch
 
 from tetrad import device as devices
-from tetrad.config import Config
+from tetrad.config import Config, profile_steps
 from tetrad.model.llama import Transformer
-from tetrad.model.sharding import full_state_dict, init_parameters
+from tetrad.model.sharding import full_state_dict, init_parameters, set_spec, spec_of
+from tetrad.parallel.context import shard_sequence
 from tetrad.parallel.data import GradReducer
 from tetrad.topology import Layout, Topology
+from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.data import Batches, load_tokens
 from tetrad.train.metrics import MetricsLog
 from tetrad.train.optim import build_optimizer, clip_gradients, lr_at
@@ -29,7 +32,10 @@ def build_model(cfg: Config, topo: Topology) -> Transformer:
     a model larger than one device's memory never exists whole."""
     with torch.device("meta"):
         model = Transformer(cfg.model, topo)
-    model.to_empty(device=topo.device)
+    specs = {name: spec_of(p) for name, p in model.named_parameters()}
+    model.to_empty(device=topo.device)  # makes new Parameter objects: re-attach their specs
+    for name, p in model.named_parameters():
+        set_spec(p, *specs[name])
     init_parameters(model, cfg.train.seed)
     return model
 
@@ -38,7 +44,8 @@ class Trainer:
     def __init__(self, cfg: Config, device: torch.device):
         self.cfg = cfg
         p = cfg.parallel
-        self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node)
+        self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node,
+                             cp_algo=p.cp_algo)
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed(cfg.train.seed + 7919 * self.topo.rank)
         self.model = build_model(cfg, self.topo)
@@ -52,10 +59,13 @@ class Trainer:
 
     def forward_backward(self, microbatches) -> torch.Tensor:
         """Summed token loss of this rank's micro-batches; gradients accumulate in .grad."""
-        positions = torch.arange(self.cfg.model.seq_len, device=self.topo.device)
+        # Context parallel: this rank's two load-balanced chunks of every sequence (context.py).
+        cp, cp_rank = self.topo.size("cp"), self.topo.local_rank("cp")
+        positions = shard_sequence(torch.arange(self.cfg.model.seq_len, device=self.topo.device), cp, cp_rank)
         total = torch.zeros((), device=self.topo.device)
         for inputs, labels in microbatches:
-            loss = self.model(inputs.to(self.topo.device), positions, labels.to(self.topo.device))
+            inputs, labels = (shard_sequence(t.to(self.topo.device), cp, cp_rank) for t in (inputs, labels))
+            loss = self.model(inputs, positions, labels)
             (loss / self.tokens_per_step).backward()
             total += loss.detach()
         return total
@@ -67,11 +77,14 @@ class Trainer:
         topo.comm.reset()
         start = time.perf_counter()
         micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-        loss_sum = self.forward_backward(micro)
-        self.grads.reduce()
-        grad_norm = clip_gradients(self.params, cfg.train.grad_clip, topo)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with devices.phase("forward_backward", topo.device):
+            loss_sum = self.forward_backward(micro)
+        with devices.phase("grad_reduce", topo.device):
+            self.grads.reduce()
+        with devices.phase("optimizer", topo.device):
+            grad_norm = clip_gradients(self.params, cfg.train.grad_clip, topo)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         # The loss lives on the last pipeline stage of each dp x cp replica; sum them all.
         topo.comm.all_reduce(loss_sum, "dp_cp")
         topo.comm.all_reduce(loss_sum, "pp")
@@ -85,7 +98,28 @@ class Trainer:
             "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, "mfu": None,
             "compute_s": step_time - exposed, "exposed_comm_s": exposed, "bubble_s": 0.0,
             "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in ("tp", "cp", "pp", "dp")},
+            "exposed_comm_s_by_group": {g: comm_s.get(g, 0.0) for g in ("tp", "cp", "pp", "dp")},
+            "peak_memory_gib": devices.peak_memory_bytes(topo.device) / 2**30,
         }
+
+    def _profiler(self, first_step: int):
+        """torch.profiler over the steps `train.profile` names (1-based), one warm-up step before
+        them when there is one; a Chrome trace per rank in RUN_DIR/traces/. None when off."""
+        steps = profile_steps(self.cfg.train.profile)
+        steps = range(max(steps.start, first_step + 1), steps.stop)
+        if not steps:
+            return None
+        before = steps.start - 1 - first_step
+        warmup = min(1, before)
+        trace = self.run_dir / "traces" / f"rank{self.topo.rank}.json"
+
+        def export(prof):
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(trace))
+        return torch.profiler.profile(
+            activities=devices.profiler_activities(self.topo.device), record_shapes=True, on_trace_ready=export,
+            schedule=torch.profiler.schedule(skip_first=before - warmup, wait=0, warmup=warmup,
+                                             active=len(steps), repeat=1))
 
     def fit(self) -> list[dict]:
         cfg = self.cfg
@@ -93,13 +127,21 @@ class Trainer:
         if is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
-        log = MetricsLog(self.run_dir, cfg.train.steps, 0, is_logger)
+        ckpt = Checkpointer.for_run(cfg, self.topo, self.run_dir)
+        params = dict(self.model.named_parameters())
+        start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl")
+        log = MetricsLog(self.run_dir, cfg.train.steps, start, is_logger)
         history = []
+        profiler = self._profiler(start)
         try:
-            for step in range(cfg.train.steps):
-                record = self.train_step(step)
-                history.append(record)
-                log.log(record)
+            with profiler or contextlib.nullcontext():
+                for step in range(start, cfg.train.steps):
+                    record = self.train_step(step)
+                    history.append(record)
+                    log.log(record)
+                    ckpt.maybe_save(step + 1, params, self.optimizer)
+                    if profiler is not None:
+                        profiler.step()
         finally:
             log.close()
         return history

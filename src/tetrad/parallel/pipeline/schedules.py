@@ -123,11 +123,114 @@ def p2p_ops(s: Schedule, rank: int) -> list[tuple[Action, list[P2POp]]]:
     return out
 
 
-# ----------------------------------------------------------------------------- validation
+# ----------------------------------------------------------------------------- replay and validation
+
+
+def replay(s: Schedule, cost: dict[str, list] | None = None, p2p: float = 0) -> tuple[list, list, list]:
+    """Run `s` as the ranks would: each in list order, an action once its inputs exist.
+
+    `cost[kind][stage]` gives durations (all 0 when None); an input from another rank arrives
+    `p2p` after it is made. Returns (starts, ends, busy): per rank, the start and end of each of
+    its actions in list order, and its total compute time. The validator and the simulator share
+    this loop, so it is written for speed: a value is a slot in a flat list (stage * m + mb)
+    holding when it exists, and results are plain numbers, which the garbage collector skips.
+    Any failure (a stall, a value made twice or never) raises ScheduleError naming the action.
+    """
+    pp, m, vpp, stages = s.pp, s.microbatches, s.vpp, s.stages
+    if len(s.actions) != pp or min(pp, m, vpp) < 1:
+        _check_structure(s)
+    n = stages * m
+    act: list = [None] * n  # when F's output at (stage, mb) exists
+    grad: list = [None] * n  # when the gradient w.r.t. (stage, mb)'s input exists
+    weight = bytearray(n)  # whether (stage, mb)'s weight gradient is done (by B or BW)
+    zero = [0] * stages
+    c_f, c_b, c_bi, c_bw = (cost["F"], cost["B"], cost["BI"], cost["BW"]) if cost else (zero,) * 4
+    lat = p2p if pp > 1 else 0  # neighbouring stages sit on different ranks whenever pp > 1
+    busy, pos = [0] * pp, [0] * pp
+    starts: list[list] = [[] for _ in range(pp)]
+    ends: list[list] = [[] for _ in range(pp)]
+    waiting: dict[int, list[int]] = {}  # slot (j for act, n + j for grad) -> ranks blocked on it
+    runnable, broken = list(range(pp)), False
+    while runnable and not broken:
+        rank = runnable.pop()
+        actions, i, work = s.actions[rank], pos[rank], busy[rank]
+        started, ended = starts[rank], ends[rank]
+        t = ended[-1] if ended else 0
+        while i < len(actions):
+            a = actions[i]
+            kind, mb, chunk = a.kind, a.mb, a.chunk
+            if not (0 <= mb < m and 0 <= chunk < vpp):
+                broken = True
+                break
+            g = chunk * pp + rank
+            j = g * m + mb
+            start = t
+            # A value made on this rank (B's own activation, BW's gradient) was made before t, so
+            # only its existence is checked; a neighbour's value also sets the start.
+            if kind == "F":
+                if act[j] is not None:
+                    broken = True
+                    break
+                if g:
+                    ready = act[j - m]
+                    if ready is None:
+                        waiting.setdefault(j - m, []).append(rank)
+                        break
+                    if ready + lat > start:
+                        start = ready + lat
+                t = act[j] = start + c_f[g]
+                made = j
+            elif kind == "B" or kind == "BI":
+                if grad[j] is not None or (kind == "B" and weight[j]):
+                    broken = True
+                    break
+                if act[j] is None:
+                    waiting.setdefault(j, []).append(rank)
+                    break
+                if g < stages - 1:
+                    ready = grad[j + m]
+                    if ready is None:
+                        waiting.setdefault(n + j + m, []).append(rank)
+                        break
+                    if ready + lat > start:
+                        start = ready + lat
+                if kind == "B":
+                    t = grad[j] = start + c_b[g]
+                    weight[j] = 1
+                else:
+                    t = grad[j] = start + c_bi[g]
+                made = n + j
+            elif kind == "BW":
+                if weight[j]:
+                    broken = True
+                    break
+                if grad[j] is None:
+                    waiting.setdefault(n + j, []).append(rank)
+                    break
+                t = start + c_bw[g]
+                weight[j] = 1
+                made = -1  # no slot: nothing waits on a weight gradient
+            else:
+                broken = True
+                break
+            if made in waiting:
+                runnable += waiting.pop(made)
+            started.append(start)
+            ended.append(t)
+            work += t - start
+            i += 1
+        pos[rank], busy[rank] = i, work
+    if broken or any(pos[r] < len(s.actions[r]) for r in range(pp)) or None in act or None in grad or 0 in weight:
+        _check_structure(s)  # names a missing, duplicated or malformed action if there is one
+        raise ScheduleError(_describe_stall(s, pos, act, grad))
+    return starts, ends, busy
 
 
 def _check_structure(s: Schedule) -> None:
-    """Every rank runs F once per (mb, chunk), and either B or BI+BW once; nothing else."""
+    """Every rank runs F once per (mb, chunk), and either B or BI+BW once; nothing else.
+
+    Only called once replay has failed, to name the action at fault; not written for speed.
+    """
     if s.pp < 1 or s.vpp < 1 or s.microbatches < 1:
         raise ScheduleError(f"need pp, vpp, microbatches >= 1; got {s.pp}, {s.vpp}, {s.microbatches}")
     if len(s.actions) != s.pp:
@@ -156,48 +259,18 @@ def _check_structure(s: Schedule) -> None:
                     raise ScheduleError(f"rank {rank} is missing {Action(lacking[0], mb, chunk)}")
 
 
-def execution_order(s: Schedule) -> list[tuple[int, Action]]:
-    """All (rank, action) pairs in an order where each runs after what it consumes.
+def _describe_stall(s: Schedule, pos: list[int], act: list, grad: list) -> str:
+    """Follow who waits on whom from the first blocked rank until the chain closes, and say so."""
+    def exists(v: Value) -> bool:
+        return (act if v.what == "act" else grad)[v.stage * s.microbatches + v.mb] is not None
 
-    Replays the schedule: each rank runs its list in order and waits until its next action's
-    inputs exist. If ranks remain blocked, the schedule deadlocks (or uses a value before it
-    exists); ScheduleError then names the blocked action and the chain of waits behind it.
-    """
-    _check_structure(s)
-    done: set[Value] = set()
-    pos = [0] * s.pp
-    order = []
-    runnable = list(range(s.pp))
-    waiting: dict[Value, list[int]] = {}  # value -> ranks blocked on it
-    while runnable:
-        rank = runnable.pop()
-        actions = s.actions[rank]
-        while pos[rank] < len(actions):
-            a = actions[pos[rank]]
-            missing = next((v for v in needs(s, rank, a) if v not in done), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(rank)
-                break
-            made = makes(s, rank, a)
-            if made is not None:
-                done.add(made)
-                runnable += waiting.pop(made, [])
-            order.append((rank, a))
-            pos[rank] += 1
-    blocked = [r for r in range(s.pp) if pos[r] < len(s.actions[r])]
-    if blocked:
-        raise ScheduleError(_describe_stall(s, pos, done, blocked[0]))
-    return order
-
-
-def _describe_stall(s: Schedule, pos: list[int], done: set[Value], rank: int) -> str:
-    """Follow who waits on whom from `rank` until the chain closes, and say so."""
+    rank = next(r for r in range(s.pp) if pos[r] < len(s.actions[r]))
     chain: list[str] = []
     visited = set()
     while rank not in visited:
         visited.add(rank)
         a = s.actions[rank][pos[rank]]
-        missing = next(v for v in needs(s, rank, a) if v not in done)
+        missing = next(v for v in needs(s, rank, a) if not exists(v))
         src = place_of(missing.stage, s.pp)[0]
         if src == rank:
             later = next(i for i, b in enumerate(s.actions[rank]) if makes(s, rank, b) == missing)
@@ -214,7 +287,7 @@ def _describe_stall(s: Schedule, pos: list[int], done: set[Value], rank: int) ->
 
 def validate_schedule(s: Schedule) -> None:
     """Raise ScheduleError naming the offending rank and action if `s` cannot run to completion."""
-    execution_order(s)
+    replay(s)
 
 
 # ----------------------------------------------------------------------------- generators
@@ -248,45 +321,52 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Sched
         raise ScheduleError(f"schedule {name!r} with pp={pp} needs at least {need} micro-batches (one "
                             f"group of pp per chunk), got {microbatches}; use more micro-batches or a smaller pp")
     make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb": _zb_h1, "interleaved": _interleaved}[name]
-    s = Schedule(name, pp, microbatches, vpp, [make(r, pp, microbatches, vpp) for r in range(pp)])
+    # One Action per distinct (kind, mb, chunk), shared by all ranks: at pp=64 creating a frozen
+    # dataclass per entry would cost more than validating the whole schedule.
+    pool = {(kind, mb, chunk): Action(kind, mb, chunk)
+            for kind in KINDS for mb in range(microbatches) for chunk in range(vpp)}
+    s = Schedule(name, pp, microbatches, vpp, [[pool[t] for t in make(r, pp, microbatches, vpp)] for r in range(pp)])
     validate_schedule(s)
     return s
 
 
-def _gpipe(rank: int, pp: int, m: int, vpp: int) -> list[Action]:
+Step = tuple[str, int, int]  # (kind, mb, chunk): what a generator lists, before it becomes an Action
+
+
+def _gpipe(rank: int, pp: int, m: int, vpp: int) -> list[Step]:
     """All forwards, then all backwards: m activations alive at the peak."""
-    return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+    return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
 
 
-def _one_f_one_b(rank: int, pp: int, m: int, vpp: int) -> list[Action]:
+def _one_f_one_b(rank: int, pp: int, m: int, vpp: int) -> list[Step]:
     """PipeDream-flush: pp-1-rank warm-up forwards, then alternate, so at most pp-rank stay alive."""
     warmup = min(pp - 1 - rank, m)
-    ops = [Action("F", i) for i in range(warmup)]
+    ops = [("F", i, 0) for i in range(warmup)]
     for i in range(m):
         if warmup + i < m:
-            ops.append(Action("F", warmup + i))
-        ops.append(Action("B", i))
+            ops.append(("F", warmup + i, 0))
+        ops.append(("B", i, 0))
     return ops
 
 
-def _zb_h1(rank: int, pp: int, m: int, vpp: int) -> list[Action]:
+def _zb_h1(rank: int, pp: int, m: int, vpp: int) -> list[Step]:
     """ZB-H1 (Qi et al. 2024): 1F1B with B split; rank r holds back its first r weight-grad passes.
 
     Only BI is on the critical path back to rank 0, so gradients reach the early ranks sooner;
     the deferred BW then fill the cool-down bubble. Peak in-flight stays at most pp, as in 1F1B.
     """
     warmup = min(pp - 1 - rank, m)
-    ops = [Action("F", i) for i in range(warmup)]
+    ops = [("F", i, 0) for i in range(warmup)]
     for i in range(m):
         if warmup + i < m:
-            ops.append(Action("F", warmup + i))
-        ops.append(Action("BI", i))
+            ops.append(("F", warmup + i, 0))
+        ops.append(("BI", i, 0))
         if i >= rank:
-            ops.append(Action("BW", i - rank))
-    return ops + [Action("BW", i) for i in range(max(m - rank, 0), m)]
+            ops.append(("BW", i - rank, 0))
+    return ops + [("BW", i, 0) for i in range(max(m - rank, 0), m)]
 
 
-def _interleaved(rank: int, pp: int, m: int, vpp: int) -> list[Action]:
+def _interleaved(rank: int, pp: int, m: int, vpp: int) -> list[Step]:
     """Megatron's interleaved 1F1B, generalised to any m >= pp.
 
     Micro-batches run in groups of pp, each group through every chunk before the next starts; the
@@ -302,9 +382,9 @@ def _interleaved(rank: int, pp: int, m: int, vpp: int) -> list[Action]:
     back = [(mb, vpp - 1 - chunk) for mb, chunk in order]
     total = len(order)
     warmup = min(2 * (pp - 1 - rank) + (vpp - 1) * (pp + rem), total)
-    ops = [Action("F", *order[i]) for i in range(warmup)]
+    ops = [("F", *order[i]) for i in range(warmup)]
     for i in range(total):
         if warmup + i < total:
-            ops.append(Action("F", *order[warmup + i]))
-        ops.append(Action("B", *back[i]))
+            ops.append(("F", *order[warmup + i]))
+        ops.append(("B", *back[i]))
     return ops

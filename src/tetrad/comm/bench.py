@@ -1,0 +1,164 @@
+"""`tetrad bench comm`: time each collective over group sizes and message sizes, report algorithm
+and bus bandwidth (nccl-tests convention), and fit the alpha-beta link the planner uses.
+
+Sizes follow tetrad.comm's byte convention (all-reduce: the tensor; all-gather: the gathered
+output; reduce-scatter and all-to-all: the input; send/recv: what a rank sends), which is also
+nccl-tests' `size`. busbw = algbw x factor, so one number compares across group sizes:
+2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for send/recv.
+
+The timed loops call torch.distributed directly: this measures the backend, not tetrad's
+accounting around it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
+
+
+def bus_factor(op: str, n: int) -> float:
+    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(op, (n - 1) / n)
+
+
+def _iterations(nbytes: int) -> int:
+    """Enough repetitions to average out jitter, few enough that 16 MB on 8 ranks stays short.
+    Fixed by size, so every rank runs the same count."""
+    return 20 if nbytes <= 64 << 10 else 10 if nbytes <= 1 << 20 else 4
+
+
+def _collective(op: str, nbytes: int, group, dtype=torch.float32):
+    """A closure that runs `op` once on a payload of `nbytes` (rounded to whole elements per rank)."""
+    group = group or dist.group.WORLD
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    elem = torch.empty((), dtype=dtype).element_size()
+    count = max(n, nbytes // elem // n * n)
+    full = torch.ones(count, dtype=dtype)
+    shard = torch.ones(count // n, dtype=dtype)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "all_gather":
+        return lambda: dist.all_gather_single(full, shard, group=group)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(shard, full, group=group)
+    if op == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    if op == "send_recv":  # a ring shift: every rank sends to the next and receives from the previous
+        recv = torch.empty_like(full)
+        peers = [dist.get_global_rank(group, (rank + d) % n) for d in (1, -1)]
+
+        def shift():
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, full, peers[0], group),
+                                             dist.P2POp(dist.irecv, recv, peers[1], group)]):
+                w.wait()
+        return shift
+    raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
+
+
+def time_collective(op: str, nbytes: int, group=None, iters: int | None = None) -> float:
+    """Seconds per call, the slowest rank's mean over `iters` calls after one warm-up call.
+    Every rank of `group` must call this with the same arguments."""
+    run = _collective(op, nbytes, group)
+    iters = iters or _iterations(nbytes)
+    run()
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return float(elapsed)
+
+
+def bench_rank(ops=OPS, sizes=DEFAULT_SIZES) -> list[dict]:
+    """Rows of one job (all its ranks form the group): one per (op, size)."""
+    n = dist.get_world_size()
+    rows = []
+    for op in ops:
+        for size in sizes:
+            seconds = time_collective(op, size)
+            algbw = size / seconds / 1e9
+            rows.append({"op": op, "ranks": n, "bytes": size, "time_s": seconds,
+                         "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, n)})
+    return rows
+
+
+def bench_comm(group_sizes=(2, 4, 8), ops=OPS, sizes=DEFAULT_SIZES, timeout_s: float = 600) -> list[dict]:
+    """Run the bench on fresh local CPU ranks for each group size; all rows together."""
+    from tetrad.launch import run_local
+    rows = []
+    for n in group_sizes:
+        rows += run_local(bench_rank, n, (tuple(ops), tuple(sizes)), timeout_s=timeout_s, pg_timeout_s=120)[0]
+    return rows
+
+
+def fit_link(rows: list[dict], op: str = "all_reduce") -> dict:
+    """Alpha (s per ring step) and beta (GB/s) for which the planner's ring model
+    (`plan.cost.ring_time`) best matches the measured `op` times, by least squares on relative
+    error. beta is the link rate before the planner's LINK_EFFICIENCY, so the planner's
+    prediction for these messages is what was measured."""
+    from tetrad.plan.cost import LINK_EFFICIENCY
+    steps = {"all_reduce": lambda n: 2 * (n - 1), "send_recv": lambda n: 1}.get(op, lambda n: n - 1)
+    pts = [r for r in rows if r["op"] == op and r["ranks"] > 1]
+    if not pts:
+        raise ValueError(f"no {op} measurements to fit")
+    # t = steps*alpha + factor*bytes*inv_bw; divide each row by t to weight by relative error.
+    a = torch.tensor([[steps(r["ranks"]) / r["time_s"], bus_factor(op, r["ranks"]) * r["bytes"] / r["time_s"]]
+                      for r in pts], dtype=torch.float64)
+    alpha, inv_bw = torch.linalg.lstsq(a, torch.ones(len(pts), 1, dtype=torch.float64)).solution.flatten().tolist()
+    alpha, inv_bw = max(alpha, 0.0), max(inv_bw, 1e-15)
+    return {"alpha_s": alpha, "beta_gbps": 1 / inv_bw / LINK_EFFICIENCY / 1e9, "fitted_on": op}
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'op':<15}{'ranks':>6}{'size':>10}{'time':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
+    for r in rows:
+        lines.append(f"{r['op']:<15}{r['ranks']:>6}{_size(r['bytes']):>10}{r['time_s'] * 1e3:>10.3f}ms"
+                     f"{r['algbw_gbps']:>12.3f}{r['busbw_gbps']:>12.3f}")
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def choose_bucket_mb(group=None, grad_bytes: int | None = None, candidates_mb=(1, 4, 16, 25, 64),
+                     saturation: float = 0.8) -> tuple[float, dict]:
+    """`parallel.grad_bucket_mb = "auto"`: the smallest bucket whose all-reduce reaches
+    `saturation` of the best measured bus bandwidth on `group`. Smaller buckets start sooner and
+    leave less exposed after backward; below saturation each one pays too much latency. Buckets
+    larger than the gradients are not tried. Collective: every rank of `group` calls it.
+    Returns (choice in MB, {MB: busbw GB/s}) so the caller can log the figures behind it."""
+    n = dist.get_world_size(group)
+    sizes = [mb for mb in candidates_mb if grad_bytes is None or mb * 1e6 <= grad_bytes] or [candidates_mb[0]]
+    busbw = {}
+    for mb in sizes:
+        nbytes = int(mb * 1e6)
+        busbw[mb] = nbytes / time_collective("all_reduce", nbytes, group, iters=3) / 1e9 * bus_factor("all_reduce", n)
+    best = max(busbw.values())
+    return float(next(mb for mb in sizes if busbw[mb] >= saturation * best)), busbw
+
+
+def choose_hierarchical(flat_group, intra_group, inter_group, nbytes: int) -> tuple[bool, dict]:
+    """`parallel.hierarchical = "auto"`: time one bucket's flat all-reduce against intra-node
+    reduce-scatter, inter-node all-reduce of the shard, intra-node all-gather; pick the faster.
+    Collective over `flat_group` (intra/inter are this rank's sub-groups of it).
+    Returns (use hierarchical, {"flat_s": .., "hierarchical_s": ..})."""
+    flat = time_collective("all_reduce", nbytes, flat_group, iters=3)
+    intra_n = dist.get_world_size(intra_group)
+    shard = nbytes // intra_n
+    hier = (time_collective("reduce_scatter", nbytes, intra_group, iters=3)
+            + time_collective("all_reduce", shard, inter_group, iters=3)
+            + time_collective("all_gather", nbytes, intra_group, iters=3))
+    slowest = torch.tensor([hier], dtype=torch.float64)  # the sub-groups differ: agree on one answer
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=flat_group)
+    return float(slowest) < flat, {"flat_s": flat, "hierarchical_s": float(slowest)}

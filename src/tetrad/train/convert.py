@@ -1,0 +1,146 @@
+"""`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors (`LlamaForCausalLM` layout).
+
+One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
+(unsharded, unpadded) tensors, so conversion is renaming. Reading HF weights goes through
+safetensors (no pickle); a converted tetrad checkpoint holds weights only (step 0, no optimizer
+state) and starts a run with `--checkpoint.resume=CKPT`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemWriter
+
+from tetrad.config import ConfigError, load_config
+from tetrad.model.llama import Transformer
+from tetrad.model.sharding import spec_of
+from tetrad.topology import Topology
+from tetrad.train.checkpoint import (CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
+                                     verify)
+
+# tetrad name inside layer i -> HF name inside model.layers.i
+LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
+               "attn.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj",
+               "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "head.weight": "lm_head.weight"}
+
+
+def hf_name(name: str) -> str:
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    _, index, rest = name.split(".", 2)  # layers.I.attn.wq.weight
+    module, _, leaf = rest.rpartition(".")
+    return f"model.layers.{index}.{LAYER_NAMES[module]}.{leaf}"
+
+
+def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+    """Every parameter's logical shape, from a model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg, Topology.single("meta"))
+    return {name: spec_of(p)[0].full_shape for name, p in model.named_parameters()}
+
+
+def _check_llama(m) -> None:
+    if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
+        raise ConfigError(f"LlamaForCausalLM has rmsnorm, swiglu and rope; this model has norm={m.norm!r}, "
+                          f"mlp={m.mlp!r}, pos={m.pos!r}")
+
+
+def to_hf(checkpoint: Path, out: Path) -> None:
+    path = resolve(checkpoint)
+    manifest = verify(path)
+    cfg = load_config(overrides={"model": manifest["model"]})
+    m = cfg.model
+    _check_llama(m)
+    reader = SafeReader(path)
+    metadata = reader.read_metadata()
+    stored = metadata.state_dict_metadata
+    state = {}
+    for name, shape in logical_shapes(m).items():
+        key = f"model.{name}"
+        state[key] = torch.empty(shape, dtype=stored[key].properties.dtype if key in stored else torch.float32)
+    check_shapes(metadata, state, path)
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({hf_name(k[len("model."):]): v for k, v in state.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    hf_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+                 "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
+                 "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
+                 "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
+                 "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+                 "mlp_bias": False, "torch_dtype": dtype}
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+def model_config_from_hf(hf: dict, source: Path) -> dict:
+    """[model] keys of an HF Llama config.json; refuse what tetrad's model cannot represent."""
+    unsupported = {k: hf[k] for k in ("rope_scaling", "attention_bias", "mlp_bias") if hf.get(k)}
+    if hf.get("hidden_act", "silu") != "silu":
+        unsupported["hidden_act"] = hf["hidden_act"]
+    if hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]) != hf["hidden_size"] // hf["num_attention_heads"]:
+        unsupported["head_dim"] = hf["head_dim"]
+    if unsupported:
+        raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
+    return {"n_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"], "n_heads": hf["num_attention_heads"],
+            "n_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            "ffn_hidden": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+            "seq_len": hf.get("max_position_embeddings", 2048), "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope",
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "rope_theta": float(hf.get("rope_theta", 1e4)),
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-5))}
+
+
+def to_tetrad(hf_dir: Path, out: Path) -> None:
+    cfg = load_config(overrides={"model": model_config_from_hf(json.loads((hf_dir / "config.json").read_text()),
+                                                                hf_dir / "config.json")})
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{hf_dir} holds no *.safetensors file")
+    weights = {k: v for f in files for k, v in load_file(f).items() if "rotary_emb" not in k}
+    shapes = logical_shapes(cfg.model)
+    expected = {hf_name(name): name for name in shapes}
+    problems = [f"{k}: missing" for k in expected if k not in weights]
+    problems += [f"{k}: not a weight of this model" for k in weights if k not in expected]
+    problems += [f"{k}: {tuple(weights[k].shape)} in the file, {shapes[n]} for config.json's model"
+                 for k, n in expected.items() if k in weights and tuple(weights[k].shape) != shapes[n]]
+    if problems:
+        raise CheckpointError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems[:20]))
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dcp.save({f"model.{n}": weights[k].contiguous() for k, n in expected.items()}, storage_writer=FileSystemWriter(tmp),
+             no_dist=True)
+    publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})
+
+
+def convert_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tetrad convert", description="Convert between tetrad checkpoints and "
+                                     "Hugging Face safetensors (LlamaForCausalLM), on one CPU process.")
+    parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`), or an HF dir")
+    direction = parser.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--to-hf", type=Path, metavar="OUT_DIR", help="write config.json + model.safetensors")
+    direction.add_argument("--to-tetrad", type=Path, metavar="CKPT", help="write a weights-only tetrad checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        if args.to_hf is not None:
+            to_hf(args.source, args.to_hf)
+            print(f"tetrad: wrote {args.to_hf}/config.json and model.safetensors")
+        else:
+            if args.to_tetrad.exists():
+                raise CheckpointError(f"{args.to_tetrad} exists; choose a new checkpoint path")
+            to_tetrad(args.source, args.to_tetrad)
+            print(f"tetrad: wrote {args.to_tetrad}; train from it with --checkpoint.resume={args.to_tetrad}")
+    except CheckpointError as e:
+        print(f"tetrad: {e}", file=sys.stderr)
+        return 1
+    return 0

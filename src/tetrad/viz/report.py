@@ -1,0 +1,228 @@
+"""`tetrad report RUN_DIR`: what a run did and where its time went, as PNGs and one
+self-contained HTML page (the PNGs embedded) in RUN_DIR/report/.
+
+Panels: loss; step time split into compute / exposed communication / pipeline bubble; bytes per
+group against the planner's count; predicted (planner) against measured step time and memory;
+the measured pipeline timeline beside the simulated one when the run recorded one
+(RUN_DIR/timeline.json: [[rank, kind, mb, chunk, start, end], ...] for one step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import statistics
+from pathlib import Path
+
+GROUPS = ("tp", "cp", "pp", "dp")
+COLOURS = {"compute": "#3b6fb6", "bubble": "#b0b0b0", "tp": "#c8463c", "cp": "#e08a2c", "pp": "#8e5ea2",
+           "dp": "#4f9a55", "comm": "#c8463c", "predicted": "#9ab8e0", "measured": "#3b6fb6"}
+
+
+def load_run(run_dir: Path):
+    from tetrad.config import load_config
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not records:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no steps yet")
+    return load_config(run_dir / "config.toml", runtime=False), records
+
+
+def _figure(width=7.5, height=3.4):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _style(ax, title, xlabel, ylabel):
+    ax.set_title(title, loc="left", fontsize=11, fontweight="bold")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.spines[["top", "right"]].set_visible(False)
+
+
+def plot_loss(records, path: Path) -> None:
+    fig = _figure()
+    ax = fig.add_subplot()
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["loss"] for r in records], color=COLOURS["compute"], lw=1.8)
+    _style(ax, "Training loss", "step", "loss (mean per token)")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r["lr"] for r in records], color="#999999", lw=1, ls="--")
+    ax2.set_ylabel("learning rate (dashed)", color="#777777")
+    ax2.spines[["top"]].set_visible(False)
+    fig.savefig(path)
+
+
+def plot_breakdown(records, path: Path) -> None:
+    """Stacked per step: compute, exposed comm by group (when recorded), bubble; the measured step
+    time as a line over them, so a gap or overshoot shows an accounting error."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    steps = [r["step"] for r in records]
+    layers = [("compute", [r.get("compute_s") or 0.0 for r in records])]
+    by_group = [r.get("exposed_comm_s_by_group") for r in records]
+    if all(by_group):
+        layers += [(f"exposed comm: {g}", [b.get(g, 0.0) for b in by_group]) for g in GROUPS
+                   if any(b.get(g, 0.0) for b in by_group)]
+    else:
+        layers.append(("exposed comm", [r.get("exposed_comm_s") or 0.0 for r in records]))
+    layers.append(("pipeline bubble", [r.get("bubble_s") or 0.0 for r in records]))
+    colours = [COLOURS.get(name.split(": ")[-1], COLOURS["comm"]) if name != "pipeline bubble" else COLOURS["bubble"]
+               for name, _ in layers]
+    colours[0] = COLOURS["compute"]
+    ms = lambda xs: [1e3 * x for x in xs]  # noqa: E731
+    ax.stackplot(steps, *[ms(v) for _, v in layers], labels=[n for n, _ in layers], colors=colours, alpha=0.85,
+                 step="mid")
+    ax.plot(steps, ms([r["step_time_s"] for r in records]), color="black", lw=1.2, label="measured step time",
+            drawstyle="steps-mid")
+    _style(ax, "Where each step's time went", "step", "milliseconds")
+    # The first steps warm up allocators and the backend: scale the axis to the steady state.
+    steady = sorted(r["step_time_s"] for r in records)[int(0.9 * (len(records) - 1))]
+    ax.set_ylim(0, 1.5e3 * steady)
+    ax.legend(loc="upper right", fontsize=8, ncol=2, framealpha=0.9)
+    fig.savefig(path)
+
+
+def plot_comm(records, predicted: dict | None, path: Path) -> None:
+    """Bytes each group moved per step (rank 0's count), beside the planner's count."""
+    fig = _figure(height=3.0)
+    ax = fig.add_subplot()
+    measured = [statistics.median(r["comm_bytes"].get(g, 0) for r in records) / 2**20 for g in GROUPS]
+    y = range(len(GROUPS))
+    h = 0.38 if predicted else 0.6
+    bars = ax.barh([i + (h / 2 if predicted else 0) for i in y], measured, height=h, color=COLOURS["measured"],
+                   label="measured (tetrad.comm)")
+    ax.bar_label(bars, labels=[f"{v:.3g} MiB" if v else "" for v in measured], padding=3, fontsize=8)
+    if predicted:
+        pred = [predicted.get(g, 0) / 2**20 for g in GROUPS]
+        pbars = ax.barh([i - h / 2 for i in y], pred, height=h, color=COLOURS["predicted"], label="planner")
+        ax.bar_label(pbars, labels=[f"{v:.3g} MiB" if v else "" for v in pred], padding=3, fontsize=8)
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_yticks(list(y), [f"{g}" for g in GROUPS])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.25 * max(measured + (pred if predicted else []) + [1e-9]))
+    _style(ax, "Communication per step, by group (rank 0)", "MiB handed to collectives", "")
+    fig.savefig(path)
+
+
+def plot_predicted(measured: dict, predicted: dict, path: Path) -> None:
+    """Side-by-side bars of the planner's prediction and the measurement for each quantity."""
+    names = [k for k in predicted if measured.get(k) is not None]
+    fig = _figure(width=3.0 + 1.6 * len(names), height=3.2)
+    axes = fig.subplots(1, len(names), squeeze=False)[0]
+    for ax, name in zip(axes, names):
+        values = [predicted[name], measured[name]]
+        bars = ax.bar(["planner", "measured"], values, color=[COLOURS["predicted"], COLOURS["measured"]])
+        ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=8)
+        ax.set_title(name, fontsize=10)
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.set_ylim(0, 1.2 * max(values + [1e-9]))
+    fig.suptitle("Planner's prediction vs this run (step time: median after step 1; memory: peak)",
+                 x=0.02, ha="left", fontsize=11, fontweight="bold")
+    fig.savefig(path)
+
+
+def _timelines(run_dir: Path, cfg, out: Path) -> tuple[list[Path], str]:
+    """Measured and simulated pipeline timelines, or the reason there are none."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return [], "pp = 1: no pipeline, so no timeline."
+    recorded = run_dir / "timeline.json"
+    if not recorded.exists():
+        return [], f"pp = {p.pp}, but the run recorded no timeline ({recorded.name} is missing)."
+    from tetrad.parallel.pipeline.schedules import Action, build_schedule
+    from tetrad.parallel.pipeline.simulate import StageCosts, simulate
+    from tetrad.viz.timeline import render_timeline
+    rows = [(r, Action(kind, mb, chunk), s, e) for r, kind, mb, chunk, s, e in json.loads(recorded.read_text())]
+    mean = lambda kind: statistics.mean(e - s for _, a, s, e in rows if a.kind == kind) if any(  # noqa: E731
+        a.kind == kind for _, a, _, _ in rows) else 0.0
+    f, b = mean("F"), mean("B") or mean("BI") + mean("BW")
+    bi, bw = (mean("BI"), mean("BW")) if mean("BI") else (b / 2, b / 2)
+    sim = simulate(build_schedule(p.schedule, p.pp, cfg.microbatches, p.vpp), StageCosts(f, bi, bw))
+    paths = [out / "timeline_measured.png", out / "timeline_simulated.png"]
+    render_timeline(rows, paths[0], title=f"measured: {p.schedule}, pp={p.pp}, {cfg.microbatches} micro-batches",
+                    pp=p.pp)
+    render_timeline(sim, paths[1], title="simulated with the measured mean action costs", pp=p.pp)
+    return paths, f"simulated bubble {100 * sim.bubble_fraction:.1f}%."
+
+
+def _prediction(cfg, cluster_ref: str | None):
+    """(planner estimate, its comm bytes, cluster label), or (None, None, reason) when unavailable."""
+    try:
+        from tetrad.plan.cost import comm_bytes_per_step, estimate
+        from tetrad.plan.hardware import load_cluster
+    except ImportError as e:
+        return None, None, f"the planner is not available ({e})"
+    ref = cluster_ref or ("bench/cluster.toml" if Path("bench/cluster.toml").exists() else "cpu")
+    try:
+        return estimate(cfg, load_cluster(ref)), comm_bytes_per_step(cfg), ref
+    except Exception as e:  # a planner that cannot model this layout should not stop the report
+        return None, None, f"the planner could not estimate this layout: {e}"
+
+
+def write_report(run_dir: str | Path, cluster: str | None = None) -> Path:
+    run_dir = Path(run_dir)
+    cfg, records = load_run(run_dir)
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    est, predicted_bytes, cluster_label = _prediction(cfg, cluster)
+    steady = records[1:] or records  # step 1 pays warm-up
+    measured = {"step time (s)": statistics.median(r["step_time_s"] for r in steady),
+                "peak memory (GiB)": max((r.get("peak_memory_gib") or 0 for r in records), default=0) or None}
+    panels = [("loss.png", plot_loss, (records,)), ("breakdown.png", plot_breakdown, (records,)),
+              ("comm.png", plot_comm, (records, predicted_bytes))]
+    if est is not None:
+        predicted = {"step time (s)": est.step_time_s, "peak memory (GiB)": est.peak_memory_gib}
+        panels.append(("predicted.png", plot_predicted, (measured, predicted)))
+    images = []
+    for name, plot, args in panels:
+        plot(*args, out / name)
+        images.append(out / name)
+    timeline_images, timeline_note = _timelines(run_dir, cfg, out)
+    notes = [f"Pipeline timeline: {timeline_note}",
+             f"Prediction: cluster {cluster_label}." if est is not None else f"Prediction: skipped, {cluster_label}."]
+    if measured["peak memory (GiB)"] is None:
+        notes.append("The run recorded no peak memory.")
+    elif cfg.train.device != "cuda":
+        notes.append("On CPU, measured memory is the process's peak resident set (includes torch itself).")
+    page = out / "report.html"
+    page.write_text(_html(cfg, records, steady, images + timeline_images, notes))
+    return page
+
+
+def _html(cfg, records, steady, images, notes) -> str:
+    p, last = cfg.parallel, records[-1]
+    step_s = statistics.median(r["step_time_s"] for r in steady)
+    comm_s = statistics.median(r.get("exposed_comm_s") or 0 for r in steady)
+    facts = [("model", f"{cfg.model.preset}: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}"),
+             ("layout", f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}, zero={p.zero}, schedule {p.schedule}"),
+             ("steps", f"{last['step']} of {cfg.train.steps}"),
+             ("loss", f"{records[0]['loss']:.4f} → {last['loss']:.4f}"),
+             ("step time (median, after step 1)", f"{1e3 * step_s:.1f} ms, {100 * comm_s / step_s:.0f}% exposed comm"),
+             ("tokens/s (median)", f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f}")]
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in facts)
+    figs = "".join(f'<figure><img alt="{img.stem}" src="data:image/png;base64,'
+                   f'{base64.b64encode(img.read_bytes()).decode()}"></figure>' for img in images)
+    items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>tetrad report: {html.escape(cfg.run.dir)}</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;color:#222}}
+th{{text-align:left;padding-right:1.5rem;font-weight:600}}td,th{{padding:.15rem 0}}
+img{{max-width:100%}}figure{{margin:1.5rem 0}}</style></head><body>
+<h1>tetrad run report</h1><p><code>{html.escape(cfg.run.dir)}</code></p><table>{rows}</table>
+{figs}<h2>Notes</h2><ul>{items}</ul></body></html>
+"""
+
+
+def report_command(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="tetrad report", description="Write RUN_DIR/report/ (HTML and PNGs).")
+    ap.add_argument("run_dir")
+    ap.add_argument("--cluster", help="cluster for the planner's prediction (default: bench/cluster.toml if "
+                                      "present, else the built-in 'cpu')")
+    args = ap.parse_args(argv)
+    print(f"tetrad: report in {write_report(args.run_dir, args.cluster)}")
+    return 0

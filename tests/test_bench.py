@@ -1,0 +1,71 @@
+"""`tetrad bench`: bus-bandwidth convention, the alpha-beta fit, and a profile the planner accepts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tetrad.bench import bench_gemm, comm_profile, gemm_profile, write_profile
+from tetrad.comm import bench
+from tetrad.plan.cost import LINK_EFFICIENCY, estimate, ring_time
+from tetrad.plan.hardware import load_cluster
+
+from conftest import run_ranks, tiny_config
+
+
+def test_bus_factor_follows_nccl_tests():
+    assert bench.bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert bench.bus_factor(op, 4) == pytest.approx(3 / 4)
+    assert bench.bus_factor("send_recv", 8) == 1.0
+
+
+def test_fit_recovers_the_planner_ring_model():
+    alpha, bw = 3e-4, 1.5e9
+    rows = [{"op": "all_reduce", "ranks": n, "bytes": s,
+             "time_s": ring_time("all_reduce", s, n, alpha, bw * LINK_EFFICIENCY)}
+            for n in (2, 4, 8) for s in (4 << 10, 1 << 20, 16 << 20)]
+    link = bench.fit_link(rows)
+    assert link["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert link["beta_gbps"] == pytest.approx(bw / 1e9, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def comm_rows():
+    return bench.bench_comm(group_sizes=(2,), sizes=(4 << 10, 256 << 10))
+
+
+def test_bench_comm_rows_are_sensible(comm_rows):
+    assert {r["op"] for r in comm_rows} == set(bench.OPS)
+    for r in comm_rows:
+        assert r["time_s"] > 0 and r["algbw_gbps"] > 0
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * bench.bus_factor(r["op"], 2))
+        assert r["busbw_gbps"] < 100  # gloo over local sockets: far below memory bandwidth
+    print("\n" + bench.format_table(comm_rows))
+
+
+def test_profile_is_accepted_by_estimate(comm_rows, tmp_path):
+    gemm_rows = bench_gemm(shapes=((64, 64, 64),), dtypes=("fp32",))
+    write_profile(tmp_path, gemm_profile(gemm_rows), "test-machine", 4)
+    path = write_profile(tmp_path, comm_profile(comm_rows), "test-machine", 4)
+    profile = json.loads(path.read_text())
+    assert {"peak_tflops", "links", "collectives", "gemm"} <= profile.keys()  # the second write kept the first
+    cluster = load_cluster(str(tmp_path / "cluster.toml"))
+    assert cluster.gpu.name == "test-machine" and cluster.world == 4
+    assert cluster.gpu.peak_tflops["fp32"] == pytest.approx(gemm_rows[0]["tflops"])
+    assert cluster.gpu.intra_gbps == pytest.approx(profile["links"]["intra_node"]["beta_gbps"])
+    est = estimate(tiny_config(parallel={"dp": 2, "tp": 2}), cluster)
+    assert 0 < est.step_time_s < 60
+
+
+def _choose():
+    from tetrad.comm.bench import choose_bucket_mb
+    return choose_bucket_mb(candidates_mb=(0.25, 1, 4))
+
+
+def test_choose_bucket_mb_agrees_across_ranks():
+    results = run_ranks(_choose, 2)
+    choice, figures = results[0]
+    assert all(r[0] == choice for r in results)
+    assert choice in figures and all(v > 0 for v in figures.values())

@@ -1,0 +1,82 @@
+"""`tetrad convert`: a checkpoint from any layout -> HF safetensors -> LlamaForCausalLM gives the same
+logits, and HF weights -> tetrad checkpoint gives the same model back."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config, train_layout
+from tetrad.cli import main
+from tetrad.train.checkpoint import Checkpointer
+from tetrad.train.trainer import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = torch.randint(0, 251, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def load_single(path: Path, model: dict) -> Trainer:
+    """A one-process trainer whose model is restored from `path` (no process group)."""
+    cfg = tiny_config(model=model)
+    trainer = Trainer(cfg, torch.device("cpu"))
+    Checkpointer(cfg, trainer.topo, path.parent).load(path, dict(trainer.model.named_parameters()), trainer.optimizer)
+    return trainer
+
+
+def logits(trainer: Trainer) -> torch.Tensor:
+    with torch.no_grad():
+        return trainer.model(TOKENS, torch.arange(TOKENS.shape[1]))
+
+
+def hf_logits(hf_dir: Path) -> torch.Tensor:
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf(TOKENS).logits
+
+
+# fp32, the same math in a different order (as in test_model_hf): 1e-4 catches any real mismatch.
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel,model", [({"tp": 2}, {"vocab_size": 251}),  # padded vocab under tp
+                                            ({"dp": 2}, {"vocab_size": 251, "tie_embeddings": True})])
+def test_checkpoint_to_hf_and_back(tmp_path, parallel, model):
+    cfg = tiny_config(parallel=parallel, model=model, train={"steps": 2}, checkpoint={"every": 2})
+    train_layout(cfg)
+    root = Path(cfg.run.dir) / "checkpoints"
+    assert main(["convert", str(root), "--to-hf", str(tmp_path / "hf")]) == 0
+    ours = load_single(root / "step_00000002", model)
+    torch.testing.assert_close(logits(ours), hf_logits(tmp_path / "hf"), **TOL)
+
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "back")]) == 0
+    back = load_single(tmp_path / "back", model)
+    original, restored = ours.model.state_dict(), back.model.state_dict()
+    assert original.keys() == restored.keys()
+    assert all(torch.equal(original[k], restored[k]) for k in original)
+
+
+def test_hf_model_to_tetrad(tmp_path):
+    """Weights written by transformers itself (not by us) load and give HF's logits."""
+    hf_cfg = transformers.LlamaConfig(vocab_size=251, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    ours = load_single(tmp_path / "ckpt", {"vocab_size": 251})
+    torch.testing.assert_close(logits(ours), hf_logits(tmp_path / "hf"), **TOL)
+
+
+def test_hf_weights_that_do_not_fit_config_are_refused(tmp_path, capsys):
+    hf_cfg = transformers.LlamaConfig(vocab_size=251, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
+    err = capsys.readouterr().err
+    assert "model.layers.0.mlp.gate_proj.weight: (128, 64) in the file, (96, 64) for config.json's model" in err
+    assert not (tmp_path / "ckpt").exists()

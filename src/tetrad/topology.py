@@ -68,9 +68,12 @@ class Topology:
     same model code runs as a plain single-device model.
     """
 
-    def __init__(self, layout: Layout, device: torch.device, ranks_per_node: int = 8, cp_algo: str = "ring"):
+    def __init__(self, layout: Layout, device: torch.device, ranks_per_node: int = 8, cp_algo: str = "ring",
+                 sequence_parallel: bool = False):
         self.layout = layout
         self.cp_algo = cp_algo  # how attention uses the cp dimension: "ring" or "alltoall"
+        # Whether tp also splits the residual stream along the sequence (model/tensor.py).
+        self.sequence_parallel = sequence_parallel and layout.tp > 1
         self.device = device
         self.ranks_per_node = ranks_per_node
         self.distributed = dist.is_available() and dist.is_initialized()

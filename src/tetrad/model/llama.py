@@ -19,7 +19,8 @@ from tetrad.config import ModelConfig
 from tetrad.model.attention import attention
 from tetrad.model.sharding import new_param
 from tetrad.model.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                 column_parallel_linear, vocab_parallel_cross_entropy)
+                                 column_parallel_linear, column_parallel_linears, sequence_shard,
+                                 vocab_parallel_cross_entropy)
 
 
 class Norm(nn.Module):
@@ -65,11 +66,11 @@ class Attention(nn.Module):
         self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, topo, std=out_std)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        b, s, _ = x.shape
+        # q, k, v share one input collective; under SP x is a sequence chunk, q/k/v the whole sequence.
+        q, k, v = column_parallel_linears(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.topo)
+        b, s, _ = q.shape
         hd = self.cfg.head_dim
-        q = self.wq(x).view(b, s, self.heads, hd)
-        k = self.wk(x).view(b, s, self.kv_heads, hd)
-        v = self.wv(x).view(b, s, self.kv_heads, hd)
+        q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.kv_heads, hd), v.view(b, s, self.kv_heads, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return self.wo(attention(q, k, v, self.topo).reshape(b, s, self.heads * hd))
@@ -87,7 +88,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            gate, up = column_parallel_linears(x, [self.w1.weight, self.w3.weight], self.w1.topo)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
@@ -133,7 +135,7 @@ class Transformer(nn.Module):
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":
-                h = h + self.pos_embed[positions]
+                h = h + self.pos_embed[sequence_shard(positions, self.topo)]  # SP: h is a chunk
         else:
             h = x
         rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta) if self.cfg.pos == "rope" else None

@@ -1,8 +1,19 @@
 """Tensor-parallel layers (Megatron-style). With tp = 1 each is a plain linear or embedding.
 
 Column-parallel linears split the output features over the tp group and row-parallel linears
-the input features, so an attention or MLP block needs one all-reduce forward and one backward.
-The communication lives in the small autograd Functions at the top (the f/g pair).
+the input features, so an attention or MLP block needs one collective forward and one backward.
+
+Without sequence parallelism (SP) the residual stream [b, s, h] is replicated over tp: a column
+linear's input gradient is all-reduced in backward (f) and a row linear's output is all-reduced
+in forward (g). With SP (`topo.sequence_parallel`) the residual stream is split along the
+sequence, [b, s/tp, h], so norms and dropout work on 1/tp of the tokens and their activations
+take 1/tp of the memory: a column linear all-gathers its input along the sequence (its backward
+reduce-scatters the input gradient) and a row linear reduce-scatters its output (its backward
+all-gathers the gradient). Each all-reduce becomes an all-gather plus a reduce-scatter of the
+same logical size, so the traffic is unchanged.
+
+Every collective goes through `topo.comm`, so it is counted. The communication lives in the
+small autograd Functions below.
 """
 
 from __future__ import annotations
@@ -10,27 +21,64 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from tetrad.model.sharding import new_param
+from tetrad.model.sharding import new_param, spec_of
 
 
-class _CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce of the input gradient backward."""
+# ----------------------------------------------------------------------------- sequence layout
+# `Comm` gathers and scatters along dim 0; the sequence is dim 1 of [b, s, h]. These two helpers
+# move the tp-many sequence chunks to and from dim 0 with one copy.
 
-    @staticmethod
-    def forward(ctx, x, topo):
-        ctx.topo = topo
-        return x
+def _chunks_first(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """[b, s, *rest] -> [tp * b, s / tp, *rest]: chunk i of the sequence in rows i*b..(i+1)*b."""
+    b, s = x.shape[:2]
+    if s % tp:
+        raise ValueError(f"sequence parallelism needs the local sequence length {s} divisible by tp={tp}")
+    return x.reshape(b, tp, s // tp, *x.shape[2:]).transpose(0, 1).reshape(tp * b, s // tp, *x.shape[2:])
 
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        ctx.topo.comm.all_reduce(grad, "tp")
-        return grad, None
 
+def _chunks_back(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """Inverse of `_chunks_first`: [tp * b, s / tp, *rest] -> [b, s, *rest]."""
+    b, sl = x.shape[0] // tp, x.shape[1]
+    return x.reshape(tp, b, sl, *x.shape[2:]).transpose(0, 1).reshape(b, tp * sl, *x.shape[2:])
+
+
+def _all_gather_sequence(x: torch.Tensor, topo, async_op: bool = False):
+    """Every rank's sequence chunk, concatenated: [b, s/tp, h] -> ([tp*b, s/tp, h] buffer, pending)."""
+    out = x.new_empty((topo.tp_size * x.shape[0], *x.shape[1:]))
+    return out, topo.comm.all_gather(out, x.contiguous(), "tp", async_op=async_op)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, topo, async_op: bool = False):
+    """Sum over tp, keep this rank's sequence chunk: [b, s, h] -> ([b, s/tp, h], pending)."""
+    chunks = _chunks_first(x, topo.tp_size)
+    out = x.new_empty((x.shape[0], *chunks.shape[1:]))
+    return out, topo.comm.reduce_scatter(out, chunks, "tp", async_op=async_op)
+
+
+def gather_sequence(x: torch.Tensor, topo) -> torch.Tensor:
+    out, _ = _all_gather_sequence(x, topo)
+    return _chunks_back(out, topo.tp_size)
+
+
+def scatter_sequence(x: torch.Tensor, topo) -> torch.Tensor:
+    out, _ = _reduce_scatter_sequence(x, topo)
+    return out
+
+
+def sequence_shard(t: torch.Tensor, topo, dim: int = 0) -> torch.Tensor:
+    """This rank's slice of a replicated per-token tensor (e.g. positions) under SP, no
+    communication; the tensor itself when SP is off."""
+    if not (topo.sequence_parallel and topo.tp_size > 1):
+        return t
+    return t.chunk(topo.tp_size, dim=dim)[topo.tp_rank]
+
+
+# ----------------------------------------------------------------------------- autograd Functions
 
 class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """g: all-reduce forward, identity backward (a row linear's partial sums, no SP)."""
 
     @staticmethod
     def forward(ctx, x, topo):
@@ -43,18 +91,82 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def copy_to_tp(x: torch.Tensor, topo) -> torch.Tensor:
-    return _CopyToTP.apply(x, topo) if topo.tp_size > 1 else x
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """g under SP: reduce-scatter along the sequence forward, all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return scatter_sequence(x, topo)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_sequence(grad, ctx.topo), None
 
 
-def reduce_from_tp(x: torch.Tensor, topo) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, topo) if topo.tp_size > 1 else x
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """y_i = X W_i^T for column-parallel weights W_i that read the same input (q/k/v, or the two
+    SwiGLU gates), so they share one input collective each way.
+
+    Forward: X is the input itself (replicated) or, under SP, its all-gather along the sequence.
+    Backward (Megatron's overlap): dX = sum_i dy_i W_i is computed first and its all-reduce (or,
+    under SP, reduce-scatter) is started non-blocking; the weight gradients dW_i = dy_i^T X, which
+    need no communication, are computed while it is in flight, and only then is it waited for.
+    Under SP the gathered X is kept for backward (as torch's SequenceParallel does) rather than
+    gathered again, trading b*s*h activation memory for one all-gather.
+    """
+
+    @staticmethod
+    def forward(ctx, x, topo, *weights):
+        ctx.topo = topo
+        total = gather_sequence(x, topo) if topo.sequence_parallel else x
+        ctx.save_for_backward(total, *weights)
+        return tuple(F.linear(total, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total, *weights = ctx.saved_tensors
+        topo = ctx.topo
+        grad_input = grads[0].matmul(weights[0])
+        for g, w in zip(grads[1:], weights[1:]):
+            grad_input.add_(g.matmul(w))
+        if topo.sequence_parallel:
+            grad_input, pending = _reduce_scatter_sequence(grad_input, topo, async_op=True)
+        else:
+            pending = topo.comm.all_reduce(grad_input, "tp", async_op=True)
+        flat_input = total.reshape(-1, total.shape[-1])
+        grad_weights = [g.reshape(-1, g.shape[-1]).t().matmul(flat_input) for g in grads]
+        pending.wait()
+        return (grad_input, None, *grad_weights)
+
+
+# ----------------------------------------------------------------------------- functional forms
+
+def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo) -> tuple[torch.Tensor, ...]:
+    """x W_i^T for each weight split by output rows, sharing the input collective (see
+    `_ColumnParallelMatmul`). x is [b, s, h], or [b, s/tp, h] under SP; outputs cover the whole
+    (local) sequence and this rank's output features."""
+    if topo.tp_size == 1:
+        return tuple(F.linear(x, w) for w in weights)
+    return _ColumnParallelMatmul.apply(x, topo, *weights)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, topo) -> torch.Tensor:
     """x W_local^T for a weight split by output rows (also the tied head: the embedding's weight)."""
-    return F.linear(copy_to_tp(x, topo), weight)
+    return column_parallel_linears(x, [weight], topo)[0]
 
+
+def reduce_tp_output(x: torch.Tensor, topo) -> torch.Tensor:
+    """Complete a tp-partial activation [b, s, h]: all-reduce it, or under SP reduce-scatter it to
+    this rank's sequence chunk [b, s/tp, h]."""
+    if topo.tp_size == 1:
+        return x
+    if topo.sequence_parallel:
+        return _ReduceScatterToSequence.apply(x, topo)
+    return _ReduceFromTP.apply(x, topo)
+
+
+# ----------------------------------------------------------------------------- modules
 
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T, W split by output rows; the output stays split over tp."""
@@ -70,7 +182,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over tp of x_local W_local^T, W split by input columns; the output is complete."""
+    """y = sum over tp of x_local W_local^T, W split by input columns; the output is complete
+    (under SP: complete for this rank's sequence chunk)."""
 
     def __init__(self, in_features: int, out_features: int, topo, *, std: float = 0.02):
         super().__init__()
@@ -79,11 +192,12 @@ class RowParallelLinear(nn.Module):
                                 index=topo.tp_rank, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.topo)
+        return reduce_tp_output(F.linear(x, self.weight), self.topo)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows of the (padded) vocabulary split over tp; each rank looks up the tokens it owns."""
+    """Rows of the (padded) vocabulary split over tp; each rank looks up the tokens it owns and
+    the partial lookups are summed (under SP: reduce-scattered to this rank's sequence chunk)."""
 
     def __init__(self, vocab_size: int, dim: int, topo, *, std: float = 0.02):
         super().__init__()
@@ -100,8 +214,32 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.topo)
+        return reduce_tp_output(out, self.topo)
 
+
+# ----------------------------------------------------------------------------- gradients
+
+def reduce_sequence_parallel_grads(params: list[torch.nn.Parameter], topo) -> None:
+    """Sum over tp the gradients of tp-replicated parameters (norm weights and biases, learned
+    positions) under SP. Called once per step after backward, before the dp reduction.
+
+    Under SP each tp rank applies these parameters to its own sequence chunk only, so its
+    gradient is the part from those tokens; the sum over tp is the whole gradient, and every
+    rank then takes the same optimizer step. Without SP they see the whole (replicated)
+    sequence and their gradients are already complete. One flat all-reduce for all of them.
+    """
+    if not topo.sequence_parallel or topo.tp_size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None and spec_of(p)[2] == 1]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    topo.comm.all_reduce(flat, "tp")
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+# ----------------------------------------------------------------------------- loss
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split by vocabulary: max, sum-exp and the target logit are

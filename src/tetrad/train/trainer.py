@@ -18,6 +18,7 @@ from tetrad import device as devices
 from tetrad.config import Config, profile_steps
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import full_state_dict, init_parameters, set_spec, spec_of
+from tetrad.model.tensor import reduce_sequence_parallel_grads
 from tetrad.parallel.context import shard_sequence
 from tetrad.parallel.data import GradReducer
 from tetrad.topology import Layout, Topology
@@ -45,7 +46,7 @@ class Trainer:
         self.cfg = cfg
         p = cfg.parallel
         self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node,
-                             cp_algo=p.cp_algo)
+                             cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel)
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed(cfg.train.seed + 7919 * self.topo.rank)
         self.model = build_model(cfg, self.topo)
@@ -79,6 +80,7 @@ class Trainer:
         micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
         with devices.phase("forward_backward", topo.device):
             loss_sum = self.forward_backward(micro)
+            reduce_sequence_parallel_grads(self.params, topo)
         with devices.phase("grad_reduce", topo.device):
             self.grads.reduce()
         with devices.phase("optimizer", topo.device):

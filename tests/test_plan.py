@@ -1,5 +1,9 @@
-"""The cost model against published runs, the ZeRO paper's memory table, and its contracts."""
+"""The planner: published runs, the ZeRO paper's memory table, Korthikanti's activation formulas,
+the FLOP convention, the search's exactness, and the estimate/plan contracts."""
 
+from __future__ import annotations
+
+import dataclasses
 import json
 from pathlib import Path
 
@@ -7,35 +11,47 @@ import pytest
 
 from tetrad.cli import main
 from tetrad.config import load_config
-from tetrad.plan.cost import estimate
+from tetrad.plan import flops
+from tetrad.plan.cost import _simulate, comm_bytes_per_step, estimate, pipeline
 from tetrad.plan.hardware import HardwareError, load_cluster, load_gpu
-from tetrad.plan.memory import model_state_bytes
+from tetrad.plan.memory import ZERO_PAPER_BYTES, activation_bytes_per_layer, model_state_bytes, rank_params
 from tetrad.plan.reference import best_estimate, predicted_value, read_rows
+from tetrad.plan.search import config_of, layouts, plan
+from tetrad.plan.stacks import STACKS
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published_runs.csv"
+# CI has a copy of shared/ beside the clone: <root>/../shared/reference.
+REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
 ROWS = read_rows(REFERENCE) if REFERENCE.exists() else []
-# Known gap, not hidden: torchtitan's context-parallel runs at cp>=4 lose throughput faster than
-# compute and ring traffic explain (predicted +28% at cp=4, +33% at cp=8).
+# Known gaps, kept visible: torchtitan's Dec 2024 context parallelism loses throughput at cp >= 4
+# faster than its FLOPs and ring traffic explain. Per-rank tokens are the same in all four rows,
+# so any cost linear in cp (attention, ring steps) with a physical floor for the rest cannot meet
+# both cp=2 and cp=8 within 10%; held-out torchtitan 405B runs (cp=8) show the same excess.
 KNOWN_GAPS = {"tt-8b-cp4", "tt-8b-cp8"}
 
 
-@pytest.mark.skipif(not ROWS, reason=f"{REFERENCE} not found (shared/ must sit beside the clone)")
+def _cfg(**sections):
+    return load_config(overrides=sections, runtime=False)
+
+
+@pytest.mark.skipif(not ROWS, reason=f"{REFERENCE} not found: shared/ must sit beside the clone")
 def test_published_runs_within_10_percent(capsys):
     errors = {}
     with capsys.disabled():
-        print(f"\n{'run':<18}{'published':>12}{'predicted':>12}{'error':>9}")
+        print(f"\n{'run':<18}{'metric':<22}{'published':>11}{'predicted':>11}{'error':>9}")
         for row in ROWS:
-            pred = predicted_value(row, best_estimate(row))
-            pub = float(row["value"])
+            pred, pub = predicted_value(row, best_estimate(row)), float(row["value"])
             errors[row["id"]] = (pred - pub) / pub
-            print(f"{row['id']:<18}{pub:>12.4g}{pred:>12.4g}{100 * errors[row['id']]:>+8.1f}%")
-        print(f"mean absolute percentage error: {100 * sum(map(abs, errors.values())) / len(errors):.1f}%")
+            gap = "  (known gap)" if row["id"] in KNOWN_GAPS else ""
+            print(f"{row['id']:<18}{row['metric']:<22}{pub:>11.4g}{pred:>11.4g}{100 * errors[row['id']]:>+8.1f}%{gap}")
+        mape = 100 * sum(map(abs, errors.values())) / len(errors)
+        print(f"mean absolute percentage error: {mape:.1f}% over {len(errors)} rows")
     bad = {k: f"{100 * v:+.1f}%" for k, v in errors.items() if abs(v) > 0.10 and k not in KNOWN_GAPS}
     assert not bad, f"rows off by more than 10%: {bad}"
-    assert all(abs(errors[k]) > 0.10 for k in KNOWN_GAPS if k in errors), "a known gap closed: update KNOWN_GAPS"
+    closed = [k for k in KNOWN_GAPS if k in errors and abs(errors[k]) <= 0.10]
+    assert not closed, f"known gaps closed, remove them from KNOWN_GAPS: {closed}"
 
 
-# ZeRO paper (Rajbhandari et al. 2020) Table 1: model-state GB per device, 16 bytes/param, K=12.
+# Rajbhandari et al. 2020, Table 1: model-state GB per device, K=12, N_d = 1..1024.
 ZERO_TABLE = {7.5e9: {1: [120, 52.5, 35.6, 31.4, 30.4, 30.1], 2: [120, 41.3, 21.6, 16.6, 15.4, 15.1],
                       3: [120, 30, 7.5, 1.88, 0.47, 0.12]},
               128e9: {1: [2048, 896, 608, 536, 518, 513], 2: [2048, 704, 368, 284, 263, 257],
@@ -43,47 +59,164 @@ ZERO_TABLE = {7.5e9: {1: [120, 52.5, 35.6, 31.4, 30.4, 30.1], 2: [120, 41.3, 21.
 
 
 @pytest.mark.parametrize("params", ZERO_TABLE)
-def test_zero_table_1(params):
+def test_zero_paper_table_1_within_2_percent(params):
     for stage, row in ZERO_TABLE[params].items():
-        for n, published in zip([1, 4, 16, 64, 256, 1024], row):
-            ours = sum(model_state_bytes(params, "bf16", stage, n)) / 1e9
-            # 2% as the issue asks; abs=0.005 because the paper prints 0.12 for 0.117 (its rounding).
-            assert ours == pytest.approx(published, rel=0.02, abs=0.005), (params, stage, n)
+        for shards, published in zip([1, 4, 16, 64, 256, 1024], row):
+            ours = sum(model_state_bytes(params, stage, shards, ZERO_PAPER_BYTES)) / 1e9
+            # abs: the paper prints 0.12 for 0.117 (its rounding to two digits).
+            assert ours == pytest.approx(published, rel=0.02, abs=0.005), (params, stage, shards)
 
 
-def test_estimate_json_contract_and_breakdown(capsys):
+def test_korthikanti_activation_formulas_are_reproduced_exactly():
+    """GPT layer (LayerNorm, GELU, dropout, scores materialised), 16-bit: Korthikanti et al. Table 2."""
+    s, b, h, a = 2048, 2, 1024, 16
+    m = _cfg(model={"preset": "tiny", "n_layers": 2, "d_model": h, "n_heads": a, "n_kv_heads": a, "ffn_hidden": 4 * h,
+                    "seq_len": s, "mlp": "gelu", "norm": "layernorm", "dropout": 0.1}).model
+    stack = STACKS["megatron-2021"]
+    sbh, score = s * b * h, 5 * a * s / h
+    for tp, sp, recompute, expected in [(1, False, "none", 34 + score), (4, False, "none", 10 + 24 / 4 + score / 4),
+                                        (4, True, "none", 34 / 4 + score / 4), (4, False, "selective", 10 + 24 / 4),
+                                        (4, True, "selective", 34 / 4), (1, False, "full", 2)]:
+        got = activation_bytes_per_layer(m, b * s, tp, sp, recompute, 2, stack)
+        assert got == pytest.approx(sbh * expected), (tp, sp, recompute)
+
+
+def test_flop_convention_matches_narayanan_eq3_with_full_recompute():
+    m = _cfg(model={"preset": "gpt3-175b"}).model
+    batch = 1536
+    ours = flops.hardware_flops_per_token(m, "full") * batch * m.seq_len
+    eq3 = flops.narayanan_eq3_flops(batch, m.seq_len, m.n_layers, m.d_model, m.vocab_size)
+    assert ours == pytest.approx(eq3, rel=1e-9)
+    assert flops.model_flops_per_token(m) < ours / batch / m.seq_len  # MFU's numerator has no recompute
+
+
+def test_estimate_json_contract(capsys):
     assert main(["estimate", "--cluster", "dgx-h100", "--model.preset=llama3-8b", "--parallel.tp=8",
-                 "--train.global_batch=8", "--train.micro_batch=1", "--train.dtype=bf16", "--json"]) == 0
+                 "--parallel.sequence_parallel=true", "--train.global_batch=8", "--train.micro_batch=1",
+                 "--train.dtype=bf16", "--train.recompute=selective", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "hfu", "bubble_fraction",
-                "peak_memory_gib", "memory_gib", "fits", "parallel"):
-        assert key in out
+                "peak_memory_gib", "memory_gib", "fits", "time_s", "parallel", "compute_s", "exposed_comm_s",
+                "bubble_s"):
+        assert key in out, key
     assert set(out["memory_gib"]) == {"weights", "grads", "optimizer", "activations", "other"}
-    assert 0 < out["mfu"] <= out["hfu"] < 1
+    assert out["peak_memory_gib"] == pytest.approx(sum(out["memory_gib"].values()))
+    assert sum(out["time_s"].values()) == pytest.approx(out["step_time_s"])
+    assert 0 < out["mfu"] < out["hfu"] < 1 and out["fits"] and out["parallel"]["tp"] == 8
 
 
 def test_layout_that_does_not_fit_is_reported_with_its_breakdown(capsys):
-    cfg = load_config(overrides={"model": {"preset": "llama3-70b"}, "train": {"global_batch": 8, "micro_batch": 1,
-                                                                              "dtype": "bf16"}}, runtime=False)
-    est = estimate(cfg, load_cluster("dgx-h100"))
-    assert not est.fits and est.memory.weights > 100 * 1024**3
-    main(["estimate", "--cluster", "dgx-h100", "--model.preset=llama3-70b", "--train.global_batch=8",
-          "--train.micro_batch=1", "--train.dtype=bf16"])
+    args = ["estimate", "--cluster", "dgx-h100", "--model.preset=llama3-70b", "--train.global_batch=8",
+            "--train.micro_batch=1", "--train.dtype=bf16"]
+    assert main(args) == 1
     text = capsys.readouterr().out
-    assert "DOES NOT FIT" in text and "weights" in text and "optimizer" in text
+    assert "DOES NOT FIT" in text
+    for part in ("weights", "grads", "optimizer", "activations", "other"):
+        assert part in text
+    assert main(args + ["--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["memory_gib"]["optimizer"] > 80 and out["step_time_s"] > 0
 
 
-def test_unknown_gpu_lists_known_ones():
-    with pytest.raises(HardwareError, match="known: A100-80GB-SXM, H100-SXM"):
+def test_unknown_gpu_and_cluster_list_the_known_ones(tmp_path, capsys):
+    with pytest.raises(HardwareError, match="known: A100-80GB-SXM, H100-SXM, H100-96GB-500W, H200, B200, MI300X"):
         load_gpu("H900")
+    with pytest.raises(HardwareError, match="dgx-h100"):
+        load_cluster("no-such-cluster")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[cluster]\ngpu = "H900"\n')
+    assert main(["estimate", "--cluster", str(bad)]) == 2
+    assert "known: A100-80GB-SXM" in capsys.readouterr().err
+    bad.write_text('[cluster]\ngpu = "H100-SXM"\nnode = 4\n')
+    with pytest.raises(HardwareError, match="unknown \\[cluster\\] keys \\['node'\\]"):
+        load_cluster(str(bad))
 
 
-def test_plan_ranks_layouts_and_writes_a_runnable_config(tmp_path, capsys):
+def test_cluster_files_and_measured_profiles(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted((root / "configs" / "clusters").glob("*.toml")):
+        assert load_cluster(str(path)).world >= 1, path
+    (tmp_path / "hw.json").write_text(json.dumps({
+        "name": "lab-gpu", "base": "H100-SXM", "peak_tflops": {"bf16": 700.0}, "memory_gbps": 3000,
+        "links": {"intra_node": {"alpha_s": 4e-6, "beta_gbps": 380},
+                  "inter_node": {"alpha_s": 2e-5, "beta_gbps": 40}}}))
+    (tmp_path / "c.toml").write_text('[cluster]\ngpu = "hw.json"\ngpus_per_node = 4\nnodes = 2\ninter_node_gbps = 20\n')
+    c = load_cluster(str(tmp_path / "c.toml"))
+    g = c.gpu
+    assert (c.world, g.name, g.peak_tflops["bf16"], g.gemm_efficiency) == (8, "lab-gpu", 700.0, 1.0)
+    assert (g.intra_gbps, g.intra_alpha_s, g.inter_gbps, g.hbm_gib) == (380, 4e-6, 20, load_gpu("H100-SXM").hbm_gib)
+
+
+def test_fp8_and_recompute_and_zero_move_the_estimate_the_physical_way():
+    cluster = load_cluster("dgx-h100")
+    base = _cfg(model={"preset": "llama3-8b"}, parallel={"dp": 8, "zero": 1},
+                train={"global_batch": 32, "micro_batch": 1, "dtype": "bf16"})
+    def with_(section, **kw):
+        return dataclasses.replace(base, **{section: dataclasses.replace(getattr(base, section), **kw)})
+    bf16 = estimate(base, cluster)
+    fp8 = estimate(with_("train", dtype="fp8"), cluster)
+    assert 1.0 < bf16.step_time_s / fp8.step_time_s < 2.0  # faster GEMMs, same attention and casts on top
+    full = estimate(with_("train", recompute="full"), cluster)
+    assert full.step_time_s > bf16.step_time_s and full.memory.activations < bf16.memory.activations / 3
+    assert full.hfu > full.mfu and bf16.hfu == pytest.approx(bf16.mfu)
+    states = [estimate(with_("parallel", zero=z), cluster).memory for z in range(4)]
+    states = [s.weights + s.grads + s.optimizer for s in states]
+    assert states == sorted(states, reverse=True) and states[3] < states[0] / 6
+
+
+def test_long_pipelines_are_extrapolated_exactly_from_the_simulator():
+    f, bi, bw = [1.0, 1.1, 0.9, 1.3], [1.2, 1.0, 1.1, 1.4], [0.8, 0.9, 1.0, 1.1]
+    for schedule, vpp in (("1f1b", 1), ("zb", 1), ("interleaved", 2)):
+        stages = 4 * vpp
+        costs = (f * vpp)[:stages], (bi * vpp)[:stages], (bw * vpp)[:stages]
+        for m in (29, 40):
+            direct, _ = _simulate(schedule, 4, m, vpp, *(tuple(round(x / 1.3, 2) for x in c) for c in costs), 0.01)
+            extended, _ = pipeline(schedule, 4, m, vpp, *costs, 0.013)
+            assert extended == pytest.approx(direct * 1.3, rel=1e-9), (schedule, m)
+
+
+def test_plan_ranking_equals_estimating_every_layout():
+    cluster = load_cluster("dgx-a100")
+    base = _cfg(model={"preset": "tiny", "n_layers": 8, "d_model": 2048, "n_heads": 16, "n_kv_heads": 4,
+                       "ffn_hidden": 5632, "vocab_size": 32000, "seq_len": 2048},
+                train={"global_batch": 16, "micro_batch": 1, "dtype": "bf16"})
+    result = plan(base, cluster, top=5)
+    every = [estimate(config_of(base, x, z), cluster) for x in layouts(base, 8, 8) for z in range(4)
+             if z == 0 or x.dp * x.cp > 1]
+    best = sorted((e for e in every if e.fits), key=lambda e: e.step_time_s)[:5]
+    assert [e.step_time_s for e in result.ranked] == pytest.approx([e.step_time_s for e in best], rel=1e-12)
+    assert result.estimated < len(every) / 10
+
+
+def test_plan_writes_a_runnable_config(tmp_path, capsys):
     out = tmp_path / "best.toml"
-    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "16",
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "16", "--dtype", "bf16",
                  "--top", "3", "--json", "--out", str(out)]) == 0
-    ranked = json.loads(capsys.readouterr().out.split("\nwrote")[0])
+    ranked = json.loads(capsys.readouterr().out)
     times = [r["step_time_s"] for r in ranked]
-    assert times == sorted(times) and all(r["fits"] for r in ranked)
-    best = load_config(out, runtime=False)
-    assert best.parallel.world_size == 8
+    assert len(ranked) == 3 and times == sorted(times) and all(r["fits"] for r in ranked)
+    best = load_config(out)  # validates for the runtime, as `tetrad train` would
+    assert best.parallel.world_size == 8 and best.parallel.dp == ranked[0]["parallel"]["dp"]
+
+
+def test_plan_with_nothing_fitting_shows_the_closest(capsys):
+    assert main(["plan", "--model", "llama3-405b", "--cluster", "dgx-h100", "--global-batch", "8", "--top", "2",
+                 "--dtype", "bf16"]) == 1
+    text = capsys.readouterr().out
+    assert "NO LAYOUT FITS" in text and "DOES NOT FIT" in text
+
+
+def test_comm_bytes_follow_tetrad_comm_convention():
+    cfg = _cfg(model={"preset": "tiny"}, parallel={"dp": 2, "tp": 2, "pp": 2},
+               train={"global_batch": 8, "micro_batch": 2, "dtype": "fp32"})
+    m, micro = cfg.model, cfg.microbatches
+    hidden = 2 * m.seq_len * m.d_model * 4  # micro-batch x seq x d_model, fp32
+    got = comm_bytes_per_step(cfg)
+    layers = 2  # of 4, on pipeline rank 0
+    assert got["tp"] == micro * (layers * 4 * hidden + hidden) + 4  # 2 all-reduces fwd + 2 bwd per layer; embedding
+    assert got["pp"] == micro * hidden + 8  # activations sent on; loss and grad-norm scalars
+    assert got["dp"] == int(rank_params(cfg)[0] * 4) + 8  # one all-reduce of fp32 gradients; loss and grad norm
+    assert got["cp"] == 0
+    ring = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, cp=2))
+    kv = 2 * m.seq_len // 2 * m.n_kv_heads * m.head_dim * 2  # k and v of this rank's tokens, micro-batch 2
+    assert comm_bytes_per_step(ring)["cp"] == ring.microbatches * m.n_layers * (kv * 4 + kv * 4 + 2 * kv * 4)

@@ -335,8 +335,24 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
                           f"multiple of {t.micro_batch * p.dp}, or change micro_batch")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
-    if isinstance(p.grad_bucket_mb, float) and p.grad_bucket_mb <= 0:
+    if p.grad_bucket_mb != "auto" and not p.grad_bucket_mb > 0:
         raise ConfigError(f"parallel.grad_bucket_mb must be > 0 (or 'auto'), got {p.grad_bucket_mb}")
+    if p.grad_codec != "none" and p.zero >= 2:
+        raise ConfigError(f"grad_codec={p.grad_codec!r} compresses the all-reduce of ZeRO 0/1; zero={p.zero} "
+                          f"reduce-scatters instead. Use zero<=1 or grad_codec='none'")
+    if p.grad_codec == "int8" and p.dp * p.cp > 127:
+        raise ConfigError(f"grad_codec='int8' sums int8 over dp*cp = {p.dp * p.cp} ranks, at most 127; "
+                          f"use bf16 or hierarchical reduction")
+    if p.hierarchical is True:
+        if p.zero >= 2 or p.grad_codec != "none":
+            raise ConfigError(f"hierarchical=true reduces the ZeRO 0/1 all-reduce without a codec; got "
+                              f"zero={p.zero}, grad_codec={p.grad_codec!r}")
+        per_node = p.ranks_per_node // p.tp
+        if p.ranks_per_node % p.tp or (p.dp * p.cp) % per_node and per_node % (p.dp * p.cp):
+            raise ConfigError(f"hierarchical=true needs the dp*cp = {p.dp * p.cp} ranks of a group split evenly "
+                              f"over nodes of ranks_per_node={p.ranks_per_node} (tp={p.tp} per replica); "
+                              f"use a ranks_per_node that is a multiple of tp and divides or is divided by "
+                              f"dp*cp*tp")
     if t.warmup < 0 or t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0; got lr={t.lr}, "
                           f"min_lr_ratio={t.min_lr_ratio}, warmup={t.warmup}")

@@ -83,6 +83,7 @@ class Topology:
             raise ValueError(f"layout {layout} needs {layout.world_size} ranks, the job has {world}")
         self.coords = layout.coords(self.rank)
         self._groups: dict[str, dist.ProcessGroup | None] = {}
+        self._node_sizes: dict[str, int] = {}
         self.mesh = None
         if self.distributed:
             from torch.distributed.device_mesh import DeviceMesh
@@ -104,6 +105,8 @@ class Topology:
     def size(self, name: str) -> int:
         if name == "dp_cp":
             return self.layout.dp * self.layout.cp
+        if name in self._node_sizes:
+            return self._node_sizes[name]
         return getattr(self.layout, name)
 
     def local_rank(self, name: str) -> int:
@@ -116,6 +119,27 @@ class Topology:
         """The rank at this rank's coordinate with some dimensions replaced, e.g. pp=stage+1."""
         c = {**self.coords, **coords}
         return int(self.layout.grid()[c["pp"], c["dp"], c["cp"], c["tp"]])
+
+    def split_by_node(self) -> None:
+        """Create (once; collective over the whole job) the "dp_cp_intra" groups (dp x cp ranks on
+        one node, node = rank // ranks_per_node) and "dp_cp_inter" (the same position on every
+        node), for hierarchical gradient reduction."""
+        if self._node_sizes:
+            return
+        for group in self.layout.groups(("dp", "cp")):
+            nodes: dict[int, list[int]] = {}
+            for r in group:
+                nodes.setdefault(r // self.ranks_per_node, []).append(r)
+            intra = list(nodes.values())
+            if len({len(g) for g in intra}) != 1:
+                raise ValueError(f"dp x cp group {group} is spread unevenly over nodes of {self.ranks_per_node}")
+            inter = [list(ranks) for ranks in zip(*intra)]
+            for name, subgroups in (("dp_cp_intra", intra), ("dp_cp_inter", inter)):
+                for ranks in subgroups:
+                    pg = dist.new_group(ranks) if self.distributed else None
+                    if self.rank in ranks:
+                        self._groups[name] = pg
+                        self._node_sizes[name] = len(ranks)
 
     @cached_property
     def tp_size(self) -> int:

@@ -26,8 +26,8 @@ from tetrad.comm import watchdog
 if TYPE_CHECKING:
     from tetrad.topology import Topology
 
-# The dp x cp gradient group is reported as "dp" (DESIGN.md: comm_bytes by tp, cp, pp, dp).
-REPORTED_GROUP = {"dp_cp": "dp"}
+# The dp x cp gradient group (and its per-node halves) is reported as "dp" (DESIGN.md: comm_bytes by tp, cp, pp, dp).
+REPORTED_GROUP = {"dp_cp": "dp", "dp_cp_intra": "dp", "dp_cp_inter": "dp"}
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tetrad.config import ModelConfig
 from tetrad.model.attention import attention
 from tetrad.model.sharding import new_param
-from tetrad.model.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from tetrad.model.tensor import (ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
                                  column_parallel_linear, column_parallel_linears, sequence_shard,
                                  vocab_parallel_cross_entropy)
 
@@ -101,7 +101,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, topo, out_std)
         self.mlp_norm = Norm(cfg)
         self.mlp = MLP(cfg, topo, out_std)
-        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
+        self.dropout = ResidualDropout(cfg.dropout, topo) if cfg.dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), rope))

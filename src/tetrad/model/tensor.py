@@ -217,6 +217,36 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_tp_output(out, self.topo)
 
 
+class ResidualDropout(nn.Module):
+    """Dropout on the residual stream, consistent with how tp holds it.
+
+    Under SP (or tp = 1) each rank drops elements of its own tokens with its own generator (the
+    trainer seeds every rank differently), as one device would with independent draws. Without
+    SP the stream is replicated over tp and every tp rank must drop the same elements, or the
+    replicas (and the replicated norm weights) drift apart: the mask then comes from a generator
+    seeded the same on every tp rank, with a seed tp rank 0 draws at construction and broadcasts.
+    Masks are not a function of the token's position, so they differ from a single-process
+    run's: dropout > 0 is reproducible per layout, not bitwise equal across layouts.
+    """
+
+    def __init__(self, p: float, topo):
+        super().__init__()
+        self.p, self.topo = p, topo
+        self.generator = None
+        if topo.tp_size > 1 and not topo.sequence_parallel:
+            seed = torch.randint(2**62, (1,), device=topo.device)  # explicit device: models are built on meta
+            topo.comm.broadcast(seed, 0, "tp")
+            self.generator = torch.Generator(device=topo.device).manual_seed(int(seed))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if self.generator is None:
+            return F.dropout(x, self.p)
+        keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
+        return x * keep / (1 - self.p)
+
+
 # ----------------------------------------------------------------------------- gradients
 
 def reduce_sequence_parallel_grads(params: list[torch.nn.Parameter], topo) -> None:

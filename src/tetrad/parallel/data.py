@@ -1,25 +1,367 @@
-"""Data parallelism: gradients summed over the dp x cp group once per optimizer step.
+"""Data parallelism over the dp x cp group: bucketed, overlapped gradient reduction and ZeRO 0-3.
 
-CP ranks hold the same weights as their DP peers, so both dimensions reduce together. The loss
-each micro-batch backpropagates is already divided by the global token count, so a SUM gives
-exactly the single-device gradient.
+CP ranks hold the same weights as their DP peers, so both dimensions reduce (and shard) together.
+Each micro-batch's loss is already divided by the global token count, so a SUM of the gradients
+gives exactly the single-device gradient.
+
+Gradients land in flat fp32 buckets (in backward order, `grad_bucket_mb` each) from a
+post-accumulate-grad hook; on the last micro-batch a bucket's collective starts, non-blocking,
+the moment its last gradient arrives. Every bucket is padded to a multiple of N = |dp x cp| and
+rank i owns the i-th 1/N of it:
+
+- ZeRO-0 all-reduces the bucket; plain AdamW on the full gradients.
+- ZeRO-1 all-reduces too, but AdamW runs only on this rank's shard; updated shards are then
+  all-gathered into the flat parameter buffer the model's parameters are views of.
+- ZeRO-2 reduce-scatters and frees the full bucket once reduced: only the shard is kept.
+- ZeRO-3 keeps only the parameter shard; one bucket per block of `model.layers` (plus one for the
+  rest, gathered for the whole step). A block is all-gathered just before its forward (the next
+  block's gather is started meanwhile), freed after it, gathered again when its output gradient
+  arrives (prefetching the block before it), and freed when its gradients are in.
+
+The clipping norm is computed from each rank's shard of every bucket in all stages, so ZeRO 0, 1
+and 2 do the same arithmetic and give bit-identical results.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
+import torch.nn as nn
+
+from tetrad.comm import hierarchical
+from tetrad.comm.codecs import INT8_BLOCK, make_codec
+from tetrad.model.sharding import spec_of
+from tetrad.train.optim import build_optimizer, clip_gradients
+
+AUTO_BUCKET_MB = 25.0  # torch DDP's default
+
+
+class Bucket:
+    """A run of parameters laid out in one flat buffer, padded so N equal shards cover it."""
+
+    def __init__(self, params: list[nn.Parameter], n: int, rank: int, align: int):
+        self.params = params
+        self.offsets, size = [], 0
+        for p in params:
+            self.offsets.append(size)
+            size += p.numel()
+        self.size = size
+        self.padded = math.ceil(size / (n * align)) * n * align
+        self.shard_size = self.padded // n
+        self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        self.grad: torch.Tensor | None = None  # full fp32 gradient while it exists
+        self.grad_shard: torch.Tensor | None = None  # this rank's reduced shard
+        self.pending = None  # the gradient collective in flight
+        self.gathering = None  # ZeRO-3: the parameter all-gather in flight
+        self.seen = 0  # gradients arrived in this backward
+        self.reduced = False  # `grad` holds last step's reduced gradient (p.grad may still view it)
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(param index, start, end) in bucket coordinates of each parameter's part of this shard."""
+        out = []
+        for i, (off, p) in enumerate(zip(self.offsets, self.params)):
+            a, b = max(off, self.lo), min(off + p.numel(), self.hi)
+            if a < b:
+                out.append((i, a, b))
+        return out
+
+
+class ShardedAdamW:
+    """AdamW on this rank's shard of every bucket (ZeRO >= 1). The shard is cut at parameter
+    boundaries so each piece keeps its parameter's weight decay; AdamW is elementwise, so this is
+    the same arithmetic as the unsharded optimizer."""
+
+    def __init__(self, reducer: "GradReducer", shards: list[torch.Tensor], train_cfg):
+        self.reducer = reducer
+        self.slots = []  # (bucket, piece tensor, shard start, shard end)
+        decay, no_decay = [], []
+        for bucket, shard in zip(reducer.buckets, shards):
+            for i, a, b in bucket.pieces():
+                piece = shard[a - bucket.lo:b - bucket.lo]
+                self.slots.append((bucket, piece, a - bucket.lo, b - bucket.lo))
+                (decay if bucket.params[i].ndim >= 2 else no_decay).append(piece)
+        groups = [{"params": decay, "weight_decay": train_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.inner = torch.optim.AdamW([g for g in groups if g["params"]], lr=train_cfg.lr, betas=(0.9, 0.95),
+                                       eps=1e-8)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+    def step(self) -> None:
+        for bucket, piece, a, b in self.slots:
+            piece.grad = bucket.grad_shard[a:b]
+        self.inner.step()
+        self.reducer.after_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, piece, _, _ in self.slots:
+            piece.grad = None
+        self.reducer.zero_grad()
 
 
 class GradReducer:
-    """Reduces the gradients of `params` over dp x cp after the last micro-batch's backward."""
+    """Owns the flat gradient (and, under ZeRO, parameter) buffers of `params` and their reduction
+    over dp x cp. `model` is needed for ZeRO-3 (its blocks get the gather hooks)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], topo):
-        self.params = params
-        self.topo = topo
+    def __init__(self, params: list[nn.Parameter], topo, parallel=None, model: nn.Module | None = None):
+        self.params, self.topo = params, topo
+        self.zero = parallel.zero if parallel else 0
+        self.n, self.rank = topo.size("dp_cp"), topo.local_rank("dp_cp")
+        codec = parallel.grad_codec if parallel else "none"
+        self.codec = make_codec(codec, self.n)
+        self.hierarchical = bool(parallel and parallel.hierarchical is True and self.n > 1)
+        align = INT8_BLOCK if codec == "int8" else 1
+        if self.hierarchical:
+            topo.split_by_node()
+        self._sync = False
+        self._root = None
+        mb = parallel.grad_bucket_mb if parallel else AUTO_BUCKET_MB
+        mb = AUTO_BUCKET_MB if mb == "auto" else mb
+        if self.zero == 3:
+            units = [list(block.parameters()) for block in model.layers.values()]
+            in_blocks = {id(p) for unit in units for p in unit}
+            root = [p for p in params if id(p) not in in_blocks]
+            self.buckets = [Bucket(u, self.n, self.rank, align) for u in units + [root] if u]
+            self._blocks = list(model.layers.values())
+            self._root = self.buckets[-1] if root else None
+        else:
+            self.buckets = [Bucket(u, self.n, self.rank, align) for u in _split(params[::-1], mb * 2**20)]
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(self._hook(bucket, i))
+        self.flat: list[torch.Tensor] = []  # ZeRO >= 1: flat parameter buffer of each bucket
+        self.shards: list[torch.Tensor] = []  # ZeRO-3: the persistent parameter shard of each bucket
+        if self.zero >= 1:
+            self._flatten_params()
+        if self.zero == 3:
+            self._install_block_hooks(model)
+
+    # ------------------------------------------------------------------ parameters under ZeRO
+    @torch.no_grad()
+    def _flatten_params(self) -> None:
+        """Make every parameter a view of its bucket's flat buffer; ZeRO-3 keeps only the shard."""
+        for bucket in self.buckets:
+            flat = torch.zeros(bucket.padded, dtype=bucket.params[0].dtype, device=self.topo.device)
+            for i, p in enumerate(bucket.params):
+                bucket.view(flat, i).copy_(p)
+                p.data = bucket.view(flat, i)
+            self.flat.append(flat)
+            if self.zero == 3:
+                self.shards.append(flat[bucket.lo:bucket.hi].clone())
+                flat.untyped_storage().resize_(0)
+
+    def _bucket_index(self, bucket: Bucket) -> int:
+        return next(i for i, b in enumerate(self.buckets) if b is bucket)
+
+    def _start_gather(self, k: int):
+        """Non-blocking all-gather of bucket k's parameters (no-op if already there or on its way)."""
+        bucket, flat = self.buckets[k], self.flat[k]
+        if flat.untyped_storage().nbytes() == 0:
+            flat.untyped_storage().resize_(bucket.padded * flat.element_size())
+            bucket.gathering = self.topo.comm.all_gather(flat, self.shards[k], "dp_cp", async_op=True)
+
+    def _gather(self, k: int) -> None:
+        self._start_gather(k)
+        if self.buckets[k].gathering is not None:
+            self.buckets[k].gathering.wait()
+            self.buckets[k].gathering = None
+
+    def _free(self, k: int) -> None:
+        self.flat[k].untyped_storage().resize_(0)
+
+    def _install_block_hooks(self, model: nn.Module) -> None:
+        last = len(self._blocks) - 1
+
+        def before_model(module, args):
+            if self._root is not None:
+                self._gather(len(self.buckets) - 1)
+
+        def before(k):
+            def hook(module, args):
+                self._gather(k)
+                if k < last:
+                    self._start_gather(k + 1)
+            return hook
+
+        def after(k):
+            def hook(module, args, output):
+                if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+                    self._free(k)
+                if output.requires_grad:
+                    output.register_hook(lambda grad: self._before_backward(k))
+            return hook
+
+        model.register_forward_pre_hook(before_model)
+        for k, block in enumerate(self._blocks):
+            block.register_forward_pre_hook(before(k))
+            block.register_forward_hook(after(k))
+
+    def _before_backward(self, k: int) -> None:
+        self._gather(k)
+        if k > 0:
+            self._start_gather(k - 1)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Full parameters inside the block (ZeRO-3), e.g. to export or compare them."""
+        if self.zero == 3:
+            for k in range(len(self.buckets)):
+                self._gather(k)
+        try:
+            yield
+        finally:
+            if self.zero == 3:
+                for k in range(len(self.buckets)):
+                    self._free(k)
+
+    # ------------------------------------------------------------------ gradients
+    @contextlib.contextmanager
+    def last_microbatch(self):
+        """Backward inside this block is the accumulation's last: buckets reduce as they fill.
+        Outside it gradients only accumulate (reduce() still reduces whatever did not start)."""
+        self._sync = True
+        try:
+            yield
+        finally:
+            self._sync = False
+
+    def _hook(self, bucket: Bucket, i: int):
+        def hook(p: nn.Parameter) -> None:
+            if bucket.grad is None or bucket.reduced:  # the first gradient of a new accumulation
+                bucket.grad = torch.zeros(bucket.padded, dtype=torch.float32, device=p.device)
+                bucket.reduced = False
+            bucket.view(bucket.grad, i).add_(p.grad)  # fp32 accumulation, whatever the model dtype
+            p.grad = None
+            bucket.seen += 1
+            if bucket.seen == len(bucket.params):
+                bucket.seen = 0
+                if self.zero == 3 and bucket is not self._root:
+                    self._free(self._bucket_index(bucket))
+                if self._sync:
+                    self._launch(bucket)
+        return hook
+
+    def _launch(self, bucket: Bucket) -> None:
+        comm = self.topo.comm
+        if self.zero >= 2:
+            bucket.grad_shard = bucket.grad.new_empty(bucket.shard_size)
+            bucket.pending = comm.reduce_scatter(bucket.grad_shard, bucket.grad, "dp_cp", async_op=True)
+        elif self.hierarchical:
+            bucket.pending = hierarchical.all_reduce(bucket.grad, self.topo)
+        else:
+            bucket.pending = self.codec.all_reduce(bucket.grad, comm, "dp_cp")
 
     def reduce(self) -> None:
-        if self.topo.size("dp_cp") == 1:
+        """Finish every bucket's reduction (starting those that have not started) and expose the
+        result: `p.grad` views (ZeRO-0) or each bucket's reduced shard (ZeRO >= 1)."""
+        for bucket in self.buckets:
+            if bucket.pending is None and bucket.grad is not None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+                bucket.pending = None
+            bucket.seen = 0
+            if bucket.grad is None:
+                continue
+            if self.zero >= 2:
+                bucket.grad = None  # only the shard is kept
+            else:
+                bucket.reduced = True
+                bucket.grad_shard = bucket.grad[bucket.lo:bucket.hi]
+                if self.zero == 0:
+                    for i, p in enumerate(bucket.params):
+                        p.grad = bucket.view(bucket.grad, i).to(p.dtype)
+        self._sum_sequence_parallel()
+        if self._root is not None:
+            self._free(len(self.buckets) - 1)
+
+    def _sum_sequence_parallel(self) -> None:
+        """Under SP each tp rank's gradient of a tp-replicated parameter (norms) covers its own
+        tokens only: sum those over tp. Bucket layouts match across tp, so the shards line up."""
+        if not getattr(self.topo, "sequence_parallel", False):
             return
-        pending = [self.topo.comm.all_reduce(p.grad, "dp_cp", async_op=True) for p in self.params if p.grad is not None]
+        if self.zero == 0:
+            views = [p.grad for p in self.params if p.grad is not None and spec_of(p)[2] == 1]
+        else:
+            views = [g for g, p in self.shard_pieces() if spec_of(p)[2] == 1]
+        if views:
+            flat = torch.cat([v.reshape(-1) for v in views])
+            self.topo.comm.all_reduce(flat, "tp")
+            for v, part in zip(views, flat.split([v.numel() for v in views])):
+                v.copy_(part.view_as(v))
+
+    def shard_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(gradient slice, its parameter) for this rank's shard of every reduced bucket."""
+        return [(b.grad_shard[lo - b.lo:hi - b.lo], b.params[i])
+                for b in self.buckets if b.grad_shard is not None for i, lo, hi in b.pieces()]
+
+    def clip(self, max_norm: float) -> float:
+        """Clip by the true global norm (shards summed over dp x cp, tp and pp); returns it."""
+        if self.zero == 0:  # the optimizer steps on p.grad (views of the buckets in fp32)
+            scaled = [p.grad for p in self.params if p.grad is not None]
+        else:
+            scaled = [b.grad_shard for b in self.buckets if b.grad_shard is not None]
+        return clip_gradients(self.shard_pieces(), max_norm, self.topo, scaled, dp_sharded=True)
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.grad = bucket.grad_shard = None
+        for p in self.params:
+            p.grad = None
+
+    # ------------------------------------------------------------------ optimizer
+    def build_optimizer(self, train_cfg):
+        """Plain AdamW (ZeRO-0) or AdamW on this rank's shards (ZeRO >= 1)."""
+        if self.zero == 0:
+            return build_optimizer(self.params, train_cfg)
+        shards = self.shards if self.zero == 3 else [f[b.lo:b.hi] for b, f in zip(self.buckets, self.flat)]
+        return ShardedAdamW(self, shards, train_cfg)
+
+    def after_step(self) -> None:
+        """ZeRO-1/2: all-gather the updated shards into the full parameters (ZeRO-3 gathers lazily)."""
+        if self.zero == 3:
+            return
+        pending = [self.topo.comm.all_gather(f, f[b.lo:b.hi], "dp_cp", async_op=True)
+                   for b, f in zip(self.buckets, self.flat)]
         for work in pending:
             work.wait()
+
+    # ------------------------------------------------------------------ accounting
+    def model_state_bytes(self, optimizer) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds now, counted from the
+        tensors' storages (each storage once)."""
+        seen: set[int] = set()
+
+        def count(tensors) -> int:
+            total = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                storage = t.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+        state = optimizer.state.values()
+        return {"params": count(list(self.params) + self.shards),
+                "grads": count([p.grad for p in self.params] + [b.grad for b in self.buckets]
+                               + [b.grad_shard for b in self.buckets]),
+                "optimizer": count([v for s in state for v in s.values() if torch.is_tensor(v) and v.ndim])}
+
+
+def _split(params: list[nn.Parameter], limit_bytes: float) -> list[list[nn.Parameter]]:
+    """Consecutive runs of params, each at most limit_bytes of fp32 gradient (or one parameter)."""
+    out, run, size = [], [], 0
+    for p in params:
+        if run and size + 4 * p.numel() > limit_bytes:
+            out.append(run)
+            run, size = [], 0
+        run.append(p)
+        size += 4 * p.numel()
+    return out + [run] if run else out

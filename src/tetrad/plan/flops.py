@@ -1,11 +1,12 @@
-"""FLOP counts of the model family, per token.
+"""FLOP and parameter counts of the model family (GQA, SwiGLU or GELU, tied or untied embeddings).
 
-Convention (stated once, used for MFU everywhere in tetrad): a multiply-add is 2 FLOPs; a
-training step costs 3x the forward (forward + backward for inputs and weights); causal
-attention's QK^T and AV are counted **in full** (as Megatron-LM, PaLM and torchtitan count them),
-so MFU is comparable with their figures. Hardware FLOPs (HFU) add the recomputed forward.
-What a causal kernel actually executes (about half of the attention core) is what the time
-model uses (`attention_core_executed`).
+The convention, used for MFU everywhere in tetrad: a multiply-add is 2 FLOPs; a training step
+costs 3x the forward (forward, backward for inputs, backward for weights); causal attention's
+QK^T and AV are counted **in full**, as if no score were masked (the convention of Megatron-LM's
+Narayanan et al. Eq. 3, PaLM and torchtitan), so MFU is comparable with their figures; the
+embedding lookup is free and the output head counts. Hardware FLOPs (HFU) add what activation
+recomputation repeats. What kernels actually execute (a causal kernel skips about half of the
+attention core) is the time model's business (cost.py), not this convention's.
 """
 
 from __future__ import annotations
@@ -14,15 +15,24 @@ from tetrad.config import ModelConfig
 
 
 def layer_matmul_flops(m: ModelConfig) -> float:
-    """Forward FLOPs per token of one layer's weight matmuls (attention projections and MLP)."""
+    """Forward FLOPs per token of one layer's weight matmuls (q, k, v, o projections and the MLP)."""
+    return 2 * layer_matrix_params(m)
+
+
+def layer_matrix_params(m: ModelConfig) -> int:
+    """Weights of one layer's linears (split over tp)."""
     hd = m.head_dim
-    attn = 2 * m.d_model * (m.n_heads * hd) * 2 + 2 * m.d_model * (m.n_kv_heads * hd) * 2
-    mlp = 2 * m.d_model * m.ffn_hidden * (3 if m.mlp == "swiglu" else 2)
-    return attn + mlp
+    attn = m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads)
+    return attn + m.d_model * m.ffn_hidden * (3 if m.mlp == "swiglu" else 2)
+
+
+def layer_norm_params(m: ModelConfig) -> int:
+    """Weights of one layer's two norms (replicated over tp)."""
+    return 2 * m.d_model * (1 if m.norm == "rmsnorm" else 2)
 
 
 def attention_core_flops(m: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of QK^T and AV over the whole sequence (counted in full)."""
+    """Forward FLOPs per token of QK^T and AV over the whole sequence, counted in full."""
     return 2 * 2 * seq_len * m.n_heads * m.head_dim
 
 
@@ -36,12 +46,12 @@ def forward_flops_per_token(m: ModelConfig, seq_len: int | None = None) -> float
 
 
 def model_flops_per_token(m: ModelConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward), the numerator of MFU."""
+    """Training FLOPs per token (forward + backward): the numerator of MFU."""
     return 3 * forward_flops_per_token(m, seq_len)
 
 
 def hardware_flops_per_token(m: ModelConfig, recompute: str, seq_len: int | None = None) -> float:
-    """Model FLOPs plus what recomputation repeats: the whole layer forward ("full") or the
+    """Model FLOPs plus what recomputation repeats: each layer's whole forward ("full") or its
     attention core ("selective"); the numerator of HFU."""
     s = seq_len or m.seq_len
     extra = {"none": 0.0, "selective": m.n_layers * attention_core_flops(m, s),
@@ -49,18 +59,22 @@ def hardware_flops_per_token(m: ModelConfig, recompute: str, seq_len: int | None
     return model_flops_per_token(m, s) + extra
 
 
+def embedding_params(m: ModelConfig) -> int:
+    """The token embedding, plus learned positions where the model has them (first stage)."""
+    return m.vocab_size * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
+
+
+def head_params(m: ModelConfig, separate: bool) -> int:
+    """The last stage's final norm and, unless it shares the embedding's weight, its head."""
+    norm = m.d_model * (1 if m.norm == "rmsnorm" else 2)
+    return norm + (m.vocab_size * m.d_model if separate else 0)
+
+
 def parameter_count(m: ModelConfig) -> int:
-    hd = m.head_dim
-    per_layer = (m.d_model * m.n_heads * hd * 2 + m.d_model * m.n_kv_heads * hd * 2
-                 + m.d_model * m.ffn_hidden * (3 if m.mlp == "swiglu" else 2)
-                 + m.d_model * (2 if m.norm == "rmsnorm" else 4))
-    embed = m.vocab_size * m.d_model
-    head = 0 if m.tie_embeddings else m.vocab_size * m.d_model
-    pos = m.seq_len * m.d_model if m.pos == "learned" else 0
-    final_norm = m.d_model * (1 if m.norm == "rmsnorm" else 2)
-    return m.n_layers * per_layer + embed + head + pos + final_norm
+    return (m.n_layers * (layer_matrix_params(m) + layer_norm_params(m)) + embedding_params(m)
+            + head_params(m, separate=not m.tie_embeddings))
 
 
 def narayanan_eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """FLOPs per iteration by Narayanan et al. 2021, Eq. 3 (GPT, full recompute counted)."""
+    """FLOPs per iteration by Narayanan et al. 2021, Eq. 3 (GPT, the recomputed forward counted)."""
     return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))

@@ -1,12 +1,15 @@
 """Hardware the cost model knows: GPU profiles from datasheets, clusters, measured profiles.
 
-Bandwidths are per GPU, one direction, in GB/s: `intra_gbps` over NVLink/xGMI inside a node,
-`inter_gbps` over the network (one NIC's share per GPU). A measured profile (JSON written by
-`tetrad bench`) replaces any of these numbers; see docs/planner.md for its format.
+A GPU profile is dense peak FLOP/s per dtype, HBM capacity and bandwidth, the per-GPU link
+bandwidth inside a node (NVLink/xGMI) and across nodes (the GPU's network share), and two
+achieved-fraction constants: a large GEMM's share of peak and a flash-attention kernel's.
+Bandwidths are GB/s per GPU per direction. `tetrad bench` writes a measured profile (JSON,
+format in docs/planner.md) that replaces any of these figures.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -18,33 +21,63 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+class HardwareError(ValueError):
+    """An unknown GPU or cluster, or a malformed cluster/profile file; the message lists the choices."""
+
+
 @dataclass(frozen=True)
 class GPU:
     name: str
     peak_tflops: dict  # dense peak by dtype: "fp32", "bf16", "fp16", "fp8"
-    hbm_gib: float
+    hbm_gib: float  # capacity the driver reports
     hbm_gbps: float
     intra_gbps: float  # NVLink/xGMI per GPU per direction
     inter_gbps: float  # network per GPU per direction
-    intra_alpha_s: float = 5e-6  # latency of one collective step inside a node
-    inter_alpha_s: float = 15e-6
-    gemm_efficiency: float = 0.80  # fraction of peak a large, well-shaped GEMM reaches
+    intra_alpha_s: float = 3e-6  # latency of one collective ring step inside a node
+    inter_alpha_s: float = 10e-6  # ... across nodes
+    gemm_efficiency: float = 0.80  # share of peak a large, well-shaped GEMM reaches
+    attention_efficiency: float = 0.40  # share of the 16-bit peak a flash-attention fwd+bwd reaches (head_dim 128)
+    memory_efficiency: float = 0.85  # share of the rated HBM bandwidth streaming kernels reach
+    is_cpu: bool = False  # memory is the process's resident set (torch itself included), not HBM
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        """What streaming (element-wise, optimizer) kernels achieve."""
+        return self.hbm_gbps * 1e9 * self.memory_efficiency
+
+    def peak(self, dtype: str) -> float:
+        """Dense FLOP/s of a matmul in `dtype` (fp8 falls back to the 16-bit rate where the GPU has none)."""
+        table = self.peak_tflops
+        return 1e12 * table.get(dtype, table.get("bf16", table["fp32"]))
 
 
-# Datasheet figures (dense, no sparsity). Network: 200 Gb/s HDR per A100 (DGX A100),
-# 400 Gb/s NDR per H100/H200/B200 GPU, 400 Gb/s per MI300X.
+# Datasheet figures, dense (no sparsity). Networks: one 200 Gb/s HDR NIC per A100 (DGX A100),
+# one 400 Gb/s NIC per GPU elsewhere. Efficiencies are typical published measurements: cuBLAS
+# on large bf16 GEMMs (A100 ~250-270 of 312, H100 ~700-800 of 989, MI300X ~55-60% of peak);
+# PyTorch's flash-attention-2 kernels, forward and backward together (A100 ~60% of peak; Hopper
+# ~30%, as FA2 does not use its asynchronous tensor-core instructions; FA3-class kernels would
+# double that).
 GPUS: dict[str, GPU] = {g.name: g for g in [
-    GPU("A100-80GB-SXM", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312, "fp8": 312}, 80, 2039, 300, 25),
-    GPU("H100-SXM", {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979}, 80, 3350, 450, 50),
-    # The H100 with 96 GB HBM2e capped at 500 W (torchtitan's benchmark machines): lower clocks
-    # under load than the 700 W part, HBM2e at 2.4 TB/s.
-    GPU("H100-96GB-500W", {"fp32": 60, "bf16": 800, "fp16": 800, "fp8": 1600}, 96, 2400, 450, 50),
-    GPU("H200", {"fp32": 67, "bf16": 989, "fp16": 989, "fp8": 1979}, 141, 4800, 450, 50),
-    GPU("B200", {"fp32": 80, "bf16": 2250, "fp16": 2250, "fp8": 4500}, 180, 8000, 900, 50),
-    GPU("MI300X", {"fp32": 163, "bf16": 1307, "fp16": 1307, "fp8": 2615}, 192, 5300, 448, 50),
-    # One CPU rank of the development machines (fp32; measured-profile files replace this).
-    GPU("CPU", {"fp32": 0.05, "bf16": 0.02, "fp16": 0.02, "fp8": 0.02}, 24, 10, 1.0, 1.0,
-        intra_alpha_s=2e-4, inter_alpha_s=2e-4, gemm_efficiency=0.5),
+    GPU("A100-80GB-SXM", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 80, 2039, 300, 25,
+        gemm_efficiency=0.78, attention_efficiency=0.60),
+    GPU("H100-SXM", {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 79.6, 3350, 450, 50,
+        gemm_efficiency=0.75, attention_efficiency=0.30),
+    # The 96 GB HBM2e H100 at a 500 W cap (torchtitan's benchmark machines, Grand Teton): its
+    # rated peak sits between the H100 NVL (835 TFLOP/s) and the 700 W SXM part (989), and under
+    # sustained tensor-core load the power cap pulls its clock down to ~78% of the 700 W part's
+    # achieved rates (hence the lower efficiencies).
+    GPU("H100-96GB-500W", {"fp32": 60, "tf32": 450, "bf16": 900, "fp16": 900, "fp8": 1800}, 94, 2400, 450, 50,
+        gemm_efficiency=0.58, attention_efficiency=0.26),
+    GPU("H200", {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 140, 4800, 450, 50,
+        gemm_efficiency=0.77, attention_efficiency=0.30),
+    GPU("B200", {"fp32": 80, "tf32": 1100, "bf16": 2250, "fp16": 2250, "fp8": 4500}, 179, 8000, 900, 50,
+        gemm_efficiency=0.72, attention_efficiency=0.40),
+    GPU("MI300X", {"fp32": 163, "tf32": 654, "bf16": 1307, "fp16": 1307, "fp8": 2615}, 191.5, 5300, 448, 50,
+        gemm_efficiency=0.58, attention_efficiency=0.30),
+    # One rank of a CPU machine (tetrad's tests): fp32 only in practice. `tetrad bench` measures
+    # the real figures; these only make tiny CPU runs estimable (memory above all).
+    GPU("CPU", {"fp32": 0.05, "bf16": 0.02, "fp16": 0.02}, 4, 10, 1.0, 1.0,
+        intra_alpha_s=2e-4, inter_alpha_s=2e-4, gemm_efficiency=0.5, attention_efficiency=0.3, is_cpu=True),
 ]}
 
 
@@ -59,14 +92,13 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
 
-CLUSTERS = {
-    "dgx-a100": ("A100-80GB-SXM", 8, 1), "dgx-h100": ("H100-SXM", 8, 1), "h100x1024": ("H100-SXM", 8, 128),
-    "h100x16384": ("H100-SXM", 8, 2048), "h200x8": ("H200", 8, 1), "cpu": ("CPU", 8, 1),
+# Built-in clusters for --cluster: (GPU, GPUs per node, nodes).
+CLUSTERS: dict[str, tuple[str, int, int]] = {
+    "dgx-a100": ("A100-80GB-SXM", 8, 1), "dgx-h100": ("H100-SXM", 8, 1), "dgx-h200": ("H200", 8, 1),
+    "h200x8": ("H200", 8, 1), "dgx-b200": ("B200", 8, 1), "mi300x-8": ("MI300X", 8, 1),
+    "h100x64": ("H100-SXM", 8, 8), "h100x1024": ("H100-SXM", 8, 128), "h100x16384": ("H100-SXM", 8, 2048),
+    "cpu": ("CPU", 8, 1),
 }
-
-
-class HardwareError(ValueError):
-    pass
 
 
 def load_gpu(name_or_path: str) -> GPU:
@@ -75,48 +107,73 @@ def load_gpu(name_or_path: str) -> GPU:
         return GPUS[name_or_path]
     path = Path(name_or_path)
     if path.suffix == ".json" and path.is_file():
+        return _measured_profile(path)
+    close = difflib.get_close_matches(name_or_path, list(GPUS), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise HardwareError(f"unknown GPU {name_or_path!r}{hint}; known: {', '.join(GPUS)} "
+                        "(or the path of a measured profile .json written by `tetrad bench`)")
+
+
+def _measured_profile(path: Path) -> GPU:
+    """A `tetrad bench` profile: its figures over a built-in `base` (default CPU). Measured peaks
+    are achieved rates, so their efficiency defaults to 1 (the shape law still applies)."""
+    try:
         data = json.loads(path.read_text())
-        base = GPUS.get(data.get("base", "CPU"), GPUS["CPU"])
-        links = data.get("links", {})
-        intra, inter = links.get("intra_node", {}), links.get("inter_node", links.get("intra_node", {}))
-        return replace(base, name=data.get("name", path.stem),
-                       peak_tflops={**base.peak_tflops, **data.get("peak_tflops", {})},
-                       gemm_efficiency=data.get("gemm_efficiency", 1.0 if "peak_tflops" in data else base.gemm_efficiency),
-                       hbm_gib=data.get("memory_gib", base.hbm_gib), hbm_gbps=data.get("memory_gbps", base.hbm_gbps),
-                       intra_gbps=intra.get("beta_gbps", base.intra_gbps),
-                       intra_alpha_s=intra.get("alpha_s", base.intra_alpha_s),
-                       inter_gbps=inter.get("beta_gbps", base.inter_gbps),
-                       inter_alpha_s=inter.get("alpha_s", base.inter_alpha_s))
-    raise HardwareError(f"unknown GPU {name_or_path!r}; known: {', '.join(GPUS)} (or a measured profile .json)")
+    except json.JSONDecodeError as e:
+        raise HardwareError(f"{path} is not valid JSON: {e}") from None
+    base = load_gpu(data.get("base", "CPU"))
+    links = data.get("links", {})
+    intra = links.get("intra_node", {})
+    inter = links.get("inter_node", intra)
+    return replace(base, name=data.get("name", path.stem),
+                   peak_tflops={**base.peak_tflops, **data.get("peak_tflops", {})},
+                   gemm_efficiency=data.get("gemm_efficiency", 1.0 if "peak_tflops" in data else base.gemm_efficiency),
+                   attention_efficiency=data.get("attention_efficiency", base.attention_efficiency),
+                   hbm_gib=data.get("memory_gib", base.hbm_gib), hbm_gbps=data.get("memory_gbps", base.hbm_gbps),
+                   memory_efficiency=1.0 if "memory_gbps" in data else base.memory_efficiency,
+                   intra_gbps=intra.get("beta_gbps", base.intra_gbps),
+                   intra_alpha_s=intra.get("alpha_s", base.intra_alpha_s),
+                   inter_gbps=inter.get("beta_gbps", base.inter_gbps),
+                   inter_alpha_s=inter.get("alpha_s", base.inter_alpha_s))
+
+
+CLUSTER_KEYS = {"gpu", "gpus_per_node", "nodes", "intra_node_gbps", "inter_node_gbps", "peak_tflops",
+                "gemm_efficiency", "attention_efficiency", "memory_gib"}
 
 
 def load_cluster(name_or_path: str) -> Cluster:
-    """A built-in cluster name, or a TOML file with one [cluster] table."""
+    """A built-in cluster name, or a TOML file with one [cluster] table (docs/planner.md)."""
     if name_or_path in CLUSTERS:
         gpu, per_node, nodes = CLUSTERS[name_or_path]
         return Cluster(GPUS[gpu], per_node, nodes)
     path = Path(name_or_path)
     if not path.is_file():
         raise HardwareError(f"unknown cluster {name_or_path!r}: neither a built-in ({', '.join(CLUSTERS)}) "
-                            "nor a TOML file")
-    table = tomllib.loads(path.read_text()).get("cluster")
-    if table is None:
-        raise HardwareError(f"{path} has no [cluster] table")
-    gpu_ref = table.get("gpu", "")
+                            "nor a cluster TOML file")
+    try:
+        table = tomllib.loads(path.read_text()).get("cluster")
+    except tomllib.TOMLDecodeError as e:
+        raise HardwareError(f"{path} is not valid TOML: {e}") from None
+    if not isinstance(table, dict) or "gpu" not in table:
+        raise HardwareError(f"{path} needs a [cluster] table with at least `gpu` (one of {', '.join(GPUS)} "
+                            "or a measured profile .json)")
+    unknown = set(table) - CLUSTER_KEYS
+    if unknown:
+        raise HardwareError(f"{path}: unknown [cluster] keys {sorted(unknown)}; keys are {sorted(CLUSTER_KEYS)}")
+    gpu_ref = str(table["gpu"])
     if gpu_ref.endswith(".json") and not Path(gpu_ref).is_absolute():
         gpu_ref = str(path.parent / gpu_ref)
     gpu = load_gpu(gpu_ref)
-    overrides = {k: table[k] for k in ("intra_node_gbps", "inter_node_gbps", "gemm_efficiency") if k in table}
-    gpu = replace(gpu, intra_gbps=overrides.get("intra_node_gbps", gpu.intra_gbps),
-                  inter_gbps=overrides.get("inter_node_gbps", gpu.inter_gbps),
-                  gemm_efficiency=overrides.get("gemm_efficiency", gpu.gemm_efficiency),
+    gpu = replace(gpu, intra_gbps=table.get("intra_node_gbps", gpu.intra_gbps),
+                  inter_gbps=table.get("inter_node_gbps", gpu.inter_gbps),
+                  gemm_efficiency=table.get("gemm_efficiency", gpu.gemm_efficiency),
+                  attention_efficiency=table.get("attention_efficiency", gpu.attention_efficiency),
+                  hbm_gib=table.get("memory_gib", gpu.hbm_gib),
                   peak_tflops={**gpu.peak_tflops, **table.get("peak_tflops", {})})
     return Cluster(gpu, int(table.get("gpus_per_node", 8)), int(table.get("nodes", 1)))
 
 
 def cluster_of(gpu: str, gpus: int, gpus_per_node: int = 8) -> Cluster:
+    """`gpus` GPUs of one kind, `gpus_per_node` to a node."""
     per_node = min(gpus_per_node, gpus)
     return Cluster(load_gpu(gpu), per_node, max(1, gpus // per_node))
-
-
-

@@ -1,34 +1,52 @@
-"""Memory per rank: model states by ZeRO stage, activations per layer, and allowances.
+"""Memory per rank: what each pipeline rank holds, model states by ZeRO stage, activations per
+layer, and stated allowances.
 
-Model states per parameter (bytes): fp32 training keeps fp32 weights (4), fp32 gradients (4)
-and Adam's two moments (8). Mixed precision follows the ZeRO paper's accounting, 2 + 2 + K with
-K = 12 (fp32 master weights and both moments), 16 bytes in all. ZeRO-1 shards the optimizer
-over the dp x cp group, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+Model states, bytes per parameter (weights, gradients, optimizer): fp32 training keeps fp32
+weights, fp32 gradients and Adam's two moments, 4 + 4 + 8. Mixed precision (bf16, fp16, fp8
+linears) keeps 16-bit weights, fp32 gradients (tetrad, like Megatron-LM, accumulates and reduces
+them in fp32) and fp32 master weights plus both moments, 2 + 4 + 12 = 18. The ZeRO paper's
+convention, 2 + 2 + 12 = 16 with K = 12, is `ZERO_PAPER_BYTES`. ZeRO-1 shards the optimizer over
+the dp x cp group, ZeRO-2 also the gradients, ZeRO-3 also the weights.
 
-Activations follow Korthikanti et al. 2022 (bytes per layer, 16-bit activations, 1-byte dropout
-masks), written per tensor so they generalise to GQA, SwiGLU, fp32 activations, flash-style
-attention (no s^2 scores kept), TP with or without SP, CP and recomputation.
+Activations follow Korthikanti et al. 2022, written per saved tensor so that they generalise to
+GQA, SwiGLU, fp32, flash attention (no s^2 scores kept, a log-sum-exp instead), TP with or
+without SP, CP (a rank holds seq_len/cp tokens) and recomputation: with 16-bit activations,
+dropout, GELU and materialised scores they are exactly sbh(34 + 5as/h) per layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from tetrad.config import Config, ModelConfig
-from tetrad.plan.flops import parameter_count
+from tetrad.plan import flops
+from tetrad.plan.stacks import Stack
 
 GIB = 1024**3
 
-# Allowances, stated: the caching allocator's fragmentation on top of live tensors, and the
-# resident baseline of a process that imported torch (Python, torch's libraries) on CPU, where
-# the measured figure is the process's peak RSS. On GPUs `max_memory_allocated` has no baseline.
-FRAGMENTATION = 0.05
+FP32_BYTES = (4.0, 4.0, 8.0)
+MIXED_BYTES = (2.0, 4.0, 12.0)
+ZERO_PAPER_BYTES = (2.0, 2.0, 12.0)
+
+# Allowances, stated. The caching allocator's blocks that are free but held (fragmentation), as
+# a share of what is allocated and freed during a step (activations and buffers). The CUDA
+# context and NCCL's own buffers, outside torch's allocator, kept free when deciding `fits`.
+# On CPU the measured figure is the process's peak resident set, which includes the baseline of
+# a process that imported torch.
+FRAGMENTATION = 0.10
+GPU_RESERVED_GIB = 1.0
 CPU_PROCESS_BASELINE_BYTES = 330 * 1024**2
 
 
 def state_bytes_per_param(dtype: str) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter."""
-    return (4.0, 4.0, 8.0) if dtype == "fp32" else (2.0, 2.0, 12.0)
+    """(weights, gradients, optimizer) bytes per parameter for training in `dtype`."""
+    return FP32_BYTES if dtype == "fp32" else MIXED_BYTES
+
+
+def activation_bytes(dtype: str) -> int:
+    """Bytes per activation element: fp32 training keeps fp32 activations, all else 16-bit."""
+    return 4 if dtype == "fp32" else 2
 
 
 @dataclass
@@ -47,67 +65,136 @@ class Memory:
         return {k: getattr(self, k) / GIB for k in ("weights", "grads", "optimizer", "activations", "other")}
 
 
-def model_state_bytes(params: float, dtype: str, zero: int, shards: int) -> tuple[float, float, float]:
-    """Bytes of (weights, grads, optimizer) on one rank holding `params` before ZeRO sharding."""
-    w, g, o = state_bytes_per_param(dtype)
+def model_state_bytes(params: float, zero: int, shards: int,
+                      per_param: tuple[float, float, float] = MIXED_BYTES) -> tuple[float, float, float]:
+    """Bytes of (weights, grads, optimizer) on a rank that holds `params` before ZeRO sharding
+    over `shards` ranks."""
+    w, g, o = per_param
     return (params * w / (shards if zero >= 3 else 1),
             params * g / (shards if zero >= 2 else 1),
             params * o / (shards if zero >= 1 else 1))
 
 
-def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, seq_local: int, tp: int, sp: bool,
-                               recompute: str, act_bytes: int, flash: bool = True) -> float:
-    """Bytes one layer keeps for backward for one micro-batch (seq_local = seq_len / cp)."""
-    sbh = seq_local * micro_batch * m.d_model
+# ----------------------------------------------------------------------------- what a rank holds
+
+def stage_layers(m: ModelConfig, stages: int) -> list[int]:
+    """Layers per global pipeline stage, balanced by FLOPs: the last stage also runs the head,
+    worth head/layer FLOPs of a layer, so it gets fewer layers (every stage keeps at least one).
+    The split is a function of the model alone, so the runtime can reproduce it."""
+    return list(_balanced_split(m.n_layers, stages, round(flops.head_flops(m) / flops.layer_matmul_flops(m), 2)))
+
+
+@lru_cache(maxsize=4096)
+def _balanced_split(n_layers: int, stages: int, head_layers: float) -> tuple[int, ...]:
+    counts = [0] * stages
+    loads = [0.0] * (stages - 1) + [head_layers]
+    for _ in range(n_layers):  # each layer to the least-loaded stage, the earliest on ties
+        i = min(range(stages), key=lambda k: (loads[k], k))
+        counts[i] += 1
+        loads[i] += 1
+    for i in range(stages):  # a stage without layers: take one from the largest
+        if counts[i] == 0:
+            j = max(range(stages), key=lambda k: counts[k])
+            counts[j] -= 1
+            counts[i] = 1
+    return tuple(counts)
+
+
+def rank_layers(cfg: Config) -> list[int]:
+    """Layers each pipeline rank holds (its vpp chunks together)."""
+    p = cfg.parallel
+    counts = stage_layers(cfg.model, p.pp * p.vpp)
+    return [sum(counts[c * p.pp + r] for c in range(p.vpp)) for r in range(p.pp)]
+
+
+def rank_params(cfg: Config) -> list[float]:
+    """Parameters each pipeline rank holds on one tp rank: its layers' linears split over tp,
+    their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
+    the head on the last (its own head unless tied on a single stage)."""
+    m, p = cfg.model, cfg.parallel
+    per_layer = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+    params = [n * per_layer for n in rank_layers(cfg)]
+    params[0] += m.vocab_size * m.d_model / p.tp + (m.seq_len * m.d_model if m.pos == "learned" else 0)
+    separate = not m.tie_embeddings or p.pp * p.vpp > 1
+    params[-1] += flops.head_params(m, separate=False) + (m.vocab_size * m.d_model / p.tp if separate else 0)
+    return params
+
+
+def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, recompute: str, e: int,
+                               stack: Stack) -> float:
+    """Bytes one layer keeps for its backward, for one micro-batch of `tokens` tokens on this
+    rank (micro_batch x seq_len / cp), `e` bytes per activation element."""
+    div = tp if sp else 1
+    hidden = tokens * m.d_model * e
     if recompute == "full":
-        return act_bytes * sbh / (tp if sp else 1)  # only the layer input (Korthikanti: 2sbh in 16 bit)
-    kv = m.n_kv_heads / m.n_heads
-    f = m.ffn_hidden / m.d_model
-    e = act_bytes
-    mask = 1 if m.dropout > 0 else 0
-    # Replicated over tp unless SP: norm inputs, attention input, MLP input, dropout masks.
-    replicated = (2 * e + e + e) * sbh + 2 * mask * sbh
-    # Split over tp: q, k, v, attention output (input of wo), MLP hidden tensors.
-    split = (e + 2 * e * kv + e) * sbh + e * sbh * kv  # q, k, (v), out-proj input
-    split += (3 * e * f if m.mlp == "swiglu" else 2 * e * f) * sbh
+        return hidden / div  # only the layer's input (Korthikanti: 2sbh in 16 bit)
+    q, kv = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp
+    f = m.ffn_hidden / tp
+    dropout = m.dropout > 0
+    # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after
+    # attention and MLP; the attention and MLP inputs (norm outputs) too, unless the stack keeps
+    # them all-gathered under SP.
+    norms = 2 * hidden + (2 * tokens * m.d_model if dropout else 0)
+    inputs = 2 * hidden / (1 if sp and stack.sp_saves_gathered_input else div)
+    replicated = norms / div + inputs
+    # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
+    mlp = stack.swiglu_saved if m.mlp == "swiglu" else 2  # GELU: its input and the fc2 input
+    split = tokens * e * (q + 2 * kv + stack.attn_out_copies * q + mlp * f)
     core = 0.0
     if recompute != "selective":
-        heads_scores = m.n_heads * seq_local * micro_batch
-        if flash:
-            core = 4 * heads_scores  # fp32 log-sum-exp per query and head
-        else:
-            core = (2 * e + mask) * heads_scores * seq_local  # scores, softmax, dropout mask
-    return replicated / (tp if sp else 1) + (split + core) / tp
+        heads = m.n_heads / tp
+        if stack.flash_attention:
+            core = 4 * heads * tokens  # fp32 log-sum-exp per query and head
+        else:  # softmax output, and with dropout its mask and output: Korthikanti's 5as^2b
+            core = (e + (e + 1 if dropout else 0)) * heads * tokens * m.seq_len
+    return replicated + split + core
 
 
-def estimate_memory(cfg: Config, stage_layers: int, inflight: int, first: bool, last: bool,
-                    on_cpu: bool, bucket_bytes: float) -> Memory:
-    """Peak bytes of one rank of a pipeline stage holding `stage_layers` layers, with `inflight`
-    micro-batches' activations alive (from the schedule simulator)."""
+def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[int, ...], is_cpu: bool) -> list[Memory]:
+    """Peak bytes of one GPU of each pipeline rank, whose schedule keeps inflight[rank]
+    (micro-batch, chunk) activation sets alive at once (the pipeline simulator's count)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    total_params = parameter_count(m)
-    embed = m.vocab_size * m.d_model
-    layer_params = (total_params - embed * (1 if m.tie_embeddings else 2)) / m.n_layers
-    params = layer_params * stage_layers
-    if first:
-        params += embed
-    if last and (not m.tie_embeddings or p.pp > 1):
-        params += embed
-    params /= p.tp
-    w, g, o = model_state_bytes(params, t.dtype, p.zero, p.dp * p.cp)
-    act_bytes = 4 if t.dtype == "fp32" else 2
-    seq_local = m.seq_len // p.cp
-    per_layer = activation_bytes_per_layer(m, t.micro_batch, seq_local, p.tp, p.sequence_parallel,
-                                           t.recompute, act_bytes)
-    acts = per_layer * stage_layers * inflight
+    e = activation_bytes(t.dtype)
+    tokens = t.micro_batch * m.seq_len // p.cp
+    hidden = tokens * m.d_model * e
+    per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
+    rebuilt = 0.0
     if t.recompute == "full":  # one layer's activations rebuilt during its backward
-        acts += activation_bytes_per_layer(m, t.micro_batch, seq_local, p.tp, p.sequence_parallel, "none",
-                                           act_bytes)
-    if last:  # fp32 logits and their gradient for one micro-batch, split over tp
-        acts += 2 * 4 * t.micro_batch * seq_local * m.vocab_size / p.tp
-    other = FRAGMENTATION * (w + g + o + acts) + bucket_bytes
-    if p.zero >= 3:  # one layer gathered in full, and the next one prefetched
-        other += 2 * layer_params / p.tp * state_bytes_per_param(t.dtype)[0]
-    if on_cpu:
-        other += CPU_PROCESS_BASELINE_BYTES
-    return Memory(w, g, o, acts, other)
+        rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
+    # Final norm and head inputs; the fp32 softmax of the vocab-parallel cross-entropy and the
+    # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
+    waiting = cfg.microbatches if p.schedule == "gpipe" else 1
+    head = waiting * (2 * hidden + 8 * tokens * m.vocab_size / p.tp)
+    params = rank_params(cfg)
+    buffers = _buffers(cfg, stack, tokens, e, params[0])
+    per_param = state_bytes_per_param(t.dtype)
+    out = []
+    for r, layers in enumerate(rank_layers(cfg)):
+        weights, grads, optimizer = model_state_bytes(params[r], p.zero, p.dp * p.cp, per_param)
+        acts = per_layer * layers / p.vpp * inflight[r] + rebuilt + buffers + (head if r == p.pp - 1 else 0.0)
+        other = FRAGMENTATION * acts + (CPU_PROCESS_BASELINE_BYTES if is_cpu else 0.0)
+        out.append(Memory(weights, grads, optimizer, acts, other))
+    return out
+
+
+def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float) -> float:
+    """Communication buffers alive at the peak: DP buckets in flight, ZeRO-3's gathered layers
+    (the current and the prefetched one) and one layer's full gradient before its reduce-scatter,
+    the SP-gathered layer input, CP ring blocks and accumulators, pipeline send/receive buffers."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    hidden = tokens * m.d_model * e
+    out = 0.0
+    if p.dp * p.cp > 1 and p.zero < 3:  # two buckets in flight, never more than the gradients
+        bucket = 25.0 if p.grad_bucket_mb == "auto" else float(p.grad_bucket_mb)
+        out += min(2 * bucket * 1e6, 4 * params)
+    if p.zero >= 3:
+        layer = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+        out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 4)
+    if p.tp > 1 and p.sequence_parallel and not stack.sp_saves_gathered_input:  # gathered again in backward
+        out += 2 * hidden
+    if p.cp > 1:
+        q, kv = m.n_heads * m.head_dim / p.tp, 2 * m.n_kv_heads * m.head_dim / p.tp
+        out += tokens * (2 * kv * e + 2 * kv * 4 + 4 * q)  # K/V in flight, dK/dV fp32, output/dq fp32
+    if p.pp > 1:
+        out += 2 * hidden / (p.tp if p.sequence_parallel else 1)
+    return out

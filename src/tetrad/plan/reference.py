@@ -18,52 +18,61 @@ def read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _int(value: str, default: int | None = None) -> int | None:
+def _int(value: str | None, default: int | None = None) -> int | None:
     return int(value) if value not in ("", None) else default
 
 
+def stack_of(row: dict) -> str:
+    """The source's software stack: Megatron-LM of 2021 (no flash attention, synchronous
+    collectives), Zero Bubble's 2023 Megatron-LM fork, torchtitan's torch.compile."""
+    source = row["source"]
+    return "megatron-2021" if source.startswith("Narayanan2021") else "megatron" if source.startswith(
+        "ZeroBubble") else "compiled"
+
+
 def row_config(row: dict, micro_batch: int, vpp: int) -> Config:
+    """The row's model and layout; GPT rows are LayerNorm/GELU/learned-position/tied models,
+    Llama rows RMSNorm/SwiGLU/RoPE. torchtitan shards with FSDP (ZeRO-3)."""
     gpt = row["model"].startswith("GPT")
-    layers, pp = int(row["layers"]), int(row["pp"])
     schedule = row["schedule"] or "1f1b"
     if schedule == "interleaved" and vpp < 2:
         schedule = "1f1b"
-    model = {"preset": "tiny", "n_layers": layers, "d_model": int(row["hidden"]), "n_heads": int(row["heads"]),
+    model = {"n_layers": int(row["layers"]), "d_model": int(row["hidden"]), "n_heads": int(row["heads"]),
              "n_kv_heads": int(row["kv_heads"]), "ffn_hidden": int(row["ffn"]), "seq_len": int(row["seq_len"]),
              "vocab_size": _int(row["vocab"], 51200), "norm": "layernorm" if gpt else "rmsnorm",
-             "mlp": "gelu" if gpt else "swiglu", "pos": "learned" if gpt else "rope", "tie_embeddings": gpt}
+             "mlp": "gelu" if gpt else "swiglu", "pos": "learned" if gpt else "rope", "tie_embeddings": gpt,
+             "dropout": 0.1 if gpt else 0.0}
     dp = int(row["dp"])
-    global_batch = _int(row["global_batch"], dp * micro_batch)
-    parallel = {"tp": int(row["tp"]), "pp": pp, "cp": int(row["cp"]), "dp": dp, "vpp": vpp if schedule == "interleaved" else 1,
-                "schedule": schedule, "sequence_parallel": row["sequence_parallel"] == "true",
-                "zero": 3 if row["id"].startswith("tt-") else 0}  # torchtitan runs FSDP2 (ZeRO-3)
-    train = {"global_batch": global_batch, "micro_batch": micro_batch, "dtype": row["dtype"],
-             "recompute": row["recompute"] or "none"}
+    parallel = {"tp": int(row["tp"]), "pp": int(row["pp"]), "cp": int(row["cp"]), "dp": dp,
+                "vpp": vpp if schedule == "interleaved" else 1, "schedule": schedule,
+                "sequence_parallel": row["sequence_parallel"] == "true",
+                "zero": 3 if row["source"].startswith("torchtitan") else 0}
+    train = {"global_batch": _int(row["global_batch"], dp * micro_batch), "micro_batch": micro_batch,
+             "dtype": row["dtype"], "recompute": row["recompute"] or "none"}
     return load_config(overrides={"model": model, "parallel": parallel, "train": train}, runtime=False)
 
 
-def kernels_of(row: dict) -> str:
-    """The source's software stack: Megatron-LM of 2021 predates flash attention."""
-    return "unfused" if row["source"].startswith("Narayanan2021") else "fused"
-
-
 def best_estimate(row: dict) -> Estimate:
-    """The row's layout as printed; knobs the source leaves out (micro-batch, virtual stages) are
-    chosen as the planner would: the fastest that fits."""
+    """The row's layout as printed; knobs the source leaves out (micro-batch size, virtual stages)
+    are chosen as the planner would: the fastest that fits."""
     cluster = cluster_of(row["gpu"], int(row["gpus"]), int(row["gpus_per_node"]))
-    mbs = [_int(row["micro_batch"])] if row["micro_batch"] else [1, 2, 4, 8]
     layers, pp = int(row["layers"]), int(row["pp"])
-    vpps = [_int(row["vpp"])] if row["vpp"] else (
-        [v for v in range(2, 9) if layers % (pp * v) == 0] or [1] if row["schedule"] == "interleaved" and pp > 1 else [1])
+    mbs = [_int(row["micro_batch"])] if row["micro_batch"] else [1, 2, 4, 8]
+    if row["vpp"]:
+        vpps = [_int(row["vpp"])]
+    elif row["schedule"] == "interleaved" and pp > 1:
+        vpps = [v for v in range(2, 9) if layers % (pp * v) == 0] or [1]
+    else:
+        vpps = [1]
     best = None
     for mb, v in itertools.product(mbs, vpps):
         try:
             cfg = row_config(row, mb, v)
         except ConfigError:
             continue
-        if cfg.train.global_batch % (mb * cfg.parallel.dp) or (v > 1 and cfg.microbatches % pp):
+        if v > 1 and cfg.microbatches < pp:
             continue
-        est = estimate(cfg, cluster, kernels=kernels_of(row))
+        est = estimate(cfg, cluster, stack=stack_of(row))
         if best is None or (est.fits, -est.step_time_s) > (best.fits, -best.step_time_s):
             best = est
     return best
@@ -71,8 +80,7 @@ def best_estimate(row: dict) -> Estimate:
 
 def predicted_value(row: dict, est: Estimate) -> float:
     """The estimate in the row's own metric and convention."""
-    metric = row["metric"]
-    cfg = est.cfg
+    metric, cfg = row["metric"], est.cfg
     if metric == "tflops_per_gpu_eq3":
         f = flops.narayanan_eq3_flops(cfg.train.global_batch, cfg.model.seq_len, cfg.model.n_layers,
                                       cfg.model.d_model, cfg.model.vocab_size)

@@ -1,53 +1,88 @@
 """`tetrad plan`: every legal layout of a model on a cluster, ranked by predicted step time.
 
-Enumerates (tp, pp, cp, dp, vpp, micro_batch, recompute, zero, schedule). For each shape the
-cheapest ZeRO stage that fits is kept (higher stages only cost communication), and the pipeline
-simulator's results are cached across candidates, which keeps a 16k-GPU search in seconds.
+Enumerates (tp, pp, cp, dp, cp_algo, micro_batch, recompute, schedule, vpp, zero) under
+config.validate's rules (mirrored here as a cheap pre-filter; validate has the last word).
+Sequence parallelism is on whenever tp > 1 (it only saves memory) and GPipe is left out (1F1B
+has its time with less memory).
+
+Branch and bound keeps it fast. Each layout gets a lower bound on its step time: the larger of
+the busiest pipeline rank's work and the simulated schedule with every stage as cheap as the
+least-loaded one (a schedule's time never drops when an action gets slower), from layer costs
+shared by every layout with the same tp, cp, micro-batch and recompute, with no data-parallel
+time. Layouts are taken in bound order; those that fit in memory get the full estimate, and the
+walk stops when the next bound is slower than the `top`-th estimate, so the ranking is exactly
+what estimating every layout would give.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from tetrad.config import Config, ConfigError, validate
+from tetrad.config import Config, validate
 from tetrad.parallel.pipeline.schedules import min_microbatches
-from tetrad.plan.cost import Estimate, estimate
+from tetrad.plan.cost import Estimate, estimate, inflight, layer_cost
 from tetrad.plan.hardware import Cluster
+from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, memory_by_rank, stage_layers
+from tetrad.plan.stacks import Stack, load_stack
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+RECOMPUTE = ("none", "selective", "full")
+
+
+class Layout(NamedTuple):
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    cp_algo: str
+    micro_batch: int
+    schedule: str
+    vpp: int
+    recompute: str
+
+
+@dataclass
+class Plan:
+    ranked: list  # Estimates that fit, fastest first (or, if none fits, the closest to fitting)
+    considered: int  # legal layouts (ZeRO stages not counted)
+    estimated: int  # full estimates made
+    rejected: list = field(default_factory=list)  # estimates of the fastest-bounded layouts that do not fit
+    # (peak memory GiB, seconds, exact) of every candidate the search looked at: exact step times
+    # where it estimated fully, lower bounds elsewhere (the picture `tetrad plan --plot` draws).
+    points: list = field(default_factory=list)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(base: Config, cluster: Cluster, micro_batches=(1, 2, 4, 8)):
-    """Every legal config for `base`'s model and global batch on the cluster's world size."""
-    m, world = base.model, cluster.world
-    tps = [t for t in _divisors(min(world, cluster.gpus_per_node)) if m.n_heads % t == 0 and m.n_kv_heads % t == 0]
-    for tp in tps:
+def layouts(base: Config, world: int, per_node: int):
+    """Every legal layout of `base`'s model and global batch on `world` ranks (ZeRO aside)."""
+    m, gb = base.model, base.train.global_batch
+    heads = math.gcd(m.n_heads, m.n_kv_heads)
+    for tp in _divisors(min(world, per_node)):
+        if heads % tp or m.ffn_hidden % tp:
+            continue
         for pp in _divisors(world // tp):
             if pp > m.n_layers:
                 continue
             for cp in _divisors(world // (tp * pp)):
-                if cp > 1 and (m.seq_len % (2 * cp) or m.seq_len // cp < 1024):
+                if cp > 1 and m.seq_len % (2 * cp):
                     continue
                 dp = world // (tp * pp * cp)
-                for mb, recompute, sp in itertools.product(micro_batches, ("none", "selective", "full"),
-                                                           (tp > 1,)):
-                    if base.train.global_batch % (mb * dp):
-                        continue
-                    micro = base.train.global_batch // (mb * dp)
-                    for schedule, vpp in _schedules(pp, micro, m.n_layers):
-                        par = dataclasses.replace(base.parallel, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp,
-                                                  schedule=schedule, sequence_parallel=sp, zero=0)
-                        cfg = dataclasses.replace(base, parallel=par,
-                                                  train=dataclasses.replace(base.train, micro_batch=mb,
-                                                                            recompute=recompute))
-                        try:
-                            validate(cfg, world, runtime=False)
-                        except ConfigError:
+                algos = ("ring", "alltoall") if cp > 1 and heads % (tp * cp) == 0 else ("ring",)
+                for algo in algos:
+                    for mb in MICRO_BATCHES:
+                        if gb % (mb * dp):
                             continue
-                        yield cfg
+                        for schedule, vpp in _schedules(pp, gb // (mb * dp), m.n_layers):
+                            for recompute in RECOMPUTE:
+                                yield Layout(tp, pp, cp, dp, algo, mb, schedule, vpp, recompute)
 
 
 def _schedules(pp: int, micro: int, layers: int):
@@ -57,36 +92,81 @@ def _schedules(pp: int, micro: int, layers: int):
     for name in ("1f1b", "zb"):
         if micro >= min_microbatches(name, pp, 1):
             yield name, 1
-    for vpp in (2, 4):
-        if layers >= pp * vpp and micro >= min_microbatches("interleaved", pp, vpp) and micro % pp == 0:
+    for vpp in VIRTUAL_STAGES:
+        if layers >= pp * vpp and micro >= min_microbatches("interleaved", pp, vpp):
             yield "interleaved", vpp
 
 
-def plan(base: Config, cluster: Cluster, top: int = 10) -> list[Estimate]:
-    """The `top` fastest layouts that fit in memory (best first); if none fits, the ones closest
-    to fitting, so the user sees why.
+def config_of(base: Config, layout: Layout, zero: int = 0) -> Config:
+    """`base` with `layout` and ZeRO stage `zero` (validated)."""
+    par = dataclasses.replace(base.parallel, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp,
+                              cp_algo=layout.cp_algo, vpp=layout.vpp, schedule=layout.schedule, zero=zero,
+                              sequence_parallel=layout.tp > 1)
+    train = dataclasses.replace(base.train, micro_batch=layout.micro_batch, recompute=layout.recompute)
+    cfg = dataclasses.replace(base, parallel=par, train=train)
+    validate(cfg, layout.tp * layout.pp * layout.cp * layout.dp, runtime=False)
+    return cfg
 
-    Branch and bound: every candidate is first costed with the pipeline's lower bound (its
-    busiest rank's work); candidates are then simulated in that order until the next lower
-    bound is slower than the `top`-th simulated time, so the ranking is exact.
-    """
-    bounded, closest = [], []
-    for cfg in candidates(base, cluster):
-        for zero in (0, 1, 2, 3):
-            layout = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=zero))
-            est = estimate(layout, cluster, simulate_pipeline=False)
-            if est.fits:
-                bounded.append(est)
-                break
-        else:
-            closest.append(est)
-    if not bounded:
-        return sorted(closest, key=lambda e: e.peak_memory_gib)[:top]
-    bounded.sort(key=lambda e: e.step_time_s)
+
+def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "tetrad") -> Plan:
+    """The `top` fastest layouts of `base`'s model and global batch that fit in memory on
+    `cluster`, best first; if none fits, the `top` closest to fitting, so the user sees why."""
+    stack = load_stack(stack) if isinstance(stack, str) else stack
+    usable = cluster.gpu.hbm_gib - (0.0 if cluster.gpu.is_cpu else GPU_RESERVED_GIB)
+    m, gb = base.model, base.train.global_batch
+    layer_costs: dict = {}
+
+    def bound(layout: Layout) -> float:
+        micro = gb // (layout.micro_batch * layout.dp)
+        key = (layout.tp, layout.cp, layout.cp_algo, layout.micro_batch, layout.recompute, micro > 1)
+        if key not in layer_costs:
+            layer_costs[key] = layer_cost(config_of(base, layout), cluster, stack)
+        lc = layer_costs[key]
+        counts = stage_layers(m, layout.pp * layout.vpp)
+        per_layer = lc.forward + lc.backward_input + lc.recompute + lc.backward_weight
+        # Rank r starts only after micro-batch 0 crossed r stages forward, and its last gradient
+        # still has r stages to cross backward: a critical path any schedule must respect.
+        least = min(counts)
+        hops = least * (lc.forward + lc.backward_input + lc.recompute)
+        return max(r * hops + micro * per_layer * sum(counts[c * layout.pp + r] for c in range(layout.vpp))
+                   for r in range(layout.pp))
+
+    # Heap entries (lower bound, tie-break, layout or config): a Layout bounded by its layer
+    # costs, then each of its ZeRO stages that fits, bounded by the unsimulated estimate.
+    queue = [(bound(x), i, x) for i, x in enumerate(layouts(base, cluster.world, cluster.gpus_per_node))]
+    heapq.heapify(queue)
+    considered, tie = len(queue), len(queue)
     ranked: list[Estimate] = []
-    for lower in bounded:
-        if len(ranked) >= top and lower.step_time_s > ranked[top - 1].step_time_s:
+    rejected: list[tuple[float, Config]] = []
+    estimated = 0
+    points = []
+    while queue:
+        lower, _, item = heapq.heappop(queue)
+        if len(ranked) >= top and lower > ranked[top - 1].step_time_s:
             break
-        ranked.append(estimate(lower.cfg, cluster))
-        ranked.sort(key=lambda e: e.step_time_s)
-    return ranked[:top]
+        if isinstance(item, Config):
+            ranked.append(estimate(item, cluster, stack))
+            estimated += 1
+            points.append((ranked[-1].peak_memory_gib, ranked[-1].step_time_s, True))
+            ranked.sort(key=lambda e: e.step_time_s)
+            del ranked[top:]
+            continue
+        micro = gb // (item.micro_batch * item.dp)
+        held = inflight(item.schedule, item.pp, micro, item.vpp)
+        zeros = (0, 1, 2, 3) if item.dp * item.cp > 1 else (0,)
+        for zero in zeros:
+            cfg = config_of(base, item, zero)
+            peak = max(x.total for x in memory_by_rank(cfg, stack, held, cluster.gpu.is_cpu)) / GIB
+            if peak <= usable:
+                tie += 1
+                rough = estimate(cfg, cluster, stack, simulate_pipeline=False).step_time_s
+                heapq.heappush(queue, (rough, tie, cfg))
+                points.append((peak, rough, False))
+                continue
+            points.append((peak, lower, False))
+            if zero == zeros[-1]:
+                rejected.append((peak, cfg))
+    if not ranked:  # nothing fits: the closest to fitting, with their breakdowns
+        closest = heapq.nsmallest(top, rejected, key=lambda x: x[0])
+        return Plan([estimate(c, cluster, stack) for _, c in closest], considered, estimated, points=points)
+    return Plan(ranked, considered, estimated, [estimate(c, cluster, stack) for _, c in rejected[:3]], points)

@@ -27,30 +27,33 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def global_grad_norm(params: list[torch.nn.Parameter], topo) -> torch.Tensor:
+def global_grad_norm(pieces: list[tuple[torch.Tensor, torch.nn.Parameter]], topo,
+                     dp_sharded: bool = False) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, as one device would compute it.
 
-    Shards of a tp-split parameter are summed over tp; a replicated parameter is counted on tp
-    rank 0 only; pipeline stages hold different parameters, so their sums add over pp. DP ranks
-    hold identical (already reduced) gradients and are not summed.
+    `pieces` are (gradient tensor, the parameter it belongs to): whole gradients, or this rank's
+    slices of them when `dp_sharded` (ZeRO: each dp x cp rank holds a disjoint part, summed over
+    dp x cp). Shards of a tp-split parameter are summed over tp; a replicated parameter is
+    counted on tp rank 0 only; pipeline stages hold different parameters, so their sums add over pp.
     """
     sq = torch.zeros((), dtype=torch.float32, device=topo.device)
-    for p in params:
-        if p.grad is None:
-            continue
-        spec, _, parts = spec_of(p)
+    for grad, p in pieces:
+        _, _, parts = spec_of(p)
         if parts > 1 or topo.tp_rank == 0:
-            sq += p.grad.detach().float().pow(2).sum()
+            sq += grad.detach().float().pow(2).sum()
+    if dp_sharded:
+        topo.comm.all_reduce(sq, "dp_cp")
     topo.comm.all_reduce(sq, "tp")
     topo.comm.all_reduce(sq, "pp")
     return sq.sqrt()
 
 
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, topo) -> float:
-    """Scale gradients so their global norm is at most max_norm (0 disables); returns the norm."""
-    norm = global_grad_norm(params, topo)
+def clip_gradients(pieces: list[tuple[torch.Tensor, torch.nn.Parameter]], max_norm: float, topo,
+                   grads: list[torch.Tensor], dp_sharded: bool = False) -> float:
+    """Scale `grads` (what the optimizer will read) so the global norm of `pieces` is at most
+    max_norm (0 disables); returns the norm."""
+    norm = global_grad_norm(pieces, topo, dp_sharded)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, scale)
     return float(norm)

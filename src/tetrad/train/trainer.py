@@ -18,14 +18,13 @@ from tetrad import device as devices
 from tetrad.config import Config, profile_steps
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import full_state_dict, init_parameters, set_spec, spec_of
-from tetrad.model.tensor import reduce_sequence_parallel_grads
 from tetrad.parallel.context import shard_sequence
 from tetrad.parallel.data import GradReducer
 from tetrad.topology import Layout, Topology
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.data import Batches, load_tokens
 from tetrad.train.metrics import MetricsLog
-from tetrad.train.optim import build_optimizer, clip_gradients, lr_at
+from tetrad.train.optim import lr_at
 
 
 def build_model(cfg: Config, topo: Topology) -> Transformer:
@@ -51,8 +50,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + 7919 * self.topo.rank)
         self.model = build_model(cfg, self.topo)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.train)
-        self.grads = GradReducer(self.params, self.topo)
+        self.grads = GradReducer(self.params, self.topo, cfg.parallel, self.model)  # buckets, ZeRO
+        self.optimizer = self.grads.build_optimizer(cfg.train)
         self.batches = Batches(load_tokens(cfg.data.source), cfg.model.seq_len, cfg.train.global_batch,
                                cfg.train.seed, cfg.model.vocab_size)
         self.run_dir = Path(cfg.run.dir)
@@ -64,10 +63,13 @@ class Trainer:
         cp, cp_rank = self.topo.size("cp"), self.topo.local_rank("cp")
         positions = shard_sequence(torch.arange(self.cfg.model.seq_len, device=self.topo.device), cp, cp_rank)
         total = torch.zeros((), device=self.topo.device)
-        for inputs, labels in microbatches:
+        microbatches = list(microbatches)
+        for i, (inputs, labels) in enumerate(microbatches):
             inputs, labels = (shard_sequence(t.to(self.topo.device), cp, cp_rank) for t in (inputs, labels))
             loss = self.model(inputs, positions, labels)
-            (loss / self.tokens_per_step).backward()
+            # The last micro-batch's backward starts each gradient bucket's reduction as it fills.
+            with self.grads.last_microbatch() if i == len(microbatches) - 1 else contextlib.nullcontext():
+                (loss / self.tokens_per_step).backward()
             total += loss.detach()
         return total
 
@@ -80,11 +82,10 @@ class Trainer:
         micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
         with devices.phase("forward_backward", topo.device):
             loss_sum = self.forward_backward(micro)
-            reduce_sequence_parallel_grads(self.params, topo)
         with devices.phase("grad_reduce", topo.device):
-            self.grads.reduce()
+            self.grads.reduce()  # dp x cp (and, under SP, tp for tp-replicated parameters)
         with devices.phase("optimizer", topo.device):
-            grad_norm = clip_gradients(self.params, cfg.train.grad_clip, topo)
+            grad_norm = self.grads.clip(cfg.train.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         # The loss lives on the last pipeline stage of each dp x cp replica; sum them all.
@@ -150,7 +151,8 @@ class Trainer:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Logical parameters of this rank's chunk (gathered over tp), for tests and export."""
-        return full_state_dict(self.model, self.topo)
+        with self.grads.gathered():  # ZeRO-3 holds only shards
+            return full_state_dict(self.model, self.topo)
 
 
 def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:

@@ -1,0 +1,132 @@
+"""tetrad ZeRO-0 vs torch DDP and tetrad ZeRO-3 vs torch FSDP2 (`fully_shard`), side by side on
+the same model, data and 2 gloo ranks (overlap is measurable only at 2 ranks on these CPUs).
+
+Prints step time and peak-memory ratios (tetrad / torch; <= 1.0 is as good or better) and the
+fraction of DP communication hidden behind backward: (backward alone + reduction alone -
+overlapped step) / reduction alone.  Run: .venv/bin/python bench/bench_dp.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+from tetrad import launch
+from tetrad.config import load_config
+from tetrad.topology import Layout, Topology
+from tetrad.train.trainer import Trainer, build_model
+
+STEPS = 8
+MODEL = {"n_layers": 4, "d_model": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 704, "seq_len": 128}
+
+
+def _cfg(zero: int):
+    return load_config(overrides={"model": MODEL, "parallel": {"dp": 2, "zero": zero, "grad_bucket_mb": 4.0},
+                                  "train": {"global_batch": 8, "micro_batch": 4, "steps": STEPS, "lr": 1e-3}})
+
+
+def _median_time(fn) -> float:
+    times = []
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rank(kind: str) -> dict:
+    import torch.distributed as dist
+    base_rss = _rss()
+    cfg = _cfg(3 if kind == "zero3" else 0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, MODEL["seq_len"] + 1),
+                           generator=torch.Generator().manual_seed(dist.get_rank()))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(MODEL["seq_len"])
+    if kind in ("zero0", "zero3"):
+        trainer = Trainer(cfg, torch.device("cpu"))
+        model, grads = trainer.model, trainer.grads
+
+        def fwd_bwd(sync: bool):
+            loss = model(inputs, positions, labels)
+            with grads.last_microbatch() if sync else contextlib.nullcontext():
+                loss.backward()
+            if sync:
+                grads.reduce()
+
+        def zero():
+            trainer.optimizer.zero_grad(set_to_none=True)
+            grads.zero_grad()  # also drops gradients a no-sync pass left unreduced
+
+        def step():
+            fwd_bwd(True)
+            trainer.optimizer.step()
+            zero()
+
+        def comm_alone():  # the same buckets reduced after backward, blocking
+            fwd_bwd(False)
+            start = time.perf_counter()
+            grads.reduce()
+            elapsed = time.perf_counter() - start
+            trainer.optimizer.zero_grad(set_to_none=True)
+            return elapsed
+    else:
+        model = build_model(cfg, Topology(Layout(dp=2), torch.device("cpu")))
+        if kind == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=4)
+        else:
+            from torch.distributed.fsdp import fully_shard
+            for block in model.layers.values():
+                fully_shard(block)
+            wrapped = fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+        flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+
+        def fwd_bwd(sync: bool):
+            ctx = contextlib.nullcontext() if sync or kind == "fsdp2" else wrapped.no_sync()
+            with ctx:
+                wrapped(inputs, positions, labels).backward()
+
+        def zero():
+            optimizer.zero_grad(set_to_none=True)
+
+        def step():
+            fwd_bwd(True)
+            optimizer.step()
+            zero()
+
+        def comm_alone():
+            start = time.perf_counter()
+            dist.all_reduce(flat)
+            return time.perf_counter() - start
+    step_s = _median_time(step)
+    overlapped = _median_time(lambda: (fwd_bwd(True), zero()))
+    alone = _median_time(lambda: (fwd_bwd(False), zero()))
+    comm = statistics.median(comm_alone() for _ in range(STEPS))
+    return {"step_s": step_s, "hidden": (alone + comm - overlapped) / comm if kind != "fsdp2" else None,
+            "peak_bytes": _rss() - base_rss}
+
+
+def main():
+    out = {kind: launch.run_local(_rank, 2, (kind,), timeout_s=600, pg_timeout_s=120)[0]
+           for kind in ("zero0", "ddp", "zero3", "fsdp2")}
+    for ours, theirs in (("zero0", "ddp"), ("zero3", "fsdp2")):
+        a, b = out[ours], out[theirs]
+        hid = lambda r: "n/a" if r["hidden"] is None else f"{r['hidden']:.0%}"
+        print(f"tetrad {ours} vs torch {theirs}: step {a['step_s'] * 1e3:.1f} vs {b['step_s'] * 1e3:.1f} ms "
+              f"(ratio {a['step_s'] / b['step_s']:.2f}); peak-RSS growth ratio "
+              f"{a['peak_bytes'] / max(1, b['peak_bytes']):.2f}; dp comm hidden behind backward "
+              f"{hid(a)} (tetrad) vs {hid(b)} (torch)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The planner's speed and accuracy, printed (never asserted):
+
+1. `tetrad plan` wall time for llama3-70b on 1024 H100 (8 per node), global batch 1024 x 8192
+   tokens, and llama3-405b on 16384 H100 (targets: under 2 s and 10 s on a 2-core machine);
+2. the reference runs (../shared/reference/published_runs.csv), as tests/test_plan.py checks them;
+3. published runs outside that file: the 8B FSDP ones (torchtitan Table 1) informed the
+   500 W H100's two efficiencies together with the CSV's cp=1 row; the others fitted nothing, so
+   their error is the honest one.
+
+    .venv/bin/python bench/bench_plan.py [--skip-plan]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from tetrad.config import load_config
+from tetrad.plan.cost import estimate
+from tetrad.plan.hardware import cluster_of, load_cluster
+from tetrad.plan.reference import best_estimate, predicted_value, read_rows
+from tetrad.plan.search import plan
+
+REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
+
+_GPT = dict(norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True, vocab_size=51200, dropout=0.1,
+            seq_len=2048)
+_LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", tie_embeddings=False, vocab_size=128256)
+_8B = dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, **_LLAMA)
+_70B = dict(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_hidden=28672, **_LLAMA)
+_405B = dict(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8, ffn_hidden=53248, **_LLAMA)
+
+
+def _gpt(layers: int, hidden: int, heads: int) -> dict:
+    return dict(n_layers=layers, d_model=hidden, n_heads=heads, n_kv_heads=heads, ffn_hidden=4 * hidden, **_GPT)
+
+
+# (run, source, GPU, GPUs, model, parallel, train, stack, metric, published value)
+HELD_OUT = [
+    ("kor22-175B", "Korthikanti 2022, Table 5 (SP + selective)", "A100-80GB-SXM", 64, _gpt(96, 12288, 96),
+     dict(tp=8, pp=8, sequence_parallel=True, schedule="interleaved", vpp=4),
+     dict(global_batch=64, micro_batch=1, recompute="selective"), "megatron-2021", "mfu", 0.514),
+    ("kor22-530B", "Korthikanti 2022, Table 5", "A100-80GB-SXM", 280, _gpt(105, 20480, 128),
+     dict(tp=8, pp=35, sequence_parallel=True, schedule="interleaved", vpp=3),
+     dict(global_batch=280, micro_batch=1, recompute="selective"), "megatron-2021", "mfu", 0.560),
+    ("kor22-1T", "Korthikanti 2022, Table 5", "A100-80GB-SXM", 512, _gpt(128, 25600, 160),
+     dict(tp=8, pp=64, sequence_parallel=True, schedule="interleaved", vpp=2),
+     dict(global_batch=512, micro_batch=1, recompute="selective"), "megatron-2021", "mfu", 0.563),
+    ("tt-70B-fp8", "torchtitan performance.md, Table 4 (2D)", "H100-96GB-500W", 256, dict(_70B, seq_len=8192),
+     dict(dp=32, tp=8, zero=3, sequence_parallel=True), dict(global_batch=512, micro_batch=16, recompute="full",
+                                                             dtype="fp8"), "compiled", "tokens_per_s_per_gpu", 829),
+    ("tt-405B-1f1b", "torchtitan performance.md, Table 5 (3D)", "H100-96GB-500W", 512, dict(_405B, seq_len=8192),
+     dict(dp=8, tp=8, pp=8, zero=3, sequence_parallel=True),
+     dict(global_batch=256, micro_batch=4, recompute="full", dtype="fp8"), "compiled", "tokens_per_s_per_gpu", 100),
+    ("tt-405B-interl", "torchtitan performance.md, Table 5", "H100-96GB-500W", 512, dict(_405B, seq_len=8192),
+     dict(dp=8, tp=8, pp=8, zero=3, sequence_parallel=True, schedule="interleaved", vpp=2),
+     dict(global_batch=256, micro_batch=4, recompute="full", dtype="fp8"), "compiled", "tokens_per_s_per_gpu", 128),
+    ("tt-405B-32k", "torchtitan performance.md, Table 6 (4D, cp=1)", "H100-96GB-500W", 512, dict(_405B, seq_len=32768),
+     dict(dp=8, tp=8, pp=8, zero=3, sequence_parallel=True),
+     dict(global_batch=64, micro_batch=1, recompute="full", dtype="fp8"), "compiled", "tokens_per_s_per_gpu", 76),
+    ("tt-405B-262k", "torchtitan performance.md, Table 6 (cp=8)", "H100-96GB-500W", 512, dict(_405B, seq_len=262144),
+     dict(cp=8, tp=8, pp=8, zero=3, sequence_parallel=True),
+     dict(global_batch=8, micro_batch=1, recompute="full", dtype="fp8"), "compiled", "tokens_per_s_per_gpu", 16),
+    ("tt-8B-fsdp-bf16", "torchtitan performance.md, Table 1 (compile; op-level SAC there)", "H100-96GB-500W", 8,
+     dict(_8B, seq_len=8192), dict(dp=8, zero=3), dict(global_batch=16, micro_batch=2, recompute="selective"),
+     "compiled", "tokens_per_s_per_gpu", 6667),
+    ("tt-8B-fsdp-fp8", "torchtitan performance.md, Table 1 (compile + fp8)", "H100-96GB-500W", 8,
+     dict(_8B, seq_len=8192), dict(dp=8, zero=3), dict(global_batch=16, micro_batch=2, recompute="selective",
+                                                        dtype="fp8"), "compiled", "tokens_per_s_per_gpu", 8532),
+    ("llama3-405B-16k", "Llama 3 paper, Table 4 (16384 GPUs, 8K)", "H100-SXM", 16384, dict(_405B, seq_len=8192),
+     dict(tp=8, pp=16, dp=128, sequence_parallel=True, schedule="interleaved", vpp=2, zero=1),
+     dict(global_batch=2048, micro_batch=1, recompute="none"), "megatron", "mfu", 0.41),
+    ("llama3-405B-128k", "Llama 3 paper, Table 4 (cp=16, 128K)", "H100-SXM", 16384, dict(_405B, seq_len=131072),
+     dict(tp=8, pp=16, cp=16, dp=8, sequence_parallel=True, schedule="interleaved", vpp=2, zero=1),
+     dict(global_batch=128, micro_batch=1, recompute="none"), "megatron", "mfu", 0.38),
+]
+
+
+def bench_plan() -> None:
+    print("plan wall time (this machine):")
+    cases = (("llama3-70b", "h100x1024", 1024, 2), ("llama3-405b", "h100x16384", 1024, 10))
+    for preset, cluster, batch, target in cases:
+        base = load_config(overrides={"model": {"preset": preset}, "train": {"global_batch": batch, "micro_batch": 1,
+                                                                            "dtype": "bf16"}}, runtime=False)
+        start = time.perf_counter()
+        result = plan(base, load_cluster(cluster), top=10)
+        seconds = time.perf_counter() - start
+        best = result.ranked[0]
+        p = best.cfg.parallel
+        print(f"  {preset} on {cluster}: {seconds:.2f} s (target < {target} s), {result.considered} layouts, "
+              f"{result.estimated} simulated; best tp={p.tp} pp={p.pp} cp={p.cp} dp={p.dp} {p.schedule} vpp={p.vpp} "
+              f"zero={p.zero} mb={best.cfg.train.micro_batch} {best.cfg.train.recompute}: {best.step_time_s:.2f} s, "
+              f"MFU {100 * best.mfu:.1f}%, {best.peak_memory_gib:.1f} GiB")
+
+
+def _table(rows) -> None:
+    errors = []
+    for name, source, metric, published, predicted in rows:
+        errors.append(abs(predicted / published - 1))
+        error = 100 * (predicted / published - 1)
+        print(f"  {name:<18}{metric:<22}{published:>10.4g}{predicted:>10.4g}{error:>+8.1f}%  {source}")
+    print(f"  mean absolute percentage error {100 * sum(errors) / len(errors):.1f}% over {len(errors)} runs")
+
+
+def bench_reference() -> None:
+    if not REFERENCE.exists():
+        print(f"reference runs: {REFERENCE} not found")
+        return
+    print("reference runs (calibration):")
+    _table([(r["id"], r["source"], r["metric"], float(r["value"]), predicted_value(r, best_estimate(r)))
+            for r in read_rows(REFERENCE)])
+
+
+def bench_held_out() -> None:
+    print("published runs outside the reference file (only the two tt-8B-fsdp rows informed a constant):")
+    rows = []
+    for name, source, gpu, gpus, model, parallel, train, stack, metric, value in HELD_OUT:
+        cfg = load_config(overrides={"model": {"preset": "tiny", **model}, "parallel": parallel,
+                                     "train": {"dtype": "bf16", **train}}, runtime=False)
+        est = estimate(cfg, cluster_of(gpu, gpus), stack)
+        rows.append((name, source, metric, value, est.mfu if metric == "mfu" else est.tokens_per_s / gpus))
+    _table(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--skip-plan", action="store_true")
+    args = ap.parse_args()
+    if not args.skip_plan:
+        bench_plan()
+    bench_reference()
+    bench_held_out()
+
+
+if __name__ == "__main__":
+    main()

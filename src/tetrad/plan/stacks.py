@@ -1,0 +1,73 @@
+"""Software stacks: what a training framework's kernels fuse and what its communication overlaps.
+
+These are properties of a code base, the same for every run it makes (never per-run factors):
+the same layout costs more under eager PyTorch than under torch.compile, and Megatron-LM of
+2021 had no flash attention. `tetrad estimate` predicts tetrad itself unless told otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str
+    # Attention core: flash-style (scores never in HBM; backward recomputes them) or
+    # materialised scores (QK^T and AV as batched GEMMs over the full square, softmax in HBM).
+    flash_attention: bool = True
+    # HBM traffic of the element-wise ops (norms, residuals, activation, RoPE) relative to fully
+    # fused kernels; eager PyTorch runs each as separate kernels with fp32 up-casts.
+    elementwise_factor: float = 1.0
+    # Hidden-sized tensors the SwiGLU keeps for backward: gate, up and product when fused;
+    # eager autograd also keeps silu(gate).
+    swiglu_saved: int = 3
+    # Copies of the attention output kept: eager keeps SDPA's own and the output projection's
+    # input (a transposed, hence copied, view).
+    attn_out_copies: int = 1
+    # Under SP a column-parallel linear keeps its all-gathered input for backward (torch's
+    # SequenceParallel, tetrad) instead of gathering it again there (Megatron-LM, Korthikanti).
+    sp_saves_gathered_input: bool = False
+    # Tensor-parallel collectives hidden behind GEMMs: "none"; "bwd" (each column-parallel input
+    # gradient's all-reduce behind that linear's weight-gradient GEMM); "full" (async TP).
+    tp_overlap: str = "bwd"
+    # Data-parallel gradient buckets reduced during the last micro-batch's backward.
+    dp_overlap: bool = True
+    # Pipeline sends carry 1/tp of the activations and all-gather inside the node (Narayanan
+    # et al.'s scatter/gather); with sequence parallelism they are 1/tp anyway.
+    pp_scatter_gather: bool = False
+    # Pipeline sends and receives block the rank (Megatron-LM's paired send/recv around each
+    # micro-batch) instead of running beside its compute; their time then counts as bubble.
+    pp_blocking_p2p: bool = False
+    # Bytes per gradient element in the data-parallel reduction (fp32 unless the stack reduces
+    # its 16-bit gradients as they are).
+    grad_reduce_bytes: int = 4
+    # Weight-gradient GEMMs accumulate straight into the fp32 gradient buffer; otherwise each
+    # micro-batch's gradient is added to it (eager autograd: read both, write one).
+    fused_grad_accumulation: bool = True
+    # ZeRO-1 reduce-scatters the gradients (Megatron's distributed optimizer) rather than
+    # all-reducing them and stepping on its shard (tetrad today: twice the ring time).
+    zero1_reduce_scatter: bool = True
+    # Under pipeline parallelism ZeRO-3 gathers a stage's weights once per step and keeps them,
+    # reducing gradients once at the end (torchtitan's FSDP2 with PP): it costs what ZeRO-1 does.
+    zero3_held_under_pp: bool = False
+
+
+STACKS: dict[str, Stack] = {s.name: s for s in [
+    Stack("tetrad", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
+          sp_saves_gathered_input=True, zero1_reduce_scatter=False),
+    # torch.compile'd PyTorch (torchtitan), Megatron-Core with Transformer Engine.
+    Stack("compiled", zero3_held_under_pp=True, sp_saves_gathered_input=True),
+    # Megatron-LM since 2023 (flash attention, fused kernels, overlapped gradient buckets).
+    Stack("megatron", pp_blocking_p2p=True),
+    # Megatron-LM of Narayanan et al. 2021: scores materialised, TP and DP collectives synchronous,
+    # fp16 gradients all-reduced as they are, scatter/gather pipeline sends.
+    Stack("megatron-2021", flash_attention=False, tp_overlap="none", dp_overlap=False, pp_scatter_gather=True,
+          pp_blocking_p2p=True, grad_reduce_bytes=2, fused_grad_accumulation=False),
+]}
+
+
+def load_stack(name: str) -> Stack:
+    if name not in STACKS:
+        raise ValueError(f"unknown software stack {name!r}; known: {', '.join(STACKS)}")
+    return STACKS[name]

@@ -1,7 +1,6 @@
 """Checkpoints: exact resume after a kill, resharding across layouts, atomic saves, integrity."""
 
 import hashlib
-import importlib.util
 import json
 import os
 import pickle
@@ -11,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from conftest import run_ranks, tiny_config, train_layout
 from tetrad.launch import RankFailure
-from tetrad.train.checkpoint import CheckpointError, Checkpointer, resolve
+from tetrad.train.checkpoint import CheckpointError, Checkpointer, SafeReader, resolve
 from tetrad.train.trainer import Trainer
 
 pytestmark = pytest.mark.dist
 
 STEPS = 6
-PIPELINE_READY = importlib.util.find_spec("tetrad.parallel.pipeline.executor") is not None
 
 
 def metrics_losses(run_dir) -> list[float]:
@@ -54,74 +53,123 @@ def _train_crashing_in_save(cfg, rank: int, step: int):
     Trainer(cfg, torch.device("cpu")).fit()
 
 
+# Two parallel dimensions and ZeRO-1, so the optimizer state that must come back is sharded.
+KILL_LAYOUT = {"dp": 2, "tp": 2, "zero": 1}
+
+
 @pytest.fixture(scope="module")
-def dp2_reference():
-    """An uninterrupted dp=2 run (checkpointing every step: saving must not change the numbers)."""
-    cfg = tiny_config(parallel={"dp": 2}, train={"steps": STEPS}, checkpoint={"every": 1})
+def reference():
+    """An uninterrupted run (checkpointing every step: saving must not change the numbers)."""
+    cfg = tiny_config(parallel=KILL_LAYOUT, train={"steps": STEPS}, checkpoint={"every": 1})
     losses, _, _ = train_layout(cfg)
     return losses
 
 
-def test_killed_rank_resumes_bitwise(dp2_reference):
-    step = random.Random(9).randint(1, STEPS - 1)  # seeded: a random but reproducible step
-    cfg = tiny_config(parallel={"dp": 2}, train={"steps": STEPS}, checkpoint={"every": 2})
-    with pytest.raises(RankFailure, match="rank 1 died by SIGKILL"):
-        run_ranks(_train_until_killed, 2, cfg, 1, step)
+def test_killed_rank_resumes_bitwise(reference):
+    step = random.randint(1, STEPS - 1)  # a new step every run; the messages below name it
+    rank = random.randrange(4)
+    cfg = tiny_config(parallel=KILL_LAYOUT, train={"steps": STEPS}, checkpoint={"every": 2})
+    with pytest.raises(RankFailure, match=f"rank {rank} died by SIGKILL"):
+        run_ranks(_train_until_killed, 4, cfg, rank, step)
     resumed, _, history = train_layout(cfg)  # checkpoint.resume = "auto"
-    assert history[0]["step"] == step // 2 * 2 + 1  # continued from the last checkpoint, not from 0
+    last_saved = step // 2 * 2
+    assert history[0]["step"] == last_saved + 1, f"killed at step {step}: resumed from the wrong checkpoint"
     # Same arithmetic in the same order from bitwise-restored state: exact equality, not closeness.
-    assert metrics_losses(cfg.run.dir) == dp2_reference
-    assert resumed == dp2_reference[step // 2 * 2:]
+    assert metrics_losses(cfg.run.dir) == reference, f"rank {rank} killed at step {step}"
+    assert resumed == reference[last_saved:], f"rank {rank} killed at step {step}"
 
 
-def test_crash_during_save_keeps_previous_checkpoint(dp2_reference):
-    cfg = tiny_config(parallel={"dp": 2}, train={"steps": STEPS}, checkpoint={"every": 1, "keep": 2})
+def test_crash_during_save_keeps_previous_checkpoint(reference):
+    cfg = tiny_config(parallel=KILL_LAYOUT, train={"steps": STEPS}, checkpoint={"every": 1, "keep": 2})
     root = Path(cfg.run.dir) / "checkpoints"
     with pytest.raises(RankFailure, match="rank 1 died by SIGKILL"):
-        run_ranks(_train_crashing_in_save, 2, cfg, 1, 3)
+        run_ranks(_train_crashing_in_save, 4, cfg, 1, 3)
     assert (root / "latest").read_text().strip() == "step_00000002"
     assert not (root / "step_00000003").exists() and (root / "step_00000003.partial").exists()
     with pytest.raises(CheckpointError, match="interrupted save"):
         resolve(root / "step_00000003.partial")
     train_layout(cfg)  # resumes from step 2
-    assert metrics_losses(cfg.run.dir) == dp2_reference
+    assert metrics_losses(cfg.run.dir) == reference
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000005", "step_00000006"]  # keep = 2
+
+
+def _needs_pipeline(*layouts):
+    if any(layout.get("pp", 1) > 1 for layout in layouts):
+        pytest.importorskip("tetrad.parallel.pipeline.executor", reason="needs the pipeline executor (pp > 1)")
 
 
 RESHARD_CASES = [
     ({"dp": 2, "tp": 2}, {}),
     ({"dp": 2, "tp": 2}, {"dp": 4}),
     ({"dp": 2, "tp": 2}, {"cp": 2, "dp": 2}),
-    pytest.param({"dp": 2, "tp": 2, "pp": 2}, {}, marks=pytest.mark.skipif(
-        not PIPELINE_READY, reason="needs the pipeline executor (parallel.pp > 1)")),
-    pytest.param({"dp": 2, "tp": 2, "pp": 2}, {"dp": 4, "pp": 2}, marks=pytest.mark.skipif(
-        not PIPELINE_READY, reason="needs the pipeline executor (parallel.pp > 1)")),
+    # ZeRO state is stored in the logical space too: any stage loads under any other.
+    ({"dp": 2, "zero": 1}, {}),
+    ({"dp": 2, "zero": 1}, {"dp": 4, "zero": 3}),
+    ({"dp": 4, "zero": 3}, {"dp": 2, "tp": 2, "zero": 1}),
+    ({"dp": 2, "tp": 2, "pp": 2}, {}),
+    ({"dp": 2, "tp": 2, "pp": 2}, {"dp": 4, "pp": 2}),
 ]
 
 
 @pytest.mark.parametrize("source,target", RESHARD_CASES)
 def test_reshard_and_continue(source, target):
+    _needs_pipeline(source, target)
     # vocab 251 is padded to 252 under tp=2: the checkpoint must hold the unpadded logical tensors.
-    model = {"vocab_size": 251}
-    src = tiny_config(parallel=source, model=model, train={"steps": STEPS}, checkpoint={"every": 3})
+    # One sequence per micro-batch: dp=4 x pp=2 still has the 2 micro-batches a pipeline needs.
+    model, train = {"vocab_size": 251}, {"steps": STEPS, "micro_batch": 1}
+    src = tiny_config(parallel=source, model=model, train=train, checkpoint={"every": 3})
     ref_losses, ref_state, _ = train_layout(src)
     saved = Path(src.run.dir) / "checkpoints"
 
     # Loading the final checkpoint under the target layout gives the saved parameters bitwise.
-    tgt = tiny_config(parallel=target, model=model, train={"steps": STEPS},
-                      checkpoint={"resume": str(saved / "step_00000006")})
+    tgt = tiny_config(parallel=target, model=model, train=train, checkpoint={"resume": str(saved / "step_00000006")})
     _, loaded, _ = train_layout(tgt)
     assert loaded.keys() == ref_state.keys()
     assert all(torch.equal(loaded[k], ref_state[k]) for k in ref_state)
 
     # Continuing from step 3 under the target layout follows the uninterrupted run. fp32; the only
     # difference is the order of the tp / dp sums (~1e-7 relative per step, as in test_dp).
-    tgt = tiny_config(parallel=target, model=model, train={"steps": STEPS},
-                      checkpoint={"resume": str(saved / "step_00000003")})
+    tgt = tiny_config(parallel=target, model=model, train=train, checkpoint={"resume": str(saved / "step_00000003")})
     losses, state, _ = train_layout(tgt)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def read_logical(path: Path) -> dict[str, torch.Tensor]:
+    """Every logical tensor of a checkpoint but the per-rank RNG states, read in this process."""
+    metadata = SafeReader(path).read_metadata()
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+             if not k.startswith("rng.")}
+    dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
+    return state
+
+
+def _load_and_save(cfg, path: Path, root: Path):
+    trainer = Trainer(cfg, torch.device("cpu"))
+    ckpt = Checkpointer(cfg, trainer.topo, root)
+    params = dict(trainer.model.named_parameters())
+    ckpt.save(ckpt.load(path, params, trainer.optimizer), params, trainer.optimizer)
+
+
+@pytest.mark.parametrize("source,target", [({"dp": 2, "tp": 2, "zero": 1}, {"dp": 4, "zero": 3}),
+                                           ({"dp": 4, "zero": 3}, {}),
+                                           ({"dp": 2, "zero": 2}, {"dp": 2, "tp": 2}),
+                                           ({"dp": 2, "tp": 2, "pp": 2, "zero": 1}, {"dp": 2, "zero": 3})])
+def test_state_survives_resharding_bitwise(source, target, tmp_path):
+    """Load under another layout (and ZeRO stage), save again: every stored tensor, the optimizer
+    state included, is bitwise the one saved, so nothing was lost or moved in between."""
+    _needs_pipeline(source, target)
+    model, train = {"vocab_size": 251}, {"steps": 2, "micro_batch": 1}
+    src = tiny_config(parallel=source, model=model, train=train, checkpoint={"every": 2})
+    train_layout(src)
+    saved = Path(src.run.dir) / "checkpoints" / "step_00000002"
+    tgt = tiny_config(parallel=target, model=model, train=train)
+    run_ranks(_load_and_save, tgt.parallel.world_size, tgt, saved, tmp_path)
+    before, after = read_logical(saved), read_logical(tmp_path / "step_00000002")
+    assert sorted(before) == sorted(after)
+    assert {k.rsplit(".", 1)[1] for k in before if k.startswith("optim.")} == {"step", "exp_avg", "exp_avg_sq"}
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
 
 
 # ------------------------------------------------------------------------------ integrity (one process)
@@ -189,3 +237,30 @@ def test_metadata_pickle_cannot_run_code(saved_checkpoint):
     manifest["files"][".metadata"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (path / "tetrad.json").write_text(json.dumps(manifest))
     assert_refused(cfg, path, r"\.metadata cannot be read: .*system is not allowed")
+
+
+class Scaler:
+    """Stands in for the loss scaler: a state of numbers and tensors."""
+
+    def __init__(self, scale: float):
+        self.scale, self.growth_tracker, self.found_inf = scale, 0, torch.zeros(3)
+
+    def state_dict(self):
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker, "found_inf": self.found_inf}
+
+    def load_state_dict(self, state):
+        self.scale, self.growth_tracker, self.found_inf = state["scale"], state["growth_tracker"], state["found_inf"]
+
+
+def test_stateful_objects_are_saved_and_restored(tmp_path):
+    cfg = tiny_config(train={"steps": 2})
+    trainer = Trainer(cfg, torch.device("cpu"))
+    params = dict(trainer.model.named_parameters())
+    saved = Scaler(2.0**16 / 3)
+    saved.growth_tracker, saved.found_inf = 7, torch.tensor([1.0, 0.0, 2.0])
+    ckpt = Checkpointer(cfg, trainer.topo, tmp_path)
+    path = ckpt.save(2, params, trainer.optimizer, {"scaler": saved})
+    restored = Scaler(1.0)
+    assert ckpt.load(path, params, trainer.optimizer, {"scaler": restored}) == 2
+    assert (restored.scale, restored.growth_tracker) == (saved.scale, 7)  # float64: the scale comes back exact
+    assert type(restored.growth_tracker) is int and torch.equal(restored.found_inf, saved.found_inf)

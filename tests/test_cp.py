@@ -191,8 +191,6 @@ def test_training_matches_single_process(name, references):
     _assert_matches_reference(name, references)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tetrad.parallel.pipeline.executor") is None,
-                    reason="needs the pipeline executor (issue 4): the trainer does not split stages yet")
 def test_training_cp_pp_dp_matches_single_process(references):
     _assert_matches_reference(PP_LAYOUT[0], references)
 

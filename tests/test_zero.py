@@ -69,7 +69,6 @@ def test_zero_composes_with_tp(reference, zero):
 
 @pytest.mark.parametrize("zero", [1, 3])
 def test_zero_composes_with_pp(reference, zero):
-    pytest.importorskip("tetrad.parallel.pipeline.executor", reason="the pipeline executor is not in yet")
     losses, state, _ = run(dp=2, pp=2, zero=zero)
     assert_matches_reference(losses, state, reference)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tetrad.config import ConfigError, load_config
+from tetrad.config import ConfigError, load_config, validate_device
 
 USAGE = """usage: tetrad COMMAND [ARGS]
 
@@ -40,6 +40,7 @@ def train_command(argv: list[str]) -> int:
     path, overrides = _split_config_args(argv)
     cfg = load_config(path, overrides, world_size=launch.torchrun_world_size())
     device_type = devices.resolve_device_type(cfg.train.device)
+    validate_device(cfg, device_type)
     p = cfg.parallel
     if launch.in_torchrun():
         launch.init_from_torchrun(device_type)

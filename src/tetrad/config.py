@@ -58,6 +58,8 @@ class ParallelConfig:
     cp: int = 1
     vpp: int = 1
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = "1f1b"
+    # Layers of each of the pp*vpp pipeline stages, e.g. [7, 8, 8, 7]; empty: balanced by FLOPs.
+    stage_layers: list[int] = field(default_factory=list)
     zero: int = 0
     sequence_parallel: bool = False
     cp_algo: Literal["ring", "alltoall"] = "ring"
@@ -85,6 +87,10 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     recompute: Literal["none", "selective", "full"] = "none"
     device: Literal["cpu", "cuda", "auto"] = "auto"
+    # fp32 master weights and AdamW state in CPU memory instead of the accelerator's.
+    offload_optimizer: bool = False
+    # torch.compile each transformer block.
+    compile: bool = False
     # torch.profiler Chrome traces of these steps (1-based, "3-5" or "4"), one per rank in RUN_DIR/traces/.
     profile: str = ""
 
@@ -229,6 +235,10 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
         elif option in (int, str):
             if isinstance(value, option) and not isinstance(value, bool):
                 return value
+        elif typing.get_origin(option) is list:
+            item = typing.get_args(option)[0]
+            if isinstance(value, list):
+                return [_check_type(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
     raise ConfigError(f"{name} must be {_describe(options)}, got {value!r} ({type(value).__name__})")
 
 
@@ -237,6 +247,8 @@ def _describe(options: tuple) -> str:
     for option in options:
         if typing.get_origin(option) is Literal:
             words.append("one of " + ", ".join(repr(v) for v in typing.get_args(option)))
+        elif typing.get_origin(option) is list:
+            words.append(f"a list of {_describe(typing.get_args(option))}s")
         else:
             words.append({bool: "true or false", int: "an integer", float: "a number",
                           str: "a string"}[option])
@@ -321,6 +333,20 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
     if m.n_layers < stages:
         raise ConfigError(f"n_layers={m.n_layers} is fewer than pp*vpp = {p.pp}*{p.vpp} = {stages} pipeline "
                           f"stages; use pp*vpp <= {m.n_layers}")
+    if p.stage_layers and (len(p.stage_layers) != stages or sum(p.stage_layers) != m.n_layers
+                           or min(p.stage_layers) < 1):
+        raise ConfigError(f"parallel.stage_layers={p.stage_layers} must list pp*vpp = {stages} layer counts, each "
+                          f">= 1, adding up to n_layers={m.n_layers}; or leave it empty for a balanced split")
+    if p.pp > 1:
+        from tetrad.parallel.pipeline.schedules import min_microbatches
+        need = min_microbatches(p.schedule, p.pp, p.vpp)
+        if cfg.microbatches < need:
+            raise ConfigError(f"schedule={p.schedule!r} with pp={p.pp} needs at least {need} micro-batches per step "
+                              f"(one group of pp per chunk); global_batch/(micro_batch*dp) = {cfg.microbatches}. "
+                              f"Raise global_batch to {need * t.micro_batch * p.dp} or lower micro_batch")
+        if m.tie_embeddings:
+            raise ConfigError("tie_embeddings with pp > 1 is not supported yet (the embedding and the head sit on "
+                              "different stages); set model.tie_embeddings=false or pp=1")
     if p.cp > 1 and m.seq_len % (2 * p.cp):
         ok = [c for c in _divisors(m.seq_len // 2) if c > 1][:8]
         raise ConfigError(f"seq_len={m.seq_len} is not divisible by 2*cp = {2 * p.cp} (the sequence is cut "
@@ -359,7 +385,36 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
     if runtime and t.dtype == "fp8":
         raise ConfigError("train.dtype='fp8' is accepted by `tetrad estimate`/`plan` only; the runtime trains "
                           "in fp32, bf16 or fp16")
+    if t.dtype == "fp16" and p.grad_codec in ("int8", "powersgd"):
+        raise ConfigError(f"train.dtype='fp16' skips steps whose gradients overflow, which would leave inf in "
+                          f"grad_codec={p.grad_codec!r}'s error feedback; use train.dtype='bf16' or "
+                          f"grad_codec='none'/'bf16'")
+    if t.offload_optimizer and t.device == "cpu":
+        raise ConfigError("train.offload_optimizer moves optimizer state from an accelerator to CPU memory; with "
+                          "train.device='cpu' it is there already: set train.offload_optimizer=false")
+    if t.compile and (p.tp > 1 or p.cp > 1):
+        raise ConfigError(f"train.compile compiles blocks without collectives inside; tp={p.tp}, cp={p.cp} put "
+                          f"communication in every block. Set train.compile=false, or tp=1 and cp=1")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.every < 0:
         raise ConfigError("checkpoint.keep must be >= 1 and checkpoint.every >= 0 (0 = never)")
+
+
+def validate_device(cfg: Config, device_type: str) -> None:
+    """The checks that need the device `train.device` resolved to (before any rank starts)."""
+    import torch
+
+    t = cfg.train
+    if t.offload_optimizer and device_type == "cpu":
+        raise ConfigError("train.offload_optimizer moves optimizer state off an accelerator, and this machine has "
+                          "none (train.device resolved to 'cpu'): set train.offload_optimizer=false")
+    if t.dtype in ("bf16", "fp16"):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[t.dtype]
+        try:
+            x = torch.ones((8, 8), dtype=dtype, device=device_type)
+            (x @ x).sum().item()
+        except RuntimeError as e:
+            other = "bf16" if t.dtype == "fp16" else "fp32"
+            raise ConfigError(f"train.dtype={t.dtype!r}: this {device_type} device cannot multiply {t.dtype} "
+                              f"matrices ({str(e).splitlines()[0]}); use train.dtype={other!r} or 'fp32'") from None

@@ -74,11 +74,45 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated bytes on an accelerator; on CPU the process's peak resident set size."""
+def start_memory_tracking(device: torch.device) -> int:
+    """Mark where a rank's measured memory starts; returns what peak_memory_bytes should subtract.
+
+    On CPU the figure is the resident set, and a rank forked from a parent (the tests, the local
+    launcher) starts with the parent's pages resident: only the growth from here describes the
+    rank. Linux lets a process reset its own high-water mark (clear_refs "5"); elsewhere the peak
+    since the process started is all there is. On an accelerator the peak allocated bytes are the
+    rank's own already: their counter restarts and nothing is subtracted.
+    """
+    if device.type == "cuda":
+        reset_peak_memory(device)
+        return 0
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return 0
+    return _proc_status_bytes("VmRSS")
+
+
+def peak_memory_bytes(device: torch.device, since: int = 0) -> int:
+    """Peak allocated bytes on an accelerator; on CPU the peak resident set (since the last
+    start_memory_tracking on Linux) less `since`, the resident set start_memory_tracking found."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        peak = _proc_status_bytes("VmHWM")
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak - since
+
+
+def _proc_status_bytes(field: str) -> int:
+    """A kB field of /proc/self/status (Linux), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
 
 
 def threads_per_rank(ranks_on_this_machine: int) -> int:

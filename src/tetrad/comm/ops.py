@@ -55,6 +55,10 @@ class Pending:
         if self._stats is not None:
             self._stats.seconds += time.perf_counter() - start
 
+    def is_completed(self) -> bool:
+        """Whether every part has finished, without waiting."""
+        return all(work is None or work.is_completed() for work in self._works)
+
 
 DONE = Pending([], None)
 
@@ -159,12 +163,14 @@ class Comm:
                          lambda: dist.broadcast(tensor, src=src, group=pg, async_op=async_op), async_op)
 
     def p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-            group: str) -> Pending:
+            group: str, send_tags: list[int] | None = None, recv_tags: list[int] | None = None) -> Pending:
         """Start sends and receives (tensor, global peer rank) together as one batched, non-blocking
-        operation; only the sent bytes are counted."""
+        operation; only the sent bytes are counted. Tags (default 0) match a send to its receive
+        when a link carries several transfers at once (the pipeline executor)."""
         pg = self.topo.group(group)
-        ops = [dist.P2POp(dist.isend, t, peer, pg) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, pg) for t, peer in recvs]
+        send_tags, recv_tags = send_tags or [0] * len(sends), recv_tags or [0] * len(recvs)
+        ops = [dist.P2POp(dist.isend, t, peer, pg, tag) for (t, peer), tag in zip(sends, send_tags)]
+        ops += [dist.P2POp(dist.irecv, t, peer, pg, tag) for (t, peer), tag in zip(recvs, recv_tags)]
         if not ops:
             return DONE
         entry = self._entry("send_recv", group, sum(_nbytes(t) for t, _ in sends))

@@ -5,15 +5,21 @@ Parallelism enters only through the layers it is built from: with every size 1 t
 linears and the model is an ordinary single-device model. A `Transformer` can hold a slice of the
 layers (a pipeline chunk): the embedding lives on the first chunk, the final norm, head and loss
 on the last; parameter names keep the global layer index, so they are the same in every layout.
+
+How blocks run is a training choice, set after construction by `set_execution`: activation
+recomputation (`full`: each block's forward is recomputed in its backward; `selective`: only the
+attention core, Korthikanti et al. 2022) and torch.compile of each block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tetrad.config import ModelConfig
 from tetrad.model.attention import attention
@@ -64,6 +70,7 @@ class Attention(nn.Module):
         self.wk = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo)
         self.wv = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo)
         self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, topo, std=out_std)
+        self.recompute_core = False  # selective recompute (see `core`)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         # q, k, v share one input collective; under SP x is a sequence chunk, q/k/v the whole sequence.
@@ -71,9 +78,19 @@ class Attention(nn.Module):
         b, s, _ = q.shape
         hd = self.cfg.head_dim
         q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.kv_heads, hd), v.view(b, s, self.kv_heads, hd)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(self.core, q, k, v, rope, use_reentrant=False)
+        else:
+            out = self.core(q, k, v, rope)
+        return self.wo(out.reshape(b, s, self.heads * hd))
+
+    def core(self, q, k, v, rope):
+        """Rotary embedding and attention: what selective recompute recomputes, keeping only q, k,
+        v (Korthikanti et al. 2022). With a flash kernel the core itself keeps little (its output
+        and log-sum-exp); the rotated q and k, elementwise and cheap to redo, are the bulk."""
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.wo(attention(q, k, v, self.topo).reshape(b, s, self.heads * hd))
+        return attention(q, k, v, self.topo)
 
 
 class MLP(nn.Module):
@@ -102,10 +119,49 @@ class Block(nn.Module):
         self.mlp_norm = Norm(cfg)
         self.mlp = MLP(cfg, topo, out_std)
         self.dropout = ResidualDropout(cfg.dropout, topo) if cfg.dropout else nn.Identity()
+        self.recompute = False  # full recompute: keep only the block's input for backward
+        self.run = self.body  # or its torch.compile'd version
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def body(self, x: torch.Tensor, rope) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), rope))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        # The checkpoint sits inside the module call, so module hooks (ZeRO-3's gathers) run once
+        # per forward and never during the recompute.
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self.run, x, rope, use_reentrant=False, context_fn=self._replay_dropout)
+        return self.run(x, rope)
+
+    def _replay_dropout(self):
+        """The recompute must draw the dropout masks of the forward. torch.utils.checkpoint
+        replays the default generators; ResidualDropout's own tp-shared generator (tp > 1 without
+        SP) it does not know, so record its state in the forward, rewind it for the recompute
+        and restore it after."""
+        generator = getattr(self.dropout, "generator", None)
+        if generator is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        at_forward = generator.get_state()
+
+        @contextlib.contextmanager
+        def replay():
+            now = generator.get_state()
+            generator.set_state(at_forward)
+            try:
+                yield
+            finally:
+                generator.set_state(now)
+        return contextlib.nullcontext(), replay()
+
+
+def set_execution(model: nn.Module, recompute: str = "none", compile: bool = False) -> None:
+    """Set how every transformer block in `model` runs: recompute `none`, `selective` or `full`,
+    and whether each block's body is compiled with torch.compile (module hooks stay outside)."""
+    for block in model.modules():
+        if isinstance(block, Block):
+            block.recompute = recompute == "full"
+            block.attn.recompute_core = recompute == "selective"
+            block.run = torch.compile(block.body) if compile else block.body
 
 
 class Transformer(nn.Module):

@@ -20,6 +20,15 @@ rank i owns the i-th 1/N of it:
 
 The clipping norm is computed from each rank's shard of every bucket in all stages, so ZeRO 0, 1
 and 2 do the same arithmetic and give bit-identical results.
+
+Mixed precision (bf16/fp16, the Megatron/DeepSpeed recipe): the flat parameter buffers hold the
+model dtype, so the forward, the backward and ZeRO's all-gathers run in it, while gradients
+still accumulate and reduce in the fp32 buckets and AdamW steps on fp32 master weights of the
+part of each bucket this rank updates (its shard, or the whole bucket under ZeRO-0), copied into
+the low-precision buffer after each step. The masters start from the fp32 initial weights. With
+`offload` the masters and AdamW's state live in CPU memory: each step moves this rank's fp32
+gradient shard there and the updated parameters back. fp32 without offload needs no masters:
+AdamW updates the parameter storage itself (and ZeRO-0 keeps plain AdamW on the parameters).
 """
 
 from __future__ import annotations
@@ -62,29 +71,34 @@ class Bucket:
         p = self.params[i]
         return flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
 
-    def pieces(self) -> list[tuple[int, int, int]]:
-        """(param index, start, end) in bucket coordinates of each parameter's part of this shard."""
+    def pieces(self, lo: int | None = None, hi: int | None = None) -> list[tuple[int, int, int]]:
+        """(param index, start, end) in bucket coordinates of each parameter's part of [lo, hi),
+        by default this rank's shard."""
+        lo, hi = (self.lo, self.hi) if lo is None else (lo, hi)
         out = []
         for i, (off, p) in enumerate(zip(self.offsets, self.params)):
-            a, b = max(off, self.lo), min(off + p.numel(), self.hi)
+            a, b = max(off, lo), min(off + p.numel(), hi)
             if a < b:
                 out.append((i, a, b))
         return out
 
 
 class ShardedAdamW:
-    """AdamW on this rank's shard of every bucket (ZeRO >= 1). The shard is cut at parameter
-    boundaries so each piece keeps its parameter's weight decay; AdamW is elementwise, so this is
-    the same arithmetic as the unsharded optimizer."""
+    """AdamW on the fp32 master of the part of every bucket this rank updates (`owned_range`: its
+    1/N shard under ZeRO >= 1, the whole bucket under ZeRO-0 with masters). Pieces are cut at
+    parameter boundaries so each keeps its parameter's weight decay; AdamW is elementwise, so this
+    is the same arithmetic as the unsharded optimizer. `slots` are (bucket, master piece, start,
+    end), start and end relative to the bucket's `owned_range` start."""
 
-    def __init__(self, reducer: "GradReducer", shards: list[torch.Tensor], train_cfg):
+    def __init__(self, reducer: "GradReducer", train_cfg):
         self.reducer = reducer
-        self.slots = []  # (bucket, piece tensor, shard start, shard end)
+        self.slots = []
         decay, no_decay = [], []
-        for bucket, shard in zip(reducer.buckets, shards):
-            for i, a, b in bucket.pieces():
-                piece = shard[a - bucket.lo:b - bucket.lo]
-                self.slots.append((bucket, piece, a - bucket.lo, b - bucket.lo))
+        for bucket, master in zip(reducer.buckets, reducer.masters):
+            lo, hi = reducer.owned_range(bucket)
+            for i, a, b in bucket.pieces(lo, hi):
+                piece = master[a - lo:b - lo]
+                self.slots.append((bucket, piece, a - lo, b - lo))
                 (decay if bucket.params[i].ndim >= 2 else no_decay).append(piece)
         groups = [{"params": decay, "weight_decay": train_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.inner = torch.optim.AdamW([g for g in groups if g["params"]], lr=train_cfg.lr, betas=(0.9, 0.95),
@@ -93,8 +107,11 @@ class ShardedAdamW:
         self.state = self.inner.state
 
     def step(self) -> None:
+        grads = {}  # bucket id -> its owned gradient, on the masters' device (offload: the CPU)
         for bucket, piece, a, b in self.slots:
-            piece.grad = bucket.grad_shard[a:b]
+            if id(bucket) not in grads:
+                grads[id(bucket)] = self.reducer.owned_grad(bucket).to(piece.device)
+            piece.grad = grads[id(bucket)][a:b]
         self.inner.step()
         self.reducer.after_step()
 
@@ -106,11 +123,17 @@ class ShardedAdamW:
 
 class GradReducer:
     """Owns the flat gradient (and, under ZeRO, parameter) buffers of `params` and their reduction
-    over dp x cp. `model` is needed for ZeRO-3 (its blocks get the gather hooks)."""
+    over dp x cp. `model` is needed for ZeRO-3 (its blocks get the gather hooks). `dtype` is the
+    model's (parameter and compute) dtype; the parameters are cast to it here, after their fp32
+    values seeded the master weights. `offload` keeps masters and optimizer state on the CPU."""
 
-    def __init__(self, params: list[nn.Parameter], topo, parallel=None, model: nn.Module | None = None):
+    def __init__(self, params: list[nn.Parameter], topo, parallel=None, model: nn.Module | None = None, *,
+                 dtype: torch.dtype = torch.float32, offload: bool = False):
         self.params, self.topo = params, topo
+        self.dtype, self.offload = dtype, offload
         self.zero = parallel.zero if parallel else 0
+        # Separate fp32 masters: the optimizer cannot update the parameters' own storage.
+        self.separate_masters = dtype != torch.float32 or offload
         self.n, self.rank = topo.size("dp_cp"), topo.local_rank("dp_cp")
         codec = parallel.grad_codec if parallel else "none"
         self.codec = make_codec(codec, self.n)
@@ -130,13 +153,18 @@ class GradReducer:
             self._blocks = list(model.layers.values())
             self._root = self.buckets[-1] if root else None
         else:
-            self.buckets = [Bucket(u, self.n, self.rank, align) for u in _split(params[::-1], mb * 2**20)]
+            # A bucket never spans two pipeline chunks: their backwards run at different times.
+            wanted = {id(p) for p in params}
+            chunks = model.chunk_parameters() if hasattr(model, "chunk_parameters") else [params]
+            self.buckets = [Bucket(u, self.n, self.rank, align) for chunk in chunks[::-1]
+                            for u in _split([p for p in chunk[::-1] if id(p) in wanted], mb * 2**20)]
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, i))
-        self.flat: list[torch.Tensor] = []  # ZeRO >= 1: flat parameter buffer of each bucket
+        self.flat: list[torch.Tensor] = []  # flat parameter buffer (model dtype) of each bucket
         self.shards: list[torch.Tensor] = []  # ZeRO-3: the persistent parameter shard of each bucket
-        if self.zero >= 1:
+        self.masters: list[torch.Tensor] = []  # fp32 weights the optimizer updates, per bucket
+        if self.zero >= 1 or self.separate_masters:
             self._flatten_params()
         if self.zero == 3:
             self._install_block_hooks(model)
@@ -144,16 +172,39 @@ class GradReducer:
     # ------------------------------------------------------------------ parameters under ZeRO
     @torch.no_grad()
     def _flatten_params(self) -> None:
-        """Make every parameter a view of its bucket's flat buffer; ZeRO-3 keeps only the shard."""
+        """Make every parameter a view of its bucket's flat buffer (in the model dtype), take the
+        fp32 masters from the initial values; ZeRO-3 keeps only the shard."""
         for bucket in self.buckets:
-            flat = torch.zeros(bucket.padded, dtype=bucket.params[0].dtype, device=self.topo.device)
+            full = torch.zeros(bucket.padded, dtype=torch.float32, device=self.topo.device)
             for i, p in enumerate(bucket.params):
-                bucket.view(flat, i).copy_(p)
+                bucket.view(full, i).copy_(p)
+            flat = full.to(self.dtype)  # the same tensor in fp32
+            for i, p in enumerate(bucket.params):
                 p.data = bucket.view(flat, i)
             self.flat.append(flat)
+            lo, hi = self.owned_range(bucket)
+            if self.separate_masters:
+                self.masters.append(full[lo:hi].to("cpu" if self.offload else full.device, copy=True))
             if self.zero == 3:
-                self.shards.append(flat[bucket.lo:bucket.hi].clone())
+                self.shards.append(flat[lo:hi].clone())
                 flat.untyped_storage().resize_(0)
+            if not self.separate_masters:
+                self.masters.append(self._owned_params(len(self.flat) - 1))
+
+    def owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The part of the bucket (bucket coordinates) this rank's optimizer updates."""
+        return (0, bucket.padded) if self.zero == 0 else (bucket.lo, bucket.hi)
+
+    def _owned_params(self, k: int) -> torch.Tensor:
+        """Bucket k's parameters in the owned range, in the model dtype: what the masters update."""
+        if self.zero == 3:
+            return self.shards[k]
+        lo, hi = self.owned_range(self.buckets[k])
+        return self.flat[k][lo:hi]
+
+    def owned_grad(self, bucket: Bucket) -> torch.Tensor:
+        """The reduced fp32 gradient of the owned range."""
+        return bucket.grad if self.zero == 0 else bucket.grad_shard
 
     def _bucket_index(self, bucket: Bucket) -> int:
         return next(i for i, b in enumerate(self.buckets) if b is bucket)
@@ -274,9 +325,9 @@ class GradReducer:
             else:
                 bucket.reduced = True
                 bucket.grad_shard = bucket.grad[bucket.lo:bucket.hi]
-                if self.zero == 0:
+                if not self.flat:  # plain AdamW on the (fp32) parameters
                     for i, p in enumerate(bucket.params):
-                        p.grad = bucket.view(bucket.grad, i).to(p.dtype)
+                        p.grad = bucket.view(bucket.grad, i)
         self._sum_sequence_parallel()
         if self._root is not None:
             self._free(len(self.buckets) - 1)
@@ -286,8 +337,9 @@ class GradReducer:
         tokens only: sum those over tp. Bucket layouts match across tp, so the shards line up."""
         if not getattr(self.topo, "sequence_parallel", False):
             return
-        if self.zero == 0:
-            views = [p.grad for p in self.params if p.grad is not None and spec_of(p)[2] == 1]
+        if self.zero == 0:  # the optimizer reads the whole bucket
+            views = [b.view(b.grad, i) for b in self.buckets if b.grad is not None
+                     for i, p in enumerate(b.params) if spec_of(p)[2] == 1]
         else:
             views = [g for g, p in self.shard_pieces() if spec_of(p)[2] == 1]
         if views:
@@ -301,13 +353,13 @@ class GradReducer:
         return [(b.grad_shard[lo - b.lo:hi - b.lo], b.params[i])
                 for b in self.buckets if b.grad_shard is not None for i, lo, hi in b.pieces()]
 
-    def clip(self, max_norm: float) -> float:
-        """Clip by the true global norm (shards summed over dp x cp, tp and pp); returns it."""
-        if self.zero == 0:  # the optimizer steps on p.grad (views of the buckets in fp32)
-            scaled = [p.grad for p in self.params if p.grad is not None]
-        else:
-            scaled = [b.grad_shard for b in self.buckets if b.grad_shard is not None]
-        return clip_gradients(self.shard_pieces(), max_norm, self.topo, scaled, dp_sharded=True)
+    def clip(self, max_norm: float, loss_scale: float = 1.0) -> float:
+        """Divide the gradients by the loss scale and clip them by the true global norm (shards
+        summed over dp x cp, tp and pp); returns that norm, unscaled. It is the same number on
+        every rank, non-finite on all of them when any rank's gradient overflowed."""
+        scaled = [self.owned_grad(b) for b in self.buckets if self.owned_grad(b) is not None]
+        return clip_gradients(self.shard_pieces(), max_norm, self.topo, scaled, dp_sharded=True,
+                              loss_scale=loss_scale)
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -317,15 +369,19 @@ class GradReducer:
 
     # ------------------------------------------------------------------ optimizer
     def build_optimizer(self, train_cfg):
-        """Plain AdamW (ZeRO-0) or AdamW on this rank's shards (ZeRO >= 1)."""
-        if self.zero == 0:
+        """Plain AdamW on the parameters (fp32 ZeRO-0) or AdamW on the fp32 masters."""
+        if not self.flat:
             return build_optimizer(self.params, train_cfg)
-        shards = self.shards if self.zero == 3 else [f[b.lo:b.hi] for b, f in zip(self.buckets, self.flat)]
-        return ShardedAdamW(self, shards, train_cfg)
+        return ShardedAdamW(self, train_cfg)
 
+    @torch.no_grad()
     def after_step(self) -> None:
-        """ZeRO-1/2: all-gather the updated shards into the full parameters (ZeRO-3 gathers lazily)."""
-        if self.zero == 3:
+        """Copy separate masters into the parameters, then (ZeRO-1/2) all-gather the updated
+        shards into the full parameters, in the model dtype (ZeRO-3 gathers lazily)."""
+        if self.separate_masters:
+            for k, master in enumerate(self.masters):
+                self._owned_params(k).copy_(master)
+        if self.zero in (0, 3):
             return
         pending = [self.topo.comm.all_gather(f, f[b.lo:b.hi], "dp_cp", async_op=True)
                    for b, f in zip(self.buckets, self.flat)]
@@ -349,10 +405,12 @@ class GradReducer:
                     total += storage.nbytes()
             return total
         state = optimizer.state.values()
+        # fp32 masters count as optimizer state (the ZeRO paper's K = 12 bytes per parameter).
+        masters = self.masters if self.separate_masters else []
         return {"params": count(list(self.params) + self.shards),
                 "grads": count([p.grad for p in self.params] + [b.grad for b in self.buckets]
                                + [b.grad_shard for b in self.buckets]),
-                "optimizer": count([v for s in state for v in s.values() if torch.is_tensor(v) and v.ndim])}
+                "optimizer": count([v for s in state for v in s.values() if torch.is_tensor(v) and v.ndim] + masters)}
 
 
 def _split(params: list[nn.Parameter], limit_bytes: float) -> list[list[nn.Parameter]]:
@@ -365,3 +423,23 @@ def _split(params: list[nn.Parameter], limit_bytes: float) -> list[list[nn.Param
         run.append(p)
         size += 4 * p.numel()
     return out + [run] if run else out
+
+
+# ---------------------------------------------------------------------- checkpoint export / import
+# train/checkpoint.py stores the optimizer's state in the logical parameter space; these two say
+# where that state lives in a ShardedAdamW, so the checkpoint never depends on the bucket layout.
+def zero_pieces(optimizer: ShardedAdamW) -> list[tuple[nn.Parameter, int, int, torch.Tensor]]:
+    """(parameter, start, end, piece) for every slot: `piece` holds the weights AdamW updates for
+    the parameter's flattened local elements [start, end), and AdamW keys their state by it."""
+    out = []
+    for bucket, piece, a, b in optimizer.slots:
+        at = optimizer.reducer.owned_range(bucket)[0] + a  # bucket coordinates
+        i = max(j for j, off in enumerate(bucket.offsets) if off <= at)
+        start = at - bucket.offsets[i]
+        out.append((bucket.params[i], start, start + (b - a), piece))
+    return out
+
+
+def zero_loaded(optimizer: ShardedAdamW) -> None:
+    """The pieces were overwritten (a checkpoint was loaded): make the parameters agree with them."""
+    optimizer.reducer.after_step()

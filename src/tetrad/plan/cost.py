@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from tetrad.config import Config
-from tetrad.parallel.pipeline.schedules import build_schedule
-from tetrad.parallel.pipeline.simulate import StageCosts, peak_inflight, simulate
+from tetrad.parallel.pipeline.schedules import build_schedule, replay
+from tetrad.parallel.pipeline.simulate import StageCosts, peak_inflight
 from tetrad.plan import flops
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.memory import (
@@ -303,12 +303,13 @@ def _schedule(schedule: str, pp: int, m: int, vpp: int):
 
 @lru_cache(maxsize=65536)
 def _simulate(schedule: str, pp: int, m: int, vpp: int, f: tuple, bi: tuple, bw: tuple, p2p: float):
-    """(step time, per-rank idle time after its last action) of one simulated schedule."""
-    result = simulate(_schedule(schedule, pp, m, vpp), StageCosts(list(f), list(bi), list(bw), p2p))
-    last = [0.0] * pp
-    for rank, _, _, end in result.timeline:
-        last[rank] = max(last[rank], end)
-    return result.step_time, tuple(result.step_time - x for x in last)
+    """(step time, per-rank idle time after its last action) of one simulated schedule: the
+    simulator's replay without the timeline it would build for a picture."""
+    s = _schedule(schedule, pp, m, vpp)
+    _, ends, _ = replay(s, StageCosts(list(f), list(bi), list(bw), p2p).per_stage(s.stages), p2p)
+    last = [e[-1] if e else 0.0 for e in ends]
+    step = max(last)
+    return step, tuple(step - x for x in last)
 
 
 @lru_cache(maxsize=4096)

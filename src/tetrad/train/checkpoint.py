@@ -1,10 +1,19 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP), stored in the LOGICAL parameter space.
 
-Every parameter, and its optimizer state, is saved as a DTensor over this rank's ("dp", "cp", "tp")
-mesh whose global shape is the logical, unpadded tensor (`ParamSpec.full_shape`). DCP writes each
-slice once (replicas are deduplicated) and on load reads whichever slices the new layout needs, so
-a checkpoint written under one dp/tp/pp/cp layout loads under any other, or into one process.
-Every rank writes its own shard; no rank gathers the model.
+Every key holds a logical tensor: `model.NAME` the unsharded, unpadded parameter
+(`ParamSpec.full_shape`), `optim.NAME.KEY` its optimizer state of the same shape (AdamW's moments)
+or a scalar (AdamW's step). A rank contributes the boxes of those tensors it holds: its tp shard
+of a parameter, cut to the unpadded vocabulary, or under ZeRO only the slice of the flattened
+parameter its dp x cp shard owns (a contiguous range, which is a few boxes). DCP writes each box
+once (replicas are deduplicated) and on load reads whichever parts the new layout needs, so a
+checkpoint written under one dp/tp/pp/cp/zero layout loads under any other, or into one
+process. Every rank writes its own part; no rank gathers the model.
+
+Also stored: `rng.rankR.KIND` (each rank's RNG state; a rank that did not exist when saved keeps
+its seeded state), `extra.NAME.KEY` (the state of objects handed to save/load as `stateful`, e.g.
+the loss scaler), the resolved config (config.toml) and the step (tetrad.json). The scheduler and
+the data position need nothing more: the learning rate is a function of the step (optim.lr_at)
+and each step's batch a function of (seed, step) (data.Batches).
 
 On disk (ROOT = checkpoint.dir, default RUN_DIR/checkpoints):
 
@@ -34,11 +43,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-from tetrad.model.sharding import ParamSpec, spec_of
+from tetrad.model.sharding import spec_of
+from tetrad.parallel.data import ShardedAdamW, zero_loaded, zero_pieces
 
 FORMAT = 1
 MANIFEST = "tetrad.json"
@@ -46,7 +58,6 @@ LATEST = "latest"
 # Keys of [model] that decide tensor shapes; the others (dropout, ...) may change on resume.
 SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "norm", "mlp", "pos",
               "tie_embeddings")
-MESH_DIMS = ("dp", "cp", "tp")  # a parameter is replicated or split over these; pp stages hold different names
 
 
 class CheckpointError(RuntimeError):
@@ -82,52 +93,79 @@ def resolve(path: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------- what is stored
-def _mesh_of(topo):
-    return topo.mesh[MESH_DIMS] if topo.mesh is not None else None
+@dataclasses.dataclass
+class Piece:
+    """Elements [start, end) of a local parameter, flattened: `values` holds them (the parameter
+    itself, or the ZeRO shard's slice of it) and the optimizer keeps their state under `values`."""
+
+    name: str
+    param: nn.Parameter
+    start: int
+    end: int
+    values: torch.Tensor
 
 
-def _logical_local(t: torch.Tensor, spec: ParamSpec, index: int) -> torch.Tensor:
-    """This rank's slice of the logical tensor: the local shard without its vocabulary padding."""
-    if spec.shard_dim is None:
-        return t
-    size = t.shape[spec.shard_dim]
-    keep = max(0, min(size, spec.full_shape[spec.shard_dim] - index * size))
-    return t.narrow(spec.shard_dim, 0, keep)
+def pieces(params: dict[str, nn.Parameter], optimizer) -> list[Piece]:
+    """What this rank holds and updates: whole local parameters, or under ZeRO its shard's slices."""
+    if isinstance(optimizer, ShardedAdamW):
+        names = {id(p): name for name, p in params.items()}
+        return [Piece(names[id(p)], p, start, end, values) for p, start, end, values in zero_pieces(optimizer)]
+    return [Piece(name, p, 0, p.numel(), p) for name, p in params.items()]
 
 
-def _as_logical(t: torch.Tensor, param: torch.Tensor, mesh) -> torch.Tensor:
-    """`t` (shaped like the local parameter) as a DTensor of the logical tensor, or itself unsharded."""
-    spec, index, parts = spec_of(param)
-    local = _logical_local(t.detach(), spec, index)
+def _flat_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Elements [start, end) of a row-major tensor of `shape` as (offsets, sizes) boxes, each of
+    them contiguous in memory (leading ones, then a run, then whole trailing dimensions)."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (end - 1) // inner
+    if first == last:
+        return [((first, *o), (1, *s)) for o, s in _flat_boxes(shape[1:], start - first * inner, end - first * inner)]
+    head = (first + 1) * inner if start % inner else start  # a partial first row, then whole rows
+    whole_end = end // inner
+    out = _flat_boxes(shape, start, head) if head > start else []
+    if whole_end > head // inner:
+        out.append(((head // inner, *[0] * (len(shape) - 1)), (whole_end - head // inner, *shape[1:])))
+    return out + _flat_boxes(shape, whole_end * inner, end)
+
+
+def _chunks(piece: Piece, flat: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """(offsets in the logical tensor, view of `flat`) for every box of `piece`, whose elements
+    `flat` holds: a tp shard's boxes move to its place, vocabulary padding is cut off."""
+    spec, index, _ = spec_of(piece.param)
+    shape = tuple(piece.param.shape)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    out = []
+    for offsets, sizes in _flat_boxes(shape, piece.start, piece.end):
+        at = sum(o * s for o, s in zip(offsets, strides)) - piece.start
+        box = flat[at:at + math.prod(sizes)].view(sizes)
+        offsets = list(offsets)
+        if spec.shard_dim is not None:
+            dim = spec.shard_dim
+            offsets[dim] += index * shape[dim]
+            keep = min(sizes[dim], spec.full_shape[dim] - offsets[dim])
+            if keep <= 0:
+                continue
+            box = box.narrow(dim, 0, keep)
+        out.append((tuple(offsets), box))
+    return out
+
+
+def _logical(chunks: list[tuple[tuple[int, ...], torch.Tensor]], full_shape: tuple[int, ...], mesh) -> torch.Tensor:
+    """The logical tensor of which this rank holds `chunks`, as DCP saves and loads it: a DTensor
+    of the chunks (any boxes; DCP reads and writes them by offset), or the tensor in one process."""
     if mesh is None:
-        if parts > 1:
-            raise CheckpointError("a sharded parameter needs the process group's mesh to be saved")
-        return local
-    if parts > 1 and param.shape[spec.shard_dim] != math.ceil(spec.full_shape[spec.shard_dim] / parts):
-        raise CheckpointError(f"shard of {tuple(param.shape)} does not follow torch.chunk's split of "
-                              f"{spec.full_shape} into {parts}; DTensor offsets would be wrong")
-    placements = [Shard(spec.shard_dim) if parts > 1 and dim == spec.group else Replicate() for dim in MESH_DIMS]
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(spec.full_shape),
-                              stride=torch.empty(spec.full_shape, device="meta").stride())
-
-
-def optimizer_state(optimizer, params: dict[str, torch.nn.Parameter]) -> dict[str, dict[str, torch.Tensor]]:
-    """name -> {state key -> tensor}: tensors shaped like the local parameter, or scalars (Adam's step).
-
-    A sharded optimizer (ZeRO) provides the same through `logical_state(params)` and
-    `load_logical_state(params, state)`, so the stored form does not depend on its sharding.
-    """
-    if hasattr(optimizer, "logical_state"):
-        return optimizer.logical_state(params)
-    return {name: dict(optimizer.state[p]) for name, p in params.items() if p in optimizer.state}
-
-
-def load_optimizer_state(optimizer, params, state: dict[str, dict[str, torch.Tensor]]) -> None:
-    if hasattr(optimizer, "load_logical_state"):
-        optimizer.load_logical_state(params, state)
-        return
-    for name, p in params.items():
-        optimizer.state[p] = state[name]
+        (offsets, tensor), = chunks
+        if tuple(tensor.shape) != tuple(full_shape):
+            raise CheckpointError(f"one process holds {tuple(tensor.shape)} of a {full_shape} tensor")
+        return tensor
+    wrapper = LocalShardsWrapper([t for _, t in chunks], [o for o, _ in chunks])
+    stride = [math.prod(full_shape[d + 1:]) for d in range(len(full_shape))]
+    return DTensor.from_local(wrapper, mesh, [Replicate()] * mesh.ndim, run_check=False,
+                              shape=torch.Size(full_shape), stride=tuple(stride))
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -137,18 +175,12 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return out
 
 
-def _state_dict(params, optimizer, topo, with_optimizer: bool) -> dict[str, torch.Tensor]:
-    """The flat DCP state: model.NAME, optim.NAME.KEY (logical), rng.rankR.KIND (per rank)."""
-    mesh = _mesh_of(topo)
-    state = {f"model.{name}": _as_logical(p, p, mesh) for name, p in params.items()}
-    if with_optimizer:
-        for name, entries in optimizer_state(optimizer, params).items():
-            for key, value in entries.items():
-                is_like_param = value.shape == params[name].shape
-                state[f"optim.{name}.{key}"] = _as_logical(value, params[name], mesh) if is_like_param else value
-        for kind, value in _rng_state(topo.device).items():
-            state[f"rng.rank{topo.rank}.{kind}"] = value
-    return state
+def _check_optimizer_covered(optimizer, mine: list[Piece]) -> None:
+    """Refuse to save an optimizer whose state is keyed by tensors we do not know (it would be lost)."""
+    known = {id(p.values) for p in mine}
+    if any(id(key) not in known for key in optimizer.state):
+        raise CheckpointError(f"{type(optimizer).__name__} keeps state for tensors that are not parameters or "
+                              "ZeRO shard slices of them; teach checkpoint.pieces() where its state lives")
 
 
 # ---------------------------------------------------------------------------------------- integrity
@@ -244,22 +276,38 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def check_shapes(metadata: Metadata, state: dict[str, torch.Tensor], path: Path) -> None:
+def check_shapes(metadata: Metadata, expected: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Refuse before reading anything when a tensor is missing or its logical shape differs."""
     problems = []
-    for key, value in state.items():
+    for key, shape in expected.items():
         stored = metadata.state_dict_metadata.get(key)
         if stored is None:
             problems.append(f"{key}: not in the checkpoint")
-        elif not isinstance(stored, TensorStorageMetadata) or tuple(stored.size) != tuple(value.shape):
+        elif not isinstance(stored, TensorStorageMetadata) or tuple(stored.size) != tuple(shape):
             size = tuple(stored.size) if isinstance(stored, TensorStorageMetadata) else "not a tensor"
-            problems.append(f"{key}: {size} in the checkpoint, {tuple(value.shape)} here")
+            problems.append(f"{key}: {size} in the checkpoint, {tuple(shape)} here")
     if problems:
         raise CheckpointError(f"{path / '.metadata'} does not match this model:\n  " + "\n  ".join(problems[:20]))
 
 
+def optimizer_entries(metadata: Metadata) -> dict[str, dict[str, TensorStorageMetadata]]:
+    """Parameter name -> {optimizer state key -> its stored metadata}."""
+    out: dict[str, dict[str, TensorStorageMetadata]] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("optim.") and isinstance(meta, TensorStorageMetadata):
+            name, entry = key[len("optim."):].rsplit(".", 1)
+            out.setdefault(name, {})[entry] = meta
+    return out
+
+
 # ---------------------------------------------------------------------------------------- save / load
 class Checkpointer:
-    """Saves and restores (model, optimizer, RNG, step) of one rank; every method is collective."""
+    """Saves and restores the model, optimizer, RNG and step of one rank; every method is collective.
+
+    `stateful` (save, load, resume, maybe_save) maps a name to an object with `state_dict()` and
+    `load_state_dict()` whose values are tensors or numbers, e.g. {"scaler": the loss scaler}: it
+    is saved as replicated tensors `extra.NAME.KEY` and restored when the checkpoint has it.
+    """
 
     def __init__(self, cfg, topo, root: Path):
         self.cfg, self.topo, self.root = cfg, topo, Path(root)
@@ -269,30 +317,30 @@ class Checkpointer:
     def for_run(cls, cfg, topo, run_dir: Path) -> "Checkpointer":
         return cls(cfg, topo, Path(cfg.checkpoint.dir or Path(run_dir) / "checkpoints"))
 
-    def resume(self, params: dict[str, torch.nn.Parameter], optimizer, metrics: Path) -> int:
+    def resume(self, params: dict[str, nn.Parameter], optimizer, metrics: Path, stateful: dict | None = None) -> int:
         """Apply `checkpoint.resume`; return the step to continue from (0: a fresh start). Rank 0
         drops the metrics lines of steps after it, so a resumed run reads as never interrupted."""
         resume = self.cfg.checkpoint.resume
         path = None if resume == "never" else latest_checkpoint(self.root) if resume == "auto" else resolve(resume)
         if path is None:
             return 0
-        step = self.load(path, params, optimizer)
+        step = self.load(path, params, optimizer, stateful)
         if self.topo.rank == 0 and metrics.exists():
             kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= step]
             _replace_text(metrics, "".join(line + "\n" for line in kept))
         return step
 
-    def maybe_save(self, step: int, params: dict[str, torch.nn.Parameter], optimizer) -> None:
+    def maybe_save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None) -> None:
         """Save every `checkpoint.every` steps, and at the last step (every = 0: never)."""
         every = self.cfg.checkpoint.every
         if every and (step % every == 0 or step == self.cfg.train.steps):
-            self.save(step, params, optimizer)
+            self.save(step, params, optimizer, stateful)
 
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
 
-    def save(self, step: int, params: dict[str, torch.nn.Parameter], optimizer) -> Path:
+    def save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None) -> Path:
         """Write checkpoint `step`; it becomes visible, and `latest`, only once every rank is done."""
         final = step_dir(self.root, step)
         if (final / MANIFEST).exists():  # a resumed run reaching a step it already saved: same content
@@ -302,15 +350,44 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
             tmp.mkdir(parents=True)
         self._barrier()
-        dcp.save(_state_dict(params, optimizer, self.topo, True), storage_writer=FileSystemWriter(tmp),
+        dcp.save(self._saved_state(params, optimizer, stateful or {}), storage_writer=FileSystemWriter(tmp),
                  no_dist=not self.topo.distributed)
         files = digest_files(tmp, self.topo.rank, self.world)
         if self.topo.rank == 0:
-            publish(tmp, final, self.cfg, step, files, optimizer=True, layout=dataclasses.asdict(self.topo.layout))
+            layout = {**dataclasses.asdict(self.topo.layout), "zero": self.cfg.parallel.zero}
+            publish(tmp, final, self.cfg, step, files, optimizer=True, layout=layout)
             _replace_text(self.root / LATEST, final.name + "\n")
             self._prune()
         self._barrier()
         return final
+
+    def _saved_state(self, params, optimizer, stateful: dict) -> dict[str, torch.Tensor]:
+        """The flat DCP state of this rank: its boxes of the model and optimizer state, its RNG
+        state and the `stateful` objects' values."""
+        mine = pieces(params, optimizer)
+        _check_optimizer_covered(optimizer, mine)
+        mesh, state = self.topo.mesh, {}
+        for piece in mine:
+            full = spec_of(piece.param)[0].full_shape
+            chunks = _chunks(piece, piece.values.detach().reshape(-1))
+            if not chunks:  # this rank's slice lies in the vocabulary padding
+                continue
+            state[f"model.{piece.name}"] = _logical(chunks, full, mesh)
+            for entry, value in optimizer.state.get(piece.values, {}).items():
+                key = f"optim.{piece.name}.{entry}"
+                if value.ndim == 0:
+                    state[key] = value
+                elif value.numel() == piece.end - piece.start:
+                    state[key] = _logical(_chunks(piece, value.reshape(-1)), full, mesh)
+                else:
+                    raise CheckpointError(f"{key}: optimizer state of shape {tuple(value.shape)} is neither a "
+                                          f"scalar nor one value per element of {tuple(piece.values.shape)}")
+        for kind, value in _rng_state(self.topo.device).items():
+            state[f"rng.rank{self.topo.rank}.{kind}"] = value
+        for name, obj in stateful.items():
+            for key, value in obj.state_dict().items():
+                state[f"extra.{name}.{key}"] = _as_tensor(value)
+        return state
 
     def _prune(self) -> None:
         """Keep the newest `checkpoint.keep` complete checkpoints; drop crashed partial saves."""
@@ -318,7 +395,7 @@ class Checkpointer:
         for old in complete[:-self.cfg.checkpoint.keep] + list(self.root.glob("step_*.partial")):
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, params: dict[str, torch.nn.Parameter], optimizer) -> int:
+    def load(self, path: Path, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None) -> int:
         """Restore from `path` (written under any layout) and return its step. A weights-only
         checkpoint (from `tetrad convert`) restores the parameters; the optimizer then starts fresh."""
         path = resolve(path)
@@ -326,50 +403,73 @@ class Checkpointer:
         check_model(manifest, self.cfg.model, path)
         reader = SafeReader(path)
         metadata = reader.read_metadata()
-        bases, state = self._templates(params, metadata)
-        check_shapes(metadata, state, path)
+        stored = metadata.state_dict_metadata
+        entries = optimizer_entries(metadata) if manifest["optimizer"] else {}
+        expected = {}
+        for name, p in params.items():
+            full = spec_of(p)[0].full_shape
+            expected[f"model.{name}"] = full
+            for entry, meta in entries.get(name, {}).items():
+                expected[f"optim.{name}.{entry}"] = () if len(meta.size) == 0 else full
+        check_shapes(metadata, expected, path)
+
+        # Read into zeroed scratch buffers (vocabulary padding stays zero), so that a failure
+        # leaves the live state untouched.
+        mesh, state, buffers = self.topo.mesh, {}, {}
+        mine = pieces(params, optimizer)
+        for piece in mine:
+            full = spec_of(piece.param)[0].full_shape
+            wanted = [(f"model.{piece.name}", piece.values.dtype)]
+            wanted += [(f"optim.{piece.name}.{e}", m.properties.dtype) for e, m in entries.get(piece.name, {}).items()]
+            for key, dtype in wanted:
+                if expected[key] == ():
+                    buffers[key] = state[key] = torch.zeros((), dtype=dtype)
+                    continue
+                buffers[key] = torch.zeros(piece.end - piece.start, dtype=dtype, device=piece.values.device)
+                chunks = _chunks(piece, buffers[key])
+                if chunks:
+                    state[key] = _logical(chunks, full, mesh)
+        for key, meta in stored.items():
+            if key.startswith(f"rng.rank{self.topo.rank}.") or key.startswith("extra."):
+                state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
         dcp.load(state, storage_reader=reader, no_dist=not self.topo.distributed)
+
         with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(bases[f"model.{name}"])
-        restored: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in bases.items():
-            if key.startswith("optim."):
-                name, entry = key[len("optim."):].rsplit(".", 1)
-                restored.setdefault(name, {})[entry] = value
-        if restored:
-            load_optimizer_state(optimizer, params, restored)
-        for kind, value in bases.items():
-            if kind == f"rng.rank{self.topo.rank}.cpu":
-                torch.set_rng_state(value)
-            elif kind == f"rng.rank{self.topo.rank}.cuda":
-                torch.cuda.set_rng_state(value, self.topo.device)
+            for piece in mine:
+                piece.values.view(-1).copy_(buffers[f"model.{piece.name}"])
+                restored = {entry: buffers[f"optim.{piece.name}.{entry}"] for entry in entries.get(piece.name, {})}
+                if restored:
+                    optimizer.state[piece.values] = {
+                        e: t if t.ndim == 0 else t.view_as(piece.values) for e, t in restored.items()}
+        if isinstance(optimizer, ShardedAdamW):
+            zero_loaded(optimizer)
+        self._restore_rng(state)
+        for name, obj in (stateful or {}).items():
+            current = obj.state_dict()
+            saved = {k: _like(v, state[f"extra.{name}.{k}"]) for k, v in current.items() if f"extra.{name}.{k}" in state}
+            if saved:
+                obj.load_state_dict({**current, **saved})
         self._barrier()
         return manifest["step"]
 
-    def _templates(self, params, metadata: Metadata) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(key -> local tensor to restore, key -> what DCP loads into it): the model, and whatever
-        optimizer state and this rank's RNG state the checkpoint holds, for this rank's parameters."""
-        mesh = _mesh_of(self.topo)
-        bases, state = {}, {}
-        for name, p in params.items():
-            bases[f"model.{name}"] = torch.zeros_like(p.detach())
-        for key, meta in metadata.state_dict_metadata.items():
-            if not isinstance(meta, TensorStorageMetadata):
-                continue
-            if key.startswith("optim."):
-                name = key[len("optim."):].rsplit(".", 1)[0]
-                if name in params and tuple(meta.size) == spec_of(params[name])[0].full_shape:
-                    bases[key] = torch.zeros_like(params[name].detach(), dtype=meta.properties.dtype)
-                elif name in params:
-                    bases[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-            elif key.startswith(f"rng.rank{self.topo.rank}."):
-                bases[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, base in bases.items():
-            name = key[len("model."):] if key.startswith("model.") else key[len("optim."):].rsplit(".", 1)[0]
-            is_like_param = name in params and base.shape == params[name].shape
-            state[key] = _as_logical(base, params[name], mesh) if is_like_param else base
-        return bases, state
+    def _restore_rng(self, state: dict[str, torch.Tensor]) -> None:
+        prefix = f"rng.rank{self.topo.rank}."
+        if prefix + "cpu" in state:
+            torch.set_rng_state(state[prefix + "cpu"])
+        if prefix + "cuda" in state and self.topo.device.type == "cuda":
+            torch.cuda.set_rng_state(state[prefix + "cuda"], self.topo.device)
+
+
+def _as_tensor(value) -> torch.Tensor:
+    """A `stateful` value as a tensor (numbers as 0-d tensors, floats in float64: exact)."""
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
+
+
+def _like(old, loaded: torch.Tensor):
+    """`loaded` in the type `old` had (a number back as a number)."""
+    return loaded if torch.is_tensor(old) else type(old)(loaded.item())
 
 
 def publish(tmp: Path, final: Path, cfg, step: int, files: dict, optimizer: bool, layout: dict) -> None:
@@ -383,6 +483,7 @@ def publish(tmp: Path, final: Path, cfg, step: int, files: dict, optimizer: bool
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def _replace_text(path: Path, text: str) -> None:
@@ -393,3 +494,13 @@ def _replace_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a power cut after it must not bring the old name back)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

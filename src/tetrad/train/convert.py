@@ -68,7 +68,7 @@ def to_hf(checkpoint: Path, out: Path) -> None:
     for name, shape in logical_shapes(m).items():
         key = f"model.{name}"
         state[key] = torch.empty(shape, dtype=stored[key].properties.dtype if key in stored else torch.float32)
-    check_shapes(metadata, state, path)
+    check_shapes(metadata, {k: tuple(v.shape) for k, v in state.items()}, path)
     dcp.load(state, storage_reader=reader, no_dist=True)
     out.mkdir(parents=True, exist_ok=True)
     save_file({hf_name(k[len("model."):]): v for k, v in state.items()}, out / "model.safetensors",

@@ -49,11 +49,14 @@ def global_grad_norm(pieces: list[tuple[torch.Tensor, torch.nn.Parameter]], topo
 
 
 def clip_gradients(pieces: list[tuple[torch.Tensor, torch.nn.Parameter]], max_norm: float, topo,
-                   grads: list[torch.Tensor], dp_sharded: bool = False) -> float:
+                   grads: list[torch.Tensor], dp_sharded: bool = False, loss_scale: float = 1.0) -> float:
     """Scale `grads` (what the optimizer will read) so the global norm of `pieces` is at most
-    max_norm (0 disables); returns the norm."""
-    norm = global_grad_norm(pieces, topo, dp_sharded)
+    max_norm (0 disables); returns the norm. Gradients of a loss multiplied by `loss_scale` (fp16)
+    are divided by it in the same pass, and the norm returned is the unscaled one."""
+    norm = global_grad_norm(pieces, topo, dp_sharded) / loss_scale
     if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0) / loss_scale
         torch._foreach_mul_(grads, scale)
+    elif loss_scale != 1.0:
+        torch._foreach_mul_(grads, 1.0 / loss_scale)
     return float(norm)

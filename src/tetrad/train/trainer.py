@@ -8,6 +8,7 @@ over dp x cp, clipping by the true global norm, the AdamW update, metrics on ran
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from pathlib import Path
@@ -16,22 +17,27 @@ import torch
 
 from tetrad import device as devices
 from tetrad.config import Config, profile_steps
-from tetrad.model.llama import Transformer
+from tetrad.model.llama import set_execution
 from tetrad.model.sharding import full_state_dict, init_parameters, set_spec, spec_of
 from tetrad.parallel.context import shard_sequence
 from tetrad.parallel.data import GradReducer
+from tetrad.parallel.pipeline.executor import PipelineExecutor
+from tetrad.parallel.pipeline.schedules import build_schedule
+from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.topology import Layout, Topology
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.data import Batches, load_tokens
+from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import MetricsLog
 from tetrad.train.optim import lr_at
+from tetrad.train.precision import LossScaler, model_dtype
 
 
-def build_model(cfg: Config, topo: Topology) -> Transformer:
-    """This rank's model, built on the meta device and materialised one parameter at a time, so
-    a model larger than one device's memory never exists whole."""
+def build_model(cfg: Config, topo: Topology) -> PipelineStages:
+    """This rank's model chunks, built on the meta device and materialised one parameter at a
+    time, so a model larger than one device's memory never exists whole."""
     with torch.device("meta"):
-        model = Transformer(cfg.model, topo)
+        model = PipelineStages(cfg, topo)
     specs = {name: spec_of(p) for name, p in model.named_parameters()}
     model.to_empty(device=topo.device)  # makes new Parameter objects: re-attach their specs
     for name, p in model.named_parameters():
@@ -49,28 +55,35 @@ class Trainer:
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed(cfg.train.seed + 7919 * self.topo.rank)
         self.model = build_model(cfg, self.topo)
+        set_execution(self.model, cfg.train.recompute, cfg.train.compile)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
-        self.grads = GradReducer(self.params, self.topo, cfg.parallel, self.model)  # buckets, ZeRO
+        dtype = model_dtype(cfg.train.dtype)
+        # Buckets, ZeRO; casts the parameters to `dtype` behind fp32 master weights.
+        self.grads = GradReducer(self.params, self.topo, cfg.parallel, self.model, dtype=dtype,
+                                 offload=cfg.train.offload_optimizer)
         self.optimizer = self.grads.build_optimizer(cfg.train)
+        self.scaler = LossScaler(enabled=cfg.train.dtype == "fp16")
+        self.activations = ActivationMeter()
         self.batches = Batches(load_tokens(cfg.data.source), cfg.model.seq_len, cfg.train.global_batch,
                                cfg.train.seed, cfg.model.vocab_size)
         self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+        # Without a pipeline the schedule is F, B per micro-batch: plain gradient accumulation.
+        schedule = build_schedule(p.schedule if p.pp > 1 else "1f1b", p.pp, cfg.microbatches, p.vpp)
+        tokens = cfg.model.seq_len // p.cp // (p.tp if self.topo.sequence_parallel else 1)
+        self.pipeline = PipelineExecutor(self.model, schedule, self.topo, self.grads,
+                                         (cfg.train.micro_batch, tokens, cfg.model.d_model), dtype)
+        self.timeline: list = []  # the last step's per-action times on this rank
 
-    def forward_backward(self, microbatches) -> torch.Tensor:
-        """Summed token loss of this rank's micro-batches; gradients accumulate in .grad."""
+    def forward_backward(self, microbatches, grad_scale: float = 1.0) -> torch.Tensor:
+        """Summed token loss of this rank's micro-batches (zero off the last pipeline stage);
+        gradients (of the loss times `grad_scale`, fp16's loss scale) accumulate in the
+        reducer's buckets."""
         # Context parallel: this rank's two load-balanced chunks of every sequence (context.py).
         cp, cp_rank = self.topo.size("cp"), self.topo.local_rank("cp")
         positions = shard_sequence(torch.arange(self.cfg.model.seq_len, device=self.topo.device), cp, cp_rank)
-        total = torch.zeros((), device=self.topo.device)
-        microbatches = list(microbatches)
-        for i, (inputs, labels) in enumerate(microbatches):
-            inputs, labels = (shard_sequence(t.to(self.topo.device), cp, cp_rank) for t in (inputs, labels))
-            loss = self.model(inputs, positions, labels)
-            # The last micro-batch's backward starts each gradient bucket's reduction as it fills.
-            with self.grads.last_microbatch() if i == len(microbatches) - 1 else contextlib.nullcontext():
-                (loss / self.tokens_per_step).backward()
-            total += loss.detach()
+        local = [tuple(shard_sequence(t.to(self.topo.device), cp, cp_rank) for t in pair) for pair in microbatches]
+        total, self.timeline = self.pipeline.run(local, positions, grad_scale / self.tokens_per_step)
         return total
 
     def train_step(self, step: int) -> dict:
@@ -80,13 +93,18 @@ class Trainer:
         topo.comm.reset()
         start = time.perf_counter()
         micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-        with devices.phase("forward_backward", topo.device):
-            loss_sum = self.forward_backward(micro)
+        scale = self.scaler.scale
+        with devices.phase("forward_backward", topo.device), self.activations.measuring():
+            loss_sum = self.forward_backward(micro, grad_scale=scale)
         with devices.phase("grad_reduce", topo.device):
             self.grads.reduce()  # dp x cp (and, under SP, tp for tp-replicated parameters)
         with devices.phase("optimizer", topo.device):
-            grad_norm = self.grads.clip(cfg.train.grad_clip)
-            self.optimizer.step()
+            grad_norm = self.grads.clip(cfg.train.grad_clip, loss_scale=scale)
+            # The norm is reduced over the whole job: every rank steps, or every rank skips.
+            stepped = self.scaler.update(math.isfinite(grad_norm))
+            if stepped:
+                self.optimizer.step()
+            model_states = self.grads.model_state_bytes(self.optimizer)  # gradients still held: their peak
             self.optimizer.zero_grad(set_to_none=True)
         # The loss lives on the last pipeline stage of each dp x cp replica; sum them all.
         topo.comm.all_reduce(loss_sum, "dp_cp")
@@ -96,13 +114,18 @@ class Trainer:
         step_time = time.perf_counter() - start
         comm_s = topo.comm.seconds_by_group()
         exposed = sum(comm_s.values())
+        peak = devices.peak_memory_bytes(topo.device)
         return {
             "step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
             "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, "mfu": None,
             "compute_s": step_time - exposed, "exposed_comm_s": exposed, "bubble_s": 0.0,
             "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in ("tp", "cp", "pp", "dp")},
             "exposed_comm_s_by_group": {g: comm_s.get(g, 0.0) for g in ("tp", "cp", "pp", "dp")},
-            "peak_memory_gib": devices.peak_memory_bytes(topo.device) / 2**30,
+            "loss_scale": scale, "skipped": not stepped,
+            "peak_memory_gib": peak / 2**30,
+            # Model states counted from this rank's tensors; activations: the peak of what autograd
+            # saved for backward (train/memory.py); peak: device.peak_memory_bytes.
+            "memory_bytes": {"peak": peak, **model_states, "activations": self.activations.peak},
         }
 
     def _profiler(self, first_step: int):

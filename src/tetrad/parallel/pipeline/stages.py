@@ -1,0 +1,75 @@
+"""The model chunks one pipeline rank holds, with their parameters under logical names.
+
+The model is cut into pp·vpp global stages of consecutive layers; stage g = chunk·pp + rank
+(Megatron's interleaved placement, as in schedules.py), the embedding on stage 0, the final
+norm, head and loss on the last. Layers are split by `plan.memory.stage_layers` (balanced by
+FLOPs, the head counted as part of a layer), unless `parallel.stage_layers` lists them.
+
+`PipelineStages` registers the chunks' modules directly (`layers.<global index>`, `embed`,
+`norm`, `head`), so a parameter has the same name in every layout and a single-process model's
+state dict covers the union of every rank's; the chunks themselves are kept in a plain list and
+only used to run forward.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+import torch.nn as nn
+
+from tetrad.config import Config
+from tetrad.model.llama import Transformer
+from tetrad.plan.memory import stage_layers
+
+
+def layer_split(cfg: Config) -> list[range]:
+    """The global layer indices of each of the pp·vpp stages."""
+    stages = cfg.parallel.pp * cfg.parallel.vpp
+    counts = list(cfg.parallel.stage_layers) or stage_layers(cfg.model, stages)
+    bounds = [0, *accumulate(counts)]
+    return [range(bounds[g], bounds[g + 1]) for g in range(stages)]
+
+
+class PipelineStages(nn.Module):
+    """This pipeline rank's vpp model chunks (one, the whole model, when pp = vpp = 1)."""
+
+    def __init__(self, cfg: Config, topo):
+        super().__init__()
+        pp, vpp, rank = cfg.parallel.pp, cfg.parallel.vpp, topo.coords["pp"]
+        split = layer_split(cfg)
+        self.stage_ids = [chunk * pp + rank for chunk in range(vpp)]
+        # Not submodules: their parts are registered below, in the single model's order
+        # (embedding, layers, norm and head), which is also the order of gradient buckets.
+        self.chunks = [Transformer(cfg.model, topo, layers=split[g], first=g == 0, last=g == len(split) - 1)
+                       for g in self.stage_ids]
+        for chunk in self.chunks:
+            if chunk.first:
+                self.embed = chunk.embed
+                if cfg.model.pos == "learned":
+                    self.pos_embed = chunk.pos_embed
+        self.layers = nn.ModuleDict()
+        for chunk in self.chunks:
+            self.layers.update(chunk.layers)
+            if chunk.last:
+                self.norm, self.head = chunk.norm, chunk.head
+
+    def _apply(self, fn, recurse=True):
+        """`to_empty()` and `.to()` replace Parameters registered directly on a module: point the
+        first chunk back at the container's learned-position table (its other parts are shared
+        modules, which are updated in place)."""
+        super()._apply(fn, recurse)
+        for chunk in self.chunks:
+            if chunk.first and "pos_embed" in self._parameters:
+                chunk.pos_embed = self.pos_embed
+        return self
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
+                chunk: int = 0) -> torch.Tensor:
+        """Run local chunk `chunk` (see Transformer.forward for what goes in and out)."""
+        return self.chunks[chunk](x, positions, labels)
+
+    def chunk_parameters(self) -> list[list[nn.Parameter]]:
+        """Each chunk's parameters: gradient buckets never span two chunks, whose backwards run
+        at different times in a pipeline schedule."""
+        return [list(chunk.parameters()) for chunk in self.chunks]

@@ -1,0 +1,50 @@
+"""Training precision: the model dtype of `train.dtype`, and dynamic loss scaling for fp16.
+
+bf16 and fp16 follow the Megatron/DeepSpeed recipe: parameters and compute in the low dtype,
+fp32 gradient accumulation, fp32 master weights and optimizer state (parallel/data.py). fp16's
+5 exponent bits cannot hold small gradients, so the loss is multiplied by a scale before
+backward and the gradients divided by it before the step; the scale grows while steps succeed
+and backs off (and the step is skipped) when a gradient overflows. bf16 has fp32's exponent
+range and needs no scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_dtype(name: str) -> torch.dtype:
+    """The parameter and compute dtype of `train.dtype`."""
+    return DTYPES[name]
+
+
+class LossScaler:
+    """Dynamic loss scale (torch.amp.GradScaler's rule): halve it on an overflow, double it after
+    `growth_interval` overflow-free steps. Disabled, the scale stays 1 and every step runs.
+
+    `update` must see the same verdict on every rank, or ranks would disagree on whether to step:
+    the trainer passes whether the global gradient norm, reduced over the whole job, is finite.
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000,
+                 min_scale: float = 1.0):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self.good_steps = 0
+
+    def update(self, finite: bool) -> bool:
+        """Record this step's overflow verdict; returns whether the optimizer should step."""
+        if not self.enabled:
+            return True
+        if not finite:
+            self.scale = max(self.scale / 2, self.min_scale)
+            self.good_steps = 0
+            return False
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= 2
+            self.good_steps = 0
+        return True

@@ -1,0 +1,182 @@
+"""Mixed precision: bf16 and fp16 track the fp32 loss curve across layouts and ZeRO stages, fp16
+survives an overflow on one rank, the model-state bytes of the mixed-precision recipe, optimizer
+offload as a code path on CPU, torch.compile, and bad input."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import run_ranks, tiny_config, train_layout
+from tetrad.config import ConfigError, load_config, validate_device
+from tetrad.train.precision import LossScaler
+from tetrad.train.trainer import Trainer
+
+pytestmark = pytest.mark.dist
+
+# Loss tolerances against the fp32 run (5 Adam steps, loss 5.56 -> 3.73, ~0.5 per step). bf16
+# keeps 8 significant bits (relative rounding 2^-9 = 2e-3 on every weight and activation); the
+# largest difference seen is 1.9e-3 (dp=2 x tp=2). fp16 keeps 11 bits (2^-11 = 5e-4); seen 5e-4.
+# Parameters are not compared: Adam turns the sign of a near-zero gradient into a full step.
+LOSS_ATOL = {"bf16": 5e-3, "fp16": 2e-3}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_layout(tiny_config())
+
+
+def _dtypes(cfg):
+    """Dtypes of this rank's parameters and of its optimizer's state tensors."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer.train_step(0)
+    state = {v.dtype for s in trainer.optimizer.state.values() for v in s.values() if v.ndim}
+    return {p.dtype for p in trainer.params}, state
+
+
+@pytest.mark.parametrize("dtype, parallel", [
+    ("bf16", {}),
+    ("bf16", {"dp": 2, "tp": 2, "zero": 1}),
+    ("bf16", {"dp": 2, "zero": 3}),
+    ("fp16", {"dp": 2, "tp": 2}),
+    ("fp16", {"dp": 2, "zero": 2}),
+    ("bf16", {"dp": 2, "pp": 2}),
+])
+def test_low_precision_tracks_fp32(reference, dtype, parallel):
+    if parallel.get("pp", 1) > 1:
+        pytest.importorskip("tetrad.parallel.pipeline.executor", reason="the pipeline executor is not in yet")
+    cfg = tiny_config(parallel=parallel, train={"dtype": dtype})
+    losses, _, history = train_layout(cfg)
+    ref_losses = reference[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=LOSS_ATOL[dtype])
+    assert losses != ref_losses  # it did run in low precision
+    assert not any(r["skipped"] for r in history)
+    assert {r["loss_scale"] for r in history} == ({2.0**16} if dtype == "fp16" else {1.0})
+
+
+@pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_low_precision_parameters_fp32_optimizer(dtype, torch_dtype):
+    params, state = run_ranks(_dtypes, 1, tiny_config(train={"dtype": dtype}))[0]
+    assert params == {torch_dtype}
+    assert state == {torch.float32}  # Adam's moments of the fp32 master weights
+
+
+def _poisoned_run(cfg, rank, step):
+    """Train, adding inf to one parameter's gradient on `rank` at `step`; return the history and
+    whether this rank's parameters were unchanged across that step."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    poison = {"on": False}
+    if trainer.topo.rank == rank:
+        trainer.params[-1].register_hook(lambda g: g + math.inf if poison["on"] else g)
+    history, unchanged = [], None
+    for i in range(cfg.train.steps):
+        poison["on"] = i == step
+        before = [p.detach().clone() for p in trainer.params] if i == step else None
+        history.append(trainer.train_step(i))
+        if before is not None:
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, trainer.params))
+    return history, unchanged
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank():
+    # dp=2 x tp=2: the inf on rank 3 reaches its dp peer through the gradient all-reduce, but its
+    # tp peers only through the agreed verdict (the global gradient norm).
+    cfg = tiny_config(parallel={"dp": 2, "tp": 2, "zero": 1}, train={"dtype": "fp16"})
+    results = run_ranks(_poisoned_run, 4, cfg, 3, 2)
+    for history, unchanged in results:
+        assert [r["skipped"] for r in history] == [False, False, True, False, False]
+        assert [r["loss_scale"] for r in history] == [2.0**16] * 3 + [2.0**15] * 2
+        assert not math.isfinite(history[2]["grad_norm"])
+        assert unchanged  # no rank stepped
+    losses = [r["loss"] for r in results[0][0]]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]  # training went on
+
+
+def test_loss_scaler_grows_and_backs_off():
+    scaler = LossScaler(enabled=True, init_scale=8.0, growth_interval=2, min_scale=2.0)
+    verdicts = [True, True, False, True, False, False, False]
+    steps = [(scaler.update(ok), scaler.scale) for ok in verdicts]
+    # doubles after 2 good steps, halves (and skips) on an overflow, the count restarts, floor 2.
+    assert steps == [(True, 8.0), (True, 16.0), (False, 8.0), (True, 8.0), (False, 4.0), (False, 2.0),
+                     (False, 2.0)]
+    off = LossScaler(enabled=False)
+    assert off.scale == 1.0 and off.update(False)
+
+
+def _model_state_after_reduce(cfg):
+    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer.train_step(0)
+    micro = trainer.batches.microbatches(1, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
+    trainer.forward_backward(micro)
+    trainer.grads.reduce()
+    return trainer.grads.model_state_bytes(trainer.optimizer), sum(p.numel() for p in trainer.params)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_bf16_model_state_bytes(zero):
+    n = 4
+    cfg = tiny_config(parallel={"dp": n, "zero": zero}, train={"dtype": "bf16", "micro_batch": 1})
+    held, psi = run_ranks(_model_state_after_reduce, n, cfg)[0]
+    # bf16 parameters (2 bytes), fp32 gradients (4), fp32 master + Adam m, v (12): the ZeRO
+    # paper's mixed-precision accounting, sharded by stage.
+    expected = {0: (2 * psi, 4 * psi, 12 * psi),
+                1: (2 * psi, 4 * psi, 12 * psi / n),
+                2: (2 * psi, 4 * psi / n, 12 * psi / n),
+                3: (2 * psi / n, 4 * psi / n, 12 * psi / n)}[zero]
+    for kind, want in zip(("params", "grads", "optimizer"), expected):
+        assert held[kind] == pytest.approx(want, rel=0.02), (kind, held)  # 2%: bucket padding
+
+
+def _offload_run(cfg):
+    trainer = Trainer(cfg, torch.device("cpu"))
+    history = trainer.fit()
+    separate = all(m.untyped_storage().data_ptr() != f.untyped_storage().data_ptr()
+                   for m, f in zip(trainer.grads.masters, trainer.grads.flat))
+    return [r["loss"] for r in history], trainer.full_state(), separate
+
+
+@pytest.mark.parametrize("dtype, zero", [("fp32", 0), ("bf16", 1)])
+def test_offload_is_the_same_arithmetic(dtype, zero):
+    # On CPU the "offloaded" masters are separate CPU copies: the path an accelerator run takes
+    # (gradient shard to the CPU, AdamW there, parameters back), with the same elementwise AdamW.
+    # So demand bit equality with the run that keeps everything in place.
+    base = tiny_config(parallel={"dp": 2, "zero": zero}, train={"dtype": dtype})
+    off = tiny_config(parallel={"dp": 2, "zero": zero}, train={"dtype": dtype, "offload_optimizer": True})
+    base_losses, base_state = run_ranks(_offload_run, 2, base)[0][:2]
+    losses, state, separate = run_ranks(_offload_run, 2, off)[0]
+    assert separate
+    assert losses == base_losses
+    assert all(torch.equal(state[k], base_state[k]) for k in base_state)
+
+
+def test_compile_matches_eager(reference):
+    losses, _, _ = train_layout(tiny_config(train={"compile": True}))
+    # Inductor fuses elementwise chains and may reorder reductions: fp32 rounding, ~1e-6 relative.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("train, parallel, message", [
+    ({"offload_optimizer": True, "device": "cpu"}, {}, "offload_optimizer=false"),
+    ({"compile": True}, {"tp": 2}, "train.compile=false"),
+    ({"dtype": "fp16"}, {"grad_codec": "int8"}, "grad_codec"),
+])
+def test_bad_input_fails_at_validation(train, parallel, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={"parallel": parallel, "train": train})
+
+
+def test_offload_without_accelerator_names_the_fix():
+    cfg = load_config(overrides={"train": {"offload_optimizer": True}})  # device auto: resolved later
+    with pytest.raises(ConfigError, match="offload_optimizer=false"):
+        validate_device(cfg, "cpu")
+
+
+def test_fp16_without_fp16_matmul_names_the_fix(monkeypatch):
+    cfg = load_config(overrides={"train": {"dtype": "fp16"}})
+    validate_device(cfg, "cpu")  # this CPU multiplies fp16
+
+    def no_half(a, b):  # what torch said on CPUs without fp16 GEMM before 2.1
+        raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
+    monkeypatch.setattr(torch.Tensor, "__matmul__", no_half)
+    with pytest.raises(ConfigError, match="use train.dtype='bf16'"):
+        validate_device(cfg, "cpu")

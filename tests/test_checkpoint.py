@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 import os
 import pickle
 import random
@@ -53,34 +54,47 @@ def _train_crashing_in_save(cfg, rank: int, step: int):
     Trainer(cfg, torch.device("cpu")).fit()
 
 
-# Two parallel dimensions and ZeRO-1, so the optimizer state that must come back is sharded.
-KILL_LAYOUT = {"dp": 2, "tp": 2, "zero": 1}
+def _needs_pipeline(*layouts):
+    if any(layout.get("pp", 1) > 1 for layout in layouts):
+        pytest.importorskip("tetrad.parallel.pipeline.executor", reason="needs the pipeline executor (pp > 1)")
+
+
+# More than one parallel dimension, and ZeRO-1 so that the optimizer state to restore is sharded.
+KILL_LAYOUTS = [{"dp": 2, "tp": 2, "zero": 1}, {"dp": 2, "pp": 2, "tp": 2}]
+
+
+def uninterrupted(layout) -> list[float]:
+    """Per-step losses of a run that is never killed (it saves every step: saving must not change them)."""
+    cfg = tiny_config(parallel=layout, train={"steps": STEPS, "micro_batch": 1}, checkpoint={"every": 1})
+    return train_layout(cfg)[0]
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """An uninterrupted run (checkpointing every step: saving must not change the numbers)."""
-    cfg = tiny_config(parallel=KILL_LAYOUT, train={"steps": STEPS}, checkpoint={"every": 1})
-    losses, _, _ = train_layout(cfg)
-    return losses
+    return uninterrupted(KILL_LAYOUTS[0])
 
 
-def test_killed_rank_resumes_bitwise(reference):
-    step = random.randint(1, STEPS - 1)  # a new step every run; the messages below name it
-    rank = random.randrange(4)
-    cfg = tiny_config(parallel=KILL_LAYOUT, train={"steps": STEPS}, checkpoint={"every": 2})
+@pytest.mark.parametrize("layout", KILL_LAYOUTS)
+def test_killed_rank_resumes_bitwise(layout, reference):
+    _needs_pipeline(layout)
+    world = math.prod(layout.get(d, 1) for d in ("dp", "tp", "pp", "cp"))
+    step = random.randint(1, STEPS - 1)  # a new step and rank every run; the messages below name them
+    rank = random.randrange(world)
+    cfg = tiny_config(parallel=layout, train={"steps": STEPS, "micro_batch": 1}, checkpoint={"every": 2})
     with pytest.raises(RankFailure, match=f"rank {rank} died by SIGKILL"):
-        run_ranks(_train_until_killed, 4, cfg, rank, step)
+        run_ranks(_train_until_killed, world, cfg, rank, step)
     resumed, _, history = train_layout(cfg)  # checkpoint.resume = "auto"
+    expected = reference if layout == KILL_LAYOUTS[0] else uninterrupted(layout)
     last_saved = step // 2 * 2
     assert history[0]["step"] == last_saved + 1, f"killed at step {step}: resumed from the wrong checkpoint"
     # Same arithmetic in the same order from bitwise-restored state: exact equality, not closeness.
-    assert metrics_losses(cfg.run.dir) == reference, f"rank {rank} killed at step {step}"
-    assert resumed == reference[last_saved:], f"rank {rank} killed at step {step}"
+    assert metrics_losses(cfg.run.dir) == expected, f"rank {rank} killed at step {step}"
+    assert resumed == expected[last_saved:], f"rank {rank} killed at step {step}"
 
 
 def test_crash_during_save_keeps_previous_checkpoint(reference):
-    cfg = tiny_config(parallel=KILL_LAYOUT, train={"steps": STEPS}, checkpoint={"every": 1, "keep": 2})
+    cfg = tiny_config(parallel=KILL_LAYOUTS[0], train={"steps": STEPS, "micro_batch": 1},
+                      checkpoint={"every": 1, "keep": 2})
     root = Path(cfg.run.dir) / "checkpoints"
     with pytest.raises(RankFailure, match="rank 1 died by SIGKILL"):
         run_ranks(_train_crashing_in_save, 4, cfg, 1, 3)
@@ -91,11 +105,6 @@ def test_crash_during_save_keeps_previous_checkpoint(reference):
     train_layout(cfg)  # resumes from step 2
     assert metrics_losses(cfg.run.dir) == reference
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000005", "step_00000006"]  # keep = 2
-
-
-def _needs_pipeline(*layouts):
-    if any(layout.get("pp", 1) > 1 for layout in layouts):
-        pytest.importorskip("tetrad.parallel.pipeline.executor", reason="needs the pipeline executor (pp > 1)")
 
 
 RESHARD_CASES = [

@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 
 from tetrad.cli import main
-from tetrad.parallel.pipeline.schedules import build_schedule
-from tetrad.parallel.pipeline.simulate import StageCosts, simulate
 
 from conftest import tiny_config, train_layout
 
@@ -24,16 +22,18 @@ def test_report_of_a_finished_run():
     assert "pp = 1: no pipeline" in page
 
 
-def test_report_draws_a_recorded_pipeline_timeline(tmp_path):
-    cfg = tiny_config(parallel={"pp": 2}, train={"steps": 2, "device": "cpu"}, run={"dir": str(tmp_path)})
-    (tmp_path / "config.toml").write_text(cfg.to_toml())
-    record = {"step": 1, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "step_time_s": 0.1, "tokens_per_s": 1e3,
-              "mfu": None, "compute_s": 0.07, "exposed_comm_s": 0.01, "bubble_s": 0.02,
-              "comm_bytes": {"tp": 0, "cp": 0, "pp": 1000, "dp": 0}}
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({**record, "step": s}) for s in (1, 2)) + "\n")
-    sim = simulate(build_schedule("1f1b", 2, cfg.microbatches, 1), StageCosts(1.0, 1.0, 1.0))
-    (tmp_path / "timeline.json").write_text(json.dumps([[r, a.kind, a.mb, a.chunk, s, e]
-                                                        for r, a, s, e in sim.timeline]))
-    assert main(["report", str(tmp_path), "--cluster", "cpu"]) == 0
-    assert (tmp_path / "report" / "timeline_measured.png").exists()
-    assert (tmp_path / "report" / "timeline_simulated.png").exists()
+def test_report_draws_the_measured_pipeline_timeline():
+    cfg = tiny_config(parallel={"pp": 2}, train={"steps": 2, "device": "cpu"})
+    train_layout(cfg)
+    run_dir = Path(cfg.run.dir)
+    rows = [row for r in (0, 1) for row in json.loads((run_dir / "timeline" / f"pp{r}.json").read_text())]
+    # 1F1B on pp=2: each rank runs F and B for each of the 4 micro-batches, in time order.
+    assert sorted((r, kind) for r, kind, *_ in rows) == sorted((r, k) for r in (0, 1) for k in ("F", "B") * 4)
+    for r in (0, 1):
+        ends = [(s, e) for rank, _, _, _, s, e in rows if rank == r]
+        assert all(s <= e for s, e in ends) and all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["bubble_s"] > 0 for r in history)  # rank 0 waits for the first gradient
+    assert main(["report", str(run_dir), "--cluster", "cpu"]) == 0
+    for name in ("timeline_measured.png", "timeline_simulated.png"):
+        assert (run_dir / "report" / name).stat().st_size > 1000, name

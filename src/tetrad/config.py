@@ -344,7 +344,7 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
             raise ConfigError(f"schedule={p.schedule!r} with pp={p.pp} needs at least {need} micro-batches per step "
                               f"(one group of pp per chunk); global_batch/(micro_batch*dp) = {cfg.microbatches}. "
                               f"Raise global_batch to {need * t.micro_batch * p.dp} or lower micro_batch")
-        if m.tie_embeddings:
+        if runtime and m.tie_embeddings:
             raise ConfigError("tie_embeddings with pp > 1 is not supported yet (the embedding and the head sit on "
                               "different stages); set model.tie_embeddings=false or pp=1")
     if p.cp > 1 and m.seq_len % (2 * p.cp):

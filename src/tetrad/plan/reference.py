@@ -31,8 +31,10 @@ def stack_of(row: dict) -> str:
 
 
 def row_config(row: dict, micro_batch: int, vpp: int) -> Config:
-    """The row's model and layout; GPT rows are LayerNorm/GELU/learned-position/tied models,
-    Llama rows RMSNorm/SwiGLU/RoPE. torchtitan shards with FSDP (ZeRO-3)."""
+    """The row's model and layout; GPT rows are LayerNorm/GELU/learned-position models, tied on
+    one stage (with pp > 1 the last stage keeps its own copy of the embedding either way, which is
+    what the estimate counts, and tetrad's config only takes untied weights there), Llama rows
+    RMSNorm/SwiGLU/RoPE. torchtitan shards with FSDP (ZeRO-3)."""
     gpt = row["model"].startswith("GPT")
     schedule = row["schedule"] or "1f1b"
     if schedule == "interleaved" and vpp < 2:
@@ -40,7 +42,8 @@ def row_config(row: dict, micro_batch: int, vpp: int) -> Config:
     model = {"n_layers": int(row["layers"]), "d_model": int(row["hidden"]), "n_heads": int(row["heads"]),
              "n_kv_heads": int(row["kv_heads"]), "ffn_hidden": int(row["ffn"]), "seq_len": int(row["seq_len"]),
              "vocab_size": _int(row["vocab"], 51200), "norm": "layernorm" if gpt else "rmsnorm",
-             "mlp": "gelu" if gpt else "swiglu", "pos": "learned" if gpt else "rope", "tie_embeddings": gpt,
+             "mlp": "gelu" if gpt else "swiglu", "pos": "learned" if gpt else "rope",
+             "tie_embeddings": gpt and int(row["pp"]) == 1,
              "dropout": 0.1 if gpt else 0.0}
     dp = int(row["dp"])
     parallel = {"tp": int(row["tp"]), "pp": int(row["pp"]), "cp": int(row["cp"]), "dp": dp,

@@ -69,7 +69,7 @@ def layouts(base: Config, world: int, per_node: int):
         if heads % tp or m.ffn_hidden % tp:
             continue
         for pp in _divisors(world // tp):
-            if pp > m.n_layers:
+            if pp > m.n_layers or (pp > 1 and m.tie_embeddings):  # tied weights need one stage (validate)
                 continue
             for cp in _divisors(world // (tp * pp)):
                 if cp > 1 and m.seq_len % (2 * cp):

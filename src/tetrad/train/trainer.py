@@ -8,6 +8,7 @@ over dp x cp, clipping by the true global norm, the AdamW update, metrics on ran
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -113,12 +114,15 @@ class Trainer:
         devices.synchronize(topo.device)
         step_time = time.perf_counter() - start
         comm_s = topo.comm.seconds_by_group()
-        exposed = sum(comm_s.values())
+        # Time spent waiting on a pipeline neighbour is the bubble (the transfer itself is a small
+        # part of it); every other wait on a collective is exposed communication.
+        bubble = comm_s.get("pp", 0.0)
+        exposed = sum(comm_s.values()) - bubble
         peak = devices.peak_memory_bytes(topo.device)
         return {
             "step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
             "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, "mfu": None,
-            "compute_s": step_time - exposed, "exposed_comm_s": exposed, "bubble_s": 0.0,
+            "compute_s": step_time - exposed - bubble, "exposed_comm_s": exposed, "bubble_s": bubble,
             "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in ("tp", "cp", "pp", "dp")},
             "exposed_comm_s_by_group": {g: comm_s.get(g, 0.0) for g in ("tp", "cp", "pp", "dp")},
             "loss_scale": scale, "skipped": not stepped,
@@ -166,11 +170,23 @@ class Trainer:
                     history.append(record)
                     log.log(record)
                     ckpt.maybe_save(step + 1, params, self.optimizer)
+                    if step == cfg.train.steps - 1:
+                        self._write_timeline()
                     if profiler is not None:
                         profiler.step()
         finally:
             log.close()
         return history
+
+    def _write_timeline(self) -> None:
+        """The step's measured pipeline timeline, one file per pipeline rank (those at dp, cp
+        and tp coordinate 0), for `tetrad report`: RUN_DIR/timeline/pp<rank>.json."""
+        if self.cfg.parallel.pp == 1 or any(self.topo.coords[d] for d in ("dp", "cp", "tp")):
+            return
+        folder = self.run_dir / "timeline"
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = [[self.topo.coords["pp"], t.kind, t.mb, t.chunk, t.start, t.end] for t in self.timeline]
+        (folder / f"pp{self.topo.coords['pp']}.json").write_text(json.dumps(rows))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Logical parameters of this rank's chunk (gathered over tp), for tests and export."""

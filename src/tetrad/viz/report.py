@@ -132,13 +132,14 @@ def _timelines(run_dir: Path, cfg, out: Path) -> tuple[list[Path], str]:
     p = cfg.parallel
     if p.pp == 1:
         return [], "pp = 1: no pipeline, so no timeline."
-    recorded = run_dir / "timeline.json"
-    if not recorded.exists():
-        return [], f"pp = {p.pp}, but the run recorded no timeline ({recorded.name} is missing)."
+    recorded = sorted((run_dir / "timeline").glob("pp*.json"))
+    if len(recorded) != p.pp:
+        return [], f"pp = {p.pp}, but the run recorded no complete timeline (timeline/pp*.json)."
     from tetrad.parallel.pipeline.schedules import Action, build_schedule
     from tetrad.parallel.pipeline.simulate import StageCosts, simulate
     from tetrad.viz.timeline import render_timeline
-    rows = [(r, Action(kind, mb, chunk), s, e) for r, kind, mb, chunk, s, e in json.loads(recorded.read_text())]
+    rows = [(r, Action(kind, mb, chunk), s, e) for path in recorded
+            for r, kind, mb, chunk, s, e in json.loads(path.read_text())]
     mean = lambda kind: statistics.mean(e - s for _, a, s, e in rows if a.kind == kind) if any(  # noqa: E731
         a.kind == kind for _, a, _, _ in rows) else 0.0
     f, b = mean("F"), mean("B") or mean("BI") + mean("BW")

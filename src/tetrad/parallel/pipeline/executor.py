@@ -4,7 +4,8 @@ The executor walks its rank's action list (schedules.py) in order. Before an act
 the values the action needs from the neighbouring ranks, after it sends what it made; the
 transfers of one action go out as one batched non-blocking point-to-point operation, matched at
 the other end by tag (`P2POp.tag`), and sends are never waited for before the next action runs
-(the two conditions under which a schedule the validator accepts cannot hang). Each activation
+(the two conditions under which a schedule the validator accepts cannot hang). The receives
+of the next action are posted before the current one computes, so transfers overlap compute. Each activation
 is stashed from its F until its backward and freed right after; the gradient buckets of a
 chunk reduce over dp × cp during that chunk's last backward of the step (data.py), once.
 
@@ -72,8 +73,12 @@ class PipelineExecutor:
         sending: list[tuple] = []  # (pending send, the tensors it reads): kept alive until done
         times: list[ActionTime] = []
         origin = time.perf_counter()
+        incoming = self._post_receives(0, m)
         for i, (a, ops) in enumerate(self.plan):
-            received = self._receive([op for op in ops if op.op == "recv"], m)
+            pending, received = incoming
+            pending.wait()
+            # The next action's inputs arrive while this one computes.
+            incoming = self._post_receives(i + 1, m)
             start = time.perf_counter()
             g = stage_of(self.rank, a.chunk, s.pp)
             made = None
@@ -115,11 +120,10 @@ class PipelineExecutor:
             pending.wait()
         return loss_sum, times
 
-    def _receive(self, recvs: list[P2POp], m: int) -> dict[Value, torch.Tensor]:
-        """Receive the values an action needs, waiting for them (time charged to "pp")."""
-        if not recvs:
-            return {}
+    def _post_receives(self, i: int, m: int) -> tuple:
+        """Start receiving what action `i` needs: (pending, value -> buffer)."""
+        recvs = [op for op in self.plan[i][1] if op.op == "recv"] if i < len(self.plan) else []
         buffers = {op.value: torch.empty(self.shape, dtype=self.dtype, device=self.topo.device) for op in recvs}
-        self.topo.comm.p2p([], [(buffers[op.value], self._peer(op)) for op in recvs], "pp",
-                           recv_tags=[op.tag(m) for op in recvs]).wait()
-        return buffers
+        pending = self.topo.comm.p2p([], [(buffers[op.value], self._peer(op)) for op in recvs], "pp",
+                                     recv_tags=[op.tag(m) for op in recvs])
+        return pending, buffers

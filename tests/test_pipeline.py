@@ -57,7 +57,8 @@ def test_schedule_matches_single_process(schedule, pp, vpp, m):
 
 
 @pytest.mark.parametrize("parallel", [{"dp": 2, "pp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "pp": 2, "sequence_parallel": True},
-                                      {"dp": 2, "pp": 2, "vpp": 2, "schedule": "interleaved"}],
+                                      {"dp": 2, "pp": 2, "vpp": 2, "schedule": "interleaved"},
+                                      {"tp": 2, "pp": 2, "schedule": "zb"}, {"dp": 2, "pp": 2, "schedule": "zb", "zero": 3}],
                          ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
 def test_pipeline_composes(parallel):
     m = 4  # micro-batches per dp rank; the reference runs the same global batch in one process
@@ -66,6 +67,49 @@ def test_pipeline_composes(parallel):
     # after 5 steps at lr 1e-2 (measured, dp1-tp2-pp2): atol 1e-4, still 1/100 of one step.
     atol = 1e-4 if parallel.get("tp", 1) > 1 else 1e-5
     assert_parity(run(parallel, m), run({}, m * parallel.get("dp", 1)), atol)
+
+
+def test_split_backward_does_the_work_of_one_backward():
+    """Zero-bubble's BI + BW: the same gradients as one backward, and the same FLOPs between them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tetrad.model.llama import Transformer
+    from tetrad.topology import Layout, Topology
+
+    cfg = tiny_config()
+    topo = Topology(Layout(), torch.device("cpu"), split_backward=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, topo)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
+    positions = torch.arange(cfg.model.seq_len)
+
+    def flops(fn):
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+    loss = model(tokens, positions, tokens)
+    full = flops(lambda: loss.backward())
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, positions, tokens)
+    topo.deferred_weight_grads = deferred = []
+    input_half = flops(lambda: loss.backward())
+    topo.deferred_weight_grads = None
+    linears = [n for n in reference if ".attn.w" in n or ".mlp.w" in n or n == "head.weight"]
+    assert linears and all(model.get_parameter(n).grad is None for n in linears)  # they wait for BW
+
+    def weight_half():
+        weights, grads = [], []
+        for ws, compute in deferred:
+            weights += ws
+            grads += compute()
+        torch.autograd.backward(weights, grads)
+    weight = flops(weight_half)
+    assert weight > 0.3 * full and input_half + weight == full
+    for name, grad in reference.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_layer_split_is_balanced_or_explicit():

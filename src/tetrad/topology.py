@@ -69,11 +69,16 @@ class Topology:
     """
 
     def __init__(self, layout: Layout, device: torch.device, ranks_per_node: int = 8, cp_algo: str = "ring",
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, split_backward: bool = False):
         self.layout = layout
         self.cp_algo = cp_algo  # how attention uses the cp dimension: "ring" or "alltoall"
         # Whether tp also splits the residual stream along the sequence (model/tensor.py).
         self.sequence_parallel = sequence_parallel and layout.tp > 1
+        # Zero-bubble schedules run the input- and weight-gradient halves of backward apart: linear
+        # layers then queue their weight-gradient matmuls into `deferred_weight_grads` while the
+        # executor collects them (model/tensor.py, parallel/pipeline/executor.py).
+        self.split_backward = split_backward
+        self.deferred_weight_grads: list | None = None
         self.device = device
         self.ranks_per_node = ranks_per_node
         self.distributed = dist.is_available() and dist.is_initialized()

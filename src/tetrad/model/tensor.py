@@ -104,6 +104,41 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return gather_sequence(grad, ctx.topo), None
 
 
+def _weight_grads(topo, weights: list, grads: tuple, x: torch.Tensor) -> list:
+    """dW_i = dy_i^T x for each output gradient dy_i: computed now, for autograd to accumulate,
+    or, while zero-bubble's input-gradient half runs (`topo.deferred_weight_grads` is a list),
+    queued with their weights for the weight-gradient half, and None returned for now."""
+    def compute():
+        flat = x.reshape(-1, x.shape[-1])
+        return [g.reshape(-1, g.shape[-1]).t().matmul(flat) for g in grads]
+    if topo.deferred_weight_grads is None:
+        return compute()
+    topo.deferred_weight_grads.append((weights, compute))
+    return [None] * len(grads)
+
+
+class _Linear(torch.autograd.Function):
+    """y = x W^T whose weight gradient can be deferred (`_weight_grads`); used instead of
+    F.linear only under a zero-bubble schedule."""
+
+    @staticmethod
+    def forward(ctx, x, weight, topo):
+        ctx.topo = topo
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_weight, = _weight_grads(ctx.topo, [weight], (grad,), x)
+        return grad.matmul(weight), grad_weight, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, topo) -> torch.Tensor:
+    """x W^T with no communication: F.linear, or `_Linear` when backward is split."""
+    return _Linear.apply(x, weight, topo) if topo.split_backward else F.linear(x, weight)
+
+
 class _ColumnParallelMatmul(torch.autograd.Function):
     """y_i = X W_i^T for column-parallel weights W_i that read the same input (q/k/v, or the two
     SwiGLU gates), so they share one input collective each way.
@@ -134,8 +169,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             grad_input, pending = _reduce_scatter_sequence(grad_input, topo, async_op=True)
         else:
             pending = topo.comm.all_reduce(grad_input, "tp", async_op=True)
-        flat_input = total.reshape(-1, total.shape[-1])
-        grad_weights = [g.reshape(-1, g.shape[-1]).t().matmul(flat_input) for g in grads]
+        grad_weights = _weight_grads(topo, weights, grads, total)
         pending.wait()
         return (grad_input, None, *grad_weights)
 
@@ -147,7 +181,7 @@ def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo) 
     `_ColumnParallelMatmul`). x is [b, s, h], or [b, s/tp, h] under SP; outputs cover the whole
     (local) sequence and this rank's output features."""
     if topo.tp_size == 1:
-        return tuple(F.linear(x, w) for w in weights)
+        return tuple(linear(x, w, topo) for w in weights)
     return _ColumnParallelMatmul.apply(x, topo, *weights)
 
 
@@ -192,7 +226,7 @@ class RowParallelLinear(nn.Module):
                                 index=topo.tp_rank, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_tp_output(F.linear(x, self.weight), self.topo)
+        return reduce_tp_output(linear(x, self.weight, self.topo), self.topo)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -283,6 +283,8 @@ class GradReducer:
 
     def _hook(self, bucket: Bucket, i: int):
         def hook(p: nn.Parameter) -> None:
+            if p.grad is None:  # a deferred weight gradient (zero-bubble BI): it arrives in BW
+                return
             if bucket.grad is None or bucket.reduced:  # the first gradient of a new accumulation
                 bucket.grad = torch.zeros(bucket.padded, dtype=torch.float32, device=p.device)
                 bucket.reduced = False

@@ -52,7 +52,8 @@ class Trainer:
         self.cfg = cfg
         p = cfg.parallel
         self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node,
-                             cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel)
+                             cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel,
+                             split_backward=p.pp > 1 and p.schedule == "zb")
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed(cfg.train.seed + 7919 * self.topo.rank)
         self.model = build_model(cfg, self.topo)

@@ -12,10 +12,10 @@ chunk reduce over dp × cp during that chunk's last backward of the step (data.p
 With pp = vpp = 1 the "schedule" is F, B per micro-batch with no transfers: the same loop is
 the plain gradient-accumulation loop.
 
-Zero-bubble halves: BI computes only the input gradient (autograd.grad with respect to the
-stage input, the graph kept), BW then the weight gradients (autograd.backward restricted to the
-chunk's parameters). BW traverses the graph again, so BI + BW costs more than B here; the
-schedule's order, and so its bubble, is still the zero-bubble one.
+Zero-bubble halves: BI runs the backward with the linear layers' weight-gradient matmuls
+queued instead of computed (model/tensor.py `_weight_grads`; the cheap gradients of norms and
+embeddings are made at once), BW runs the queue and hands the results to autograd as the
+weights' gradients, so BI + BW does the work of one B.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class PipelineExecutor:
         self.rank = topo.coords["pp"]
         self.plan = p2p_ops(schedule, self.rank)
         self.shape, self.dtype = activation_shape, activation_dtype
-        self.chunk_params = [[p for p in ps if p.requires_grad] for ps in model.chunk_parameters()]
         # The action after which no more weight gradients of a chunk arrive this step: its
         # gradient buckets reduce during it.
         self.closing = {}
@@ -100,15 +99,22 @@ class PipelineExecutor:
                     torch.autograd.backward(out, grad)
                 made = x.grad if x is not None else None
             elif a.kind == "BI":
-                x, out = stash[(a.mb, a.chunk)]
+                x, out = stash.pop((a.mb, a.chunk))
                 grad = received.get(Value("grad", g + 1, a.mb))
-                if x is not None:
-                    made, = torch.autograd.grad(out, x, grad, retain_graph=True)
-                stash[(a.mb, a.chunk)] = (None, out, grad)
-            else:  # BW
-                _, out, grad = stash.pop((a.mb, a.chunk))
+                self.topo.deferred_weight_grads = deferred = []
+                try:
+                    torch.autograd.backward(out, grad)
+                finally:
+                    self.topo.deferred_weight_grads = None
+                made = x.grad if x is not None else None
+                stash[(a.mb, a.chunk)] = deferred
+            else:  # BW: the weight-gradient matmuls BI queued, accumulated as autograd would
+                weights, grads = [], []
+                for ws, compute in stash.pop((a.mb, a.chunk)):
+                    weights += ws
+                    grads += compute()
                 with closing:
-                    torch.autograd.backward(out, grad, inputs=self.chunk_params[a.chunk])
+                    torch.autograd.backward(weights, grads)
             times.append(ActionTime(a.kind, a.mb, a.chunk, start - origin, time.perf_counter() - origin))
             sends = [op for op in ops if op.op == "send"]
             if sends:

@@ -33,7 +33,7 @@ from tetrad import launch
 from tetrad.config import load_config
 from tetrad.model.llama import apply_rope, rope_tables
 from tetrad.model.sharding import logical_init, spec_of
-from tetrad.model.tensor import reduce_sequence_parallel_grads
+from tetrad.parallel.data import GradReducer
 from tetrad.topology import Layout, Topology
 from tetrad.train.trainer import build_model
 
@@ -142,11 +142,15 @@ def _rank(cfg, framework: str, batch: int, steps: int) -> dict:
     if framework == "tetrad":
         model = tetrad_model
         positions = torch.arange(m.seq_len)
+        # tetrad's own gradient path: fp32 buckets, and under SP the replicated parameters'
+        # gradients summed over tp (what DTensor does inside torch's backward).
+        reducer = GradReducer(list(model.parameters()), topo, p, model)
 
         def loss_and_backward():
             loss = model(x, positions, labels) / n_tokens
-            loss.backward()
-            reduce_sequence_parallel_grads(params, topo)
+            with reducer.last_microbatch():
+                loss.backward()
+            reducer.reduce()
             return loss
     else:
         from torch.distributed.tensor.parallel import loss_parallel

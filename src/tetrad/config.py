@@ -351,6 +351,10 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
         ok = [c for c in _divisors(m.seq_len // 2) if c > 1][:8]
         raise ConfigError(f"seq_len={m.seq_len} is not divisible by 2*cp = {2 * p.cp} (the sequence is cut "
                           f"into 2*cp chunks for load balance); use cp in {[1] + ok} or change seq_len")
+    if p.sequence_parallel and p.tp > 1 and (m.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"sequence_parallel splits each rank's {m.seq_len // p.cp} tokens (seq_len/cp) over "
+                          f"tp={p.tp}, which must divide them; use a seq_len that is a multiple of cp*tp = "
+                          f"{p.cp * p.tp}, or sequence_parallel=false")
     if p.cp > 1 and p.cp_algo == "alltoall" and (m.n_heads % (p.cp * p.tp) or m.n_kv_heads % (p.cp * p.tp)):
         ok = [c for c in _divisors(m.seq_len // 2) if not m.n_heads % (c * p.tp) and not m.n_kv_heads % (c * p.tp)]
         raise ConfigError(f"cp_algo='alltoall' splits heads over cp*tp = {p.cp}*{p.tp}, which must divide "

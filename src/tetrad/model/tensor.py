@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from tetrad.model.sharding import new_param, spec_of
+from tetrad.model.sharding import new_param
 
 
 # ----------------------------------------------------------------------------- sequence layout
@@ -279,28 +278,6 @@ class ResidualDropout(nn.Module):
             return F.dropout(x, self.p)
         keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
         return x * keep / (1 - self.p)
-
-
-# ----------------------------------------------------------------------------- gradients
-
-def reduce_sequence_parallel_grads(params: list[torch.nn.Parameter], topo) -> None:
-    """Sum over tp the gradients of tp-replicated parameters (norm weights and biases, learned
-    positions) under SP. Called once per step after backward, before the dp reduction.
-
-    Under SP each tp rank applies these parameters to its own sequence chunk only, so its
-    gradient is the part from those tokens; the sum over tp is the whole gradient, and every
-    rank then takes the same optimizer step. Without SP they see the whole (replicated)
-    sequence and their gradients are already complete. One flat all-reduce for all of them.
-    """
-    if not topo.sequence_parallel or topo.tp_size == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None and spec_of(p)[2] == 1]
-    if not grads:
-        return
-    flat = _flatten_dense_tensors(grads)
-    topo.comm.all_reduce(flat, "tp")
-    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
 
 
 # ----------------------------------------------------------------------------- loss

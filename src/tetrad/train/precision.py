@@ -48,3 +48,10 @@ class LossScaler:
             self.scale *= 2
             self.good_steps = 0
         return True
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so a resumed fp16 run continues at the same scale."""
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

@@ -51,6 +51,8 @@ class Trainer:
     def __init__(self, cfg: Config, device: torch.device):
         self.cfg = cfg
         p = cfg.parallel
+        # Memory is measured from here: on CPU a forked rank starts with its parent's pages.
+        self.memory_base = devices.start_memory_tracking(device)
         self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node,
                              cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel,
                              split_backward=p.pp > 1 and p.schedule == "zb")
@@ -119,7 +121,7 @@ class Trainer:
         # part of it); every other wait on a collective is exposed communication.
         bubble = comm_s.get("pp", 0.0)
         exposed = sum(comm_s.values()) - bubble
-        peak = devices.peak_memory_bytes(topo.device)
+        peak = devices.peak_memory_bytes(topo.device, self.memory_base)
         return {
             "step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
             "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, "mfu": None,
@@ -160,7 +162,8 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
         ckpt = Checkpointer.for_run(cfg, self.topo, self.run_dir)
         params = dict(self.model.named_parameters())
-        start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl")
+        stateful = {"scaler": self.scaler}
+        start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful)
         log = MetricsLog(self.run_dir, cfg.train.steps, start, is_logger)
         history = []
         profiler = self._profiler(start)
@@ -170,7 +173,7 @@ class Trainer:
                     record = self.train_step(step)
                     history.append(record)
                     log.log(record)
-                    ckpt.maybe_save(step + 1, params, self.optimizer)
+                    ckpt.maybe_save(step + 1, params, self.optimizer, stateful)
                     if step == cfg.train.steps - 1:
                         self._write_timeline()
                     if profiler is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import sys
 import types
 import typing
@@ -113,6 +114,8 @@ class CheckpointConfig:
 class RunConfig:
     dir: str = "runs/tetrad"
     log_every: int = 10
+    # Also write the per-step metrics as TensorBoard scalars to RUN_DIR/tensorboard/ (needs `tensorboard`).
+    tensorboard: bool = False
 
 
 @dataclass
@@ -401,6 +404,9 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
                           f"communication in every block. Set train.compile=false, or tp=1 and cp=1")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if runtime and cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("run.tensorboard=true needs the optional `tensorboard` package, which is not installed: "
+                          "pip install tensorboard (or tetrad[tensorboard]), or set run.tensorboard=false")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.every < 0:
         raise ConfigError("checkpoint.keep must be >= 1 and checkpoint.every >= 0 (0 = never)")
 

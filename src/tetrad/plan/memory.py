@@ -174,8 +174,10 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[int, ...], is_cpu:
     out = []
     for r, layers in enumerate(rank_layers(cfg)):
         weights, grads, optimizer = model_state_bytes(params[r], p.zero, p.dp * p.cp, per_param)
-        acts = per_layer * layers / p.vpp * inflight[r] + rebuilt + buffers + (head if r == p.pp - 1 else 0.0)
-        other = FRAGMENTATION * acts + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)
+        acts = per_layer * layers / p.vpp * inflight[r] + rebuilt + (head if r == p.pp - 1 else 0.0)
+        # Communication buffers are transient, not activations kept for backward: with the
+        # allocator's fragmentation they make up `other`.
+        other = buffers + FRAGMENTATION * (acts + buffers) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)
         out.append(Memory(weights, grads, optimizer, acts, other))
     return out
 

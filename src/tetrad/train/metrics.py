@@ -1,40 +1,165 @@
-"""Per-step metrics: `RUN_DIR/metrics.jsonl` (a contract, DESIGN.md) and the rank-0 progress bar."""
+"""Per-step metrics: where a step's time went (StepClock), MFU/HFU (FlopRate), and their outputs:
+`RUN_DIR/metrics.jsonl` (a contract, DESIGN.md), the rank-0 progress bar and, optionally,
+TensorBoard."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
+from collections import defaultdict
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
+
+from tetrad.plan import flops
+from tetrad.plan.cost import _mfu_peak
+from tetrad.plan.hardware import GPU, GPUS
 
 # Fields every line carries (DESIGN.md, metrics.jsonl contract).
 CONTRACT_FIELDS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
                    "compute_s", "exposed_comm_s", "bubble_s", "comm_bytes")
+GROUPS = ("tp", "cp", "pp", "dp")
+# The parts a step's time is split into; they are measured separately, so their sum against the
+# measured step time checks the accounting (tests/test_breakdown.py).
+PARTS = ("compute_s", "exposed_comm_s", "bubble_s", "optimizer_s", "data_s")
+
+
+class StepClock:
+    """Splits one step's wall time into parts, each measured rather than left over:
+
+    - exposed communication per group and the pipeline bubble: tetrad.comm's time blocked in
+      collectives (waits on pipeline neighbours, "pp", are the bubble);
+    - compute: the time inside the schedule's forward/backward actions (the executor's timeline)
+      less the collectives waited on inside them;
+    - optimizer: gradient reduction, clipping and the update, less their collective waits;
+    - data: fetching the step's batches.
+
+    Host timers only (time.perf_counter, a few per phase and per collective): no device sync is
+    added, so on an accelerator the parts are host-side times (the step itself ends with a sync).
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.wall: dict[str, float] = defaultdict(float)
+        self.waits: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def start(self) -> None:
+        self.comm.reset()
+        self.wall.clear()
+        self.waits.clear()
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        """Time a phase of the step and the collective waits (by group) inside it."""
+        before = self.comm.seconds_by_group()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wall[name] += time.perf_counter() - start
+            for group, seconds in self.comm.seconds_by_group().items():
+                self.waits[name][group] += seconds - before.get(group, 0.0)
+
+    def breakdown(self, actions_s: float) -> dict:
+        """The parts (seconds). `actions_s`: the summed duration of this rank's pipeline actions;
+        the only waits inside them are non-pipeline collectives (the executor waits for its
+        neighbours between actions)."""
+        comm_s = self.comm.seconds_by_group()
+        in_actions = sum(s for g, s in self.waits["forward_backward"].items() if g != "pp")
+        return {"compute_s": actions_s - in_actions,
+                "exposed_comm_s": sum(s for g, s in comm_s.items() if g != "pp"),
+                "bubble_s": comm_s.get("pp", 0.0),
+                "optimizer_s": self.wall["optimizer"] - sum(self.waits["optimizer"].values()),
+                "data_s": self.wall["data"],
+                "exposed_comm_s_by_group": {g: comm_s.get(g, 0.0) for g in GROUPS}}
+
+
+def device_profile(device: torch.device) -> GPU | None:
+    """The built-in hardware profile of this device (plan/hardware.py), for MFU: "CPU" (one rank
+    of a CPU machine, what the planner's "cpu" cluster uses) on CPU; on an accelerator the
+    profile whose model number its name contains (the first such, e.g. H100-SXM for any H100);
+    None when none matches."""
+    if device.type == "cpu":
+        return GPUS["CPU"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((g for g in GPUS.values() if g.name.split("-")[0] in name), None)
+
+
+class FlopRate:
+    """MFU and HFU of a step with the planner's FLOP convention (plan/flops.py: causal attention
+    counted in full, recomputation only in HFU): this rank's share of the model FLOPs of the
+    global batch, per second of step time, over the peak of `device_profile` (fp32's for fp32
+    training, else the 16-bit peak, as `tetrad estimate`)."""
+
+    def __init__(self, cfg, device: torch.device):
+        m, t = cfg.model, cfg.train
+        per_rank = t.global_batch * m.seq_len / cfg.parallel.world_size
+        self.model_flops = flops.model_flops_per_token(m) * per_rank
+        self.hardware_flops = flops.hardware_flops_per_token(m, t.recompute) * per_rank
+        gpu = device_profile(device)
+        self.peak = _mfu_peak(gpu, t.dtype) if gpu else None
+
+    def __call__(self, step_time_s: float) -> dict:
+        if self.peak is None:
+            return {"mfu": None, "hfu": None}
+        return {"mfu": self.model_flops / step_time_s / self.peak, "hfu": self.hardware_flops / step_time_s / self.peak}
 
 
 class MetricsLog:
-    """Appends one JSON object per optimizer step and drives the progress bar (rank 0 only)."""
+    """Appends one JSON object per optimizer step, drives the progress bar and, with
+    `tensorboard`, writes the numbers as TensorBoard scalars (RUN_DIR/tensorboard/); rank 0 only."""
 
-    def __init__(self, run_dir: Path, total_steps: int, first_step: int, enabled: bool):
+    def __init__(self, run_dir: Path, total_steps: int, first_step: int, enabled: bool, tensorboard: bool = False):
         self.enabled = enabled
-        self.file = None
-        self.bar = None
+        self.file = self.bar = self.board = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             self.file = open(run_dir / "metrics.jsonl", "a" if first_step else "w")
             self.bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step",
                             dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+            if tensorboard:  # an optional dependency; config validation has checked it is installed
+                from torch.utils.tensorboard import SummaryWriter
+                self.board = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step + 1)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        self.bar.set_postfix_str(progress_line(record), refresh=False)
         self.bar.update(1)
+        if self.board is not None:
+            for tag, value in scalars(record):
+                self.board.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
         if self.enabled:
             self.bar.close()
             self.file.close()
+            if self.board is not None:
+                self.board.close()
+
+
+def progress_line(record: dict) -> str:
+    """Loss, throughput, MFU and the time split, e.g.
+    "loss 4.2107, 812 tok/s, mfu 3.1% | compute 41% comm 30% bubble 22% opt 6% data 0%"."""
+    step = record["step_time_s"]
+    mfu = f", mfu {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
+    split = " ".join(f"{name} {100 * record[key] / step:.0f}%" for name, key in
+                     (("compute", "compute_s"), ("comm", "exposed_comm_s"), ("bubble", "bubble_s"),
+                      ("opt", "optimizer_s"), ("data", "data_s")) if key in record)
+    return f"loss {record['loss']:.4f}, {record['tokens_per_s']:.0f} tok/s{mfu} | {split}"
+
+
+def scalars(record: dict, prefix: str = ""):
+    """(tag, number) for every numeric field, nested dicts as "comm_bytes/tp"."""
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if isinstance(value, dict):
+            yield from scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float)):
+            yield f"{prefix}{key}", float(value)

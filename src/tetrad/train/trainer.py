@@ -29,7 +29,7 @@ from tetrad.topology import Layout, Topology
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.data import Batches, load_tokens
 from tetrad.train.memory import ActivationMeter
-from tetrad.train.metrics import MetricsLog
+from tetrad.train.metrics import FlopRate, MetricsLog, StepClock
 from tetrad.train.optim import lr_at
 from tetrad.train.precision import LossScaler, model_dtype
 
@@ -78,6 +78,8 @@ class Trainer:
         self.pipeline = PipelineExecutor(self.model, schedule, self.topo, self.grads,
                                          (cfg.train.micro_batch, tokens, cfg.model.d_model), dtype)
         self.timeline: list = []  # the last step's per-action times on this rank
+        self.clock = StepClock(self.topo.comm)  # where each step's time went (metrics.py)
+        self.flop_rate = FlopRate(cfg, device)
 
     def forward_backward(self, microbatches, grad_scale: float = 1.0) -> torch.Tensor:
         """Summed token loss of this rank's micro-batches (zero off the last pipeline stage);
@@ -94,15 +96,18 @@ class Trainer:
         cfg, topo = self.cfg, self.topo
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.train)
-        topo.comm.reset()
+        clock = self.clock
+        clock.start()
         start = time.perf_counter()
-        micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
+        with clock.part("data"):
+            micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
         scale = self.scaler.scale
-        with devices.phase("forward_backward", topo.device), self.activations.measuring():
+        with clock.part("forward_backward"), devices.phase("forward_backward", topo.device), \
+                self.activations.measuring():
             loss_sum = self.forward_backward(micro, grad_scale=scale)
-        with devices.phase("grad_reduce", topo.device):
+        with clock.part("optimizer"), devices.phase("grad_reduce", topo.device):
             self.grads.reduce()  # dp x cp (and, under SP, tp for tp-replicated parameters)
-        with devices.phase("optimizer", topo.device):
+        with clock.part("optimizer"), devices.phase("optimizer", topo.device):
             grad_norm = self.grads.clip(cfg.train.grad_clip, loss_scale=scale)
             # The norm is reduced over the whole job: every rank steps, or every rank skips.
             stepped = self.scaler.update(math.isfinite(grad_norm))
@@ -116,18 +121,13 @@ class Trainer:
         loss = float(loss_sum) / self.tokens_per_step
         devices.synchronize(topo.device)
         step_time = time.perf_counter() - start
-        comm_s = topo.comm.seconds_by_group()
-        # Time spent waiting on a pipeline neighbour is the bubble (the transfer itself is a small
-        # part of it); every other wait on a collective is exposed communication.
-        bubble = comm_s.get("pp", 0.0)
-        exposed = sum(comm_s.values()) - bubble
         peak = devices.peak_memory_bytes(topo.device, self.memory_base)
         return {
             "step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
-            "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, "mfu": None,
-            "compute_s": step_time - exposed - bubble, "exposed_comm_s": exposed, "bubble_s": bubble,
+            "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, **self.flop_rate(step_time),
+            # Waits on a pipeline neighbour are the bubble; every other collective wait is exposed comm.
+            **clock.breakdown(sum(t.end - t.start for t in self.timeline)),
             "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in ("tp", "cp", "pp", "dp")},
-            "exposed_comm_s_by_group": {g: comm_s.get(g, 0.0) for g in ("tp", "cp", "pp", "dp")},
             "loss_scale": scale, "skipped": not stepped,
             "peak_memory_gib": peak / 2**30,
             # Model states counted from this rank's tensors; activations: the peak of what autograd
@@ -164,7 +164,7 @@ class Trainer:
         params = dict(self.model.named_parameters())
         stateful = {"scaler": self.scaler}
         start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful)
-        log = MetricsLog(self.run_dir, cfg.train.steps, start, is_logger)
+        log = MetricsLog(self.run_dir, cfg.train.steps, start, is_logger, tensorboard=cfg.run.tensorboard)
         history = []
         profiler = self._profiler(start)
         try:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tetrad.bench import bench_gemm, comm_profile, gemm_profile, write_profile
-from tetrad.comm import bench
+from tetrad.comm import autotune, bench
 from tetrad.plan.cost import LINK_EFFICIENCY, estimate, ring_time
 from tetrad.plan.hardware import load_cluster
+from tetrad.topology import Layout, Topology
 
-from conftest import run_ranks, tiny_config
+from conftest import run_ranks, tiny_config, train_layout
 
 
 def test_bus_factor_follows_nccl_tests():
@@ -59,13 +61,28 @@ def test_profile_is_accepted_by_estimate(comm_rows, tmp_path):
     assert 0 < est.step_time_s < 60
 
 
-def _choose():
-    from tetrad.comm.bench import choose_bucket_mb
-    return choose_bucket_mb(candidates_mb=(0.25, 1, 4))
+def _resolve(parallel: dict, grad_bytes: int):
+    from tetrad.config import ParallelConfig
+    topo = Topology(Layout(dp=parallel["dp"]), torch.device("cpu"), parallel["ranks_per_node"])
+    return autotune.resolve(ParallelConfig(**parallel), topo, grad_bytes)
 
 
-def test_choose_bucket_mb_agrees_across_ranks():
-    results = run_ranks(_choose, 2)
-    choice, figures = results[0]
-    assert all(r[0] == choice for r in results)
-    assert choice in figures and all(v > 0 for v in figures.values())
+def test_auto_measures_bucket_and_hierarchical_and_every_rank_agrees(capfd):
+    parallel = {"dp": 4, "ranks_per_node": 2, "grad_bucket_mb": "auto", "hierarchical": "auto"}
+    chosen = run_ranks(_resolve, 4, parallel, 5 * 2**20)
+    assert len({(c.grad_bucket_mb, c.hierarchical) for c in chosen}) == 1
+    assert chosen[0].grad_bucket_mb in (1, 4) and chosen[0].hierarchical in (True, False)
+    log = capfd.readouterr().err
+    assert "grad_bucket_mb=auto -> " in log and "GB/s" in log  # the choice with its figures
+    assert "flat all-reduce" in log and "intra-node reduce-scatter" in log
+
+
+def test_auto_in_training_changes_no_result(capfd):
+    """Bucket boundaries do not change what is summed, and two ranks on one node reduce flat."""
+    base = tiny_config(parallel={"dp": 2}, train={"steps": 2, "device": "cpu"})
+    auto = tiny_config(parallel={"dp": 2, "grad_bucket_mb": "auto", "hierarchical": "auto"},
+                       train={"steps": 2, "device": "cpu"})
+    assert train_layout(auto)[0] == train_layout(base)[0]
+    log = capfd.readouterr().err
+    assert "grad_bucket_mb=auto -> 1 MiB" in log  # the tiny model's gradients are under 4 MiB
+    assert "hierarchical=auto -> flat (each dp x cp group of 2 ranks is inside one node" in log

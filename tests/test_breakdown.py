@@ -1,49 +1,73 @@
-"""The step breakdown adds up, comm_bytes match the planner, and profiling changes nothing."""
+"""Where the time goes, on real 8-rank runs: the step breakdown adds up, comm_bytes match the
+planner, MFU/HFU follow the planner's convention, and profiling changes nothing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from tetrad.plan.cost import comm_bytes_per_step
+from tetrad.plan.cost import comm_bytes_per_step, estimate
+from tetrad.plan.hardware import load_cluster
+from tetrad.train.metrics import PARTS
 
 from conftest import tiny_config, train_layout
 
-LAYOUT = {"dp": 2, "tp": 2}
+# A 4D layout without cp, and one with cp (and full recompute, so HFU differs from MFU).
+LAYOUTS = {"dp2-tp2-pp2": ({"dp": 2, "tp": 2, "pp": 2}, {}),
+           "cp2-tp2-pp2": ({"cp": 2, "tp": 2, "pp": 2}, {"recompute": "full"})}
 
 
-@pytest.fixture(scope="module")
-def run():
-    cfg = tiny_config(parallel=LAYOUT, train={"steps": 4, "device": "cpu"})
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def run(request):
+    parallel, train = LAYOUTS[request.param]
+    cfg = tiny_config(parallel=parallel, train={"steps": 4, "device": "cpu", **train})
     return cfg, train_layout(cfg)
 
 
 def test_breakdown_adds_up_to_step_time(run):
+    """The parts are measured separately (metrics.StepClock), so their sum can miss the step time:
+    5% allows the untimed glue between phases (Python between pipeline actions, the loss sum)."""
     _, (_, _, history) = run
     for r in history:
-        parts = r["compute_s"] + r["exposed_comm_s"] + r["bubble_s"]
-        assert parts == pytest.approx(r["step_time_s"], rel=0.05)
-        assert r["compute_s"] > 0 and r["exposed_comm_s"] >= 0
-        assert sum(r["exposed_comm_s_by_group"].values()) == pytest.approx(r["exposed_comm_s"], rel=1e-6)
+        assert sum(r[k] for k in PARTS) == pytest.approx(r["step_time_s"], rel=0.05), r
+        assert all(r[k] >= 0 for k in PARTS) and r["compute_s"] > 0 and r["bubble_s"] > 0
+        groups = r["exposed_comm_s_by_group"]
+        assert groups["pp"] == r["bubble_s"]
+        assert sum(v for g, v in groups.items() if g != "pp") == pytest.approx(r["exposed_comm_s"], rel=1e-9)
 
 
-@pytest.mark.parametrize("group", ["dp", "cp", "pp"])
-def test_comm_bytes_match_planner(run, group):
+@pytest.mark.parametrize("group", ["tp", "cp", "pp", "dp"])
+def test_comm_bytes_match_planner(run, group, request):
     cfg, (_, _, history) = run
+    if group == "tp" and cfg.train.recompute == "full":
+        # torch.utils.checkpoint (non-reentrant) stops recomputing once backward has what it needs,
+        # so a layer's last row-parallel all-reduce is not repeated: the runtime counts 5 hidden-state
+        # all-reduces per layer and micro-batch, the planner (plan/cost.py) 6.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="planner counts the whole forward recomputed"))
     assert all(r["comm_bytes"][group] == comm_bytes_per_step(cfg)[group] for r in history)
 
 
-def test_tp_comm_bytes_match_planner(run):
+def test_mfu_and_hfu_use_the_planners_flops_and_peak(run):
+    """MFU x step time is FLOPs / peak: the same number for the run and for `tetrad estimate` on
+    the built-in cpu cluster whatever the two step times are."""
     cfg, (_, _, history) = run
-    assert history[0]["comm_bytes"]["tp"] == comm_bytes_per_step(cfg)["tp"]
+    est = estimate(cfg, load_cluster("cpu"))
+    for r in history:
+        assert r["mfu"] * r["step_time_s"] == pytest.approx(est.mfu * est.step_time_s, rel=1e-9)
+        assert r["hfu"] * r["step_time_s"] == pytest.approx(est.hfu * est.step_time_s, rel=1e-9)
+    assert (history[0]["hfu"] > history[0]["mfu"]) == (cfg.train.recompute != "none")
 
 
-def test_profiling_writes_traces_and_changes_nothing(run):
+def test_profiling_writes_traces_annotated_by_group_and_changes_nothing(run):
     cfg, (losses, _, _) = run
-    profiled = tiny_config(parallel=LAYOUT, train={"steps": 4, "device": "cpu", "profile": "2-3"})
+    profiled = tiny_config(parallel=vars(cfg.parallel), train={**vars(cfg.train), "profile": "2-3"})
     assert train_layout(profiled)[0] == losses
-    traces = sorted(p.name for p in (Path(profiled.run.dir) / "traces").iterdir())
-    assert traces == [f"rank{r}.json" for r in range(4)]
-    text = (Path(profiled.run.dir) / "traces" / "rank0.json").read_text()
-    assert all(name in text for name in ("forward_backward", "grad_reduce", "optimizer", "gloo:all_reduce"))
+    traces = Path(profiled.run.dir) / "traces"
+    assert sorted(p.name for p in traces.iterdir()) == [f"rank{r}.json" for r in range(8)]
+    names = {e["name"] for e in json.loads((traces / "rank0.json").read_text())["traceEvents"]}
+    assert {"forward_backward", "grad_reduce", "optimizer", "gloo:all_reduce"} <= names
+    # Collectives carry their group: rank 0 is on the first stage (it sends, and waits to receive).
+    groups = {"tp:all_reduce", "pp:send_recv", "pp:send_recv wait", "dp_cp:all_reduce"}
+    assert groups <= names, groups - names

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tetrad.cli import main
 
 from conftest import tiny_config, train_layout
@@ -37,3 +39,13 @@ def test_report_draws_the_measured_pipeline_timeline():
     assert main(["report", str(run_dir), "--cluster", "cpu"]) == 0
     for name in ("timeline_measured.png", "timeline_simulated.png"):
         assert (run_dir / "report" / name).stat().st_size > 1000, name
+
+
+def test_tensorboard_gets_the_metrics():
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    cfg = tiny_config(train={"steps": 2, "device": "cpu"}, run={"tensorboard": True})
+    _, _, history = train_layout(cfg)
+    board = event_accumulator.EventAccumulator(str(Path(cfg.run.dir) / "tensorboard"))
+    board.Reload()
+    assert {"loss", "mfu", "compute_s", "comm_bytes/dp", "exposed_comm_s_by_group/pp"} <= set(board.Tags()["scalars"])
+    assert [(e.step, e.value) for e in board.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in history]

@@ -129,36 +129,3 @@ def _size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:g} {unit}"
     return f"{nbytes} B"
-
-
-def choose_bucket_mb(group=None, grad_bytes: int | None = None, candidates_mb=(1, 4, 16, 25, 64),
-                     saturation: float = 0.8) -> tuple[float, dict]:
-    """`parallel.grad_bucket_mb = "auto"`: the smallest bucket whose all-reduce reaches
-    `saturation` of the best measured bus bandwidth on `group`. Smaller buckets start sooner and
-    leave less exposed after backward; below saturation each one pays too much latency. Buckets
-    larger than the gradients are not tried. Collective: every rank of `group` calls it.
-    Returns (choice in MB, {MB: busbw GB/s}) so the caller can log the figures behind it."""
-    n = dist.get_world_size(group)
-    sizes = [mb for mb in candidates_mb if grad_bytes is None or mb * 1e6 <= grad_bytes] or [candidates_mb[0]]
-    busbw = {}
-    for mb in sizes:
-        nbytes = int(mb * 1e6)
-        busbw[mb] = nbytes / time_collective("all_reduce", nbytes, group, iters=3) / 1e9 * bus_factor("all_reduce", n)
-    best = max(busbw.values())
-    return float(next(mb for mb in sizes if busbw[mb] >= saturation * best)), busbw
-
-
-def choose_hierarchical(flat_group, intra_group, inter_group, nbytes: int) -> tuple[bool, dict]:
-    """`parallel.hierarchical = "auto"`: time one bucket's flat all-reduce against intra-node
-    reduce-scatter, inter-node all-reduce of the shard, intra-node all-gather; pick the faster.
-    Collective over `flat_group` (intra/inter are this rank's sub-groups of it).
-    Returns (use hierarchical, {"flat_s": .., "hierarchical_s": ..})."""
-    flat = time_collective("all_reduce", nbytes, flat_group, iters=3)
-    intra_n = dist.get_world_size(intra_group)
-    shard = nbytes // intra_n
-    hier = (time_collective("reduce_scatter", nbytes, intra_group, iters=3)
-            + time_collective("all_reduce", shard, inter_group, iters=3)
-            + time_collective("all_gather", nbytes, intra_group, iters=3))
-    slowest = torch.tensor([hier], dtype=torch.float64)  # the sub-groups differ: agree on one answer
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=flat_group)
-    return float(slowest) < flat, {"flat_s": flat, "hierarchical_s": float(slowest)}

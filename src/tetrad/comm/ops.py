@@ -41,8 +41,9 @@ class Pending:
     """A non-blocking collective; `wait()` charges the time spent blocked to its counter and turns
     a timeout into an error naming the op, group and missing ranks (`watch`, see watchdog.py)."""
 
-    def __init__(self, works, stats: OpStats | None, watch=None):
+    def __init__(self, works, stats: OpStats | None, watch=None, name: str = ""):
         self._works = works if isinstance(works, list) else [works]
+        self._name = f"{name} wait"
         self._stats = stats
         self._watch = watch
 
@@ -50,7 +51,7 @@ class Pending:
         start = time.perf_counter()
         for work in self._works:
             if work is not None:
-                with self._watch() if self._watch else contextlib.nullcontext():
+                with self._watch() if self._watch else contextlib.nullcontext(), _annotated(self._name):
                     work.wait()
         if self._stats is not None:
             self._stats.seconds += time.perf_counter() - start
@@ -95,10 +96,10 @@ class Comm:
         self.calls[group] += 1
         call = self.calls[group]
         start = time.perf_counter()
-        with self._watch(op, group, call):
+        with self._watch(op, group, call), _annotated(f"{group}:{op}"):
             work = fn()
         entry.seconds += time.perf_counter() - start
-        return Pending(work, entry, lambda: self._watch(op, group, call)) if async_op else DONE
+        return Pending(work, entry, lambda: self._watch(op, group, call), f"{group}:{op}") if async_op else DONE
 
     def bytes_by_group(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -175,10 +176,19 @@ class Comm:
             return DONE
         entry = self._entry("send_recv", group, sum(_nbytes(t) for t, _ in sends))
         start = time.perf_counter()
-        works = dist.batch_isend_irecv(ops)
+        with _annotated(f"{group}:send_recv"):
+            works = dist.batch_isend_irecv(ops)
         entry.seconds += time.perf_counter() - start
         # Point-to-point involves only some ranks of the group: no common call number.
-        return Pending(works, entry, lambda: self._watch("send_recv", group, None))
+        return Pending(works, entry, lambda: self._watch("send_recv", group, None), f"{group}:send_recv")
+
+
+def _annotated(name: str):
+    """A torch.profiler range named "group:op" (e.g. "dp_cp:all_reduce", "tp:all_reduce wait"), so a
+    trace shows which group each gloo/nccl call belongs to. Only while a profiler records: the
+    range costs ~7 us even when nothing records, against ~0.1 us for the check."""
+    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+        else contextlib.nullcontext()
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -39,7 +39,7 @@ import math
 import torch
 import torch.nn as nn
 
-from tetrad.comm import hierarchical
+from tetrad.comm import autotune, hierarchical
 from tetrad.comm.codecs import INT8_BLOCK, make_codec
 from tetrad.model.sharding import spec_of
 from tetrad.train.optim import build_optimizer, clip_gradients
@@ -137,6 +137,8 @@ class GradReducer:
         self.n, self.rank = topo.size("dp_cp"), topo.local_rank("dp_cp")
         codec = parallel.grad_codec if parallel else "none"
         self.codec = make_codec(codec, self.n)
+        if parallel:  # "auto" bucket size and hierarchical: measured now (comm/autotune.py)
+            parallel = autotune.resolve(parallel, topo, 4 * sum(p.numel() for p in params))
         self.hierarchical = bool(parallel and parallel.hierarchical is True and self.n > 1)
         align = INT8_BLOCK if codec == "int8" else 1
         if self.hierarchical:

@@ -4,7 +4,7 @@ self-contained HTML page (the PNGs embedded) in RUN_DIR/report/.
 Panels: loss; step time split into compute / exposed communication / pipeline bubble; bytes per
 group against the planner's count; predicted (planner) against measured step time and memory;
 the measured pipeline timeline beside the simulated one when the run recorded one
-(RUN_DIR/timeline.json: [[rank, kind, mb, chunk, start, end], ...] for one step).
+(RUN_DIR/timeline/pp<rank>.json: [[rank, kind, mb, chunk, start, end], ...] for the last step).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 
 GROUPS = ("tp", "cp", "pp", "dp")
 COLOURS = {"compute": "#3b6fb6", "bubble": "#b0b0b0", "tp": "#c8463c", "cp": "#e08a2c", "pp": "#8e5ea2",
-           "dp": "#4f9a55", "comm": "#c8463c", "predicted": "#9ab8e0", "measured": "#3b6fb6"}
+           "dp": "#4f9a55", "comm": "#c8463c", "optimizer": "#d4b24c", "data": "#7fc6c0",
+           "predicted": "#9ab8e0", "measured": "#3b6fb6"}
 
 
 def load_run(run_dir: Path):
@@ -59,32 +60,33 @@ def plot_loss(records, path: Path) -> None:
 
 
 def plot_breakdown(records, path: Path) -> None:
-    """Stacked per step: compute, exposed comm by group (when recorded), bubble; the measured step
-    time as a line over them, so a gap or overshoot shows an accounting error."""
+    """Stacked per step: compute, exposed comm by group (when recorded), pipeline bubble,
+    optimizer, data; the measured step time as a line over them, so a gap or overshoot shows
+    an accounting error."""
     fig = _figure()
     ax = fig.add_subplot()
     steps = [r["step"] for r in records]
-    layers = [("compute", [r.get("compute_s") or 0.0 for r in records])]
+    layers = [("compute", COLOURS["compute"], [r.get("compute_s") or 0.0 for r in records])]
     by_group = [r.get("exposed_comm_s_by_group") for r in records]
-    if all(by_group):
-        layers += [(f"exposed comm: {g}", [b.get(g, 0.0) for b in by_group]) for g in GROUPS
-                   if any(b.get(g, 0.0) for b in by_group)]
+    if all(by_group):  # its "pp" entry is the bubble, drawn below
+        layers += [(f"exposed comm: {g}", COLOURS[g], [b.get(g, 0.0) for b in by_group]) for g in GROUPS
+                   if g != "pp" and any(b.get(g, 0.0) for b in by_group)]
     else:
-        layers.append(("exposed comm", [r.get("exposed_comm_s") or 0.0 for r in records]))
-    layers.append(("pipeline bubble", [r.get("bubble_s") or 0.0 for r in records]))
-    colours = [COLOURS.get(name.split(": ")[-1], COLOURS["comm"]) if name != "pipeline bubble" else COLOURS["bubble"]
-               for name, _ in layers]
-    colours[0] = COLOURS["compute"]
+        layers.append(("exposed comm", COLOURS["comm"], [r.get("exposed_comm_s") or 0.0 for r in records]))
+    layers += [(name, COLOURS[colour], [r.get(key) or 0.0 for r in records]) for name, colour, key in
+               (("pipeline bubble", "bubble", "bubble_s"), ("optimizer", "optimizer", "optimizer_s"),
+                ("data", "data", "data_s")) if any(r.get(key) for r in records)]
     ms = lambda xs: [1e3 * x for x in xs]  # noqa: E731
-    ax.stackplot(steps, *[ms(v) for _, v in layers], labels=[n for n, _ in layers], colors=colours, alpha=0.85,
-                 step="mid")
+    ax.stackplot(steps, *[ms(v) for _, _, v in layers], labels=[n for n, _, _ in layers],
+                 colors=[c for _, c, _ in layers], alpha=0.85, step="mid")
     ax.plot(steps, ms([r["step_time_s"] for r in records]), color="black", lw=1.2, label="measured step time",
             drawstyle="steps-mid")
     _style(ax, "Where each step's time went", "step", "milliseconds")
     # The first steps warm up allocators and the backend: scale the axis to the steady state.
     steady = sorted(r["step_time_s"] for r in records)[int(0.9 * (len(records) - 1))]
     ax.set_ylim(0, 1.5e3 * steady)
-    ax.legend(loc="upper right", fontsize=8, ncol=2, framealpha=0.9)
+    # Beside the plot, not over it: the tallest steps reach the top of the axes.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     fig.savefig(path)
 
 
@@ -122,8 +124,7 @@ def plot_predicted(measured: dict, predicted: dict, path: Path) -> None:
         ax.set_title(name, fontsize=10)
         ax.spines[["top", "right"]].set_visible(False)
         ax.set_ylim(0, 1.2 * max(values + [1e-9]))
-    fig.suptitle("Planner's prediction vs this run (step time: median after step 1; memory: peak)",
-                 x=0.02, ha="left", fontsize=11, fontweight="bold")
+    fig.suptitle("Planner's prediction vs this run", x=0.02, ha="left", fontsize=11, fontweight="bold")
     fig.savefig(path)
 
 
@@ -173,12 +174,12 @@ def write_report(run_dir: str | Path, cluster: str | None = None) -> Path:
     out.mkdir(exist_ok=True)
     est, predicted_bytes, cluster_label = _prediction(cfg, cluster)
     steady = records[1:] or records  # step 1 pays warm-up
-    measured = {"step time (s)": statistics.median(r["step_time_s"] for r in steady),
+    measured = {"step time (s, median)": statistics.median(r["step_time_s"] for r in steady),
                 "peak memory (GiB)": max((r.get("peak_memory_gib") or 0 for r in records), default=0) or None}
     panels = [("loss.png", plot_loss, (records,)), ("breakdown.png", plot_breakdown, (records,)),
               ("comm.png", plot_comm, (records, predicted_bytes))]
     if est is not None:
-        predicted = {"step time (s)": est.step_time_s, "peak memory (GiB)": est.peak_memory_gib}
+        predicted = {"step time (s, median)": est.step_time_s, "peak memory (GiB)": est.peak_memory_gib}
         panels.append(("predicted.png", plot_predicted, (measured, predicted)))
     images = []
     for name, plot, args in panels:
@@ -199,20 +200,26 @@ def write_report(run_dir: str | Path, cluster: str | None = None) -> Path:
 def _html(cfg, records, steady, images, notes) -> str:
     p, last = cfg.parallel, records[-1]
     step_s = statistics.median(r["step_time_s"] for r in steady)
-    comm_s = statistics.median(r.get("exposed_comm_s") or 0 for r in steady)
+    split = ", ".join(f"{name} {100 * statistics.median(r.get(key) or 0 for r in steady) / step_s:.0f}%"
+                      for name, key in (("compute", "compute_s"), ("exposed comm", "exposed_comm_s"),
+                                        ("bubble", "bubble_s"), ("optimizer", "optimizer_s"), ("data", "data_s")))
     facts = [("model", f"{cfg.model.preset}: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}"),
              ("layout", f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}, zero={p.zero}, schedule {p.schedule}"),
              ("steps", f"{last['step']} of {cfg.train.steps}"),
              ("loss", f"{records[0]['loss']:.4f} → {last['loss']:.4f}"),
-             ("step time (median, after step 1)", f"{1e3 * step_s:.1f} ms, {100 * comm_s / step_s:.0f}% exposed comm"),
+             ("step time (median, after step 1)", f"{1e3 * step_s:.1f} ms: {split}"),
              ("tokens/s (median)", f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f}")]
+    if all(r.get("mfu") is not None for r in steady):
+        facts.append(("MFU / HFU (median)", f"{100 * statistics.median(r['mfu'] for r in steady):.2f}% / "
+                                            f"{100 * statistics.median(r['hfu'] for r in steady):.2f}% of the "
+                                            "device profile's peak (plan/flops.py convention)"))
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in facts)
     figs = "".join(f'<figure><img alt="{img.stem}" src="data:image/png;base64,'
                    f'{base64.b64encode(img.read_bytes()).decode()}"></figure>' for img in images)
     items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>tetrad report: {html.escape(cfg.run.dir)}</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;color:#222}}
-th{{text-align:left;padding-right:1.5rem;font-weight:600}}td,th{{padding:.15rem 0}}
+th{{text-align:left;font-weight:600;padding:.15rem 1.5rem .15rem 0}}td{{padding:.15rem 0}}
 img{{max-width:100%}}figure{{margin:1.5rem 0}}</style></head><body>
 <h1>tetrad run report</h1><p><code>{html.escape(cfg.run.dir)}</code></p><table>{rows}</table>
 {figs}<h2>Notes</h2><ul>{items}</ul></body></html>

@@ -72,10 +72,9 @@ def _tetrad_rank(cfg, warmup: int, steps: int):
 
 def _torch_rank(cfg, warmup: int, steps: int):
     """The same model chunks, driven by torch.distributed.pipelining's schedule."""
-    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    p, rank = cfg.parallel, dist.get_rank()
+    p = cfg.parallel
     topo = Topology(Layout(pp=p.pp), torch.device("cpu"))
     model = build_model(cfg, topo)  # tetrad's chunks with the logical init, no tetrad hooks
     batches = Batches(load_tokens(cfg.data.source), cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,

@@ -52,6 +52,29 @@ def train_layout(cfg):
     return results[0][0], state, results[0][2]
 
 
+def assert_parity(got, ref, atol=1e-5):
+    """`got` and `ref` are train_layout results. fp32 parallel runs differ from one process only in
+    the order of sums (over ranks, micro-batches, tp pieces): ~1e-7 relative per step on the
+    loss, a little more on parameters after Adam's 5 steps; callers with tp pass a wider `atol`."""
+    losses, state, _ = got
+    ref_losses, ref_state, _ = ref
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert state.keys() == ref_state.keys()
+    for name in ref_state:
+        torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=atol, msg=name)
+    assert ref_losses[-1] < ref_losses[0]  # the run learned something: the comparison is not vacuous
+
+
+def model_state_after_reduce(cfg):
+    """Bytes of model states held after one step's reduction (their peak), and the parameter count."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer.train_step(0)  # creates the optimizer state
+    micro = trainer.batches.microbatches(1, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
+    trainer.forward_backward(micro)
+    trainer.grads.reduce()
+    return trainer.grads.model_state_bytes(trainer.optimizer), sum(p.numel() for p in trainer.params)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _scratch_tmpdir():
     """Keep torch's and the launcher's temporary files in one scratch folder (PLATFORM.md)."""

@@ -157,8 +157,8 @@ def read_logical(path: Path) -> dict[str, torch.Tensor]:
 def _load_and_save(cfg, path: Path, root: Path):
     trainer = Trainer(cfg, torch.device("cpu"))
     ckpt = Checkpointer(cfg, trainer.topo, root)
-    params = dict(trainer.model.named_parameters())
-    ckpt.save(ckpt.load(path, params, trainer.optimizer), params, trainer.optimizer)
+    params, stateful = dict(trainer.model.named_parameters()), {"scaler": trainer.scaler}  # as Trainer.fit
+    ckpt.save(ckpt.load(path, params, trainer.optimizer, stateful), params, trainer.optimizer, stateful)
 
 
 @pytest.mark.parametrize("source,target", [({"dp": 2, "tp": 2, "zero": 1}, {"dp": 4, "zero": 3}),

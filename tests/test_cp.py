@@ -1,7 +1,6 @@
 """Context parallelism: ring and all-to-all attention match one process, at the attention, the
 model and the training loop; their memory falls as 1/cp; their bytes match the formula."""
 
-import importlib.util
 from functools import lru_cache
 
 import pytest

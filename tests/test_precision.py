@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import run_ranks, tiny_config, train_layout
+from conftest import model_state_after_reduce, run_ranks, tiny_config, train_layout
 from tetrad.config import ConfigError, load_config, validate_device
 from tetrad.train.precision import LossScaler
 from tetrad.train.trainer import Trainer
@@ -103,20 +103,11 @@ def test_loss_scaler_grows_and_backs_off():
     assert off.scale == 1.0 and off.update(False)
 
 
-def _model_state_after_reduce(cfg):
-    trainer = Trainer(cfg, torch.device("cpu"))
-    trainer.train_step(0)
-    micro = trainer.batches.microbatches(1, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-    trainer.forward_backward(micro)
-    trainer.grads.reduce()
-    return trainer.grads.model_state_bytes(trainer.optimizer), sum(p.numel() for p in trainer.params)
-
-
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_bf16_model_state_bytes(zero):
     n = 4
     cfg = tiny_config(parallel={"dp": n, "zero": zero}, train={"dtype": "bf16", "micro_batch": 1})
-    held, psi = run_ranks(_model_state_after_reduce, n, cfg)[0]
+    held, psi = run_ranks(model_state_after_reduce, n, cfg)[0]
     # bf16 parameters (2 bytes), fp32 gradients (4), fp32 master + Adam m, v (12): the ZeRO
     # paper's mixed-precision accounting, sharded by stage.
     expected = {0: (2 * psi, 4 * psi, 12 * psi),

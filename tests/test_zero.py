@@ -4,9 +4,8 @@ composition with tp and pp, and bad input."""
 import pytest
 import torch
 
-from conftest import run_ranks, tiny_config, train_layout
+from conftest import assert_parity, model_state_after_reduce, run_ranks, tiny_config, train_layout
 from tetrad.config import ConfigError, load_config
-from tetrad.train.trainer import Trainer
 
 pytestmark = pytest.mark.dist
 
@@ -22,16 +21,6 @@ def run(**parallel):
     return RUNS[key]
 
 
-def assert_matches_reference(losses, state, ref, atol=1e-5):
-    ref_losses, ref_state, _ = ref
-    # fp32; only the order of the gradient sum differs (ranks vs micro-batches in one process).
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    assert state.keys() == ref_state.keys()
-    for name in ref_state:
-        torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=atol, msg=name)
-    assert ref_losses[-1] < ref_losses[0]
-
-
 @pytest.fixture(scope="module")
 def reference():
     return run()
@@ -41,7 +30,7 @@ def reference():
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_matches_single_process(reference, dp, zero):
     losses, state, _ = run(dp=dp, zero=zero)
-    assert_matches_reference(losses, state, reference)
+    assert_parity((losses, state, None), reference)
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -61,7 +50,7 @@ def test_zero_composes_with_tp(reference, zero):
     losses, state, _ = run(dp=2, tp=2, zero=zero)
     # tp splits the matmul reductions, which alone (tp=2, zero=0) moves some weights by ~1.2e-5
     # after 5 Adam steps (Adam normalises near-zero gradients); ZeRO adds nothing to that.
-    assert_matches_reference(losses, state, reference, atol=5e-5)
+    assert_parity((losses, state, None), reference, atol=5e-5)
     base_losses, base_state, _ = run(dp=2, tp=2)
     if zero == 1:  # same arithmetic as ZeRO-0 under tp too
         assert losses == base_losses and all(torch.equal(state[k], base_state[k]) for k in state)
@@ -70,24 +59,14 @@ def test_zero_composes_with_tp(reference, zero):
 @pytest.mark.parametrize("zero", [1, 3])
 def test_zero_composes_with_pp(reference, zero):
     losses, state, _ = run(dp=2, pp=2, zero=zero)
-    assert_matches_reference(losses, state, reference)
-
-
-def _model_state_after_reduce(cfg):
-    """Bytes held after one step's reduction (the peak of model states), and the parameter count."""
-    trainer = Trainer(cfg, torch.device("cpu"))
-    trainer.train_step(0)  # creates the optimizer state
-    micro = trainer.batches.microbatches(1, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-    trainer.forward_backward(micro)
-    trainer.grads.reduce()
-    return trainer.grads.model_state_bytes(trainer.optimizer), sum(p.numel() for p in trainer.params)
+    assert_parity((losses, state, None), reference)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_model_state_memory_follows_zero_formulas(zero):
     n = 4
     cfg = tiny_config(parallel={"dp": n, "zero": zero}, train=ACCUM)
-    held, psi = run_ranks(_model_state_after_reduce, n, cfg)[0]
+    held, psi = run_ranks(model_state_after_reduce, n, cfg)[0]
     # fp32 Adam: 4 bytes of parameter, 4 of gradient, 8 of optimizer state (m, v) per parameter.
     expected = {0: (4 * psi, 4 * psi, 8 * psi),
                 1: (4 * psi, 4 * psi, 8 * psi / n),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from tetrad.config import ConfigError, load_config, validate_device

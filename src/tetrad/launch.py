@@ -83,7 +83,7 @@ def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
     try:
-        device = devices.bind_rank(device_type, rank)
+        devices.bind_rank(device_type, rank)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(devices.backend_for(device_type), store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))

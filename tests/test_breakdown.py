@@ -39,13 +39,8 @@ def test_breakdown_adds_up_to_step_time(run):
 
 
 @pytest.mark.parametrize("group", ["tp", "cp", "pp", "dp"])
-def test_comm_bytes_match_planner(run, group, request):
+def test_comm_bytes_match_planner(run, group):
     cfg, (_, _, history) = run
-    if group == "tp" and cfg.train.recompute == "full":
-        # torch.utils.checkpoint (non-reentrant) stops recomputing once backward has what it needs,
-        # so a layer's last row-parallel all-reduce is not repeated: the runtime counts 5 hidden-state
-        # all-reduces per layer and micro-batch, the planner (plan/cost.py) 6.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="planner counts the whole forward recomputed"))
     assert all(r["comm_bytes"][group] == comm_bytes_per_step(cfg)[group] for r in history)
 
 

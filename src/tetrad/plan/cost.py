@@ -484,7 +484,11 @@ def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
         # target logit (fp32 per token). Under SP, one all-reduce of the replicated (norm) weights'
         # fp32 gradients per step (their dp shard under ZeRO). The gradient norm.
         per_layer = 2 * hidden * (2 if sp else 1)
-        per_micro = layers * per_layer * (forwards + 1) + hidden * (2 if sp else 1)
+        # Full recompute repeats the layer's forward up to its last saved tensor (the MLP's output
+        # projection input): torch's non-reentrant checkpoint stops there, before the final
+        # row-parallel all-reduce / reduce-scatter.
+        recomputed = per_layer - hidden if t.recompute == "full" else 0
+        per_micro = layers * (2 * per_layer + recomputed) + hidden * (2 if sp else 1)
         if p.pp == 1:
             per_micro += hidden * (2 if sp else 1) + 3 * tokens * 4
         replicated = layers * flops.layer_norm_params(m) + flops.head_params(m, separate=False) * (p.pp == 1)

@@ -26,9 +26,8 @@ from tetrad.plan.reference import best_estimate, predicted_value, read_rows
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
 
-# Megatron's GPT ties the embedding and the head; these runs have pp > 1, where the last stage holds
-# its own copy either way (what the estimate counts) and tetrad's config takes untied weights only.
-_GPT = dict(norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=False, vocab_size=51200, dropout=0.1,
+# Megatron's GPT ties the embedding and the head; with pp > 1 the last stage holds its own copy.
+_GPT = dict(norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True, vocab_size=51200, dropout=0.1,
             seq_len=2048)
 _LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", tie_embeddings=False, vocab_size=128256)
 _8B = dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, **_LLAMA)

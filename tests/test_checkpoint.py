@@ -54,11 +54,6 @@ def _train_crashing_in_save(cfg, rank: int, step: int):
     Trainer(cfg, torch.device("cpu")).fit()
 
 
-def _needs_pipeline(*layouts):
-    if any(layout.get("pp", 1) > 1 for layout in layouts):
-        pytest.importorskip("tetrad.parallel.pipeline.executor", reason="needs the pipeline executor (pp > 1)")
-
-
 # More than one parallel dimension, and ZeRO-1 so that the optimizer state to restore is sharded.
 KILL_LAYOUTS = [{"dp": 2, "tp": 2, "zero": 1}, {"dp": 2, "pp": 2, "tp": 2}]
 
@@ -76,7 +71,6 @@ def reference():
 
 @pytest.mark.parametrize("layout", KILL_LAYOUTS)
 def test_killed_rank_resumes_bitwise(layout, reference):
-    _needs_pipeline(layout)
     world = math.prod(layout.get(d, 1) for d in ("dp", "tp", "pp", "cp"))
     step = random.randint(1, STEPS - 1)  # a new step and rank every run; the messages below name them
     rank = random.randrange(world)
@@ -117,15 +111,19 @@ RESHARD_CASES = [
     ({"dp": 4, "zero": 3}, {"dp": 2, "tp": 2, "zero": 1}),
     ({"dp": 2, "tp": 2, "pp": 2}, {}),
     ({"dp": 2, "tp": 2, "pp": 2}, {"dp": 4, "pp": 2}),
+    # Tied embeddings over two stages: both hold "embed.weight" (the last as its head), one tensor stored.
+    ({"dp": 2, "pp": 2, "zero": 1, "tie": True}, {}),
+    ({"pp": 2, "tie": True}, {"dp": 2, "pp": 2, "zero": 2, "tie": True}),
 ]
 
 
 @pytest.mark.parametrize("source,target", RESHARD_CASES)
 def test_reshard_and_continue(source, target):
-    _needs_pipeline(source, target)
     # vocab 251 is padded to 252 under tp=2: the checkpoint must hold the unpadded logical tensors.
     # One sequence per micro-batch: dp=4 x pp=2 still has the 2 micro-batches a pipeline needs.
-    model, train = {"vocab_size": 251}, {"steps": STEPS, "micro_batch": 1}
+    tie = source.get("tie", False)
+    source, target = ({k: v for k, v in d.items() if k != "tie"} for d in (source, target))
+    model, train = {"vocab_size": 251, "tie_embeddings": tie}, {"steps": STEPS, "micro_batch": 1}
     src = tiny_config(parallel=source, model=model, train=train, checkpoint={"every": 3})
     ref_losses, ref_state, _ = train_layout(src)
     saved = Path(src.run.dir) / "checkpoints"
@@ -168,7 +166,6 @@ def _load_and_save(cfg, path: Path, root: Path):
 def test_state_survives_resharding_bitwise(source, target, tmp_path):
     """Load under another layout (and ZeRO stage), save again: every stored tensor, the optimizer
     state included, is bitwise the one saved, so nothing was lost or moved in between."""
-    _needs_pipeline(source, target)
     model, train = {"vocab_size": 251}, {"steps": 2, "micro_batch": 1}
     src = tiny_config(parallel=source, model=model, train=train, checkpoint={"every": 2})
     train_layout(src)

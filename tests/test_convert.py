@@ -46,8 +46,6 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
                                             ({"dp": 2, "tp": 2, "zero": 3}, {"vocab_size": 251}),
                                             ({"pp": 2, "tp": 2, "zero": 1}, {"vocab_size": 251})])
 def test_checkpoint_to_hf_and_back(tmp_path, parallel, model):
-    if parallel.get("pp", 1) > 1:
-        pytest.importorskip("tetrad.parallel.pipeline.executor", reason="needs the pipeline executor (pp > 1)")
     cfg = tiny_config(parallel=parallel, model=model, train={"steps": 2, "micro_batch": 1}, checkpoint={"every": 2})
     train_layout(cfg)
     root = Path(cfg.run.dir) / "checkpoints"

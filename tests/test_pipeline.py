@@ -57,6 +57,25 @@ def test_pipeline_composes(parallel):
     assert_parity(run(parallel, m), run({}, m * parallel.get("dp", 1)), atol)
 
 
+@pytest.mark.parametrize("parallel", [{"pp": 2}, {"pp": 2, "vpp": 2, "schedule": "interleaved"},
+                                      {"dp": 2, "pp": 2, "tp": 2, "zero": 2}, {"pp": 4, "schedule": "zb"}],
+                         ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def test_tied_embeddings_across_stages(parallel):
+    """The last stage's head is a copy of the first stage's embedding: it starts equal, their
+    gradients are summed, so the pair trains as one tied weight; the "embed" all-reduce is counted
+    under pp as the planner counts it."""
+    from tetrad.plan.cost import comm_bytes_per_step
+
+    dp, m = parallel.get("dp", 1), 4
+    model = {"n_layers": 4, "tie_embeddings": True, "vocab_size": 258}
+    train = {"micro_batch": 1, "global_batch": m * dp}
+    got = train_layout(tiny_config(model=model, parallel=parallel, train=train))
+    ref = train_layout(tiny_config(model=model, train={"micro_batch": 1, "global_batch": m * dp}))
+    assert_parity(got, ref, atol=1e-4 if parallel.get("tp", 1) > 1 else 1e-5)  # tp: see test_pipeline_composes
+    cfg = tiny_config(model=model, parallel=parallel, train=train)
+    assert all(r["comm_bytes"]["pp"] == comm_bytes_per_step(cfg)["pp"] for r in got[2])
+
+
 def test_split_backward_does_the_work_of_one_backward():
     """Zero-bubble's BI + BW: the same gradients as one backward, and the same FLOPs between them."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -118,7 +137,8 @@ def test_layer_split_is_balanced_or_explicit():
      "needs at least 2 micro-batches"),
     ({"parallel": {"pp": 8}, "model": {"n_layers": 4}}, "fewer than pp\\*vpp"),
     ({"parallel": {"pp": 2, "stage_layers": [1, 2]}, "model": {"n_layers": 4}}, "adding up to n_layers=4"),
-    ({"parallel": {"pp": 2}, "model": {"tie_embeddings": True}}, "tie_embeddings with pp > 1"),
+    ({"parallel": {"pp": 2, "dp": 2, "zero": 3}, "model": {"tie_embeddings": True}},
+     "tie_embeddings with pp > 1 and zero=3"),
 ])
 def test_bad_pipeline_config_is_refused(overrides, message):
     if message is None:  # 1f1b and gpipe run with fewer micro-batches than stages

@@ -88,7 +88,7 @@ class Topology:
             raise ValueError(f"layout {layout} needs {layout.world_size} ranks, the job has {world}")
         self.coords = layout.coords(self.rank)
         self._groups: dict[str, dist.ProcessGroup | None] = {}
-        self._node_sizes: dict[str, int] = {}
+        self._sub_sizes: dict[str, int] = {}  # groups made after the mesh: per-node halves, "embed"
         self.mesh = None
         if self.distributed:
             from torch.distributed.device_mesh import DeviceMesh
@@ -104,15 +104,16 @@ class Topology:
         return cls(Layout(), torch.device(device))
 
     def group(self, name: str):
-        """The process group for "pp", "dp", "cp", "tp" or "dp_cp"; None when it has one rank."""
+        """The process group for "pp", "dp", "cp", "tp", "dp_cp" (or one made later: the per-node
+        halves of dp_cp, "embed"); None when it has one rank or this rank is not in one."""
         return self._groups.get(name) if self.size(name) > 1 else None
 
     def size(self, name: str) -> int:
         if name == "dp_cp":
             return self.layout.dp * self.layout.cp
-        if name in self._node_sizes:
-            return self._node_sizes[name]
-        return getattr(self.layout, name)
+        if name in DIMS:
+            return getattr(self.layout, name)
+        return self._sub_sizes.get(name, 1)
 
     def local_rank(self, name: str) -> int:
         """This rank's index inside its `name` group."""
@@ -129,7 +130,7 @@ class Topology:
         """Create (once; collective over the whole job) the "dp_cp_intra" groups (dp x cp ranks on
         one node, node = rank // ranks_per_node) and "dp_cp_inter" (the same position on every
         node), for hierarchical gradient reduction."""
-        if self._node_sizes:
+        if "dp_cp_intra" in self._sub_sizes:
             return
         for group in self.layout.groups(("dp", "cp")):
             nodes: dict[int, list[int]] = {}
@@ -144,7 +145,17 @@ class Topology:
                     pg = dist.new_group(ranks) if self.distributed else None
                     if self.rank in ranks:
                         self._groups[name] = pg
-                        self._node_sizes[name] = len(ranks)
+                        self._sub_sizes[name] = len(ranks)
+
+    def make_embedding_group(self) -> None:
+        """Create (collective over the whole job) the "embed" groups: the first and the last rank
+        of each pipeline, which both hold the tied embedding weight (its head copy on the last)."""
+        for ranks in self.layout.groups(("pp",)):
+            pair = [ranks[0], ranks[-1]]
+            pg = dist.new_group(pair) if self.distributed else None
+            if self.rank in pair:
+                self._groups["embed"] = pg
+                self._sub_sizes["embed"] = len(pair)
 
     @cached_property
     def tp_size(self) -> int:

@@ -145,6 +145,7 @@ class GradReducer:
             topo.split_by_node()
         self._sync = False
         self._root = None
+        self._tied, self._tied_copy = None, False
         mb = parallel.grad_bucket_mb if parallel else AUTO_BUCKET_MB
         mb = AUTO_BUCKET_MB if mb == "auto" else mb
         if self.zero == 3:
@@ -156,10 +157,18 @@ class GradReducer:
             self._root = self.buckets[-1] if root else None
         else:
             # A bucket never spans two pipeline chunks: their backwards run at different times.
-            wanted = {id(p) for p in params}
+            # An embedding tied across stages gets a bucket of its own, laid out alike on both.
+            tied = model.tied_weight() if hasattr(model, "tied_weight") else None
+            wanted = {id(p) for p in params if p is not tied}
             chunks = model.chunk_parameters() if hasattr(model, "chunk_parameters") else [params]
             self.buckets = [Bucket(u, self.n, self.rank, align) for chunk in chunks[::-1]
                             for u in _split([p for p in chunk[::-1] if id(p) in wanted], mb * 2**20)]
+            if tied is not None:
+                self.buckets.append(Bucket([tied], self.n, self.rank, align))
+                self._tied = self.buckets[-1]
+                self._tied_copy = model.holds_tied_copy
+        if getattr(model, "ties_stages", False):
+            topo.make_embedding_group()  # collective: every rank, holding a copy or not
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, i))
@@ -324,6 +333,8 @@ class GradReducer:
             bucket.seen = 0
             if bucket.grad is None:
                 continue
+            if bucket is self._tied:  # the embedding's and the head's gradient, on both stages
+                self.topo.comm.all_reduce(bucket.grad_shard if self.zero >= 2 else bucket.grad, "embed")
             if self.zero >= 2:
                 bucket.grad = None  # only the shard is kept
             else:
@@ -362,8 +373,9 @@ class GradReducer:
         summed over dp x cp, tp and pp); returns that norm, unscaled. It is the same number on
         every rank, non-finite on all of them when any rank's gradient overflowed."""
         scaled = [self.owned_grad(b) for b in self.buckets if self.owned_grad(b) is not None]
-        return clip_gradients(self.shard_pieces(), max_norm, self.topo, scaled, dp_sharded=True,
-                              loss_scale=loss_scale)
+        # The tied embedding's head copy holds the same gradient as the embedding: count it once.
+        pieces = [(g, p) for g, p in self.shard_pieces() if not (self._tied_copy and p is self._tied.params[0])]
+        return clip_gradients(pieces, max_norm, self.topo, scaled, dp_sharded=True, loss_scale=loss_scale)
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:

@@ -499,6 +499,8 @@ def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
         # its chunks after the first back to the previous rank (the last one); loss and norm.
         sent = hidden / (p.tp if sp else 1)
         out["pp"] = micro * (2 * p.vpp - 1) * sent + 8
+        if m.tie_embeddings:  # the embedding's fp32 gradient summed with its head copy's (its shard under ZeRO-2)
+            out["pp"] += 4 * math.ceil(m.vocab_size / p.tp) * m.d_model / (n if p.zero >= 2 else 1)
     if p.cp > 1:
         kv = 2 * tokens * m.n_kv_heads // p.tp * m.head_dim
         if p.cp_algo == "ring":  # K/V cp-1 times forward; backward K/V cp-1 times and the fp32 dK/dV cp times

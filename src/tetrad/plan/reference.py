@@ -43,7 +43,7 @@ def row_config(row: dict, micro_batch: int, vpp: int) -> Config:
              "n_kv_heads": int(row["kv_heads"]), "ffn_hidden": int(row["ffn"]), "seq_len": int(row["seq_len"]),
              "vocab_size": _int(row["vocab"], 51200), "norm": "layernorm" if gpt else "rmsnorm",
              "mlp": "gelu" if gpt else "swiglu", "pos": "learned" if gpt else "rope",
-             "tie_embeddings": gpt and int(row["pp"]) == 1,
+             "tie_embeddings": gpt,
              "dropout": 0.1 if gpt else 0.0}
     dp = int(row["dp"])
     parallel = {"tp": int(row["tp"]), "pp": int(row["pp"]), "cp": int(row["cp"]), "dp": dp,

@@ -69,7 +69,7 @@ def layouts(base: Config, world: int, per_node: int):
         if heads % tp or m.ffn_hidden % tp:
             continue
         for pp in _divisors(world // tp):
-            if pp > m.n_layers or (pp > 1 and m.tie_embeddings):  # tied weights need one stage (validate)
+            if pp > m.n_layers:
                 continue
             for cp in _divisors(world // (tp * pp)):
                 if cp > 1 and m.seq_len % (2 * cp):
@@ -154,6 +154,8 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
         micro = gb // (item.micro_batch * item.dp)
         held = inflight(item.schedule, item.pp, micro, item.vpp)
         zeros = (0, 1, 2, 3) if item.dp * item.cp > 1 else (0,)
+        if item.pp > 1 and base.model.tie_embeddings:  # the runtime's limit (config.validate)
+            zeros = tuple(z for z in zeros if z < 3)
         for zero in zeros:
             cfg = config_of(base, item, zero)
             peak = max(x.total for x in memory_by_rank(cfg, stack, held, cluster.gpu.is_cpu)) / GIB

@@ -43,16 +43,28 @@ class PipelineStages(nn.Module):
         # (embedding, layers, norm and head), which is also the order of gradient buckets.
         self.chunks = [Transformer(cfg.model, topo, layers=split[g], first=g == 0, last=g == len(split) - 1)
                        for g in self.stage_ids]
+        # Tied embeddings over several stages: the last stage's head is a copy of the embedding,
+        # registered under the same logical name, so it starts equal; the reducer sums the two
+        # copies' gradients over the "embed" group (data.py), so they stay equal.
+        tied = self.ties_stages = cfg.model.tie_embeddings and len(split) > 1
+        self.holds_tied_weight = False  # a copy of the tied embedding, kept equal over "embed"
+        self.holds_tied_copy = False  # that copy is the head's (the norm counts it on the first stage)
         for chunk in self.chunks:
             if chunk.first:
                 self.embed = chunk.embed
                 if cfg.model.pos == "learned":
                     self.pos_embed = chunk.pos_embed
+                self.holds_tied_weight = tied
+            elif chunk.last and tied:
+                self.embed = chunk.head
+                self.holds_tied_weight = self.holds_tied_copy = True
         self.layers = nn.ModuleDict()
         for chunk in self.chunks:
             self.layers.update(chunk.layers)
             if chunk.last:
-                self.norm, self.head = chunk.norm, chunk.head
+                self.norm = chunk.norm
+                if not self.holds_tied_copy:
+                    self.head = chunk.head
 
     def _apply(self, fn, recurse=True):
         """`to_empty()` and `.to()` replace Parameters registered directly on a module: point the
@@ -68,6 +80,10 @@ class PipelineStages(nn.Module):
                 chunk: int = 0) -> torch.Tensor:
         """Run local chunk `chunk` (see Transformer.forward for what goes in and out)."""
         return self.chunks[chunk](x, positions, labels)
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """This rank's copy of the embedding tied across stages, if it holds one."""
+        return self.embed.weight if self.holds_tied_weight else None
 
     def chunk_parameters(self) -> list[list[nn.Parameter]]:
         """Each chunk's parameters: gradient buckets never span two chunks, whose backwards run

@@ -229,6 +229,18 @@ def test_wrong_model_shape_is_refused(saved_checkpoint):
                                 r"  model\.ffn_hidden = 128 in the checkpoint, 64 here")
 
 
+def test_a_new_run_never_mixes_its_checkpoints_with_an_earlier_runs(saved_checkpoint):
+    """resume='never' in a folder an earlier run saved into would write steps beside (or over) the
+    earlier run's: refused before anything is written, naming the way out."""
+    cfg, path = saved_checkpoint
+    again = tiny_config(run={"dir": cfg.run.dir}, checkpoint={"resume": "never", "every": 1})
+    trainer = Trainer(again, torch.device("cpu"))
+    hashes = _hashes(path)
+    with pytest.raises(CheckpointError, match=rf"already holds {path.name} from an earlier run.*new checkpoint\.dir"):
+        trainer.fit()
+    assert _hashes(path) == hashes
+
+
 def test_metadata_pickle_cannot_run_code(saved_checkpoint):
     """Even with a matching manifest (an attacker can rewrite it), .metadata admits no foreign class."""
     cfg, path = saved_checkpoint

@@ -24,6 +24,11 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from tetrad.presets import PRESETS
 
 
+# Gradient bucket size when none is measured ("auto" with nothing to tune, or before the
+# measurement: the planner): torch DDP's default.
+DEFAULT_BUCKET_MB = 25.0
+
+
 class ConfigError(ValueError):
     """A config that cannot run; the message says what to change."""
 
@@ -64,7 +69,7 @@ class ParallelConfig:
     zero: int = 0
     sequence_parallel: bool = False
     cp_algo: Literal["ring", "alltoall"] = "ring"
-    grad_bucket_mb: Union[float, Literal["auto"]] = 25.0
+    grad_bucket_mb: Union[float, Literal["auto"]] = DEFAULT_BUCKET_MB
     grad_codec: Literal["none", "bf16", "int8", "powersgd"] = "none"
     hierarchical: Union[bool, Literal["auto"]] = False
     ranks_per_node: int = 8
@@ -330,6 +335,9 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
     if p.vpp > 1 and p.schedule != "interleaved":
         raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.schedule='interleaved' "
                           f"(got {p.schedule!r}); or set vpp=1")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp={p.vpp} interleaves model chunks over pipeline ranks, and pp=1 has one; "
+                          f"set parallel.pp >= 2 or vpp=1")
     if p.schedule == "interleaved" and p.vpp < 2:
         raise ConfigError("parallel.schedule='interleaved' needs parallel.vpp >= 2 virtual stages per rank")
     stages = p.pp * p.vpp
@@ -416,12 +424,13 @@ def validate_device(cfg: Config, device_type: str) -> None:
     """The checks that need the device `train.device` resolved to (before any rank starts)."""
     import torch
 
+    from tetrad.train.precision import model_dtype
     t = cfg.train
     if t.offload_optimizer and device_type == "cpu":
         raise ConfigError("train.offload_optimizer moves optimizer state off an accelerator, and this machine has "
                           "none (train.device resolved to 'cpu'): set train.offload_optimizer=false")
     if t.dtype in ("bf16", "fp16"):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[t.dtype]
+        dtype = model_dtype(t.dtype)
         try:
             x = torch.ones((8, 8), dtype=dtype, device=device_type)
             (x @ x).sum().item()

@@ -42,6 +42,14 @@ def bind_rank(device_type: str, local_rank: int) -> torch.device:
     return torch.device(device_type, local_rank)
 
 
+def collective_device(group=None) -> torch.device:
+    """The device whose tensors `group`'s backend moves: the CPU for gloo, else this rank's
+    accelerator (NCCL takes no CPU tensors)."""
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+
+
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)

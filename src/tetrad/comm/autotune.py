@@ -16,7 +16,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from tetrad import device as devices
 from tetrad.comm.bench import bus_factor, time_collective
+from tetrad.config import DEFAULT_BUCKET_MB
 
 BUCKET_CANDIDATES_MB = (1, 4, 16, 25, 64)
 SATURATION = 0.8  # a bucket this close to the best measured bus bandwidth is large enough
@@ -28,11 +30,15 @@ def resolve(parallel, topo, grad_bytes: int):
     if parallel.grad_bucket_mb != "auto" and parallel.hierarchical != "auto":
         return parallel
     flat = topo.group("dp_cp")
+    # Pipeline stages hold different gradients, but every rank must time the same bucket sizes.
+    total = torch.tensor([float(grad_bytes)], dtype=torch.float64, device=devices.collective_device())
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    grad_bytes = int(total)
     notes = []
     bucket_mb = parallel.grad_bucket_mb
     if bucket_mb == "auto":
         if flat is None:
-            bucket_mb, note = 25.0, "no dp x cp reduction to tune (one rank per group): 25 MiB"
+            bucket_mb, note = DEFAULT_BUCKET_MB, f"no dp x cp reduction to tune (one rank per group): {DEFAULT_BUCKET_MB:g} MiB"
         else:
             bucket_mb, busbw = choose_bucket_mb(flat, grad_bytes)
             figures = ", ".join(f"{mb:g} MiB {gbps:.2f} GB/s" for mb, gbps in busbw.items())
@@ -57,7 +63,7 @@ def choose_bucket_mb(group, grad_bytes: int | None = None, candidates_mb=BUCKET_
     n = dist.get_world_size(group)
     sizes = [mb for mb in candidates_mb if grad_bytes is None or mb * 2**20 <= grad_bytes] or [candidates_mb[0]]
     seconds = torch.tensor([time_collective("all_reduce", int(mb * 2**20), group, iters=3) for mb in sizes],
-                           dtype=torch.float64)
+                           dtype=torch.float64, device=devices.collective_device())
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     busbw = {mb: mb * 2**20 / s / 1e9 * bus_factor("all_reduce", n) for mb, s in zip(sizes, seconds.tolist())}
     best = max(busbw.values())
@@ -96,6 +102,7 @@ def choose_hierarchical(flat_group, intra_group, inter_group, nbytes: int) -> tu
     intra_n = dist.get_world_size(intra_group) if intra_group is not None else 1
     times = torch.tensor([timed("all_reduce", nbytes, flat_group),
                           timed("reduce_scatter", nbytes, intra_group) + timed("all_reduce", nbytes // intra_n, inter_group)
-                          + timed("all_gather", nbytes, intra_group)], dtype=torch.float64)
+                          + timed("all_gather", nbytes, intra_group)], dtype=torch.float64,
+                         device=devices.collective_device())
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return times[0].item(), times[1].item()

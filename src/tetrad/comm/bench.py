@@ -17,6 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from tetrad import device as devices
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 
@@ -38,8 +40,9 @@ def _collective(op: str, nbytes: int, group, dtype=torch.float32):
     rank = dist.get_rank(group)
     elem = torch.empty((), dtype=dtype).element_size()
     count = max(n, nbytes // elem // n * n)
-    full = torch.ones(count, dtype=dtype)
-    shard = torch.ones(count // n, dtype=dtype)
+    device = devices.collective_device(group)
+    full = torch.ones(count, dtype=dtype, device=device)
+    shard = torch.ones(count // n, dtype=dtype, device=device)
     if op == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if op == "all_gather":
@@ -66,12 +69,15 @@ def time_collective(op: str, nbytes: int, group=None, iters: int | None = None) 
     Every rank of `group` must call this with the same arguments."""
     run = _collective(op, nbytes, group)
     iters = iters or _iterations(nbytes)
+    device = devices.collective_device(group)
     run()
     dist.barrier(group=group)
+    devices.synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
         run()
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+    devices.synchronize(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return float(elapsed)
 

@@ -26,14 +26,18 @@ class Then:
 
 
 class Plain:
-    def all_reduce(self, flat: torch.Tensor, comm, group: str):
+    """Every codec's `all_reduce(flat, comm, group, key)` starts the reduction of one bucket and
+    returns something to wait on; `key` names the bucket, so state kept between steps (error
+    feedback, PowerSGD's Q) follows it."""
+
+    def all_reduce(self, flat: torch.Tensor, comm, group: str, key: int):
         return comm.all_reduce(flat, group, async_op=True)
 
 
 class BF16:
     """Halves the bytes; the sum itself is rounded to bf16 (no residual: the error is unbiased)."""
 
-    def all_reduce(self, flat, comm, group):
+    def all_reduce(self, flat, comm, group, key):
         low = flat.to(torch.bfloat16)
         return Then(comm.all_reduce(low, group, async_op=True), lambda: flat.copy_(low))
 
@@ -47,10 +51,10 @@ class Int8:
         self.levels = 127 // group_size
         self.residual: dict[int, torch.Tensor] = {}
 
-    def all_reduce(self, flat, comm, group):
+    def all_reduce(self, flat, comm, group, key):
         if flat.numel() % INT8_BLOCK:
             raise ValueError(f"int8 codec needs buckets padded to a multiple of {INT8_BLOCK}")
-        err = self.residual.setdefault(id(flat), torch.zeros_like(flat))
+        err = self.residual.setdefault(key, torch.zeros_like(flat))
         target = (flat + err).view(-1, INT8_BLOCK)
         scale = target.abs().amax(dim=1, keepdim=True)
         comm.all_reduce(scale, group, op=dist.ReduceOp.MAX)
@@ -74,16 +78,16 @@ class PowerSGD:
         self.residual: dict[int, torch.Tensor] = {}
         self.q: dict[int, torch.Tensor] = {}
 
-    def all_reduce(self, flat, comm, group):
+    def all_reduce(self, flat, comm, group, key):
         cols = max(1, int(flat.numel() ** 0.5))
         while flat.numel() % cols:
             cols -= 1
-        err = self.residual.setdefault(id(flat), torch.zeros_like(flat))
+        err = self.residual.setdefault(key, torch.zeros_like(flat))
         m = (flat + err).view(-1, cols)
-        if id(flat) not in self.q:  # the same seed on every rank: Q must agree
+        if key not in self.q:  # the same seed on every rank: Q must agree
             gen = torch.Generator().manual_seed(flat.numel())
-            self.q[id(flat)] = torch.randn(cols, self.rank, generator=gen)
-        q = self.q[id(flat)]
+            self.q[key] = torch.randn(cols, self.rank, generator=gen).to(flat.device)
+        q = self.q[key]
         p = m @ q
         comm.all_reduce(p, group)
         p = torch.linalg.qr(p).Q
@@ -97,8 +101,8 @@ class PowerSGD:
 
 
 def make_codec(name: str, group_size: int):
-    """The codec object for parallel.grad_codec."""
-    if name == "none":
+    """The codec object for parallel.grad_codec (none for a group of one: nothing to send)."""
+    if name == "none" or group_size == 1:
         return Plain()
     if name == "bf16":
         return BF16()

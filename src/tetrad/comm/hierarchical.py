@@ -23,8 +23,8 @@ class HierarchicalPending:
 
 
 def all_reduce(flat: torch.Tensor, topo) -> HierarchicalPending:
-    """Start the hierarchical SUM of `flat` (its length divisible by the intra-node group size)."""
-    topo.split_by_node()
+    """Start the hierarchical SUM of `flat` (its length divisible by the intra-node group size);
+    the groups come from `topo.split_by_node()`, which the reducer calls once."""
     k = topo.size(INTRA)
     shard = flat.new_empty(flat.numel() // k)
     first = topo.comm.reduce_scatter(shard, flat, INTRA, async_op=True)

@@ -41,10 +41,10 @@ import torch.nn as nn
 
 from tetrad.comm import autotune, hierarchical
 from tetrad.comm.codecs import INT8_BLOCK, make_codec
+from tetrad.config import DEFAULT_BUCKET_MB
 from tetrad.model.sharding import spec_of
-from tetrad.train.optim import build_optimizer, clip_gradients
+from tetrad.train.optim import adamw, build_optimizer, clip_gradients
 
-AUTO_BUCKET_MB = 25.0  # torch DDP's default
 
 
 class Bucket:
@@ -66,6 +66,7 @@ class Bucket:
         self.gathering = None  # ZeRO-3: the parameter all-gather in flight
         self.seen = 0  # gradients arrived in this backward
         self.reduced = False  # `grad` holds last step's reduced gradient (p.grad may still view it)
+        self.index = 0  # its place in the reducer's list, set by the reducer
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -100,9 +101,7 @@ class ShardedAdamW:
                 piece = master[a - lo:b - lo]
                 self.slots.append((bucket, piece, a - lo, b - lo))
                 (decay if bucket.params[i].ndim >= 2 else no_decay).append(piece)
-        groups = [{"params": decay, "weight_decay": train_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.inner = torch.optim.AdamW([g for g in groups if g["params"]], lr=train_cfg.lr, betas=(0.9, 0.95),
-                                       eps=1e-8)
+        self.inner = adamw(decay, no_decay, train_cfg)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 
@@ -146,8 +145,7 @@ class GradReducer:
         self._sync = False
         self._root = None
         self._tied, self._tied_copy = None, False
-        mb = parallel.grad_bucket_mb if parallel else AUTO_BUCKET_MB
-        mb = AUTO_BUCKET_MB if mb == "auto" else mb
+        mb = parallel.grad_bucket_mb if parallel else DEFAULT_BUCKET_MB  # "auto" was resolved above
         if self.zero == 3:
             units = [list(block.parameters()) for block in model.layers.values()]
             in_blocks = {id(p) for unit in units for p in unit}
@@ -169,7 +167,8 @@ class GradReducer:
                 self._tied_copy = model.holds_tied_copy
         if getattr(model, "ties_stages", False):
             topo.make_embedding_group()  # collective: every rank, holding a copy or not
-        for bucket in self.buckets:
+        for k, bucket in enumerate(self.buckets):
+            bucket.index = k
             for i, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, i))
         self.flat: list[torch.Tensor] = []  # flat parameter buffer (model dtype) of each bucket
@@ -217,9 +216,6 @@ class GradReducer:
         """The reduced fp32 gradient of the owned range."""
         return bucket.grad if self.zero == 0 else bucket.grad_shard
 
-    def _bucket_index(self, bucket: Bucket) -> int:
-        return next(i for i, b in enumerate(self.buckets) if b is bucket)
-
     def _start_gather(self, k: int):
         """Non-blocking all-gather of bucket k's parameters (no-op if already there or on its way)."""
         bucket, flat = self.buckets[k], self.flat[k]
@@ -252,8 +248,7 @@ class GradReducer:
 
         def after(k):
             def hook(module, args, output):
-                if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
-                    self._free(k)
+                self._free(k)  # (recompute runs inside Block.forward: these hooks see it never)
                 if output.requires_grad:
                     output.register_hook(lambda grad: self._before_backward(k))
             return hook
@@ -304,8 +299,10 @@ class GradReducer:
             bucket.seen += 1
             if bucket.seen == len(bucket.params):
                 bucket.seen = 0
-                if self.zero == 3 and bucket is not self._root:
-                    self._free(self._bucket_index(bucket))
+                # A block's weights are done with once its gradients are in, unless backward is
+                # split (zero-bubble): its BI may still need them while an earlier BW completes the count.
+                if self.zero == 3 and bucket is not self._root and not self.topo.split_backward:
+                    self._free(bucket.index)
                 if self._sync:
                     self._launch(bucket)
         return hook
@@ -318,7 +315,7 @@ class GradReducer:
         elif self.hierarchical:
             bucket.pending = hierarchical.all_reduce(bucket.grad, self.topo)
         else:
-            bucket.pending = self.codec.all_reduce(bucket.grad, comm, "dp_cp")
+            bucket.pending = self.codec.all_reduce(bucket.grad, comm, "dp_cp", bucket.index)
 
     def reduce(self) -> None:
         """Finish every bucket's reduction (starting those that have not started) and expose the
@@ -344,8 +341,12 @@ class GradReducer:
                     for i, p in enumerate(bucket.params):
                         p.grad = bucket.view(bucket.grad, i)
         self._sum_sequence_parallel()
-        if self._root is not None:
-            self._free(len(self.buckets) - 1)
+        if self.zero == 3:  # nothing gathered outlives the step: the next forward sees the updated shards
+            for bucket in self.buckets:
+                if bucket.gathering is not None:
+                    bucket.gathering.wait()
+                    bucket.gathering = None
+                self._free(bucket.index)
 
     def _sum_sequence_parallel(self) -> None:
         """Under SP each tp rank's gradient of a tp-replicated parameter (norms) covers its own

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from tetrad.config import Config
+from tetrad.config import DEFAULT_BUCKET_MB, Config
 from tetrad.parallel.pipeline.schedules import build_schedule, replay
 from tetrad.parallel.pipeline.simulate import StageCosts, peak_inflight
 from tetrad.plan import flops
@@ -119,7 +119,7 @@ def _gemm_dtype(dtype: str) -> str:
     return {"fp16": "bf16"}.get(dtype, dtype)
 
 
-def _mfu_peak(gpu: GPU, dtype: str) -> float:
+def mfu_peak(gpu: GPU, dtype: str) -> float:
     """The peak MFU is measured against: fp32's for fp32 training, else the 16-bit dense peak
     (fp8 runs too, as Llama 3 and torchtitan report them)."""
     return gpu.peak("fp32" if dtype == "fp32" else "bf16")
@@ -427,7 +427,7 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
 
     global_tokens = t.global_batch * m.seq_len
     world = p.world_size
-    peak = _mfu_peak(gpu, t.dtype)
+    peak = mfu_peak(gpu, t.dtype)
     model_flops = flops.model_flops_per_token(m) * global_tokens
     hw_flops = flops.hardware_flops_per_token(m, t.recompute) * global_tokens
     return Estimate(asked, step, global_tokens / step, model_flops / step / world / 1e12,
@@ -452,7 +452,7 @@ def _p2p_time(cfg: Config, cluster: Cluster, stack: Stack, tokens: int, e: int) 
 
 def _bucket_bytes(cfg: Config) -> float:
     b = cfg.parallel.grad_bucket_mb
-    return (25.0 if b == "auto" else float(b)) * 1e6
+    return (DEFAULT_BUCKET_MB if b == "auto" else float(b)) * 1e6
 
 
 # ----------------------------------------------------------------------------- bytes, as tetrad.comm counts them

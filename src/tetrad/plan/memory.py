@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tetrad.config import Config, ModelConfig
+from tetrad.config import DEFAULT_BUCKET_MB, Config, ModelConfig
 from tetrad.plan import flops
 from tetrad.plan.stacks import Stack
 
@@ -190,7 +190,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float) -> f
     hidden = tokens * m.d_model * e
     out = 0.0
     if p.dp * p.cp > 1 and p.zero < 3:  # two buckets in flight, never more than the gradients
-        bucket = 25.0 if p.grad_bucket_mb == "auto" else float(p.grad_bucket_mb)
+        bucket = DEFAULT_BUCKET_MB if p.grad_bucket_mb == "auto" else float(p.grad_bucket_mb)
         out += min(2 * bucket * 1e6, 4 * params)
     if p.zero >= 3:
         layer = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)

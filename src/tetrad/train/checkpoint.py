@@ -68,6 +68,11 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
+def _step_of(path: Path) -> int:
+    """The step a checkpoint folder holds, from its name (step_00000010 -> 10)."""
+    return int(path.name.removeprefix("step_"))
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The checkpoint `ROOT/latest` names, or None when there is none yet."""
     pointer = Path(root) / LATEST
@@ -321,7 +326,14 @@ class Checkpointer:
         """Apply `checkpoint.resume`; return the step to continue from (0: a fresh start). Rank 0
         drops the metrics lines of steps after it, so a resumed run reads as never interrupted."""
         resume = self.cfg.checkpoint.resume
-        path = None if resume == "never" else latest_checkpoint(self.root) if resume == "auto" else resolve(resume)
+        latest = latest_checkpoint(self.root)
+        path = None if resume == "never" else latest if resume == "auto" else resolve(resume)
+        step = 0 if path is None else _step_of(path)
+        if latest is not None and latest != path and _step_of(latest) > step:
+            # This run would save steps that an earlier run saved differently, beside them.
+            raise CheckpointError(f"{self.root} already holds {latest.name} from an earlier run, later than the step "
+                                  f"{step} this run starts from (checkpoint.resume={resume!r}); use a new "
+                                  f"checkpoint.dir (or run.dir), or checkpoint.resume='auto' to continue it")
         if path is None:
             return 0
         step = self.load(path, params, optimizer, stateful)
@@ -343,8 +355,6 @@ class Checkpointer:
     def save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None) -> Path:
         """Write checkpoint `step`; it becomes visible, and `latest`, only once every rank is done."""
         final = step_dir(self.root, step)
-        if (final / MANIFEST).exists():  # a resumed run reaching a step it already saved: same content
-            return final
         tmp = final.with_name(final.name + ".partial")
         if self.topo.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from tetrad.plan import flops
-from tetrad.plan.cost import _mfu_peak
+from tetrad.plan.cost import mfu_peak
 from tetrad.plan.hardware import GPU, GPUS
 
 # Fields every line carries (DESIGN.md, metrics.jsonl contract).
@@ -32,8 +32,8 @@ class StepClock:
 
     - exposed communication per group and the pipeline bubble: tetrad.comm's time blocked in
       collectives (waits on pipeline neighbours, "pp", are the bubble);
-    - compute: the time inside the schedule's forward/backward actions (the executor's timeline)
-      less the collectives waited on inside them;
+    - compute: the forward/backward phase (the schedule's actions and the host work between
+      them) less the collectives waited on inside it;
     - optimizer: gradient reduction, clipping and the update, less their collective waits;
     - data: fetching the step's batches.
 
@@ -63,13 +63,10 @@ class StepClock:
             for group, seconds in self.comm.seconds_by_group().items():
                 self.waits[name][group] += seconds - before.get(group, 0.0)
 
-    def breakdown(self, actions_s: float) -> dict:
-        """The parts (seconds). `actions_s`: the summed duration of this rank's pipeline actions;
-        the only waits inside them are non-pipeline collectives (the executor waits for its
-        neighbours between actions)."""
+    def breakdown(self) -> dict:
+        """The parts (seconds)."""
         comm_s = self.comm.seconds_by_group()
-        in_actions = sum(s for g, s in self.waits["forward_backward"].items() if g != "pp")
-        return {"compute_s": actions_s - in_actions,
+        return {"compute_s": self.wall["forward_backward"] - sum(self.waits["forward_backward"].values()),
                 "exposed_comm_s": sum(s for g, s in comm_s.items() if g != "pp"),
                 "bubble_s": comm_s.get("pp", 0.0),
                 "optimizer_s": self.wall["optimizer"] - sum(self.waits["optimizer"].values()),
@@ -100,7 +97,7 @@ class FlopRate:
         self.model_flops = flops.model_flops_per_token(m) * per_rank
         self.hardware_flops = flops.hardware_flops_per_token(m, t.recompute) * per_rank
         gpu = device_profile(device)
-        self.peak = _mfu_peak(gpu, t.dtype) if gpu else None
+        self.peak = mfu_peak(gpu, t.dtype) if gpu else None
 
     def __call__(self, step_time_s: float) -> dict:
         if self.peak is None:

@@ -10,12 +10,16 @@ from tetrad.config import TrainConfig
 from tetrad.model.sharding import spec_of
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms, biases), as Megatron and nanoGPT do."""
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
+    """tetrad's AdamW (betas 0.9, 0.95, as Megatron and Llama use), weight decay on `decay` only."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW on whole parameters; weight decay on matrices only (not on norms, biases), as
+    Megatron and nanoGPT do."""
+    return adamw([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -115,6 +115,7 @@ class Trainer:
                 self.optimizer.step()
             model_states = self.grads.model_state_bytes(self.optimizer)  # gradients still held: their peak
             self.optimizer.zero_grad(set_to_none=True)
+            self.grads.zero_grad()  # plain AdamW (fp32 ZeRO-0) knows nothing of the buckets behind p.grad
         # The loss lives on the last pipeline stage of each dp x cp replica; sum them all.
         topo.comm.all_reduce(loss_sum, "dp_cp")
         topo.comm.all_reduce(loss_sum, "pp")
@@ -126,7 +127,7 @@ class Trainer:
             "step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
             "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, **self.flop_rate(step_time),
             # Waits on a pipeline neighbour are the bubble; every other collective wait is exposed comm.
-            **clock.breakdown(sum(t.end - t.start for t in self.timeline)),
+            **clock.breakdown(),
             "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in ("tp", "cp", "pp", "dp")},
             "loss_scale": scale, "skipped": not stepped,
             "peak_memory_gib": peak / 2**30,

@@ -8,7 +8,8 @@ from fractions import Fraction
 import pytest
 
 from tetrad.parallel.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, Value, build_schedule,
-                                                min_microbatches, needs, p2p_ops, stage_of, validate_schedule)
+                                                link_order, min_microbatches, needs, p2p_ops, stage_of,
+                                                validate_schedule)
 from tetrad.parallel.pipeline.simulate import StageCosts, simulate
 from tetrad.viz.timeline import render_timeline, schedule_command
 
@@ -140,6 +141,62 @@ def test_every_generated_schedule_validates_and_is_complete(name, pp, m, vpp):
     assert sends == recvs  # every receive has exactly one matching send
     assert len({op.tag(m) for r in range(pp) for _, ops in p2p_ops(s, r) for op in ops
                 if op.op == "send"}) == sum(sends.values())
+
+
+def run_in_posting_order(s: Schedule) -> None:
+    """Run `s` as the executor posts its transfers (executor._Transfers), under NCCL's rules: on
+    each link the k-th transfer posted at one end matches the k-th at the other, and transfers
+    complete in posting order. A rank posts its links' transfers in `link_order` as far as its
+    values exist, and waits for a received value before the action that uses it; sends never
+    block it. Raises AssertionError if the ranks wait on each other forever or a match pairs
+    two different values or two sends."""
+    links = link_order(s)
+    plans = [p2p_ops(s, r) for r in range(s.pp)]
+    posted = {(r, link): 0 for link in links for r in link}  # how many of the link's transfers r posted
+    made = [set() for _ in range(s.pp)]
+    pos = [0] * s.pp
+
+    def pump(r):
+        for link, values in links.items():
+            if r in link:
+                while posted[(r, link)] < len(values):
+                    v = values[posted[(r, link)]]
+                    if v.stage % s.pp == r and v not in made[r]:  # r makes v (F or B at v.stage): a send
+                        break
+                    posted[(r, link)] += 1
+
+    for r in range(s.pp):
+        pump(r)
+    progress = True
+    while progress:
+        progress = False
+        for r in range(s.pp):
+            while pos[r] < len(plans[r]):
+                _, ops = plans[r][pos[r]]
+                ready = True
+                for op in ops:
+                    if op.op == "recv":
+                        link = (min(r, op.peer), max(r, op.peer))
+                        k = links[link].index(op.value)
+                        # Complete once both ends have posted it (and so everything before it).
+                        ready &= posted[(r, link)] > k and posted[(op.peer, link)] > k
+                if not ready:
+                    break
+                made[r].update(op.value for op in ops if op.op == "send")
+                pos[r] += 1
+                pump(r)
+                progress = True
+    assert pos == [len(p) for p in plans], f"ranks stuck at actions {pos} of {[len(p) for p in plans]}"
+
+
+@pytest.mark.parametrize("name,pp,m,vpp", list(shapes()))
+def test_link_order_cannot_hang_under_in_order_matching(name, pp, m, vpp):
+    s = build_schedule(name, pp, m, vpp)
+    links = link_order(s)
+    crossing = Counter((min(r, op.peer), max(r, op.peer), op.value) for r in range(pp) for _, ops in p2p_ops(s, r)
+                       for op in ops if op.op == "send")
+    assert Counter((a, b, v) for (a, b), values in links.items() for v in values) == crossing
+    run_in_posting_order(s)
 
 
 def test_build_rejects_bad_shapes():

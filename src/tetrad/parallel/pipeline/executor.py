@@ -1,13 +1,14 @@
 """Run one rank's part of a pipeline schedule for one optimizer step.
 
-The executor walks its rank's action list (schedules.py) in order. Before an action it receives
-the values the action needs from the neighbouring ranks, after it sends what it made; the
-transfers of one action go out as one batched non-blocking point-to-point operation, matched at
-the other end by tag (`P2POp.tag`), and sends are never waited for before the next action runs
-(the two conditions under which a schedule the validator accepts cannot hang). The receives
-of the next action are posted before the current one computes, so transfers overlap compute. Each activation
-is stashed from its F until its backward and freed right after; the gradient buckets of a
-chunk reduce over dp × cp during that chunk's last backward of the step (data.py), once.
+The executor walks its rank's action list (schedules.py) in order. Before an action it takes
+the values the action needs from the neighbouring ranks; after it, it sends what it made. Sends
+are never waited for before the next action runs, and each link's transfers are posted in
+`link_order`, the same order at both ends, as NCCL needs (it matches point-to-point by order,
+not tag; gloo matches the tags the executor also sets): the two conditions under which a
+schedule the validator accepts cannot hang. Receives are posted as early as that order allows,
+so transfers overlap compute. Each activation is stashed from its F until its backward and
+freed right after; the gradient buckets of a chunk reduce over dp × cp during that chunk's last
+backward of the step (data.py), once.
 
 With pp = vpp = 1 the "schedule" is F, B per micro-batch with no transfers: the same loop is
 the plain gradient-accumulation loop.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tetrad.parallel.pipeline.schedules import P2POp, Schedule, Value, p2p_ops, stage_of
+from tetrad.parallel.pipeline.schedules import P2POp, Schedule, Value, link_order, p2p_ops, stage_of
 
 
 @dataclass
@@ -48,6 +49,13 @@ class PipelineExecutor:
         self.model, self.schedule, self.topo, self.reducer = model, schedule, topo, reducer
         self.rank = topo.coords["pp"]
         self.plan = p2p_ops(schedule, self.rank)
+        # Each neighbour's transfers, sends and receives, in the order both ends post them.
+        ops = {(op.value, op.op): op for _, action_ops in self.plan for op in action_ops}
+        self.links = {}
+        for (a, b), values in link_order(schedule).items():
+            if self.rank in (a, b):
+                peer = b if self.rank == a else a
+                self.links[peer] = [ops.get((v, "send")) or ops[(v, "recv")] for v in values]
         self.shape, self.dtype = activation_shape, activation_dtype
         # The action after which no more weight gradients of a chunk arrive this step: its
         # gradient buckets reduce during it.
@@ -56,28 +64,21 @@ class PipelineExecutor:
             if a.kind in ("B", "BW"):
                 self.closing[a.chunk] = i
 
-    def _peer(self, op: P2POp) -> int:
-        return self.topo.global_rank(pp=op.peer)
-
     def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
             loss_weight: float) -> tuple[torch.Tensor, list[ActionTime]]:
         """Forward and backward of every micro-batch ((inputs, labels), already this rank's
         sequence shard); each micro-batch's summed token loss is multiplied by `loss_weight`
         before backward. Returns this rank's summed token loss (zero off the last stage) and
         the time of each action."""
-        s, m, comm = self.schedule, self.schedule.microbatches, self.topo.comm
+        s = self.schedule
         stages = s.stages
         loss_sum = torch.zeros((), device=self.topo.device)
-        stash: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (stage input, output[, output grad])
-        sending: list[tuple] = []  # (pending send, the tensors it reads): kept alive until done
+        stash: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (stage input, output), or BI's queue
+        links = _Transfers(self)
         times: list[ActionTime] = []
         origin = time.perf_counter()
-        incoming = self._post_receives(0, m)
         for i, (a, ops) in enumerate(self.plan):
-            pending, received = incoming
-            pending.wait()
-            # The next action's inputs arrive while this one computes.
-            incoming = self._post_receives(i + 1, m)
+            received = {op.value: links.receive(op) for op in ops if op.op == "recv"}
             start = time.perf_counter()
             g = stage_of(self.rank, a.chunk, s.pp)
             made = None
@@ -116,20 +117,59 @@ class PipelineExecutor:
                 with closing:
                     torch.autograd.backward(weights, grads)
             times.append(ActionTime(a.kind, a.mb, a.chunk, start - origin, time.perf_counter() - origin))
-            sends = [op for op in ops if op.op == "send"]
-            if sends:
-                made = made.contiguous()
-                sending.append((comm.p2p([(made, self._peer(op)) for op in sends], [], "pp",
-                                         send_tags=[op.tag(m) for op in sends]), made))
-            sending = [entry for entry in sending if not entry[0].is_completed()]
-        for pending, _ in sending:
-            pending.wait()
+            for op in ops:
+                if op.op == "send":
+                    links.send(op, made.contiguous())
+        links.finish()
         return loss_sum, times
 
-    def _post_receives(self, i: int, m: int) -> tuple:
-        """Start receiving what action `i` needs: (pending, value -> buffer)."""
-        recvs = [op for op in self.plan[i][1] if op.op == "recv"] if i < len(self.plan) else []
-        buffers = {op.value: torch.empty(self.shape, dtype=self.dtype, device=self.topo.device) for op in recvs}
-        pending = self.topo.comm.p2p([], [(buffers[op.value], self._peer(op)) for op in recvs], "pp",
-                                     recv_tags=[op.tag(m) for op in recvs])
-        return pending, buffers
+
+class _Transfers:
+    """One step's point-to-point transfers of a pipeline rank, posted link by link in
+    `link_order` (the order the other end posts them in too), each as soon as it can be: a
+    receive at once (so the value arrives while earlier actions compute), a send once its value
+    is made. Waiting for a received value therefore never waits on a transfer not yet posted."""
+
+    def __init__(self, executor: PipelineExecutor):
+        self.ex = executor
+        self.m = executor.schedule.microbatches
+        self.queues = executor.links  # peer pipeline rank -> [P2POp] in link order
+        self.next = dict.fromkeys(self.queues, 0)
+        self.made: dict[Value, torch.Tensor] = {}  # sends whose value exists, not yet posted
+        self.inbox: dict[Value, tuple] = {}  # posted receives: value -> (buffer, pending)
+        self.sending: list[tuple] = []  # (pending send, its tensor): kept alive until done
+        for peer in self.queues:
+            self._post(peer)
+
+    def _post(self, peer: int) -> None:
+        """Post this link's transfers in order, as far as their values allow."""
+        queue, comm, rank = self.queues[peer], self.ex.topo.comm, self.ex.topo.global_rank(pp=peer)
+        while self.next[peer] < len(queue):
+            op = queue[self.next[peer]]
+            if op.op == "send":
+                if op.value not in self.made:
+                    return
+                tensor = self.made.pop(op.value)
+                self.sending.append((comm.p2p([(tensor, rank)], [], "pp", send_tags=[op.tag(self.m)]), tensor))
+            else:
+                buffer = torch.empty(self.ex.shape, dtype=self.ex.dtype, device=self.ex.topo.device)
+                self.inbox[op.value] = buffer, comm.p2p([], [(buffer, rank)], "pp", recv_tags=[op.tag(self.m)])
+            self.next[peer] += 1
+        self.sending = [entry for entry in self.sending if not entry[0].is_completed()]
+
+    def receive(self, op: P2POp) -> torch.Tensor:
+        """The value `op` receives, once it has arrived (the wait is charged to "pp")."""
+        buffer, pending = self.inbox.pop(op.value)
+        pending.wait()
+        return buffer
+
+    def send(self, op: P2POp, tensor: torch.Tensor) -> None:
+        self.made[op.value] = tensor
+        self._post(op.peer)
+
+    def finish(self) -> None:
+        for peer in self.queues:
+            self._post(peer)
+        assert not self.made and not self.inbox, "a transfer of the schedule was never posted or used"
+        for pending, _ in self.sending:
+            pending.wait()

@@ -102,9 +102,9 @@ def p2p_ops(s: Schedule, rank: int) -> list[tuple[Action, list[P2POp]]]:
 
     Transfers between chunks on the same rank (pp=1) are local and listed nowhere. The validator
     replays data dependencies only; for a valid schedule to be unable to hang, the executor must
-    (1) not wait on a send before computing its next action (complete sends lazily) and (2) match
-    transfers by `P2POp.tag`, not by posting order, since the two ends of a link may post them in
-    different orders (interleaved at pp=2: each direction carries activations and gradients).
+    (1) not wait on a send before computing its next action (complete sends lazily) and (2) post
+    each link's transfers in `link_order` at both ends (NCCL matches them in that order; gloo by
+    `P2POp.tag`, which the executor also sets).
     """
     out = []
     for a in s.actions[rank]:
@@ -121,6 +121,29 @@ def p2p_ops(s: Schedule, rank: int) -> list[tuple[Action, list[P2POp]]]:
                 ops.append(P2POp("send", dst, made))
         out.append((a, ops))
     return out
+
+
+def link_order(s: Schedule) -> dict[tuple[int, int], list[Value]]:
+    """For each pair of pipeline ranks that exchange values, every value crossing between them
+    (both directions) in one order, the order both ends post their transfers in.
+
+    NCCL matches point-to-point transfers between two ranks by posting order, not by tag, and
+    runs them in that order: the two ends must agree on it, or they wait on each other. The order
+    is the one the values are made in when the schedule is replayed with unit costs (ties by
+    value). It can always be followed: a rank that needs the k-th value of a link for its next
+    action has already made each of its own sends that come before it, since those were made
+    earlier in the replay, hence by earlier actions of its list.
+    """
+    stages = s.stages
+    _, ends, _ = replay(s, {"F": [1] * stages, "B": [2] * stages, "BI": [1] * stages, "BW": [1] * stages})
+    made = []
+    for rank in range(s.pp):
+        for (_, ops), end in zip(p2p_ops(s, rank), ends[rank]):
+            made += [(end, op.value, min(rank, op.peer), max(rank, op.peer)) for op in ops if op.op == "send"]
+    links: dict[tuple[int, int], list[Value]] = {}
+    for _, value, a, b in sorted(made):
+        links.setdefault((a, b), []).append(value)
+    return links
 
 
 # ----------------------------------------------------------------------------- replay and validation

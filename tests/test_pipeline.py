@@ -101,19 +101,12 @@ def test_split_backward_does_the_work_of_one_backward():
     reference = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     loss = model(tokens, positions, tokens)
-    topo.deferred_weight_grads = deferred = []
-    input_half = flops(lambda: loss.backward())
-    topo.deferred_weight_grads = None
+    with topo.weight_grads.collecting() as deferred:
+        input_half = flops(lambda: loss.backward())
     linears = [n for n in reference if ".attn.w" in n or ".mlp.w" in n or n == "head.weight"]
     assert linears and all(model.get_parameter(n).grad is None for n in linears)  # they wait for BW
 
-    def weight_half():
-        weights, grads = [], []
-        for ws, compute in deferred:
-            weights += ws
-            grads += compute()
-        torch.autograd.backward(weights, grads)
-    weight = flops(weight_half)
+    weight = flops(lambda: topo.weight_grads.apply(deferred))
     assert weight > 0.3 * full and input_half + weight == full
     for name, grad in reference.items():
         torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-6, atol=1e-7, msg=name)

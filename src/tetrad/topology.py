@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad.comm.ops import Comm
+from tetrad.model.tensor import DeferredWeightGrads
 
 DIMS = ("pp", "dp", "cp", "tp")
 
@@ -75,10 +76,10 @@ class Topology:
         # Whether tp also splits the residual stream along the sequence (model/tensor.py).
         self.sequence_parallel = sequence_parallel and layout.tp > 1
         # Zero-bubble schedules run the input- and weight-gradient halves of backward apart: linear
-        # layers then queue their weight-gradient matmuls into `deferred_weight_grads` while the
-        # executor collects them (model/tensor.py, parallel/pipeline/executor.py).
+        # layers then route their weight gradients through `weight_grads` (model/tensor.py), which
+        # the executor opens and applies (parallel/pipeline/executor.py).
         self.split_backward = split_backward
-        self.deferred_weight_grads: list | None = None
+        self.weight_grads = DeferredWeightGrads()
         self.device = device
         self.ranks_per_node = ranks_per_node
         self.distributed = dist.is_available() and dist.is_initialized()

@@ -18,6 +18,8 @@ small autograd Functions below.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -103,21 +105,46 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return gather_sequence(grad, ctx.topo), None
 
 
-def _weight_grads(topo, weights: list, grads: tuple, x: torch.Tensor) -> list:
-    """dW_i = dy_i^T x for each output gradient dy_i: computed now, for autograd to accumulate,
-    or, while zero-bubble's input-gradient half runs (`topo.deferred_weight_grads` is a list),
-    queued with their weights for the weight-gradient half, and None returned for now."""
-    def compute():
-        flat = x.reshape(-1, x.shape[-1])
-        return [g.reshape(-1, g.shape[-1]).t().matmul(flat) for g in grads]
-    if topo.deferred_weight_grads is None:
-        return compute()
-    topo.deferred_weight_grads.append((weights, compute))
-    return [None] * len(grads)
+class DeferredWeightGrads:
+    """Zero-bubble's split backward (one per model, on its topology): while `collecting()` is
+    open, linear layers queue their weight-gradient matmuls instead of computing them, and the
+    backward yields input gradients only (BI); `apply(queue)` later computes the queued matmuls
+    and hands them to autograd as the weights' gradients (BW), so BI + BW does one backward's work."""
+
+    def __init__(self):
+        self._queue: list | None = None
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """Queue the weight gradients made inside; yields the queue for `apply`."""
+        self._queue = queue = []
+        try:
+            yield queue
+        finally:
+            self._queue = None
+
+    @staticmethod
+    def apply(queue: list) -> None:
+        weights, grads = [], []
+        for ws, compute in queue:
+            weights += ws
+            grads += compute()
+        torch.autograd.backward(weights, grads)  # accumulates, and runs the gradient hooks, as autograd would
+
+    def grads(self, weights: list, grads: tuple, x: torch.Tensor) -> list:
+        """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate, or
+        queued while collecting (None returned for now)."""
+        def compute():
+            flat = x.reshape(-1, x.shape[-1])
+            return [g.reshape(-1, g.shape[-1]).t().matmul(flat) for g in grads]
+        if self._queue is None:
+            return compute()
+        self._queue.append((weights, compute))
+        return [None] * len(grads)
 
 
 class _Linear(torch.autograd.Function):
-    """y = x W^T whose weight gradient can be deferred (`_weight_grads`); used instead of
+    """y = x W^T whose weight gradient can be deferred (DeferredWeightGrads); used instead of
     F.linear only under a zero-bubble schedule."""
 
     @staticmethod
@@ -129,7 +156,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_weight, = _weight_grads(ctx.topo, [weight], (grad,), x)
+        grad_weight, = ctx.topo.weight_grads.grads([weight], (grad,), x)
         return grad.matmul(weight), grad_weight, None
 
 
@@ -168,7 +195,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             grad_input, pending = _reduce_scatter_sequence(grad_input, topo, async_op=True)
         else:
             pending = topo.comm.all_reduce(grad_input, "tp", async_op=True)
-        grad_weights = _weight_grads(topo, weights, grads, total)
+        grad_weights = topo.weight_grads.grads(weights, grads, total)
         pending.wait()
         return (grad_input, None, *grad_weights)
 

@@ -14,7 +14,7 @@ With pp = vpp = 1 the "schedule" is F, B per micro-batch with no transfers: the 
 the plain gradient-accumulation loop.
 
 Zero-bubble halves: BI runs the backward with the linear layers' weight-gradient matmuls
-queued instead of computed (model/tensor.py `_weight_grads`; the cheap gradients of norms and
+queued instead of computed (model/tensor.py `DeferredWeightGrads`; the cheap gradients of norms and
 embeddings are made at once), BW runs the queue and hands the results to autograd as the
 weights' gradients, so BI + BW does the work of one B.
 """
@@ -102,20 +102,13 @@ class PipelineExecutor:
             elif a.kind == "BI":
                 x, out = stash.pop((a.mb, a.chunk))
                 grad = received.get(Value("grad", g + 1, a.mb))
-                self.topo.deferred_weight_grads = deferred = []
-                try:
+                with self.topo.weight_grads.collecting() as queue:
                     torch.autograd.backward(out, grad)
-                finally:
-                    self.topo.deferred_weight_grads = None
                 made = x.grad if x is not None else None
-                stash[(a.mb, a.chunk)] = deferred
-            else:  # BW: the weight-gradient matmuls BI queued, accumulated as autograd would
-                weights, grads = [], []
-                for ws, compute in stash.pop((a.mb, a.chunk)):
-                    weights += ws
-                    grads += compute()
+                stash[(a.mb, a.chunk)] = queue
+            else:  # BW: the weight-gradient matmuls BI queued
                 with closing:
-                    torch.autograd.backward(weights, grads)
+                    self.topo.weight_grads.apply(stash.pop((a.mb, a.chunk)))
             times.append(ActionTime(a.kind, a.mb, a.chunk, start - origin, time.perf_counter() - origin))
             for op in ops:
                 if op.op == "send":

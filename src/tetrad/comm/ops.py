@@ -132,7 +132,7 @@ class Comm:
             output.copy_(tensor)
             return DONE
         return self._run("all_gather", group, _nbytes(output),
-                         lambda: dist.all_gather_into_tensor(output, tensor, group=pg, async_op=async_op),
+                         lambda: _all_gather(output, tensor, group=pg, async_op=async_op),
                          async_op)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: str,
@@ -143,7 +143,7 @@ class Comm:
             output.copy_(tensor)
             return DONE
         return self._run("reduce_scatter", group, _nbytes(tensor),
-                         lambda: dist.reduce_scatter_tensor(output, tensor, op=op, group=pg, async_op=async_op),
+                         lambda: _reduce_scatter(output, tensor, op=op, group=pg, async_op=async_op),
                          async_op)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
@@ -190,6 +190,11 @@ def _annotated(name: str):
     range costs ~7 us even when nothing records, against ~0.1 us for the check."""
     return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
         else contextlib.nullcontext()
+
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); clusters may bring an older torch.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -237,3 +237,16 @@ def test_comm_bytes_follow_tetrad_comm_convention():
     ring = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, cp=2))
     kv = 2 * m.seq_len // 2 * m.n_kv_heads * m.head_dim * 2  # k and v of this rank's tokens, micro-batch 2
     assert comm_bytes_per_step(ring)["cp"] == ring.microbatches * m.n_layers * (kv * 4 + kv * 4 + 2 * kv * 4)
+
+
+def test_every_searched_layout_is_one_the_runtime_accepts():
+    """The search enumerates only layouts config validation passes (a long sequence over many
+    ranks reaches cp and tp whose sequence-parallel split must divide the tokens)."""
+    from tetrad.plan.search import config_of, layouts
+
+    base = load_config(overrides={"model": {"preset": "llama3-405b", "seq_len": 8192},
+                                  "train": {"global_batch": 64, "dtype": "bf16"}}, runtime=False)
+    found = list(layouts(base, 16384, 8))
+    assert found
+    for layout in found:
+        config_of(base, layout)  # raises ConfigError for a layout validation refuses

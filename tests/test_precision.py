@@ -41,6 +41,8 @@ def _dtypes(cfg):
     ("fp16", {"dp": 2, "tp": 2}),
     ("fp16", {"dp": 2, "zero": 2}),
     ("bf16", {"dp": 2, "pp": 2}),
+    ("fp16", {"pp": 2, "schedule": "zb"}),
+    ("bf16", {"cp": 2, "tp": 2, "sequence_parallel": True}),
 ])
 def test_low_precision_tracks_fp32(reference, dtype, parallel):
     cfg = tiny_config(parallel=parallel, train={"dtype": dtype})

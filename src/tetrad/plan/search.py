@@ -72,7 +72,7 @@ def layouts(base: Config, world: int, per_node: int):
             if pp > m.n_layers:
                 continue
             for cp in _divisors(world // (tp * pp)):
-                if cp > 1 and m.seq_len % (2 * cp):
+                if cp > 1 and m.seq_len % (2 * cp) or (m.seq_len // cp) % tp:  # load balance; SP's split
                     continue
                 dp = world // (tp * pp * cp)
                 algos = ("ring", "alltoall") if cp > 1 and heads % (tp * cp) == 0 else ("ring",)

@@ -23,9 +23,9 @@ TINY = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "
         "train": {"steps": 5, "global_batch": 8, "micro_batch": 2, "warmup": 2, "lr": 1e-2}}
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = DEADLINE_S):
-    """Run fn(*args) on `world_size` forked gloo ranks and return every rank's result."""
-    return launch.run_local(fn, world_size, args, timeout_s=timeout_s, pg_timeout_s=PG_TIMEOUT_S)
+def run_ranks(fn, world_size: int, *args, timeout_s: float = DEADLINE_S, spawn: bool = False):
+    """Run fn(*args) on `world_size` forked (or spawned) gloo ranks and return every rank's result."""
+    return launch.run_local(fn, world_size, args, timeout_s=timeout_s, pg_timeout_s=PG_TIMEOUT_S, spawn=spawn)
 
 
 def tiny_config(**sections):

@@ -47,14 +47,16 @@ def init_from_torchrun(device_type: str, timeout_s: float = 600.0) -> torch.devi
 
 
 def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, device_type: str = "cpu",
-              timeout_s: float | None = None, pg_timeout_s: float = 600.0) -> list[Any]:
+              timeout_s: float | None = None, pg_timeout_s: float = 600.0, spawn: bool = False) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh local ranks joined in one process group; return each
     rank's result (which must pickle). `fn` finds its rank through torch.distributed.
 
-    CPU ranks are forked (90x faster to start than spawn, PLATFORM.md); accelerator ranks are
-    spawned, since a forked child cannot use a CUDA context.
+    CPU ranks are forked (90x faster to start than spawn, PLATFORM.md) unless `spawn`: a forked
+    rank inherits its parent's heap, whose free blocks it reuses without growing, so a measurement
+    of the resident set wants spawned ranks. Accelerator ranks are always spawned, since a forked
+    child cannot use a CUDA context.
     """
-    method = "fork" if device_type == "cpu" else "spawn"
+    method = "spawn" if spawn or device_type != "cpu" else "fork"
     threads = devices.threads_per_rank(world_size) if device_type == "cpu" else 1
     ctx = multiprocessing.get_context(method)
     with tempfile.TemporaryDirectory(prefix="tetrad-rdzv-") as tmp:

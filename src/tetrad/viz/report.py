@@ -147,9 +147,10 @@ def _timelines(run_dir: Path, cfg, out: Path) -> tuple[list[Path], str]:
     bi, bw = (mean("BI"), mean("BW")) if mean("BI") else (b / 2, b / 2)
     sim = simulate(build_schedule(p.schedule, p.pp, cfg.microbatches, p.vpp), StageCosts(f, bi, bw))
     paths = [out / "timeline_measured.png", out / "timeline_simulated.png"]
+    span = max(max(e for *_, e in rows) - min(s for *_, s, _ in rows), sim.step_time)  # one time axis for both
     render_timeline(rows, paths[0], title=f"measured: {p.schedule}, pp={p.pp}, {cfg.microbatches} micro-batches",
-                    pp=p.pp)
-    render_timeline(sim, paths[1], title="simulated with the measured mean action costs", pp=p.pp)
+                    pp=p.pp, span=span)
+    render_timeline(sim, paths[1], title="simulated with the measured mean action costs", pp=p.pp, span=span)
     return paths, f"simulated bubble {100 * sim.bubble_fraction:.1f}%."
 
 

@@ -30,8 +30,10 @@ def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, ...]:
 
 
 def render_timeline(timeline: SimResult | list[tuple[int, Action, float, float]], path: str | Path,
-                    title: str = "pipeline schedule", pp: int | None = None) -> None:
-    """Draw `timeline` to `path` (.png or .svg). `pp` fixes the number of rows (default: ranks seen)."""
+                    title: str = "pipeline schedule", pp: int | None = None, span: float | None = None) -> None:
+    """Draw `timeline` to `path` (.png or .svg). `pp` fixes the number of rows (default: ranks
+    seen); `span` the length of the time axis (default: the timeline's), so that two timelines
+    drawn with one span compare by eye."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -48,7 +50,7 @@ def render_timeline(timeline: SimResult | list[tuple[int, Action, float, float]]
     ranks = pp or max(r for r, *_ in rows) + 1
     chunks = max(a.chunk for _, a, _, _ in rows) + 1
     t0 = min(start for *_, start, _ in rows)
-    span = max(end for *_, end in rows) - t0 or 1  # all-zero costs still draw
+    span = span or max(end for *_, end in rows) - t0 or 1  # all-zero costs still draw
     per_rank = max(sum(1 for r, *_ in rows if r == rank) for rank in range(ranks))
 
     width = min(max(4 + 0.22 * per_rank, 8), 40)

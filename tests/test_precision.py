@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import model_state_after_reduce, run_ranks, tiny_config, train_layout
+from conftest import run_ranks, tiny_config, train_layout
 from tetrad.config import ConfigError, load_config, validate_device
 from tetrad.train.precision import LossScaler
 from tetrad.train.trainer import Trainer
@@ -101,21 +101,6 @@ def test_loss_scaler_grows_and_backs_off():
                      (False, 2.0)]
     off = LossScaler(enabled=False)
     assert off.scale == 1.0 and off.update(False)
-
-
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_bf16_model_state_bytes(zero):
-    n = 4
-    cfg = tiny_config(parallel={"dp": n, "zero": zero}, train={"dtype": "bf16", "micro_batch": 1})
-    held, psi = run_ranks(model_state_after_reduce, n, cfg)[0]
-    # bf16 parameters (2 bytes), fp32 gradients (4), fp32 master + Adam m, v (12): the ZeRO
-    # paper's mixed-precision accounting, sharded by stage.
-    expected = {0: (2 * psi, 4 * psi, 12 * psi),
-                1: (2 * psi, 4 * psi, 12 * psi / n),
-                2: (2 * psi, 4 * psi / n, 12 * psi / n),
-                3: (2 * psi / n, 4 * psi / n, 12 * psi / n)}[zero]
-    for kind, want in zip(("params", "grads", "optimizer"), expected):
-        assert held[kind] == pytest.approx(want, rel=0.02), (kind, held)  # 2%: bucket padding
 
 
 def _offload_run(cfg):

@@ -62,16 +62,19 @@ def test_zero_composes_with_pp(reference, zero):
     assert_parity((losses, state, None), reference)
 
 
+@pytest.mark.parametrize("dtype,per_param", [
+    # fp32 Adam: 4 bytes of parameter, 4 of gradient, 8 of optimizer state (m, v).
+    ("fp32", (4, 4, 8)),
+    # bf16 parameters (2), fp32 gradients (4), fp32 master + Adam m, v (12): the ZeRO paper's
+    # mixed-precision accounting, 16 bytes per parameter.
+    ("bf16", (2, 4, 12))])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_model_state_memory_follows_zero_formulas(zero):
+def test_model_state_memory_follows_zero_formulas(zero, dtype, per_param):
     n = 4
-    cfg = tiny_config(parallel={"dp": n, "zero": zero}, train=ACCUM)
+    cfg = tiny_config(parallel={"dp": n, "zero": zero}, train={**ACCUM, "dtype": dtype})
     held, psi = run_ranks(model_state_after_reduce, n, cfg)[0]
-    # fp32 Adam: 4 bytes of parameter, 4 of gradient, 8 of optimizer state (m, v) per parameter.
-    expected = {0: (4 * psi, 4 * psi, 8 * psi),
-                1: (4 * psi, 4 * psi, 8 * psi / n),
-                2: (4 * psi, 4 * psi / n, 8 * psi / n),
-                3: (4 * psi / n, 4 * psi / n, 8 * psi / n)}[zero]
+    w, g, o = (b * psi for b in per_param)
+    expected = {0: (w, g, o), 1: (w, g, o / n), 2: (w, g / n, o / n), 3: (w / n, g / n, o / n)}[zero]
     # Tolerance 2%: buckets are padded to a multiple of N (ZeRO-3: one bucket per block).
     for kind, want in zip(("params", "grads", "optimizer"), expected):
         assert held[kind] == pytest.approx(want, rel=0.02), (kind, held)

@@ -17,10 +17,10 @@ def test_report_of_a_finished_run():
     train_layout(cfg)
     assert main(["report", cfg.run.dir, "--cluster", "cpu"]) == 0
     out = Path(cfg.run.dir) / "report"
-    for name in ("loss.png", "breakdown.png", "comm.png", "predicted.png", "report.html"):
+    for name in ("loss.png", "breakdown.png", "comm.png", "predicted.png", "memory.png", "report.html"):
         assert (out / name).stat().st_size > 1000, name
     page = (out / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 4
+    assert page.count("data:image/png;base64,") == 5
     assert "pp = 1: no pipeline" in page
 
 

@@ -3,6 +3,7 @@ self-contained HTML page (the PNGs embedded) in RUN_DIR/report/.
 
 Panels: loss; step time split into compute / exposed communication / pipeline bubble; bytes per
 group against the planner's count; predicted (planner) against measured step time and memory;
+counted memory per rank (model states, saved activations) against the planner's parts;
 the measured pipeline timeline beside the simulated one when the run recorded one
 (RUN_DIR/timeline/pp<rank>.json: [[rank, kind, mb, chunk, start, end], ...] for the last step).
 """
@@ -128,6 +129,28 @@ def plot_predicted(measured: dict, predicted: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+MEMORY_PARTS = (("params", "weights"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"))
+
+
+def plot_memory(record: dict, predicted, path: Path) -> None:
+    """Rank 0's counted memory at the last step (model states from the tensors, the peak of saved
+    activations) beside the planner's parts for pipeline rank 0 (None: no prediction)."""
+    fig = _figure(height=3.0)
+    ax = fig.add_subplot()
+    names = [name for name, _ in MEMORY_PARTS]
+    x = range(len(names))
+    measured = [record["memory_bytes"][name] / 2**20 for name in names]
+    if predicted is not None:
+        ax.bar([i - 0.2 for i in x], [getattr(predicted, part) / 2**20 for _, part in MEMORY_PARTS], width=0.4,
+               color=COLOURS["predicted"], label="predicted (planner)")
+    ax.bar([i + (0.2 if predicted is not None else 0) for i in x], measured, width=0.4,
+           color=COLOURS["measured"], label="counted (this run, rank 0)")
+    ax.set_xticks(list(x), names)
+    _style(ax, "Memory per rank: model states and saved activations", "", "MiB")
+    ax.legend(frameon=False, fontsize=8)
+    fig.savefig(path)
+
+
 def _timelines(run_dir: Path, cfg, out: Path) -> tuple[list[Path], str]:
     """Measured and simulated pipeline timelines, or the reason there are none."""
     p = cfg.parallel
@@ -182,6 +205,8 @@ def write_report(run_dir: str | Path, cluster: str | None = None) -> Path:
     if est is not None:
         predicted = {"step time (s, median)": est.step_time_s, "peak memory (GiB)": est.peak_memory_gib}
         panels.append(("predicted.png", plot_predicted, (measured, predicted)))
+    if "memory_bytes" in records[-1]:
+        panels.append(("memory.png", plot_memory, (records[-1], est.memory_by_rank[0] if est else None)))
     images = []
     for name, plot, args in panels:
         plot(*args, out / name)
@@ -192,7 +217,8 @@ def write_report(run_dir: str | Path, cluster: str | None = None) -> Path:
     if measured["peak memory (GiB)"] is None:
         notes.append("The run recorded no peak memory.")
     elif cfg.train.device != "cuda":
-        notes.append("On CPU, measured memory is the process's peak resident set (includes torch itself).")
+        notes.append("On CPU, measured peak memory is each rank's resident-set growth since it started "
+                     "(docs/planner.md); the memory panel counts tensors instead.")
     page = out / "report.html"
     page.write_text(_html(cfg, records, steady, images + timeline_images, notes))
     return page

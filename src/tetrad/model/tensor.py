@@ -317,23 +317,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, vocab_size, topo):
         rows = logits.shape[-1]
         start = topo.tp_rank * rows
-        logits = logits.float()
+        # One fp32 working copy, then everything in place on it (as Megatron does): the logits,
+        # shifted by their max, their exponentials, finally the probabilities kept for backward.
+        # The logits are the largest activation of a step; each extra copy would cost as much.
+        x = logits.float() if logits.dtype != torch.float32 else logits.clone()
         # Padding rows beyond the true vocabulary never win and carry no probability.
         valid = torch.arange(start, start + rows, device=logits.device) < vocab_size
-        logits = logits.masked_fill(~valid, float("-inf"))
-        local_max = logits.max(dim=-1).values
+        x.masked_fill_(~valid, float("-inf"))
+        local_max = x.max(dim=-1).values
         topo.comm.all_reduce(local_max, "tp", op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - local_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        x.sub_(local_max.unsqueeze(-1))
         local = labels - start
         mine = (local >= 0) & (local < rows)
-        target = torch.gather(shifted, -1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1)
+        target = torch.gather(x, -1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1)
         target = target.masked_fill(~mine, 0.0)
+        sum_exp = x.exp_().sum(dim=-1)
         topo.comm.all_reduce(sum_exp, "tp")
         topo.comm.all_reduce(target, "tp")
         loss = sum_exp.log() - target
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local.clamp(0, rows - 1), mine)
+        ctx.save_for_backward(x.div_(sum_exp.unsqueeze(-1)), local.clamp(0, rows - 1), mine)
         return loss
 
     @staticmethod

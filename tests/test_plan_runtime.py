@@ -34,10 +34,10 @@ def _peak(cfg):
     return Trainer(cfg, torch.device("cpu")).fit()[-1]["peak_memory_gib"]
 
 
-# tp=2 with SP measures 333-354 MiB against 301 predicted (+11 to +18%, run to run), while its
-# counted tensors agree within 2% (test below): the extra is outside the tensors (gloo's buffers
-# for the tp collectives, the allocator) and not modelled yet. Known gap, not asserted.
-TP_GAP = pytest.mark.xfail(strict=False, reason="known gap: +11 to +18% resident set, tensors agree")
+# tp=2 with SP measures 333-365 MiB against 301 predicted (+11 to +21%, run to run), while its
+# counted tensors agree within 2% (test below): the extra is glibc's heap retention (with a fixed
+# mmap threshold the rank measures 266 MiB; docs/planner.md). Known gap, not asserted.
+TP_GAP = pytest.mark.xfail(strict=False, reason="known gap: +11 to +21% resident set, tensors agree")
 MEMORY_LAYOUTS = [{"dp": 2}, {"cp": 2}, pytest.param({"tp": 2, "sequence_parallel": True}, marks=TP_GAP),
                   {"pp": 2}]
 

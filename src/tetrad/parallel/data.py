@@ -12,11 +12,16 @@ rank i owns the i-th 1/N of it:
 - ZeRO-0 all-reduces the bucket; plain AdamW on the full gradients.
 - ZeRO-1 all-reduces too, but AdamW runs only on this rank's shard; updated shards are then
   all-gathered into the flat parameter buffer the model's parameters are views of.
-- ZeRO-2 reduce-scatters and frees the full bucket once reduced: only the shard is kept.
+- ZeRO-2 reduce-scatters every micro-batch's bucket into this rank's shard (summing the shards
+  over micro-batches, as DeepSpeed and FSDP do) and frees the full bucket once reduced: at most
+  two full buckets exist at a time, so the gradients are 1/N at the peak too. The price is one
+  reduce-scatter per micro-batch, and a sum grouped by micro-batch: equal to ZeRO-0's to fp32
+  rounding, and bit-equal with one micro-batch per rank.
 - ZeRO-3 keeps only the parameter shard; one bucket per block of `model.layers` (plus one for the
   rest, gathered for the whole step). A block is all-gathered just before its forward (the next
   block's gather is started meanwhile), freed after it, gathered again when its output gradient
-  arrives (prefetching the block before it), and freed when its gradients are in.
+  arrives (prefetching the block before it), and freed when its gradients are in. Gradients as
+  under ZeRO-2.
 
 The clipping norm is computed from each rank's shard of every bucket in all stages, so ZeRO 0, 1
 and 2 do the same arithmetic and give bit-identical results.
@@ -63,6 +68,7 @@ class Bucket:
         self.grad: torch.Tensor | None = None  # full fp32 gradient while it exists
         self.grad_shard: torch.Tensor | None = None  # this rank's reduced shard
         self.pending = None  # the gradient collective in flight
+        self.incoming: torch.Tensor | None = None  # ZeRO >= 2: where that reduce-scatter lands
         self.gathering = None  # ZeRO-3: the parameter all-gather in flight
         self.seen = 0  # gradients arrived in this backward
         self.reduced = False  # `grad` holds last step's reduced gradient (p.grad may still view it)
@@ -143,6 +149,7 @@ class GradReducer:
         if self.hierarchical:
             topo.split_by_node()
         self._sync = False
+        self._in_flight: list[Bucket] = []  # ZeRO >= 2: reduce-scatters started, oldest first
         self._root = None
         self._tied, self._tied_copy = None, False
         mb = parallel.grad_bucket_mb if parallel else DEFAULT_BUCKET_MB  # "auto" was resolved above
@@ -291,6 +298,8 @@ class GradReducer:
         def hook(p: nn.Parameter) -> None:
             if p.grad is None:  # a deferred weight gradient (zero-bubble BI): it arrives in BW
                 return
+            if bucket.pending is not None and self.zero >= 2:  # last micro-batch's, still in flight
+                self._finish(bucket)
             if bucket.grad is None or bucket.reduced:  # the first gradient of a new accumulation
                 bucket.grad = torch.zeros(bucket.padded, dtype=torch.float32, device=p.device)
                 bucket.reduced = False
@@ -303,19 +312,33 @@ class GradReducer:
                 # split (zero-bubble): its BI may still need them while an earlier BW completes the count.
                 if self.zero == 3 and bucket is not self._root and not self.topo.split_backward:
                     self._free(bucket.index)
-                if self._sync:
+                if self._sync or self.zero >= 2:
                     self._launch(bucket)
         return hook
 
     def _launch(self, bucket: Bucket) -> None:
         comm = self.topo.comm
         if self.zero >= 2:
-            bucket.grad_shard = bucket.grad.new_empty(bucket.shard_size)
-            bucket.pending = comm.reduce_scatter(bucket.grad_shard, bucket.grad, "dp_cp", async_op=True)
+            bucket.incoming = bucket.grad.new_empty(bucket.shard_size)
+            bucket.pending = comm.reduce_scatter(bucket.incoming, bucket.grad, "dp_cp", async_op=True)
+            self._in_flight.append(bucket)
+            while len(self._in_flight) > 2:  # bound the full buckets alive at once
+                self._finish(self._in_flight[0])
         elif self.hierarchical:
             bucket.pending = hierarchical.all_reduce(bucket.grad, self.topo)
         else:
             bucket.pending = self.codec.all_reduce(bucket.grad, comm, "dp_cp", bucket.index)
+
+    def _finish(self, bucket: Bucket) -> None:
+        """ZeRO >= 2: wait for the bucket's reduce-scatter, add the result to its shard, free the
+        full gradient."""
+        bucket.pending.wait()
+        if bucket.grad_shard is None:
+            bucket.grad_shard = bucket.incoming
+        else:
+            bucket.grad_shard.add_(bucket.incoming)
+        bucket.pending = bucket.incoming = bucket.grad = None
+        self._in_flight.remove(bucket)
 
     def reduce(self) -> None:
         """Finish every bucket's reduction (starting those that have not started) and expose the
@@ -323,18 +346,19 @@ class GradReducer:
         for bucket in self.buckets:
             if bucket.pending is None and bucket.grad is not None:
                 self._launch(bucket)
+        while self._in_flight:
+            self._finish(self._in_flight[0])
         for bucket in self.buckets:
             if bucket.pending is not None:
                 bucket.pending.wait()
                 bucket.pending = None
             bucket.seen = 0
-            if bucket.grad is None:
+            reduced = bucket.grad_shard if self.zero >= 2 else bucket.grad
+            if reduced is None:
                 continue
             if bucket is self._tied:  # the embedding's and the head's gradient, on both stages
-                self.topo.comm.all_reduce(bucket.grad_shard if self.zero >= 2 else bucket.grad, "embed")
-            if self.zero >= 2:
-                bucket.grad = None  # only the shard is kept
-            else:
+                self.topo.comm.all_reduce(reduced, "embed")
+            if self.zero < 2:
                 bucket.reduced = True
                 bucket.grad_shard = bucket.grad[bucket.lo:bucket.hi]
                 if not self.flat:  # plain AdamW on the (fp32) parameters

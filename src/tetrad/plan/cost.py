@@ -401,11 +401,16 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
         op = "reduce_scatter" if scatter else "all_reduce"
         grads = ring_time(op, params * stack.grad_reduce_bytes, n, alpha, link)
+        earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
         if stack.dp_overlap:
             window = sum(bi[c * p.pp + r] + bw[c * p.pp + r] for c in range(p.vpp))
+            if p.zero >= 2:
+                earlier = (micro - 1) * max(0.0, grads - window - sum(f[c * p.pp + r] for c in range(p.vpp)))
             last_bucket = grads * min(1.0, _bucket_bytes(cfg) / (params * stack.grad_reduce_bytes))
             grads = max(last_bucket, grads - window)
-        dp_exposed = max(dp_exposed, grads - tail[r])
+        elif p.zero >= 2:
+            earlier = (micro - 1) * grads
+        dp_exposed = max(dp_exposed, earlier + grads - tail[r])
         if p.zero in (1, 2):  # updated 16-bit (fp32) weights all-gathered after the optimizer step
             gather = max(gather, ring_time("all_gather", params * state_bytes_per_param(t.dtype)[0], n, alpha, link))
     dp_exposed = max(0.0, dp_exposed)
@@ -513,10 +518,11 @@ def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
             grads = params * 4
         elif p.zero == 1:  # all-reduce, then the updated shards all-gathered
             grads = params * (4 + w)
-        elif p.zero == 2:  # reduce-scatter, then the updated shards all-gathered
-            grads = params * (4 + w)
-        else:  # each layer gathered for forward and for backward every micro-batch, the rest once; one reduce-scatter
+        elif p.zero == 2:  # a reduce-scatter every micro-batch, then the updated shards all-gathered
+            grads = params * (micro * 4 + w)
+        else:  # each layer gathered for forward and for backward every micro-batch, the rest once;
+            # a reduce-scatter every micro-batch
             block = layers * (flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m))
-            grads = micro * 2 * block * w + (params - block) * w + params * 4
+            grads = micro * 2 * block * w + (params - block) * w + micro * params * 4
         out["dp"] = grads + 8
     return {k: int(v) for k, v in out.items()}

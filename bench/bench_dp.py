@@ -112,7 +112,10 @@ def _rank(kind: str) -> dict:
     overlapped = _median_time(lambda: (fwd_bwd(True), zero()))
     alone = _median_time(lambda: (fwd_bwd(False), zero()))
     comm = statistics.median(comm_alone() for _ in range(STEPS))
-    return {"step_s": step_s, "hidden": (alone + comm - overlapped) / comm if kind != "fsdp2" else None,
+    # ZeRO-3 and FSDP2 reduce-scatter inside every backward: there is no backward without it to
+    # compare with, so no hidden fraction for them.
+    hidden = (alone + comm - overlapped) / comm if kind in ("zero0", "ddp") else None
+    return {"step_s": step_s, "hidden": hidden,
             "peak_bytes": devices.peak_memory_bytes(cpu, base)}
 
 

@@ -13,8 +13,9 @@ rank i owns the i-th 1/N of it:
 - ZeRO-1 all-reduces too, but AdamW runs only on this rank's shard; updated shards are then
   all-gathered into the flat parameter buffer the model's parameters are views of.
 - ZeRO-2 reduce-scatters every micro-batch's bucket into this rank's shard (summing the shards
-  over micro-batches, as DeepSpeed and FSDP do) and frees the full bucket once reduced: at most
-  two full buckets exist at a time, so the gradients are 1/N at the peak too. The price is one
+  over micro-batches, as DeepSpeed and FSDP do) and frees the full bucket once reduced: one
+  bucket reduces while the next fills, so at most two full buckets exist at a time and the
+  gradients are 1/N at the peak too. The price is one
   reduce-scatter per micro-batch, and a sum grouped by micro-batch: equal to ZeRO-0's to fp32
   rounding, and bit-equal with one micro-batch per rank.
 - ZeRO-3 keeps only the parameter shard; one bucket per block of `model.layers` (plus one for the
@@ -322,7 +323,7 @@ class GradReducer:
             bucket.incoming = bucket.grad.new_empty(bucket.shard_size)
             bucket.pending = comm.reduce_scatter(bucket.incoming, bucket.grad, "dp_cp", async_op=True)
             self._in_flight.append(bucket)
-            while len(self._in_flight) > 2:  # bound the full buckets alive at once
+            while len(self._in_flight) > 1:  # double buffering: one reducing while the next fills
                 self._finish(self._in_flight[0])
         elif self.hierarchical:
             bucket.pending = hierarchical.all_reduce(bucket.grad, self.topo)

@@ -184,19 +184,20 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[int, ...], is_cpu:
 
 def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float) -> float:
     """Communication buffers alive at the peak: ZeRO-2's full buckets in flight, ZeRO-3's gathered layers
-    (the current and the prefetched one) and one layer's full gradient before its reduce-scatter,
+    (the current and the prefetched one) and two layers' full gradients (filling, reducing),
     the SP-gathered layer input, CP ring blocks and accumulators, pipeline send/receive buffers."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden = tokens * m.d_model * e
     out = 0.0
     # ZeRO-0/1 reduce in place in the flat gradient buckets (counted as `grads`); ZeRO-2 keeps only
-    # its shard, but a bucket's full gradient lives until its reduce-scatter ends: two in flight.
+    # its shard, but a bucket's full gradient lives until its reduce-scatter ends: one bucket
+    # reducing while the next fills.
     if p.dp * p.cp > 1 and p.zero == 2:
         bucket = DEFAULT_BUCKET_MB if p.grad_bucket_mb == "auto" else float(p.grad_bucket_mb)
         out += min(2 * bucket * 1e6, 4 * params)
-    if p.zero >= 3:
+    if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)
         layer = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
-        out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 4)
+        out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)
     if p.tp > 1 and p.sequence_parallel and not stack.sp_saves_gathered_input:  # gathered again in backward
         out += 2 * hidden
     if p.cp > 1:

@@ -86,6 +86,25 @@ def test_killed_rank_resumes_bitwise(layout, reference):
     assert resumed == expected[last_saved:], f"rank {rank} killed at step {step}"
 
 
+# State that lives on one rank only: gradient codecs' error feedback (and PowerSGD's warm-started
+# Q), and the tp-shared dropout generators (tp > 1 without SP). It comes back when the layout is
+# the same.
+PER_RANK_RUNS = {"int8": ({"dp": 2, "grad_codec": "int8"}, {}), "powersgd": ({"dp": 2, "grad_codec": "powersgd"}, {}),
+                 "tp-dropout": ({"tp": 2}, {"dropout": 0.1})}
+
+
+@pytest.mark.parametrize("name", PER_RANK_RUNS)
+def test_per_rank_state_resumes_bitwise(name):
+    layout, model = PER_RANK_RUNS[name]
+    train = {"steps": STEPS, "micro_batch": 1}
+    expected = train_layout(tiny_config(parallel=layout, model=model, train=train, checkpoint={"every": 1}))[0]
+    cfg = tiny_config(parallel=layout, model=model, train=train, checkpoint={"every": 2})
+    with pytest.raises(RankFailure):
+        run_ranks(_train_until_killed, 2, cfg, 1, 3)
+    resumed = train_layout(cfg)[0]
+    assert resumed == expected[2:]
+
+
 def test_crash_during_save_keeps_previous_checkpoint(reference):
     cfg = tiny_config(parallel=KILL_LAYOUTS[0], train={"steps": STEPS, "micro_batch": 1},
                       checkpoint={"every": 1, "keep": 2})

@@ -28,13 +28,26 @@ class Then:
 class Plain:
     """Every codec's `all_reduce(flat, comm, group, key)` starts the reduction of one bucket and
     returns something to wait on; `key` names the bucket, so state kept between steps (error
-    feedback, PowerSGD's Q) follows it."""
+    feedback, PowerSGD's Q) follows it. That state is this rank's own: `state_dict` gives it to
+    the checkpoint as {"KIND.BUCKET": tensor} (KIND one of STATE)."""
+
+    STATE: tuple[str, ...] = ()
 
     def all_reduce(self, flat: torch.Tensor, comm, group: str, key: int):
         return comm.all_reduce(flat, group, async_op=True)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{kind}.{key}": t for kind in self.STATE for key, t in getattr(self, kind).items()}
 
-class BF16:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for kind in self.STATE:
+            setattr(self, kind, {})
+        for name, t in state.items():
+            kind, key = name.split(".")
+            getattr(self, kind)[int(key)] = t
+
+
+class BF16(Plain):
     """Halves the bytes; the sum itself is rounded to bf16 (no residual: the error is unbiased)."""
 
     def all_reduce(self, flat, comm, group, key):
@@ -42,10 +55,12 @@ class BF16:
         return Then(comm.all_reduce(low, group, async_op=True), lambda: flat.copy_(low))
 
 
-class Int8:
+class Int8(Plain):
     """Blockwise int8 with one shared scale per block (a small MAX all-reduce first), so the int8
     payload itself can be summed by the all-reduce: each rank uses 127 // N levels, which keeps
     the N-rank sum inside int8. About 4x fewer bytes than fp32 (1 byte + 4/INT8_BLOCK per value)."""
+
+    STATE = ("residual",)
 
     def __init__(self, group_size: int):
         self.levels = 127 // group_size
@@ -68,10 +83,12 @@ class Int8:
         return Then(comm.all_reduce(q, group, async_op=True), finish)
 
 
-class PowerSGD:
+class PowerSGD(Plain):
     """Rank-r PowerSGD (Vogels et al. 2019) over the whole bucket seen as a [rows, cols] matrix:
     P = M Q, all-reduce, orthonormalise, Q = M^T P, all-reduce, M ~ P Q^T. Q is warm-started from
     the previous step; the residual M/N - (P Q^T)/N stays on this rank (error feedback)."""
+
+    STATE = ("residual", "q")
 
     def __init__(self, group_size: int, rank: int = POWERSGD_RANK):
         self.n, self.rank = group_size, rank

@@ -307,6 +307,22 @@ class ResidualDropout(nn.Module):
         return x * keep / (1 - self.p)
 
 
+class DropoutGenerators:
+    """The tp-shared generators of a model's ResidualDropout modules, by module name, as a rank's
+    checkpoint state: without them a resumed run would draw other masks than an unbroken one."""
+
+    def __init__(self, model: nn.Module):
+        self.generators = {name: m.generator for name, m in model.named_modules()
+                           if isinstance(m, ResidualDropout) and m.generator is not None}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: g.get_state() for name, g in self.generators.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, value in state.items():
+            self.generators[name].set_state(value)
+
+
 # ----------------------------------------------------------------------------- loss
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

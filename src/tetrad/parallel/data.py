@@ -430,6 +430,20 @@ class GradReducer:
         for work in pending:
             work.wait()
 
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's codec state (error feedback, PowerSGD's Q) by bucket."""
+        return self.codec.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore codec state for the buckets whose size is the saved one (a bucket size tuned
+        differently since leaves those to start afresh, as a new run would)."""
+        fits = {name.split(".")[1] for name, t in state.items() if name.startswith("residual.")
+                and int(name.split(".")[1]) < len(self.buckets)
+                and t.numel() == self.buckets[int(name.split(".")[1])].padded}
+        self.codec.load_state_dict({name: t.to(self.topo.device) for name, t in state.items()
+                                    if name.split(".")[1] in fits})
+
     # ------------------------------------------------------------------ accounting
     def model_state_bytes(self, optimizer) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds now, counted from the

@@ -11,7 +11,10 @@ process. Every rank writes its own part; no rank gathers the model.
 
 Also stored: `rng.rankR.KIND` (each rank's RNG state; a rank that did not exist when saved keeps
 its seeded state), `extra.NAME.KEY` (the state of objects handed to save/load as `stateful`, e.g.
-the loss scaler), the resolved config (config.toml) and the step (tetrad.json). The scheduler and
+the loss scaler), `local.rankR.NAME.KEY` (state of objects handed as `local`, which only rank R
+holds and which means something only in the same layout: gradient codecs' error feedback,
+tp-shared dropout generators; restored when the layout, ZeRO stage and codec are the saved ones,
+else they start afresh), the resolved config (config.toml) and the step (tetrad.json). The scheduler and
 the data position need nothing more: the learning rate is a function of the step (optim.lr_at)
 and each step's batch a function of (seed, step) (data.Batches).
 
@@ -322,7 +325,8 @@ class Checkpointer:
     def for_run(cls, cfg, topo, run_dir: Path) -> "Checkpointer":
         return cls(cfg, topo, Path(cfg.checkpoint.dir or Path(run_dir) / "checkpoints"))
 
-    def resume(self, params: dict[str, nn.Parameter], optimizer, metrics: Path, stateful: dict | None = None) -> int:
+    def resume(self, params: dict[str, nn.Parameter], optimizer, metrics: Path, stateful: dict | None = None,
+               local: dict | None = None) -> int:
         """Apply `checkpoint.resume`; return the step to continue from (0: a fresh start). Rank 0
         drops the metrics lines of steps after it, so a resumed run reads as never interrupted."""
         resume = self.cfg.checkpoint.resume
@@ -336,23 +340,25 @@ class Checkpointer:
                                   f"checkpoint.dir (or run.dir), or checkpoint.resume='auto' to continue it")
         if path is None:
             return 0
-        step = self.load(path, params, optimizer, stateful)
+        step = self.load(path, params, optimizer, stateful, local)
         if self.topo.rank == 0 and metrics.exists():
             kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= step]
             _replace_text(metrics, "".join(line + "\n" for line in kept))
         return step
 
-    def maybe_save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None) -> None:
+    def maybe_save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None,
+                   local: dict | None = None) -> None:
         """Save every `checkpoint.every` steps, and at the last step (every = 0: never)."""
         every = self.cfg.checkpoint.every
         if every and (step % every == 0 or step == self.cfg.train.steps):
-            self.save(step, params, optimizer, stateful)
+            self.save(step, params, optimizer, stateful, local)
 
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
 
-    def save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None) -> Path:
+    def save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None,
+             local: dict | None = None) -> Path:
         """Write checkpoint `step`; it becomes visible, and `latest`, only once every rank is done."""
         final = step_dir(self.root, step)
         tmp = final.with_name(final.name + ".partial")
@@ -360,20 +366,24 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
             tmp.mkdir(parents=True)
         self._barrier()
-        dcp.save(self._saved_state(params, optimizer, stateful or {}), storage_writer=FileSystemWriter(tmp),
+        dcp.save(self._saved_state(params, optimizer, stateful or {}, local or {}), storage_writer=FileSystemWriter(tmp),
                  no_dist=not self.topo.distributed)
         files = digest_files(tmp, self.topo.rank, self.world)
         if self.topo.rank == 0:
-            layout = {**dataclasses.asdict(self.topo.layout), "zero": self.cfg.parallel.zero}
-            publish(tmp, final, self.cfg, step, files, optimizer=True, layout=layout)
+            publish(tmp, final, self.cfg, step, files, optimizer=True, layout=self._layout())
             _replace_text(self.root / LATEST, final.name + "\n")
             self._prune()
         self._barrier()
         return final
 
-    def _saved_state(self, params, optimizer, stateful: dict) -> dict[str, torch.Tensor]:
+    def _layout(self) -> dict:
+        """What rank-local state depends on: the layout, the ZeRO stage, the gradient codec."""
+        p = self.cfg.parallel
+        return {**dataclasses.asdict(self.topo.layout), "zero": p.zero, "grad_codec": p.grad_codec}
+
+    def _saved_state(self, params, optimizer, stateful: dict, local: dict) -> dict[str, torch.Tensor]:
         """The flat DCP state of this rank: its boxes of the model and optimizer state, its RNG
-        state and the `stateful` objects' values."""
+        state, the `stateful` objects' values and its `local` objects' values."""
         mine = pieces(params, optimizer)
         _check_optimizer_covered(optimizer, mine)
         mesh, state = self.topo.mesh, {}
@@ -397,6 +407,9 @@ class Checkpointer:
         for name, obj in stateful.items():
             for key, value in obj.state_dict().items():
                 state[f"extra.{name}.{key}"] = _as_tensor(value)
+        for name, obj in local.items():
+            for key, value in obj.state_dict().items():
+                state[f"local.rank{self.topo.rank}.{name}.{key}"] = value
         return state
 
     def _prune(self) -> None:
@@ -405,7 +418,8 @@ class Checkpointer:
         for old in complete[:-self.cfg.checkpoint.keep] + list(self.root.glob("step_*.partial")):
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None) -> int:
+    def load(self, path: Path, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None,
+             local: dict | None = None) -> int:
         """Restore from `path` (written under any layout) and return its step. A weights-only
         checkpoint (from `tetrad convert`) restores the parameters; the optimizer then starts fresh."""
         path = resolve(path)
@@ -439,8 +453,11 @@ class Checkpointer:
                 chunks = _chunks(piece, buffers[key])
                 if chunks:
                     state[key] = _logical(chunks, full, mesh)
+        mine_local = f"local.rank{self.topo.rank}."
+        same_layout = manifest.get("layout") == self._layout()
         for key, meta in stored.items():
-            if key.startswith(f"rng.rank{self.topo.rank}.") or key.startswith("extra."):
+            if (key.startswith((f"rng.rank{self.topo.rank}.", "extra."))
+                    or (same_layout and key.startswith(mine_local))):
                 state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
         dcp.load(state, storage_reader=reader, no_dist=not self.topo.distributed)
 
@@ -459,6 +476,9 @@ class Checkpointer:
             saved = {k: _like(v, state[f"extra.{name}.{k}"]) for k, v in current.items() if f"extra.{name}.{k}" in state}
             if saved:
                 obj.load_state_dict({**current, **saved})
+        for name, obj in (local or {}).items():
+            prefix = f"{mine_local}{name}."
+            obj.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         self._barrier()
         return manifest["step"]
 

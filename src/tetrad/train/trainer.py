@@ -20,6 +20,7 @@ from tetrad import device as devices
 from tetrad.config import Config, profile_steps
 from tetrad.model.llama import set_execution
 from tetrad.model.sharding import full_state_dict, init_parameters, set_spec, spec_of
+from tetrad.model.tensor import DropoutGenerators
 from tetrad.parallel.context import shard_sequence
 from tetrad.parallel.data import GradReducer
 from tetrad.parallel.pipeline.executor import PipelineExecutor
@@ -164,7 +165,8 @@ class Trainer:
         ckpt = Checkpointer.for_run(cfg, self.topo, self.run_dir)
         params = dict(self.model.named_parameters())
         stateful = {"scaler": self.scaler}
-        start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful)
+        local = {"grads": self.grads, "dropout": DropoutGenerators(self.model)}
+        start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful, local)
         log = MetricsLog(self.run_dir, cfg.train.steps, start, is_logger, tensorboard=cfg.run.tensorboard)
         history = []
         profiler = self._profiler(start)
@@ -174,7 +176,7 @@ class Trainer:
                     record = self.train_step(step)
                     history.append(record)
                     log.log(record)
-                    ckpt.maybe_save(step + 1, params, self.optimizer, stateful)
+                    ckpt.maybe_save(step + 1, params, self.optimizer, stateful, local)
                     if step == cfg.train.steps - 1:
                         self._write_timeline()
                     if profiler is not None:

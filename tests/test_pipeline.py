@@ -57,6 +57,27 @@ def test_pipeline_composes(parallel):
     assert_parity(run(parallel, m), run({}, m * parallel.get("dp", 1)), atol)
 
 
+def _gathered_blocks_after_backward(cfg):
+    """Transformer blocks whose ZeRO-3 parameters are still gathered once a step's forward and
+    backward passes are over (before the reducer's end-of-step free), and the blocks held."""
+    from tetrad.train.trainer import Trainer
+    trainer = Trainer(cfg, torch.device("cpu"))
+    micro = trainer.batches.microbatches(0, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
+    trainer.forward_backward(micro)
+    grads = trainer.grads
+    blocks = len(grads._blocks)
+    return sum(grads.flat[k].untyped_storage().nbytes() > 0 for k in range(blocks)), blocks
+
+
+def test_zero3_frees_blocks_under_split_backward():
+    """Zero-bubble defers weight gradients (BW), which need no weights: a block is released once
+    its input gradient is out, instead of staying gathered until the step ends."""
+    cfg = tiny_config(model={"n_layers": 4}, parallel={"dp": 2, "pp": 2, "schedule": "zb", "zero": 3},
+                      train={"micro_batch": 1, "global_batch": 8})
+    for gathered, blocks in run_ranks(_gathered_blocks_after_backward, 4, cfg):
+        assert blocks == 2 and gathered <= 1, (gathered, blocks)
+
+
 @pytest.mark.parametrize("parallel", [{"pp": 2}, {"pp": 2, "vpp": 2, "schedule": "interleaved"},
                                       {"dp": 2, "pp": 2, "tp": 2, "zero": 2}, {"pp": 4, "schedule": "zb"}],
                          ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))

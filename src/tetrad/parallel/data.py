@@ -21,7 +21,8 @@ rank i owns the i-th 1/N of it:
 - ZeRO-3 keeps only the parameter shard; one bucket per block of `model.layers` (plus one for the
   rest, gathered for the whole step). A block is all-gathered just before its forward (the next
   block's gather is started meanwhile), freed after it, gathered again when its output gradient
-  arrives (prefetching the block before it), and freed when its gradients are in. Gradients as
+  arrives (prefetching the block before it), and freed when its gradients are in (under a
+  zero-bubble split backward: when its input gradient is out, BW needs no weights). Gradients as
   under ZeRO-2.
 
 The clipping norm is computed from each rank's shard of every bucket in all stages, so ZeRO 0, 1
@@ -252,6 +253,12 @@ class GradReducer:
                 self._gather(k)
                 if k < last:
                     self._start_gather(k + 1)
+                # Split backward (zero-bubble): the weight gradients come later (BW) and need only
+                # the layer's inputs and output gradients, so the block is done with its weights
+                # once its input gradient (BI) is out.
+                x = args[0]
+                if self.topo.split_backward and torch.is_grad_enabled() and x.requires_grad:
+                    x.register_hook(lambda grad: self._free(k))
             return hook
 
         def after(k):

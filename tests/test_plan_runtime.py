@@ -69,7 +69,7 @@ def _counted(cfg):
 # for the same rank. `other` (buffers, fragmentation) is an allowance with nothing to count it
 # against, so it is left out of both sides.
 COUNTED_LAYOUTS = [({"dp": 2, "zero": 1}, {}), ({"tp": 2, "sequence_parallel": True}, {}),
-                   ({"pp": 2}, {}), ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}),
+                   ({"pp": 2}, {}), ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}), ({"pp": 2, "schedule": "zb"}, {}),
                    ({"cp": 2}, {}), ({"dp": 2, "zero": 3}, {"dtype": "bf16"}), ({"tp": 2}, {"recompute": "full"})]
 
 

@@ -113,6 +113,9 @@ class DeferredWeightGrads:
 
     def __init__(self):
         self._queue: list | None = None
+        # Set by an activation meter (train/memory.py): the queued inputs and output gradients
+        # live outside autograd until BW, and `hold(t)` keeps one counted while its handle lives.
+        self.hold = None
 
     @contextlib.contextmanager
     def collecting(self):
@@ -126,7 +129,7 @@ class DeferredWeightGrads:
     @staticmethod
     def apply(queue: list) -> None:
         weights, grads = [], []
-        for ws, compute in queue:
+        for ws, compute, _ in queue:
             weights += ws
             grads += compute()
         torch.autograd.backward(weights, grads)  # accumulates, and runs the gradient hooks, as autograd would
@@ -139,7 +142,8 @@ class DeferredWeightGrads:
             return [g.reshape(-1, g.shape[-1]).t().matmul(flat) for g in grads]
         if self._queue is None:
             return compute()
-        self._queue.append((weights, compute))
+        held = [self.hold(t) for t in (x, *grads)] if self.hold else []
+        self._queue.append((weights, compute, held))
         return [None] * len(grads)
 
 

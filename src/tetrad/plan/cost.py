@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from tetrad.config import DEFAULT_BUCKET_MB, Config
 from tetrad.parallel.pipeline.schedules import build_schedule, replay
-from tetrad.parallel.pipeline.simulate import StageCosts, peak_inflight
+from tetrad.parallel.pipeline.simulate import StageCosts, peak_held
 from tetrad.plan import flops
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.memory import (
@@ -25,6 +25,7 @@ from tetrad.plan.memory import (
     GPU_RESERVED_GIB,
     Memory,
     activation_bytes,
+    after_bi_weight,
     memory_by_rank,
     rank_layers,
     rank_params,
@@ -313,13 +314,14 @@ def _simulate(schedule: str, pp: int, m: int, vpp: int, f: tuple, bi: tuple, bw:
 
 
 @lru_cache(maxsize=4096)
-def inflight(schedule: str, pp: int, m: int, vpp: int) -> tuple[int, ...]:
-    """Peak (micro-batch, chunk) activation sets alive per rank, from the schedule's order. Past
+def inflight(schedule: str, pp: int, m: int, vpp: int, after_bi: float = 1.0) -> tuple[float, ...]:
+    """Peak (micro-batch, chunk) activation sets alive per rank, from the schedule's order
+    (zero-bubble's BI-to-BW remainders weighing `after_bi` sets: memory.after_bi_weight). Past
     two rounds it stops growing (except under GPipe, which keeps all of them), so a long schedule
     is read at the same phase, 2*pp + m % pp micro-batches."""
     if schedule == "gpipe":
         return tuple(m * vpp for _ in range(pp))
-    return tuple(peak_inflight(_schedule(schedule, pp, min(m, 2 * pp + m % pp), vpp)))
+    return tuple(peak_held(_schedule(schedule, pp, min(m, 2 * pp + m % pp), vpp), after_bi))
 
 
 def pipeline(schedule: str, pp: int, m: int, vpp: int, f: list, bi: list, bw: list, p2p: float):
@@ -416,7 +418,8 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     dp_exposed = max(0.0, dp_exposed)
     step = pipe + dp_exposed + gather + opt
 
-    memory = memory_by_rank(cfg, stack, inflight(p.schedule, p.pp, micro, p.vpp), gpu.is_cpu)
+    held = inflight(p.schedule, p.pp, micro, p.vpp, after_bi_weight(cfg, stack))
+    memory = memory_by_rank(cfg, stack, held, gpu.is_cpu)
     worst = max(memory, key=lambda x: x.total)
     usable = gpu.hbm_gib - (0.0 if gpu.is_cpu else GPU_RESERVED_GIB)
 

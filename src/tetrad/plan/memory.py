@@ -153,9 +153,35 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     return replicated + split + core
 
 
-def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[int, ...], is_cpu: bool) -> list[Memory]:
+def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e: int) -> float:
+    """What one layer still holds between its input-gradient and weight-gradient passes
+    (zero-bubble's BI and BW): each linear's input and output gradient. Column-parallel linears
+    (qkv, gate/up) take the whole hidden state (gathered under SP) and give 1/tp outputs;
+    row-parallel ones (output, down) take 1/tp inputs and give the whole hidden state."""
+    h = m.d_model
+    q, kv, f = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, m.ffn_hidden / tp
+    up = 2 * f if m.mlp == "swiglu" else f
+    inputs = 2 * h + q + f  # qkv and gate/up inputs, the output and down projections' inputs
+    grads = (q + 2 * kv) + h + up + h
+    return tokens * e * (inputs + grads)
+
+
+def after_bi_weight(cfg: Config, stack: Stack) -> float:
+    """Under zero-bubble, a layer's held memory between BI and BW in units of its activation set
+    (what `peak_held` weighs); 1.0 for schedules without a split backward."""
+    if cfg.parallel.schedule != "zb":
+        return 1.0
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tokens = t.micro_batch * m.seq_len // p.cp
+    e = activation_bytes(t.dtype)
+    full = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
+    return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
+
+
+def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], is_cpu: bool) -> list[Memory]:
     """Peak bytes of one GPU of each pipeline rank, whose schedule keeps inflight[rank]
-    (micro-batch, chunk) activation sets alive at once (the pipeline simulator's count)."""
+    (micro-batch, chunk) activation sets alive at once (the pipeline simulator's count, with
+    zero-bubble's BI-to-BW remainders weighed by `after_bi_weight`)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e = activation_bytes(t.dtype)
     tokens = t.micro_batch * m.seq_len // p.cp

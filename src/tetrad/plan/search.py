@@ -26,7 +26,7 @@ from tetrad.config import Config, validate
 from tetrad.parallel.pipeline.schedules import min_microbatches
 from tetrad.plan.cost import Estimate, estimate, inflight, layer_cost
 from tetrad.plan.hardware import Cluster
-from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, memory_by_rank, stage_layers
+from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, after_bi_weight, memory_by_rank, stage_layers
 from tetrad.plan.stacks import Stack, load_stack
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -152,12 +152,12 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
             del ranked[top:]
             continue
         micro = gb // (item.micro_batch * item.dp)
-        held = inflight(item.schedule, item.pp, micro, item.vpp)
         zeros = (0, 1, 2, 3) if item.dp * item.cp > 1 else (0,)
         if item.pp > 1 and base.model.tie_embeddings:  # the runtime's limit (config.validate)
             zeros = tuple(z for z in zeros if z < 3)
         for zero in zeros:
             cfg = config_of(base, item, zero)
+            held = inflight(item.schedule, item.pp, micro, item.vpp, after_bi_weight(cfg, stack))
             peak = max(x.total for x in memory_by_rank(cfg, stack, held, cluster.gpu.is_cpu)) / GIB
             if peak <= usable:
                 tie += 1

@@ -5,7 +5,9 @@ storage once (views of one storage share it) for as long as any saved reference 
 and records the peak. Parameters (and views of them) are model states, not activations, and are
 left out. A recompute checkpoint saves only its inputs through autograd (torch.utils.checkpoint
 keeps what it recomputes out of this count), so the meter sees exactly what recomputation
-saves. This is a count of tensors, not of an allocator: it is the same on CPU and GPU and free
+saves (not the one layer it rebuilds during backward). Zero-bubble's deferred weight gradients
+keep layer inputs and output gradients outside autograd until BW; they are counted through
+`hold`. This is a count of tensors, not of an allocator: it is the same on CPU and GPU and free
 of the noise of the process's resident set.
 """
 
@@ -57,6 +59,11 @@ class ActivationMeter:
             self.peak = max(self.peak, self.live)
         held[0] += 1
         return _Saved(t, key, self)
+
+    def hold(self, t: torch.Tensor):
+        """Count `t` while the returned handle lives: for tensors kept for backward outside
+        autograd (zero-bubble's deferred weight gradients)."""
+        return self._pack(t)
 
     @staticmethod
     def _unpack(saved) -> torch.Tensor:

@@ -69,6 +69,7 @@ class Trainer:
         self.optimizer = self.grads.build_optimizer(cfg.train)
         self.scaler = LossScaler(enabled=cfg.train.dtype == "fp16")
         self.activations = ActivationMeter()
+        self.topo.weight_grads.hold = self.activations.hold
         self.batches = Batches(load_tokens(cfg.data.source), cfg.model.seq_len, cfg.train.global_batch,
                                cfg.train.seed, cfg.model.vocab_size)
         self.run_dir = Path(cfg.run.dir)

@@ -101,11 +101,8 @@ class PipelineExecutor:
                 made = x.grad if x is not None else None
             elif a.kind == "BI":
                 x, out = stash.pop((a.mb, a.chunk))
-                grad = received.get(Value("grad", g + 1, a.mb))
-                with self.topo.weight_grads.collecting() as queue:
-                    torch.autograd.backward(out, grad)
+                stash[(a.mb, a.chunk)] = self._input_gradients(out, received.get(Value("grad", g + 1, a.mb)))
                 made = x.grad if x is not None else None
-                stash[(a.mb, a.chunk)] = queue
             else:  # BW: the weight-gradient matmuls BI queued
                 with closing:
                     self.topo.weight_grads.apply(stash.pop((a.mb, a.chunk)))
@@ -115,6 +112,15 @@ class PipelineExecutor:
                     links.send(op, made.contiguous())
         links.finish()
         return loss_sum, times
+
+
+    def _input_gradients(self, out: torch.Tensor, grad: torch.Tensor | None) -> list:
+        """BI: the backward of `out` without the weight gradients; returns their queue for BW.
+        (A function of its own, so that no local name keeps a queue, and the layer inputs and
+        output gradients it holds, alive after its BW.)"""
+        with self.topo.weight_grads.collecting() as queue:
+            torch.autograd.backward(out, grad)
+        return queue
 
 
 class _Transfers:

@@ -13,7 +13,6 @@ from itertools import accumulate
 
 from tetrad.parallel.pipeline.schedules import Action, Schedule, ScheduleError, replay
 
-_HOLDS = {"F": 1, "BI": 0, "B": -1, "BW": -1}  # change in stored activations per action kind
 
 
 @dataclass
@@ -52,7 +51,15 @@ class SimResult:
 def peak_inflight(s: Schedule) -> list[int]:
     """Per rank, the most (mb, chunk) activations held at once: each lives from its F until its B
     or BW (weight gradients still need the stored inputs). Depends on the order only, not costs."""
-    return [max(accumulate((_HOLDS[a.kind] for a in actions), initial=0)) for actions in s.actions]
+    return [round(x) for x in peak_held(s)]
+
+
+def peak_held(s: Schedule, after_bi: float = 1.0) -> list[float]:
+    """Per rank, the most activation memory held at once, in (mb, chunk) activation sets: a set
+    is whole from its F until its B or BI; between BI and BW (zero-bubble) what the weight
+    gradients still need (the linears' inputs and output gradients) weighs `after_bi` sets."""
+    change = {"F": 1.0, "B": -1.0, "BI": after_bi - 1.0, "BW": -after_bi}
+    return [max(accumulate((change[a.kind] for a in actions), initial=0.0)) for actions in s.actions]
 
 
 def simulate(s: Schedule, costs: StageCosts, timeline: bool = True) -> SimResult:

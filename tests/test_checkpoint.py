@@ -105,6 +105,32 @@ def test_per_rank_state_resumes_bitwise(name):
     assert resumed == expected[2:]
 
 
+def _restored_codec_buckets(cfg):
+    """Train (resuming if a checkpoint is there); the buckets whose codec state the resume restored."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    restored = []
+    load = trainer.grads.load_state_dict
+
+    def spy(state):
+        load(state)
+        restored.extend(sorted(getattr(trainer.grads.codec, "residual", {})))
+    trainer.grads.load_state_dict = spy
+    trainer.fit()
+    return restored
+
+
+@pytest.mark.parametrize("saved, resumed", [
+    ({"dp": 2, "pp": 2, "grad_codec": "int8", "grad_bucket_mb": 0.1},  # buckets hold other layers after
+     {"dp": 2, "pp": 2, "vpp": 2, "schedule": "interleaved", "grad_codec": "int8", "grad_bucket_mb": 0.1}),
+    ({"tp": 2}, {"tp": 2, "sequence_parallel": True}),  # no tp-shared dropout generator any more
+], ids=["int8-vpp", "dropout-sp"])
+def test_per_rank_state_of_another_layout_is_left_out(saved, resumed, tmp_path):
+    common = {"model": {"n_layers": 4, "dropout": 0.1}, "checkpoint": {"every": 1}, "run": {"dir": str(tmp_path)}}
+    train_layout(tiny_config(parallel=saved, train={"steps": 2, "micro_batch": 1}, **common))
+    cfg = tiny_config(parallel=resumed, train={"steps": 3, "micro_batch": 1}, **common)
+    assert run_ranks(_restored_codec_buckets, cfg.parallel.world_size, cfg) == [[]] * cfg.parallel.world_size
+
+
 def test_crash_during_save_keeps_previous_checkpoint(reference):
     cfg = tiny_config(parallel=KILL_LAYOUTS[0], train={"steps": STEPS, "micro_batch": 1},
                       checkpoint={"every": 1, "keep": 2})

@@ -324,7 +324,8 @@ class DropoutGenerators:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, value in state.items():
-            self.generators[name].set_state(value)
+            if name in self.generators:
+                self.generators[name].set_state(value)
 
 
 # ----------------------------------------------------------------------------- loss

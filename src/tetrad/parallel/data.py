@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 
 import torch
 import torch.nn as nn
@@ -137,6 +138,7 @@ class GradReducer:
     def __init__(self, params: list[nn.Parameter], topo, parallel=None, model: nn.Module | None = None, *,
                  dtype: torch.dtype = torch.float32, offload: bool = False):
         self.params, self.topo = params, topo
+        self._names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
         self.dtype, self.offload = dtype, offload
         self.zero = parallel.zero if parallel else 0
         # Separate fp32 masters: the optimizer cannot update the parameters' own storage.
@@ -438,18 +440,25 @@ class GradReducer:
             work.wait()
 
     # ------------------------------------------------------------------ checkpoint
+    def _signature(self, bucket: Bucket) -> torch.Tensor:
+        """What a bucket's codec state belongs to: its parameters (by name, in order) and size."""
+        names = "\n".join(self._names.get(id(p), "?") for p in bucket.params)
+        return torch.tensor([zlib.crc32(names.encode()), bucket.padded], dtype=torch.int64)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's codec state (error feedback, PowerSGD's Q) by bucket."""
-        return self.codec.state_dict()
+        """This rank's codec state (error feedback, PowerSGD's Q) by bucket, with each bucket's
+        signature."""
+        state = self.codec.state_dict()
+        keys = {int(name.split(".")[1]) for name in state}
+        return {**state, **{f"signature.{k}": self._signature(self.buckets[k]) for k in keys}}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore codec state for the buckets whose size is the saved one (a bucket size tuned
-        differently since leaves those to start afresh, as a new run would)."""
-        fits = {name.split(".")[1] for name, t in state.items() if name.startswith("residual.")
-                and int(name.split(".")[1]) < len(self.buckets)
-                and t.numel() == self.buckets[int(name.split(".")[1])].padded}
+        """Restore codec state for the buckets that hold the saved parameters at the saved size;
+        others (buckets laid out differently since) start afresh, as in a new run."""
+        same = {k for k in range(len(self.buckets))
+                if torch.equal(state.get(f"signature.{k}", torch.zeros(0)), self._signature(self.buckets[k]))}
         self.codec.load_state_dict({name: t.to(self.topo.device) for name, t in state.items()
-                                    if name.split(".")[1] in fits})
+                                    if not name.startswith("signature.") and int(name.split(".")[1]) in same})
 
     # ------------------------------------------------------------------ accounting
     def model_state_bytes(self, optimizer) -> dict[str, int]:

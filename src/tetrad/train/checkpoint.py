@@ -13,8 +13,8 @@ Also stored: `rng.rankR.KIND` (each rank's RNG state; a rank that did not exist 
 its seeded state), `extra.NAME.KEY` (the state of objects handed to save/load as `stateful`, e.g.
 the loss scaler), `local.rankR.NAME.KEY` (state of objects handed as `local`, which only rank R
 holds and which means something only in the same layout: gradient codecs' error feedback,
-tp-shared dropout generators; restored when the layout, ZeRO stage and codec are the saved ones,
-else they start afresh), the resolved config (config.toml) and the step (tetrad.json). The scheduler and
+tp-shared dropout generators; restored when the [parallel] section is the saved one, a codec's
+bucket by bucket where it holds the same parameters, else they start afresh), the resolved config (config.toml) and the step (tetrad.json). The scheduler and
 the data position need nothing more: the learning rate is a function of the step (optim.lr_at)
 and each step's batch a function of (seed, step) (data.Batches).
 
@@ -377,9 +377,9 @@ class Checkpointer:
         return final
 
     def _layout(self) -> dict:
-        """What rank-local state depends on: the layout, the ZeRO stage, the gradient codec."""
-        p = self.cfg.parallel
-        return {**dataclasses.asdict(self.topo.layout), "zero": p.zero, "grad_codec": p.grad_codec}
+        """What rank-local state depends on: the whole [parallel] section (layout, schedule,
+        virtual stages, sequence parallelism, ZeRO stage, codec, buckets)."""
+        return dataclasses.asdict(self.cfg.parallel)
 
     def _saved_state(self, params, optimizer, stateful: dict, local: dict) -> dict[str, torch.Tensor]:
         """The flat DCP state of this rank: its boxes of the model and optimizer state, its RNG
@@ -454,7 +454,7 @@ class Checkpointer:
                 if chunks:
                     state[key] = _logical(chunks, full, mesh)
         mine_local = f"local.rank{self.topo.rank}."
-        same_layout = manifest.get("layout") == self._layout()
+        same_layout = manifest.get("layout") == json.loads(json.dumps(self._layout()))  # as stored: lists, not tuples
         for key, meta in stored.items():
             if (key.startswith((f"rng.rank{self.topo.rank}.", "extra."))
                     or (same_layout and key.startswith(mine_local))):

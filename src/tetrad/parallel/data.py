@@ -15,7 +15,9 @@ rank i owns the i-th 1/N of it:
 - ZeRO-2 reduce-scatters every micro-batch's bucket into this rank's shard (summing the shards
   over micro-batches, as DeepSpeed and FSDP do) and frees the full bucket once reduced: one
   bucket reduces while the next fills, so at most two full buckets exist at a time and the
-  gradients are 1/N at the peak too. The price is one
+  gradients are 1/N at the peak too (not under a zero-bubble split backward: BI's norm gradients
+  start every bucket, which fills only when BW delivers the linears' gradients, so a rank holds
+  its full gradients between the two; the planner counts that). The price is one
   reduce-scatter per micro-batch, and a sum grouped by micro-batch: equal to ZeRO-0's to fp32
   rounding, and bit-equal with one micro-batch per rank.
 - ZeRO-3 keeps only the parameter shard; one bucket per block of `model.layers` (plus one for the

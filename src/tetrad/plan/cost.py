@@ -460,7 +460,7 @@ def _p2p_time(cfg: Config, cluster: Cluster, stack: Stack, tokens: int, e: int) 
 
 def _bucket_bytes(cfg: Config) -> float:
     b = cfg.parallel.grad_bucket_mb
-    return (DEFAULT_BUCKET_MB if b == "auto" else float(b)) * 1e6
+    return (DEFAULT_BUCKET_MB if b == "auto" else float(b)) * 2**20  # MiB, as the runtime splits them
 
 
 # ----------------------------------------------------------------------------- bytes, as tetrad.comm counts them

@@ -198,12 +198,17 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], is_cp
     buffers = _buffers(cfg, stack, tokens, e, params[0])
     per_param = state_bytes_per_param(t.dtype)
     out = []
+    layer_params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
     for r, layers in enumerate(rank_layers(cfg)):
         weights, grads, optimizer = model_state_bytes(params[r], p.zero, p.dp * p.cp, per_param)
+        root = 0.0
+        if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
+            # gathered for the whole step, its full fp32 gradient alive through backward
+            root = (params[r] - layers * layer_params) * (per_param[0] + 4)
         acts = per_layer * layers / p.vpp * inflight[r] + rebuilt + (head if r == p.pp - 1 else 0.0)
         # Communication buffers are transient, not activations kept for backward: with the
         # allocator's fragmentation they make up `other`.
-        other = buffers + FRAGMENTATION * (acts + buffers) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)
+        other = buffers + root + FRAGMENTATION * (acts + buffers + root) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)
         out.append(Memory(weights, grads, optimizer, acts, other))
     return out
 
@@ -218,9 +223,14 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float) -> f
     # ZeRO-0/1 reduce in place in the flat gradient buckets (counted as `grads`); ZeRO-2 keeps only
     # its shard, but a bucket's full gradient lives until its reduce-scatter ends: one bucket
     # reducing while the next fills.
-    if p.dp * p.cp > 1 and p.zero == 2:
-        bucket = DEFAULT_BUCKET_MB if p.grad_bucket_mb == "auto" else float(p.grad_bucket_mb)
-        out += min(2 * bucket * 1e6, 4 * params)
+    if p.dp * p.cp > 1 and p.zero >= 2 and p.schedule == "zb":
+        # Split backward: BI's norm gradients start every bucket, which fills only at its BW, so a
+        # rank's full fp32 gradients exist between them (the runtime's limit today).
+        out += 4 * params
+    elif p.dp * p.cp > 1 and p.zero == 2:  # a parameter larger than the bucket size is a bucket alone
+        bucket = (DEFAULT_BUCKET_MB if p.grad_bucket_mb == "auto" else float(p.grad_bucket_mb)) * 2**20
+        largest = 4 * m.d_model * max(m.vocab_size, m.ffn_hidden) / p.tp
+        out += min(2 * max(bucket, largest), 4 * params)
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)
         layer = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
         out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)

@@ -412,7 +412,7 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
             grads = max(last_bucket, grads - window)
         elif p.zero >= 2:
             earlier = (micro - 1) * grads
-        dp_exposed = max(dp_exposed, earlier + grads - tail[r])
+        dp_exposed = max(dp_exposed, earlier + max(0.0, grads - tail[r]))  # the idle tail hides only the last
         if p.zero in (1, 2):  # updated 16-bit (fp32) weights all-gathered after the optimizer step
             gather = max(gather, ring_time("all_gather", params * state_bytes_per_param(t.dtype)[0], n, alpha, link))
     dp_exposed = max(0.0, dp_exposed)

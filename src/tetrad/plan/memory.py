@@ -231,6 +231,8 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float) -> f
         bucket = (DEFAULT_BUCKET_MB if p.grad_bucket_mb == "auto" else float(p.grad_bucket_mb)) * 2**20
         largest = 4 * m.d_model * max(m.vocab_size, m.ffn_hidden) / p.tp
         out += min(2 * max(bucket, largest), 4 * params)
+    if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket
+        out += 4 * params
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)
         layer = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
         out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)

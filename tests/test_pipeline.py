@@ -46,7 +46,8 @@ def test_schedule_matches_single_process(schedule, pp, vpp, m):
 
 @pytest.mark.parametrize("parallel", [{"dp": 2, "pp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "pp": 2, "sequence_parallel": True},
                                       {"dp": 2, "pp": 2, "vpp": 2, "schedule": "interleaved"},
-                                      {"tp": 2, "pp": 2, "schedule": "zb"}, {"dp": 2, "pp": 2, "schedule": "zb", "zero": 3}],
+                                      {"tp": 2, "pp": 2, "schedule": "zb"}, {"dp": 2, "pp": 2, "schedule": "zb", "zero": 2},
+                                      {"dp": 2, "pp": 2, "schedule": "zb", "zero": 3}],
                          ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
 def test_pipeline_composes(parallel):
     m = 4  # micro-batches per dp rank; the reference runs the same global batch in one process

@@ -70,6 +70,33 @@ def _gathered_blocks_after_backward(cfg):
     return sum(grads.flat[k].untyped_storage().nbytes() > 0 for k in range(blocks)), blocks
 
 
+def _most_full_buckets_in_backward(cfg):
+    """The most reducer buckets holding a full gradient at once during one step's backward passes."""
+    from tetrad.train.trainer import Trainer
+    trainer = Trainer(cfg, torch.device("cpu"))
+    most = [0]
+
+    def record(_):  # runs after the reducer's own hook on the same parameter
+        most[0] = max(most[0], sum(b.grad is not None for b in trainer.grads.buckets))
+
+    for p in trainer.params:
+        p.register_post_accumulate_grad_hook(record)
+    micro = trainer.batches.microbatches(0, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
+    trainer.forward_backward(micro)
+    return most[0], len(trainer.grads.buckets)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_gradient_buckets_stay_few_under_split_backward(zero):
+    """BI makes the norms' gradients, BW the linears': the norms' wait apart until BW starts the
+    bucket, so a bucket is not held full from one to the other."""
+    cfg = tiny_config(model={"n_layers": 8}, parallel={"dp": 2, "pp": 2, "schedule": "zb", "zero": zero,
+                                                      "grad_bucket_mb": 0.15},
+                      train={"micro_batch": 1, "global_batch": 8})
+    for most, buckets in run_ranks(_most_full_buckets_in_backward, 4, cfg):
+        assert buckets >= 5 and most <= 2, (most, buckets)
+
+
 def test_zero3_frees_blocks_under_split_backward():
     """Zero-bubble defers weight gradients (BW), which need no weights: a block is released once
     its input gradient is out, instead of staying gathered until the step ends."""

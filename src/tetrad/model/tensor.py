@@ -126,13 +126,19 @@ class DeferredWeightGrads:
         finally:
             self._queue = None
 
+    @property
+    def collecting_now(self) -> bool:
+        """Inside `collecting()`: a backward now is BI."""
+        return self._queue is not None
+
     @staticmethod
     def apply(queue: list) -> None:
-        weights, grads = [], []
-        for ws, compute, _ in queue:
-            weights += ws
-            grads += compute()
-        torch.autograd.backward(weights, grads)  # accumulates, and runs the gradient hooks, as autograd would
+        # Layer by layer, in BI's order: each layer's weight gradients reach autograd (which
+        # accumulates them and runs the gradient hooks, the reducer's buckets) before the next
+        # layer's are computed, so a chunk's gradients never all exist at once.
+        for i, (ws, compute, _) in enumerate(queue):
+            torch.autograd.backward(ws, compute())
+            queue[i] = None  # its inputs and output gradients go now, not after the whole BW
 
     def grads(self, weights: list, grads: tuple, x: torch.Tensor) -> list:
         """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate, or

@@ -15,9 +15,8 @@ rank i owns the i-th 1/N of it:
 - ZeRO-2 reduce-scatters every micro-batch's bucket into this rank's shard (summing the shards
   over micro-batches, as DeepSpeed and FSDP do) and frees the full bucket once reduced: one
   bucket reduces while the next fills, so at most two full buckets exist at a time and the
-  gradients are 1/N at the peak too (not under a zero-bubble split backward: BI's norm gradients
-  start every bucket, which fills only when BW delivers the linears' gradients, so a rank holds
-  its full gradients between the two; the planner counts that). The price is one
+  gradients are 1/N at the peak too (under a zero-bubble split backward, the gradients BI makes,
+  the norms', wait apart in fp32 until BW's start the bucket). The price is one
   reduce-scatter per micro-batch, and a sum grouped by micro-batch: equal to ZeRO-0's to fp32
   rounding, and bit-equal with one micro-batch per rank.
 - ZeRO-3 keeps only the parameter shard; one bucket per block of `model.layers` (plus one for the
@@ -74,6 +73,8 @@ class Bucket:
         self.grad_shard: torch.Tensor | None = None  # this rank's reduced shard
         self.pending = None  # the gradient collective in flight
         self.incoming: torch.Tensor | None = None  # ZeRO >= 2: where that reduce-scatter lands
+        self.parked: dict[int, torch.Tensor] = {}  # ZeRO >= 2 under zero-bubble: BI's gradients, by param
+        self.from_bi: set[int] = set()  # ... and the params whose gradients BI makes
         self.gathering = None  # ZeRO-3: the parameter all-gather in flight
         self.seen = 0  # gradients arrived in this backward
         self.reduced = False  # `grad` holds last step's reduced gradient (p.grad may still view it)
@@ -312,14 +313,31 @@ class GradReducer:
                 return
             if bucket.pending is not None and self.zero >= 2:  # last micro-batch's, still in flight
                 self._finish(bucket)
-            if bucket.grad is None or bucket.reduced:  # the first gradient of a new accumulation
-                bucket.grad = torch.zeros(bucket.padded, dtype=torch.float32, device=p.device)
-                bucket.reduced = False
-            bucket.view(bucket.grad, i).add_(p.grad)  # fp32 accumulation, whatever the model dtype
+            in_bi = self.topo.weight_grads.collecting_now
+            if self.zero >= 2 and self.topo.split_backward:
+                # Zero-bubble: BI makes the gradients that are not deferred (the norms'), BW the
+                # linears'. BI's wait apart (fp32) until BW starts the bucket, and the bucket is
+                # complete when BW has delivered all of its linears' (a later micro-batch's BI may
+                # come first: it joins this reduction), so no bucket is held full from BI to BW.
+                bucket.seen += 0 if in_bi else 1
+                if in_bi:
+                    bucket.from_bi.add(i)
+                complete = bucket.seen == len(bucket.params) - len(bucket.from_bi)
+            else:
+                bucket.seen += 1
+                complete = bucket.seen == len(bucket.params)
+            if in_bi and self.zero >= 2 and bucket.grad is None:
+                if i in bucket.parked:
+                    bucket.parked[i].add_(p.grad)
+                else:
+                    bucket.parked[i] = p.grad.float()
+            else:
+                self._materialise(bucket, p.device)
+                bucket.view(bucket.grad, i).add_(p.grad)  # fp32 accumulation, whatever the model dtype
             p.grad = None
-            bucket.seen += 1
-            if bucket.seen == len(bucket.params):
+            if complete:
                 bucket.seen = 0
+                self._materialise(bucket, p.device)
                 # A block's weights are done with once its gradients are in, unless backward is
                 # split (zero-bubble): its BI may still need them while an earlier BW completes the count.
                 if self.zero == 3 and bucket is not self._root and not self.topo.split_backward:
@@ -327,6 +345,16 @@ class GradReducer:
                 if self._sync or self.zero >= 2:
                     self._launch(bucket)
         return hook
+
+    def _materialise(self, bucket: Bucket, device: torch.device) -> None:
+        """Make the bucket's full gradient if it has none (the first gradient of an accumulation)
+        and add the parked gradients into it."""
+        if bucket.grad is None or bucket.reduced:
+            bucket.grad = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
+            bucket.reduced = False
+        for j, grad in bucket.parked.items():
+            bucket.view(bucket.grad, j).add_(grad)
+        bucket.parked.clear()
 
     def _launch(self, bucket: Bucket) -> None:
         comm = self.topo.comm
@@ -356,6 +384,8 @@ class GradReducer:
         """Finish every bucket's reduction (starting those that have not started) and expose the
         result: `p.grad` views (ZeRO-0) or each bucket's reduced shard (ZeRO >= 1)."""
         for bucket in self.buckets:
+            if bucket.parked:
+                self._materialise(bucket, self.topo.device)
             if bucket.pending is None and bucket.grad is not None:
                 self._launch(bucket)
         while self._in_flight:
@@ -417,6 +447,7 @@ class GradReducer:
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.grad = bucket.grad_shard = None
+            bucket.parked.clear()
         for p in self.params:
             p.grad = None
 

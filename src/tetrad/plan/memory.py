@@ -223,11 +223,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float) -> f
     # ZeRO-0/1 reduce in place in the flat gradient buckets (counted as `grads`); ZeRO-2 keeps only
     # its shard, but a bucket's full gradient lives until its reduce-scatter ends: one bucket
     # reducing while the next fills.
-    if p.dp * p.cp > 1 and p.zero >= 2 and p.schedule == "zb":
-        # Split backward: BI's norm gradients start every bucket, which fills only at its BW, so a
-        # rank's full fp32 gradients exist between them (the runtime's limit today).
-        out += 4 * params
-    elif p.dp * p.cp > 1 and p.zero == 2:  # a parameter larger than the bucket size is a bucket alone
+    if p.dp * p.cp > 1 and p.zero == 2:  # a parameter larger than the bucket size is a bucket alone
         bucket = (DEFAULT_BUCKET_MB if p.grad_bucket_mb == "auto" else float(p.grad_bucket_mb)) * 2**20
         largest = 4 * m.d_model * max(m.vocab_size, m.ffn_hidden) / p.tp
         out += min(2 * max(bucket, largest), 4 * params)

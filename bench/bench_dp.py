@@ -109,12 +109,14 @@ def _rank(kind: str) -> dict:
             dist.all_reduce(flat)
             return time.perf_counter() - start
     step_s = _median_time(step)
-    overlapped = _median_time(lambda: (fwd_bwd(True), zero()))
-    alone = _median_time(lambda: (fwd_bwd(False), zero()))
-    comm = statistics.median(comm_alone() for _ in range(STEPS))
     # ZeRO-3 and FSDP2 reduce-scatter inside every backward: there is no backward without it to
     # compare with, so no hidden fraction for them.
-    hidden = (alone + comm - overlapped) / comm if kind in ("zero0", "ddp") else None
+    hidden = None
+    if kind in ("zero0", "ddp"):
+        overlapped = _median_time(lambda: (fwd_bwd(True), zero()))
+        alone = _median_time(lambda: (fwd_bwd(False), zero()))
+        comm = statistics.median(comm_alone() for _ in range(STEPS))
+        hidden = (alone + comm - overlapped) / comm
     return {"step_s": step_s, "hidden": hidden,
             "peak_bytes": devices.peak_memory_bytes(cpu, base)}
 

@@ -1,5 +1,5 @@
-"""ZeRO 0-3 parity with one process, exactness of ZeRO-1/2 against ZeRO-0, model-state memory,
-composition with tp and pp, and bad input."""
+"""ZeRO 0-3 parity with one process, exactness of ZeRO-1 (and ZeRO-2 to rounding) against ZeRO-0,
+model-state memory and ZeRO-2's gradient peak, composition with tp and pp, and bad input."""
 
 import pytest
 import torch

@@ -26,8 +26,8 @@ rank i owns the i-th 1/N of it:
   zero-bubble split backward: when its input gradient is out, BW needs no weights). Gradients as
   under ZeRO-2.
 
-The clipping norm is computed from each rank's shard of every bucket in all stages, so ZeRO 0, 1
-and 2 do the same arithmetic and give bit-identical results.
+The clipping norm is computed from each rank's shard of every bucket in all stages, so ZeRO 0 and
+1 do the same arithmetic and give bit-identical results (ZeRO-2 too with one micro-batch).
 
 Mixed precision (bf16/fp16, the Megatron/DeepSpeed recipe): the flat parameter buffers hold the
 model dtype, so the forward, the backward and ZeRO's all-gathers run in it, while gradients
@@ -319,9 +319,10 @@ class GradReducer:
                 # linears'. BI's wait apart (fp32) until BW starts the bucket, and the bucket is
                 # complete when BW has delivered all of its linears' (a later micro-batch's BI may
                 # come first: it joins this reduction), so no bucket is held full from BI to BW.
-                bucket.seen += 0 if in_bi else 1
                 if in_bi:
                     bucket.from_bi.add(i)
+                else:
+                    bucket.seen += 1
                 complete = bucket.seen == len(bucket.params) - len(bucket.from_bi)
             else:
                 bucket.seen += 1

@@ -14,8 +14,9 @@ its seeded state), `extra.NAME.KEY` (the state of objects handed to save/load as
 the loss scaler), `local.rankR.NAME.KEY` (state of objects handed as `local`, which only rank R
 holds and which means something only in the same layout: gradient codecs' error feedback,
 tp-shared dropout generators; restored when the [parallel] section is the saved one, a codec's
-bucket by bucket where it holds the same parameters, else they start afresh), the resolved config (config.toml) and the step (tetrad.json). The scheduler and
-the data position need nothing more: the learning rate is a function of the step (optim.lr_at)
+bucket by bucket where it holds the same parameters, else they start afresh), the resolved
+config (config.toml) and the step (tetrad.json). The scheduler and the data position need
+nothing more: the learning rate is a function of the step (optim.lr_at)
 and each step's batch a function of (seed, step) (data.Batches).
 
 On disk (ROOT = checkpoint.dir, default RUN_DIR/checkpoints):

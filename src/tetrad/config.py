@@ -85,7 +85,11 @@ class TrainConfig:
     global_batch: int = 16
     micro_batch: int = 4
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    # After `warmup` steps: cosine or linear decay to lr * min_lr_ratio at the last step, constant,
+    # or warmup-stable-decay (lr until the last `decay_fraction` of the steps, then linear decay).
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2
     warmup: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -398,6 +402,10 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
     if t.warmup < 0 or t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0; got lr={t.lr}, "
                           f"min_lr_ratio={t.min_lr_ratio}, warmup={t.warmup}")
+    if t.lr_schedule == "wsd" and not (0 < t.decay_fraction <= 1 and t.warmup + round(t.decay_fraction * t.steps)
+                                       <= t.steps):
+        raise ConfigError(f"lr_schedule='wsd' decays over the last decay_fraction={t.decay_fraction} of "
+                          f"steps={t.steps}, which must be in (0, 1] and leave room for warmup={t.warmup}")
     if runtime and t.dtype == "fp8":
         raise ConfigError("train.dtype='fp8' is accepted by `tetrad estimate`/`plan` only; the runtime trains "
                           "in fp32, bf16 or fp16")

@@ -1,4 +1,4 @@
-"""AdamW, the warmup + cosine schedule, and gradient clipping by the true global norm."""
+"""AdamW, the learning-rate schedules, and gradient clipping by the true global norm."""
 
 from __future__ import annotations
 
@@ -23,12 +23,28 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to lr over `warmup` steps, then cosine decay to lr * min_lr_ratio at the last step."""
+    """The learning rate of 0-based `step` under `lr_schedule`: a linear warmup to lr over
+    `warmup` steps, then
+    - cosine / linear: decay from lr (first step after warmup) to lr * min_lr_ratio (last step);
+    - constant: lr;
+    - wsd (warmup-stable-decay): lr until the last `decay_fraction` of the steps, then a linear
+      decay reaching lr * min_lr_ratio at the last step (its first decay step is already below lr).
+    """
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     floor = cfg.lr * cfg.min_lr_ratio
-    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+    last = cfg.steps - 1
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if cfg.lr_schedule == "wsd":
+        decay_steps = max(1, round(cfg.decay_fraction * cfg.steps))
+        progress = (step - (cfg.steps - decay_steps) + 1) / decay_steps
+    else:
+        progress = (step - cfg.warmup) / max(1, last - cfg.warmup)
+    progress = min(1.0, max(0.0, progress))
+    if cfg.lr_schedule == "cosine":
+        return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+    return floor + (cfg.lr - floor) * (1 - progress)
 
 
 def global_grad_norm(pieces: list[tuple[torch.Tensor, torch.nn.Parameter]], topo,

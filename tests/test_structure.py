@@ -1,0 +1,177 @@
+"""The shape of src/tetrad, read from its source with `ast` so it stays true (issue 17, DESIGN.md Layout).
+
+- no import cycle between modules (every import counts: inside functions and under TYPE_CHECKING too);
+- floors: a module imports only its own floor or lower ones (FLOORS);
+- no source file over MAX_FILE_LINES lines, no function over MAX_FUNCTION_LINES (except the
+  schedule replay loop, which reads best as one loop).
+
+Today's violations are listed in KNOWN_VIOLATIONS with the owner who removes them. The list can
+only shrink: the test fails on a violation not listed *and* on a listed one that is gone.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+LONG_FUNCTIONS_ALLOWED = {"tetrad.parallel.pipeline.schedules:replay"}  # the schedule replay loop
+
+# Floors, lowest first: a module may import modules of its own floor or below, never above.
+# Prefixes match a module and everything under it; a module not listed is on the top floor.
+FLOORS = [
+    ("tetrad.config", "tetrad.presets", "tetrad.device"),  # settings and the device seam
+    ("tetrad.dist", "tetrad.topology", "tetrad.comm"),  # layout, named groups, accounted collectives
+    ("tetrad.model",),
+    ("tetrad.parallel",),
+    ("tetrad.plan", "tetrad.data"),  # the cost model (reads the schedules); token files
+    ("tetrad.train",),
+]
+TOP = len(FLOORS)  # cli, launch, bench, viz, ...
+
+KNOWN_VIOLATIONS = {
+    # core (issue 17 structure)
+    "cycle: tetrad.comm.ops <-> tetrad.topology": "core",
+    "import: tetrad.comm.bench -> tetrad.launch": "core",
+    "import: tetrad.comm.bench -> tetrad.plan.cost": "core",
+    "import: tetrad.topology -> tetrad.model.tensor": "core",
+    "import: tetrad.model.attention -> tetrad.parallel.context": "core",
+    "import: tetrad.parallel.data -> tetrad.train.optim": "core",
+    "import: tetrad.config -> tetrad.train.precision": "core",  # the dtype map, defined once below config
+    "size: tetrad/parallel/data.py": "core",
+    # sched (schedule registry, one layer-split function, plan/cost.py split)
+    "import: tetrad.config -> tetrad.parallel.pipeline.schedules": "sched",
+    "import: tetrad.parallel.pipeline.stages -> tetrad.plan.memory": "sched",
+    "size: tetrad/parallel/pipeline/schedules.py": "sched",
+    "size: tetrad/plan/cost.py": "sched",
+    "function: tetrad.plan.cost:estimate": "sched",
+    "function: tetrad.plan.cost:layer_cost": "sched",
+    "function: tetrad.plan.cost:comm_bytes_per_step": "sched",
+    "function: tetrad.plan.search:plan": "sched",
+    # reliab (config.py and train/checkpoint.py splits)
+    "size: tetrad/config.py": "reliab",
+    "function: tetrad.config:validate": "reliab",
+    "size: tetrad/train/checkpoint.py": "reliab",
+    "function: tetrad.train.checkpoint:Checkpointer.load": "reliab",
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((SRC / "tetrad").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
+
+
+def _imports(name: str) -> set[str]:
+    """The tetrad modules `name` imports (`from pkg import mod` names the module, not the package)."""
+    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(TREES[name]):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in MODULES else base)
+    return {m for m in out if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _floor(module: str) -> int:
+    for level, prefixes in enumerate(FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return level
+    return TOP
+
+
+def _cycles() -> list[str]:
+    """Every strongly connected component of more than one module (Tarjan), as a sorted list."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(" <-> ".join(sorted(component)))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _long_functions(name: str) -> list[str]:
+    out = []
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qual = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef) and child.end_lineno - child.lineno + 1 > MAX_FUNCTION_LINES:
+                    out.append(f"{name}:{qual}")
+                walk(child, qual + ".")
+            else:
+                walk(child, prefix)
+
+    walk(TREES[name], "")
+    return out
+
+
+def violations() -> set[str]:
+    found = {f"cycle: {c}" for c in _cycles()}
+    found |= {f"import: {m} -> {dep}" for m, deps in GRAPH.items() for dep in deps if _floor(dep) > _floor(m)}
+    for name, path in MODULES.items():
+        if len(path.read_text().splitlines()) > MAX_FILE_LINES:
+            found.add(f"size: {path.relative_to(SRC).as_posix()}")
+        found |= {f"function: {q}" for q in _long_functions(name) if q not in LONG_FUNCTIONS_ALLOWED}
+    return found
+
+
+def test_no_new_violations():
+    new = sorted(violations() - KNOWN_VIOLATIONS.keys())
+    assert not new, ("structure rules broken (see this file's docstring); fix, do not list:\n  "
+                     + "\n  ".join(new))
+
+
+def test_known_violations_are_still_real():
+    gone = sorted(KNOWN_VIOLATIONS.keys() - violations())
+    assert not gone, "fixed, so remove from KNOWN_VIOLATIONS:\n  " + "\n  ".join(gone)
+
+
+def test_the_checks_see_what_they_claim():
+    """The readers themselves: a known import, a known package-relative import, the floors."""
+    assert "tetrad.presets" in GRAPH["tetrad.config"]
+    assert "tetrad.train.trainer" in GRAPH["tetrad.cli"]  # imported inside a function
+    assert _floor("tetrad.config") < _floor("tetrad.model") < _floor("tetrad.parallel.pipeline.executor")
+    assert _floor("tetrad.cli") == TOP

@@ -4,6 +4,7 @@ traceback, or its signal, instead of a hang."""
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,3 +60,104 @@ def test_hang_ends_at_deadline():
     with pytest.raises(RankFailure, match=r"deadline; ranks \[0\] had not finished"):
         run_local(_hangs_on_rank_0, 2, timeout_s=10)
     assert time.monotonic() - start < 25
+
+
+# A launcher in its own process, as `tetrad train` is: ranks record their pid and whether
+# SIGTERM reached them, then wait to be stopped.
+LAUNCHER = """
+import os, signal, sys, time
+from pathlib import Path
+import torch.distributed as dist
+from tetrad.launch import Stopped, run_local
+
+def rank(folder):
+    def on_term(signum, frame):
+        Path(folder, f"term{dist.get_rank()}").write_text("")
+        os._exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    dist.barrier()
+    Path(folder, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    time.sleep(120)
+
+try:
+    run_local(rank, 3, (sys.argv[1],), timeout_s=200, stop_grace_s=20)
+except Stopped as e:
+    sys.exit(128 + e.signum)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _start_launcher(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 3:
+        assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
+        time.sleep(0.1)
+    time.sleep(0.2)  # the files are written; let the pids settle into sleep
+    return proc, [int((tmp_path / f"pid{r}").read_text()) for r in range(3)]
+
+
+def _wait_gone(pids, within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signal_to_launcher_reaches_every_rank_as_sigterm(tmp_path, sig):
+    proc, pids = _start_launcher(tmp_path)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=30) == 128 + sig
+    assert sorted(p.name for p in tmp_path.glob("term*")) == ["term0", "term1", "term2"]
+    assert _wait_gone(pids, 5) == []
+
+
+def test_killed_launcher_takes_its_ranks(tmp_path):
+    proc, pids = _start_launcher(tmp_path)
+    proc.kill()
+    proc.wait(timeout=10)
+    assert _wait_gone(pids, 10) == []  # Linux's parent-death signal, not the 120 s sleep
+    assert list(tmp_path.glob("term*")) == []  # killed, not asked
+
+
+def _records_pid_then_rank_1_dies(folder):
+    Path(folder, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def test_killed_rank_ends_the_job_promptly_without_orphans(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 died by SIGKILL"):
+        run_local(_records_pid_then_rank_1_dies, 3, (str(tmp_path),), timeout_s=60, pg_timeout_s=20)
+    assert time.monotonic() - start < 20
+    assert _wait_gone([int(p.read_text()) for p in tmp_path.glob("pid*")], 1) == []
+
+
+def test_torchrun_takes_ranks_per_node_from_local_world_size(tmp_path):
+    import subprocess
+    import sys
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tetrad", "train",
+         "--parallel.dp=2", "--parallel.ranks_per_node=8", "--train.steps=1", "--train.global_batch=4",
+         "--train.micro_batch=2", "--model.n_layers=1", "--model.d_model=32", "--model.ffn_hidden=64",
+         "--model.seq_len=16", f"--run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ranks_per_node = 2" in (run_dir / "config.toml").read_text()

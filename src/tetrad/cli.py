@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from tetrad.config import ConfigError, load_config, validate_device
@@ -37,13 +38,13 @@ def train_command(argv: list[str]) -> int:
               "Without CONFIG the defaults apply: the tiny preset on the built-in corpus, one process.")
         return 0
     path, overrides = _split_config_args(argv)
-    cfg = load_config(path, overrides, world_size=launch.torchrun_world_size())
+    cfg = load_config(path, overrides + launch.torchrun_overrides(), world_size=launch.torchrun_world_size())
     device_type = devices.resolve_device_type(cfg.train.device)
     validate_device(cfg, device_type)
     p = cfg.parallel
     if launch.in_torchrun():
-        launch.init_from_torchrun(device_type)
-        train_on_this_rank(cfg, device_type)
+        with launch.torchrun_process_group(device_type):
+            train_on_this_rank(cfg, device_type)
         return 0
     if device_type != "cpu" and p.world_size > devices.local_device_count(device_type):
         raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
@@ -103,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tetrad: config error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("tetrad: interrupted; every rank was stopped", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        from tetrad.launch import Stopped
+        signum = e.signum if isinstance(e, Stopped) else 2
+        print(f"tetrad: stopped by {signal.Signals(signum).name}; every rank was stopped", file=sys.stderr)
+        return 128 + signum
     except RuntimeError as e:
         from tetrad.launch import RankFailure
         if isinstance(e, RankFailure):

@@ -1,19 +1,33 @@
 """Start the ranks of a job: local processes when not under torchrun, or the environment
 torchrun gives. The same `run_local` serves `tetrad train` on a laptop and the multi-process tests.
 
-A rank that raises or dies ends the whole job: the others are terminated and the error names
-the first rank that failed, with its traceback (or the signal that killed it). Nothing hangs:
+A rank that raises or dies ends the whole job: the others are killed and the error names the
+first rank that failed, with its traceback (or the signal that killed it). Nothing hangs:
 process groups get a finite timeout and `run_local` a wall-clock deadline.
+
+No rank outlives its launcher. SIGTERM, SIGINT or SIGHUP to the launcher (a scheduler, Ctrl-C,
+a closed terminal) reaches every rank as SIGTERM, the one signal a rank acts on (it may save and
+stop); the launcher waits `stop_grace_s` for them, then kills what is left. Ranks ignore SIGINT
+and SIGHUP themselves, since a terminal sends those to the whole process group and the launcher
+decides. A launcher that dies without a word (SIGKILL, a crash) takes its ranks with it: each
+rank asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), and elsewhere
+watches its parent's pid. Signals are blocked while the ranks are forked, so none is lost
+between a fork and the rank setting up its own handling.
 """
 
 from __future__ import annotations
 
+import ctypes
+import contextlib
 import datetime
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -29,6 +43,18 @@ class RankFailure(RuntimeError):
     """A rank raised, died by a signal, or the job ran past its deadline."""
 
 
+class Stopped(KeyboardInterrupt):
+    """The launcher was asked to stop by a signal; its ranks have been stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# What a launcher forwards to its ranks (as SIGTERM), and what a rank leaves to its launcher.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
@@ -37,24 +63,39 @@ def torchrun_world_size() -> int | None:
     return int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
 
 
-def init_from_torchrun(device_type: str, timeout_s: float = 600.0) -> torch.device:
-    """Join the process group torchrun set up (env:// rendezvous) and bind LOCAL_RANK's device."""
+def torchrun_overrides() -> list[str]:
+    """Config facts torchrun knows: the ranks on each node (LOCAL_WORLD_SIZE), which decides
+    where hierarchical groups split, whatever the config file says."""
+    if in_torchrun() and "LOCAL_WORLD_SIZE" in os.environ:
+        return [f"--parallel.ranks_per_node={int(os.environ['LOCAL_WORLD_SIZE'])}"]
+    return []
+
+
+@contextlib.contextmanager
+def torchrun_process_group(device_type: str, timeout_s: float = 600.0):
+    """Join the process group torchrun set up (env:// rendezvous), bind LOCAL_RANK's device, and
+    destroy the group on the way out, so the backend shuts down cleanly."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = devices.bind_rank(device_type, local_rank)
     dist.init_process_group(devices.backend_for(device_type), timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if device.type != "cpu" else None)
-    return device
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()
 
 
 def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, device_type: str = "cpu",
-              timeout_s: float | None = None, pg_timeout_s: float = 600.0, spawn: bool = False) -> list[Any]:
+              timeout_s: float | None = None, pg_timeout_s: float = 600.0, spawn: bool = False,
+              stop_grace_s: float = 60.0) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh local ranks joined in one process group; return each
     rank's result (which must pickle). `fn` finds its rank through torch.distributed.
 
     CPU ranks are forked (90x faster to start than spawn, PLATFORM.md) unless `spawn`: a forked
     rank inherits its parent's heap, whose free blocks it reuses without growing, so a measurement
     of the resident set wants spawned ranks. Accelerator ranks are always spawned, since a forked
-    child cannot use a CUDA context.
+    child cannot use a CUDA context. A signal to this process stops the ranks (module docstring)
+    and raises `Stopped`; they get `stop_grace_s` to finish before they are killed.
     """
     method = "spawn" if spawn or device_type != "cpu" else "fork"
     threads = devices.threads_per_rank(world_size) if device_type == "cpu" else 1
@@ -62,26 +103,61 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
     with tempfile.TemporaryDirectory(prefix="tetrad-rdzv-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main, name=f"tetrad-rank{rank}",
-                             args=(fn, args, rank, world_size, store_path, device_type, threads, pg_timeout_s, tmp))
+                             args=(fn, args, rank, world_size, store_path, device_type, threads, pg_timeout_s, tmp,
+                                   os.getpid()))
                  for rank in range(world_size)]
-        old_omp = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # spawned children read it at start-up
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            os.environ.pop("OMP_NUM_THREADS") if old_omp is None else os.environ.update(OMP_NUM_THREADS=old_omp)
-        try:
-            _wait(procs, timeout_s, Path(tmp))
-        except BaseException:
-            _terminate(procs)
-            raise
+        with _stop_on_signals():
+            try:
+                _start(procs, threads)
+                _wait(procs, timeout_s, Path(tmp))
+            except Stopped:
+                _stop(procs, stop_grace_s)
+                raise
+            except BaseException:
+                _kill(procs)
+                raise
         return [pickle.loads((Path(tmp) / f"rank{r}.out").read_bytes()) for r in range(world_size)]
 
 
-def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_timeout_s, tmp):
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Turn SIGTERM/SIGINT/SIGHUP into `Stopped` while the ranks run (main thread only: Python
+    delivers signals there), and restore the previous handlers afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Stopped(signum)
+    previous = {sig: signal.signal(sig, handler) for sig in FORWARDED}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _start(procs, threads: int) -> None:
+    """Start the ranks with the forwarded signals blocked (a rank unblocks them once it has set up
+    its own handling; the launcher's pending signal is delivered when it unblocks here)."""
+    old_omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # spawned children read it at start-up
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.pop("OMP_NUM_THREADS") if old_omp is None else os.environ.update(OMP_NUM_THREADS=old_omp)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+
+
+def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_timeout_s, tmp, launcher_pid):
+    _die_with_parent(launcher_pid)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked rank inherited the launcher's handlers
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the launcher handles them and sends SIGTERM
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     torch.set_num_threads(threads)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends the ranks
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
     try:
@@ -96,6 +172,21 @@ def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_
         Path(tmp, f"rank{rank}.err").write_text(f"{time.time()!r}\n{traceback.format_exc()}")
         os._exit(1)
     os._exit(0)
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    """Have this rank killed when its launcher dies, however it dies."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    else:
+        def watch():
+            while os.getppid() == launcher_pid:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=watch, name="tetrad-parent-watch", daemon=True).start()
+    if os.getppid() != launcher_pid:  # it died before we asked
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _wait(procs, timeout_s: float | None, tmp: Path) -> None:
@@ -140,13 +231,32 @@ def _describe_failure(procs, tmp: Path) -> str:
     return f"ranks exited with codes {bad} and left no traceback"
 
 
-def _terminate(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 5
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
+def _started(procs) -> list:
+    return [p for p in procs if p.pid is not None]
+
+
+def _kill(procs) -> None:
+    """End the ranks at once: after a failure or a hang no collective can complete, so there is
+    nothing for them to finish."""
+    for p in _started(procs):
         if p.is_alive():
             p.kill()
-            p.join()
+    for p in _started(procs):
+        p.join()
+
+
+def _stop(procs, grace_s: float) -> None:
+    """SIGTERM every rank, give them `grace_s` to finish (a save), then kill the rest; a second
+    signal to the launcher kills them at once."""
+    alive = [p for p in _started(procs) if p.is_alive()]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGTERM)
+    try:
+        deadline = time.monotonic() + grace_s
+        for p in alive:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    except Stopped:
+        pass
+    finally:
+        _kill(procs)

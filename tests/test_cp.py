@@ -47,12 +47,12 @@ def _compare_block_kernels():
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(2, 3, 12, 8, generator=g) for _ in range(4))
     for causal in (True, False):
-        out, lse = attn._block_forward(q, k, v, causal)
+        out, lse = attn._block_forward(q, k, v, causal, "cpu_flash")
         m_out, m_lse = attn._math_forward(q, k, v, causal)
         torch.testing.assert_close(m_out, out, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(m_lse, lse, rtol=1e-5, atol=1e-6)
         for a, b in zip(attn._math_backward(dout, q, k, v, out, lse, causal),
-                        attn._block_backward(dout, q, k, v, out, lse, causal)):
+                        attn._block_backward(dout, q, k, v, out, lse, causal, "cpu_flash")):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 

@@ -50,6 +50,16 @@ def collective_device(group=None) -> torch.device:
     return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
 
 
+def prefers_cudnn_attention(device: torch.device) -> bool:
+    """Whether torch's SDPA would try cuDNN attention first on `device` (its
+    check_prefer_cudnn_attention: Hopper/Blackwell, cuDNN newer than 9.15, cuDNN SDPA enabled)."""
+    if device.type != "cuda" or not torch.backends.cudnn.is_available():
+        return False
+    props = torch.cuda.get_device_properties(device)
+    return ((torch.backends.cudnn.version() or 0) > 91500 and props.major in (9, 10) and props.minor in (0, 3)
+            and torch.backends.cuda.cudnn_sdp_enabled())
+
+
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)

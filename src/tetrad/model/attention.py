@@ -11,17 +11,54 @@ cp > 1 each rank holds two load-balanced chunks of the sequence (parallel/contex
 - all-to-all (`cp_algo="alltoall"`, Ulysses): re-shard from sequence to heads, attend over the
   whole sequence on heads/cp heads, re-shard back.
 
-Block kernels: on CPU the flash kernel `_scaled_dot_product_flash_attention_for_cpu`, which
-returns the log-sum-exp the merge needs and whose backward accepts the final (merged) output
-and log-sum-exp; elsewhere a plain fp32 matmul + logsumexp with the same contract.
+Kernels (`choose_kernel`, one decision per call): on CUDA the fused kernels whose forward returns
+the log-sum-exp and whose backward takes the merged output and log-sum-exp, as torch's own ring
+attention uses them: flash for bf16/fp16 (cuDNN where torch itself prefers it: Hopper/Blackwell
+with a recent cuDNN), memory-efficient for fp32; on CPU the CPU flash kernel; elsewhere a plain
+fp32 matmul + logsumexp with the same contract. Kernels without grouped-query support get K/V
+heads repeated to the query heads (`expand_kv`), so fp32 GQA never falls back to SDPA's math kernel.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from tetrad import device as devices
 from tetrad.parallel.context import load_balanced_order
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """Which attention kernel runs: "flash", "efficient", "cudnn" (CUDA), "cpu_flash", "math"
+    (the fp32 block kernel below) or "sdpa" (torch's own choice), and whether K/V heads are
+    repeated to the query heads first because the kernel has no grouped-query support."""
+    name: str
+    expand_kv: bool
+
+
+def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
+                  cudnn_preferred: bool = False) -> Kernel:
+    """The kernel for attention on `device_type` in `dtype`. `cp_algo="ring"` needs a block
+    kernel that returns the log-sum-exp; otherwise (all-to-all, or no CP) one SDPA call runs
+    over the whole sequence, where torch picks among the kernels this choice makes eligible.
+
+    SDPA's memory-efficient kernel (the only CUDA one for fp32) rejects grouped-query heads, so
+    fp32 GQA repeats them rather than fall back to the math kernel; flash and the CPU kernel take
+    them as they are. `cudnn_preferred` is `device.prefers_cudnn_attention`: the ring's bf16/fp16
+    blocks use cuDNN where torch's SDPA would, except with GQA (torch does not check cuDNN for it).
+    Causal masking does not enter: a ring's causal blocks are square, which every kernel takes.
+    """
+    half = dtype in (torch.bfloat16, torch.float16)
+    if device_type == "cpu":
+        return Kernel("cpu_flash", False)
+    if device_type == "cuda" and half:
+        return Kernel("cudnn" if cp_algo == "ring" and cudnn_preferred and not gqa else "flash", False)
+    if device_type == "cuda":
+        return Kernel("efficient", gqa)
+    return Kernel("math", gqa) if cp_algo == "ring" else Kernel("sdpa", False)
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -31,6 +68,9 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     Returns [b, s, heads, d].
     """
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall").expand_kv:
+        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
@@ -41,18 +81,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo) -> torch.
     if topo.size("cp") == 1:
         return local_attention(q, k, v)
     if topo.cp_algo == "ring":
-        out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo)
+        kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
+                               devices.prefers_cudnn_attention(q.device))
+        out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel)
         return out.transpose(1, 2)
     return alltoall_attention(q, k, v, topo)
 
 
 # ----------------------------------------------------------------------------- block kernels
-# q [b, h, sq, d]; k, v [b, h, sk, d] (same heads); lse [b, h, sq] in fp32.
+# q [b, h, sq, d]; k, v [b, h or kv_heads, sk, d]; lse [b, h, sq] in fp32. A causal block is
+# square. Dropout is 0, so the CUDA backwards never read their random-number state.
+aten = torch.ops.aten
 
-def _block_forward(q, k, v, causal: bool):
+
+def _block_forward(q, k, v, causal: bool, kernel: str):
+    """(output, log-sum-exp) of q's rows over one K/V block."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    if kernel == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    if kernel == "flash":
+        return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    if kernel == "efficient":  # its log-sum-exp is padded to a multiple of 32 rows
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[:2]
+        return out, lse[..., :q.shape[2]]
+    if kernel == "cudnn":  # its log-sum-exp has a trailing unit dimension
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
+        return out, lse.reshape(q.shape[:3])
     return _math_forward(q, k, v, causal)
 
 
@@ -62,12 +116,23 @@ def _math_forward(q, k, v, causal: bool):
     return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool):
+def _block_backward(dout, q, k, v, out, lse, causal: bool, kernel: str):
     """dq, dk, dv of one block, given the *final* output and log-sum-exp of the rows."""
     dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal)
+    sq, sk = q.shape[2], k.shape[2]
+    if kernel == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+    seed, offset = (torch.empty((), dtype=torch.long, device=q.device) for _ in range(2))
+    if kernel == "flash":
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, seed, offset)
+    if kernel == "efficient":
+        lse = F.pad(lse, (0, -sq % 32))
+        return aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal)[:3]
+    if kernel == "cudnn":
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse[..., None], seed, offset, None, None, None, sq, sk, 0.0, causal)
     return _math_backward(dout, q, k, v, out, lse, causal)
 
 
@@ -119,6 +184,19 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor):
+    """Fold one block's (output, log-sum-exp) of `rows` into the fp32 running `out` and `lse`."""
+    new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
+    out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - new_lse).exp()[..., None]
+                       + blk_out.float() * (blk_lse - new_lse).exp()[..., None])
+    lse[:, :, rows] = new_lse
+
+
+def _expansion(q: torch.Tensor, k: torch.Tensor, kernel: Kernel) -> int:
+    """How many times each K/V head is repeated for `kernel` (1: it takes grouped heads)."""
+    return q.shape[1] // k.shape[1] if kernel.expand_kv else 1
+
+
 def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
     b, h, s, d = x.shape
     return x.view(b, h // groups, groups, s, d).sum(2) if groups > 1 else x
@@ -129,9 +207,9 @@ class _RingAttention(torch.autograd.Function):
     this rank's two chunks. Its backward is a second ring, not autograd through the first."""
 
     @staticmethod
-    def forward(ctx, q, k, v, topo):
+    def forward(ctx, q, k, v, topo, kernel: Kernel):
         cp, rank = topo.size("cp"), topo.local_rank("cp")
-        half, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        half, groups = q.shape[2] // 2, _expansion(q, k, kernel)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
         kv = torch.stack([k, v])  # the block that travels: KV heads only
@@ -139,25 +217,22 @@ class _RingAttention(torch.autograd.Function):
             pending, incoming = _pass_on(kv, topo) if step < cp - 1 else (None, None)
             rows, cols, causal = _visible(step, (rank - step) % cp, rank, half)
             blk_out, blk_lse = _block_forward(q[:, :, rows], _repeat_kv(kv[0][:, :, cols], groups),
-                                              _repeat_kv(kv[1][:, :, cols], groups), causal)
-            new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
-            out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - new_lse).exp()[..., None]
-                               + blk_out.float() * (blk_lse - new_lse).exp()[..., None])
-            lse[:, :, rows] = new_lse
+                                              _repeat_kv(kv[1][:, :, cols], groups), causal, kernel.name)
+            _merge(out, lse, rows, blk_out, blk_lse)
             if pending is not None:
                 pending.wait()
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.topo = topo
+        ctx.topo, ctx.kernel = topo, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        topo = ctx.topo
+        topo, kernel = ctx.topo, ctx.kernel
         cp, rank = topo.size("cp"), topo.local_rank("cp")
-        half, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        half, groups = q.shape[2] // 2, _expansion(q, k, kernel)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv_pending = dkv_incoming = None
@@ -167,7 +242,7 @@ class _RingAttention(torch.autograd.Function):
             dq_b, dk_b, dv_b = _block_backward(dout[:, :, rows], q[:, :, rows],
                                                _repeat_kv(kv[0][:, :, cols], groups),
                                                _repeat_kv(kv[1][:, :, cols], groups),
-                                               out[:, :, rows], lse[:, :, rows], causal)
+                                               out[:, :, rows], lse[:, :, rows], causal, kernel.name)
             dq[:, :, rows] += dq_b
             # The dK/dV of the block in hand, fp32; the accumulator for it arrives from the
             # previous rank and leaves for the next, reaching the owner after cp passes.
@@ -182,7 +257,7 @@ class _RingAttention(torch.autograd.Function):
                 kv_pending.wait()
                 kv = kv_incoming
         dkv_pending.wait()
-        return dq.to(q.dtype), dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype), None, None
 
 
 # ----------------------------------------------------------------------------- all-to-all

@@ -55,7 +55,7 @@ def train_command(argv: list[str]) -> int:
           f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
     history = launch.run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type)[0]
     if history:
-        print(f"tetrad: loss {history[0]['loss']:.4f} at step 1 -> {history[-1]['loss']:.4f} at step "
+        print(f"tetrad: loss {history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f} at step "
               f"{history[-1]['step']}; metrics in {cfg.run.dir}/metrics.jsonl")
     return 0
 

@@ -125,6 +125,10 @@ class RunConfig:
     log_every: int = 10
     # Also write the per-step metrics as TensorBoard scalars to RUN_DIR/tensorboard/ (needs `tensorboard`).
     tensorboard: bool = False
+    # Also log them to Weights & Biases (needs `wandb`); the run's name defaults to RUN_DIR's.
+    wandb: bool = False
+    wandb_project: str = "tetrad"
+    wandb_name: str = ""
 
 
 @dataclass
@@ -424,6 +428,11 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
     if runtime and cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("run.tensorboard=true needs the optional `tensorboard` package, which is not installed: "
                           "pip install tensorboard (or tetrad[tensorboard]), or set run.tensorboard=false")
+    if runtime and cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("run.wandb=true needs the optional `wandb` package, which is not installed: "
+                          "pip install wandb (or tetrad[wandb]), or set run.wandb=false")
+    if cfg.run.log_every < 1:
+        raise ConfigError(f"run.log_every must be at least 1 (steps between plain log lines), got {cfg.run.log_every}")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.every < 0:
         raise ConfigError("checkpoint.keep must be >= 1 and checkpoint.every >= 0 (0 = never)")
 

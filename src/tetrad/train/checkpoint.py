@@ -321,6 +321,7 @@ class Checkpointer:
     def __init__(self, cfg, topo, root: Path):
         self.cfg, self.topo, self.root = cfg, topo, Path(root)
         self.world = dist.get_world_size() if topo.distributed else 1
+        self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
 
     @classmethod
     def for_run(cls, cfg, topo, run_dir: Path) -> "Checkpointer":
@@ -342,6 +343,7 @@ class Checkpointer:
         if path is None:
             return 0
         step = self.load(path, params, optimizer, stateful, local)
+        self.resumed_from = path
         if self.topo.rank == 0 and metrics.exists():
             kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= step]
             _replace_text(metrics, "".join(line + "\n" for line in kept))

@@ -1,10 +1,11 @@
 """Per-step metrics: where a step's time went (StepClock), MFU/HFU (FlopRate), and their outputs:
-`RUN_DIR/metrics.jsonl` (a contract, DESIGN.md), the rank-0 progress bar and, optionally,
-TensorBoard."""
+`RUN_DIR/metrics.jsonl` (a contract, DESIGN.md), the rank-0 progress bar or plain log lines and,
+optionally, TensorBoard and wandb."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import sys
 import time
@@ -106,38 +107,69 @@ class FlopRate:
 
 
 class MetricsLog:
-    """Appends one JSON object per optimizer step, drives the progress bar and, with
-    `tensorboard`, writes the numbers as TensorBoard scalars (RUN_DIR/tensorboard/); rank 0 only."""
+    """Rank 0's outputs of each optimizer step: a line of `RUN_DIR/metrics.jsonl`; a progress bar
+    when stdout is a terminal, else a plain log line every `run.log_every` steps (a SLURM log
+    reads line by line); optionally TensorBoard scalars (RUN_DIR/tensorboard/) and wandb."""
 
-    def __init__(self, run_dir: Path, total_steps: int, first_step: int, enabled: bool, tensorboard: bool = False):
-        self.enabled = enabled
-        self.file = self.bar = self.board = None
-        if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.file = open(run_dir / "metrics.jsonl", "a" if first_step else "w")
-            self.bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step",
+    def __init__(self, cfg, first_step: int, enabled: bool):
+        self.enabled, self.total, self.every, self.first_step = enabled, cfg.train.steps, cfg.run.log_every, first_step
+        self.file = self.bar = self.board = self.wandb = None
+        self.start = time.perf_counter()
+        if not enabled:
+            return
+        run_dir = Path(cfg.run.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a" if first_step else "w")
+        if sys.stdout.isatty():
+            self.bar = tqdm(total=self.total, initial=first_step, desc="train", unit="step",
                             dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
-            if tensorboard:  # an optional dependency; config validation has checked it is installed
-                from torch.utils.tensorboard import SummaryWriter
-                self.board = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step + 1)
+        if cfg.run.tensorboard:  # optional dependencies; config validation has checked they are installed
+            from torch.utils.tensorboard import SummaryWriter
+            self.board = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step + 1)
+        if cfg.run.wandb:
+            import wandb
+            self.wandb = wandb.init(project=cfg.run.wandb_project, name=cfg.run.wandb_name or run_dir.name,
+                                    dir=str(run_dir), config=cfg.to_dict())
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        self.bar.set_postfix_str(progress_line(record), refresh=False)
-        self.bar.update(1)
+        if self.bar is not None:
+            self.bar.set_postfix_str(progress_line(record), refresh=False)
+            self.bar.update(1)
+        elif record["step"] % self.every == 0 or record["step"] in (self.first_step + 1, self.total) \
+                or "val_loss" in record:
+            print(self.plain_line(record), flush=True)
+        numbers = list(scalars(record))
         if self.board is not None:
-            for tag, value in scalars(record):
+            for tag, value in numbers:
                 self.board.add_scalar(tag, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(dict(numbers), step=record["step"])
+
+    def plain_line(self, record: dict) -> str:
+        """E.g. "step 20/200 | loss 4.2107, 812 tok/s | ... | lr 3.00e-03 | 0:00:41 elapsed, 0:06:09 left"."""
+        elapsed = time.perf_counter() - self.start
+        done = record["step"] - self.first_step
+        left = elapsed / done * (self.total - record["step"])
+        return (f"step {record['step']}/{self.total} | {progress_line(record)} | lr {record['lr']:.2e} | "
+                f"{_clock(elapsed)} elapsed, {_clock(left)} left")
 
     def close(self) -> None:
         if self.enabled:
-            self.bar.close()
+            if self.bar is not None:
+                self.bar.close()
             self.file.close()
             if self.board is not None:
                 self.board.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def _clock(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
 
 
 def progress_line(record: dict) -> str:
@@ -145,10 +177,11 @@ def progress_line(record: dict) -> str:
     "loss 4.2107, 812 tok/s, mfu 3.1% | compute 41% comm 30% bubble 22% opt 6% data 0%"."""
     step = record["step_time_s"]
     mfu = f", mfu {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
+    val = f", val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
     split = " ".join(f"{name} {100 * record[key] / step:.0f}%" for name, key in
                      (("compute", "compute_s"), ("comm", "exposed_comm_s"), ("bubble", "bubble_s"),
                       ("opt", "optimizer_s"), ("data", "data_s")) if key in record)
-    return f"loss {record['loss']:.4f}, {record['tokens_per_s']:.0f} tok/s{mfu} | {split}"
+    return f"loss {record['loss']:.4f}{val}, {record['tokens_per_s']:.0f} tok/s{mfu} | {split}"
 
 
 def scalars(record: dict, prefix: str = ""):

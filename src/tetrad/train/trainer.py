@@ -168,7 +168,10 @@ class Trainer:
         stateful = {"scaler": self.scaler}
         local = {"grads": self.grads, "dropout": DropoutGenerators(self.model)}
         start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful, local)
-        log = MetricsLog(self.run_dir, cfg.train.steps, start, is_logger, tensorboard=cfg.run.tensorboard)
+        if is_logger and start:
+            print(f"tetrad: resumed from {ckpt.resumed_from} (step {start}); continuing at step {start + 1}",
+                  flush=True)
+        log = MetricsLog(cfg, start, is_logger)
         history = []
         profiler = self._profiler(start)
         try:

@@ -34,14 +34,16 @@ def tetrad_train(run_dir: Path, *args: str, stdout=subprocess.PIPE) -> subproces
 
 
 def test_plain_lines_off_a_terminal_then_a_resume_says_where_it_starts(tmp_path):
-    proc = tetrad_train(tmp_path, "--train.steps=4", "--run.log_every=2", "--checkpoint.every=4")
+    proc = tetrad_train(tmp_path, "--train.steps=4", "--run.log_every=2", "--checkpoint.every=4",
+                        "--train.eval_every=3", "--train.eval_steps=1")
     out = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 0, out
     assert "\r" not in out  # no progress bar in a log file
     lines = [line for line in out.splitlines() if line.startswith("step ")]
-    assert [line.split(" |")[0] for line in lines] == ["step 1/4", "step 2/4", "step 4/4"]
+    assert [line.split(" |")[0] for line in lines] == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"]
+    assert ["val_loss" in line for line in lines] == [False, False, True, True]  # evaluation steps are logged
     assert "lr " in lines[-1] and "elapsed" in lines[-1]
-    assert "at step 1 ->" in out.splitlines()[-1]
+    assert "at step 1 ->" in out.splitlines()[-1] and ", val_loss " in out.splitlines()[-1]
     proc = tetrad_train(tmp_path, "--train.steps=6", "--run.log_every=2")
     out = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 0, out

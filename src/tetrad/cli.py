@@ -55,8 +55,10 @@ def train_command(argv: list[str]) -> int:
           f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
     history = launch.run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type)[0]
     if history:
+        evaluated = [r for r in history if "val_loss" in r]
+        val = f", val_loss {evaluated[-1]['val_loss']:.4f} at step {evaluated[-1]['step']}" if evaluated else ""
         print(f"tetrad: loss {history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f} at step "
-              f"{history[-1]['step']}; metrics in {cfg.run.dir}/metrics.jsonl")
+              f"{history[-1]['step']}{val}; metrics in {cfg.run.dir}/metrics.jsonl")
     return 0
 
 

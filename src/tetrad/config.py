@@ -101,6 +101,10 @@ class TrainConfig:
     offload_optimizer: bool = False
     # torch.compile each transformer block.
     compile: bool = False
+    # Validation loss every eval_every steps and at the last step (0: never), over eval_steps
+    # held-out global batches.
+    eval_every: int = 0
+    eval_steps: int = 4
     # torch.profiler Chrome traces of these steps (1-based, "3-5" or "4"), one per rank in RUN_DIR/traces/.
     profile: str = ""
 
@@ -315,7 +319,7 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
             v = getattr(obj, f.name)
             positive = f.name in {"n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size",
                                   "seq_len", "dp", "tp", "pp", "cp", "vpp", "ranks_per_node", "steps",
-                                  "global_batch", "micro_batch"}
+                                  "global_batch", "micro_batch", "eval_steps"}
             if positive and v < 1:
                 raise ConfigError(f"{section}.{f.name} must be at least 1, got {v}")
     if world_size is not None and p.world_size != world_size:
@@ -403,6 +407,8 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
                               f"over nodes of ranks_per_node={p.ranks_per_node} (tp={p.tp} per replica); "
                               f"use a ranks_per_node that is a multiple of tp and divides or is divided by "
                               f"dp*cp*tp")
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every must be >= 0 (0 = no validation), got {t.eval_every}")
     if t.warmup < 0 or t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0; got lr={t.lr}, "
                           f"min_lr_ratio={t.min_lr_ratio}, warmup={t.warmup}")

@@ -24,7 +24,7 @@ from tetrad.model.tensor import DropoutGenerators
 from tetrad.parallel.context import shard_sequence
 from tetrad.parallel.data import GradReducer
 from tetrad.parallel.pipeline.executor import PipelineExecutor
-from tetrad.parallel.pipeline.schedules import build_schedule
+from tetrad.parallel.pipeline.schedules import build_schedule, forward_only
 from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.topology import Layout, Topology
 from tetrad.train.checkpoint import Checkpointer
@@ -70,15 +70,19 @@ class Trainer:
         self.scaler = LossScaler(enabled=cfg.train.dtype == "fp16")
         self.activations = ActivationMeter()
         self.topo.weight_grads.hold = self.activations.hold
-        self.batches = Batches(load_tokens(cfg.data.source), cfg.model.seq_len, cfg.train.global_batch,
-                               cfg.train.seed, cfg.model.vocab_size)
+        tokens = load_tokens(cfg.data.source)
+        self.batches = Batches(tokens, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
+        # Until a held-out split exists: evaluation windows drawn with another seed from the same tokens.
+        self.val_batches = Batches(tokens, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed + 1,
+                                   cfg.model.vocab_size)
         self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         # Without a pipeline the schedule is F, B per micro-batch: plain gradient accumulation.
         schedule = build_schedule(p.schedule if p.pp > 1 else "1f1b", p.pp, cfg.microbatches, p.vpp)
         tokens = cfg.model.seq_len // p.cp // (p.tp if self.topo.sequence_parallel else 1)
-        self.pipeline = PipelineExecutor(self.model, schedule, self.topo, self.grads,
-                                         (cfg.train.micro_batch, tokens, cfg.model.d_model), dtype)
+        shape = (cfg.train.micro_batch, tokens, cfg.model.d_model)
+        self.pipeline = PipelineExecutor(self.model, schedule, self.topo, self.grads, shape, dtype)
+        self.eval_pipeline = PipelineExecutor(self.model, forward_only(schedule), self.topo, self.grads, shape, dtype)
         self.timeline: list = []  # the last step's per-action times on this rank
         self.clock = StepClock(self.topo.comm)  # where each step's time went (metrics.py)
         self.flop_rate = FlopRate(cfg, device)
@@ -87,12 +91,41 @@ class Trainer:
         """Summed token loss of this rank's micro-batches (zero off the last pipeline stage);
         gradients (of the loss times `grad_scale`, fp16's loss scale) accumulate in the
         reducer's buckets."""
-        # Context parallel: this rank's two load-balanced chunks of every sequence (context.py).
+        local, positions = self._sequence_shards(microbatches)
+        total, self.timeline = self.pipeline.run(local, positions, grad_scale / self.tokens_per_step)
+        return total
+
+    def _sequence_shards(self, microbatches):
+        """Context parallel: this rank's two load-balanced chunks of every sequence (context.py),
+        and their positions."""
         cp, cp_rank = self.topo.size("cp"), self.topo.local_rank("cp")
         positions = shard_sequence(torch.arange(self.cfg.model.seq_len, device=self.topo.device), cp, cp_rank)
         local = [tuple(shard_sequence(t.to(self.topo.device), cp, cp_rank) for t in pair) for pair in microbatches]
-        total, self.timeline = self.pipeline.run(local, positions, grad_scale / self.tokens_per_step)
-        return total
+        return local, positions
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss: the mean token loss over `eval_steps` held-out global batches (the
+        same ones each time), computed in the training layout with a forward-only pipeline
+        schedule and summed over ranks as a training step's loss is. Dropout is off."""
+        cfg, topo = self.cfg, self.topo
+        total = torch.zeros((), device=topo.device)
+        self.model.eval()
+        try:
+            for i in range(cfg.train.eval_steps):
+                micro = self.val_batches.microbatches(i, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
+                local, positions = self._sequence_shards(micro)
+                total += self.eval_pipeline.run(local, positions, 1.0)[0]
+        finally:
+            self.model.train()
+        topo.comm.all_reduce(total, "dp_cp")
+        topo.comm.all_reduce(total, "pp")
+        return float(total) / (self.tokens_per_step * cfg.train.eval_steps)
+
+    def _evaluates_after(self, step: int) -> bool:
+        """Whether validation runs after 0-based `step`: every eval_every steps and at the last."""
+        every = self.cfg.train.eval_every
+        return every > 0 and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps)
 
     def train_step(self, step: int) -> dict:
         cfg, topo = self.cfg, self.topo
@@ -178,6 +211,8 @@ class Trainer:
             with profiler or contextlib.nullcontext():
                 for step in range(start, cfg.train.steps):
                     record = self.train_step(step)
+                    if self._evaluates_after(step):
+                        record["val_loss"] = self.evaluate()
                     history.append(record)
                     log.log(record)
                     ckpt.maybe_save(step + 1, params, self.optimizer, stateful, local)

@@ -1,7 +1,7 @@
 """`tetrad report RUN_DIR`: what a run did and where its time went, as PNGs and one
 self-contained HTML page (the PNGs embedded) in RUN_DIR/report/.
 
-Panels: loss; step time split into compute / exposed communication / pipeline bubble; bytes per
+Panels: loss and validation loss; step time split into compute / exposed communication / pipeline bubble; bytes per
 group against the planner's count; predicted (planner) against measured step time and memory;
 counted memory per rank (model states, saved activations) against the planner's parts;
 the measured pipeline timeline beside the simulated one when the run recorded one
@@ -51,8 +51,12 @@ def plot_loss(records, path: Path) -> None:
     fig = _figure()
     ax = fig.add_subplot()
     steps = [r["step"] for r in records]
-    ax.plot(steps, [r["loss"] for r in records], color=COLOURS["compute"], lw=1.8)
-    _style(ax, "Training loss", "step", "loss (mean per token)")
+    ax.plot(steps, [r["loss"] for r in records], color=COLOURS["compute"], lw=1.8, label="training")
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if val:
+        ax.plot(*zip(*val), color=COLOURS["tp"], lw=1.5, marker="o", ms=4, label="validation (held out)")
+        ax.legend(loc="upper center", fontsize=8, frameon=False)
+    _style(ax, "Training and validation loss" if val else "Training loss", "step", "loss (mean per token)")
     ax2 = ax.twinx()
     ax2.plot(steps, [r["lr"] for r in records], color="#999999", lw=1, ls="--")
     ax2.set_ylabel("learning rate (dashed)", color="#777777")
@@ -234,6 +238,7 @@ def _html(cfg, records, steady, images, notes) -> str:
              ("layout", f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}, zero={p.zero}, schedule {p.schedule}"),
              ("steps", f"{last['step']} of {cfg.train.steps}"),
              ("loss", f"{records[0]['loss']:.4f} → {last['loss']:.4f}"),
+             *[("validation loss", f"{r['val_loss']:.4f} at step {r['step']}") for r in records if "val_loss" in r][-1:],
              ("step time (median, after step 1)", f"{1e3 * step_s:.1f} ms: {split}"),
              ("tokens/s (median)", f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f}")]
     if all(r.get("mfu") is not None for r in steady):

@@ -39,6 +39,7 @@ class Schedule:
     microbatches: int
     vpp: int
     actions: list[list[Action]]  # one ordered list per pipeline rank
+    forward_only: bool = False  # an evaluation's: forwards, no backward
 
     @property
     def stages(self) -> int:
@@ -243,14 +244,16 @@ def replay(s: Schedule, cost: dict[str, list] | None = None, p2p: float = 0) -> 
             work += t - start
             i += 1
         pos[rank], busy[rank] = i, work
-    if broken or any(pos[r] < len(s.actions[r]) for r in range(pp)) or None in act or None in grad or 0 in weight:
+    backward_missing = not s.forward_only and (None in grad or 0 in weight)
+    if broken or any(pos[r] < len(s.actions[r]) for r in range(pp)) or None in act or backward_missing:
         _check_structure(s)  # names a missing, duplicated or malformed action if there is one
         raise ScheduleError(_describe_stall(s, pos, act, grad))
     return starts, ends, busy
 
 
 def _check_structure(s: Schedule) -> None:
-    """Every rank runs F once per (mb, chunk), and either B or BI+BW once; nothing else.
+    """Every rank runs F once per (mb, chunk), and either B or BI+BW once (neither in a forward-only
+    schedule); nothing else.
 
     Only called once replay has failed, to name the action at fault; not written for speed.
     """
@@ -275,6 +278,8 @@ def _check_structure(s: Schedule) -> None:
                 if "B" in has and has & {"BI", "BW"}:
                     raise ScheduleError(f"rank {rank} runs both {Action('B', mb, chunk)} and its halves "
                                         f"BI/BW; use B, or BI and BW")
+                if s.forward_only:
+                    continue
                 if not has & {"B", "BI", "BW"}:
                     raise ScheduleError(f"rank {rank} is missing {Action('B', mb, chunk)} (or BI and BW)")
                 lacking = sorted({"BI", "BW"} - has) if "B" not in has else []
@@ -306,6 +311,15 @@ def _describe_stall(s: Schedule, pos: list[int], act: list, grad: list) -> str:
     else:
         chain.append(f"which waits on rank {rank} again")
     return "schedule deadlocks: " + "; ".join(chain)
+
+
+def forward_only(s: Schedule) -> Schedule:
+    """`s` without its backward actions: the forwards of an evaluation (no gradients), in the order
+    `s` runs them. A forward never waits on a backward, so they cannot stall where `s` does not."""
+    s = Schedule(s.name, s.pp, s.microbatches, s.vpp, [[a for a in r if a.kind == "F"] for r in s.actions],
+                 forward_only=True)
+    validate_schedule(s)
+    return s
 
 
 def validate_schedule(s: Schedule) -> None:

@@ -40,6 +40,7 @@ def train_command(argv: list[str]) -> int:
     path, overrides = _split_config_args(argv)
     cfg = load_config(path, overrides + launch.torchrun_overrides(), world_size=launch.torchrun_world_size())
     device_type = devices.resolve_device_type(cfg.train.device)
+    devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
     validate_device(cfg, device_type)
     p = cfg.parallel
     if launch.in_torchrun():

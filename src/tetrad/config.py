@@ -105,6 +105,8 @@ class TrainConfig:
     # held-out global batches.
     eval_every: int = 0
     eval_steps: int = 4
+    # fp32 matmuls on TF32 tensor cores (CUDA only; reported as `tf32` in metrics.jsonl).
+    tf32: bool = True
     # torch.profiler Chrome traces of these steps (1-based, "3-5" or "4"), one per rank in RUN_DIR/traces/.
     profile: str = ""
 
@@ -445,19 +447,14 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
 
 def validate_device(cfg: Config, device_type: str) -> None:
     """The checks that need the device `train.device` resolved to (before any rank starts)."""
-    import torch
-
+    from tetrad.device import dtype_problem
     from tetrad.train.precision import model_dtype
     t = cfg.train
     if t.offload_optimizer and device_type == "cpu":
         raise ConfigError("train.offload_optimizer moves optimizer state off an accelerator, and this machine has "
                           "none (train.device resolved to 'cpu'): set train.offload_optimizer=false")
-    if t.dtype in ("bf16", "fp16"):
-        dtype = model_dtype(t.dtype)
-        try:
-            x = torch.ones((8, 8), dtype=dtype, device=device_type)
-            (x @ x).sum().item()
-        except RuntimeError as e:
-            other = "bf16" if t.dtype == "fp16" else "fp32"
-            raise ConfigError(f"train.dtype={t.dtype!r}: this {device_type} device cannot multiply {t.dtype} "
-                              f"matrices ({str(e).splitlines()[0]}); use train.dtype={other!r} or 'fp32'") from None
+    problem = dtype_problem(device_type, model_dtype(t.dtype)) if t.dtype in ("bf16", "fp16") else None
+    if problem:
+        other = "bf16" if t.dtype == "fp16" else "fp32"
+        raise ConfigError(f"train.dtype={t.dtype!r}: this {device_type} device cannot multiply {t.dtype} "
+                          f"matrices ({problem}); use train.dtype={other!r} or 'fp32'")

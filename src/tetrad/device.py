@@ -42,6 +42,56 @@ def bind_rank(device_type: str, local_rank: int) -> torch.device:
     return torch.device(device_type, local_rank)
 
 
+def configure_allocator(device_type: str, environ=os.environ) -> None:
+    """Expandable segments for the CUDA caching allocator (less fragmentation: reserved memory stays
+    closer to allocated) unless the user configured the allocator. Call before the process first
+    uses CUDA: torch reads the variable once, when its allocator starts; spawned ranks inherit it."""
+    if device_type == "cuda" and not any(name in environ for name in ALLOC_CONF_VARIABLES):
+        environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+
+
+# torch >= 2.9 reads PYTORCH_ALLOC_CONF, and PYTORCH_CUDA_ALLOC_CONF as its deprecated name.
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def dtype_problem(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why `device_type` on this machine cannot train in `dtype`, or None. CUDA devices are asked
+    for their compute capability, which allocates nothing: an allocation here (before ranks bind
+    their devices) would open a context on GPU 0 in every process that checks. The CPU is tried."""
+    if device_type == "cuda":
+        if torch.version.hip:
+            return None
+        for index in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(index)
+            if dtype == torch.bfloat16 and major < 8:
+                return f"bf16 needs compute capability 8.0 (Ampere) or newer; GPU {index} has {major}.{minor}"
+            if dtype == torch.float16 and (major, minor) < (5, 3):
+                return f"fp16 needs compute capability 5.3 or newer; GPU {index} has {major}.{minor}"
+        return None
+    if device_type == "cpu":
+        try:
+            x = torch.ones((8, 8), dtype=dtype)
+            (x @ x).sum().item()
+        except RuntimeError as e:
+            return str(e).splitlines()[0]
+    return None  # other accelerators: nothing to ask without allocating; a rank fails if unsupported
+
+
+def set_fp32_matmul(device: torch.device, tf32: bool) -> None:
+    """TF32 tensor cores for fp32 matmuls on CUDA (10 mantissa bits in the products, fp32
+    accumulation), or full IEEE fp32. Elsewhere fp32 matmuls stay fp32."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
+
+
+def uses_tf32(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.backends.cuda.matmul.fp32_precision == "tf32"
+
+
+# Device types with torch's fused (one kernel per step) AdamW.
+FUSED_OPTIMIZER_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
 def collective_device(group=None) -> torch.device:
     """The device whose tensors `group`'s backend moves: the CPU for gloo, else this rank's
     accelerator (NCCL takes no CPU tensors)."""
@@ -122,6 +172,19 @@ def peak_memory_bytes(device: torch.device, since: int = 0) -> int:
     except OSError:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return peak - since
+
+
+def accelerator_fields(device: torch.device) -> dict:
+    """Per-step metrics only an accelerator has: the caching allocator's peak reserved memory
+    since start_memory_tracking (what runs out on a GPU, not only what is allocated), how many
+    allocations it retried after freeing its cache (each a synchronising slow path, a sign of
+    fragmentation; a running count), and whether fp32 matmuls use TF32. Empty on CPU: the fields
+    are absent where the device has none of these, never zero."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+            "alloc_retries": stats.get("num_alloc_retries", 0), "tf32": uses_tf32(device)}
 
 
 def _proc_status_bytes(field: str) -> int:

@@ -7,13 +7,17 @@ import math
 import torch
 
 from tetrad.config import TrainConfig
+from tetrad.device import FUSED_OPTIMIZER_DEVICES
 from tetrad.model.sharding import spec_of
 
 
 def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
     """tetrad's AdamW (betas 0.9, 0.95, as Megatron and Llama use), weight decay on `decay` only."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    # torch's fused kernel (one per step, not a loop over tensors) wherever it exists, the CPU included.
+    fused = all(p.device.type in FUSED_OPTIMIZER_DEVICES for p in decay + no_decay)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                             fused=fused)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:

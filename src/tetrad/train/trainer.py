@@ -169,6 +169,7 @@ class Trainer:
             # Model states counted from this rank's tensors; activations: the peak of what autograd
             # saved for backward (train/memory.py); peak: device.peak_memory_bytes.
             "memory_bytes": {"peak": peak, **model_states, "activations": self.activations.peak},
+            **devices.accelerator_fields(topo.device),
         }
 
     def _profiler(self, first_step: int):
@@ -243,4 +244,5 @@ class Trainer:
 def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:
     """Entry point of a rank inside an initialised process group (local or torchrun)."""
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    devices.set_fp32_matmul(device, cfg.train.tf32)
     return Trainer(cfg, device).fit()

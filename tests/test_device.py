@@ -1,0 +1,76 @@
+"""The device seam on a machine without a GPU: the dtype check asks CUDA for capabilities and
+allocates nothing, the allocator is configured unless the user did, TF32 is a config key, the
+accelerator-only metrics are absent on CPU, and AdamW is torch's fused kernel here too."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_ranks, tiny_config
+from tetrad import device as devices
+from tetrad.config import ConfigError, load_config, validate_device
+from tetrad.train.optim import build_optimizer
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A stand-in for CUDA's device queries: two GPUs of the capabilities the test sets. Any
+    allocation on "cuda" still fails in this CPU build of torch, so a check that allocates fails."""
+    capabilities = {0: (9, 0), 1: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])
+    return capabilities
+
+
+def test_dtype_check_reads_capabilities_without_allocating(two_gpus):
+    cfg = load_config(overrides={"train": {"dtype": "bf16"}})
+    validate_device(cfg, "cuda")  # allocating here would raise: torch has no CUDA on this machine
+    two_gpus[1] = (7, 5)
+    with pytest.raises(ConfigError, match=r"GPU 1 has 7\.5.*use train.dtype='fp32'"):
+        validate_device(cfg, "cuda")
+    assert devices.dtype_problem("cuda", torch.float16) is None  # 7.5 multiplies fp16
+
+
+def test_allocator_gets_expandable_segments_unless_the_user_chose():
+    env = {}
+    devices.configure_allocator("cuda", env)
+    assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    for name in devices.ALLOC_CONF_VARIABLES:
+        env = {name: "max_split_size_mb:128"}
+        devices.configure_allocator("cuda", env)
+        assert env == {name: "max_split_size_mb:128"}
+    env = {}
+    devices.configure_allocator("cpu", env)
+    assert env == {}
+
+
+def test_tf32_is_a_config_key_that_leaves_cpu_matmuls_alone():
+    assert load_config().train.tf32 is True
+    assert load_config(overrides={"train": {"tf32": False}}).train.tf32 is False
+    before = torch.backends.cuda.matmul.fp32_precision
+    devices.set_fp32_matmul(torch.device("cpu"), True)
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    assert not devices.uses_tf32(torch.device("cpu"))
+
+
+def test_adamw_is_fused_on_cpu():
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
+    opt = build_optimizer(params, tiny_config().train)
+    assert opt.defaults["fused"] is True
+
+
+def _train_two_steps(cfg):
+    from tetrad.train.trainer import train_on_this_rank
+    train_on_this_rank(cfg, "cpu")
+    return [json.loads(line) for line in open(f"{cfg.run.dir}/metrics.jsonl")]
+
+
+def test_accelerator_fields_are_absent_on_cpu():
+    """Reserved memory, allocator retries and TF32 are not written as zeros where a CPU has none."""
+    records = run_ranks(_train_two_steps, 1, tiny_config(train={"steps": 2}))[0]
+    assert len(records) == 2
+    for record in records:
+        assert record["peak_memory_gib"] > 0  # what the CPU does measure is there
+        assert not {"peak_reserved_gib", "alloc_retries", "tf32"} & record.keys()
+    assert devices.accelerator_fields(torch.device("cpu")) == {}

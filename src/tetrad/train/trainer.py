@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -27,12 +28,13 @@ from tetrad.parallel.pipeline.executor import PipelineExecutor
 from tetrad.parallel.pipeline.schedules import build_schedule, forward_only
 from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.topology import Layout, Topology
-from tetrad.train.checkpoint import Checkpointer
+from tetrad.train.checkpoint import Checkpointer, step_dir
 from tetrad.train.data import Batches, load_tokens
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock
 from tetrad.train.optim import lr_at
 from tetrad.train.precision import LossScaler, model_dtype
+from tetrad.train.stopping import StopSignals
 
 
 def build_model(cfg: Config, topo: Topology) -> PipelineStages:
@@ -209,7 +211,7 @@ class Trainer:
         history = []
         profiler = self._profiler(start)
         try:
-            with profiler or contextlib.nullcontext():
+            with StopSignals() as signals, profiler or contextlib.nullcontext():
                 for step in range(start, cfg.train.steps):
                     record = self.train_step(step)
                     if self._evaluates_after(step):
@@ -221,9 +223,22 @@ class Trainer:
                         self._write_timeline()
                     if profiler is not None:
                         profiler.step()
+                    signum = signals.agreed(self.topo)
+                    if signum and step + 1 < cfg.train.steps:
+                        self._save_and_stop(step + 1, signum, ckpt, (params, self.optimizer, stateful, local))
+                        break
         finally:
             log.close()
         return history
+
+    def _save_and_stop(self, step: int, signum: int, ckpt: Checkpointer, state: tuple) -> None:
+        """Save after `step` (unless `checkpoint.every` just did) before a stop that a signal asked for."""
+        path = step_dir(ckpt.root, step)
+        if not path.is_dir():  # maybe_save's barrier has passed: every rank sees the same folder
+            path = ckpt.save(step, *state)
+        if self.topo.rank == 0:
+            print(f"tetrad: {signal.Signals(signum).name} received; saved {path} after step {step} of "
+                  f"{self.cfg.train.steps}. Run the same command again to resume.", flush=True)
 
     def _write_timeline(self) -> None:
         """The step's measured pipeline timeline, one file per pipeline rank (those at dp, cp

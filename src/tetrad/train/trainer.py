@@ -32,6 +32,7 @@ from tetrad.train.checkpoint import Checkpointer, step_dir
 from tetrad.train.data import Batches, load_tokens
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock
+from tetrad.train import telemetry
 from tetrad.train.optim import lr_at
 from tetrad.train.precision import LossScaler, model_dtype
 from tetrad.train.stopping import StopSignals
@@ -88,6 +89,7 @@ class Trainer:
         self.timeline: list = []  # the last step's per-action times on this rank
         self.clock = StepClock(self.topo.comm)  # where each step's time went (metrics.py)
         self.flop_rate = FlopRate(cfg, device)
+        self.telemetry = telemetry.for_device(device)  # None where the device reports nothing
 
     def forward_backward(self, microbatches, grad_scale: float = 1.0) -> torch.Tensor:
         """Summed token loss of this rank's micro-batches (zero off the last pipeline stage);
@@ -172,6 +174,7 @@ class Trainer:
             # saved for backward (train/memory.py); peak: device.peak_memory_bytes.
             "memory_bytes": {"peak": peak, **model_states, "activations": self.activations.peak},
             **devices.accelerator_fields(topo.device),
+            **(self.telemetry.take() if self.telemetry else {}),
         }
 
     def _profiler(self, first_step: int):
@@ -229,6 +232,8 @@ class Trainer:
                         break
         finally:
             log.close()
+            if self.telemetry:
+                self.telemetry.stop()
         return history
 
     def _save_and_stop(self, step: int, signum: int, ckpt: Checkpointer, state: tuple) -> None:

@@ -245,6 +245,11 @@ def _html(cfg, records, steady, images, notes) -> str:
         facts.append(("MFU / HFU (median)", f"{100 * statistics.median(r['mfu'] for r in steady):.2f}% / "
                                             f"{100 * statistics.median(r['hfu'] for r in steady):.2f}% of the "
                                             "device profile's peak (plan/flops.py convention)"))
+    from tetrad.train.telemetry import FIELDS as TELEMETRY_FIELDS
+    sampled = [f"{label} {statistics.median(r[key] for r in steady if key in r):.1f}"
+               for key, label in TELEMETRY_FIELDS.items() if any(key in r for r in steady)]
+    if sampled:  # accelerators only
+        facts.append(("device telemetry (median of step means)", ", ".join(sampled)))
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in facts)
     figs = "".join(f'<figure><img alt="{img.stem}" src="data:image/png;base64,'
                    f'{base64.b64encode(img.read_bytes()).decode()}"></figure>' for img in images)

@@ -4,7 +4,11 @@
 
 `bench gemm` times matmuls by shape and dtype on one rank; `bench comm` times collectives over
 local ranks (tetrad.comm.bench). Each updates its own part of OUT/hardware.json, so they can run
-apart; OUT/cluster.toml points a one-node cluster at the profile for `--cluster`.
+apart; OUT/cluster.toml points a one-node cluster at the profile for `--cluster`. On an
+accelerator (`--device auto` finds it) both run there: device GEMMs at training-sized shapes,
+and the collectives over the backend torch pairs with it (NCCL on NVIDIA GPUs), one rank per local
+device, with nccl-tests' bus-bandwidth convention; the profile then starts from the built-in
+profile of that device.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (M, K, N): square sizes and the shapes of a small transformer's projections.
 DEFAULT_SHAPES = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (256, 1024, 256))
+# On accelerators: squares, and the projections of a Llama-3-8B layer (4096 wide, ffn 14336)
+# over 8192 tokens.
+ACCELERATOR_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 14336), (8192, 14336, 4096))
 
 
 def time_gemm(m: int, k: int, n: int, dtype: torch.dtype, device: str = "cpu", min_time_s: float = 0.2) -> float:
@@ -30,37 +37,44 @@ def time_gemm(m: int, k: int, n: int, dtype: torch.dtype, device: str = "cpu", m
     out = torch.empty(m, n, dtype=dtype, device=dev)
     torch.matmul(a, b, out=out)  # warm-up
     devices.synchronize(dev)
-    calls, start = 0, time.perf_counter()
+    calls, batch, start = 0, 1, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < min_time_s:
-        torch.matmul(a, b, out=out)
+        for _ in range(batch):  # queued back to back: one synchronisation per batch, not per call
+            torch.matmul(a, b, out=out)
         devices.synchronize(dev)
-        calls += 1
+        calls, batch = calls + batch, 2 * batch
     return 2 * m * k * n * calls / elapsed / 1e12
 
 
-def bench_gemm(shapes=DEFAULT_SHAPES, dtypes=("fp32", "bf16"), device: str = "cpu") -> list[dict]:
+def bench_gemm(shapes=None, dtypes=("fp32", "bf16"), device: str = "cpu") -> list[dict]:
+    shapes = shapes or (DEFAULT_SHAPES if device == "cpu" else ACCELERATOR_SHAPES)
     return [{"m": m, "k": k, "n": n, "dtype": d, "tflops": time_gemm(m, k, n, DTYPES[d], device)}
             for d in dtypes for m, k, n in shapes]
 
 
-def memory_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+def memory_gbps(device: str = "cpu", repeats: int = 5) -> float:
     """Copy bandwidth (read + write) of a large buffer: what element-wise work and the optimizer see."""
-    src = torch.ones(nbytes // 4)
+    from tetrad import device as devices
+    dev = torch.device(device)
+    nbytes = 64 << 20 if dev.type == "cpu" else 1 << 30
+    src = torch.ones(nbytes // 4, device=dev)
     dst = torch.empty_like(src)
     dst.copy_(src)
+    devices.synchronize(dev)
     start = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
+    devices.synchronize(dev)
     return 2 * nbytes * repeats / (time.perf_counter() - start) / 1e9
 
 
-def gemm_profile(rows: list[dict]) -> dict:
+def gemm_profile(rows: list[dict], device: str = "cpu") -> dict:
     """The profile's compute part: the best achieved rate per dtype as the peak. Efficiency 1.0:
     the peak is already achieved, and the planner lowers it for small shapes."""
     peaks: dict[str, float] = {}
     for r in rows:
         peaks[r["dtype"]] = max(peaks.get(r["dtype"], 0.0), r["tflops"])
-    return {"peak_tflops": peaks, "gemm_efficiency": 1.0, "memory_gbps": memory_gbps(), "gemm": rows}
+    return {"peak_tflops": peaks, "gemm_efficiency": 1.0, "memory_gbps": memory_gbps(device), "gemm": rows}
 
 
 def comm_profile(rows: list[dict]) -> dict:
@@ -70,14 +84,12 @@ def comm_profile(rows: list[dict]) -> dict:
     return {"links": {"intra_node": link, "inter_node": link}, "collectives": rows}
 
 
-def write_profile(out: Path, part: dict, name: str, ranks_per_node: int) -> Path:
+def write_profile(out: Path, part: dict, name: str, ranks_per_node: int, device: str = "cpu") -> Path:
     """Merge `part` into OUT/hardware.json (keeping the other bench's part) and write OUT/cluster.toml."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "hardware.json"
     profile = json.loads(path.read_text()) if path.exists() else {}
-    profile.update({"name": name, "base": "CPU",
-                    "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / ranks_per_node},
-                   **part)
+    profile.update(_device_facts(device, ranks_per_node), name=name, **part)
     path.write_text(json.dumps(profile, indent=2) + "\n")
     (out / "cluster.toml").write_text(f'[cluster]\ngpu = "hardware.json"\ngpus_per_node = {ranks_per_node}\n'
                                       "nodes = 1\n")
@@ -85,46 +97,74 @@ def write_profile(out: Path, part: dict, name: str, ranks_per_node: int) -> Path
 
 
 def bench_command(argv: list[str]) -> int:
+    from tetrad import device as devices
     ap = argparse.ArgumentParser(prog="tetrad bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("what", nargs="?", choices=("comm", "gemm", "all"), default="all")
     ap.add_argument("--out", default="bench", help="folder for hardware.json and cluster.toml (default: bench)")
     ap.add_argument("--name", default=f"measured-{os.uname().nodename}")
-    ap.add_argument("--ranks", default="2,4,8", help="comm: group sizes, comma-separated (local CPU ranks)")
-    ap.add_argument("--sizes-kb", default=",".join(str(s >> 10) for s in _default_sizes()),
-                    help="comm: message sizes in KiB, comma-separated")
+    ap.add_argument("--device", default="auto", help="cpu, cuda, ... (default auto: the accelerator if any)")
+    ap.add_argument("--ranks", help="comm: group sizes, comma-separated (default 2,4,8 CPU ranks; on an "
+                                    "accelerator the powers of two up to the local device count)")
+    ap.add_argument("--sizes-kb", help="comm: message sizes in KiB, comma-separated (default: 4 KiB-16 MiB on "
+                                       "CPU, 64 KiB-1 GiB on an accelerator)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="gemm: intra-op threads, as one training rank gets (default 1: one rank per core)")
-    ap.add_argument("--device", default="cpu", help="gemm: device to time on")
+                    help="gemm on CPU: intra-op threads, as one training rank gets (default 1: one rank per core)")
     ap.add_argument("--json", action="store_true", help="print the measurements as JSON instead of tables")
     args = ap.parse_args(argv)
-    ranks = [int(x) for x in args.ranks.split(",")]
+    device = devices.resolve_device_type(args.device)
+    devices.configure_allocator(device)
+    local = devices.local_device_count(device)
+    ranks = [int(x) for x in args.ranks.split(",")] if args.ranks else \
+        [2, 4, 8] if device == "cpu" else [n for n in (2, 4, 8) if n <= local]
+    sizes = [int(s) << 10 for s in args.sizes_kb.split(",")] if args.sizes_kb else list(_default_sizes(device))
     out = Path(args.out)
     if args.what in ("gemm", "all"):
         torch.set_num_threads(args.threads)
-        rows = bench_gemm(device=args.device)
-        part = gemm_profile(rows)
-        print(json.dumps(rows, indent=2) if args.json else _gemm_table(rows, part, args.threads))
-        write_profile(out, part, args.name, max(ranks))
-    if args.what in ("comm", "all"):
+        devices.set_fp32_matmul(torch.device(device), True)  # fp32 as training runs it (train.tf32's default)
+        rows = bench_gemm(device=device)
+        part = gemm_profile(rows, device)
+        print(json.dumps(rows, indent=2) if args.json else _gemm_table(rows, part, device, args.threads))
+        write_profile(out, part, args.name, max(ranks, default=local), device)
+    if args.what in ("comm", "all") and device != "cpu" and (not ranks or max(ranks) > local):
+        print(f"tetrad bench comm: group sizes {ranks or '(none)'} need that many {device} devices and this "
+              f"machine has {local}; skipped (pass --ranks)")
+    elif args.what in ("comm", "all"):
         from tetrad.comm.bench import bench_comm, format_table
-        rows = bench_comm(ranks, sizes=[int(s) << 10 for s in args.sizes_kb.split(",")])
+        rows = bench_comm(ranks, sizes=sizes, device_type=device)
         part = comm_profile(rows)
         print(json.dumps(rows, indent=2) if args.json else format_table(rows))
         link = part["links"]["intra_node"]
         print(f"fitted link (planner ring model): alpha {link['alpha_s'] * 1e6:.1f} us/step, "
               f"beta {link['beta_gbps']:.3f} GB/s")
-        write_profile(out, part, args.name, max(ranks))
+        write_profile(out, part, args.name, max(ranks), device)
     print(f"profile: {out / 'hardware.json'}; use it with `tetrad estimate CONFIG --cluster {out / 'cluster.toml'}`")
     return 0
 
 
-def _default_sizes():
-    from tetrad.comm.bench import DEFAULT_SIZES
-    return DEFAULT_SIZES
+def _device_facts(device: str, ranks_per_node: int) -> dict:
+    """The built-in profile a measured one starts from, and the memory one rank has: a CPU
+    machine's RAM shared by its ranks, or the accelerator's own."""
+    if device == "cpu":
+        return {"base": "CPU",
+                "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / ranks_per_node}
+    from tetrad.train.metrics import device_profile
+    dev = torch.device(device, 0)
+    base = device_profile(dev)
+    if base is None:
+        print(f"tetrad bench: no built-in profile matches this {device} device; unmeasured figures "
+              "(attention efficiency, ...) come from H100-SXM")
+    return {"base": base.name if base else "H100-SXM",
+            "memory_gib": torch.cuda.get_device_properties(dev).total_memory / 2**30}
 
 
-def _gemm_table(rows: list[dict], part: dict, threads: int) -> str:
-    lines = [f"matmul on {threads} thread{'s' if threads > 1 else ''}:",
+def _default_sizes(device: str = "cpu"):
+    from tetrad.comm.bench import ACCELERATOR_SIZES, DEFAULT_SIZES
+    return DEFAULT_SIZES if device == "cpu" else ACCELERATOR_SIZES
+
+
+def _gemm_table(rows: list[dict], part: dict, device: str, threads: int) -> str:
+    where = f"{threads} thread{'s' if threads > 1 else ''}" if device == "cpu" else device
+    lines = [f"matmul on {where}:",
              f"{'dtype':<6}{'M x K x N':>20}{'TFLOP/s':>10}"]
     for r in rows:
         shape = f"{r['m']} x {r['k']} x {r['n']}"

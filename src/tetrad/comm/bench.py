@@ -21,6 +21,8 @@ from tetrad import device as devices
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
+# Accelerator links reach their bus bandwidth only with large messages, as in nccl-tests' sweeps.
+ACCELERATOR_SIZES = (64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30)
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -30,7 +32,7 @@ def bus_factor(op: str, n: int) -> float:
 def _iterations(nbytes: int) -> int:
     """Enough repetitions to average out jitter, few enough that 16 MB on 8 ranks stays short.
     Fixed by size, so every rank runs the same count."""
-    return 20 if nbytes <= 64 << 10 else 10 if nbytes <= 1 << 20 else 4
+    return 20 if nbytes <= 64 << 10 else 10 if nbytes <= 1 << 20 else 4 if nbytes <= 64 << 20 else 2
 
 
 def _collective(op: str, nbytes: int, group, dtype=torch.float32):
@@ -95,12 +97,15 @@ def bench_rank(ops=OPS, sizes=DEFAULT_SIZES) -> list[dict]:
     return rows
 
 
-def bench_comm(group_sizes=(2, 4, 8), ops=OPS, sizes=DEFAULT_SIZES, timeout_s: float = 600) -> list[dict]:
-    """Run the bench on fresh local CPU ranks for each group size; all rows together."""
+def bench_comm(group_sizes=(2, 4, 8), ops=OPS, sizes=DEFAULT_SIZES, timeout_s: float = 600,
+               device_type: str = "cpu") -> list[dict]:
+    """Run the bench on fresh local ranks for each group size (on accelerators one per device, over
+    the backend torch pairs with it: NCCL on NVIDIA GPUs); all rows together."""
     from tetrad.launch import run_local
     rows = []
     for n in group_sizes:
-        rows += run_local(bench_rank, n, (tuple(ops), tuple(sizes)), timeout_s=timeout_s, pg_timeout_s=120)[0]
+        rows += run_local(bench_rank, n, (tuple(ops), tuple(sizes)), timeout_s=timeout_s, pg_timeout_s=120,
+                          device_type=device_type)[0]
     return rows
 
 

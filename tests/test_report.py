@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tetrad.cli import main
+from tetrad.viz.report import GROUPS, comm_medians, layout_segments, load_run
 
 from conftest import tiny_config, train_layout
 
@@ -49,3 +50,26 @@ def test_tensorboard_gets_the_metrics():
     board.Reload()
     assert {"loss", "mfu", "compute_s", "comm_bytes/dp", "exposed_comm_s_by_group/pp"} <= set(board.Tags()["scalars"])
     assert [(e.step, e.value) for e in board.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in history]
+
+
+def test_report_after_a_layout_change_keeps_the_layouts_apart():
+    first = tiny_config(parallel={"dp": 2}, train={"steps": 2, "device": "cpu"}, checkpoint={"every": 2})
+    train_layout(first)
+    resumed = tiny_config(parallel={"tp": 2}, train={"steps": 4, "device": "cpu"}, run={"dir": first.run.dir})
+    train_layout(resumed)
+    cfg, records = load_run(Path(first.run.dir))
+    segments = layout_segments(records, cfg)
+    assert [(label, [r["step"] for r in rs]) for label, rs in segments] == [
+        ("dp2 tp1 pp1 cp1 zero0", [1, 2]), ("dp1 tp2 pp1 cp1 zero0", [3, 4])]
+    dp_only, tp_only = (dict(zip(GROUPS, comm_medians(rs))) for _, rs in segments)
+    assert dp_only["dp"] > 0 and dp_only["tp"] == 0  # not an average of the two layouts
+    assert tp_only["tp"] > 0 and tp_only["dp"] == 0
+    assert main(["report", first.run.dir, "--cluster", "cpu"]) == 0
+    page = (Path(first.run.dir) / "report" / "report.html").read_text()
+    assert "dp2 tp1 pp1 cp1 zero0 for steps 1-2; then dp1 tp2 pp1 cp1 zero0 for steps 3-4" in page
+
+
+def test_report_of_a_missing_folder_is_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no metrics.jsonl" in err

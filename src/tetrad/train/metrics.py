@@ -172,6 +172,13 @@ def _clock(seconds: float) -> str:
     return str(datetime.timedelta(seconds=round(seconds)))
 
 
+def layout_label(p) -> str:
+    """A [parallel] section in a few words, e.g. "dp2 tp2 pp2 cp1 zero1 sp": what sets a step's
+    communication."""
+    words = [f"dp{p.dp}", f"tp{p.tp}", f"pp{p.pp}", f"cp{p.cp}"] + ([f"vpp{p.vpp}"] if p.vpp > 1 else [])
+    return " ".join(words + [f"zero{p.zero}"] + (["sp"] if p.sequence_parallel and p.tp > 1 else []))
+
+
 def progress_line(record: dict) -> str:
     """Loss, throughput, MFU and the time split, e.g.
     "loss 4.2107, 812 tok/s, mfu 3.1% | compute 41% comm 30% bubble 22% opt 6% data 0%"."""

@@ -31,7 +31,7 @@ from tetrad.topology import Layout, Topology
 from tetrad.train.checkpoint import Checkpointer, step_dir
 from tetrad.train.data import Batches, load_tokens
 from tetrad.train.memory import ActivationMeter
-from tetrad.train.metrics import FlopRate, MetricsLog, StepClock
+from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
 from tetrad.train import telemetry
 from tetrad.train.optim import lr_at
 from tetrad.train.precision import LossScaler, model_dtype
@@ -168,6 +168,7 @@ class Trainer:
             # Waits on a pipeline neighbour are the bubble; every other collective wait is exposed comm.
             **clock.breakdown(),
             "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in ("tp", "cp", "pp", "dp")},
+            "layout": layout_label(cfg.parallel),  # a resume may change it: the report tells the layouts apart
             "loss_scale": scale, "skipped": not stepped,
             "peak_memory_gib": peak / 2**30,
             # Model states counted from this rank's tensors; activations: the peak of what autograd

@@ -15,6 +15,7 @@ import base64
 import html
 import json
 import statistics
+import sys
 from pathlib import Path
 
 GROUPS = ("tp", "cp", "pp", "dp")
@@ -54,7 +55,7 @@ def plot_loss(records, path: Path) -> None:
     ax.plot(steps, [r["loss"] for r in records], color=COLOURS["compute"], lw=1.8, label="training")
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if val:
-        ax.plot(*zip(*val), color=COLOURS["tp"], lw=1.5, marker="o", ms=4, label="validation (held out)")
+        ax.plot(*zip(*val), color=COLOURS["tp"], lw=1.5, marker="o", ms=4, label="validation (after the step)")
         ax.legend(loc="upper center", fontsize=8, frameon=False)
     _style(ax, "Training and validation loss" if val else "Training loss", "step", "loss (mean per token)")
     ax2 = ax.twinx()
@@ -95,24 +96,47 @@ def plot_breakdown(records, path: Path) -> None:
     fig.savefig(path)
 
 
-def plot_comm(records, predicted: dict | None, path: Path) -> None:
-    """Bytes each group moved per step (rank 0's count), beside the planner's count."""
-    fig = _figure(height=3.0)
+def layout_segments(records, cfg) -> list[tuple[str, list[dict]]]:
+    """The run's steps cut where the layout changed (a resume under another [parallel] section):
+    (layout label, its records) in order. Lines without a layout (older runs) count as config.toml's."""
+    from tetrad.train.metrics import layout_label
+    default = layout_label(cfg.parallel)
+    segments: list[tuple[str, list[dict]]] = []
+    for r in records:
+        label = r.get("layout", default)
+        if not segments or segments[-1][0] != label:
+            segments.append((label, []))
+        segments[-1][1].append(r)
+    return segments
+
+
+def comm_medians(records) -> list[float]:
+    """Median MiB per step of each group in GROUPS."""
+    return [statistics.median(r["comm_bytes"].get(g, 0) for r in records) / 2**20 for g in GROUPS]
+
+
+def plot_comm(segments, predicted: dict | None, path: Path) -> None:
+    """Bytes each group moved per step (rank 0's count, median), one bar per layout the run
+    used, beside the planner's count for the current (last) layout."""
+    fig = _figure(height=2.4 + 0.6 * len(segments))
     ax = fig.add_subplot()
-    measured = [statistics.median(r["comm_bytes"].get(g, 0) for r in records) / 2**20 for g in GROUPS]
-    y = range(len(GROUPS))
-    h = 0.38 if predicted else 0.6
-    bars = ax.barh([i + (h / 2 if predicted else 0) for i in y], measured, height=h, color=COLOURS["measured"],
-                   label="measured (tetrad.comm)")
-    ax.bar_label(bars, labels=[f"{v:.3g} MiB" if v else "" for v in measured], padding=3, fontsize=8)
+    series = [(f"measured: {label}, steps {rs[0]['step']}-{rs[-1]['step']}" if len(segments) > 1
+               else "measured (tetrad.comm)", comm_medians(rs)) for label, rs in segments]
     if predicted:
-        pred = [predicted.get(g, 0) / 2**20 for g in GROUPS]
-        pbars = ax.barh([i - h / 2 for i in y], pred, height=h, color=COLOURS["predicted"], label="planner")
-        ax.bar_label(pbars, labels=[f"{v:.3g} MiB" if v else "" for v in pred], padding=3, fontsize=8)
-        ax.legend(loc="lower right", fontsize=8)
-    ax.set_yticks(list(y), [f"{g}" for g in GROUPS])
+        series.append(("planner" + (f": {segments[-1][0]}" if len(segments) > 1 else ""),
+                       [predicted.get(g, 0) / 2**20 for g in GROUPS]))
+    h = 0.8 / len(series)
+    shades = [COLOURS["measured"], "#1f3f73", "#6d8fc7", "#0d2340"]
+    for k, (name, values) in enumerate(series):
+        colour = COLOURS["predicted"] if predicted and k == len(series) - 1 else shades[k % len(shades)]
+        bars = ax.barh([i - 0.4 + h * (k + 0.5) for i in range(len(GROUPS))], values, height=h, color=colour,
+                       label=name)
+        ax.bar_label(bars, labels=[f"{v:.3g} MiB" if v else "" for v in values], padding=3, fontsize=8)
+    if len(series) > 1:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    ax.set_yticks(list(range(len(GROUPS))), list(GROUPS))
     ax.invert_yaxis()
-    ax.set_xlim(0, 1.25 * max(measured + (pred if predicted else []) + [1e-9]))
+    ax.set_xlim(0, 1.25 * max([v for _, values in series for v in values] + [1e-9]))
     _style(ax, "Communication per step, by group (rank 0)", "MiB handed to collectives", "")
     fig.savefig(path)
 
@@ -201,11 +225,13 @@ def write_report(run_dir: str | Path, cluster: str | None = None) -> Path:
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
     est, predicted_bytes, cluster_label = _prediction(cfg, cluster)
-    steady = records[1:] or records  # step 1 pays warm-up
+    segments = layout_segments(records, cfg)
+    current = segments[-1][1]  # the layout of config.toml, which the planner predicts
+    steady = current[1:] or current  # the first step of a run pays warm-up
     measured = {"step time (s, median)": statistics.median(r["step_time_s"] for r in steady),
                 "peak memory (GiB)": max((r.get("peak_memory_gib") or 0 for r in records), default=0) or None}
     panels = [("loss.png", plot_loss, (records,)), ("breakdown.png", plot_breakdown, (records,)),
-              ("comm.png", plot_comm, (records, predicted_bytes))]
+              ("comm.png", plot_comm, (segments, predicted_bytes))]
     if est is not None:
         predicted = {"step time (s, median)": est.step_time_s, "peak memory (GiB)": est.peak_memory_gib}
         panels.append(("predicted.png", plot_predicted, (measured, predicted)))
@@ -224,6 +250,10 @@ def write_report(run_dir: str | Path, cluster: str | None = None) -> Path:
         notes.append("On CPU, measured peak memory is each rank's resident-set growth since it started "
                      "(docs/planner.md); the memory panel counts tensors instead.")
     page = out / "report.html"
+    if len(segments) > 1:
+        notes.append("The layout changed on resume: " + "; then ".join(
+            f"{label} for steps {rs[0]['step']}-{rs[-1]['step']}" for label, rs in segments)
+            + ". Communication is drawn per layout; times and the prediction are the last layout's.")
     page.write_text(_html(cfg, records, steady, images + timeline_images, notes))
     return page
 
@@ -239,7 +269,7 @@ def _html(cfg, records, steady, images, notes) -> str:
              ("steps", f"{last['step']} of {cfg.train.steps}"),
              ("loss", f"{records[0]['loss']:.4f} → {last['loss']:.4f}"),
              *[("validation loss", f"{r['val_loss']:.4f} at step {r['step']}") for r in records if "val_loss" in r][-1:],
-             ("step time (median, after step 1)", f"{1e3 * step_s:.1f} ms: {split}"),
+             ("step time (median, after its first step)", f"{1e3 * step_s:.1f} ms: {split}"),
              ("tokens/s (median)", f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f}")]
     if all(r.get("mfu") is not None for r in steady):
         facts.append(("MFU / HFU (median)", f"{100 * statistics.median(r['mfu'] for r in steady):.2f}% / "
@@ -269,5 +299,14 @@ def report_command(argv: list[str]) -> int:
     ap.add_argument("--cluster", help="cluster for the planner's prediction (default: bench/cluster.toml if "
                                       "present, else the built-in 'cpu')")
     args = ap.parse_args(argv)
-    print(f"tetrad: report in {write_report(args.run_dir, args.cluster)}")
+    if not (Path(args.run_dir) / "metrics.jsonl").is_file():
+        print(f"tetrad: {args.run_dir} holds no metrics.jsonl; give the run.dir of a `tetrad train` run",
+              file=sys.stderr)
+        return 2
+    try:
+        page = write_report(args.run_dir, args.cluster)
+    except ValueError as e:  # a run with no step yet
+        print(f"tetrad: {e}", file=sys.stderr)
+        return 2
+    print(f"tetrad: report in {page}")
     return 0

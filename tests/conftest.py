@@ -37,15 +37,19 @@ def tiny_config(**sections):
     return load_config(overrides=merged)
 
 
-def _train_rank(cfg):
+def _train_rank(cfg, transport=None):
     trainer = Trainer(cfg, torch.device("cpu"))
+    if transport is not None:
+        trainer.topo.comm.transport = transport()
     history = trainer.fit()
     return [r["loss"] for r in history], trainer.full_state(), history
 
 
-def train_layout(cfg):
-    """Train `cfg` on dp*tp*pp*cp ranks; return (per-step losses, merged logical parameters, rank-0 history)."""
-    results = run_ranks(_train_rank, cfg.parallel.world_size, cfg)
+def train_layout(cfg, transport=None, timeout_s: float = DEADLINE_S):
+    """Train `cfg` on dp*tp*pp*cp ranks; return (per-step losses, merged logical parameters, rank-0 history).
+    `transport`: a factory, called on every rank, of the point-to-point transport its comm posts
+    through (e.g. tests/nccl_semantics.py); torch.distributed's own when None."""
+    results = run_ranks(_train_rank, cfg.parallel.world_size, cfg, transport, timeout_s=timeout_s)
     state = {}
     for _, rank_state, _ in results:
         state.update(rank_state)

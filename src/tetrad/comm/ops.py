@@ -72,6 +72,9 @@ class Comm:
         self.topo = topo
         self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
         self.calls: dict[str, int] = defaultdict(int)  # collectives per group, never reset: equal on all members
+        # What posts point-to-point and returns its works: torch.distributed, or a transport that
+        # models another backend's semantics on CPU (tests/nccl_semantics.py).
+        self.transport = dist
 
     @contextlib.contextmanager
     def _watch(self, op: str, group: str, call: int | None):
@@ -178,7 +181,7 @@ class Comm:
         entry = self._entry("send_recv", group, sum(_nbytes(t) for t, _ in sends))
         start = time.perf_counter()
         with _annotated(f"{group}:send_recv"):
-            works = dist.batch_isend_irecv(ops)
+            works = self.transport.batch_isend_irecv(ops)
         entry.seconds += time.perf_counter() - start
         # Point-to-point involves only some ranks of the group: no common call number.
         return Pending(works, entry, lambda: self._watch("send_recv", group, None), f"{group}:send_recv")

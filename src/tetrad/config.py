@@ -33,6 +33,13 @@ class ConfigError(ValueError):
     """A config that cannot run; the message says what to change."""
 
 
+# parallel.comm_options: the groups that take settings (a pipeline link's take "pp"'s) and each
+# setting's type and range: ProcessGroupNCCL.Options' high-priority stream, NCCL's config.
+COMM_GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "dp_cp_intra", "dp_cp_inter", "embed")
+COMM_OPTIONS = {"high_priority_stream": (bool, None), "cga_cluster_size": (int, range(0, 9)),
+                "min_ctas": (int, range(1, 65)), "max_ctas": (int, range(1, 65))}
+
+
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
@@ -73,6 +80,9 @@ class ParallelConfig:
     grad_codec: Literal["none", "bf16", "int8", "powersgd"] = "none"
     hierarchical: Union[bool, Literal["auto"]] = False
     ranks_per_node: int = 8
+    # NCCL communicator settings per group, as Megatron-Core's communicator config file has them, e.g.
+    # {tp = {high_priority_stream = true, cga_cluster_size = 2, max_ctas = 16}}: COMM_OPTIONS.
+    comm_options: dict[str, dict[str, Union[bool, int]]] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -261,6 +271,10 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
             item = typing.get_args(option)[0]
             if isinstance(value, list):
                 return [_check_type(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
+        elif typing.get_origin(option) is dict:
+            item = typing.get_args(option)[1]
+            if isinstance(value, dict):
+                return {k: _check_type(f"{name}.{k}", v, item) for k, v in value.items()}
     raise ConfigError(f"{name} must be {_describe(options)}, got {value!r} ({type(value).__name__})")
 
 
@@ -271,6 +285,8 @@ def _describe(options: tuple) -> str:
             words.append("one of " + ", ".join(repr(v) for v in typing.get_args(option)))
         elif typing.get_origin(option) is list:
             words.append(f"a list of {_describe(typing.get_args(option))}s")
+        elif typing.get_origin(option) is dict:
+            words.append("a table")
         else:
             words.append({bool: "true or false", int: "an integer", float: "a number",
                           str: "a string"}[option])
@@ -289,6 +305,8 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 
@@ -411,6 +429,7 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
                               f"dp*cp*tp")
     if t.eval_every < 0:
         raise ConfigError(f"train.eval_every must be >= 0 (0 = no validation), got {t.eval_every}")
+    _validate_comm_options(p.comm_options)
     if t.warmup < 0 or t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0; got lr={t.lr}, "
                           f"min_lr_ratio={t.min_lr_ratio}, warmup={t.warmup}")
@@ -443,6 +462,25 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
         raise ConfigError(f"run.log_every must be at least 1 (steps between plain log lines), got {cfg.run.log_every}")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.every < 0:
         raise ConfigError("checkpoint.keep must be >= 1 and checkpoint.every >= 0 (0 = never)")
+
+
+def _validate_comm_options(groups: dict) -> None:
+    for group, options in groups.items():
+        if group not in COMM_GROUPS:
+            raise ConfigError(f"parallel.comm_options has no group {group!r}{_did_you_mean(group, COMM_GROUPS)}; "
+                              f"groups are {', '.join(COMM_GROUPS)}")
+        for key, value in options.items():
+            name = f"parallel.comm_options.{group}.{key}"
+            if key not in COMM_OPTIONS:
+                raise ConfigError(f"unknown setting {name}{_did_you_mean(key, COMM_OPTIONS)}; "
+                                  f"settings are {', '.join(COMM_OPTIONS)}")
+            kind, allowed = COMM_OPTIONS[key]
+            if (kind is bool) != isinstance(value, bool) or (allowed is not None and value not in allowed):
+                within = "true or false" if allowed is None else f"an integer in {allowed.start}..{allowed.stop - 1}"
+                raise ConfigError(f"{name} must be {within}, got {value!r}")
+        if options.get("min_ctas", 1) > options.get("max_ctas", 64):
+            raise ConfigError(f"parallel.comm_options.{group}: min_ctas={options['min_ctas']} exceeds "
+                              f"max_ctas={options['max_ctas']}; lower min_ctas or raise max_ctas")
 
 
 def validate_device(cfg: Config, device_type: str) -> None:

@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(VENV)/bin/tetrad train configs/demo.toml
+	@echo "The tetrad command lives in $(VENV)/bin: run 'source $(VENV)/bin/activate' to put it on PATH."
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

@@ -17,7 +17,7 @@ from tetrad.train.trainer import Trainer
 PG_TIMEOUT_S = 60
 DEADLINE_S = 300
 
-# Tiny shapes: the whole suite must stay within minutes on 2 cores (DESIGN.md, Testing).
+# Tiny shapes: the whole suite must stay within minutes on 2 cores (docs/design.md, Testing).
 TINY = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
                   "seq_len": 32},
         "train": {"steps": 5, "global_batch": 8, "micro_batch": 2, "warmup": 2, "lr": 1e-2}}
@@ -81,7 +81,7 @@ def model_state_after_reduce(cfg):
 
 @pytest.fixture(autouse=True, scope="session")
 def _scratch_tmpdir():
-    """Keep torch's and the launcher's temporary files in one scratch folder (PLATFORM.md)."""
+    """Keep torch's and the launcher's temporary files in one scratch folder (docs/platform.md)."""
     with tempfile.TemporaryDirectory(prefix="tetrad-tests-") as tmp:
         old = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = tmp

@@ -93,7 +93,7 @@ def test_flop_convention_matches_narayanan_eq3_with_full_recompute():
     assert flops.model_flops_per_token(m) < ours / batch / m.seq_len  # MFU's numerator has no recompute
 
 
-# DESIGN.md's contract for `estimate --json` and each element of `plan --json`.
+# docs/design.md's contract for `estimate --json` and each element of `plan --json`.
 CONTRACT = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "hfu", "bubble_fraction", "peak_memory_gib")
 MEMORY_PARTS = {"weights", "grads", "optimizer", "activations", "other"}
 

@@ -1,4 +1,4 @@
-"""The shape of src/tetrad, read from its source with `ast` so it stays true (issue 17, DESIGN.md Layout).
+"""The shape of src/tetrad, read from its source with `ast` so it stays true (issue 17, docs/design.md Layout).
 
 - no import cycle between modules (every import counts: inside functions and under TYPE_CHECKING too);
 - floors: a module imports only its own floor or lower ones (FLOORS);

@@ -1,7 +1,7 @@
 """The one config: typed dataclasses, loaded from TOML, overridable as `--section.key=value`.
 
 Everything is checked here, before any process starts, and every error names the fix.
-The section and key names are a contract (see DESIGN.md): users' scripts rely on them.
+The section and key names are a contract (see docs/design.md): users' scripts rely on them.
 """
 
 from __future__ import annotations

@@ -197,6 +197,6 @@ def _proc_status_bytes(field: str) -> int:
 
 
 def threads_per_rank(ranks_on_this_machine: int) -> int:
-    """Intra-op threads so that local ranks do not oversubscribe the cores (PLATFORM.md: 36x
+    """Intra-op threads so that local ranks do not oversubscribe the cores (docs/platform.md: 36x
     slower with 2 threads per rank at 8 ranks on 2 cores)."""
     return max(1, (os.cpu_count() or 1) // max(1, ranks_on_this_machine))

@@ -91,7 +91,7 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
     """Run `fn(*args)` on `world_size` fresh local ranks joined in one process group; return each
     rank's result (which must pickle). `fn` finds its rank through torch.distributed.
 
-    CPU ranks are forked (90x faster to start than spawn, PLATFORM.md) unless `spawn`: a forked
+    CPU ranks are forked (90x faster to start than spawn, docs/platform.md) unless `spawn`: a forked
     rank inherits its parent's heap, whose free blocks it reuses without growing, so a measurement
     of the resident set wants spawned ranks. Accelerator ranks are always spawned, since a forked
     child cannot use a CUDA context. A signal to this process stops the ranks (module docstring)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from tetrad.topology import Topology
 
 # The dp x cp gradient group (and its per-node halves) is reported as "dp", the tied-embedding pair
-# of the first and last pipeline stage as "pp" (DESIGN.md: comm_bytes by tp, cp, pp, dp).
+# of the first and last pipeline stage as "pp" (docs/design.md: comm_bytes by tp, cp, pp, dp).
 REPORTED_GROUP = {"dp_cp": "dp", "dp_cp_intra": "dp", "dp_cp_inter": "dp", "embed": "pp"}
 
 

@@ -1,5 +1,5 @@
 """Per-step metrics: where a step's time went (StepClock), MFU/HFU (FlopRate), and their outputs:
-`RUN_DIR/metrics.jsonl` (a contract, DESIGN.md), the rank-0 progress bar or plain log lines and,
+`RUN_DIR/metrics.jsonl` (a contract, docs/design.md), the rank-0 progress bar or plain log lines and,
 optionally, TensorBoard and wandb."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tetrad.plan import flops
 from tetrad.plan.cost import mfu_peak
 from tetrad.plan.hardware import GPU, GPUS
 
-# Fields every line carries (DESIGN.md, metrics.jsonl contract).
+# Fields every line carries (docs/design.md, metrics.jsonl contract).
 CONTRACT_FIELDS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
                    "compute_s", "exposed_comm_s", "bubble_s", "comm_bytes")
 GROUPS = ("tp", "cp", "pp", "dp")

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: for each pipeline rank, the ordered list of compute actions it runs.
 
-One representation, three readers (DESIGN.md, "Pipeline: schedules are data"): the executor runs
+One representation, three readers (docs/design.md, "Pipeline: schedules are data"): the executor runs
 it, the simulator times it, the renderer draws it. Placement is Megatron's interleaved one: global
 stage g = chunk * pp + rank, so local chunk c of every rank makes one pass over ranks 0..pp-1.
 

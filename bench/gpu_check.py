@@ -1,0 +1,273 @@
+"""What the CPU suite cannot check, on a machine with one CUDA GPU, in one table (< 8 minutes):
+
+- loss parity: 5 training steps of the tiny model on CUDA and on the CPU (fp32, TF32 off);
+- attention kernels: which ops and CUDA kernels ran (torch.profiler) for the one-call path and
+  the ring blocks, in bf16 and fp32, with and without grouped-query heads, against choose_kernel;
+- throughput: tokens/s and MFU of a ~1B Llama (Llama-3.2-1B's shape) at seq 4096 in bf16,
+  eager and with train.compile;
+- memory: `tetrad estimate`'s peak against the measured peak allocated and reserved, for
+  recompute none / selective / full;
+- offload: a save -> resume round trip with train.offload_optimizer continues the same losses;
+- ring blocks: the fused block kernels against the fp32 math path at 8k-32k tokens (time, peak
+  memory, largest difference).
+
+    python bench/gpu_check.py
+
+Each part runs in its own spawned process (tetrad's launcher, one rank), so one that fails or
+runs out of memory is a FAIL row, not the end of the check.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tetrad import device as devices
+from tetrad import launch
+from tetrad.config import load_config
+from tetrad.model import attention as attn
+
+TINY = {"model": {"preset": "tiny"}, "train": {"steps": 5, "global_batch": 8, "micro_batch": 4, "warmup": 2,
+                                               "lr": 1e-2, "dtype": "fp32", "tf32": False}}
+# Llama-3.2-1B: 16 layers, d_model 2048, 32 heads, 8 KV heads, ffn 8192, tied 128k vocabulary.
+LLAMA_1B = {"preset": "llama3-8b", "n_layers": 16, "d_model": 2048, "n_heads": 32, "n_kv_heads": 8,
+            "ffn_hidden": 8192, "tie_embeddings": True, "seq_len": 4096}
+RING_TOKENS = (8192, 16384, 32768)
+
+
+def config(sections: dict, run_dir: str, **train):
+    """A runtime config from `sections`, training in `run_dir`, with `train` keys on top."""
+    merged = {name: dict(values) for name, values in sections.items()}
+    merged.setdefault("train", {}).update(train)
+    merged["run"] = {"dir": run_dir, "log_every": 1000}
+    return load_config(overrides=merged)
+
+
+def train_run(cfg, device_type: str) -> list[dict]:
+    """The metrics records of `cfg` trained on one fresh spawned rank of `device_type`."""
+    from tetrad.train.trainer import train_on_this_rank
+    return launch.run_local(train_on_this_rank, 1, (cfg, device_type), device_type=device_type, spawn=True,
+                            timeout_s=600)[0]
+
+
+# ----------------------------------------------------------------------------- parts
+
+def loss_parity(device_type: str = "cuda", steps: int = 5) -> list[tuple]:
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {d: [r["loss"] for r in train_run(config(TINY, f"{tmp}/{d}", steps=steps, device=d), d)]
+                for d in ("cpu", device_type)}
+    diff = max(abs(a - b) / abs(b) for a, b in zip(runs[device_type], runs["cpu"]))
+    ok = len(runs["cpu"]) == steps and diff < 1e-4
+    return [("loss parity, fp32 TF32 off", ok, f"{steps} steps, max relative |Δloss| {diff:.1e} "
+             f"(cpu {runs['cpu'][-1]:.5f}, {device_type} {runs[device_type][-1]:.5f})")]
+
+
+ATTENTION_OPS = {"flash": "aten::_scaled_dot_product_flash_attention",
+                 "efficient": "aten::_scaled_dot_product_efficient_attention",
+                 "cudnn": "aten::_scaled_dot_product_cudnn_attention",
+                 "cpu_flash": "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "math": "aten::_scaled_dot_product_attention_math"}
+KERNEL_WORDS = ("flash", "fmha", "cudnn", "sdpa", "attention")
+
+
+def attention_ops(device: str, dtype: torch.dtype, gqa: bool, algo: str, tokens: int = 256) -> tuple[set, set]:
+    """(attention ops, attention CUDA kernels) a forward and backward ran, by torch.profiler:
+    the one-call path (`alltoall`: local_attention) or one ring block pair (`ring`)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, tokens, 8, 64, generator=g).to(device, dtype).requires_grad_()
+    k, v = (torch.randn(1, tokens, 4 if gqa else 8, 64, generator=g).to(device, dtype).requires_grad_()
+            for _ in range(2))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        if algo == "ring":
+            kernel = attn.choose_kernel(device, dtype, gqa, "ring", devices.prefers_cudnn_attention(q.device))
+            qh, kh, vh = (t.detach().transpose(1, 2) for t in (q, k, v))
+            groups = 2 if kernel.expand_kv else 1
+            kh, vh = attn._repeat_kv(kh, groups), attn._repeat_kv(vh, groups)
+            out, lse = attn._block_forward(qh, kh, vh, True, kernel.name)
+            attn._block_backward(torch.ones_like(out), qh, kh, vh, out, lse, True, kernel.name)
+        else:
+            attn.local_attention(q, k, v).sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    ops = {name for name, op in ATTENTION_OPS.items() if op in names}
+    kernels = {e.name for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU
+               and any(w in e.name.lower() for w in KERNEL_WORDS)}
+    return ops, kernels
+
+
+def _attention_rank(device: str) -> list[tuple]:
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for gqa in (False, True):
+            for algo in ("alltoall", "ring"):
+                ops, kernels = attention_ops(device, dtype, gqa, algo)
+                cudnn = algo == "ring" and devices.prefers_cudnn_attention(torch.device(device))
+                want = attn.choose_kernel(device, dtype, gqa, algo, cudnn).name
+                ok = want in ops and "math" not in ops
+                label = f"attention {algo}, {str(dtype)[6:]}, {'GQA' if gqa else 'MHA'}"
+                detail = f"chose {want}; ops {sorted(ops)}; kernels {sorted(k[:48] for k in kernels)[:3]}"
+                rows.append((label, ok, detail))
+    return rows
+
+
+def attention_kernels(device_type: str = "cuda") -> list[tuple]:
+    return launch.run_local(_attention_rank, 1, (device_type,), device_type=device_type, spawn=True)[0]
+
+
+def block_vs_math(device: str, tokens: int, dtype: torch.dtype, heads: int = 4, dim: int = 128) -> dict:
+    """One causal block, forward and backward, with the kernel the ring uses and with the fp32
+    math path: milliseconds, peak memory (GiB; on CUDA) and the largest difference of each."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, heads, tokens, dim, generator=g).to(device, dtype) for _ in range(4))
+    chosen = attn.choose_kernel(torch.device(device).type, dtype, False, "ring",
+                                devices.prefers_cudnn_attention(torch.device(device))).name
+    results, out = {}, {}
+    for name in (chosen, "math"):
+        try:
+            results[name], out[name] = _timed_block(q, k, v, dout, name)
+        except torch.OutOfMemoryError:
+            results[name] = {"ms": math.nan, "gib": math.nan, "oom": True}
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if len(out) == 2:
+        results["max_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out[chosen], out["math"]))
+    results["kernel"] = chosen
+    return results
+
+
+def _timed_block(q, k, v, dout, name: str):
+    dev = q.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+    start = time.perf_counter()
+    o, lse = attn._block_forward(q, k, v, True, name)
+    grads = attn._block_backward(dout, q, k, v, o, lse, True, name)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) * 1e3
+    gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev.type == "cuda" else math.nan
+    return {"ms": ms, "gib": gib}, (o, *grads)
+
+
+def _ring_rank(device: str, tokens: tuple) -> list[tuple]:
+    rows = []
+    for n in tokens:
+        for dtype in (torch.bfloat16,) + ((torch.float32,) if n == tokens[0] else ()):
+            r = block_vs_math(device, n, dtype)
+            fused, math_ = r[r["kernel"]], r["math"]
+            bound = 5e-2 if dtype == torch.bfloat16 else 1e-3
+            ok = not fused.get("oom") and (math_.get("oom") or r.get("max_diff", math.inf) < bound)
+            versus = "math path out of memory" if math_.get("oom") else \
+                f"math {math_['ms']:.0f} ms {math_['gib']:.1f} GiB, max |Δ| {r['max_diff']:.1e}"
+            rows.append((f"ring block {n} tokens {str(dtype)[6:]}", ok,
+                         f"{r['kernel']} {fused['ms']:.0f} ms {fused['gib']:.2f} GiB; {versus}"))
+            # (the first call of each kernel includes its warm-up; the memory is what matters)
+    return rows
+
+
+def ring_blocks(device_type: str = "cuda", tokens: tuple = RING_TOKENS) -> list[tuple]:
+    return launch.run_local(_ring_rank, 1, (device_type, tokens), device_type=device_type, spawn=True)[0]
+
+
+def predicted_peak_gib(cfg, gpu: str) -> float:
+    """`tetrad estimate`'s peak memory per GPU for `cfg` on one `gpu`."""
+    from tetrad.plan.cost import estimate
+    from tetrad.plan.hardware import Cluster, load_gpu
+    return estimate(cfg, Cluster(load_gpu(gpu), gpus_per_node=1, nodes=1)).peak_memory_gib
+
+
+def throughput_and_memory(device_type: str = "cuda", gpu: str = "H200", steps: int = 6) -> list[tuple]:
+    rows = []
+    runs = [("none", False, steps), ("none", True, steps), ("selective", False, 2), ("full", False, 2)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for recompute, compile_, n in runs:
+            cfg = config({"model": LLAMA_1B}, f"{tmp}/{recompute}{compile_}", steps=n, dtype="bf16",
+                         global_batch=4, micro_batch=2, warmup=1, recompute=recompute, compile=compile_,
+                         device=device_type)
+            try:
+                records = train_run(cfg, device_type)
+            except launch.RankFailure as e:
+                rows.append((f"1B seq 4096 recompute={recompute} compile={compile_}", False, str(e)[-200:]))
+                continue
+            steady = records[2:] or records[-1:]
+            if recompute == "none":
+                tps = statistics.median(r["tokens_per_s"] for r in steady)
+                mfu = statistics.median(r["mfu"] or 0 for r in steady)
+                rows.append((f"1B seq 4096 bf16 {'compiled' if compile_ else 'eager'}", mfu > 0,
+                             f"{tps:,.0f} tokens/s, MFU {100 * mfu:.1f}%"))
+            if not compile_:
+                last, predicted = records[-1], predicted_peak_gib(cfg, gpu)
+                measured = last["peak_memory_gib"]
+                rows.append((f"memory recompute={recompute}", abs(measured - predicted) / predicted < 0.25,
+                             f"predicted {predicted:.1f} GiB; measured allocated {measured:.1f}, "
+                             f"reserved {last.get('peak_reserved_gib', math.nan):.1f} GiB"))
+    return rows
+
+
+def offload_resume(device_type: str = "cuda") -> list[tuple]:
+    """Four steps straight, against two steps, a checkpoint, and two steps resumed from it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        straight = train_run(config(TINY, f"{tmp}/a", steps=4, device=device_type, offload_optimizer=True),
+                           device_type)
+        first = config(TINY, f"{tmp}/b", steps=2, device=device_type, offload_optimizer=True)
+        first.checkpoint.every = 2
+        train_run(first, device_type)
+        saved = sorted(Path(tmp, "b", "checkpoints").glob("step_*"))[-1]
+        resumed_cfg = config(TINY, f"{tmp}/c", steps=4, device=device_type, offload_optimizer=True)
+        resumed_cfg.checkpoint.resume = str(saved)
+        resumed = train_run(resumed_cfg, device_type)
+    a, b = [r["loss"] for r in straight[2:]], [r["loss"] for r in resumed]
+    return [("offload save -> resume", a == b, f"steps 3-4 straight {a}, resumed from {saved.name} {b}")]
+
+
+# ----------------------------------------------------------------------------- table
+
+def format_table(rows: list[tuple]) -> str:
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'check':<{width}}  result  detail"]
+    for name, ok, detail in rows:
+        lines.append(f"{name:<{width}}  {'PASS' if ok else 'FAIL':<6}  {detail}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: this machine has no CUDA GPU that torch can use (torch.cuda.is_available() is "
+              f"False; torch {torch.__version__}). Run it on a machine with one NVIDIA GPU and a CUDA build "
+              "of torch.", file=sys.stderr)
+        return 2
+    from tetrad.train.metrics import device_profile
+    devices.configure_allocator("cuda")  # as `tetrad train` does; the spawned ranks inherit it
+    profile = device_profile(torch.device("cuda", 0))
+    gpu = profile.name if profile else "H100-SXM"
+    start, rows = time.perf_counter(), []
+    for part in (loss_parity, attention_kernels, ring_blocks, offload_resume):
+        rows += _guarded(part)
+    rows += _guarded(lambda: throughput_and_memory(gpu=gpu))
+    print(f"gpu_check on {torch.cuda.get_device_name(0)} (profile {gpu}), torch {torch.__version__}, "
+          f"{time.perf_counter() - start:.0f} s")
+    print(format_table(rows))
+    return 0 if all(ok for _, ok, _ in rows) else 1
+
+
+def _guarded(part) -> list[tuple]:
+    """A part that raises is one FAIL row naming the error, and the check goes on."""
+    try:
+        return part()
+    except Exception as e:  # noqa: BLE001 - any failure is a result of the check
+        name = getattr(part, "__name__", "part")
+        return [(name, False, f"{type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}"[:300])]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -45,7 +45,7 @@ def _rank(cfg, batch: int, steps: int) -> dict:
         reducer.reduce()
         times.append(time.perf_counter() - start)
         ring = topo.comm.stats.get(("send_recv", "cp"))
-        exposed.append(ring.seconds if ring else 0.0)
+        exposed.append(topo.comm.seconds_by_group().get("cp", 0.0))
         calls = ring.calls if ring else 0
     out = {"step_s": statistics.median(times[1:]), "exposed_s": statistics.median(exposed[1:])}
     if p.cp_algo == "ring" and cp > 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import time
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,40 @@ def prefers_cudnn_attention(device: torch.device) -> bool:
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
+
+
+class HostClock:
+    """Time marks where the host does the work itself (CPU ranks): perf_counter."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class StreamClock:
+    """Time marks on an accelerator, where the host only enqueues: an event recorded on the
+    current stream completes once everything enqueued before it has, a stream's wait on a
+    collective included, so two marks around `work.wait()` measure how long the device waited
+    (perf_counter there measures the enqueueing). Read `seconds` after the step's synchronize."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self) -> torch.Event:
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: torch.Event, end: torch.Event) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+
+def clock(device: torch.device) -> HostClock | StreamClock:
+    """Where the time of `device`'s work is read: on the host for CPU, on the stream otherwise."""
+    return HostClock() if device.type == "cpu" else StreamClock(device)
 
 
 @contextlib.contextmanager

@@ -4,8 +4,10 @@
 Byte convention (per rank, the op's logical payload): all_reduce the tensor; all_gather the
 gathered output; reduce_scatter the unscattered input; all_to_all the input; point-to-point the
 bytes this rank sends (receives are not counted, so a transfer is counted once). Time is the
-wall time a rank spent inside a blocking call, or inside `wait()` of a non-blocking one: the
-part of the communication that was not hidden behind compute.
+time the rank's device spent inside a blocking call, or inside `wait()` of a non-blocking one:
+the part of the communication that was not hidden behind compute. It is read between two marks
+of the device's clock (device.py: host time on CPU, stream events on accelerators, where the
+host only enqueues), after the step has synchronised.
 
 A group of one rank is a no-op and is not counted, so model code is the same at every size.
 """
@@ -13,7 +15,6 @@ A group of one rank is a no-op and is not counted, so model code is the same at 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from tetrad import device as devices
 from tetrad.comm import watchdog
 
 if TYPE_CHECKING:
@@ -35,27 +37,25 @@ REPORTED_GROUP = {"dp_cp": "dp", "dp_cp_intra": "dp", "dp_cp_inter": "dp", "embe
 class OpStats:
     calls: int = 0
     bytes: int = 0
-    seconds: float = 0.0
 
 
 class Pending:
-    """A non-blocking collective; `wait()` charges the time spent blocked to its counter and turns
-    a timeout into an error naming the op, group and missing ranks (`watch`, see watchdog.py)."""
+    """A non-blocking collective; `wait()` charges the time spent blocked to its group (`blocked`)
+    and turns a timeout into an error naming the op, group and missing ranks (`watch`, see
+    watchdog.py)."""
 
-    def __init__(self, works, stats: OpStats | None, watch=None, name: str = ""):
+    def __init__(self, works, blocked=None, watch=None, name: str = ""):
         self._works = works if isinstance(works, list) else [works]
         self._name = f"{name} wait"
-        self._stats = stats
+        self._blocked = blocked
         self._watch = watch
 
     def wait(self) -> None:
-        start = time.perf_counter()
-        for work in self._works:
-            if work is not None:
-                with self._watch() if self._watch else contextlib.nullcontext(), _annotated(self._name):
-                    work.wait()
-        if self._stats is not None:
-            self._stats.seconds += time.perf_counter() - start
+        with self._blocked() if self._blocked else contextlib.nullcontext():
+            for work in self._works:
+                if work is not None:
+                    with self._watch() if self._watch else contextlib.nullcontext(), _annotated(self._name):
+                        work.wait()
 
     def is_completed(self) -> bool:
         """Whether every part has finished, without waiting."""
@@ -71,6 +71,9 @@ class Comm:
     def __init__(self, topo: "Topology"):
         self.topo = topo
         self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+        # Where time is read (device.py), and this step's time blocked: (reported group, start, end) marks.
+        self.clock = devices.clock(topo.device)
+        self.spans: list[tuple] = []
         self.calls: dict[str, int] = defaultdict(int)  # collectives per group, never reset: equal on all members
         # What posts point-to-point and returns its works: torch.distributed, or a transport that
         # models another backend's semantics on CPU (tests/nccl_semantics.py).
@@ -89,21 +92,28 @@ class Comm:
             raise watchdog.explain(op, group, call, pg, e, timeout) from None
 
     # ------------------------------------------------------------------ accounting
-    def _entry(self, op: str, group: str, nbytes: int) -> OpStats:
+    def _count(self, op: str, group: str, nbytes: int) -> None:
         entry = self.stats[(op, REPORTED_GROUP.get(group, group))]
         entry.calls += 1
         entry.bytes += nbytes
-        return entry
+
+    @contextlib.contextmanager
+    def _blocked(self, group: str):
+        """Charge the time inside the block to `group`."""
+        start = self.clock.mark()
+        try:
+            yield
+        finally:
+            self.spans.append((REPORTED_GROUP.get(group, group), start, self.clock.mark()))
 
     def _run(self, op: str, group: str, nbytes: int, fn, async_op: bool):
-        entry = self._entry(op, group, nbytes)
+        self._count(op, group, nbytes)
         self.calls[group] += 1
         call = self.calls[group]
-        start = time.perf_counter()
-        with self._watch(op, group, call), _annotated(f"{group}:{op}"):
+        with self._blocked(group), self._watch(op, group, call), _annotated(f"{group}:{op}"):
             work = fn()
-        entry.seconds += time.perf_counter() - start
-        return Pending(work, entry, lambda: self._watch(op, group, call), f"{group}:{op}") if async_op else DONE
+        return Pending(work, lambda: self._blocked(group), lambda: self._watch(op, group, call),
+                       f"{group}:{op}") if async_op else DONE
 
     def bytes_by_group(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -111,14 +121,17 @@ class Comm:
             out[group] += s.bytes
         return dict(out)
 
-    def seconds_by_group(self) -> dict[str, float]:
+    def seconds_by_group(self, spans: list[tuple] | None = None) -> dict[str, float]:
+        """Time blocked per group, over this step's spans or the given slice of them; on an
+        accelerator only once the step has synchronised."""
         out: dict[str, float] = defaultdict(float)
-        for (_, group), s in self.stats.items():
-            out[group] += s.seconds
+        for group, start, end in self.spans if spans is None else spans:
+            out[group] += self.clock.seconds(start, end)
         return dict(out)
 
     def reset(self) -> None:
         self.stats.clear()
+        self.spans.clear()
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, group: str, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -178,13 +191,12 @@ class Comm:
         ops += [dist.P2POp(dist.irecv, t, peer, pg, tag) for (t, peer), tag in zip(recvs, recv_tags)]
         if not ops:
             return DONE
-        entry = self._entry("send_recv", group, sum(_nbytes(t) for t, _ in sends))
-        start = time.perf_counter()
-        with _annotated(f"{group}:send_recv"):
+        self._count("send_recv", group, sum(_nbytes(t) for t, _ in sends))
+        with self._blocked(group), _annotated(f"{group}:send_recv"):
             works = self.transport.batch_isend_irecv(ops)
-        entry.seconds += time.perf_counter() - start
         # Point-to-point involves only some ranks of the group: no common call number.
-        return Pending(works, entry, lambda: self._watch("send_recv", group, None), f"{group}:send_recv")
+        return Pending(works, lambda: self._blocked(group), lambda: self._watch("send_recv", group, None),
+                       f"{group}:send_recv")
 
 
 def _annotated(name: str):

@@ -29,7 +29,7 @@ PARTS = ("compute_s", "exposed_comm_s", "bubble_s", "optimizer_s", "data_s")
 
 
 class StepClock:
-    """Splits one step's wall time into parts, each measured rather than left over:
+    """Splits one step's time into parts, each measured rather than left over:
 
     - exposed communication per group and the pipeline bubble: tetrad.comm's time blocked in
       collectives (waits on pipeline neighbours, "pp", are the bubble);
@@ -38,40 +38,44 @@ class StepClock:
     - optimizer: gradient reduction, clipping and the update, less their collective waits;
     - data: fetching the step's batches.
 
-    Host timers only (time.perf_counter, a few per phase and per collective): no device sync is
-    added, so on an accelerator the parts are host-side times (the step itself ends with a sync).
+    Every time is read between two marks of the device's clock (`comm.clock`, device.py): host
+    timers on CPU; stream events on an accelerator, where the host only enqueues and a host timer
+    would find the waits empty and the time at the next synchronisation. Marks are read in
+    `breakdown`, after the step's synchronisation, so measuring adds none.
     """
 
     def __init__(self, comm):
         self.comm = comm
-        self.wall: dict[str, float] = defaultdict(float)
-        self.waits: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        # Per part: (start mark, end mark, the slice of comm.spans made inside it).
+        self.parts: dict[str, list[tuple]] = defaultdict(list)
 
     def start(self) -> None:
         self.comm.reset()
-        self.wall.clear()
-        self.waits.clear()
+        self.parts.clear()
 
     @contextlib.contextmanager
     def part(self, name: str):
         """Time a phase of the step and the collective waits (by group) inside it."""
-        before = self.comm.seconds_by_group()
-        start = time.perf_counter()
+        first, start = len(self.comm.spans), self.comm.clock.mark()
         try:
             yield
         finally:
-            self.wall[name] += time.perf_counter() - start
-            for group, seconds in self.comm.seconds_by_group().items():
-                self.waits[name][group] += seconds - before.get(group, 0.0)
+            self.parts[name].append((start, self.comm.clock.mark(), slice(first, len(self.comm.spans))))
+
+    def _less_waits(self, name: str) -> float:
+        """Part `name`'s time less the collective waits inside it."""
+        clock, spans = self.comm.clock, self.comm.spans
+        return sum(clock.seconds(start, end) - sum(self.comm.seconds_by_group(spans[inside]).values())
+                   for start, end, inside in self.parts[name])
 
     def breakdown(self) -> dict:
         """The parts (seconds)."""
         comm_s = self.comm.seconds_by_group()
-        return {"compute_s": self.wall["forward_backward"] - sum(self.waits["forward_backward"].values()),
+        return {"compute_s": self._less_waits("forward_backward"),
                 "exposed_comm_s": sum(s for g, s in comm_s.items() if g != "pp"),
                 "bubble_s": comm_s.get("pp", 0.0),
-                "optimizer_s": self.wall["optimizer"] - sum(self.waits["optimizer"].values()),
-                "data_s": self.wall["data"],
+                "optimizer_s": self._less_waits("optimizer"),
+                "data_s": self._less_waits("data"),
                 "exposed_comm_s_by_group": {g: comm_s.get(g, 0.0) for g in GROUPS}}
 
 

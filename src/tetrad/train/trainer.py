@@ -12,7 +12,6 @@ import json
 import math
 import os
 import signal
-import time
 from pathlib import Path
 
 import torch
@@ -86,7 +85,6 @@ class Trainer:
         shape = (cfg.train.micro_batch, tokens, cfg.model.d_model)
         self.pipeline = PipelineExecutor(self.model, schedule, self.topo, self.grads, shape, dtype)
         self.eval_pipeline = PipelineExecutor(self.model, forward_only(schedule), self.topo, self.grads, shape, dtype)
-        self.timeline: list = []  # the last step's per-action times on this rank
         self.clock = StepClock(self.topo.comm)  # where each step's time went (metrics.py)
         self.flop_rate = FlopRate(cfg, device)
         self.telemetry = telemetry.for_device(device)  # None where the device reports nothing
@@ -96,8 +94,7 @@ class Trainer:
         gradients (of the loss times `grad_scale`, fp16's loss scale) accumulate in the
         reducer's buckets."""
         local, positions = self._sequence_shards(microbatches)
-        total, self.timeline = self.pipeline.run(local, positions, grad_scale / self.tokens_per_step)
-        return total
+        return self.pipeline.run(local, positions, grad_scale / self.tokens_per_step)
 
     def _sequence_shards(self, microbatches):
         """Context parallel: this rank's two load-balanced chunks of every sequence (context.py),
@@ -119,7 +116,7 @@ class Trainer:
             for i in range(cfg.train.eval_steps):
                 micro = self.val_batches.microbatches(i, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
                 local, positions = self._sequence_shards(micro)
-                total += self.eval_pipeline.run(local, positions, 1.0)[0]
+                total += self.eval_pipeline.run(local, positions, 1.0)
         finally:
             self.model.train()
         topo.comm.all_reduce(total, "dp_cp")
@@ -137,7 +134,7 @@ class Trainer:
             group["lr"] = lr_at(step, cfg.train)
         clock = self.clock
         clock.start()
-        start = time.perf_counter()
+        start = topo.comm.clock.mark()
         with clock.part("data"):
             micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
         scale = self.scaler.scale
@@ -160,7 +157,7 @@ class Trainer:
         topo.comm.all_reduce(loss_sum, "pp")
         loss = float(loss_sum) / self.tokens_per_step
         devices.synchronize(topo.device)
-        step_time = time.perf_counter() - start
+        step_time = topo.comm.clock.seconds(start, topo.comm.clock.mark())
         peak = devices.peak_memory_bytes(topo.device, self.memory_base)
         return {
             "step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
@@ -253,7 +250,7 @@ class Trainer:
             return
         folder = self.run_dir / "timeline"
         folder.mkdir(parents=True, exist_ok=True)
-        rows = [[self.topo.coords["pp"], t.kind, t.mb, t.chunk, t.start, t.end] for t in self.timeline]
+        rows = [[self.topo.coords["pp"], t.kind, t.mb, t.chunk, t.start, t.end] for t in self.pipeline.timeline()]
         (folder / f"pp{self.topo.coords['pp']}.json").write_text(json.dumps(rows))
 
     def full_state(self) -> dict[str, torch.Tensor]:

@@ -22,7 +22,6 @@ weights' gradients, so BI + BW does the work of one B.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
@@ -63,23 +62,23 @@ class PipelineExecutor:
         for i, (a, _) in enumerate(self.plan):
             if a.kind in ("B", "BW"):
                 self.closing[a.chunk] = i
+        self.marks: list = []  # the last run's clock marks: its start, then each action's start and end
 
     def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
-            loss_weight: float) -> tuple[torch.Tensor, list[ActionTime]]:
+            loss_weight: float) -> torch.Tensor:
         """Forward and backward of every micro-batch ((inputs, labels), already this rank's
         sequence shard); each micro-batch's summed token loss is multiplied by `loss_weight`
-        before backward. Returns this rank's summed token loss (zero off the last stage) and
-        the time of each action."""
+        before backward. Returns this rank's summed token loss (zero off the last stage)."""
         s = self.schedule
         stages = s.stages
         loss_sum = torch.zeros((), device=self.topo.device)
         stash: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (stage input, output), or BI's queue
         links = _Transfers(self)
-        times: list[ActionTime] = []
-        origin = time.perf_counter()
+        clock = self.topo.comm.clock
+        self.marks = [clock.mark()]
         for i, (a, ops) in enumerate(self.plan):
             received = {op.value: links.receive(op) for op in ops if op.op == "recv"}
-            start = time.perf_counter()
+            self.marks.append(clock.mark())
             g = stage_of(self.rank, a.chunk, s.pp)
             made = None
             closing = self.reducer.last_microbatch() if self.closing.get(a.chunk) == i else contextlib.nullcontext()
@@ -106,12 +105,19 @@ class PipelineExecutor:
             else:  # BW: the weight-gradient matmuls BI queued
                 with closing:
                     self.topo.weight_grads.apply(stash.pop((a.mb, a.chunk)))
-            times.append(ActionTime(a.kind, a.mb, a.chunk, start - origin, time.perf_counter() - origin))
+            self.marks.append(clock.mark())
             for op in ops:
                 if op.op == "send":
                     links.send(op, made.contiguous())
         links.finish()
-        return loss_sum, times
+        return loss_sum
+
+    def timeline(self) -> list[ActionTime]:
+        """When each action of the last run computed, on the device's clock (after its waits for
+        received values); read after the step has synchronised."""
+        clock, (origin, *marks) = self.topo.comm.clock, self.marks
+        return [ActionTime(a.kind, a.mb, a.chunk, clock.seconds(origin, start), clock.seconds(origin, end))
+                for (a, _), start, end in zip(self.plan, marks[::2], marks[1::2])]
 
 
     def _input_gradients(self, out: torch.Tensor, grad: torch.Tensor | None) -> list:

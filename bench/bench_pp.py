@@ -37,7 +37,7 @@ from tetrad.config import load_config
 from tetrad.parallel.pipeline.schedules import Action, build_schedule
 from tetrad.parallel.pipeline.simulate import StageCosts, simulate
 from tetrad.topology import Layout, Topology
-from tetrad.train.data import Batches, load_tokens
+from tetrad.train.batches import split_batches
 from tetrad.train.trainer import Trainer, build_model
 
 
@@ -77,8 +77,7 @@ def _torch_rank(cfg, warmup: int, steps: int):
     p = cfg.parallel
     topo = Topology(Layout(pp=p.pp), torch.device("cpu"))
     model = build_model(cfg, topo)  # tetrad's chunks with the logical init, no tetrad hooks
-    batches = Batches(load_tokens(cfg.data.source), cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
-                      cfg.model.vocab_size)
+    batches, _ = split_batches(cfg)
     tokens = cfg.train.global_batch * cfg.model.seq_len
     positions = torch.arange(cfg.model.seq_len)
 

@@ -35,7 +35,7 @@ def tetrad_train(run_dir: Path, *args: str, stdout=subprocess.PIPE) -> subproces
 
 def test_plain_lines_off_a_terminal_then_a_resume_says_where_it_starts(tmp_path):
     proc = tetrad_train(tmp_path, "--train.steps=4", "--run.log_every=2", "--checkpoint.every=4",
-                        "--train.eval_every=3", "--train.eval_steps=1")
+                        "--train.eval_every=3", "--train.eval_steps=1", "--data.val_fraction=0.1")
     out = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 0, out
     assert "\r" not in out  # no progress bar in a log file

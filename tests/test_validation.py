@@ -16,7 +16,8 @@ EVAL = {"steps": 3, "eval_every": 2, "eval_steps": 2, "device": "cpu"}
 
 
 def val_losses(**parallel) -> tuple[list, list, Path]:
-    cfg = tiny_config(parallel=parallel, train=EVAL, model={"n_layers": 4})  # 4: interleaved pp2 x vpp2
+    cfg = tiny_config(parallel=parallel, train=EVAL, model={"n_layers": 4},  # 4: interleaved pp2 x vpp2
+                      data={"val_fraction": 0.1})
     _, _, history = train_layout(cfg)
     logged = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["val_loss"]) for r in history if "val_loss" in r], logged, Path(cfg.run.dir)

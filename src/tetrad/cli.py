@@ -1,4 +1,4 @@
-"""`tetrad` command line: train, estimate, plan, schedule, bench, report, convert."""
+"""`tetrad` command line: data, train, generate, estimate, plan, schedule, bench, report, convert."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from tetrad.config import ConfigError, load_config, validate_device
 USAGE = """usage: tetrad COMMAND [ARGS]
 
 commands:
+  data TEXT... --out DIR [--vocab-size N | --tokenizer F]   BPE tokenizer + token shards for data.source
   train [CONFIG] [--section.key=value ...]   train (spawns local ranks, or runs under torchrun)
   estimate CONFIG --cluster C [--json]        the cost model for one layout
   plan --model M --cluster C --global-batch N rank every legal layout by predicted step time
+  generate CHECKPOINT --prompt TEXT          sample text (KV cache, the run's tokenizer) on one process
   convert SRC --to-hf OUT | --to-tetrad CKPT  tetrad checkpoint <-> HF safetensors (LlamaForCausalLM)
   bench [comm|gemm] [--out DIR]               measure matmul and collective rates; write a hardware profile
   schedule --pp P --microbatches M --schedule S [--vpp V] [--out x.png]   simulate and draw a pipeline schedule
@@ -31,6 +33,8 @@ def _split_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
 def train_command(argv: list[str]) -> int:
     from tetrad import device as devices
     from tetrad import launch
+    from tetrad.data.checks import check_data
+    from tetrad.train.init_from import check_init_from, model_keys
     from tetrad.train.trainer import train_on_this_rank
 
     if argv and argv[0] in ("-h", "--help"):
@@ -38,10 +42,13 @@ def train_command(argv: list[str]) -> int:
               "Without CONFIG the defaults apply: the tiny preset on the built-in corpus, one process.")
         return 0
     path, overrides = _split_config_args(argv)
-    cfg = load_config(path, overrides + launch.torchrun_overrides(), world_size=launch.torchrun_world_size())
+    cfg = load_config(path, overrides + launch.torchrun_overrides(), world_size=launch.torchrun_world_size(),
+                      model_from_inputs=model_keys)
     device_type = devices.resolve_device_type(cfg.train.device)
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
     validate_device(cfg, device_type)
+    check_init_from(cfg)
+    check_data(cfg)
     p = cfg.parallel
     if launch.in_torchrun():
         with launch.torchrun_process_group(device_type):
@@ -53,7 +60,8 @@ def train_command(argv: list[str]) -> int:
                           "nodes, or a smaller layout")
     print(f"tetrad: training {cfg.model.preset} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
           f"({p.world_size} rank{'s' if p.world_size > 1 else ''} on {device_type}), "
-          f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
+          f"{cfg.train.steps} steps, run dir {cfg.run.dir}"
+          + (f", weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else ""), flush=True)
     history = launch.run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type)[0]
     if history:
         evaluated = [r for r in history if "val_loss" in r]
@@ -78,6 +86,16 @@ def convert_command(argv: list[str]) -> int:
     return run(argv)
 
 
+def data_command(argv: list[str]) -> int:
+    from tetrad.data.prepare import data_command as run
+    return run(argv)
+
+
+def generate_command(argv: list[str]) -> int:
+    from tetrad.train.generate import generate_command as run
+    return run(argv)
+
+
 def bench_command(argv: list[str]) -> int:
     from tetrad.bench import bench_command as run
     return run(argv)
@@ -93,7 +111,8 @@ def report_command(argv: list[str]) -> int:
     return run(argv)
 
 
-COMMANDS = {"train": train_command, "schedule": schedule_command, "estimate": estimate_command, "plan": plan_command, "convert": convert_command,
+COMMANDS = {"data": data_command, "train": train_command, "schedule": schedule_command, "estimate": estimate_command, "plan": plan_command, "convert": convert_command,
+            "generate": generate_command,
             "bench": bench_command, "report": report_command}
 
 

@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -123,8 +123,12 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    # A built-in corpus name, a text file or folder, or a token file (.bin of uint16 / .npy).
+    # A built-in corpus name, a text file or folder, a token file (.bin of uint16 / .npy), or a
+    # shard folder from `tetrad data`.
     source: str = "licenses"
+    # Validation tokens: a separate source, or the last val_fraction of `source` held out.
+    val_source: str = ""
+    val_fraction: float = 0.0
 
 
 @dataclass
@@ -133,6 +137,9 @@ class CheckpointConfig:
     every: int = 0
     keep: int = 2
     resume: str = "auto"  # "auto" | "never" | a checkpoint path
+    # A fresh run's starting weights (weights only; optimizer and step start afresh): a tetrad
+    # checkpoint or an HF Llama folder. Resuming the run's own checkpoint takes precedence.
+    init_from: str = ""
 
 
 @dataclass
@@ -179,12 +186,15 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 # ----------------------------------------------------------------------------- loading
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
-                world_size: int | None = None, runtime: bool = True) -> Config:
+                world_size: int | None = None, runtime: bool = True,
+                model_from_inputs: Callable[[dict], dict] | None = None) -> Config:
     """Read a TOML file (optional), apply overrides, resolve the preset, type-check and validate.
 
     `overrides` is a list of `section.key=value` strings (values parsed as TOML literals, falling
     back to plain strings) or a nested dict. `world_size`, when known (under torchrun), must equal
     dp*tp*pp*cp. `runtime=False` (estimate/plan) also admits what only the cost model knows (fp8).
+    `model_from_inputs(raw)` gives [model] keys that the run's inputs decide (the data's vocabulary,
+    the shape of the weights it starts from): above the preset, below the user's own keys.
     """
     raw: dict[str, dict] = {}
     if path is not None:
@@ -202,7 +212,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         for item in overrides or []:
             section, key, value = _parse_override(item)
             raw.setdefault(section, {})[key] = value
-    cfg = _build(raw)
+    cfg = _build(raw, model_from_inputs(raw) if model_from_inputs else {})
     validate(cfg, world_size, runtime)
     return cfg
 
@@ -220,7 +230,7 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def _build(raw: dict) -> Config:
+def _build(raw: dict, from_inputs: dict) -> Config:
     for section in raw:
         if section not in SECTIONS:
             raise ConfigError(f"unknown section [{section}]{_did_you_mean(section, SECTIONS)}; "
@@ -232,7 +242,7 @@ def _build(raw: dict) -> Config:
     if preset not in PRESETS:
         raise ConfigError(f"unknown model.preset {preset!r}{_did_you_mean(preset, PRESETS)}; "
                           f"presets are {', '.join(PRESETS)}")
-    model_raw = {**PRESETS[preset], **model_raw, "preset": preset}
+    model_raw = {**PRESETS[preset], **from_inputs, **model_raw, "preset": preset}
     sections = {}
     for name, cls in SECTIONS.items():
         values = model_raw if name == "model" else raw.get(name, {})
@@ -462,6 +472,12 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
         raise ConfigError(f"run.log_every must be at least 1 (steps between plain log lines), got {cfg.run.log_every}")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.every < 0:
         raise ConfigError("checkpoint.keep must be >= 1 and checkpoint.every >= 0 (0 = never)")
+    if not 0 <= cfg.data.val_fraction < 1 or (cfg.data.val_fraction and cfg.data.val_source):
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1), and 0 when data.val_source "
+                          "is set (validation comes from one or the other)")
+    if cfg.train.eval_every and not (cfg.data.val_fraction or cfg.data.val_source):
+        raise ConfigError("train.eval_every needs held-out tokens: set data.val_fraction (e.g. 0.01) or "
+                          "data.val_source")
 
 
 def _validate_comm_options(groups: dict) -> None:

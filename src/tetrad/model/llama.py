@@ -14,6 +14,7 @@ attention core, Korthikanti et al. 2022) and torch.compile of each block.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -59,6 +60,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+@dataclasses.dataclass
+class LayerCache:
+    """One layer's keys and values of the tokens decoded so far ([b, tokens, kv_heads, head_dim])."""
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+        return self.k, self.v
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the newest q.shape[1] tokens over all k.shape[1] cached ones
+    (one process, no parallelism: decoding). q: [b, s, heads, d]; k, v: [b, t, kv_heads, d]."""
+    s, t = q.shape[1], k.shape[1]
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    visible = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - s, t, device=q.device)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible)
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, topo, out_std: float):
         super().__init__()
@@ -72,13 +96,19 @@ class Attention(nn.Module):
         self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, topo, std=out_std)
         self.recompute_core = False  # selective recompute (see `core`)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """`cache` (decoding): x holds the newest tokens only; their keys and values join the cache."""
         # q, k, v share one input collective; under SP x is a sequence chunk, q/k/v the whole sequence.
         q, k, v = column_parallel_linears(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.topo)
         b, s, _ = q.shape
         hd = self.cfg.head_dim
         q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.kv_heads, hd), v.view(b, s, self.kv_heads, hd)
-        if self.recompute_core and torch.is_grad_enabled():
+        if cache is not None:
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            out = cached_attention(q, *cache.extend(k, v))
+        elif self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, rope, use_reentrant=False)
         else:
             out = self.core(q, k, v, rope)
@@ -126,7 +156,10 @@ class Block(nn.Module):
         x = x + self.dropout(self.attn(self.attn_norm(x), rope))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None) -> torch.Tensor:
+        if cache is not None:  # decoding: no recompute, no compile
+            x = x + self.attn(self.attn_norm(x), rope, cache)
+            return x + self.mlp(self.mlp_norm(x))
         # The checkpoint sits inside the module call, so module hooks (ZeRO-3's gathers) run once
         # per forward and never during the recompute.
         if self.recompute and torch.is_grad_enabled():
@@ -184,10 +217,13 @@ class Transformer(nn.Module):
             else:
                 self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, pad_to=topo.tp_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
+                cache: dict[str, LayerCache] | None = None) -> torch.Tensor:
         """x: tokens [b, s] on the first chunk, else hidden states [b, s, d]; positions: [s], each
         token's true position. On the last chunk returns the summed token loss (labels given)
-        or this rank's vocabulary slice of the logits; otherwise the hidden states."""
+        or this rank's vocabulary slice of the logits; otherwise the hidden states. `cache`
+        (decoding, one process): per layer name, the keys and values of the earlier tokens; x
+        then holds only the new tokens, at `positions`, and the cache grows by them."""
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":
@@ -195,8 +231,8 @@ class Transformer(nn.Module):
         else:
             h = x
         rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta) if self.cfg.pos == "rope" else None
-        for block in self.layers.values():
-            h = block(h, rope)
+        for name, block in self.layers.items():
+            h = block(h, rope) if cache is None else block(h, rope, cache.setdefault(name, LayerCache()))
         if not self.last:
             return h
         h = self.norm(h)

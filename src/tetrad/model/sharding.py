@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,12 +99,13 @@ def logical_init(name: str, spec: ParamSpec, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int) -> None:
-    """Fill every local parameter with its shard of the logical initial tensor, one parameter at a
-    time, so a model too large for one device is never materialised whole."""
+def init_parameters(model: nn.Module, seed: int, weights: Callable[[str], torch.Tensor] | None = None) -> None:
+    """Fill every local parameter with its shard of the logical initial tensor (or of
+    `weights(name)`, weights a run starts from), one parameter at a time, so a model too large
+    for one device is never materialised whole."""
     for name, param in model.named_parameters():
         spec, index, parts = spec_of(param)
-        full = logical_init(name, spec, seed)
+        full = logical_init(name, spec, seed) if weights is None else weights(name)
         param.copy_(shard_of(full, spec, index, parts))
 
 

@@ -17,7 +17,7 @@ tp-shared dropout generators; restored when the [parallel] section is the saved 
 bucket by bucket where it holds the same parameters, else they start afresh), the resolved
 config (config.toml) and the step (tetrad.json). The scheduler and the data position need
 nothing more: the learning rate is a function of the step (optim.lr_at)
-and each step's batch a function of (seed, step) (data.Batches).
+and each step's batch a function of (seed, step) (batches.Batches).
 
 On disk (ROOT = checkpoint.dir, default RUN_DIR/checkpoints):
 

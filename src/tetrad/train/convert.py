@@ -3,7 +3,9 @@
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming. Reading HF weights goes through
 safetensors (no pickle); a converted tetrad checkpoint holds weights only (step 0, no optimizer
-state) and starts a run with `--checkpoint.resume=CKPT`.
+state) and starts a run with `--checkpoint.init_from=CKPT`. The tokenizer travels both ways:
+the run's (its data's, or bytes) is written into the HF folder for `AutoTokenizer`, and an HF
+folder's tokenizer.json is kept beside the converted weights.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemWriter
 
-from tetrad.config import ConfigError, load_config
+from tetrad.config import Config, ConfigError, load_config
+from tetrad.data.shards import TOKENIZER
+from tetrad.data.tokenizer import eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import spec_of
 from tetrad.topology import Topology
@@ -55,24 +59,33 @@ def _check_llama(m) -> None:
                           f"mlp={m.mlp!r}, pos={m.pos!r}")
 
 
-def to_hf(checkpoint: Path, out: Path) -> None:
+def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
+    """The checkpoint's config (as saved) and its logical parameters by name, read on one
+    process whatever layout wrote them (integrity and shapes checked first)."""
     path = resolve(checkpoint)
     manifest = verify(path)
-    cfg = load_config(overrides={"model": manifest["model"]})
-    m = cfg.model
-    _check_llama(m)
+    saved = path / "config.toml"
+    cfg = load_config(saved if saved.is_file() else None, overrides={"model": manifest["model"]})
     reader = SafeReader(path)
     metadata = reader.read_metadata()
     stored = metadata.state_dict_metadata
     state = {}
-    for name, shape in logical_shapes(m).items():
+    for name, shape in logical_shapes(cfg.model).items():
         key = f"model.{name}"
         state[key] = torch.empty(shape, dtype=stored[key].properties.dtype if key in stored else torch.float32)
     check_shapes(metadata, {k: tuple(v.shape) for k, v in state.items()}, path)
     dcp.load(state, storage_reader=reader, no_dist=True)
+    return cfg, {k[len("model."):]: v for k, v in state.items()}
+
+
+def to_hf(checkpoint: Path, out: Path) -> None:
+    cfg, state = read_weights(checkpoint)
+    m = cfg.model
+    _check_llama(m)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({hf_name(k[len("model."):]): v for k, v in state.items()}, out / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file({hf_name(k): v for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
+    write_hf_tokenizer(run_tokenizer(resolve(checkpoint), cfg.data.source)[0], out, m.seq_len)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
@@ -81,6 +94,17 @@ def to_hf(checkpoint: Path, out: Path) -> None:
                  "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
                  "mlp_bias": False, "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+def write_hf_tokenizer(tokenizer, out: Path, max_length: int) -> None:
+    """tokenizer.json and the tokenizer_config.json that lets `AutoTokenizer` load it."""
+    tokenizer.save(str(out / TOKENIZER))
+    try:
+        eos = {"eos_token": tokenizer.id_to_token(eos_id(tokenizer))}
+    except ValueError:
+        eos = {}  # bytes: no end-of-document token
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, **eos}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def model_config_from_hf(hf: dict, source: Path) -> dict:
@@ -120,6 +144,8 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
     tmp.mkdir(parents=True)
     dcp.save({f"model.{n}": weights[k].contiguous() for k, n in expected.items()}, storage_writer=FileSystemWriter(tmp),
              no_dist=True)
+    if (hf_dir / TOKENIZER).is_file():  # generate and export find it beside the weights
+        shutil.copyfile(hf_dir / TOKENIZER, tmp / TOKENIZER)
     publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})
 
 
@@ -134,13 +160,17 @@ def convert_command(argv: list[str]) -> int:
     try:
         if args.to_hf is not None:
             to_hf(args.source, args.to_hf)
-            print(f"tetrad: wrote {args.to_hf}/config.json and model.safetensors")
+            print(f"tetrad: wrote {args.to_hf}/config.json, model.safetensors and the tokenizer")
         else:
             if args.to_tetrad.exists():
                 raise CheckpointError(f"{args.to_tetrad} exists; choose a new checkpoint path")
             to_tetrad(args.source, args.to_tetrad)
-            print(f"tetrad: wrote {args.to_tetrad}; train from it with --checkpoint.resume={args.to_tetrad}")
-    except CheckpointError as e:
+            tokenizer = args.to_tetrad / TOKENIZER
+            print(f"tetrad: wrote {args.to_tetrad}; fine-tune from it with `tetrad train --checkpoint.init_from="
+                  f"{args.to_tetrad} --data.source=DATA` (the model's shape follows the weights)"
+                  + (f", DATA made with `tetrad data TEXT --tokenizer {tokenizer} --out DATA`"
+                     if tokenizer.is_file() else ""))
+    except (CheckpointError, ValueError) as e:
         print(f"tetrad: {e}", file=sys.stderr)
         return 1
     return 0

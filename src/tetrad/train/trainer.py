@@ -27,8 +27,9 @@ from tetrad.parallel.pipeline.executor import PipelineExecutor
 from tetrad.parallel.pipeline.schedules import build_schedule, forward_only
 from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.topology import Layout, Topology
+from tetrad.train.batches import split_batches
 from tetrad.train.checkpoint import Checkpointer, step_dir
-from tetrad.train.data import Batches, load_tokens
+from tetrad.train.init_from import initial_weights
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
 from tetrad.train import telemetry
@@ -39,14 +40,16 @@ from tetrad.train.stopping import StopSignals
 
 def build_model(cfg: Config, topo: Topology) -> PipelineStages:
     """This rank's model chunks, built on the meta device and materialised one parameter at a
-    time, so a model larger than one device's memory never exists whole."""
+    time (the logical init, or `checkpoint.init_from`'s weights), so a model larger than one
+    device's memory never exists whole."""
     with torch.device("meta"):
         model = PipelineStages(cfg, topo)
     specs = {name: spec_of(p) for name, p in model.named_parameters()}
     model.to_empty(device=topo.device)  # makes new Parameter objects: re-attach their specs
     for name, p in model.named_parameters():
         set_spec(p, *specs[name])
-    init_parameters(model, cfg.train.seed)
+    init_from = cfg.checkpoint.init_from
+    init_parameters(model, cfg.train.seed, initial_weights(init_from, cfg.model) if init_from else None)
     return model
 
 
@@ -72,11 +75,9 @@ class Trainer:
         self.scaler = LossScaler(enabled=cfg.train.dtype == "fp16")
         self.activations = ActivationMeter()
         self.topo.weight_grads.hold = self.activations.hold
-        tokens = load_tokens(cfg.data.source)
-        self.batches = Batches(tokens, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.model.vocab_size)
-        # Until a held-out split exists: evaluation windows drawn with another seed from the same tokens.
-        self.val_batches = Batches(tokens, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed + 1,
-                                   cfg.model.vocab_size)
+        # val_batches: None without held-out tokens (data.val_fraction / val_source); config
+        # validation refuses train.eval_every without them.
+        self.batches, self.val_batches = split_batches(cfg)
         self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         # Without a pipeline the schedule is F, B per micro-batch: plain gradient accumulation.

@@ -1,0 +1,112 @@
+"""Checks of a run's data before any rank starts: every problem is one line naming the fix.
+
+Cheap by construction: headers, dtypes, shapes and sizes are read without loading the data;
+token ids are range-checked over the whole file when it is small enough to scan quickly
+(memory-mapped, in chunks), else over evenly spread samples (the batches check every window
+they read anyway, so a bad id past the sample still stops the run, on the rank that reads it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tetrad.config import Config, ConfigError
+from tetrad.data.shards import is_shard_folder, open_shards, read_index
+from tetrad.data.sources import CORPORA, NPY_DTYPES, TokenStream, load_splits, text_files
+
+SCAN_TOKENS = 1 << 28  # up to this many tokens the whole range is scanned (seconds)
+CHUNK = 1 << 22
+SAMPLES = 64  # else: this many chunks spread over the data
+
+
+def check_data(cfg: Config) -> None:
+    """Raise ConfigError for the first problem with `data.source` / `data.val_source`."""
+    d, m = cfg.data, cfg.model
+    for key, source in (("data.source", d.source), ("data.val_source", d.val_source)):
+        if source:
+            _check_source(key, source, m.vocab_size)
+    try:
+        train, val = load_splits(d.source, d.val_source, d.val_fraction)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.source={d.source!r} cannot be read: {e}") from None
+    for name, tokens in (("data.source", train), ("the validation tokens", val)):
+        if tokens is not None and len(tokens) < m.seq_len + 2:
+            raise ConfigError(f"{name} holds {len(tokens)} tokens, fewer than model.seq_len+2 = {m.seq_len + 2}; "
+                              "use more data or a shorter seq_len" + (" (or a smaller data.val_fraction)"
+                                                                       if tokens is val else ""))
+    for key, tokens in (("data.source", train), ("data.val_source", val)):
+        if tokens is not None:
+            _check_ids(key, tokens, m.vocab_size)
+
+
+def _check_source(key: str, source: str, vocab_size: int) -> None:
+    if source in CORPORA:
+        return _check_bytes(key, source, vocab_size)
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"{key}={source!r} is neither a built-in corpus ({', '.join(CORPORA)}) nor an existing "
+                          "file or folder")
+    if is_shard_folder(path):
+        return _check_shards(key, path, vocab_size)
+    if path.is_dir():
+        if not text_files(path):
+            raise ConfigError(f"{key}={source!r} is a folder without .txt files (nor an index.json from `tetrad "
+                              "data`); point it at text, or prepare the folder with `tetrad data`")
+        return _check_bytes(key, source, vocab_size)
+    if path.stat().st_size == 0:
+        raise ConfigError(f"{key}={source!r} is an empty file")
+    if path.suffix == ".bin" and path.stat().st_size % 2:
+        raise ConfigError(f"{key}={source!r} has an odd size ({path.stat().st_size} bytes); a .bin holds uint16 "
+                          "token ids (2 bytes each): the file is truncated or not a token file")
+    if path.suffix == ".npy":
+        return _check_npy(key, path)
+    if path.suffix != ".bin":
+        _check_bytes(key, source, vocab_size)
+
+
+def _check_bytes(key: str, source: str, vocab_size: int) -> None:
+    if vocab_size < 256:
+        raise ConfigError(f"{key}={source!r} is read as bytes (ids 0-255) but model.vocab_size={vocab_size}; "
+                          "use model.vocab_size >= 256")
+
+
+def _check_npy(key: str, path: Path) -> None:
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:  # object arrays (pickled), or a header numpy cannot read
+        raise ConfigError(f"{key}={str(path)!r} is not a plain numeric .npy ({str(e).splitlines()[0]}); save token "
+                          "ids with np.save(path, ids.astype(np.uint16 or np.uint32))") from None
+    if array.dtype not in NPY_DTYPES or array.ndim != 1:
+        raise ConfigError(f"{key}={str(path)!r} holds {array.dtype} with shape {array.shape}; token ids are a 1-D "
+                          f"array of {'/'.join(np.dtype(t).name for t in NPY_DTYPES)}")
+
+
+def _check_shards(key: str, path: Path, vocab_size: int) -> None:
+    try:
+        index = read_index(path)
+        open_shards(path)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    if index["vocab_size"] != vocab_size:
+        raise ConfigError(f"{key}={str(path)!r} was tokenized with a {index['vocab_size']}-token vocabulary but "
+                          f"model.vocab_size={vocab_size} (set, or the weights of checkpoint.init_from); tokenize "
+                          f"with the model's tokenizer, or drop model.vocab_size (it follows the data)")
+
+
+def _check_ids(key: str, tokens: TokenStream, vocab_size: int) -> None:
+    """Every id in [0, vocab_size): all of them when that is quick, else a spread sample."""
+    for piece in tokens.pieces:
+        if piece.dtype == np.uint8:
+            continue  # bytes: checked against the vocabulary above
+        starts = range(0, len(piece), CHUNK) if len(piece) <= SCAN_TOKENS else \
+            np.linspace(0, len(piece) - 1, SAMPLES, dtype=np.int64).tolist()
+        for start in starts:
+            chunk = np.asarray(piece[start:start + CHUNK])
+            low, high = int(chunk.min()), int(chunk.max())
+            if low < 0 or high >= vocab_size:
+                bad = low if low < 0 else high
+                raise ConfigError(f"{key} holds token id {bad}, outside [0, model.vocab_size={vocab_size}); "
+                                  + ("ids must not be negative" if bad < 0 else
+                                     f"use model.vocab_size > {bad} or check the data"))

@@ -1,0 +1,233 @@
+"""`tetrad data`: a folder (or files) of text -> a shard folder a run trains on (shards.py).
+
+Each `.txt` file is one document. A BPE tokenizer is trained on a sample of the text (or an
+existing tokenizer.json is taken), then worker processes tokenize the text in pieces of a few
+MB, cut at line ends, while this process writes the pieces in order into shards, an EOS token
+after each document, starting a new shard only between documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from tetrad.data.shards import TOKENIZER, dtype_for, shard_name, write_index
+from tetrad.data.sources import text_files
+from tetrad.data.tokenizer import eos_id, load_tokenizer, train_bpe, vocab_size
+
+PIECE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [start, end) of one file; `last`: the document ends here (EOS follows)."""
+    path: str
+    start: int
+    end: int
+    last: bool
+
+
+def input_files(inputs: list[Path]) -> list[Path]:
+    """The documents: each input file, and every .txt file under each input folder."""
+    files = []
+    for path in inputs:
+        if not path.exists():
+            raise ValueError(f"{path} does not exist")
+        found = text_files(path) if path.is_dir() else [path]
+        if not found:
+            raise ValueError(f"{path} holds no .txt files")
+        files += found
+    if not any(f.stat().st_size for f in files):
+        raise ValueError(f"the {len(files)} input file(s) are empty")
+    return files
+
+
+def pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> list[Piece]:
+    """`path` cut into pieces of about `piece_bytes`, each ending at a line end (or the file's)."""
+    size, out, start = path.stat().st_size, [], 0
+    with path.open("rb") as f:
+        while start < size:
+            f.seek(min(start + piece_bytes, size))
+            newline = f.read(1 << 16).find(b"\n") if start + piece_bytes < size else -1
+            end = size if newline < 0 else min(start + piece_bytes + newline + 1, size)
+            out.append(Piece(str(path), start, end, end == size))
+            start = end
+    return out
+
+
+def read_piece(piece: Piece) -> str:
+    with open(piece.path, "rb") as f:
+        f.seek(piece.start)
+        return f.read(piece.end - piece.start).decode("utf-8", errors="replace")
+
+
+def sample_texts(files: list[Path], budget_bytes: int) -> Iterator[str]:
+    """Text to learn the BPE merges from: the first `budget_bytes`, spread over the files in order."""
+    for path in files:
+        for piece in pieces(path, 1 << 20):
+            if budget_bytes <= 0:
+                return
+            budget_bytes -= piece.end - piece.start
+            yield read_piece(piece)
+
+
+class _Encoder:
+    """A worker's tokenizer (built once per process from its JSON) and the piece encoder."""
+
+    def __init__(self, tokenizer_json: str, eos: int, dtype: str):
+        from tokenizers import Tokenizer
+        self.tokenizer, self.eos, self.dtype = Tokenizer.from_str(tokenizer_json), eos, np.dtype(dtype)
+
+    def __call__(self, piece: Piece) -> np.ndarray:
+        # Line by line: one encode of megabytes is many times slower, and byte-level BPE's
+        # pre-tokenizer splits at line ends anyway (only runs of blank lines may merge differently).
+        lines = self.tokenizer.encode_batch_fast(read_piece(piece).splitlines(keepends=True), add_special_tokens=False)
+        ids = [i for line in lines for i in line.ids] + ([self.eos] if piece.last else [])
+        return np.array(ids, dtype=self.dtype)
+
+
+def _start_worker(*args) -> None:
+    global _ENCODER  # one per worker process, set once by the pool's initializer
+    _ENCODER = _Encoder(*args)
+
+
+def _encode(piece: Piece) -> np.ndarray:
+    return _ENCODER(piece)
+
+
+@contextlib.contextmanager
+def _forked_pool(workers: int, encoder_args: tuple):
+    """Worker processes, forked (a spawned worker would re-import the command line, torch
+    included, for seconds each). Each encodes one piece at a time on one thread: tokenizers'
+    own threads are off in the forked workers, said beforehand so that it does not warn."""
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        with context.Pool(workers, _start_worker, encoder_args) as pool:
+            yield pool
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+class ShardWriter:
+    """Writes documents in order into shards of about `shard_tokens` tokens (a document is never cut)."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int):
+        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.file = None
+
+    def add_document(self, parts: list[np.ndarray]) -> None:
+        n = sum(len(p) for p in parts)
+        if self.file is None or (self.shards[-1]["tokens"] and self.shards[-1]["tokens"] + n > self.shard_tokens):
+            self._next_shard()
+        for part in parts:
+            self.file.write(part.tobytes())
+        self.shards[-1]["tokens"] += n
+        self.shards[-1]["documents"] += 1
+
+    def _next_shard(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        self.shards.append({"file": shard_name(len(self.shards)), "tokens": 0, "documents": 0})
+        self.file = (self.folder / self.shards[-1]["file"]).open("wb")
+
+    def close(self) -> list[dict]:
+        if self.file is not None:
+            self.file.close()
+        return self.shards
+
+
+def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float, workers: int) -> dict:
+    """Tokenize `files` into shards in `out` with `workers` processes; returns the index."""
+    size = vocab_size(tokenizer)
+    dtype = dtype_for(size)
+    writer = ShardWriter(out, dtype, max(1, int(shard_mb * 2**20) // dtype.itemsize))
+    work = [p for f in files for p in pieces(f)]
+    with _forked_pool(workers, (tokenizer.to_str(), eos, dtype.str)) as pool, \
+            tqdm(total=sum(p.end - p.start for p in work), unit="B", unit_scale=True, desc="tokenizing",
+                 disable=None) as bar:
+        document: list[np.ndarray] = []
+        for piece, ids in zip(work, pool.imap(_encode, work)):
+            document.append(ids)
+            bar.update(piece.end - piece.start)
+            if piece.last:
+                writer.add_document(document)
+                document = []
+    return write_index(out, writer.close(), size, eos)
+
+
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tetrad data", description="Train a byte-level BPE tokenizer on text "
+                                     "(or take a tokenizer.json) and tokenize the text into memory-mapped shards "
+                                     "that `data.source` reads. Each .txt file is one document.")
+    parser.add_argument("inputs", nargs="+", type=Path, help="text files, or folders of .txt files")
+    parser.add_argument("--out", type=Path, required=True, help="the shard folder to write (new or empty)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary to train (default 8192)")
+    source.add_argument("--tokenizer", type=Path, help="an existing tokenizer.json instead of training one")
+    parser.add_argument("--eos", default="", help="end-of-document token (default: the tokenizer's usual one)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
+    parser.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MB (default 256)")
+    parser.add_argument("--sample-mb", type=float, default=256.0,
+                        help="MB of text the BPE merges are learned from (default 256)")
+    args = parser.parse_args(argv)
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        raise ValueError(f"--out {args.out} exists and is not an empty folder; choose a new one")
+    if args.tokenizer is None and not 257 <= args.vocab_size <= 2**32:
+        raise ValueError(f"--vocab-size={args.vocab_size} must be in [257, 2^32] (256 bytes + EOS at least)")
+    if args.workers < 1 or args.shard_mb <= 0 or args.sample_mb <= 0:
+        raise ValueError("--workers must be >= 1, --shard-mb and --sample-mb > 0")
+    return args
+
+
+def data_command(argv: list[str]) -> int:
+    try:
+        args = _arguments(argv)
+        files = input_files(args.inputs)
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+        if tokenizer is not None:
+            eos_id(tokenizer, args.eos)  # refused before any work
+    except ValueError as e:
+        print(f"tetrad data: {e}", file=sys.stderr)
+        return 2
+    total = sum(f.stat().st_size for f in files)
+    started = time.perf_counter()
+    if tokenizer is None:
+        print(f"tetrad data: training a {args.vocab_size}-token BPE on up to {args.sample_mb:g} MB of "
+              f"{total / 1e6:.1f} MB of text", flush=True)
+        tokenizer = train_bpe(sample_texts(files, int(args.sample_mb * 2**20)), args.vocab_size,
+                              progress=sys.stderr.isatty())
+    trained = time.perf_counter()
+    # Written beside the final folder and renamed when complete: a crash leaves no half folder.
+    partial = args.out.with_name(args.out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    tokenizer.save(str(partial / TOKENIZER))
+    index = tokenize(files, tokenizer, eos_id(tokenizer, args.eos), partial, args.shard_mb, args.workers)
+    if args.out.exists():
+        args.out.rmdir()  # checked empty above
+    partial.rename(args.out)
+    done = time.perf_counter()
+    print(f"tetrad data: {index['documents']} documents, {index['tokens']:,} tokens (vocab {index['vocab_size']}, "
+          f"{index['dtype']}) in {len(index['shards'])} shard(s) at {args.out}; tokenized {total / 1e6:.1f} MB in "
+          f"{done - trained:.1f} s = {total / 1e6 / (done - trained):.1f} MB/s with {args.workers} process(es)"
+          + (f"; tokenizer trained in {trained - started:.1f} s" if args.tokenizer is None else ""))
+    print(f"tetrad data: train on it with --data.source={args.out} (model.vocab_size follows: {index['vocab_size']})")
+    return 0

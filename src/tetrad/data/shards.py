@@ -1,0 +1,81 @@
+"""Shard folders, as `tetrad data` writes them and runs read them.
+
+    FOLDER/index.json        {"format", "dtype", "vocab_size", "eos_id", "documents", "tokens",
+                              "shards": [{"file", "tokens", "documents"}, ...]}
+    FOLDER/shard_00000.bin   raw token ids (uint16 when the vocabulary fits, else uint32):
+                             documents one after the other, each followed by the EOS token;
+                             a document never straddles two shards
+    FOLDER/tokenizer.json    the HF `tokenizers` tokenizer that made them
+
+Shards are memory-mapped when read, so a run touches only the windows it samples.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+INDEX = "index.json"
+TOKENIZER = "tokenizer.json"
+FORMAT = 1
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    """The smallest unsigned type that holds every id of the vocabulary."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def shard_name(i: int) -> str:
+    return f"shard_{i:05d}.bin"
+
+
+def is_shard_folder(path: Path) -> bool:
+    return path.is_dir() and (path / INDEX).is_file()
+
+
+def write_index(folder: Path, shards: list[dict], vocab_size: int, eos_id: int) -> dict:
+    index = {"format": FORMAT, "dtype": dtype_for(vocab_size).name, "vocab_size": vocab_size, "eos_id": eos_id,
+             "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
+             "shards": shards}
+    (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    return index
+
+
+def read_index(folder: Path) -> dict:
+    """The folder's index; ValueError (one line) when it is not one `tetrad data` wrote."""
+    try:
+        index = json.loads((folder / INDEX).read_text())
+        shards, dtype = index["shards"], np.dtype(index["dtype"])
+        int(index["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{folder / INDEX} is not a tetrad shard index ({e}); rebuild it with `tetrad data`") from None
+    if dtype not in (np.uint16, np.uint32) or not isinstance(shards, list) or not shards:
+        raise ValueError(f"{folder / INDEX} names dtype {dtype} and {len(shards)} shards; rebuild it with `tetrad data`")
+    return index
+
+
+def open_shards(folder: Path) -> list[np.ndarray]:
+    """Every shard of the folder, memory-mapped, in order; sizes checked against the index."""
+    index = read_index(folder)
+    dtype = np.dtype(index["dtype"])
+    out = []
+    for shard in index["shards"]:
+        path = folder / shard["file"]
+        if not path.is_file() or path.stat().st_size != shard["tokens"] * dtype.itemsize:
+            raise ValueError(f"{path}: missing or not {shard['tokens']} {dtype.name} tokens as {INDEX} says; "
+                             "rebuild the folder with `tetrad data`")
+        out.append(np.memmap(path, dtype=dtype, mode="r"))
+    return out
+
+
+def model_keys(raw: dict) -> dict:
+    """[model] keys a raw config's data decides: a shard folder's vocabulary is the model's."""
+    source = raw.get("data", {}).get("source")
+    if not isinstance(source, str) or not is_shard_folder(Path(source)):
+        return {}
+    try:
+        return {"vocab_size": read_index(Path(source))["vocab_size"]}
+    except ValueError:
+        return {}  # data/checks.py names the problem

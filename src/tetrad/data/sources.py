@@ -1,0 +1,91 @@
+"""Every source a run reads tokens from, as one `TokenStream`.
+
+`data.source` is a built-in corpus name, a text file or a folder of `.txt` files (tokens are
+bytes, vocabulary 256), a token file (`.bin`: raw uint16, the nanoGPT/Megatron convention;
+`.npy`: uint16/uint32/int32/int64), or a shard folder from `tetrad data` (its index.json).
+The built-in corpus ships inside the package (the texts of common free-software licences,
+whose verbatim copying is permitted), so the default run needs no download and reads the same
+bytes on every machine. Token files and shards are memory-mapped: a rank reads only the
+windows it samples.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tetrad.data.shards import is_shard_folder, open_shards
+
+CORPORA = {"licenses": Path(__file__).parent / "corpus" / "licenses.txt"}
+NPY_DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
+
+
+class TokenStream:
+    """1-D token ids held as consecutive pieces (one array, or one memory map per shard)."""
+
+    def __init__(self, pieces: list[np.ndarray]):
+        self.pieces = [p for p in pieces if len(p)]
+        self.offsets = np.cumsum([0] + [len(p) for p in self.pieces])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) as int64, read across piece boundaries."""
+        out, end = [], start + length
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        for i in range(first, len(self.pieces)):
+            lo, hi = max(start, int(self.offsets[i])), min(end, int(self.offsets[i + 1]))
+            if lo >= hi:
+                break
+            out.append(np.asarray(self.pieces[i][lo - self.offsets[i]:hi - self.offsets[i]], dtype=np.int64))
+        return np.concatenate(out)
+
+    def split(self, at: int) -> tuple["TokenStream", "TokenStream"]:
+        """Tokens [0, at) and [at, len)."""
+        head, tail = [], []
+        for piece, lo in zip(self.pieces, self.offsets[:-1].tolist()):
+            cut = min(max(at - lo, 0), len(piece))
+            head.append(piece[:cut])
+            tail.append(piece[cut:])
+        return TokenStream(head), TokenStream(tail)
+
+
+def text_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.txt") if p.is_file())
+
+
+def load_tokens(source: str) -> TokenStream:
+    """The tokens of `source` (see the module docstring); errors are one line (data/checks.py
+    checks them all before any rank starts)."""
+    if source in CORPORA:
+        return TokenStream([np.frombuffer(CORPORA[source].read_bytes(), dtype=np.uint8)])
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"data.source={source!r} is neither a built-in corpus ({', '.join(CORPORA)}) "
+                                "nor an existing file or folder")
+    if is_shard_folder(path):
+        return TokenStream(open_shards(path))
+    if path.is_dir():
+        files = text_files(path)
+        if not files:
+            raise FileNotFoundError(f"data.source folder {path} holds no .txt files (nor a {path}/index.json "
+                                    "from `tetrad data`)")
+        return TokenStream([np.frombuffer(b"\n".join(p.read_bytes() for p in files), dtype=np.uint8)])
+    if path.suffix == ".bin":
+        return TokenStream([np.memmap(path, dtype=np.uint16, mode="r")])
+    if path.suffix == ".npy":
+        return TokenStream([np.load(path, mmap_mode="r", allow_pickle=False)])
+    return TokenStream([np.frombuffer(path.read_bytes(), dtype=np.uint8)])  # any other file: its bytes
+
+
+def load_splits(source: str, val_source: str = "", val_fraction: float = 0.0) -> tuple[TokenStream, TokenStream | None]:
+    """(training tokens, held-out validation tokens or None): `val_source` read whole, or the
+    last `val_fraction` of `source` set apart (training never sees it)."""
+    tokens = load_tokens(source)
+    if val_source:
+        return tokens, load_tokens(val_source)
+    if val_fraction > 0:
+        return tokens.split(len(tokens) - int(len(tokens) * val_fraction))
+    return tokens, None

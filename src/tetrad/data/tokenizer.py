@@ -1,0 +1,76 @@
+"""Tokenizers, through HF `tokenizers`: a byte-level BPE trained on the user's text, or an
+existing `tokenizer.json` (e.g. Llama 3's), and the end-of-document token between documents.
+
+Byte-level BPE starts from the 256 byte symbols, so any text encodes (no unknown token) and
+decoding gives the exact bytes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tetrad.data.shards import TOKENIZER, is_shard_folder
+
+EOS = "<|endoftext|>"
+# End-of-document tokens of common tokenizers, tried in order when none is named.
+KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int, progress: bool = False) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` tokens (EOS included) learned from `texts`."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def byte_tokenizer() -> Tokenizer:
+    """Bytes as a tokenizer (id = byte value, no merges), what a run on raw text trained with:
+    so that such a run decodes, and exports to HF, like any other."""
+    # GPT-2's printable stand-ins for the 256 bytes, the alphabet byte-level BPE works in.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    chars = {b: chr(b if b in printable else next(extra)) for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """A tokenizer.json; ValueError (one line) when it is not one."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type for a bad file
+        raise ValueError(f"{path} is not a tokenizer.json that HF tokenizers reads: {str(e).splitlines()[0]}") from None
+
+
+def eos_id(tokenizer: Tokenizer, name: str = "") -> int:
+    """The id of the end-of-document token: `name`, or the first of KNOWN_EOS the vocabulary has."""
+    for candidate in [name] if name else KNOWN_EOS:
+        found = tokenizer.token_to_id(candidate)
+        if found is not None:
+            return found
+    raise ValueError(f"the tokenizer has no end-of-document token {name!r}" if name else
+                     f"the tokenizer has none of {', '.join(KNOWN_EOS)}; name its end-of-document token with --eos")
+
+
+def vocab_size(tokenizer: Tokenizer) -> int:
+    return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def run_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer, Path | None]:
+    """The tokenizer of a run and where it came from: the tokenizer.json beside its checkpoint
+    (or HF) `folder`, else its data's (a shard folder); bytes (None) when it trained on raw text."""
+    for candidate in (folder / TOKENIZER, Path(data_source) / TOKENIZER):
+        if candidate.is_file():
+            return load_tokenizer(candidate), candidate
+    if is_shard_folder(Path(data_source)):
+        raise ValueError(f"{data_source} holds no {TOKENIZER}: the run's tokenizer is missing")
+    return byte_tokenizer(), None

@@ -1,0 +1,108 @@
+"""`checkpoint.init_from`: a fresh run starts from given weights (fine-tuning, continued
+pre-training): a tetrad checkpoint (any layout) or a Hugging Face Llama folder (config.json +
+*.safetensors). Weights only: the optimizer, the step and the data position start afresh.
+
+The model's shape follows the weights (`model_keys`, below the user's own [model] keys), and
+every rank fills its parameters with its shard of each logical tensor, read one at a time, so
+any layout can start from any source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+
+from tetrad.config import Config, ConfigError
+from tetrad.data import shards
+from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, resolve, verify
+from tetrad.train.convert import hf_name, logical_shapes, model_config_from_hf
+
+HF_CONFIG = "config.json"
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / HF_CONFIG).is_file() and not (path / MANIFEST).exists()
+
+
+def _source_model(path: Path) -> dict:
+    """The [model] keys of the weights at `path` (an HF folder or a tetrad checkpoint)."""
+    if is_hf_folder(path):
+        return model_config_from_hf(json.loads((path / HF_CONFIG).read_text()), path / HF_CONFIG)
+    return json.loads((resolve(path) / MANIFEST).read_text())["model"]
+
+
+def model_keys(raw: dict) -> dict:
+    """[model] keys a raw config's inputs decide: the data's vocabulary, then the shape of the
+    weights `checkpoint.init_from` names (what a load needs, whatever the data says)."""
+    keys = shards.model_keys(raw)
+    source = raw.get("checkpoint", {}).get("init_from")
+    if isinstance(source, str) and source:
+        try:
+            keys.update(_source_model(Path(source)))
+        except (OSError, ValueError, KeyError, CheckpointError, ConfigError):
+            pass  # check_init_from names the problem
+    return keys
+
+
+def check_init_from(cfg: Config) -> None:
+    """Before any rank starts: the weights exist, are intact, and fit [model] (one line if not)."""
+    source = cfg.checkpoint.init_from
+    if not source:
+        return
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"checkpoint.init_from={source!r} does not exist; name a tetrad checkpoint or an HF folder")
+    if is_hf_folder(path) and not list(path.glob("*.safetensors")):
+        raise ConfigError(f"checkpoint.init_from={source!r} holds no *.safetensors weights")
+    try:
+        if not is_hf_folder(path):
+            verify(resolve(path))
+        saved, here = _source_model(path), dataclasses.asdict(cfg.model)
+    except (CheckpointError, OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
+    differ = [f"{k}={saved.get(k)!r} there, {here[k]!r} here" for k in SHAPE_KEYS if saved.get(k) != here[k]]
+    if differ:
+        raise ConfigError(f"checkpoint.init_from={source!r} holds a model of another shape ({'; '.join(differ)}); "
+                          "drop those [model] keys: they follow the weights")
+
+
+def initial_weights(source: str, model_cfg) -> Callable[[str], torch.Tensor]:
+    """name -> the logical tensor of that parameter in `source`, read when asked."""
+    path = Path(source)
+    shapes = logical_shapes(model_cfg)
+    if is_hf_folder(path):
+        files = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                files.update(dict.fromkeys(f.keys(), file))
+
+        def read(name: str) -> torch.Tensor:
+            key = hf_name(name)
+            if key not in files:
+                raise CheckpointError(f"{path} has no {key}, which model.{name} needs")
+            with safe_open(files[key], "pt") as f:
+                return _checked(f.get_tensor(key), shapes[name], f"{path}:{key}")
+        return read
+    found = resolve(path)
+    stored = SafeReader(found).read_metadata().state_dict_metadata
+
+    def read_dcp(name: str) -> torch.Tensor:
+        key = f"model.{name}"
+        if key not in stored:
+            raise CheckpointError(f"{found} has no {key}")
+        state = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)}
+        dcp.load(state, storage_reader=SafeReader(found), no_dist=True)
+        return _checked(state[key], shapes[name], f"{found}:{key}")
+    return read_dcp
+
+
+def _checked(tensor: torch.Tensor, shape: tuple[int, ...], where: str) -> torch.Tensor:
+    if tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(f"{where} is {tuple(tensor.shape)}, the model needs {tuple(shape)}")
+    return tensor

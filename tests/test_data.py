@@ -1,0 +1,100 @@
+"""Data sources and batches: windows across shards, each rank's share of the global batch,
+the held-out validation split."""
+
+import numpy as np
+import torch
+
+from conftest import tiny_config
+from tetrad.cli import main
+from tetrad.config import load_config
+from tetrad.data.checks import check_data
+from tetrad.data.shards import dtype_for, model_keys, open_shards, read_index
+from tetrad.data.sources import TokenStream, load_splits, load_tokens
+from tetrad.data.tokenizer import load_tokenizer
+from tetrad.train.batches import Batches, split_batches
+
+
+def test_windows_and_splits_read_across_pieces():
+    stream = TokenStream([np.arange(5), np.arange(5, 12), np.arange(12, 13), np.arange(13, 20)])
+    for start in range(20):
+        for length in range(1, 21 - start):
+            assert np.array_equal(stream.window(start, length), np.arange(start, start + length))
+    for at in (0, 5, 12, 19, 20):
+        head, tail = stream.split(at)
+        assert len(head) == at and len(tail) == 20 - at
+        if at < 20:
+            assert np.array_equal(tail.window(0, 20 - at), np.arange(at, 20))
+
+
+def test_each_dp_rank_reads_only_its_share_of_the_same_global_batch():
+    batches = Batches(TokenStream([np.arange(1000) % 256]), seq_len=16, global_batch=8, seed=3, vocab_size=256)
+    inputs, labels = batches.global_batch_at(7)
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    for dp in (1, 2, 4):
+        shares = [batches.microbatches(7, r, dp, micro_batch=2) for r in range(dp)]
+        assert torch.equal(torch.cat([x for share in shares for x, _ in share]), inputs)
+        assert torch.equal(torch.cat([y for share in shares for _, y in share]), labels)
+
+
+def test_val_fraction_holds_out_the_tail_and_training_never_reads_it():
+    cfg = tiny_config(data={"val_fraction": 0.1})
+    train, val = split_batches(cfg)
+    whole = load_splits("licenses")[0]
+    n_train, n_val = len(train.tokens), len(val.tokens)
+    assert n_val == int(len(whole) * 0.1) and n_train + n_val == len(whole)
+    assert np.array_equal(val.tokens.window(0, n_val), whole.window(n_train, n_val))
+    assert not torch.equal(val.global_batch_at(0)[0], train.global_batch_at(0)[0])
+    assert split_batches(tiny_config())[1] is None
+
+
+def write_docs(folder, n=3):
+    folder.mkdir()
+    texts = [f"document {i}: " + " ".join(f"word{j % 17} héllo" for j in range(40 * (i + 1))) + "\n\n end\n"
+             for i in range(n)]
+    for i, text in enumerate(texts):
+        (folder / f"doc{i}.txt").write_text(text)
+    return texts
+
+
+def test_tetrad_data_writes_shards_that_decode_to_the_documents(tmp_path, capsys):
+    texts = write_docs(tmp_path / "text")
+    out = tmp_path / "shards"
+    assert main(["data", str(tmp_path / "text"), "--out", str(out), "--vocab-size", "300", "--workers", "2",
+                 "--shard-mb", "0.001"]) == 0
+    assert "3 documents" in capsys.readouterr().out
+    index, tokenizer = read_index(out), load_tokenizer(out / "tokenizer.json")
+    # Training stops early when this little text has no pair left to merge.
+    assert (index["documents"], index["dtype"]) == (3, "uint16")
+    assert 256 < index["vocab_size"] == tokenizer.get_vocab_size() <= 300
+    assert len(index["shards"]) > 1  # tiny shards: one per document
+    stream = load_tokens(str(out))
+    ids = stream.window(0, len(stream)).tolist()
+    assert len(ids) == index["tokens"] and ids.count(index["eos_id"]) == 3
+    for shard in open_shards(out):
+        assert shard[-1] == index["eos_id"]  # a document never straddles two shards
+    ends = [i for i, t in enumerate(ids) if t == index["eos_id"]]
+    docs = [ids[a + 1:b] for a, b in zip([-1] + ends, ends)]
+    assert [tokenizer.decode(d) for d in docs] == texts
+
+    cfg = load_config(overrides=[f"data.source={out}"], model_from_inputs=model_keys)
+    assert cfg.model.vocab_size == index["vocab_size"]  # follows the tokenizer
+    check_data(cfg)
+    assert main(["train", f"--data.source={out}", "--model.vocab_size=512", f"--run.dir={tmp_path / 'run'}"]) == 2
+    assert f"{index['vocab_size']}-token vocabulary but model.vocab_size=512" in capsys.readouterr().err
+
+    again = tmp_path / "again"  # an existing tokenizer.json gives the same tokens
+    assert main(["data", str(tmp_path / "text"), "--out", str(again), "--tokenizer", str(out / "tokenizer.json")]) == 0
+    assert np.array_equal(load_tokens(str(again)).window(0, len(stream)), np.array(ids))
+
+
+def test_tetrad_data_refuses_bad_inputs_in_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    cases = [[str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
+             [str(tmp_path / "empty"), "--out", str(tmp_path / "o")],
+             [str(tmp_path / "empty"), "--out", str(tmp_path / "o"), "--vocab-size", "100"]]
+    for argv in cases:
+        assert main(["data", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("tetrad data: ") and "\n" not in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+    assert dtype_for(2**16) == np.uint16 and dtype_for(2**16 + 1) == np.uint32

@@ -1,0 +1,65 @@
+"""Data inputs are checked before any rank starts (issue 19): each bad input is refused with one
+line and exit status 2, and nothing is spawned (a spawned rank would print a traceback)."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from tetrad.cli import main
+from tetrad.data.checks import check_data
+from tetrad.data.sources import TokenStream
+from tetrad.train.batches import Batches
+
+
+def _npy(path, array, allow_pickle=False):
+    np.save(path, array, allow_pickle=allow_pickle)
+    return path
+
+
+def bad_inputs(tmp):
+    (tmp / "no_txt").mkdir()
+    (tmp / "no_txt" / "notes.md").write_text("text, but not .txt")
+    (tmp / "empty.txt").write_text("")
+    (tmp / "short.txt").write_text("too short")
+    (tmp / "odd.bin").write_bytes(b"\x01\x00\x02")
+    (tmp / "pickled.npy").write_bytes(b"\x93NUMPY" + pickle.dumps(["not", "an", "array"]))
+    ids = np.arange(4000) % 200
+    return {
+        "missing": ([f"--data.source={tmp / 'nothing.bin'}"], "neither a built-in corpus"),
+        "unknown": (["--data.source=shakespeare"], "neither a built-in corpus"),
+        "empty": ([f"--data.source={tmp / 'empty.txt'}"], "empty file"),
+        "short": ([f"--data.source={tmp / 'short.txt'}"], "fewer than model.seq_len+2"),
+        "no_txt": ([f"--data.source={tmp / 'no_txt'}"], "without .txt"),
+        "odd_bin": ([f"--data.source={tmp / 'odd.bin'}"], "odd size"),
+        "float": ([f"--data.source={_npy(tmp / 'f.npy', ids.astype(np.float32))}"], "float32"),
+        "2d": ([f"--data.source={_npy(tmp / 'm.npy', ids.reshape(40, 100).astype(np.int32))}"], "shape (40, 100)"),
+        "object": ([f"--data.source={_npy(tmp / 'o.npy', np.array([1, 'a'], dtype=object), True)}"], "not a plain"),
+        "pickled": ([f"--data.source={tmp / 'pickled.npy'}"], "not a plain"),
+        "too_large": ([f"--data.source={_npy(tmp / 'big.npy', (ids + 100).astype(np.uint16))}"], "token id 299"),
+        "negative_tp2": ([f"--data.source={_npy(tmp / 'neg.npy', np.where(ids == 7, -3, ids).astype(np.int32))}",
+                          "--parallel.tp=2"], "token id -3"),
+        "val_too_short": (["--data.val_fraction=0.00001"], "validation tokens hold"),
+        "missing_val": ([f"--data.val_source={tmp / 'val.bin'}"], "data.val_source="),
+    }
+
+
+def test_each_bad_data_input_is_refused_before_spawn_in_one_line(tmp_path, capsys):
+    for name, (argv, expected) in bad_inputs(tmp_path).items():
+        assert main(["train", *argv, f"--run.dir={tmp_path / 'run'}"]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("tetrad: config error: ") and "\n" not in err, (name, err)
+        assert expected in err, (name, err)
+    assert not (tmp_path / "run").exists()  # no rank started
+
+
+def test_good_token_files_pass_and_a_bad_id_past_the_sample_stops_the_batches(tmp_path):
+    good = _npy(tmp_path / "ids.npy", (np.arange(4000) % 256).astype(np.uint32))
+    check_data(tiny_config(data={"source": str(good), "val_fraction": 0.1}))
+    (tmp_path / "ids.bin").write_bytes((np.arange(4000) % 256).astype(np.uint16).tobytes())
+    check_data(tiny_config(data={"source": str(tmp_path / "ids.bin")}))
+    tokens = np.zeros(100, dtype=np.int64)
+    tokens[:] = -1
+    with pytest.raises(ValueError, match="token id -1"):
+        Batches(TokenStream([tokens]), seq_len=8, global_batch=2, seed=0, vocab_size=256).global_batch_at(0)

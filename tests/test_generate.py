@@ -1,0 +1,58 @@
+"""`tetrad generate`: KV-cache decoding gives the full forward's logits; a sample's loss by the
+training forward is the one its decoding logits give; a checkpoint trained on `tetrad data`
+shards decodes with their tokenizer; a missing checkpoint is refused in one line."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from tetrad.cli import main
+from tetrad.model.llama import Transformer
+from tetrad.model.sharding import init_parameters
+from tetrad.topology import Topology
+from tetrad.train.generate import continuation_loss, generate
+
+
+def random_model(**model):
+    cfg = tiny_config(model=model).model
+    net = Transformer(cfg, Topology.single())
+    init_parameters(net, seed=1)
+    return net.eval()
+
+
+@pytest.mark.parametrize("model", [{}, {"preset": "tiny-gpt", "n_layers": 2, "d_model": 64, "n_heads": 4,
+                                        "n_kv_heads": 4, "ffn_hidden": 128, "seq_len": 32}])
+def test_kv_cache_decoding_gives_the_full_forward_logits(model):
+    net = random_model(**model)
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = net(tokens, torch.arange(20))
+        cache = {}
+        steps = [net(tokens[:, :7], torch.arange(7), cache=cache)]  # the prompt at once, then one at a time
+        steps += [net(tokens[:, i:i + 1], torch.tensor([i]), cache=cache) for i in range(7, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert full.abs().max() > 1e-2
+
+
+def test_a_samples_loss_by_the_training_forward_is_its_decoding_loss():
+    net = random_model()
+    prompt = list(b"The licence ")
+    new, logits = generate(net, prompt, max_new=12, temperature=1.0, seed=3)
+    assert len(new) == 12
+    decoding = torch.stack([-torch.log_softmax(lg, -1)[t] for lg, t in zip(logits, new)]).mean()
+    assert continuation_loss(net, prompt, new) == pytest.approx(float(decoding), rel=1e-5)
+    # Greedy decoding is deterministic and picks each step's likeliest token.
+    greedy, greedy_logits = generate(net, prompt, max_new=5, temperature=0)
+    assert greedy == [int(lg.argmax()) for lg in greedy_logits]
+
+
+def test_generation_stops_at_seq_len():
+    net = random_model()  # seq_len 32
+    new, _ = generate(net, list(range(30)), max_new=50, temperature=1.0)
+    assert len(new) == 3  # tokens at positions 30, 31 and 32 (read from 32 tokens)
+
+
+def test_missing_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "none"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tetrad generate: no checkpoint at") and "\n" not in err

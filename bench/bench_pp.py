@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from tetrad import launch
 from tetrad.config import load_config
-from tetrad.parallel.pipeline.schedules import Action, build_schedule
+from tetrad.parallel.pipeline.registry import build_schedule
+from tetrad.parallel.pipeline.schedules import Action
 from tetrad.parallel.pipeline.simulate import StageCosts, simulate
 from tetrad.topology import Layout, Topology
 from tetrad.train.batches import split_batches

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tetrad.parallel.pipeline.schedules import build_schedule
+from tetrad.parallel.pipeline.registry import build_schedule
 from tetrad.parallel.pipeline.simulate import StageCosts, simulate
 
 ROWS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb", 1)]

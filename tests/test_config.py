@@ -25,7 +25,6 @@ ERRORS = [
     ({"train": {"lr": "fast"}}, None, "train.lr must be a number, got 'fast' (str)"),
     ({"parallel": {"tp": 2.5}}, None, "parallel.tp must be an integer, got 2.5 (float)"),
     ({"parallel": {"sequence_parallel": 1}}, None, "parallel.sequence_parallel must be true or false"),
-    ({"parallel": {"schedule": "1f2b"}}, None, "parallel.schedule must be one of 'gpipe', '1f1b', 'interleaved', 'zb'"),
     ({"model": {"seq_len": 36, "n_kv_heads": 4}, "parallel": {"tp": 4, "cp": 2, "sequence_parallel": True}}, None,
      "sequence_parallel splits each rank's 18 tokens (seq_len/cp) over tp=4"),
     ({"parallel": {"stage_layers": [2, "x"], "pp": 2}}, None, "parallel.stage_layers[1] must be an integer"),

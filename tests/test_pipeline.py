@@ -11,7 +11,8 @@ import torch
 from conftest import assert_parity, run_ranks, tiny_config, train_layout
 from tetrad import launch
 from tetrad.config import ConfigError, load_config
-from tetrad.parallel.pipeline.stages import layer_split
+from tetrad.parallel.pipeline.registry import check_config
+from tetrad.parallel.pipeline.split import layer_split
 
 pytestmark = pytest.mark.dist
 
@@ -184,10 +185,10 @@ def test_layer_split_is_balanced_or_explicit():
 ])
 def test_bad_pipeline_config_is_refused(overrides, message):
     if message is None:  # 1f1b and gpipe run with fewer micro-batches than stages
-        load_config(overrides=overrides)
+        check_config(load_config(overrides=overrides))
         return
     with pytest.raises(ConfigError, match=message):
-        load_config(overrides=overrides)
+        check_config(load_config(overrides=overrides))
 
 
 def _die_mid_schedule(cfg):

@@ -11,7 +11,7 @@ import pytest
 
 from tetrad.cli import main
 from tetrad.config import load_config
-from tetrad.plan import flops
+from tetrad.model import flops
 from tetrad.plan.cost import _simulate, comm_bytes_per_step, estimate, pipeline
 from tetrad.plan.hardware import HardwareError, load_cluster, load_gpu
 from tetrad.plan.memory import ZERO_PAPER_BYTES, activation_bytes_per_layer, model_state_bytes, rank_params
@@ -251,3 +251,26 @@ def test_every_searched_layout_is_one_the_runtime_accepts():
     assert found
     for layout in found:
         config_of(base, layout)  # raises ConfigError for a layout validation refuses
+
+
+def test_estimate_and_plan_honour_stage_layers(capsys):
+    """The planner splits layers as the runtime does (parallel/pipeline/split.py), a fixed split included."""
+    cluster = load_cluster("dgx-h100")
+    model, train = {"preset": "llama3-8b", "n_layers": 8}, {"global_batch": 16, "micro_batch": 1, "dtype": "bf16"}
+    even = estimate(_cfg(model=model, parallel={"pp": 2, "dp": 4}, train=train), cluster)
+    skewed = estimate(_cfg(model=model, parallel={"pp": 2, "dp": 4, "stage_layers": [6, 2]}, train=train), cluster)
+    weights = [[m.weights for m in e.memory_by_rank] for e in (even, skewed)]
+    assert weights[1][0] > weights[0][0] and weights[1][1] < weights[0][1]
+    assert skewed.step_time_s > even.step_time_s  # the slower first stage sets the pace
+    assert main(["estimate", "--cluster", "dgx-h100", "--model.preset=llama3-8b", "--model.n_layers=8",
+                 "--parallel.pp=2", "--parallel.dp=4", "--parallel.stage_layers=[6,2]", "--train.global_batch=16",
+                 "--train.micro_batch=1", "--train.dtype=bf16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(skewed.step_time_s)
+
+    base = _cfg(model=model, parallel={"pp": 2, "stage_layers": [5, 3]}, train=train)
+    result = plan(base, cluster, top=5)
+    assert result.ranked
+    for e in result.ranked:  # every layout keeps the user's two stages, and costs them as split
+        p = e.cfg.parallel
+        assert p.pp * p.vpp == 2 and p.stage_layers == [5, 3]
+        assert e.step_time_s == pytest.approx(estimate(e.cfg, cluster).step_time_s)

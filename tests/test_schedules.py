@@ -7,9 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-from tetrad.parallel.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, Value, build_schedule,
-                                                link_order, min_microbatches, needs, p2p_ops, stage_of,
-                                                validate_schedule)
+from tetrad.parallel.pipeline.registry import SCHEDULES, build_schedule, min_microbatches
+from tetrad.parallel.pipeline.schedules import (Action, Schedule, ScheduleError, Value, link_order, needs, p2p_ops,
+                                                stage_of, validate_schedule)
 from tetrad.parallel.pipeline.simulate import StageCosts, simulate
 from tetrad.viz.timeline import render_timeline, schedule_command
 

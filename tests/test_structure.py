@@ -42,9 +42,6 @@ KNOWN_VIOLATIONS = {
     "import: tetrad.config -> tetrad.train.precision": "core",  # the dtype map, defined once below config
     "size: tetrad/parallel/data.py": "core",
     # sched (schedule registry, one layer-split function, plan/cost.py split)
-    "import: tetrad.config -> tetrad.parallel.pipeline.schedules": "sched",
-    "import: tetrad.parallel.pipeline.stages -> tetrad.plan.memory": "sched",
-    "size: tetrad/parallel/pipeline/schedules.py": "sched",
     "size: tetrad/plan/cost.py": "sched",
     "function: tetrad.plan.cost:estimate": "sched",
     "function: tetrad.plan.cost:layer_cost": "sched",

@@ -34,6 +34,7 @@ def train_command(argv: list[str]) -> int:
     from tetrad import device as devices
     from tetrad import launch
     from tetrad.data.checks import check_data
+    from tetrad.parallel.pipeline.registry import check_config as check_pipeline
     from tetrad.train.init_from import check_init_from, model_keys
     from tetrad.train.trainer import train_on_this_rank
 
@@ -46,6 +47,7 @@ def train_command(argv: list[str]) -> int:
                       model_from_inputs=model_keys)
     device_type = devices.resolve_device_type(cfg.train.device)
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
+    check_pipeline(cfg)
     validate_device(cfg, device_type)
     check_init_from(cfg)
     check_data(cfg)

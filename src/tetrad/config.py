@@ -70,7 +70,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     vpp: int = 1
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = "1f1b"
+    schedule: str = "1f1b"  # a name in parallel/pipeline/registry.py, whose check_config validates it
     # Layers of each of the pp*vpp pipeline stages, e.g. [7, 8, 8, 7]; empty: balanced by FLOPs.
     stage_layers: list[int] = field(default_factory=list)
     zero: int = 0
@@ -374,14 +374,9 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
     if m.ffn_hidden % p.tp:
         raise ConfigError(f"tp={p.tp} does not divide ffn_hidden={m.ffn_hidden}; "
                           f"use tp in {sorted(set(common) & set(_divisors(m.ffn_hidden)))}")
-    if p.vpp > 1 and p.schedule != "interleaved":
-        raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.schedule='interleaved' "
-                          f"(got {p.schedule!r}); or set vpp=1")
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError(f"parallel.vpp={p.vpp} interleaves model chunks over pipeline ranks, and pp=1 has one; "
                           f"set parallel.pp >= 2 or vpp=1")
-    if p.schedule == "interleaved" and p.vpp < 2:
-        raise ConfigError("parallel.schedule='interleaved' needs parallel.vpp >= 2 virtual stages per rank")
     stages = p.pp * p.vpp
     if m.n_layers < stages:
         raise ConfigError(f"n_layers={m.n_layers} is fewer than pp*vpp = {p.pp}*{p.vpp} = {stages} pipeline "
@@ -391,12 +386,6 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
         raise ConfigError(f"parallel.stage_layers={p.stage_layers} must list pp*vpp = {stages} layer counts, each "
                           f">= 1, adding up to n_layers={m.n_layers}; or leave it empty for a balanced split")
     if p.pp > 1:
-        from tetrad.parallel.pipeline.schedules import min_microbatches
-        need = min_microbatches(p.schedule, p.pp, p.vpp)
-        if cfg.microbatches < need:
-            raise ConfigError(f"schedule={p.schedule!r} with pp={p.pp} needs at least {need} micro-batches per step "
-                              f"(one group of pp per chunk); global_batch/(micro_batch*dp) = {cfg.microbatches}. "
-                              f"Raise global_batch to {need * t.micro_batch * p.dp} or lower micro_batch")
         if runtime and m.tie_embeddings and p.zero == 3:
             raise ConfigError("tie_embeddings with pp > 1 and zero=3 is not supported yet (the embedding's copy on "
                               "the last stage would need its own gathered bucket); use zero<=2, "

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from tetrad.config import Config, ConfigError, load_config
+from tetrad.parallel.pipeline.registry import check_config
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, HardwareError, load_cluster
 from tetrad.plan.search import Plan, plan
@@ -79,6 +80,7 @@ def estimate_command(argv: list[str]) -> int:
     args, overrides = ap.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides, runtime=False)
+        check_config(cfg)
         cluster = load_cluster(args.cluster)
     except (ConfigError, HardwareError) as e:
         print(f"tetrad estimate: {e}", file=sys.stderr)

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from tetrad.config import DEFAULT_BUCKET_MB, Config
-from tetrad.parallel.pipeline.schedules import build_schedule, replay
-from tetrad.parallel.pipeline.simulate import StageCosts, peak_held
-from tetrad.plan import flops
+from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
+from tetrad.parallel.pipeline.schedules import replay
+from tetrad.parallel.pipeline.simulate import StageCosts, peak_held, peak_waiting_loss
+from tetrad.parallel.pipeline.split import rank_layers, rank_stages, stage_layers
+from tetrad.model import flops
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.memory import (
     GIB,
@@ -27,9 +29,7 @@ from tetrad.plan.memory import (
     activation_bytes,
     after_bi_weight,
     memory_by_rank,
-    rank_layers,
     rank_params,
-    stage_layers,
     state_bytes_per_param,
 )
 from tetrad.plan.stacks import Stack, load_stack
@@ -302,6 +302,12 @@ def _schedule(schedule: str, pp: int, m: int, vpp: int):
     return build_schedule(schedule, pp, m, vpp)  # built (and validated) once per shape
 
 
+def _steady(schedule: str, pp: int, m: int) -> int:
+    """The fewest micro-batches past `schedule`'s warm-up in the same phase as m: from there on it
+    repeats every pp micro-batches, so what it costs or holds grows linearly (registry.py)."""
+    return schedule_spec(schedule).warmup_rounds * pp + m % pp
+
+
 @lru_cache(maxsize=65536)
 def _simulate(schedule: str, pp: int, m: int, vpp: int, f: tuple, bi: tuple, bw: tuple, p2p: float):
     """(step time, per-rank idle time after its last action) of one simulated schedule: the
@@ -316,27 +322,40 @@ def _simulate(schedule: str, pp: int, m: int, vpp: int, f: tuple, bi: tuple, bw:
 @lru_cache(maxsize=4096)
 def inflight(schedule: str, pp: int, m: int, vpp: int, after_bi: float = 1.0) -> tuple[float, ...]:
     """Peak (micro-batch, chunk) activation sets alive per rank, from the schedule's order
-    (zero-bubble's BI-to-BW remainders weighing `after_bi` sets: memory.after_bi_weight). Past
-    two rounds it stops growing (except under GPipe, which keeps all of them), so a long schedule
-    is read at the same phase, 2*pp + m % pp micro-batches."""
-    if schedule == "gpipe":
-        return tuple(m * vpp for _ in range(pp))
-    return tuple(peak_held(_schedule(schedule, pp, min(m, 2 * pp + m % pp), vpp), after_bi))
+    (zero-bubble's BI-to-BW remainders weighing `after_bi` sets: memory.after_bi_weight). Past the
+    warm-up the peak grows by the same amount every pp micro-batches (nothing for 1F1B, pp for
+    GPipe), so a long schedule is read at two steady lengths and extended."""
+    m0 = _steady(schedule, pp, m)
+    if m <= m0 + pp:
+        return tuple(peak_held(_schedule(schedule, pp, m, vpp), after_bi))
+    h0, h1 = (peak_held(_schedule(schedule, pp, n, vpp), after_bi) for n in (m0, m0 + pp))
+    return tuple(a + (m - m0) / pp * (b - a) for a, b in zip(h0, h1))
+
+
+@lru_cache(maxsize=4096)
+def loss_waiting(schedule: str, pp: int, m: int, vpp: int) -> float:
+    """Micro-batches whose loss waits for its backward at once on the last stage (one under 1F1B,
+    all of them under GPipe), extended past the warm-up as `inflight` is."""
+    m0 = _steady(schedule, pp, m)
+    if m <= m0 + pp:
+        return peak_waiting_loss(_schedule(schedule, pp, m, vpp))
+    w0, w1 = (peak_waiting_loss(_schedule(schedule, pp, n, vpp)) for n in (m0, m0 + pp))
+    return w0 + (m - m0) / pp * (w1 - w0)
 
 
 def pipeline(schedule: str, pp: int, m: int, vpp: int, f: list, bi: list, bw: list, p2p: float):
     """(step time, per-rank idle tail) from the schedule simulator.
 
     Costs are normalised to the slowest stage's forward and rounded to 1% of it, so similar
-    layouts share a simulation. Past its warm-up (one round of pp micro-batches, two when
-    interleaved) a schedule is periodic in pp micro-batches, so a long one is simulated at m0 and
-    m0 + pp (in the same phase, m0 = rounds * pp + m % pp) and extended linearly: exact in steady
-    state, and it keeps a search over thousands of micro-batches fast.
+    layouts share a simulation. Past its warm-up (registry.py: one round of pp micro-batches, two
+    when interleaved) a schedule is periodic in pp micro-batches, so a long one is simulated at
+    m0 and m0 + pp (in the same phase) and extended linearly: exact in steady state, and it keeps
+    a search over thousands of micro-batches fast.
     """
     unit = max(f) or 1.0
     norm = lambda xs: tuple(round(x / unit, 2) for x in xs)  # noqa: E731
     nf, nbi, nbw, np2p = norm(f), norm(bi), norm(bw), round(p2p / unit, 3)
-    m0 = (2 if schedule == "interleaved" else 1) * pp + m % pp  # past the warm-up
+    m0 = _steady(schedule, pp, m)
     if m <= m0 + pp:
         t, tail = _simulate(schedule, pp, m, vpp, nf, nbi, nbw, np2p)
     else:
@@ -365,7 +384,8 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
 
     layer = layer_cost(cfg, cluster, stack)
     embed, head = _ends(cfg, cluster)
-    counts = stage_layers(m, stages)
+    counts = stage_layers(cfg)
+    held_by = [rank_stages(p.pp, p.vpp, r) for r in range(p.pp)]  # each rank's global stages
     f = [c * layer.forward for c in counts]
     bi = [c * (layer.backward_input + layer.recompute) for c in counts]
     bw = [c * layer.backward_weight for c in counts]
@@ -375,12 +395,12 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     # The pipeline: a transfer between neighbouring stages is a latency the schedule can hide,
     # or, where the stack blocks on it, part of the sending action (and of the bubble).
     p2p = _p2p_time(cfg, cluster, stack, tokens, e)
-    busy = [sum(f[c * p.pp + r] + bi[c * p.pp + r] + bw[c * p.pp + r] for c in range(p.vpp)) for r in range(p.pp)]
+    busy = [sum(f[g] + bi[g] + bw[g] for g in held) for held in held_by]
     if stack.pp_blocking_p2p and p.pp > 1:
         f = [x + (p2p if s < stages - 1 else 0.0) for s, x in enumerate(f)]
         bi = [x + (p2p if s > 0 else 0.0) for s, x in enumerate(bi)]
         p2p = 0.0
-    work = [sum(f[c * p.pp + r] + bi[c * p.pp + r] + bw[c * p.pp + r] for c in range(p.vpp)) for r in range(p.pp)]
+    work = [sum(f[g] + bi[g] + bw[g] for g in held) for held in held_by]
     if p.pp == 1:
         pipe, tail = micro * work[0], [0.0]
     elif simulate_pipeline:
@@ -405,9 +425,9 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
         grads = ring_time(op, params * stack.grad_reduce_bytes, n, alpha, link)
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
         if stack.dp_overlap:
-            window = sum(bi[c * p.pp + r] + bw[c * p.pp + r] for c in range(p.vpp))
+            window = sum(bi[g] + bw[g] for g in held_by[r])
             if p.zero >= 2:
-                earlier = (micro - 1) * max(0.0, grads - window - sum(f[c * p.pp + r] for c in range(p.vpp)))
+                earlier = (micro - 1) * max(0.0, grads - window - sum(f[g] for g in held_by[r]))
             last_bucket = grads * min(1.0, _bucket_bytes(cfg) / (params * stack.grad_reduce_bytes))
             grads = max(last_bucket, grads - window)
         elif p.zero >= 2:
@@ -419,12 +439,12 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     step = pipe + dp_exposed + gather + opt
 
     held = inflight(p.schedule, p.pp, micro, p.vpp, after_bi_weight(cfg, stack))
-    memory = memory_by_rank(cfg, stack, held, gpu.is_cpu)
+    memory = memory_by_rank(cfg, stack, held, loss_waiting(p.schedule, p.pp, micro, p.vpp), gpu.is_cpu)
     worst = max(memory, key=lambda x: x.total)
     usable = gpu.hbm_gib - (0.0 if gpu.is_cpu else GPU_RESERVED_GIB)
 
     busiest = max(range(p.pp), key=lambda r: busy[r])
-    layers_busy = sum(counts[c * p.pp + busiest] for c in range(p.vpp))
+    layers_busy = rank_layers(cfg)[busiest]
     ends = (sum(embed) if busiest == 0 else 0.0) + (sum(head) if busiest == p.pp - 1 else 0.0)
     breakdown = {"compute": micro * (layers_busy * layer.compute + ends),
                  "recompute": micro * layers_busy * layer.recompute,

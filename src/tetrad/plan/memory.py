@@ -17,10 +17,11 @@ dropout, GELU and materialised scores they are exactly sbh(34 + 5as/h) per layer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from tetrad.config import DEFAULT_BUCKET_MB, Config, ModelConfig
-from tetrad.plan import flops
+from tetrad.model import flops
+from tetrad.parallel.pipeline.registry import schedule_spec
+from tetrad.parallel.pipeline.split import rank_layers
 from tetrad.plan.stacks import Stack
 
 GIB = 1024**3
@@ -79,36 +80,6 @@ def model_state_bytes(params: float, zero: int, shards: int,
 
 
 # ----------------------------------------------------------------------------- what a rank holds
-
-def stage_layers(m: ModelConfig, stages: int) -> list[int]:
-    """Layers per global pipeline stage, balanced by FLOPs: the last stage also runs the head,
-    worth head/layer FLOPs of a layer, so it gets fewer layers (every stage keeps at least one).
-    The split is a function of the model alone, so the runtime can reproduce it."""
-    return list(_balanced_split(m.n_layers, stages, round(flops.head_flops(m) / flops.layer_matmul_flops(m), 2)))
-
-
-@lru_cache(maxsize=4096)
-def _balanced_split(n_layers: int, stages: int, head_layers: float) -> tuple[int, ...]:
-    counts = [0] * stages
-    loads = [0.0] * (stages - 1) + [head_layers]
-    for _ in range(n_layers):  # each layer to the least-loaded stage, the earliest on ties
-        i = min(range(stages), key=lambda k: (loads[k], k))
-        counts[i] += 1
-        loads[i] += 1
-    for i in range(stages):  # a stage without layers: take one from the largest
-        if counts[i] == 0:
-            j = max(range(stages), key=lambda k: counts[k])
-            counts[j] -= 1
-            counts[i] = 1
-    return tuple(counts)
-
-
-def rank_layers(cfg: Config) -> list[int]:
-    """Layers each pipeline rank holds (its vpp chunks together)."""
-    p = cfg.parallel
-    counts = stage_layers(cfg.model, p.pp * p.vpp)
-    return [sum(counts[c * p.pp + r] for c in range(p.vpp)) for r in range(p.pp)]
-
 
 def rank_params(cfg: Config) -> list[float]:
     """Parameters each pipeline rank holds on one tp rank: its layers' linears split over tp,
@@ -169,7 +140,7 @@ def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e
 def after_bi_weight(cfg: Config, stack: Stack) -> float:
     """Under zero-bubble, a layer's held memory between BI and BW in units of its activation set
     (what `peak_held` weighs); 1.0 for schedules without a split backward."""
-    if cfg.parallel.schedule != "zb":
+    if not schedule_spec(cfg.parallel.schedule).splits_backward:
         return 1.0
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * m.seq_len // p.cp
@@ -178,10 +149,12 @@ def after_bi_weight(cfg: Config, stack: Stack) -> float:
     return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
 
 
-def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], is_cpu: bool) -> list[Memory]:
+def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_waiting: float,
+                   is_cpu: bool) -> list[Memory]:
     """Peak bytes of one GPU of each pipeline rank, whose schedule keeps inflight[rank]
     (micro-batch, chunk) activation sets alive at once (the pipeline simulator's count, with
-    zero-bubble's BI-to-BW remainders weighed by `after_bi_weight`)."""
+    zero-bubble's BI-to-BW remainders weighed by `after_bi_weight`) and `loss_waiting`
+    micro-batches' head outputs on the last stage."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e = activation_bytes(t.dtype)
     tokens = t.micro_batch * m.seq_len // p.cp
@@ -192,8 +165,7 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], is_cp
         rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
     # Final norm and head inputs; the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
-    waiting = cfg.microbatches if p.schedule == "gpipe" else 1
-    head = waiting * (2 * hidden + 8 * tokens * m.vocab_size / p.tp)
+    head = loss_waiting * (2 * hidden + 8 * tokens * m.vocab_size / p.tp)
     params = rank_params(cfg)
     buffers = _buffers(cfg, stack, tokens, e, params[0])
     per_param = state_bytes_per_param(t.dtype)

@@ -8,7 +8,8 @@ import itertools
 from pathlib import Path
 
 from tetrad.config import Config, ConfigError, load_config
-from tetrad.plan import flops
+from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
+from tetrad.model import flops
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import cluster_of
 
@@ -37,7 +38,7 @@ def row_config(row: dict, micro_batch: int, vpp: int) -> Config:
     RMSNorm/SwiGLU/RoPE. torchtitan shards with FSDP (ZeRO-3)."""
     gpt = row["model"].startswith("GPT")
     schedule = row["schedule"] or "1f1b"
-    if schedule == "interleaved" and vpp < 2:
+    if SCHEDULES[schedule].interleaved and vpp < 2:
         schedule = "1f1b"
     model = {"n_layers": int(row["layers"]), "d_model": int(row["hidden"]), "n_heads": int(row["heads"]),
              "n_kv_heads": int(row["kv_heads"]), "ffn_hidden": int(row["ffn"]), "seq_len": int(row["seq_len"]),
@@ -47,12 +48,14 @@ def row_config(row: dict, micro_batch: int, vpp: int) -> Config:
              "dropout": 0.1 if gpt else 0.0}
     dp = int(row["dp"])
     parallel = {"tp": int(row["tp"]), "pp": int(row["pp"]), "cp": int(row["cp"]), "dp": dp,
-                "vpp": vpp if schedule == "interleaved" else 1, "schedule": schedule,
+                "vpp": vpp if SCHEDULES[schedule].interleaved else 1, "schedule": schedule,
                 "sequence_parallel": row["sequence_parallel"] == "true",
                 "zero": 3 if row["source"].startswith("torchtitan") else 0}
     train = {"global_batch": _int(row["global_batch"], dp * micro_batch), "micro_batch": micro_batch,
              "dtype": row["dtype"], "recompute": row["recompute"] or "none"}
-    return load_config(overrides={"model": model, "parallel": parallel, "train": train}, runtime=False)
+    cfg = load_config(overrides={"model": model, "parallel": parallel, "train": train}, runtime=False)
+    check_config(cfg)
+    return cfg
 
 
 def best_estimate(row: dict) -> Estimate:
@@ -63,7 +66,7 @@ def best_estimate(row: dict) -> Estimate:
     mbs = [_int(row["micro_batch"])] if row["micro_batch"] else [1, 2, 4, 8]
     if row["vpp"]:
         vpps = [_int(row["vpp"])]
-    elif row["schedule"] == "interleaved" and pp > 1:
+    elif row["schedule"] and SCHEDULES[row["schedule"]].interleaved and pp > 1:
         vpps = [v for v in range(2, 9) if layers % (pp * v) == 0] or [1]
     else:
         vpps = [1]
@@ -71,9 +74,7 @@ def best_estimate(row: dict) -> Estimate:
     for mb, v in itertools.product(mbs, vpps):
         try:
             cfg = row_config(row, mb, v)
-        except ConfigError:
-            continue
-        if v > 1 and cfg.microbatches < pp:
+        except ConfigError:  # e.g. fewer micro-batches than the schedule needs
             continue
         est = estimate(cfg, cluster, stack=stack_of(row))
         if best is None or (est.fits, -est.step_time_s) > (best.fits, -best.step_time_s):

@@ -2,8 +2,8 @@
 
 Enumerates (tp, pp, cp, dp, cp_algo, micro_batch, recompute, schedule, vpp, zero) under
 config.validate's rules (mirrored here as a cheap pre-filter; validate has the last word).
-Sequence parallelism is on whenever tp > 1 (it only saves memory) and GPipe is left out (1F1B
-has its time with less memory).
+Sequence parallelism is on whenever tp > 1 (it only saves memory); schedules come from the
+registry, less those another one dominates (GPipe: 1F1B has its time with less memory).
 
 Branch and bound keeps it fast. Each layout gets a lower bound on its step time: the larger of
 the busiest pipeline rank's work and the simulated schedule with every stage as cheap as the
@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tetrad.config import Config, validate
-from tetrad.parallel.pipeline.schedules import min_microbatches
-from tetrad.plan.cost import Estimate, estimate, inflight, layer_cost
+from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
+from tetrad.parallel.pipeline.split import rank_stages, stage_layers
+from tetrad.plan.cost import Estimate, estimate, inflight, layer_cost, loss_waiting
 from tetrad.plan.hardware import Cluster
-from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, after_bi_weight, memory_by_rank, stage_layers
+from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, after_bi_weight, memory_by_rank
 from tetrad.plan.stacks import Stack, load_stack
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -62,8 +63,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(base: Config, world: int, per_node: int):
-    """Every legal layout of `base`'s model and global batch on `world` ranks (ZeRO aside)."""
+    """Every legal layout of `base`'s model and global batch on `world` ranks (ZeRO aside); with
+    `parallel.stage_layers` set, only those with its number of pipeline stages."""
     m, gb = base.model, base.train.global_batch
+    fixed = len(base.parallel.stage_layers)
     heads = math.gcd(m.n_heads, m.n_kv_heads)
     for tp in _divisors(min(world, per_node)):
         if heads % tp or m.ffn_hidden % tp:
@@ -80,21 +83,25 @@ def layouts(base: Config, world: int, per_node: int):
                     for mb in MICRO_BATCHES:
                         if gb % (mb * dp):
                             continue
-                        for schedule, vpp in _schedules(pp, gb // (mb * dp), m.n_layers):
+                        for schedule, vpp in _schedules(pp, gb // (mb * dp), m.n_layers, fixed):
                             for recompute in RECOMPUTE:
                                 yield Layout(tp, pp, cp, dp, algo, mb, schedule, vpp, recompute)
 
 
-def _schedules(pp: int, micro: int, layers: int):
+def _schedules(pp: int, micro: int, layers: int, stages: int):
+    """(schedule, vpp) pairs worth ranking: every registered schedule that another does not
+    dominate (same time, less memory), with each number of chunks per rank it runs (giving
+    `stages` pipeline stages, when that is fixed)."""
     if pp == 1:
-        yield "1f1b", 1
+        if stages <= 1:
+            yield "1f1b", 1
         return
-    for name in ("1f1b", "zb"):
-        if micro >= min_microbatches(name, pp, 1):
-            yield name, 1
-    for vpp in VIRTUAL_STAGES:
-        if layers >= pp * vpp and micro >= min_microbatches("interleaved", pp, vpp):
-            yield "interleaved", vpp
+    for name, spec in SCHEDULES.items():
+        if spec.dominated_by in SCHEDULES:
+            continue
+        for vpp in spec.vpp_choices(VIRTUAL_STAGES):
+            if layers >= pp * vpp and micro >= spec.min_microbatches(pp, vpp) and stages in (0, pp * vpp):
+                yield name, vpp
 
 
 def config_of(base: Config, layout: Layout, zero: int = 0) -> Config:
@@ -105,6 +112,7 @@ def config_of(base: Config, layout: Layout, zero: int = 0) -> Config:
     train = dataclasses.replace(base.train, micro_batch=layout.micro_batch, recompute=layout.recompute)
     cfg = dataclasses.replace(base, parallel=par, train=train)
     validate(cfg, layout.tp * layout.pp * layout.cp * layout.dp, runtime=False)
+    check_config(cfg)
     return cfg
 
 
@@ -122,13 +130,14 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
         if key not in layer_costs:
             layer_costs[key] = layer_cost(config_of(base, layout), cluster, stack)
         lc = layer_costs[key]
-        counts = stage_layers(m, layout.pp * layout.vpp)
+        counts = stage_layers(dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, pp=layout.pp,
+                                                                                      vpp=layout.vpp)))
         per_layer = lc.forward + lc.backward_input + lc.recompute + lc.backward_weight
         # Rank r starts only after micro-batch 0 crossed r stages forward, and its last gradient
         # still has r stages to cross backward: a critical path any schedule must respect.
         least = min(counts)
         hops = least * (lc.forward + lc.backward_input + lc.recompute)
-        return max(r * hops + micro * per_layer * sum(counts[c * layout.pp + r] for c in range(layout.vpp))
+        return max(r * hops + micro * per_layer * sum(counts[g] for g in rank_stages(layout.pp, layout.vpp, r))
                    for r in range(layout.pp))
 
     # Heap entries (lower bound, tie-break, layout or config): a Layout bounded by its layer
@@ -158,7 +167,8 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
         for zero in zeros:
             cfg = config_of(base, item, zero)
             held = inflight(item.schedule, item.pp, micro, item.vpp, after_bi_weight(cfg, stack))
-            peak = max(x.total for x in memory_by_rank(cfg, stack, held, cluster.gpu.is_cpu)) / GIB
+            waiting = loss_waiting(item.schedule, item.pp, micro, item.vpp)
+            peak = max(x.total for x in memory_by_rank(cfg, stack, held, waiting, cluster.gpu.is_cpu)) / GIB
             if peak <= usable:
                 tie += 1
                 rough = estimate(cfg, cluster, stack, simulate_pipeline=False).step_time_s

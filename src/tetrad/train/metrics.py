@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tetrad.plan import flops
+from tetrad.model import flops
 from tetrad.plan.cost import mfu_peak
 from tetrad.plan.hardware import GPU, GPUS
 
@@ -91,7 +91,7 @@ def device_profile(device: torch.device) -> GPU | None:
 
 
 class FlopRate:
-    """MFU and HFU of a step with the planner's FLOP convention (plan/flops.py: causal attention
+    """MFU and HFU of a step with the planner's FLOP convention (model/flops.py: causal attention
     counted in full, recomputation only in HFU): this rank's share of the model FLOPs of the
     global batch, per second of step time, over the peak of `device_profile` (fp32's for fp32
     training, else the 16-bit peak, as `tetrad estimate`)."""

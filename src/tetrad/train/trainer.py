@@ -24,7 +24,8 @@ from tetrad.model.tensor import DropoutGenerators
 from tetrad.parallel.context import shard_sequence
 from tetrad.parallel.data import GradReducer
 from tetrad.parallel.pipeline.executor import PipelineExecutor
-from tetrad.parallel.pipeline.schedules import build_schedule, forward_only
+from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
+from tetrad.parallel.pipeline.schedules import forward_only
 from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.topology import Layout, Topology
 from tetrad.train.batches import split_batches
@@ -61,7 +62,7 @@ class Trainer:
         self.memory_base = devices.start_memory_tracking(device)
         self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node,
                              cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel,
-                             split_backward=p.pp > 1 and p.schedule == "zb")
+                             split_backward=p.pp > 1 and schedule_spec(p.schedule).splits_backward)
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed(cfg.train.seed + 7919 * self.topo.rank)
         self.model = build_model(cfg, self.topo)

@@ -187,7 +187,8 @@ def _timelines(run_dir: Path, cfg, out: Path) -> tuple[list[Path], str]:
     recorded = sorted((run_dir / "timeline").glob("pp*.json"))
     if len(recorded) != p.pp:
         return [], f"pp = {p.pp}, but the run recorded no complete timeline (timeline/pp*.json)."
-    from tetrad.parallel.pipeline.schedules import Action, build_schedule
+    from tetrad.parallel.pipeline.registry import build_schedule
+    from tetrad.parallel.pipeline.schedules import Action
     from tetrad.parallel.pipeline.simulate import StageCosts, simulate
     from tetrad.viz.timeline import render_timeline
     rows = [(r, Action(kind, mb, chunk), s, e) for path in recorded
@@ -274,7 +275,7 @@ def _html(cfg, records, steady, images, notes) -> str:
     if all(r.get("mfu") is not None for r in steady):
         facts.append(("MFU / HFU (median)", f"{100 * statistics.median(r['mfu'] for r in steady):.2f}% / "
                                             f"{100 * statistics.median(r['hfu'] for r in steady):.2f}% of the "
-                                            "device profile's peak (plan/flops.py convention)"))
+                                            "device profile's peak (model/flops.py convention)"))
     from tetrad.train.telemetry import FIELDS as TELEMETRY_FIELDS
     sampled = [f"{label} {statistics.median(r[key] for r in steady if key in r):.1f}"
                for key, label in TELEMETRY_FIELDS.items() if any(key in r for r in steady)]

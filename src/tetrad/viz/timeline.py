@@ -11,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tetrad.parallel.pipeline.schedules import SCHEDULES, Action, ScheduleError, build_schedule
+from tetrad.parallel.pipeline.registry import SCHEDULES, build_schedule, schedule_spec
+from tetrad.parallel.pipeline.schedules import Action, ScheduleError
 from tetrad.parallel.pipeline.simulate import SimResult, StageCosts, simulate
 
 COLOURS = {"F": "#3b6fb6", "B": "#c8463c", "BI": "#e08a2c", "BW": "#4f9a55"}
@@ -101,9 +102,9 @@ def schedule_command(args: list[str]) -> int:
         description="Simulate a pipeline schedule: step time, bubble fraction, peak in-flight activations.")
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
     parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     parser.add_argument("--vpp", type=int, default=None,
-                        help="model chunks per rank (default 2 for interleaved, else 1)")
+                        help="model chunks per rank (default 2 for interleaving schedules, else 1)")
     parser.add_argument("--costs", type=_costs, default=(1.0, 1.0, 1.0), metavar="F,BI,BW",
                         help="seconds per micro-batch for one rank's share of the model, split evenly "
                              "over its vpp chunks: forward, backward-input, backward-weight (a full "
@@ -111,7 +112,7 @@ def schedule_command(args: list[str]) -> int:
     parser.add_argument("--p2p", type=float, default=0.0, help="latency of one transfer between ranks (s)")
     parser.add_argument("--out", help="write the Gantt chart here (.png or .svg)")
     opts = parser.parse_args(args)
-    vpp = opts.vpp or (2 if opts.schedule == "interleaved" else 1)
+    vpp = opts.vpp or schedule_spec(opts.schedule).default_vpp()
     try:
         s = build_schedule(opts.schedule, opts.pp, opts.microbatches, vpp)
         result = simulate(s, StageCosts(*(c / vpp for c in opts.costs), p2p=opts.p2p))

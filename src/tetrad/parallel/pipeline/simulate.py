@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from tetrad.parallel.pipeline.schedules import Action, Schedule, ScheduleError, replay
+from tetrad.parallel.pipeline.schedules import Action, Schedule, ScheduleError, place_of, replay
 
 
 
@@ -60,6 +60,14 @@ def peak_held(s: Schedule, after_bi: float = 1.0) -> list[float]:
     gradients still need (the linears' inputs and output gradients) weighs `after_bi` sets."""
     change = {"F": 1.0, "B": -1.0, "BI": after_bi - 1.0, "BW": -after_bi}
     return [max(accumulate((change[a.kind] for a in actions), initial=0.0)) for actions in s.actions]
+
+
+def peak_waiting_loss(s: Schedule) -> int:
+    """The most micro-batches whose loss (the last stage's output) waits for its backward at once:
+    from the last stage's F until its B or BI, on the rank that holds it."""
+    rank, chunk = place_of(s.stages - 1, s.pp)
+    change = {"F": 1, "B": -1, "BI": -1, "BW": 0}
+    return max(accumulate((change[a.kind] for a in s.actions[rank] if a.chunk == chunk), initial=0))
 
 
 def simulate(s: Schedule, costs: StageCosts, timeline: bool = True) -> SimResult:

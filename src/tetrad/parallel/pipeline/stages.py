@@ -2,8 +2,8 @@
 
 The model is cut into pp·vpp global stages of consecutive layers; stage g = chunk·pp + rank
 (Megatron's interleaved placement, as in schedules.py), the embedding on stage 0, the final
-norm, head and loss on the last. Layers are split by `plan.memory.stage_layers` (balanced by
-FLOPs, the head counted as part of a layer), unless `parallel.stage_layers` lists them.
+norm, head and loss on the last. Layers are split by split.py, as the planner splits them
+(balanced by FLOPs, the head counted as part of a layer, unless `parallel.stage_layers` lists them).
 
 `PipelineStages` registers the chunks' modules directly (`layers.<global index>`, `embed`,
 `norm`, `head`), so a parameter has the same name in every layout and a single-process model's
@@ -13,22 +13,12 @@ only used to run forward.
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 import torch
 import torch.nn as nn
 
 from tetrad.config import Config
 from tetrad.model.llama import Transformer
-from tetrad.plan.memory import stage_layers
-
-
-def layer_split(cfg: Config) -> list[range]:
-    """The global layer indices of each of the pp·vpp stages."""
-    stages = cfg.parallel.pp * cfg.parallel.vpp
-    counts = list(cfg.parallel.stage_layers) or stage_layers(cfg.model, stages)
-    bounds = [0, *accumulate(counts)]
-    return [range(bounds[g], bounds[g + 1]) for g in range(stages)]
+from tetrad.parallel.pipeline.split import layer_split, rank_stages
 
 
 class PipelineStages(nn.Module):
@@ -38,7 +28,7 @@ class PipelineStages(nn.Module):
         super().__init__()
         pp, vpp, rank = cfg.parallel.pp, cfg.parallel.vpp, topo.coords["pp"]
         split = layer_split(cfg)
-        self.stage_ids = [chunk * pp + rank for chunk in range(vpp)]
+        self.stage_ids = rank_stages(pp, vpp, rank)
         # Not submodules: their parts are registered below, in the single model's order
         # (embedding, layers, norm and head), which is also the order of gradient buckets.
         self.chunks = [Transformer(cfg.model, topo, layers=split[g], first=g == 0, last=g == len(split) - 1)

@@ -9,7 +9,8 @@ import torch
 
 from tetrad.bench import bench_gemm, comm_profile, gemm_profile, write_profile
 from tetrad.comm import autotune, bench
-from tetrad.plan.cost import LINK_EFFICIENCY, estimate, ring_time
+from tetrad.plan.cost import estimate
+from tetrad.plan.links import LINK_EFFICIENCY, ring_time
 from tetrad.plan.hardware import load_cluster
 from tetrad.topology import Layout, Topology
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tetrad.plan.cost import comm_bytes_per_step, estimate
+from tetrad.plan.comm_bytes import comm_bytes_per_step
+from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
 from tetrad.train.metrics import PARTS
 

@@ -114,7 +114,7 @@ def test_tied_embeddings_across_stages(parallel):
     """The last stage's head is a copy of the first stage's embedding: it starts equal, their
     gradients are summed, so the pair trains as one tied weight; the "embed" all-reduce is counted
     under pp as the planner counts it."""
-    from tetrad.plan.cost import comm_bytes_per_step
+    from tetrad.plan.comm_bytes import comm_bytes_per_step
 
     dp, m = parallel.get("dp", 1), 4
     model = {"n_layers": 4, "tie_embeddings": True, "vocab_size": 258}

@@ -12,9 +12,11 @@ import pytest
 from tetrad.cli import main
 from tetrad.config import load_config
 from tetrad.model import flops
-from tetrad.plan.cost import _simulate, comm_bytes_per_step, estimate, pipeline
+from tetrad.plan.comm_bytes import comm_bytes_per_step
+from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import HardwareError, load_cluster, load_gpu
 from tetrad.plan.memory import ZERO_PAPER_BYTES, activation_bytes_per_layer, model_state_bytes, rank_params
+from tetrad.plan.pipeline import _simulate, pipeline
 from tetrad.plan.reference import best_estimate, predicted_value, read_rows
 from tetrad.plan.search import config_of, layouts, plan
 from tetrad.plan.stacks import STACKS

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tetrad.plan.cost import comm_bytes_per_step, estimate
+from tetrad.plan.comm_bytes import comm_bytes_per_step
+from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
 from tetrad.train.trainer import Trainer
 

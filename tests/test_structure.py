@@ -35,18 +35,12 @@ KNOWN_VIOLATIONS = {
     # core (issue 17 structure)
     "cycle: tetrad.comm.ops <-> tetrad.topology": "core",
     "import: tetrad.comm.bench -> tetrad.launch": "core",
-    "import: tetrad.comm.bench -> tetrad.plan.cost": "core",
+    "import: tetrad.comm.bench -> tetrad.plan.links": "core",
     "import: tetrad.topology -> tetrad.model.tensor": "core",
     "import: tetrad.model.attention -> tetrad.parallel.context": "core",
     "import: tetrad.parallel.data -> tetrad.train.optim": "core",
     "import: tetrad.config -> tetrad.train.precision": "core",  # the dtype map, defined once below config
     "size: tetrad/parallel/data.py": "core",
-    # sched (schedule registry, one layer-split function, plan/cost.py split)
-    "size: tetrad/plan/cost.py": "sched",
-    "function: tetrad.plan.cost:estimate": "sched",
-    "function: tetrad.plan.cost:layer_cost": "sched",
-    "function: tetrad.plan.cost:comm_bytes_per_step": "sched",
-    "function: tetrad.plan.search:plan": "sched",
     # reliab (config.py and train/checkpoint.py splits)
     "size: tetrad/config.py": "reliab",
     "function: tetrad.config:validate": "reliab",

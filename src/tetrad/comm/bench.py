@@ -111,10 +111,10 @@ def bench_comm(group_sizes=(2, 4, 8), ops=OPS, sizes=DEFAULT_SIZES, timeout_s: f
 
 def fit_link(rows: list[dict], op: str = "all_reduce") -> dict:
     """Alpha (s per ring step) and beta (GB/s) for which the planner's ring model
-    (`plan.cost.ring_time`) best matches the measured `op` times, by least squares on relative
+    (`plan.links.ring_time`) best matches the measured `op` times, by least squares on relative
     error. beta is the link rate before the planner's LINK_EFFICIENCY, so the planner's
     prediction for these messages is what was measured."""
-    from tetrad.plan.cost import LINK_EFFICIENCY
+    from tetrad.plan.links import LINK_EFFICIENCY
     steps = {"all_reduce": lambda n: 2 * (n - 1), "send_recv": lambda n: 1}.get(op, lambda n: n - 1)
     pts = [r for r in rows if r["op"] == op and r["ranks"] > 1]
     if not pts:

@@ -6,7 +6,7 @@ QK^T and AV are counted **in full**, as if no score were masked (the convention 
 Narayanan et al. Eq. 3, PaLM and torchtitan), so MFU is comparable with their figures; the
 embedding lookup is free and the output head counts. Hardware FLOPs (HFU) add what activation
 recomputation repeats. What kernels actually execute (a causal kernel skips about half of the
-attention core) is the time model's business (cost.py), not this convention's.
+attention core) is the time model's business (plan/layer.py), not this convention's.
 """
 
 from __future__ import annotations

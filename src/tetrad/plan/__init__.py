@@ -8,7 +8,8 @@
 No torch here: it runs in a plain Python process.
 """
 
-from tetrad.plan.cost import Estimate, comm_bytes_per_step, estimate
+from tetrad.plan.comm_bytes import comm_bytes_per_step
+from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, HardwareError, load_cluster, load_gpu
 from tetrad.plan.memory import memory_by_rank
 from tetrad.plan.search import Plan, plan

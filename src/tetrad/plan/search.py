@@ -25,9 +25,11 @@ from typing import NamedTuple
 from tetrad.config import Config, validate
 from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
 from tetrad.parallel.pipeline.split import rank_stages, stage_layers
-from tetrad.plan.cost import Estimate, estimate, inflight, layer_cost, loss_waiting
+from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster
+from tetrad.plan.layer import layer_cost
 from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, after_bi_weight, memory_by_rank
+from tetrad.plan.pipeline import inflight, loss_waiting
 from tetrad.plan.stacks import Stack, load_stack
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -121,25 +123,7 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
     `cluster`, best first; if none fits, the `top` closest to fitting, so the user sees why."""
     stack = load_stack(stack) if isinstance(stack, str) else stack
     usable = cluster.gpu.hbm_gib - (0.0 if cluster.gpu.is_cpu else GPU_RESERVED_GIB)
-    m, gb = base.model, base.train.global_batch
-    layer_costs: dict = {}
-
-    def bound(layout: Layout) -> float:
-        micro = gb // (layout.micro_batch * layout.dp)
-        key = (layout.tp, layout.cp, layout.cp_algo, layout.micro_batch, layout.recompute, micro > 1)
-        if key not in layer_costs:
-            layer_costs[key] = layer_cost(config_of(base, layout), cluster, stack)
-        lc = layer_costs[key]
-        counts = stage_layers(dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, pp=layout.pp,
-                                                                                      vpp=layout.vpp)))
-        per_layer = lc.forward + lc.backward_input + lc.recompute + lc.backward_weight
-        # Rank r starts only after micro-batch 0 crossed r stages forward, and its last gradient
-        # still has r stages to cross backward: a critical path any schedule must respect.
-        least = min(counts)
-        hops = least * (lc.forward + lc.backward_input + lc.recompute)
-        return max(r * hops + micro * per_layer * sum(counts[g] for g in rank_stages(layout.pp, layout.vpp, r))
-                   for r in range(layout.pp))
-
+    bound = _LayoutBound(base, cluster, stack)
     # Heap entries (lower bound, tie-break, layout or config): a Layout bounded by its layer
     # costs, then each of its ZeRO stages that fits, bounded by the unsimulated estimate.
     queue = [(bound(x), i, x) for i, x in enumerate(layouts(base, cluster.world, cluster.gpus_per_node))]
@@ -160,15 +144,7 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
             ranked.sort(key=lambda e: e.step_time_s)
             del ranked[top:]
             continue
-        micro = gb // (item.micro_batch * item.dp)
-        zeros = (0, 1, 2, 3) if item.dp * item.cp > 1 else (0,)
-        if item.pp > 1 and base.model.tie_embeddings:  # the runtime's limit (config.validate)
-            zeros = tuple(z for z in zeros if z < 3)
-        for zero in zeros:
-            cfg = config_of(base, item, zero)
-            held = inflight(item.schedule, item.pp, micro, item.vpp, after_bi_weight(cfg, stack))
-            waiting = loss_waiting(item.schedule, item.pp, micro, item.vpp)
-            peak = max(x.total for x in memory_by_rank(cfg, stack, held, waiting, cluster.gpu.is_cpu)) / GIB
+        for cfg, peak, last in _zero_stages(base, item, cluster, stack):
             if peak <= usable:
                 tie += 1
                 rough = estimate(cfg, cluster, stack, simulate_pipeline=False).step_time_s
@@ -176,9 +152,49 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
                 points.append((peak, rough, False))
                 continue
             points.append((peak, lower, False))
-            if zero == zeros[-1]:
+            if last:
                 rejected.append((peak, cfg))
     if not ranked:  # nothing fits: the closest to fitting, with their breakdowns
         closest = heapq.nsmallest(top, rejected, key=lambda x: x[0])
         return Plan([estimate(c, cluster, stack) for _, c in closest], considered, estimated, points=points)
     return Plan(ranked, considered, estimated, [estimate(c, cluster, stack) for _, c in rejected[:3]], points)
+
+
+class _LayoutBound:
+    """A lower bound on a layout's step time from layer costs shared by every layout with the
+    same tp, cp, micro-batch and recompute: the busiest pipeline rank's work after the hops its
+    first and last micro-batch must wait for. No data-parallel time."""
+
+    def __init__(self, base: Config, cluster: Cluster, stack: Stack):
+        self.base, self.cluster, self.stack = base, cluster, stack
+        self.layer_costs: dict = {}
+
+    def __call__(self, layout: Layout) -> float:
+        base = self.base
+        micro = base.train.global_batch // (layout.micro_batch * layout.dp)
+        key = (layout.tp, layout.cp, layout.cp_algo, layout.micro_batch, layout.recompute, micro > 1)
+        if key not in self.layer_costs:
+            self.layer_costs[key] = layer_cost(config_of(base, layout), self.cluster, self.stack)
+        lc = self.layer_costs[key]
+        counts = stage_layers(dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, pp=layout.pp,
+                                                                                      vpp=layout.vpp)))
+        per_layer = lc.forward + lc.backward_input + lc.recompute + lc.backward_weight
+        # Rank r starts only after micro-batch 0 crossed r stages forward, and its last gradient
+        # still has r stages to cross backward: a critical path any schedule must respect.
+        hops = min(counts) * (lc.forward + lc.backward_input + lc.recompute)
+        return max(r * hops + micro * per_layer * sum(counts[g] for g in rank_stages(layout.pp, layout.vpp, r))
+                   for r in range(layout.pp))
+
+
+def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack):
+    """(config, peak GiB per GPU, whether it is the last) of each ZeRO stage `layout` can run."""
+    micro = base.train.global_batch // (layout.micro_batch * layout.dp)
+    zeros = (0, 1, 2, 3) if layout.dp * layout.cp > 1 else (0,)
+    if layout.pp > 1 and base.model.tie_embeddings:  # the runtime's limit (config.validate)
+        zeros = tuple(z for z in zeros if z < 3)
+    waiting = loss_waiting(layout.schedule, layout.pp, micro, layout.vpp)
+    for zero in zeros:
+        cfg = config_of(base, layout, zero)
+        held = inflight(layout.schedule, layout.pp, micro, layout.vpp, after_bi_weight(cfg, stack))
+        peak = max(x.total for x in memory_by_rank(cfg, stack, held, waiting, cluster.gpu.is_cpu)) / GIB
+        yield cfg, peak, zero == zeros[-1]

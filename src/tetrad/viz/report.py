@@ -209,7 +209,8 @@ def _timelines(run_dir: Path, cfg, out: Path) -> tuple[list[Path], str]:
 def _prediction(cfg, cluster_ref: str | None):
     """(planner estimate, its comm bytes, cluster label), or (None, None, reason) when unavailable."""
     try:
-        from tetrad.plan.cost import comm_bytes_per_step, estimate
+        from tetrad.plan.comm_bytes import comm_bytes_per_step
+        from tetrad.plan.cost import estimate
         from tetrad.plan.hardware import load_cluster
     except ImportError as e:
         return None, None, f"the planner is not available ({e})"

@@ -1,0 +1,103 @@
+"""Bytes per optimizer step by group, as tetrad.comm counts them: what the runtime's counters
+must equal for the same layout (tests/test_plan_runtime.py, tests/test_breakdown.py)."""
+
+from __future__ import annotations
+
+import math
+
+from tetrad.config import Config
+from tetrad.model import flops
+from tetrad.parallel.pipeline.split import rank_layers
+from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param
+
+
+def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
+    """Bytes rank 0 (first pipeline stage, first tp/cp/dp coordinate) hands to collectives in one
+    optimizer step, by group, under tetrad.comm's convention: all-reduce the tensor, all-gather
+    the gathered output, reduce-scatter the unscattered input, all-to-all the input,
+    point-to-point what it sends. The dp x cp gradient group counts as "dp". Scalars: the loss
+    (dp, pp) and the squared gradient norm (tp, pp, dp), fp32. Not counted: the padding of ZeRO
+    buckets to a multiple of dp x cp elements."""
+    p = cfg.parallel
+    out = {"tp": _tp_bytes(cfg) if p.tp > 1 else 0, "cp": _cp_bytes(cfg) if p.cp > 1 else 0,
+           "pp": _pp_bytes(cfg) if p.pp > 1 else 0, "dp": _dp_bytes(cfg) if p.dp * p.cp > 1 else 0}
+    return {k: int(v) for k, v in out.items()}
+
+
+def _tokens(cfg: Config) -> int:
+    """Tokens of one micro-batch on this rank."""
+    return cfg.train.micro_batch * cfg.model.seq_len // cfg.parallel.cp
+
+
+def _hidden(cfg: Config) -> float:
+    """Bytes of one micro-batch's hidden states on this rank."""
+    return _tokens(cfg) * cfg.model.d_model * activation_bytes(cfg.train.dtype)
+
+
+def _tp_bytes(cfg: Config) -> float:
+    """Per layer and direction: two all-reduces of the hidden states, or under SP two
+    all-gathers and two reduce-scatters, each counted at the full size. The embedding's
+    all-reduce (SP: reduce-scatter forward, all-gather of its gradient backward). On a single
+    stage also the head's input collective and the cross-entropy's max, sum-exp and target logit
+    (fp32 per token). Under SP, one all-reduce of the replicated (norm) weights' fp32 gradients
+    per step (their dp shard under ZeRO). The gradient norm."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
+    per_layer = 2 * hidden * (2 if sp else 1)
+    # Full recompute repeats the layer's forward up to its last saved tensor (the MLP's output
+    # projection input): torch's non-reentrant checkpoint stops there, before the final
+    # row-parallel all-reduce / reduce-scatter.
+    recomputed = per_layer - hidden if t.recompute == "full" else 0
+    per_micro = layers * (2 * per_layer + recomputed) + hidden * (2 if sp else 1)
+    if p.pp == 1:
+        per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4
+    replicated = layers * flops.layer_norm_params(m) + flops.head_params(m, separate=False) * (p.pp == 1)
+    replicated += m.seq_len * m.d_model if m.pos == "learned" else 0
+    shards = p.dp * p.cp if p.zero >= 1 else 1
+    return cfg.microbatches * per_micro + (4 * replicated / shards if sp else 0) + 4
+
+
+def _pp_bytes(cfg: Config) -> float:
+    """Rank 0 sends each micro-batch's activations on from every chunk, and the gradients of its
+    chunks after the first back to the previous rank (the last one); loss and norm. Tied
+    embeddings: the embedding's fp32 gradient summed with its head copy's (its shard under ZeRO-2)."""
+    m, p = cfg.model, cfg.parallel
+    sent = _hidden(cfg) / (p.tp if p.sequence_parallel else 1)
+    out = cfg.microbatches * (2 * p.vpp - 1) * sent + 8
+    if m.tie_embeddings:
+        out += 4 * math.ceil(m.vocab_size / p.tp) * m.d_model / (p.dp * p.cp if p.zero >= 2 else 1)
+    return out
+
+
+def _cp_bytes(cfg: Config) -> float:
+    """Ring: K/V cp-1 times forward (again under full recompute); backward K/V cp-1 times and the
+    fp32 dK/dV cp times. All-to-all: q, k, v to heads and the output back, each way."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    e, tokens = activation_bytes(t.dtype), _tokens(cfg)
+    forwards = 2 if t.recompute == "full" else 1
+    per_micro = cfg.microbatches * rank_layers(cfg)[0]
+    kv = 2 * tokens * m.n_kv_heads // p.tp * m.head_dim
+    if p.cp_algo == "ring":
+        return per_micro * ((p.cp - 1) * kv * e * forwards + (p.cp - 1) * kv * e + p.cp * kv * 4)
+    qkvo = tokens * (2 * m.n_heads + 2 * m.n_kv_heads) // p.tp * m.head_dim * e
+    return per_micro * qkvo * (forwards + 1)
+
+
+def _dp_bytes(cfg: Config) -> float:
+    """ZeRO-0: one all-reduce of the fp32 gradient buckets; ZeRO-1: that, then the updated shards
+    all-gathered; ZeRO-2: a reduce-scatter every micro-batch, then the shards all-gathered;
+    ZeRO-3: each layer gathered for forward and for backward every micro-batch, the rest once, and
+    a reduce-scatter every micro-batch. Loss and gradient norm."""
+    m, p, micro = cfg.model, cfg.parallel, cfg.microbatches
+    w = state_bytes_per_param(cfg.train.dtype)[0]
+    params = rank_params(cfg)[0]
+    if p.zero == 0:
+        grads = params * 4
+    elif p.zero == 1:
+        grads = params * (4 + w)
+    elif p.zero == 2:
+        grads = params * (micro * 4 + w)
+    else:
+        block = rank_layers(cfg)[0] * (flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m))
+        grads = micro * 2 * block * w + (params - block) * w + micro * params * 4
+    return grads + 8

@@ -1,0 +1,227 @@
+"""What one transformer layer costs, per micro-batch on one rank, and the embedding and head.
+
+Compute: GEMM FLOPs / (peak x the efficiency of that GEMM's shape); the attention core at the
+GPU's flash-attention efficiency (a causal kernel executes half the square) or, without flash
+attention, as batched GEMMs plus the scores' HBM round trips; element-wise work and fp8 casts as
+bytes / HBM bandwidth. The layer's TP, CP and ZeRO-3 collectives (links.py) are exposed where
+nothing hides them. The pipeline simulator runs these costs (cost.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetrad.config import Config
+from tetrad.model import flops
+from tetrad.plan.hardware import GPU, Cluster
+from tetrad.plan.links import group_link, ring_time
+from tetrad.plan.memory import activation_bytes, state_bytes_per_param
+from tetrad.plan.stacks import Stack
+
+GEMM_HALF_DIM = 128  # a GEMM dimension this small reaches half the large-GEMM efficiency (tile quantisation)
+FLASH_BACKWARD_FACTOR = 2.5  # flash backward: 5 matmuls of the forward's 2 (it recomputes the scores)
+FP8_CAST_BYTES = 5  # per element cast to fp8 with dynamic scaling: read for amax, read again, write 1 byte (16-bit in)
+RING_MERGE_BYTES = 16  # per output element per ring step: log-sum-exp merge of fp32 partial outputs
+
+
+def gemm_efficiency(gpu: GPU, *dims: float) -> float:
+    """Large-GEMM efficiency, lowered for each small dimension (tiles left partly empty)."""
+    eff = gpu.gemm_efficiency
+    for d in dims:
+        eff *= d / (d + GEMM_HALF_DIM)
+    return eff
+
+
+def gemm_dtype(dtype: str) -> str:
+    return {"fp16": "bf16"}.get(dtype, dtype)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds for one layer, one micro-batch, on one rank. forward / backward_input /
+    backward_weight are what the pipeline simulator runs (exposed communication included);
+    the rest break them down."""
+    forward: float
+    backward_input: float  # without the recompute
+    backward_weight: float
+    recompute: float  # compute only; its collectives are in backward_input and tp_comm/cp_comm
+    compute: float  # forward + backward compute, no recompute, no communication
+    tp_comm: float  # exposed per micro-batch (forward + backward, recompute's included)
+    cp_comm: float
+    zero3_comm: float
+
+
+def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
+    """One transformer layer's costs under `cfg`'s layout (what every layer of the model costs)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tokens = t.micro_batch * m.seq_len // p.cp
+    gemm, cast_f, cast_b = _gemms(cfg, cluster.gpu, tokens)
+    attn_f, attn_b = _attention_core(cfg, cluster.gpu, stack, tokens)
+    elem_f, elem_b = _elementwise(cfg, cluster.gpu, stack, tokens)
+    compute_f = sum(gemm) + cast_f + attn_f + elem_f
+    compute_bi = sum(gemm) + cast_b / 2 + attn_b + elem_b
+    compute_bw = sum(gemm) + cast_b / 2
+    if not stack.fused_grad_accumulation and cfg.microbatches > 1:
+        params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+        compute_bw += params * 12 / cluster.gpu.hbm_bytes_per_s  # fp32 accumulator: read it and the new gradient, write it
+    e = activation_bytes(t.dtype)
+    tp_f, tp_b = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
+    cp_f, cp_b = _cp_exposed(cfg, cluster, tokens, e, attn_f, attn_b)
+    z_f, z_b = _zero3_exposed(cfg, cluster, compute_f, compute_bi + compute_bw)
+    # Recomputation runs at the start of the backward: the attention core (selective) or the
+    # whole forward, its collectives included (full).
+    recompute = {"none": 0.0, "selective": attn_f, "full": compute_f}[t.recompute]
+    if t.recompute == "full":
+        tp_b, cp_b = tp_b + tp_f, cp_b + cp_f
+    return LayerCost(forward=compute_f + tp_f + cp_f + z_f, backward_input=compute_bi + tp_b + cp_b + z_b,
+                     backward_weight=compute_bw, recompute=recompute, compute=compute_f + compute_bi + compute_bw,
+                     tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b, zero3_comm=z_f + z_b)
+
+
+def _widths(cfg: Config) -> tuple[float, float, float]:
+    """(q, kv, ffn) widths of one layer on one tp rank."""
+    m, tp = cfg.model, cfg.parallel.tp
+    return m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, m.ffn_hidden / tp
+
+
+def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, float]:
+    """Seconds of each weight GEMM (K, N): qkv, out-projection, fc1 (gate and up for SwiGLU),
+    fc2; the two backward GEMMs have the same FLOPs and dimensions as the forward one. With fp8
+    also the dynamic-scaling casts, (forward, backward): inputs and weights forward,
+    grad-outputs and both again backward."""
+    m, t = cfg.model, cfg.train
+    h = m.d_model
+    q, kv, f = _widths(cfg)
+    shapes = [(h, q + 2 * kv), (q, h), (h, f * (2 if m.mlp == "swiglu" else 1)), (f, h)]
+    peak = gpu.peak(gemm_dtype(t.dtype))
+    gemm = [2 * tokens * k * n / (peak * gemm_efficiency(gpu, tokens, k, n)) for k, n in shapes]
+    if t.dtype != "fp8":
+        return gemm, 0.0, 0.0
+    hbm = gpu.hbm_bytes_per_s
+    cast_f = sum(FP8_CAST_BYTES * (tokens * k + k * n) for k, n in shapes) / hbm
+    cast_b = sum(FP8_CAST_BYTES * (tokens * (k + n) + k * n) for k, n in shapes) / hbm
+    return gemm, cast_f, cast_b
+
+
+def _attention_core(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core: flash kernels execute the causal half
+    of the square (balanced over cp); materialised scores compute the full square on the GEMM
+    units and round-trip HBM."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    hd, heads = m.head_dim, m.n_heads / p.tp
+    peak = gpu.peak("fp32" if t.dtype == "fp32" else "bf16")
+    if stack.flash_attention:
+        eff = gpu.attention_efficiency * _shape(hd) / _shape(128) * _shape(tokens / t.micro_batch)
+        forward = 4 * tokens * (m.seq_len / 2) * heads * hd / (peak * eff)
+        return forward, FLASH_BACKWARD_FACTOR * forward
+    e, hbm = activation_bytes(t.dtype), gpu.hbm_bytes_per_s
+    scores = heads * tokens * m.seq_len
+    mask = 1 if m.dropout > 0 else 0
+    bmm = 4 * tokens * m.seq_len * heads * hd / (peak * gemm_efficiency(gpu, m.seq_len, m.seq_len, hd))
+    forward = bmm + scores * (2 * e + mask * (2 * e + 1)) / hbm  # softmax (and dropout) read + write
+    return forward, 2 * bmm + scores * (3 * e + mask * (2 * e + 1)) / hbm
+
+
+def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[float, float]:
+    """(forward, backward) seconds of element-wise work: norms and residual adds over h (split by
+    SP), the activation over f, RoPE on q and k, fused kernels reading and writing each once
+    forward, twice backward; the ring's log-sum-exp merges of partial outputs under CP."""
+    m, p = cfg.model, cfg.parallel
+    e, hbm = activation_bytes(cfg.train.dtype), gpu.hbm_bytes_per_s
+    q, kv, f = _widths(cfg)
+    div = p.tp if p.sequence_parallel else 1
+    act = 3 if m.mlp == "swiglu" else 2
+    elem_bytes = tokens * e * (10 * m.d_model / div + act * f + (2 * (q + kv) if m.pos == "rope" else 0))
+    forward = stack.elementwise_factor * elem_bytes / hbm
+    backward = 2 * forward
+    if p.cp > 1 and p.cp_algo == "ring":
+        forward += p.cp * tokens * q * RING_MERGE_BYTES / hbm
+        backward += p.cp * tokens * (q + 2 * kv) * RING_MERGE_BYTES / hbm
+    return forward, backward
+
+
+def _shape(d: float) -> float:
+    return d / (d + GEMM_HALF_DIM)
+
+
+def _tp_exposed(cfg: Config, cluster: Cluster, stack: Stack, tokens: int, e: int, gemm: list) -> tuple[float, float]:
+    """Exposed TP time per layer per micro-batch, (forward, backward): two all-reduces of the hidden
+    states each way (with SP an all-gather and a reduce-scatter each, the same ring time)."""
+    p = cfg.parallel
+    if p.tp == 1:
+        return 0.0, 0.0
+    alpha, bw = group_link(cluster, 1, p.tp)
+    one = ring_time("all_reduce", tokens * cfg.model.d_model * e, p.tp, alpha, bw)
+    if stack.tp_overlap == "none":
+        return 2 * one, 2 * one
+    # The qkv and fc1 input gradients' all-reduces hide behind those linears' weight-gradient GEMMs.
+    backward = max(0.0, one - gemm[0]) + max(0.0, one - gemm[2])
+    if stack.tp_overlap == "bwd":
+        return 2 * one, backward
+    # Async TP also hides the forward's reductions behind the row-parallel GEMMs they follow.
+    return max(0.0, one - gemm[1]) + max(0.0, one - gemm[3]), backward
+
+
+def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: float,
+                attn_b: float) -> tuple[float, float]:
+    """Exposed CP time per layer per micro-batch, (forward, backward). Ring: each of cp-1 steps
+    sends the K/V block while the previous one is attended (backward: K/V and the fp32 dK/dV
+    accumulator), and the last dK/dV hand-off waits. All-to-all: q, k, v and the output re-shard
+    each way, exposed."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return 0.0, 0.0
+    alpha, bw = group_link(cluster, p.tp, p.cp)
+    kv = 2 * tokens * m.n_kv_heads * m.head_dim / p.tp
+    if p.cp_algo == "ring":
+        send_f = ring_time("p2p", kv * e, 2, alpha, bw)
+        send_b = ring_time("p2p", kv * (e + 4), 2, alpha, bw)
+        forward = (p.cp - 1) * max(0.0, send_f - attn_f / p.cp)
+        backward = (p.cp - 1) * max(0.0, send_b - attn_b / p.cp) + ring_time("p2p", kv * 4, 2, alpha, bw)
+        return forward, backward
+    q = tokens * m.n_heads * m.head_dim / p.tp
+    one_way = 2 * (ring_time("all_to_all", q * e, p.cp, alpha, bw)  # q and the output
+                   + ring_time("all_to_all", kv / 2 * e, p.cp, alpha, bw))  # k and v
+    return one_way, one_way
+
+
+def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: float) -> tuple[float, float]:
+    """ZeRO-3: each layer's weights all-gathered for forward and again for backward, every
+    micro-batch, prefetched behind the previous layer's compute. (Its gradients are reduce-scattered
+    once per step, as ZeRO-2's: `estimate`.)"""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    n = p.dp * p.cp
+    if p.zero < 3 or n == 1:
+        return 0.0, 0.0
+    alpha, bw = group_link(cluster, p.tp, n)
+    params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+    gather = ring_time("all_gather", params * state_bytes_per_param(t.dtype)[0], n, alpha, bw)
+    return max(0.0, gather - forward), max(0.0, gather - backward)
+
+
+def end_costs(cfg: Config, cluster: Cluster) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """(forward, backward_input, backward_weight) seconds per micro-batch of the embedding (first
+    stage) and of the final norm, head and cross-entropy (last stage)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    gpu = cluster.gpu
+    e = activation_bytes(t.dtype)
+    hbm = gpu.hbm_bytes_per_s
+    tokens = t.micro_batch * m.seq_len // p.cp
+    hidden = tokens * m.d_model * e
+    tp_alpha, tp_bw = group_link(cluster, 1, p.tp)
+    embed_ar = ring_time("all_reduce", hidden, p.tp, tp_alpha, tp_bw)
+    # The lookup; backward materialises a dense (vocab/tp x h) gradient (zeroed, scattered into)
+    # and adds it to the fp32 gradient buffer.
+    table = m.vocab_size / p.tp * m.d_model
+    embed = (hidden / hbm + embed_ar, 0.0, (tokens * m.d_model * (e + 4) + table * (2 * e + 12)) / hbm)
+    vocab = m.vocab_size / p.tp
+    peak = gpu.peak(gemm_dtype(t.dtype))
+    logits = 2 * tokens * m.d_model * vocab / (peak * gemm_efficiency(gpu, tokens, m.d_model, vocab))
+    ce = tokens * vocab * (3 * e + 8) / hbm  # read logits (max, sum-exp, target), fp32 softmax out, grad
+    norm = 4 * hidden / hbm
+    ce_ar = 3 * ring_time("all_reduce", tokens * 4, p.tp, tp_alpha, tp_bw)  # max, sum-exp, target logit
+    input_grad_ar = ring_time("all_reduce", hidden, p.tp, tp_alpha, tp_bw)
+    head = (logits + ce / 2 + norm + ce_ar, logits + ce / 2 + 2 * norm + input_grad_ar, logits)
+    return embed, head
+
+

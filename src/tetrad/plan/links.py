@@ -1,0 +1,36 @@
+"""Link primitives of the time model: how long one collective takes on a group of ranks.
+
+Alpha-beta per link class: NVLink inside a node, the network across nodes, each at
+LINK_EFFICIENCY of its bandwidth (what large NCCL ring collectives achieve), over ring volumes of
+the payload tetrad.comm counts.
+"""
+
+from __future__ import annotations
+
+from tetrad.plan.hardware import Cluster
+
+LINK_EFFICIENCY = 0.8  # achieved share of a link's bandwidth by large ring collectives (NCCL bus bandwidth)
+
+
+def ring_time(op: str, nbytes: float, n: int, alpha: float, bw: float) -> float:
+    """Ring-algorithm time of a collective whose counted payload is `nbytes` (tetrad.comm's
+    convention), over `n` ranks with per-step latency `alpha` and bandwidth `bw` bytes/s."""
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "all_to_all": (n - 1) / n, "p2p": 1.0}[op]
+    steps = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(op, n - 1)
+    return steps * alpha + factor * nbytes / bw
+
+
+def group_link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
+    """(alpha seconds, bytes/s) of a group of `size` ranks `stride` apart in the global rank order.
+
+    Inside one node it runs over NVLink. Across nodes NCCL builds one ring per network rail, so
+    k members per node push k NICs' worth: the bandwidth is min(NVLink, k x NIC) per GPU.
+    """
+    g, per_node = cluster.gpu, cluster.gpus_per_node
+    if stride * size <= per_node:
+        return g.intra_alpha_s, g.intra_gbps * 1e9 * LINK_EFFICIENCY
+    members = max(1, min(size, per_node // stride))
+    return g.inter_alpha_s, min(g.intra_gbps, members * g.inter_gbps) * 1e9 * LINK_EFFICIENCY

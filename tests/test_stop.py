@@ -46,7 +46,7 @@ def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path
     assert proc.returncode == 128 + signal.SIGTERM, out
     reached = len(metrics(tmp_path))
     assert 2 <= reached < STEPS, out
-    assert f"SIGTERM received; saved {step_dir(tmp_path / 'checkpoints', reached)} after step {reached}" in out
+    assert f"stopping on SIGTERM after step {reached} of {STEPS}; saved {step_dir(tmp_path / 'checkpoints', reached)}" in out
     assert "Traceback" not in out
 
     proc = tetrad_train(tmp_path)

@@ -153,6 +153,13 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(dict(numbers), step=record["step"])
 
+    def note(self, text: str) -> None:
+        """A message line from rank 0 that does not tear the progress bar."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        elif self.enabled:
+            print(text, flush=True)
+
     def plain_line(self, record: dict) -> str:
         """E.g. "step 20/200 | loss 4.2107, 812 tok/s | ... | lr 3.00e-03 | 0:00:41 elapsed, 0:06:09 left"."""
         elapsed = time.perf_counter() - self.start

@@ -207,10 +207,9 @@ class Trainer:
         stateful = {"scaler": self.scaler}
         local = {"grads": self.grads, "dropout": DropoutGenerators(self.model)}
         start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful, local)
-        if is_logger and start:
-            print(f"tetrad: resumed from {ckpt.resumed_from} (step {start}); continuing at step {start + 1}",
-                  flush=True)
         log = MetricsLog(cfg, start, is_logger)
+        if start:
+            log.note(f"tetrad: resumed from {ckpt.resumed_from} (step {start}); continuing at step {start + 1}")
         history = []
         profiler = self._profiler(start)
         try:
@@ -228,7 +227,7 @@ class Trainer:
                         profiler.step()
                     signum = signals.agreed(self.topo)
                     if signum and step + 1 < cfg.train.steps:
-                        self._save_and_stop(step + 1, signum, ckpt, (params, self.optimizer, stateful, local))
+                        self._save_and_stop(step + 1, signum, ckpt, (params, self.optimizer, stateful, local), log)
                         break
         finally:
             log.close()
@@ -236,14 +235,13 @@ class Trainer:
                 self.telemetry.stop()
         return history
 
-    def _save_and_stop(self, step: int, signum: int, ckpt: Checkpointer, state: tuple) -> None:
+    def _save_and_stop(self, step: int, signum: int, ckpt: Checkpointer, state: tuple, log: MetricsLog) -> None:
         """Save after `step` (unless `checkpoint.every` just did) before a stop that a signal asked for."""
         path = step_dir(ckpt.root, step)
         if not path.is_dir():  # maybe_save's barrier has passed: every rank sees the same folder
             path = ckpt.save(step, *state)
-        if self.topo.rank == 0:
-            print(f"tetrad: {signal.Signals(signum).name} received; saved {path} after step {step} of "
-                  f"{self.cfg.train.steps}. Run the same command again to resume.", flush=True)
+        log.note(f"tetrad: stopping on {signal.Signals(signum).name} after step {step} of {self.cfg.train.steps}; "
+                 f"saved {path}. Run the same command again to resume.")
 
     def _write_timeline(self) -> None:
         """The step's measured pipeline timeline, one file per pipeline rank (those at dp, cp

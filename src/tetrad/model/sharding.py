@@ -106,6 +106,8 @@ def init_parameters(model: nn.Module, seed: int, weights: Callable[[str], torch.
     for name, param in model.named_parameters():
         spec, index, parts = spec_of(param)
         full = logical_init(name, spec, seed) if weights is None else weights(name)
+        if tuple(full.shape) != tuple(spec.full_shape):
+            raise ValueError(f"the starting weights' {name} is {tuple(full.shape)}, the model's {spec.full_shape}")
         param.copy_(shard_of(full, spec, index, parts))
 
 

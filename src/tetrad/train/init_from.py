@@ -21,7 +21,7 @@ from safetensors import safe_open
 from tetrad.config import Config, ConfigError
 from tetrad.data import shards
 from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, resolve, verify
-from tetrad.train.convert import hf_name, logical_shapes, model_config_from_hf
+from tetrad.train.convert import hf_name, model_config_from_hf
 
 HF_CONFIG = "config.json"
 
@@ -33,7 +33,9 @@ def is_hf_folder(path: Path) -> bool:
 def _source_model(path: Path) -> dict:
     """The [model] keys of the weights at `path` (an HF folder or a tetrad checkpoint)."""
     if is_hf_folder(path):
-        return model_config_from_hf(json.loads((path / HF_CONFIG).read_text()), path / HF_CONFIG)
+        keys = model_config_from_hf(json.loads((path / HF_CONFIG).read_text()), path / HF_CONFIG)
+        del keys["seq_len"]  # the context it was trained to (often 8k-128k), not what fine-tuning needs
+        return keys
     return json.loads((resolve(path) / MANIFEST).read_text())["model"]
 
 
@@ -72,10 +74,10 @@ def check_init_from(cfg: Config) -> None:
                           "drop those [model] keys: they follow the weights")
 
 
-def initial_weights(source: str, model_cfg) -> Callable[[str], torch.Tensor]:
-    """name -> the logical tensor of that parameter in `source`, read when asked."""
+def initial_weights(source: str) -> Callable[[str], torch.Tensor]:
+    """name -> the logical tensor of that parameter in `source`, read when asked (its shape is
+    checked against the model's by sharding.init_parameters)."""
     path = Path(source)
-    shapes = logical_shapes(model_cfg)
     if is_hf_folder(path):
         files = {}
         for file in sorted(path.glob("*.safetensors")):
@@ -87,7 +89,7 @@ def initial_weights(source: str, model_cfg) -> Callable[[str], torch.Tensor]:
             if key not in files:
                 raise CheckpointError(f"{path} has no {key}, which model.{name} needs")
             with safe_open(files[key], "pt") as f:
-                return _checked(f.get_tensor(key), shapes[name], f"{path}:{key}")
+                return f.get_tensor(key)
         return read
     found = resolve(path)
     stored = SafeReader(found).read_metadata().state_dict_metadata
@@ -98,11 +100,5 @@ def initial_weights(source: str, model_cfg) -> Callable[[str], torch.Tensor]:
             raise CheckpointError(f"{found} has no {key}")
         state = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)}
         dcp.load(state, storage_reader=SafeReader(found), no_dist=True)
-        return _checked(state[key], shapes[name], f"{found}:{key}")
+        return state[key]
     return read_dcp
-
-
-def _checked(tensor: torch.Tensor, shape: tuple[int, ...], where: str) -> torch.Tensor:
-    if tuple(tensor.shape) != tuple(shape):
-        raise CheckpointError(f"{where} is {tuple(tensor.shape)}, the model needs {tuple(shape)}")
-    return tensor

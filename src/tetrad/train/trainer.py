@@ -50,7 +50,7 @@ def build_model(cfg: Config, topo: Topology) -> PipelineStages:
     for name, p in model.named_parameters():
         set_spec(p, *specs[name])
     init_from = cfg.checkpoint.init_from
-    init_parameters(model, cfg.train.seed, initial_weights(init_from, cfg.model) if init_from else None)
+    init_parameters(model, cfg.train.seed, initial_weights(init_from) if init_from else None)
     return model
 
 

@@ -1,0 +1,94 @@
+"""Weights in and out: an HF Llama (built here with random weights) fine-tunes under parallel
+layouts through checkpoint.init_from, directly or converted, and its first training loss is the
+HF model's on the same batch; a run on `tetrad data` shards exports to an HF folder that
+transformers loads with its tokenizer, and `tetrad generate` decodes with that tokenizer."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TINY, train_layout
+from test_data import write_docs
+from tetrad.cli import main
+from tetrad.config import load_config
+from tetrad.data.tokenizer import load_tokenizer
+from tetrad.train.batches import split_batches
+from tetrad.train.convert import read_weights
+from tetrad.train.generate import single_process_model
+from tetrad.train.init_from import model_keys
+
+transformers = pytest.importorskip("transformers")
+
+
+def config(tmp_path, name, **sections):
+    raw = {"train": {**TINY["train"], "steps": 1}, "run": {"dir": str(tmp_path / name)}, **sections}
+    return load_config(overrides=raw, model_from_inputs=model_keys)
+
+
+def hf_loss(hf_dir: Path, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = hf(inputs).logits
+    return float(F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+@pytest.mark.dist
+def test_hf_llama_fine_tunes_from_its_weights_under_parallel_layouts(tmp_path, capsys):
+    hf_cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    assert f"--checkpoint.init_from={tmp_path / 'ckpt'}" in capsys.readouterr().out
+
+    for source, parallel in ((tmp_path / "hf", {"tp": 2}), (tmp_path / "ckpt", {"pp": 2, "zero": 1})):
+        cfg = config(tmp_path, f"run-{source.name}", parallel=parallel, checkpoint={"init_from": str(source)},
+                     model={"seq_len": 32})
+        assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.n_kv_heads) == (2, 64, 2)  # from the weights
+        losses, _, _ = train_layout(cfg)
+        inputs, labels = split_batches(cfg)[0].global_batch_at(0)
+        assert losses[0] == pytest.approx(hf_loss(tmp_path / "hf", inputs, labels), rel=1e-5), source.name
+
+    # The command `convert --to-tetrad` prints runs (it named a folder `resume` could not take).
+    assert main(["train", f"--checkpoint.init_from={tmp_path / 'ckpt'}", "--train.steps=1", "--model.seq_len=32",
+                 f"--run.dir={tmp_path / 'cli'}"]) == 0
+    assert main(["train", f"--checkpoint.init_from={tmp_path / 'ckpt'}", "--model.n_layers=3",
+                 f"--run.dir={tmp_path / 'bad'}"]) == 2
+    assert "n_layers=2 there, 3 here" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+def test_a_run_on_shards_exports_to_hf_with_its_tokenizer(tmp_path, capsys):
+    write_docs(tmp_path / "text")
+    assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
+    cfg = config(tmp_path, "run", data={"source": str(tmp_path / "shards")}, checkpoint={"every": 1},
+                 model={k: v for k, v in TINY["model"].items()})
+    train_layout(cfg)
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert main(["convert", str(ckpt), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert os.stat(tmp_path / "hf" / "model.safetensors").st_mode & 0o777 == 0o644
+
+    ours = load_tokenizer(tmp_path / "shards" / "tokenizer.json")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "document 7: word3 héllo"
+    assert theirs(text)["input_ids"] == ours.encode(text).ids and theirs.decode(ours.encode(text).ids) == text
+    assert theirs.eos_token == "<|endoftext|>"
+    _, state = read_weights(ckpt)
+    model = single_process_model(cfg.model, state)
+    ids = torch.tensor([ours.encode(text).ids])
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, torch.arange(ids.shape[1])), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), "--prompt", "document", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("document") and str(tmp_path / "shards" / "tokenizer.json") in out.err
+    # And back: the HF folder's tokenizer stays beside the converted weights.
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "tokenizer.json").read_text() == (tmp_path / "hf" / "tokenizer.json").read_text()
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["model_max_length"] == 32

@@ -1,0 +1,13 @@
+"""The one config: typed dataclasses (sections.py), loaded from TOML and overridable as
+`--section.key=value` (loading.py), every key checked before any process starts with one line
+naming the fix (validation.py: each numeric key's range, then the rules between keys).
+"""
+
+from tetrad.config.loading import load_config
+from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, DEFAULT_BUCKET_MB, SECTIONS, CheckpointConfig, Config, ConfigError, DataConfig,
+                                    ModelConfig, ParallelConfig, RunConfig, TrainConfig)
+from tetrad.config.validation import RANGES, profile_steps, validate, validate_device
+
+__all__ = ["COMM_GROUPS", "COMM_OPTIONS", "DEFAULT_BUCKET_MB", "RANGES", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+           "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig", "load_config", "profile_steps", "validate",
+           "validate_device"]

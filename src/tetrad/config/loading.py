@@ -1,0 +1,161 @@
+"""Loading: a TOML file, then `--section.key=value` overrides, then the preset, type-checked key
+by key and validated; every error is a ConfigError of one line naming the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable, Literal, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from tetrad.config.sections import SECTIONS, Config, ConfigError, ModelConfig, did_you_mean
+from tetrad.config.validation import validate
+from tetrad.presets import PRESETS
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
+                world_size: int | None = None, runtime: bool = True,
+                model_from_inputs: Callable[[dict], dict] | None = None) -> Config:
+    """Read a TOML file (optional), apply overrides, resolve the preset, type-check and validate.
+
+    `overrides` is a list of `section.key=value` strings (values parsed as TOML literals, falling
+    back to plain strings) or a nested dict. `world_size`, when known (under torchrun), must equal
+    dp*tp*pp*cp. `runtime=False` (estimate/plan) also admits what only the cost model knows (fp8).
+    `model_from_inputs(raw)` gives [model] keys that the run's inputs decide (the data's vocabulary,
+    the shape of the weights it starts from): above the preset, below the user's own keys.
+    """
+    raw = _read_toml(Path(path)) if path is not None else {}
+    _check_tables(raw)
+    if isinstance(overrides, dict):
+        for section, values in overrides.items():
+            raw.setdefault(section, {}).update(values)
+    else:
+        for item in overrides or []:
+            section, key, value = _parse_override(item)
+            raw.setdefault(section, {})[key] = value
+    cfg = _build(raw, model_from_inputs(raw) if model_from_inputs else {})
+    validate(cfg, world_size, runtime)
+    return cfg
+
+
+def _read_toml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (or is not a file)")
+    try:
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file (not UTF-8); give a TOML config") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+
+
+def _check_tables(raw: dict) -> None:
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}]{did_you_mean(section, SECTIONS)}; "
+                              f"sections are {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table of keys (a [{section}] header and key = value lines), "
+                              f"got {_short(values)}")
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    item = item[2:] if item.startswith("--") else item
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"override {item!r} must look like --section.key=value, e.g. --parallel.tp=2")
+    dotted, text = item.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word such as 1f1b or runs/x
+    return section, key, value
+
+
+def _build(raw: dict, from_inputs: dict) -> Config:
+    _check_tables(raw)
+    model_raw = dict(raw.get("model", {}))
+    preset = model_raw.get("preset", ModelConfig.preset)
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise ConfigError(f"unknown model.preset {preset!r}{did_you_mean(str(preset), PRESETS)}; "
+                          f"presets are {', '.join(PRESETS)}")
+    model_raw = {**PRESETS[preset], **from_inputs, **model_raw, "preset": preset}
+    sections = {}
+    for name, cls in SECTIONS.items():
+        values = model_raw if name == "model" else dict(raw.get(name, {}))
+        sections[name] = _build_section(name, cls, values)
+    return Config(**sections)
+
+
+def _build_section(section: str, cls: type, values: dict):
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown key {section}.{key}{did_you_mean(key, known)}; "
+                              f"[{section}] keys are {', '.join(known)}")
+        values[key] = _check_type(f"{section}.{key}", value, hints[key])
+    return cls(**values)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> Any:
+    """Return value (ints widened to float where a float is wanted) or raise a ConfigError."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    for option in options:
+        if typing.get_origin(option) is Literal:
+            if any(value == v and type(value) is type(v) for v in typing.get_args(option)):
+                return value
+        elif option is bool:
+            if isinstance(value, bool):
+                return value
+        elif option is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return _as_float(name, value)
+        elif option in (int, str):
+            if isinstance(value, option) and not isinstance(value, bool):
+                return value
+        elif typing.get_origin(option) is list:
+            item = typing.get_args(option)[0]
+            if isinstance(value, list):
+                return [_check_type(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
+        elif typing.get_origin(option) is dict:
+            item = typing.get_args(option)[1]
+            if isinstance(value, dict):
+                return {k: _check_type(f"{name}.{k}", v, item) for k, v in value.items()}
+    raise ConfigError(f"{name} must be {_describe(options)}, got {_short(value)} ({type(value).__name__})")
+
+
+def _short(value: Any) -> str:
+    """repr(value), cut to fit on the error's one line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _as_float(name: str, value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        raise ConfigError(f"{name} = {_short(value)} is too large for a number; see its range in "
+                          "tetrad.config.validation.RANGES") from None
+
+
+def _describe(options: tuple) -> str:
+    words = []
+    for option in options:
+        if typing.get_origin(option) is Literal:
+            words.append("one of " + ", ".join(repr(v) for v in typing.get_args(option)))
+        elif typing.get_origin(option) is list:
+            words.append(f"a list of {_describe(typing.get_args(option))}s")
+        elif typing.get_origin(option) is dict:
+            words.append("a table")
+        else:
+            words.append({bool: "true or false", int: "an integer", float: "a number",
+                          str: "a string"}[option])
+    return " or ".join(words)

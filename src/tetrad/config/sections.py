@@ -1,0 +1,186 @@
+"""The config's sections: typed dataclasses, one per TOML table. The section and key names are
+a contract (DESIGN.md): users' scripts rely on them. Every numeric key's range is stated in
+validation.RANGES, next to the other rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+# Gradient bucket size when none is measured ("auto" with nothing to tune, or before the
+# measurement: the planner): torch DDP's default.
+DEFAULT_BUCKET_MB = 25.0
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says what to change."""
+
+
+# parallel.comm_options: the groups that take settings (a pipeline link's take "pp"'s) and each
+# setting's type and range: ProcessGroupNCCL.Options' high-priority stream, NCCL's config.
+COMM_GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "dp_cp_intra", "dp_cp_inter", "embed")
+COMM_OPTIONS = {"high_priority_stream": (bool, None), "cga_cluster_size": (int, range(0, 9)),
+                "min_ctas": (int, range(1, 65)), "max_ctas": (int, range(1, 65))}
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 384
+    vocab_size: int = 256
+    seq_len: int = 128
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    pos: Literal["rope", "learned"] = "rope"
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    vpp: int = 1
+    schedule: str = "1f1b"  # a name in parallel/pipeline/registry.py, whose check_config validates it
+    # Layers of each of the pp*vpp pipeline stages, e.g. [7, 8, 8, 7]; empty: balanced by FLOPs.
+    stage_layers: list[int] = field(default_factory=list)
+    zero: int = 0
+    sequence_parallel: bool = False
+    cp_algo: Literal["ring", "alltoall"] = "ring"
+    grad_bucket_mb: Union[float, Literal["auto"]] = DEFAULT_BUCKET_MB
+    grad_codec: Literal["none", "bf16", "int8", "powersgd"] = "none"
+    hierarchical: Union[bool, Literal["auto"]] = False
+    ranks_per_node: int = 8
+    # NCCL communicator settings per group, as Megatron-Core's communicator config file has them, e.g.
+    # {tp = {high_priority_stream = true, cga_cluster_size = 2, max_ctas = 16}}: COMM_OPTIONS.
+    comm_options: dict[str, dict[str, Union[bool, int]]] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16
+    micro_batch: int = 4
+    lr: float = 3e-3
+    # After `warmup` steps: cosine or linear decay to lr * min_lr_ratio at the last step, constant,
+    # or warmup-stable-decay (lr until the last `decay_fraction` of the steps, then linear decay).
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    recompute: Literal["none", "selective", "full"] = "none"
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    # fp32 master weights and AdamW state in CPU memory instead of the accelerator's.
+    offload_optimizer: bool = False
+    # torch.compile each transformer block.
+    compile: bool = False
+    # Validation loss every eval_every steps and at the last step (0: never), over eval_steps
+    # held-out global batches.
+    eval_every: int = 0
+    eval_steps: int = 4
+    # fp32 matmuls on TF32 tensor cores (CUDA only; reported as `tf32` in metrics.jsonl).
+    tf32: bool = True
+    # torch.profiler Chrome traces of these steps (1-based, "3-5" or "4"), one per rank in RUN_DIR/traces/.
+    profile: str = ""
+
+
+@dataclass
+class DataConfig:
+    # A built-in corpus name, a text file or folder, a token file (.bin of uint16 / .npy), or a
+    # shard folder from `tetrad data`.
+    source: str = "licenses"
+    # Validation tokens: a separate source, or the last val_fraction of `source` held out.
+    val_source: str = ""
+    val_fraction: float = 0.0
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # empty: RUN_DIR/checkpoints
+    every: int = 0
+    keep: int = 2
+    resume: str = "auto"  # "auto" | "never" | a checkpoint path
+    # A fresh run's starting weights (weights only; optimizer and step start afresh): a tetrad
+    # checkpoint or an HF Llama folder. Resuming the run's own checkpoint takes precedence.
+    init_from: str = ""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/tetrad"
+    log_every: int = 10
+    # Also write the per-step metrics as TensorBoard scalars to RUN_DIR/tensorboard/ (needs `tensorboard`).
+    tensorboard: bool = False
+    # Also log them to Weights & Biases (needs `wandb`); the run's name defaults to RUN_DIR's.
+    wandb: bool = False
+    wandb_project: str = "tetrad"
+    wandb_name: str = ""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,265 @@
+"""Validation: every rule a config must meet, checked before any process starts. Each error is one
+line that names the fix. First every numeric key against its stated range (RANGES), then the
+rules that tie keys together (divisibility, schedules, codecs, devices)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from dataclasses import dataclass
+
+from tetrad.config.sections import COMM_GROUPS, COMM_OPTIONS, Config, ConfigError, ParallelConfig, did_you_mean
+
+
+@dataclass(frozen=True)
+class Range:
+    """Closed or open bounds of a numeric key; floats must also be finite."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = True
+
+    def holds(self, value) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        low = f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.high == math.inf:
+            return low
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+INT_MAX = 2**31  # sizes and counts: torch dimensions, ranks and steps stay in int32
+SIZE = Range(1, INT_MAX)
+COUNT = Range(0, INT_MAX)
+POSITIVE = Range(0, low_open=True)
+FRACTION = Range(0, 1, high_open=False)
+# Every numeric key's range (a test checks that none is missing). Floats must also be finite.
+RANGES: dict[str, Range] = {
+    **{f"model.{k}": SIZE for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size",
+                                    "seq_len")},
+    "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.dropout": Range(0, 1),
+    **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
+    "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False),
+    "parallel.grad_bucket_mb": POSITIVE,
+    "train.steps": SIZE, "train.global_batch": SIZE, "train.micro_batch": SIZE, "train.warmup": COUNT,
+    "train.eval_every": COUNT, "train.eval_steps": SIZE,  # eval_every 0: no validation
+    "train.lr": POSITIVE, "train.min_lr_ratio": FRACTION, "train.decay_fraction": Range(0, 1, low_open=True,
+                                                                                         high_open=False),
+    "train.weight_decay": Range(0), "train.grad_clip": Range(0),  # grad_clip 0: no clipping
+    "train.seed": Range(0, 2**63),
+    "checkpoint.every": COUNT, "checkpoint.keep": SIZE,  # every 0: never
+    "run.log_every": SIZE, "data.val_fraction": Range(0, 1),
+}
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every numeric key (list items included) within its RANGES entry."""
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            name, value = f"{section.name}.{f.name}", getattr(obj, f.name)
+            for i, v in enumerate(value) if isinstance(value, list) else [(None, value)]:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or name not in RANGES:
+                    continue
+                if not RANGES[name].holds(v):
+                    where = name if i is None else f"{name}[{i}]"
+                    kind = "a finite number" if isinstance(v, float) else "an integer"
+                    raise ConfigError(f"{where}={v!r} is out of range: it must be {kind} {RANGES[name]}")
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def profile_steps(spec: str) -> range:
+    """The 1-based steps `train.profile` names ("3-5", "4"; "" for none)."""
+    if not spec:
+        return range(0)
+    first, _, last = spec.partition("-")
+    try:
+        steps = range(int(first), int(last or first) + 1)
+    except ValueError:
+        steps = range(0)
+    if not steps or steps.start < 1:
+        raise ConfigError(f"train.profile={spec!r} must name steps like '3-5' or '4' (1-based, first <= last)")
+    return steps
+
+
+def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -> None:
+    """Raise ConfigError for the first problem found, naming the fix."""
+    profile_steps(cfg.train.profile)
+    check_ranges(cfg)
+    _check_world(cfg.parallel, world_size)
+    _check_heads(cfg)
+    _check_pipeline(cfg, runtime)
+    _check_sequence(cfg)
+    _check_gradients(cfg)
+    _check_comm_options(cfg.parallel.comm_options)
+    _check_training(cfg, runtime)
+
+
+def _check_world(p: ParallelConfig, world_size: int | None) -> None:
+    if world_size is not None and p.world_size != world_size:
+        others = p.tp * p.pp * p.cp
+        fix = (f"set parallel.dp={world_size // others}" if world_size % others == 0
+               else f"choose tp*pp*cp dividing {world_size}")
+        raise ConfigError(f"dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {p.world_size} but the job has "
+                          f"{world_size} ranks; {fix}")
+
+
+def _check_heads(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"d_model={m.d_model} is not divisible by n_heads={m.n_heads}; "
+                          f"use n_heads in {divisors(m.d_model)}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}; "
+                          f"use n_kv_heads in {divisors(m.n_heads)}")
+    if m.pos == "rope" and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head_dim, got d_model/n_heads = {m.head_dim}")
+    common = sorted(set(divisors(m.n_heads)) & set(divisors(m.n_kv_heads)))
+    if m.n_heads % p.tp:
+        raise ConfigError(f"tp={p.tp} does not divide n_heads={m.n_heads}; use tp in {common}")
+    if m.n_kv_heads % p.tp:
+        raise ConfigError(f"tp={p.tp} does not divide n_kv_heads={m.n_kv_heads}; use tp in {common}")
+    if m.ffn_hidden % p.tp:
+        raise ConfigError(f"tp={p.tp} does not divide ffn_hidden={m.ffn_hidden}; "
+                          f"use tp in {sorted(set(common) & set(divisors(m.ffn_hidden)))}")
+
+
+def _check_pipeline(cfg: Config, runtime: bool) -> None:
+    """Virtual stages and the layer split; the schedule's own rules (its name, vpp, the fewest
+    micro-batches it runs) are the schedule registry's check_config."""
+    m, p = cfg.model, cfg.parallel
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp={p.vpp} interleaves model chunks over pipeline ranks, and pp=1 has one; "
+                          f"set parallel.pp >= 2 or vpp=1")
+    stages = p.pp * p.vpp
+    if m.n_layers < stages:
+        raise ConfigError(f"n_layers={m.n_layers} is fewer than pp*vpp = {p.pp}*{p.vpp} = {stages} pipeline "
+                          f"stages; use pp*vpp <= {m.n_layers}")
+    if p.stage_layers and (len(p.stage_layers) != stages or sum(p.stage_layers) != m.n_layers):
+        raise ConfigError(f"parallel.stage_layers={p.stage_layers} must list pp*vpp = {stages} layer counts, each "
+                          f">= 1, adding up to n_layers={m.n_layers}; or leave it empty for a balanced split")
+    if p.pp > 1 and runtime and m.tie_embeddings and p.zero == 3:
+        raise ConfigError("tie_embeddings with pp > 1 and zero=3 is not supported yet (the embedding's copy on "
+                          "the last stage would need its own gathered bucket); use zero<=2, "
+                          "model.tie_embeddings=false or pp=1")
+
+
+def _check_sequence(cfg: Config) -> None:
+    """Context parallelism's chunks and sequence parallelism's split. SP with a local sequence
+    tp does not divide is refused: every tp rank must hold the same number of tokens."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp > 1 and m.seq_len % (2 * p.cp):
+        ok = [c for c in divisors(m.seq_len // 2) if c > 1][:8] if m.seq_len > 1 else []
+        raise ConfigError(f"seq_len={m.seq_len} is not divisible by 2*cp = {2 * p.cp} (the sequence is cut "
+                          f"into 2*cp chunks for load balance); use cp in {[1] + ok} or change seq_len")
+    if p.sequence_parallel and p.tp > 1 and (m.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"sequence_parallel splits each rank's {m.seq_len // p.cp} tokens (seq_len/cp) over "
+                          f"tp={p.tp}, which must divide them; use a seq_len that is a multiple of cp*tp = "
+                          f"{p.cp * p.tp}, or sequence_parallel=false")
+    if p.cp > 1 and p.cp_algo == "alltoall" and (m.n_heads % (p.cp * p.tp) or m.n_kv_heads % (p.cp * p.tp)):
+        ok = [c for c in divisors(m.seq_len // 2) if not m.n_heads % (c * p.tp) and not m.n_kv_heads % (c * p.tp)]
+        raise ConfigError(f"cp_algo='alltoall' splits heads over cp*tp = {p.cp}*{p.tp}, which must divide "
+                          f"n_heads={m.n_heads} and n_kv_heads={m.n_kv_heads}; use cp in {ok} or cp_algo='ring'")
+
+
+def _check_gradients(cfg: Config) -> None:
+    """The batch split over data-parallel ranks, ZeRO, codecs and hierarchical reduction."""
+    p, t = cfg.parallel, cfg.train
+    if t.global_batch % (t.micro_batch * p.dp):
+        raise ConfigError(f"global_batch={t.global_batch} is not divisible by micro_batch*dp = "
+                          f"{t.micro_batch}*{p.dp} = {t.micro_batch * p.dp}; use a global_batch that is a "
+                          f"multiple of {t.micro_batch * p.dp}, or change micro_batch")
+    if p.grad_codec != "none" and p.zero >= 2:
+        raise ConfigError(f"grad_codec={p.grad_codec!r} compresses the all-reduce of ZeRO 0/1; zero={p.zero} "
+                          f"reduce-scatters instead. Use zero<=1 or grad_codec='none'")
+    if p.grad_codec == "int8" and p.dp * p.cp > 127:
+        raise ConfigError(f"grad_codec='int8' sums int8 over dp*cp = {p.dp * p.cp} ranks, at most 127; "
+                          f"use bf16 or hierarchical reduction")
+    if p.hierarchical is True:
+        if p.zero >= 2 or p.grad_codec != "none":
+            raise ConfigError(f"hierarchical=true reduces the ZeRO 0/1 all-reduce without a codec; got "
+                              f"zero={p.zero}, grad_codec={p.grad_codec!r}")
+        per_node = p.ranks_per_node // p.tp
+        if p.ranks_per_node % p.tp or (p.dp * p.cp) % per_node and per_node % (p.dp * p.cp):
+            raise ConfigError(f"hierarchical=true needs the dp*cp = {p.dp * p.cp} ranks of a group split evenly "
+                              f"over nodes of ranks_per_node={p.ranks_per_node} (tp={p.tp} per replica); "
+                              f"use a ranks_per_node that is a multiple of tp and divides or is divided by "
+                              f"dp*cp*tp")
+
+
+def _check_comm_options(groups: dict) -> None:
+    for group, options in groups.items():
+        if group not in COMM_GROUPS:
+            raise ConfigError(f"parallel.comm_options has no group {group!r}{did_you_mean(group, COMM_GROUPS)}; "
+                              f"groups are {', '.join(COMM_GROUPS)}")
+        for key, value in options.items():
+            name = f"parallel.comm_options.{group}.{key}"
+            if key not in COMM_OPTIONS:
+                raise ConfigError(f"unknown setting {name}{did_you_mean(key, COMM_OPTIONS)}; "
+                                  f"settings are {', '.join(COMM_OPTIONS)}")
+            kind, allowed = COMM_OPTIONS[key]
+            if (kind is bool) != isinstance(value, bool) or (allowed is not None and value not in allowed):
+                within = "true or false" if allowed is None else f"an integer in {allowed.start}..{allowed.stop - 1}"
+                raise ConfigError(f"{name} must be {within}, got {value!r}")
+        if options.get("min_ctas", 1) > options.get("max_ctas", 64):
+            raise ConfigError(f"parallel.comm_options.{group}: min_ctas={options['min_ctas']} exceeds "
+                              f"max_ctas={options['max_ctas']}; lower min_ctas or raise max_ctas")
+
+
+def _check_training(cfg: Config, runtime: bool) -> None:
+    """The learning-rate schedule, precision, offload, compile and optional packages."""
+    p, t = cfg.parallel, cfg.train
+    if t.lr_schedule == "wsd" and t.warmup + round(t.decay_fraction * t.steps) > t.steps:
+        raise ConfigError(f"lr_schedule='wsd' decays over the last decay_fraction={t.decay_fraction} of "
+                          f"steps={t.steps}, which must leave room for warmup={t.warmup}")
+    if cfg.data.val_fraction and cfg.data.val_source:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be 0 when data.val_source is set "
+                          "(validation comes from one or the other)")
+    if t.eval_every and not (cfg.data.val_fraction or cfg.data.val_source):
+        raise ConfigError("train.eval_every needs held-out tokens: set data.val_fraction (e.g. 0.01) or "
+                          "data.val_source")
+    if runtime and t.dtype == "fp8":
+        raise ConfigError("train.dtype='fp8' is accepted by `tetrad estimate`/`plan` only; the runtime trains "
+                          "in fp32, bf16 or fp16")
+    if t.dtype == "fp16" and p.grad_codec in ("int8", "powersgd"):
+        raise ConfigError(f"train.dtype='fp16' skips steps whose gradients overflow, which would leave inf in "
+                          f"grad_codec={p.grad_codec!r}'s error feedback; use train.dtype='bf16' or "
+                          f"grad_codec='none'/'bf16'")
+    if t.offload_optimizer and t.device == "cpu":
+        raise ConfigError("train.offload_optimizer moves optimizer state from an accelerator to CPU memory; with "
+                          "train.device='cpu' it is there already: set train.offload_optimizer=false")
+    if t.compile and (p.tp > 1 or p.cp > 1):
+        raise ConfigError(f"train.compile compiles blocks without collectives inside; tp={p.tp}, cp={p.cp} put "
+                          f"communication in every block. Set train.compile=false, or tp=1 and cp=1")
+    if runtime and cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("run.tensorboard=true needs the optional `tensorboard` package, which is not installed: "
+                          "pip install tensorboard (or tetrad[tensorboard]), or set run.tensorboard=false")
+    if runtime and cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("run.wandb=true needs the optional `wandb` package, which is not installed: "
+                          "pip install wandb (or tetrad[wandb]), or set run.wandb=false")
+
+
+def validate_device(cfg: Config, device_type: str) -> None:
+    """The checks that need the device `train.device` resolved to (before any rank starts)."""
+    from tetrad.device import dtype_problem
+    from tetrad.train.precision import model_dtype
+    t = cfg.train
+    if t.offload_optimizer and device_type == "cpu":
+        raise ConfigError("train.offload_optimizer moves optimizer state off an accelerator, and this machine has "
+                          "none (train.device resolved to 'cpu'): set train.offload_optimizer=false")
+    problem = dtype_problem(device_type, model_dtype(t.dtype)) if t.dtype in ("bf16", "fp16") else None
+    if problem:
+        other = "bf16" if t.dtype == "fp16" else "fp32"
+        raise ConfigError(f"train.dtype={t.dtype!r}: this {device_type} device cannot multiply {t.dtype} "
+                          f"matrices ({problem}); use train.dtype={other!r} or 'fp32'")

@@ -1,0 +1,266 @@
+"""The Checkpointer: saves and restores one rank's model, optimizer, RNG and step (every method
+is collective). What is stored, and the publish protocol, are in the package docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tetrad.model.sharding import spec_of
+from tetrad.parallel.data import ShardedAdamW, zero_loaded
+from tetrad.train.checkpoint import recovery
+from tetrad.train.checkpoint.logical import Piece, check_optimizer_covered, chunks, logical, pieces
+from tetrad.train.checkpoint.store import (LATEST, MANIFEST, PARTIAL, CheckpointError, SafeReader, check_model,
+                                           check_shapes, digest_files, optimizer_entries, published, publish,
+                                           replace_text, resolve, step_dir, verify)
+
+
+class Checkpointer:
+    """Saves and restores the model, optimizer, RNG and step of one rank; every method is collective.
+
+    `stateful` (save, load, resume, maybe_save) maps a name to an object with `state_dict()` and
+    `load_state_dict()` whose values are tensors or numbers, e.g. {"scaler": the loss scaler}: it
+    is saved as replicated tensors `extra.NAME.KEY` and restored when the checkpoint has it.
+    `local` maps a name to such an object whose state only this rank holds (package docstring).
+    """
+
+    def __init__(self, cfg, topo, root: Path):
+        self.cfg, self.topo, self.root = cfg, topo, Path(root)
+        self.world = dist.get_world_size() if topo.distributed else 1
+        self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
+
+    @classmethod
+    def for_run(cls, cfg, topo, run_dir: Path) -> "Checkpointer":
+        return cls(cfg, topo, Path(cfg.checkpoint.dir or Path(run_dir) / "checkpoints"))
+
+    def resume(self, params: dict[str, nn.Parameter], optimizer, metrics: Path, stateful: dict | None = None,
+               local: dict | None = None) -> int:
+        """Apply `checkpoint.resume`; return the step to continue from (0: a fresh start). Rank 0
+        drops the metrics lines of steps after it, so a resumed run reads as never interrupted;
+        a fresh start refuses to erase an earlier run's metrics."""
+        resume, rank = self.cfg.checkpoint.resume, self.topo.rank
+        if resume == "auto":
+            path, manifest = recovery.newest_good(self.root, self.cfg.model, rank, self.world)
+        elif resume == "never":
+            recovery.refuse_later(self.root, 0, "checkpoint.resume='never'")
+            path = manifest = None
+        else:
+            path, manifest = recovery.explicit(resume, self.root, self.cfg.model, rank, self.world)
+        if path is None:
+            if rank == 0:
+                recovery.refuse_overwriting_history(metrics, self.cfg.checkpoint.every if resume == "auto" else 0)
+            self._barrier()
+            return 0
+        step = self._load_verified(path, manifest, params, optimizer, stateful or {}, local or {})
+        self.resumed_from = path
+        if rank == 0:
+            recovery.cut_history(metrics, step)
+        return step
+
+    def maybe_save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None,
+                   local: dict | None = None) -> None:
+        """Save every `checkpoint.every` steps, and at the last step (every = 0: never)."""
+        every = self.cfg.checkpoint.every
+        if every and (step % every == 0 or step == self.cfg.train.steps):
+            self.save(step, params, optimizer, stateful, local)
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None,
+             local: dict | None = None) -> Path:
+        """Write checkpoint `step`; it becomes visible, and `latest`, only once every rank is done.
+        A failure (full disk, no permission) leaves the previous checkpoints as they were."""
+        final = step_dir(self.root, step)
+        tmp = final.with_name(final.name + PARTIAL)
+        try:
+            if self.topo.rank == 0:
+                _clear(tmp)  # left by a save that crashed
+                tmp.mkdir(parents=True)
+            self._barrier()
+            dcp.save(self._saved_state(params, optimizer, stateful or {}, local or {}),
+                     storage_writer=FileSystemWriter(tmp), no_dist=not self.topo.distributed)
+            files = digest_files(tmp, self.topo.rank, self.world)
+            if self.topo.rank == 0:
+                publish(tmp, final, self.cfg, step, files, optimizer=True, layout=self._layout())
+                replace_text(self.root / LATEST, final.name + "\n")
+                self._prune()
+        except (OSError, CheckpointException) as e:
+            kept = [p.name for p in published(self.root) if (p / MANIFEST).exists()]
+            raise CheckpointError(f"saving step {step} to {tmp} failed ({_first_line(e)}); the earlier checkpoints "
+                                  f"{kept or '(none)'} are untouched. Free space or fix the permissions of "
+                                  f"{self.root}, or set checkpoint.dir elsewhere") from None
+        self._barrier()
+        return final
+
+    def _layout(self) -> dict:
+        """What rank-local state depends on: the whole [parallel] section (layout, schedule,
+        virtual stages, sequence parallelism, ZeRO stage, codec, buckets)."""
+        return dataclasses.asdict(self.cfg.parallel)
+
+    def _saved_state(self, params, optimizer, stateful: dict, local: dict) -> dict[str, torch.Tensor]:
+        """The flat DCP state of this rank: its boxes of the model and optimizer state, its RNG
+        state, the `stateful` objects' values and its `local` objects' values."""
+        mine = pieces(params, optimizer)
+        check_optimizer_covered(optimizer, mine)
+        mesh, state = self.topo.mesh, {}
+        for piece in mine:
+            full = spec_of(piece.param)[0].full_shape
+            boxes = chunks(piece, piece.values.detach().reshape(-1))
+            if not boxes:  # this rank's slice lies in the vocabulary padding
+                continue
+            state[f"model.{piece.name}"] = logical(boxes, full, mesh)
+            for entry, value in optimizer.state.get(piece.values, {}).items():
+                key = f"optim.{piece.name}.{entry}"
+                if value.ndim == 0:
+                    state[key] = value
+                elif value.numel() == piece.end - piece.start:
+                    state[key] = logical(chunks(piece, value.reshape(-1)), full, mesh)
+                else:
+                    raise CheckpointError(f"{key}: optimizer state of shape {tuple(value.shape)} is neither a "
+                                          f"scalar nor one value per element of {tuple(piece.values.shape)}")
+        for kind, value in _rng_state(self.topo.device).items():
+            state[f"rng.rank{self.topo.rank}.{kind}"] = value
+        for name, obj in stateful.items():
+            for key, value in obj.state_dict().items():
+                state[f"extra.{name}.{key}"] = _as_tensor(value)
+        for name, obj in local.items():
+            for key, value in obj.state_dict().items():
+                state[f"local.rank{self.topo.rank}.{name}.{key}"] = value
+        return state
+
+    def _prune(self) -> None:
+        """Keep the newest `checkpoint.keep` complete checkpoints; drop crashed partial saves."""
+        complete = [p for p in published(self.root) if (p / MANIFEST).exists()]
+        debris = [p for p in self.root.glob("step_*") if p.name.endswith((PARTIAL, ".old"))]
+        for old in complete[self.cfg.checkpoint.keep:] + debris:
+            _clear(old)
+
+    def load(self, path: Path, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None,
+             local: dict | None = None) -> int:
+        """Restore from `path` (written under any layout) and return its step. A weights-only
+        checkpoint (from `tetrad convert`) restores the parameters; the optimizer then starts fresh."""
+        path = resolve(path)
+        manifest = verify(path, self.topo.rank, self.world)
+        check_model(manifest, self.cfg.model, path)
+        return self._load_verified(path, manifest, params, optimizer, stateful or {}, local or {})
+
+    def _load_verified(self, path: Path, manifest: dict, params, optimizer, stateful: dict, local: dict) -> int:
+        """Read the verified checkpoint at `path` into scratch buffers (vocabulary padding stays
+        zero), then copy them into the live state: a failure leaves the live state untouched."""
+        reader = SafeReader(path)
+        metadata = reader.read_metadata()
+        entries = optimizer_entries(metadata) if manifest["optimizer"] else {}
+        expected = _expected_shapes(params, entries)
+        check_shapes(metadata, expected, path)
+        mine = pieces(params, optimizer)
+        state, buffers = self._scratch(mine, entries, expected)
+        same_layout = manifest.get("layout") == json.loads(json.dumps(self._layout()))  # as stored: lists, not tuples
+        mine_local = f"local.rank{self.topo.rank}."
+        for key, meta in metadata.state_dict_metadata.items():
+            if (key.startswith((f"rng.rank{self.topo.rank}.", "extra."))
+                    or (same_layout and key.startswith(mine_local))):
+                state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        dcp.load(state, storage_reader=reader, no_dist=not self.topo.distributed)
+        _apply(mine, buffers, entries, optimizer)
+        self._restore_rng(state)
+        for name, obj in stateful.items():
+            current = obj.state_dict()
+            saved = {k: _like(v, state[f"extra.{name}.{k}"]) for k, v in current.items() if f"extra.{name}.{k}" in state}
+            if saved:
+                obj.load_state_dict({**current, **saved})
+        for name, obj in local.items():
+            prefix = f"{mine_local}{name}."
+            obj.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        self._barrier()
+        return manifest["step"]
+
+    def _scratch(self, mine: list[Piece], entries: dict, expected: dict) -> tuple[dict, dict]:
+        """(the DCP state to load into, the flat scratch buffer of every model/optimizer key)."""
+        mesh, state, buffers = self.topo.mesh, {}, {}
+        for piece in mine:
+            full = spec_of(piece.param)[0].full_shape
+            wanted = [(f"model.{piece.name}", piece.values.dtype)]
+            wanted += [(f"optim.{piece.name}.{e}", m.properties.dtype) for e, m in entries.get(piece.name, {}).items()]
+            for key, dtype in wanted:
+                if expected[key] == ():
+                    buffers[key] = state[key] = torch.zeros((), dtype=dtype)
+                    continue
+                buffers[key] = torch.zeros(piece.end - piece.start, dtype=dtype, device=piece.values.device)
+                boxes = chunks(piece, buffers[key])
+                if boxes:
+                    state[key] = logical(boxes, full, mesh)
+        return state, buffers
+
+    def _restore_rng(self, state: dict[str, torch.Tensor]) -> None:
+        prefix = f"rng.rank{self.topo.rank}."
+        if prefix + "cpu" in state:
+            torch.set_rng_state(state[prefix + "cpu"])
+        if prefix + "cuda" in state and self.topo.device.type == "cuda":
+            torch.cuda.set_rng_state(state[prefix + "cuda"], self.topo.device)
+
+
+def _expected_shapes(params: dict[str, nn.Parameter], entries: dict) -> dict[str, tuple[int, ...]]:
+    """Every key to read and its logical shape (() for a scalar such as AdamW's step)."""
+    expected = {}
+    for name, p in params.items():
+        full = spec_of(p)[0].full_shape
+        expected[f"model.{name}"] = full
+        for entry, meta in entries.get(name, {}).items():
+            expected[f"optim.{name}.{entry}"] = () if len(meta.size) == 0 else full
+    return expected
+
+
+def _apply(mine: list[Piece], buffers: dict, entries: dict, optimizer) -> None:
+    """Copy the loaded scratch buffers into the parameters and the optimizer state."""
+    with torch.no_grad():
+        for piece in mine:
+            piece.values.view(-1).copy_(buffers[f"model.{piece.name}"])
+            restored = {entry: buffers[f"optim.{piece.name}.{entry}"] for entry in entries.get(piece.name, {})}
+            if restored:
+                optimizer.state[piece.values] = {
+                    e: t if t.ndim == 0 else t.view_as(piece.values) for e, t in restored.items()}
+    if isinstance(optimizer, ShardedAdamW):
+        zero_loaded(optimizer)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def _as_tensor(value) -> torch.Tensor:
+    """A `stateful` value as a tensor (numbers as 0-d tensors, floats in float64: exact)."""
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
+
+
+def _like(old, loaded: torch.Tensor):
+    """`loaded` in the type `old` had (a number back as a number)."""
+    return loaded if torch.is_tensor(old) else type(old)(loaded.item())
+
+
+def _clear(path: Path) -> None:
+    """Remove a folder (or a stray file) of that name, if there is one."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"

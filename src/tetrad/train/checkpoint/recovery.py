@@ -1,0 +1,126 @@
+"""Which checkpoint a run resumes from, decided the same way on every rank (the protocol's states
+are in the package docstring), and the run folder's history kept consistent with it.
+
+`choose` is collective: rank 0 lists the folders, every rank takes part in each integrity check
+(each hashes its share), so every rank reaches the same answer; rank 0 alone renames and speaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tetrad.train.checkpoint.store import (MANIFEST, SET_ASIDE, CheckpointError, check_model, published,
+                                           read_latest, replace_text, resolve, step_of, verify)
+
+
+def say(message: str) -> None:
+    """A line on the console (stdout: the progress bar owns stderr)."""
+    print(f"tetrad: checkpoint: {message}", flush=True)
+
+
+def _broadcast(obj, world: int):
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def newest_good(root: Path, model_cfg, rank: int, world: int) -> tuple[Path | None, dict | None]:
+    """The newest published checkpoint under `root` that passes its integrity check, with its
+    manifest; newer ones that fail are set aside as step_N.bad and named on the console. Refuses
+    another model's checkpoint, and a root whose every checkpoint is damaged."""
+    names = _broadcast([p.name for p in published(root)] if rank == 0 else None, world)
+    bad: list[tuple[Path, str]] = []
+    chosen = manifest = None
+    for name in names:
+        try:
+            manifest = verify(root / name, rank, world)
+        except CheckpointError as e:
+            bad.append((root / name, str(e)))
+            continue
+        chosen = root / name
+        check_model(manifest, model_cfg, chosen)
+        break
+    if rank == 0:
+        _report(root, chosen, bad)
+    if world > 1:
+        dist.barrier()
+    if bad and chosen is None:
+        raise CheckpointError(f"every checkpoint in {root} failed its integrity check (set aside as *{SET_ASIDE}, "
+                              "reasons above); to start afresh use a new checkpoint.dir and run.dir")
+    return chosen, manifest
+
+
+def _report(root: Path, chosen: Path | None, bad: list[tuple[Path, str]]) -> None:
+    """Set the damaged checkpoints aside and say what was chosen, and why, when it is not plain."""
+    for path, reason in bad:
+        aside = path.with_name(path.name + SET_ASIDE)
+        os.rename(path, aside)
+        fallback = f"resuming from {chosen.name}" if chosen else "no intact checkpoint left"
+        say(f"{path.name} is damaged and was set aside as {aside.name}; {fallback}. {reason}")
+    latest, problem = read_latest(root)
+    if problem:
+        say(problem)
+    elif chosen is not None and latest != chosen.name and not bad:
+        say(f"{root}/latest names {latest or 'nothing'}; resuming from {chosen.name}, the newest complete checkpoint")
+
+
+def explicit(path: str, root: Path, model_cfg, rank: int, world: int) -> tuple[Path, dict]:
+    """`checkpoint.resume = PATH`: that checkpoint, verified, or an error naming what is wrong.
+    Refused when `root` holds a later checkpoint: this run would save beside an earlier run's."""
+    chosen = resolve(path)
+    manifest = verify(chosen, rank, world)
+    check_model(manifest, model_cfg, chosen)
+    refuse_later(root, step_of(chosen), f"checkpoint.resume={path!r}")
+    return chosen, manifest
+
+
+def refuse_later(root: Path, step: int, why: str) -> None:
+    """Refuse a run that starts at `step` in a root holding a complete checkpoint after it."""
+    later = [p for p in published(root) if step_of(p) > step and (p / MANIFEST).exists()]
+    if later:
+        raise CheckpointError(f"{root} already holds {later[0].name} from an earlier run, later than the step "
+                              f"{step} this run starts from ({why}); use a new checkpoint.dir (or run.dir), or "
+                              "checkpoint.resume='auto' to continue it")
+
+
+def history_steps(metrics: Path) -> list[int]:
+    """The steps `metrics.jsonl` records (none when it is absent)."""
+    if not metrics.exists():
+        return []
+    steps = []
+    for line in metrics.read_text(errors="replace").splitlines():
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a kill
+    return steps
+
+
+def refuse_overwriting_history(metrics: Path, every: int) -> None:
+    """A run that starts at step 0 must not erase an earlier run's metrics. History that ends by
+    the first checkpoint step (`every`) is this run's own, killed before its first save finished:
+    restarting from 0 is then a resume from step 0."""
+    steps = history_steps(metrics)
+    if steps and not (every and max(steps) <= every):
+        raise CheckpointError(f"{metrics} holds {len(steps)} steps of an earlier run and this run starts afresh "
+                              f"(no checkpoint to resume); use a new run.dir, or move {metrics} away")
+
+
+def cut_history(metrics: Path, step: int) -> None:
+    """Drop the metrics lines after `step`, the step a resume restarts from, and nothing else."""
+    if not metrics.exists():
+        return
+    kept = []
+    for line in metrics.read_text(errors="replace").splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a kill
+    replace_text(metrics, "".join(line + "\n" for line in kept))

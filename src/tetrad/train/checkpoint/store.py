@@ -1,0 +1,261 @@
+"""Checkpoint folders on disk: names, atomic publishing, integrity, safe unpickling of metadata.
+
+Nothing here knows about models or layouts beyond the manifest's model section; the protocol
+(which states a folder can be in, and what resume does in each) is in the package docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+FORMAT = 1
+MANIFEST = "tetrad.json"
+LATEST = "latest"
+PARTIAL = ".partial"  # a save in progress, or one that crashed: never loaded
+SET_ASIDE = ".bad"  # a published checkpoint that failed its integrity check on resume
+# Keys of [model] that decide tensor shapes; the others (dropout, ...) may change on resume.
+SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "norm", "mlp", "pos",
+              "tie_embeddings")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded or saved; the message names the file and what to do."""
+
+
+# ---------------------------------------------------------------------------------------- names
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int:
+    """The step a checkpoint folder holds, from its name (step_00000010 -> 10)."""
+    return int(path.name.removeprefix("step_"))
+
+
+def published(root: Path) -> list[Path]:
+    """Folders named like a published checkpoint (step_ and digits only), newest first; whether
+    they are complete and intact is for `verify` to say."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if p.is_dir() and p.name.removeprefix("step_").isdigit()]
+    return sorted(found, key=step_of, reverse=True)
+
+
+def read_latest(root: Path) -> tuple[str | None, str | None]:
+    """(the name `ROOT/latest` holds, or None; a problem with the pointer to report, or None)."""
+    pointer = Path(root) / LATEST
+    if not pointer.exists():
+        return None, None
+    try:
+        name = pointer.read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{pointer} is unreadable ({type(e).__name__}); it is ignored and rewritten at the next save"
+    if not name.startswith("step_") or not name.removeprefix("step_").isdigit():
+        return None, f"{pointer} holds {name[:40]!r}, not a step_* name; it is ignored and rewritten at the next save"
+    return name, None
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint folder, given it or a checkpoint root (then its newest published folder)."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    complete = [p for p in published(path) if (p / MANIFEST).exists()]
+    if not complete:
+        raise CheckpointError(f"{path} is not a tetrad checkpoint: no {path / MANIFEST}"
+                              + (" (an interrupted save?)" if path.name.endswith(PARTIAL) else ""))
+    return complete[0]
+
+
+# ---------------------------------------------------------------------------------------- publishing
+def publish(tmp: Path, final: Path, cfg, step: int, files: dict, optimizer: bool, layout: dict) -> None:
+    """Make the fully written folder `tmp` the checkpoint `final`: `config.toml`, then
+    `tetrad.json` (its presence marks a complete folder), then the rename. A folder already at
+    `final` (a save of this step that an earlier run published, or set-aside debris) is replaced,
+    so publishing a step twice ends in the same state as once."""
+    (tmp / "config.toml").write_text(cfg.to_toml())
+    manifest = {"format": FORMAT, "step": step, "model": dataclasses.asdict(cfg.model), "layout": layout,
+                "optimizer": optimizer, "files": files}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `path` atomically: a reader sees the old content or the new, never a torn file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make renames in `folder` durable (a power cut after one must not bring the old name back)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------- integrity
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def all_gather(obj, world: int) -> list:
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)  # small lists of our own strings, within the job
+    return out
+
+
+def _share_of(names: list[str], rank: int, world: int) -> list[str]:
+    """The files this rank hashes: the work is split over ranks, so nobody reads the whole checkpoint."""
+    return sorted(names)[rank::world]
+
+
+def digest_files(folder: Path, rank: int, world: int) -> dict[str, dict]:
+    names = [p.name for p in folder.iterdir() if p.is_file()]
+    mine = {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)}
+            for n in _share_of(names, rank, world)}
+    return {k: v for part in all_gather(mine, world) for k, v in part.items()}
+
+
+def read_manifest(path: Path) -> dict:
+    """`tetrad.json`, checked for the keys this reader relies on; raise naming what is wrong."""
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{manifest_path} cannot be read ({type(e).__name__}: {e}): the checkpoint is "
+                              "incomplete or corrupt") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{manifest_path}: format {found!r}, this tetrad reads {FORMAT}")
+    kinds = {"step": int, "model": dict, "files": dict, "optimizer": bool}
+    bad = [k for k, kind in kinds.items() if not isinstance(manifest.get(k), kind)]
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    if bad or not all(isinstance(v, dict) and {"bytes", "sha256"} <= v.keys() for v in files.values()):
+        raise CheckpointError(f"{manifest_path} lacks or garbles {', '.join(bad) or 'the entries of files'}: "
+                              "the checkpoint is corrupt")
+    return manifest
+
+
+def verify(path: Path, rank: int = 0, world: int = 1) -> dict:
+    """Read `tetrad.json` and check every file it lists (size, SHA-256); raise naming the bad
+    files. Collective when world > 1: every rank hashes its share."""
+    try:
+        manifest, failure = read_manifest(path), None
+    except CheckpointError as e:
+        manifest, failure = None, str(e)
+    problems = [failure] if failure and rank == 0 else []
+    for name in _share_of(list(manifest["files"]), rank, world) if manifest else []:
+        want, file = manifest["files"][name], path / name
+        if not file.exists():
+            problems.append(f"{file}: missing")
+        elif file.stat().st_size != want["bytes"]:
+            problems.append(f"{file}: {file.stat().st_size} bytes, {want['bytes']} when written (truncated?)")
+        elif _sha256(file) != want["sha256"]:
+            problems.append(f"{file}: SHA-256 differs from the one recorded when written (corrupt)")
+    problems = sorted(p for part in all_gather(problems, world) for p in part)
+    if problems:
+        raise CheckpointError("checkpoint failed its integrity check:\n  " + "\n  ".join(problems))
+    return manifest
+
+
+def check_model(manifest: dict, model_cfg, path: Path) -> None:
+    """Refuse a checkpoint written for another model shape, naming every key that differs."""
+    here = dataclasses.asdict(model_cfg)
+    diffs = [f"model.{k} = {manifest['model'].get(k)!r} in the checkpoint, {here[k]!r} here"
+             for k in SHAPE_KEYS if manifest["model"].get(k) != here[k]]
+    if diffs:
+        raise CheckpointError(f"{path / MANIFEST} was written for a different model:\n  " + "\n  ".join(diffs))
+
+
+# ---------------------------------------------------------------------------------------- metadata
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle; admit only the classes DCP writes there and torch's plain values."""
+
+    ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "StorageMeta", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+        ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in self.ALLOWED and not is_dtype:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    """A FileSystemReader whose metadata is read by the restricted unpickler above."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, IndexError) as e:
+            raise CheckpointError(f"{path} cannot be read: {e}") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def check_shapes(metadata: Metadata, expected: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Refuse before reading anything when a tensor is missing or its logical shape differs."""
+    problems = []
+    for key, shape in expected.items():
+        stored = metadata.state_dict_metadata.get(key)
+        if stored is None:
+            problems.append(f"{key}: not in the checkpoint")
+        elif not isinstance(stored, TensorStorageMetadata) or tuple(stored.size) != tuple(shape):
+            size = tuple(stored.size) if isinstance(stored, TensorStorageMetadata) else "not a tensor"
+            problems.append(f"{key}: {size} in the checkpoint, {tuple(shape)} here")
+    if problems:
+        raise CheckpointError(f"{path / '.metadata'} does not match this model:\n  " + "\n  ".join(problems[:20]))
+
+
+def optimizer_entries(metadata: Metadata) -> dict[str, dict[str, TensorStorageMetadata]]:
+    """Parameter name -> {optimizer state key -> its stored metadata}."""
+    out: dict[str, dict[str, TensorStorageMetadata]] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("optim.") and isinstance(meta, TensorStorageMetadata):
+            name, entry = key[len("optim."):].rsplit(".", 1)
+            out.setdefault(name, {})[entry] = meta
+    return out

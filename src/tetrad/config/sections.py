@@ -1,5 +1,5 @@
 """The config's sections: typed dataclasses, one per TOML table. The section and key names are
-a contract (DESIGN.md): users' scripts rely on them. Every numeric key's range is stated in
+a contract (docs/design.md): users' scripts rely on them. Every numeric key's range is stated in
 validation.RANGES, next to the other rules."""
 
 from __future__ import annotations

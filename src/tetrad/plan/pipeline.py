@@ -12,6 +12,7 @@ from functools import lru_cache
 from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
 from tetrad.parallel.pipeline.schedules import replay
 from tetrad.parallel.pipeline.simulate import StageCosts, peak_held, peak_waiting_loss
+from tetrad.parallel.pipeline.split import rank_stages
 
 
 @lru_cache(maxsize=256)
@@ -65,18 +66,27 @@ def pipeline(schedule: str, pp: int, m: int, vpp: int, f: list, bi: list, bw: li
 
     Costs are normalised to the slowest stage's forward and rounded to 1% of it, so similar
     layouts share a simulation. Past its warm-up (registry.py: one round of pp micro-batches, two
-    when interleaved) a schedule is periodic in pp micro-batches, so a long one is simulated at
-    m0 and m0 + pp (in the same phase) and extended linearly: exact in steady state, and it keeps
-    a search over thousands of micro-batches fast.
+    when interleaved) a schedule is nearly periodic in pp micro-batches, so a long one is simulated
+    at m0 and m0 + pp (in the same phase) and extended linearly, each further round costing what
+    the last one did, and never less than the most loaded rank's work for it (uneven stages can
+    take a few more rounds to settle). That keeps a search over thousands of micro-batches fast.
+    Rounding moves each rank's work a little, so the time returned is the most loaded rank's exact
+    work plus the idle time the simulation finds for it: never less than any rank's work, so the
+    bubble it leaves is never negative.
     """
     unit = max(f) or 1.0
     norm = lambda xs: tuple(round(x / unit, 2) for x in xs)  # noqa: E731
     nf, nbi, nbw, np2p = norm(f), norm(bi), norm(bw), round(p2p / unit, 3)
+    held = [rank_stages(pp, vpp, r) for r in range(pp)]
+    exact = [sum(f[g] + bi[g] + bw[g] for g in stages) for stages in held]
+    k = max(range(pp), key=exact.__getitem__)
+    rounded = sum(nf[g] + nbi[g] + nbw[g] for g in held[k])  # in units, per micro-batch
     m0 = _steady(schedule, pp, m)
     if m <= m0 + pp:
         t, tail = _simulate(schedule, pp, m, vpp, nf, nbi, nbw, np2p)
     else:
         t0, _ = _simulate(schedule, pp, m0, vpp, nf, nbi, nbw, np2p)
         t1, tail = _simulate(schedule, pp, m0 + pp, vpp, nf, nbi, nbw, np2p)
-        t = t1 + (m - m0 - pp) * (t1 - t0) / pp
-    return t * unit, [x * unit for x in tail]
+        busiest = max(sum(nf[g] + nbi[g] + nbw[g] for g in stages) for stages in held)
+        t = t1 + (m - m0 - pp) * max(t1 - t0, pp * busiest) / pp
+    return t * unit + m * (exact[k] - rounded * unit), [x * unit for x in tail]

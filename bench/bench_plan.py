@@ -2,7 +2,7 @@
 
 1. `tetrad plan` wall time for llama3-70b on 1024 H100 (8 per node), global batch 1024 x 8192
    tokens, and llama3-405b on 16384 H100 (targets: under 2 s and 10 s on a 2-core machine);
-2. the reference runs (../shared/reference/published_runs.csv), as tests/test_plan.py checks them;
+2. the reference runs (src/tetrad/plan/reference_runs/published_runs.csv), as tests/test_plan.py checks them;
 3. published runs outside that file: the 8B FSDP ones (torchtitan Table 1) informed the
    500 W H100's two efficiencies together with the CSV's cp=1 row; the others fitted nothing, so
    their error is the honest one.
@@ -17,14 +17,11 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from tetrad.config import load_config
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import cluster_of
 from tetrad.plan.reference import best_estimate, predicted_value, read_rows
-
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
 
 # Megatron's GPT ties the embedding and the head; with pp > 1 the last stage holds its own copy.
 _GPT = dict(norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True, vocab_size=51200, dropout=0.1,
@@ -113,12 +110,9 @@ def _table(rows) -> None:
 
 
 def bench_reference() -> None:
-    if not REFERENCE.exists():
-        print(f"reference runs: {REFERENCE} not found")
-        return
     print("reference runs (calibration):")
     _table([(r["id"], r["source"], r["metric"], float(r["value"]), predicted_value(r, best_estimate(r)))
-            for r in read_rows(REFERENCE)])
+            for r in read_rows()])
 
 
 def bench_held_out() -> None:

@@ -1,5 +1,6 @@
-"""Published training runs (../shared/reference/published_runs.csv) as tetrad configs, and the
-estimator's prediction of each row's figure under that row's convention."""
+"""Published training runs (reference_runs/published_runs.csv, shipped with the package; its
+README says where each row comes from) as tetrad configs, and the estimator's prediction of each
+row's figure under that row's convention."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import cluster_of
 
 
-def read_rows(path: Path) -> list[dict]:
+REFERENCE_RUNS = Path(__file__).with_name("reference_runs") / "published_runs.csv"
+
+
+def read_rows(path: Path = REFERENCE_RUNS) -> list[dict]:
+    """The rows of a published-runs CSV, by default the package's own."""
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
 

@@ -35,6 +35,7 @@ def train_command(argv: list[str]) -> int:
     from tetrad import launch
     from tetrad.data.checks import check_data
     from tetrad.parallel.pipeline.registry import check_config as check_pipeline
+    from tetrad.train.checkpoint.preflight import check_storage
     from tetrad.train.init_from import check_init_from, model_keys
     from tetrad.train.trainer import train_on_this_rank
 
@@ -51,6 +52,7 @@ def train_command(argv: list[str]) -> int:
     validate_device(cfg, device_type)
     check_init_from(cfg)
     check_data(cfg)
+    check_storage(cfg)
     p = cfg.parallel
     if launch.in_torchrun():
         with launch.torchrun_process_group(device_type):

@@ -31,7 +31,7 @@ class Batches:
     def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [lo, hi) of the step's global batch: (inputs, labels), each [hi - lo, seq_len]
         int64, windows at random offsets (drawn for the whole batch, read for these rows)."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % 2**63)  # any seed in [0, 2**63)
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=gen)
         rows = torch.from_numpy(np.stack([self.tokens.window(s, self.seq_len + 1) for s in starts[lo:hi].tolist()]))
         low, high = int(rows.min()), int(rows.max())

@@ -64,7 +64,7 @@ class Trainer:
                              cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel,
                              split_backward=p.pp > 1 and schedule_spec(p.schedule).splits_backward)
         # Dropout differs per rank but is reproducible; weights come from the logical init.
-        torch.manual_seed(cfg.train.seed + 7919 * self.topo.rank)
+        torch.manual_seed((cfg.train.seed + 7919 * self.topo.rank) % 2**63)
         self.model = build_model(cfg, self.topo)
         set_execution(self.model, cfg.train.recompute, cfg.train.compile)
         self.params = [q for q in self.model.parameters() if q.requires_grad]

@@ -262,5 +262,8 @@ def _clear(path: Path) -> None:
 
 
 def _first_line(error: BaseException) -> str:
+    """The cause in a few words: DCP's CheckpointException carries each failed rank's exception."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {_first_line(exc)}" for rank, (exc, _) in sorted(error.failures.items()))
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"

@@ -76,7 +76,7 @@ def explicit(path: str, root: Path, model_cfg, rank: int, world: int) -> tuple[P
     chosen = resolve(path)
     manifest = verify(chosen, rank, world)
     check_model(manifest, model_cfg, chosen)
-    refuse_later(root, step_of(chosen), f"checkpoint.resume={path!r}")
+    refuse_later(root, manifest["step"], f"checkpoint.resume={path!r}")
     return chosen, manifest
 
 

@@ -2,11 +2,13 @@
 training forward is the one its decoding logits give; a checkpoint trained on `tetrad data`
 shards decodes with their tokenizer; a missing checkpoint is refused in one line."""
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import tiny_config
 from tetrad.cli import main
+from tetrad.data.tokenizer import byte_tokenizer, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import init_parameters
 from tetrad.topology import Topology
@@ -56,3 +58,14 @@ def test_missing_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "none"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tetrad generate: no checkpoint at") and "\n" not in err
+
+
+def test_the_runs_tokenizer_is_found_or_refused(tmp_path):
+    assert run_tokenizer(tmp_path, "licenses")[1] is None  # bytes
+    assert run_tokenizer(tmp_path, "licenses")[0].encode("é").ids == list("é".encode())
+    np.save(tmp_path / "ids.npy", np.arange(300, dtype=np.uint16))
+    for source, why in ((tmp_path / "moved", "is not found from here"), (tmp_path / "ids.npy", "no tokenizer.json")):
+        with pytest.raises(ValueError, match=why):
+            run_tokenizer(tmp_path, str(source))
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))  # one beside the checkpoint wins
+    assert run_tokenizer(tmp_path, str(tmp_path / "ids.npy"))[1] == tmp_path / "tokenizer.json"

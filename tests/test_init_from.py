@@ -85,7 +85,7 @@ def test_a_run_on_shards_exports_to_hf_with_its_tokenizer(tmp_path, capsys):
         torch.testing.assert_close(model(ids, torch.arange(ids.shape[1])), hf(ids).logits, atol=1e-4, rtol=1e-4)
 
     capsys.readouterr()
-    assert main(["generate", str(ckpt), "--prompt", "document", "--max-new-tokens", "5"]) == 0
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "document", "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith("document") and str(tmp_path / "shards" / "tokenizer.json") in out.err
     # And back: the HF folder's tokenizer stays beside the converted weights.

@@ -26,7 +26,7 @@ def check_data(cfg: Config) -> None:
     d, m = cfg.data, cfg.model
     for key, source in (("data.source", d.source), ("data.val_source", d.val_source)):
         if source:
-            _check_source(key, source, m.vocab_size)
+            _check_source(key, source, m.vocab_size, cfg.checkpoint.init_from)
     try:
         train, val = load_splits(d.source, d.val_source, d.val_fraction)
     except (OSError, ValueError) as e:
@@ -41,7 +41,7 @@ def check_data(cfg: Config) -> None:
             _check_ids(key, tokens, m.vocab_size)
 
 
-def _check_source(key: str, source: str, vocab_size: int) -> None:
+def _check_source(key: str, source: str, vocab_size: int, init_from: str) -> None:
     if source in CORPORA:
         return _check_bytes(key, source, vocab_size)
     path = Path(source)
@@ -49,7 +49,7 @@ def _check_source(key: str, source: str, vocab_size: int) -> None:
         raise ConfigError(f"{key}={source!r} is neither a built-in corpus ({', '.join(CORPORA)}) nor an existing "
                           "file or folder")
     if is_shard_folder(path):
-        return _check_shards(key, path, vocab_size)
+        return _check_shards(key, path, vocab_size, init_from)
     if path.is_dir():
         if not text_files(path):
             raise ConfigError(f"{key}={source!r} is a folder without .txt files (nor an index.json from `tetrad "
@@ -83,13 +83,15 @@ def _check_npy(key: str, path: Path) -> None:
                           f"array of {'/'.join(np.dtype(t).name for t in NPY_DTYPES)}")
 
 
-def _check_shards(key: str, path: Path, vocab_size: int) -> None:
+def _check_shards(key: str, path: Path, vocab_size: int, init_from: str) -> None:
+    """The index and shard sizes; the tokenizer's vocabulary is the model's (a released model's
+    may be larger: padded, under checkpoint.init_from)."""
     try:
         index = read_index(path)
         open_shards(path)
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
-    if index["vocab_size"] != vocab_size:
+    if index["vocab_size"] != vocab_size and not (init_from and vocab_size > index["vocab_size"]):
         raise ConfigError(f"{key}={str(path)!r} was tokenized with a {index['vocab_size']}-token vocabulary but "
                           f"model.vocab_size={vocab_size} (set, or the weights of checkpoint.init_from); tokenize "
                           f"with the model's tokenizer, or drop model.vocab_size (it follows the data)")

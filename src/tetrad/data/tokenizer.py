@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tetrad.data.shards import TOKENIZER, is_shard_folder
+from tetrad.data.sources import CORPORA
 
 EOS = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, tried in order when none is named.
@@ -67,10 +68,14 @@ def vocab_size(tokenizer: Tokenizer) -> int:
 
 def run_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer, Path | None]:
     """The tokenizer of a run and where it came from: the tokenizer.json beside its checkpoint
-    (or HF) `folder`, else its data's (a shard folder); bytes (None) when it trained on raw text."""
+    (or HF) `folder`, else its data's (a shard folder); bytes (None) when it trained on text.
+    ValueError when the run's data cannot tell (moved, or token ids without a tokenizer)."""
     for candidate in (folder / TOKENIZER, Path(data_source) / TOKENIZER):
         if candidate.is_file():
             return load_tokenizer(candidate), candidate
-    if is_shard_folder(Path(data_source)):
-        raise ValueError(f"{data_source} holds no {TOKENIZER}: the run's tokenizer is missing")
-    return byte_tokenizer(), None
+    path = Path(data_source)
+    if data_source in CORPORA or (path.exists() and not is_shard_folder(path) and path.suffix not in (".bin", ".npy")):
+        return byte_tokenizer(), None
+    why = "is not found from here" if not path.exists() else "holds token ids but no tokenizer.json"
+    raise ValueError(f"the run's data.source={data_source!r} {why}, so its tokenizer is unknown; run from where "
+                     f"it trained, or copy the run's tokenizer.json into {folder}")

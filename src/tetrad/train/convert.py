@@ -27,7 +27,7 @@ from tetrad.data.tokenizer import eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import spec_of
 from tetrad.topology import Topology
-from tetrad.train.checkpoint import (CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
+from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
                                      verify)
 
 # tetrad name inside layer i -> HF name inside model.layers.i
@@ -59,10 +59,17 @@ def _check_llama(m) -> None:
                           f"mlp={m.mlp!r}, pos={m.pos!r}")
 
 
+def checkpoint_folder(path: Path) -> Path:
+    """The checkpoint `path` names: a checkpoint folder, a checkpoint root (its `latest`), or a
+    run folder (its checkpoints/)."""
+    inside = path / "checkpoints"
+    return resolve(inside if inside.is_dir() and not (path / MANIFEST).exists() else path)
+
+
 def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
     """The checkpoint's config (as saved) and its logical parameters by name, read on one
     process whatever layout wrote them (integrity and shapes checked first)."""
-    path = resolve(checkpoint)
+    path = checkpoint_folder(checkpoint)
     manifest = verify(path)
     saved = path / "config.toml"
     cfg = load_config(saved if saved.is_file() else None, overrides={"model": manifest["model"]})
@@ -85,7 +92,7 @@ def to_hf(checkpoint: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_file({hf_name(k): v for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
-    write_hf_tokenizer(run_tokenizer(resolve(checkpoint), cfg.data.source)[0], out, m.seq_len)
+    write_hf_tokenizer(run_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)[0], out, m.seq_len)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
@@ -152,7 +159,8 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
 def convert_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tetrad convert", description="Convert between tetrad checkpoints and "
                                      "Hugging Face safetensors (LlamaForCausalLM), on one CPU process.")
-    parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`), or an HF dir")
+    parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
+                        "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to-hf", type=Path, metavar="OUT_DIR", help="write config.json + model.safetensors")
     direction.add_argument("--to-tetrad", type=Path, metavar="CKPT", help="write a weights-only tetrad checkpoint")

@@ -19,8 +19,8 @@ from tetrad.config import ModelConfig
 from tetrad.data.tokenizer import eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.topology import Topology
-from tetrad.train.checkpoint import CheckpointError, resolve
-from tetrad.train.convert import read_weights
+from tetrad.train.checkpoint import CheckpointError
+from tetrad.train.convert import checkpoint_folder, read_weights
 
 
 def single_process_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
@@ -78,7 +78,7 @@ def continuation_loss(model: Transformer, prompt: list[int], continuation: list[
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tetrad generate", description="Sample text from a checkpoint, on one "
                                      "process, with a KV cache and the run's tokenizer.")
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, or a checkpoint dir with `latest`")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, a checkpoint dir with `latest`, or a run dir")
     parser.add_argument("--prompt", default="", help="text to continue (default: nothing but the first token)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -89,8 +89,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise ValueError("need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
     if not args.checkpoint.exists():
-        raise ValueError(f"no checkpoint at {args.checkpoint}; pass a checkpoint folder (RUN_DIR/checkpoints, "
-                         "or one of its step_N folders)")
+        raise ValueError(f"no checkpoint at {args.checkpoint}; pass a run folder, its checkpoints/ folder, or one "
+                         "of its step_N folders")
     return args
 
 
@@ -98,7 +98,7 @@ def generate_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
         cfg, state = read_weights(args.checkpoint)
-        tokenizer, source = run_tokenizer(resolve(args.checkpoint), cfg.data.source)
+        tokenizer, source = run_tokenizer(checkpoint_folder(args.checkpoint), cfg.data.source)
         try:
             eos = eos_id(tokenizer)
         except ValueError:

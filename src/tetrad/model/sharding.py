@@ -104,11 +104,18 @@ def init_parameters(model: nn.Module, seed: int, weights: Callable[[str], torch.
     `weights(name)`, weights a run starts from), one parameter at a time, so a model too large
     for one device is never materialised whole."""
     for name, param in model.named_parameters():
-        spec, index, parts = spec_of(param)
-        full = logical_init(name, spec, seed) if weights is None else weights(name)
-        if tuple(full.shape) != tuple(spec.full_shape):
-            raise ValueError(f"the starting weights' {name} is {tuple(full.shape)}, the model's {spec.full_shape}")
-        param.copy_(shard_of(full, spec, index, parts))
+        param.copy_(initial_value(name, param, seed, weights))
+
+
+def initial_value(name: str, param: torch.Tensor, seed: int,
+                  weights: Callable[[str], torch.Tensor] | None = None) -> torch.Tensor:
+    """This rank's (tp) shard of parameter `name`'s logical initial tensor, or of `weights(name)`
+    (weights a run starts from), on the CPU."""
+    spec, index, parts = spec_of(param)
+    full = logical_init(name, spec, seed) if weights is None else weights(name)
+    if tuple(full.shape) != tuple(spec.full_shape):
+        raise ValueError(f"the starting weights' {name} is {tuple(full.shape)}, the model's {spec.full_shape}")
+    return shard_of(full, spec, index, parts)
 
 
 @torch.no_grad()

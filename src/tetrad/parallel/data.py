@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -136,11 +137,14 @@ class GradReducer:
     """Owns the flat gradient (and, under ZeRO, parameter) buffers of `params` and their reduction
     over dp x cp. `model` is needed for ZeRO-3 (its blocks get the gather hooks). `dtype` is the
     model's (parameter and compute) dtype; the parameters are cast to it here, after their fp32
-    values seeded the master weights. `offload` keeps masters and optimizer state on the CPU."""
+    values seeded the master weights. `offload` keeps masters and optimizer state on the CPU.
+    `init` (ZeRO-3 start-up): the parameters come without memory and `init(name, param)` gives
+    one's initial value; each rank builds its shard from it, one parameter at a time."""
 
     def __init__(self, params: list[nn.Parameter], topo, parallel=None, model: nn.Module | None = None, *,
-                 dtype: torch.dtype = torch.float32, offload: bool = False):
-        self.params, self.topo = params, topo
+                 dtype: torch.dtype = torch.float32, offload: bool = False,
+                 init: Callable[[str, nn.Parameter], torch.Tensor] | None = None):
+        self.params, self.topo, self._init = params, topo, init
         self._names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
         self.dtype, self.offload = dtype, offload
         self.zero = parallel.zero if parallel else 0
@@ -197,23 +201,37 @@ class GradReducer:
     @torch.no_grad()
     def _flatten_params(self) -> None:
         """Make every parameter a view of its bucket's flat buffer (in the model dtype), take the
-        fp32 masters from the initial values; ZeRO-3 keeps only the shard."""
+        fp32 masters from the initial values; ZeRO-3 keeps only the shard (and, given `init`,
+        never holds more of the bucket than one parameter's initial value)."""
         for bucket in self.buckets:
-            full = torch.zeros(bucket.padded, dtype=torch.float32, device=self.topo.device)
-            for i, p in enumerate(bucket.params):
-                bucket.view(full, i).copy_(p)
-            flat = full.to(self.dtype)  # the same tensor in fp32
+            lo, hi = self.owned_range(bucket)
+            if self._init is not None:
+                owned = self._initial_shard(bucket, lo, hi)
+                flat = torch.empty(bucket.padded, dtype=self.dtype, device=self.topo.device)
+            else:
+                full = torch.zeros(bucket.padded, dtype=torch.float32, device=self.topo.device)
+                for i, p in enumerate(bucket.params):
+                    bucket.view(full, i).copy_(p)
+                flat = full.to(self.dtype)  # the same tensor in fp32
+                owned = full[lo:hi]
             for i, p in enumerate(bucket.params):
                 p.data = bucket.view(flat, i)
             self.flat.append(flat)
-            lo, hi = self.owned_range(bucket)
             if self.separate_masters:
-                self.masters.append(full[lo:hi].to("cpu" if self.offload else full.device, copy=True))
+                self.masters.append(owned.to("cpu" if self.offload else owned.device, copy=True))
             if self.zero == 3:
-                self.shards.append(flat[lo:hi].clone())
+                self.shards.append(owned.to(self.dtype, copy=True))
                 flat.untyped_storage().resize_(0)
             if not self.separate_masters:
                 self.masters.append(self._owned_params(len(self.flat) - 1))
+
+    def _initial_shard(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
+        """[lo, hi) of the bucket in fp32 from its parameters' initial values (padding zero)."""
+        owned = torch.zeros(hi - lo, dtype=torch.float32, device=self.topo.device)
+        for i, a, b in bucket.pieces(lo, hi):
+            p, start = bucket.params[i], bucket.offsets[i]
+            owned[a - lo:b - lo] = self._init(self._names[id(p)], p).reshape(-1)[a - start:b - start]
+        return owned
 
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
         """The part of the bucket (bucket coordinates) this rank's optimizer updates."""

@@ -8,6 +8,7 @@ over dp x cp, clipping by the true global norm, the AdamW update, metrics on ran
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import torch
 from tetrad import device as devices
 from tetrad.config import Config, profile_steps
 from tetrad.model.llama import set_execution
-from tetrad.model.sharding import full_state_dict, init_parameters, set_spec, spec_of
+from tetrad.model.sharding import full_state_dict, init_parameters, initial_value, set_spec, spec_of
 from tetrad.model.tensor import DropoutGenerators
 from tetrad.parallel.context import shard_sequence
 from tetrad.parallel.data import GradReducer
@@ -39,19 +40,38 @@ from tetrad.train.precision import LossScaler, model_dtype
 from tetrad.train.stopping import StopSignals
 
 
-def build_model(cfg: Config, topo: Topology) -> PipelineStages:
-    """This rank's model chunks, built on the meta device and materialised one parameter at a
-    time (the logical init, or `checkpoint.init_from`'s weights), so a model larger than one
-    device's memory never exists whole."""
+def build_model(cfg: Config, topo: Topology, materialise: bool = True) -> PipelineStages:
+    """This rank's model chunks, built on the meta device, then given device memory and their
+    shard of the initial weights (the logical init, or `checkpoint.init_from`'s weights), one
+    parameter at a time. Without `materialise` (ZeRO-3's start-up) parameters get no memory and
+    no values here: GradReducer's `init` builds only this rank's ZeRO shard of the same weights,
+    so the whole local model never exists at once."""
     with torch.device("meta"):
         model = PipelineStages(cfg, topo)
     specs = {name: spec_of(p) for name, p in model.named_parameters()}
-    model.to_empty(device=topo.device)  # makes new Parameter objects: re-attach their specs
+    if materialise:
+        model.to_empty(device=topo.device)  # makes new Parameter objects: re-attach their specs
+    else:
+        model._apply(lambda t: _without_storage(t, topo.device))  # to_empty, one tensor alive at a time
     for name, p in model.named_parameters():
         set_spec(p, *specs[name])
-    init_from = cfg.checkpoint.init_from
-    init_parameters(model, cfg.train.seed, initial_weights(init_from) if init_from else None)
+    if materialise:
+        init_parameters(model, cfg.train.seed, starting_weights(cfg))
     return model
+
+
+def starting_weights(cfg: Config):
+    """`weights(name)` of `checkpoint.init_from`, or None: the logical init."""
+    init_from = cfg.checkpoint.init_from
+    return initial_weights(init_from) if init_from else None
+
+
+def _without_storage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor of t's shape and dtype on `device` whose memory is already released (ZeRO-3
+    points it into its gathered buffer later)."""
+    out = torch.empty_like(t, device=device)
+    out.untyped_storage().resize_(0)
+    return out
 
 
 class Trainer:
@@ -65,13 +85,16 @@ class Trainer:
                              split_backward=p.pp > 1 and schedule_spec(p.schedule).splits_backward)
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed((cfg.train.seed + 7919 * self.topo.rank) % 2**63)
-        self.model = build_model(cfg, self.topo)
+        self.model = build_model(cfg, self.topo, materialise=p.zero != 3)
         set_execution(self.model, cfg.train.recompute, cfg.train.compile)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         dtype = model_dtype(cfg.train.dtype)
         # Buckets, ZeRO; casts the parameters to `dtype` behind fp32 master weights.
+        # ZeRO-3: each rank builds only its shard of the initial weights (build_model gave them no memory).
+        shard_init = functools.partial(initial_value, seed=cfg.train.seed, weights=starting_weights(cfg)) \
+            if p.zero == 3 else None
         self.grads = GradReducer(self.params, self.topo, cfg.parallel, self.model, dtype=dtype,
-                                 offload=cfg.train.offload_optimizer)
+                                 offload=cfg.train.offload_optimizer, init=shard_init)
         self.optimizer = self.grads.build_optimizer(cfg.train)
         self.scaler = LossScaler(enabled=cfg.train.dtype == "fp16")
         self.activations = ActivationMeter()

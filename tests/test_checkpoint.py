@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from conftest import run_ranks, tiny_config, train_layout
+from conftest import grad_norms, run_ranks, tiny_config, train_layout
 from tetrad.launch import RankFailure
 from tetrad.train.checkpoint import CheckpointError, Checkpointer, SafeReader, resolve
 from tetrad.train.trainer import Trainer
@@ -172,7 +172,7 @@ def test_reshard_and_continue(source, target):
     source, target = ({k: v for k, v in d.items() if k != "tie"} for d in (source, target))
     model, train = {"vocab_size": 251, "tie_embeddings": tie}, {"steps": STEPS, "micro_batch": 1}
     src = tiny_config(parallel=source, model=model, train=train, checkpoint={"every": 3})
-    ref_losses, ref_state, _ = train_layout(src)
+    ref_losses, ref_state, ref_history = train_layout(src)
     saved = Path(src.run.dir) / "checkpoints"
 
     # Loading the final checkpoint under the target layout gives the saved parameters bitwise.
@@ -184,8 +184,9 @@ def test_reshard_and_continue(source, target):
     # Continuing from step 3 under the target layout follows the uninterrupted run. fp32; the only
     # difference is the order of the tp / dp sums (~1e-7 relative per step, as in test_dp).
     tgt = tiny_config(parallel=target, model=model, train=train, checkpoint={"resume": str(saved / "step_00000003")})
-    losses, state, _ = train_layout(tgt)
+    losses, state, history = train_layout(tgt)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_norms(history), grad_norms(ref_history)[3:], rtol=1e-4, atol=0)  # as assert_parity
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-5, msg=name)
 

@@ -51,3 +51,55 @@ def test_logits_match_hf_llama(kv_heads, tied):
     # enough for summation-order differences and tight enough to catch any real mismatch.
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     assert ours.abs().max() > 1e-3  # a non-trivial comparison
+
+
+def hf_gpt2_from(model: Transformer, cfg) -> "transformers.GPT2LMHeadModel":
+    """HF's GPT-2 holding tetrad's GPT-variant weights. GPT-2's Conv1D stores weights as
+    [in, out] (ours [out, in]) and fuses q, k, v into c_attn; its linear biases, which tetrad's
+    GPT variant has not, are zero; gelu_new is GELU's tanh form, the one tetrad uses."""
+    hf_cfg = transformers.GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
+        n_head=cfg.n_heads, n_inner=cfg.ffn_hidden, activation_function="gelu_new",
+        layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    ours = {name: p.detach() for name, p in model.named_parameters()}
+    state = {"transformer.wte.weight": ours["embed.weight"], "transformer.wpe.weight": ours["pos_embed"],
+             "transformer.ln_f.weight": ours["norm.weight"], "transformer.ln_f.bias": ours["norm.bias"]}
+    if not cfg.tie_embeddings:
+        state["lm_head.weight"] = ours["head.weight"]
+    for i in range(cfg.n_layers):
+        layer, hf_layer = f"layers.{i}.", f"transformer.h.{i}."
+        qkv = torch.cat([ours[layer + f"attn.{w}.weight"] for w in ("wq", "wk", "wv")])
+        linears = {"attn.c_attn": qkv, "attn.c_proj": ours[layer + "attn.wo.weight"],
+                   "mlp.c_fc": ours[layer + "mlp.w1.weight"], "mlp.c_proj": ours[layer + "mlp.w2.weight"]}
+        for hf_name, weight in linears.items():
+            state[hf_layer + hf_name + ".weight"] = weight.t()
+            state[hf_layer + hf_name + ".bias"] = torch.zeros(weight.shape[0])
+        for ours_name, hf_name in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+            for kind in ("weight", "bias"):
+                state[hf_layer + f"{hf_name}.{kind}"] = ours[layer + f"{ours_name}.{kind}"]
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all(cfg.tie_embeddings and m == "lm_head.weight" for m in missing), (missing, unexpected)
+    if cfg.tie_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gpt_variant_logits_match_hf_gpt2(tied):
+    cfg = load_config(overrides={"model": {"norm": "layernorm", "mlp": "gelu", "pos": "learned", "n_heads": 4,
+                                           "n_kv_heads": 4, "tie_embeddings": tied, "n_layers": 2, "seq_len": 32}}).model
+    model = Transformer(cfg, Topology.single())
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # O(1) activations (GELU's tanh form differs from erf's there) and norms
+        for name, p in model.named_parameters():  # away from (1, 0), so every mapping error shows
+            mean = 1.0 if "norm.weight" in name else 0.0
+            p.normal_(mean, 0.2 if p.ndim == 1 else p.shape[-1] ** -0.5, generator=g)
+    hf = hf_gpt2_from(model, cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens, torch.arange(cfg.seq_len))
+        theirs = hf(tokens).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)  # fp32, as for Llama above
+    assert ours.abs().max() > 1e-3  # a non-trivial comparison

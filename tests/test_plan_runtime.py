@@ -35,12 +35,13 @@ def _peak(cfg):
     return Trainer(cfg, torch.device("cpu")).fit()[-1]["peak_memory_gib"]
 
 
-# tp=2 with SP measures 333-365 MiB against 301 predicted (+11 to +21%, run to run), while its
-# counted tensors agree within 2% (test below): the extra is glibc's heap retention (with a fixed
-# mmap threshold the rank measures 266 MiB; docs/planner.md). Known gap, not asserted.
-TP_GAP = pytest.mark.xfail(strict=False, reason="known gap: +11 to +21% resident set, tensors agree")
-MEMORY_LAYOUTS = [{"dp": 2}, {"cp": 2}, pytest.param({"tp": 2, "sequence_parallel": True}, marks=TP_GAP),
-                  {"pp": 2}]
+MEMORY_LAYOUTS = [{"dp": 2}, {"cp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2}]
+# tp=2 with SP measures 333-365 MiB against 301 predicted (+11 to +21%, run to run; 353 on
+# 2026-12-03 17:19) while its counted tensors agree within 2% (test below): the extra is glibc's
+# heap keeping freed blocks (with a fixed mmap threshold the rank measures 266 MiB;
+# docs/planner.md), which only adds to the resident set. Bound: the others' 15% below, and above
+# the retention seen plus a margin: +25%.
+RETENTION_ABOVE = {"tp2-sequence_parallelTrue": 0.25}
 
 
 # One micro-batch per step: with gradient accumulation glibc keeps the first micro-batch's freed
@@ -55,7 +56,11 @@ def test_cpu_memory_estimate_within_15_percent(parallel):
     measured = max(run_ranks(_peak, cfg.parallel.world_size, cfg, spawn=True))
     predicted = estimate(cfg, load_cluster("cpu")).peak_memory_gib
     print(f"predicted {1024 * predicted:.0f} MiB, measured {1024 * measured:.0f} MiB")
-    assert predicted == pytest.approx(measured, rel=0.15), (predicted, measured)
+    above = RETENTION_ABOVE.get(_name(parallel))
+    if above is None:
+        assert predicted == pytest.approx(measured, rel=0.15), (predicted, measured)
+    else:
+        assert 0.85 * predicted <= measured <= (1 + above) * predicted, (predicted, measured)
 
 
 def _counted(cfg):

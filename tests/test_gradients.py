@@ -1,0 +1,51 @@
+"""The parity net itself: gradients compared directly, and a deliberately wrong gradient scale
+(summed over dp instead of averaged) that the loss and parameter checks alone let through."""
+
+import pytest
+import torch
+
+from conftest import assert_parity, first_step_gradients, grad_norms, tiny_config, train_layout
+from tetrad.train.trainer import Trainer
+
+pytestmark = pytest.mark.dist
+
+# First-step gradients only differ in the order of their sums (ranks, micro-batches, tp pieces,
+# sequence chunks): ~1e-7 relative of each gradient's scale.
+LAYOUTS = [{"dp": 2}, {"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"pp": 2},
+           {"dp": 2, "pp": 2, "tp": 2}]
+MODEL = {"n_kv_heads": 4, "tie_embeddings": True, "vocab_size": 258}  # tp's replicated and tied sums
+
+
+@pytest.fixture(scope="module")
+def reference_gradients():
+    return first_step_gradients(tiny_config(model=MODEL))
+
+
+@pytest.mark.parametrize("parallel", LAYOUTS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def test_reduced_gradients_match_single_process(reference_gradients, parallel):
+    grads = first_step_gradients(tiny_config(model=MODEL, parallel=parallel))
+    assert grads.keys() == reference_gradients.keys()
+    for name, ref in reference_gradients.items():
+        scale = float(ref.abs().max())
+        assert scale > 0, name  # every parameter gets a gradient: the comparison is not vacuous
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+class SummingTrainer(Trainer):
+    """The bug the norm check is for: each dp rank normalises its loss by its own tokens, so the
+    dp all-reduce sums dp per-rank means: the gradient is dp times the true one, every step."""
+
+    def forward_backward(self, microbatches, grad_scale: float = 1.0):
+        return super().forward_backward(microbatches, grad_scale * self.cfg.parallel.dp)
+
+
+def test_a_doubled_dp_gradient_fails_parity():
+    ref = train_layout(tiny_config())
+    got = train_layout(tiny_config(parallel={"dp": 2}), trainer_class=SummingTrainer)
+    torch.testing.assert_close(grad_norms(got[2]), 2 * grad_norms(ref[2]), rtol=1e-5, atol=0)
+    # The losses and final parameters alone cannot tell (clipping and AdamW cancel the factor).
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-5, atol=1e-6)
+    for name in ref[1]:
+        torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-4, atol=1e-5, msg=name)
+    with pytest.raises(AssertionError, match="grad_norm"):
+        assert_parity(got, ref)

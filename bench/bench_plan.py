@@ -21,7 +21,8 @@ import time
 from tetrad.config import load_config
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import cluster_of
-from tetrad.plan.reference import best_estimate, predicted_value, read_rows
+from tetrad.plan.reference import (agreement, best_estimate, format_agreement, predicted_value, ranking_group,
+                                   read_rows)
 
 # Megatron's GPT ties the embedding and the head; with pp > 1 the last stage holds its own copy.
 _GPT = dict(norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True, vocab_size=51200, dropout=0.1,
@@ -101,17 +102,19 @@ def bench_plan() -> None:
 
 
 def _table(rows) -> None:
-    errors = []
-    for name, source, metric, published, predicted in rows:
-        errors.append(abs(predicted / published - 1))
+    """rows: (run, source, ranking group, metric, published, predicted); then MAPE and Kendall's
+    tau per source (reference.agreement)."""
+    for name, source, _, metric, published, predicted in rows:
         error = 100 * (predicted / published - 1)
         print(f"  {name:<18}{metric:<22}{published:>10.4g}{predicted:>10.4g}{error:>+8.1f}%  {source}")
-    print(f"  mean absolute percentage error {100 * sum(errors) / len(errors):.1f}% over {len(errors)} runs")
+    summary = agreement([(source.split(",")[0], group, published, predicted)  # per paper, not per table
+                         for _, source, group, _, published, predicted in rows])
+    print("  " + format_agreement(summary).replace("\n", "\n  "))
 
 
 def bench_reference() -> None:
     print("reference runs (calibration):")
-    _table([(r["id"], r["source"], r["metric"], float(r["value"]), predicted_value(r, best_estimate(r)))
+    _table([(r["id"], r["source"], ranking_group(r), r["metric"], float(r["value"]), predicted_value(r, best_estimate(r)))
             for r in read_rows()])
 
 
@@ -122,7 +125,9 @@ def bench_held_out() -> None:
         cfg = load_config(overrides={"model": {"preset": "tiny", **model}, "parallel": parallel,
                                      "train": {"dtype": "bf16", **train}}, runtime=False)
         est = estimate(cfg, cluster_of(gpu, gpus), stack)
-        rows.append((name, source, metric, value, est.mfu if metric == "mfu" else est.tokens_per_s / gpus))
+        group = f"{model['n_layers']}x{model['d_model']}/{gpus}x{gpu}/{metric}"  # one model on one cluster
+        rows.append((name, source, group, metric, value,
+                     est.mfu if metric == "mfu" else est.tokens_per_s / gpus))
     _table(rows)
 
 

@@ -16,6 +16,7 @@ from tetrad.config import Config, ConfigError, load_config
 from tetrad.parallel.pipeline.registry import check_config
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, HardwareError, load_cluster
+from tetrad.plan.reference import CALIBRATION_MAPE
 from tetrad.plan.search import Plan, plan
 from tetrad.plan.stacks import STACKS
 
@@ -155,12 +156,30 @@ def _plan_text(result: Plan, base: Config, cluster: Cluster) -> str:
         lines.append("NO LAYOUT FITS IN MEMORY. The closest:")
     lines += [HEADER] + [_row(e) for e in result.ranked]
     if result.ranked:
-        lines += ["", "why the best wins:", describe(result.ranked[0])]
+        lines += ["", _confidence(result.ranked), "", "why the best wins:", describe(result.ranked[0])]
     if result.rejected:
         lines += ["", "faster on compute alone, but out of memory:"]
         lines += [f"  {_layout(e)}: {e.peak_memory_gib:.1f} GiB > {e.usable_gib:.1f} usable "
                   f"(activations {e.memory.gib()['activations']:.1f}, model states "
                   f"{sum(e.memory.gib()[k] for k in ('weights', 'grads', 'optimizer')):.1f})" for e in result.rejected]
+    return "\n".join(lines)
+
+
+def _confidence(ranked: list[Estimate]) -> str:
+    """Each layout's step time with the spread the calibration error implies, and which layouts
+    the model cannot tell from the best (their spreads overlap)."""
+    err = CALIBRATION_MAPE
+    best = ranked[0].step_time_s
+    lines = [f"predicted step time +- {100 * err:.1f}% (the model's mean error on the published runs it was "
+             f"checked against, docs/planner.md):"]
+    lines += [f"  #{i + 1:<3}{e.step_time_s:9.3f} s  [{e.step_time_s * (1 - err):.3f}, {e.step_time_s * (1 + err):.3f}]"
+              for i, e in enumerate(ranked)]
+    close = [i + 1 for i, e in enumerate(ranked[1:], 1) if e.step_time_s * (1 - err) <= best * (1 + err)]
+    if close:
+        lines.append(f"  #{', #'.join(map(str, close))} within that spread of #1: the model cannot order them; "
+                     "time the first steps of each")
+    else:
+        lines.append("  #1 is ahead of the others by more than that spread")
     return "\n".join(lines)
 
 

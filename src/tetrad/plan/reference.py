@@ -18,6 +18,12 @@ from tetrad.plan.hardware import cluster_of
 REFERENCE_RUNS = Path(__file__).with_name("reference_runs") / "published_runs.csv"
 
 
+# The model's mean absolute percentage error over every run of the reference file, as
+# tests/test_plan.py prints it (a test keeps this figure within half a point of that): the spread
+# `tetrad plan` puts around each prediction.
+CALIBRATION_MAPE = 0.058
+
+
 def read_rows(path: Path = REFERENCE_RUNS) -> list[dict]:
     """The rows of a published-runs CSV, by default the package's own."""
     with open(path, newline="") as f:
@@ -99,3 +105,48 @@ def predicted_value(row: dict, est: Estimate) -> float:
     if metric == "bubble_fraction":
         return est.bubble_fraction
     raise ValueError(f"unknown metric {metric!r}")
+
+
+# ----------------------------------------------------------------------------- agreement
+
+def kendall_tau(published: list[float], predicted: list[float]) -> float | None:
+    """Rank agreement of two orderings of the same runs: (concordant - discordant pairs) / pairs,
+    1 when the planner orders them as measured, -1 when reversed; None with fewer than 2 runs."""
+    pairs = [(i, j) for i in range(len(published)) for j in range(i + 1, len(published))]
+    if not pairs:
+        return None
+    signs = [(published[i] - published[j]) * (predicted[i] - predicted[j]) for i, j in pairs]
+    return sum((s > 0) - (s < 0) for s in signs) / len(pairs)
+
+
+def agreement(results: list[tuple[str, str, float, float]]) -> dict[str, dict]:
+    """Per source (and "all"): MAPE over its runs and Kendall's tau over the pairs the ranking
+    question is about, runs of one source on one model and cluster (`group`), pooled over groups.
+    `results` are (source, group, published, predicted)."""
+    out: dict[str, dict] = {}
+    for source in sorted({r[0] for r in results}) + ["all"]:
+        mine = [r for r in results if source in ("all", r[0])]
+        net = pairs = 0  # concordant minus discordant pairs, pairs
+        for group in {(r[0], r[1]) for r in mine}:
+            runs = [r for r in mine if (r[0], r[1]) == group]
+            tau = kendall_tau([r[2] for r in runs], [r[3] for r in runs])
+            if tau is not None:
+                n = len(runs) * (len(runs) - 1) // 2
+                net, pairs = net + tau * n, pairs + n
+        mape = 100 * sum(abs(r[3] / r[2] - 1) for r in mine) / len(mine)
+        out[source] = {"runs": len(mine), "mape": mape, "pairs": pairs, "tau": net / pairs if pairs else None}
+    return out
+
+
+def ranking_group(row: dict) -> str:
+    """What a source's runs must share to be ranked against each other: the model, the GPUs and
+    their number, and the metric."""
+    return f"{row['model']}/{row['gpus']}x{row['gpu']}/{row['metric']}"
+
+
+def format_agreement(summary: dict[str, dict]) -> str:
+    lines = [f"{'source':<28}{'runs':>5}{'MAPE':>8}{'pairs':>7}{'tau':>7}"]
+    for source, s in summary.items():
+        tau = "-" if s["tau"] is None else f"{s['tau']:+.2f}"
+        lines.append(f"{source:<28}{s['runs']:>5}{s['mape']:>7.1f}%{s['pairs']:>7}{tau:>7}")
+    return "\n".join(lines)

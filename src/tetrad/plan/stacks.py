@@ -64,7 +64,23 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # fp16 gradients all-reduced as they are, scatter/gather pipeline sends.
     Stack("megatron-2021", flash_attention=False, tp_overlap="none", dp_overlap=False, pp_scatter_gather=True,
           pp_blocking_p2p=True, grad_reduce_bytes=2, fused_grad_accumulation=False),
+    # PyTorch FSDP without torch.compile (FSDP1 FullyShardedDataParallel or FSDP2 fully_shard over an
+    # eager model, e.g. llama-recipes, HF Trainer/accelerate): eager element-wise kernels and
+    # autograd's saved tensors as tetrad's own; gradients reduce-scattered per bucket (one per
+    # wrapped block) as backward produces them, in fp32 (MixedPrecision reduce_dtype); TP, where
+    # used, is DTensor's, with no asynchronous overlap. Source: Zhao et al. 2023, "PyTorch FSDP"
+    # (arXiv 2304.11277), sections 3.3-3.4 (backward prefetch, rate limiter, reduce-scatter per unit).
+    Stack("fsdp", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
+          sp_saves_gathered_input=True, tp_overlap="none"),
+    # DeepSpeed ZeRO 1-3 over an eager model (Megatron-DeepSpeed, HF + DeepSpeed): eager kernels;
+    # gradients reduced in the model's 16-bit dtype (`communication_data_type` defaults to it) and
+    # reduce-scattered (`reduce_scatter: true`); its pipeline engine blocks on each send/receive.
+    # Sources: DeepSpeed config documentation (deepspeed.ai/docs/config-json, ZeRO section);
+    # Rajbhandari et al. 2020 (arXiv 1910.02054) section 7 for ZeRO-3's per-layer gathers.
+    Stack("deepspeed", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
+          tp_overlap="none", pp_blocking_p2p=True, grad_reduce_bytes=2),
 ]}
+STACKS["torchtitan"] = STACKS["compiled"]  # the name users know it by
 
 
 def load_stack(name: str) -> Stack:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -255,11 +256,85 @@ def test_plan_states_its_spread_and_the_layouts_it_cannot_order(capsys):
     assert verdict in text
 
 
-def test_plan_with_nothing_fitting_shows_the_closest(capsys):
-    assert main(["plan", "--model", "llama3-405b", "--cluster", "dgx-h100", "--global-batch", "8", "--top", "2",
-                 "--dtype", "bf16"]) == 1
+def test_plan_with_nothing_fitting_says_why_and_fails(capsys, tmp_path):
+    args = ["plan", "--model", "llama3-405b", "--cluster", "dgx-h100", "--global-batch", "8", "--top", "2"]
+    assert main(args + ["--write", str(tmp_path / "x.toml")]) == 1
     text = capsys.readouterr().out
-    assert "NO LAYOUT FITS" in text and "DOES NOT FIT" in text
+    assert "NO LAYOUT FITS" in text and "why the best wins" not in text
+    assert "no layout fits in memory: the closest layout needs" in text
+    assert "the model states alone do not fit even sharded over the 8 GPUs" in text
+    assert not (tmp_path / "x.toml").exists()
+    assert main(args + ["--json"]) == 1
+    out = capsys.readouterr()
+    assert all(not r["fits"] for r in json.loads(out.out)) and "no layout fits in memory" in out.err
+
+
+def test_plan_defaults_to_bf16_unless_the_config_says(tmp_path, capsys):
+    args = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "16", "--top", "1", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)[0]["train"]["dtype"] == "bf16"
+    cfg = tmp_path / "fp32.toml"
+    cfg.write_text('[model]\npreset = "llama3-8b"\nn_layers = 4\n[train]\ndtype = "fp32"\n')
+    assert main(["plan", str(cfg), "--cluster", "dgx-h100", "--global-batch", "16", "--top", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["train"]["dtype"] == "fp32"
+
+
+def test_plan_write_sizes_the_training_to_the_model(tmp_path, capsys):
+    from tetrad.model.flops import parameter_count
+    from tetrad.plan.recipe import GPT3_LEARNING_RATES, learning_rate
+
+    assert [learning_rate(n) for n, _ in GPT3_LEARNING_RATES] == pytest.approx([lr for _, lr in GPT3_LEARNING_RATES])
+    out = tmp_path / "best.toml"
+    args = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "16", "--top", "1",
+            "--write", str(out)]
+    assert main(args) == 0
+    written, printed = out.read_text(), capsys.readouterr().out
+    cfg = load_config(out)
+    params = parameter_count(cfg.model)
+    assert cfg.train.lr == pytest.approx(1.1e-4)  # between GPT-3's 6.7B (1.2e-4) and 13B (1.0e-4)
+    assert cfg.train.steps == -(-20 * params // (16 * 8192))  # 20 tokens per parameter
+    assert cfg.data.source == "data/tokens" and cfg.train.dtype == "bf16"
+    for stated in ("train.lr = 0.00011: GPT-3's learning rate", "train.steps = ", "train.warmup = ", "data.source = "):
+        assert f"#   {stated}" in written and stated in printed
+    assert main(args + ["--train.lr=2e-4", "--data.source=licenses"]) == 0  # what the user set stays
+    cfg = load_config(out)
+    assert cfg.train.lr == 2e-4 and cfg.data.source == "licenses" and "train.lr =" not in out.read_text()
+
+
+def test_plan_table_columns_line_up(capsys):
+    assert main(["plan", "--model", "llama3-70b", "--cluster", "h100x1024", "--global-batch", "1024", "--top", "6"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("layout "))
+    rows = lines[start:start + 7]
+    assert len({len(r) for r in rows}) == 1  # every row as wide as the header
+    # Where each cell ends (a non-space followed by two spaces or the line's end): after the
+    # left-aligned layout, the seven right-aligned columns end where their headers do.
+    ends = [[m.start() for m in re.finditer(r"(?<=\S)(?:  |$)", r)][1:] for r in rows]
+    assert all(len(e) == 7 and e == ends[0] for e in ends), rows
+    assert len({len(r.split("  ")[0]) for r in rows}) > 1  # layouts of several widths, so the check bites
+
+
+def test_plan_plot_is_readable():
+    """Fitting layouts on their own scale (the out-of-memory ones beside them), plain tick labels,
+    the best ones named."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from tetrad.plan.plot import plan_figure, short_label
+
+    cluster = load_cluster("dgx-h100")
+    base = _cfg(model={"preset": "llama3-8b"}, train={"global_batch": 64, "micro_batch": 1, "dtype": "bf16"})
+    result = plan(base, cluster, top=5)
+    fig = plan_figure(result, cluster, "test")
+    FigureCanvasAgg(fig).draw()
+    main_ax, side = fig.axes
+    usable = result.ranked[0].usable_gib
+    assert max(m for m, _, _ in result.points) > 4 * usable  # candidates far out of memory exist...
+    assert main_ax.get_xlim()[1] < 1.1 * usable  # ...and do not squeeze the main panel
+    assert side.get_xlim()[0] >= usable and "out of memory" in side.get_title()
+    labels = [t.get_text() for ax in (main_ax, side) for t in ax.get_xticklabels() + ax.get_yticklabels()]
+    assert labels and not any(c in label for label in labels for c in "^$×e"), labels
+    texts = [t.get_text() for t in main_ax.texts]
+    assert any(short_label(result.ranked[0].cfg) in t for t in texts)
 
 
 def test_comm_bytes_follow_tetrad_comm_convention():

@@ -12,53 +12,20 @@ import json
 import sys
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 from tetrad.config import Config, ConfigError, load_config
 from tetrad.parallel.pipeline.registry import check_config
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, HardwareError, load_cluster
-from tetrad.plan.reference import CALIBRATION_MAPE
-from tetrad.plan.search import Plan, plan
+from tetrad.plan.plot import plan_figure
+from tetrad.plan.recipe import sized_training
+from tetrad.plan.search import plan
 from tetrad.plan.stacks import STACKS
-
-
-def _layout(e: Estimate) -> str:
-    p, t = e.cfg.parallel, e.cfg.train
-    cp = f" cp={p.cp}{'' if p.cp == 1 else '/' + p.cp_algo}"
-    sched = p.schedule + (f" vpp={p.vpp}" if p.vpp > 1 else "")
-    return (f"tp={p.tp} pp={p.pp}{cp} dp={p.dp} zero={p.zero} {sched} mb={t.micro_batch} "
-            f"recompute={t.recompute}")
-
-
-def _row(e: Estimate) -> str:
-    b = e.breakdown
-    comm = sum(v for k, v in b.items() if k.endswith("_comm")) / e.step_time_s
-    fit = "" if e.fits else "  DOES NOT FIT"
-    return (f"{_layout(e):<64} {e.step_time_s:9.3f} s {e.tokens_per_s / e.cfg.parallel.world_size:9,.0f} "
-            f"{100 * e.mfu:5.1f}% {e.peak_memory_gib:7.1f} GiB  bubble {100 * e.bubble_fraction:4.1f}%  "
-            f"comm {100 * comm:4.1f}%{fit}")
-
-
-HEADER = f"{'layout':<64} {'step':>11} {'tok/s/GPU':>9} {'MFU':>6} {'memory':>11}"
-
-
-def describe(e: Estimate) -> str:
-    """The readable report of one estimate: time, memory and utilisation broken down."""
-    lines = [_layout(e), "",
-             f"  step time      {e.step_time_s:.4f} s    tokens/s {e.tokens_per_s:,.0f} "
-             f"({e.tokens_per_s / e.cfg.parallel.world_size:,.0f} per GPU)",
-             f"  MFU / HFU      {100 * e.mfu:.1f}% / {100 * e.hfu:.1f}%    model TFLOP/s per GPU "
-             f"{e.model_tflops_per_gpu:.1f}",
-             f"  bubble         {100 * e.bubble_fraction:.1f}% of pipeline rank-time", "",
-             "  time per step, busiest pipeline rank (exposed parts only):"]
-    lines += [f"    {k:<18} {v:10.4f} s  {100 * v / e.step_time_s:5.1f}%" for k, v in e.breakdown.items()]
-    verdict = "fits" if e.fits else "DOES NOT FIT"
-    lines += ["", f"  memory per GPU, worst pipeline rank: {e.peak_memory_gib:.2f} GiB of {e.usable_gib:.1f} usable "
-                  f"({e.hbm_gib:.1f} GiB) -> {verdict}"]
-    lines += [f"    {k:<12} {v:9.2f} GiB" for k, v in e.memory.gib().items()]
-    if not e.fits:
-        lines.append("  to fit: more recompute, a higher ZeRO stage, a smaller micro-batch, or more tp/pp "
-                     "(`tetrad plan` ranks the layouts that fit)")
-    return "\n".join(lines)
+from tetrad.plan.text import describe, plan_text, why_nothing_fits
 
 
 def _cluster(ref: str, gpus: int | None) -> Cluster:
@@ -102,7 +69,8 @@ def _base_config(args, overrides: list[str]) -> Config:
     flags = ["train.micro_batch=1"] + ([] if path else [f"model.preset={args.model}"])
     flags += [f"train.global_batch={args.global_batch}"] if args.global_batch else []
     flags += [f"model.seq_len={args.seq_len}"] if args.seq_len else []
-    flags += [f"train.dtype={args.dtype}"] if args.dtype else []
+    if args.dtype or "train.dtype" not in _user_keys(args, overrides):  # bf16: what clusters run
+        flags += [f"train.dtype={args.dtype or 'bf16'}"]
     cfg = load_config(path, flags + overrides, runtime=False)
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1, cp=1, vpp=1,
                                                                  schedule="1f1b"))
@@ -117,7 +85,8 @@ def plan_command(argv: list[str]) -> int:
     ap.add_argument("--gpus", type=int, help="plan for this many of the cluster's GPUs (default: all)")
     ap.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     ap.add_argument("--seq-len", type=int)
-    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"])
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"],
+                    help="training precision (default: the config's train.dtype if it sets one, else bf16)")
     ap.add_argument("--stack", default="tetrad", choices=list(STACKS), help="software stack to model")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="print the ranked estimates as a JSON list")
@@ -132,76 +101,42 @@ def plan_command(argv: list[str]) -> int:
         return 2
     base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, ranks_per_node=cluster.gpus_per_node))
     result = plan(base, cluster, args.top, args.stack)
-    if args.json:
-        print(json.dumps([e.to_json() for e in result.ranked], indent=2))
-    else:
-        print(_plan_text(result, base, cluster))
-    best = result.ranked[0] if result.ranked else None
-    if args.out and best is not None and best.fits:
-        Path(args.out).write_text(best.cfg.to_toml())
-        fp8 = best.cfg.train.dtype == "fp8"
-        note = " (train.dtype='fp8' is for estimates only: set bf16 to train it)" if fp8 else ""
-        print(f"wrote the best layout to {args.out}{note}", file=sys.stderr if args.json else sys.stdout)
+    best = result.ranked[0] if result.ranked and result.ranked[0].fits else None
+    print(json.dumps([e.to_json() for e in result.ranked], indent=2) if args.json else plan_text(result, base, cluster))
+    if best is None and result.ranked and args.json:
+        print(f"tetrad plan: {why_nothing_fits(result.ranked[0], cluster)}", file=sys.stderr)
+    if args.out and best is not None:
+        _write(best, args, overrides, sys.stderr if args.json else sys.stdout)
     if args.plot:
-        _plot(result, cluster, args.plot)
-    return 0 if best is not None and best.fits else 1
+        m = base.model
+        title = (f"tetrad plan: {m.preset} on {cluster.world} x {cluster.gpu.name}, global batch "
+                 f"{base.train.global_batch} x {m.seq_len}, {base.train.dtype}")
+        plan_figure(result, cluster, title).savefig(args.plot, dpi=150)
+    return 0 if best is not None else 1
 
 
-def _plan_text(result: Plan, base: Config, cluster: Cluster) -> str:
-    m = base.model
-    lines = [f"{cluster.world} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), {m.preset}: {m.n_layers} "
-             f"layers, d_model {m.d_model}; global batch {base.train.global_batch} x {m.seq_len} tokens, "
-             f"{base.train.dtype}", f"{result.considered} legal layouts, {result.estimated} estimated in full", ""]
-    if not result.ranked or not result.ranked[0].fits:
-        lines.append("NO LAYOUT FITS IN MEMORY. The closest:")
-    lines += [HEADER] + [_row(e) for e in result.ranked]
-    if result.ranked:
-        lines += ["", _confidence(result.ranked), "", "why the best wins:", describe(result.ranked[0])]
-    if result.rejected:
-        lines += ["", "faster on compute alone, but out of memory:"]
-        lines += [f"  {_layout(e)}: {e.peak_memory_gib:.1f} GiB > {e.usable_gib:.1f} usable "
-                  f"(activations {e.memory.gib()['activations']:.1f}, model states "
-                  f"{sum(e.memory.gib()[k] for k in ('weights', 'grads', 'optimizer')):.1f})" for e in result.rejected]
-    return "\n".join(lines)
+def _user_keys(args, overrides: list[str]) -> set[str]:
+    """The "section.key"s the user set: in the config file, as overrides, or by a flag."""
+    keys = {item.lstrip("-").split("=", 1)[0] for item in overrides}
+    keys |= {"train.global_batch"} if args.global_batch else set()
+    path = args.config or (args.model if args.model.endswith(".toml") else None)
+    if path:
+        raw = tomllib.loads(Path(path).read_text())
+        keys |= {f"{section}.{key}" for section, table in raw.items() if isinstance(table, dict) for key in table}
+    return keys
 
 
-def _confidence(ranked: list[Estimate]) -> str:
-    """Each layout's step time with the spread the calibration error implies, and which layouts
-    the model cannot tell from the best (their spreads overlap)."""
-    err = CALIBRATION_MAPE
-    best = ranked[0].step_time_s
-    lines = [f"predicted step time +- {100 * err:.1f}% (the model's mean error on the published runs it was "
-             f"checked against, docs/planner.md):"]
-    lines += [f"  #{i + 1:<3}{e.step_time_s:9.3f} s  [{e.step_time_s * (1 - err):.3f}, {e.step_time_s * (1 + err):.3f}]"
-              for i, e in enumerate(ranked)]
-    close = [i + 1 for i, e in enumerate(ranked[1:], 1) if e.step_time_s * (1 - err) <= best * (1 + err)]
-    if close:
-        lines.append(f"  #{', #'.join(map(str, close))} within that spread of #1: the model cannot order them; "
-                     "time the first steps of each")
-    else:
-        lines.append("  #1 is ahead of the others by more than that spread")
-    return "\n".join(lines)
-
-
-def _plot(result: Plan, cluster: Cluster, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for exact, colour, label in ((False, "#bbbbbb", "lower bound (pruned)"), (True, "#1f77b4", "estimated")):
-        pts = [(m, t) for m, t, x in result.points if x == exact]
-        if pts:
-            ax.scatter(*zip(*pts), s=8, c=colour, label=label)
-    if result.ranked:
-        best = result.ranked[0]
-        ax.scatter([best.peak_memory_gib], [best.step_time_s], s=120, marker="*", c="#d62728", label="chosen")
-    usable = result.ranked[0].usable_gib if result.ranked else cluster.gpu.hbm_gib
-    ax.axvline(usable, color="#d62728", linestyle="--", linewidth=1, label="usable memory")
-    ax.set_xlabel("peak memory per GPU (GiB)")
-    ax.set_ylabel("step time (s)")
-    ax.set_yscale("log")
-    ax.set_title(f"tetrad plan: candidates on {cluster.world} x {cluster.gpu.name}")
-    ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _write(best: Estimate, args, overrides: list[str], out) -> None:
+    """Write the best layout as a config, with training settings sized to the model where the user
+    set none, each stated in the file's header and printed."""
+    cfg, notes = sized_training(best.cfg, _user_keys(args, overrides))
+    header = [f"# Written by tetrad plan: {best.step_time_s:.3g} s per step predicted, MFU {100 * best.mfu:.1f}%, "
+              f"{best.peak_memory_gib:.1f} GiB per GPU."]
+    if notes:
+        header += ["# Set for the model's size (where the plan's inputs did not):"] + [f"#   {n}" for n in notes]
+    if cfg.train.dtype == "fp8":
+        header.append("# train.dtype='fp8' is for estimates only: set bf16 to train it")
+    Path(args.out).write_text("\n".join(header) + "\n\n" + cfg.to_toml())
+    print(f"wrote the best layout to {args.out}", file=out)
+    for line in header[1:]:
+        print(line.lstrip("# "), file=out)

@@ -1,0 +1,110 @@
+"""What `tetrad estimate` and `tetrad plan` print: one estimate broken down, the ranking as an
+aligned table, and, when nothing fits, why."""
+
+from __future__ import annotations
+
+from tetrad.config import Config
+from tetrad.plan.cost import Estimate
+from tetrad.plan.hardware import Cluster
+from tetrad.plan.reference import CALIBRATION_MAPE
+from tetrad.plan.search import Plan
+
+STATES = ("weights", "grads", "optimizer")
+
+
+def layout_label(e: Estimate) -> str:
+    p, t = e.cfg.parallel, e.cfg.train
+    cp = f" cp={p.cp}{'' if p.cp == 1 else '/' + p.cp_algo}"
+    sched = p.schedule + (f" vpp={p.vpp}" if p.vpp > 1 else "")
+    return (f"tp={p.tp} pp={p.pp}{cp} dp={p.dp} zero={p.zero} {sched} mb={t.micro_batch} "
+            f"recompute={t.recompute}")
+
+
+def table(estimates: list[Estimate]) -> list[str]:
+    """One line per estimate under a header, every column aligned (widths from the content)."""
+    head = ("layout", "step (s)", "tok/s/GPU", "MFU", "GiB/GPU", "bubble", "comm", "fits")
+    rows = [head] + [(layout_label(e), f"{e.step_time_s:.3f}", f"{e.tokens_per_s / e.cfg.parallel.world_size:,.0f}",
+                      f"{100 * e.mfu:.1f}%", f"{e.peak_memory_gib:.1f}", f"{100 * e.bubble_fraction:.1f}%",
+                      f"{100 * _exposed_comm(e) / e.step_time_s:.1f}%", "yes" if e.fits else "NO")
+                     for e in estimates]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            for row in rows]
+
+
+def _exposed_comm(e: Estimate) -> float:
+    return sum(v for k, v in e.breakdown.items() if k.endswith("_comm"))
+
+
+def describe(e: Estimate) -> str:
+    """The readable report of one estimate: time, memory and utilisation broken down."""
+    lines = [layout_label(e), "",
+             f"  step time      {e.step_time_s:.4f} s    tokens/s {e.tokens_per_s:,.0f} "
+             f"({e.tokens_per_s / e.cfg.parallel.world_size:,.0f} per GPU)",
+             f"  MFU / HFU      {100 * e.mfu:.1f}% / {100 * e.hfu:.1f}%    model TFLOP/s per GPU "
+             f"{e.model_tflops_per_gpu:.1f}",
+             f"  bubble         {100 * e.bubble_fraction:.1f}% of pipeline rank-time", "",
+             "  time per step, busiest pipeline rank (exposed parts only):"]
+    lines += [f"    {k:<18} {v:10.4f} s  {100 * v / e.step_time_s:5.1f}%" for k, v in e.breakdown.items()]
+    verdict = "fits" if e.fits else "DOES NOT FIT"
+    lines += ["", f"  memory per GPU, worst pipeline rank: {e.peak_memory_gib:.2f} GiB of {e.usable_gib:.1f} usable "
+                  f"({e.hbm_gib:.1f} GiB) -> {verdict}"]
+    lines += [f"    {k:<12} {v:9.2f} GiB" for k, v in e.memory.gib().items()]
+    if not e.fits:
+        lines.append("  to fit: more recompute, a higher ZeRO stage, a smaller micro-batch, or more tp/pp "
+                     "(`tetrad plan` ranks the layouts that fit)")
+    return "\n".join(lines)
+
+
+def why_nothing_fits(closest: Estimate, cluster: Cluster) -> str:
+    """One line: what the layout closest to fitting still needs, and what would change that."""
+    gib = closest.memory.gib()
+    states, acts = sum(gib[k] for k in STATES), gib["activations"]
+    need = (f"the closest layout needs {closest.peak_memory_gib:.1f} GiB per GPU of {closest.usable_gib:.1f} usable "
+            f"(model states {states:.1f}, activations {acts:.1f}, other {gib['other']:.1f})")
+    if states >= closest.usable_gib:
+        fix = (f"the model states alone do not fit even sharded over the {cluster.world} GPUs: use more GPUs "
+               "(--gpus or a larger --cluster) or GPUs with more memory")
+    else:
+        fix = ("the activations on top of them do not fit even with full recompute and one sequence per "
+               "micro-batch: use a shorter --seq-len, more GPUs, or GPUs with more memory")
+    return f"no layout fits in memory: {need}; {fix}"
+
+
+def plan_text(result: Plan, base: Config, cluster: Cluster) -> str:
+    """The ranking and why the best wins; or, when nothing fits, why and the closest layouts."""
+    m = base.model
+    lines = [f"{cluster.world} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), {m.preset}: {m.n_layers} "
+             f"layers, d_model {m.d_model}; global batch {base.train.global_batch} x {m.seq_len} tokens, "
+             f"{base.train.dtype}", f"{result.considered} legal layouts, {result.estimated} estimated in full", ""]
+    fits = bool(result.ranked) and result.ranked[0].fits
+    if not fits:
+        lines += ["NO LAYOUT FITS IN MEMORY."]
+        lines += [why_nothing_fits(result.ranked[0], cluster), "", "the closest to fitting:"] if result.ranked else []
+    lines += table(result.ranked)
+    if fits:
+        lines += ["", confidence(result.ranked), "", "why the best wins:", describe(result.ranked[0])]
+    if result.rejected:
+        lines += ["", "faster on compute alone, but out of memory:"]
+        lines += [f"  {layout_label(e)}: {e.peak_memory_gib:.1f} GiB > {e.usable_gib:.1f} usable "
+                  f"(activations {e.memory.gib()['activations']:.1f}, model states "
+                  f"{sum(e.memory.gib()[k] for k in STATES):.1f})" for e in result.rejected]
+    return "\n".join(lines)
+
+
+def confidence(ranked: list[Estimate]) -> str:
+    """Each layout's step time with the spread the calibration error implies, and which layouts
+    the model cannot tell from the best (their spreads overlap)."""
+    err = CALIBRATION_MAPE
+    best = ranked[0].step_time_s
+    lines = [f"predicted step time +- {100 * err:.1f}% (the model's mean error on the published runs it was "
+             f"checked against, docs/planner.md):"]
+    lines += [f"  #{i + 1:<3}{e.step_time_s:9.3f} s  [{e.step_time_s * (1 - err):.3f}, {e.step_time_s * (1 + err):.3f}]"
+              for i, e in enumerate(ranked)]
+    close = [i + 1 for i, e in enumerate(ranked[1:], 1) if e.step_time_s * (1 - err) <= best * (1 + err)]
+    if close:
+        lines.append(f"  #{', #'.join(map(str, close))} within that spread of #1: the model cannot order them; "
+                     "time the first steps of each")
+    else:
+        lines.append("  #1 is ahead of the others by more than that spread")
+    return "\n".join(lines)

@@ -76,3 +76,12 @@ def test_accelerator_fields_are_absent_on_cpu():
         assert record["peak_memory_gib"] > 0  # what the CPU does measure is there
         assert not ({"peak_reserved_gib", "alloc_retries", "tf32"} | telemetry.FIELDS.keys()) & record.keys()
     assert devices.accelerator_fields(torch.device("cpu")) == {}
+
+
+def test_host_buffers_are_plain_for_cpu_tensors():
+    """Pinning needs an accelerator (torch refuses it here); a CPU tensor's host buffer is plain
+    memory of its shape and dtype. On CUDA the same call pins (bench/gpu_check.py's offload row)."""
+    like = torch.ones(3, 5, dtype=torch.bfloat16)
+    buf = devices.host_buffer(like)
+    assert buf.shape == like.shape and buf.dtype == like.dtype and buf.device.type == "cpu"
+    assert not buf.is_pinned() and buf.untyped_storage().data_ptr() != like.untyped_storage().data_ptr()

@@ -111,6 +111,13 @@ def prefers_cudnn_attention(device: torch.device) -> bool:
             and torch.backends.cuda.cudnn_sdp_enabled())
 
 
+def host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An empty CPU tensor shaped like `like`: pinned (page-locked) when `like` is on an
+    accelerator, so copies between the two run at full bus speed and without blocking the host
+    (`non_blocking=True`); the CPU's own tensors need no pinning (and torch cannot pin without one)."""
+    return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.device.type != "cpu")
+
+
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)

@@ -35,7 +35,8 @@ still accumulate and reduce in the fp32 buckets and AdamW steps on fp32 master w
 part of each bucket this rank updates (its shard, or the whole bucket under ZeRO-0), copied into
 the low-precision buffer after each step. The masters start from the fp32 initial weights. With
 `offload` the masters and AdamW's state live in CPU memory: each step moves this rank's fp32
-gradient shard there and the updated parameters back. fp32 without offload needs no masters:
+gradient shard there and the updated parameters back, through pinned host memory on
+accelerators, with copies queued without blocking and one wait before the CPU AdamW reads. fp32 without offload needs no masters:
 AdamW updates the parameter storage itself (and ZeRO-0 keeps plain AdamW on the parameters).
 """
 
@@ -49,6 +50,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from tetrad import device as devices
 from tetrad.comm import autotune, hierarchical
 from tetrad.comm.codecs import INT8_BLOCK, make_codec
 from tetrad.config import DEFAULT_BUCKET_MB
@@ -122,8 +124,10 @@ class ShardedAdamW:
         grads = {}  # bucket id -> its owned gradient, on the masters' device (offload: the CPU)
         for bucket, piece, a, b in self.slots:
             if id(bucket) not in grads:
-                grads[id(bucket)] = self.reducer.owned_grad(bucket).to(piece.device)
+                grads[id(bucket)] = self.reducer.master_grad(bucket)
             piece.grad = grads[id(bucket)][a:b]
+        if self.reducer.offload:  # the copies to the host were queued without waiting: wait once
+            devices.synchronize(self.reducer.topo.device)
         self.inner.step()
         self.reducer.after_step()
 
@@ -192,6 +196,7 @@ class GradReducer:
         self.flat: list[torch.Tensor] = []  # flat parameter buffer (model dtype) of each bucket
         self.shards: list[torch.Tensor] = []  # ZeRO-3: the persistent parameter shard of each bucket
         self.masters: list[torch.Tensor] = []  # fp32 weights the optimizer updates, per bucket
+        self._host_grads: dict[int, torch.Tensor] = {}  # offload: each bucket's owned gradient on the host
         if self.zero >= 1 or self.separate_masters:
             self._flatten_params()
         if self.zero == 3:
@@ -218,7 +223,7 @@ class GradReducer:
                 p.data = bucket.view(flat, i)
             self.flat.append(flat)
             if self.separate_masters:
-                self.masters.append(owned.to("cpu" if self.offload else owned.device, copy=True))
+                self.masters.append(devices.host_buffer(owned).copy_(owned) if self.offload else owned.clone())
             if self.zero == 3:
                 self.shards.append(owned.to(self.dtype, copy=True))
                 flat.untyped_storage().resize_(0)
@@ -247,6 +252,16 @@ class GradReducer:
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         """The reduced fp32 gradient of the owned range."""
         return bucket.grad if self.zero == 0 else bucket.grad_shard
+
+    def master_grad(self, bucket: Bucket) -> torch.Tensor:
+        """The owned gradient where the masters are: with offload, a copy into a host buffer of
+        the bucket's (pinned on accelerators), queued without waiting: synchronize before reading."""
+        grad = self.owned_grad(bucket)
+        if not self.offload:
+            return grad
+        if bucket.index not in self._host_grads:
+            self._host_grads[bucket.index] = devices.host_buffer(grad)
+        return self._host_grads[bucket.index].copy_(grad, non_blocking=True)
 
     def _start_gather(self, k: int):
         """Non-blocking all-gather of bucket k's parameters (no-op if already there or on its way)."""
@@ -482,8 +497,8 @@ class GradReducer:
         """Copy separate masters into the parameters, then (ZeRO-1/2) all-gather the updated
         shards into the full parameters, in the model dtype (ZeRO-3 gathers lazily)."""
         if self.separate_masters:
-            for k, master in enumerate(self.masters):
-                self._owned_params(k).copy_(master)
+            for k, master in enumerate(self.masters):  # from pinned host memory when offloaded: asynchronous
+                self._owned_params(k).copy_(master, non_blocking=True)
         if self.zero in (0, 3):
             return
         pending = [self.topo.comm.all_gather(f, f[b.lo:b.hi], "dp_cp", async_op=True)

@@ -172,7 +172,7 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
     """(exposed data-parallel communication, optimizer step) in seconds, over dp x cp, the worst
     pipeline rank's: the gradient reduction overlaps the last micro-batch's backward (all but
     the last bucket) and the rank's idle tail of the pipeline; ZeRO-1/2 then all-gather the
-    updated weights."""
+    updated weights (under the next step's first forward where the stack overlaps it)."""
     p, micro = cfg.parallel, cfg.microbatches
     exposed, opt, gather = 0.0, 0.0, 0.0
     n = p.dp * p.cp
@@ -197,7 +197,11 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
         exposed = max(exposed, earlier + max(0.0, grads - tail[r]))  # the idle tail hides only the last
         if p.zero in (1, 2):  # updated 16-bit (fp32) weights all-gathered after the optimizer step
             weights = params * state_bytes_per_param(cfg.train.dtype)[0]
-            gather = max(gather, ring_time("all_gather", weights, n, alpha, link))
+            weights_gather = ring_time("all_gather", weights, n, alpha, link)
+            if stack.param_gather_overlap:  # or under the next step's first forward, bucket by bucket
+                first_bucket = weights_gather * min(1.0, _bucket_bytes(cfg) / weights)
+                weights_gather = max(first_bucket, weights_gather - sum(st.f[g] for g in st.held_by[r]))
+            gather = max(gather, weights_gather)
     return max(0.0, exposed) + gather, opt
 
 

@@ -37,6 +37,7 @@ class GPU:
     inter_alpha_s: float = 10e-6  # ... across nodes
     gemm_efficiency: float = 0.80  # share of peak a large, well-shaped GEMM reaches
     attention_efficiency: float = 0.40  # share of the 16-bit peak a flash-attention fwd+bwd reaches (head_dim 128)
+    fused_attention_efficiency: float | None = None  # the same for the GPU's native fused kernel (None: as above)
     memory_efficiency: float = 0.85  # share of the rated HBM bandwidth streaming kernels reach
     is_cpu: bool = False  # memory is the process's resident set (torch itself included), not HBM
 
@@ -44,6 +45,12 @@ class GPU:
     def hbm_bytes_per_s(self) -> float:
         """What streaming (element-wise, optimizer) kernels achieve."""
         return self.hbm_gbps * 1e9 * self.memory_efficiency
+
+    def attention(self, fused: bool) -> float:
+        """FlashAttention-2's efficiency, or with `fused` the GPU's own fused kernel's."""
+        if fused and self.fused_attention_efficiency is not None:
+            return self.fused_attention_efficiency
+        return self.attention_efficiency
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s of a matmul in `dtype` (fp8 falls back to the 16-bit rate where the GPU has none)."""
@@ -55,21 +62,23 @@ class GPU:
 # one 400 Gb/s NIC per GPU elsewhere. Efficiencies are typical published measurements: cuBLAS
 # on large bf16 GEMMs (A100 ~250-270 of 312, H100 ~700-800 of 989, MI300X ~55-60% of peak);
 # PyTorch's flash-attention-2 kernels, forward and backward together (A100 ~60% of peak; Hopper
-# ~30%, as FA2 does not use its asynchronous tensor-core instructions; FA3-class kernels would
-# double that).
+# ~30%, as FA2 does not use its asynchronous tensor-core instructions). Hopper's fused kernels
+# (FlashAttention-3, cuDNN 9's, which Transformer Engine calls) use them: Shah et al. 2024
+# (FlashAttention-3, arXiv 2407.08608) measure 1.5-2.0x FA2's forward and 1.5-1.75x its backward,
+# up to 740 TFLOP/s (75%) forward in bf16: 1.65x FA2's fwd+bwd share, `fused_attention_efficiency`.
 GPUS: dict[str, GPU] = {g.name: g for g in [
     GPU("A100-80GB-SXM", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 80, 2039, 300, 25,
         gemm_efficiency=0.78, attention_efficiency=0.60),
     GPU("H100-SXM", {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 79.6, 3350, 450, 50,
-        gemm_efficiency=0.75, attention_efficiency=0.30),
+        gemm_efficiency=0.75, attention_efficiency=0.30, fused_attention_efficiency=0.50),
     # The 96 GB HBM2e H100 at a 500 W cap (torchtitan's benchmark machines, Grand Teton): its
     # rated peak sits between the H100 NVL (835 TFLOP/s) and the 700 W SXM part (989), and under
     # sustained tensor-core load the power cap pulls its clock down to ~78% of the 700 W part's
     # achieved rates (hence the lower efficiencies).
     GPU("H100-96GB-500W", {"fp32": 60, "tf32": 450, "bf16": 900, "fp16": 900, "fp8": 1800}, 94, 2400, 450, 50,
-        gemm_efficiency=0.58, attention_efficiency=0.26),
+        gemm_efficiency=0.58, attention_efficiency=0.26, fused_attention_efficiency=0.43),
     GPU("H200", {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 140, 4800, 450, 50,
-        gemm_efficiency=0.77, attention_efficiency=0.30),
+        gemm_efficiency=0.77, attention_efficiency=0.30, fused_attention_efficiency=0.50),
     GPU("B200", {"fp32": 80, "tf32": 1100, "bf16": 2250, "fp16": 2250, "fp8": 4500}, 179, 8000, 900, 50,
         gemm_efficiency=0.72, attention_efficiency=0.40),
     GPU("MI300X", {"fp32": 163, "tf32": 654, "bf16": 1307, "fp16": 1307, "fp8": 2615}, 191.5, 5300, 448, 50,

@@ -111,7 +111,7 @@ def _attention_core(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[f
     hd, heads = m.head_dim, m.n_heads / p.tp
     peak = gpu.peak("fp32" if t.dtype == "fp32" else "bf16")
     if stack.flash_attention:
-        eff = gpu.attention_efficiency * _shape(hd) / _shape(128) * _shape(tokens / t.micro_batch)
+        eff = gpu.attention(stack.fused_attention) * _shape(hd) / _shape(128) * _shape(tokens / t.micro_batch)
         forward = 4 * tokens * (m.seq_len / 2) * heads * hd / (peak * eff)
         return forward, FLASH_BACKWARD_FACTOR * forward
     e, hbm = activation_bytes(t.dtype), gpu.hbm_bytes_per_s

@@ -33,6 +33,12 @@ class Stack:
     tp_overlap: str = "bwd"
     # Data-parallel gradient buckets reduced during the last micro-batch's backward.
     dp_overlap: bool = True
+    # ZeRO-1/2's all-gather of the updated weights runs bucket by bucket under the next step's
+    # first forward (Megatron-Core's overlap_param_gather) instead of after the optimizer step.
+    param_gather_overlap: bool = False
+    # The attention core runs a Hopper-native fused kernel (cuDNN's, via Transformer Engine, or
+    # FlashAttention-3) at the GPU's `fused_attention_efficiency`, not FlashAttention-2's.
+    fused_attention: bool = False
     # Pipeline sends carry 1/tp of the activations and all-gather inside the node (Narayanan
     # et al.'s scatter/gather); with sequence parallelism they are 1/tp anyway.
     pp_scatter_gather: bool = False
@@ -79,6 +85,13 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # Rajbhandari et al. 2020 (arXiv 1910.02054) section 7 for ZeRO-3's per-layer gathers.
     Stack("deepspeed", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
           tp_overlap="none", pp_blocking_p2p=True, grad_reduce_bytes=2),
+    # Megatron-Core with Transformer Engine (Megatron-LM's core since 2024, NeMo): the distributed
+    # optimizer reduce-scatters gradient buckets in the last micro-batch's backward and all-gathers
+    # the updated weights under the next forward (--overlap-grad-reduce, --overlap-param-gather;
+    # Megatron-Core's distributed-optimizer documentation), TE's cuDNN fused attention, and its
+    # batched pipeline sends and receives. Source: docs.nvidia.com/megatron-core/developer-guide
+    # (dist_optimizer, DistributedDataParallelConfig).
+    Stack("megatron-core", pp_blocking_p2p=True, param_gather_overlap=True, fused_attention=True),
 ]}
 STACKS["torchtitan"] = STACKS["compiled"]  # the name users know it by
 

@@ -1,0 +1,57 @@
+"""Software stacks as properties of code bases (plan/stacks.py), and the calibration figures:
+what each stack changes in an estimate, that the docs say which to choose, and rank agreement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tetrad.config import load_config
+from tetrad.plan.cost import estimate
+from tetrad.plan.hardware import cluster_of
+from tetrad.plan.reference import agreement, kendall_tau
+from tetrad.plan.stacks import STACKS
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
+
+
+def _llama8b(seq_len: int = 8192, **parallel):
+    return load_config(overrides={"model": {"preset": "llama3-8b", "seq_len": seq_len},
+                                  "parallel": parallel, "train": {"global_batch": 64, "micro_batch": 1,
+                                                                  "dtype": "bf16"}}, runtime=False)
+
+
+def test_megatron_core_hides_the_weight_gather_under_the_next_forward():
+    # dp = 64 over 8 nodes, one micro-batch per rank: ZeRO-1's gradient reduce-scatter and its
+    # weight all-gather, exposed by a stack that all-gathers after the optimizer step.
+    cfg, cluster = _llama8b(dp=64, zero=1), cluster_of("H100-SXM", 64)
+    plain, core = (estimate(cfg, cluster, stack) for stack in ("megatron", "megatron-core"))
+    assert core.breakdown["dp_comm"] < 0.5 * plain.breakdown["dp_comm"], (plain.breakdown, core.breakdown)
+    # Only the data-parallel part (and the attention kernel, below) differs between the two.
+    same = {k: v for k, v in plain.breakdown.items() if k not in ("dp_comm", "compute")}
+    assert same == pytest.approx({k: v for k, v in core.breakdown.items() if k not in ("dp_comm", "compute")})
+
+
+@pytest.mark.parametrize("gpu, faster", [("H100-SXM", True), ("A100-80GB-SXM", False)])
+def test_fused_attention_is_faster_on_hopper_only(gpu, faster):
+    cfg, cluster = _llama8b(seq_len=32768, dp=8), cluster_of(gpu, 8)
+    fa2, fused = (estimate(cfg, cluster, stack).breakdown["compute"] for stack in ("megatron", "megatron-core"))
+    assert (fused < 0.95 * fa2) if faster else fused == pytest.approx(fa2)
+
+
+def test_docs_say_which_stack_for_which_framework():
+    text = DOCS.read_text()
+    for name in STACKS:
+        assert f"`{name}`" in text, f"docs/planner.md does not mention the stack {name!r}"
+
+
+def test_kendall_tau_and_pooled_agreement():
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+    assert kendall_tau([1], [1]) is None
+    # Pairs are formed only inside a group (one model on one cluster): a and b never compare.
+    summary = agreement([("s", "a", 1.0, 1.1), ("s", "a", 2.0, 2.2), ("s", "b", 10.0, 5.0), ("s", "b", 20.0, 4.0)])
+    assert summary["s"]["pairs"] == 2 and summary["s"]["tau"] == 0.0
+    assert summary["all"]["mape"] == pytest.approx(100 * (0.1 + 0.1 + 0.5 + 0.8) / 4)

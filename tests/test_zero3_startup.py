@@ -44,3 +44,30 @@ def test_zero3_startup_peak_is_a_shard_plus_one_layer_at_dp4(monkeypatch):
               f"(whole local model {whole / MIB:.1f} MiB)")
         assert shard + layer < whole / 2  # the bound excludes building the whole model
         assert peak <= shard + layer + 4 * MIB, (peak, shard, layer, whole)
+
+
+def _both_startups(cfg, scale):
+    """Each rank's ZeRO-3 shards and masters from the shard-only start-up and from the old one
+    (whole model materialised, then sharded), for the logical init or scaled starting weights."""
+    from tetrad.model.sharding import init_parameters, logical_init, spec_of
+    topo = Topology(Layout(dp=cfg.parallel.dp), torch.device("cpu"))
+    weights = None if scale is None else (lambda name: scale * logical_init(name, spec_of(named[name])[0], 5))
+    out = []
+    for materialise in (False, True):
+        model = build_model(cfg, topo, materialise=materialise)
+        named = dict(model.named_parameters())
+        if materialise and weights is not None:
+            init_parameters(model, cfg.train.seed, weights)
+        init = None if materialise else functools.partial(initial_value, seed=cfg.train.seed, weights=weights)
+        reducer = GradReducer(list(named.values()), topo, cfg.parallel, model, dtype=torch.bfloat16, init=init)
+        out.append((reducer.shards, reducer.masters))
+    return out
+
+
+def test_shard_only_startup_gives_the_same_bits():
+    cfg = tiny_config(parallel={"dp": 2, "zero": 3}, train={"dtype": "bf16"})
+    for scale in (None, 2.0):
+        for new, old in run_ranks(_both_startups, 2, cfg, scale):
+            assert len(new[0]) == len(old[0]) > 1 and len(new[1]) == len(old[1])
+            for got, want in zip(new[0] + new[1], old[0] + old[1]):
+                assert got.dtype == want.dtype and torch.equal(got, want)

@@ -17,7 +17,7 @@ from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers, rank_stages, stage_layers
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.layer import end_costs, layer_cost
-from tetrad.plan.links import group_link, ring_time
+from tetrad.plan.links import group_link, reduction_time, ring_time
 from tetrad.plan.memory import (
     GIB,
     GPU_RESERVED_GIB,
@@ -183,8 +183,8 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
         if n == 1:
             continue
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
-        grads = ring_time("reduce_scatter" if scatter else "all_reduce", params * stack.grad_reduce_bytes, n, alpha,
-                          link)
+        grad_bytes = params * stack.grad_reduce_bytes
+        grads = reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
         if stack.dp_overlap:
             window = sum(st.bi[g] + st.bw[g] for g in st.held_by[r])

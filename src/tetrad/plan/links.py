@@ -7,6 +7,8 @@ the payload tetrad.comm counts.
 
 from __future__ import annotations
 
+import math
+
 from tetrad.plan.hardware import Cluster
 
 LINK_EFFICIENCY = 0.8  # achieved share of a link's bandwidth by large ring collectives (NCCL bus bandwidth)
@@ -34,3 +36,23 @@ def group_link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
         return g.intra_alpha_s, g.intra_gbps * 1e9 * LINK_EFFICIENCY
     members = max(1, min(size, per_node // stride))
     return g.inter_alpha_s, min(g.intra_gbps, members * g.inter_gbps) * 1e9 * LINK_EFFICIENCY
+
+
+def reduction_time(op: str, nbytes: float, n: int, cluster: Cluster, stride: int) -> float:
+    """A data-parallel reduction (`op`: all_reduce or reduce_scatter) of `nbytes` over `n` ranks
+    `stride` apart.
+
+    An all-reduce across nodes takes NCCL's ring or its double binary tree, whichever is faster
+    (NCCL's own choice; Jeaugey, "Massively scale your deep learning training with NCCL 2.4",
+    NVIDIA 2019): the tree's latency grows with log2(nodes), the ring's with n, which at
+    thousands of ranks decides all but the largest messages. Reduce-scatter has only the ring.
+    """
+    alpha, bw = group_link(cluster, stride, n)
+    ring = ring_time(op, nbytes, n, alpha, bw)
+    nodes = math.ceil(n * stride / cluster.gpus_per_node)
+    if op == "all_reduce" and nodes > 1:
+        per_node = max(1, n // nodes)
+        g = cluster.gpu
+        tree = 2 * (math.ceil(math.log2(nodes)) * g.inter_alpha_s + (per_node - 1) * g.intra_alpha_s)
+        return min(ring, tree + 2 * nbytes / bw)
+    return ring

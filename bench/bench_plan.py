@@ -5,7 +5,8 @@
 2. the reference runs (src/tetrad/plan/reference_runs/published_runs.csv), as tests/test_plan.py checks them;
 3. published runs outside that file: the 8B FSDP ones (torchtitan Table 1) informed the
    500 W H100's two efficiencies together with the CSV's cp=1 row; the others fitted nothing, so
-   their error is the honest one.
+   their error is the honest one;
+with MAPE and Kendall's tau per source after each table (plan/reference.agreement).
 
     .venv/bin/python bench/bench_plan.py [--skip-plan]
 """
@@ -75,6 +76,33 @@ HELD_OUT = [
     ("llama3-405B-128k", "Llama 3 paper, Table 4 (cp=16, 128K)", "H100-SXM", 16384, dict(_405B, seq_len=131072),
      dict(tp=8, pp=16, cp=16, dp=8, sequence_parallel=True, schedule="interleaved", vpp=2, zero=1),
      dict(global_batch=128, micro_batch=1, recompute="none"), "megatron", "mfu", 0.38),
+    # Megatron-Bridge (Megatron-Core + TE), NeMo 25.11 container, docs/performance-summary.md of
+    # https://github.com/NVIDIA-NeMo/Megatron-Bridge (docs.nvidia.com/nemo/megatron-bridge/latest/
+    # performance-summary.html). Columns: Model | #-GPUs | Precision | GBS | MBS | Sequence Length |
+    # FSDP | TP | PP | CP | VP | EP | GA | Tokens / sec / GPU | Model TFLOP / sec / GPU. Recompute is not
+    # printed: none assumed. FSDP 1 is Megatron's FSDP (ZeRO-3), 0 its distributed optimizer (ZeRO-1).
+    # "| LLAMA3_8B | 8 | FP8-CS | 128 | 1 | 8192 | 1 | 1 | 1 | 1 | n/a | 1 | 16 | 14451 | 744 |" (DGX-H100)
+    ("nemo-8B-h100", "Megatron-Bridge 25.11, DGX-H100", "H100-SXM", 8, dict(_8B, seq_len=8192),
+     dict(dp=8, zero=3), dict(global_batch=128, micro_batch=1, recompute="none", dtype="fp8"), "megatron-core",
+     "tokens_per_s_per_gpu", 14451),
+    # "| LLAMA3_70B | 64 | FP8-CS | 128 | 1 | 8192 | 0 | 4 | 8 | 1 | 5 | 1 | 64 | 1602 | 719 |" (DGX-H100)
+    ("nemo-70B-h100", "Megatron-Bridge 25.11, DGX-H100", "H100-SXM", 64, dict(_70B, seq_len=8192),
+     dict(tp=4, pp=8, dp=2, sequence_parallel=True, schedule="interleaved", vpp=5, zero=1),
+     dict(global_batch=128, micro_batch=1, recompute="none", dtype="fp8"), "megatron-core", "tokens_per_s_per_gpu", 1602),
+    # "| LLAMA3.1_405B | 1024 | FP8-CS | 512 | 1 | 8192 | 0 | 8 | 8 | 2 | 8 | 1 | 64 | 292 | 737 |" (DGX-H100)
+    ("nemo-405B-h100", "Megatron-Bridge 25.11, DGX-H100", "H100-SXM", 1024, dict(_405B, seq_len=8192),
+     dict(tp=8, pp=8, cp=2, dp=8, sequence_parallel=True, schedule="interleaved", vpp=8, zero=1),
+     dict(global_batch=512, micro_batch=1, recompute="none", dtype="fp8"), "megatron-core", "tokens_per_s_per_gpu", 292),
+    # "| LLAMA3_8B | 8 | FP8-CS (FP8-MX) | 128 | 2 | 8192 | 0 | 1 | 1 | 1 | n/a | 1 | 8 | 30624 (29521) | 1576 (1519) |"
+    # (DGX-B200)
+    ("nemo-8B-b200", "Megatron-Bridge 25.11, DGX-B200", "B200", 8, dict(_8B, seq_len=8192),
+     dict(dp=8, zero=1), dict(global_batch=128, micro_batch=2, recompute="none", dtype="fp8"), "megatron-core",
+     "tokens_per_s_per_gpu", 30624),
+    # "| LLAMA3.1_405B | 128 | FP8-CS (FP8-MX) | 64 | 1 | 8192 | 0 | 4 | 8 | 2 | 8 | 1 | 32 | 661 (624) | 1667 (1576) |"
+    # (DGX-B200)
+    ("nemo-405B-b200", "Megatron-Bridge 25.11, DGX-B200", "B200", 128, dict(_405B, seq_len=8192),
+     dict(tp=4, pp=8, cp=2, dp=2, sequence_parallel=True, schedule="interleaved", vpp=8, zero=1),
+     dict(global_batch=64, micro_batch=1, recompute="none", dtype="fp8"), "megatron-core", "tokens_per_s_per_gpu", 661),
 ]
 
 

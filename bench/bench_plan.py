@@ -31,6 +31,8 @@ _GPT = dict(norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True, vo
 _LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", tie_embeddings=False, vocab_size=128256)
 _8B = dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, **_LLAMA)
 _70B = dict(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_hidden=28672, **_LLAMA)
+_LLAMA2_13B = dict(n_layers=40, d_model=5120, n_heads=40, n_kv_heads=40, ffn_hidden=13824, seq_len=4096,
+                  **dict(_LLAMA, vocab_size=32000))
 _405B = dict(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8, ffn_hidden=53248, **_LLAMA)
 
 
@@ -103,6 +105,20 @@ HELD_OUT = [
     ("nemo-405B-b200", "Megatron-Bridge 25.11, DGX-B200", "B200", 128, dict(_405B, seq_len=8192),
      dict(tp=4, pp=8, cp=2, dp=2, sequence_parallel=True, schedule="interleaved", vpp=8, zero=1),
      dict(global_batch=64, micro_batch=1, recompute="none", dtype="fp8"), "megatron-core", "tokens_per_s_per_gpu", 661),
+    # torchtitan's FSDP2 on 64 A100 80GB, eager (mid-2024), docs/performance.md at
+    # https://github.com/pytorch/torchtitan/blob/041336434916bdc0f88c1f89fda176fd3c2092e4/docs/performance.md
+    # (Model size | Batch size | Activation checkpoiting | WPS | MFU; WPS is tokens/s per GPU). The
+    # "selective layer/op" rows are left out: tetrad has neither policy.
+    # Llama 2: "| 13B | 2 | no | 2162 | 61.1%	|"
+    ("tt-a100-l2-13B", "torchtitan FSDP2 on A100, Llama 2 table", "A100-80GB-SXM", 64, _LLAMA2_13B,
+     dict(dp=64, zero=3), dict(global_batch=128, micro_batch=2, recompute="none"), "fsdp", "tokens_per_s_per_gpu", 2162),
+    # Llama 3: "| 70B | 1 | full | 331 | 51.7% |"
+    ("tt-a100-l3-70B", "torchtitan FSDP2 on A100, Llama 3 table", "A100-80GB-SXM", 64, dict(_70B, seq_len=8192),
+     dict(dp=64, zero=3), dict(global_batch=64, micro_batch=1, recompute="full"), "fsdp", "tokens_per_s_per_gpu", 331),
+    # Llama 2: "| 70B | 2 | full | 353 | 50.5% |"
+    ("tt-a100-l2-70B", "torchtitan FSDP2 on A100, Llama 2 table", "A100-80GB-SXM", 64,
+     dict(_70B, seq_len=4096, vocab_size=32000), dict(dp=64, zero=3),
+     dict(global_batch=128, micro_batch=2, recompute="full"), "fsdp", "tokens_per_s_per_gpu", 353),
 ]
 
 

@@ -22,15 +22,15 @@ import torch
 from tetrad import launch
 from tetrad.config import load_config
 from tetrad.model.attention import _pass_on
-from tetrad.parallel.context import shard_sequence
 from tetrad.parallel.data import GradReducer
-from tetrad.topology import Layout, Topology
+from tetrad.dist.layout import Layout, shard_sequence
+from tetrad.dist.topology import Topology
 from tetrad.train.trainer import build_model
 
 
 def _rank(cfg, batch: int, steps: int) -> dict:
     p, m = cfg.parallel, cfg.model
-    topo = Topology(Layout(cp=p.cp), torch.device("cpu"), cp_algo=p.cp_algo)
+    topo = Topology(Layout(cp=p.cp), torch.device("cpu"))
     cp, rank = p.cp, topo.local_rank("cp")
     model = build_model(cfg, topo)
     reducer = GradReducer([q for q in model.parameters()], topo)

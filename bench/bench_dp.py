@@ -18,7 +18,8 @@ import torch
 from tetrad import device as devices
 from tetrad import launch
 from tetrad.config import load_config
-from tetrad.topology import Layout, Topology
+from tetrad.dist.layout import Layout
+from tetrad.dist.topology import Topology
 from tetrad.train.trainer import Trainer, build_model
 
 STEPS = 12

@@ -37,7 +37,8 @@ from tetrad.config import load_config
 from tetrad.parallel.pipeline.registry import build_schedule
 from tetrad.parallel.pipeline.schedules import Action
 from tetrad.parallel.pipeline.simulate import StageCosts, simulate
-from tetrad.topology import Layout, Topology
+from tetrad.dist.layout import Layout
+from tetrad.dist.topology import Topology
 from tetrad.train.batches import split_batches
 from tetrad.train.trainer import Trainer, build_model
 

@@ -34,7 +34,8 @@ from tetrad.config import load_config
 from tetrad.model.llama import apply_rope, rope_tables
 from tetrad.model.sharding import logical_init, spec_of
 from tetrad.parallel.data import GradReducer
-from tetrad.topology import Layout, Topology
+from tetrad.dist.layout import Layout
+from tetrad.dist.topology import Topology
 from tetrad.train.trainer import build_model
 
 SEED = 0
@@ -133,7 +134,7 @@ def _peak_rss_bytes() -> int:
 
 def _rank(cfg, framework: str, batch: int, steps: int) -> dict:
     m, p = cfg.model, cfg.parallel
-    topo = Topology(Layout(tp=p.tp), torch.device("cpu"), sequence_parallel=p.sequence_parallel)
+    topo = Topology(Layout(tp=p.tp), torch.device("cpu"))
     tetrad_model = build_model(cfg, topo)
     gen = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, m.vocab_size, (batch, m.seq_len + 1), generator=gen)

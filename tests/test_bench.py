@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from tetrad.bench import bench_gemm, comm_profile, gemm_profile, write_profile
-from tetrad.comm import autotune, bench
+from tetrad.bench import bench_comm, bench_gemm, comm_profile, fit_link, format_table, gemm_profile, write_profile
+from tetrad.dist import autotune, bench
 from tetrad.plan.cost import estimate
 from tetrad.plan.links import LINK_EFFICIENCY, ring_time
 from tetrad.plan.hardware import load_cluster
-from tetrad.topology import Layout, Topology
+from tetrad.dist.layout import Layout
+from tetrad.dist.topology import Topology
 
 from conftest import run_ranks, tiny_config, train_layout
 
@@ -29,14 +30,14 @@ def test_fit_recovers_the_planner_ring_model():
     rows = [{"op": "all_reduce", "ranks": n, "bytes": s,
              "time_s": ring_time("all_reduce", s, n, alpha, bw * LINK_EFFICIENCY)}
             for n in (2, 4, 8) for s in (4 << 10, 1 << 20, 16 << 20)]
-    link = bench.fit_link(rows)
+    link = fit_link(rows)
     assert link["alpha_s"] == pytest.approx(alpha, rel=1e-6)
     assert link["beta_gbps"] == pytest.approx(bw / 1e9, rel=1e-6)
 
 
 @pytest.fixture(scope="module")
 def comm_rows():
-    return bench.bench_comm(group_sizes=(2,), sizes=(4 << 10, 256 << 10))
+    return bench_comm(group_sizes=(2,), sizes=(4 << 10, 256 << 10))
 
 
 def test_bench_comm_rows_are_sensible(comm_rows):
@@ -45,7 +46,7 @@ def test_bench_comm_rows_are_sensible(comm_rows):
         assert r["time_s"] > 0 and r["algbw_gbps"] > 0
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * bench.bus_factor(r["op"], 2))
         assert r["busbw_gbps"] < 100  # gloo over local sockets: far below memory bandwidth
-    print("\n" + bench.format_table(comm_rows))
+    print("\n" + format_table(comm_rows))
 
 
 def test_profile_is_accepted_by_estimate(comm_rows, tmp_path):

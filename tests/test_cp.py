@@ -9,8 +9,9 @@ import torch
 from conftest import assert_all_within, assert_parity, run_ranks, tiny_config, train_layout
 from tetrad.config import ConfigError
 from tetrad.model import attention as attn
-from tetrad.parallel.context import load_balanced_order, shard_sequence
-from tetrad.topology import Layout, Topology
+from tetrad.dist.layout import Layout, load_balanced_order, shard_sequence
+from tetrad.dist.topology import Topology
+from tetrad.model.execution import Execution
 from tetrad.train.trainer import build_model
 
 pytestmark = pytest.mark.dist
@@ -26,8 +27,8 @@ def _in_child(fn, *args):
     return run_ranks(fn, 1, *args)[0]
 
 
-def _cp_topo(cp: int, algo: str) -> Topology:
-    return Topology(Layout(cp=cp), torch.device("cpu"), cp_algo=algo)
+def _cp_topo(cp: int) -> Topology:
+    return Topology(Layout(cp=cp), torch.device("cpu"))
 
 
 def test_sharding_is_load_balanced():
@@ -70,10 +71,10 @@ def _attention_reference(heads: int, kv_heads: int, seed: int = 0):
 def _attention_rank(cp, cases):
     errors = {}
     for (algo, heads, kv_heads), tensors in cases.items():
-        rank = _cp_topo(cp, algo).local_rank("cp")
+        rank = _cp_topo(cp).local_rank("cp")
         q, k, v, dout, *expected = (shard_sequence(t, cp, rank, 1) for t in tensors)
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        out = attn.attention(q, k, v, _cp_topo(cp, algo))
+        out = attn.attention(q, k, v, _cp_topo(cp), algo)
         out.backward(dout)
         errors[algo, heads, kv_heads] = [float((a.detach() - b).abs().max())
                                          for a, b in zip((out, q.grad, k.grad, v.grad), expected)]
@@ -107,9 +108,9 @@ def _model_reference(model_overrides):
 
 
 def _model_rank(cp, algo, cfg, state, x, labels, ref_logits, ref_grads):
-    topo = _cp_topo(cp, algo)
+    topo = _cp_topo(cp)
     rank = topo.local_rank("cp")
-    model = build_model(cfg, topo)
+    model = build_model(cfg, topo, Execution(cp_algo=algo))
     model.load_state_dict(state)
     x, labels = shard_sequence(x, cp, rank), shard_sequence(labels, cp, rank)
     positions = shard_sequence(torch.arange(cfg.model.seq_len), cp, rank)
@@ -232,7 +233,7 @@ def _memory_inputs(cp: int, rank: int):
 
 
 def _memory_rank(cp):
-    return {algo: _saved_bytes(lambda *t: attn.attention(*t, _cp_topo(cp, algo)), *_memory_inputs(cp, 0))
+    return {algo: _saved_bytes(lambda *t: attn.attention(*t, _cp_topo(cp), algo), *_memory_inputs(cp, 0))
             for algo in ALGOS}
 
 

@@ -11,7 +11,7 @@ from tetrad.cli import main
 from tetrad.data.tokenizer import byte_tokenizer, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import init_parameters
-from tetrad.topology import Topology
+from tetrad.dist.topology import Topology
 from tetrad.train.generate import continuation_loss, generate
 
 

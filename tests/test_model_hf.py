@@ -6,7 +6,7 @@ import torch
 from tetrad.config import load_config
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import init_parameters
-from tetrad.topology import Topology
+from tetrad.dist.topology import Topology
 
 transformers = pytest.importorskip("transformers")
 

@@ -131,12 +131,13 @@ def test_split_backward_does_the_work_of_one_backward():
     from torch.utils.flop_counter import FlopCounterMode
 
     from tetrad.model.llama import Transformer
-    from tetrad.topology import Layout, Topology
+    from tetrad.dist.topology import Topology
+    from tetrad.model.execution import Execution
 
     cfg = tiny_config()
-    topo = Topology(Layout(), torch.device("cpu"), split_backward=True)
+    ex = Execution(split_backward=True)
     torch.manual_seed(0)
-    model = Transformer(cfg.model, topo)
+    model = Transformer(cfg.model, Topology.single(), execution=ex)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
@@ -151,12 +152,12 @@ def test_split_backward_does_the_work_of_one_backward():
     reference = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     loss = model(tokens, positions, tokens)
-    with topo.weight_grads.collecting() as deferred:
+    with ex.weight_grads.collecting() as deferred:
         input_half = flops(lambda: loss.backward())
     linears = [n for n in reference if ".attn.w" in n or ".mlp.w" in n or n == "head.weight"]
     assert linears and all(model.get_parameter(n).grad is None for n in linears)  # they wait for BW
 
-    weight = flops(lambda: topo.weight_grads.apply(deferred))
+    weight = flops(lambda: ex.weight_grads.apply(deferred))
     assert weight > 0.3 * full and input_half + weight == full
     for name, grad in reference.items():
         torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-6, atol=1e-7, msg=name)

@@ -4,7 +4,8 @@ import pytest
 import torch.distributed as dist
 
 from conftest import run_ranks
-from tetrad.topology import DIMS, Layout, Topology, factorisations
+from tetrad.dist.layout import DIMS, Layout, factorisations
+from tetrad.dist.topology import INTER, INTRA, Topology
 
 ALL_LAYOUTS = [layout for world in range(1, 65) for layout in factorisations(world)]
 
@@ -38,17 +39,37 @@ def test_layout_properties(layout):
 
 
 def _mesh_groups():
-    layout = Layout(pp=2, dp=2, cp=1, tp=2)
+    import datetime
+
     import torch
-    topo = Topology(layout, torch.device("cpu"))
-    return {name: sorted(dist.get_process_group_ranks(topo._groups[name])) for name in (*DIMS, "dp_cp")}
+    topo = Topology(Layout(pp=2, dp=2, cp=1, tp=2), torch.device("cpu"), ranks_per_node=2,
+                    timeout=datetime.timedelta(seconds=7))
+    groups = {name: topo.group(name) for name in (*DIMS, "dp_cp", INTER, "embed")}  # cp: one rank, None
+    timeouts = {pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in groups.values() if pg}
+    ranks = {name: sorted(dist.get_process_group_ranks(pg)) if pg else topo.ranks(name) for name, pg in groups.items()}
+    return ranks, topo.size(INTRA), timeouts
 
 
 @pytest.mark.dist
 def test_device_mesh_groups_match_layout():
+    """Every named group has the layout's ranks and the topology's one timeout. With 2 ranks per
+    node each dp group ([0, 2], ...) has one rank per node: its inter-node half is the whole
+    group and its intra-node half a single rank (no group)."""
     layout = Layout(pp=2, dp=2, cp=1, tp=2)
     results = run_ranks(_mesh_groups, 8)
-    for rank, groups in enumerate(results):
+    for rank, (groups, intra_size, timeouts) in enumerate(results):
         for name in DIMS:
             assert groups[name] == layout.group_of(rank, (name,)), (rank, name)
-        assert groups["dp_cp"] == layout.group_of(rank, ("dp", "cp"))
+        assert groups["dp_cp"] == groups[INTER] == layout.group_of(rank, ("dp", "cp"))
+        assert intra_size == 1
+        assert groups["embed"] == layout.group_of(rank, ("pp",))  # first and last stage: pp = 2
+        assert timeouts == {7.0}
+
+
+def test_split_by_node():
+    layout = Layout(dp=4, tp=2)  # dp groups: [0, 2, 4, 6] and [1, 3, 5, 7]
+    assert layout.split_by_node(("dp", "cp"), 4) == ([[0, 2], [4, 6], [1, 3], [5, 7]],
+                                                     [[0, 4], [2, 6], [1, 5], [3, 7]])
+    assert layout.split_by_node(("dp", "cp"), 8) == ([[0, 2, 4, 6], [1, 3, 5, 7]],
+                                                     [[0], [2], [4], [6], [1], [3], [5], [7]])
+    assert layout.split_by_node(("dp", "cp"), 6) is None  # nodes {0..5}, {6, 7}: 3 + 1 ranks

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tetrad import launch
-from tetrad.topology import Layout, Topology
+from tetrad.dist.layout import Layout
+from tetrad.dist.topology import Topology
 
 pytestmark = pytest.mark.dist
 

@@ -3,7 +3,7 @@
 `load_gpu`, documented in docs/planner.md).
 
 `bench gemm` times matmuls by shape and dtype on one rank; `bench comm` times collectives over
-local ranks (tetrad.comm.bench). Each updates its own part of OUT/hardware.json, so they can run
+local ranks (tetrad.dist.bench). Each updates its own part of OUT/hardware.json, so they can run
 apart; OUT/cluster.toml points a one-node cluster at the profile for `--cluster`. On an
 accelerator (`--device auto` finds it) both run there: device GEMMs at training-sized shapes,
 and the collectives over the backend torch pairs with it (NCCL on NVIDIA GPUs), one rank per local
@@ -20,6 +20,10 @@ import time
 from pathlib import Path
 
 import torch
+
+from tetrad.dist.bench import ACCELERATOR_SIZES, DEFAULT_SIZES, OPS, bench_rank, bus_factor
+from tetrad.launch import run_local
+from tetrad.plan.links import LINK_EFFICIENCY
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (M, K, N): square sizes and the shapes of a small transformer's projections.
@@ -79,9 +83,51 @@ def gemm_profile(rows: list[dict], device: str = "cpu") -> dict:
 
 def comm_profile(rows: list[dict]) -> dict:
     """The profile's communication part: the fitted link (one machine: intra = inter) and the table."""
-    from tetrad.comm.bench import fit_link
     link = fit_link(rows)
     return {"links": {"intra_node": link, "inter_node": link}, "collectives": rows}
+
+
+def bench_comm(group_sizes=(2, 4, 8), ops=OPS, sizes=DEFAULT_SIZES, timeout_s: float = 600,
+               device_type: str = "cpu") -> list[dict]:
+    """Run the bench on fresh local ranks for each group size (on accelerators one per device, over
+    the backend torch pairs with it: NCCL on NVIDIA GPUs); all rows together."""
+    rows = []
+    for n in group_sizes:
+        rows += run_local(bench_rank, n, (tuple(ops), tuple(sizes)), timeout_s=timeout_s, pg_timeout_s=120,
+                          device_type=device_type)[0]
+    return rows
+
+
+def fit_link(rows: list[dict], op: str = "all_reduce") -> dict:
+    """Alpha (s per ring step) and beta (GB/s) for which the planner's ring model
+    (`plan.links.ring_time`) best matches the measured `op` times, by least squares on relative
+    error. beta is the link rate before the planner's LINK_EFFICIENCY, so the planner's
+    prediction for these messages is what was measured."""
+    steps = {"all_reduce": lambda n: 2 * (n - 1), "send_recv": lambda n: 1}.get(op, lambda n: n - 1)
+    pts = [r for r in rows if r["op"] == op and r["ranks"] > 1]
+    if not pts:
+        raise ValueError(f"no {op} measurements to fit")
+    # t = steps*alpha + factor*bytes*inv_bw; divide each row by t to weight by relative error.
+    a = torch.tensor([[steps(r["ranks"]) / r["time_s"], bus_factor(op, r["ranks"]) * r["bytes"] / r["time_s"]]
+                      for r in pts], dtype=torch.float64)
+    alpha, inv_bw = torch.linalg.lstsq(a, torch.ones(len(pts), 1, dtype=torch.float64)).solution.flatten().tolist()
+    alpha, inv_bw = max(alpha, 0.0), max(inv_bw, 1e-15)
+    return {"alpha_s": alpha, "beta_gbps": 1 / inv_bw / LINK_EFFICIENCY / 1e9, "fitted_on": op}
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'op':<15}{'ranks':>6}{'size':>10}{'time':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
+    for r in rows:
+        lines.append(f"{r['op']:<15}{r['ranks']:>6}{_size(r['bytes']):>10}{r['time_s'] * 1e3:>10.3f}ms"
+                     f"{r['algbw_gbps']:>12.3f}{r['busbw_gbps']:>12.3f}")
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
 
 
 def write_profile(out: Path, part: dict, name: str, ranks_per_node: int, device: str = "cpu") -> Path:
@@ -129,7 +175,6 @@ def bench_command(argv: list[str]) -> int:
         print(f"tetrad bench comm: group sizes {ranks or '(none)'} need that many {device} devices and this "
               f"machine has {local}; skipped (pass --ranks)")
     elif args.what in ("comm", "all"):
-        from tetrad.comm.bench import bench_comm, format_table
         rows = bench_comm(ranks, sizes=sizes, device_type=device)
         part = comm_profile(rows)
         print(json.dumps(rows, indent=2) if args.json else format_table(rows))
@@ -158,7 +203,6 @@ def _device_facts(device: str, ranks_per_node: int) -> dict:
 
 
 def _default_sizes(device: str = "cpu"):
-    from tetrad.comm.bench import ACCELERATOR_SIZES, DEFAULT_SIZES
     return DEFAULT_SIZES if device == "cpu" else ACCELERATOR_SIZES
 
 

@@ -2,7 +2,7 @@
 
 `attention` dispatches on context parallelism: with cp = 1 it is one
 `scaled_dot_product_attention` call (fused and flash kernels where the device has them); with
-cp > 1 each rank holds two load-balanced chunks of the sequence (parallel/context.py) and either
+cp > 1 each rank holds two load-balanced chunks of the sequence (dist/layout.py) and either
 
 - ring (`cp_algo="ring"`): K/V blocks travel the CP ring with non-blocking point-to-point, the
   next block in flight while the current one is computed, and partial outputs are merged with
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tetrad import device as devices
-from tetrad.parallel.context import load_balanced_order
+from tetrad.dist.layout import load_balanced_order
 
 
 @dataclass(frozen=True)
@@ -75,12 +75,12 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return out.transpose(1, 2)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, cp_algo: str = "ring") -> torch.Tensor:
     """Causal attention of this rank's tokens (shapes as `local_attention`), context parallel
-    over topo's cp group with `topo.cp_algo` when cp > 1."""
+    over topo's cp group with `cp_algo` ("ring" or "alltoall") when cp > 1."""
     if topo.size("cp") == 1:
         return local_attention(q, k, v)
-    if topo.cp_algo == "ring":
+    if cp_algo == "ring":
         kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
                                devices.prefers_cudnn_attention(q.device))
         out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel)

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tetrad.config import ModelConfig
 from tetrad.model.attention import attention
+from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
 from tetrad.model.tensor import (ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
                                  column_parallel_linear, column_parallel_linears, sequence_shard,
@@ -84,23 +85,23 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, topo, out_std: float):
+    def __init__(self, cfg: ModelConfig, topo, ex: Execution, out_std: float):
         super().__init__()
-        self.cfg, self.topo = cfg, topo
+        self.cfg, self.topo, self.ex = cfg, topo, ex
         hd = cfg.head_dim
         self.heads = cfg.n_heads // topo.tp_size
         self.kv_heads = cfg.n_kv_heads // topo.tp_size
-        self.wq = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, topo)
-        self.wk = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo)
-        self.wv = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo)
-        self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, topo, std=out_std)
+        self.wq = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, topo, ex)
+        self.wk = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo, ex)
+        self.wv = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo, ex)
+        self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, topo, ex, std=out_std)
         self.recompute_core = False  # selective recompute (see `core`)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         """`cache` (decoding): x holds the newest tokens only; their keys and values join the cache."""
         # q, k, v share one input collective; under SP x is a sequence chunk, q/k/v the whole sequence.
-        q, k, v = column_parallel_linears(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.topo)
+        q, k, v = column_parallel_linears(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.topo, self.ex)
         b, s, _ = q.shape
         hd = self.cfg.head_dim
         q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.kv_heads, hd), v.view(b, s, self.kv_heads, hd)
@@ -120,35 +121,35 @@ class Attention(nn.Module):
         and log-sum-exp); the rotated q and k, elementwise and cheap to redo, are the bulk."""
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return attention(q, k, v, self.topo)
+        return attention(q, k, v, self.topo, self.ex.cp_algo)
 
 
 class MLP(nn.Module):
     """SwiGLU (w2(silu(w1 x) * w3 x)) or GELU (w2(gelu(w1 x))); column then row parallel."""
 
-    def __init__(self, cfg: ModelConfig, topo, out_std: float):
+    def __init__(self, cfg: ModelConfig, topo, ex: Execution, out_std: float):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
-        self.w1 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo)
-        self.w3 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo) if self.swiglu else None
-        self.w2 = RowParallelLinear(cfg.ffn_hidden, cfg.d_model, topo, std=out_std)
+        self.w1 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo, ex)
+        self.w3 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo, ex) if self.swiglu else None
+        self.w2 = RowParallelLinear(cfg.ffn_hidden, cfg.d_model, topo, ex, std=out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            gate, up = column_parallel_linears(x, [self.w1.weight, self.w3.weight], self.w1.topo)
+            gate, up = column_parallel_linears(x, [self.w1.weight, self.w3.weight], self.w1.topo, self.w1.ex)
             return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, topo):
+    def __init__(self, cfg: ModelConfig, topo, ex: Execution):
         super().__init__()
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2/Megatron scaling of residual outputs
         self.attn_norm = Norm(cfg)
-        self.attn = Attention(cfg, topo, out_std)
+        self.attn = Attention(cfg, topo, ex, out_std)
         self.mlp_norm = Norm(cfg)
-        self.mlp = MLP(cfg, topo, out_std)
-        self.dropout = ResidualDropout(cfg.dropout, topo) if cfg.dropout else nn.Identity()
+        self.mlp = MLP(cfg, topo, ex, out_std)
+        self.dropout = ResidualDropout(cfg.dropout, topo, ex) if cfg.dropout else nn.Identity()
         self.recompute = False  # full recompute: keep only the block's input for backward
         self.run = self.body  # or its torch.compile'd version
 
@@ -198,24 +199,27 @@ def set_execution(model: nn.Module, recompute: str = "none", compile: bool = Fal
 
 
 class Transformer(nn.Module):
-    """Layers `layers` (global indices) of the model; `first`/`last` add embedding and head."""
+    """Layers `layers` (global indices) of the model; `first`/`last` add embedding and head.
+    `execution` says how its layers run (model/execution.py; default: plainly)."""
 
-    def __init__(self, cfg: ModelConfig, topo, layers: range | None = None, first: bool = True, last: bool = True):
+    def __init__(self, cfg: ModelConfig, topo, layers: range | None = None, first: bool = True, last: bool = True,
+                 execution: Execution | None = None):
         super().__init__()
+        ex = self.execution = execution or Execution()
         self.cfg, self.topo = cfg, topo
         self.first, self.last = first, last
         layers = range(cfg.n_layers) if layers is None else layers
         if first:
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, topo)
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, topo, ex)
             if cfg.pos == "learned":
                 self.pos_embed = new_param((cfg.seq_len, cfg.d_model), std=0.01)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, topo) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, topo, ex) for i in layers})
         if last:
             self.norm = Norm(cfg)
             if cfg.tie_embeddings and first:
                 self.head = None  # logits from the embedding's weight
             else:
-                self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, pad_to=topo.tp_size)
+                self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, ex, pad_to=topo.tp_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: dict[str, LayerCache] | None = None) -> torch.Tensor:
@@ -227,7 +231,7 @@ class Transformer(nn.Module):
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":
-                h = h + self.pos_embed[sequence_shard(positions, self.topo)]  # SP: h is a chunk
+                h = h + self.pos_embed[sequence_shard(positions, self.topo, self.execution)]  # SP: h is a chunk
         else:
             h = x
         rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta) if self.cfg.pos == "rope" else None
@@ -237,7 +241,7 @@ class Transformer(nn.Module):
             return h
         h = self.norm(h)
         weight = self.embed.weight if self.head is None else self.head.weight
-        logits = column_parallel_linear(h, weight, self.topo)
+        logits = column_parallel_linear(h, weight, self.topo, self.execution)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.topo).sum()

@@ -5,7 +5,7 @@ the input features, so an attention or MLP block needs one collective forward an
 
 Without sequence parallelism (SP) the residual stream [b, s, h] is replicated over tp: a column
 linear's input gradient is all-reduced in backward (f) and a row linear's output is all-reduced
-in forward (g). With SP (`topo.sequence_parallel`) the residual stream is split along the
+in forward (g). With SP (`Execution.sequence_parallel`, model/execution.py) the residual stream is split along the
 sequence, [b, s/tp, h], so norms and dropout work on 1/tp of the tokens and their activations
 take 1/tp of the memory: a column linear all-gathers its input along the sequence (its backward
 reduce-scatters the input gradient) and a row linear reduce-scatters its output (its backward
@@ -18,12 +18,11 @@ small autograd Functions below.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
 
 
@@ -68,10 +67,10 @@ def scatter_sequence(x: torch.Tensor, topo) -> torch.Tensor:
     return out
 
 
-def sequence_shard(t: torch.Tensor, topo, dim: int = 0) -> torch.Tensor:
+def sequence_shard(t: torch.Tensor, topo, ex: Execution, dim: int = 0) -> torch.Tensor:
     """This rank's slice of a replicated per-token tensor (e.g. positions) under SP, no
     communication; the tensor itself when SP is off."""
-    if not (topo.sequence_parallel and topo.tp_size > 1):
+    if not (ex.sequence_parallel and topo.tp_size > 1):
         return t
     return t.chunk(topo.tp_size, dim=dim)[topo.tp_rank]
 
@@ -105,74 +104,26 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return gather_sequence(grad, ctx.topo), None
 
 
-class DeferredWeightGrads:
-    """Zero-bubble's split backward (one per model, on its topology): while `collecting()` is
-    open, linear layers queue their weight-gradient matmuls instead of computing them, and the
-    backward yields input gradients only (BI); `apply(queue)` later computes the queued matmuls
-    and hands them to autograd as the weights' gradients (BW), so BI + BW does one backward's work."""
-
-    def __init__(self):
-        self._queue: list | None = None
-        # Set by an activation meter (train/memory.py): the queued inputs and output gradients
-        # live outside autograd until BW, and `hold(t)` keeps one counted while its handle lives.
-        self.hold = None
-
-    @contextlib.contextmanager
-    def collecting(self):
-        """Queue the weight gradients made inside; yields the queue for `apply`."""
-        self._queue = queue = []
-        try:
-            yield queue
-        finally:
-            self._queue = None
-
-    @property
-    def collecting_now(self) -> bool:
-        """Inside `collecting()`: a backward now is BI."""
-        return self._queue is not None
-
-    @staticmethod
-    def apply(queue: list) -> None:
-        # Layer by layer, in BI's order: each layer's weight gradients reach autograd (which
-        # accumulates them and runs the gradient hooks, the reducer's buckets) before the next
-        # layer's are computed, so a chunk's gradients never all exist at once.
-        for i, (ws, compute, _) in enumerate(queue):
-            torch.autograd.backward(ws, compute())
-            queue[i] = None  # its inputs and output gradients go now, not after the whole BW
-
-    def grads(self, weights: list, grads: tuple, x: torch.Tensor) -> list:
-        """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate, or
-        queued while collecting (None returned for now)."""
-        def compute():
-            flat = x.reshape(-1, x.shape[-1])
-            return [g.reshape(-1, g.shape[-1]).t().matmul(flat) for g in grads]
-        if self._queue is None:
-            return compute()
-        held = [self.hold(t) for t in (x, *grads)] if self.hold else []
-        self._queue.append((weights, compute, held))
-        return [None] * len(grads)
-
-
 class _Linear(torch.autograd.Function):
     """y = x W^T whose weight gradient can be deferred (DeferredWeightGrads); used instead of
     F.linear only under a zero-bubble schedule."""
 
     @staticmethod
-    def forward(ctx, x, weight, topo):
-        ctx.topo = topo
+    def forward(ctx, x, weight, weight_grads):
+        ctx.weight_grads = weight_grads
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_weight, = ctx.topo.weight_grads.grads([weight], (grad,), x)
+        grad_weight, = ctx.weight_grads.grads([weight], (grad,), x)
         return grad.matmul(weight), grad_weight, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, topo) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution) -> torch.Tensor:
     """x W^T with no communication: F.linear, or `_Linear` when backward is split."""
-    return _Linear.apply(x, weight, topo) if topo.split_backward else F.linear(x, weight)
+    return _Linear.apply(x, weight, ex.weight_grads) if ex.split_backward else F.linear(x, weight)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -188,50 +139,50 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, topo, *weights):
-        ctx.topo = topo
-        total = gather_sequence(x, topo) if topo.sequence_parallel else x
+    def forward(ctx, x, topo, ex, *weights):
+        ctx.topo, ctx.ex = topo, ex
+        total = gather_sequence(x, topo) if ex.sequence_parallel else x
         ctx.save_for_backward(total, *weights)
         return tuple(F.linear(total, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         total, *weights = ctx.saved_tensors
-        topo = ctx.topo
+        topo, ex = ctx.topo, ctx.ex
         grad_input = grads[0].matmul(weights[0])
         for g, w in zip(grads[1:], weights[1:]):
             grad_input.add_(g.matmul(w))
-        if topo.sequence_parallel:
+        if ex.sequence_parallel:
             grad_input, pending = _reduce_scatter_sequence(grad_input, topo, async_op=True)
         else:
             pending = topo.comm.all_reduce(grad_input, "tp", async_op=True)
-        grad_weights = topo.weight_grads.grads(weights, grads, total)
+        grad_weights = ex.weight_grads.grads(weights, grads, total)
         pending.wait()
-        return (grad_input, None, *grad_weights)
+        return (grad_input, None, None, *grad_weights)
 
 
 # ----------------------------------------------------------------------------- functional forms
 
-def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo) -> tuple[torch.Tensor, ...]:
+def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo, ex: Execution) -> tuple[torch.Tensor, ...]:
     """x W_i^T for each weight split by output rows, sharing the input collective (see
     `_ColumnParallelMatmul`). x is [b, s, h], or [b, s/tp, h] under SP; outputs cover the whole
     (local) sequence and this rank's output features."""
     if topo.tp_size == 1:
-        return tuple(linear(x, w, topo) for w in weights)
-    return _ColumnParallelMatmul.apply(x, topo, *weights)
+        return tuple(linear(x, w, ex) for w in weights)
+    return _ColumnParallelMatmul.apply(x, topo, ex, *weights)
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, topo) -> torch.Tensor:
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
     """x W_local^T for a weight split by output rows (also the tied head: the embedding's weight)."""
-    return column_parallel_linears(x, [weight], topo)[0]
+    return column_parallel_linears(x, [weight], topo, ex)[0]
 
 
-def reduce_tp_output(x: torch.Tensor, topo) -> torch.Tensor:
+def reduce_tp_output(x: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
     """Complete a tp-partial activation [b, s, h]: all-reduce it, or under SP reduce-scatter it to
     this rank's sequence chunk [b, s/tp, h]."""
     if topo.tp_size == 1:
         return x
-    if topo.sequence_parallel:
+    if ex.sequence_parallel:
         return _ReduceScatterToSequence.apply(x, topo)
     return _ReduceFromTP.apply(x, topo)
 
@@ -241,37 +192,38 @@ def reduce_tp_output(x: torch.Tensor, topo) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T, W split by output rows; the output stays split over tp."""
 
-    def __init__(self, in_features: int, out_features: int, topo, *, std: float = 0.02, pad_to: int | None = None):
+    def __init__(self, in_features: int, out_features: int, topo, ex: Execution, *, std: float = 0.02,
+                 pad_to: int | None = None):
         super().__init__()
-        self.topo = topo
+        self.topo, self.ex = topo, ex
         self.weight = new_param((out_features, in_features), shard_dim=0, parts=topo.tp_size,
                                 index=topo.tp_rank, pad_to=pad_to, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight, self.topo)
+        return column_parallel_linear(x, self.weight, self.topo, self.ex)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum over tp of x_local W_local^T, W split by input columns; the output is complete
     (under SP: complete for this rank's sequence chunk)."""
 
-    def __init__(self, in_features: int, out_features: int, topo, *, std: float = 0.02):
+    def __init__(self, in_features: int, out_features: int, topo, ex: Execution, *, std: float = 0.02):
         super().__init__()
-        self.topo = topo
+        self.topo, self.ex = topo, ex
         self.weight = new_param((out_features, in_features), shard_dim=1, parts=topo.tp_size,
                                 index=topo.tp_rank, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_tp_output(linear(x, self.weight, self.topo), self.topo)
+        return reduce_tp_output(linear(x, self.weight, self.ex), self.topo, self.ex)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows of the (padded) vocabulary split over tp; each rank looks up the tokens it owns and
     the partial lookups are summed (under SP: reduce-scattered to this rank's sequence chunk)."""
 
-    def __init__(self, vocab_size: int, dim: int, topo, *, std: float = 0.02):
+    def __init__(self, vocab_size: int, dim: int, topo, ex: Execution, *, std: float = 0.02):
         super().__init__()
-        self.topo = topo
+        self.topo, self.ex = topo, ex
         self.weight = new_param((vocab_size, dim), shard_dim=0, parts=topo.tp_size, index=topo.tp_rank,
                                 pad_to=topo.tp_size, std=std)
         self.rows = self.weight.shape[0]
@@ -284,7 +236,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_tp_output(out, self.topo)
+        return reduce_tp_output(out, self.topo, self.ex)
 
 
 class ResidualDropout(nn.Module):
@@ -299,11 +251,11 @@ class ResidualDropout(nn.Module):
     run's: dropout > 0 is reproducible per layout, not bitwise equal across layouts.
     """
 
-    def __init__(self, p: float, topo):
+    def __init__(self, p: float, topo, ex: Execution):
         super().__init__()
-        self.p, self.topo = p, topo
+        self.p = p
         self.generator = None
-        if topo.tp_size > 1 and not topo.sequence_parallel:
+        if topo.tp_size > 1 and not ex.sequence_parallel:
             seed = torch.randint(2**62, (1,), device=topo.device)  # explicit device: models are built on meta
             topo.comm.broadcast(seed, 0, "tp")
             self.generator = torch.Generator(device=topo.device).manual_seed(int(seed))

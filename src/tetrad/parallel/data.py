@@ -51,9 +51,10 @@ import torch
 import torch.nn as nn
 
 from tetrad import device as devices
-from tetrad.comm import autotune, hierarchical
-from tetrad.comm.codecs import INT8_BLOCK, make_codec
 from tetrad.config import DEFAULT_BUCKET_MB
+from tetrad.dist import autotune, hierarchical
+from tetrad.dist.codecs import INT8_BLOCK, make_codec
+from tetrad.model.execution import Execution
 from tetrad.model.sharding import spec_of
 from tetrad.train.optim import adamw, build_optimizer, clip_gradients
 
@@ -149,6 +150,8 @@ class GradReducer:
                  dtype: torch.dtype = torch.float32, offload: bool = False,
                  init: Callable[[str, nn.Parameter], torch.Tensor] | None = None):
         self.params, self.topo, self._init = params, topo, init
+        # How the model runs: zero-bubble's split backward, sequence parallelism (model/execution.py).
+        self.execution = getattr(model, "execution", None) or Execution()
         self._names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
         self.dtype, self.offload = dtype, offload
         self.zero = parallel.zero if parallel else 0
@@ -157,12 +160,13 @@ class GradReducer:
         self.n, self.rank = topo.size("dp_cp"), topo.local_rank("dp_cp")
         codec = parallel.grad_codec if parallel else "none"
         self.codec = make_codec(codec, self.n)
-        if parallel:  # "auto" bucket size and hierarchical: measured now (comm/autotune.py)
+        if parallel:  # "auto" bucket size and hierarchical: measured now (dist/autotune.py)
             parallel = autotune.resolve(parallel, topo, 4 * sum(p.numel() for p in params))
         self.hierarchical = bool(parallel and parallel.hierarchical is True and self.n > 1)
         align = INT8_BLOCK if codec == "int8" else 1
-        if self.hierarchical:
-            topo.split_by_node()
+        if self.hierarchical and topo.layout.split_by_node(("dp", "cp"), topo.ranks_per_node) is None:
+            raise ValueError(f"hierarchical reduction needs the dp x cp groups spread evenly over nodes of "
+                             f"{topo.ranks_per_node} ranks")
         self._sync = False
         self._in_flight: list[Bucket] = []  # ZeRO >= 2: reduce-scatters started, oldest first
         self._root = None
@@ -187,8 +191,6 @@ class GradReducer:
                 self.buckets.append(Bucket([tied], self.n, self.rank, align))
                 self._tied = self.buckets[-1]
                 self._tied_copy = model.holds_tied_copy
-        if getattr(model, "ties_stages", False):
-            topo.make_embedding_group()  # collective: every rank, holding a copy or not
         for k, bucket in enumerate(self.buckets):
             bucket.index = k
             for i, p in enumerate(bucket.params):
@@ -295,7 +297,7 @@ class GradReducer:
                 # the layer's inputs and output gradients, so the block is done with its weights
                 # once its input gradient (BI) is out.
                 x = args[0]
-                if self.topo.split_backward and torch.is_grad_enabled() and x.requires_grad:
+                if self.execution.split_backward and torch.is_grad_enabled() and x.requires_grad:
                     x.register_hook(lambda grad: self._free(k))
             return hook
 
@@ -346,8 +348,8 @@ class GradReducer:
                 return
             if bucket.pending is not None and self.zero >= 2:  # last micro-batch's, still in flight
                 self._finish(bucket)
-            in_bi = self.topo.weight_grads.collecting_now
-            if self.zero >= 2 and self.topo.split_backward:
+            in_bi = self.execution.weight_grads.collecting_now
+            if self.zero >= 2 and self.execution.split_backward:
                 # Zero-bubble: BI makes the gradients that are not deferred (the norms'), BW the
                 # linears'. BI's wait apart (fp32) until BW starts the bucket, and the bucket is
                 # complete when BW has delivered all of its linears' (a later micro-batch's BI may
@@ -374,7 +376,7 @@ class GradReducer:
                 self._materialise(bucket, p.device)
                 # A block's weights are done with once its gradients are in, unless backward is
                 # split (zero-bubble): its BI may still need them while an earlier BW completes the count.
-                if self.zero == 3 and bucket is not self._root and not self.topo.split_backward:
+                if self.zero == 3 and bucket is not self._root and not self.execution.split_backward:
                     self._free(bucket.index)
                 if self._sync or self.zero >= 2:
                     self._launch(bucket)
@@ -451,7 +453,7 @@ class GradReducer:
     def _sum_sequence_parallel(self) -> None:
         """Under SP each tp rank's gradient of a tp-replicated parameter (norms) covers its own
         tokens only: sum those over tp. Bucket layouts match across tp, so the shards line up."""
-        if not getattr(self.topo, "sequence_parallel", False):
+        if not self.execution.sequence_parallel:
             return
         if self.zero == 0:  # the optimizer reads the whole bucket
             views = [b.view(b.grad, i) for b in self.buckets if b.grad is not None

@@ -26,7 +26,7 @@ from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import spec_of
-from tetrad.topology import Topology
+from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
                                      verify)
 

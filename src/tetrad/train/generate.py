@@ -18,7 +18,7 @@ import torch
 from tetrad.config import ModelConfig
 from tetrad.data.tokenizer import eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
-from tetrad.topology import Topology
+from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
 from tetrad.train.convert import checkpoint_folder, read_weights
 

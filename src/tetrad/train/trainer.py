@@ -19,16 +19,17 @@ import torch
 
 from tetrad import device as devices
 from tetrad.config import Config, profile_steps
+from tetrad.dist.layout import Layout, shard_sequence
+from tetrad.dist.topology import Topology
+from tetrad.model.execution import DeferredWeightGrads, Execution
 from tetrad.model.llama import set_execution
 from tetrad.model.sharding import full_state_dict, init_parameters, initial_value, set_spec, spec_of
 from tetrad.model.tensor import DropoutGenerators
-from tetrad.parallel.context import shard_sequence
 from tetrad.parallel.data import GradReducer
 from tetrad.parallel.pipeline.executor import PipelineExecutor
 from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
 from tetrad.parallel.pipeline.schedules import forward_only
 from tetrad.parallel.pipeline.stages import PipelineStages
-from tetrad.topology import Layout, Topology
 from tetrad.train.batches import split_batches
 from tetrad.train.checkpoint import Checkpointer, step_dir
 from tetrad.train.init_from import initial_weights
@@ -40,14 +41,24 @@ from tetrad.train.precision import LossScaler, model_dtype
 from tetrad.train.stopping import StopSignals
 
 
-def build_model(cfg: Config, topo: Topology, materialise: bool = True) -> PipelineStages:
+def execution_for(cfg: Config, hold=None) -> Execution:
+    """How the model runs under `cfg` (model/execution.py); `hold` counts zero-bubble's deferred
+    tensors (an ActivationMeter's)."""
+    p = cfg.parallel
+    return Execution(cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel and p.tp > 1,
+                     split_backward=p.pp > 1 and schedule_spec(p.schedule).splits_backward,
+                     weight_grads=DeferredWeightGrads(hold))
+
+
+def build_model(cfg: Config, topo: Topology, execution: Execution | None = None,
+                materialise: bool = True) -> PipelineStages:
     """This rank's model chunks, built on the meta device, then given device memory and their
     shard of the initial weights (the logical init, or `checkpoint.init_from`'s weights), one
     parameter at a time. Without `materialise` (ZeRO-3's start-up) parameters get no memory and
     no values here: GradReducer's `init` builds only this rank's ZeRO shard of the same weights,
     so the whole local model never exists at once."""
     with torch.device("meta"):
-        model = PipelineStages(cfg, topo)
+        model = PipelineStages(cfg, topo, execution or execution_for(cfg))
     specs = {name: spec_of(p) for name, p in model.named_parameters()}
     if materialise:
         model.to_empty(device=topo.device)  # makes new Parameter objects: re-attach their specs
@@ -80,12 +91,12 @@ class Trainer:
         p = cfg.parallel
         # Memory is measured from here: on CPU a forked rank starts with its parent's pages.
         self.memory_base = devices.start_memory_tracking(device)
-        self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node,
-                             cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel,
-                             split_backward=p.pp > 1 and schedule_spec(p.schedule).splits_backward)
+        self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node)
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed((cfg.train.seed + 7919 * self.topo.rank) % 2**63)
-        self.model = build_model(cfg, self.topo, materialise=p.zero != 3)
+        self.activations = ActivationMeter()
+        self.model = build_model(cfg, self.topo, execution_for(cfg, hold=self.activations.hold),
+                                 materialise=p.zero != 3)
         set_execution(self.model, cfg.train.recompute, cfg.train.compile)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         dtype = model_dtype(cfg.train.dtype)
@@ -97,8 +108,6 @@ class Trainer:
                                  offload=cfg.train.offload_optimizer, init=shard_init)
         self.optimizer = self.grads.build_optimizer(cfg.train)
         self.scaler = LossScaler(enabled=cfg.train.dtype == "fp16")
-        self.activations = ActivationMeter()
-        self.topo.weight_grads.hold = self.activations.hold
         # val_batches: None without held-out tokens (data.val_fraction / val_source); config
         # validation refuses train.eval_every without them.
         self.batches, self.val_batches = split_batches(cfg)
@@ -106,7 +115,7 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         # Without a pipeline the schedule is F, B per micro-batch: plain gradient accumulation.
         schedule = build_schedule(p.schedule if p.pp > 1 else "1f1b", p.pp, cfg.microbatches, p.vpp)
-        tokens = cfg.model.seq_len // p.cp // (p.tp if self.topo.sequence_parallel else 1)
+        tokens = cfg.model.seq_len // p.cp // (p.tp if self.model.execution.sequence_parallel else 1)
         shape = (cfg.train.micro_batch, tokens, cfg.model.d_model)
         self.pipeline = PipelineExecutor(self.model, schedule, self.topo, self.grads, shape, dtype)
         self.eval_pipeline = PipelineExecutor(self.model, forward_only(schedule), self.topo, self.grads, shape, dtype)

@@ -14,7 +14,7 @@ With pp = vpp = 1 the "schedule" is F, B per micro-batch with no transfers: the 
 the plain gradient-accumulation loop.
 
 Zero-bubble halves: BI runs the backward with the linear layers' weight-gradient matmuls
-queued instead of computed (model/tensor.py `DeferredWeightGrads`; the cheap gradients of norms and
+queued instead of computed (model/execution.py `DeferredWeightGrads`; the cheap gradients of norms and
 embeddings are made at once), BW runs the queue and hands the results to autograd as the
 weights' gradients, so BI + BW does the work of one B.
 """
@@ -104,7 +104,7 @@ class PipelineExecutor:
                 made = x.grad if x is not None else None
             else:  # BW: the weight-gradient matmuls BI queued
                 with closing:
-                    self.topo.weight_grads.apply(stash.pop((a.mb, a.chunk)))
+                    self.model.execution.weight_grads.apply(stash.pop((a.mb, a.chunk)))
             self.marks.append(clock.mark())
             for op in ops:
                 if op.op == "send":
@@ -124,7 +124,7 @@ class PipelineExecutor:
         """BI: the backward of `out` without the weight gradients; returns their queue for BW.
         (A function of its own, so that no local name keeps a queue, and the layer inputs and
         output gradients it holds, alive after its BW.)"""
-        with self.topo.weight_grads.collecting() as queue:
+        with self.model.execution.weight_grads.collecting() as queue:
             torch.autograd.backward(out, grad)
         return queue
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from tetrad.config import Config
+from tetrad.model.execution import Execution
 from tetrad.model.llama import Transformer
 from tetrad.parallel.pipeline.split import layer_split, rank_stages
 
@@ -24,15 +25,16 @@ from tetrad.parallel.pipeline.split import layer_split, rank_stages
 class PipelineStages(nn.Module):
     """This pipeline rank's vpp model chunks (one, the whole model, when pp = vpp = 1)."""
 
-    def __init__(self, cfg: Config, topo):
+    def __init__(self, cfg: Config, topo, execution: Execution | None = None):
         super().__init__()
         pp, vpp, rank = cfg.parallel.pp, cfg.parallel.vpp, topo.coords["pp"]
+        self.execution = execution or Execution()  # how every chunk's layers run
         split = layer_split(cfg)
         self.stage_ids = rank_stages(pp, vpp, rank)
         # Not submodules: their parts are registered below, in the single model's order
         # (embedding, layers, norm and head), which is also the order of gradient buckets.
-        self.chunks = [Transformer(cfg.model, topo, layers=split[g], first=g == 0, last=g == len(split) - 1)
-                       for g in self.stage_ids]
+        self.chunks = [Transformer(cfg.model, topo, layers=split[g], first=g == 0, last=g == len(split) - 1,
+                                   execution=self.execution) for g in self.stage_ids]
         # Tied embeddings over several stages: the last stage's head is a copy of the embedding,
         # registered under the same logical name, so it starts equal; the reducer sums the two
         # copies' gradients over the "embed" group (data.py), so they stay equal.

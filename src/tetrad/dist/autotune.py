@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from tetrad import device as devices
-from tetrad.comm.bench import bus_factor, time_collective
+from tetrad.dist.bench import bus_factor, time_collective
 from tetrad.config import DEFAULT_BUCKET_MB
+from tetrad.dist.topology import INTER, INTRA
 
 BUCKET_CANDIDATES_MB = (1, 4, 16, 25, 64)
 SATURATION = 0.8  # a bucket this close to the best measured bus bandwidth is large enough
@@ -84,9 +85,7 @@ def _choose_hierarchical(parallel, topo, nbytes: int) -> tuple[bool, str]:
         return False, f"flat (each dp x cp group of {n} ranks is inside one node of ranks_per_node={per_node})"
     if any(len(set(nodes.values())) > 1 for nodes in per_group):
         return False, f"flat (the dp x cp groups do not split evenly over nodes of ranks_per_node={per_node})"
-    topo.split_by_node()
-    flat_s, hier_s = choose_hierarchical(topo.group("dp_cp"), topo.group("dp_cp_intra"), topo.group("dp_cp_inter"),
-                                         nbytes)
+    flat_s, hier_s = choose_hierarchical(topo.group("dp_cp"), topo.group(INTRA), topo.group(INTER), nbytes)
     choice = hier_s < flat_s
     return choice, (f"{'hierarchical' if choice else 'flat'} (one {nbytes / 2**20:g} MiB bucket: flat all-reduce "
                     f"{1e3 * flat_s:.2f} ms, intra-node reduce-scatter + inter-node all-reduce + intra-node "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-INTRA, INTER = "dp_cp_intra", "dp_cp_inter"
+from tetrad.dist.topology import INTER, INTRA
 
 
 class HierarchicalPending:
@@ -23,9 +23,8 @@ class HierarchicalPending:
 
 
 def all_reduce(flat: torch.Tensor, topo) -> HierarchicalPending:
-    """Start the hierarchical SUM of `flat` (its length divisible by the intra-node group size);
-    the groups come from `topo.split_by_node()`, which the reducer calls once."""
-    k = topo.size(INTRA)
-    shard = flat.new_empty(flat.numel() // k)
+    """Start the hierarchical SUM of `flat` (its length divisible by the intra-node group size)
+    over the topology's per-node halves of dp x cp."""
+    shard = flat.new_empty(flat.numel() // topo.size(INTRA))
     first = topo.comm.reduce_scatter(shard, flat, INTRA, async_op=True)
     return HierarchicalPending(topo.comm, flat, shard, first)

@@ -1,7 +1,9 @@
 """`tetrad bench comm`: time each collective over group sizes and message sizes, report algorithm
 and bus bandwidth (nccl-tests convention), and fit the alpha-beta link the planner uses.
 
-Sizes follow tetrad.comm's byte convention (all-reduce: the tensor; all-gather: the gathered
+tetrad/bench.py runs these over fresh local ranks and fits the planner's link to the rows.
+
+Sizes follow tetrad.dist.comm's byte convention (all-reduce: the tensor; all-gather: the gathered
 output; reduce-scatter and all-to-all: the input; send/recv: what a rank sends), which is also
 nccl-tests' `size`. busbw = algbw x factor, so one number compares across group sizes:
 2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for send/recv.
@@ -95,48 +97,3 @@ def bench_rank(ops=OPS, sizes=DEFAULT_SIZES) -> list[dict]:
             rows.append({"op": op, "ranks": n, "bytes": size, "time_s": seconds,
                          "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, n)})
     return rows
-
-
-def bench_comm(group_sizes=(2, 4, 8), ops=OPS, sizes=DEFAULT_SIZES, timeout_s: float = 600,
-               device_type: str = "cpu") -> list[dict]:
-    """Run the bench on fresh local ranks for each group size (on accelerators one per device, over
-    the backend torch pairs with it: NCCL on NVIDIA GPUs); all rows together."""
-    from tetrad.launch import run_local
-    rows = []
-    for n in group_sizes:
-        rows += run_local(bench_rank, n, (tuple(ops), tuple(sizes)), timeout_s=timeout_s, pg_timeout_s=120,
-                          device_type=device_type)[0]
-    return rows
-
-
-def fit_link(rows: list[dict], op: str = "all_reduce") -> dict:
-    """Alpha (s per ring step) and beta (GB/s) for which the planner's ring model
-    (`plan.links.ring_time`) best matches the measured `op` times, by least squares on relative
-    error. beta is the link rate before the planner's LINK_EFFICIENCY, so the planner's
-    prediction for these messages is what was measured."""
-    from tetrad.plan.links import LINK_EFFICIENCY
-    steps = {"all_reduce": lambda n: 2 * (n - 1), "send_recv": lambda n: 1}.get(op, lambda n: n - 1)
-    pts = [r for r in rows if r["op"] == op and r["ranks"] > 1]
-    if not pts:
-        raise ValueError(f"no {op} measurements to fit")
-    # t = steps*alpha + factor*bytes*inv_bw; divide each row by t to weight by relative error.
-    a = torch.tensor([[steps(r["ranks"]) / r["time_s"], bus_factor(op, r["ranks"]) * r["bytes"] / r["time_s"]]
-                      for r in pts], dtype=torch.float64)
-    alpha, inv_bw = torch.linalg.lstsq(a, torch.ones(len(pts), 1, dtype=torch.float64)).solution.flatten().tolist()
-    alpha, inv_bw = max(alpha, 0.0), max(inv_bw, 1e-15)
-    return {"alpha_s": alpha, "beta_gbps": 1 / inv_bw / LINK_EFFICIENCY / 1e9, "fitted_on": op}
-
-
-def format_table(rows: list[dict]) -> str:
-    lines = [f"{'op':<15}{'ranks':>6}{'size':>10}{'time':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
-    for r in rows:
-        lines.append(f"{r['op']:<15}{r['ranks']:>6}{_size(r['bytes']):>10}{r['time_s'] * 1e3:>10.3f}ms"
-                     f"{r['algbw_gbps']:>12.3f}{r['busbw_gbps']:>12.3f}")
-    return "\n".join(lines)
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} B"

@@ -17,16 +17,16 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from tetrad import device as devices
-from tetrad.comm import watchdog
+from tetrad.dist import watchdog
 
-if TYPE_CHECKING:
-    from tetrad.topology import Topology
+# A group's name -> its process group, None when the group has one rank (the topology's `group`).
+GroupLookup = Callable[[str], "dist.ProcessGroup | None"]
 
 # The dp x cp gradient group (and its per-node halves) is reported as "dp", the tied-embedding pair
 # of the first and last pipeline stage as "pp" (docs/design.md: comm_bytes by tp, cp, pp, dp).
@@ -66,10 +66,11 @@ DONE = Pending([], None)
 
 
 class Comm:
-    """Accounted collectives over the named groups of one Topology."""
+    """Accounted collectives over named groups, which `groups` looks up (it knows nothing of the
+    layout: dist/topology.py creates the groups and hands this its lookup)."""
 
-    def __init__(self, topo: "Topology"):
-        self.topo = topo
+    def __init__(self, groups: GroupLookup, device: torch.device):
+        self.groups, self.device = groups, device
         self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
         # Where time is read (device.py), and this step's time blocked: (reported group, start, end) marks.
         self.clock = devices.clock(topo.device)
@@ -87,8 +88,8 @@ class Comm:
         except RuntimeError as e:
             if not watchdog.is_timeout(e):
                 raise
-            pg = self.topo.group(group)
-            timeout = pg._get_backend(self.topo.device).options._timeout.total_seconds()
+            pg = self.groups(group)
+            timeout = pg._get_backend(self.device).options._timeout.total_seconds()
             raise watchdog.explain(op, group, call, pg, e, timeout) from None
 
     # ------------------------------------------------------------------ accounting
@@ -135,7 +136,7 @@ class Comm:
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, group: str, op=dist.ReduceOp.SUM, async_op: bool = False):
-        pg = self.topo.group(group)
+        pg = self.groups(group)
         if pg is None:
             return DONE
         return self._run("all_reduce", group, _nbytes(tensor),
@@ -143,7 +144,7 @@ class Comm:
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
         """Concatenate every rank's `tensor` along dim 0 into `output`."""
-        pg = self.topo.group(group)
+        pg = self.groups(group)
         if pg is None:
             output.copy_(tensor)
             return DONE
@@ -154,7 +155,7 @@ class Comm:
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: str,
                        op=dist.ReduceOp.SUM, async_op: bool = False):
         """Sum `tensor` over the group and keep this rank's dim-0 slice in `output`."""
-        pg = self.topo.group(group)
+        pg = self.groups(group)
         if pg is None:
             output.copy_(tensor)
             return DONE
@@ -164,7 +165,7 @@ class Comm:
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
         """Equal dim-0 splits of `tensor` to each rank of the group, received into `output`."""
-        pg = self.topo.group(group)
+        pg = self.groups(group)
         if pg is None:
             output.copy_(tensor)
             return DONE
@@ -173,7 +174,7 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src_local: int, group: str, async_op: bool = False):
         """Broadcast from the group's local rank `src_local`."""
-        pg = self.topo.group(group)
+        pg = self.groups(group)
         if pg is None:
             return DONE
         src = dist.get_global_rank(pg, src_local)
@@ -185,7 +186,7 @@ class Comm:
         """Start sends and receives (tensor, global peer rank) together as one batched, non-blocking
         operation; only the sent bytes are counted. Tags (default 0) match a send to its receive
         when a link carries several transfers at once (the pipeline executor)."""
-        pg = self.topo.group(group)
+        pg = self.groups(group)
         send_tags, recv_tags = send_tags or [0] * len(sends), recv_tags or [0] * len(recvs)
         ops = [dist.P2POp(dist.isend, t, peer, pg, tag) for (t, peer), tag in zip(sends, send_tags)]
         ops += [dist.P2POp(dist.irecv, t, peer, pg, tag) for (t, peer), tag in zip(recvs, recv_tags)]

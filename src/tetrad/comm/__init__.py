@@ -1,1 +1,0 @@
-"""Accounted collectives (ops.py); codecs and hierarchical reduction join them here."""

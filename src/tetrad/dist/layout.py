@@ -1,0 +1,101 @@
+"""Where every rank sits in the grid of parallel dimensions, and which tokens a cp rank holds.
+
+Pure arithmetic, no process groups (tested over every factorisation). world = pp x dp x cp x tp
+with tp fastest, then cp, then dp, pp slowest (Megatron's order), so tensor-parallel groups are
+consecutive ranks inside one node and pipeline stages are the outermost dimension. Nothing else
+in tetrad computes ranks by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+DIMS = ("pp", "dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in DIMS)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def grid(self) -> torch.Tensor:
+        """Rank of every coordinate, indexed in DIMS order; the DeviceMesh is built from this."""
+        return torch.arange(self.world_size).reshape(self.sizes)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinate of `rank` along every dimension."""
+        out, rest = {}, rank
+        for name, size in reversed(list(zip(DIMS, self.sizes))):
+            out[name] = rest % size
+            rest //= size
+        return {name: out[name] for name in DIMS}
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        return int(self.grid()[tuple(coords[d] for d in DIMS)])
+
+    def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """Every group spanning `dims` (the other coordinates fixed), each as a sorted rank list."""
+        keep = [DIMS.index(d) for d in dims]
+        fixed = [i for i in range(len(DIMS)) if i not in keep]
+        size = math.prod(self.sizes[i] for i in keep)
+        return [row.tolist() for row in self.grid().permute(fixed + sorted(keep)).reshape(-1, size)]
+
+    def group_of(self, rank: int, dims: tuple[str, ...]) -> list[int]:
+        return next(g for g in self.groups(dims) if rank in g)
+
+    def split_by_node(self, dims: tuple[str, ...], ranks_per_node: int) -> tuple[list, list] | None:
+        """(intra, inter): every `dims` group cut into its ranks on one node (node = rank //
+        ranks_per_node) and into the ranks at the same position on every node; None when some
+        group is spread unevenly over nodes (hierarchical reduction then cannot run)."""
+        intra = []
+        for group in self.groups(dims):
+            nodes: dict[int, list[int]] = {}
+            for r in group:
+                nodes.setdefault(r // ranks_per_node, []).append(r)
+            if len({len(g) for g in nodes.values()}) != 1:
+                return None
+            intra.append(list(nodes.values()))
+        inter = [list(ranks) for per_group in intra for ranks in zip(*per_group)]
+        return [g for per_group in intra for g in per_group], inter
+
+
+def factorisations(world: int) -> list[Layout]:
+    """Every layout with `world` ranks."""
+    divs = [d for d in range(1, world + 1) if world % d == 0]
+    return [Layout(pp, dp, cp, tp) for pp, dp, cp in itertools.product(divs, repeat=3)
+            if world % (pp * dp * cp) == 0 for tp in [world // (pp * dp * cp)]]
+
+
+# ----------------------------------------------------------------------------- sequence under cp
+# The sequence is cut into 2·cp chunks and cp rank i keeps chunks i and 2cp−1−i: under a causal
+# mask an early chunk attends to little and a late one to much, so pairing them gives every rank
+# the same attention work. Tokens, labels and positions are sharded alike, so RoPE, learned
+# positions and the loss all see each token's true position.
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = -1) -> torch.Tensor:
+    """cp rank `rank`'s two chunks of `x` along `dim`, concatenated (x itself when cp == 1)."""
+    if cp == 1:
+        return x
+    parts = x.chunk(2 * cp, dim)
+    return torch.cat([parts[rank], parts[2 * cp - 1 - rank]], dim)
+
+
+def load_balanced_order(seq_len: int, cp: int, device=None) -> torch.Tensor:
+    """True position of each token when the ranks' shards are laid end to end in rank order
+    (the sequence an all-to-all gathers)."""
+    positions = torch.arange(seq_len, device=device)
+    return torch.cat([shard_sequence(positions, cp, r) for r in range(cp)])

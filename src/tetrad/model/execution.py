@@ -1,0 +1,76 @@
+"""How the model runs on its topology: the training run's execution choices, owned by the model.
+
+The topology says where a rank sits and which groups it talks over; these say what the layers do
+with that: how attention uses the cp dimension, whether tp also splits the residual stream along
+the sequence, and whether backward is split into its input- and weight-gradient halves
+(zero-bubble schedules). Every layer of one model reads the same `Execution`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+class DeferredWeightGrads:
+    """Zero-bubble's split backward (one per model, in its Execution): while `collecting()` is
+    open, linear layers queue their weight-gradient matmuls instead of computing them, and the
+    backward yields input gradients only (BI); `apply(queue)` later computes the queued matmuls
+    and hands them to autograd as the weights' gradients (BW), so BI + BW does one backward's work."""
+
+    def __init__(self, hold: Callable[[torch.Tensor], object] | None = None):
+        self._queue: list | None = None
+        # An activation meter's (train/memory.py): the queued inputs and output gradients live
+        # outside autograd until BW, and `hold(t)` keeps one counted while its handle lives.
+        self.hold = hold
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """Queue the weight gradients made inside; yields the queue for `apply`."""
+        self._queue = queue = []
+        try:
+            yield queue
+        finally:
+            self._queue = None
+
+    @property
+    def collecting_now(self) -> bool:
+        """Inside `collecting()`: a backward now is BI."""
+        return self._queue is not None
+
+    @staticmethod
+    def apply(queue: list) -> None:
+        # Layer by layer, in BI's order: each layer's weight gradients reach autograd (which
+        # accumulates them and runs the gradient hooks, the reducer's buckets) before the next
+        # layer's are computed, so a chunk's gradients never all exist at once.
+        for i, (ws, compute, _) in enumerate(queue):
+            torch.autograd.backward(ws, compute())
+            queue[i] = None  # its inputs and output gradients go now, not after the whole BW
+
+    def grads(self, weights: list, grads: tuple, x: torch.Tensor) -> list:
+        """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate, or
+        queued while collecting (None returned for now)."""
+        def compute():
+            flat = x.reshape(-1, x.shape[-1])
+            return [g.reshape(-1, g.shape[-1]).t().matmul(flat) for g in grads]
+        if self._queue is None:
+            return compute()
+        held = [self.hold(t) for t in (x, *grads)] if self.hold else []
+        self._queue.append((weights, compute, held))
+        return [None] * len(grads)
+
+
+@dataclass
+class Execution:
+    """cp_algo: "ring" or "alltoall" (model/attention.py). sequence_parallel: tp also splits
+    the residual stream along the sequence (model/tensor.py; only meaningful with tp > 1).
+    split_backward: linear layers route their weight gradients through `weight_grads`, which
+    the pipeline executor opens (BI) and applies (BW)."""
+
+    cp_algo: str = "ring"
+    sequence_parallel: bool = False
+    split_backward: bool = False
+    weight_grads: DeferredWeightGrads = field(default_factory=DeferredWeightGrads)

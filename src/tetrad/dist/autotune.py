@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tetrad import device as devices
 from tetrad.dist.bench import bus_factor, time_collective
 from tetrad.config import DEFAULT_BUCKET_MB
+from tetrad.dist.layout import GRAD, GRAD_DIMS
 from tetrad.dist.topology import INTER, INTRA
 
 BUCKET_CANDIDATES_MB = (1, 4, 16, 25, 64)
@@ -30,7 +31,7 @@ def resolve(parallel, topo, grad_bytes: int):
     fp32 gradients on this rank take `grad_bytes`; logged on rank 0 with the figures."""
     if parallel.grad_bucket_mb != "auto" and parallel.hierarchical != "auto":
         return parallel
-    flat = topo.group("dp_cp")
+    flat = topo.group(GRAD)
     # Pipeline stages hold different gradients, but every rank must time the same bucket sizes.
     total = torch.tensor([float(grad_bytes)], dtype=torch.float64, device=devices.collective_device())
     dist.all_reduce(total, op=dist.ReduceOp.MAX)
@@ -44,7 +45,7 @@ def resolve(parallel, topo, grad_bytes: int):
             bucket_mb, busbw = choose_bucket_mb(flat, grad_bytes)
             figures = ", ".join(f"{mb:g} MiB {gbps:.2f} GB/s" for mb, gbps in busbw.items())
             note = (f"{bucket_mb:g} MiB, the smallest within {SATURATION:.0%} of the best all-reduce bus bandwidth "
-                    f"over dp x cp = {topo.size('dp_cp')} ranks ({figures})")
+                    f"over dp x cp = {topo.size(GRAD)} ranks ({figures})")
         notes.append(f"parallel.grad_bucket_mb=auto -> {note}")
     hierarchical = parallel.hierarchical
     if hierarchical == "auto":
@@ -74,18 +75,18 @@ def choose_bucket_mb(group, grad_bytes: int | None = None, candidates_mb=BUCKET_
 def _choose_hierarchical(parallel, topo, nbytes: int) -> tuple[bool, str]:
     """Flat or hierarchical reduction, and why. Only measured where hierarchical is possible
     (ZeRO 0/1 without a codec, the dp x cp group spread evenly over more than one node)."""
-    n, per_node = topo.size("dp_cp"), parallel.ranks_per_node
+    n, per_node = topo.size(GRAD), parallel.ranks_per_node
     if n == 1:
         return False, "flat (no dp x cp reduction)"
     if parallel.zero >= 2 or parallel.grad_codec != "none":
         return False, f"flat (hierarchical reduces the ZeRO 0/1 all-reduce without a codec; zero={parallel.zero}, " \
                       f"grad_codec={parallel.grad_codec!r})"
-    per_group = [Counter(r // per_node for r in g) for g in topo.layout.groups(("dp", "cp"))]  # ranks per node
+    per_group = [Counter(r // per_node for r in g) for g in topo.layout.groups(GRAD_DIMS)]  # ranks per node
     if all(len(nodes) == 1 for nodes in per_group):
         return False, f"flat (each dp x cp group of {n} ranks is inside one node of ranks_per_node={per_node})"
     if any(len(set(nodes.values())) > 1 for nodes in per_group):
         return False, f"flat (the dp x cp groups do not split evenly over nodes of ranks_per_node={per_node})"
-    flat_s, hier_s = choose_hierarchical(topo.group("dp_cp"), topo.group(INTRA), topo.group(INTER), nbytes)
+    flat_s, hier_s = choose_hierarchical(topo.group(GRAD), topo.group(INTRA), topo.group(INTER), nbytes)
     choice = hier_s < flat_s
     return choice, (f"{'hierarchical' if choice else 'flat'} (one {nbytes / 2**20:g} MiB bucket: flat all-reduce "
                     f"{1e3 * flat_s:.2f} ms, intra-node reduce-scatter + inter-node all-reduce + intra-node "

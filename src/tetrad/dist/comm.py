@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,12 +25,15 @@ import torch.distributed as dist
 from tetrad import device as devices
 from tetrad.dist import watchdog
 
-# A group's name -> its process group, None when the group has one rank (the topology's `group`).
-GroupLookup = Callable[[str], "dist.ProcessGroup | None"]
 
-# The dp x cp gradient group (and its per-node halves) is reported as "dp", the tied-embedding pair
-# of the first and last pipeline stage as "pp" (docs/design.md: comm_bytes by tp, cp, pp, dp).
-REPORTED_GROUP = {"dp_cp": "dp", "dp_cp_intra": "dp", "dp_cp_inter": "dp", "embed": "pp"}
+class Groups(Protocol):
+    """What Comm needs of the named groups (dist/topology.py's Topology provides it)."""
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group called `name`; None when it has one rank (nothing to send)."""
+
+    def reported(self, name: str) -> str:
+        """The key its traffic is counted under (docs/design.md: comm_bytes by tp, cp, pp, dp)."""
 
 
 @dataclass
@@ -67,13 +70,13 @@ DONE = Pending([], None)
 
 class Comm:
     """Accounted collectives over named groups, which `groups` looks up (it knows nothing of the
-    layout: dist/topology.py creates the groups and hands this its lookup)."""
+    layout: dist/topology.py creates the groups and hands itself in as the lookup)."""
 
-    def __init__(self, groups: GroupLookup, device: torch.device):
+    def __init__(self, groups: Groups, device: torch.device):
         self.groups, self.device = groups, device
         self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
         # Where time is read (device.py), and this step's time blocked: (reported group, start, end) marks.
-        self.clock = devices.clock(topo.device)
+        self.clock = devices.clock(device)
         self.spans: list[tuple] = []
         self.calls: dict[str, int] = defaultdict(int)  # collectives per group, never reset: equal on all members
         # What posts point-to-point and returns its works: torch.distributed, or a transport that
@@ -88,13 +91,13 @@ class Comm:
         except RuntimeError as e:
             if not watchdog.is_timeout(e):
                 raise
-            pg = self.groups(group)
+            pg = self.groups.group(group)
             timeout = pg._get_backend(self.device).options._timeout.total_seconds()
             raise watchdog.explain(op, group, call, pg, e, timeout) from None
 
     # ------------------------------------------------------------------ accounting
     def _count(self, op: str, group: str, nbytes: int) -> None:
-        entry = self.stats[(op, REPORTED_GROUP.get(group, group))]
+        entry = self.stats[(op, self.groups.reported(group))]
         entry.calls += 1
         entry.bytes += nbytes
 
@@ -105,7 +108,7 @@ class Comm:
         try:
             yield
         finally:
-            self.spans.append((REPORTED_GROUP.get(group, group), start, self.clock.mark()))
+            self.spans.append((self.groups.reported(group), start, self.clock.mark()))
 
     def _run(self, op: str, group: str, nbytes: int, fn, async_op: bool):
         self._count(op, group, nbytes)
@@ -136,7 +139,7 @@ class Comm:
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, group: str, op=dist.ReduceOp.SUM, async_op: bool = False):
-        pg = self.groups(group)
+        pg = self.groups.group(group)
         if pg is None:
             return DONE
         return self._run("all_reduce", group, _nbytes(tensor),
@@ -144,7 +147,7 @@ class Comm:
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
         """Concatenate every rank's `tensor` along dim 0 into `output`."""
-        pg = self.groups(group)
+        pg = self.groups.group(group)
         if pg is None:
             output.copy_(tensor)
             return DONE
@@ -155,7 +158,7 @@ class Comm:
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: str,
                        op=dist.ReduceOp.SUM, async_op: bool = False):
         """Sum `tensor` over the group and keep this rank's dim-0 slice in `output`."""
-        pg = self.groups(group)
+        pg = self.groups.group(group)
         if pg is None:
             output.copy_(tensor)
             return DONE
@@ -165,7 +168,7 @@ class Comm:
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
         """Equal dim-0 splits of `tensor` to each rank of the group, received into `output`."""
-        pg = self.groups(group)
+        pg = self.groups.group(group)
         if pg is None:
             output.copy_(tensor)
             return DONE
@@ -174,7 +177,7 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src_local: int, group: str, async_op: bool = False):
         """Broadcast from the group's local rank `src_local`."""
-        pg = self.groups(group)
+        pg = self.groups.group(group)
         if pg is None:
             return DONE
         src = dist.get_global_rank(pg, src_local)
@@ -186,7 +189,7 @@ class Comm:
         """Start sends and receives (tensor, global peer rank) together as one batched, non-blocking
         operation; only the sent bytes are counted. Tags (default 0) match a send to its receive
         when a link carries several transfers at once (the pipeline executor)."""
-        pg = self.groups(group)
+        pg = self.groups.group(group)
         send_tags, recv_tags = send_tags or [0] * len(sends), recv_tags or [0] * len(recvs)
         ops = [dist.P2POp(dist.isend, t, peer, pg, tag) for (t, peer), tag in zip(sends, send_tags)]
         ops += [dist.P2POp(dist.irecv, t, peer, pg, tag) for (t, peer), tag in zip(recvs, recv_tags)]

@@ -1,4 +1,10 @@
-"""Where every rank sits in the grid of parallel dimensions, and which tokens a cp rank holds.
+"""The parallel dimensions, where every rank sits in their grid, and which tokens a cp rank holds.
+
+The dimensions are data (DIMENSIONS): each says whether the ranks along it hold the same weights
+(then gradients are summed over it: the gradient group is the flattened product of those) and
+which comm_bytes key its traffic is reported under. Adding one (experts, say) is a field of
+`Layout` and an entry here; the topology's groups, the gradient group, the clipping norm's groups
+and the metrics follow from it.
 
 Pure arithmetic, no process groups (tested over every factorisation). world = pp x dp x cp x tp
 with tp fastest, then cp, then dp, pp slowest (Megatron's order), so tensor-parallel groups are
@@ -14,7 +20,27 @@ from dataclasses import dataclass
 
 import torch
 
-DIMS = ("pp", "dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Dim:
+    name: str
+    replicated: bool  # every rank along it holds the same weights: gradients are summed over it
+    reported_as: str  # the metrics.jsonl comm_bytes key (contract: tp, cp, pp, dp)
+
+
+# Slowest first: the mesh order.
+DIMENSIONS = (Dim("pp", False, "pp"), Dim("dp", True, "dp"), Dim("cp", True, "cp"), Dim("tp", False, "tp"))
+DIMS = tuple(d.name for d in DIMENSIONS)
+# The gradient group: every replicated dimension flattened into one ("dp_cp"); its traffic is
+# reported under its first dimension's key. Summing over it gives the whole replica's gradient.
+GRAD_DIMS = tuple(d.name for d in DIMENSIONS if d.replicated)
+GRAD = "_".join(GRAD_DIMS)
+# Groups a global sum over distinct weights runs over (the clipping norm): the dimensions that
+# split the weights, fastest first.
+WEIGHT_SPLIT_DIMS = tuple(d.name for d in reversed(DIMENSIONS) if not d.replicated)
+# The comm_bytes keys, one per dimension, fastest first.
+REPORTED = tuple(dict.fromkeys(d.reported_as for d in reversed(DIMENSIONS)))
 
 
 @dataclass(frozen=True)
@@ -76,8 +102,8 @@ class Layout:
 def factorisations(world: int) -> list[Layout]:
     """Every layout with `world` ranks."""
     divs = [d for d in range(1, world + 1) if world % d == 0]
-    return [Layout(pp, dp, cp, tp) for pp, dp, cp in itertools.product(divs, repeat=3)
-            if world % (pp * dp * cp) == 0 for tp in [world // (pp * dp * cp)]]
+    return [Layout(**dict(zip(DIMS, sizes))) for sizes in itertools.product(divs, repeat=len(DIMS))
+            if math.prod(sizes) == world]
 
 
 # ----------------------------------------------------------------------------- sequence under cp

@@ -4,10 +4,11 @@ Megatron-Core passes its process groups around as one explicit collection; this 
 The groups are made once, in `_create_groups`, in the same order on every rank (NCCL requires
 it), with one collective `timeout` for all of them. Nothing else creates process groups.
 
-Names: "pp", "dp", "cp", "tp" (one DeviceMesh, DIMS order); "dp_cp", the flattened dp x cp
-group gradients are reduced over (cp ranks hold the same weights); "dp_cp_intra" and
-"dp_cp_inter", its per-node halves for hierarchical reduction (when dp x cp spans nodes
-evenly); "embed", the first and last rank of each pipeline, which both hold the tied embedding.
+Names: one per dimension ("pp", "dp", "cp", "tp": one DeviceMesh, dist/layout.py's DIMENSIONS);
+GRAD ("dp_cp"), the flattened replicated dimensions gradients are reduced over (cp ranks hold
+the same weights as dp ranks); INTRA and INTER, its per-node halves for hierarchical reduction
+(when it spans nodes evenly); "embed", the first and last rank of each pipeline, which both hold
+the tied embedding. Each group's traffic is reported under one comm_bytes key (`reported`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch.distributed as dist
 
 from tetrad import device as devices
 from tetrad.dist.comm import Comm
-from tetrad.dist.layout import DIMS, Layout
+from tetrad.dist.layout import DIMENSIONS, DIMS, GRAD, GRAD_DIMS, Layout
 
-INTRA, INTER = "dp_cp_intra", "dp_cp_inter"
+INTRA, INTER = f"{GRAD}_intra", f"{GRAD}_inter"
 
 
 class Topology:
@@ -44,10 +45,14 @@ class Topology:
         self.coords = layout.coords(self.rank)
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         self._ranks: dict[str, list[int]] = {}  # members of this rank's group of each name
+        # comm_bytes key of each group: a dimension's own; the gradient group's (and its halves')
+        # its first dimension's; the tied-embedding pairs' the pipeline's.
+        self._reported = {d.name: d.reported_as for d in DIMENSIONS}
+        self._reported.update(dict.fromkeys((GRAD, INTRA, INTER), self._reported[GRAD_DIMS[0]]), embed="pp")
         self.mesh = None
         if self.distributed:
             self._create_groups()
-        self.comm = Comm(self.group, device)
+        self.comm = Comm(self, device)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "Topology":
@@ -62,10 +67,10 @@ class Topology:
                                backend_override=None if options is None else ((None, options),) * len(DIMS))
         for name in DIMS:
             self._add(name, self.layout.group_of(self.rank, (name,)), self.mesh.get_group(name))
-        flat = self.mesh["dp", "cp"]._flatten("dp_cp", backend_override=None if options is None else (None, options))
-        self._add("dp_cp", self.layout.group_of(self.rank, ("dp", "cp")), flat.get_group())
-        halves = self.layout.split_by_node(("dp", "cp"), self.ranks_per_node)
-        if halves is not None and self.layout.dp * self.layout.cp > 1:
+        flat = self.mesh[GRAD_DIMS]._flatten(GRAD, backend_override=None if options is None else (None, options))
+        self._add(GRAD, self.layout.group_of(self.rank, GRAD_DIMS), flat.get_group())
+        halves = self.layout.split_by_node(GRAD_DIMS, self.ranks_per_node)
+        if halves is not None and len(self.ranks(GRAD)) > 1:
             for name, groups in zip((INTRA, INTER), halves):
                 self._new_groups(name, groups)
         if self.layout.pp > 1:
@@ -93,6 +98,10 @@ class Topology:
     def ranks(self, name: str) -> list[int]:
         """The global ranks of this rank's `name` group (just this rank where it has none)."""
         return self._ranks.get(name, [self.rank])
+
+    def reported(self, name: str) -> str:
+        """The comm_bytes key the traffic of group `name` counts under."""
+        return self._reported.get(name, name)
 
     def size(self, name: str) -> int:
         return len(self.ranks(name))

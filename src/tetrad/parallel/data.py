@@ -54,6 +54,7 @@ from tetrad import device as devices
 from tetrad.config import DEFAULT_BUCKET_MB
 from tetrad.dist import autotune, hierarchical
 from tetrad.dist.codecs import INT8_BLOCK, make_codec
+from tetrad.dist.layout import GRAD, GRAD_DIMS
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import spec_of
 from tetrad.train.optim import adamw, build_optimizer, clip_gradients
@@ -157,14 +158,14 @@ class GradReducer:
         self.zero = parallel.zero if parallel else 0
         # Separate fp32 masters: the optimizer cannot update the parameters' own storage.
         self.separate_masters = dtype != torch.float32 or offload
-        self.n, self.rank = topo.size("dp_cp"), topo.local_rank("dp_cp")
+        self.n, self.rank = topo.size(GRAD), topo.local_rank(GRAD)
         codec = parallel.grad_codec if parallel else "none"
         self.codec = make_codec(codec, self.n)
         if parallel:  # "auto" bucket size and hierarchical: measured now (dist/autotune.py)
             parallel = autotune.resolve(parallel, topo, 4 * sum(p.numel() for p in params))
         self.hierarchical = bool(parallel and parallel.hierarchical is True and self.n > 1)
         align = INT8_BLOCK if codec == "int8" else 1
-        if self.hierarchical and topo.layout.split_by_node(("dp", "cp"), topo.ranks_per_node) is None:
+        if self.hierarchical and topo.layout.split_by_node(GRAD_DIMS, topo.ranks_per_node) is None:
             raise ValueError(f"hierarchical reduction needs the dp x cp groups spread evenly over nodes of "
                              f"{topo.ranks_per_node} ranks")
         self._sync = False
@@ -270,7 +271,7 @@ class GradReducer:
         bucket, flat = self.buckets[k], self.flat[k]
         if flat.untyped_storage().nbytes() == 0:
             flat.untyped_storage().resize_(bucket.padded * flat.element_size())
-            bucket.gathering = self.topo.comm.all_gather(flat, self.shards[k], "dp_cp", async_op=True)
+            bucket.gathering = self.topo.comm.all_gather(flat, self.shards[k], GRAD, async_op=True)
 
     def _gather(self, k: int) -> None:
         self._start_gather(k)
@@ -396,14 +397,14 @@ class GradReducer:
         comm = self.topo.comm
         if self.zero >= 2:
             bucket.incoming = bucket.grad.new_empty(bucket.shard_size)
-            bucket.pending = comm.reduce_scatter(bucket.incoming, bucket.grad, "dp_cp", async_op=True)
+            bucket.pending = comm.reduce_scatter(bucket.incoming, bucket.grad, GRAD, async_op=True)
             self._in_flight.append(bucket)
             while len(self._in_flight) > 1:  # double buffering: one reducing while the next fills
                 self._finish(self._in_flight[0])
         elif self.hierarchical:
             bucket.pending = hierarchical.all_reduce(bucket.grad, self.topo)
         else:
-            bucket.pending = self.codec.all_reduce(bucket.grad, comm, "dp_cp", bucket.index)
+            bucket.pending = self.codec.all_reduce(bucket.grad, comm, GRAD, bucket.index)
 
     def _finish(self, bucket: Bucket) -> None:
         """ZeRO >= 2: wait for the bucket's reduce-scatter, add the result to its shard, free the
@@ -503,7 +504,7 @@ class GradReducer:
                 self._owned_params(k).copy_(master, non_blocking=True)
         if self.zero in (0, 3):
             return
-        pending = [self.topo.comm.all_gather(f, f[b.lo:b.hi], "dp_cp", async_op=True)
+        pending = [self.topo.comm.all_gather(f, f[b.lo:b.hi], GRAD, async_op=True)
                    for b, f in zip(self.buckets, self.flat)]
         for work in pending:
             work.wait()

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tetrad.dist.layout import REPORTED
 from tetrad.model import flops
 from tetrad.plan.cost import mfu_peak
 from tetrad.plan.hardware import GPU, GPUS
@@ -22,7 +23,6 @@ from tetrad.plan.hardware import GPU, GPUS
 # Fields every line carries (docs/design.md, metrics.jsonl contract).
 CONTRACT_FIELDS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
                    "compute_s", "exposed_comm_s", "bubble_s", "comm_bytes")
-GROUPS = ("tp", "cp", "pp", "dp")
 # The parts a step's time is split into; they are measured separately, so their sum against the
 # measured step time checks the accounting (tests/test_breakdown.py).
 PARTS = ("compute_s", "exposed_comm_s", "bubble_s", "optimizer_s", "data_s")
@@ -76,7 +76,7 @@ class StepClock:
                 "bubble_s": comm_s.get("pp", 0.0),
                 "optimizer_s": self._less_waits("optimizer"),
                 "data_s": self._less_waits("data"),
-                "exposed_comm_s_by_group": {g: comm_s.get(g, 0.0) for g in GROUPS}}
+                "exposed_comm_s_by_group": {g: comm_s.get(g, 0.0) for g in REPORTED}}
 
 
 def device_profile(device: torch.device) -> GPU | None:

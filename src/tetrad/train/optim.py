@@ -8,6 +8,7 @@ import torch
 
 from tetrad.config import TrainConfig
 from tetrad.device import FUSED_OPTIMIZER_DEVICES
+from tetrad.dist.layout import GRAD, WEIGHT_SPLIT_DIMS
 from tetrad.model.sharding import spec_of
 
 
@@ -65,10 +66,8 @@ def global_grad_norm(pieces: list[tuple[torch.Tensor, torch.nn.Parameter]], topo
         _, _, parts = spec_of(p)
         if parts > 1 or topo.tp_rank == 0:
             sq += grad.detach().float().pow(2).sum()
-    if dp_sharded:
-        topo.comm.all_reduce(sq, "dp_cp")
-    topo.comm.all_reduce(sq, "tp")
-    topo.comm.all_reduce(sq, "pp")
+    for group in ((GRAD,) if dp_sharded else ()) + WEIGHT_SPLIT_DIMS:
+        topo.comm.all_reduce(sq, group)
     return sq.sqrt()
 
 

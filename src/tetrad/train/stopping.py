@@ -17,6 +17,8 @@ import threading
 
 import torch
 
+from tetrad.dist.layout import GRAD, WEIGHT_SPLIT_DIMS
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -46,6 +48,6 @@ class StopSignals:
         """The signal any rank of the job has received (0: none); every rank gets the same answer.
         A collective: every rank calls it after every step."""
         flag = torch.tensor(float(self.received), device=topo.device)
-        for group in ("dp_cp", "tp", "pp"):  # together, the whole job
+        for group in (GRAD, *WEIGHT_SPLIT_DIMS):  # together, the whole job
             topo.comm.all_reduce(flag, group, op=torch.distributed.ReduceOp.MAX)
         return int(flag)

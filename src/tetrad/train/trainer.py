@@ -19,7 +19,7 @@ import torch
 
 from tetrad import device as devices
 from tetrad.config import Config, profile_steps
-from tetrad.dist.layout import Layout, shard_sequence
+from tetrad.dist.layout import GRAD, REPORTED, Layout, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model.execution import DeferredWeightGrads, Execution
 from tetrad.model.llama import set_execution
@@ -153,7 +153,7 @@ class Trainer:
                 total += self.eval_pipeline.run(local, positions, 1.0)
         finally:
             self.model.train()
-        topo.comm.all_reduce(total, "dp_cp")
+        topo.comm.all_reduce(total, GRAD)
         topo.comm.all_reduce(total, "pp")
         return float(total) / (self.tokens_per_step * cfg.train.eval_steps)
 
@@ -187,7 +187,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.grads.zero_grad()  # plain AdamW (fp32 ZeRO-0) knows nothing of the buckets behind p.grad
         # The loss lives on the last pipeline stage of each dp x cp replica; sum them all.
-        topo.comm.all_reduce(loss_sum, "dp_cp")
+        topo.comm.all_reduce(loss_sum, GRAD)
         topo.comm.all_reduce(loss_sum, "pp")
         loss = float(loss_sum) / self.tokens_per_step
         devices.synchronize(topo.device)
@@ -198,7 +198,7 @@ class Trainer:
             "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, **self.flop_rate(step_time),
             # Waits on a pipeline neighbour are the bubble; every other collective wait is exposed comm.
             **clock.breakdown(),
-            "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in ("tp", "cp", "pp", "dp")},
+            "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in REPORTED},
             "layout": layout_label(cfg.parallel),  # a resume may change it: the report tells the layouts apart
             "loss_scale": scale, "skipped": not stepped,
             "peak_memory_gib": peak / 2**30,
@@ -278,7 +278,7 @@ class Trainer:
     def _write_timeline(self) -> None:
         """The step's measured pipeline timeline, one file per pipeline rank (those at dp, cp
         and tp coordinate 0), for `tetrad report`: RUN_DIR/timeline/pp<rank>.json."""
-        if self.cfg.parallel.pp == 1 or any(self.topo.coords[d] for d in ("dp", "cp", "tp")):
+        if self.cfg.parallel.pp == 1 or any(c for d, c in self.topo.coords.items() if d != "pp"):
             return
         folder = self.run_dir / "timeline"
         folder.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
-GROUPS = ("tp", "cp", "pp", "dp")
+from tetrad.dist.layout import REPORTED as GROUPS  # the comm_bytes keys
+
 COLOURS = {"compute": "#3b6fb6", "bubble": "#b0b0b0", "tp": "#c8463c", "cp": "#e08a2c", "pp": "#8e5ea2",
            "dp": "#4f9a55", "comm": "#c8463c", "optimizer": "#d4b24c", "data": "#7fc6c0",
            "predicted": "#9ab8e0", "measured": "#3b6fb6"}

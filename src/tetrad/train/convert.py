@@ -14,6 +14,7 @@ import argparse
 import json
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -81,7 +82,9 @@ def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
         key = f"model.{name}"
         state[key] = torch.empty(shape, dtype=stored[key].properties.dtype if key in stored else torch.float32)
     check_shapes(metadata, {k: tuple(v.shape) for k, v in state.items()}, path)
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # one process by design: DCP's note that it assumes so is noise here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return cfg, {k[len("model."):]: v for k, v in state.items()}
 
 

@@ -6,7 +6,6 @@ train` as a user would and must exit 2 with one line before any rank starts."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import subprocess
@@ -130,7 +129,7 @@ def _toml(value):
     if isinstance(value, float):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf") if math.isinf(value) else repr(value)
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # TOML's basic strings escape as JSON's do
+        return '"' + "".join(c if 32 <= ord(c) < 127 and c not in '"\\' else f"\\U{ord(c):08x}" for c in value) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(str(v) for v in value if abs(v) < 2**63) + "]"
     return None  # a table or nothing: fall back to a number

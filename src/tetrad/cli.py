@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 
 from tetrad.config import ConfigError, load_config, validate_device
 
@@ -54,8 +55,9 @@ def train_command(argv: list[str]) -> int:
     check_data(cfg)
     check_storage(cfg)
     p = cfg.parallel
+    launch.diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
     if launch.in_torchrun():
-        with launch.torchrun_process_group(device_type):
+        with launch.torchrun_process_group(device_type, p.startup_timeout_s):
             train_on_this_rank(cfg, device_type)
         return 0
     if device_type != "cpu" and p.world_size > devices.local_device_count(device_type):
@@ -66,7 +68,8 @@ def train_command(argv: list[str]) -> int:
           f"({p.world_size} rank{'s' if p.world_size > 1 else ''} on {device_type}), "
           f"{cfg.train.steps} steps, run dir {cfg.run.dir}"
           + (f", weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else ""), flush=True)
-    history = launch.run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type)[0]
+    history = launch.run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type,
+                               pg_timeout_s=p.startup_timeout_s)[0]
     if history:
         evaluated = [r for r in history if "val_loss" in r]
         val = f", val_loss {evaluated[-1]['val_loss']:.4f} at step {evaluated[-1]['step']}" if evaluated else ""

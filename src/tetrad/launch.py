@@ -71,6 +71,20 @@ def torchrun_overrides() -> list[str]:
     return []
 
 
+def diagnose_nccl(device_type: str, trace_dir: Path) -> None:
+    """NCCL reports a hang only from its own watchdog thread, which ends the process: turn on what
+    says where it hung, as torchtitan does (the user's own settings win). The flight recorder keeps
+    each rank's last collectives and dumps them on a timeout to trace_dir/rank_N; then
+    `python -m torch.distributed.flight_recorder.fr_trace trace_dir` names the ranks that did not
+    join. Async error handling 3 tears the process down without cleanup, so the launcher sees it."""
+    if devices.backend_for(device_type) != "nccl":
+        return
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    for key, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "20000"),
+                       ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{trace_dir}/rank_")):
+        os.environ.setdefault(key, value)
+
+
 @contextlib.contextmanager
 def torchrun_process_group(device_type: str, timeout_s: float = 600.0):
     """Join the process group torchrun set up (env:// rendezvous), bind LOCAL_RANK's device, and

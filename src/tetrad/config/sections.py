@@ -69,6 +69,10 @@ class ParallelConfig:
     # NCCL communicator settings per group, as Megatron-Core's communicator config file has them, e.g.
     # {tp = {high_priority_stream = true, cga_cluster_size = 2, max_ctas = 16}}: COMM_OPTIONS.
     comm_options: dict[str, dict[str, Union[bool, int]]] = field(default_factory=dict)
+    # Seconds a training collective may wait before the job ends naming the ranks that did not
+    # arrive; the start-up (process groups, first step) and checkpoint I/O get the longer one.
+    collective_timeout_s: float = 180.0
+    startup_timeout_s: float = 600.0
 
     @property
     def world_size(self) -> int:

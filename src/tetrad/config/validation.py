@@ -47,7 +47,7 @@ RANGES: dict[str, Range] = {
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.dropout": Range(0, 1),
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False),
-    "parallel.grad_bucket_mb": POSITIVE,
+    "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,
     "train.steps": SIZE, "train.global_batch": SIZE, "train.micro_batch": SIZE, "train.warmup": COUNT,
     "train.eval_every": COUNT, "train.eval_steps": SIZE,  # eval_every 0: no validation
     "train.lr": POSITIVE, "train.min_lr_ratio": FRACTION, "train.decay_fraction": Range(0, 1, low_open=True,

@@ -8,6 +8,7 @@ over dp x cp, clipping by the true global norm, the AdamW update, metrics on ran
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import json
 import math
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tetrad import device as devices
+from tetrad.dist import watchdog
 from tetrad.config import Config, profile_steps
 from tetrad.dist.layout import GRAD, REPORTED, Layout, shard_sequence
 from tetrad.dist.topology import Topology
@@ -91,7 +93,9 @@ class Trainer:
         p = cfg.parallel
         # Memory is measured from here: on CPU a forked rank starts with its parent's pages.
         self.memory_base = devices.start_memory_tracking(device)
-        self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node)
+        # Every group starts with the start-up timeout; after the first step, the collective one.
+        self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node,
+                             timeout=datetime.timedelta(seconds=p.startup_timeout_s))
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed((cfg.train.seed + 7919 * self.topo.rank) % 2**63)
         self.activations = ActivationMeter()
@@ -247,7 +251,7 @@ class Trainer:
         try:
             with StopSignals() as signals, profiler or contextlib.nullcontext():
                 for step in range(start, cfg.train.steps):
-                    record = self.train_step(step)
+                    record = self._watched_step(step, first=step == start)
                     if self._evaluates_after(step):
                         record["val_loss"] = self.evaluate()
                     history.append(record)
@@ -274,6 +278,17 @@ class Trainer:
             path = ckpt.save(step, *state)
         log.note(f"tetrad: stopping on {signal.Signals(signum).name} after step {step} of {self.cfg.train.steps}; "
                  f"saved {path}. Run the same command again to resume.")
+
+    def _watched_step(self, step: int, first: bool) -> dict:
+        """train_step; a collective timeout names the step, and after the first step (start-up,
+        compilation) the training groups get the shorter collective timeout (comm/watchdog.py)."""
+        try:
+            record = self.train_step(step)
+        except watchdog.CollectiveTimeout as e:
+            raise watchdog.CollectiveTimeout(f"at step {step + 1}: {e}") from None
+        if first:
+            watchdog.set_timeouts(self.cfg.parallel.collective_timeout_s, world_too=False)
+        return record
 
     def _write_timeline(self) -> None:
         """The step's measured pipeline timeline, one file per pipeline rank (those at dp, cp

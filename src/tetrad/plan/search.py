@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from tetrad.config import Config, validate
 from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
-from tetrad.parallel.pipeline.split import rank_stages, stage_layers
+from tetrad.parallel.pipeline.split import rank_layers, stage_layers
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster
 from tetrad.plan.layer import layer_cost
@@ -168,6 +168,7 @@ class _LayoutBound:
     def __init__(self, base: Config, cluster: Cluster, stack: Stack):
         self.base, self.cluster, self.stack = base, cluster, stack
         self.layer_costs: dict = {}
+        self.rank_layers: dict = {}  # (pp, vpp) -> (layers per rank, fewest layers of a stage)
 
     def __call__(self, layout: Layout) -> float:
         base = self.base
@@ -176,14 +177,16 @@ class _LayoutBound:
         if key not in self.layer_costs:
             self.layer_costs[key] = layer_cost(config_of(base, layout), self.cluster, self.stack)
         lc = self.layer_costs[key]
-        counts = stage_layers(dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, pp=layout.pp,
-                                                                                      vpp=layout.vpp)))
+        shape = (layout.pp, layout.vpp)
+        if shape not in self.rank_layers:
+            split = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, pp=layout.pp, vpp=layout.vpp))
+            self.rank_layers[shape] = rank_layers(split), min(stage_layers(split))
+        layers, least = self.rank_layers[shape]
         per_layer = lc.forward + lc.backward_input + lc.recompute + lc.backward_weight
         # Rank r starts only after micro-batch 0 crossed r stages forward, and its last gradient
         # still has r stages to cross backward: a critical path any schedule must respect.
-        hops = min(counts) * (lc.forward + lc.backward_input + lc.recompute)
-        return max(r * hops + micro * per_layer * sum(counts[g] for g in rank_stages(layout.pp, layout.vpp, r))
-                   for r in range(layout.pp))
+        hops = least * (lc.forward + lc.backward_input + lc.recompute)
+        return max(r * hops + micro * per_layer * n for r, n in enumerate(layers))
 
 
 def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack):

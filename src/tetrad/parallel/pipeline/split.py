@@ -50,12 +50,13 @@ def layer_split(cfg: Config) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def rank_stages(pp: int, vpp: int, rank: int) -> list[int]:
-    """The global stages pipeline rank `rank` holds, one per local chunk."""
-    return [stage_of(rank, chunk, pp) for chunk in range(vpp)]
+def rank_stages(pp: int, vpp: int, rank: int) -> range:
+    """The global stages pipeline rank `rank` holds, one per local chunk: stage_of(rank, chunk, pp)
+    for chunk = 0..vpp-1, every pp-th stage from `rank` on."""
+    return range(stage_of(rank, 0, pp), stage_of(rank, vpp, pp), pp)
 
 
 def rank_layers(cfg: Config) -> list[int]:
     """Layers each pipeline rank holds (its vpp chunks together)."""
     p, counts = cfg.parallel, stage_layers(cfg)
-    return [sum(counts[g] for g in rank_stages(p.pp, p.vpp, r)) for r in range(p.pp)]
+    return [sum(map(counts.__getitem__, rank_stages(p.pp, p.vpp, r))) for r in range(p.pp)]

@@ -8,6 +8,7 @@ from conftest import tiny_config
 from tetrad.cli import main
 from tetrad.config import load_config
 from tetrad.data.checks import check_data
+from tetrad.data.prepare import pieces
 from tetrad.data.shards import dtype_for, model_keys, open_shards, read_index
 from tetrad.data.sources import TokenStream, load_splits, load_tokens
 from tetrad.data.tokenizer import load_tokenizer
@@ -100,3 +101,13 @@ def test_tetrad_data_refuses_bad_inputs_in_one_line(tmp_path, capsys):
         assert err.startswith("tetrad data: ") and "\n" not in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
     assert dtype_for(2**16) == np.uint16 and dtype_for(2**16 + 1) == np.uint32
+
+
+def test_a_file_is_cut_into_pieces_at_line_ends_that_cover_it(tmp_path):
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"".join(b"line %d " % i + b"x" * (i % 13) + b"\n" for i in range(200)) + b"no newline at end")
+    cut = pieces(path, piece_bytes=100)
+    data = path.read_bytes()
+    assert len(cut) > 10 and cut[0].start == 0 and cut[-1].end == len(data) and cut[-1].last
+    assert all(a.end == b.start and not a.last for a, b in zip(cut, cut[1:]))
+    assert all(data[p.end - 1:p.end] == b"\n" for p in cut[:-1])

@@ -128,8 +128,8 @@ def _forked_pool(workers: int, encoder_args: tuple):
 class ShardWriter:
     """Writes documents in order into shards of about `shard_tokens` tokens (a document is never cut)."""
 
-    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int):
-        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+    def __init__(self, folder: Path, shard_tokens: int):
+        self.folder, self.shard_tokens = folder, shard_tokens
         self.shards: list[dict] = []
         self.file = None
 
@@ -158,7 +158,7 @@ def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float,
     """Tokenize `files` into shards in `out` with `workers` processes; returns the index."""
     size = vocab_size(tokenizer)
     dtype = dtype_for(size)
-    writer = ShardWriter(out, dtype, max(1, int(shard_mb * 2**20) // dtype.itemsize))
+    writer = ShardWriter(out, max(1, int(shard_mb * 2**20) // dtype.itemsize))
     work = [p for f in files for p in pieces(f)]
     with _forked_pool(workers, (tokenizer.to_str(), eos, dtype.str)) as pool, \
             tqdm(total=sum(p.end - p.start for p in work), unit="B", unit_scale=True, desc="tokenizing",

@@ -149,6 +149,13 @@ def after_bi_weight(cfg: Config, stack: Stack) -> float:
     return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
 
 
+def bucket_bytes(cfg: Config) -> float:
+    """Bytes of one gradient bucket: `grad_bucket_mb` MiB, as the runtime splits them ("auto",
+    tuned at start-up, taken as the default)."""
+    b = cfg.parallel.grad_bucket_mb
+    return (DEFAULT_BUCKET_MB if b == "auto" else float(b)) * 2**20
+
+
 def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_waiting: float,
                    is_cpu: bool) -> list[Memory]:
     """Peak bytes of one GPU of each pipeline rank, whose schedule keeps inflight[rank]
@@ -196,7 +203,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float) -> f
     # its shard, but a bucket's full gradient lives until its reduce-scatter ends: one bucket
     # reducing while the next fills.
     if p.dp * p.cp > 1 and p.zero == 2:  # a parameter larger than the bucket size is a bucket alone
-        bucket = (DEFAULT_BUCKET_MB if p.grad_bucket_mb == "auto" else float(p.grad_bucket_mb)) * 2**20
+        bucket = bucket_bytes(cfg)
         largest = 4 * m.d_model * max(m.vocab_size, m.ffn_hidden) / p.tp
         out += min(2 * max(bucket, largest), 4 * params)
     if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tetrad.model.sharding import spec_of
 from tetrad.parallel.data import ShardedAdamW, zero_loaded
 from tetrad.train.checkpoint import recovery
-from tetrad.train.checkpoint.logical import Piece, check_optimizer_covered, chunks, logical, pieces
+from tetrad.train.checkpoint.logical import Piece, check_optimizer_covered, chunks, logical, mesh_on, pieces
 from tetrad.train.checkpoint.store import (LATEST, MANIFEST, PARTIAL, CheckpointError, SafeReader, check_model,
                                            check_shapes, digest_files, optimizer_entries, published, publish,
                                            replace_text, resolve, step_dir, verify)
@@ -37,6 +37,7 @@ class Checkpointer:
         self.cfg, self.topo, self.root = cfg, topo, Path(root)
         self.world = dist.get_world_size() if topo.distributed else 1
         self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
+        self._meshes = {} if topo.mesh is None else {topo.mesh.device_type: topo.mesh}
 
     @classmethod
     def for_run(cls, cfg, topo, run_dir: Path) -> "Checkpointer":
@@ -103,6 +104,16 @@ class Checkpointer:
         self._barrier()
         return final
 
+    def _mesh_for(self, tensor: torch.Tensor):
+        """The mesh to wrap `tensor` on: the topology's, or the same ranks on the tensor's own
+        device (logical.mesh_on); None in one process."""
+        if not self._meshes:
+            return None
+        kind = tensor.device.type
+        if kind not in self._meshes:
+            self._meshes[kind] = mesh_on(self.topo.mesh, kind)
+        return self._meshes[kind]
+
     def _layout(self) -> dict:
         """What rank-local state depends on: the whole [parallel] section (layout, schedule,
         virtual stages, sequence parallelism, ZeRO stage, codec, buckets)."""
@@ -113,19 +124,19 @@ class Checkpointer:
         state, the `stateful` objects' values and its `local` objects' values."""
         mine = pieces(params, optimizer)
         check_optimizer_covered(optimizer, mine)
-        mesh, state = self.topo.mesh, {}
+        state = {}
         for piece in mine:
             full = spec_of(piece.param)[0].full_shape
             boxes = chunks(piece, piece.values.detach().reshape(-1))
             if not boxes:  # this rank's slice lies in the vocabulary padding
                 continue
-            state[f"model.{piece.name}"] = logical(boxes, full, mesh)
+            state[f"model.{piece.name}"] = logical(boxes, full, self._mesh_for(piece.values))
             for entry, value in optimizer.state.get(piece.values, {}).items():
                 key = f"optim.{piece.name}.{entry}"
                 if value.ndim == 0:
                     state[key] = value
                 elif value.numel() == piece.end - piece.start:
-                    state[key] = logical(chunks(piece, value.reshape(-1)), full, mesh)
+                    state[key] = logical(chunks(piece, value.reshape(-1)), full, self._mesh_for(value))
                 else:
                     raise CheckpointError(f"{key}: optimizer state of shape {tuple(value.shape)} is neither a "
                                           f"scalar nor one value per element of {tuple(piece.values.shape)}")
@@ -187,7 +198,7 @@ class Checkpointer:
 
     def _scratch(self, mine: list[Piece], entries: dict, expected: dict) -> tuple[dict, dict]:
         """(the DCP state to load into, the flat scratch buffer of every model/optimizer key)."""
-        mesh, state, buffers = self.topo.mesh, {}, {}
+        state, buffers = {}, {}
         for piece in mine:
             full = spec_of(piece.param)[0].full_shape
             wanted = [(f"model.{piece.name}", piece.values.dtype)]
@@ -199,7 +210,7 @@ class Checkpointer:
                 buffers[key] = torch.zeros(piece.end - piece.start, dtype=dtype, device=piece.values.device)
                 boxes = chunks(piece, buffers[key])
                 if boxes:
-                    state[key] = logical(boxes, full, mesh)
+                    state[key] = logical(boxes, full, self._mesh_for(buffers[key]))
         return state, buffers
 
     def _restore_rng(self, state: dict[str, torch.Tensor]) -> None:

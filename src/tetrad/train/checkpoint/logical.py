@@ -13,6 +13,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
@@ -80,6 +81,15 @@ def chunks(piece: Piece, flat: torch.Tensor) -> list[tuple[tuple[int, ...], torc
             box = box.narrow(dim, 0, keep)
         out.append((tuple(offsets), box))
     return out
+
+
+def mesh_on(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
+    """The same ranks and dimensions as `mesh`, on `device_type`. State kept on another device than
+    the mesh's (optimizer state offloaded to the host beside an accelerator mesh) is wrapped on it,
+    so that DCP writes and fills the caller's own buffers: on the accelerator mesh, DTensor would
+    copy them to the device and a load would fill the copies. No process group is made: DCP's
+    coordination runs on the default group, and the wrapped tensors need none."""
+    return DeviceMesh(device_type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names, _init_backend=False)
 
 
 def logical(chunks: list[tuple[tuple[int, ...], torch.Tensor]], full_shape: tuple[int, ...], mesh) -> torch.Tensor:

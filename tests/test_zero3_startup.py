@@ -11,7 +11,8 @@ from conftest import run_ranks, tiny_config
 from tetrad import device as devices
 from tetrad.model.sharding import initial_value
 from tetrad.parallel.data import GradReducer
-from tetrad.topology import Layout, Topology
+from tetrad.dist.layout import Layout
+from tetrad.dist.topology import Topology
 from tetrad.train.trainer import build_model
 
 MIB = 2**20

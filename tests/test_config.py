@@ -73,3 +73,14 @@ def test_cli_rejects_invalid_config_without_starting_a_process(tmp_path):
     assert out.returncode == 2
     assert "tp=3 does not divide n_heads=4; use tp in [1, 2]" in out.stderr
     assert "training" not in out.stdout and not run_dir.exists()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_fewer_micro_batches_than_stages_is_legal_and_exact(schedule):
+    """Issue 19 flagged pp with fewer micro-batches than stages: legal for gpipe, 1f1b and zb (the
+    bubble grows; interleaved is refused, test_pipeline), and it trains the one-process model."""
+    from conftest import assert_parity, tiny_config, train_layout
+
+    train = {"global_batch": 1, "micro_batch": 1, "steps": 3}  # m = 1 < pp = 2
+    pipelined = train_layout(tiny_config(parallel={"pp": 2, "schedule": schedule}, train=train))
+    assert_parity(pipelined, train_layout(tiny_config(train=train)))

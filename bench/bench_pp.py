@@ -69,7 +69,7 @@ def _tetrad_rank(cfg, warmup: int, steps: int):
         trainer.train_step(step)
     times = [trainer.train_step(warmup + i)["step_time_s"] for i in range(steps)]
     return statistics.median(times), _peak_bytes() - base, [(t.kind, t.mb, t.chunk, t.start, t.end)
-                                                            for t in trainer.timeline]
+                                                            for t in trainer.pipeline.timeline()]
 
 
 def _torch_rank(cfg, warmup: int, steps: int):

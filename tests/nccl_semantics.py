@@ -1,4 +1,4 @@
-"""A point-to-point transport with NCCL's ordering, for CPU tests (DESIGN.md, "NCCL rules").
+"""A point-to-point transport with NCCL's ordering, for CPU tests (docs/design.md, "NCCL rules").
 
 gloo runs every send and receive on its own and matches them by tag, so an ordering that hangs
 or serialises NCCL passes on gloo. `NcclSemantics` stands where torch.distributed's point-to-point
@@ -17,8 +17,9 @@ calls stand for tetrad's comm layer (`Comm.transport`: `batch_isend_irecv`, and 
   is in;
 - the host posts without blocking, and `wait()` blocks the host until the item has completed.
 
-Why a schedule that would hang or serialise NCCL cannot pass here: every ordering edge NCCL
-has, this model has too, and the edges it adds only make it stricter.
+Why a schedule that would hang on NCCL cannot pass here: every ordering edge NCCL has, this
+model has too, and the edges it adds only make it stricter. (Serialisation shows only as time,
+which the tests do not assert.)
 - The host thread is the compute stream: its actions run in program order, as the kernels do.
 - NCCL makes an op posted to a communicator wait for the compute stream up to its posting;
   here the host posts an op only after the work before it has run: the same edge.
@@ -31,10 +32,11 @@ has, this model has too, and the edges it adds only make it stricter.
 - A send that fits NCCL's connection buffer (a few MiB) may complete before its receiver
   runs; a larger one may not. The rendezvous here is the second case at every size: an edge
   NCCL has only for large messages, so a superset, and tetrad must be right at every size.
-Edges NCCL has that this model leaves out, each stated with why tetrad does not need it:
-collectives do not go through the queues (tetrad posts a group's collectives after its
-point-to-point has been waited for, and a pipeline link carries no collectives), and a
-communicator's lazy initialisation, which blocks every member on the host at its first use.
+Left out: collectives do not go through the queues (tetrad posts a group's collectives after
+its point-to-point has been waited for, and a pipeline link carries no collectives); and a
+communicator's lazy initialisation, which blocks the host at a communicator's first use until
+every member uses it (the torchrun path binds `device_id`, so NCCL makes communicators when the
+groups are created).
 
 Data moves over one dedicated gloo group, with a pair of tags per communicator (data, and
 the receiver's ready signal that makes a send a rendezvous), so that gloo's per-(peer, tag)

@@ -64,6 +64,7 @@ def test_profiling_writes_traces_annotated_by_group_and_changes_nothing(run):
     assert sorted(p.name for p in traces.iterdir()) == [f"rank{r}.json" for r in range(8)]
     names = {e["name"] for e in json.loads((traces / "rank0.json").read_text())["traceEvents"]}
     assert {"forward_backward", "grad_reduce", "optimizer", "gloo:all_reduce"} <= names
-    # Collectives carry their group: rank 0 is on the first stage (it sends, and waits to receive).
-    groups = {"tp:all_reduce", "pp:send_recv", "pp:send_recv wait", "dp_cp:all_reduce"}
+    # Collectives carry their group: rank 0 is on the first stage (it sends, and waits to receive,
+    # on the group of the pipeline link between ranks 0 and 1).
+    groups = {"tp:all_reduce", "pp:0-1:send_recv", "pp:0-1:send_recv wait", "dp_cp:all_reduce"}
     assert groups <= names, groups - names

@@ -31,3 +31,22 @@ def test_comm_options_round_trip_through_the_resolved_config(tmp_path):
 def test_bad_comm_options_are_refused_with_the_fix(options, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides={"parallel": {"comm_options": options}})
+
+
+def _topology_with_settings():
+    import torch
+
+    from tetrad.dist.layout import Layout
+    from tetrad.dist.topology import Topology
+    import torch.distributed as dist
+    Topology(Layout(dp=2), torch.device("cpu"), comm_options=SETTINGS)
+    dist.barrier()  # neither rank leaves while the other is still connecting a group
+
+
+@pytest.mark.dist
+def test_gloo_reports_the_settings_it_ignores_once(capfd):
+    from conftest import run_ranks
+    run_ranks(_topology_with_settings, 2)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "comm_options" in line]
+    assert lines == ["tetrad: parallel.comm_options for tp, dp_cp_intra ignored: they are NCCL communicator "
+                     "settings and this job runs on gloo"]

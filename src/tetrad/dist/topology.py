@@ -8,12 +8,17 @@ Names: one per dimension ("pp", "dp", "cp", "tp": one DeviceMesh, dist/layout.py
 GRAD ("dp_cp"), the flattened replicated dimensions gradients are reduced over (cp ranks hold
 the same weights as dp ranks); INTRA and INTER, its per-node halves for hierarchical reduction
 (when it spans nodes evenly); "embed", the first and last rank of each pipeline, which both hold
-the tied embedding. Each group's traffic is reported under one comm_bytes key (`reported`).
+the tied embedding; "pp:a-b" (`link_name`), the ranks at pipeline positions a and b of each
+pipeline, one per link the schedule sends over (parallel/pipeline/executor.py: on NCCL a link
+needs a communicator of its own). Each group's traffic is reported under one comm_bytes key
+(`reported`). Each group's backend options carry the timeout and, on NCCL, the group's
+communicator settings (parallel.comm_options; a link takes "pp"'s); gloo has none, and says so.
 """
 
 from __future__ import annotations
 
 import datetime
+import sys
 from functools import cached_property
 
 import torch
@@ -35,8 +40,10 @@ class Topology:
     """
 
     def __init__(self, layout: Layout, device: torch.device, ranks_per_node: int = 8,
-                 timeout: datetime.timedelta | None = None):
+                 timeout: datetime.timedelta | None = None, pipeline_links: list[tuple[int, int]] = (),
+                 comm_options: dict[str, dict] | None = None):
         self.layout, self.device, self.ranks_per_node, self.timeout = layout, device, ranks_per_node, timeout
+        self.pipeline_links, self.comm_options = list(pipeline_links), comm_options or {}
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         world = dist.get_world_size() if self.distributed else 1
@@ -49,6 +56,7 @@ class Topology:
         # its first dimension's; the tied-embedding pairs' the pipeline's.
         self._reported = {d.name: d.reported_as for d in DIMENSIONS}
         self._reported.update(dict.fromkeys((GRAD, INTRA, INTER), self._reported[GRAD_DIMS[0]]), embed="pp")
+        self._reported.update(dict.fromkeys((link_name(a, b) for a, b in self.pipeline_links), "pp"))
         self.mesh = None
         if self.distributed:
             self._create_groups()
@@ -62,11 +70,12 @@ class Topology:
     def _create_groups(self) -> None:
         """Every group of the job; collective over all ranks, in one fixed order."""
         from torch.distributed.device_mesh import DeviceMesh
-        options = _group_options(self.device.type, self.timeout)
+        per_dim = tuple((None, self._options(name)) for name in DIMS)
         self.mesh = DeviceMesh(self.device.type, self.layout.grid(), mesh_dim_names=DIMS,
-                               backend_override=None if options is None else ((None, options),) * len(DIMS))
+                               backend_override=None if all(o is None for _, o in per_dim) else per_dim)
         for name in DIMS:
             self._add(name, self.layout.group_of(self.rank, (name,)), self.mesh.get_group(name))
+        options = self._options(GRAD)
         flat = self.mesh[GRAD_DIMS]._flatten(GRAD, backend_override=None if options is None else (None, options))
         self._add(GRAD, self.layout.group_of(self.rank, GRAD_DIMS), flat.get_group())
         halves = self.layout.split_by_node(GRAD_DIMS, self.ranks_per_node)
@@ -75,16 +84,25 @@ class Topology:
                 self._new_groups(name, groups)
         if self.layout.pp > 1:
             self._new_groups("embed", [[ranks[0], ranks[-1]] for ranks in self.layout.groups(("pp",))])
-        # Further groups (e.g. one per pipeline link) are created here too, after these.
+        for a, b in self.pipeline_links:
+            self._new_groups(link_name(a, b), [[ranks[a], ranks[b]] for ranks in self.layout.groups(("pp",))])
+        if self.comm_options and self.rank == 0 and devices.backend_for(self.device.type) != "nccl":
+            print(f"tetrad: parallel.comm_options for {', '.join(self.comm_options)} ignored: they are NCCL "
+                  f"communicator settings and this job runs on {devices.backend_for(self.device.type)}",
+                  file=sys.stderr)
 
     def _new_groups(self, name: str, groups: list[list[int]]) -> None:
         """One process group per rank list (every rank takes part in creating each, member or
         not); this rank keeps the one it belongs to. Groups of one rank are not made."""
         for ranks in groups:
             if len(ranks) > 1:
-                pg = dist.new_group(ranks, timeout=self.timeout)
+                pg = dist.new_group(ranks, timeout=self.timeout, pg_options=self._options(name))
                 if self.rank in ranks:
                     self._add(name, ranks, pg)
+
+    def _options(self, name: str):
+        """Group `name`'s backend options: the timeout, and its communicator settings on NCCL."""
+        return _group_options(self.device.type, self.timeout, self.comm_options.get(name.partition(":")[0], {}))
 
     def _add(self, name: str, ranks: list[int], pg) -> None:
         self._ranks[name], self._groups[name] = list(ranks), pg
@@ -123,11 +141,24 @@ class Topology:
         return self.coords["tp"]
 
 
-def _group_options(device_type: str, timeout: datetime.timedelta | None):
-    """Backend options carrying `timeout` for the DeviceMesh's groups (None: torch's default)."""
-    if timeout is None:
-        return None
+def link_name(a: int, b: int) -> str:
+    """The group of the pipeline link between pipeline positions a and b."""
+    return f"pp:{min(a, b)}-{max(a, b)}"
+
+
+def _group_options(device_type: str, timeout: datetime.timedelta | None, settings: dict):
+    """Backend options carrying `timeout` and, on NCCL, the communicator `settings` (config/sections.py
+    COMM_OPTIONS, as Megatron-Core sets them); None where both are torch's defaults."""
     nccl = devices.backend_for(device_type) == "nccl"
-    options = dist.ProcessGroupNCCL.Options() if nccl else dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
+    if timeout is None and not (nccl and settings):
+        return None
+    if nccl:
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=settings.get("high_priority_stream", False))
+        for key in ("cga_cluster_size", "min_ctas", "max_ctas"):
+            if key in settings:
+                setattr(options.config, key, settings[key])
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    if timeout is not None:
+        options._timeout = timeout
     return options

@@ -30,7 +30,7 @@ from tetrad.model.tensor import DropoutGenerators
 from tetrad.parallel.data import GradReducer
 from tetrad.parallel.pipeline.executor import PipelineExecutor
 from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
-from tetrad.parallel.pipeline.schedules import forward_only
+from tetrad.parallel.pipeline.schedules import forward_only, link_order
 from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.train.batches import split_batches
 from tetrad.train.checkpoint import Checkpointer, step_dir
@@ -93,9 +93,12 @@ class Trainer:
         p = cfg.parallel
         # Memory is measured from here: on CPU a forked rank starts with its parent's pages.
         self.memory_base = devices.start_memory_tracking(device)
+        # Without a pipeline the schedule is F, B per micro-batch: plain gradient accumulation.
+        schedule = build_schedule(p.schedule if p.pp > 1 else "1f1b", p.pp, cfg.microbatches, p.vpp)
         # Every group starts with the start-up timeout; after the first step, the collective one.
         self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node,
-                             timeout=datetime.timedelta(seconds=p.startup_timeout_s))
+                             timeout=datetime.timedelta(seconds=p.startup_timeout_s),
+                             pipeline_links=sorted(link_order(schedule)), comm_options=p.comm_options)
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed((cfg.train.seed + 7919 * self.topo.rank) % 2**63)
         self.activations = ActivationMeter()
@@ -117,8 +120,6 @@ class Trainer:
         self.batches, self.val_batches = split_batches(cfg)
         self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-        # Without a pipeline the schedule is F, B per micro-batch: plain gradient accumulation.
-        schedule = build_schedule(p.schedule if p.pp > 1 else "1f1b", p.pp, cfg.microbatches, p.vpp)
         tokens = cfg.model.seq_len // p.cp // (p.tp if self.model.execution.sequence_parallel else 1)
         shape = (cfg.train.micro_batch, tokens, cfg.model.d_model)
         self.pipeline = PipelineExecutor(self.model, schedule, self.topo, self.grads, shape, dtype)

@@ -10,6 +10,14 @@ so transfers overlap compute. Each activation is stashed from its F until its ba
 freed right after; the gradient buckets of a chunk reduce over dp × cp during that chunk's last
 backward of the step (data.py), once.
 
+Each link (pair of pipeline ranks, interleaving's wrap-around from the last rank to the first
+included) has a process group of its own (dist/topology.py `link_name`, made with the others
+from `pipeline_links`), so a communicator of its own. NCCL runs a communicator's operations in
+posting order on one stream: on one shared pipeline group, a receive posted early from one
+neighbour blocks every later transfer to the other, and interleaved schedules deadlock
+(tests/test_nccl_semantics.py). On its own communicator, a link's queue holds only that link's
+transfers, in the order both ends agree on.
+
 With pp = vpp = 1 the "schedule" is F, B per micro-batch with no transfers: the same loop is
 the plain gradient-accumulation loop.
 
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tetrad.dist.topology import link_name
 from tetrad.parallel.pipeline.schedules import P2POp, Schedule, Value, link_order, p2p_ops, stage_of
 
 
@@ -55,6 +64,9 @@ class PipelineExecutor:
             if self.rank in (a, b):
                 peer = b if self.rank == a else a
                 self.links[peer] = [ops.get((v, "send")) or ops[(v, "recv")] for v in values]
+                if topo.size(link_name(a, b)) != 2:
+                    raise ValueError(f"the topology has no group for pipeline link {link_name(a, b)}: create it "
+                                     "with Topology(..., pipeline_links=sorted(link_order(schedule)))")
         self.shape, self.dtype = activation_shape, activation_dtype
         # The action after which no more weight gradients of a chunk arrive this step: its
         # gradient buckets reduce during it.
@@ -149,16 +161,17 @@ class _Transfers:
     def _post(self, peer: int) -> None:
         """Post this link's transfers in order, as far as their values allow."""
         queue, comm, rank = self.queues[peer], self.ex.topo.comm, self.ex.topo.global_rank(pp=peer)
+        link = link_name(self.ex.rank, peer)
         while self.next[peer] < len(queue):
             op = queue[self.next[peer]]
             if op.op == "send":
                 if op.value not in self.made:
                     return
                 tensor = self.made.pop(op.value)
-                self.sending.append((comm.p2p([(tensor, rank)], [], "pp", send_tags=[op.tag(self.m)]), tensor))
+                self.sending.append((comm.p2p([(tensor, rank)], [], link, send_tags=[op.tag(self.m)]), tensor))
             else:
                 buffer = torch.empty(self.ex.shape, dtype=self.ex.dtype, device=self.ex.topo.device)
-                self.inbox[op.value] = buffer, comm.p2p([], [(buffer, rank)], "pp", recv_tags=[op.tag(self.m)])
+                self.inbox[op.value] = buffer, comm.p2p([], [(buffer, rank)], link, recv_tags=[op.tag(self.m)])
             self.next[peer] += 1
         self.sending = [entry for entry in self.sending if not entry[0].is_completed()]
 

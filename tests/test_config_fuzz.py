@@ -143,8 +143,7 @@ def test_fuzz_figures_are_reported():
 
 
 # A sample through the command line: exit 2, one line on stderr, no traceback, nothing started.
-CLI_SAMPLE = [["--train.lr=nan"], ["--train.grad_clip=-1"], ["--train.seed=9223372036854775808"],
-              ["--model.rope_theta=0"]]
+CLI_SAMPLE = [["--train.lr=nan"], ["--train.seed=9223372036854775808"]]  # each start costs seconds
 
 
 @pytest.mark.parametrize("args", CLI_SAMPLE, ids=[a[0] for a in CLI_SAMPLE])

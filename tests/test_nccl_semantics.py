@@ -100,3 +100,15 @@ def test_schedule_matches_single_process_under_nccl_ordering(schedule, pp):
     cfg, reference = _parity_runs(schedule, pp)
     assert_parity(train_layout(cfg, transport=partial(NcclSemantics, timeout_s=TIMEOUT_S), timeout_s=DEADLINE_S),
                   reference)
+
+
+def test_context_parallel_ring_is_unchanged_under_nccl_ordering():
+    """CP's ring passes K/V as one batched send and receive per pass (one queue item, run as one
+    NCCL group): the same numbers as on gloo, bit for bit."""
+    def run(transport=None):
+        cfg = tiny_config(parallel={"cp": 4}, train={"steps": 2})
+        return train_layout(cfg, transport=transport, timeout_s=DEADLINE_S)
+    losses, state, _ = run(partial(NcclSemantics, timeout_s=TIMEOUT_S))
+    gloo_losses, gloo_state, _ = run()
+    assert losses == gloo_losses and state.keys() == gloo_state.keys() and gloo_state
+    assert all(torch.equal(state[k], gloo_state[k]) for k in gloo_state)

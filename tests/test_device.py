@@ -11,7 +11,7 @@ from conftest import run_ranks, tiny_config
 from tetrad import device as devices
 from tetrad.config import ConfigError, load_config, validate_device
 from tetrad.train import telemetry
-from tetrad.train.optim import build_optimizer
+from tetrad.parallel.data.optimizer import build_optimizer
 
 
 @pytest.fixture

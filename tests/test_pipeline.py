@@ -67,7 +67,7 @@ def _gathered_blocks_after_backward(cfg):
     micro = trainer.batches.microbatches(0, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
     trainer.forward_backward(micro)
     grads = trainer.grads
-    blocks = len(grads._blocks)
+    blocks = len(grads.blocks)
     return sum(grads.flat[k].untyped_storage().nbytes() > 0 for k in range(blocks)), blocks
 
 

@@ -33,9 +33,7 @@ TOP = len(FLOORS)  # cli, launch, bench, viz, ...
 
 KNOWN_VIOLATIONS = {
     # core (issue 17 structure)
-    "import: tetrad.parallel.data -> tetrad.train.optim": "core",
     "import: tetrad.config.validation -> tetrad.train.precision": "core",  # the dtype map, defined once below config
-    "size: tetrad/parallel/data.py": "core",
 }
 
 

@@ -15,6 +15,13 @@ from typing import Any, Literal, Union
 DEFAULT_BUCKET_MB = 25.0
 
 
+def bucket_bytes(parallel) -> float:
+    """Bytes of fp32 gradient per bucket under `parallel` (None: the defaults); "auto" not yet
+    measured (dist/autotune.py) counts as DEFAULT_BUCKET_MB, for the planner and the runtime alike."""
+    mb = DEFAULT_BUCKET_MB if parallel is None or parallel.grad_bucket_mb == "auto" else parallel.grad_bucket_mb
+    return float(mb) * 2**20
+
+
 class ConfigError(ValueError):
     """A config that cannot run; the message says what to change."""
 

@@ -2,8 +2,8 @@
 measurement of the gradient group at start-up (AutoCCL's idea: tune communication on the job's
 own links rather than from defaults), and say what was measured.
 
-`resolve` is collective over the whole job: every rank calls it, with the same config, when it
-builds its gradient reducer. Every rank ends with the same choice (bucket layouts must match
+`resolve` is collective over the whole job: every rank calls it, with the same config, before it
+builds its gradient reducer (the trainer does). Every rank ends with the same choice (bucket layouts must match
 across tp, and one answer is easier to read in the log).
 """
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from tetrad.config import Config
+from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers, rank_stages, stage_layers
 from tetrad.plan.hardware import GPU, Cluster
@@ -24,7 +25,6 @@ from tetrad.plan.memory import (
     Memory,
     activation_bytes,
     after_bi_weight,
-    bucket_bytes,
     memory_by_rank,
     rank_params,
     state_bytes_per_param,
@@ -191,7 +191,7 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
             window = sum(st.bi[g] + st.bw[g] for g in st.held_by[r])
             if p.zero >= 2:
                 earlier = (micro - 1) * max(0.0, grads - window - sum(st.f[g] for g in st.held_by[r]))
-            last_bucket = grads * min(1.0, bucket_bytes(cfg) / (params * stack.grad_reduce_bytes))
+            last_bucket = grads * min(1.0, bucket_bytes(cfg.parallel) / (params * stack.grad_reduce_bytes))
             grads = max(last_bucket, grads - window)
         elif p.zero >= 2:
             earlier = (micro - 1) * grads
@@ -200,7 +200,7 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
             weights = params * state_bytes_per_param(cfg.train.dtype)[0]
             weights_gather = ring_time("all_gather", weights, n, alpha, link)
             if stack.param_gather_overlap:  # or under the next step's first forward, bucket by bucket
-                first_bucket = weights_gather * min(1.0, bucket_bytes(cfg) / weights)
+                first_bucket = weights_gather * min(1.0, bucket_bytes(cfg.parallel) / weights)
                 weights_gather = max(first_bucket, weights_gather - sum(st.f[g] for g in st.held_by[r]))
             gather = max(gather, weights_gather)
     return max(0.0, exposed) + gather, opt

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetrad.config import DEFAULT_BUCKET_MB, Config, ModelConfig
+from tetrad.config import Config, ModelConfig
+from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_layers
@@ -149,13 +150,6 @@ def after_bi_weight(cfg: Config, stack: Stack) -> float:
     return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
 
 
-def bucket_bytes(cfg: Config) -> float:
-    """Bytes of one gradient bucket: `grad_bucket_mb` MiB, as the runtime splits them ("auto",
-    tuned at start-up, taken as the default)."""
-    b = cfg.parallel.grad_bucket_mb
-    return (DEFAULT_BUCKET_MB if b == "auto" else float(b)) * 2**20
-
-
 def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_waiting: float,
                    is_cpu: bool) -> list[Memory]:
     """Peak bytes of one GPU of each pipeline rank, whose schedule keeps inflight[rank]
@@ -203,7 +197,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float) -> f
     # its shard, but a bucket's full gradient lives until its reduce-scatter ends: one bucket
     # reducing while the next fills.
     if p.dp * p.cp > 1 and p.zero == 2:  # a parameter larger than the bucket size is a bucket alone
-        bucket = bucket_bytes(cfg)
+        bucket = bucket_bytes(cfg.parallel)
         largest = 4 * m.d_model * max(m.vocab_size, m.ffn_hidden) / p.tp
         out += min(2 * max(bucket, largest), 4 * params)
     if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket

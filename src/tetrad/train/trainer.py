@@ -21,6 +21,7 @@ import torch
 from tetrad import device as devices
 from tetrad.dist import watchdog
 from tetrad.config import Config, profile_steps
+from tetrad.dist import autotune
 from tetrad.dist.layout import GRAD, REPORTED, Layout, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model.execution import DeferredWeightGrads, Execution
@@ -107,11 +108,13 @@ class Trainer:
         set_execution(self.model, cfg.train.recompute, cfg.train.compile)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         dtype = model_dtype(cfg.train.dtype)
-        # Buckets, ZeRO; casts the parameters to `dtype` behind fp32 master weights.
+        # "auto" bucket size and hierarchical reduction, measured on this job's links (collective).
+        parallel = autotune.resolve(cfg.parallel, self.topo, 4 * sum(q.numel() for q in self.params))
         # ZeRO-3: each rank builds only its shard of the initial weights (build_model gave them no memory).
         shard_init = functools.partial(initial_value, seed=cfg.train.seed, weights=starting_weights(cfg)) \
             if p.zero == 3 else None
-        self.grads = GradReducer(self.params, self.topo, cfg.parallel, self.model, dtype=dtype,
+        # Buckets, ZeRO; casts the parameters to `dtype` behind fp32 master weights.
+        self.grads = GradReducer(self.params, self.topo, parallel, self.model, dtype=dtype,
                                  offload=cfg.train.offload_optimizer, init=shard_init)
         self.optimizer = self.grads.build_optimizer(cfg.train)
         self.scaler = LossScaler(enabled=cfg.train.dtype == "fp16")

@@ -1,0 +1,192 @@
+"""Data parallelism over the gradient group (dp x cp): bucketed, overlapped gradient reduction
+and ZeRO 0-3, split along Megatron-Core's seams:
+
+- buffers.py: the bucket layout (flat buffers, shards) and the parameters as views of them;
+- lifecycle.py: a bucket's gradient through a step, a small state machine (start and finish of
+  its reduction);
+- zero3.py: ZeRO-3's gather, free and prefetch of the parameters, block by block;
+- finalize.py: the sums beyond the gradient group (tied embedding, SP's tp-replicated grads);
+- optimizer.py: AdamW, master weights, the sharded update and clipping;
+- codec_state.py: the gradient codec's state in a checkpoint.
+
+CP ranks hold the same weights as their DP peers, so both dimensions reduce (and shard)
+together. Each micro-batch's loss is already divided by the global token count, so a SUM of the
+gradients gives exactly the single-device gradient.
+
+ZeRO-0 all-reduces each bucket; plain AdamW on the full gradients. ZeRO-1 all-reduces too, but
+AdamW runs only on this rank's shard; updated shards are then all-gathered into the flat
+parameter buffer the model's parameters are views of. ZeRO-2 reduce-scatters every
+micro-batch's bucket into this rank's shard and frees the full bucket once reduced (a sum grouped
+by micro-batch: equal to ZeRO-0's to fp32 rounding, bit-equal with one micro-batch per rank).
+ZeRO-3 keeps only the parameter shard and gathers each block for its use; gradients as ZeRO-2.
+
+`GradReducer` puts these together for the trainer; "auto" bucket size and hierarchical
+reduction are measured before it is built (dist/autotune.py), not by it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from tetrad.config.sections import bucket_bytes
+from tetrad.dist.codecs import INT8_BLOCK, make_codec
+from tetrad.dist.layout import GRAD, GRAD_DIMS
+from tetrad.model.execution import Execution
+from tetrad.parallel.data.buffers import Bucket, flatten, initial_shard, lay_out
+from tetrad.parallel.data.codec_state import codec_state_dict, load_codec_state
+from tetrad.parallel.data.finalize import sum_sequence_parallel, sum_tied
+from tetrad.parallel.data.lifecycle import GradSync
+from tetrad.parallel.data.optimizer import (MasterWeights, ShardedAdamW, build_optimizer, clip_gradients, owned_grad,
+                                            zero_loaded, zero_pieces)
+from tetrad.parallel.data.zero3 import ParamGather
+
+__all__ = ["GradReducer", "ShardedAdamW", "zero_loaded", "zero_pieces"]
+
+
+class GradReducer:
+    """The flat gradient (and, under ZeRO, parameter) buffers of `params` and their reduction over
+    the gradient group. `parallel` (resolved: no "auto") gives ZeRO stage, codec, bucket size and
+    hierarchical reduction. `model` is needed for its execution flags, chunks and tied embedding,
+    and under ZeRO-3 for its blocks (which get the gather hooks, prefetching `prefetch` blocks).
+    `dtype` is the model's (parameter and compute) dtype: the parameters are cast to it here,
+    after their fp32 values seeded the master weights; `offload` keeps masters and optimizer
+    state on the CPU. `init` (ZeRO-3 start-up): the parameters come without memory and
+    `init(name, param)` gives one's initial value; each rank builds its shard from it, one
+    parameter at a time."""
+
+    def __init__(self, params: list[nn.Parameter], topo, parallel=None, model: nn.Module | None = None, *,
+                 dtype: torch.dtype = torch.float32, offload: bool = False,
+                 init: Callable[[str, nn.Parameter], torch.Tensor] | None = None, prefetch: int = 1):
+        self.params, self.topo = params, topo
+        self.execution = getattr(model, "execution", None) or Execution()
+        self._names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+        self.zero = parallel.zero if parallel else 0
+        n = topo.size(GRAD)
+        codec = parallel.grad_codec if parallel else "none"
+        self.codec = make_codec(codec, n)
+        hierarchical = bool(parallel and parallel.hierarchical is True and n > 1)
+        if hierarchical and topo.layout.split_by_node(GRAD_DIMS, topo.ranks_per_node) is None:
+            raise ValueError(f"hierarchical reduction needs the dp x cp groups spread evenly over nodes of "
+                             f"{topo.ranks_per_node} ranks")
+        layout = lay_out(params, model, self.zero, n, topo.local_rank(GRAD), INT8_BLOCK if codec == "int8" else 1,
+                         bucket_bytes(parallel))
+        self.buckets, self.blocks, self._tied, self._tied_copy = layout.buckets, layout.blocks, layout.tied, \
+            layout.tied_copy
+        # Parameters become views of flat buffers under ZeRO, or behind separate fp32 masters.
+        separate = dtype != torch.float32 or offload
+        self.weights = None
+        if self.zero >= 1 or separate:
+            self.weights = MasterWeights(self.buckets, topo, self.zero, dtype, separate, offload)
+            initial = None if init is None else \
+                (lambda bucket, lo, hi: initial_shard(bucket, lo, hi, init, self._names, topo.device))
+            for flat, owned in flatten(self.buckets, dtype, topo.device, self.weights.owned_range, initial):
+                self.weights.add(flat, owned)
+        self.flat = self.weights.flat if self.weights else []
+        self.masters = self.weights.masters if self.weights else []
+        self.zero3 = None
+        if self.zero == 3:
+            self.zero3 = ParamGather(self.buckets, self.flat, self.weights.shards, topo, self.execution,
+                                     layout.root, prefetch)
+            self.zero3.install(model, layout.blocks)
+        self.sync = GradSync(self.buckets, topo, self.execution, self.zero, self.codec, hierarchical,
+                             on_complete=self.zero3.on_complete if self.zero3 else None)
+
+    def last_microbatch(self):
+        """Backward inside this block is the accumulation's last: buckets reduce as they fill."""
+        return self.sync.last_microbatch()
+
+    def gathered(self):
+        """Full parameters inside the block (ZeRO-3), e.g. to export or compare them."""
+        return self.zero3.gathered() if self.zero3 else contextlib.nullcontext()
+
+    def owned_grad(self, bucket: Bucket) -> torch.Tensor | None:
+        return owned_grad(bucket, self.zero)
+
+    # ------------------------------------------------------------------ end of backward
+    def reduce(self) -> None:
+        """Finish every bucket's reduction (starting those that have not started), complete the
+        sums beyond the gradient group and expose the result: `p.grad` views (fp32 ZeRO-0) or each
+        bucket's reduced shard (ZeRO >= 1)."""
+        self.sync.finish_all()
+        for bucket in self.buckets:
+            reduced = bucket.grad_shard if self.zero >= 2 else bucket.grad
+            if reduced is None:
+                continue
+            if bucket is self._tied:
+                sum_tied(reduced, self.topo.comm)
+            if self.zero < 2:
+                bucket.grad_shard = bucket.grad[bucket.lo:bucket.hi]
+                if not self.flat:  # plain AdamW on the (fp32) parameters
+                    for i, p in enumerate(bucket.params):
+                        p.grad = bucket.view(bucket.grad, i)
+        if self.execution.sequence_parallel:
+            sum_sequence_parallel(self._sp_slices(), self.topo.comm)
+        if self.zero3:
+            self.zero3.free_all()
+
+    def _sp_slices(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        if self.zero == 0:  # the optimizer reads the whole bucket
+            return [(b.view(b.grad, i), p) for b in self.buckets if b.grad is not None for i, p in enumerate(b.params)]
+        return self.shard_slices()
+
+    def shard_slices(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(gradient slice, its parameter) for this rank's shard of every reduced bucket."""
+        return [(b.grad_shard[lo - b.lo:hi - b.lo], b.params[i])
+                for b in self.buckets if b.grad_shard is not None for i, lo, hi in b.slices()]
+
+    def clip(self, max_norm: float, loss_scale: float = 1.0) -> float:
+        """Divide the gradients by the loss scale and clip them by the true global norm (shards
+        summed over the gradient group, tp and pp); returns that norm, unscaled. It is the same
+        number on every rank, non-finite on all of them when any rank's gradient overflowed."""
+        scaled = [g for g in (self.owned_grad(b) for b in self.buckets) if g is not None]
+        # The tied embedding's head copy holds the same gradient as the embedding: count it once.
+        slices = [(g, p) for g, p in self.shard_slices() if not (self._tied_copy and p is self._tied.params[0])]
+        return clip_gradients(slices, max_norm, self.topo, scaled, dp_sharded=True, loss_scale=loss_scale)
+
+    def zero_grad(self) -> None:
+        self.sync.clear()
+        for p in self.params:
+            p.grad = None
+
+    def build_optimizer(self, train_cfg):
+        """Plain AdamW on the parameters (fp32 ZeRO-0) or AdamW on the owned ranges' masters."""
+        if self.weights is None:
+            return build_optimizer(self.params, train_cfg)
+        return ShardedAdamW(self.weights, train_cfg, clear=self.zero_grad)
+
+    # ------------------------------------------------------------------ checkpoint, accounting
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's codec state (error feedback, PowerSGD's Q) by bucket (codec_state.py)."""
+        return codec_state_dict(self.codec, self.buckets, self._names)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_codec_state(self.codec, self.buckets, self._names, state, self.topo.device)
+
+    def model_state_bytes(self, optimizer) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds now, counted from the
+        tensors' storages (each storage once)."""
+        seen: set[int] = set()
+
+        def count(tensors) -> int:
+            total = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                storage = t.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+        state = optimizer.state.values()
+        shards = self.weights.shards if self.weights else []
+        masters = self.masters if self.weights and self.weights.separate else []
+        # fp32 masters count as optimizer state (the ZeRO paper's K = 12 bytes per parameter).
+        return {"params": count(list(self.params) + shards),
+                "grads": count([p.grad for p in self.params] + [b.grad for b in self.buckets]
+                               + [b.grad_shard for b in self.buckets]),
+                "optimizer": count([v for s in state for v in s.values() if torch.is_tensor(v) and v.ndim]
+                                   + masters)}

@@ -1,0 +1,133 @@
+"""Where the gradients (and, under ZeRO, the weights) live: flat buckets.
+
+A bucket is a run of parameters laid out end to end in one flat buffer, padded so that N equal
+shards cover it (N = the gradient group's size); rank i owns the i-th shard. Buckets follow the
+backward order, so each fills at one time; one never spans two pipeline chunks (their backwards
+run at different times); an embedding tied across pipeline stages gets a bucket of its own, laid
+out alike on both stages. Under ZeRO-3 there is one bucket per transformer block, plus one for
+the rest, as the block is the unit that is gathered.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+class Bucket:
+    """A run of parameters laid out in one flat buffer, padded so N equal shards cover it. The
+    gradient fields are the bucket lifecycle's (lifecycle.py)."""
+
+    def __init__(self, params: list[nn.Parameter], n: int, rank: int, align: int, index: int):
+        self.params, self.index = params, index
+        self.offsets, size = [], 0
+        for p in params:
+            self.offsets.append(size)
+            size += p.numel()
+        self.size = size
+        self.padded = math.ceil(size / (n * align)) * n * align
+        self.shard_size = self.padded // n
+        self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        self.state = "empty"  # lifecycle.py: empty -> filling -> reducing -> reduced
+        self.grad: torch.Tensor | None = None  # full fp32 gradient while it exists
+        self.grad_shard: torch.Tensor | None = None  # this rank's reduced shard
+        self.pending = None  # the gradient collective in flight
+        self.incoming: torch.Tensor | None = None  # ZeRO >= 2: where that reduce-scatter lands
+        self.parked: dict[int, torch.Tensor] = {}  # ZeRO >= 2 under zero-bubble: BI's gradients, by param
+        self.from_bi: set[int] = set()  # ... and the params whose gradients BI makes
+        self.seen = 0  # gradients arrived in this backward
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's part of a flat buffer laid out as this bucket, in its shape."""
+        p = self.params[i]
+        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+
+    def slices(self, lo: int | None = None, hi: int | None = None) -> list[tuple[int, int, int]]:
+        """(param index, start, end) in bucket coordinates of each parameter's part of [lo, hi),
+        by default this rank's shard."""
+        lo, hi = (self.lo, self.hi) if lo is None else (lo, hi)
+        out = []
+        for i, (off, p) in enumerate(zip(self.offsets, self.params)):
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a < b:
+                out.append((i, a, b))
+        return out
+
+
+@dataclass
+class BucketLayout:
+    buckets: list[Bucket]
+    blocks: list[nn.Module]  # ZeRO-3: the blocks whose buckets come first, in order
+    root: Bucket | None  # ZeRO-3: the bucket of everything outside the blocks
+    tied: Bucket | None  # the embedding tied across pipeline stages
+    tied_copy: bool  # ... and this rank's is the head's copy
+
+
+def lay_out(params: list[nn.Parameter], model: nn.Module | None, zero: int, n: int, rank: int, align: int,
+            bucket_bytes: float) -> BucketLayout:
+    """The buckets of `params` for ZeRO stage `zero` over a gradient group of n ranks."""
+    if zero == 3:
+        blocks = list(model.layers.values())
+        units = [list(block.parameters()) for block in blocks]
+        in_blocks = {id(p) for unit in units for p in unit}
+        rest = [p for p in params if id(p) not in in_blocks]
+        buckets = [Bucket(u, n, rank, align, k) for k, u in enumerate(u for u in units + [rest] if u)]
+        return BucketLayout(buckets, blocks, buckets[-1] if rest else None, None, False)
+    tied = model.tied_weight() if hasattr(model, "tied_weight") else None
+    wanted = {id(p) for p in params if p is not tied}
+    chunks = model.chunk_parameters() if hasattr(model, "chunk_parameters") else [params]
+    runs = [run for chunk in chunks[::-1] for run in split_runs([p for p in chunk[::-1] if id(p) in wanted],
+                                                                bucket_bytes)]
+    buckets = [Bucket(run, n, rank, align, k) for k, run in enumerate(runs)]
+    if tied is None:
+        return BucketLayout(buckets, [], None, None, False)
+    buckets.append(Bucket([tied], n, rank, align, len(buckets)))
+    return BucketLayout(buckets, [], None, buckets[-1], model.holds_tied_copy)
+
+
+def split_runs(params: list[nn.Parameter], limit_bytes: float) -> list[list[nn.Parameter]]:
+    """Consecutive runs of params, each at most limit_bytes of fp32 gradient (or one parameter)."""
+    out, run, size = [], [], 0
+    for p in params:
+        if run and size + 4 * p.numel() > limit_bytes:
+            out.append(run)
+            run, size = [], 0
+        run.append(p)
+        size += 4 * p.numel()
+    return out + [run] if run else out
+
+
+def flatten(buckets: list[Bucket], dtype: torch.dtype, device: torch.device, owned_range, initial=None):
+    """Make every parameter a view of its bucket's flat buffer in `dtype`, one bucket at a time;
+    yields, per bucket, (that buffer, the fp32 values of its `owned_range`: what master weights
+    and ZeRO-3's shard start from). Lazily, so only one bucket's fp32 copy exists at a time. With
+    `initial(bucket, lo, hi)` (ZeRO-3 start-up: the parameters have no memory yet) the owned
+    values come from it and the buffer starts empty."""
+    for bucket in buckets:
+        lo, hi = owned_range(bucket)
+        with torch.no_grad():
+            if initial is not None:
+                owned = initial(bucket, lo, hi)
+                flat = torch.empty(bucket.padded, dtype=dtype, device=device)
+            else:
+                full = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
+                for i, p in enumerate(bucket.params):
+                    bucket.view(full, i).copy_(p)
+                flat = full.to(dtype)  # the same tensor in fp32
+                owned = full[lo:hi]
+            for i, p in enumerate(bucket.params):
+                p.data = bucket.view(flat, i)
+        yield flat, owned
+
+
+def initial_shard(bucket: Bucket, lo: int, hi: int, init, names: dict[int, str], device) -> torch.Tensor:
+    """[lo, hi) of the bucket in fp32 from its parameters' initial values, `init(name, param)`,
+    one parameter at a time (padding zero)."""
+    owned = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+    for i, a, b in bucket.slices(lo, hi):
+        p, start = bucket.params[i], bucket.offsets[i]
+        owned[a - lo:b - lo] = init(names[id(p)], p).reshape(-1)[a - start:b - start]
+    return owned

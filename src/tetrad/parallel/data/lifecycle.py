@@ -1,0 +1,162 @@
+"""A bucket's gradient through one step: a small state machine (Megatron-Core's bucket seam).
+
+    empty --first gradient--> filling --last gradient (and sync)--> reducing --wait--> reduced
+      ^                                                                                   |
+      +---------------------------- the next step's first gradient -----------------------+
+
+Gradients arrive from a post-accumulate-grad hook and are added, in fp32, to the bucket's flat
+gradient. When its last parameter's gradient is in, the bucket's collective starts, non-blocking:
+on the accumulation's last micro-batch only (`last_microbatch`) under ZeRO 0/1, which
+all-reduce (through a codec, or hierarchically); on every micro-batch under ZeRO >= 2, which
+reduce-scatter into this rank's shard and sum the shards over micro-batches, freeing the full
+gradient once reduced (its bucket goes back to empty): one bucket reduces while the next fills,
+so at most two full buckets exist at a time (DeepSpeed's and FSDP's way).
+
+Zero-bubble's split backward under ZeRO >= 2: BI makes the gradients that are not deferred (the
+norms'), BW the linears'. BI's are parked apart (fp32) until BW starts the bucket, and the
+bucket is complete when BW has delivered all of its linears' (a later micro-batch's BI may come
+first: it joins this reduction), so no bucket is held full from BI to BW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from tetrad.dist import hierarchical
+from tetrad.dist.layout import GRAD
+from tetrad.parallel.data.buffers import Bucket
+
+
+class GradSync:
+    """The gradient lifecycle of `buckets` over the gradient group. `on_complete(bucket)` runs
+    when a bucket's gradients of a backward are all in, before its reduction starts (ZeRO-3 frees
+    the block's weights there)."""
+
+    def __init__(self, buckets: list[Bucket], topo, execution, zero: int, codec, hierarchical_: bool,
+                 on_complete=None):
+        self.buckets, self.topo, self.execution = buckets, topo, execution
+        self.zero, self.codec, self.hierarchical = zero, codec, hierarchical_
+        self.on_complete = on_complete or (lambda bucket: None)
+        self.sync = False  # inside `last_microbatch`
+        self.in_flight: list[Bucket] = []  # ZeRO >= 2: reduce-scatters started, oldest first
+        for bucket in buckets:
+            for i, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(self._hook(bucket, i))
+
+    @contextlib.contextmanager
+    def last_microbatch(self):
+        """Backward inside this block is the accumulation's last: buckets reduce as they fill.
+        Outside it gradients only accumulate (`finish_all` still reduces whatever did not start)."""
+        self.sync = True
+        try:
+            yield
+        finally:
+            self.sync = False
+
+    # ------------------------------------------------------------------ arrivals
+    def _hook(self, bucket: Bucket, i: int):
+        def hook(p: nn.Parameter) -> None:
+            if p.grad is not None:  # None: a deferred weight gradient (zero-bubble BI), it arrives in BW
+                self.arrive(bucket, i, p)
+        return hook
+
+    def arrive(self, bucket: Bucket, i: int, p: nn.Parameter) -> None:
+        """Parameter i's gradient of one backward (`p.grad`) moves into its bucket."""
+        if bucket.state == "reducing" and self.zero >= 2:  # last micro-batch's, still in flight
+            self.finish(bucket)
+        in_bi = self.execution.weight_grads.collecting_now
+        if self.zero >= 2 and self.execution.split_backward:
+            if in_bi:
+                bucket.from_bi.add(i)
+            else:
+                bucket.seen += 1
+            complete = bucket.seen == len(bucket.params) - len(bucket.from_bi)
+        else:
+            bucket.seen += 1
+            complete = bucket.seen == len(bucket.params)
+        if in_bi and self.zero >= 2 and bucket.grad is None:
+            if i in bucket.parked:
+                bucket.parked[i].add_(p.grad)
+            else:
+                bucket.parked[i] = p.grad.float()
+        else:
+            self._fill(bucket, p.device)
+            bucket.view(bucket.grad, i).add_(p.grad)  # fp32 accumulation, whatever the model dtype
+        p.grad = None
+        if complete:
+            bucket.seen = 0
+            self._fill(bucket, p.device)
+            self.on_complete(bucket)
+            if self.sync or self.zero >= 2:
+                self.start(bucket)
+
+    def _fill(self, bucket: Bucket, device: torch.device) -> None:
+        """Make the bucket's full gradient if it has none (empty, or last step's reduced) and add
+        the parked gradients into it: the bucket is filling."""
+        if bucket.state in ("empty", "reduced"):
+            bucket.grad = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
+            bucket.state = "filling"
+        for j, grad in bucket.parked.items():
+            bucket.view(bucket.grad, j).add_(grad)
+        bucket.parked.clear()
+
+    # ------------------------------------------------------------------ reduction
+    def start(self, bucket: Bucket) -> None:
+        """filling -> reducing: start the bucket's collective, non-blocking."""
+        if bucket.state != "filling":
+            raise RuntimeError(f"bucket {bucket.index} starts reducing from {bucket.state}")
+        bucket.state = "reducing"
+        comm = self.topo.comm
+        if self.zero >= 2:
+            bucket.incoming = bucket.grad.new_empty(bucket.shard_size)
+            bucket.pending = comm.reduce_scatter(bucket.incoming, bucket.grad, GRAD, async_op=True)
+            self.in_flight.append(bucket)
+            while len(self.in_flight) > 1:  # double buffering: one reducing while the next fills
+                self.finish(self.in_flight[0])
+        elif self.hierarchical:
+            bucket.pending = hierarchical.all_reduce(bucket.grad, self.topo)
+        else:
+            bucket.pending = self.codec.all_reduce(bucket.grad, comm, GRAD, bucket.index)
+
+    def finish(self, bucket: Bucket) -> None:
+        """reducing -> reduced (ZeRO 0/1: the bucket's gradient is the sum) or, under ZeRO >= 2,
+        -> empty with this micro-batch's shard added to `grad_shard` and the full gradient freed."""
+        if bucket.state != "reducing":
+            raise RuntimeError(f"bucket {bucket.index} finishes from {bucket.state}")
+        bucket.pending.wait()
+        bucket.pending = None
+        if self.zero < 2:
+            bucket.state = "reduced"
+            return
+        if bucket.grad_shard is None:
+            bucket.grad_shard = bucket.incoming
+        else:
+            bucket.grad_shard.add_(bucket.incoming)
+        bucket.incoming = bucket.grad = None
+        bucket.state = "empty"
+        self.in_flight.remove(bucket)
+
+    def finish_all(self) -> None:
+        """Start every bucket that holds gradients and has not started, and finish every
+        reduction: afterwards each bucket's sum is in `grad` (ZeRO 0/1) or `grad_shard`."""
+        for bucket in self.buckets:
+            if bucket.parked:
+                self._fill(bucket, self.topo.device)
+            if bucket.state == "filling":
+                self.start(bucket)
+        while self.in_flight:
+            self.finish(self.in_flight[0])
+        for bucket in self.buckets:
+            if bucket.state == "reducing":
+                self.finish(bucket)
+            bucket.seen = 0
+
+    def clear(self) -> None:
+        """Drop every gradient (after the optimizer step): all buckets empty."""
+        for bucket in self.buckets:
+            bucket.grad = bucket.grad_shard = None
+            bucket.parked.clear()
+            bucket.state = "empty"

@@ -1,0 +1,106 @@
+"""ZeRO-3: each rank keeps only its shard of every bucket's parameters; a transformer block is
+all-gathered just before it runs and freed after.
+
+Forward: the block is gathered (waiting for a gather already started), the next `prefetch`
+blocks' gathers are started, the block runs and is freed. Backward: a block is gathered again
+when its output gradient arrives (prefetching the `prefetch` blocks before it) and freed when its
+gradients are in (lifecycle.py's `on_complete`); under a zero-bubble split backward once its
+input gradient is out, as BW needs no weights. The bucket of everything outside the blocks (the
+root: embedding, final norm, head) is gathered for the whole step. Full recompute runs inside
+the block's forward, so these hooks never see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from tetrad.dist.layout import GRAD
+from tetrad.parallel.data.buffers import Bucket
+
+
+class ParamGather:
+    """Gathers and frees the flat parameter buffers `flat` (one per bucket, freed while not in use)
+    from the persistent shards `shards`; block k owns bucket k, and `root`, when there is one, is
+    the last. `prefetch`: how many blocks ahead (behind, in backward) to start gathering."""
+
+    def __init__(self, buckets: list[Bucket], flat: list[torch.Tensor], shards: list[torch.Tensor], topo,
+                 execution, root: Bucket | None, prefetch: int = 1):
+        self.buckets, self.flat, self.shards, self.topo = buckets, flat, shards, topo
+        self.execution, self.root, self.prefetch = execution, root, prefetch
+        self.gathering: dict[int, object] = {}  # bucket index -> its all-gather in flight
+
+    def start(self, k: int) -> None:
+        """Non-blocking all-gather of bucket k's parameters (no-op if already there or on its way)."""
+        flat = self.flat[k]
+        if flat.untyped_storage().nbytes() == 0:
+            flat.untyped_storage().resize_(self.buckets[k].padded * flat.element_size())
+            self.gathering[k] = self.topo.comm.all_gather(flat, self.shards[k], GRAD, async_op=True)
+
+    def gather(self, k: int) -> None:
+        self.start(k)
+        if k in self.gathering:
+            self.gathering.pop(k).wait()
+
+    def free(self, k: int) -> None:
+        self.flat[k].untyped_storage().resize_(0)
+
+    def free_all(self) -> None:
+        """End of step: nothing gathered outlives it, so the next forward sees the updated shards."""
+        for k in list(self.gathering):
+            self.gathering.pop(k).wait()
+        for k in range(len(self.buckets)):
+            self.free(k)
+
+    def on_complete(self, bucket: Bucket) -> None:
+        """A block's gradients are all in: its weights are done with, unless backward is split
+        (its BI may still need them while an earlier BW completes the count)."""
+        if bucket is not self.root and not self.execution.split_backward:
+            self.free(bucket.index)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Full parameters inside the block, e.g. to export or compare them."""
+        for k in range(len(self.buckets)):
+            self.gather(k)
+        try:
+            yield
+        finally:
+            for k in range(len(self.buckets)):
+                self.free(k)
+
+    # ------------------------------------------------------------------ hooks
+    def install(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        """Gather and free around every block of `model`, and the root around the whole forward."""
+        model.register_forward_pre_hook(self._before_model)
+        for k, block in enumerate(blocks):
+            block.register_forward_pre_hook(self._before_block(k, len(blocks)))
+            block.register_forward_hook(self._after_block(k))
+
+    def _before_model(self, module, args) -> None:
+        if self.root is not None:
+            self.gather(self.root.index)
+
+    def _before_block(self, k: int, n_blocks: int):
+        def hook(module, args):
+            self.gather(k)
+            for j in range(k + 1, min(k + 1 + self.prefetch, n_blocks)):
+                self.start(j)
+            x = args[0]
+            if self.execution.split_backward and torch.is_grad_enabled() and x.requires_grad:
+                x.register_hook(lambda grad: self.free(k))
+        return hook
+
+    def _after_block(self, k: int):
+        def hook(module, args, output):
+            self.free(k)
+            if output.requires_grad:
+                output.register_hook(lambda grad: self._before_backward(k))
+        return hook
+
+    def _before_backward(self, k: int) -> None:
+        self.gather(k)
+        for j in range(k - 1, max(k - 1 - self.prefetch, -1), -1):
+            self.start(j)

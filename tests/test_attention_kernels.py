@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_all_within, run_ranks
+from tetrad.device import DTYPES
 from tetrad.model import attention as attn
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # (device, dtype, gqa, cp_algo, cudnn_preferred) -> (kernel, expand_kv). On CUDA every case is a
 # fused kernel; fp32 GQA repeats K/V heads because SDPA's memory-efficient kernel rejects them.

@@ -11,7 +11,7 @@ import pytest
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
-from tetrad.train.metrics import PARTS
+from tetrad.train.metrics import CONTRACT_FIELDS, PARTS
 
 from conftest import tiny_config, train_layout
 
@@ -32,6 +32,7 @@ def test_breakdown_adds_up_to_step_time(run):
     5% allows the untimed glue between phases (Python between pipeline actions, the loss sum)."""
     _, (_, _, history) = run
     for r in history:
+        assert set(CONTRACT_FIELDS) <= r.keys() and set(r["comm_bytes"]) == {"tp", "cp", "pp", "dp"}
         assert sum(r[k] for k in PARTS) == pytest.approx(r["step_time_s"], rel=0.05), r
         assert all(r[k] >= 0 for k in PARTS) and r["compute_s"] > 0 and r["bubble_s"] > 0
         groups = r["exposed_comm_s_by_group"]

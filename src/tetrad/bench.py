@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from tetrad.device import DTYPES
 from tetrad.dist.bench import ACCELERATOR_SIZES, DEFAULT_SIZES, OPS, bench_rank, bus_factor
 from tetrad.launch import run_local
 from tetrad.plan.links import LINK_EFFICIENCY
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (M, K, N): square sizes and the shapes of a small transformer's projections.
 DEFAULT_SHAPES = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (256, 1024, 256))
 # On accelerators: squares, and the projections of a Llama-3-8B layer (4096 wide, ffn 14336)
@@ -192,6 +192,7 @@ def _device_facts(device: str, ranks_per_node: int) -> dict:
     if device == "cpu":
         return {"base": "CPU",
                 "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / ranks_per_node}
+    from tetrad import device as devices
     from tetrad.train.metrics import device_profile
     dev = torch.device(device, 0)
     base = device_profile(dev)
@@ -199,7 +200,7 @@ def _device_facts(device: str, ranks_per_node: int) -> dict:
         print(f"tetrad bench: no built-in profile matches this {device} device; unmeasured figures "
               "(attention efficiency, ...) come from H100-SXM")
     return {"base": base.name if base else "H100-SXM",
-            "memory_gib": torch.cuda.get_device_properties(dev).total_memory / 2**30}
+            "memory_gib": devices.accelerator_properties(dev).total_memory / 2**30}
 
 
 def _default_sizes(device: str = "cpu"):

@@ -14,6 +14,10 @@ import torch
 import torch.distributed as dist
 
 
+# train.dtype's names: the parameter and compute dtype of each.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def resolve_device_type(requested: str) -> str:
     """'auto' picks the accelerator torch finds (cuda, xpu, ...) and falls back to cpu."""
     if requested == "auto":
@@ -116,6 +120,27 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
     accelerator, so copies between the two run at full bus speed and without blocking the host
     (`non_blocking=True`); the CPU's own tensors need no pinning (and torch cannot pin without one)."""
     return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.device.type != "cpu")
+
+
+def accelerator_properties(device: torch.device):
+    """A CUDA device's properties (name, total_memory, uuid, ...); None on other devices."""
+    return torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """The states of the random generators a rank draws from: the CPU's, and its accelerator's."""
+    out = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore what `rng_states` returned (the parts present)."""
+    if "cpu" in states:
+        torch.set_rng_state(states["cpu"])
+    if "cuda" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 def synchronize(device: torch.device) -> None:

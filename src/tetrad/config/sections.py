@@ -15,6 +15,16 @@ from typing import Any, Literal, Union
 DEFAULT_BUCKET_MB = 25.0
 
 
+def hierarchical_blocker(parallel) -> str | None:
+    """Why hierarchical reduction cannot reduce this run's gradients (None: it can, given dp x cp
+    groups spread evenly over nodes): it replaces the ZeRO 0/1 all-reduce, without a codec.
+    Config validation and dist/autotune.py both ask this."""
+    if parallel.zero >= 2 or parallel.grad_codec != "none":
+        return (f"hierarchical reduces the ZeRO 0/1 all-reduce without a codec; got zero={parallel.zero}, "
+                f"grad_codec={parallel.grad_codec!r}")
+    return None
+
+
 def bucket_bytes(parallel) -> float:
     """Bytes of fp32 gradient per bucket under `parallel` (None: the defaults); "auto" not yet
     measured (dist/autotune.py) counts as DEFAULT_BUCKET_MB, for the planner and the runtime alike."""

@@ -9,7 +9,8 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
-from tetrad.config.sections import COMM_GROUPS, COMM_OPTIONS, Config, ConfigError, ParallelConfig, did_you_mean
+from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, Config, ConfigError, ParallelConfig, did_you_mean,
+                                    hierarchical_blocker)
 
 
 @dataclass(frozen=True)
@@ -187,9 +188,9 @@ def _check_gradients(cfg: Config) -> None:
         raise ConfigError(f"grad_codec='int8' sums int8 over dp*cp = {p.dp * p.cp} ranks, at most 127; "
                           f"use bf16 or hierarchical reduction")
     if p.hierarchical is True:
-        if p.zero >= 2 or p.grad_codec != "none":
-            raise ConfigError(f"hierarchical=true reduces the ZeRO 0/1 all-reduce without a codec; got "
-                              f"zero={p.zero}, grad_codec={p.grad_codec!r}")
+        blocker = hierarchical_blocker(p)
+        if blocker:
+            raise ConfigError(f"hierarchical=true: {blocker}")
         per_node = p.ranks_per_node // p.tp
         if p.ranks_per_node % p.tp or (p.dp * p.cp) % per_node and per_node % (p.dp * p.cp):
             raise ConfigError(f"hierarchical=true needs the dp*cp = {p.dp * p.cp} ranks of a group split evenly "
@@ -252,13 +253,12 @@ def _check_training(cfg: Config, runtime: bool) -> None:
 
 def validate_device(cfg: Config, device_type: str) -> None:
     """The checks that need the device `train.device` resolved to (before any rank starts)."""
-    from tetrad.device import dtype_problem
-    from tetrad.train.precision import model_dtype
+    from tetrad.device import DTYPES, dtype_problem
     t = cfg.train
     if t.offload_optimizer and device_type == "cpu":
         raise ConfigError("train.offload_optimizer moves optimizer state off an accelerator, and this machine has "
                           "none (train.device resolved to 'cpu'): set train.offload_optimizer=false")
-    problem = dtype_problem(device_type, model_dtype(t.dtype)) if t.dtype in ("bf16", "fp16") else None
+    problem = dtype_problem(device_type, DTYPES[t.dtype]) if t.dtype in ("bf16", "fp16") else None
     if problem:
         other = "bf16" if t.dtype == "fp16" else "fp32"
         raise ConfigError(f"train.dtype={t.dtype!r}: this {device_type} device cannot multiply {t.dtype} "

@@ -10,15 +10,15 @@ across tp, and one answer is easier to read in the log).
 from __future__ import annotations
 
 import sys
-from collections import Counter
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from tetrad import device as devices
-from tetrad.dist.bench import bus_factor, time_collective
 from tetrad.config import DEFAULT_BUCKET_MB
+from tetrad.config.sections import hierarchical_blocker
+from tetrad.dist.bench import bus_factor, time_collective
 from tetrad.dist.layout import GRAD, GRAD_DIMS
 from tetrad.dist.topology import INTER, INTRA
 
@@ -78,14 +78,14 @@ def _choose_hierarchical(parallel, topo, nbytes: int) -> tuple[bool, str]:
     n, per_node = topo.size(GRAD), parallel.ranks_per_node
     if n == 1:
         return False, "flat (no dp x cp reduction)"
-    if parallel.zero >= 2 or parallel.grad_codec != "none":
-        return False, f"flat (hierarchical reduces the ZeRO 0/1 all-reduce without a codec; zero={parallel.zero}, " \
-                      f"grad_codec={parallel.grad_codec!r})"
-    per_group = [Counter(r // per_node for r in g) for g in topo.layout.groups(GRAD_DIMS)]  # ranks per node
-    if all(len(nodes) == 1 for nodes in per_group):
-        return False, f"flat (each dp x cp group of {n} ranks is inside one node of ranks_per_node={per_node})"
-    if any(len(set(nodes.values())) > 1 for nodes in per_group):
+    blocker = hierarchical_blocker(parallel)
+    if blocker:
+        return False, f"flat ({blocker})"
+    halves = topo.layout.split_by_node(GRAD_DIMS, per_node)
+    if halves is None:
         return False, f"flat (the dp x cp groups do not split evenly over nodes of ranks_per_node={per_node})"
+    if all(len(inter) == 1 for inter in halves[1]):
+        return False, f"flat (each dp x cp group of {n} ranks is inside one node of ranks_per_node={per_node})"
     flat_s, hier_s = choose_hierarchical(topo.group(GRAD), topo.group(INTRA), topo.group(INTER), nbytes)
     choice = hier_s < flat_s
     return choice, (f"{'hierarchical' if choice else 'flat'} (one {nbytes / 2**20:g} MiB bucket: flat all-reduce "

@@ -66,7 +66,7 @@ class DeferredWeightGrads:
 @dataclass
 class Execution:
     """cp_algo: "ring" or "alltoall" (model/attention.py). sequence_parallel: tp also splits
-    the residual stream along the sequence (model/tensor.py; only meaningful with tp > 1).
+    the residual stream along the sequence (model/mappings.py; only meaningful with tp > 1).
     split_backward: linear layers route their weight gradients through `weight_grads`, which
     the pipeline executor opens (BI) and applies (BW)."""
 

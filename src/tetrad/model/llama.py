@@ -26,9 +26,9 @@ from tetrad.config import ModelConfig
 from tetrad.model.attention import attention
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
-from tetrad.model.tensor import (ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
-                                 column_parallel_linear, column_parallel_linears, sequence_shard,
+from tetrad.model.layers import (ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
                                  vocab_parallel_cross_entropy)
+from tetrad.model.mappings import column_parallel_linear, column_parallel_linears, sequence_shard
 
 
 class Norm(nn.Module):
@@ -151,7 +151,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, topo, ex, out_std)
         self.dropout = ResidualDropout(cfg.dropout, topo, ex) if cfg.dropout else nn.Identity()
         self.recompute = False  # full recompute: keep only the block's input for backward
-        self.run = self.body  # or its torch.compile'd version
+        self.compiled_body = None  # torch.compile's version of `body`, when compiling
 
     def body(self, x: torch.Tensor, rope) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), rope))
@@ -163,9 +163,10 @@ class Block(nn.Module):
             return x + self.mlp(self.mlp_norm(x))
         # The checkpoint sits inside the module call, so module hooks (ZeRO-3's gathers) run once
         # per forward and never during the recompute.
+        body = self.compiled_body or self.body
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self.run, x, rope, use_reentrant=False, context_fn=self._replay_dropout)
-        return self.run(x, rope)
+            return checkpoint(body, x, rope, use_reentrant=False, context_fn=self._replay_dropout)
+        return body(x, rope)
 
     def _replay_dropout(self):
         """The recompute must draw the dropout masks of the forward. torch.utils.checkpoint
@@ -195,7 +196,7 @@ def set_execution(model: nn.Module, recompute: str = "none", compile: bool = Fal
         if isinstance(block, Block):
             block.recompute = recompute == "full"
             block.attn.recompute_core = recompute == "selective"
-            block.run = torch.compile(block.body) if compile else block.body
+            block.compiled_body = torch.compile(block.body) if compile else None
 
 
 class Transformer(nn.Module):

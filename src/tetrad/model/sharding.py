@@ -29,13 +29,6 @@ class ParamSpec:
     init: str = "normal"  # "normal" (std below), "ones" or "zeros"
     std: float = 0.02
 
-    def padded_shape(self) -> tuple[int, ...]:
-        if self.shard_dim is None or self.padded_size is None:
-            return self.full_shape
-        shape = list(self.full_shape)
-        shape[self.shard_dim] = self.padded_size
-        return tuple(shape)
-
 
 def new_param(full_shape: tuple[int, ...], *, shard_dim: int | None = None, parts: int = 1, index: int = 0,
               pad_to: int | None = None, init: str = "normal", std: float = 0.02, group: str = "tp") -> nn.Parameter:

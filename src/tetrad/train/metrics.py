@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tetrad import device as devices
 from tetrad.dist.layout import REPORTED
 from tetrad.model import flops
 from tetrad.plan.cost import mfu_peak
 from tetrad.plan.hardware import GPU, GPUS
 
-# Fields every line carries (docs/design.md, metrics.jsonl contract).
+# Fields every line carries (docs/design.md, metrics.jsonl contract; tests/test_breakdown.py checks them).
 CONTRACT_FIELDS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
                    "compute_s", "exposed_comm_s", "bubble_s", "comm_bytes")
 # The parts a step's time is split into; they are measured separately, so their sum against the
@@ -86,7 +87,7 @@ def device_profile(device: torch.device) -> GPU | None:
     None when none matches."""
     if device.type == "cpu":
         return GPUS["CPU"]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    name = devices.accelerator_properties(device).name if device.type == "cuda" else ""
     return next((g for g in GPUS.values() if g.name.split("-")[0] in name), None)
 
 

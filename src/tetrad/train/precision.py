@@ -1,7 +1,7 @@
-"""Training precision: the model dtype of `train.dtype`, and dynamic loss scaling for fp16.
+"""Training precision: dynamic loss scaling for fp16 (the dtype of each `train.dtype`: device.DTYPES).
 
 bf16 and fp16 follow the Megatron/DeepSpeed recipe: parameters and compute in the low dtype,
-fp32 gradient accumulation, fp32 master weights and optimizer state (parallel/data.py). fp16's
+fp32 gradient accumulation, fp32 master weights and optimizer state (parallel/data/optimizer.py). fp16's
 5 exponent bits cannot hold small gradients, so the loss is multiplied by a scale before
 backward and the gradients divided by it before the step; the scale grows while steps succeed
 and backs off (and the step is skipped) when a gradient overflows. bf16 has fp32's exponent
@@ -11,14 +11,6 @@ range and needs no scaling.
 from __future__ import annotations
 
 import torch
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def model_dtype(name: str) -> torch.dtype:
-    """The parameter and compute dtype of `train.dtype`."""
-    return DTYPES[name]
-
 
 class LossScaler:
     """Dynamic loss scale (torch.amp.GradScaler's rule): halve it on an overflow, double it after

@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from tetrad import device as devices
+
 # Every field a sample may carry, with the label the report shows.
 FIELDS = {"gpu_util_pct": "GPU busy %", "mem_bw_util_pct": "memory bandwidth busy %",
           "pcie_tx_gbps": "PCIe tx GB/s", "pcie_rx_gbps": "PCIe rx GB/s",
@@ -84,7 +86,7 @@ def nvml_reader(device: torch.device) -> Reader | None:
     try:
         import pynvml
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{devices.accelerator_properties(device).uuid}")
     except Exception:  # no pynvml, no driver library, or a device NVML does not know
         return None
     nvlink = Rates()

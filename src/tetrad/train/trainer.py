@@ -27,7 +27,7 @@ from tetrad.dist.topology import Topology
 from tetrad.model.execution import DeferredWeightGrads, Execution
 from tetrad.model.llama import set_execution
 from tetrad.model.sharding import full_state_dict, init_parameters, initial_value, set_spec, spec_of
-from tetrad.model.tensor import DropoutGenerators
+from tetrad.model.layers import DropoutGenerators
 from tetrad.parallel.data import GradReducer
 from tetrad.parallel.pipeline.executor import PipelineExecutor
 from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
@@ -40,7 +40,7 @@ from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
 from tetrad.train import telemetry
 from tetrad.train.optim import lr_at
-from tetrad.train.precision import LossScaler, model_dtype
+from tetrad.train.precision import LossScaler
 from tetrad.train.stopping import StopSignals
 
 
@@ -107,7 +107,7 @@ class Trainer:
                                  materialise=p.zero != 3)
         set_execution(self.model, cfg.train.recompute, cfg.train.compile)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
-        dtype = model_dtype(cfg.train.dtype)
+        dtype = devices.DTYPES[cfg.train.dtype]
         # "auto" bucket size and hierarchical reduction, measured on this job's links (collective).
         parallel = autotune.resolve(cfg.parallel, self.topo, 4 * sum(q.numel() for q in self.params))
         # ZeRO-3: each rank builds only its shard of the initial weights (build_model gave them no memory).

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tetrad import device as devices
 from tetrad.model.sharding import spec_of
 from tetrad.parallel.data import ShardedAdamW, zero_loaded
 from tetrad.train.checkpoint import recovery
@@ -140,7 +141,7 @@ class Checkpointer:
                 else:
                     raise CheckpointError(f"{key}: optimizer state of shape {tuple(value.shape)} is neither a "
                                           f"scalar nor one value per element of {tuple(piece.values.shape)}")
-        for kind, value in _rng_state(self.topo.device).items():
+        for kind, value in devices.rng_states(self.topo.device).items():
             state[f"rng.rank{self.topo.rank}.{kind}"] = value
         for name, obj in stateful.items():
             for key, value in obj.state_dict().items():
@@ -215,10 +216,8 @@ class Checkpointer:
 
     def _restore_rng(self, state: dict[str, torch.Tensor]) -> None:
         prefix = f"rng.rank{self.topo.rank}."
-        if prefix + "cpu" in state:
-            torch.set_rng_state(state[prefix + "cpu"])
-        if prefix + "cuda" in state and self.topo.device.type == "cuda":
-            torch.cuda.set_rng_state(state[prefix + "cuda"], self.topo.device)
+        mine = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+        devices.set_rng_states(mine, self.topo.device)
 
 
 def _expected_shapes(params: dict[str, nn.Parameter], entries: dict) -> dict[str, tuple[int, ...]]:
@@ -243,13 +242,6 @@ def _apply(mine: list[Piece], buffers: dict, entries: dict, optimizer) -> None:
                     e: t if t.ndim == 0 else t.view_as(piece.values) for e, t in restored.items()}
     if isinstance(optimizer, ShardedAdamW):
         zero_loaded(optimizer)
-
-
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(device)
-    return out
 
 
 def _as_tensor(value) -> torch.Tensor:

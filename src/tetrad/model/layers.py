@@ -1,0 +1,160 @@
+"""Tensor-parallel layers (Megatron-style): column-, row- and vocab-parallel linears and
+embedding, dropout on the residual stream, and vocab-parallel cross-entropy. With tp = 1 each is a
+plain linear or embedding. Their communication is model/mappings.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tetrad.model.execution import Execution
+from tetrad.model.mappings import column_parallel_linear, linear, reduce_tp_output
+from tetrad.model.sharding import new_param
+
+
+# ----------------------------------------------------------------------------- modules
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T, W split by output rows; the output stays split over tp."""
+
+    def __init__(self, in_features: int, out_features: int, topo, ex: Execution, *, std: float = 0.02,
+                 pad_to: int | None = None):
+        super().__init__()
+        self.topo, self.ex = topo, ex
+        self.weight = new_param((out_features, in_features), shard_dim=0, parts=topo.tp_size,
+                                index=topo.tp_rank, pad_to=pad_to, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return column_parallel_linear(x, self.weight, self.topo, self.ex)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over tp of x_local W_local^T, W split by input columns; the output is complete
+    (under SP: complete for this rank's sequence chunk)."""
+
+    def __init__(self, in_features: int, out_features: int, topo, ex: Execution, *, std: float = 0.02):
+        super().__init__()
+        self.topo, self.ex = topo, ex
+        self.weight = new_param((out_features, in_features), shard_dim=1, parts=topo.tp_size,
+                                index=topo.tp_rank, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_tp_output(linear(x, self.weight, self.ex), self.topo, self.ex)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the (padded) vocabulary split over tp; each rank looks up the tokens it owns and
+    the partial lookups are summed (under SP: reduce-scattered to this rank's sequence chunk)."""
+
+    def __init__(self, vocab_size: int, dim: int, topo, ex: Execution, *, std: float = 0.02):
+        super().__init__()
+        self.topo, self.ex = topo, ex
+        self.weight = new_param((vocab_size, dim), shard_dim=0, parts=topo.tp_size, index=topo.tp_rank,
+                                pad_to=topo.tp_size, std=std)
+        self.rows = self.weight.shape[0]
+        self.start = topo.tp_rank * self.rows
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.topo.tp_size == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_tp_output(out, self.topo, self.ex)
+
+
+class ResidualDropout(nn.Module):
+    """Dropout on the residual stream, consistent with how tp holds it.
+
+    Under SP (or tp = 1) each rank drops elements of its own tokens with its own generator (the
+    trainer seeds every rank differently), as one device would with independent draws. Without
+    SP the stream is replicated over tp and every tp rank must drop the same elements, or the
+    replicas (and the replicated norm weights) drift apart: the mask then comes from a generator
+    seeded the same on every tp rank, with a seed tp rank 0 draws at construction and broadcasts.
+    Masks are not a function of the token's position, so they differ from a single-process
+    run's: dropout > 0 is reproducible per layout, not bitwise equal across layouts.
+    """
+
+    def __init__(self, p: float, topo, ex: Execution):
+        super().__init__()
+        self.p = p
+        self.generator = None
+        if topo.tp_size > 1 and not ex.sequence_parallel:
+            seed = torch.randint(2**62, (1,), device=topo.device)  # explicit device: models are built on meta
+            topo.comm.broadcast(seed, 0, "tp")
+            self.generator = torch.Generator(device=topo.device).manual_seed(int(seed))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if self.generator is None:
+            return F.dropout(x, self.p)
+        keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
+        return x * keep / (1 - self.p)
+
+
+class DropoutGenerators:
+    """The tp-shared generators of a model's ResidualDropout modules, by module name, as a rank's
+    checkpoint state: without them a resumed run would draw other masks than an unbroken one."""
+
+    def __init__(self, model: nn.Module):
+        self.generators = {name: m.generator for name, m in model.named_modules()
+                           if isinstance(m, ResidualDropout) and m.generator is not None}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: g.get_state() for name, g in self.generators.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, value in state.items():
+            if name in self.generators:
+                self.generators[name].set_state(value)
+
+
+# ----------------------------------------------------------------------------- loss
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split by vocabulary: max, sum-exp and the target logit are
+    reduced over tp, so the full logits never exist on one rank."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_size, topo):
+        rows = logits.shape[-1]
+        start = topo.tp_rank * rows
+        # One fp32 working copy, then everything in place on it (as Megatron does): the logits,
+        # shifted by their max, their exponentials, finally the probabilities kept for backward.
+        # The logits are the largest activation of a step; each extra copy would cost as much.
+        x = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        # Padding rows beyond the true vocabulary never win and carry no probability.
+        valid = torch.arange(start, start + rows, device=logits.device) < vocab_size
+        x.masked_fill_(~valid, float("-inf"))
+        local_max = x.max(dim=-1).values
+        topo.comm.all_reduce(local_max, "tp", op=torch.distributed.ReduceOp.MAX)
+        x.sub_(local_max.unsqueeze(-1))
+        local = labels - start
+        mine = (local >= 0) & (local < rows)
+        target = torch.gather(x, -1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1)
+        target = target.masked_fill(~mine, 0.0)
+        sum_exp = x.exp_().sum(dim=-1)
+        topo.comm.all_reduce(sum_exp, "tp")
+        topo.comm.all_reduce(target, "tp")
+        loss = sum_exp.log() - target
+        ctx.save_for_backward(x.div_(sum_exp.unsqueeze(-1)), local.clamp(0, rows - 1), mine)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, local, mine = ctx.saved_tensors
+        grad_logits = probs
+        grad_logits.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(probs.dtype))
+        return grad_logits * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, topo) -> torch.Tensor:
+    """Per-token loss, fp32, from this rank's slice of the (padded) vocabulary."""
+    if topo.tp_size == 1:
+        return F.cross_entropy(logits[..., :vocab_size].float().flatten(0, -2), labels.flatten(),
+                               reduction="none").view(labels.shape)
+    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_size, topo)

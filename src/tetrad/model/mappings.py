@@ -1,0 +1,186 @@
+"""The communication of tensor parallelism (Megatron-style), as small autograd Functions: the
+f/g pair and, under sequence parallelism, their all-gather / reduce-scatter forms.
+
+Column-parallel linears split the output features over the tp group and row-parallel linears
+the input features (model/layers.py), so an attention or MLP block needs one collective forward
+and one backward.
+
+Without sequence parallelism (SP) the residual stream [b, s, h] is replicated over tp: a column
+linear's input gradient is all-reduced in backward (f) and a row linear's output is all-reduced
+in forward (g). With SP (`Execution.sequence_parallel`, model/execution.py) the residual stream
+is split along the sequence, [b, s/tp, h], so norms and dropout work on 1/tp of the tokens and
+their activations take 1/tp of the memory: a column linear all-gathers its input along the
+sequence (its backward reduce-scatters the input gradient) and a row linear reduce-scatters its
+output (its backward all-gathers the gradient). Each all-reduce becomes an all-gather plus a
+reduce-scatter of the same logical size, so the traffic is unchanged.
+
+Every collective goes through `topo.comm`, so it is counted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tetrad.model.execution import Execution
+
+
+# ----------------------------------------------------------------------------- sequence layout
+# `Comm` gathers and scatters along dim 0; the sequence is dim 1 of [b, s, h]. These two helpers
+# move the tp-many sequence chunks to and from dim 0 with one copy.
+
+def _chunks_first(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """[b, s, *rest] -> [tp * b, s / tp, *rest]: chunk i of the sequence in rows i*b..(i+1)*b."""
+    b, s = x.shape[:2]
+    if s % tp:
+        raise ValueError(f"sequence parallelism needs the local sequence length {s} divisible by tp={tp}")
+    return x.reshape(b, tp, s // tp, *x.shape[2:]).transpose(0, 1).reshape(tp * b, s // tp, *x.shape[2:])
+
+
+def _chunks_back(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """Inverse of `_chunks_first`: [tp * b, s / tp, *rest] -> [b, s, *rest]."""
+    b, sl = x.shape[0] // tp, x.shape[1]
+    return x.reshape(tp, b, sl, *x.shape[2:]).transpose(0, 1).reshape(b, tp * sl, *x.shape[2:])
+
+
+def _all_gather_sequence(x: torch.Tensor, topo, async_op: bool = False):
+    """Every rank's sequence chunk, concatenated: [b, s/tp, h] -> ([tp*b, s/tp, h] buffer, pending)."""
+    out = x.new_empty((topo.tp_size * x.shape[0], *x.shape[1:]))
+    return out, topo.comm.all_gather(out, x.contiguous(), "tp", async_op=async_op)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, topo, async_op: bool = False):
+    """Sum over tp, keep this rank's sequence chunk: [b, s, h] -> ([b, s/tp, h], pending)."""
+    chunks = _chunks_first(x, topo.tp_size)
+    out = x.new_empty((x.shape[0], *chunks.shape[1:]))
+    return out, topo.comm.reduce_scatter(out, chunks, "tp", async_op=async_op)
+
+
+def gather_sequence(x: torch.Tensor, topo) -> torch.Tensor:
+    out, _ = _all_gather_sequence(x, topo)
+    return _chunks_back(out, topo.tp_size)
+
+
+def scatter_sequence(x: torch.Tensor, topo) -> torch.Tensor:
+    out, _ = _reduce_scatter_sequence(x, topo)
+    return out
+
+
+def sequence_shard(t: torch.Tensor, topo, ex: Execution, dim: int = 0) -> torch.Tensor:
+    """This rank's slice of a replicated per-token tensor (e.g. positions) under SP, no
+    communication; the tensor itself when SP is off."""
+    if not (ex.sequence_parallel and topo.tp_size > 1):
+        return t
+    return t.chunk(topo.tp_size, dim=dim)[topo.tp_rank]
+
+
+# ----------------------------------------------------------------------------- autograd Functions
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward (a row linear's partial sums, no SP)."""
+
+    @staticmethod
+    def forward(ctx, x, topo):
+        x = x.contiguous()
+        topo.comm.all_reduce(x, "tp")
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """g under SP: reduce-scatter along the sequence forward, all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return scatter_sequence(x, topo)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_sequence(grad, ctx.topo), None
+
+
+class _Linear(torch.autograd.Function):
+    """y = x W^T whose weight gradient can be deferred (DeferredWeightGrads); used instead of
+    F.linear only under a zero-bubble schedule."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight_grads):
+        ctx.weight_grads = weight_grads
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_weight, = ctx.weight_grads.grads([weight], (grad,), x)
+        return grad.matmul(weight), grad_weight, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution) -> torch.Tensor:
+    """x W^T with no communication: F.linear, or `_Linear` when backward is split."""
+    return _Linear.apply(x, weight, ex.weight_grads) if ex.split_backward else F.linear(x, weight)
+
+
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """y_i = X W_i^T for column-parallel weights W_i that read the same input (q/k/v, or the two
+    SwiGLU gates), so they share one input collective each way.
+
+    Forward: X is the input itself (replicated) or, under SP, its all-gather along the sequence.
+    Backward (Megatron's overlap): dX = sum_i dy_i W_i is computed first and its all-reduce (or,
+    under SP, reduce-scatter) is started non-blocking; the weight gradients dW_i = dy_i^T X, which
+    need no communication, are computed while it is in flight, and only then is it waited for.
+    Under SP the gathered X is kept for backward (as torch's SequenceParallel does) rather than
+    gathered again, trading b*s*h activation memory for one all-gather.
+    """
+
+    @staticmethod
+    def forward(ctx, x, topo, ex, *weights):
+        ctx.topo, ctx.ex = topo, ex
+        total = gather_sequence(x, topo) if ex.sequence_parallel else x
+        ctx.save_for_backward(total, *weights)
+        return tuple(F.linear(total, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total, *weights = ctx.saved_tensors
+        topo, ex = ctx.topo, ctx.ex
+        grad_input = grads[0].matmul(weights[0])
+        for g, w in zip(grads[1:], weights[1:]):
+            grad_input.add_(g.matmul(w))
+        if ex.sequence_parallel:
+            grad_input, pending = _reduce_scatter_sequence(grad_input, topo, async_op=True)
+        else:
+            pending = topo.comm.all_reduce(grad_input, "tp", async_op=True)
+        grad_weights = ex.weight_grads.grads(weights, grads, total)
+        pending.wait()
+        return (grad_input, None, None, *grad_weights)
+
+
+# ----------------------------------------------------------------------------- functional forms
+
+def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo, ex: Execution) -> tuple[torch.Tensor, ...]:
+    """x W_i^T for each weight split by output rows, sharing the input collective (see
+    `_ColumnParallelMatmul`). x is [b, s, h], or [b, s/tp, h] under SP; outputs cover the whole
+    (local) sequence and this rank's output features."""
+    if topo.tp_size == 1:
+        return tuple(linear(x, w, ex) for w in weights)
+    return _ColumnParallelMatmul.apply(x, topo, ex, *weights)
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
+    """x W_local^T for a weight split by output rows (also the tied head: the embedding's weight)."""
+    return column_parallel_linears(x, [weight], topo, ex)[0]
+
+
+def reduce_tp_output(x: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
+    """Complete a tp-partial activation [b, s, h]: all-reduce it, or under SP reduce-scatter it to
+    this rank's sequence chunk [b, s/tp, h]."""
+    if topo.tp_size == 1:
+        return x
+    if ex.sequence_parallel:
+        return _ReduceScatterToSequence.apply(x, topo)
+    return _ReduceFromTP.apply(x, topo)

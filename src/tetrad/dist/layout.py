@@ -80,6 +80,11 @@ class Layout:
         size = math.prod(self.sizes[i] for i in keep)
         return [row.tolist() for row in self.grid().permute(fixed + sorted(keep)).reshape(-1, size)]
 
+    @classmethod
+    def of(cls, parallel) -> "Layout":
+        """The layout a config's [parallel] section asks for (a key per dimension)."""
+        return cls(**{d: getattr(parallel, d) for d in DIMS})
+
     def group_of(self, rank: int, dims: tuple[str, ...]) -> list[int]:
         return next(g for g in self.groups(dims) if rank in g)
 

@@ -97,7 +97,7 @@ class Trainer:
         # Without a pipeline the schedule is F, B per micro-batch: plain gradient accumulation.
         schedule = build_schedule(p.schedule if p.pp > 1 else "1f1b", p.pp, cfg.microbatches, p.vpp)
         # Every group starts with the start-up timeout; after the first step, the collective one.
-        self.topo = Topology(Layout(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp), device, p.ranks_per_node,
+        self.topo = Topology(Layout.of(p), device, p.ranks_per_node,
                              timeout=datetime.timedelta(seconds=p.startup_timeout_s),
                              pipeline_links=sorted(link_order(schedule)), comm_options=p.comm_options)
         # Dropout differs per rank but is reproducible; weights come from the logical init.

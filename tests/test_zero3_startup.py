@@ -27,7 +27,7 @@ def _startup_peak(cfg):
     params = list(model.parameters())
     reducer = GradReducer(params, topo, cfg.parallel, model, init=functools.partial(initial_value, seed=cfg.train.seed))
     peak = devices.peak_memory_bytes(topo.device, base)
-    shard = sum(s.nbytes for s in reducer.shards) + sum(m.nbytes for m in reducer.masters) * reducer.separate_masters
+    shard = sum(s.nbytes for s in reducer.weights.shards) + sum(m.nbytes for m in reducer.masters) * reducer.weights.separate
     return peak, shard, max(4 * b.padded for b in reducer.buckets), sum(4 * p.numel() for p in params)
 
 
@@ -61,7 +61,7 @@ def _both_startups(cfg, scale):
             init_parameters(model, cfg.train.seed, weights)
         init = None if materialise else functools.partial(initial_value, seed=cfg.train.seed, weights=weights)
         reducer = GradReducer(list(named.values()), topo, cfg.parallel, model, dtype=torch.bfloat16, init=init)
-        out.append((reducer.shards, reducer.masters))
+        out.append((reducer.weights.shards, reducer.masters))
     return out
 
 

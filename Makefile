@@ -15,8 +15,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+# Every `make demo` trains afresh into runs/demo (the README's next commands read it); an earlier
+# demo run there is moved aside first, kept, since a fresh run never overwrites a run's history.
 demo: setup
-	$(VENV)/bin/tetrad train configs/demo.toml
+	@if [ -e runs/demo ]; then kept=runs/demo-$$(date +%Y%m%d-%H%M%S); mv runs/demo $$kept; \
+	  echo "The previous demo run is kept in $$kept."; fi
+	$(VENV)/bin/tetrad train configs/demo.toml --run.dir=runs/demo
 	@echo "The tetrad command lives in $(VENV)/bin: run 'source $(VENV)/bin/activate' to put it on PATH."
 
 test: setup

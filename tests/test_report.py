@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
 import pytest
 
 from tetrad.cli import main
-from tetrad.viz.report import GROUPS, comm_medians, layout_segments, load_run
+from tetrad.viz.report import GROUPS, SAMPLE_PROMPTS, SAMPLE_TOKENS, comm_medians, layout_segments, load_run
 
 from conftest import tiny_config, train_layout
 
@@ -23,6 +24,24 @@ def test_report_of_a_finished_run():
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 5
     assert "pp = 1: no pipeline" in page
+    assert "no checkpoint: no samples" in page  # the run saved none
+
+
+def test_report_shows_what_generate_prints_from_the_latest_checkpoint(capsys):
+    cfg = tiny_config(train={"steps": 2, "device": "cpu"}, checkpoint={"every": 2})
+    train_layout(cfg)
+    capsys.readouterr()
+    assert main(["report", cfg.run.dir, "--cluster", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    page = (Path(cfg.run.dir) / "report" / "report.html").read_text()
+    for k, prompt in enumerate(SAMPLE_PROMPTS):
+        assert main(["generate", cfg.run.dir, "--prompt", prompt, "--seed", str(k),
+                     "--max-new-tokens", str(SAMPLE_TOKENS)]) == 0
+        text = capsys.readouterr().out.removesuffix("\n")
+        assert len(text) > len(prompt) + 8  # a continuation, not the prompt alone
+        assert f"--- sample {k + 1}\n{text}\n" in printed
+        assert f"<pre>{html.escape(text)}</pre>" in page
+    assert "no checkpoint" not in page
 
 
 def test_report_draws_the_measured_pipeline_timeline():

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from tetrad.config import ModelConfig
 from tetrad.data.tokenizer import eos_id, run_tokenizer
@@ -94,25 +95,39 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | None]:
+    """The checkpoint's single-process model, the run's tokenizer and where that came from (None: bytes)."""
+    cfg, state = read_weights(checkpoint)
+    tokenizer, source = run_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
+    return single_process_model(cfg.model, state), tokenizer, source
+
+
+def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int, temperature: float = 0.8,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> tuple[str, list[int], list[int]]:
+    """`prompt` and its sampled continuation as text (what `tetrad generate` prints), with the
+    prompt's and the continuation's token ids. An empty prompt starts from a newline."""
+    ids = tokenizer.encode(prompt or "\n", add_special_tokens=False).ids
+    if len(ids) >= model.cfg.seq_len:
+        raise ValueError(f"the prompt is {len(ids)} tokens; the model reads at most seq_len={model.cfg.seq_len}, "
+                         "so use a shorter one")
+    try:
+        eos = eos_id(tokenizer)
+    except ValueError:
+        eos = None  # bytes: generation runs to max_new tokens
+    new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, eos)
+    return prompt + tokenizer.decode(new, skip_special_tokens=False), ids, new
+
+
 def generate_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
-        cfg, state = read_weights(args.checkpoint)
-        tokenizer, source = run_tokenizer(checkpoint_folder(args.checkpoint), cfg.data.source)
-        try:
-            eos = eos_id(tokenizer)
-        except ValueError:
-            eos = None  # bytes: generation runs to --max-new-tokens
-        prompt = tokenizer.encode(args.prompt or "\n", add_special_tokens=False).ids
-        if len(prompt) >= cfg.model.seq_len:
-            raise ValueError(f"the prompt is {len(prompt)} tokens; the model reads at most seq_len="
-                             f"{cfg.model.seq_len}, so use a shorter one")
+        model, tokenizer, source = load_generator(args.checkpoint)
+        text, prompt, new = complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
+                                     args.top_k, args.top_p, args.seed)
     except (ValueError, CheckpointError) as e:
         print(f"tetrad generate: {e}", file=sys.stderr)
         return 2
-    model = single_process_model(cfg.model, state)
-    new, _ = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, eos)
-    print(args.prompt + tokenizer.decode(new, skip_special_tokens=False))
+    print(text)
     print(f"tetrad generate: {len(new)} tokens; their loss under the model {continuation_loss(model, prompt, new):.4f} "
           f"(tokenizer: {source or 'bytes'})", file=sys.stderr)
     return 0

@@ -5,7 +5,8 @@ Panels: loss and validation loss; step time split into compute / exposed communi
 group against the planner's count; predicted (planner) against measured step time and memory;
 counted memory per rank (model states, saved activations) against the planner's parts;
 the measured pipeline timeline beside the simulated one when the run recorded one
-(RUN_DIR/timeline/pp<rank>.json: [[rank, kind, mb, chunk, start, end], ...] for the last step).
+(RUN_DIR/timeline/pp<rank>.json: [[rank, kind, mb, chunk, start, end], ...] for the last step);
+a few short samples from the run's latest checkpoint, decoded with its tokenizer (train/generate.py).
 """
 
 from __future__ import annotations
@@ -222,7 +223,34 @@ def _prediction(cfg, cluster_ref: str | None):
         return None, None, f"the planner could not estimate this layout: {e}"
 
 
-def write_report(run_dir: str | Path, cluster: str | None = None) -> Path:
+# Sample k (from 0) is what `tetrad generate RUN_DIR --prompt SAMPLE_PROMPTS[k] --seed k
+# --max-new-tokens SAMPLE_TOKENS` prints (its default temperature): short, so that the report stays fast.
+SAMPLE_PROMPTS = ("", "The ", "This ")
+SAMPLE_TOKENS = 48
+
+
+def samples(run_dir: Path, cfg, count: int) -> tuple[list[str], str]:
+    """Up to `count` texts sampled from the run's latest checkpoint, and a note saying how."""
+    from tetrad.train.checkpoint import CheckpointError
+    from tetrad.train.generate import complete, load_generator
+    if count == 0:
+        return [], "Samples: not asked for (--samples 0)."
+    checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir
+    try:
+        model, tokenizer, source = load_generator(checkpoints)
+        texts = [complete(model, tokenizer, prompt, SAMPLE_TOKENS, seed=k)[0]
+                 for k, prompt in enumerate(SAMPLE_PROMPTS[:count])]
+    except CheckpointError as e:
+        return [], f"Samples: no checkpoint: no samples ({e})."
+    except ValueError as e:  # the run's tokenizer is not found from here
+        return [], f"Samples: none, {e}."
+    return texts, (f"Samples: from the latest checkpoint, tokenizer {source or 'bytes'}; sample k (from 0) is `tetrad "
+                   f"generate {checkpoints} --max-new-tokens {SAMPLE_TOKENS} --seed k --prompt P` with the k-th of the "
+                   f"prompts {SAMPLE_PROMPTS[:count]}.")
+
+
+def write_report(run_dir: str | Path, cluster: str | None = None, sample_count: int = 3) -> tuple[Path, list[str]]:
+    """The report page, and the samples it shows."""
     run_dir = Path(run_dir)
     cfg, records = load_run(run_dir)
     out = run_dir / "report"
@@ -252,16 +280,18 @@ def write_report(run_dir: str | Path, cluster: str | None = None) -> Path:
     elif cfg.train.device != "cuda":
         notes.append("On CPU, measured peak memory is each rank's resident-set growth since it started "
                      "(docs/planner.md); the memory panel counts tensors instead.")
+    texts, sample_note = samples(run_dir, cfg, sample_count)
+    notes.append(sample_note)
     page = out / "report.html"
     if len(segments) > 1:
         notes.append("The layout changed on resume: " + "; then ".join(
             f"{label} for steps {rs[0]['step']}-{rs[-1]['step']}" for label, rs in segments)
             + ". Communication is drawn per layout; times and the prediction are the last layout's.")
-    page.write_text(_html(cfg, records, steady, images + timeline_images, notes))
-    return page
+    page.write_text(_html(cfg, records, steady, images + timeline_images, texts, notes))
+    return page, texts
 
 
-def _html(cfg, records, steady, images, notes) -> str:
+def _html(cfg, records, steady, images, texts, notes) -> str:
     p, last = cfg.parallel, records[-1]
     step_s = statistics.median(r["step_time_s"] for r in steady)
     split = ", ".join(f"{name} {100 * statistics.median(r.get(key) or 0 for r in steady) / step_s:.0f}%"
@@ -287,12 +317,13 @@ def _html(cfg, records, steady, images, notes) -> str:
     figs = "".join(f'<figure><img alt="{img.stem}" src="data:image/png;base64,'
                    f'{base64.b64encode(img.read_bytes()).decode()}"></figure>' for img in images)
     items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    shown = "".join(f"<pre>{html.escape(t)}</pre>" for t in texts)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>tetrad report: {html.escape(cfg.run.dir)}</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;color:#222}}
 th{{text-align:left;font-weight:600;padding:.15rem 1.5rem .15rem 0}}td{{padding:.15rem 0}}
-img{{max-width:100%}}figure{{margin:1.5rem 0}}</style></head><body>
+img{{max-width:100%}}figure{{margin:1.5rem 0}}pre{{white-space:pre-wrap;background:#f4f4f4;padding:.5rem}}</style></head><body>
 <h1>tetrad run report</h1><p><code>{html.escape(cfg.run.dir)}</code></p><table>{rows}</table>
-{figs}<h2>Notes</h2><ul>{items}</ul></body></html>
+{figs}<h2>Samples</h2>{shown or "<p>none (see the notes)</p>"}<h2>Notes</h2><ul>{items}</ul></body></html>
 """
 
 
@@ -301,15 +332,19 @@ def report_command(argv: list[str]) -> int:
     ap.add_argument("run_dir")
     ap.add_argument("--cluster", help="cluster for the planner's prediction (default: bench/cluster.toml if "
                                       "present, else the built-in 'cpu')")
+    ap.add_argument("--samples", type=int, default=len(SAMPLE_PROMPTS), choices=range(len(SAMPLE_PROMPTS) + 1),
+                    help="how many texts to sample from the latest checkpoint (0: none)")
     args = ap.parse_args(argv)
     if not (Path(args.run_dir) / "metrics.jsonl").is_file():
         print(f"tetrad: {args.run_dir} holds no metrics.jsonl; give the run.dir of a `tetrad train` run",
               file=sys.stderr)
         return 2
     try:
-        page = write_report(args.run_dir, args.cluster)
+        page, texts = write_report(args.run_dir, args.cluster, args.samples)
     except ValueError as e:  # a run with no step yet
         print(f"tetrad: {e}", file=sys.stderr)
         return 2
+    for k, text in enumerate(texts, 1):
+        print(f"--- sample {k}\n{text}")
     print(f"tetrad: report in {page}")
     return 0

@@ -81,7 +81,7 @@ def test_report_shows_the_telemetry_a_run_recorded():
     from tetrad.viz import report
     record = {"step": 1, "loss": 3.0, "step_time_s": 0.5, "tokens_per_s": 100.0, "mfu": None, "hfu": None,
               "compute_s": 0.4, "gpu_util_pct": 87.0, "nvlink_tx_gbps": 120.5}
-    page = report._html(load_config(), [record], [record], [], [])
+    page = report._html(load_config(), [record], [record], [], [], [])
     assert "GPU busy % 87.0" in page and "NVLink tx GB/s 120.5" in page and "PCIe" not in page
     plain = {k: v for k, v in record.items() if k not in telemetry.FIELDS}
-    assert "device telemetry" not in report._html(load_config(), [plain], [plain], [], [])
+    assert "device telemetry" not in report._html(load_config(), [plain], [plain], [], [], [])

@@ -255,20 +255,23 @@ class Trainer:
         try:
             with StopSignals() as signals, profiler or contextlib.nullcontext():
                 for step in range(start, cfg.train.steps):
-                    record = self._watched_step(step, first=step == start)
-                    if self._evaluates_after(step):
-                        record["val_loss"] = self.evaluate()
-                    history.append(record)
-                    log.log(record)
-                    ckpt.maybe_save(step + 1, params, self.optimizer, stateful, local)
-                    if step == cfg.train.steps - 1:
-                        self._write_timeline()
-                    if profiler is not None:
-                        profiler.step()
-                    signum = signals.agreed(self.topo)
-                    if signum and step + 1 < cfg.train.steps:
-                        self._save_and_stop(step + 1, signum, ckpt, (params, self.optimizer, stateful, local), log)
-                        break
+                    with _naming_step(step):
+                        record = self.train_step(step)
+                        if step == start:  # start-up and compilation are over: the shorter timeout
+                            watchdog.set_timeouts(cfg.parallel.collective_timeout_s, world_too=False)
+                        if self._evaluates_after(step):
+                            record["val_loss"] = self.evaluate()
+                        history.append(record)
+                        log.log(record)
+                        ckpt.maybe_save(step + 1, params, self.optimizer, stateful, local)
+                        if step == cfg.train.steps - 1:
+                            self._write_timeline()
+                        if profiler is not None:
+                            profiler.step()
+                        signum = signals.agreed(self.topo)
+                        if signum and step + 1 < cfg.train.steps:
+                            self._save_and_stop(step + 1, signum, ckpt, (params, self.optimizer, stateful, local), log)
+                            break
         finally:
             log.close()
             if self.telemetry:
@@ -282,17 +285,6 @@ class Trainer:
             path = ckpt.save(step, *state)
         log.note(f"tetrad: stopping on {signal.Signals(signum).name} after step {step} of {self.cfg.train.steps}; "
                  f"saved {path}. Run the same command again to resume.")
-
-    def _watched_step(self, step: int, first: bool) -> dict:
-        """train_step; a collective timeout names the step, and after the first step (start-up,
-        compilation) the training groups get the shorter collective timeout (comm/watchdog.py)."""
-        try:
-            record = self.train_step(step)
-        except watchdog.CollectiveTimeout as e:
-            raise watchdog.CollectiveTimeout(f"at step {step + 1}: {e}") from None
-        if first:
-            watchdog.set_timeouts(self.cfg.parallel.collective_timeout_s, world_too=False)
-        return record
 
     def _write_timeline(self) -> None:
         """The step's measured pipeline timeline, one file per pipeline rank (those at dp, cp
@@ -309,6 +301,16 @@ class Trainer:
         with self.grads.gathered():  # ZeRO-3 holds only shards
             return full_state_dict(self.model, self.topo)
 
+
+
+@contextlib.contextmanager
+def _naming_step(step: int):
+    """A collective timeout anywhere in a step's iteration (the step, evaluation, the save, the
+    stop-signal agreement) names the step it happened in."""
+    try:
+        yield
+    except watchdog.CollectiveTimeout as e:
+        raise watchdog.CollectiveTimeout(f"at step {step + 1}: {e}") from None
 
 def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:
     """Entry point of a rank inside an initialised process group (local or torchrun)."""

@@ -31,14 +31,14 @@ def zb_h1(rank: int, pp: int, m: int, vpp: int) -> list[Step]:
     Only BI is on the critical path back to rank 0, so gradients reach the early ranks sooner;
     the deferred BW then fill the cool-down bubble. Peak in-flight stays at most pp, as in 1F1B.
     """
-    warmup = min(pp - 1 - rank, m)
-    ops = [("F", i, 0) for i in range(warmup)]
-    for i in range(m):
-        if warmup + i < m:
-            ops.append(("F", warmup + i, 0))
-        ops.append(("BI", i, 0))
-        if i >= rank:
-            ops.append(("BW", i - rank, 0))
+    ops = []
+    for kind, mb, chunk in one_f_one_b(rank, pp, m, vpp):
+        if kind == "F":
+            ops.append((kind, mb, chunk))
+            continue
+        ops.append(("BI", mb, chunk))
+        if mb >= rank:
+            ops.append(("BW", mb - rank, chunk))
     return ops + [("BW", i, 0) for i in range(max(m - rank, 0), m)]
 
 

@@ -185,6 +185,27 @@ def test_fp8_and_recompute_and_zero_move_the_estimate_the_physical_way():
     assert states == sorted(states, reverse=True) and states[3] < states[0] / 6
 
 
+def test_per_op_recompute_lies_between_the_other_policies():
+    """selective-op keeps the block input, the attention's outputs and every other matmul's: with
+    flash attention less than selective (which drops only the core's log-sum-exp) and more than
+    full; it repeats the other matmuls and the element-wise work, less than full's whole forward."""
+    cluster = load_cluster("dgx-h100")
+    base = _cfg(model={"preset": "llama3-8b"}, parallel={"dp": 8}, train={"global_batch": 16, "micro_batch": 2,
+                                                                          "dtype": "bf16"})
+    est = {r: estimate(dataclasses.replace(base, train=dataclasses.replace(base.train, recompute=r)), cluster)
+           for r in ("none", "selective", "selective-op", "full")}
+    acts = {r: e.memory.activations for r, e in est.items()}
+    assert acts["full"] < acts["selective-op"] < acts["selective"] < acts["none"], acts
+    m = base.model
+    hw = {r: flops.hardware_flops_per_token(m, r) for r in est}
+    assert hw["none"] < hw["selective-op"] < hw["full"], hw
+    # Three of a SwiGLU layer's seven matmuls (k, the output projection, up) are recomputed.
+    h, kv, f = m.d_model, m.n_kv_heads * m.head_dim, m.ffn_hidden
+    assert hw["selective-op"] - hw["none"] == m.n_layers * 2 * h * (kv + m.n_heads * m.head_dim + f)
+    times = {r: e.step_time_s for r, e in est.items()}
+    assert times["none"] < times["selective-op"] < times["full"], times
+
+
 def test_long_pipelines_are_extrapolated_exactly_from_the_simulator():
     # Costs on the simulation's grid (hundredths of the slowest forward), so rounding moves nothing.
     f, bi, bw = [0.77, 0.85, 0.69, 1.0], [0.92, 0.77, 0.85, 1.08], [0.62, 0.69, 0.77, 0.85]

@@ -76,7 +76,8 @@ def _counted(cfg):
 # against, so it is left out of both sides.
 COUNTED_LAYOUTS = [({"dp": 2, "zero": 1}, {}), ({"tp": 2, "sequence_parallel": True}, {}),
                    ({"pp": 2}, {}), ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}), ({"pp": 2, "schedule": "zb"}, {}),
-                   ({"cp": 2}, {}), ({"dp": 2, "zero": 3}, {"dtype": "bf16"}), ({"tp": 2}, {"recompute": "full"})]
+                   ({"cp": 2}, {}), ({"dp": 2, "zero": 3}, {"dtype": "bf16"}), ({"tp": 2}, {"recompute": "full"}),
+                   ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective-op"})]
 
 
 @pytest.mark.parametrize("parallel,train", COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")

@@ -112,7 +112,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Literal["none", "selective", "selective-op", "full"] = "none"
     device: Literal["cpu", "cuda", "auto"] = "auto"
     # fp32 master weights and AdamW state in CPU memory instead of the accelerator's.
     offload_optimizer: bool = False

@@ -26,6 +26,21 @@ def layer_matrix_params(m: ModelConfig) -> int:
     return attn + m.d_model * m.ffn_hidden * (3 if m.mlp == "swiglu" else 2)
 
 
+def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, bool]]:
+    """One layer's matmuls in the order its forward runs them, as (input width, output width,
+    row-parallel): q, k, v, the output projection, then gate, up and down (SwiGLU) or fc1 and fc2.
+    Row-parallel ones split their input over tp and give the whole hidden state."""
+    h, q, kv, f = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_hidden
+    mlp = [(h, f, False), (h, f, False), (f, h, True)] if m.mlp == "swiglu" else [(h, f, False), (f, h, True)]
+    return [(h, q, False), (h, kv, False), (h, kv, False), (q, h, True), *mlp]
+
+
+def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, bool]]:
+    """The matmuls whose outputs `selective-op` keeps (every other one, from the first); the
+    rest it recomputes (model/llama.py's policy)."""
+    return layer_matmuls(m)[0::2]
+
+
 def layer_norm_params(m: ModelConfig) -> int:
     """Weights of one layer's two norms (replicated over tp)."""
     return 2 * m.d_model * (1 if m.norm == "rmsnorm" else 2)
@@ -51,10 +66,13 @@ def model_flops_per_token(m: ModelConfig, seq_len: int | None = None) -> float:
 
 
 def hardware_flops_per_token(m: ModelConfig, recompute: str, seq_len: int | None = None) -> float:
-    """Model FLOPs plus what recomputation repeats: each layer's whole forward ("full") or its
-    attention core ("selective"); the numerator of HFU."""
+    """Model FLOPs plus what recomputation repeats: each layer's whole forward ("full"), its
+    attention core ("selective") or the matmuls per-op checkpointing does not keep
+    ("selective-op"); the numerator of HFU."""
     s = seq_len or m.seq_len
+    saved = sum(2 * k * n for k, n, _ in op_checkpoint_saved_matmuls(m))
     extra = {"none": 0.0, "selective": m.n_layers * attention_core_flops(m, s),
+             "selective-op": m.n_layers * (layer_matmul_flops(m) - saved),
              "full": m.n_layers * (layer_matmul_flops(m) + attention_core_flops(m, s))}[recompute]
     return model_flops_per_token(m, s) + extra
 

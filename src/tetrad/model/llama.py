@@ -8,7 +8,8 @@ on the last; parameter names keep the global layer index, so they are the same i
 
 How blocks run is a training choice, set after construction by `set_execution`: activation
 recomputation (`full`: each block's forward is recomputed in its backward; `selective`: only the
-attention core, Korthikanti et al. 2022) and torch.compile of each block.
+attention core, Korthikanti et al. 2022; `selective-op`: torchtitan's per-op policy, below) and
+torch.compile of each block.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tetrad.config import ModelConfig
 from tetrad.model.attention import attention
@@ -141,6 +142,33 @@ class MLP(nn.Module):
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
+aten = torch.ops.aten
+# Attention kernels whose outputs (output and log-sum-exp) `selective-op` keeps.
+_ATTENTION_OPS = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+                  aten._scaled_dot_product_cudnn_attention.default,
+                  aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _save_attention_and_every_other_matmul(hold=None):
+    """Per-op selective checkpointing as torchtitan's "op" mode runs it (its `_save_list` and
+    policy): the block is recomputed in backward except the attention kernels' outputs and every
+    other matmul's (the 1st, 3rd, ... in forward order: q, v, gate and down for a SwiGLU layer),
+    which the recompute reads back instead of computing. One policy per block call. The kept
+    outputs live outside autograd until the recompute: `hold` (an activation meter's) counts them."""
+    matmuls, held = 0, []
+
+    def policy(ctx, op, *args, **kwargs):
+        nonlocal matmuls
+        matmuls += op is aten.mm.default
+        keep = op in _ATTENTION_OPS or (op is aten.mm.default and matmuls % 2 == 1)
+        if keep and hold is not None:
+            outputs = ctx.op_output if isinstance(ctx.op_output, tuple) else (ctx.op_output,)
+            held.extend(hold(t) for t in outputs if isinstance(t, torch.Tensor))
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    return forward, _both(recompute, _on_exit(held.clear))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, topo, ex: Execution):
         super().__init__()
@@ -150,7 +178,7 @@ class Block(nn.Module):
         self.mlp_norm = Norm(cfg)
         self.mlp = MLP(cfg, topo, ex, out_std)
         self.dropout = ResidualDropout(cfg.dropout, topo, ex) if cfg.dropout else nn.Identity()
-        self.recompute = False  # full recompute: keep only the block's input for backward
+        self.recompute = "none"  # "full" or "selective-op": the block runs under a checkpoint
         self.compiled_body = None  # torch.compile's version of `body`, when compiling
 
     def body(self, x: torch.Tensor, rope) -> torch.Tensor:
@@ -164,9 +192,17 @@ class Block(nn.Module):
         # The checkpoint sits inside the module call, so module hooks (ZeRO-3's gathers) run once
         # per forward and never during the recompute.
         body = self.compiled_body or self.body
-        if self.recompute and torch.is_grad_enabled():
-            return checkpoint(body, x, rope, use_reentrant=False, context_fn=self._replay_dropout)
+        if self.recompute != "none" and torch.is_grad_enabled():
+            return checkpoint(body, x, rope, use_reentrant=False, context_fn=self._recompute_contexts)
         return body(x, rope)
+
+    def _recompute_contexts(self):
+        """(forward, recompute) contexts of the checkpoint: the per-op policy's, if any, and the
+        dropout replay."""
+        forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+        if self.recompute == "selective-op":
+            forward, recompute = _save_attention_and_every_other_matmul(self.attn.ex.weight_grads.hold)
+        return forward, _both(recompute, self._replay_dropout())
 
     def _replay_dropout(self):
         """The recompute must draw the dropout masks of the forward. torch.utils.checkpoint
@@ -175,7 +211,7 @@ class Block(nn.Module):
         and restore it after."""
         generator = getattr(self.dropout, "generator", None)
         if generator is None:
-            return contextlib.nullcontext(), contextlib.nullcontext()
+            return contextlib.nullcontext()
         at_forward = generator.get_state()
 
         @contextlib.contextmanager
@@ -186,15 +222,29 @@ class Block(nn.Module):
                 yield
             finally:
                 generator.set_state(now)
-        return contextlib.nullcontext(), replay()
+        return replay()
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+@contextlib.contextmanager
+def _on_exit(action):
+    try:
+        yield
+    finally:
+        action()
 
 
 def set_execution(model: nn.Module, recompute: str = "none", compile: bool = False) -> None:
-    """Set how every transformer block in `model` runs: recompute `none`, `selective` or `full`,
+    """Set how every transformer block in `model` runs: recompute `none`, `selective`, `selective-op` or `full`,
     and whether each block's body is compiled with torch.compile (module hooks stay outside)."""
     for block in model.modules():
         if isinstance(block, Block):
-            block.recompute = recompute == "full"
+            block.recompute = recompute if recompute in ("full", "selective-op") else "none"
             block.attn.recompute_core = recompute == "selective"
             block.compiled_body = torch.compile(block.body) if compile else None
 

@@ -44,10 +44,10 @@ def _tp_bytes(cfg: Config) -> float:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
     per_layer = 2 * hidden * (2 if sp else 1)
-    # Full recompute repeats the layer's forward up to its last saved tensor (the MLP's output
+    # Full and per-op recompute repeat the layer's forward up to its last saved tensor (the MLP's output
     # projection input): torch's non-reentrant checkpoint stops there, before the final
     # row-parallel all-reduce / reduce-scatter.
-    recomputed = per_layer - hidden if t.recompute == "full" else 0
+    recomputed = per_layer - hidden if t.recompute in ("full", "selective-op") else 0
     per_micro = layers * (2 * per_layer + recomputed) + hidden * (2 if sp else 1)
     if p.pp == 1:
         per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4
@@ -70,11 +70,11 @@ def _pp_bytes(cfg: Config) -> float:
 
 
 def _cp_bytes(cfg: Config) -> float:
-    """Ring: K/V cp-1 times forward (again under full recompute); backward K/V cp-1 times and the
+    """Ring: K/V cp-1 times forward (again under full or per-op recompute); backward K/V cp-1 times and the
     fp32 dK/dV cp times. All-to-all: q, k, v to heads and the output back, each way."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e, tokens = activation_bytes(t.dtype), _tokens(cfg)
-    forwards = 2 if t.recompute == "full" else 1
+    forwards = 2 if t.recompute in ("full", "selective-op") else 1
     per_micro = cfg.microbatches * rank_layers(cfg)[0]
     kv = 2 * tokens * m.n_kv_heads // p.tp * m.head_dim
     if p.cp_algo == "ring":

@@ -68,10 +68,12 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     tp_f, tp_b = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
     cp_f, cp_b = _cp_exposed(cfg, cluster, tokens, e, attn_f, attn_b)
     z_f, z_b = _zero3_exposed(cfg, cluster, compute_f, compute_bi + compute_bw)
-    # Recomputation runs at the start of the backward: the attention core (selective) or the
-    # whole forward, its collectives included (full).
-    recompute = {"none": 0.0, "selective": attn_f, "full": compute_f}[t.recompute]
-    if t.recompute == "full":
+    # Recomputation runs at the start of the backward: the attention core (selective), the
+    # whole forward with its collectives (full), or all of it but the kept matmuls and attention
+    # (selective-op; its collectives run again too).
+    recompute = {"none": 0.0, "selective": attn_f, "full": compute_f,
+                 "selective-op": _op_recomputed_gemms(cfg, cluster.gpu, tokens) + elem_f + cast_f}[t.recompute]
+    if t.recompute in ("full", "selective-op"):
         tp_b, cp_b = tp_b + tp_f, cp_b + cp_f
     return LayerCost(forward=compute_f + tp_f + cp_f + z_f, backward_input=compute_bi + tp_b + cp_b + z_b,
                      backward_weight=compute_bw, recompute=recompute, compute=compute_f + compute_bi + compute_bw,
@@ -101,6 +103,14 @@ def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, floa
     cast_f = sum(FP8_CAST_BYTES * (tokens * k + k * n) for k, n in shapes) / hbm
     cast_b = sum(FP8_CAST_BYTES * (tokens * (k + n) + k * n) for k, n in shapes) / hbm
     return gemm, cast_f, cast_b
+
+
+def _op_recomputed_gemms(cfg: Config, gpu: GPU, tokens: int) -> float:
+    """Seconds of the matmuls `selective-op` recomputes (every other one, from the second)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    peak = gpu.peak(gemm_dtype(cfg.train.dtype))
+    shapes = [(k / tp, n) if row else (k, n / tp) for k, n, row in flops.layer_matmuls(m)[1::2]]
+    return sum(2 * tokens * k * n / (peak * gemm_efficiency(gpu, tokens, k, n)) for k, n in shapes)
 
 
 def _attention_core(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[float, float]:

@@ -104,6 +104,10 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     if recompute == "full":
         return hidden / div  # only the layer's input (Korthikanti: 2sbh in 16 bit)
     q, kv = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp
+    if recompute == "selective-op":  # the input, the kept matmul outputs (a row-parallel one whole,
+        # before its all-reduce or reduce-scatter), the attention's output and fp32 log-sum-exp
+        kept = sum(n if row else n / tp for _, n, row in flops.op_checkpoint_saved_matmuls(m))
+        return hidden / div + tokens * e * (kept + q) + 4 * m.n_heads / tp * tokens
     f = m.ffn_hidden / tp
     dropout = m.dropout > 0
     # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after
@@ -162,7 +166,7 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     hidden = tokens * m.d_model * e
     per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     rebuilt = 0.0
-    if t.recompute == "full":  # one layer's activations rebuilt during its backward
+    if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward
         rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
     # Final norm and head inputs; the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).

@@ -34,7 +34,7 @@ from tetrad.plan.stacks import Stack, load_stack
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "selective-op", "full")
 
 
 class Layout(NamedTuple):

@@ -35,7 +35,7 @@ class Bucket:
         self.grad: torch.Tensor | None = None  # full fp32 gradient while it exists
         self.grad_shard: torch.Tensor | None = None  # this rank's reduced shard
         self.pending = None  # the gradient collective in flight
-        self.incoming: torch.Tensor | None = None  # ZeRO >= 2: where that reduce-scatter lands
+        self.incoming: torch.Tensor | None = None  # ZeRO >= 2: where this rank's reduced shard lands
         self.parked: dict[int, torch.Tensor] = {}  # ZeRO >= 2 under zero-bubble: BI's gradients, by param
         self.from_bi: set[int] = set()  # ... and the params whose gradients BI makes
         self.seen = 0  # gradients arrived in this backward

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from tetrad.dist import hierarchical
 from tetrad.dist.layout import GRAD
+from tetrad.parallel.data import collectives
 from tetrad.parallel.data.buffers import Bucket
 
 
@@ -42,6 +43,7 @@ class GradSync:
         self.on_complete = on_complete or (lambda bucket: None)
         self.sync = False  # inside `last_microbatch`
         self.in_flight: list[Bucket] = []  # ZeRO >= 2: reduce-scatters started, oldest first
+        self.scratch_free = collectives.in_place(topo)  # gloo: all-reduce in place instead (collectives.py)
         for bucket in buckets:
             for i, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, i))
@@ -111,8 +113,8 @@ class GradSync:
         bucket.state = "reducing"
         comm = self.topo.comm
         if self.zero >= 2:
-            bucket.incoming = bucket.grad.new_empty(bucket.shard_size)
-            bucket.pending = comm.reduce_scatter(bucket.incoming, bucket.grad, GRAD, async_op=True)
+            bucket.pending, bucket.incoming = collectives.start_reduce(self.topo, bucket.grad, bucket.shard_size,
+                                                                       self.scratch_free)
             self.in_flight.append(bucket)
             while len(self.in_flight) > 1:  # double buffering: one reducing while the next fills
                 self.finish(self.in_flight[0])
@@ -131,8 +133,8 @@ class GradSync:
         if self.zero < 2:
             bucket.state = "reduced"
             return
-        if bucket.grad_shard is None:
-            bucket.grad_shard = bucket.incoming
+        if bucket.grad_shard is None:  # a copy when `incoming` is a view of the full gradient
+            bucket.grad_shard = bucket.incoming.clone() if self.scratch_free else bucket.incoming
         else:
             bucket.grad_shard.add_(bucket.incoming)
         bucket.incoming = bucket.grad = None

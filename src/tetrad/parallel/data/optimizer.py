@@ -27,6 +27,7 @@ from tetrad.config import TrainConfig
 from tetrad.device import FUSED_OPTIMIZER_DEVICES
 from tetrad.dist.layout import GRAD, WEIGHT_SPLIT_DIMS
 from tetrad.model.sharding import spec_of
+from tetrad.parallel.data import collectives
 from tetrad.parallel.data.buffers import Bucket
 
 
@@ -61,6 +62,7 @@ class MasterWeights:
         self.shards: list[torch.Tensor] = []  # ZeRO-3: the persistent parameter shard of each bucket
         self.masters: list[torch.Tensor] = []  # what the optimizer updates, per bucket
         self._host_grads: dict[int, torch.Tensor] = {}  # offload: each bucket's owned gradient on the host
+        self.scratch_free = collectives.in_place(topo)  # gloo: gather by in-place broadcasts (collectives.py)
 
     def add(self, flat: torch.Tensor, owned: torch.Tensor) -> None:
         """The next bucket's flat buffer and the fp32 values of its owned range (buffers.flatten):
@@ -106,7 +108,7 @@ class MasterWeights:
                 self.owned_params(k).copy_(master, non_blocking=True)
         if self.zero in (0, 3):
             return
-        pending = [self.topo.comm.all_gather(f, f[b.lo:b.hi], GRAD, async_op=True)
+        pending = [collectives.start_gather(self.topo, f, b.shard_size, self.scratch_free)
                    for b, f in zip(self.buckets, self.flat)]
         for work in pending:
             work.wait()

@@ -17,7 +17,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from tetrad.dist.layout import GRAD
+from tetrad.parallel.data import collectives
 from tetrad.parallel.data.buffers import Bucket
 
 
@@ -31,13 +31,16 @@ class ParamGather:
         self.buckets, self.flat, self.shards, self.topo = buckets, flat, shards, topo
         self.execution, self.root, self.prefetch = execution, root, prefetch
         self.gathering: dict[int, object] = {}  # bucket index -> its all-gather in flight
+        self.scratch_free = collectives.in_place(topo)  # gloo: gather by in-place broadcasts (collectives.py)
 
     def start(self, k: int) -> None:
         """Non-blocking all-gather of bucket k's parameters (no-op if already there or on its way)."""
         flat = self.flat[k]
         if flat.untyped_storage().nbytes() == 0:
-            flat.untyped_storage().resize_(self.buckets[k].padded * flat.element_size())
-            self.gathering[k] = self.topo.comm.all_gather(flat, self.shards[k], GRAD, async_op=True)
+            bucket = self.buckets[k]
+            flat.untyped_storage().resize_(bucket.padded * flat.element_size())
+            flat[bucket.lo:bucket.hi].copy_(self.shards[k])
+            self.gathering[k] = collectives.start_gather(self.topo, flat, bucket.shard_size, self.scratch_free)
 
     def gather(self, k: int) -> None:
         self.start(k)

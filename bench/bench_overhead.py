@@ -52,7 +52,7 @@ def _cfg(dp: int, run_dir: str):
     return load_config(overrides={
         "model": MODEL, "parallel": {"dp": dp},
         "train": {"global_batch": MICRO_BATCH * dp, "micro_batch": MICRO_BATCH, "steps": SHORT},
-        "run": {"dir": run_dir, "log_every": 10**6}})
+        "run": {"dir": run_dir}})
 
 
 def _hand_loop(model, loss_of, cfg):

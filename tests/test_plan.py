@@ -365,9 +365,10 @@ def test_comm_bytes_follow_tetrad_comm_convention():
     hidden = 2 * m.seq_len * m.d_model * 4  # micro-batch x seq x d_model, fp32
     got = comm_bytes_per_step(cfg)
     layers = 2  # of 4, on pipeline rank 0
-    assert got["tp"] == micro * (layers * 4 * hidden + hidden) + 4  # 2 all-reduces fwd + 2 bwd per layer; embedding
-    assert got["pp"] == micro * hidden + 8  # activations sent on; loss and grad-norm scalars
-    assert got["dp"] == int(rank_params(cfg)[0] * 4) + 8  # one all-reduce of fp32 gradients; loss and grad norm
+    sums = 5 * 4  # the step's fp32 sums (norm, loss, stop flags) on every group
+    assert got["tp"] == micro * (layers * 4 * hidden + hidden) + sums  # 2 all-reduces fwd + 2 bwd per layer; embedding
+    assert got["pp"] == micro * hidden + sums  # activations sent on
+    assert got["dp"] == int(rank_params(cfg)[0] * 4) + sums  # one all-reduce of fp32 gradients
     assert got["cp"] == 0
     ring = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, cp=2))
     kv = 2 * m.seq_len // 2 * m.n_kv_heads * m.head_dim * 2  # k and v of this rank's tokens, micro-batch 2

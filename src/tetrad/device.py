@@ -182,17 +182,24 @@ def clock(device: torch.device) -> HostClock | StreamClock:
     return HostClock() if device.type == "cpu" else StreamClock(device)
 
 
-@contextlib.contextmanager
 def phase(name: str, device: torch.device):
-    """A named range for torch.profiler traces and, on CUDA, for Nsight Systems (NVTX); outside a
-    profiler it costs a few microseconds."""
+    """A named range for torch.profiler traces and, on CUDA, for Nsight Systems (NVTX). Off CUDA
+    and outside a profiler it is nothing: entering a profiler range costs more than a tiny
+    model's kernel, several times a step."""
+    if device.type == "cuda":
+        return _ranges(name, nvtx=True)
+    return _ranges(name, nvtx=False) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _ranges(name: str, nvtx: bool):
     with torch.profiler.record_function(name):
-        if device.type == "cuda":
+        if nvtx:
             torch.cuda.nvtx.range_push(name)
         try:
             yield
         finally:
-            if device.type == "cuda":
+            if nvtx:
                 torch.cuda.nvtx.range_pop()
 
 

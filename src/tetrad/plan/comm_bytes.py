@@ -10,13 +10,17 @@ from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers
 from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param
 
+# The step's numbers that need the whole job: one all-reduce of 5 fp32 (squared gradient norm,
+# loss, a flag per stop signal) over dp, tp and pp (train/trainer.py's _step_sums).
+STEP_SUMS = 5 * 4
+
 
 def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
     """Bytes rank 0 (first pipeline stage, first tp/cp/dp coordinate) hands to collectives in one
     optimizer step, by group, under tetrad.comm's convention: all-reduce the tensor, all-gather
     the gathered output, reduce-scatter the unscattered input, all-to-all the input,
-    point-to-point what it sends. The dp x cp gradient group counts as "dp". Scalars: the loss
-    (dp, pp) and the squared gradient norm (tp, pp, dp), fp32. Not counted: the padding of ZeRO
+    point-to-point what it sends. The dp x cp gradient group counts as "dp". Each group also
+    carries STEP_SUMS. Not counted: the padding of ZeRO
     buckets to a multiple of dp x cp elements."""
     p = cfg.parallel
     out = {"tp": _tp_bytes(cfg) if p.tp > 1 else 0, "cp": _cp_bytes(cfg) if p.cp > 1 else 0,
@@ -40,7 +44,7 @@ def _tp_bytes(cfg: Config) -> float:
     all-reduce (SP: reduce-scatter forward, all-gather of its gradient backward). On a single
     stage also the head's input collective and the cross-entropy's max, sum-exp and target logit
     (fp32 per token). Under SP, one all-reduce of the replicated (norm) weights' fp32 gradients
-    per step (their dp shard under ZeRO). The gradient norm."""
+    per step (their dp shard under ZeRO). The step's sums."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
     per_layer = 2 * hidden * (2 if sp else 1)
@@ -54,16 +58,16 @@ def _tp_bytes(cfg: Config) -> float:
     replicated = layers * flops.layer_norm_params(m) + flops.head_params(m, separate=False) * (p.pp == 1)
     replicated += m.seq_len * m.d_model if m.pos == "learned" else 0
     shards = p.dp * p.cp if p.zero >= 1 else 1
-    return cfg.microbatches * per_micro + (4 * replicated / shards if sp else 0) + 4
+    return cfg.microbatches * per_micro + (4 * replicated / shards if sp else 0) + STEP_SUMS
 
 
 def _pp_bytes(cfg: Config) -> float:
     """Rank 0 sends each micro-batch's activations on from every chunk, and the gradients of its
-    chunks after the first back to the previous rank (the last one); loss and norm. Tied
+    chunks after the first back to the previous rank (the last one); the step's sums. Tied
     embeddings: the embedding's fp32 gradient summed with its head copy's (its shard under ZeRO-2)."""
     m, p = cfg.model, cfg.parallel
     sent = _hidden(cfg) / (p.tp if p.sequence_parallel else 1)
-    out = cfg.microbatches * (2 * p.vpp - 1) * sent + 8
+    out = cfg.microbatches * (2 * p.vpp - 1) * sent + STEP_SUMS
     if m.tie_embeddings:
         out += 4 * math.ceil(m.vocab_size / p.tp) * m.d_model / (p.dp * p.cp if p.zero >= 2 else 1)
     return out
@@ -87,7 +91,7 @@ def _dp_bytes(cfg: Config) -> float:
     """ZeRO-0: one all-reduce of the fp32 gradient buckets; ZeRO-1: that, then the updated shards
     all-gathered; ZeRO-2: a reduce-scatter every micro-batch, then the shards all-gathered;
     ZeRO-3: each layer gathered for forward and for backward every micro-batch, the rest once, and
-    a reduce-scatter every micro-batch. Loss and gradient norm."""
+    a reduce-scatter every micro-batch. The step's sums."""
     m, p, micro = cfg.model, cfg.parallel, cfg.microbatches
     w = state_bytes_per_param(cfg.train.dtype)[0]
     params = rank_params(cfg)[0]
@@ -100,4 +104,4 @@ def _dp_bytes(cfg: Config) -> float:
     else:
         block = rank_layers(cfg)[0] * (flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m))
         grads = micro * 2 * block * w + (params - block) * w + micro * params * 4
-    return grads + 8
+    return grads + STEP_SUMS

@@ -1,9 +1,10 @@
 """Stopping on a signal: SLURM preemption and `scancel` send SIGTERM, Ctrl-C sends SIGINT.
 
-A handler only records the signal; the training loop asks, between steps, whether any rank has
-one (`agreed`: a MAX over the whole job), so every rank stops after the same step, saves a
-checkpoint there and returns normally. At most the step in flight when the signal came is
-lost, and it is not even lost: it finishes first.
+A handler only records the signal; every step sums each rank's `flags` over the whole job, in
+the one all-reduce of the step's numbers (the trainer's, after the gradient reduction), so
+every rank reads the same `agreed` signal, stops after the same step, saves a checkpoint there
+and returns normally. The step in flight finishes first; a signal that comes after its
+all-reduce is read in the next step's, which finishes too. No step is lost.
 
 Under `tetrad train`'s own launcher the ranks get SIGTERM only (the launcher forwards SIGINT and
 SIGHUP as SIGTERM and has its ranks ignore them); under torchrun or srun a rank may get any of
@@ -14,10 +15,6 @@ from __future__ import annotations
 
 import signal
 import threading
-
-import torch
-
-from tetrad.dist.layout import GRAD, WEIGHT_SPLIT_DIMS
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -31,6 +28,7 @@ class StopSignals:
         self.previous: dict = {}
 
     def __enter__(self) -> "StopSignals":
+        self.received = 0
         if threading.current_thread() is threading.main_thread():  # Python delivers signals there only
             for sig in SIGNALS:
                 if signal.getsignal(sig) is not signal.SIG_IGN:
@@ -44,10 +42,12 @@ class StopSignals:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
-    def agreed(self, topo) -> int:
-        """The signal any rank of the job has received (0: none); every rank gets the same answer.
-        A collective: every rank calls it after every step."""
-        flag = torch.tensor(float(self.received), device=topo.device)
-        for group in (GRAD, *WEIGHT_SPLIT_DIMS):  # together, the whole job
-            topo.comm.all_reduce(flag, group, op=torch.distributed.ReduceOp.MAX)
-        return int(flag)
+    def flags(self) -> list[float]:
+        """This rank's signal, one count per SIGNALS entry: summed over the job, `agreed` reads them."""
+        return [float(self.received == sig) for sig in SIGNALS]
+
+    @staticmethod
+    def agreed(counts: list[float]) -> int:
+        """The signal of the job's summed `flags` (0: none): the highest-numbered one any rank
+        received (SIGTERM over SIGINT over SIGHUP), the same on every rank."""
+        return max((int(sig) for sig, n in zip(SIGNALS, counts) if n), default=0)

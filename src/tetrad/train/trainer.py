@@ -22,7 +22,7 @@ from tetrad import device as devices
 from tetrad.dist import watchdog
 from tetrad.config import Config, profile_steps
 from tetrad.dist import autotune
-from tetrad.dist.layout import GRAD, REPORTED, Layout, shard_sequence
+from tetrad.dist.layout import GRAD, REPORTED, WEIGHT_SPLIT_DIMS, Layout, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model.execution import DeferredWeightGrads, Execution
 from tetrad.model.llama import set_execution
@@ -128,6 +128,11 @@ class Trainer:
         self.pipeline = PipelineExecutor(self.model, schedule, self.topo, self.grads, shape, dtype)
         self.eval_pipeline = PipelineExecutor(self.model, forward_only(schedule), self.topo, self.grads, shape, dtype)
         self.clock = StepClock(self.topo.comm)  # where each step's time went (metrics.py)
+        self.layout = layout_label(p)
+        self.signals = StopSignals()  # entered by fit; its flags ride on each step's all-reduce
+        self.stop_signal = 0  # the signal the last step's ranks agreed on (0: none)
+        self._activations_measured = False
+        self._counted_states: dict[str, int] | None = None
         self.flop_rate = FlopRate(cfg, device)
         self.telemetry = telemetry.for_device(device)  # None where the device reports nothing
 
@@ -172,8 +177,9 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         cfg, topo = self.cfg, self.topo
+        lr = lr_at(step, cfg.train)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.train)
+            group["lr"] = lr
         clock = self.clock
         clock.start()
         start = topo.comm.clock.mark()
@@ -181,33 +187,30 @@ class Trainer:
             micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
         scale = self.scaler.scale
         with clock.part("forward_backward"), devices.phase("forward_backward", topo.device), \
-                self.activations.measuring():
+                self._activation_meter(step):
             loss_sum = self.forward_backward(micro, grad_scale=scale)
         with clock.part("optimizer"), devices.phase("grad_reduce", topo.device):
             self.grads.reduce()  # dp x cp (and, under SP, tp for tp-replicated parameters)
         with clock.part("optimizer"), devices.phase("optimizer", topo.device):
-            grad_norm = self.grads.clip(cfg.train.grad_clip, loss_scale=scale)
+            grad_norm, loss, self.stop_signal = self._step_sums(loss_sum, scale)
+            self.grads.clip(grad_norm, cfg.train.grad_clip, loss_scale=scale)
             # The norm is reduced over the whole job: every rank steps, or every rank skips.
             stepped = self.scaler.update(math.isfinite(grad_norm))
             if stepped:
                 self.optimizer.step()
-            model_states = self.grads.model_state_bytes(self.optimizer)  # gradients still held: their peak
+            model_states = self._model_states(stepped)  # gradients still held: their peak
             self.optimizer.zero_grad(set_to_none=True)
             self.grads.zero_grad()  # plain AdamW (fp32 ZeRO-0) knows nothing of the buckets behind p.grad
-        # The loss lives on the last pipeline stage of each dp x cp replica; sum them all.
-        topo.comm.all_reduce(loss_sum, GRAD)
-        topo.comm.all_reduce(loss_sum, "pp")
-        loss = float(loss_sum) / self.tokens_per_step
         devices.synchronize(topo.device)
         step_time = topo.comm.clock.seconds(start, topo.comm.clock.mark())
         peak = devices.peak_memory_bytes(topo.device, self.memory_base)
         return {
-            "step": step + 1, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+            "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, **self.flop_rate(step_time),
             # Waits on a pipeline neighbour are the bubble; every other collective wait is exposed comm.
             **clock.breakdown(),
             "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in REPORTED},
-            "layout": layout_label(cfg.parallel),  # a resume may change it: the report tells the layouts apart
+            "layout": self.layout,  # a resume may change it: the report tells the layouts apart
             "loss_scale": scale, "skipped": not stepped,
             "peak_memory_gib": peak / 2**30,
             # Model states counted from this rank's tensors; activations: the peak of what autograd
@@ -216,6 +219,41 @@ class Trainer:
             **devices.accelerator_fields(topo.device),
             **(self.telemetry.take() if self.telemetry else {}),
         }
+
+    def _step_sums(self, loss_sum: torch.Tensor, loss_scale: float) -> tuple[float, float, int]:
+        """The step's numbers that need the whole job, in one all-reduce (over dp x cp, tp, pp)
+        and one read: the global gradient norm (unscaled: the same on every rank, non-finite on
+        all when any rank's gradient overflowed), the mean token loss (summed from the last
+        pipeline stage of each dp x cp replica, once per tp group) and the stop signal any rank
+        received (stopping.py)."""
+        topo = self.topo
+        loss = loss_sum if topo.tp_rank == 0 else torch.zeros_like(loss_sum)
+        flags = torch.tensor(self.signals.flags(), device=topo.device)
+        sums = torch.cat([self.grads.norm_sq().view(1), loss.view(1), flags])
+        for group in (GRAD, *WEIGHT_SPLIT_DIMS):
+            topo.comm.all_reduce(sums, group)
+        norm_sq, loss, *signals = sums.tolist()
+        return math.sqrt(norm_sq) / loss_scale, loss / self.tokens_per_step, self.signals.agreed(signals)
+
+    def _activation_meter(self, step: int):
+        """Count saved activations (train/memory.py) on the first step this trainer runs and on
+        every step that prints a log line (run.log_every): a step's graph is the same every step,
+        so the lines between carry the latest peak, without a Python hook per saved tensor."""
+        if self._activations_measured and (step + 1) % self.cfg.run.log_every:
+            return contextlib.nullcontext()
+        self._activations_measured = True
+        return self.activations.measuring()
+
+    def _model_states(self, stepped: bool) -> dict[str, int]:
+        """Bytes of model states this rank holds (GradReducer.model_state_bytes), counted on the
+        first step that updated (the optimizer's state exists from then on): the same tensors
+        every step after."""
+        if self._counted_states is None or not stepped:
+            counted = self.grads.model_state_bytes(self.optimizer)
+            if not stepped:
+                return counted
+            self._counted_states = counted
+        return self._counted_states
 
     def _profiler(self, first_step: int):
         """torch.profiler over the steps `train.profile` names (1-based), one warm-up step before
@@ -253,7 +291,7 @@ class Trainer:
         history = []
         profiler = self._profiler(start)
         try:
-            with StopSignals() as signals, profiler or contextlib.nullcontext():
+            with self.signals, profiler or contextlib.nullcontext():
                 for step in range(start, cfg.train.steps):
                     with _naming_step(step):
                         record = self.train_step(step)
@@ -268,9 +306,8 @@ class Trainer:
                             self._write_timeline()
                         if profiler is not None:
                             profiler.step()
-                        signum = signals.agreed(self.topo)
-                        if signum and step + 1 < cfg.train.steps:
-                            self._save_and_stop(step + 1, signum, ckpt, (params, self.optimizer, stateful, local), log)
+                        if self.stop_signal and step + 1 < cfg.train.steps:
+                            self._save_and_stop(step + 1, self.stop_signal, ckpt, (params, self.optimizer, stateful, local), log)
                             break
         finally:
             log.close()

@@ -40,8 +40,8 @@ from tetrad.parallel.data.buffers import Bucket, flatten, initial_shard, lay_out
 from tetrad.parallel.data.codec_state import codec_state_dict, load_codec_state
 from tetrad.parallel.data.finalize import sum_sequence_parallel, sum_tied
 from tetrad.parallel.data.lifecycle import GradSync
-from tetrad.parallel.data.optimizer import (MasterWeights, ShardedAdamW, build_optimizer, clip_gradients, owned_grad,
-                                            zero_loaded, zero_pieces)
+from tetrad.parallel.data.optimizer import (MasterWeights, ShardedAdamW, build_optimizer, clip_gradients, local_norm_sq,
+                                            owned_grad, zero_loaded, zero_pieces)
 from tetrad.parallel.data.zero3 import ParamGather
 
 __all__ = ["GradReducer", "ShardedAdamW", "zero_loaded", "zero_pieces"]
@@ -138,14 +138,18 @@ class GradReducer:
         return [(b.grad_shard[lo - b.lo:hi - b.lo], b.params[i])
                 for b in self.buckets if b.grad_shard is not None for i, lo, hi in b.slices()]
 
-    def clip(self, max_norm: float, loss_scale: float = 1.0) -> float:
-        """Divide the gradients by the loss scale and clip them by the true global norm (shards
-        summed over the gradient group, tp and pp); returns that norm, unscaled. It is the same
-        number on every rank, non-finite on all of them when any rank's gradient overflowed."""
-        scaled = [g for g in (self.owned_grad(b) for b in self.buckets) if g is not None]
+    def norm_sq(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (of the loss as scaled):
+        optimizer.local_norm_sq, summed over the job by the caller."""
         # The tied embedding's head copy holds the same gradient as the embedding: count it once.
         slices = [(g, p) for g, p in self.shard_slices() if not (self._tied_copy and p is self._tied.params[0])]
-        return clip_gradients(slices, max_norm, self.topo, scaled, dp_sharded=True, loss_scale=loss_scale)
+        return local_norm_sq(slices, self.topo)
+
+    def clip(self, norm: float, max_norm: float, loss_scale: float = 1.0) -> None:
+        """Divide the gradients by the loss scale and clip them by `norm`, the true global norm
+        (unscaled), which every rank must pass alike."""
+        clip_gradients([g for g in (self.owned_grad(b) for b in self.buckets) if g is not None], norm, max_norm,
+                       loss_scale)
 
     def zero_grad(self) -> None:
         self.sync.clear()

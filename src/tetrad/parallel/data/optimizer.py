@@ -25,7 +25,7 @@ import torch.nn as nn
 from tetrad import device as devices
 from tetrad.config import TrainConfig
 from tetrad.device import FUSED_OPTIMIZER_DEVICES
-from tetrad.dist.layout import GRAD, WEIGHT_SPLIT_DIMS
+from tetrad.dist.layout import GRAD
 from tetrad.model.sharding import spec_of
 from tetrad.parallel.data import collectives
 from tetrad.parallel.data.buffers import Bucket
@@ -152,36 +152,29 @@ class ShardedAdamW:
 
 
 # ---------------------------------------------------------------------- clipping
-def global_grad_norm(slices: list[tuple[torch.Tensor, nn.Parameter]], topo, dp_sharded: bool = False) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, as one device would compute it.
+def local_norm_sq(slices: list[tuple[torch.Tensor, nn.Parameter]], topo) -> torch.Tensor:
+    """This rank's share of the squared L2 norm of the whole model's gradient: summed over the
+    gradient group, tp and pp (the trainer does it in one all-reduce with the step's other
+    numbers) it is the squared norm one device would compute.
 
-    `slices` are (gradient tensor, the parameter it belongs to): whole gradients, or this rank's
-    slices of them when `dp_sharded` (ZeRO: each rank of the gradient group holds a disjoint part,
-    summed over it). Shards of a tp-split parameter are summed over tp; a replicated parameter is
-    counted on tp rank 0 only; pipeline stages hold different parameters, so their sums add over pp.
+    `slices` are (gradient slice, the parameter it belongs to): this rank's shard of each bucket,
+    disjoint across the gradient group. Shards of a tp-split parameter add over tp; a replicated
+    parameter is counted on tp rank 0 only; pipeline stages hold different parameters. One
+    fused norm kernel over every slice, not a few kernels per parameter.
     """
-    sq = torch.zeros((), dtype=torch.float32, device=topo.device)
-    for grad, p in slices:
-        _, _, parts = spec_of(p)
-        if parts > 1 or topo.tp_rank == 0:
-            sq += grad.detach().float().pow(2).sum()
-    for group in ((GRAD,) if dp_sharded else ()) + WEIGHT_SPLIT_DIMS:
-        topo.comm.all_reduce(sq, group)
-    return sq.sqrt()
+    counted = [grad for grad, p in slices if spec_of(p)[2] > 1 or topo.tp_rank == 0]
+    if not counted:
+        return torch.zeros((), dtype=torch.float32, device=topo.device)
+    return torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32)).square().sum()
 
 
-def clip_gradients(slices: list[tuple[torch.Tensor, nn.Parameter]], max_norm: float, topo,
-                   grads: list[torch.Tensor], dp_sharded: bool = False, loss_scale: float = 1.0) -> float:
-    """Scale `grads` (what the optimizer will read) so the global norm of `slices` is at most
-    max_norm (0 disables); returns the norm. Gradients of a loss multiplied by `loss_scale` (fp16)
-    are divided by it in the same pass, and the norm returned is the unscaled one."""
-    norm = global_grad_norm(slices, topo, dp_sharded) / loss_scale
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0) / loss_scale
-        torch._foreach_mul_(grads, scale)
-    elif loss_scale != 1.0:
-        torch._foreach_mul_(grads, 1.0 / loss_scale)
-    return float(norm)
+def clip_gradients(grads: list[torch.Tensor], norm: float, max_norm: float, loss_scale: float = 1.0) -> None:
+    """Scale `grads` (what the optimizer will read) so that `norm`, their global norm (unscaled),
+    becomes at most max_norm (0 disables). Gradients of a loss multiplied by `loss_scale` (fp16)
+    are divided by it in the same pass."""
+    factor = (min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0) / loss_scale
+    if factor != 1.0:
+        torch._foreach_mul_(grads, factor)
 
 
 # ---------------------------------------------------------------------- checkpoint export / import

@@ -8,8 +8,11 @@ micro-batches, then AdamW on the stage's parameters; tetrad's step also includes
 clipping and metrics. Schedules: 1F1B (torch `Schedule1F1B`) and interleaved 1F1B with two chunks
 per rank (torch `ScheduleInterleaved1F1B`).
 
-Step time: the median of the timed steps, max over ranks; the two frameworks alternate for
-`--repeats` rounds and each keeps its best round (the machine may be shared). Peak memory: the
+Step time: a round runs each framework once (fresh ranks; which goes first alternates) and takes
+the median of its timed steps, max over ranks, each step timed the same way from outside
+(perf_counter around the call). Over `--rounds` rounds the table gives each framework's median
+and half the range, the ratio of the medians, and the lowest and highest ratio of a single
+round (the same round's two runs side by side). Peak memory: the
 rise of the resident set's high-water mark from the built model (reset there through
 /proc/self/clear_refs) to the end of the run, max over ranks: torch's CPU allocator keeps no
 statistics. It includes the optimizer states, which are the same on both sides.
@@ -61,19 +64,15 @@ def _rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def _tetrad_rank(cfg, warmup: int, steps: int):
+def _tetrad_step(cfg):
+    """tetrad's training step (its Trainer), and the timeline of the last one."""
     trainer = Trainer(cfg, torch.device("cpu"))
-    _reset_peak()
-    base = _rss_bytes()
-    for step in range(warmup):
-        trainer.train_step(step)
-    times = [trainer.train_step(warmup + i)["step_time_s"] for i in range(steps)]
-    return statistics.median(times), _peak_bytes() - base, [(t.kind, t.mb, t.chunk, t.start, t.end)
-                                                            for t in trainer.pipeline.timeline()]
+    timeline = lambda: [(t.kind, t.mb, t.chunk, t.start, t.end) for t in trainer.pipeline.timeline()]
+    return trainer.train_step, timeline
 
 
-def _torch_rank(cfg, warmup: int, steps: int):
-    """The same model chunks, driven by torch.distributed.pipelining's schedule."""
+def _torch_step(cfg):
+    """The same model chunks, driven by torch.distributed.pipelining's schedule, then AdamW."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     p = cfg.parallel
@@ -106,22 +105,32 @@ def _torch_rank(cfg, warmup: int, steps: int):
 
     def step(i):
         inputs, labels = batches.global_batch_at(i)
-        start = time.perf_counter()
         schedule.step(*([inputs] if first else []), target=labels if last else None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+    return step, lambda: None
 
+
+STEPPERS = {"tetrad": _tetrad_step, "torch": _torch_step}
+
+
+def _rank(name: str, cfg, warmup: int, steps: int):
+    """One framework's run on this rank: (median step time, peak memory rise, last timeline)."""
+    step, timeline = STEPPERS[name](cfg)
     _reset_peak()
     base = _rss_bytes()
     for i in range(warmup):
         step(i)
-    times = [step(warmup + i) for i in range(steps)]
-    return statistics.median(times), _peak_bytes() - base, None
+    times = []
+    for i in range(warmup, warmup + steps):
+        start = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), _peak_bytes() - base, timeline()
 
 
-def measure(cfg, fn, warmup: int, steps: int):
-    results = launch.run_local(fn, cfg.parallel.world_size, (cfg, warmup, steps), timeout_s=900)
+def measure(cfg, name: str, warmup: int, steps: int):
+    results = launch.run_local(_rank, cfg.parallel.world_size, (name, cfg, warmup, steps), timeout_s=900)
     return max(r[0] for r in results), max(r[1] for r in results), [r[2] for r in results]
 
 
@@ -151,12 +160,13 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="alternated rounds of both frameworks")
     args = ap.parse_args()
     print(f"pp={args.pp}, m={args.microbatches}, d_model {args.d_model}, {args.layers} layers, seq {args.seq}, "
-          f"micro-batch {args.micro_batch}; fp32 on CPU (gloo), one thread per rank")
-    print(f"{'schedule':<14}{'tetrad s':>10}{'torch s':>10}{'time ratio':>12}{'tetrad MiB':>12}{'torch MiB':>11}"
-          f"{'mem ratio':>11}{'sim err':>9}")
+          f"micro-batch {args.micro_batch}; fp32 on CPU (gloo), one thread per rank; {args.rounds} alternated "
+          f"rounds of {args.steps} timed steps")
+    print(f"{'schedule':<13}{'tetrad s':>15}{'torch s':>15}{'time ratio':>11}{'ratio range':>13}"
+          f"{'tetrad MiB':>11}{'torch MiB':>10}{'mem ratio':>10}{'sim err':>9}")
     for schedule, vpp in (("1f1b", 1), ("interleaved", 2)):
         cfg = load_config(overrides={
             "model": {"d_model": args.d_model, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 3 * args.d_model,
@@ -165,18 +175,27 @@ def main() -> None:
             "train": {"micro_batch": args.micro_batch, "global_batch": args.micro_batch * args.microbatches,
                       "device": "cpu", "grad_clip": 0.0},
             "run": {"dir": "runs/bench_pp"}})
-        best = {"tetrad": None, "torch": None}
-        for _ in range(args.repeats):
-            for name, fn in (("tetrad", _tetrad_rank), ("torch", _torch_rank)):
-                got = measure(cfg, fn, args.warmup, args.steps)
-                if best[name] is None or got[0] < best[name][0]:
-                    best[name] = got
-        (t_time, t_mem, timelines), (o_time, o_mem, _) = best["tetrad"], best["torch"]
-        measured, simulated = simulated_vs_measured(cfg, timelines)
-        print(f"{schedule:<14}{t_time:>10.3f}{o_time:>10.3f}{t_time / o_time:>12.2f}{t_mem / 2**20:>12.1f}"
-              f"{o_mem / 2**20:>11.1f}{t_mem / max(o_mem, 1):>11.2f}{100 * (simulated / measured - 1):>8.1f}%")
-    print("time ratio and mem ratio: tetrad / torch (below 1: tetrad faster or smaller); sim err: simulated "
-          "step time from the measured mean action costs vs the measured span of tetrad's last step")
+        rounds = []  # per round: {framework: (step time, peak memory rise, timelines)}
+        for r in range(args.rounds):
+            order = ("tetrad", "torch") if r % 2 == 0 else ("torch", "tetrad")
+            rounds.append({name: measure(cfg, name, args.warmup, args.steps) for name in order})
+        time_of = {name: statistics.median(got[name][0] for got in rounds) for name in STEPPERS}
+        mem_of = {name: statistics.median(got[name][1] for got in rounds) for name in STEPPERS}
+        ratios = [got["tetrad"][0] / got["torch"][0] for got in rounds]
+        measured, simulated = simulated_vs_measured(cfg, rounds[-1]["tetrad"][2])
+        print(f"{schedule:<13}{_spread([got['tetrad'][0] for got in rounds]):>15}"
+              f"{_spread([got['torch'][0] for got in rounds]):>15}{time_of['tetrad'] / time_of['torch']:>11.2f}"
+              f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}{mem_of['tetrad'] / 2**20:>11.1f}"
+              f"{mem_of['torch'] / 2**20:>10.1f}{mem_of['tetrad'] / max(mem_of['torch'], 1):>10.2f}"
+              f"{100 * (simulated / measured - 1):>8.1f}%")
+    print("tetrad s, torch s: median over rounds +- half their range; time ratio: of those medians (below 1: "
+          "tetrad faster), ratio range: lowest and highest of the rounds' ratios; MiB: median peak rise; "
+          "sim err: simulated step time from the measured mean action costs vs the measured span of tetrad's "
+          "last step")
+
+
+def _spread(times: list[float]) -> str:
+    return f"{statistics.median(times):.3f}+-{(max(times) - min(times)) / 2:.3f}"
 
 
 if __name__ == "__main__":

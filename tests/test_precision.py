@@ -151,12 +151,19 @@ def test_compile_matches_eager(reference):
 
 @pytest.mark.parametrize("train, parallel, message", [
     ({"offload_optimizer": True, "device": "cpu"}, {}, "offload_optimizer=false"),
-    ({"compile": True}, {"tp": 2}, "train.compile=false"),
     ({"dtype": "fp16"}, {"grad_codec": "int8"}, "grad_codec"),
 ])
 def test_bad_input_fails_at_validation(train, parallel, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides={"parallel": parallel, "train": train})
+
+
+def test_compile_is_accepted_in_every_layout():
+    """Refused with tp or cp > 1 until the collectives ran eagerly between compiled regions
+    (tests/test_compile.py trains these layouts compiled)."""
+    cfg = load_config(overrides={"parallel": {"tp": 2, "cp": 2, "pp": 2, "schedule": "zb", "sequence_parallel": True},
+                                 "train": {"compile": True, "global_batch": 4}})
+    assert cfg.train.compile and cfg.parallel.world_size == 8
 
 
 def test_offload_without_accelerator_names_the_fix():

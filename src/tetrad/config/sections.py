@@ -116,7 +116,8 @@ class TrainConfig:
     device: Literal["cpu", "cuda", "auto"] = "auto"
     # fp32 master weights and AdamW state in CPU memory instead of the accelerator's.
     offload_optimizer: bool = False
-    # torch.compile each transformer block.
+    # torch.compile each transformer block, in every layout: tp's, cp's and zero-bubble's
+    # autograd Functions run eagerly between its compiled regions (model/execution.py).
     compile: bool = False
     # Validation loss every eval_every steps and at the last step (0: never), over eval_steps
     # held-out global batches.

@@ -219,7 +219,7 @@ def _check_comm_options(groups: dict) -> None:
 
 
 def _check_training(cfg: Config, runtime: bool) -> None:
-    """The learning-rate schedule, precision, offload, compile and optional packages."""
+    """The learning-rate schedule, precision, offload and optional packages."""
     p, t = cfg.parallel, cfg.train
     if t.lr_schedule == "wsd" and t.warmup + round(t.decay_fraction * t.steps) > t.steps:
         raise ConfigError(f"lr_schedule='wsd' decays over the last decay_fraction={t.decay_fraction} of "
@@ -240,9 +240,6 @@ def _check_training(cfg: Config, runtime: bool) -> None:
     if t.offload_optimizer and t.device == "cpu":
         raise ConfigError("train.offload_optimizer moves optimizer state from an accelerator to CPU memory; with "
                           "train.device='cpu' it is there already: set train.offload_optimizer=false")
-    if t.compile and (p.tp > 1 or p.cp > 1):
-        raise ConfigError(f"train.compile compiles blocks without collectives inside; tp={p.tp}, cp={p.cp} put "
-                          f"communication in every block. Set train.compile=false, or tp=1 and cp=1")
     if runtime and cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("run.tensorboard=true needs the optional `tensorboard` package, which is not installed: "
                           "pip install tensorboard (or tetrad[tensorboard]), or set run.tensorboard=false")

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from tetrad import device as devices
 from tetrad.dist.layout import load_balanced_order
+from tetrad.model.execution import run_eagerly
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, cp_algo: 
     if cp_algo == "ring":
         kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
                                devices.prefers_cudnn_attention(q.device))
-        out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel)
+        out = run_eagerly(_RingAttention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel)
         return out.transpose(1, 2)
     return alltoall_attention(q, k, v, topo)
 
@@ -298,5 +299,7 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo) 
     cp = topo.size("cp")
     order = load_balanced_order(q.shape[1] * cp, cp, q.device)  # true position of each gathered token
     natural = torch.argsort(order)
-    q, k, v = (_AllToAll.apply(t, topo, True)[:, natural] for t in (q, k, v))
-    return _AllToAll.apply(local_attention(q, k, v)[:, order], topo, False)
+    q = run_eagerly(_AllToAll, q, topo, True)[:, natural]
+    k = run_eagerly(_AllToAll, k, topo, True)[:, natural]
+    v = run_eagerly(_AllToAll, v, topo, True)[:, natural]
+    return run_eagerly(_AllToAll, local_attention(q, k, v)[:, order], topo, False)

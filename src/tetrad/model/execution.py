@@ -63,6 +63,16 @@ class DeferredWeightGrads:
         return [None] * len(grads)
 
 
+@torch.compiler.disable
+def run_eagerly(function: type[torch.autograd.Function], *args):
+    """`function.apply(*args)`, never traced by torch.compile: for the autograd Functions that
+    communicate (tp's f/g, cp's ring and all-to-all: their collectives go through tetrad's Comm,
+    which counts and times them) and zero-bubble's linear (its backward queues work for later).
+    Inside a compiled block each call is a clean graph break: the regions between the
+    collectives (norms, projections, RoPE, attention, SwiGLU, residuals) are compiled graphs."""
+    return function.apply(*args)
+
+
 @dataclass
 class Execution:
     """cp_algo: "ring" or "alltoall" (model/attention.py). sequence_parallel: tp also splits

@@ -92,6 +92,12 @@ class ResidualDropout(nn.Module):
             return x
         if self.generator is None:
             return F.dropout(x, self.p)
+        return self._shared_mask_dropout(x)
+
+    @torch.compiler.disable
+    def _shared_mask_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout with the tp-shared generator's mask; never compiled (a clean graph break in a
+        compiled block), as torch.compile draws its random numbers from its own generator."""
         keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
         return x * keep / (1 - self.p)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tetrad.model.execution import Execution
+from tetrad.model.execution import Execution, run_eagerly
 
 
 # ----------------------------------------------------------------------------- sequence layout
@@ -122,7 +122,7 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution) -> torch.Tensor:
     """x W^T with no communication: F.linear, or `_Linear` when backward is split."""
-    return _Linear.apply(x, weight, ex.weight_grads) if ex.split_backward else F.linear(x, weight)
+    return run_eagerly(_Linear, x, weight, ex.weight_grads) if ex.split_backward else F.linear(x, weight)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -167,8 +167,8 @@ def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo, 
     `_ColumnParallelMatmul`). x is [b, s, h], or [b, s/tp, h] under SP; outputs cover the whole
     (local) sequence and this rank's output features."""
     if topo.tp_size == 1:
-        return tuple(linear(x, w, ex) for w in weights)
-    return _ColumnParallelMatmul.apply(x, topo, ex, *weights)
+        return tuple([linear(x, w, ex) for w in weights])  # a list: torch.compile breaks cleanly in it
+    return run_eagerly(_ColumnParallelMatmul, x, topo, ex, *weights)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
@@ -182,5 +182,5 @@ def reduce_tp_output(x: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
     if topo.tp_size == 1:
         return x
     if ex.sequence_parallel:
-        return _ReduceScatterToSequence.apply(x, topo)
-    return _ReduceFromTP.apply(x, topo)
+        return run_eagerly(_ReduceScatterToSequence, x, topo)
+    return run_eagerly(_ReduceFromTP, x, topo)

@@ -1,0 +1,58 @@
+"""torch.compile of each transformer block in every layout: tp's f/g (with and without sequence
+parallelism), cp's ring and all-to-all and zero-bubble's split linear run eagerly between
+compiled regions (model/execution.py's `run_eagerly`), the compiled runs train the one-process
+model, and nothing recompiles after the first step."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import assert_parity, tiny_config, train_layout
+from tetrad.train.trainer import Trainer
+
+pytestmark = pytest.mark.dist
+
+
+class CountingTrainer(Trainer):
+    """Adds to each step's record what torch._dynamo counted in this rank so far: frames compiled,
+    and the graph breaks that are not a `run_eagerly` call (these would fall back to eager)."""
+
+    def __init__(self, *args, **kwargs):
+        counters.clear()  # a forked rank starts with its parent's counts
+        super().__init__(*args, **kwargs)
+
+    def train_step(self, step: int) -> dict:
+        record = super().train_step(step)
+        record["frames_compiled"] = counters["frames"]["total"]
+        record["other_breaks"] = [reason for reason in counters["graph_break"] if "run_eagerly" not in reason]
+        return record
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_layout(tiny_config())
+
+
+# (parallel, parity bounds): the bounds of the same layout's eager parity test (test_tp.py,
+# test_cp.py, test_config.py); compiling must not need wider ones.
+LAYOUTS = {
+    "tp2": ({"tp": 2}, {"atol": 5e-5}),
+    "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {"atol": 5e-5}),
+    "cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {"atol": 2e-4, "loss_atol": 2e-6}),
+    "cp2-alltoall-pp2-zb": ({"cp": 2, "cp_algo": "alltoall", "pp": 2, "schedule": "zb"},
+                            {"atol": 2e-4, "loss_atol": 2e-6}),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_compiled_layout_matches_single_process(reference, name):
+    parallel, bounds = LAYOUTS[name]
+    # Inductor compiles C++ kernels on first use (the session's cache is shared by the tests).
+    got = train_layout(tiny_config(parallel=parallel, train={"compile": True}), trainer_class=CountingTrainer,
+                       timeout_s=900)
+    history = got[2]
+    frames = [record["frames_compiled"] for record in history]
+    # Compiled, and only in the first step: later steps reuse its graphs (no recompiles).
+    assert frames[0] > 0 and frames == frames[:1] * len(frames), frames
+    assert history[-1]["other_breaks"] == [], history[-1]["other_breaks"]
+    assert_parity(got, reference, **bounds)

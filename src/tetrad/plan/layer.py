@@ -22,6 +22,11 @@ GEMM_HALF_DIM = 128  # a GEMM dimension this small reaches half the large-GEMM e
 FLASH_BACKWARD_FACTOR = 2.5  # flash backward: 5 matmuls of the forward's 2 (it recomputes the scores)
 FP8_CAST_BYTES = 5  # per element cast to fp8 with dynamic scaling: read for amax, read again, write 1 byte (16-bit in)
 RING_MERGE_BYTES = 16  # per output element per ring step: log-sum-exp merge of fp32 partial outputs
+# Seconds of each attention kernel's (forward, backward) relative to FlashAttention-2's at the
+# GPU's efficiency. Triton: "FlashAttention-2 is around 1.3-1.5x faster than FlashAttention in
+# Triton in the forward pass and around 2x faster in the backward pass" (Dao 2023, FlashAttention-2,
+# arXiv 2307.08691, section 4.1).
+ATTENTION_KERNELS = {"flash2": (1.0, 1.0), "fused": (1.0, 1.0), "triton": (1.4, 2.0)}
 
 
 def gemm_efficiency(gpu: GPU, *dims: float) -> float:
@@ -121,9 +126,10 @@ def _attention_core(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[f
     hd, heads = m.head_dim, m.n_heads / p.tp
     peak = gpu.peak("fp32" if t.dtype == "fp32" else "bf16")
     if stack.flash_attention:
-        eff = gpu.attention(stack.fused_attention) * _shape(hd) / _shape(128) * _shape(tokens / t.micro_batch)
+        eff = gpu.attention(stack.attention_kernel == "fused") * _shape(hd) / _shape(128) * _shape(tokens / t.micro_batch)
         forward = 4 * tokens * (m.seq_len / 2) * heads * hd / (peak * eff)
-        return forward, FLASH_BACKWARD_FACTOR * forward
+        slower_f, slower_b = ATTENTION_KERNELS[stack.attention_kernel]
+        return slower_f * forward, slower_b * FLASH_BACKWARD_FACTOR * forward
     e, hbm = activation_bytes(t.dtype), gpu.hbm_bytes_per_s
     scores = heads * tokens * m.seq_len
     mask = 1 if m.dropout > 0 else 0

@@ -36,9 +36,11 @@ class Stack:
     # ZeRO-1/2's all-gather of the updated weights runs bucket by bucket under the next step's
     # first forward (Megatron-Core's overlap_param_gather) instead of after the optimizer step.
     param_gather_overlap: bool = False
-    # The attention core runs a Hopper-native fused kernel (cuDNN's, via Transformer Engine, or
-    # FlashAttention-3) at the GPU's `fused_attention_efficiency`, not FlashAttention-2's.
-    fused_attention: bool = False
+    # The attention core's kernel (plan/layer.py's ATTENTION_KERNELS): "flash2" (FlashAttention-2,
+    # torch's SDPA flash), "fused" (a Hopper-native kernel: cuDNN's via Transformer Engine, or
+    # FlashAttention-3, at the GPU's `fused_attention_efficiency`), "triton" (FlashAttention's
+    # 2022-23 Triton kernel).
+    attention_kernel: str = "flash2"
     # Pipeline sends carry 1/tp of the activations and all-gather inside the node (Narayanan
     # et al.'s scatter/gather); with sequence parallelism they are 1/tp anyway.
     pp_scatter_gather: bool = False
@@ -91,7 +93,12 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # Megatron-Core's distributed-optimizer documentation), TE's cuDNN fused attention, and its
     # batched pipeline sends and receives. Source: docs.nvidia.com/megatron-core/developer-guide
     # (dist_optimizer, DistributedDataParallelConfig).
-    Stack("megatron-core", pp_blocking_p2p=True, param_gather_overlap=True, fused_attention=True),
+    Stack("megatron-core", pp_blocking_p2p=True, param_gather_overlap=True, attention_kernel="fused"),
+    # MosaicML's LLM Foundry on Composer (2023): PyTorch FSDP over an eager model, as `fsdp`, with
+    # FlashAttention's Triton kernel (its MPT configs' `attn_impl: triton`, e.g.
+    # scripts/train/yamls/pretrain/mpt-7b.yaml of github.com/mosaicml/llm-foundry).
+    Stack("llm-foundry", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
+          sp_saves_gathered_input=True, tp_overlap="none", attention_kernel="triton"),
 ]}
 STACKS["torchtitan"] = STACKS["compiled"]  # the name users know it by
 

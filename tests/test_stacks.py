@@ -50,6 +50,17 @@ def test_triton_attention_costs_what_the_flashattention2_paper_measured():
     assert 1.0 < times[512] < 1.05 and 1.4 < times[32768] < 1.9, times
 
 
+def test_compiled_tetrad_fuses_element_wise_work_and_saves_less():
+    # tp 8 + SP on one node: compiling changes the element-wise kernels and saved activations only.
+    cfg, cluster = _llama8b(tp=8, sequence_parallel=True), cluster_of("H100-SXM", 8)
+    eager, compiled = (estimate(cfg, cluster, stack) for stack in ("tetrad", "tetrad-compiled"))
+    assert compiled.breakdown["compute"] < eager.breakdown["compute"]
+    assert compiled.memory.activations < eager.memory.activations
+    assert {k: v for k, v in compiled.breakdown.items() if k != "compute"} == \
+        pytest.approx({k: v for k, v in eager.breakdown.items() if k != "compute"})
+    assert compiled.memory.optimizer == eager.memory.optimizer and compiled.memory.grads == eager.memory.grads
+
+
 def test_docs_say_which_stack_for_which_framework():
     text = DOCS.read_text()
     for name in STACKS:

@@ -34,7 +34,7 @@ class Batches:
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % 2**63)  # any seed in [0, 2**63)
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=gen)
         rows = torch.from_numpy(np.stack([self.tokens.window(s, self.seq_len + 1) for s in starts[lo:hi].tolist()]))
-        low, high = int(rows.min()), int(rows.max())
+        low, high = (int(v) for v in torch.aminmax(rows))
         if low < 0 or high >= self.vocab_size:
             raise ValueError(f"token id {low if low < 0 else high} in the data is outside [0, model.vocab_size="
                              f"{self.vocab_size}); check data.source or model.vocab_size")

@@ -147,12 +147,11 @@ class MetricsLog:
         elif record["step"] % self.every == 0 or record["step"] in (self.first_step + 1, self.total) \
                 or "val_loss" in record:
             print(self.plain_line(record), flush=True)
-        numbers = list(scalars(record))
         if self.board is not None:
-            for tag, value in numbers:
+            for tag, value in scalars(record):
                 self.board.add_scalar(tag, value, record["step"])
         if self.wandb is not None:
-            self.wandb.log(dict(numbers), step=record["step"])
+            self.wandb.log(dict(scalars(record)), step=record["step"])
 
     def note(self, text: str) -> None:
         """A message line from rank 0 that does not tear the progress bar."""

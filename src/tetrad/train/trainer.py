@@ -129,6 +129,8 @@ class Trainer:
         self.eval_pipeline = PipelineExecutor(self.model, forward_only(schedule), self.topo, self.grads, shape, dtype)
         self.clock = StepClock(self.topo.comm)  # where each step's time went (metrics.py)
         self.layout = layout_label(p)
+        # This rank's tokens' true positions (context parallel: its two chunks of the sequence).
+        self.positions = shard_sequence(torch.arange(cfg.model.seq_len, device=device), p.cp, self.topo.local_rank("cp"))
         self.signals = StopSignals()  # entered by fit; its flags ride on each step's all-reduce
         self.stop_signal = 0  # the signal the last step's ranks agreed on (0: none)
         self._activations_measured = False
@@ -147,9 +149,8 @@ class Trainer:
         """Context parallel: this rank's two load-balanced chunks of every sequence (context.py),
         and their positions."""
         cp, cp_rank = self.topo.size("cp"), self.topo.local_rank("cp")
-        positions = shard_sequence(torch.arange(self.cfg.model.seq_len, device=self.topo.device), cp, cp_rank)
         local = [tuple(shard_sequence(t.to(self.topo.device), cp, cp_rank) for t in pair) for pair in microbatches]
-        return local, positions
+        return local, self.positions
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -204,12 +205,13 @@ class Trainer:
         devices.synchronize(topo.device)
         step_time = topo.comm.clock.seconds(start, topo.comm.clock.mark())
         peak = devices.peak_memory_bytes(topo.device, self.memory_base)
+        sent = topo.comm.bytes_by_group()
         return {
             "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, **self.flop_rate(step_time),
             # Waits on a pipeline neighbour are the bubble; every other collective wait is exposed comm.
             **clock.breakdown(),
-            "comm_bytes": {g: topo.comm.bytes_by_group().get(g, 0) for g in REPORTED},
+            "comm_bytes": {g: sent.get(g, 0) for g in REPORTED},
             "layout": self.layout,  # a resume may change it: the report tells the layouts apart
             "loss_scale": scale, "skipped": not stepped,
             "peak_memory_gib": peak / 2**30,

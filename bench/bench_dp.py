@@ -3,11 +3,14 @@ the same model, data and 2 gloo ranks (overlap is measurable only at 2 ranks on 
 
 Prints step time and peak-memory ratios (tetrad / torch; <= 1.0 is as good or better) and the
 fraction of DP communication hidden behind backward: (backward alone + reduction alone -
-overlapped step) / reduction alone.  Run: .venv/bin/python bench/bench_dp.py
+overlapped step) / reduction alone. Each framework runs in fresh ranks once per round, the pair's
+order alternating round to round; figures are medians over the rounds with their [min-max], the
+ratio the median of the per-round ratios.  Run: .venv/bin/python bench/bench_dp.py [--rounds 5]
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import sys
@@ -122,16 +125,34 @@ def _rank(kind: str) -> dict:
             "peak_bytes": devices.peak_memory_bytes(cpu, base)}
 
 
+def _spread(xs: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
+    return f"{statistics.median(xs) * scale:{fmt}} [{min(xs) * scale:{fmt}}-{max(xs) * scale:{fmt}}]"
+
+
+def _compare(ours: str, theirs: str, rounds: int) -> str:
+    runs: dict[str, list[dict]] = {ours: [], theirs: []}
+    for r in range(rounds):
+        for kind in (ours, theirs) if r % 2 == 0 else (theirs, ours):
+            runs[kind].append(launch.run_local(_rank, 2, (kind,), timeout_s=600, pg_timeout_s=120)[0])
+    a, b = runs[ours], runs[theirs]
+    step = {k: [r["step_s"] for r in v] for k, v in runs.items()}
+    ratio = [x / y for x, y in zip(step[ours], step[theirs])]
+    peak = [x["peak_bytes"] / max(1, y["peak_bytes"]) for x, y in zip(a, b)]
+
+    def hidden(rs):
+        return "n/a" if rs[0]["hidden"] is None else _spread([r["hidden"] for r in rs], 100, ".0f") + " %"
+    return (f"tetrad {ours} vs torch {theirs}, {rounds} rounds: step {_spread(step[ours], 1e3)} vs "
+            f"{_spread(step[theirs], 1e3)} ms, ratio {_spread(ratio, fmt='.2f')}; peak-RSS growth ratio "
+            f"{_spread(peak, fmt='.2f')}; dp comm hidden behind backward {hidden(a)} (tetrad) vs {hidden(b)} (torch)")
+
+
 def main():
-    out = {kind: launch.run_local(_rank, 2, (kind,), timeout_s=600, pg_timeout_s=120)[0]
-           for kind in ("zero0", "ddp", "zero3", "fsdp2")}
-    for ours, theirs in (("zero0", "ddp"), ("zero3", "fsdp2")):
-        a, b = out[ours], out[theirs]
-        hid = lambda r: "n/a" if r["hidden"] is None else f"{r['hidden']:.0%}"
-        print(f"tetrad {ours} vs torch {theirs}: step {a['step_s'] * 1e3:.1f} vs {b['step_s'] * 1e3:.1f} ms "
-              f"(ratio {a['step_s'] / b['step_s']:.2f}); peak-RSS growth ratio "
-              f"{a['peak_bytes'] / max(1, b['peak_bytes']):.2f}; dp comm hidden behind backward "
-              f"{hid(a)} (tetrad) vs {hid(b)} (torch)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pairs", nargs="+", default=["zero0:ddp", "zero3:fsdp2"], help="e.g. zero0:ddp")
+    args = ap.parse_args()
+    for pair in args.pairs:
+        print(_compare(*pair.split(":"), args.rounds), flush=True)
     return 0
 
 

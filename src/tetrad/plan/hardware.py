@@ -39,6 +39,7 @@ class GPU:
     attention_efficiency: float = 0.40  # share of the 16-bit peak a flash-attention fwd+bwd reaches (head_dim 128)
     fused_attention_efficiency: float | None = None  # the same for the GPU's native fused kernel (None: as above)
     memory_efficiency: float = 0.85  # share of the rated HBM bandwidth streaming kernels reach
+    sms: int = 0  # streaming multiprocessors (compute units) that collective kernels compete for; 0: none
     is_cpu: bool = False  # memory is the process's resident set (torch itself included), not HBM
 
     @property
@@ -66,23 +67,25 @@ class GPU:
 # (FlashAttention-3, cuDNN 9's, which Transformer Engine calls) use them: Shah et al. 2024
 # (FlashAttention-3, arXiv 2407.08608) measure 1.5-2.0x FA2's forward and 1.5-1.75x its backward,
 # up to 740 TFLOP/s (75%) forward in bf16: 1.65x FA2's fwd+bwd share, `fused_attention_efficiency`.
+# `sms`: streaming multiprocessors of the datasheets (A100 108, H100 SXM and H200 132, B200 148;
+# MI300X 304 compute units).
 GPUS: dict[str, GPU] = {g.name: g for g in [
     GPU("A100-80GB-SXM", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 80, 2039, 300, 25,
-        gemm_efficiency=0.78, attention_efficiency=0.60),
+        gemm_efficiency=0.78, attention_efficiency=0.60, sms=108),
     GPU("H100-SXM", {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 79.6, 3350, 450, 50,
-        gemm_efficiency=0.75, attention_efficiency=0.30, fused_attention_efficiency=0.50),
+        gemm_efficiency=0.75, attention_efficiency=0.30, fused_attention_efficiency=0.50, sms=132),
     # The 96 GB HBM2e H100 at a 500 W cap (torchtitan's benchmark machines, Grand Teton): its
     # rated peak sits between the H100 NVL (835 TFLOP/s) and the 700 W SXM part (989), and under
     # sustained tensor-core load the power cap pulls its clock down to ~78% of the 700 W part's
     # achieved rates (hence the lower efficiencies).
     GPU("H100-96GB-500W", {"fp32": 60, "tf32": 450, "bf16": 900, "fp16": 900, "fp8": 1800}, 94, 2400, 450, 50,
-        gemm_efficiency=0.58, attention_efficiency=0.26, fused_attention_efficiency=0.43),
+        gemm_efficiency=0.58, attention_efficiency=0.26, fused_attention_efficiency=0.43, sms=132),
     GPU("H200", {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 140, 4800, 450, 50,
-        gemm_efficiency=0.77, attention_efficiency=0.30, fused_attention_efficiency=0.50),
+        gemm_efficiency=0.77, attention_efficiency=0.30, fused_attention_efficiency=0.50, sms=132),
     GPU("B200", {"fp32": 80, "tf32": 1100, "bf16": 2250, "fp16": 2250, "fp8": 4500}, 179, 8000, 900, 50,
-        gemm_efficiency=0.72, attention_efficiency=0.40),
+        gemm_efficiency=0.72, attention_efficiency=0.40, sms=148),
     GPU("MI300X", {"fp32": 163, "tf32": 654, "bf16": 1307, "fp16": 1307, "fp8": 2615}, 191.5, 5300, 448, 50,
-        gemm_efficiency=0.58, attention_efficiency=0.30),
+        gemm_efficiency=0.58, attention_efficiency=0.30, sms=304),
     # One rank (one core) of a CPU machine (tetrad's tests); `tetrad bench` measures the real
     # figures. Peaks of the AVX-512 cores here (AMD EPYC, 2.6 GHz base, two 256-bit FMA pipes: 32
     # fp32 FLOP a cycle, ~0.12 TFLOP/s at boost; AVX512_BF16 dot products twice that; no fp16

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tetrad.config import Config
 from tetrad.model import flops
 from tetrad.plan.hardware import GPU, Cluster
-from tetrad.plan.links import group_link, ring_time
+from tetrad.plan.links import group_link, hidden_behind, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
 from tetrad.plan.stacks import Stack
 
@@ -203,7 +203,8 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
 
 def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: float) -> tuple[float, float]:
     """ZeRO-3: each layer's weights all-gathered for forward and again for backward, every
-    micro-batch, prefetched behind the previous layer's compute. (Its gradients are reduce-scattered
+    micro-batch, prefetched behind the previous layer's compute, which runs slower beside them;
+    backward also beside the layer's fp32 gradient reduce-scatter. (Its exposed time is counted
     once per step, as ZeRO-2's: `estimate`.)"""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     n = p.dp * p.cp
@@ -212,7 +213,9 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
     alpha, bw = group_link(cluster, p.tp, n)
     params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
     gather = ring_time("all_gather", params * state_bytes_per_param(t.dtype)[0], n, alpha, bw)
-    return max(0.0, gather - forward), max(0.0, gather - backward)
+    scatter = ring_time("reduce_scatter", params * 4, n, alpha, bw)
+    gpu = cluster.gpu
+    return hidden_behind(gather, forward, gpu), hidden_behind(gather, backward, gpu, busy=gather + scatter)
 
 
 def end_costs(cfg: Config, cluster: Cluster) -> tuple[tuple[float, float, float], tuple[float, float, float]]:

@@ -9,9 +9,22 @@ from __future__ import annotations
 
 import math
 
-from tetrad.plan.hardware import Cluster
+from tetrad.plan.hardware import GPU, Cluster
 
 LINK_EFFICIENCY = 0.8  # achieved share of a link's bandwidth by large ring collectives (NCCL bus bandwidth)
+# Thread blocks a NCCL collective kernel holds, one streaming multiprocessor each, for as long as it
+# runs: an FSDP-style all-gather beside a GEMM on an H100 launches 24 (Nsight Systems trace in
+# "Compute-Communication Overlap Causes Severe GEMM Performance Degradation because of Tail
+# Effect", forums.developer.nvidia.com/t/337991, 2025).
+COLLECTIVE_CTAS = 24
+
+
+def hidden_behind(comm: float, compute: float, gpu: GPU, busy: float | None = None) -> float:
+    """Seconds a collective of `comm` seconds adds to `compute` seconds of kernels it runs beside:
+    what outlasts them, and the compute slowed while the collective's kernels hold their share of
+    the GPU's multiprocessors (for `busy` seconds, `comm` unless other collectives share it)."""
+    share = min(1.0, COLLECTIVE_CTAS / gpu.sms) if gpu.sms else 0.0
+    return max(0.0, comm - compute) + share * min(comm if busy is None else busy, compute)
 
 
 def ring_time(op: str, nbytes: float, n: int, alpha: float, bw: float) -> float:

@@ -33,23 +33,24 @@ def reference():
     return train_layout(tiny_config())
 
 
-# (parallel, parity bounds): the bounds of the same layout's eager parity test (test_tp.py,
-# test_cp.py, test_config.py); compiling must not need wider ones.
+# (parallel, recompute, parity bounds): the bounds of the same layout's eager parity test
+# (test_tp.py, test_cp.py, test_config.py); compiling must not need wider ones. Recompute, which
+# wraps the compiled body (full) or runs inside it (selective), rides along.
 LAYOUTS = {
-    "tp2": ({"tp": 2}, {"atol": 5e-5}),
-    "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {"atol": 5e-5}),
-    "cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {"atol": 2e-4, "loss_atol": 2e-6}),
-    "cp2-alltoall-pp2-zb": ({"cp": 2, "cp_algo": "alltoall", "pp": 2, "schedule": "zb"},
+    "tp2-selective": ({"tp": 2}, "selective", {"atol": 5e-5}),
+    "tp2-sp-full": ({"tp": 2, "sequence_parallel": True}, "full", {"atol": 5e-5}),
+    "cp2-ring": ({"cp": 2, "cp_algo": "ring"}, "none", {"atol": 2e-4, "loss_atol": 2e-6}),
+    "cp2-alltoall-pp2-zb": ({"cp": 2, "cp_algo": "alltoall", "pp": 2, "schedule": "zb"}, "none",
                             {"atol": 2e-4, "loss_atol": 2e-6}),
 }
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_compiled_layout_matches_single_process(reference, name):
-    parallel, bounds = LAYOUTS[name]
+    parallel, recompute, bounds = LAYOUTS[name]
     # Inductor compiles C++ kernels on first use (the session's cache is shared by the tests).
-    got = train_layout(tiny_config(parallel=parallel, train={"compile": True}), trainer_class=CountingTrainer,
-                       timeout_s=900)
+    cfg = tiny_config(parallel=parallel, train={"compile": True, "recompute": recompute})
+    got = train_layout(cfg, trainer_class=CountingTrainer, timeout_s=900)
     history = got[2]
     frames = [record["frames_compiled"] for record in history]
     # Compiled, and only in the first step: later steps reuse its graphs (no recompiles).

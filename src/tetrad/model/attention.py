@@ -82,11 +82,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, cp_algo: 
     if topo.size("cp") == 1:
         return local_attention(q, k, v)
     if cp_algo == "ring":
-        kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
-                               devices.prefers_cudnn_attention(q.device))
-        out = run_eagerly(_RingAttention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel)
-        return out.transpose(1, 2)
+        return run_eagerly(ring_attention, q, k, v, topo)
     return alltoall_attention(q, k, v, topo)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo) -> torch.Tensor:
+    """`_RingAttention` on the kernel this device and dtype take (shapes as `local_attention`)."""
+    kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
+                           devices.prefers_cudnn_attention(q.device))
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel)
+    return out.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------- block kernels
@@ -299,7 +304,7 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo) 
     cp = topo.size("cp")
     order = load_balanced_order(q.shape[1] * cp, cp, q.device)  # true position of each gathered token
     natural = torch.argsort(order)
-    q = run_eagerly(_AllToAll, q, topo, True)[:, natural]
-    k = run_eagerly(_AllToAll, k, topo, True)[:, natural]
-    v = run_eagerly(_AllToAll, v, topo, True)[:, natural]
-    return run_eagerly(_AllToAll, local_attention(q, k, v)[:, order], topo, False)
+    q = run_eagerly(_AllToAll.apply, q, topo, True)[:, natural]
+    k = run_eagerly(_AllToAll.apply, k, topo, True)[:, natural]
+    v = run_eagerly(_AllToAll.apply, v, topo, True)[:, natural]
+    return run_eagerly(_AllToAll.apply, local_attention(q, k, v)[:, order], topo, False)

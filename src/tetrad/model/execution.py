@@ -64,13 +64,14 @@ class DeferredWeightGrads:
 
 
 @torch.compiler.disable
-def run_eagerly(function: type[torch.autograd.Function], *args):
-    """`function.apply(*args)`, never traced by torch.compile: for the autograd Functions that
-    communicate (tp's f/g, cp's ring and all-to-all: their collectives go through tetrad's Comm,
-    which counts and times them) and zero-bubble's linear (its backward queues work for later).
-    Inside a compiled block each call is a clean graph break: the regions between the
-    collectives (norms, projections, RoPE, attention, SwiGLU, residuals) are compiled graphs."""
-    return function.apply(*args)
+def run_eagerly(fn: Callable, *args):
+    """`fn(*args)`, never traced by torch.compile: for the autograd Functions that communicate
+    (tp's f/g, cp's ring and all-to-all: their collectives go through tetrad's Comm, which counts
+    and times them), zero-bubble's linear (its backward queues work for later) and dropout's
+    tp-shared mask (torch.compile draws from its own generator). Inside a compiled block each
+    call is a clean graph break: the regions between (norms, projections, RoPE, attention,
+    SwiGLU, residuals) are compiled graphs."""
+    return fn(*args)
 
 
 @dataclass

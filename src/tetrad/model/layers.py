@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tetrad.model.execution import Execution
+from tetrad.model.execution import Execution, run_eagerly
 from tetrad.model.mappings import column_parallel_linear, linear, reduce_tp_output
 from tetrad.model.sharding import new_param
 
@@ -92,12 +92,10 @@ class ResidualDropout(nn.Module):
             return x
         if self.generator is None:
             return F.dropout(x, self.p)
-        return self._shared_mask_dropout(x)
+        # Never compiled: torch.compile would draw the mask from its own generator.
+        return run_eagerly(self._shared_mask_dropout, x)
 
-    @torch.compiler.disable
     def _shared_mask_dropout(self, x: torch.Tensor) -> torch.Tensor:
-        """Dropout with the tp-shared generator's mask; never compiled (a clean graph break in a
-        compiled block), as torch.compile draws its random numbers from its own generator."""
         keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
         return x * keep / (1 - self.p)
 

@@ -122,7 +122,7 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution) -> torch.Tensor:
     """x W^T with no communication: F.linear, or `_Linear` when backward is split."""
-    return run_eagerly(_Linear, x, weight, ex.weight_grads) if ex.split_backward else F.linear(x, weight)
+    return run_eagerly(_Linear.apply, x, weight, ex.weight_grads) if ex.split_backward else F.linear(x, weight)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -168,7 +168,7 @@ def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo, 
     (local) sequence and this rank's output features."""
     if topo.tp_size == 1:
         return tuple([linear(x, w, ex) for w in weights])  # a list: torch.compile breaks cleanly in it
-    return run_eagerly(_ColumnParallelMatmul, x, topo, ex, *weights)
+    return run_eagerly(_ColumnParallelMatmul.apply, x, topo, ex, *weights)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
@@ -182,5 +182,5 @@ def reduce_tp_output(x: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
     if topo.tp_size == 1:
         return x
     if ex.sequence_parallel:
-        return run_eagerly(_ReduceScatterToSequence, x, topo)
-    return run_eagerly(_ReduceFromTP, x, topo)
+        return run_eagerly(_ReduceScatterToSequence.apply, x, topo)
+    return run_eagerly(_ReduceFromTP.apply, x, topo)

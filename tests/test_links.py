@@ -9,7 +9,7 @@ import pytest
 from tetrad.config import load_config
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import cluster_of
-from tetrad.plan.links import COLLECTIVE_CTAS, group_link, hidden_behind, reduction_time, ring_time
+from tetrad.plan.links import COLLECTIVE_CTAS, group_link, overlap_slowdown, reduction_time, ring_time
 
 CLUSTER = cluster_of("H100-SXM", 16384)
 
@@ -34,9 +34,9 @@ def test_large_all_reduce_over_two_nodes_keeps_the_ring():
 def test_a_collective_beside_compute_slows_it_by_the_multiprocessors_it_holds():
     gpu = CLUSTER.gpu
     share = COLLECTIVE_CTAS / gpu.sms  # 24 of an H100's 132
-    assert hidden_behind(1.0, 2.0, gpu) == pytest.approx(share * 1.0)  # hidden, but the compute runs slower
-    assert hidden_behind(3.0, 2.0, gpu) == pytest.approx(1.0 + share * 2.0)  # outlasts it, beside all of it
-    assert hidden_behind(1.0, 2.0, cluster_of("CPU", 2).gpu) == 0.0  # no multiprocessors to share
+    assert overlap_slowdown(1.0, 2.0, gpu) == pytest.approx(share * 1.0)  # while the collective runs
+    assert overlap_slowdown(3.0, 2.0, gpu) == pytest.approx(share * 2.0)  # beside all of the compute
+    assert overlap_slowdown(1.0, 2.0, cluster_of("CPU", 2).gpu) == 0.0  # no multiprocessors to share
 
 
 def test_zero3_without_model_parallelism_loses_throughput_with_the_group():

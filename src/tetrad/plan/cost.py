@@ -18,7 +18,7 @@ from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers, rank_stages, stage_layers
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.layer import end_costs, layer_cost
-from tetrad.plan.links import group_link, reduction_time, ring_time
+from tetrad.plan.links import group_link, overlap_slowdown, reduction_time, ring_time
 from tetrad.plan.memory import (
     GIB,
     GPU_RESERVED_GIB,
@@ -187,12 +187,13 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
         grad_bytes = params * stack.grad_reduce_bytes
         grads = reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
-        if stack.dp_overlap:
+        if stack.dp_overlap:  # (and slowing the work it runs beside)
             window = sum(st.bi[g] + st.bw[g] for g in st.held_by[r])
             if p.zero >= 2:
-                earlier = (micro - 1) * max(0.0, grads - window - sum(st.f[g] for g in st.held_by[r]))
+                work = window + sum(st.f[g] for g in st.held_by[r])
+                earlier = (micro - 1) * (max(0.0, grads - work) + overlap_slowdown(grads, work, cluster.gpu))
             last_bucket = grads * min(1.0, bucket_bytes(cfg.parallel) / (params * stack.grad_reduce_bytes))
-            grads = max(last_bucket, grads - window)
+            grads = max(last_bucket, grads - window) + overlap_slowdown(grads, window, cluster.gpu)
         elif p.zero >= 2:
             earlier = (micro - 1) * grads
         exposed = max(exposed, earlier + max(0.0, grads - tail[r]))  # the idle tail hides only the last
@@ -201,7 +202,9 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
             weights_gather = ring_time("all_gather", weights, n, alpha, link)
             if stack.param_gather_overlap:  # or under the next step's first forward, bucket by bucket
                 first_bucket = weights_gather * min(1.0, bucket_bytes(cfg.parallel) / weights)
-                weights_gather = max(first_bucket, weights_gather - sum(st.f[g] for g in st.held_by[r]))
+                forward = sum(st.f[g] for g in st.held_by[r])
+                weights_gather = (max(first_bucket, weights_gather - forward)
+                                  + overlap_slowdown(weights_gather, forward, cluster.gpu))
             gather = max(gather, weights_gather)
     return max(0.0, exposed) + gather, opt
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tetrad.config import Config
 from tetrad.model import flops
 from tetrad.plan.hardware import GPU, Cluster
-from tetrad.plan.links import group_link, hidden_behind, ring_time
+from tetrad.plan.links import group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
 from tetrad.plan.stacks import Stack
 
@@ -215,7 +215,8 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
     gather = ring_time("all_gather", params * state_bytes_per_param(t.dtype)[0], n, alpha, bw)
     scatter = ring_time("reduce_scatter", params * 4, n, alpha, bw)
     gpu = cluster.gpu
-    return hidden_behind(gather, forward, gpu), hidden_behind(gather, backward, gpu, busy=gather + scatter)
+    return (max(0.0, gather - forward) + overlap_slowdown(gather, forward, gpu),
+            max(0.0, gather - backward) + overlap_slowdown(gather + scatter, backward, gpu))
 
 
 def end_costs(cfg: Config, cluster: Cluster) -> tuple[tuple[float, float, float], tuple[float, float, float]]:

@@ -19,12 +19,11 @@ LINK_EFFICIENCY = 0.8  # achieved share of a link's bandwidth by large ring coll
 COLLECTIVE_CTAS = 24
 
 
-def hidden_behind(comm: float, compute: float, gpu: GPU, busy: float | None = None) -> float:
-    """Seconds a collective of `comm` seconds adds to `compute` seconds of kernels it runs beside:
-    what outlasts them, and the compute slowed while the collective's kernels hold their share of
-    the GPU's multiprocessors (for `busy` seconds, `comm` unless other collectives share it)."""
+def overlap_slowdown(comm: float, compute: float, gpu: GPU) -> float:
+    """Seconds `compute` seconds of kernels take longer beside a collective running for `comm`
+    seconds: its kernels hold their share of the GPU's multiprocessors while they run."""
     share = min(1.0, COLLECTIVE_CTAS / gpu.sms) if gpu.sms else 0.0
-    return max(0.0, comm - compute) + share * min(comm if busy is None else busy, compute)
+    return share * min(comm, compute)
 
 
 def ring_time(op: str, nbytes: float, n: int, alpha: float, bw: float) -> float:

@@ -19,9 +19,6 @@ import subprocess
 import sys
 import time
 
-from tetrad.config import load_config
-from tetrad.plan.cost import estimate
-from tetrad.plan.hardware import cluster_of
 from tetrad.plan.reference import (agreement, best_estimate, format_agreement, predicted_value, ranking_group,
                                    read_rows)
 

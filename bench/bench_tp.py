@@ -13,6 +13,8 @@ set: the rise of the process's peak RSS (`ru_maxrss`) from just before the first
 optimizer built, Adam states not yet allocated) to the end, max over ranks. That rise is the
 training-time peak: activations kept for backward, gradients, Adam states, communication
 buffers. Each (framework, SP) pair runs in fresh processes so one peak cannot hide another.
+The SP "regather" row is tetrad with `parallel.sp_regather` (the column-parallel inputs gathered
+again in backward instead of kept) against the same torch SP run (torch has no such choice).
 
     python bench/bench_tp.py                 # tp=2, d_model 512, 4 layers, seq 256, batch 4
     python bench/bench_tp.py --tp 2 --d-model 768 --layers 4
@@ -205,20 +207,20 @@ def main() -> None:
     print(f"tp={a.tp}, {a.tp} gloo ranks, d_model {a.d_model}, {a.layers} layers, {a.heads}/{a.kv_heads} heads, "
           f"vocab {a.vocab}, seq {a.seq}, batch {a.batch}; median of {a.steps} steps after 2 warm-up, "
           f"best of {a.repeats} alternating rounds")
-    print(f"{'SP':>5} | {'tetrad s/step':>13} | {'torch s/step':>12} | {'time ratio':>10} | "
+    print(f"{'SP':>8} | {'tetrad s/step':>13} | {'torch s/step':>12} | {'time ratio':>10} | "
           f"{'tetrad peak MiB':>15} | {'torch peak MiB':>14} | {'mem ratio':>9} | max |loss diff| over steps")
-    for sp in (False, True):
+    for label, sp, regather in (("off", False, False), ("on", True, False), ("regather", True, True)):
         cfg = load_config(overrides={
             "model": {"n_layers": a.layers, "d_model": a.d_model, "n_heads": a.heads, "n_kv_heads": a.kv_heads,
                       "ffn_hidden": 4 * a.d_model * 2 // 3 // 64 * 64, "vocab_size": a.vocab, "seq_len": a.seq,
                       "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "tie_embeddings": False},
-            "parallel": {"tp": a.tp, "sequence_parallel": sp}})
+            "parallel": {"tp": a.tp, "sequence_parallel": sp, "sp_regather": regather}})
         rounds = {"tetrad": [], "torch": []}
         for _ in range(a.repeats):
             for framework, results in rounds.items():
                 results.append(run(cfg, framework, a.batch, a.steps))
         ours, theirs = (min(results, key=lambda r: r["step_s"]) for results in rounds.values())
-        print(f"{str(sp):>5} | {ours['step_s']:13.3f} | {theirs['step_s']:12.3f} | "
+        print(f"{label:>8} | {ours['step_s']:13.3f} | {theirs['step_s']:12.3f} | "
               f"{ours['step_s'] / theirs['step_s']:10.2f} | {ours['peak_rss_rise'] / 2**20:15.1f} | "
               f"{theirs['peak_rss_rise'] / 2**20:14.1f} | {ours['peak_rss_rise'] / theirs['peak_rss_rise']:9.2f} | "
               f"{max(abs(u - v) for u, v in zip(ours['losses'], theirs['losses'])):.1e}")

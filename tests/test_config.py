@@ -28,6 +28,7 @@ ERRORS = [
     ({"model": {"seq_len": 36, "n_kv_heads": 4}, "parallel": {"tp": 4, "cp": 2, "sequence_parallel": True}}, None,
      "sequence_parallel splits each rank's 18 tokens (seq_len/cp) over tp=4"),
     ({"parallel": {"stage_layers": [2, "x"], "pp": 2}}, None, "parallel.stage_layers[1] must be an integer"),
+    ({"parallel": {"tp": 2, "sp_regather": True}}, None, "sp_regather gathers sequence parallelism's input"),
 ]
 
 

@@ -14,7 +14,7 @@ from tetrad.train.trainer import Trainer
 from conftest import run_ranks, tiny_config, train_layout
 
 LAYOUTS = [{"tp": 2, "sequence_parallel": True}, {"dp": 2, "zero": 3}, {"cp": 2}, {"cp": 2, "cp_algo": "alltoall"},
-           {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}]
+           {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {"tp": 2, "sequence_parallel": True, "sp_regather": True}]
 
 
 def _name(parallel: dict) -> str:
@@ -75,6 +75,7 @@ def _counted(cfg):
 # for the same rank. `other` (buffers, fragmentation) is an allowance with nothing to count it
 # against, so it is left out of both sides.
 COUNTED_LAYOUTS = [({"dp": 2, "zero": 1}, {}), ({"tp": 2, "sequence_parallel": True}, {}),
+                   ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {}),
                    ({"pp": 2}, {}), ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}), ({"pp": 2, "schedule": "zb"}, {}),
                    ({"cp": 2}, {}), ({"dp": 2, "zero": 3}, {"dtype": "bf16"}), ({"tp": 2}, {"recompute": "full"}),
                    ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective-op"})]

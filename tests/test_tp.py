@@ -34,6 +34,9 @@ CASES = [  # (model, parallel)
     ("mha", {"tp": 2, "sequence_parallel": True}),
     ("gpt-tied", {"tp": 2}),
     ("gpt-tied", {"tp": 2, "sequence_parallel": True}),
+    # SP gathering each column-parallel input again in backward (the tied head's too).
+    ("gqa", {"tp": 2, "sequence_parallel": True, "sp_regather": True}),
+    ("gpt-tied", {"tp": 2, "sequence_parallel": True, "sp_regather": True}),
     ("gqa", {"dp": 2, "tp": 2}),
     ("gqa", {"dp": 2, "tp": 2, "sequence_parallel": True}),
 ]

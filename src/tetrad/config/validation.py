@@ -168,6 +168,9 @@ def _check_sequence(cfg: Config) -> None:
         raise ConfigError(f"sequence_parallel splits each rank's {m.seq_len // p.cp} tokens (seq_len/cp) over "
                           f"tp={p.tp}, which must divide them; use a seq_len that is a multiple of cp*tp = "
                           f"{p.cp * p.tp}, or sequence_parallel=false")
+    if p.sp_regather and not (p.sequence_parallel and p.tp > 1):
+        raise ConfigError("sp_regather gathers sequence parallelism's input again in backward; it needs "
+                          "sequence_parallel=true and tp > 1, or sp_regather=false")
     if p.cp > 1 and p.cp_algo == "alltoall" and (m.n_heads % (p.cp * p.tp) or m.n_kv_heads % (p.cp * p.tp)):
         ok = [c for c in divisors(m.seq_len // 2) if not m.n_heads % (c * p.tp) and not m.n_kv_heads % (c * p.tp)]
         raise ConfigError(f"cp_algo='alltoall' splits heads over cp*tp = {p.cp}*{p.tp}, which must divide "

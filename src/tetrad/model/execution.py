@@ -77,11 +77,14 @@ def run_eagerly(fn: Callable, *args):
 @dataclass
 class Execution:
     """cp_algo: "ring" or "alltoall" (model/attention.py). sequence_parallel: tp also splits
-    the residual stream along the sequence (model/mappings.py; only meaningful with tp > 1).
+    the residual stream along the sequence (model/mappings.py; only meaningful with tp > 1);
+    sp_regather: its column-parallel linears gather their input again in backward instead of
+    keeping it gathered.
     split_backward: linear layers route their weight gradients through `weight_grads`, which
     the pipeline executor opens (BI) and applies (BW)."""
 
     cp_algo: str = "ring"
     sequence_parallel: bool = False
+    sp_regather: bool = False
     split_backward: bool = False
     weight_grads: DeferredWeightGrads = field(default_factory=DeferredWeightGrads)

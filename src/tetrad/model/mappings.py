@@ -133,24 +133,33 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     Backward (Megatron's overlap): dX = sum_i dy_i W_i is computed first and its all-reduce (or,
     under SP, reduce-scatter) is started non-blocking; the weight gradients dW_i = dy_i^T X, which
     need no communication, are computed while it is in flight, and only then is it waited for.
-    Under SP the gathered X is kept for backward (as torch's SequenceParallel does) rather than
-    gathered again, trading b*s*h activation memory for one all-gather.
+    Under SP the gathered X is kept for backward (as torch's SequenceParallel does), or with
+    `Execution.sp_regather` only this rank's chunk is, and backward gathers X again (Megatron-LM,
+    Korthikanti et al.): started first, behind the dX GEMMs. That trades (tp-1)/tp of b*s*h
+    activation memory per column-parallel input for one more all-gather in backward.
     """
 
     @staticmethod
     def forward(ctx, x, topo, ex, *weights):
         ctx.topo, ctx.ex = topo, ex
         total = gather_sequence(x, topo) if ex.sequence_parallel else x
-        ctx.save_for_backward(total, *weights)
+        ctx.save_for_backward(x if ex.sequence_parallel and ex.sp_regather else total, *weights)
         return tuple(F.linear(total, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
-        total, *weights = ctx.saved_tensors
+        saved, *weights = ctx.saved_tensors
         topo, ex = ctx.topo, ctx.ex
+        regather = ex.sequence_parallel and ex.sp_regather
+        if regather:
+            gathered, gathering = _all_gather_sequence(saved, topo, async_op=True)
         grad_input = grads[0].matmul(weights[0])
         for g, w in zip(grads[1:], weights[1:]):
             grad_input.add_(g.matmul(w))
+        total = saved
+        if regather:
+            gathering.wait()
+            total = _chunks_back(gathered, topo.tp_size)
         if ex.sequence_parallel:
             grad_input, pending = _reduce_scatter_sequence(grad_input, topo, async_op=True)
         else:

@@ -43,7 +43,8 @@ def _tp_bytes(cfg: Config) -> float:
     all-gathers and two reduce-scatters, each counted at the full size. The embedding's
     all-reduce (SP: reduce-scatter forward, all-gather of its gradient backward). On a single
     stage also the head's input collective and the cross-entropy's max, sum-exp and target logit
-    (fp32 per token). Under SP, one all-reduce of the replicated (norm) weights' fp32 gradients
+    (fp32 per token). With `sp_regather`, the column-parallel inputs' all-gathers again in backward.
+    Under SP, one all-reduce of the replicated (norm) weights' fp32 gradients
     per step (their dp shard under ZeRO). The step's sums."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
@@ -55,6 +56,8 @@ def _tp_bytes(cfg: Config) -> float:
     per_micro = layers * (2 * per_layer + recomputed) + hidden * (2 if sp else 1)
     if p.pp == 1:
         per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4
+    if sp and p.sp_regather:  # each column-parallel input gathered again in backward: qkv, fc1, the head
+        per_micro += hidden * (2 * layers + (p.pp == 1))
     replicated = layers * flops.layer_norm_params(m) + flops.head_params(m, separate=False) * (p.pp == 1)
     replicated += m.seq_len * m.d_model if m.pos == "learned" else 0
     shards = p.dp * p.cp if p.zero >= 1 else 1

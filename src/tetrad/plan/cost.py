@@ -25,6 +25,7 @@ from tetrad.plan.memory import (
     Memory,
     activation_bytes,
     after_bi_weight,
+    as_run,
     memory_by_rank,
     rank_params,
     state_bytes_per_param,
@@ -84,7 +85,7 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     """Predict one layout on `cluster` under software `stack` (stacks.py; default tetrad itself).
     `simulate_pipeline=False` gives a lower bound of the step time instead, without simulating:
     the pipeline's critical path and no data-parallel exposure (the search prunes with it)."""
-    stack = load_stack(stack) if isinstance(stack, str) else stack
+    stack = as_run(cfg, load_stack(stack) if isinstance(stack, str) else stack)
     asked = cfg
     if stack.zero3_held_under_pp and cfg.parallel.zero == 3 and cfg.parallel.pp > 1:
         cfg = replace(cfg, parallel=replace(cfg.parallel, zero=1))

@@ -168,10 +168,15 @@ def _tp_exposed(cfg: Config, cluster: Cluster, stack: Stack, tokens: int, e: int
         return 0.0, 0.0
     alpha, bw = group_link(cluster, 1, p.tp)
     one = ring_time("all_reduce", tokens * cfg.model.d_model * e, p.tp, alpha, bw)
+    # Under SP a stack that does not keep the gathered input gathers the qkv and fc1 inputs again
+    # in backward, started before (and hidden behind) those linears' input-gradient GEMMs.
+    regather = ring_time("all_gather", tokens * cfg.model.d_model * e, p.tp, alpha, bw) \
+        if p.sequence_parallel and not stack.sp_saves_gathered_input else 0.0
     if stack.tp_overlap == "none":
-        return 2 * one, 2 * one
+        return 2 * one, 2 * one + 2 * regather
     # The qkv and fc1 input gradients' all-reduces hide behind those linears' weight-gradient GEMMs.
     backward = max(0.0, one - gemm[0]) + max(0.0, one - gemm[2])
+    backward += max(0.0, regather - gemm[0]) + max(0.0, regather - gemm[2])
     if stack.tp_overlap == "bwd":
         return 2 * one, backward
     # Async TP also hides the forward's reductions behind the row-parallel GEMMs they follow.

@@ -16,7 +16,7 @@ dropout, GELU and materialised scores they are exactly sbh(34 + 5as/h) per layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes
@@ -42,6 +42,14 @@ ZERO_PAPER_BYTES = (2.0, 2.0, 12.0)
 FRAGMENTATION = 0.10
 GPU_RESERVED_GIB = 1.0
 CPU_RANK_BASELINE_BYTES = 60 * 1024**2
+
+
+def as_run(cfg: Config, stack: Stack) -> Stack:
+    """`stack` as `cfg` runs it: tetrad's own stacks keep sequence parallelism's gathered input
+    for backward unless `parallel.sp_regather` (model/mappings.py); other stacks do as they do."""
+    if cfg.parallel.sp_regather and stack.name.startswith("tetrad"):
+        return replace(stack, sp_saves_gathered_input=False)
+    return stack
 
 
 def state_bytes_per_param(dtype: str) -> tuple[float, float, float]:
@@ -150,6 +158,7 @@ def after_bi_weight(cfg: Config, stack: Stack) -> float:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * m.seq_len // p.cp
     e = activation_bytes(t.dtype)
+    stack = as_run(cfg, stack)
     full = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
 
@@ -164,6 +173,7 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     e = activation_bytes(t.dtype)
     tokens = t.micro_batch * m.seq_len // p.cp
     hidden = tokens * m.d_model * e
+    stack = as_run(cfg, stack)
     per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     rebuilt = 0.0
     if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward

@@ -48,7 +48,7 @@ def execution_for(cfg: Config, hold=None) -> Execution:
     """How the model runs under `cfg` (model/execution.py); `hold` counts zero-bubble's deferred
     tensors (an ActivationMeter's)."""
     p = cfg.parallel
-    return Execution(cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel and p.tp > 1,
+    return Execution(cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel and p.tp > 1, sp_regather=p.sp_regather,
                      split_backward=p.pp > 1 and schedule_spec(p.schedule).splits_backward,
                      weight_grads=DeferredWeightGrads(hold))
 

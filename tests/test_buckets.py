@@ -33,7 +33,8 @@ def test_zero0_fills_until_the_last_microbatch_then_reduces():
     assert [b.state for b in buckets] == ["empty", "empty"] and [len(b.params) for b in buckets] == [2, 2]
     _backward(params, 1.0)
     assert [b.state for b in buckets] == ["filling", "filling"]  # no sync: gradients only accumulate
-    assert all(p.grad is None for p in params)  # moved into the buckets
+    # fp32: each p.grad is its view of the bucket, where autograd adds (in place, no copy)
+    assert sync.in_place and all(p.grad is b.views[i] for b in buckets for i, p in enumerate(b.params))
     with sync.last_microbatch():
         _backward(params, 2.0)
     assert [b.state for b in buckets] == ["reducing", "reducing"]  # started as each completed
@@ -41,8 +42,15 @@ def test_zero0_fills_until_the_last_microbatch_then_reduces():
     assert [b.state for b in buckets] == ["reduced", "reduced"]
     # buckets are in backward order: the last parameters first
     assert buckets[0].view(buckets[0].grad, 0).tolist() == [12.0] * 6  # param 3: (1 + 2) * 4
+    with pytest.raises(RuntimeError, match="reduced sum"):
+        _backward(params, 1.0)  # not cleared: it would add to the reduced sum
+    sync.clear()
     _backward(params, 1.0)  # the next step starts from zero, not from the reduced sum
     assert buckets[0].state == "filling" and buckets[0].view(buckets[0].grad, 0).tolist() == [4.0] * 6
+    for p in params:  # an optimizer's set_to_none: autograd's new gradient replaces the view's
+        p.grad = None
+    _backward(params, 1.0)
+    assert buckets[0].view(buckets[0].grad, 0).tolist() == [4.0] * 6 and params[3].grad is buckets[0].views[0]
 
 
 def test_a_bucket_cannot_start_twice_or_finish_unstarted():

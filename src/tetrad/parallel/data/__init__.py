@@ -120,7 +120,7 @@ class GradReducer:
                 sum_tied(reduced, self.topo.comm)
             if self.zero < 2:
                 bucket.grad_shard = bucket.grad[bucket.lo:bucket.hi]
-                if not self.flat:  # plain AdamW on the (fp32) parameters
+                if not self.flat and not self.sync.in_place:  # plain AdamW on the (fp32) parameters
                     for i, p in enumerate(bucket.params):
                         p.grad = bucket.view(bucket.grad, i)
         if self.execution.sequence_parallel:
@@ -152,9 +152,7 @@ class GradReducer:
                        loss_scale)
 
     def zero_grad(self) -> None:
-        self.sync.clear()
-        for p in self.params:
-            p.grad = None
+        self.sync.clear()  # every bucket's parameter's p.grad: None, or its view of the bucket
 
     def build_optimizer(self, train_cfg):
         """Plain AdamW on the parameters (fp32 ZeRO-0) or AdamW on the owned ranges' masters."""

@@ -44,9 +44,19 @@ class GradSync:
         self.sync = False  # inside `last_microbatch`
         self.in_flight: list[Bucket] = []  # ZeRO >= 2: reduce-scatters started, oldest first
         self.scratch_free = collectives.in_place(topo)  # gloo: all-reduce in place instead (collectives.py)
+        # fp32 ZeRO 0/1 without zero-bubble's split backward: each p.grad is a view of its bucket's
+        # persistent flat gradient, so autograd adds into the bucket itself (torch DDP's
+        # gradient_as_bucket_view) and the hook only counts: no copy, no view made per parameter
+        # per step. `clear` zeroes the buckets; the full fp32 gradient lives between steps.
+        self.in_place = zero < 2 and not execution.split_backward and all(
+            p.dtype == torch.float32 for b in buckets for p in b.params)
         for bucket in buckets:
+            if self.in_place:
+                bucket.grad = torch.zeros(bucket.padded, dtype=torch.float32, device=topo.device)
+                bucket.views = [bucket.view(bucket.grad, i) for i in range(len(bucket.params))]
             for i, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, i))
+        self._attach()
 
     @contextlib.contextmanager
     def last_microbatch(self):
@@ -67,6 +77,9 @@ class GradSync:
 
     def arrive(self, bucket: Bucket, i: int, p: nn.Parameter) -> None:
         """Parameter i's gradient of one backward (`p.grad`) moves into its bucket."""
+        if self.in_place:
+            self._arrive_in_place(bucket, i, p)
+            return
         if bucket.state == "reducing" and self.zero >= 2:  # last micro-batch's, still in flight
             self.finish(bucket)
         in_bi = self.execution.weight_grads.collecting_now
@@ -93,6 +106,25 @@ class GradSync:
             self._fill(bucket, p.device)
             self.on_complete(bucket)
             if self.sync or self.zero >= 2:
+                self.start(bucket)
+
+    def _arrive_in_place(self, bucket: Bucket, i: int, p: nn.Parameter) -> None:
+        """Autograd has added parameter i's gradient into its view of the bucket, or, where p.grad
+        was dropped (an optimizer's set_to_none), made a new one, which replaces the view's."""
+        view = bucket.views[i]
+        if p.grad is not view:
+            view.copy_(p.grad)
+            p.grad = view
+        elif bucket.state == "reduced":
+            raise RuntimeError(f"bucket {bucket.index}: a gradient was added to last step's reduced sum; "
+                               "clear the gradients (GradReducer.zero_grad) between steps")
+        if bucket.state == "empty" or bucket.state == "reduced":
+            bucket.state = "filling"
+        bucket.seen += 1
+        if bucket.seen == len(bucket.params):
+            bucket.seen = 0
+            self.on_complete(bucket)
+            if self.sync:
                 self.start(bucket)
 
     def _fill(self, bucket: Bucket, device: torch.device) -> None:
@@ -157,8 +189,20 @@ class GradSync:
             bucket.seen = 0
 
     def clear(self) -> None:
-        """Drop every gradient (after the optimizer step): all buckets empty."""
+        """Drop every gradient (after the optimizer step): all buckets empty (in place: zero, and
+        every p.grad its view again)."""
         for bucket in self.buckets:
-            bucket.grad = bucket.grad_shard = None
+            bucket.grad_shard = None
+            if self.in_place:
+                bucket.grad.zero_()
+            else:
+                bucket.grad = None
             bucket.parked.clear()
             bucket.state = "empty"
+        self._attach()
+
+    def _attach(self) -> None:
+        """Gradients as bucket views (in place), or none."""
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                p.grad = bucket.views[i] if self.in_place else None

@@ -41,7 +41,7 @@ from tetrad.parallel.data.codec_state import codec_state_dict, load_codec_state
 from tetrad.parallel.data.finalize import sum_sequence_parallel, sum_tied
 from tetrad.parallel.data.lifecycle import GradSync
 from tetrad.parallel.data.optimizer import (MasterWeights, ShardedAdamW, build_optimizer, clip_gradients, local_norm_sq,
-                                            owned_grad, zero_loaded, zero_pieces)
+                                            norm_ranges, owned_grad, zero_loaded, zero_pieces)
 from tetrad.parallel.data.zero3 import ParamGather
 
 __all__ = ["GradReducer", "ShardedAdamW", "zero_loaded", "zero_pieces"]
@@ -76,6 +76,7 @@ class GradReducer:
                          bucket_bytes(parallel))
         self.buckets, self.blocks, self._tied, self._tied_copy = layout.buckets, layout.blocks, layout.tied, \
             layout.tied_copy
+        self._norm_ranges = norm_ranges(self.buckets, topo, layout.tied.params[0] if layout.tied_copy else None)
         # Parameters become views of flat buffers under ZeRO, or behind separate fp32 masters.
         separate = dtype != torch.float32 or offload
         self.weights = None
@@ -141,9 +142,9 @@ class GradReducer:
     def norm_sq(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (of the loss as scaled):
         optimizer.local_norm_sq, summed over the job by the caller."""
-        # The tied embedding's head copy holds the same gradient as the embedding: count it once.
-        slices = [(g, p) for g, p in self.shard_slices() if not (self._tied_copy and p is self._tied.params[0])]
-        return local_norm_sq(slices, self.topo)
+        shards = [b.grad_shard for b in self.buckets]
+        return local_norm_sq([shards[k][a:b] for k, a, b in self._norm_ranges if shards[k] is not None],
+                             self.topo.device)
 
     def clip(self, norm: float, max_norm: float, loss_scale: float = 1.0) -> None:
         """Divide the gradients by the loss scale and clip them by `norm`, the true global norm

@@ -152,20 +152,31 @@ class ShardedAdamW:
 
 
 # ---------------------------------------------------------------------- clipping
-def local_norm_sq(slices: list[tuple[torch.Tensor, nn.Parameter]], topo) -> torch.Tensor:
-    """This rank's share of the squared L2 norm of the whole model's gradient: summed over the
-    gradient group, tp and pp (the trainer does it in one all-reduce with the step's other
-    numbers) it is the squared norm one device would compute.
+def norm_ranges(buckets: list[Bucket], topo, skip: nn.Parameter | None = None) -> list[tuple[int, int, int]]:
+    """(bucket index, start, end), in shard coordinates, of the gradient this rank counts in the
+    global norm, fixed by the layout: each rank's shard of every bucket (disjoint across the
+    gradient group); shards of a tp-split parameter add over tp; a replicated parameter counts on
+    tp rank 0 only; pipeline stages hold different parameters; `skip` (the tied embedding's head
+    copy, the embedding's gradient again) not at all. One range per parameter: fp32 norms of whole
+    buckets at once lose the single-device norm's precision (rtol 1e-5 in the parity tests)."""
+    out: list[tuple[int, int, int]] = []
+    for k, bucket in enumerate(buckets):
+        for i, a, b in bucket.slices():
+            p = bucket.params[i]
+            if p is skip or (spec_of(p)[2] == 1 and topo.tp_rank != 0):
+                continue
+            out.append((k, a - bucket.lo, b - bucket.lo))
+    return out
 
-    `slices` are (gradient slice, the parameter it belongs to): this rank's shard of each bucket,
-    disjoint across the gradient group. Shards of a tp-split parameter add over tp; a replicated
-    parameter is counted on tp rank 0 only; pipeline stages hold different parameters. One
-    fused norm kernel over every slice, not a few kernels per parameter.
-    """
-    counted = [grad for grad, p in slices if spec_of(p)[2] > 1 or topo.tp_rank == 0]
-    if not counted:
-        return torch.zeros((), dtype=torch.float32, device=topo.device)
-    return torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32)).square().sum()
+
+def local_norm_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm: summed over the gradient group, tp
+    and pp (the trainer does it in one all-reduce with the step's other numbers) it is the squared
+    norm one device would compute. `grads`: the `norm_ranges` of the reduced shards; one fused
+    norm kernel over them."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
 
 
 def clip_gradients(grads: list[torch.Tensor], norm: float, max_norm: float, loss_scale: float = 1.0) -> None:

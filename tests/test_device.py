@@ -85,3 +85,19 @@ def test_host_buffers_are_plain_for_cpu_tensors():
     buf = devices.host_buffer(like)
     assert buf.shape == like.shape and buf.dtype == like.dtype and buf.device.type == "cpu"
     assert not buf.is_pinned() and buf.untyped_storage().data_ptr() != like.untyped_storage().data_ptr()
+
+
+def _peak_both_ways():
+    meter = devices.PeakMemory(torch.device("cpu"))
+    before = meter.bytes(), devices.peak_memory_bytes(torch.device("cpu"), meter.base)
+    block = torch.ones((meter.rusage_at_start - meter.base + (64 << 20)) // 4)  # above getrusage's start
+    del block
+    fast = devices._rusage_bytes() > meter.rusage_at_start
+    return before, fast, meter.bytes(), devices.peak_memory_bytes(torch.device("cpu"), meter.base)
+
+
+def test_peak_memory_by_getrusage_is_proc_vmhwm_in_a_forked_rank():
+    """Below and above the parent's peak that getrusage starts from, PeakMemory says what /proc does."""
+    from tetrad import launch
+    (low, low_proc), fast, high, high_proc = launch.run_local(_peak_both_ways, 1, timeout_s=60)[0]
+    assert low == low_proc and fast and high == high_proc >= 64 << 20

@@ -93,7 +93,7 @@ class Trainer:
         self.cfg = cfg
         p = cfg.parallel
         # Memory is measured from here: on CPU a forked rank starts with its parent's pages.
-        self.memory_base = devices.start_memory_tracking(device)
+        self.memory = devices.PeakMemory(device)
         # Without a pipeline the schedule is F, B per micro-batch: plain gradient accumulation.
         schedule = build_schedule(p.schedule if p.pp > 1 else "1f1b", p.pp, cfg.microbatches, p.vpp)
         # Every group starts with the start-up timeout; after the first step, the collective one.
@@ -204,7 +204,7 @@ class Trainer:
             self.grads.zero_grad()  # plain AdamW (fp32 ZeRO-0) knows nothing of the buckets behind p.grad
         devices.synchronize(topo.device)
         step_time = topo.comm.clock.seconds(start, topo.comm.clock.mark())
-        peak = devices.peak_memory_bytes(topo.device, self.memory_base)
+        peak = self.memory.bytes()
         sent = topo.comm.bytes_by_group()
         return {
             "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,

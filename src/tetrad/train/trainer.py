@@ -28,7 +28,7 @@ from tetrad.model.execution import DeferredWeightGrads, Execution
 from tetrad.model.llama import set_execution
 from tetrad.model.sharding import full_state_dict, init_parameters, initial_value, set_spec, spec_of
 from tetrad.model.layers import DropoutGenerators
-from tetrad.parallel.data import GradReducer
+from tetrad.parallel.data import GradReducer, ShardedAdamW
 from tetrad.parallel.pipeline.executor import PipelineExecutor
 from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
 from tetrad.parallel.pipeline.schedules import forward_only, link_order
@@ -200,8 +200,9 @@ class Trainer:
             if stepped:
                 self.optimizer.step()
             model_states = self._model_states(stepped)  # gradients still held: their peak
-            self.optimizer.zero_grad(set_to_none=True)
-            self.grads.zero_grad()  # plain AdamW (fp32 ZeRO-0) knows nothing of the buckets behind p.grad
+            # ShardedAdamW's zero_grad clears the buckets too; plain AdamW's (fp32 ZeRO-0) p.grad
+            # are the buckets', which GradReducer.zero_grad clears: one of the two, not both.
+            (self.optimizer if isinstance(self.optimizer, ShardedAdamW) else self.grads).zero_grad()
         devices.synchronize(topo.device)
         step_time = topo.comm.clock.seconds(start, topo.comm.clock.mark())
         peak = self.memory.bytes()

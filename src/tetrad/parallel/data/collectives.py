@@ -21,7 +21,7 @@ from tetrad.dist.comm import Pending
 from tetrad.dist.layout import GRAD
 
 
-def in_place(topo) -> bool:
+def scratch_free(topo) -> bool:
     """Whether the gradient group's backend stages flat collectives through a full-size scratch
     (gloo): then they are run in place as above. A group of one rank moves nothing."""
     group = topo.comm.groups.group(GRAD)

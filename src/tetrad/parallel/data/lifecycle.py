@@ -43,7 +43,7 @@ class GradSync:
         self.on_complete = on_complete or (lambda bucket: None)
         self.sync = False  # inside `last_microbatch`
         self.in_flight: list[Bucket] = []  # ZeRO >= 2: reduce-scatters started, oldest first
-        self.scratch_free = collectives.in_place(topo)  # gloo: all-reduce in place instead (collectives.py)
+        self.scratch_free = collectives.scratch_free(topo)  # gloo: all-reduce in place instead (collectives.py)
         # fp32 ZeRO 0/1 without zero-bubble's split backward: each p.grad is a view of its bucket's
         # persistent flat gradient, so autograd adds into the bucket itself (torch DDP's
         # gradient_as_bucket_view) and the hook only counts: no copy, no view made per parameter

@@ -62,7 +62,7 @@ class MasterWeights:
         self.shards: list[torch.Tensor] = []  # ZeRO-3: the persistent parameter shard of each bucket
         self.masters: list[torch.Tensor] = []  # what the optimizer updates, per bucket
         self._host_grads: dict[int, torch.Tensor] = {}  # offload: each bucket's owned gradient on the host
-        self.scratch_free = collectives.in_place(topo)  # gloo: gather by in-place broadcasts (collectives.py)
+        self.scratch_free = collectives.scratch_free(topo)  # gloo: gather by in-place broadcasts (collectives.py)
 
     def add(self, flat: torch.Tensor, owned: torch.Tensor) -> None:
         """The next bucket's flat buffer and the fp32 values of its owned range (buffers.flatten):

@@ -31,7 +31,7 @@ class ParamGather:
         self.buckets, self.flat, self.shards, self.topo = buckets, flat, shards, topo
         self.execution, self.root, self.prefetch = execution, root, prefetch
         self.gathering: dict[int, object] = {}  # bucket index -> its all-gather in flight
-        self.scratch_free = collectives.in_place(topo)  # gloo: gather by in-place broadcasts (collectives.py)
+        self.scratch_free = collectives.scratch_free(topo)  # gloo: gather by in-place broadcasts (collectives.py)
 
     def start(self, k: int) -> None:
         """Non-blocking all-gather of bucket k's parameters (no-op if already there or on its way)."""

@@ -19,7 +19,9 @@ statistics. It includes the optimizer states, which are the same on both sides.
 
 Measured vs simulated: from tetrad's recorded per-action times of its last step, the mean F and
 B duration of each stage go into the simulator (simulate.py); its step time is compared with
-the measured span of that step's actions.
+the measured span of that step's actions. "floor" is the time ratio tetrad would have if that
+span shrank to the simulated one (no transfer latency, no host time between actions, the same
+kernels): the lowest ratio an executor can reach with this schedule and these per-action costs.
 
     python bench/bench_pp.py                      # pp=2, m=8, d_model 256, 8 layers, seq 128
     python bench/bench_pp.py --pp 4 --microbatches 8
@@ -166,7 +168,7 @@ def main() -> None:
           f"micro-batch {args.micro_batch}; fp32 on CPU (gloo), one thread per rank; {args.rounds} alternated "
           f"rounds of {args.steps} timed steps")
     print(f"{'schedule':<13}{'tetrad s':>15}{'torch s':>15}{'time ratio':>11}{'ratio range':>13}"
-          f"{'tetrad MiB':>11}{'torch MiB':>10}{'mem ratio':>10}{'sim err':>9}")
+          f"{'tetrad MiB':>11}{'torch MiB':>10}{'mem ratio':>10}{'sim err':>9}{'floor':>7}")
     for schedule, vpp in (("1f1b", 1), ("interleaved", 2)):
         cfg = load_config(overrides={
             "model": {"d_model": args.d_model, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 3 * args.d_model,
@@ -187,11 +189,12 @@ def main() -> None:
               f"{_spread([got['torch'][0] for got in rounds]):>15}{time_of['tetrad'] / time_of['torch']:>11.2f}"
               f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}{mem_of['tetrad'] / 2**20:>11.1f}"
               f"{mem_of['torch'] / 2**20:>10.1f}{mem_of['tetrad'] / max(mem_of['torch'], 1):>10.2f}"
-              f"{100 * (simulated / measured - 1):>8.1f}%")
+              f"{100 * (simulated / measured - 1):>8.1f}%"
+              f"{(time_of['tetrad'] - measured + simulated) / time_of['torch']:>7.2f}")
     print("tetrad s, torch s: median over rounds +- half their range; time ratio: of those medians (below 1: "
           "tetrad faster), ratio range: lowest and highest of the rounds' ratios; MiB: median peak rise; "
           "sim err: simulated step time from the measured mean action costs vs the measured span of tetrad's "
-          "last step")
+          "last step; floor: the time ratio with tetrad's pipeline span at the simulated one")
 
 
 def _spread(times: list[float]) -> str:

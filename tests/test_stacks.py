@@ -61,6 +61,19 @@ def test_compiled_tetrad_fuses_element_wise_work_and_saves_less():
     assert compiled.memory.optimizer == eager.memory.optimizer and compiled.memory.grads == eager.memory.grads
 
 
+def test_a_compiled_run_is_estimated_as_compiled_tetrad():
+    # `tetrad estimate` of a config with train.compile = true under the default stack.
+    cfg, cluster = _llama8b(tp=8, sequence_parallel=True), cluster_of("H100-SXM", 8)
+    compiled_cfg = load_config(overrides={"model": {"preset": "llama3-8b", "seq_len": 8192},
+                                          "parallel": {"tp": 8, "sequence_parallel": True},
+                                          "train": {"global_batch": 64, "micro_batch": 1, "dtype": "bf16",
+                                                    "compile": True}}, runtime=False)
+    assert estimate(compiled_cfg, cluster, "tetrad").breakdown == \
+        pytest.approx(estimate(cfg, cluster, "tetrad-compiled").breakdown)
+    assert estimate(compiled_cfg, cluster, "tetrad").breakdown["compute"] < \
+        estimate(cfg, cluster, "tetrad").breakdown["compute"]
+
+
 def test_docs_say_which_stack_for_which_framework():
     text = DOCS.read_text()
     for name in STACKS:

@@ -23,7 +23,7 @@ from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_layers
-from tetrad.plan.stacks import Stack
+from tetrad.plan.stacks import STACKS, Stack
 
 GIB = 1024**3
 
@@ -45,8 +45,11 @@ CPU_RANK_BASELINE_BYTES = 60 * 1024**2
 
 
 def as_run(cfg: Config, stack: Stack) -> Stack:
-    """`stack` as `cfg` runs it: tetrad's own stacks keep sequence parallelism's gathered input
-    for backward unless `parallel.sp_regather` (model/mappings.py); other stacks do as they do."""
+    """`stack` as `cfg` runs it: tetrad with `train.compile` is the `tetrad-compiled` stack, and
+    tetrad's own stacks keep sequence parallelism's gathered input for backward unless
+    `parallel.sp_regather` (model/mappings.py); other stacks do as they do."""
+    if cfg.train.compile and stack.name == "tetrad":
+        stack = STACKS["tetrad-compiled"]
     if cfg.parallel.sp_regather and stack.name.startswith("tetrad"):
         return replace(stack, sp_saves_gathered_input=False)
     return stack

@@ -235,6 +235,24 @@ def test_long_pipelines_are_extrapolated_exactly_from_the_simulator():
             assert extended == pytest.approx(direct * 1.3, rel=1e-9), (schedule, m)
 
 
+def test_balanced_1f1b_bubble_is_the_ideal_at_many_micro_batches():
+    """With equal stages and negligible transfers the 1F1B bubble is (p-1)/(m+p-1) (Narayanan et
+    al. 2021, sec. 2.2.1), for the simulator and for `estimate` (a small vocabulary, so the head
+    barely unbalances the last stage; transfers over NVLink): no per-micro-batch charge."""
+    for p in (4, 8):
+        for m in (4 * p, 8 * p, 16 * p + 3):
+            ideal = (p - 1) / (m + p - 1)
+            step, _ = pipeline("1f1b", p, m, 1, [1.0] * p, [1.1] * p, [0.9] * p, 1e-4)
+            assert 1 - 3 * m / step == pytest.approx(ideal, rel=0.02), (p, m)
+    model = {"preset": "tiny", "n_layers": 32, "d_model": 4096, "n_heads": 32, "n_kv_heads": 32, "ffn_hidden": 16384,
+             "seq_len": 2048, "vocab_size": 256}
+    for m in (32, 64):
+        cfg = _cfg(model=model, parallel={"pp": 8, "schedule": "1f1b"},
+                   train={"global_batch": m, "micro_batch": 1, "dtype": "bf16"})
+        est = estimate(cfg, load_cluster("dgx-a100"), stack="compiled")
+        assert est.bubble_fraction == pytest.approx(7 / (m + 7), rel=0.10), m
+
+
 def test_no_breakdown_part_is_negative_over_a_sweep_of_layouts():
     """The simulator runs rounded costs; the breakdown (the busiest rank's exact work and the
     idle time the simulation finds) must still have no negative part, and sum to the step."""

@@ -82,6 +82,11 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
         gemm_efficiency=0.58, attention_efficiency=0.26, fused_attention_efficiency=0.43, sms=132),
     GPU("H200", {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 140, 4800, 450, 50,
         gemm_efficiency=0.77, attention_efficiency=0.30, fused_attention_efficiency=0.50, sms=132),
+    # B200 (SXM, 1000 W): dense bf16 2250 and fp8 4500 TFLOP/s, 8 TB/s HBM3e, 180 GB, NVLink 5 at 1.8 TB/s
+    # both ways (NVIDIA's HGX B200 figures halved for sparsity). Its GEMM efficiency is the H100's
+    # scaled by the two chips' measured maximum achievable matmul FLOPS (Bekman, ml-engineering,
+    # insights/when-to-upgrade-gpus: bf16 1745.0 of 2250 = 77.6% on B200, 794.5 of 989 = 80.3% on
+    # H100/H200; fp8 76.3% on B200, 73.4% on H200): 0.75 x 77.6 / 80.3 = 0.72.
     GPU("B200", {"fp32": 80, "tf32": 1100, "bf16": 2250, "fp16": 2250, "fp8": 4500}, 179, 8000, 900, 50,
         gemm_efficiency=0.72, attention_efficiency=0.40, sms=148),
     GPU("MI300X", {"fp32": 163, "tf32": 654, "bf16": 1307, "fp16": 1307, "fp8": 2615}, 191.5, 5300, 448, 50,

@@ -53,6 +53,18 @@ def test_zero0_fills_until_the_last_microbatch_then_reduces():
     assert buckets[0].view(buckets[0].grad, 0).tolist() == [4.0] * 6 and params[3].grad is buckets[0].views[0]
 
 
+def test_zero0_a_parameter_without_gradient_after_clear_reduces_zero():
+    params, buckets, sync = _setup(0, Topology.single())
+    _backward(params, 1.0)
+    sync.finish_all()
+    sync.clear()  # the buckets keep last step's values; p.grad is None
+    assert all(p.grad is None for p in params)
+    _backward(params[1:], 1.0)  # param 0 (bucket 1's second) gets no gradient this step
+    sync.finish_all()
+    assert params[0].grad is buckets[1].views[1] and params[0].grad.tolist() == [0.0] * 6
+    assert params[1].grad.tolist() == [1.0] * 6  # overwritten, not added to last step's
+
+
 def test_a_bucket_cannot_start_twice_or_finish_unstarted():
     params, buckets, sync = _setup(0, Topology.single())
     with pytest.raises(RuntimeError, match="starts reducing from empty"):

@@ -153,7 +153,7 @@ class GradReducer:
                        loss_scale)
 
     def zero_grad(self) -> None:
-        self.sync.clear()  # every bucket's parameter's p.grad: None, or its view of the bucket
+        self.sync.clear()  # every p.grad None (in place: the next backward overwrites the buckets)
 
     def build_optimizer(self, train_cfg):
         """Plain AdamW on the parameters (fp32 ZeRO-0) or AdamW on the owned ranges' masters."""

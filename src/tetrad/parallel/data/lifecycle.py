@@ -44,10 +44,12 @@ class GradSync:
         self.sync = False  # inside `last_microbatch`
         self.in_flight: list[Bucket] = []  # ZeRO >= 2: reduce-scatters started, oldest first
         self.scratch_free = collectives.scratch_free(topo)  # gloo: all-reduce in place instead (collectives.py)
-        # fp32 ZeRO 0/1 without zero-bubble's split backward: each p.grad is a view of its bucket's
-        # persistent flat gradient, so autograd adds into the bucket itself (torch DDP's
-        # gradient_as_bucket_view) and the hook only counts: no copy, no view made per parameter
-        # per step. `clear` zeroes the buckets; the full fp32 gradient lives between steps.
+        # fp32 ZeRO 0/1 without zero-bubble's split backward: each bucket's flat gradient persists
+        # and each p.grad becomes its view. `clear` drops p.grad rather than zeroing the buckets,
+        # so a step's first gradient is copied over its view (one pass over it, where zeroing and
+        # then adding took three: 6 of 130 ms a step in bench_dp) and later micro-batches' are
+        # added into the bucket by autograd itself (torch DDP's gradient_as_bucket_view); a
+        # parameter that got none is zeroed at the end of backward (`_settle`).
         self.in_place = zero < 2 and not execution.split_backward and all(
             p.dtype == torch.float32 for b in buckets for p in b.params)
         for bucket in buckets:
@@ -56,7 +58,7 @@ class GradSync:
                 bucket.views = [bucket.view(bucket.grad, i) for i in range(len(bucket.params))]
             for i, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, i))
-        self._attach()
+        self.clear()
 
     @contextlib.contextmanager
     def last_microbatch(self):
@@ -179,6 +181,8 @@ class GradSync:
         for bucket in self.buckets:
             if bucket.parked:
                 self._fill(bucket, self.topo.device)
+            if self.in_place:
+                self._settle(bucket)
             if bucket.state == "filling":
                 self.start(bucket)
         while self.in_flight:
@@ -188,21 +192,22 @@ class GradSync:
                 self.finish(bucket)
             bucket.seen = 0
 
+    def _settle(self, bucket: Bucket) -> None:
+        """In place, at the end of backward: a parameter that got no gradient since `clear` has
+        last step's value in its view; it is zero, as its p.grad (the view) says."""
+        for i, p in enumerate(bucket.params):
+            if p.grad is not bucket.views[i]:
+                bucket.views[i].zero_()
+                p.grad = bucket.views[i]
+
     def clear(self) -> None:
-        """Drop every gradient (after the optimizer step): all buckets empty (in place: zero, and
-        every p.grad its view again)."""
+        """Drop every gradient (after the optimizer step): all buckets empty and every p.grad None
+        (in place, the buckets keep their memory and last step's values: see `_arrive_in_place`)."""
         for bucket in self.buckets:
             bucket.grad_shard = None
-            if self.in_place:
-                bucket.grad.zero_()
-            else:
+            if not self.in_place:
                 bucket.grad = None
             bucket.parked.clear()
             bucket.state = "empty"
-        self._attach()
-
-    def _attach(self) -> None:
-        """Gradients as bucket views (in place), or none."""
-        for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
-                p.grad = bucket.views[i] if self.in_place else None
+            for p in bucket.params:
+                p.grad = None

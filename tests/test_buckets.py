@@ -1,15 +1,19 @@
 """The bucket lifecycle (parallel/data/lifecycle.py) and ZeRO-3's prefetch (zero3.py), driven
 directly by autograd, without the trainer."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from conftest import run_ranks
 from tetrad.dist.codecs import make_codec
 from tetrad.dist.layout import Layout
 from tetrad.dist.topology import Topology
-from tetrad.model.execution import Execution
+from tetrad.model.execution import GRAD_SINK, Execution
+from tetrad.model.mappings import linear
 from tetrad.parallel.data.buffers import flatten, lay_out
 from tetrad.parallel.data.lifecycle import GradSync
 from tetrad.parallel.data.optimizer import MasterWeights
@@ -63,6 +67,31 @@ def test_zero0_a_parameter_without_gradient_after_clear_reduces_zero():
     sync.finish_all()
     assert params[0].grad is buckets[1].views[1] and params[0].grad.tolist() == [0.0] * 6
     assert params[1].grad.tolist() == [1.0] * 6  # overwritten, not added to last step's
+
+
+def test_zero0_linear_weight_gradients_are_written_into_the_bucket_by_their_gemm():
+    torch.manual_seed(0)
+    weights = [nn.Parameter(torch.randn(3, 4)) for _ in range(2)]
+    reference = [nn.Parameter(w.detach().clone()) for w in weights]
+    layout = lay_out(weights, None, 0, 1, 0, 1, 1e6)
+    sync = GradSync(layout.buckets, Topology.single(), Execution(), 0, make_codec("none", 1), False,
+                    linear_weights=frozenset(id(w) for w in weights))
+    bucket, ex = layout.buckets[0], Execution()
+    assert all(hasattr(w, GRAD_SINK) for w in weights)
+    xs = [torch.randn(2, 5, 4) for _ in range(2)]
+    for step in range(2):  # the second step starts over the first's reduced sum
+        for k, x in enumerate(xs):
+            with sync.last_microbatch() if k == 1 else contextlib.nullcontext():
+                linear(linear(x, weights[0], ex).tanh(), weights[1].t(), ex).sum().backward()
+            F.linear(F.linear(x, reference[0]).tanh(), reference[1].t()).sum().backward()
+        assert bucket.state == "reducing"  # both weights arrived, counted once each
+        sync.finish_all()
+        refs = {id(w): ref for w, ref in zip(weights, reference)}
+        for w, view in zip(bucket.params, bucket.views):
+            assert w.grad is view
+            torch.testing.assert_close(w.grad, refs[id(w)].grad, rtol=1e-6, atol=1e-6)
+            refs[id(w)].grad = None
+        sync.clear()
 
 
 def test_a_bucket_cannot_start_twice_or_finish_unstarted():

@@ -15,6 +15,29 @@ from typing import Callable
 import torch
 
 
+# Gradient accumulation fusion (Megatron's `gradient_accumulation_fusion`): the data-parallel
+# side may give a linear's weight a callable attribute of this name, `sink(a, b)`, which writes
+# or adds the product a @ b (the weight gradient dy^T x) straight into the weight's fp32 gradient
+# buffer; autograd then gets None for the weight (no separate dW tensor, no copy or add of it into
+# the buffer) and still runs the weight's post-accumulate hooks.
+GRAD_SINK = "grad_sink"
+
+
+def sink_or_matmul(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a @ b for autograd, or None when the weight's `GRAD_SINK` took it."""
+    sink = getattr(weight, GRAD_SINK, None)
+    if sink is None:
+        return a.matmul(b)
+    sink(a, b)
+    return None
+
+
+def has_grad_sink(weight: torch.Tensor) -> bool:
+    """Outside torch.compile, the weight's gradient goes to a `GRAD_SINK` (a compiled region keeps
+    autograd's linear: a custom Function there would break its graph)."""
+    return not torch.compiler.is_compiling() and hasattr(weight, GRAD_SINK)
+
+
 class DeferredWeightGrads:
     """Zero-bubble's split backward (one per model, in its Execution): while `collecting()` is
     open, linear layers queue their weight-gradient matmuls instead of computing them, and the
@@ -51,13 +74,17 @@ class DeferredWeightGrads:
             queue[i] = None  # its inputs and output gradients go now, not after the whole BW
 
     def grads(self, weights: list, grads: tuple, x: torch.Tensor) -> list:
-        """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate, or
-        queued while collecting (None returned for now)."""
+        """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate (or,
+        for a weight with a `GRAD_SINK`, handed to it: None returned), or queued while
+        collecting (None returned for now)."""
         def compute():
             flat = x.reshape(-1, x.shape[-1])
             return [g.reshape(-1, g.shape[-1]).t().matmul(flat) for g in grads]
         if self._queue is None:
-            return compute()
+            if not any(hasattr(w, GRAD_SINK) for w in weights):
+                return compute()
+            flat = x.reshape(-1, x.shape[-1])
+            return [sink_or_matmul(w, g.reshape(-1, g.shape[-1]).t(), flat) for w, g in zip(weights, grads)]
         held = [self.hold(t) for t in (x, *grads)] if self.hold else []
         self._queue.append((weights, compute, held))
         return [None] * len(grads)

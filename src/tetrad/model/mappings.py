@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tetrad.model.execution import Execution, run_eagerly
+from tetrad.model.execution import Execution, has_grad_sink, run_eagerly
 
 
 # ----------------------------------------------------------------------------- sequence layout
@@ -104,8 +104,8 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 class _Linear(torch.autograd.Function):
-    """y = x W^T whose weight gradient can be deferred (DeferredWeightGrads); used instead of
-    F.linear only under a zero-bubble schedule."""
+    """y = x W^T whose weight gradient can be deferred or sunk (DeferredWeightGrads); used instead
+    of F.linear only under a zero-bubble schedule or gradient accumulation fusion."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_grads):
@@ -121,8 +121,11 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution) -> torch.Tensor:
-    """x W^T with no communication: F.linear, or `_Linear` when backward is split."""
-    return run_eagerly(_Linear.apply, x, weight, ex.weight_grads) if ex.split_backward else F.linear(x, weight)
+    """x W^T with no communication: F.linear, or `_Linear` when backward is split or the weight's
+    gradient goes to a sink (model/execution.py's GRAD_SINK)."""
+    if ex.split_backward or has_grad_sink(weight):
+        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads)
+    return F.linear(x, weight)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):

@@ -36,6 +36,7 @@ from tetrad.config.sections import bucket_bytes
 from tetrad.dist.codecs import INT8_BLOCK, make_codec
 from tetrad.dist.layout import GRAD, GRAD_DIMS
 from tetrad.model.execution import Execution
+from tetrad.model.layers import ColumnParallelLinear, RowParallelLinear
 from tetrad.parallel.data.buffers import Bucket, flatten, initial_shard, lay_out
 from tetrad.parallel.data.codec_state import codec_state_dict, load_codec_state
 from tetrad.parallel.data.finalize import sum_sequence_parallel, sum_tied
@@ -93,8 +94,11 @@ class GradReducer:
             self.zero3 = ParamGather(self.buckets, self.flat, self.weights.shards, topo, self.execution,
                                      layout.root, prefetch)
             self.zero3.install(model, layout.blocks)
+        linears = {id(m.weight) for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))} \
+            if model is not None else set()
         self.sync = GradSync(self.buckets, topo, self.execution, self.zero, self.codec, hierarchical,
-                             on_complete=self.zero3.on_complete if self.zero3 else None)
+                             on_complete=self.zero3.on_complete if self.zero3 else None,
+                             linear_weights=frozenset(linears))
 
     def last_microbatch(self):
         """Backward inside this block is the accumulation's last: buckets reduce as they fill."""

@@ -21,12 +21,14 @@ first: it joins this reduction), so no bucket is held full from BI to BW.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
 
 from tetrad.dist import hierarchical
 from tetrad.dist.layout import GRAD
+from tetrad.model.execution import GRAD_SINK
 from tetrad.parallel.data import collectives
 from tetrad.parallel.data.buffers import Bucket
 
@@ -37,7 +39,7 @@ class GradSync:
     the block's weights there)."""
 
     def __init__(self, buckets: list[Bucket], topo, execution, zero: int, codec, hierarchical_: bool,
-                 on_complete=None):
+                 on_complete=None, linear_weights: frozenset[int] = frozenset()):
         self.buckets, self.topo, self.execution = buckets, topo, execution
         self.zero, self.codec, self.hierarchical = zero, codec, hierarchical_
         self.on_complete = on_complete or (lambda bucket: None)
@@ -49,7 +51,9 @@ class GradSync:
         # so a step's first gradient is copied over its view (one pass over it, where zeroing and
         # then adding took three: 6 of 130 ms a step in bench_dp) and later micro-batches' are
         # added into the bucket by autograd itself (torch DDP's gradient_as_bucket_view); a
-        # parameter that got none is zeroed at the end of backward (`_settle`).
+        # parameter that got none is zeroed at the end of backward (`_settle`). The linears'
+        # weights (`linear_weights`, by id) go further: their weight-gradient GEMM writes into the
+        # view itself (model/execution.py's GRAD_SINK), so no dW tensor is made and copied.
         self.in_place = zero < 2 and not execution.split_backward and all(
             p.dtype == torch.float32 for b in buckets for p in b.params)
         for bucket in buckets:
@@ -58,6 +62,8 @@ class GradSync:
                 bucket.views = [bucket.view(bucket.grad, i) for i in range(len(bucket.params))]
             for i, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, i))
+                if self.in_place and id(p) in linear_weights:
+                    setattr(p, GRAD_SINK, functools.partial(self._sink, bucket, i, p))
         self.clear()
 
     @contextlib.contextmanager
@@ -112,7 +118,8 @@ class GradSync:
 
     def _arrive_in_place(self, bucket: Bucket, i: int, p: nn.Parameter) -> None:
         """Autograd has added parameter i's gradient into its view of the bucket, or, where p.grad
-        was dropped (an optimizer's set_to_none), made a new one, which replaces the view's."""
+        was dropped (an optimizer's set_to_none), made a new one, which replaces the view's (or
+        the GRAD_SINK has written it there: `_sink`)."""
         view = bucket.views[i]
         if p.grad is not view:
             view.copy_(p.grad)
@@ -120,14 +127,32 @@ class GradSync:
         elif bucket.state == "reduced":
             raise RuntimeError(f"bucket {bucket.index}: a gradient was added to last step's reduced sum; "
                                "clear the gradients (GradReducer.zero_grad) between steps")
-        if bucket.state == "empty" or bucket.state == "reduced":
-            bucket.state = "filling"
+        self._open(bucket)
         bucket.seen += 1
         if bucket.seen == len(bucket.params):
             bucket.seen = 0
             self.on_complete(bucket)
             if self.sync:
                 self.start(bucket)
+
+    def _sink(self, bucket: Bucket, i: int, p: nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Parameter i's GRAD_SINK (a linear's weight): its gradient a @ b added into its view by
+        the GEMM, or, where p.grad was dropped, written over it (a new gradient: the bucket fills
+        again, as for a copied one). Autograd then gets None for it, and still runs the
+        post-accumulate hook, which counts the arrival (`_arrive_in_place`)."""
+        view = bucket.views[i]
+        if p.grad is view:
+            view.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=view)
+            p.grad = view
+            self._open(bucket)
+
+    @staticmethod
+    def _open(bucket: Bucket) -> None:
+        """In place: the bucket has a gradient of this step in it."""
+        if bucket.state == "empty" or bucket.state == "reduced":
+            bucket.state = "filling"
 
     def _fill(self, bucket: Bucket, device: torch.device) -> None:
         """Make the bucket's full gradient if it has none (empty, or last step's reduced) and add

@@ -9,7 +9,8 @@
   recompute none / selective / full;
 - offload: a save -> resume round trip with train.offload_optimizer continues the same losses;
 - ring blocks: the fused block kernels against the fp32 math path at 8k-32k tokens (time, peak
-  memory, largest difference).
+  memory, largest difference);
+- the user's commands: `tetrad train` (the demo config on one rank) and `tetrad generate`.
 
     python bench/gpu_check.py
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -109,7 +111,7 @@ def _attention_rank(device: str) -> list[tuple]:
         for gqa in (False, True):
             for algo in ("alltoall", "ring"):
                 ops, kernels = attention_ops(device, dtype, gqa, algo)
-                cudnn = algo == "ring" and devices.prefers_cudnn_attention(torch.device(device))
+                cudnn = devices.prefers_cudnn_attention(torch.device(device))
                 want = attn.choose_kernel(device, dtype, gqa, algo, cudnn).name
                 ok = want in ops and "math" not in ops
                 label = f"attention {algo}, {str(dtype)[6:]}, {'GQA' if gqa else 'MHA'}"
@@ -179,16 +181,21 @@ def ring_blocks(device_type: str = "cuda", tokens: tuple = RING_TOKENS) -> list[
     return launch.run_local(_ring_rank, 1, (device_type, tokens), device_type=device_type, spawn=True)[0]
 
 
-def predicted_peak_gib(cfg, gpu: str) -> float:
-    """`tetrad estimate`'s peak memory per GPU for `cfg` on one `gpu`."""
+def predicted(cfg, gpu: str, stack: str = "tetrad"):
+    """`tetrad estimate` of `cfg` on one `gpu` (the tetrad stack follows train.compile, as the CLI's does)."""
     from tetrad.plan.cost import estimate
     from tetrad.plan.hardware import Cluster, load_gpu
-    return estimate(cfg, Cluster(load_gpu(gpu), gpus_per_node=1, nodes=1)).peak_memory_gib
+    return estimate(cfg, Cluster(load_gpu(gpu), gpus_per_node=1, nodes=1), stack)
+
+
+def predicted_peak_gib(cfg, gpu: str) -> float:
+    """`tetrad estimate`'s peak memory per GPU for `cfg` on one `gpu`."""
+    return predicted(cfg, gpu).peak_memory_gib
 
 
 def throughput_and_memory(device_type: str = "cuda", gpu: str = "H200", steps: int = 6) -> list[tuple]:
     rows = []
-    runs = [("none", False, steps), ("none", True, steps), ("selective", False, 2), ("full", False, 2)]
+    runs = [("none", False, steps), ("selective", False, 2), ("full", False, 2), ("none", True, steps)]
     with tempfile.TemporaryDirectory() as tmp:
         for recompute, compile_, n in runs:
             cfg = config({"model": LLAMA_1B}, f"{tmp}/{recompute}{compile_}", steps=n, dtype="bf16",
@@ -203,14 +210,53 @@ def throughput_and_memory(device_type: str = "cuda", gpu: str = "H200", steps: i
             if recompute == "none":
                 tps = statistics.median(r["tokens_per_s"] for r in steady)
                 mfu = statistics.median(r["mfu"] or 0 for r in steady)
+                guess = predicted(cfg, gpu).tokens_per_s
                 rows.append((f"1B seq 4096 bf16 {'compiled' if compile_ else 'eager'}", mfu > 0,
-                             f"{tps:,.0f} tokens/s, MFU {100 * mfu:.1f}%"))
+                             f"{tps:,.0f} tokens/s, MFU {100 * mfu:.1f}%; estimate {guess:,.0f} tokens/s "
+                             f"(measured/estimate {tps / guess:.2f})"))
             if not compile_:
-                last, predicted = records[-1], predicted_peak_gib(cfg, gpu)
+                last, peak = records[-1], predicted_peak_gib(cfg, gpu)
                 measured = last["peak_memory_gib"]
-                rows.append((f"memory recompute={recompute}", abs(measured - predicted) / predicted < 0.25,
-                             f"predicted {predicted:.1f} GiB; measured allocated {measured:.1f}, "
+                rows.append((f"memory recompute={recompute}", abs(measured - peak) / peak < 0.25,
+                             f"predicted {peak:.1f} GiB; measured allocated {measured:.1f}, "
                              f"reserved {last.get('peak_reserved_gib', math.nan):.1f} GiB"))
+    return rows
+
+
+# Runs the planner was not fitted to, each named by what it stresses: (label, model keys, train keys).
+LLAMA_8B_4_LAYERS = {"preset": "llama3-8b", "n_layers": 4, "seq_len": 8192}
+CALIBRATION = (
+    ("1B seq 16384 (long sequence)", {**LLAMA_1B, "seq_len": 16384}, {"global_batch": 2, "micro_batch": 1}),
+    ("1B seq 4096 recompute=full", LLAMA_1B, {"global_batch": 4, "micro_batch": 2, "recompute": "full"}),
+    ("1B seq 2048 fp32 (TF32)", {**LLAMA_1B, "seq_len": 2048}, {"global_batch": 4, "micro_batch": 2, "dtype": "fp32"}),
+    ("Llama-3-8B layers x4, seq 8192", LLAMA_8B_4_LAYERS, {"global_batch": 2, "micro_batch": 1}),
+)
+
+
+def planner_points(device_type: str = "cuda", gpu: str = "H200", steps: int = 5) -> list[tuple]:
+    """Measured tokens/s and peak memory of eager runs against `tetrad estimate` (tests/
+    test_plan_h200.py keeps the H200's figures), and the estimate had the attention core been
+    FlashAttention-2 (what torch runs where it does not prefer cuDNN's kernel)."""
+    from dataclasses import replace
+
+    from tetrad.plan.stacks import STACKS
+    flash2 = replace(STACKS["tetrad"], attention_kernel="flash2")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (label, model, train) in enumerate(CALIBRATION):
+            cfg = config({"model": model}, f"{tmp}/{i}", **{"steps": steps, "dtype": "bf16", "warmup": 1,
+                                                           "device": device_type, **train})
+            try:
+                records = train_run(cfg, device_type)
+            except launch.RankFailure as e:
+                rows.append((label, False, str(e)[-200:]))
+                continue
+            tps = statistics.median(r["tokens_per_s"] for r in records[2:])
+            as_run, if_flash2 = predicted(cfg, gpu), predicted(cfg, gpu, flash2)
+            rows.append((label, tps > 0, f"{tps:,.0f} tokens/s (MFU {100 * records[-1]['mfu']:.1f}%); "
+                         f"measured/estimate {tps / as_run.tokens_per_s:.2f} ({tps / if_flash2.tokens_per_s:.2f} "
+                         f"if FlashAttention-2); peak {records[-1]['peak_memory_gib']:.1f} GiB, predicted "
+                         f"{as_run.peak_memory_gib:.1f}"))
     return rows
 
 
@@ -230,6 +276,25 @@ def offload_resume(device_type: str = "cuda") -> list[tuple]:
     return [("offload save -> resume", a == b, f"steps 3-4 straight {a}, resumed from {saved.name} {b}")]
 
 
+def cli_round_trip(device_type: str = "cuda") -> list[tuple]:
+    """The user's path: `tetrad train` (the demo config on one rank, train.device=auto), then
+    `tetrad generate` from its checkpoint, as commands."""
+    root = Path(__file__).resolve().parents[1]
+    one_rank = ["--parallel.dp=1", "--parallel.pp=1", "--parallel.cp=1", "--parallel.tp=1",
+                "--parallel.sequence_parallel=false", "--train.steps=40", "--train.eval_every=20",
+                "--checkpoint.every=40"]
+    with tempfile.TemporaryDirectory() as tmp:
+        train = subprocess.run([sys.executable, "-m", "tetrad", "train", str(root / "configs" / "demo.toml"),
+                                *one_rank, f"--run.dir={tmp}/demo"], capture_output=True, text=True, timeout=300)
+        on_device = f"1 rank on {device_type}" in train.stdout
+        generate = subprocess.run([sys.executable, "-m", "tetrad", "generate", f"{tmp}/demo", "--prompt", "The"],
+                                  capture_output=True, text=True, timeout=300)
+    summary = (train.stdout.strip().splitlines() or [train.stderr.strip()[-200:]])[-1]
+    said = (generate.stdout + generate.stderr).strip().splitlines()
+    return [("tetrad train (demo, 1 rank, device auto)", train.returncode == 0 and on_device, summary[:200]),
+            ("tetrad generate", generate.returncode == 0, (said[-1] if said else "")[:200])]
+
+
 # ----------------------------------------------------------------------------- table
 
 def format_table(rows: list[tuple]) -> str:
@@ -241,6 +306,11 @@ def format_table(rows: list[tuple]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python bench/gpu_check.py [PART ...]`: every part, or the named ones (PARTS' keys)."""
+    unknown = [name for name in argv or () if name not in PARTS]
+    if unknown:
+        print(f"gpu_check: unknown part(s) {unknown}; the parts: {', '.join(PARTS)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("gpu_check: this machine has no CUDA GPU that torch can use (torch.cuda.is_available() is "
               f"False; torch {torch.__version__}). Run it on a machine with one NVIDIA GPU and a CUDA build "
@@ -251,22 +321,28 @@ def main(argv: list[str] | None = None) -> int:
     profile = device_profile(torch.device("cuda", 0))
     gpu = profile.name if profile else "H100-SXM"
     start, rows = time.perf_counter(), []
-    for part in (loss_parity, attention_kernels, ring_blocks, offload_resume):
-        rows += _guarded(part)
-    rows += _guarded(lambda: throughput_and_memory(gpu=gpu))
+    for name in argv or PARTS:
+        rows += _guarded(name, lambda: PARTS[name](gpu))
+        print(format_table(rows), f"\n({time.perf_counter() - start:.0f} s so far)\n", flush=True)
     print(f"gpu_check on {torch.cuda.get_device_name(0)} (profile {gpu}), torch {torch.__version__}, "
           f"{time.perf_counter() - start:.0f} s")
     print(format_table(rows))
     return 0 if all(ok for _, ok, _ in rows) else 1
 
 
-def _guarded(part) -> list[tuple]:
+def _guarded(name: str, part) -> list[tuple]:
     """A part that raises is one FAIL row naming the error, and the check goes on."""
     try:
         return part()
     except Exception as e:  # noqa: BLE001 - any failure is a result of the check
-        name = getattr(part, "__name__", "part")
         return [(name, False, f"{type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}"[:300])]
+
+
+# Each part takes the GPU's profile name; in the order they run, the quick ones first.
+PARTS = {"cli": lambda gpu: cli_round_trip(), "parity": lambda gpu: loss_parity(),
+         "throughput": lambda gpu: throughput_and_memory(gpu=gpu), "planner": lambda gpu: planner_points(gpu=gpu),
+         "attention": lambda gpu: attention_kernels(), "offload": lambda gpu: offload_resume(),
+         "ring": lambda gpu: ring_blocks()}
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ for _dtype in DTYPES:
             EXPECTED["cpu", _dtype, _gqa, _algo, False] = ("cpu_flash", False)
             for _cudnn in (False, True):
                 half = _dtype != "fp32"
-                name = ("cudnn" if _algo == "ring" and _cudnn and not _gqa else "flash") if half else "efficient"
+                name = ("cudnn" if _cudnn and (_algo != "ring" or not _gqa) else "flash") if half else "efficient"
                 EXPECTED["cuda", _dtype, _gqa, _algo, _cudnn] = (name, _gqa and not half)
 
 

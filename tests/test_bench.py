@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tetrad.bench import bench_comm, bench_gemm, comm_profile, fit_link, format_table, gemm_profile, write_profile
+from tetrad.bench import attention_profile, attention_tflops, bench_comm, bench_gemm, comm_profile, fit_link, format_table, gemm_profile, write_profile
 from tetrad.dist import autotune, bench
 from tetrad.plan.cost import estimate
 from tetrad.plan.links import LINK_EFFICIENCY, ring_time
@@ -88,3 +88,14 @@ def test_auto_in_training_changes_no_result(capfd):
     log = capfd.readouterr().err
     assert "grad_bucket_mb=auto -> 1 MiB" in log  # the tiny model's gradients are under 4 MiB
     assert "hierarchical=auto -> flat (each dp x cp group of 2 ranks is inside one node" in log
+
+
+def test_attention_rate_and_profile_efficiency_on_cpu():
+    """The accelerator's attention measurement, run on the CPU's flash kernel with tiny shapes:
+    a rate, and an efficiency that is that rate over the peak given (shape law taken out)."""
+    shape = {"tokens": 128, "heads": 2, "head_dim": 16}
+    assert attention_tflops("FLASH_ATTENTION", dtype=torch.float32, **shape) > 0
+    part, rows = attention_profile("cpu", bf16_peak_tflops=1e-3, shape=shape)
+    # the CPU has flash and no cuDNN: one efficiency, and the other backend named as not run
+    assert set(part) == {"attention_efficiency"} and part["attention_efficiency"] > 0
+    assert [r["backend"] for r in rows if r["tflops"] is None] == ["CUDNN_ATTENTION"]

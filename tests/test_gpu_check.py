@@ -23,6 +23,10 @@ def test_exits_with_a_clear_message_without_cuda():
     assert proc.stdout == ""
 
 
+def test_unknown_part_is_refused_with_the_list():
+    assert gpu_check.main(["throughput", "nope"]) == 2
+
+
 def _cpu_parts():
     kernels = {(dtype, gqa, algo): gpu_check.attention_ops("cpu", dtype, gqa, algo, tokens=32)
                for dtype in (torch.float32, torch.bfloat16) for gqa in (False, True) for algo in ("ring", "alltoall")}
@@ -50,7 +54,7 @@ def test_memory_prediction_of_the_1b_model(tmp_path):
 def test_table_marks_failures_and_a_raising_part_is_a_row():
     def broken():
         raise RuntimeError("CUDA out of memory")
-    rows = [("a", True, "fine")] + gpu_check._guarded(broken)
+    rows = [("a", True, "fine")] + gpu_check._guarded("broken", broken)
     table = gpu_check.format_table(rows)
     assert "PASS" in table.splitlines()[1] and "FAIL" in table.splitlines()[2]
     assert "broken" in table and "CUDA out of memory" in table

@@ -50,10 +50,66 @@ def time_gemm(m: int, k: int, n: int, dtype: torch.dtype, device: str = "cpu", m
     return 2 * m * k * n * calls / elapsed / 1e12
 
 
-def bench_gemm(shapes=None, dtypes=("fp32", "bf16"), device: str = "cpu") -> list[dict]:
+def bench_gemm(shapes=None, dtypes=None, device: str = "cpu") -> list[dict]:
+    """Achieved rates by shape and dtype. On an accelerator fp32 runs as training runs it (TF32,
+    train.tf32's default; the caller sets it) and is reported as "tf32", the profile key the
+    planner reads for it."""
     shapes = shapes or (DEFAULT_SHAPES if device == "cpu" else ACCELERATOR_SHAPES)
-    return [{"m": m, "k": k, "n": n, "dtype": d, "tflops": time_gemm(m, k, n, DTYPES[d], device)}
+    dtypes = dtypes or (("fp32", "bf16") if device == "cpu" else ("tf32", "bf16"))
+    return [{"m": m, "k": k, "n": n, "dtype": d, "tflops": time_gemm(m, k, n, DTYPES[d if d != "tf32" else "fp32"], device)}
             for d in dtypes for m, k, n in shapes]
+
+
+# On accelerators, the attention core at a long causal sequence, by SDPA backend: FlashAttention-2
+# (torch's flash backend) gives the profile's attention_efficiency, cuDNN's fused kernel (Hopper
+# and later) its fused_attention_efficiency; both as the planner counts them (plan/layer.py's
+# _attention_core: causal FLOPs, backward FLASH_BACKWARD_FACTOR times the forward, at head dim 128).
+ATTENTION_KERNELS = {"attention_efficiency": "FLASH_ATTENTION", "fused_attention_efficiency": "CUDNN_ATTENTION"}
+ATTENTION_SHAPE = {"tokens": 16384, "heads": 16, "head_dim": 128}
+
+
+def attention_tflops(backend: str, tokens: int, heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                     device: str = "cpu", repeats: int = 5) -> float:
+    """Achieved TFLOP/s of a causal attention forward and backward on SDPA's `backend`, with the
+    planner's FLOP count."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tetrad import device as devices
+    from tetrad.plan.layer import FLASH_BACKWARD_FACTOR
+    dev = torch.device(device)
+    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, heads, tokens, head_dim, device=dev, dtype=dtype)
+
+    def step():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        step()  # warm-up (and the kernel's set-up: cuDNN builds its graph on the first call)
+        devices.synchronize(dev)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        devices.synchronize(dev)
+    seconds = (time.perf_counter() - start) / repeats
+    forward = 4 * tokens * (tokens / 2) * heads * head_dim
+    return (1 + FLASH_BACKWARD_FACTOR) * forward / seconds / 1e12
+
+
+def attention_profile(device: str, bf16_peak_tflops: float, shape: dict = ATTENTION_SHAPE) -> tuple[dict, list[dict]]:
+    """(the profile's attention efficiencies over its measured bf16 GEMM peak, the rows measured).
+    A backend this device lacks is left out, and the built-in profile's figure stays."""
+    from tetrad.plan.layer import GEMM_HALF_DIM
+    tokens = shape["tokens"]
+    part, rows = {}, []
+    for key, backend in ATTENTION_KERNELS.items():
+        try:
+            tflops = attention_tflops(backend, device=device, **shape)
+        except RuntimeError as e:  # no kernel of this backend for this device (e.g. cuDNN's before Hopper)
+            rows.append({"backend": backend, "tflops": None, "error": str(e).splitlines()[0][:120]})
+            continue
+        rows.append({"backend": backend, "tflops": tflops})
+        part[key] = tflops / bf16_peak_tflops / (tokens / (tokens + GEMM_HALF_DIM))
+    return part, rows
 
 
 def memory_gbps(device: str = "cpu", repeats: int = 5) -> float:
@@ -170,6 +226,10 @@ def bench_command(argv: list[str]) -> int:
         rows = bench_gemm(device=device)
         part = gemm_profile(rows, device)
         print(json.dumps(rows, indent=2) if args.json else _gemm_table(rows, part, device, args.threads))
+        if device != "cpu":
+            attention, attention_rows = attention_profile(device, part["peak_tflops"]["bf16"])
+            part.update(attention, attention=attention_rows)
+            print(json.dumps(attention_rows, indent=2) if args.json else _attention_table(attention_rows, attention))
         write_profile(out, part, args.name, max(ranks, default=local), device)
     if args.what in ("comm", "all") and device != "cpu" and (not ranks or max(ranks) > local):
         print(f"tetrad bench comm: group sizes {ranks or '(none)'} need that many {device} devices and this "
@@ -205,6 +265,15 @@ def _device_facts(device: str, ranks_per_node: int) -> dict:
 
 def _default_sizes(device: str = "cpu"):
     return DEFAULT_SIZES if device == "cpu" else ACCELERATOR_SIZES
+
+
+def _attention_table(rows: list[dict], part: dict) -> str:
+    shape = ", ".join(f"{k} {v}" for k, v in ATTENTION_SHAPE.items())
+    lines = [f"causal attention forward + backward, bf16, {shape}:"]
+    for r in rows:
+        lines.append(f"{r['backend']:<18}" + (f"{r['tflops']:>10.1f} TFLOP/s" if r["tflops"] else f"  not run: {r['error']}"))
+    lines += [f"{key} {value:.3f} (of the measured bf16 matmul peak)" for key, value in part.items()]
+    return "\n".join(lines)
 
 
 def _gemm_table(rows: list[dict], part: dict, device: str, threads: int) -> str:

@@ -48,15 +48,16 @@ def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
 
     SDPA's memory-efficient kernel (the only CUDA one for fp32) rejects grouped-query heads, so
     fp32 GQA repeats them rather than fall back to the math kernel; flash and the CPU kernel take
-    them as they are. `cudnn_preferred` is `device.prefers_cudnn_attention`: the ring's bf16/fp16
-    blocks use cuDNN where torch's SDPA would, except with GQA (torch does not check cuDNN for it).
+    them as they are. `cudnn_preferred` is `device.prefers_cudnn_attention`: where it holds, torch's
+    one SDPA call runs cuDNN for bf16/fp16, grouped heads included (seen on an H200, torch 2.11),
+    and the ring's blocks call cuDNN too, except with GQA (its block op takes equal heads only).
     Causal masking does not enter: a ring's causal blocks are square, which every kernel takes.
     """
     half = dtype in (torch.bfloat16, torch.float16)
     if device_type == "cpu":
         return Kernel("cpu_flash", False)
     if device_type == "cuda" and half:
-        return Kernel("cudnn" if cp_algo == "ring" and cudnn_preferred and not gqa else "flash", False)
+        return Kernel("cudnn" if cudnn_preferred and (cp_algo != "ring" or not gqa) else "flash", False)
     if device_type == "cuda":
         return Kernel("efficient", gqa)
     return Kernel("math", gqa) if cp_algo == "ring" else Kernel("sdpa", False)

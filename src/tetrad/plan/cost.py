@@ -75,10 +75,11 @@ class Estimate:
                           "dtype": t.dtype}}
 
 
-def mfu_peak(gpu: GPU, dtype: str) -> float:
-    """The peak MFU is measured against: fp32's for fp32 training, else the 16-bit dense peak
-    (fp8 runs too, as Llama 3 and torchtitan report them)."""
-    return gpu.peak("fp32" if dtype == "fp32" else "bf16")
+def mfu_peak(gpu: GPU, dtype: str, tf32: bool) -> float:
+    """The peak MFU is measured against: fp32's (TF32's where train.tf32 puts fp32 matmuls on
+    its tensor cores) for fp32 training, else the 16-bit dense peak (fp8 runs too, as Llama 3
+    and torchtitan report them)."""
+    return gpu.matmul_peak("fp32" if dtype == "fp32" else "bf16", tf32)
 
 
 def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simulate_pipeline: bool = True) -> Estimate:
@@ -111,7 +112,7 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
 
     global_tokens = t.global_batch * m.seq_len
     per_gpu = global_tokens / step / p.world_size  # tokens per second per GPU
-    peak = mfu_peak(gpu, t.dtype)
+    peak = mfu_peak(gpu, t.dtype, t.tf32)
     model_flops, hw_flops = flops.model_flops_per_token(m), flops.hardware_flops_per_token(m, t.recompute)
     return Estimate(asked, step, global_tokens / step, model_flops * per_gpu / 1e12, model_flops * per_gpu / peak,
                     hw_flops * per_gpu / peak, bubble, max(memory, key=lambda x: x.total), memory, gpu.hbm_gib,

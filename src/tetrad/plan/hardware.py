@@ -53,6 +53,13 @@ class GPU:
             return self.fused_attention_efficiency
         return self.attention_efficiency
 
+    def matmul_peak(self, dtype: str, tf32: bool) -> float:
+        """Dense FLOP/s of a training matmul in train.dtype `dtype`: fp32 on the TF32 tensor cores
+        where `tf32` (train.tf32) and the GPU has them, fp16 at the 16-bit rate."""
+        if dtype == "fp32" and tf32 and "tf32" in self.peak_tflops:
+            dtype = "tf32"
+        return self.peak({"fp16": "bf16"}.get(dtype, dtype))
+
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s of a matmul in `dtype` (fp8 falls back to the 16-bit rate where the GPU has none)."""
         table = self.peak_tflops
@@ -80,8 +87,13 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
     # achieved rates (hence the lower efficiencies).
     GPU("H100-96GB-500W", {"fp32": 60, "tf32": 450, "bf16": 900, "fp16": 900, "fp8": 1800}, 94, 2400, 450, 50,
         gemm_efficiency=0.58, attention_efficiency=0.26, fused_attention_efficiency=0.43, sms=132),
+    # H200: GEMM and fused-attention efficiencies measured on one (`tetrad bench gemm`, torch
+    # 2.11+cu130, 2026-12-04): bf16 matmuls at training shapes sustained 666 TFLOP/s over 2 s at
+    # 8192^3 (662-700 over 0.2 s), 0.71 of the datasheet peak after the shape law; cuDNN's causal
+    # attention (head dim 128, 16k tokens, fwd+bwd) 579-589 TFLOP/s, 0.59; FlashAttention-2's
+    # 241-311, 0.24-0.31 (0.30 kept).
     GPU("H200", {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 140, 4800, 450, 50,
-        gemm_efficiency=0.77, attention_efficiency=0.30, fused_attention_efficiency=0.50, sms=132),
+        gemm_efficiency=0.71, attention_efficiency=0.30, fused_attention_efficiency=0.59, sms=132),
     # B200 (SXM, 1000 W): dense bf16 2250 and fp8 4500 TFLOP/s, 8 TB/s HBM3e, 180 GB, NVLink 5 at 1.8 TB/s
     # both ways (NVIDIA's HGX B200 figures halved for sparsity). Its GEMM efficiency is the H100's
     # scaled by the two chips' measured maximum achievable matmul FLOPS (Bekman, ml-engineering,
@@ -150,6 +162,7 @@ def _measured_profile(path: Path) -> GPU:
                    peak_tflops={**base.peak_tflops, **data.get("peak_tflops", {})},
                    gemm_efficiency=data.get("gemm_efficiency", 1.0 if "peak_tflops" in data else base.gemm_efficiency),
                    attention_efficiency=data.get("attention_efficiency", base.attention_efficiency),
+                   fused_attention_efficiency=data.get("fused_attention_efficiency", base.fused_attention_efficiency),
                    hbm_gib=data.get("memory_gib", base.hbm_gib), hbm_gbps=data.get("memory_gbps", base.hbm_gbps),
                    memory_efficiency=1.0 if "memory_gbps" in data else base.memory_efficiency,
                    intra_gbps=intra.get("beta_gbps", base.intra_gbps),

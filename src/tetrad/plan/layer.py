@@ -37,10 +37,6 @@ def gemm_efficiency(gpu: GPU, *dims: float) -> float:
     return eff
 
 
-def gemm_dtype(dtype: str) -> str:
-    return {"fp16": "bf16"}.get(dtype, dtype)
-
-
 @dataclass(frozen=True)
 class LayerCost:
     """Seconds for one layer, one micro-batch, on one rank. forward / backward_input /
@@ -100,7 +96,7 @@ def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, floa
     h = m.d_model
     q, kv, f = _widths(cfg)
     shapes = [(h, q + 2 * kv), (q, h), (h, f * (2 if m.mlp == "swiglu" else 1)), (f, h)]
-    peak = gpu.peak(gemm_dtype(t.dtype))
+    peak = gpu.matmul_peak(t.dtype, t.tf32)
     gemm = [2 * tokens * k * n / (peak * gemm_efficiency(gpu, tokens, k, n)) for k, n in shapes]
     if t.dtype != "fp8":
         return gemm, 0.0, 0.0
@@ -113,7 +109,7 @@ def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, floa
 def _op_recomputed_gemms(cfg: Config, gpu: GPU, tokens: int) -> float:
     """Seconds of the matmuls `selective-op` recomputes (every other one, from the second)."""
     m, tp = cfg.model, cfg.parallel.tp
-    peak = gpu.peak(gemm_dtype(cfg.train.dtype))
+    peak = gpu.matmul_peak(cfg.train.dtype, cfg.train.tf32)
     shapes = [(k / tp, n) if row else (k, n / tp) for k, n, row in flops.layer_matmuls(m)[1::2]]
     return sum(2 * tokens * k * n / (peak * gemm_efficiency(gpu, tokens, k, n)) for k, n in shapes)
 
@@ -126,7 +122,8 @@ def _attention_core(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[f
     hd, heads = m.head_dim, m.n_heads / p.tp
     peak = gpu.peak("fp32" if t.dtype == "fp32" else "bf16")
     if stack.flash_attention:
-        eff = gpu.attention(stack.attention_kernel == "fused") * _shape(hd) / _shape(128) * _shape(tokens / t.micro_batch)
+        fused = stack.attention_kernel == "fused" and t.dtype != "fp32"  # fused kernels are 16-bit only
+        eff = gpu.attention(fused) * _shape(hd) / _shape(128) * _shape(tokens / t.micro_batch)
         forward = 4 * tokens * (m.seq_len / 2) * heads * hd / (peak * eff)
         slower_f, slower_b = ATTENTION_KERNELS[stack.attention_kernel]
         return slower_f * forward, slower_b * FLASH_BACKWARD_FACTOR * forward
@@ -240,7 +237,7 @@ def end_costs(cfg: Config, cluster: Cluster) -> tuple[tuple[float, float, float]
     table = m.vocab_size / p.tp * m.d_model
     embed = (hidden / hbm + embed_ar, 0.0, (tokens * m.d_model * (e + 4) + table * (2 * e + 12)) / hbm)
     vocab = m.vocab_size / p.tp
-    peak = gpu.peak(gemm_dtype(t.dtype))
+    peak = gpu.matmul_peak(t.dtype, t.tf32)
     logits = 2 * tokens * m.d_model * vocab / (peak * gemm_efficiency(gpu, tokens, m.d_model, vocab))
     ce = tokens * vocab * (3 * e + 8) / hbm  # read logits (max, sum-exp, target), fp32 softmax out, grad
     norm = 4 * hidden / hbm

@@ -183,7 +183,10 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
         rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
     # Final norm and head inputs; the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
-    head = loss_waiting * (2 * hidden + 8 * tokens * m.vocab_size / p.tp)
+    # Without tp, torch's cross-entropy takes an fp32 copy of 16-bit logits while they are still
+    # held, beside its fp32 log-softmax: the logits once more (seen on an H200, docs/gpu.md).
+    logit_bytes = 8 + (e if p.tp == 1 and e < 4 else 0)
+    head = loss_waiting * (2 * hidden + logit_bytes * tokens * m.vocab_size / p.tp)
     params = rank_params(cfg)
     buffers = _buffers(cfg, stack, tokens, e, params[0])
     per_param = state_bytes_per_param(t.dtype)

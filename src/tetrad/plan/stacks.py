@@ -62,8 +62,11 @@ class Stack:
 
 
 STACKS: dict[str, Stack] = {s.name: s for s in [
+    # tetrad's attention is torch's SDPA (model/attention.py): with a current torch (2.11 seen) it
+    # runs cuDNN's fused kernel in bf16/fp16 where torch prefers it (Hopper, Blackwell: seen on an
+    # H200 by bench/gpu_check.py) and FlashAttention-2 elsewhere (a GPU with no fused efficiency).
     Stack("tetrad", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
-          sp_saves_gathered_input=True, zero1_reduce_scatter=False),
+          sp_saves_gathered_input=True, zero1_reduce_scatter=False, attention_kernel="fused"),
     # tetrad with train.compile: inductor fuses each block's element-wise chains (norms, RoPE,
     # SwiGLU, residuals) into one kernel per region between tp/cp collectives, so they cost what
     # fused kernels do (Ansel et al. 2024, "PyTorch 2", ASPLOS, sec. 5: inductor's fusion), and
@@ -71,7 +74,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # measured by tetrad's saved-tensor count (2 layers, d 64, ffn 256, 128 tokens, fp32, tp 1):
     # 1,946,132 -> 1,552,916 bytes, per layer one SwiGLU tensor (131,072), one attention output
     # (32,768) and 32,768 more, not counted here. Collectives and the optimizer stay tetrad's.
-    Stack("tetrad-compiled", fused_grad_accumulation=False, sp_saves_gathered_input=True, zero1_reduce_scatter=False),
+    Stack("tetrad-compiled", fused_grad_accumulation=False, sp_saves_gathered_input=True, zero1_reduce_scatter=False,
+          attention_kernel="fused"),
     # torch.compile'd PyTorch (torchtitan), Megatron-Core with Transformer Engine.
     Stack("compiled", zero3_held_under_pp=True, sp_saves_gathered_input=True),
     # Megatron-LM since 2023 (flash attention, fused kernels, overlapped gradient buckets).

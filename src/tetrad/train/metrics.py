@@ -94,8 +94,8 @@ def device_profile(device: torch.device) -> GPU | None:
 class FlopRate:
     """MFU and HFU of a step with the planner's FLOP convention (model/flops.py: causal attention
     counted in full, recomputation only in HFU): this rank's share of the model FLOPs of the
-    global batch, per second of step time, over the peak of `device_profile` (fp32's for fp32
-    training, else the 16-bit peak, as `tetrad estimate`)."""
+    global batch, per second of step time, over the peak of `device_profile` (fp32's, or TF32's
+    under train.tf32, for fp32 training, else the 16-bit peak, as `tetrad estimate`)."""
 
     def __init__(self, cfg, device: torch.device):
         m, t = cfg.model, cfg.train
@@ -103,7 +103,7 @@ class FlopRate:
         self.model_flops = flops.model_flops_per_token(m) * per_rank
         self.hardware_flops = flops.hardware_flops_per_token(m, t.recompute) * per_rank
         gpu = device_profile(device)
-        self.peak = mfu_peak(gpu, t.dtype) if gpu else None
+        self.peak = mfu_peak(gpu, t.dtype, t.tf32) if gpu else None
 
     def __call__(self, step_time_s: float) -> dict:
         if self.peak is None:

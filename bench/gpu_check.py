@@ -224,15 +224,13 @@ def throughput_and_memory(device_type: str = "cuda", gpu: str = "H200", steps: i
     return rows
 
 
-# Runs the planner was not fitted to, each named by what it stresses: (label, model keys, train
-# keys, whether the estimate is expected to hold: the fp32 row is a known gap, docs/planner.md).
+# Runs the planner was not fitted to, each named by what it stresses: (label, model keys, train keys).
 LLAMA_8B_4_LAYERS = {"preset": "llama3-8b", "n_layers": 4, "seq_len": 8192}
 CALIBRATION = (
-    ("1B seq 16384 (long sequence)", {**LLAMA_1B, "seq_len": 16384}, {"global_batch": 2, "micro_batch": 1}, True),
-    ("1B seq 4096 recompute=full", LLAMA_1B, {"global_batch": 4, "micro_batch": 2, "recompute": "full"}, True),
-    ("1B seq 2048 fp32 (TF32)", {**LLAMA_1B, "seq_len": 2048}, {"global_batch": 4, "micro_batch": 2, "dtype": "fp32"},
-     False),
-    ("Llama-3-8B layers x4, seq 8192", LLAMA_8B_4_LAYERS, {"global_batch": 2, "micro_batch": 1}, True),
+    ("1B seq 16384 (long sequence)", {**LLAMA_1B, "seq_len": 16384}, {"global_batch": 2, "micro_batch": 1}),
+    ("1B seq 4096 recompute=full", LLAMA_1B, {"global_batch": 4, "micro_batch": 2, "recompute": "full"}),
+    ("1B seq 2048 fp32 (TF32)", {**LLAMA_1B, "seq_len": 2048}, {"global_batch": 4, "micro_batch": 2, "dtype": "fp32"}),
+    ("Llama-3-8B layers x4, seq 8192", LLAMA_8B_4_LAYERS, {"global_batch": 2, "micro_batch": 1}),
 )
 # How far a measurement may sit from `tetrad estimate` before its row fails: time, memory. On the
 # H200 the planner's runs sat within 7% and 3% (tests/test_plan_h200.py); another GPU has its
@@ -248,14 +246,14 @@ def planner_points(device_type: str = "cuda", gpu: str = "H200", steps: int = 5)
     """Measured tokens/s and peak memory of eager runs against `tetrad estimate` (tests/
     test_plan_h200.py keeps the H200's figures), and the estimate had the attention core been
     FlashAttention-2 (what torch runs where it does not prefer cuDNN's kernel). A row fails when
-    either is off by more than ESTIMATE_TOLERANCE, unless it is a known gap (then only its memory)."""
+    either is off by more than ESTIMATE_TOLERANCE."""
     from dataclasses import replace
 
     from tetrad.plan.stacks import STACKS
     flash2 = replace(STACKS["tetrad"], attention_kernel="flash2")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, model, train, holds) in enumerate(CALIBRATION):
+        for i, (label, model, train) in enumerate(CALIBRATION):
             cfg = config({"model": model}, f"{tmp}/{i}", **{"steps": steps, "dtype": "bf16", "warmup": 1,
                                                            "device": device_type, **train})
             try:
@@ -267,8 +265,8 @@ def planner_points(device_type: str = "cuda", gpu: str = "H200", steps: int = 5)
             as_run, if_flash2 = predicted(cfg, gpu), predicted(cfg, gpu, flash2)
             peak = records[-1]["peak_memory_gib"]
             ok = near(peak, as_run.peak_memory_gib, ESTIMATE_TOLERANCE[1]) and \
-                (not holds or near(tps, as_run.tokens_per_s, ESTIMATE_TOLERANCE[0]))
-            rows.append((label + ("" if holds else " (known gap)"), ok, f"{tps:,.0f} tokens/s (MFU {100 * records[-1]['mfu']:.1f}%); "
+                near(tps, as_run.tokens_per_s, ESTIMATE_TOLERANCE[0])
+            rows.append((label, ok, f"{tps:,.0f} tokens/s (MFU {100 * records[-1]['mfu']:.1f}%); "
                          f"measured/estimate {tps / as_run.tokens_per_s:.2f} ({tps / if_flash2.tokens_per_s:.2f} "
                          f"if FlashAttention-2); peak {peak:.1f} GiB, predicted "
                          f"{as_run.peak_memory_gib:.1f}"))

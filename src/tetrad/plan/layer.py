@@ -120,7 +120,12 @@ def _attention_core(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[f
     units and round-trip HBM."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hd, heads = m.head_dim, m.n_heads / p.tp
-    peak = gpu.peak("fp32" if t.dtype == "fp32" else "bf16")
+    peak = gpu.peak("bf16")
+    if t.dtype == "fp32":
+        # SDPA's fp32 kernel (memory-efficient, CUTLASS) runs on the tensor cores where the GPU has
+        # TF32, as 3xTF32 (OpMultiplyAddFastF32: three TF32 products per fp32 one; torch's
+        # mem_eff_attention gemm_kernel_utils.h, DefaultGemmType for float at compute capability 8+).
+        peak = gpu.peak("tf32") / 3 if "tf32" in gpu.peak_tflops else gpu.peak("fp32")
     if stack.flash_attention:
         fused = stack.attention_kernel == "fused" and t.dtype != "fp32"  # fused kernels are 16-bit only
         eff = gpu.attention(fused) * _shape(hd) / _shape(128) * _shape(tokens / t.micro_batch)

@@ -3,12 +3,15 @@ what each stack changes in an estimate, that the docs say which to choose, and r
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tetrad.config import load_config
+from tetrad.model import flops
 from tetrad.plan.cost import estimate
+from tetrad.plan.layer import layer_cost
 from tetrad.plan.hardware import cluster_of
 from tetrad.plan.reference import agreement, kendall_tau
 from tetrad.plan.stacks import STACKS
@@ -41,13 +44,28 @@ def test_fused_attention_is_faster_on_hopper_only(gpu, faster):
 
 
 def test_triton_attention_costs_what_the_flashattention2_paper_measured():
-    # Only the attention kernel differs between fsdp and llm-foundry: forward 1.4x, backward 2x.
+    # llm-foundry against itself on FlashAttention-2: forward 1.4x, backward 2x.
     times = {}
+    flash2 = replace(STACKS["llm-foundry"], attention_kernel="flash2")
     for seq in (512, 32768):
         cfg, cluster = _llama8b(seq_len=seq, dp=8, zero=3), cluster_of("H100-SXM", 8)
-        fa2, triton = (estimate(cfg, cluster, stack).breakdown["compute"] for stack in ("fsdp", "llm-foundry"))
+        fa2, triton = (estimate(cfg, cluster, stack).breakdown["compute"] for stack in (flash2, "llm-foundry"))
         times[seq] = triton / fa2
     assert 1.0 < times[512] < 1.05 and 1.4 < times[32768] < 1.9, times
+
+
+def test_fsdp_copies_cost_their_bytes_through_hbm():
+    # Per layer and micro-batch: FSDP2 14 bytes per parameter (two gathers' copy-out, 2 x 4; the
+    # gradient's copy into the fp32 reduce-scatter input, 6), FSDP1 18 (flat gradient 4, fp32 cast 6,
+    # pre-divide 8), and neither the full fp32 accumulation of tetrad's buckets (12) at 8 micro-batches.
+    cfg, cluster = _llama8b(dp=8, zero=3), cluster_of("H100-SXM", 8)
+    per_byte = (flops.layer_matrix_params(cfg.model) + flops.layer_norm_params(cfg.model)) / cluster.gpu.hbm_bytes_per_s
+    fsdp = STACKS["fsdp"]
+    buckets = layer_cost(cfg, cluster, replace(fsdp, zero3_impl="buckets")).compute - 12 * per_byte
+    assert layer_cost(cfg, cluster, fsdp).compute == pytest.approx(buckets + 14 * per_byte)
+    assert layer_cost(cfg, cluster, replace(fsdp, zero3_impl="fsdp1")).compute == pytest.approx(buckets + 18 * per_byte)
+    zero1 = _llama8b(dp=8, zero=1)  # no per-layer gathers, no copies
+    assert layer_cost(zero1, cluster, fsdp).compute == layer_cost(zero1, cluster, replace(fsdp, zero3_impl="buckets")).compute
 
 
 def test_compiled_tetrad_fuses_element_wise_work_and_saves_less():

@@ -4,7 +4,8 @@ Compute: GEMM FLOPs / (peak x the efficiency of that GEMM's shape); the attentio
 GPU's flash-attention efficiency (a causal kernel executes half the square) or, without flash
 attention, as batched GEMMs plus the scores' HBM round trips; element-wise work and fp8 casts as
 bytes / HBM bandwidth. The layer's TP, CP and ZeRO-3 collectives (links.py) are exposed where
-nothing hides them. The pipeline simulator runs these costs (cost.py).
+nothing hides them; under FSDP also its copies of the weights and gradients. The pipeline
+simulator runs these costs (cost.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     compute_f = sum(gemm) + cast_f + attn_f + elem_f
     compute_bi = sum(gemm) + cast_b / 2 + attn_b + elem_b
     compute_bw = sum(gemm) + cast_b / 2
-    if not stack.fused_grad_accumulation and cfg.microbatches > 1:
+    copy_f, copy_bi, copy_bw = _zero3_copies(cfg, cluster.gpu, stack)
+    compute_f, compute_bi, compute_bw = compute_f + copy_f, compute_bi + copy_bi, compute_bw + copy_bw
+    # Without fused accumulation each micro-batch's gradient is added to the full fp32 buffer, except
+    # under FSDP's ZeRO-3, which reduce-scatters every micro-batch and accumulates only its shard.
+    fsdp = p.zero == 3 and stack.zero3_impl != "buckets"
+    if not stack.fused_grad_accumulation and cfg.microbatches > 1 and not fsdp:
         params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
         compute_bw += params * 12 / cluster.gpu.hbm_bytes_per_s  # fp32 accumulator: read it and the new gradient, write it
     e = activation_bytes(t.dtype)
@@ -224,6 +230,31 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
     gpu = cluster.gpu
     return (max(0.0, gather - forward) + overlap_slowdown(gather, forward, gpu),
             max(0.0, gather - backward) + overlap_slowdown(gather + scatter, backward, gpu))
+
+
+def _zero3_copies(cfg: Config, gpu: GPU, stack: Stack) -> tuple[float, float, float]:
+    """(forward, backward_input, backward_weight) seconds of the copies and casts FSDP makes of a
+    layer's weights and gradients every micro-batch, at HBM bandwidth: full-size element-wise
+    kernels, which take every SM they are given, so those on FSDP's side streams delay the
+    layer's kernels by their whole time (unlike NCCL's few CTAs, `links.overlap_slowdown`).
+    Shard-sized work (casting the shard for the gather, accumulating the reduced shard) is 1/n
+    of this and left out. FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
+    each gather's output is split into the parameters (`split_with_sizes_copy`, read and write),
+    forward and again backward; the gradients are copied into the reduce-scatter input in its
+    dtype (`chunk_cat`); fp32 and bf16 are averaged by NCCL itself. FSDP1 (torch/distributed/
+    fsdp/_flat_param.py, _runtime_utils.py): gathers straight into the flat parameter, whose
+    views autograd tracks, so backward concatenates the gradients into the flat gradient; then
+    casts it to the reduce dtype and divides it before the reduce-scatter (its pre-divide
+    factor is at least 2 on 2 or more ranks)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.zero < 3 or p.dp * p.cp == 1 or stack.zero3_impl == "buckets":
+        return 0.0, 0.0, 0.0
+    params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+    e, r = state_bytes_per_param(t.dtype)[0], stack.grad_reduce_bytes
+    per_byte = params / gpu.hbm_bytes_per_s
+    if stack.zero3_impl == "fsdp1":
+        return 0.0, 0.0, per_byte * (2 * e + (e + r if r != e else 0) + 2 * r)
+    return per_byte * 2 * e, per_byte * 2 * e, per_byte * (e + r)
 
 
 def end_costs(cfg: Config, cluster: Cluster) -> tuple[tuple[float, float, float], tuple[float, float, float]]:

@@ -59,6 +59,11 @@ class Stack:
     # Under pipeline parallelism ZeRO-3 gathers a stage's weights once per step and keeps them,
     # reducing gradients once at the end (torchtitan's FSDP2 with PP): it costs what ZeRO-1 does.
     zero3_held_under_pp: bool = False
+    # ZeRO-3's implementation, for the copies it makes every micro-batch (layer.py's `_zero3_copies`):
+    # "buckets" (tetrad's: gathers into flat buffers the parameters are views of, gradients added
+    # to a full fp32 bucket as unfused accumulation), "fsdp1" (FullyShardedDataParallel's flat
+    # parameter), "fsdp2" (fully_shard's per-parameter shards).
+    zero3_impl: str = "buckets"
 
 
 STACKS: dict[str, Stack] = {s.name: s for s in [
@@ -77,21 +82,21 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("tetrad-compiled", fused_grad_accumulation=False, sp_saves_gathered_input=True, zero1_reduce_scatter=False,
           attention_kernel="fused"),
     # torch.compile'd PyTorch (torchtitan), Megatron-Core with Transformer Engine.
-    Stack("compiled", zero3_held_under_pp=True, sp_saves_gathered_input=True),
+    Stack("compiled", zero3_held_under_pp=True, sp_saves_gathered_input=True, zero3_impl="fsdp2"),
     # Megatron-LM since 2023 (flash attention, fused kernels, overlapped gradient buckets).
     Stack("megatron", pp_blocking_p2p=True),
     # Megatron-LM of Narayanan et al. 2021: scores materialised, TP and DP collectives synchronous,
     # fp16 gradients all-reduced as they are, scatter/gather pipeline sends.
     Stack("megatron-2021", flash_attention=False, tp_overlap="none", dp_overlap=False, pp_scatter_gather=True,
           pp_blocking_p2p=True, grad_reduce_bytes=2, fused_grad_accumulation=False),
-    # PyTorch FSDP without torch.compile (FSDP1 FullyShardedDataParallel or FSDP2 fully_shard over an
-    # eager model, e.g. llama-recipes, HF Trainer/accelerate): eager element-wise kernels and
+    # PyTorch FSDP without torch.compile (FSDP2 fully_shard over an eager model, e.g. torchtitan
+    # eager; FSDP1's copies are `llm-foundry`'s): eager element-wise kernels and
     # autograd's saved tensors as tetrad's own; gradients reduce-scattered per bucket (one per
     # wrapped block) as backward produces them, in fp32 (MixedPrecision reduce_dtype); TP, where
     # used, is DTensor's, with no asynchronous overlap. Source: Zhao et al. 2023, "PyTorch FSDP"
     # (arXiv 2304.11277), sections 3.3-3.4 (backward prefetch, rate limiter, reduce-scatter per unit).
     Stack("fsdp", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
-          sp_saves_gathered_input=True, tp_overlap="none"),
+          sp_saves_gathered_input=True, tp_overlap="none", zero3_impl="fsdp2"),
     # DeepSpeed ZeRO 1-3 over an eager model (Megatron-DeepSpeed, HF + DeepSpeed): eager kernels;
     # gradients reduced in the model's 16-bit dtype (`communication_data_type` defaults to it) and
     # reduce-scattered (`reduce_scatter: true`); its pipeline engine blocks on each send/receive.
@@ -106,11 +111,14 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # batched pipeline sends and receives. Source: docs.nvidia.com/megatron-core/developer-guide
     # (dist_optimizer, DistributedDataParallelConfig).
     Stack("megatron-core", pp_blocking_p2p=True, param_gather_overlap=True, attention_kernel="fused"),
-    # MosaicML's LLM Foundry on Composer (2023): PyTorch FSDP over an eager model, as `fsdp`, with
+    # MosaicML's LLM Foundry on Composer (2023): PyTorch FSDP1 over an eager model, as `fsdp`, with
     # FlashAttention's Triton kernel (its MPT configs' `attn_impl: triton`, e.g.
-    # scripts/train/yamls/pretrain/mpt-7b.yaml of github.com/mosaicml/llm-foundry).
+    # scripts/train/yamls/pretrain/mpt-7b.yaml of github.com/mosaicml/llm-foundry); its `DEFAULT`
+    # mixed precision gathers 16-bit weights and reduces fp32 gradients (composer/distributed/
+    # mosaic_parallelism.py, get_mixed_precision), every micro-batch (Composer's ddp_sync_context
+    # enters no_sync only for DDP).
     Stack("llm-foundry", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
-          sp_saves_gathered_input=True, tp_overlap="none", attention_kernel="triton"),
+          sp_saves_gathered_input=True, tp_overlap="none", attention_kernel="triton", zero3_impl="fsdp1"),
 ]}
 STACKS["torchtitan"] = STACKS["compiled"]  # the name users know it by
 

@@ -9,8 +9,9 @@ from below is its own tests' (tests/test_plan_runtime.py); here its allowances a
 Measured with glibc's mmap threshold held at its default (128 KiB) instead of raised by every
 free: with the dynamic threshold glibc keeps freed buffers in its heaps, and the resident set
 describes the allocator's retention (+25 to +85 MiB per rank, varying by stage and run) rather
-than what the runtime holds. 2-core CPU, 2026-12-03 21:00 UTC: 483/318/270/174 MiB against
-515/350/323/219 predicted. Before ZeRO ran gloo's collectives in place
+than what the runtime holds. tetrad's ranks keep glibc's default: fixing the threshold costs
+15-50% of the step time on CPU (docs/platform.md, Host memory). 2-core CPU, 2026-12-03 21:00
+UTC: 483/318/270/174 MiB against 515/350/323/219 predicted. Before ZeRO ran gloo's collectives in place
 (parallel/data/collectives.py) the same run measured 506/386/345/214 (then 508/341/297/201 with
 them): ZeRO-1 and ZeRO-2 above the prediction by a bucket-sized scratch per collective in flight;
 with gloo's own collectives on today's runtime, 483/359/318/187: ZeRO-1 above it.

@@ -14,7 +14,10 @@ round to round. Peak: the trainer's peak_memory_gib after the last step, max ove
 the median step_time_s of steps 2 on, max over ranks. Prints medians over the rounds with
 [min-max] and the ratio of the step medians (fixed / default).
 
-    .venv/bin/python bench/bench_host_memory.py [--rounds 3] [--steps 8]
+--per-tensor: what one tensor costs instead, in one rank of one thread under each setting:
+allocating, filling and freeing it over and over, less filling it alone (medians of 7 repeats).
+
+    .venv/bin/python bench/bench_host_memory.py [--rounds 3] [--steps 8] [--per-tensor]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import ctypes
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -38,13 +42,50 @@ FIXED_THRESHOLD = 128 << 10  # glibc's initial mmap threshold
 SETTINGS = ("default", "fixed")
 
 
-def _rank(cfg, setting: str) -> tuple[float, float]:
+def _set_up(setting: str) -> None:
     if setting == "fixed":
         libc = ctypes.CDLL(None)
         libc.mallopt(M_MMAP_THRESHOLD, FIXED_THRESHOLD)
         libc.mallopt(M_TRIM_THRESHOLD, FIXED_THRESHOLD)
+
+
+def _rank(cfg, setting: str) -> tuple[float, float]:
+    _set_up(setting)
     history = Trainer(cfg, torch.device("cpu")).fit()
     return history[-1]["peak_memory_gib"] * 1024, statistics.median(r["step_time_s"] for r in history[1:])
+
+
+def _median_s(fn, reps: int) -> float:
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        times.append((time.perf_counter() - start) / reps)
+    return statistics.median(times)
+
+
+def _per_tensor(setting: str, sizes_kib: tuple[int, ...]) -> list[tuple[float, float]]:
+    """(seconds to allocate, fill and free a tensor, seconds to fill it alone) for each size."""
+    _set_up(setting)
+    torch.set_num_threads(1)
+    out = []
+    for kib in sizes_kib:
+        numel, reps = kib * 256, max(20, 20000 // kib)
+        held = torch.empty(numel)
+        out.append((_median_s(lambda: torch.empty(numel).fill_(1.0), reps), _median_s(lambda: held.fill_(1.0), reps)))
+    return out
+
+
+def per_tensor_table() -> str:
+    sizes = (256, 1024, 4096, 16384)
+    rows = ["setting   KiB   alloc+fill+free us   fill us   extra us   extra us/MiB"]
+    for setting in SETTINGS:
+        for kib, (whole, fill) in zip(sizes, launch.run_local(_per_tensor, 1, (setting, sizes), spawn=True)[0]):
+            extra = 1e6 * (whole - fill)
+            rows.append(f"{setting:>7} {kib:>5}  {1e6 * whole:>19.1f}  {1e6 * fill:>8.1f}  {extra:>9.1f}  "
+                        f"{extra * 1024 / kib:>13.1f}")
+    return "\n".join(rows)
 
 
 def _cfg(zero: int, steps: int):
@@ -63,7 +104,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--per-tensor", action="store_true", help="time one tensor's allocation instead")
     args = ap.parse_args()
+    if args.per_tensor:
+        print(per_tensor_table())
+        return 0
     peak = {(s, z): [] for s in SETTINGS for z in range(4)}
     step = {(s, z): [] for s in SETTINGS for z in range(4)}
     for r in range(args.rounds):

@@ -4,7 +4,9 @@
 import pytest
 import torch
 
-from conftest import assert_parity, first_step_gradients, grad_norms, tiny_config, train_layout
+import tetrad.parallel.data
+from conftest import assert_parity, first_step_gradients, grad_norms, run_ranks, tiny_config, train_layout
+from tetrad.model.execution import GRAD_SINK
 from tetrad.train.trainer import Trainer
 
 pytestmark = pytest.mark.dist
@@ -29,6 +31,23 @@ def test_reduced_gradients_match_single_process(reference_gradients, parallel):
         scale = float(ref.abs().max())
         assert scale > 0, name  # every parameter gets a gradient: the comparison is not vacuous
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+def _sunk_weights(cfg) -> list[str]:
+    trainer = Trainer(cfg, torch.device("cpu"))
+    return [name for name, p in trainer.model.named_parameters() if hasattr(p, GRAD_SINK)]
+
+
+def test_fused_linear_gradients_match_autograds(reference_gradients, monkeypatch):
+    # Gradient accumulation fusion against autograd's linear: the tiny model's weights are below
+    # SINK_MIN_NUMEL (the reference ran unfused), so lower it to fuse every linear; micro_batch 1
+    # accumulates 4 micro-batches per rank (the sink's first write and its later adds).
+    assert run_ranks(_sunk_weights, 1, tiny_config(model=MODEL))[0] == []
+    monkeypatch.setattr(tetrad.parallel.data, "SINK_MIN_NUMEL", 0)  # forked ranks inherit it
+    assert len(run_ranks(_sunk_weights, 1, tiny_config(model=MODEL))[0]) == 2 * 7  # q k v o, w1 w2 w3
+    grads = first_step_gradients(tiny_config(model=MODEL, parallel={"dp": 2}, train={"micro_batch": 1}))
+    for name, ref in reference_gradients.items():
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=name)
 
 
 class SummingTrainer(Trainer):

@@ -32,12 +32,6 @@ def sink_or_matmul(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> to
     return None
 
 
-def has_grad_sink(weight: torch.Tensor) -> bool:
-    """Outside torch.compile, the weight's gradient goes to a `GRAD_SINK` (a compiled region keeps
-    autograd's linear: a custom Function there would break its graph)."""
-    return not torch.compiler.is_compiling() and hasattr(weight, GRAD_SINK)
-
-
 class DeferredWeightGrads:
     """Zero-bubble's split backward (one per model, in its Execution): while `collecting()` is
     open, linear layers queue their weight-gradient matmuls instead of computing them, and the

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tetrad.model.execution import Execution, has_grad_sink, run_eagerly
+from tetrad.model.execution import GRAD_SINK, Execution, run_eagerly
 
 
 # ----------------------------------------------------------------------------- sequence layout
@@ -104,8 +104,8 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 class _Linear(torch.autograd.Function):
-    """y = x W^T whose weight gradient can be deferred or sunk (DeferredWeightGrads); used instead
-    of F.linear only under a zero-bubble schedule or gradient accumulation fusion."""
+    """y = x W^T whose weight gradient can be deferred (DeferredWeightGrads); used instead of
+    F.linear only under a zero-bubble schedule."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_grads):
@@ -120,11 +120,33 @@ class _Linear(torch.autograd.Function):
         return grad.matmul(weight), grad_weight, None
 
 
+class _SinkLinear(torch.autograd.Function):
+    """y = x W^T whose weight gradient dy^T x goes to the weight's `sink` (model/execution.py's
+    GRAD_SINK) and autograd gets None for it: gradient accumulation fusion. As lean as a Python
+    autograd Function gets (its fixed cost is what decides which weights get a sink)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, sink):
+        ctx.sink = sink
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.sink(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+        return grad.matmul(weight), None, None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution) -> torch.Tensor:
-    """x W^T with no communication: F.linear, or `_Linear` when backward is split or the weight's
-    gradient goes to a sink (model/execution.py's GRAD_SINK)."""
-    if ex.split_backward or has_grad_sink(weight):
+    """x W^T with no communication: F.linear, `_Linear` when backward is split, or `_SinkLinear`
+    when the weight's gradient goes to a sink (never inside torch.compile: a custom Function
+    there would break its graph; a compiled region keeps F.linear)."""
+    if ex.split_backward:
         return run_eagerly(_Linear.apply, x, weight, ex.weight_grads)
+    sink = None if torch.compiler.is_compiling() else getattr(weight, GRAD_SINK, None)
+    if sink is not None:
+        return _SinkLinear.apply(x, weight, sink)
     return F.linear(x, weight)
 
 

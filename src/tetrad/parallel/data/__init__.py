@@ -47,6 +47,14 @@ from tetrad.parallel.data.zero3 import ParamGather
 
 __all__ = ["GradReducer", "ShardedAdamW", "zero_loaded", "zero_pieces"]
 
+# Gradient accumulation fusion (model/execution.py's GRAD_SINK) only for linear weights of at
+# least this many elements. Routing a linear through a Python autograd Function (mappings.py's
+# _SinkLinear) costs a fixed ~22 us of host time per forward and backward, against F.linear; what
+# it saves (the dW tensor and its copy or add into the bucket) grows with the weight, ~0.6 ns per
+# element in a Trainer step: break-even near 35k elements (measured on a 2-core CPU; figures in the
+# commit that set this). Smaller weights, a tiny model's, would pay the Function for little or nothing.
+SINK_MIN_NUMEL = 1 << 16
+
 
 class GradReducer:
     """The flat gradient (and, under ZeRO, parameter) buffers of `params` and their reduction over
@@ -94,8 +102,8 @@ class GradReducer:
             self.zero3 = ParamGather(self.buckets, self.flat, self.weights.shards, topo, self.execution,
                                      layout.root, prefetch)
             self.zero3.install(model, layout.blocks)
-        linears = {id(m.weight) for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))} \
-            if model is not None else set()
+        linears = {id(m.weight) for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+                   and m.weight.numel() >= SINK_MIN_NUMEL} if model is not None else set()
         self.sync = GradSync(self.buckets, topo, self.execution, self.zero, self.codec, hierarchical,
                              on_complete=self.zero3.on_complete if self.zero3 else None,
                              linear_weights=frozenset(linears))

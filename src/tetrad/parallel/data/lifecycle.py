@@ -52,8 +52,9 @@ class GradSync:
         # then adding took three: 6 of 130 ms a step in bench_dp) and later micro-batches' are
         # added into the bucket by autograd itself (torch DDP's gradient_as_bucket_view); a
         # parameter that got none is zeroed at the end of backward (`_settle`). The linears'
-        # weights (`linear_weights`, by id) go further: their weight-gradient GEMM writes into the
-        # view itself (model/execution.py's GRAD_SINK), so no dW tensor is made and copied.
+        # weights in `linear_weights` (by id; GradReducer's pick: those large enough to pay for
+        # it) go further: their weight-gradient GEMM writes into the view itself
+        # (model/execution.py's GRAD_SINK), so no dW tensor is made and copied.
         self.in_place = zero < 2 and not execution.split_backward and all(
             p.dtype == torch.float32 for b in buckets for p in b.params)
         for bucket in buckets:

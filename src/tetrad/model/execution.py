@@ -67,10 +67,6 @@ class DeferredWeightGrads:
             torch.autograd.backward(ws, compute())
             queue[i] = None  # its inputs and output gradients go now, not after the whole BW
 
-    def linear_grad(self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """`grads` for one linear (mappings._Linear's `weight_grad`)."""
-        return self.grads([weight], (grad,), x)[0]
-
     def grads(self, weights: list, grads: tuple, x: torch.Tensor) -> list:
         """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate (or,
         for a weight with a `GRAD_SINK`, handed to it: None returned), or queued while

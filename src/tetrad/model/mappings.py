@@ -104,36 +104,49 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 class _Linear(torch.autograd.Function):
-    """y = x W^T whose weight gradient is `weight_grad(grad, x, weight)`'s to make: deferred by a
-    zero-bubble schedule (DeferredWeightGrads.linear_grad) or written into the weight's sink by
-    gradient accumulation fusion (`_into_sink`); it returns dW for autograd, or None. Used instead
-    of F.linear only then: a Python autograd Function costs ~22 us per linear per step on CPU."""
+    """y = x W^T whose weight gradient can be deferred (DeferredWeightGrads); used instead of
+    F.linear only under a zero-bubble schedule."""
 
     @staticmethod
-    def forward(ctx, x, weight, weight_grad):
-        ctx.weight_grad = weight_grad
+    def forward(ctx, x, weight, weight_grads):
+        ctx.weight_grads = weight_grads
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        return grad.matmul(weight), ctx.weight_grad(grad, x, weight), None
+        grad_weight, = ctx.weight_grads.grads([weight], (grad,), x)
+        return grad.matmul(weight), grad_weight, None
 
 
-def _into_sink(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """dW = dy^T x handed to the weight's GRAD_SINK (model/execution.py); autograd gets None."""
-    getattr(weight, GRAD_SINK)(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+class _SinkLinear(torch.autograd.Function):
+    """y = x W^T whose weight gradient dy^T x goes to the weight's `sink` (model/execution.py's
+    GRAD_SINK) and autograd gets None for it: gradient accumulation fusion. As lean as a Python
+    autograd Function gets (its fixed cost is what decides which weights get a sink)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, sink):
+        ctx.sink = sink
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.sink(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+        return grad.matmul(weight), None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution) -> torch.Tensor:
-    """x W^T with no communication: F.linear, or `_Linear` when backward is split or the weight's
-    gradient goes to a sink (never inside torch.compile: a custom Function there would break its
-    graph; a compiled region keeps F.linear)."""
+    """x W^T with no communication: F.linear, `_Linear` when backward is split, or `_SinkLinear`
+    when the weight's gradient goes to a sink (never inside torch.compile: a custom Function
+    there would break its graph; a compiled region keeps F.linear)."""
     if ex.split_backward:
-        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads.linear_grad)
-    if not torch.compiler.is_compiling() and hasattr(weight, GRAD_SINK):
-        return _Linear.apply(x, weight, _into_sink)
+        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads)
+    sink = None if torch.compiler.is_compiling() else getattr(weight, GRAD_SINK, None)
+    if sink is not None:
+        return _SinkLinear.apply(x, weight, sink)
     return F.linear(x, weight)
 
 

@@ -64,7 +64,7 @@ def bench_gemm(shapes=None, dtypes=None, device: str = "cpu") -> list[dict]:
 # (torch's flash backend) gives the profile's attention_efficiency, cuDNN's fused kernel (Hopper
 # and later) its fused_attention_efficiency; both as the planner counts them (plan/layer.py's
 # _attention_core: causal FLOPs, backward FLASH_BACKWARD_FACTOR times the forward, at head dim 128).
-ATTENTION_KERNELS = {"attention_efficiency": "FLASH_ATTENTION", "fused_attention_efficiency": "CUDNN_ATTENTION"}
+ATTENTION_BACKENDS = {"attention_efficiency": "FLASH_ATTENTION", "fused_attention_efficiency": "CUDNN_ATTENTION"}
 ATTENTION_SHAPE = {"tokens": 16384, "heads": 16, "head_dim": 128}
 
 
@@ -101,7 +101,7 @@ def attention_profile(device: str, bf16_peak_tflops: float, shape: dict = ATTENT
     from tetrad.plan.layer import GEMM_HALF_DIM
     tokens = shape["tokens"]
     part, rows = {}, []
-    for key, backend in ATTENTION_KERNELS.items():
+    for key, backend in ATTENTION_BACKENDS.items():
         try:
             tflops = attention_tflops(backend, device=device, **shape)
         except RuntimeError as e:  # no kernel of this backend for this device (e.g. cuDNN's before Hopper)

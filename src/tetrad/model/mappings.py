@@ -104,49 +104,37 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 class _Linear(torch.autograd.Function):
-    """y = x W^T whose weight gradient can be deferred (DeferredWeightGrads); used instead of
-    F.linear only under a zero-bubble schedule."""
-
-    @staticmethod
-    def forward(ctx, x, weight, weight_grads):
-        ctx.weight_grads = weight_grads
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_weight, = ctx.weight_grads.grads([weight], (grad,), x)
-        return grad.matmul(weight), grad_weight, None
-
-
-class _SinkLinear(torch.autograd.Function):
     """y = x W^T whose weight gradient dy^T x goes to the weight's `sink` (model/execution.py's
-    GRAD_SINK) and autograd gets None for it: gradient accumulation fusion. As lean as a Python
-    autograd Function gets (its fixed cost is what decides which weights get a sink)."""
+    GRAD_SINK: gradient accumulation fusion; autograd gets None for it) or, without one, to
+    `weight_grads` (a zero-bubble schedule's DeferredWeightGrads). Used instead of F.linear only
+    then: a Python autograd Function costs ~22 us per linear per step on CPU. The sink is taken
+    in forward: the weight that `saved_tensors` gives back is a new tensor without it."""
 
     @staticmethod
-    def forward(ctx, x, weight, sink):
-        ctx.sink = sink
+    def forward(ctx, x, weight, weight_grads, sink):
+        ctx.weight_grads, ctx.sink = weight_grads, sink
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        ctx.sink(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
-        return grad.matmul(weight), None, None
+        if ctx.sink is None:
+            grad_weight, = ctx.weight_grads.grads([weight], (grad,), x)
+        else:
+            grad_weight = ctx.sink(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+        return grad.matmul(weight), grad_weight, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution) -> torch.Tensor:
-    """x W^T with no communication: F.linear, `_Linear` when backward is split, or `_SinkLinear`
-    when the weight's gradient goes to a sink (never inside torch.compile: a custom Function
-    there would break its graph; a compiled region keeps F.linear)."""
+    """x W^T with no communication: F.linear, or `_Linear` when backward is split or the weight's
+    gradient goes to a sink (never inside torch.compile: a custom Function there would break its
+    graph; a compiled region keeps F.linear)."""
     if ex.split_backward:
-        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads)
+        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads, None)
     sink = None if torch.compiler.is_compiling() else getattr(weight, GRAD_SINK, None)
     if sink is not None:
-        return _SinkLinear.apply(x, weight, sink)
+        return _Linear.apply(x, weight, None, sink)
     return F.linear(x, weight)
 
 

@@ -22,6 +22,9 @@ B duration of each stage go into the simulator (simulate.py); its step time is c
 the measured span of that step's actions. "floor" is the time ratio tetrad would have if that
 span shrank to the simulated one (no transfer latency, no host time between actions, the same
 kernels): the lowest ratio an executor can reach with this schedule and these per-action costs.
+"compute" is the busiest rank's summed action time in that step over torch's step time: the
+ratio with no bubble and no transfer at all, a bound no schedule or executor on these kernels
+can go under (the optimizer step comes on top).
 
     python bench/bench_pp.py                      # pp=2, m=8, d_model 256, 8 layers, seq 128
     python bench/bench_pp.py --pp 4 --microbatches 8
@@ -136,6 +139,11 @@ def measure(cfg, name: str, warmup: int, steps: int):
     return max(r[0] for r in results), max(r[1] for r in results), [r[2] for r in results]
 
 
+def busiest_compute(timelines) -> float:
+    """The most time one rank spent inside its actions in the step (seconds)."""
+    return max(sum(e - s for *_, s, e in tl) for tl in timelines)
+
+
 def simulated_vs_measured(cfg, timelines) -> tuple[float, float]:
     """(measured span of the step's actions, simulated step time from their mean costs per stage)."""
     p = cfg.parallel
@@ -168,7 +176,7 @@ def main() -> None:
           f"micro-batch {args.micro_batch}; fp32 on CPU (gloo), one thread per rank; {args.rounds} alternated "
           f"rounds of {args.steps} timed steps")
     print(f"{'schedule':<13}{'tetrad s':>15}{'torch s':>15}{'time ratio':>11}{'ratio range':>13}"
-          f"{'tetrad MiB':>11}{'torch MiB':>10}{'mem ratio':>10}{'sim err':>9}{'floor':>7}")
+          f"{'tetrad MiB':>11}{'torch MiB':>10}{'mem ratio':>10}{'sim err':>9}{'floor':>7}{'compute':>9}")
     for schedule, vpp in (("1f1b", 1), ("interleaved", 2)):
         cfg = load_config(overrides={
             "model": {"d_model": args.d_model, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 3 * args.d_model,
@@ -190,11 +198,13 @@ def main() -> None:
               f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}{mem_of['tetrad'] / 2**20:>11.1f}"
               f"{mem_of['torch'] / 2**20:>10.1f}{mem_of['tetrad'] / max(mem_of['torch'], 1):>10.2f}"
               f"{100 * (simulated / measured - 1):>8.1f}%"
-              f"{(time_of['tetrad'] - measured + simulated) / time_of['torch']:>7.2f}")
+              f"{(time_of['tetrad'] - measured + simulated) / time_of['torch']:>7.2f}"
+              f"{busiest_compute(rounds[-1]['tetrad'][2]) / rounds[-1]['torch'][0]:>9.2f}")
     print("tetrad s, torch s: median over rounds +- half their range; time ratio: of those medians (below 1: "
           "tetrad faster), ratio range: lowest and highest of the rounds' ratios; MiB: median peak rise; "
           "sim err: simulated step time from the measured mean action costs vs the measured span of tetrad's "
-          "last step; floor: the time ratio with tetrad's pipeline span at the simulated one")
+          "last step; floor: the time ratio with tetrad's pipeline span at the simulated one; compute: the "
+          "busiest rank's time inside actions in that step over torch's step time of the same round")
 
 
 def _spread(times: list[float]) -> str:

@@ -5,8 +5,10 @@ Same model (tetrad's Llama chunks: torch's schedules drive the very same modules
 executors differ), same initial weights, same micro-batches, same ranks (forked gloo
 processes, one thread each). A step is the schedule's forwards and backwards over m
 micro-batches, then AdamW on the stage's parameters; tetrad's step also includes its gradient
-clipping and metrics. Schedules: 1F1B (torch `Schedule1F1B`) and interleaved 1F1B with two chunks
-per rank (torch `ScheduleInterleaved1F1B`).
+clipping and metrics. Rows (tetrad's schedule against torch's): 1F1B (torch `Schedule1F1B`),
+interleaved 1F1B with two chunks per rank (torch `ScheduleInterleaved1F1B`), and tetrad's
+zero-bubble ZB-H1 against torch's `Schedule1F1B`, the schedule torch has at that memory (its
+zero-bubble schedules all run two or more chunks per rank).
 
 Step time: a round runs each framework once (fresh ranks; which goes first alternates) and takes
 the median of its timed steps, max over ranks, each step timed the same way from outside
@@ -18,7 +20,7 @@ rise of the resident set's high-water mark from the built model (reset there thr
 statistics. It includes the optimizer states, which are the same on both sides.
 
 Measured vs simulated: from tetrad's recorded per-action times of its last step, the mean F and
-B duration of each stage go into the simulator (simulate.py); its step time is compared with
+B (or BI and BW) duration of each stage go into the simulator (simulate.py); its step time is compared with
 the measured span of that step's actions. "floor" is the time ratio tetrad would have if that
 span shrank to the simulated one (no transfer latency, no host time between actions, the same
 kernels): the lowest ratio an executor can reach with this schedule and these per-action costs.
@@ -69,16 +71,20 @@ def _rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def _tetrad_step(cfg):
+def _tetrad_step(cfg, torch_schedule: str):
     """tetrad's training step (its Trainer), and the timeline of the last one."""
     trainer = Trainer(cfg, torch.device("cpu"))
     timeline = lambda: [(t.kind, t.mb, t.chunk, t.start, t.end) for t in trainer.pipeline.timeline()]
     return trainer.train_step, timeline
 
 
-def _torch_step(cfg):
+# tetrad's schedule, its chunks per rank, and the torch.distributed.pipelining schedule it is measured against
+ROWS = (("1f1b", 1, "Schedule1F1B"), ("interleaved", 2, "ScheduleInterleaved1F1B"), ("zb", 1, "Schedule1F1B"))
+
+
+def _torch_step(cfg, torch_schedule: str):
     """The same model chunks, driven by torch.distributed.pipelining's schedule, then AdamW."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed import pipelining
 
     p = cfg.parallel
     topo = Topology(Layout(pp=p.pp), torch.device("cpu"))
@@ -95,15 +101,14 @@ def _torch_step(cfg):
         def forward(self, x):
             return self.chunk(x, positions)
 
-    stages = [PipelineStage(Chunk(c), g, p.pp * p.vpp, torch.device("cpu"))
+    stages = [pipelining.PipelineStage(Chunk(c), g, p.pp * p.vpp, torch.device("cpu"))
               for c, g in zip(model.chunks, model.stage_ids)]
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / tokens
 
     m = cfg.microbatches
-    schedule = (Schedule1F1B(stages[0], m, loss_fn=loss_fn) if p.vpp == 1
-                else ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn))
+    schedule = getattr(pipelining, torch_schedule)(stages[0] if p.vpp == 1 else stages, m, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.train.weight_decay)
     first, last = any(c.first for c in model.chunks), any(c.last for c in model.chunks)
@@ -119,9 +124,9 @@ def _torch_step(cfg):
 STEPPERS = {"tetrad": _tetrad_step, "torch": _torch_step}
 
 
-def _rank(name: str, cfg, warmup: int, steps: int):
+def _rank(name: str, cfg, torch_schedule: str, warmup: int, steps: int):
     """One framework's run on this rank: (median step time, peak memory rise, last timeline)."""
-    step, timeline = STEPPERS[name](cfg)
+    step, timeline = STEPPERS[name](cfg, torch_schedule)
     _reset_peak()
     base = _rss_bytes()
     for i in range(warmup):
@@ -134,8 +139,9 @@ def _rank(name: str, cfg, warmup: int, steps: int):
     return statistics.median(times), _peak_bytes() - base, timeline()
 
 
-def measure(cfg, name: str, warmup: int, steps: int):
-    results = launch.run_local(_rank, cfg.parallel.world_size, (name, cfg, warmup, steps), timeout_s=900)
+def measure(cfg, name: str, torch_schedule: str, warmup: int, steps: int):
+    results = launch.run_local(_rank, cfg.parallel.world_size, (name, cfg, torch_schedule, warmup, steps),
+                               timeout_s=900)
     return max(r[0] for r in results), max(r[1] for r in results), [r[2] for r in results]
 
 
@@ -149,13 +155,17 @@ def simulated_vs_measured(cfg, timelines) -> tuple[float, float]:
     p = cfg.parallel
     stages = p.pp * p.vpp
     rows = [(r, Action(k, mb, c), s, e) for r, tl in enumerate(timelines) for k, mb, c, s, e in tl]
-    cost = {k: [0.0] * stages for k in ("F", "B")}
-    for kind in cost:
-        for g in range(stages):
-            spans = [e - s for r, a, s, e in rows if a.kind == kind and a.chunk * p.pp + r == g]
-            cost[kind][g] = statistics.mean(spans)
-    sim = simulate(build_schedule(p.schedule, p.pp, cfg.microbatches, p.vpp),
-                   StageCosts(cost["F"], [b / 2 for b in cost["B"]], [b / 2 for b in cost["B"]]))
+
+    def mean_cost(kind: str, g: int) -> float | None:
+        spans = [e - s for r, a, s, e in rows if a.kind == kind and a.chunk * p.pp + r == g]
+        return statistics.mean(spans) if spans else None
+    f, bi, bw = [], [], []
+    for g in range(stages):
+        whole = mean_cost("B", g)  # split schedules run BI and BW instead
+        f.append(mean_cost("F", g))
+        bi.append(whole / 2 if whole is not None else mean_cost("BI", g))
+        bw.append(whole / 2 if whole is not None else mean_cost("BW", g))
+    sim = simulate(build_schedule(p.schedule, p.pp, cfg.microbatches, p.vpp), StageCosts(f, bi, bw))
     measured = max(e for _, _, s, e in rows) - min(s for _, _, s, e in rows)
     return measured, sim.step_time
 
@@ -175,9 +185,9 @@ def main() -> None:
     print(f"pp={args.pp}, m={args.microbatches}, d_model {args.d_model}, {args.layers} layers, seq {args.seq}, "
           f"micro-batch {args.micro_batch}; fp32 on CPU (gloo), one thread per rank; {args.rounds} alternated "
           f"rounds of {args.steps} timed steps")
-    print(f"{'schedule':<13}{'tetrad s':>15}{'torch s':>15}{'time ratio':>11}{'ratio range':>13}"
+    print(f"{'schedule':<13}{'torch':<25}{'tetrad s':>15}{'torch s':>15}{'time ratio':>11}{'ratio range':>13}"
           f"{'tetrad MiB':>11}{'torch MiB':>10}{'mem ratio':>10}{'sim err':>9}{'floor':>7}{'compute':>9}")
-    for schedule, vpp in (("1f1b", 1), ("interleaved", 2)):
+    for schedule, vpp, torch_schedule in ROWS:
         cfg = load_config(overrides={
             "model": {"d_model": args.d_model, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 3 * args.d_model,
                       "n_layers": args.layers, "seq_len": args.seq},
@@ -188,12 +198,12 @@ def main() -> None:
         rounds = []  # per round: {framework: (step time, peak memory rise, timelines)}
         for r in range(args.rounds):
             order = ("tetrad", "torch") if r % 2 == 0 else ("torch", "tetrad")
-            rounds.append({name: measure(cfg, name, args.warmup, args.steps) for name in order})
+            rounds.append({name: measure(cfg, name, torch_schedule, args.warmup, args.steps) for name in order})
         time_of = {name: statistics.median(got[name][0] for got in rounds) for name in STEPPERS}
         mem_of = {name: statistics.median(got[name][1] for got in rounds) for name in STEPPERS}
         ratios = [got["tetrad"][0] / got["torch"][0] for got in rounds]
         measured, simulated = simulated_vs_measured(cfg, rounds[-1]["tetrad"][2])
-        print(f"{schedule:<13}{_spread([got['tetrad'][0] for got in rounds]):>15}"
+        print(f"{schedule:<13}{torch_schedule:<25}{_spread([got['tetrad'][0] for got in rounds]):>15}"
               f"{_spread([got['torch'][0] for got in rounds]):>15}{time_of['tetrad'] / time_of['torch']:>11.2f}"
               f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}{mem_of['tetrad'] / 2**20:>11.1f}"
               f"{mem_of['torch'] / 2**20:>10.1f}{mem_of['tetrad'] / max(mem_of['torch'], 1):>10.2f}"

@@ -1,12 +1,15 @@
 """The parity net itself: gradients compared directly, and a deliberately wrong gradient scale
 (summed over dp instead of averaged) that the loss and parameter checks alone let through."""
 
+from unittest import mock
+
 import pytest
 import torch
 
 import tetrad.parallel.data
 from conftest import assert_parity, first_step_gradients, grad_norms, run_ranks, tiny_config, train_layout
 from tetrad.model.execution import GRAD_SINK
+from tetrad.parallel.data.lifecycle import GradSync
 from tetrad.train.trainer import Trainer
 
 pytestmark = pytest.mark.dist
@@ -38,14 +41,32 @@ def _sunk_weights(cfg) -> list[str]:
     return [name for name, p in trainer.model.named_parameters() if hasattr(p, GRAD_SINK)]
 
 
-def test_fused_linear_gradients_match_autograds(reference_gradients, monkeypatch):
+def _sink_writes(cfg) -> tuple[int, int]:
+    """(the sink's writes in one step, this rank's sunk weights x its micro-batches)."""
+    with mock.patch.object(GradSync, "_sink", autospec=True, side_effect=GradSync._sink) as sink:
+        trainer = Trainer(cfg, torch.device("cpu"))
+        trainer.train_step(0)
+    sunk = sum(hasattr(p, GRAD_SINK) for p in trainer.model.parameters())
+    return sink.call_count, sunk * cfg.microbatches
+
+
+# The sink also writes zero-bubble's deferred weight gradients (in BW) and the column-parallel
+# ones of tp's shared-input matmul.
+FUSED_LAYOUTS = [{"dp": 2}, {"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "schedule": "zb"}, {"dp": 2, "pp": 2, "schedule": "zb"}]
+
+
+@pytest.mark.parametrize("parallel", FUSED_LAYOUTS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def test_fused_linear_gradients_match_autograds(reference_gradients, monkeypatch, parallel):
     # Gradient accumulation fusion against autograd's linear: the tiny model's weights are below
     # SINK_MIN_NUMEL (the reference ran unfused), so lower it to fuse every linear; micro_batch 1
-    # accumulates 4 micro-batches per rank (the sink's first write and its later adds).
+    # accumulates several micro-batches per rank (the sink's first write and its later adds).
     assert run_ranks(_sunk_weights, 1, tiny_config(model=MODEL))[0] == []
     monkeypatch.setattr(tetrad.parallel.data, "SINK_MIN_NUMEL", 0)  # forked ranks inherit it
     assert len(run_ranks(_sunk_weights, 1, tiny_config(model=MODEL))[0]) == 2 * 7  # q k v o, w1 w2 w3
-    grads = first_step_gradients(tiny_config(model=MODEL, parallel={"dp": 2}, train={"micro_batch": 1}))
+    cfg = tiny_config(model=MODEL, parallel=parallel, train={"micro_batch": 1})
+    for writes, expected in run_ranks(_sink_writes, cfg.parallel.world_size, cfg):
+        assert writes == expected > 0
+    grads = first_step_gradients(cfg)
     for name, ref in reference_gradients.items():
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=name)
 

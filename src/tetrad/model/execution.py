@@ -23,13 +23,29 @@ import torch
 GRAD_SINK = "grad_sink"
 
 
-def sink_or_matmul(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """a @ b for autograd, or None when the weight's `GRAD_SINK` took it."""
-    sink = getattr(weight, GRAD_SINK, None)
+def deliver(sink: Callable | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The weight gradient a @ b for autograd, or None where the weight's sink took it. Layers
+    take the sink from the weight in forward: the weight that `saved_tensors` gives back in
+    backward is a new tensor object (under saved-tensor hooks), without the attribute."""
     if sink is None:
         return a.matmul(b)
     sink(a, b)
     return None
+
+
+class _HandOver(torch.autograd.Function):
+    """BW's weight gradients go to autograd as the backward of this node, whose inputs are the
+    weights: their accumulators then run (and their post-accumulate hooks, the reducer's
+    buckets) for every weight, also one whose gradient a sink took (None: nothing to add)."""
+
+    @staticmethod
+    def forward(ctx, compute, *weights):
+        ctx.compute = compute
+        return weights[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.compute())
 
 
 class DeferredWeightGrads:
@@ -64,21 +80,17 @@ class DeferredWeightGrads:
         # accumulates them and runs the gradient hooks, the reducer's buckets) before the next
         # layer's are computed, so a chunk's gradients never all exist at once.
         for i, (ws, compute, _) in enumerate(queue):
-            torch.autograd.backward(ws, compute())
+            torch.autograd.backward(_HandOver.apply(compute, *ws))
             queue[i] = None  # its inputs and output gradients go now, not after the whole BW
 
-    def grads(self, weights: list, grads: tuple, x: torch.Tensor) -> list:
-        """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate (or,
-        for a weight with a `GRAD_SINK`, handed to it: None returned), or queued while
-        collecting (None returned for now)."""
+    def grads(self, weights: list, grads: tuple, x: torch.Tensor, sinks: tuple) -> list:
+        """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate (None
+        where the weight's sink, `sinks[i]`, took it), or queued while collecting (None for now)."""
         def compute():
             flat = x.reshape(-1, x.shape[-1])
-            return [g.reshape(-1, g.shape[-1]).t().matmul(flat) for g in grads]
+            return [deliver(sink, g.reshape(-1, g.shape[-1]).t(), flat) for sink, g in zip(sinks, grads)]
         if self._queue is None:
-            if not any(hasattr(w, GRAD_SINK) for w in weights):
-                return compute()
-            flat = x.reshape(-1, x.shape[-1])
-            return [sink_or_matmul(w, g.reshape(-1, g.shape[-1]).t(), flat) for w, g in zip(weights, grads)]
+            return compute()
         held = [self.hold(t) for t in (x, *grads)] if self.hold else []
         self._queue.append((weights, compute, held))
         return [None] * len(grads)

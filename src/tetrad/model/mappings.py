@@ -104,11 +104,11 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 class _Linear(torch.autograd.Function):
-    """y = x W^T whose weight gradient dy^T x goes to the weight's `sink` (model/execution.py's
-    GRAD_SINK: gradient accumulation fusion; autograd gets None for it) or, without one, to
-    `weight_grads` (a zero-bubble schedule's DeferredWeightGrads). Used instead of F.linear only
-    then: a Python autograd Function costs ~22 us per linear per step on CPU. The sink is taken
-    in forward: the weight that `saved_tensors` gives back is a new tensor without it."""
+    """y = x W^T whose weight gradient dy^T x goes through `weight_grads` (model/execution.py's
+    DeferredWeightGrads): computed now, or queued for a zero-bubble schedule's BW, and in both
+    cases written by the weight's `sink` where it has one (GRAD_SINK: gradient accumulation
+    fusion; autograd gets None for it). Used instead of F.linear only then: a Python autograd
+    Function costs ~22 us per linear per step on CPU."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_grads, sink):
@@ -119,10 +119,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        if ctx.sink is None:
-            grad_weight, = ctx.weight_grads.grads([weight], (grad,), x)
-        else:
-            grad_weight = ctx.sink(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+        grad_weight, = ctx.weight_grads.grads([weight], (grad,), x, (ctx.sink,))
         return grad.matmul(weight), grad_weight, None, None
 
 
@@ -131,10 +128,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution) -> torch.Tensor
     gradient goes to a sink (never inside torch.compile: a custom Function there would break its
     graph; a compiled region keeps F.linear)."""
     if ex.split_backward:
-        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads, None)
+        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads, getattr(weight, GRAD_SINK, None))
     sink = None if torch.compiler.is_compiling() else getattr(weight, GRAD_SINK, None)
     if sink is not None:
-        return _Linear.apply(x, weight, None, sink)
+        return _Linear.apply(x, weight, ex.weight_grads, sink)
     return F.linear(x, weight)
 
 
@@ -155,6 +152,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topo, ex, *weights):
         ctx.topo, ctx.ex = topo, ex
+        ctx.sinks = tuple(getattr(w, GRAD_SINK, None) for w in weights)  # saved_tensors' weights lack it
         total = gather_sequence(x, topo) if ex.sequence_parallel else x
         ctx.save_for_backward(x if ex.sequence_parallel and ex.sp_regather else total, *weights)
         return tuple(F.linear(total, w) for w in weights)
@@ -177,7 +175,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             grad_input, pending = _reduce_scatter_sequence(grad_input, topo, async_op=True)
         else:
             pending = topo.comm.all_reduce(grad_input, "tp", async_op=True)
-        grad_weights = ex.weight_grads.grads(weights, grads, total)
+        grad_weights = ex.weight_grads.grads(weights, grads, total, ctx.sinks)
         pending.wait()
         return (grad_input, None, None, *grad_weights)
 

@@ -49,7 +49,7 @@ __all__ = ["GradReducer", "ShardedAdamW", "zero_loaded", "zero_pieces"]
 
 # Gradient accumulation fusion (model/execution.py's GRAD_SINK) only for linear weights of at
 # least this many elements. Routing a linear through a Python autograd Function (mappings.py's
-# _SinkLinear) costs a fixed ~22 us of host time per forward and backward, against F.linear; what
+# _Linear) costs a fixed ~22 us of host time per forward and backward, against F.linear; what
 # it saves (the dW tensor and its copy or add into the bucket) grows with the weight, ~0.6 ns per
 # element in a Trainer step: break-even near 35k elements (measured on a 2-core CPU; figures in the
 # commit that set this). Smaller weights, a tiny model's, would pay the Function for little or nothing.
@@ -102,11 +102,12 @@ class GradReducer:
             self.zero3 = ParamGather(self.buckets, self.flat, self.weights.shards, topo, self.execution,
                                      layout.root, prefetch)
             self.zero3.install(model, layout.blocks)
-        linears = {id(m.weight) for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-                   and m.weight.numel() >= SINK_MIN_NUMEL} if model is not None else set()
+        linears = [m.weight for m in model.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] if model is not None else []
         self.sync = GradSync(self.buckets, topo, self.execution, self.zero, self.codec, hierarchical,
                              on_complete=self.zero3.on_complete if self.zero3 else None,
-                             linear_weights=frozenset(linears))
+                             linear_weights=frozenset(id(w) for w in linears if w.numel() >= SINK_MIN_NUMEL),
+                             deferred_weights=frozenset(id(w) for w in linears))
 
     def last_microbatch(self):
         """Backward inside this block is the accumulation's last: buckets reduce as they fill."""

@@ -12,7 +12,9 @@ reduce-scatter into this rank's shard and sum the shards over micro-batches, fre
 gradient once reduced (its bucket goes back to empty): one bucket reduces while the next fills,
 so at most two full buckets exist at a time (DeepSpeed's and FSDP's way).
 
-Zero-bubble's split backward under ZeRO >= 2: BI makes the gradients that are not deferred (the
+Zero-bubble's split backward: BI makes the gradients that are not deferred (the norms', the
+embedding's), BW the linears'. Under ZeRO 0/1 a deferred weight's hook in BI (autograd runs it
+with nothing added) is not an arrival; its gradient arrives in BW. Under ZeRO >= 2: BI makes the gradients that are not deferred (the
 norms'), BW the linears'. BI's are parked apart (fp32) until BW starts the bucket, and the
 bucket is complete when BW has delivered all of its linears' (a later micro-batch's BI may come
 first: it joins this reduction), so no bucket is held full from BI to BW.
@@ -39,7 +41,8 @@ class GradSync:
     the block's weights there)."""
 
     def __init__(self, buckets: list[Bucket], topo, execution, zero: int, codec, hierarchical_: bool,
-                 on_complete=None, linear_weights: frozenset[int] = frozenset()):
+                 on_complete=None, linear_weights: frozenset[int] = frozenset(),
+                 deferred_weights: frozenset[int] = frozenset()):
         self.buckets, self.topo, self.execution = buckets, topo, execution
         self.zero, self.codec, self.hierarchical = zero, codec, hierarchical_
         self.on_complete = on_complete or (lambda bucket: None)
@@ -54,9 +57,11 @@ class GradSync:
         # parameter that got none is zeroed at the end of backward (`_settle`). The linears'
         # weights in `linear_weights` (by id; GradReducer's pick: those large enough to pay for
         # it) go further: their weight-gradient GEMM writes into the view itself
-        # (model/execution.py's GRAD_SINK), so no dW tensor is made and copied.
-        self.in_place = zero < 2 and not execution.split_backward and all(
-            p.dtype == torch.float32 for b in buckets for p in b.params)
+        # (model/execution.py's GRAD_SINK), so no dW tensor is made and copied; under a split
+        # backward that GEMM is BW's. `deferred_weights` (by id): the weights whose gradients a
+        # split backward defers to BW (every linear's).
+        self.in_place = zero < 2 and all(p.dtype == torch.float32 for b in buckets for p in b.params)
+        self.deferred = deferred_weights if execution.split_backward else frozenset()
         for bucket in buckets:
             if self.in_place:
                 bucket.grad = torch.zeros(bucket.padded, dtype=torch.float32, device=topo.device)
@@ -80,8 +85,11 @@ class GradSync:
     # ------------------------------------------------------------------ arrivals
     def _hook(self, bucket: Bucket, i: int):
         def hook(p: nn.Parameter) -> None:
-            if p.grad is not None:  # None: a deferred weight gradient (zero-bubble BI), it arrives in BW
-                self.arrive(bucket, i, p)
+            # p.grad None: a deferred weight gradient (zero-bubble BI; in place, p.grad keeps
+            # its view, so BI is asked), it arrives in BW.
+            if p.grad is None or (id(p) in self.deferred and self.execution.weight_grads.collecting_now):
+                return
+            self.arrive(bucket, i, p)
         return hook
 
     def arrive(self, bucket: Bucket, i: int, p: nn.Parameter) -> None:

@@ -27,6 +27,15 @@ def test_windows_and_splits_read_across_pieces():
             assert np.array_equal(tail.window(0, 20 - at), np.arange(at, 20))
 
 
+def test_windows_gather_the_same_rows_from_one_piece_or_many():
+    starts = [0, 3, 11, 12, 13]
+    whole = np.arange(20, dtype=np.uint16)
+    for stream in (TokenStream([whole]), TokenStream([whole[:5], whole[5:12], whole[12:13], whole[13:]])):
+        rows = stream.windows(starts, 7)
+        assert rows.dtype == np.int64
+        assert np.array_equal(rows, np.stack([np.arange(s, s + 7) for s in starts]))
+
+
 def test_each_dp_rank_reads_only_its_share_of_the_same_global_batch():
     batches = Batches(TokenStream([np.arange(1000) % 256]), seq_len=16, global_batch=8, seed=3, vocab_size=256)
     inputs, labels = batches.global_batch_at(7)

@@ -1,6 +1,7 @@
-"""`tetrad generate`: KV-cache decoding gives the full forward's logits; a sample's loss by the
-training forward is the one its decoding logits give; a checkpoint trained on `tetrad data`
-shards decodes with their tokenizer; a missing checkpoint is refused in one line."""
+"""`tetrad generate`: KV-cache decoding gives the full forward's logits, with RoPE tables that
+follow the positions given; a sample's loss by the training forward is the one its decoding
+logits give; a checkpoint trained on `tetrad data` shards decodes with their tokenizer; a
+missing checkpoint is refused in one line."""
 
 import numpy as np
 import pytest
@@ -34,6 +35,23 @@ def test_kv_cache_decoding_gives_the_full_forward_logits(model):
         steps += [net(tokens[:, i:i + 1], torch.tensor([i]), cache=cache) for i in range(7, 20)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
     assert full.abs().max() > 1e-2
+
+
+def test_rope_tables_follow_the_positions_tensor():
+    """The model keeps the RoPE tables of the positions tensor it was last given: a new tensor, or
+    the same one changed in place, gets its own; inference mode (no version counter) works too."""
+    net = random_model()
+    tokens = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(8)
+    with torch.no_grad():
+        first = net(tokens, positions)
+        assert torch.equal(net(tokens, positions), first)
+        positions[4:] += 3  # a gap: relative positions change, and the logits with them
+        gapped = net(tokens, positions)
+        assert torch.equal(gapped, net(tokens, torch.tensor([0, 1, 2, 3, 7, 8, 9, 10])))
+        assert not torch.allclose(gapped, first)
+    with torch.inference_mode():
+        assert torch.equal(net(tokens, torch.arange(8)), first)
 
 
 def test_a_samples_loss_by_the_training_forward_is_its_decoding_loss():

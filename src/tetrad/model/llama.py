@@ -48,18 +48,21 @@ class Norm(nn.Module):
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each token's true position, [s, head_dim/2] (positions: [s])."""
+    """cos and sin of each token's true position (positions: [s]), laid out for `apply_rope`:
+    [1, s, 1, head_dim], each half's angles repeated, sin negated on the first half."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = positions.float()[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1)[None, :, None, :], torch.cat([-sin, sin], dim=-1)[None, :, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + d/2) of each head, the HF Llama convention. x: [b, s, heads, d]."""
+    """Rotate pairs (i, i + d/2) of each head, the HF Llama convention: (x1 cos - x2 sin, x2 cos +
+    x1 sin), as x cos + (x2, x1) sin with `rope_tables`' signed sin, in fp32. x: [b, s, heads, d].
+    Half the ops of rotating each half apart: this runs on q and k of every layer."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    xf = x.float()
+    return (xf * cos + torch.cat([xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
 
 
 @dataclasses.dataclass
@@ -271,6 +274,7 @@ class Transformer(nn.Module):
                 self.head = None  # logits from the embedding's weight
             else:
                 self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, ex, pad_to=topo.tp_size)
+        self._rope: tuple | None = None  # (positions, their version, tables): see `rope`
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: dict[str, LayerCache] | None = None) -> torch.Tensor:
@@ -285,7 +289,7 @@ class Transformer(nn.Module):
                 h = h + self.pos_embed[sequence_shard(positions, self.topo, self.execution)]  # SP: h is a chunk
         else:
             h = x
-        rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta) if self.cfg.pos == "rope" else None
+        rope = self.rope(positions) if self.cfg.pos == "rope" else None
         for name, block in self.layers.items():
             h = block(h, rope) if cache is None else block(h, rope, cache.setdefault(name, LayerCache()))
         if not self.last:
@@ -297,3 +301,12 @@ class Transformer(nn.Module):
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.topo).sum()
 
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_tables` of `positions`, kept for the next call with the same, unmodified tensor:
+        the trainer passes one positions tensor every step; decoding passes new ones. Never under
+        inference mode, whose tensors have no version and cannot be saved for a later backward."""
+        if torch.is_inference_mode_enabled() or positions.is_inference():
+            return rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        if self._rope is None or self._rope[0] is not positions or self._rope[1] != positions._version:
+            self._rope = positions, positions._version, rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        return self._rope[2]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tetrad.data.sources import TokenStream, load_splits
@@ -33,7 +32,7 @@ class Batches:
         int64, windows at random offsets (drawn for the whole batch, read for these rows)."""
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % 2**63)  # any seed in [0, 2**63)
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=gen)
-        rows = torch.from_numpy(np.stack([self.tokens.window(s, self.seq_len + 1) for s in starts[lo:hi].tolist()]))
+        rows = torch.from_numpy(self.tokens.windows(starts[lo:hi].tolist(), self.seq_len + 1))
         low, high = (int(v) for v in torch.aminmax(rows))
         if low < 0 or high >= self.vocab_size:
             raise ValueError(f"token id {low if low < 0 else high} in the data is outside [0, model.vocab_size="

@@ -14,10 +14,10 @@ so at most two full buckets exist at a time (DeepSpeed's and FSDP's way).
 
 Zero-bubble's split backward: BI makes the gradients that are not deferred (the norms', the
 embedding's), BW the linears'. Under ZeRO 0/1 a deferred weight's hook in BI (autograd runs it
-with nothing added) is not an arrival; its gradient arrives in BW. Under ZeRO >= 2: BI makes the gradients that are not deferred (the
-norms'), BW the linears'. BI's are parked apart (fp32) until BW starts the bucket, and the
-bucket is complete when BW has delivered all of its linears' (a later micro-batch's BI may come
-first: it joins this reduction), so no bucket is held full from BI to BW.
+with nothing added) is not an arrival; its gradient arrives in BW. Under ZeRO >= 2 BI's are
+parked apart (fp32) until BW starts the bucket, and the bucket is complete when BW has
+delivered all of its linears' (a later micro-batch's BI may come first: it joins this
+reduction), so no bucket is held full from BI to BW.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ class GradSync:
     # ------------------------------------------------------------------ arrivals
     def _hook(self, bucket: Bucket, i: int):
         def hook(p: nn.Parameter) -> None:
-            # p.grad None: a deferred weight gradient (zero-bubble BI; in place, p.grad keeps
-            # its view, so BI is asked), it arrives in BW.
+            # Not an arrival: a deferred weight's hook in zero-bubble's BI (its gradient comes in
+            # BW), where p.grad is None or, in place, still its view from an earlier micro-batch.
             if p.grad is None or (id(p) in self.deferred and self.execution.weight_grads.collecting_now):
                 return
             self.arrive(bucket, i, p)

@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from tetrad.cli import _split_config_args
 from tetrad.config import Config, ConfigError, load_config
 
 ERRORS = [
@@ -85,3 +86,62 @@ def test_fewer_micro_batches_than_stages_is_legal_and_exact(schedule):
     train = {"global_batch": 1, "micro_batch": 1, "steps": 3}  # m = 1 < pp = 2
     pipelined = train_layout(tiny_config(parallel={"pp": 2, "schedule": schedule}, train=train))
     assert_parity(pipelined, train_layout(tiny_config(train=train)))
+
+
+# Mistakes a user migrating from Megatron-LM or torchtitan makes on `tetrad train`'s command line
+# or in its TOML file: (arguments, file text or None, a part of the one-line message that names
+# the fix). Each once gave a message that did not name the fix (or named the wrong one).
+MIGRATION_MISTAKES = [
+    (["--parallel.tensor_model_parallel_size=2"], None, "unknown key parallel.tensor_model_parallel_size "
+                                                        "(did you mean 'parallel.tp'?)"),
+    (["--train.learning_rate=3e-4"], None, "(did you mean 'train.lr'?)"),
+    (["--train.seq_len=256"], None, "unknown key train.seq_len (did you mean 'model.seq_len'?)"),
+    (["--parallel.micro_batch=2"], None, "(did you mean 'train.micro_batch'?)"),
+    ([], "[optimizer]\nlr = 1e-3\n", "unknown section [optimizer] (did you mean 'train'?)"),
+    ([], "steps = 2\n[parallel]\ntp = 2\n", "steps = 2 is outside any table; put it under [train]"),
+    (["--parallel.pp=2", "--parallel.stage_layers=2,2"], None,
+     "parallel.stage_layers must be a list of integers, got '2,2' (str); write it as [2,2]"),
+    ([], "[parallel]\ndp = -1\n", "tetrad does not infer a size from -1"),
+    (["--train.steps=0"], None, "train.steps=0 is out of range: it must be an integer in [1, 2147483648)"),
+    (["--model.d_model=100"], None, "use a d_model that is a multiple of 2*n_heads = 8, or model.pos='learned'"),
+    (["--model.preset=meta-llama/Llama-3.1-8B"], None, "checkpoint.init_from"),
+    (["--parallel.tp", "2"], None, "write --parallel.tp=2"),
+    (["CONFIG.toml", "--parallel.tp", "2"], "[train]\nsteps = 2\n", "write --parallel.tp=2"),
+    (["--config", "CONFIG.toml"], "[train]\nsteps = 2\n", "give CONFIG as a plain argument"),
+    (["-c", "CONFIG.toml"], "[train]\nsteps = 2\n", "give CONFIG as a plain argument"),
+    (["--job.config_file=CONFIG.toml"], "[train]\nsteps = 2\n", "give CONFIG as a plain argument"),
+    (["-parallel.tp=2"], None, "write --parallel.tp=2"),
+    (["--steps=2"], None, "write --train.steps=2"),
+]
+
+
+@pytest.mark.parametrize("argv,text,message", MIGRATION_MISTAKES, ids=[" ".join(a) or t.split("\n")[0]
+                                                                       for a, t, _ in MIGRATION_MISTAKES])
+def test_migration_mistake_names_the_fix(argv, text, message, tmp_path, monkeypatch):
+    """The argument split and the loading `tetrad train` does before any process starts."""
+    monkeypatch.chdir(tmp_path)
+    if text is not None:
+        (tmp_path / "CONFIG.toml").write_text(text)
+        argv = argv if "CONFIG.toml" in " ".join(argv) else ["CONFIG.toml", *argv]
+    with pytest.raises(ConfigError) as err:
+        path, overrides = _split_config_args(argv)
+        load_config(path, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_command_line_forms_users_write_are_accepted():
+    """A table key set by its dotted path (as TOML allows in a file), and a number typed for a
+    string key (train.profile=4 as the docs write it) taken as the text typed."""
+    cfg = load_config(overrides=["--parallel.comm_options.tp.max_ctas=16", "--parallel.comm_options.tp.min_ctas=2",
+                                 "--train.profile=4", "--run.wandb_name=2024"])
+    assert cfg.parallel.comm_options == {"tp": {"max_ctas": 16, "min_ctas": 2}}
+    assert (cfg.train.profile, cfg.run.wandb_name) == ("4", "2024")
+
+
+def test_a_missing_device_is_a_config_error():
+    from tetrad.device import resolve_device_type
+    import torch
+    if torch.accelerator.is_available():
+        pytest.skip("this machine has an accelerator")
+    with pytest.raises(ConfigError, match="use train.device='cpu' or 'auto'"):
+        resolve_device_type("cuda")

@@ -6,7 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tetrad.config import ConfigError, load_config, validate_device
+from tetrad.config import ConfigError, check_override, load_config, validate_device
 
 USAGE = """usage: tetrad COMMAND [ARGS]
 
@@ -25,10 +25,13 @@ commands:
 
 def _split_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
     """CONFIG is the one argument that is not a --section.key=value override."""
-    paths = [a for a in argv if not a.startswith("--")]
+    for i, arg in enumerate(argv):
+        if arg.startswith("-"):
+            check_override(arg, argv[i + 1] if i + 1 < len(argv) else None)
+    paths = [a for a in argv if not a.startswith("-")]
     if len(paths) > 1:
         raise ConfigError(f"expected at most one CONFIG file, got {paths}")
-    return (paths[0] if paths else None), [a for a in argv if a.startswith("--")]
+    return (paths[0] if paths else None), [a for a in argv if a.startswith("-")]
 
 
 def train_command(argv: list[str]) -> int:

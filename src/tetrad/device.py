@@ -13,6 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from tetrad.config.sections import ConfigError
+
 
 # train.dtype's names: the parameter and compute dtype of each.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,8 +27,8 @@ def resolve_device_type(requested: str) -> str:
         return acc.type if acc is not None else "cpu"
     if requested != "cpu" and not (torch.accelerator.is_available()
                                    and torch.accelerator.current_accelerator().type == requested):
-        raise RuntimeError(f"train.device={requested!r} but torch sees no {requested} device on this machine; "
-                           "use train.device='cpu' or 'auto'")
+        raise ConfigError(f"train.device={requested!r} but torch sees no {requested} device on this machine; "
+                          "use train.device='cpu' or 'auto'")
     return requested
 
 

@@ -15,7 +15,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from tetrad.config.sections import SECTIONS, Config, ConfigError, ModelConfig, did_you_mean
+from tetrad.config.sections import (SECTIONS, Config, ConfigError, ModelConfig, did_you_mean, places_of, suggest_key,
+                                    suggest_section)
 from tetrad.config.validation import validate
 from tetrad.presets import PRESETS
 
@@ -26,8 +27,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     """Read a TOML file (optional), apply overrides, resolve the preset, type-check and validate.
 
     `overrides` is a list of `section.key=value` strings (values parsed as TOML literals, falling
-    back to plain strings) or a nested dict. `world_size`, when known (under torchrun), must equal
-    dp*tp*pp*cp. `runtime=False` (estimate/plan) also admits what only the cost model knows (fp8).
+    back to plain strings; a string key takes the text as typed; `section.table.key=value` sets
+    one key of a table, as TOML's dotted keys do) or a nested dict. `world_size`, when known
+    (under torchrun), must equal dp*tp*pp*cp. `runtime=False` (estimate/plan) also admits what only the cost model knows (fp8).
     `model_from_inputs(raw)` gives [model] keys that the run's inputs decide (the data's vocabulary,
     the shape of the weights it starts from): above the preset, below the user's own keys.
     """
@@ -38,8 +40,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             raw.setdefault(section, {}).update(values)
     else:
         for item in overrides or []:
-            section, key, value = _parse_override(item)
-            raw.setdefault(section, {})[key] = value
+            section, keys, value = _parse_override(item)
+            _set(raw.setdefault(section, {}), keys, value)
     cfg = _build(raw, model_from_inputs(raw) if model_from_inputs else {})
     validate(cfg, world_size, runtime)
     return cfg
@@ -58,25 +60,65 @@ def _read_toml(path: Path) -> dict:
 
 def _check_tables(raw: dict) -> None:
     for section, values in raw.items():
+        places = places_of(section) if not isinstance(values, dict) else []
+        if section not in SECTIONS and places:
+            key = places[0].partition(".")[2]
+            tables = " or ".join(f"[{p.partition('.')[0]}]" for p in places)
+            raise ConfigError(f"{section} = {_short(values)} is outside any table; put it under {tables}"
+                              + (f" as {key}" if key != section else ""))
         if section not in SECTIONS:
-            raise ConfigError(f"unknown section [{section}]{did_you_mean(section, SECTIONS)}; "
+            raise ConfigError(f"unknown section [{section}]{suggest_section(section)}; "
                               f"sections are {', '.join(SECTIONS)}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{section}] must be a table of keys (a [{section}] header and key = value lines), "
                               f"got {_short(values)}")
 
 
-def _parse_override(item: str) -> tuple[str, str, Any]:
-    item = item[2:] if item.startswith("--") else item
-    if "=" not in item or "." not in item.split("=", 1)[0]:
-        raise ConfigError(f"override {item!r} must look like --section.key=value, e.g. --parallel.tp=2")
-    dotted, text = item.split("=", 1)
-    section, key = dotted.split(".", 1)
+# Flags other launchers take the config file by (torchtitan's --job.config_file).
+CONFIG_FLAGS = ("c", "cfg", "config", "config_file", "config-file", "config_path")
+
+
+def check_override(arg: str, following: str | None = None) -> None:
+    """Refuse a command-line argument that is not `--section.key=value`, naming the form meant;
+    `following` is the argument after it (the value of `--section.key value`, or a config path)."""
+    body = arg.lstrip("-")
+    name, eq, text = body.partition("=")
+    value = text or (following if following and not following.startswith("-") else "VALUE")
+    if name.rsplit(".", 1)[-1] in CONFIG_FLAGS:
+        raise ConfigError(f"give CONFIG as a plain argument, without {arg.split('=')[0]}: "
+                          f"e.g. tetrad train {value} --train.steps=100")
+    if "." not in name:
+        places = places_of(name)
+        fix = f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2"
+        raise ConfigError(f"override {arg!r} must look like --section.key=value; {fix}")
+    if not eq:
+        raise ConfigError(f"override {arg} needs '=' before its value: write --{name}={value}")
+    if arg.startswith("-") and not arg.startswith("--"):
+        raise ConfigError(f"overrides start with two dashes: write --{body}")
+
+
+def _parse_override(item: str) -> tuple[str, list[str], Any]:
+    """(section, the key's path in it, value) of `--section.key=value`."""
+    check_override(item)
+    dotted, text = item.lstrip("-").split("=", 1)
+    section, *keys = dotted.split(".")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word such as 1f1b or runs/x
-    return section, key, value
+    hints = typing.get_type_hints(SECTIONS[section]) if section in SECTIONS else {}
+    if len(keys) == 1 and hints.get(keys[0]) is str and not isinstance(value, (list, dict)):
+        value = text  # train.profile=4, run.dir=2024-01-01: the text typed
+    return section, keys, value
+
+
+def _set(table: dict, keys: list[str], value: Any) -> None:
+    """table[k0][k1]...[kn] = value, creating (or replacing non-table) levels on the way."""
+    for key in keys[:-1]:
+        if not isinstance(table.get(key), dict):
+            table[key] = {}
+        table = table[key]
+    table[keys[-1]] = value
 
 
 def _build(raw: dict, from_inputs: dict) -> Config:
@@ -84,8 +126,10 @@ def _build(raw: dict, from_inputs: dict) -> Config:
     model_raw = dict(raw.get("model", {}))
     preset = model_raw.get("preset", ModelConfig.preset)
     if not isinstance(preset, str) or preset not in PRESETS:
+        weights = ("; to start from a Hugging Face model's weights (its shape follows them), download it and set "
+                   "checkpoint.init_from=FOLDER" if "/" in str(preset) else "")
         raise ConfigError(f"unknown model.preset {preset!r}{did_you_mean(str(preset), PRESETS)}; "
-                          f"presets are {', '.join(PRESETS)}")
+                          f"presets are {', '.join(PRESETS)}{weights}")
     model_raw = {**PRESETS[preset], **from_inputs, **model_raw, "preset": preset}
     sections = {}
     for name, cls in SECTIONS.items():
@@ -99,7 +143,7 @@ def _build_section(section: str, cls: type, values: dict):
     known = [f.name for f in dataclasses.fields(cls)]
     for key, value in values.items():
         if key not in hints:
-            raise ConfigError(f"unknown key {section}.{key}{did_you_mean(key, known)}; "
+            raise ConfigError(f"unknown key {section}.{key}{suggest_key(section, key)}; "
                               f"[{section}] keys are {', '.join(known)}")
         values[key] = _check_type(f"{section}.{key}", value, hints[key])
     return cls(**values)
@@ -129,7 +173,19 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
             item = typing.get_args(option)[1]
             if isinstance(value, dict):
                 return {k: _check_type(f"{name}.{k}", v, item) for k, v in value.items()}
-    raise ConfigError(f"{name} must be {_describe(options)}, got {_short(value)} ({type(value).__name__})")
+    raise ConfigError(f"{name} must be {_describe(options)}, got {_short(value)} ({type(value).__name__})"
+                      + _as_list_hint(value, options))
+
+
+def _as_list_hint(value: Any, options: tuple) -> str:
+    """'; write it as [2,2]' when a list was wanted and the text, bracketed, is one."""
+    if not isinstance(value, str) or not any(typing.get_origin(o) is list for o in options):
+        return ""
+    try:
+        tomllib.loads(f"v = [{value}]")
+    except tomllib.TOMLDecodeError:
+        return ""
+    return f"; write it as [{value}]"
 
 
 def _short(value: Any) -> str:
@@ -152,7 +208,7 @@ def _describe(options: tuple) -> str:
         if typing.get_origin(option) is Literal:
             words.append("one of " + ", ".join(repr(v) for v in typing.get_args(option)))
         elif typing.get_origin(option) is list:
-            words.append(f"a list of {_describe(typing.get_args(option))}s")
+            words.append("a list of " + {int: "integers", float: "numbers", str: "strings"}[typing.get_args(option)[0]])
         elif typing.get_origin(option) is dict:
             words.append("a table")
         else:

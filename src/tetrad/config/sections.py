@@ -211,3 +211,50 @@ def _toml_value(value: Any) -> str:
 def did_you_mean(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# Names users bring from Megatron-LM's arguments and torchtitan's TOML: an unknown one is answered
+# with ours. Keys that differ only by spelling (global_batch_size) are found by did_you_mean.
+KEY_ALIASES = {
+    **dict.fromkeys(("tensor_model_parallel_size", "tensor_parallel_degree", "tp_size"), "parallel.tp"),
+    **dict.fromkeys(("pipeline_model_parallel_size", "pipeline_parallel_degree", "pp_size"), "parallel.pp"),
+    **dict.fromkeys(("context_parallel_size", "context_parallel_degree", "cp_size"), "parallel.cp"),
+    **dict.fromkeys(("data_parallel_size", "data_parallel_shard_degree", "data_parallel_replicate_degree",
+                     "dp_size"), "parallel.dp"),
+    "virtual_pipeline_model_parallel_size": "parallel.vpp", "pipeline_parallel_schedule": "parallel.schedule",
+    "use_distributed_optimizer": "parallel.zero", "num_layers": "model.n_layers", "hidden_size": "model.d_model",
+    "dim": "model.d_model", "num_attention_heads": "model.n_heads", "num_query_groups": "model.n_kv_heads",
+    "ffn_hidden_size": "model.ffn_hidden", "seq_length": "model.seq_len", "learning_rate": "train.lr",
+    "train_iters": "train.steps", "lr_warmup_iters": "train.warmup", "warmup_steps": "train.warmup",
+    "local_batch_size": "train.micro_batch", "clip_grad": "train.grad_clip", "max_norm": "train.grad_clip",
+    "lr_decay_style": "train.lr_schedule", "recompute_granularity": "train.recompute",
+    "mixed_precision_param": "train.dtype", "eval_interval": "train.eval_every", "eval_iters": "train.eval_steps",
+    "data_path": "data.source", "dataset_path": "data.source", "save_interval": "checkpoint.every",
+    "interval": "checkpoint.every", "log_interval": "run.log_every", "log_freq": "run.log_every",
+    "dump_folder": "run.dir",
+}
+# torchtitan's tables whose keys live in one of ours.
+SECTION_ALIASES = {"optimizer": "train", "lr_scheduler": "train", "activation_checkpoint": "train",
+                   "job": "run", "metrics": "run", "parallelism": "parallel"}
+
+
+def places_of(key: str, section: str | None = None) -> list[str]:
+    """Where `key` (unknown in `section`) is a config key, as 'section.key': in other sections, or
+    ours for a Megatron-LM/torchtitan name."""
+    homes = [f"{name}.{key}" for name, cls in SECTIONS.items()
+             if name != section and key in {f.name for f in dataclasses.fields(cls)}]
+    alias = KEY_ALIASES.get(key.replace("-", "_"))
+    return homes or ([alias] if alias else [])
+
+
+def suggest_key(section: str, key: str) -> str:
+    """' (did you mean ...?)' for an unknown key of `section`, or ''."""
+    places = places_of(key, section)
+    known = [f.name for f in dataclasses.fields(SECTIONS[section])]
+    return f" (did you mean {' or '.join(map(repr, places))}?)" if places else did_you_mean(key, known)
+
+
+def suggest_section(section: str) -> str:
+    """' (did you mean ...?)' for an unknown section, or ''."""
+    return f" (did you mean {SECTION_ALIASES[section]!r}?)" if section in SECTION_ALIASES else \
+        did_you_mean(section, SECTIONS)

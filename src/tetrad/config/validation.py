@@ -30,10 +30,16 @@ class Range:
         return above and below
 
     def __str__(self) -> str:
-        low = f"{'>' if self.low_open else '>='} {self.low:g}"
+        low = f"{'>' if self.low_open else '>='} {_number(self.low)}"
         if self.high == math.inf:
             return low
-        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return (f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def _number(x: float) -> str:
+    """Integers in full (2147483648, not 2.14748e+09), other numbers short."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 INT_MAX = 2**31  # sizes and counts: torch dimensions, ranks and steps stay in int32
@@ -60,6 +66,9 @@ RANGES: dict[str, Range] = {
 }
 
 
+PARALLEL_SIZES = tuple(f"parallel.{k}" for k in ("dp", "tp", "pp", "cp", "vpp"))
+
+
 def check_ranges(cfg: Config) -> None:
     """Every numeric key (list items included) within its RANGES entry."""
     for section in dataclasses.fields(cfg):
@@ -72,7 +81,9 @@ def check_ranges(cfg: Config) -> None:
                 if not RANGES[name].holds(v):
                     where = name if i is None else f"{name}[{i}]"
                     kind = "a finite number" if isinstance(v, float) else "an integer"
-                    raise ConfigError(f"{where}={v!r} is out of range: it must be {kind} {RANGES[name]}")
+                    infer = ("; tetrad does not infer a size from -1 (torchtitan does): give each of dp, tp, pp, "
+                             "cp, whose product is the number of ranks" if v == -1 and name in PARALLEL_SIZES else "")
+                    raise ConfigError(f"{where}={v!r} is out of range: it must be {kind} {RANGES[name]}{infer}")
 
 
 def divisors(n: int) -> list[int]:
@@ -125,7 +136,8 @@ def _check_heads(cfg: Config) -> None:
         raise ConfigError(f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}; "
                           f"use n_kv_heads in {divisors(m.n_heads)}")
     if m.pos == "rope" and m.head_dim % 2:
-        raise ConfigError(f"RoPE needs an even head_dim, got d_model/n_heads = {m.head_dim}")
+        raise ConfigError(f"RoPE needs an even head_dim, got d_model/n_heads = {m.head_dim}; use a d_model that is a "
+                          f"multiple of 2*n_heads = {2 * m.n_heads}, or model.pos='learned'")
     common = sorted(set(divisors(m.n_heads)) & set(divisors(m.n_kv_heads)))
     if m.n_heads % p.tp:
         raise ConfigError(f"tp={p.tp} does not divide n_heads={m.n_heads}; use tp in {common}")

@@ -112,6 +112,7 @@ MIGRATION_MISTAKES = [
     (["--job.config_file=CONFIG.toml"], "[train]\nsteps = 2\n", "give CONFIG as a plain argument"),
     (["-parallel.tp=2"], None, "write --parallel.tp=2"),
     (["--steps=2"], None, "write --train.steps=2"),
+    (["--train.compile", "CONFIG.toml"], "[train]\nsteps = 2\n", "write --train.compile=true"),
 ]
 
 

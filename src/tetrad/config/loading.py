@@ -92,6 +92,7 @@ def check_override(arg: str, following: str | None = None) -> None:
         fix = f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2"
         raise ConfigError(f"override {arg!r} must look like --section.key=value; {fix}")
     if not eq:
+        value = "true" if _hint(*name.split(".", 1)) is bool else value  # Megatron's --sequence-parallel
         raise ConfigError(f"override {arg} needs '=' before its value: write --{name}={value}")
     if arg.startswith("-") and not arg.startswith("--"):
         raise ConfigError(f"overrides start with two dashes: write --{body}")
@@ -106,10 +107,14 @@ def _parse_override(item: str) -> tuple[str, list[str], Any]:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word such as 1f1b or runs/x
-    hints = typing.get_type_hints(SECTIONS[section]) if section in SECTIONS else {}
-    if len(keys) == 1 and hints.get(keys[0]) is str and not isinstance(value, (list, dict)):
+    if len(keys) == 1 and _hint(section, keys[0]) is str and not isinstance(value, (list, dict)):
         value = text  # train.profile=4, run.dir=2024-01-01: the text typed
     return section, keys, value
+
+
+def _hint(section: str, key: str) -> Any:
+    """The type of section.key; None for an unknown one (loading names it later)."""
+    return typing.get_type_hints(SECTIONS[section]).get(key) if section in SECTIONS else None
 
 
 def _set(table: dict, keys: list[str], value: Any) -> None:

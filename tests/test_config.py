@@ -113,6 +113,10 @@ MIGRATION_MISTAKES = [
     (["-parallel.tp=2"], None, "write --parallel.tp=2"),
     (["--steps=2"], None, "write --train.steps=2"),
     (["--train.compile", "CONFIG.toml"], "[train]\nsteps = 2\n", "write --train.compile=true"),
+    (["--train.lr=.0003"], None, "train.lr must be a number, got '.0003' (str); write it as 0.0003"),
+    (["CONFIG"], "[train]\nsteps = 2\n", "config file CONFIG does not exist (did you mean CONFIG.toml?)"),
+    (["."], None, "config file . is a folder; give a TOML file"),
+    (["CONFIG.yaml"], "train:\n  steps: 2\n", "tetrad's config is TOML, not YAML"),
 ]
 
 
@@ -122,12 +126,19 @@ def test_migration_mistake_names_the_fix(argv, text, message, tmp_path, monkeypa
     """The argument split and the loading `tetrad train` does before any process starts."""
     monkeypatch.chdir(tmp_path)
     if text is not None:
-        (tmp_path / "CONFIG.toml").write_text(text)
-        argv = argv if "CONFIG.toml" in " ".join(argv) else ["CONFIG.toml", *argv]
+        name = next((a for a in argv if a.startswith("CONFIG.")), "CONFIG.toml")
+        (tmp_path / name).write_text(text)
+        argv = argv if "CONFIG" in " ".join(argv) else [name, *argv]
     with pytest.raises(ConfigError) as err:
         path, overrides = _split_config_args(argv)
         load_config(path, overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 2\n")  # as some Windows editors save
+    assert load_config(path).train.steps == 2
 
 
 def test_command_line_forms_users_write_are_accepted():

@@ -4,6 +4,7 @@ by key and validated; every error is a ConfigError of one line naming the fix.""
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -29,7 +30,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     `overrides` is a list of `section.key=value` strings (values parsed as TOML literals, falling
     back to plain strings; a string key takes the text as typed; `section.table.key=value` sets
     one key of a table, as TOML's dotted keys do) or a nested dict. `world_size`, when known
-    (under torchrun), must equal dp*tp*pp*cp. `runtime=False` (estimate/plan) also admits what only the cost model knows (fp8).
+    (under torchrun), must equal dp*tp*pp*cp. `runtime=False` (estimate/plan) also admits what
+    only the cost model knows (fp8).
     `model_from_inputs(raw)` gives [model] keys that the run's inputs decide (the data's vocabulary,
     the shape of the weights it starts from): above the preset, below the user's own keys.
     """
@@ -48,14 +50,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
 
 
 def _read_toml(path: Path) -> dict:
+    if path.is_dir():
+        inside = sorted(str(p) for p in path.glob("*.toml"))[:4]
+        such = f" such as {', '.join(inside)}" if inside else ""
+        raise ConfigError(f"config file {path} is a folder; give a TOML file{such}")
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist (or is not a file)")
+        toml = path.with_name(path.name + ".toml")
+        meant = f" (did you mean {toml}?)" if toml.is_file() else ""
+        raise ConfigError(f"config file {path} does not exist{meant}")
     try:
-        return tomllib.loads(path.read_bytes().decode("utf-8"))
+        return tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # -sig: a BOM some editors write
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a text file (not UTF-8); give a TOML config") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        other = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}.get(path.suffix.lower())
+        hint = f"; tetrad's config is TOML, not {other}: see configs/demo.toml for the form" if other else ""
+        raise ConfigError(f"{path} is not valid TOML: {e}{hint}") from None
 
 
 def _check_tables(raw: dict) -> None:
@@ -179,7 +189,18 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
             if isinstance(value, dict):
                 return {k: _check_type(f"{name}.{k}", v, item) for k, v in value.items()}
     raise ConfigError(f"{name} must be {_describe(options)}, got {_short(value)} ({type(value).__name__})"
-                      + _as_list_hint(value, options))
+                      + _as_list_hint(value, options) + _as_number_hint(value, options))
+
+
+def _as_number_hint(value: Any, options: tuple) -> str:
+    """'; write it as 0.0003' for a number TOML does not read (.0003, 3.) where a number is wanted."""
+    if not isinstance(value, str) or float not in options:
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    return f"; write it as {number!r} (TOML wants a digit on each side of '.')" if math.isfinite(number) else ""
 
 
 def _as_list_hint(value: Any, options: tuple) -> str:

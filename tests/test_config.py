@@ -113,6 +113,8 @@ MIGRATION_MISTAKES = [
     (["-parallel.tp=2"], None, "write --parallel.tp=2"),
     (["--steps=2"], None, "write --train.steps=2"),
     (["--train.compile", "CONFIG.toml"], "[train]\nsteps = 2\n", "write --train.compile=true"),
+    (["--parallel.pp=2", "--parallel.stage_layers=[2,", "2]"], None,
+     "the shell cut --parallel.stage_layers=[2, 2] at a space; quote the whole override"),
     (["--train.lr=.0003"], None, "train.lr must be a number, got '.0003' (str); write it as 0.0003"),
     (["CONFIG"], "[train]\nsteps = 2\n", "config file CONFIG does not exist (did you mean CONFIG.toml?)"),
     (["."], None, "config file . is a folder; give a TOML file"),

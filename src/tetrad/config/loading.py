@@ -106,6 +106,17 @@ def check_override(arg: str, following: str | None = None) -> None:
         raise ConfigError(f"override {arg} needs '=' before its value: write --{name}={value}")
     if arg.startswith("-") and not arg.startswith("--"):
         raise ConfigError(f"overrides start with two dashes: write --{body}")
+    if text[:1] in ("[", "{") and following is not None and not _is_toml(text):
+        raise ConfigError(f"the shell cut {arg} {following} at a space; quote the whole override: "
+                          f"'{arg} {following}'")
+
+
+def _is_toml(text: str) -> bool:
+    try:
+        tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError:
+        return False
+    return True
 
 
 def _parse_override(item: str) -> tuple[str, list[str], Any]:
@@ -207,11 +218,7 @@ def _as_list_hint(value: Any, options: tuple) -> str:
     """'; write it as [2,2]' when a list was wanted and the text, bracketed, is one."""
     if not isinstance(value, str) or not any(typing.get_origin(o) is list for o in options):
         return ""
-    try:
-        tomllib.loads(f"v = [{value}]")
-    except tomllib.TOMLDecodeError:
-        return ""
-    return f"; write it as [{value}]"
+    return f"; write it as [{value}]" if _is_toml(f"[{value}]") else ""
 
 
 def _short(value: Any) -> str:

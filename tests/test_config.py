@@ -112,6 +112,8 @@ MIGRATION_MISTAKES = [
     (["--job.config_file=CONFIG.toml"], "[train]\nsteps = 2\n", "give CONFIG as a plain argument"),
     (["-parallel.tp=2"], None, "write --parallel.tp=2"),
     (["--steps=2"], None, "write --train.steps=2"),
+    (["--tensor-model-parallel-size", "2", "--micro-batch-size", "1"], None, "write --parallel.tp=2"),
+    (["--micro-batch-size=1"], None, "write --train.micro_batch=1"),
     (["--train.compile", "CONFIG.toml"], "[train]\nsteps = 2\n", "write --train.compile=true"),
     (["--parallel.pp=2", "--parallel.stage_layers=[2,", "2]"], None,
      "the shell cut --parallel.stage_layers=[2, 2] at a space; quote the whole override"),

@@ -213,8 +213,8 @@ def did_you_mean(word: str, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-# Names users bring from Megatron-LM's arguments and torchtitan's TOML: an unknown one is answered
-# with ours. Keys that differ only by spelling (global_batch_size) are found by did_you_mean.
+# Names users bring from Megatron-LM's arguments and torchtitan's TOML (dashes read as
+# underscores): an unknown one is answered with ours.
 KEY_ALIASES = {
     **dict.fromkeys(("tensor_model_parallel_size", "tensor_parallel_degree", "tp_size"), "parallel.tp"),
     **dict.fromkeys(("pipeline_model_parallel_size", "pipeline_parallel_degree", "pp_size"), "parallel.pp"),
@@ -226,6 +226,7 @@ KEY_ALIASES = {
     "dim": "model.d_model", "num_attention_heads": "model.n_heads", "num_query_groups": "model.n_kv_heads",
     "ffn_hidden_size": "model.ffn_hidden", "seq_length": "model.seq_len", "learning_rate": "train.lr",
     "train_iters": "train.steps", "lr_warmup_iters": "train.warmup", "warmup_steps": "train.warmup",
+    "global_batch_size": "train.global_batch", "micro_batch_size": "train.micro_batch",
     "local_batch_size": "train.micro_batch", "clip_grad": "train.grad_clip", "max_norm": "train.grad_clip",
     "lr_decay_style": "train.lr_schedule", "recompute_granularity": "train.recompute",
     "mixed_precision_param": "train.dtype", "eval_interval": "train.eval_every", "eval_iters": "train.eval_steps",
@@ -241,10 +242,10 @@ SECTION_ALIASES = {"optimizer": "train", "lr_scheduler": "train", "activation_ch
 def places_of(key: str, section: str | None = None) -> list[str]:
     """Where `key` (unknown in `section`) is a config key, as 'section.key': in other sections, or
     ours for a Megatron-LM/torchtitan name."""
+    key = key.replace("-", "_")
     homes = [f"{name}.{key}" for name, cls in SECTIONS.items()
              if name != section and key in {f.name for f in dataclasses.fields(cls)}]
-    alias = KEY_ALIASES.get(key.replace("-", "_"))
-    return homes or ([alias] if alias else [])
+    return homes or ([KEY_ALIASES[key]] if key in KEY_ALIASES else [])
 
 
 def suggest_key(section: str, key: str) -> str:

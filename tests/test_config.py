@@ -117,6 +117,8 @@ MIGRATION_MISTAKES = [
     (["--train.compile", "CONFIG.toml"], "[train]\nsteps = 2\n", "write --train.compile=true"),
     (["--parallel.pp=2", "--parallel.stage_layers=[2,", "2]"], None,
      "the shell cut --parallel.stage_layers=[2, 2] at a space; quote the whole override"),
+    (["--parallel.stage_layers=[2,2", "--parallel.pp=2"], None,
+     "parallel.stage_layers must be a list of integers, got '[2,2' (str)"),
     (["--train.lr=.0003"], None, "train.lr must be a number, got '.0003' (str); write it as 0.0003"),
     (["CONFIG"], "[train]\nsteps = 2\n", "config file CONFIG does not exist (did you mean CONFIG.toml?)"),
     (["."], None, "config file . is a folder; give a TOML file"),

@@ -106,7 +106,7 @@ def check_override(arg: str, following: str | None = None) -> None:
         raise ConfigError(f"override {arg} needs '=' before its value: write --{name}={value}")
     if arg.startswith("-") and not arg.startswith("--"):
         raise ConfigError(f"overrides start with two dashes: write --{body}")
-    if text[:1] in ("[", "{") and following is not None and not _is_toml(text):
+    if text[:1] in ("[", "{") and following and not following.startswith("-") and not _is_toml(text):
         raise ConfigError(f"the shell cut {arg} {following} at a space; quote the whole override: "
                           f"'{arg} {following}'")
 

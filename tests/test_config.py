@@ -141,6 +141,12 @@ def test_migration_mistake_names_the_fix(argv, text, message, tmp_path, monkeypa
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_help_after_a_config_prints_the_usage(capsys):
+    from tetrad.cli import main
+    assert main(["train", "configs/demo.toml", "--help"]) == 0
+    assert "usage: tetrad train [CONFIG]" in capsys.readouterr().out
+
+
 def test_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 2\n")  # as some Windows editors save

@@ -43,7 +43,7 @@ def train_command(argv: list[str]) -> int:
     from tetrad.train.init_from import check_init_from, model_keys
     from tetrad.train.trainer import train_on_this_rank
 
-    if argv and argv[0] in ("-h", "--help"):
+    if {"-h", "--help"} & set(argv):
         print("usage: tetrad train [CONFIG] [--section.key=value ...]\n"
               "Without CONFIG the defaults apply: the tiny preset on the built-in corpus, one process.")
         return 0

@@ -157,9 +157,9 @@ def test_command_line_forms_users_write_are_accepted():
     """A table key set by its dotted path (as TOML allows in a file), and a number typed for a
     string key (train.profile=4 as the docs write it) taken as the text typed."""
     cfg = load_config(overrides=["--parallel.comm_options.tp.max_ctas=16", "--parallel.comm_options.tp.min_ctas=2",
-                                 "--train.profile=4", "--run.wandb_name=2024"])
+                                 "--train.profile=4", "--run.wandb_name=2024", '--run.wandb_project="a b"'])
     assert cfg.parallel.comm_options == {"tp": {"max_ctas": 16, "min_ctas": 2}}
-    assert (cfg.train.profile, cfg.run.wandb_name) == ("4", "2024")
+    assert (cfg.train.profile, cfg.run.wandb_name, cfg.run.wandb_project) == ("4", "2024", "a b")
 
 
 def test_a_missing_device_is_a_config_error():

@@ -128,7 +128,7 @@ def _parse_override(item: str) -> tuple[str, list[str], Any]:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word such as 1f1b or runs/x
-    if len(keys) == 1 and _hint(section, keys[0]) is str and not isinstance(value, (list, dict)):
+    if len(keys) == 1 and _hint(section, keys[0]) is str and not isinstance(value, (str, list, dict)):
         value = text  # train.profile=4, run.dir=2024-01-01: the text typed
     return section, keys, value
 

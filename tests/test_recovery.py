@@ -159,6 +159,21 @@ def test_a_fresh_run_never_erases_an_earlier_runs_history(tmp_path):
     assert (run_dir / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.parametrize("resume", ["auto", "explicit"])
+def test_resuming_another_models_checkpoint_is_refused_before_spawn(tmp_path, resume):
+    """The same run.dir with a changed model shape: one line naming the keys and the fix, before
+    any rank starts (it was rank 0's traceback at resume)."""
+    saved = tiny_config(train={"steps": 1}, checkpoint={"every": 1}, run={"dir": str(tmp_path)})
+    Trainer(saved, torch.device("cpu")).fit()
+    target = {"resume": str(tmp_path / "checkpoints" / "step_00000001")} if resume == "explicit" else {}
+    changed = tiny_config(model={"n_layers": saved.model.n_layers + 1}, checkpoint={"every": 1, **target},
+                          run={"dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"written for a different model: +model\.n_layers = \d+ in the checkpoint, "
+                                          r"\d+ here set those keys back .* or train this model in a new run\.dir"):
+        check_storage(changed)
+    check_storage(saved)  # the same model resumes
+
+
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """A full disk at the second save (injected into DCP's file writer): one clear error, the first
     checkpoint intact and still `latest`."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from tetrad.config import Config, ConfigError
 from tetrad.model.flops import parameter_count
 from tetrad.train.checkpoint.recovery import refuse_later, refuse_overwriting_history
-from tetrad.train.checkpoint.store import MANIFEST, CheckpointError, published, resolve
+from tetrad.train.checkpoint.store import MANIFEST, CheckpointError, check_model, published, read_manifest, resolve
 
 PROBE_BYTES = 1 << 20
 # fp32 weights and AdamW's two moments: what a checkpoint holds per parameter, at least.
@@ -40,12 +40,24 @@ def _resume_target(cfg: Config, root: Path, metrics: Path) -> None:
         if not Path(resume).exists():
             raise ConfigError(f"checkpoint.resume={resume!r} does not exist; give a step_* folder or a checkpoint "
                               "root, or 'auto'")
-        resolve(resume)
+        _same_model(cfg, resolve(resume))
         return
     if resume == "never":
         refuse_later(root, 0, "checkpoint.resume='never'")
     if resume == "never" or not any((p / MANIFEST).exists() for p in published(root)):
         refuse_overwriting_history(metrics, cfg.checkpoint.every if resume == "auto" else 0)
+    else:
+        _same_model(cfg, resolve(root))
+
+
+def _same_model(cfg: Config, checkpoint: Path) -> None:
+    """Refuse resuming another model's checkpoint here rather than in rank 0 at resume. A damaged
+    manifest is left to resume, which sets that checkpoint aside and takes an older one."""
+    try:
+        manifest = read_manifest(checkpoint)
+    except CheckpointError:
+        return
+    check_model(manifest, cfg.model, checkpoint)
 
 
 def _existing_ancestor(path: Path, key: str) -> Path:

@@ -200,7 +200,9 @@ def check_model(manifest: dict, model_cfg, path: Path) -> None:
     diffs = [f"model.{k} = {manifest['model'].get(k)!r} in the checkpoint, {here[k]!r} here"
              for k in SHAPE_KEYS if manifest["model"].get(k) != here[k]]
     if diffs:
-        raise CheckpointError(f"{path / MANIFEST} was written for a different model:\n  " + "\n  ".join(diffs))
+        raise CheckpointError(f"{path / MANIFEST} was written for a different model:\n  " + "\n  ".join(diffs)
+                              + "\nset those keys back to the checkpoint's, or train this model in a new run.dir "
+                              "(or checkpoint.dir)")
 
 
 # ---------------------------------------------------------------------------------------- metadata

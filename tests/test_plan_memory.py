@@ -12,6 +12,7 @@ from tetrad.model import flops
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
 from tetrad.plan.memory import ZERO_PAPER_BYTES, activation_bytes_per_layer, model_state_bytes
+from tetrad.plan.search import config_of, layouts
 from tetrad.plan.stacks import STACKS
 
 
@@ -85,3 +86,21 @@ def test_per_op_recompute_lies_between_the_other_policies():
     assert hw["selective-op"] - hw["none"] == m.n_layers * 2 * h * (kv + m.n_heads * m.head_dim + f)
     times = {r: e.step_time_s for r, e in est.items()}
     assert times["none"] < times["selective-op"] < times["full"], times
+
+
+def test_more_recompute_never_predicts_more_activations():
+    """Per pipeline rank, over every layout of a small model (one layer per stage, zero-bubble's
+    split backward and a single micro-batch included), full recompute keeps no more than
+    selective-op or none, and selective no more than none: rebuilding a layer during its backward
+    adds only what that layer does not already hold (its kept input, or what it keeps from BI to
+    BW). Before, zero-bubble with full recompute counted a layer's BI-to-BW remainder twice."""
+    cluster = load_cluster("dgx-h100")
+    base = _cfg(model={"preset": "tiny"}, train={"global_batch": 16, "micro_batch": 1, "dtype": "bf16"})
+    found = {}
+    for layout in layouts(base, cluster.world, cluster.gpus_per_node):
+        acts = [m.activations for m in estimate(config_of(base, layout), cluster).memory_by_rank]
+        found.setdefault(layout._replace(recompute=""), {})[layout.recompute] = acts
+    for layout, acts in found.items():
+        for less, more in (("full", "selective-op"), ("full", "none"), ("selective", "none")):
+            assert all(a <= b for a, b in zip(acts[less], acts[more])), (layout, less, more, acts)
+    assert len(found) > 50

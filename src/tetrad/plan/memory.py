@@ -179,8 +179,13 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     stack = as_run(cfg, stack)
     per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     rebuilt = 0.0
-    if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward
-        rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
+    if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward,
+        # beyond what the held sets already count for that layer: what it keeps, or under a split
+        # backward the larger of that and what it keeps from its BI to its BW (`after_bi_weight`)
+        counted = per_layer
+        if schedule_spec(p.schedule).splits_backward:
+            counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
+        rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack) - counted
     # Final norm and head inputs; the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
     # Without tp, torch's cross-entropy takes an fp32 copy of 16-bit logits while they are still

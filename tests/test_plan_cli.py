@@ -166,3 +166,55 @@ def test_plan_table_columns_line_up(capsys):
     ends = [[m.start() for m in re.finditer(r"(?<=\S)(?:  |$)", r)][1:] for r in rows]
     assert all(len(e) == 7 and e == ends[0] for e in ends), rows
     assert len({len(r.split("  ")[0]) for r in rows}) > 1  # layouts of several widths, so the check bites
+
+
+def test_plan_refuses_counts_it_cannot_use(capsys):
+    """Zero, negative or too many: a clear error (exit 2), not a traceback, an empty table, or a
+    plan for GPUs the cluster does not have or a batch the user did not ask for."""
+    args = ["plan", "--model", "tiny", "--cluster", "dgx-h100", "--global-batch", "8"]
+    for flag, value in (("--top", "0"), ("--gpus", "0"), ("--gpus", "-8")):
+        with pytest.raises(SystemExit) as exit_:
+            main(args + [flag, value])
+        assert exit_.value.code == 2 and "is not a whole number >= 1" in capsys.readouterr().err
+    assert main(args + ["--gpus", "16"]) == 2
+    assert "--gpus 16 is more than the cluster's 8 GPUs" in capsys.readouterr().err
+    for flag, key in (("--global-batch", "train.global_batch"), ("--seq-len", "model.seq_len")):
+        assert main(args + [flag, "0"]) == 2
+        assert f"{key}=0 is out of range" in capsys.readouterr().err
+
+
+def test_plan_with_no_legal_layout_says_which_batch_or_gpus_would_have_one(capsys):
+    """tiny (2 KV-head groups, 4 layers, 128 tokens) on 16384 GPUs leaves dp >= 32: a global
+    batch of 8 splits in no layout. The user reads why and two fixes, and both work."""
+    args = ["plan", "--model", "tiny", "--cluster", "h100x16384", "--top", "1", "--json"]
+    assert main(args + ["--global-batch", "8"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert "no legal layout: the global batch (8) must be a multiple of" in out.err
+    assert "dp >= 32 (tp <= 2, pp <= 4, cp <= 64" in out.err and "use --global-batch 32 or --gpus 4096" in out.err
+    assert main(args + ["--global-batch", "32"]) == 0
+    assert main(args + ["--global-batch", "8", "--gpus", "4096"]) == 0
+
+
+def test_plan_that_needs_more_gpus_says_how_many(capsys):
+    """The model states alone: 405B parameters x 18 bytes need 88 H100s (11 nodes) fully sharded,
+    a lower bound; on 88 GPUs no layout's share is that even, which the user reads too."""
+    err = []
+    for gpus in ("8", "88"):
+        assert main(["plan", "--model", "llama3-405b", "--cluster", "h100x1024", "--gpus", gpus, "--global-batch", "88",
+                     "--top", "1", "--json"]) == 1
+        err.append(capsys.readouterr().err)
+    assert "do not fit even sharded over the 8 GPUs: they need at least 88 of these GPUs" in err[0]
+    assert "do not fit in any layout's share of the 88 GPUs: use more GPUs" in err[1]
+
+
+def test_plan_text_shows_a_tiny_models_step_time(capsys):
+    """A tiny model's step is tens of microseconds: the table and the spread show it to three
+    significant digits, not as 0.000."""
+    args = ["plan", "--model", "tiny", "--cluster", "dgx-h100", "--global-batch", "8", "--top", "3"]
+    assert main(args + ["--json"]) == 0
+    times = [r["step_time_s"] for r in json.loads(capsys.readouterr().out)]
+    assert main(args) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  #") and "[" in line]
+    assert times[0] < 1e-3
+    assert [float(r[1]) for r in rows] == pytest.approx(times, rel=5e-3)

@@ -3,7 +3,7 @@
 1. `tetrad plan` wall time for llama3-70b on 1024 H100 (8 per node), global batch 1024 x 8192
    tokens, and llama3-405b on 16384 H100 (targets: under 2 s and 10 s on a 2-core machine);
 2. the reference runs (src/tetrad/plan/reference_runs/published_runs.csv): the calibration
-   rows, as tests/test_plan.py checks them, and the held-out ones (only torchtitan's 8B FSDP
+   rows, as tests/test_plan_calibration.py checks them, and the held-out ones (only torchtitan's 8B FSDP
    rows informed a constant, the 500 W H100's two efficiencies, with the cp=1 calibration row;
    the others fitted nothing, so their error is the honest one);
 with MAPE and Kendall's tau per source and per category after each table (plan/reference.agreement).

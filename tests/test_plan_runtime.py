@@ -78,7 +78,8 @@ COUNTED_LAYOUTS = [({"dp": 2, "zero": 1}, {}), ({"tp": 2, "sequence_parallel": T
                    ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {}),
                    ({"pp": 2}, {}), ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}), ({"pp": 2, "schedule": "zb"}, {}),
                    ({"cp": 2}, {}), ({"dp": 2, "zero": 3}, {"dtype": "bf16"}), ({"tp": 2}, {"recompute": "full"}),
-                   ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective-op"})]
+                   ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective-op"}),
+                   ({"pp": 2, "schedule": "zb"}, {"recompute": "full"})]
 
 
 @pytest.mark.parametrize("parallel,train", COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")

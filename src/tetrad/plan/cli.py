@@ -1,7 +1,8 @@
 """`tetrad estimate` and `tetrad plan`: the cost model for one layout, and the ranking of all.
 
 Exit codes: 0 the layout (the plan's winner) fits; 1 it does not fit in memory (the estimate is
-still printed, with its per-part breakdown); 2 bad input (unknown GPU, cluster or config key).
+still printed, with its per-part breakdown); 2 bad input (unknown GPU, cluster or config key, or
+a global batch no layout of the model on those GPUs can split).
 """
 
 from __future__ import annotations
@@ -25,12 +26,21 @@ from tetrad.plan.plot import plan_figure
 from tetrad.plan.recipe import sized_training
 from tetrad.plan.search import plan
 from tetrad.plan.stacks import STACKS
-from tetrad.plan.text import describe, plan_text, why_nothing_fits
+from tetrad.plan.text import describe, plan_text, why_no_layout, why_nothing_fits
+
+
+def _positive(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
 
 
 def _cluster(ref: str, gpus: int | None) -> Cluster:
     cluster = load_cluster(ref)
-    if gpus:
+    if gpus is not None:
+        if gpus > cluster.world:
+            raise HardwareError(f"--gpus {gpus} is more than the cluster's {cluster.world} GPUs")
         if gpus % cluster.gpus_per_node and gpus > cluster.gpus_per_node:
             raise HardwareError(f"--gpus {gpus} is not a whole number of {cluster.gpus_per_node}-GPU nodes")
         per_node = min(gpus, cluster.gpus_per_node)
@@ -67,8 +77,8 @@ def _base_config(args, overrides: list[str]) -> Config:
     overrides. The layout in it is irrelevant (the plan chooses one), so it starts at micro_batch=1."""
     path = args.config or (args.model if args.model.endswith(".toml") else None)
     flags = ["train.micro_batch=1"] + ([] if path else [f"model.preset={args.model}"])
-    flags += [f"train.global_batch={args.global_batch}"] if args.global_batch else []
-    flags += [f"model.seq_len={args.seq_len}"] if args.seq_len else []
+    flags += [f"train.global_batch={args.global_batch}"] if args.global_batch is not None else []
+    flags += [f"model.seq_len={args.seq_len}"] if args.seq_len is not None else []
     if args.dtype or "train.dtype" not in _user_keys(args, overrides):  # bf16: what clusters run
         flags += [f"train.dtype={args.dtype or 'bf16'}"]
     cfg = load_config(path, flags + overrides, runtime=False)
@@ -82,13 +92,13 @@ def plan_command(argv: list[str]) -> int:
     ap.add_argument("config", nargs="?", help="a config TOML whose model and training settings to plan for")
     ap.add_argument("--model", default="tiny", help="a preset name or a config TOML (default: tiny)")
     ap.add_argument("--cluster", required=True, help="a built-in cluster name or a cluster TOML file")
-    ap.add_argument("--gpus", type=int, help="plan for this many of the cluster's GPUs (default: all)")
+    ap.add_argument("--gpus", type=_positive, help="plan for this many of the cluster's GPUs (default: all)")
     ap.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"],
                     help="training precision (default: the config's train.dtype if it sets one, else bf16)")
     ap.add_argument("--stack", default="tetrad", choices=list(STACKS), help="software stack to model")
-    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--top", type=_positive, default=10, help="how many layouts to rank (default: 10)")
     ap.add_argument("--json", action="store_true", help="print the ranked estimates as a JSON list")
     ap.add_argument("--out", "--write", dest="out", help="write the best layout as a runnable config TOML")
     ap.add_argument("--plot", help="draw step time vs memory per GPU of the candidates to this PNG")
@@ -101,6 +111,9 @@ def plan_command(argv: list[str]) -> int:
         return 2
     base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, ranks_per_node=cluster.gpus_per_node))
     result = plan(base, cluster, args.top, args.stack)
+    if not result.considered:  # the global batch does not split over these GPUs: bad input
+        print(f"tetrad plan: {why_no_layout(base, cluster)}", file=sys.stderr)
+        return 2
     best = result.ranked[0] if result.ranked and result.ranked[0].fits else None
     print(json.dumps([e.to_json() for e in result.ranked], indent=2) if args.json else plan_text(result, base, cluster))
     if best is None and result.ranked and args.json:
@@ -118,7 +131,7 @@ def plan_command(argv: list[str]) -> int:
 def _user_keys(args, overrides: list[str]) -> set[str]:
     """The "section.key"s the user set: in the config file, as overrides, or by a flag."""
     keys = {item.lstrip("-").split("=", 1)[0] for item in overrides}
-    keys |= {"train.global_batch"} if args.global_batch else set()
+    keys |= {"train.global_batch"} if args.global_batch is not None else set()
     path = args.config or (args.model if args.model.endswith(".toml") else None)
     if path:
         raw = tomllib.loads(Path(path).read_text())

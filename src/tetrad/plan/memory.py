@@ -179,8 +179,13 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     stack = as_run(cfg, stack)
     per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     rebuilt = 0.0
-    if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward
-        rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
+    if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward,
+        # beyond what the held sets already count for that layer: what it keeps, or under a split
+        # backward the larger of that and what it keeps from its BI to its BW (`after_bi_weight`)
+        counted = per_layer
+        if schedule_spec(p.schedule).splits_backward:
+            counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
+        rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack) - counted
     # Final norm and head inputs; the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
     # Without tp, torch's cross-entropy takes an fp32 copy of 16-bit logits while they are still
@@ -188,12 +193,12 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     logit_bytes = 8 + (e if p.tp == 1 and e < 4 else 0)
     head = loss_waiting * (2 * hidden + logit_bytes * tokens * m.vocab_size / p.tp)
     params = rank_params(cfg)
-    buffers = _buffers(cfg, stack, tokens, e, params[0])
     per_param = state_bytes_per_param(t.dtype)
     out = []
     layer_params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
     for r, layers in enumerate(rank_layers(cfg)):
         weights, grads, optimizer = model_state_bytes(params[r], p.zero, p.dp * p.cp, per_param)
+        buffers = _buffers(cfg, stack, tokens, e, params[r], r)
         root = 0.0
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
@@ -206,8 +211,9 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     return out
 
 
-def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float) -> float:
-    """Communication buffers alive at the peak: ZeRO-2's full buckets in flight, ZeRO-3's gathered layers
+def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float, rank: int) -> float:
+    """Communication buffers alive at the peak on pipeline rank `rank`, which holds `params`
+    parameters: ZeRO-2's full buckets in flight, ZeRO-3's gathered layers
     (the current and the prefetched one) and two layers' full gradients (filling, reducing),
     the SP-gathered layer input, CP ring blocks and accumulators, pipeline send/receive buffers."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -216,10 +222,13 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float) -> f
     # ZeRO-0/1 reduce in place in the flat gradient buckets (counted as `grads`); ZeRO-2 keeps only
     # its shard, but a bucket's full gradient lives until its reduce-scatter ends: one bucket
     # reducing while the next fills.
-    if p.dp * p.cp > 1 and p.zero == 2:  # a parameter larger than the bucket size is a bucket alone
-        bucket = bucket_bytes(cfg.parallel)
-        largest = 4 * m.d_model * max(m.vocab_size, m.ffn_hidden) / p.tp
-        out += min(2 * max(bucket, largest), 4 * params)
+    if p.dp * p.cp > 1 and p.zero == 2:  # a parameter larger than the bucket size is a bucket alone:
+        # the vocabulary matrices (the embedding on the first stage, the head on the last) are
+        # only where they are, the layers' largest matrix anywhere
+        vocab = 4 * m.d_model * m.vocab_size / p.tp
+        head = rank == p.pp - 1 and (not m.tie_embeddings or p.pp * p.vpp > 1)
+        largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * m.ffn_hidden / p.tp] * 2
+        out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * params)
     if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket
         out += 4 * params
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)

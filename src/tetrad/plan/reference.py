@@ -20,7 +20,7 @@ REFERENCE_RUNS = Path(__file__).with_name("reference_runs") / "published_runs.cs
 
 
 # The model's mean absolute percentage error over the calibration runs of the reference file, as
-# tests/test_plan.py prints it (a test keeps this figure within half a point of that): the spread
+# tests/test_plan_calibration.py prints it (a test keeps this figure within half a point of that): the spread
 # `tetrad plan` puts around each prediction.
 CALIBRATION_MAPE = 0.057
 

@@ -3,11 +3,16 @@ aligned table, and, when nothing fits, why."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from tetrad.config import Config
+from tetrad.model import flops
 from tetrad.plan.cost import Estimate
 from tetrad.plan.hardware import Cluster
+from tetrad.plan.memory import GIB, state_bytes_per_param
 from tetrad.plan.reference import CALIBRATION_MAPE
-from tetrad.plan.search import Plan
+from tetrad.plan.search import Plan, layouts
 
 STATES = ("weights", "grads", "optimizer")
 
@@ -20,10 +25,17 @@ def layout_label(e: Estimate) -> str:
             f"recompute={t.recompute}")
 
 
+def decimals(seconds: float) -> int:
+    """Decimals that show `seconds` to three significant digits, and at least three (a tiny
+    model's step is microseconds, which three decimals would print as 0.000)."""
+    return max(3, 2 - math.floor(math.log10(seconds))) if seconds > 0 else 3
+
+
 def table(estimates: list[Estimate]) -> list[str]:
     """One line per estimate under a header, every column aligned (widths from the content)."""
+    d = decimals(min((e.step_time_s for e in estimates), default=1.0))
     head = ("layout", "step (s)", "tok/s/GPU", "MFU", "GiB/GPU", "bubble", "comm", "fits")
-    rows = [head] + [(layout_label(e), f"{e.step_time_s:.3f}", f"{e.tokens_per_s / e.cfg.parallel.world_size:,.0f}",
+    rows = [head] + [(layout_label(e), f"{e.step_time_s:.{d}f}", f"{e.tokens_per_s / e.cfg.parallel.world_size:,.0f}",
                       f"{100 * e.mfu:.1f}%", f"{e.peak_memory_gib:.1f}", f"{100 * e.bubble_fraction:.1f}%",
                       f"{100 * _exposed_comm(e) / e.step_time_s:.1f}%", "yes" if e.fits else "NO")
                      for e in estimates]
@@ -38,14 +50,15 @@ def _exposed_comm(e: Estimate) -> float:
 
 def describe(e: Estimate) -> str:
     """The readable report of one estimate: time, memory and utilisation broken down."""
+    d = decimals(e.step_time_s) + 1
     lines = [layout_label(e), "",
-             f"  step time      {e.step_time_s:.4f} s    tokens/s {e.tokens_per_s:,.0f} "
+             f"  step time      {e.step_time_s:.{d}f} s    tokens/s {e.tokens_per_s:,.0f} "
              f"({e.tokens_per_s / e.cfg.parallel.world_size:,.0f} per GPU)",
              f"  MFU / HFU      {100 * e.mfu:.1f}% / {100 * e.hfu:.1f}%    model TFLOP/s per GPU "
              f"{e.model_tflops_per_gpu:.1f}",
              f"  bubble         {100 * e.bubble_fraction:.1f}% of pipeline rank-time", "",
              "  time per step, busiest pipeline rank (exposed parts only):"]
-    lines += [f"    {k:<18} {v:10.4f} s  {100 * v / e.step_time_s:5.1f}%" for k, v in e.breakdown.items()]
+    lines += [f"    {k:<18} {v:{d + 6}.{d}f} s  {100 * v / e.step_time_s:5.1f}%" for k, v in e.breakdown.items()]
     verdict = "fits" if e.fits else "DOES NOT FIT"
     lines += ["", f"  memory per GPU, worst pipeline rank: {e.peak_memory_gib:.2f} GiB of {e.usable_gib:.1f} usable "
                   f"({e.hbm_gib:.1f} GiB) -> {verdict}"]
@@ -62,13 +75,52 @@ def why_nothing_fits(closest: Estimate, cluster: Cluster) -> str:
     states, acts = sum(gib[k] for k in STATES), gib["activations"]
     need = (f"the closest layout needs {closest.peak_memory_gib:.1f} GiB per GPU of {closest.usable_gib:.1f} usable "
             f"(model states {states:.1f}, activations {acts:.1f}, other {gib['other']:.1f})")
-    if states >= closest.usable_gib:
-        fix = (f"the model states alone do not fit even sharded over the {cluster.world} GPUs: use more GPUs "
-               "(--gpus or a larger --cluster) or GPUs with more memory")
+    gpus = _gpus_for_states(closest, cluster)
+    if gpus > cluster.world:
+        fix = (f"the model states alone do not fit even sharded over the {cluster.world} GPUs: they need at least "
+               f"{gpus} of these GPUs (a larger --cluster), or GPUs with more memory")
+    elif states >= closest.usable_gib:
+        fix = (f"the model states alone do not fit in any layout's share of the {cluster.world} GPUs: use more "
+               "GPUs (--gpus or a larger --cluster) or GPUs with more memory")
     else:
         fix = ("the activations on top of them do not fit even with full recompute and one sequence per "
                "micro-batch: use a shorter --seq-len, more GPUs, or GPUs with more memory")
     return f"no layout fits in memory: {need}; {fix}"
+
+
+def why_no_layout(base: Config, cluster: Cluster) -> str:
+    """One line when no layout is legal: what every layout of the model on these GPUs needs of
+    the global batch, and the nearest global batch and the largest GPU count that have one."""
+    m, batch, world, per_node = base.model, base.train.global_batch, cluster.world, cluster.gpus_per_node
+
+    def legal(global_batch: int, gpus: int) -> bool:
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, global_batch=global_batch))
+        return any(True for _ in layouts(cfg, gpus, min(per_node, gpus)))
+
+    every = dataclasses.replace(base, train=dataclasses.replace(base.train, global_batch=16 * world))
+    found = list(layouts(every, world, per_node))  # every split of the GPUs, whatever the batch
+    if not found:
+        return (f"no legal layout of {m.preset} on {world} GPUs: its heads, layers and sequence length do not "
+                "split over them (use --gpus)")
+    dps = sorted({x.dp for x in found})
+    batches = sorted({-(-batch // d) * d for d in dps})
+    nearer = next((b for b in batches if legal(b, world)), None)
+    gpus = next((g for g in (world >> k for k in range(1, world.bit_length()))
+                 if (g % per_node == 0 or g < per_node) and legal(batch, g)), None)
+    fixes = [f"--global-batch {nearer}"] * (nearer is not None) + [f"--gpus {gpus}"] * (gpus is not None)
+    return (f"no legal layout: the global batch ({batch}) must be a multiple of the data-parallel degree times "
+            f"the micro-batch, and every layout of {m.preset} on {world} GPUs has dp >= {dps[0]} (tp <= "
+            f"{max(x.tp for x in found)}, pp <= {max(x.pp for x in found)}, cp <= {max(x.cp for x in found)} for "
+            f"{m.n_layers} layers and sequence length {m.seq_len}); use {' or '.join(fixes)}")
+
+
+def _gpus_for_states(e: Estimate, cluster: Cluster) -> int:
+    """The fewest GPUs (whole nodes past one) whose memory holds the model states fully sharded:
+    a lower bound, activations and buffers come on top."""
+    m, dtype = e.cfg.model, e.cfg.train.dtype
+    need = math.ceil(flops.parameter_count(m) * sum(state_bytes_per_param(dtype)) / GIB / e.usable_gib)
+    per_node = cluster.gpus_per_node
+    return need if need <= per_node else -(-need // per_node) * per_node
 
 
 def plan_text(result: Plan, base: Config, cluster: Cluster) -> str:
@@ -99,7 +151,9 @@ def confidence(ranked: list[Estimate]) -> str:
     best = ranked[0].step_time_s
     lines = [f"predicted step time +- {100 * err:.1f}% (the model's mean error on the published runs it was "
              f"checked against, docs/planner.md):"]
-    lines += [f"  #{i + 1:<3}{e.step_time_s:9.3f} s  [{e.step_time_s * (1 - err):.3f}, {e.step_time_s * (1 + err):.3f}]"
+    d = decimals(best * (1 - err))
+    lines += [f"  #{i + 1:<3}{e.step_time_s:{d + 6}.{d}f} s  [{e.step_time_s * (1 - err):.{d}f}, "
+              f"{e.step_time_s * (1 + err):.{d}f}]"
               for i, e in enumerate(ranked)]
     close = [i + 1 for i, e in enumerate(ranked[1:], 1) if e.step_time_s * (1 - err) <= best * (1 + err)]
     if close:

@@ -17,7 +17,10 @@ ERRORS = [
      "tp=4 does not divide n_kv_heads=2; use tp in [1, 2]"),
     ({"parallel": {"pp": 4, "vpp": 2, "schedule": "interleaved"}}, None,
      "n_layers=4 is fewer than pp*vpp = 4*2 = 8 pipeline stages"),
-    ({"parallel": {"cp": 3}}, None, "seq_len=128 is not divisible by 2*cp = 6"),
+    ({"parallel": {"cp": 3}}, None, "seq_len=128 is not divisible by 2*cp = 6 (the sequence is cut into 2*cp chunks "
+     "for load balance); use cp in [1, 2, 4, 8, 16, 32, 64]"),
+    ({"model": {"seq_len": 127}, "parallel": {"cp": 3}}, None, "use cp in [1] or change seq_len"),
+    ({"model": {"seq_len": 36}, "parallel": {"cp": 4}}, None, "use cp in [1, 2, 3, 6, 9, 18]"),
     ({"train": {"global_batch": 12, "micro_batch": 4}, "parallel": {"dp": 2}}, None,
      "global_batch=12 is not divisible by micro_batch*dp = 4*2 = 8"),
     ({"parallel": {"tpp": 2}}, None, "unknown key parallel.tpp (did you mean 'tp'?)"),

@@ -173,7 +173,7 @@ def _check_sequence(cfg: Config) -> None:
     tp does not divide is refused: every tp rank must hold the same number of tokens."""
     m, p = cfg.model, cfg.parallel
     if p.cp > 1 and m.seq_len % (2 * p.cp):
-        ok = [c for c in divisors(m.seq_len // 2) if c > 1][:8] if m.seq_len > 1 else []
+        ok = [c for c in divisors(m.seq_len) if c > 1 and m.seq_len % (2 * c) == 0][:8]
         raise ConfigError(f"seq_len={m.seq_len} is not divisible by 2*cp = {2 * p.cp} (the sequence is cut "
                           f"into 2*cp chunks for load balance); use cp in {[1] + ok} or change seq_len")
     if p.sequence_parallel and p.tp > 1 and (m.seq_len // p.cp) % p.tp:

@@ -172,3 +172,5 @@ def test_a_missing_device_is_a_config_error():
         pytest.skip("this machine has an accelerator")
     with pytest.raises(ConfigError, match="use train.device='cpu' or 'auto'"):
         resolve_device_type("cuda")
+    with pytest.raises(ConfigError, match=r"--device='cuda' but torch sees no cuda device.*use --device='cpu'"):
+        resolve_device_type("cuda", "--device")  # tetrad bench's flag, named as the user typed it

@@ -213,7 +213,7 @@ def bench_command(argv: list[str]) -> int:
                     help="gemm on CPU: intra-op threads, as one training rank gets (default 1: one rank per core)")
     ap.add_argument("--json", action="store_true", help="print the measurements as JSON instead of tables")
     args = ap.parse_args(argv)
-    device = devices.resolve_device_type(args.device)
+    device = devices.resolve_device_type(args.device, "--device")
     devices.configure_allocator(device)
     local = devices.local_device_count(device)
     ranks = [int(x) for x in args.ranks.split(",")] if args.ranks else \

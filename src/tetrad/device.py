@@ -20,15 +20,16 @@ from tetrad.config.sections import ConfigError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_device_type(requested: str) -> str:
-    """'auto' picks the accelerator torch finds (cuda, xpu, ...) and falls back to cpu."""
+def resolve_device_type(requested: str, option: str = "train.device") -> str:
+    """'auto' picks the accelerator torch finds (cuda, xpu, ...) and falls back to cpu; `option`
+    is what the user set it with, for the message."""
     if requested == "auto":
         acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         return acc.type if acc is not None else "cpu"
     if requested != "cpu" and not (torch.accelerator.is_available()
                                    and torch.accelerator.current_accelerator().type == requested):
-        raise ConfigError(f"train.device={requested!r} but torch sees no {requested} device on this machine; "
-                          "use train.device='cpu' or 'auto'")
+        raise ConfigError(f"{option}={requested!r} but torch sees no {requested} device on this machine; "
+                          f"use {option}='cpu' or 'auto'")
     return requested
 
 

@@ -1,5 +1,6 @@
 """`checkpoint.init_from`: a fresh run starts from given weights (fine-tuning, continued
-pre-training): a tetrad checkpoint (any layout) or a Hugging Face Llama folder (config.json +
+pre-training): a tetrad checkpoint (any layout; its folder, its checkpoint root or its run
+folder, as `tetrad generate` and `convert` take) or a Hugging Face Llama folder (config.json +
 *.safetensors). Weights only: the optimizer, the step and the data position start afresh.
 
 The model's shape follows the weights (`model_keys`, below the user's own [model] keys), and
@@ -20,8 +21,8 @@ from safetensors import safe_open
 
 from tetrad.config import Config, ConfigError
 from tetrad.data import shards
-from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, resolve, verify
-from tetrad.train.convert import hf_name, model_config_from_hf
+from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, verify
+from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_name, model_config_from_hf, one_process
 
 HF_CONFIG = "config.json"
 
@@ -36,7 +37,7 @@ def _source_model(path: Path) -> dict:
         keys = model_config_from_hf(json.loads((path / HF_CONFIG).read_text()), path / HF_CONFIG)
         del keys["seq_len"]  # the context it was trained to (often 8k-128k), not what fine-tuning needs
         return keys
-    return json.loads((resolve(path) / MANIFEST).read_text())["model"]
+    return json.loads((checkpoint_folder(path) / MANIFEST).read_text())["model"]
 
 
 def model_keys(raw: dict) -> dict:
@@ -60,11 +61,9 @@ def check_init_from(cfg: Config) -> None:
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"checkpoint.init_from={source!r} does not exist; name a tetrad checkpoint or an HF folder")
-    if is_hf_folder(path) and not list(path.glob("*.safetensors")):
-        raise ConfigError(f"checkpoint.init_from={source!r} holds no *.safetensors weights")
     try:
         if not is_hf_folder(path):
-            verify(resolve(path))
+            verify(checkpoint_folder(path))
         saved, here = _source_model(path), dataclasses.asdict(cfg.model)
     except (CheckpointError, OSError, ValueError, KeyError) as e:
         raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
@@ -72,6 +71,15 @@ def check_init_from(cfg: Config) -> None:
     if differ:
         raise ConfigError(f"checkpoint.init_from={source!r} holds a model of another shape ({'; '.join(differ)}); "
                           "drop those [model] keys: they follow the weights")
+    if is_hf_folder(path):  # config.json fits [model]; the weights the ranks will read must fit it too
+        try:
+            problems = hf_mismatches(path, cfg.model)
+        except CheckpointError as e:
+            raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
+        if problems:
+            more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+            raise ConfigError(f"checkpoint.init_from={source!r}: its weights do not match its config.json "
+                              f"({problems[0]}{more}); export the folder again, or name another")
 
 
 def initial_weights(source: str) -> Callable[[str], torch.Tensor]:
@@ -91,7 +99,7 @@ def initial_weights(source: str) -> Callable[[str], torch.Tensor]:
             with safe_open(files[key], "pt") as f:
                 return f.get_tensor(key)
         return read
-    found = resolve(path)
+    found = checkpoint_folder(path)
     stored = SafeReader(found).read_metadata().state_dict_metadata
 
     def read_dcp(name: str) -> torch.Tensor:
@@ -99,6 +107,7 @@ def initial_weights(source: str) -> Callable[[str], torch.Tensor]:
         if key not in stored:
             raise CheckpointError(f"{found} has no {key}")
         state = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)}
-        dcp.load(state, storage_reader=SafeReader(found), no_dist=True)
+        with one_process():
+            dcp.load(state, storage_reader=SafeReader(found), no_dist=True)
         return state[key]
     return read_dcp

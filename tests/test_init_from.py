@@ -95,8 +95,8 @@ def test_a_run_on_shards_exports_to_hf_with_its_tokenizer(tmp_path, capsys):
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["model_max_length"] == 32
 
 
-def tiny_hf(folder: Path) -> None:
-    hf_cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+def tiny_hf(folder: Path, vocab_size: int = 256) -> None:
+    hf_cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(hf_cfg).save_pretrained(folder, safe_serialization=True)
@@ -138,3 +138,23 @@ def test_init_from_takes_a_run_folder_as_generate_and_convert_do(tmp_path):
     assert not caught, [str(w.message) for w in caught]
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(embed, hf.model.embed_tokens.weight.detach())
+
+
+def test_data_tokenized_with_another_vocabulary_than_the_weights_is_refused(tmp_path, capsys):
+    """Shards from another tokenizer would train the weights on the wrong ids, silently."""
+    write_docs(tmp_path / "text")
+    (tmp_path / "other.txt").write_text("a text of other words, so other merges " * 40)
+    for name, text in (("theirs", tmp_path / "text"), ("other", tmp_path / "other.txt")):
+        assert main(["data", str(text), "--out", str(tmp_path / name), "--vocab-size", "300"]) == 0
+    tiny_hf(tmp_path / "hf", vocab_size=300)
+    (tmp_path / "hf" / "tokenizer.json").write_bytes((tmp_path / "theirs" / "tokenizer.json").read_bytes())
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"  # a tetrad checkpoint keeps the tokenizer beside
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(step)]) == 0
+    capsys.readouterr()
+    for source, weights in ((tmp_path / "hf", tmp_path / "hf"), (tmp_path / "run", step)):
+        check_init_from(config(tmp_path, "ok", checkpoint={"init_from": str(source)},
+                               data={"source": str(tmp_path / "theirs")}, model={"seq_len": 32}))
+        assert main(["train", f"--checkpoint.init_from={source}", f"--data.source={tmp_path / 'other'}",
+                     "--model.seq_len=32", "--train.steps=1", f"--run.dir={tmp_path / 'refused'}"]) == 2
+        err = capsys.readouterr().err
+        assert f"tokenize the text with theirs: `tetrad data TEXT --tokenizer {weights / 'tokenizer.json'}" in err, err

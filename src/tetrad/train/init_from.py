@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from safetensors import safe_open
 
 from tetrad.config import Config, ConfigError
 from tetrad.data import shards
+from tetrad.data.tokenizer import load_tokenizer
 from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, verify
 from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_name, model_config_from_hf, one_process
 
@@ -54,7 +56,8 @@ def model_keys(raw: dict) -> dict:
 
 
 def check_init_from(cfg: Config) -> None:
-    """Before any rank starts: the weights exist, are intact, and fit [model] (one line if not)."""
+    """Before any rank starts: the weights exist, are intact, and fit [model] and the data's
+    tokenizer (one line if not)."""
     source = cfg.checkpoint.init_from
     if not source:
         return
@@ -80,6 +83,37 @@ def check_init_from(cfg: Config) -> None:
             more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
             raise ConfigError(f"checkpoint.init_from={source!r}: its weights do not match its config.json "
                               f"({problems[0]}{more}); export the folder again, or name another")
+    _check_tokenizer(cfg, path)
+
+
+def _tokenizer_file(path: Path) -> Path | None:
+    """The tokenizer.json the weights at `path` were trained with, where one is known: beside
+    them (an HF folder, a converted checkpoint), or in the shard folder their run read."""
+    folder = path if is_hf_folder(path) else checkpoint_folder(path)
+    if (folder / shards.TOKENIZER).is_file():
+        return folder / shards.TOKENIZER
+    if is_hf_folder(path) or not (folder / "config.toml").is_file():
+        return None
+    data = Path(tomllib.loads((folder / "config.toml").read_text()).get("data", {}).get("source", ""))
+    return data / shards.TOKENIZER if (data / shards.TOKENIZER).is_file() else None
+
+
+def _check_tokenizer(cfg: Config, path: Path) -> None:
+    """Shards tokenized with another vocabulary than the weights' train them on the wrong ids,
+    silently: every token of the data's tokenizer must have its id in the weights' (a released
+    model's vocabulary may be larger)."""
+    data = Path(cfg.data.source) / shards.TOKENIZER
+    theirs = _tokenizer_file(path) if data.is_file() else None
+    if theirs is None:
+        return
+    try:
+        fits = load_tokenizer(data).get_vocab().items() <= load_tokenizer(theirs).get_vocab().items()
+    except ValueError as e:  # it names the file
+        raise ConfigError(str(e)) from None
+    if not fits:
+        raise ConfigError(f"data.source={cfg.data.source!r} was tokenized with another vocabulary than the weights "
+                          f"of checkpoint.init_from={cfg.checkpoint.init_from!r} ({theirs}); tokenize the text with "
+                          f"theirs: `tetrad data TEXT --tokenizer {theirs} --out DATA`")
 
 
 def initial_weights(source: str) -> Callable[[str], torch.Tensor]:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import shutil
 import sys
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -63,10 +64,20 @@ def _check_llama(m) -> None:
 
 
 def checkpoint_folder(path: Path) -> Path:
-    """The checkpoint `path` names: a checkpoint folder, a checkpoint root (its `latest`), or a
-    run folder (its checkpoints/)."""
-    inside = path / "checkpoints"
-    return resolve(inside if inside.is_dir() and not (path / MANIFEST).exists() else path)
+    """The checkpoint `path` names: a checkpoint folder, a checkpoint root (its newest), or a run
+    folder (the newest under its config.toml's checkpoint.dir, by default RUN_DIR/checkpoints)."""
+    if (path / MANIFEST).exists() or path.name.startswith("step_"):
+        return resolve(path)
+    run_config = path / "config.toml"
+    saved = tomllib.loads(run_config.read_text()).get("checkpoint", {}) if run_config.is_file() else {}
+    root = Path(saved.get("dir") or path / "checkpoints")
+    if root.is_dir():
+        return resolve(root)
+    if run_config.is_file():
+        raise CheckpointError(f"{path} is a run folder without checkpoints (its checkpoint.every = "
+                              f"{saved.get('every', 0)}; 0 saves none); train with --checkpoint.every=N to save "
+                              "every N steps and at the last")
+    return resolve(path)  # a checkpoint root
 
 
 @contextlib.contextmanager

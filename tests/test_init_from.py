@@ -141,7 +141,8 @@ def test_init_from_takes_a_run_folder_as_generate_and_convert_do(tmp_path):
 
 
 def test_data_tokenized_with_another_vocabulary_than_the_weights_is_refused(tmp_path, capsys):
-    """Shards from another tokenizer would train the weights on the wrong ids, silently."""
+    """Shards from another tokenizer, or text read as bytes, would train the weights on the wrong
+    ids, silently."""
     write_docs(tmp_path / "text")
     (tmp_path / "other.txt").write_text("a text of other words, so other merges " * 40)
     for name, text in (("theirs", tmp_path / "text"), ("other", tmp_path / "other.txt")):
@@ -154,7 +155,9 @@ def test_data_tokenized_with_another_vocabulary_than_the_weights_is_refused(tmp_
     for source, weights in ((tmp_path / "hf", tmp_path / "hf"), (tmp_path / "run", step)):
         check_init_from(config(tmp_path, "ok", checkpoint={"init_from": str(source)},
                                data={"source": str(tmp_path / "theirs")}, model={"seq_len": 32}))
-        assert main(["train", f"--checkpoint.init_from={source}", f"--data.source={tmp_path / 'other'}",
-                     "--model.seq_len=32", "--train.steps=1", f"--run.dir={tmp_path / 'refused'}"]) == 2
-        err = capsys.readouterr().err
-        assert f"tokenize the text with theirs: `tetrad data TEXT --tokenizer {weights / 'tokenizer.json'}" in err, err
+        for data, how in ((tmp_path / "other", "was tokenized with another vocabulary"),
+                          ("licenses", "is read as bytes, another vocabulary")):
+            assert main(["train", f"--checkpoint.init_from={source}", f"--data.source={data}", "--model.seq_len=32",
+                         "--train.steps=1", f"--run.dir={tmp_path / 'refused'}"]) == 2
+            err = capsys.readouterr().err
+            assert how in err and f"theirs: `tetrad data TEXT --tokenizer {weights / 'tokenizer.json'}" in err, err

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from tetrad.config import Config, ConfigError
 from tetrad.data import shards
-from tetrad.data.tokenizer import load_tokenizer
+from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
 from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, verify
 from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_name, model_config_from_hf, one_process
 
@@ -99,21 +99,25 @@ def _tokenizer_file(path: Path) -> Path | None:
 
 
 def _check_tokenizer(cfg: Config, path: Path) -> None:
-    """Shards tokenized with another vocabulary than the weights' train them on the wrong ids,
-    silently: every token of the data's tokenizer must have its id in the weights' (a released
-    model's vocabulary may be larger)."""
-    data = Path(cfg.data.source) / shards.TOKENIZER
-    theirs = _tokenizer_file(path) if data.is_file() else None
+    """Data in another vocabulary than the weights' (shards of another tokenizer, or text read as
+    bytes) trains them on the wrong ids, silently: every token of the data's tokenizer must have
+    its id in the weights' (a released model's vocabulary may be larger)."""
+    theirs = _tokenizer_file(path)
     if theirs is None:
         return
     try:
-        fits = load_tokenizer(data).get_vocab().items() <= load_tokenizer(theirs).get_vocab().items()
+        ours, source = run_tokenizer(Path(cfg.data.source), cfg.data.source)
+    except ValueError:
+        return  # token ids without a tokenizer, or no data (check_data says so)
+    try:
+        fits = ours.get_vocab().items() <= load_tokenizer(theirs).get_vocab().items()
     except ValueError as e:  # it names the file
         raise ConfigError(str(e)) from None
     if not fits:
-        raise ConfigError(f"data.source={cfg.data.source!r} was tokenized with another vocabulary than the weights "
-                          f"of checkpoint.init_from={cfg.checkpoint.init_from!r} ({theirs}); tokenize the text with "
-                          f"theirs: `tetrad data TEXT --tokenizer {theirs} --out DATA`")
+        how = "was tokenized with another vocabulary" if source else "is read as bytes, another vocabulary"
+        raise ConfigError(f"data.source={cfg.data.source!r} {how} than the weights of checkpoint.init_from="
+                          f"{cfg.checkpoint.init_from!r} ({theirs}); tokenize the text with theirs: `tetrad data "
+                          f"TEXT --tokenizer {theirs} --out DATA`")
 
 
 def initial_weights(source: str) -> Callable[[str], torch.Tensor]:

@@ -2,6 +2,7 @@
 logits, and HF weights -> tetrad checkpoint gives the same model back."""
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,10 @@ def test_hf_model_to_tetrad(tmp_path):
                                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
-    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    with warnings.catch_warnings(record=True) as caught:  # nothing but the command's own line
+        warnings.simplefilter("always")
+        assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    assert not caught, [str(w.message) for w in caught]
     ours = load_single(tmp_path / "ckpt", {"vocab_size": 251})
     torch.testing.assert_close(logits(ours), hf_logits(tmp_path / "hf"), **TOL)
 
@@ -82,3 +86,6 @@ def test_hf_weights_that_do_not_fit_config_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.layers.0.mlp.gate_proj.weight: (128, 64) in the file, (96, 64) for config.json's model" in err
     assert not (tmp_path / "ckpt").exists()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"truncated")  # a broken file: one line, no traceback
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
+    assert "model.safetensors is not a readable safetensors file" in capsys.readouterr().err

@@ -66,6 +66,21 @@ def write_docs(folder, n=3):
     return texts
 
 
+def test_files_a_folder_holds_besides_txt_are_named_as_left_out(tmp_path, capsys):
+    """A folder of mixed text (.txt and .md) is not tokenized in part without a word."""
+    write_docs(tmp_path / "text", n=1)
+    (tmp_path / "text" / "notes.md").write_text("# notes\n")
+    (tmp_path / "text" / ".DS_Store").write_bytes(b"\0")  # hidden: not the user's text
+    assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
+    out = capsys.readouterr().out
+    assert f"1 file(s) in the input folders are not .txt and are left out, e.g. {tmp_path / 'text' / 'notes.md'}" in out
+    assert "1 documents" in out
+    assert main(["data", str(tmp_path / "text"), str(tmp_path / "text" / "notes.md"), "--out", str(tmp_path / "both"),
+                 "--vocab-size", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "left out" not in out and "2 documents" in out
+
+
 def test_tetrad_data_writes_shards_that_decode_to_the_documents(tmp_path, capsys):
     texts = write_docs(tmp_path / "text")
     out = tmp_path / "shards"

@@ -1,7 +1,7 @@
 """`tetrad generate`: KV-cache decoding gives the full forward's logits, with RoPE tables that
 follow the positions given; a sample's loss by the training forward is the one its decoding
-logits give; a checkpoint trained on `tetrad data` shards decodes with their tokenizer; a
-missing checkpoint is refused in one line."""
+logits give; a checkpoint trained on `tetrad data` shards decodes with their tokenizer; a run
+folder names its checkpoints through its config.toml; a missing checkpoint is refused in one line."""
 
 import numpy as np
 import pytest
@@ -13,6 +13,7 @@ from tetrad.data.tokenizer import byte_tokenizer, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import init_parameters
 from tetrad.dist.topology import Topology
+from tetrad.train.convert import checkpoint_folder
 from tetrad.train.generate import continuation_loss, generate
 
 
@@ -87,3 +88,18 @@ def test_the_runs_tokenizer_is_found_or_refused(tmp_path):
             run_tokenizer(tmp_path, str(source))
     byte_tokenizer().save(str(tmp_path / "tokenizer.json"))  # one beside the checkpoint wins
     assert run_tokenizer(tmp_path, str(tmp_path / "ids.npy"))[1] == tmp_path / "tokenizer.json"
+
+
+def test_a_run_folder_names_its_checkpoints_where_checkpoint_dir_put_them(tmp_path, capsys):
+    """`generate RUN_DIR` (and `convert RUN_DIR`) as `report RUN_DIR` reads it: through its
+    config.toml, which may put the checkpoints elsewhere or say that none were saved."""
+    run, root = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    (run / "config.toml").write_text(tiny_config(checkpoint={"dir": str(root)}, run={"dir": str(run)}).to_toml())
+    assert main(["generate", str(run), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "is a run folder without checkpoints (its checkpoint.every = 0; 0 saves none); train with " \
+           "--checkpoint.every=N" in err, err
+    (root / "step_00000002").mkdir(parents=True)
+    (root / "step_00000002" / "tetrad.json").write_text("{}")  # published (checkpoint_folder does not verify)
+    assert checkpoint_folder(run) == root / "step_00000002"

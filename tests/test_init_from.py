@@ -5,6 +5,7 @@ transformers loads with its tokenizer, and `tetrad generate` decodes with that t
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from tetrad.data.tokenizer import load_tokenizer
 from tetrad.train.batches import split_batches
 from tetrad.train.convert import read_weights
 from tetrad.train.generate import single_process_model
-from tetrad.train.init_from import model_keys
+from tetrad.train.init_from import check_init_from, initial_weights, model_keys
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,3 +93,71 @@ def test_a_run_on_shards_exports_to_hf_with_its_tokenizer(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "back")]) == 0
     assert (tmp_path / "back" / "tokenizer.json").read_text() == (tmp_path / "hf" / "tokenizer.json").read_text()
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["model_max_length"] == 32
+
+
+def tiny_hf(folder: Path, vocab_size: int = 256) -> None:
+    hf_cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(folder, safe_serialization=True)
+
+
+def test_hf_weights_that_do_not_fit_are_a_config_error_before_ranks_start(tmp_path, capsys):
+    """config.json fits [model] but the weights the ranks would read do not (an edited config,
+    a broken file): one line naming the tensor, not a rank's traceback."""
+    tiny_hf(tmp_path / "hf")
+    config_json = tmp_path / "hf" / "config.json"
+    config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "intermediate_size": 96}))
+    args = ["train", f"--checkpoint.init_from={tmp_path / 'hf'}", "--train.steps=1", "--model.seq_len=32"]
+    capsys.readouterr()  # transformers' own progress bars
+    assert main([*args, f"--run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "model.layers.0.mlp.gate_proj.weight: (128, 64) in the file, (96, 64) for config.json's model" in err
+
+    tiny_hf(tmp_path / "broken")
+    (tmp_path / "broken" / "model.safetensors").write_bytes(b"not a safetensors file")
+    args[1] = f"--checkpoint.init_from={tmp_path / 'broken'}"
+    capsys.readouterr()
+    assert main([*args, f"--run.dir={tmp_path / 'run2'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.safetensors is not a readable safetensors file" in err, err
+
+
+def test_init_from_takes_a_run_folder_as_generate_and_convert_do(tmp_path):
+    """RUN_DIR names its newest checkpoint, read without DCP's one-process warning."""
+    tiny_hf(tmp_path / "hf")
+    step = tmp_path / "run" / "checkpoints" / "step_00000003"
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(step)]) == 0
+    cfg = config(tmp_path, "finetune", checkpoint={"init_from": str(tmp_path / "run")}, model={"seq_len": 32})
+    assert (cfg.model.n_layers, cfg.model.d_model) == (1, 64)  # from the weights
+    check_init_from(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        embed = initial_weights(str(tmp_path / "run"))("embed.weight")
+    assert not caught, [str(w.message) for w in caught]
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(embed, hf.model.embed_tokens.weight.detach())
+
+
+def test_data_tokenized_with_another_vocabulary_than_the_weights_is_refused(tmp_path, capsys):
+    """Shards from another tokenizer, or text read as bytes, would train the weights on the wrong
+    ids, silently."""
+    write_docs(tmp_path / "text")
+    (tmp_path / "other.txt").write_text("a text of other words, so other merges " * 40)
+    for name, text in (("theirs", tmp_path / "text"), ("other", tmp_path / "other.txt")):
+        assert main(["data", str(text), "--out", str(tmp_path / name), "--vocab-size", "300"]) == 0
+    tiny_hf(tmp_path / "hf", vocab_size=300)
+    (tmp_path / "hf" / "tokenizer.json").write_bytes((tmp_path / "theirs" / "tokenizer.json").read_bytes())
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"  # a tetrad checkpoint keeps the tokenizer beside
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(step)]) == 0
+    capsys.readouterr()
+    for source, weights in ((tmp_path / "hf", tmp_path / "hf"), (tmp_path / "run", step)):
+        check_init_from(config(tmp_path, "ok", checkpoint={"init_from": str(source)},
+                               data={"source": str(tmp_path / "theirs")}, model={"seq_len": 32}))
+        for data, how in ((tmp_path / "other", "was tokenized with another vocabulary"),
+                          ("licenses", "is read as bytes, another vocabulary")):
+            assert main(["train", f"--checkpoint.init_from={source}", f"--data.source={data}", "--model.seq_len=32",
+                         "--train.steps=1", f"--run.dir={tmp_path / 'refused'}"]) == 2
+            err = capsys.readouterr().err
+            assert how in err and f"theirs: `tetrad data TEXT --tokenizer {weights / 'tokenizer.json'}" in err, err

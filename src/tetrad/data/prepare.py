@@ -38,9 +38,10 @@ class Piece:
     last: bool
 
 
-def input_files(inputs: list[Path]) -> list[Path]:
-    """The documents: each input file, and every .txt file under each input folder."""
-    files = []
+def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path]]:
+    """The documents: each input file, and every .txt file under each input folder; and the
+    other files under those folders (hidden ones aside), left out, which the command names."""
+    files, left_out = [], []
     for path in inputs:
         if not path.exists():
             raise ValueError(f"{path} does not exist")
@@ -48,9 +49,13 @@ def input_files(inputs: list[Path]) -> list[Path]:
         if not found:
             raise ValueError(f"{path} holds no .txt files")
         files += found
+        if path.is_dir():
+            left_out += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix != ".txt"
+                               and not any(part.startswith(".") for part in f.relative_to(path).parts))
     if not any(f.stat().st_size for f in files):
         raise ValueError(f"the {len(files)} input file(s) are empty")
-    return files
+    named = {f.resolve() for f in files}
+    return files, [f for f in left_out if f.resolve() not in named]
 
 
 def pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> list[Piece]:
@@ -200,13 +205,16 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
 def data_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
-        files = input_files(args.inputs)
+        files, left_out = input_files(args.inputs)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
         if tokenizer is not None:
             eos_id(tokenizer, args.eos)  # refused before any work
     except ValueError as e:
         print(f"tetrad data: {e}", file=sys.stderr)
         return 2
+    if left_out:
+        print(f"tetrad data: {len(left_out)} file(s) in the input folders are not .txt and are left out, e.g. "
+              f"{left_out[0]}; name them as inputs to include them", flush=True)
     total = sum(f.stat().st_size for f in files)
     started = time.perf_counter()
     if tokenizer is None:

@@ -11,14 +11,17 @@ folder's tokenizer.json is kept beside the converted weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
+import tomllib
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -61,10 +64,28 @@ def _check_llama(m) -> None:
 
 
 def checkpoint_folder(path: Path) -> Path:
-    """The checkpoint `path` names: a checkpoint folder, a checkpoint root (its `latest`), or a
-    run folder (its checkpoints/)."""
-    inside = path / "checkpoints"
-    return resolve(inside if inside.is_dir() and not (path / MANIFEST).exists() else path)
+    """The checkpoint `path` names: a checkpoint folder, a checkpoint root (its newest), or a run
+    folder (the newest under its config.toml's checkpoint.dir, by default RUN_DIR/checkpoints)."""
+    if (path / MANIFEST).exists() or path.name.startswith("step_"):
+        return resolve(path)
+    run_config = path / "config.toml"
+    saved = tomllib.loads(run_config.read_text()).get("checkpoint", {}) if run_config.is_file() else {}
+    root = Path(saved.get("dir") or path / "checkpoints")
+    if root.is_dir():
+        return resolve(root)
+    if run_config.is_file():
+        raise CheckpointError(f"{path} is a run folder without checkpoints (its checkpoint.every = "
+                              f"{saved.get('every', 0)}; 0 saves none); train with --checkpoint.every=N to save "
+                              "every N steps and at the last")
+    return resolve(path)  # a checkpoint root
+
+
+@contextlib.contextmanager
+def one_process():
+    """DCP on one process by design: its warning that it assumes so is noise here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
@@ -82,8 +103,7 @@ def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
         key = f"model.{name}"
         state[key] = torch.empty(shape, dtype=stored[key].properties.dtype if key in stored else torch.float32)
     check_shapes(metadata, {k: tuple(v.shape) for k, v in state.items()}, path)
-    with warnings.catch_warnings():  # one process by design: DCP's note that it assumes so is noise here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with one_process():
         dcp.load(state, storage_reader=reader, no_dist=True)
     return cfg, {k[len("model."):]: v for k, v in state.items()}
 
@@ -134,26 +154,47 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "norm_eps": float(hf.get("rms_norm_eps", 1e-5))}
 
 
-def to_tetrad(hf_dir: Path, out: Path) -> None:
-    cfg = load_config(overrides={"model": model_config_from_hf(json.loads((hf_dir / "config.json").read_text()),
-                                                                hf_dir / "config.json")})
+def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Every weight's shape in the folder's *.safetensors files, from their headers (no tensor
+    is read); RoPE tables some exports carry are not weights."""
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{hf_dir} holds no *.safetensors file")
-    weights = {k: v for f in files for k, v in load_file(f).items() if "rotary_emb" not in k}
-    shapes = logical_shapes(cfg.model)
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(file, "pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if "rotary_emb" not in k})
+        except SafetensorError as e:
+            raise CheckpointError(f"{file} is not a readable safetensors file ({e})") from None
+    return shapes
+
+
+def hf_mismatches(hf_dir: Path, model_cfg) -> list[str]:
+    """How the folder's weights differ from `model_cfg`'s parameters (none: they fit)."""
+    found, shapes = hf_shapes(hf_dir), logical_shapes(model_cfg)
     expected = {hf_name(name): name for name in shapes}
-    problems = [f"{k}: missing" for k in expected if k not in weights]
-    problems += [f"{k}: not a weight of this model" for k in weights if k not in expected]
-    problems += [f"{k}: {tuple(weights[k].shape)} in the file, {shapes[n]} for config.json's model"
-                 for k, n in expected.items() if k in weights and tuple(weights[k].shape) != shapes[n]]
+    problems = [f"{k}: missing" for k in expected if k not in found]
+    problems += [f"{k}: not a weight of this model" for k in found if k not in expected]
+    problems += [f"{k}: {found[k]} in the file, {shapes[n]} for config.json's model"
+                 for k, n in expected.items() if k in found and found[k] != shapes[n]]
+    return problems
+
+
+def to_tetrad(hf_dir: Path, out: Path) -> None:
+    cfg = load_config(overrides={"model": model_config_from_hf(json.loads((hf_dir / "config.json").read_text()),
+                                                                hf_dir / "config.json")})
+    problems = hf_mismatches(hf_dir, cfg.model)
     if problems:
         raise CheckpointError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems[:20]))
+    weights = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    expected = {hf_name(name): name for name in logical_shapes(cfg.model)}
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    dcp.save({f"model.{n}": weights[k].contiguous() for k, n in expected.items()}, storage_writer=FileSystemWriter(tmp),
-             no_dist=True)
+    with one_process():
+        dcp.save({f"model.{n}": weights[k].contiguous() for k, n in expected.items()},
+                 storage_writer=FileSystemWriter(tmp), no_dist=True)
     if (hf_dir / TOKENIZER).is_file():  # generate and export find it beside the weights
         shutil.copyfile(hf_dir / TOKENIZER, tmp / TOKENIZER)
     publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})

@@ -1,5 +1,6 @@
 """`checkpoint.init_from`: a fresh run starts from given weights (fine-tuning, continued
-pre-training): a tetrad checkpoint (any layout) or a Hugging Face Llama folder (config.json +
+pre-training): a tetrad checkpoint (any layout; its folder, its checkpoint root or its run
+folder, as `tetrad generate` and `convert` take) or a Hugging Face Llama folder (config.json +
 *.safetensors). Weights only: the optimizer, the step and the data position start afresh.
 
 The model's shape follows the weights (`model_keys`, below the user's own [model] keys), and
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,8 +22,9 @@ from safetensors import safe_open
 
 from tetrad.config import Config, ConfigError
 from tetrad.data import shards
-from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, resolve, verify
-from tetrad.train.convert import hf_name, model_config_from_hf
+from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
+from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, verify
+from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_name, model_config_from_hf, one_process
 
 HF_CONFIG = "config.json"
 
@@ -36,7 +39,7 @@ def _source_model(path: Path) -> dict:
         keys = model_config_from_hf(json.loads((path / HF_CONFIG).read_text()), path / HF_CONFIG)
         del keys["seq_len"]  # the context it was trained to (often 8k-128k), not what fine-tuning needs
         return keys
-    return json.loads((resolve(path) / MANIFEST).read_text())["model"]
+    return json.loads((checkpoint_folder(path) / MANIFEST).read_text())["model"]
 
 
 def model_keys(raw: dict) -> dict:
@@ -53,18 +56,17 @@ def model_keys(raw: dict) -> dict:
 
 
 def check_init_from(cfg: Config) -> None:
-    """Before any rank starts: the weights exist, are intact, and fit [model] (one line if not)."""
+    """Before any rank starts: the weights exist, are intact, and fit [model] and the data's
+    tokenizer (one line if not)."""
     source = cfg.checkpoint.init_from
     if not source:
         return
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"checkpoint.init_from={source!r} does not exist; name a tetrad checkpoint or an HF folder")
-    if is_hf_folder(path) and not list(path.glob("*.safetensors")):
-        raise ConfigError(f"checkpoint.init_from={source!r} holds no *.safetensors weights")
     try:
         if not is_hf_folder(path):
-            verify(resolve(path))
+            verify(checkpoint_folder(path))
         saved, here = _source_model(path), dataclasses.asdict(cfg.model)
     except (CheckpointError, OSError, ValueError, KeyError) as e:
         raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
@@ -72,6 +74,50 @@ def check_init_from(cfg: Config) -> None:
     if differ:
         raise ConfigError(f"checkpoint.init_from={source!r} holds a model of another shape ({'; '.join(differ)}); "
                           "drop those [model] keys: they follow the weights")
+    if is_hf_folder(path):  # config.json fits [model]; the weights the ranks will read must fit it too
+        try:
+            problems = hf_mismatches(path, cfg.model)
+        except CheckpointError as e:
+            raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
+        if problems:
+            more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+            raise ConfigError(f"checkpoint.init_from={source!r}: its weights do not match its config.json "
+                              f"({problems[0]}{more}); export the folder again, or name another")
+    _check_tokenizer(cfg, path)
+
+
+def _tokenizer_file(path: Path) -> Path | None:
+    """The tokenizer.json the weights at `path` were trained with, where one is known: beside
+    them (an HF folder, a converted checkpoint), or in the shard folder their run read."""
+    folder = path if is_hf_folder(path) else checkpoint_folder(path)
+    if (folder / shards.TOKENIZER).is_file():
+        return folder / shards.TOKENIZER
+    if is_hf_folder(path) or not (folder / "config.toml").is_file():
+        return None
+    data = Path(tomllib.loads((folder / "config.toml").read_text()).get("data", {}).get("source", ""))
+    return data / shards.TOKENIZER if (data / shards.TOKENIZER).is_file() else None
+
+
+def _check_tokenizer(cfg: Config, path: Path) -> None:
+    """Data in another vocabulary than the weights' (shards of another tokenizer, or text read as
+    bytes) trains them on the wrong ids, silently: every token of the data's tokenizer must have
+    its id in the weights' (a released model's vocabulary may be larger)."""
+    theirs = _tokenizer_file(path)
+    if theirs is None:
+        return
+    try:
+        ours, source = run_tokenizer(Path(cfg.data.source), cfg.data.source)
+    except ValueError:
+        return  # token ids without a tokenizer, or no data (check_data says so)
+    try:
+        fits = ours.get_vocab().items() <= load_tokenizer(theirs).get_vocab().items()
+    except ValueError as e:  # it names the file
+        raise ConfigError(str(e)) from None
+    if not fits:
+        how = "was tokenized with another vocabulary" if source else "is read as bytes, another vocabulary"
+        raise ConfigError(f"data.source={cfg.data.source!r} {how} than the weights of checkpoint.init_from="
+                          f"{cfg.checkpoint.init_from!r} ({theirs}); tokenize the text with theirs: `tetrad data "
+                          f"TEXT --tokenizer {theirs} --out DATA`")
 
 
 def initial_weights(source: str) -> Callable[[str], torch.Tensor]:
@@ -91,7 +137,7 @@ def initial_weights(source: str) -> Callable[[str], torch.Tensor]:
             with safe_open(files[key], "pt") as f:
                 return f.get_tensor(key)
         return read
-    found = resolve(path)
+    found = checkpoint_folder(path)
     stored = SafeReader(found).read_metadata().state_dict_metadata
 
     def read_dcp(name: str) -> torch.Tensor:
@@ -99,6 +145,7 @@ def initial_weights(source: str) -> Callable[[str], torch.Tensor]:
         if key not in stored:
             raise CheckpointError(f"{found} has no {key}")
         state = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)}
-        dcp.load(state, storage_reader=SafeReader(found), no_dist=True)
+        with one_process():
+            dcp.load(state, storage_reader=SafeReader(found), no_dist=True)
         return state[key]
     return read_dcp

@@ -289,7 +289,10 @@ class Trainer:
         local = {"grads": self.grads, "dropout": DropoutGenerators(self.model)}
         start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful, local)
         log = MetricsLog(cfg, start, is_logger)
-        if start:
+        if start >= cfg.train.steps:
+            log.note(f"tetrad: {ckpt.resumed_from} is step {start} and train.steps = {cfg.train.steps}: nothing left "
+                     "to train; raise train.steps to continue this run, or use a new run.dir")
+        elif start:
             log.note(f"tetrad: resumed from {ckpt.resumed_from} (step {start}); continuing at step {start + 1}")
         history = []
         profiler = self._profiler(start)

@@ -35,7 +35,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     `model_from_inputs(raw)` gives [model] keys that the run's inputs decide (the data's vocabulary,
     the shape of the weights it starts from): above the preset, below the user's own keys.
     """
-    raw = _read_toml(Path(path)) if path is not None else {}
+    raw = read_toml(Path(path)) if path is not None else {}
     _check_tables(raw)
     if isinstance(overrides, dict):
         for section, values in overrides.items():
@@ -49,7 +49,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     return cfg
 
 
-def _read_toml(path: Path) -> dict:
+def read_toml(path: Path) -> dict:
+    """A TOML file as a dict (tomli before Python 3.11); a ConfigError of one line naming the problem."""
     if path.is_dir():
         inside = sorted(str(p) for p in path.glob("*.toml"))[:4]
         such = f" such as {', '.join(inside)}" if inside else ""

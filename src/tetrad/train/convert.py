@@ -15,7 +15,6 @@ import contextlib
 import json
 import shutil
 import sys
-import tomllib
 import warnings
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemWriter
 
-from tetrad.config import Config, ConfigError, load_config
+from tetrad.config import Config, ConfigError, load_config, read_toml
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
@@ -69,7 +68,7 @@ def checkpoint_folder(path: Path) -> Path:
     if (path / MANIFEST).exists() or path.name.startswith("step_"):
         return resolve(path)
     run_config = path / "config.toml"
-    saved = tomllib.loads(run_config.read_text()).get("checkpoint", {}) if run_config.is_file() else {}
+    saved = read_toml(run_config).get("checkpoint", {}) if run_config.is_file() else {}
     root = Path(saved.get("dir") or path / "checkpoints")
     if root.is_dir():
         return resolve(root)

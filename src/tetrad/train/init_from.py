@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
-from tetrad.config import Config, ConfigError
+from tetrad.config import Config, ConfigError, read_toml
 from tetrad.data import shards
 from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
 from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, verify
@@ -94,7 +93,7 @@ def _tokenizer_file(path: Path) -> Path | None:
         return folder / shards.TOKENIZER
     if is_hf_folder(path) or not (folder / "config.toml").is_file():
         return None
-    data = Path(tomllib.loads((folder / "config.toml").read_text()).get("data", {}).get("source", ""))
+    data = Path(read_toml(folder / "config.toml").get("data", {}).get("source", ""))
     return data / shards.TOKENIZER if (data / shards.TOKENIZER).is_file() else None
 
 

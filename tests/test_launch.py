@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tetrad.device import threads_per_rank
 from tetrad.launch import RankFailure, run_local
 
 pytestmark = pytest.mark.dist
@@ -43,6 +44,17 @@ def test_results_from_every_rank():
     results = run_local(_sum_of_ranks, 4, timeout_s=60)
     assert [r[0] for r in results] == [6.0] * 4
     assert all(r[1] == 1 for r in results)  # 4 ranks on 2 cores: one thread each
+
+
+def test_threads_per_rank_share_the_cores_unless_the_user_set_them(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = os.cpu_count() or 1
+    assert threads_per_rank(1) == cores and threads_per_rank(4 * cores) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # e.g. a machine shared with other jobs
+    assert threads_per_rank(1) == 1
+    assert [r[1] for r in run_local(_sum_of_ranks, 1, timeout_s=60)] == [1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # unset in effect
+    assert threads_per_rank(1) == cores
 
 
 def test_exception_names_rank_and_traceback():

@@ -299,5 +299,9 @@ def _proc_status_bytes(field: str) -> int:
 
 def threads_per_rank(ranks_on_this_machine: int) -> int:
     """Intra-op threads so that local ranks do not oversubscribe the cores (docs/platform.md: 36x
-    slower with 2 threads per rank at 8 ranks on 2 cores)."""
+    slower with 2 threads per rank at 8 ranks on 2 cores); an OMP_NUM_THREADS the user set is
+    taken as it is, as torchrun does (on a shared machine one thread can be 30x faster than two)."""
+    requested = os.environ.get("OMP_NUM_THREADS", "")
+    if requested.isdigit() and int(requested) > 0:
+        return int(requested)
     return max(1, (os.cpu_count() or 1) // max(1, ranks_on_this_machine))

@@ -89,3 +89,20 @@ def test_hf_weights_that_do_not_fit_config_are_refused(tmp_path, capsys):
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"truncated")  # a broken file: one line, no traceback
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
     assert "model.safetensors is not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_to_hf_refuses_a_folder_with_another_exports_shards(tmp_path, capsys):
+    """Readers that take every *.safetensors (init_from, --to-tetrad) would mix the two exports."""
+    cfg = tiny_config(train={"steps": 1}, checkpoint={"every": 1}, run={"dir": str(tmp_path / "run")})
+    Trainer(cfg, torch.device("cpu")).fit()
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 1
+    assert "holds model-00001-of-00002.safetensors from another export; write into a new folder" in \
+        capsys.readouterr().err
+    assert not (out / "model.safetensors").exists()
+    (out / "model-00001-of-00002.safetensors").unlink()
+    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 0  # written again over its own export
+    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 0
+

@@ -111,6 +111,10 @@ def to_hf(checkpoint: Path, out: Path) -> None:
     cfg, state = read_weights(checkpoint)
     m = cfg.model
     _check_llama(m)
+    others = sorted(p.name for p in out.glob("*.safetensors*") if p.name != "model.safetensors")
+    if others:  # another export's shards: readers that take every *.safetensors would mix the two
+        raise CheckpointError(f"{out} holds {others[0]}{f' and {len(others) - 1} more' if len(others) > 1 else ''} "
+                              "from another export; write into a new folder, or remove them")
     out.mkdir(parents=True, exist_ok=True)
     save_file({hf_name(k): v for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing

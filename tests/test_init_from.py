@@ -57,6 +57,8 @@ def test_hf_llama_fine_tunes_from_its_weights_under_parallel_layouts(tmp_path, c
     # The command `convert --to-tetrad` prints runs (it named a folder `resume` could not take).
     assert main(["train", f"--checkpoint.init_from={tmp_path / 'ckpt'}", "--train.steps=1", "--model.seq_len=32",
                  f"--run.dir={tmp_path / 'cli'}"]) == 0
+    # announced by the weights' shape, not the preset's name (tiny: 4 layers, d_model 64)
+    assert f"training the 2-layer, d_model 64 model of {tmp_path / 'ckpt'} with dp=1" in capsys.readouterr().out
     assert main(["train", f"--checkpoint.init_from={tmp_path / 'ckpt'}", "--model.n_layers=3",
                  f"--run.dir={tmp_path / 'bad'}"]) == 2
     assert "n_layers=2 there, 3 here" in capsys.readouterr().err

@@ -67,10 +67,12 @@ def train_command(argv: list[str]) -> int:
         raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
                           f"{devices.local_device_count(device_type)} {device_type} devices; use torchrun across "
                           "nodes, or a smaller layout")
-    print(f"tetrad: training {cfg.model.preset} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
+    m = cfg.model  # under init_from the weights decide the shape, whatever the preset says
+    model = (f"the {m.n_layers}-layer, d_model {m.d_model} model of {cfg.checkpoint.init_from}"
+             if cfg.checkpoint.init_from else m.preset)
+    print(f"tetrad: training {model} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
           f"({p.world_size} rank{'s' if p.world_size > 1 else ''} on {device_type}), "
-          f"{cfg.train.steps} steps, run dir {cfg.run.dir}"
-          + (f", weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else ""), flush=True)
+          f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
     history = launch.run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type,
                                pg_timeout_s=p.startup_timeout_s)[0]
     if history:

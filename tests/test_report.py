@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from tetrad.cli import main
+from tetrad.data.sources import CORPORA
+from tetrad.data.tokenizer import byte_tokenizer, train_bpe
 from tetrad.viz.report import GROUPS, SAMPLE_PROMPTS, SAMPLE_TOKENS, comm_medians, layout_segments, load_run
 
 from conftest import tiny_config, train_layout
@@ -42,6 +44,18 @@ def test_report_shows_what_generate_prints_from_the_latest_checkpoint(capsys):
         assert f"--- sample {k + 1}\n{text}\n" in printed
         assert f"<pre>{html.escape(text)}</pre>" in page
     assert "no checkpoint" not in page
+
+
+def test_sample_prompts_tokenize_as_running_text_does():
+    """A prompt's tokens begin those of a corpus line that starts with it, for bytes and for
+    byte-level BPE; "The " would end in a lone space token ("Ġ") where text has "Ġword"."""
+    text = CORPORA["licenses"].read_text()
+    lines = text.splitlines()
+    for tokenizer in (byte_tokenizer(), train_bpe(iter([text[:100_000]]), vocab_size=512)):
+        for prompt in filter(None, SAMPLE_PROMPTS):
+            line = next(line for line in lines if line.startswith(prompt))
+            ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+            assert tokenizer.encode(line, add_special_tokens=False).ids[:len(ids)] == ids, (prompt, line)
 
 
 def test_report_draws_the_measured_pipeline_timeline():

@@ -225,7 +225,9 @@ def _prediction(cfg, cluster_ref: str | None):
 
 # Sample k (from 0) is what `tetrad generate RUN_DIR --prompt SAMPLE_PROMPTS[k] --seed k
 # --max-new-tokens SAMPLE_TOKENS` prints (its default temperature): short, so that the report stays fast.
-SAMPLE_PROMPTS = ("", "The ", "This ")
+# No prompt ends in a space: byte-level BPE joins a space to the word after it ("Ġword"), so a
+# trailing space would be a token of its own that running text never has there.
+SAMPLE_PROMPTS = ("", "The", "This")
 SAMPLE_TOKENS = 48
 
 

@@ -11,7 +11,7 @@ import pytest
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
-from tetrad.train.metrics import CONTRACT_FIELDS, PARTS
+from tetrad.train.metrics import CONTRACT_FIELDS, PARTS, layout_label
 
 from conftest import tiny_config, train_layout
 
@@ -38,6 +38,20 @@ def test_breakdown_adds_up_to_step_time(run):
         groups = r["exposed_comm_s_by_group"]
         assert groups["pp"] == r["bubble_s"]
         assert sum(v for g, v in groups.items() if g != "pp") == pytest.approx(r["exposed_comm_s"], rel=1e-9)
+
+
+def test_throughput_memory_and_layout_fields(run):
+    """The other per-step numbers a user reads: throughput from the global batch and the step
+    time, an MFU that is a fraction, the counted memory parts, the layout it ran in."""
+    cfg, (_, _, history) = run
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    for r in history:
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["step_time_s"], rel=1e-9)
+        assert 0 < r["mfu"] < 1 and 0 < r["hfu"] < 1
+        assert set(r["memory_bytes"]) == {"peak", "params", "grads", "optimizer", "activations"}
+        assert all(r["memory_bytes"][k] > 0 for k in ("params", "grads", "optimizer", "activations"))
+        assert r["peak_memory_gib"] == r["memory_bytes"]["peak"] / 2**30
+        assert r["layout"] == layout_label(cfg.parallel) and r["skipped"] is False
 
 
 @pytest.mark.parametrize("group", ["tp", "cp", "pp", "dp"])

@@ -6,10 +6,14 @@ import html
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tetrad.cli import main
-from tetrad.viz.report import GROUPS, SAMPLE_PROMPTS, SAMPLE_TOKENS, comm_medians, layout_segments, load_run
+from tetrad.data.sources import CORPORA
+from tetrad.data.tokenizer import byte_tokenizer, train_bpe
+from tetrad.viz.report import (GROUPS, SAMPLE_PROMPTS, SAMPLE_TOKENS, comm_medians, group_label, layout_fact,
+                                layout_segments, load_run, plot_breakdown)
 
 from conftest import tiny_config, train_layout
 
@@ -24,6 +28,7 @@ def test_report_of_a_finished_run():
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 5
     assert "pp = 1: no pipeline" in page
+    assert "<th>layout</th><td>dp=2 tp=1 pp=1 cp=1, zero=0</td>" in page  # no schedule without a pipeline
     assert "no checkpoint: no samples" in page  # the run saved none
 
 
@@ -44,6 +49,41 @@ def test_report_shows_what_generate_prints_from_the_latest_checkpoint(capsys):
     assert "no checkpoint" not in page
 
 
+def test_layout_and_group_labels_name_what_is_in_use():
+    """The page names only the options of the dimensions in use, and the comm panel says the
+    "dp" bytes are the gradient group's, which a cp-only run has too."""
+    def fact(**parallel):
+        return layout_fact(tiny_config(parallel=parallel, model={"n_layers": 4}).parallel)
+    assert fact(tp=2, sequence_parallel=True) == "dp=1 tp=2 pp=1 cp=1, zero=0, sequence parallel"
+    assert fact(pp=2, vpp=2, schedule="interleaved") == "dp=1 tp=1 pp=2 cp=1, zero=0, schedule interleaved (vpp=2)"
+    assert fact(cp=2) == "dp=1 tp=1 pp=1 cp=2, zero=0, cp_algo ring"
+    assert [group_label(g) for g in GROUPS] == ["tp", "cp", "dp (dp×cp grads)", "pp"]
+
+
+def test_a_run_of_one_step_draws_its_step(tmp_path):
+    """A mid-step area needs two steps; a run stopped after its first must still show its block
+    (thousands of pixels of the compute colour; the legend's swatch alone has ~200)."""
+    image = pytest.importorskip("matplotlib.image")
+    record = {"step": 1, "step_time_s": 0.2, "compute_s": 0.15, "exposed_comm_s": 0.03, "bubble_s": 0.0,
+              "optimizer_s": 0.02, "data_s": 0.0, "exposed_comm_s_by_group": {"tp": 0.0, "cp": 0.0, "dp": 0.03, "pp": 0.0}}
+    plot_breakdown([record], tmp_path / "breakdown.png")
+    rgb = image.imread(tmp_path / "breakdown.png")[..., :3]
+    compute = 0.85 * np.array([0x3B, 0x6F, 0xB6]) / 255 + 0.15  # alpha 0.85 over white
+    assert (abs(rgb - compute).max(axis=-1) < 0.02).sum() > 2000
+
+
+def test_sample_prompts_tokenize_as_running_text_does():
+    """A prompt's tokens begin those of a corpus line that starts with it, for bytes and for
+    byte-level BPE; "The " would end in a lone space token ("Ġ") where text has "Ġword"."""
+    text = CORPORA["licenses"].read_text()
+    lines = text.splitlines()
+    for tokenizer in (byte_tokenizer(), train_bpe(iter([text[:100_000]]), vocab_size=512)):
+        for prompt in filter(None, SAMPLE_PROMPTS):
+            line = next(line for line in lines if line.startswith(prompt))
+            ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+            assert tokenizer.encode(line, add_special_tokens=False).ids[:len(ids)] == ids, (prompt, line)
+
+
 def test_report_draws_the_measured_pipeline_timeline():
     cfg = tiny_config(parallel={"pp": 2}, train={"steps": 2, "device": "cpu"})
     train_layout(cfg)
@@ -59,6 +99,8 @@ def test_report_draws_the_measured_pipeline_timeline():
     assert main(["report", str(run_dir), "--cluster", "cpu"]) == 0
     for name in ("timeline_measured.png", "timeline_simulated.png"):
         assert (run_dir / "report" / name).stat().st_size > 1000, name
+    page = (run_dir / "report" / "report.html").read_text()
+    assert "bubble (idle share of rank-time, last step) measured " in page and "%, simulated " in page
 
 
 def test_tensorboard_gets_the_metrics():

@@ -19,11 +19,18 @@ import statistics
 import sys
 from pathlib import Path
 
+from tetrad.dist.layout import GRAD_DIMS
 from tetrad.dist.layout import REPORTED as GROUPS  # the comm_bytes keys
 
 COLOURS = {"compute": "#3b6fb6", "bubble": "#b0b0b0", "tp": "#c8463c", "cp": "#e08a2c", "pp": "#8e5ea2",
            "dp": "#4f9a55", "comm": "#c8463c", "optimizer": "#d4b24c", "data": "#7fc6c0",
            "predicted": "#9ab8e0", "measured": "#3b6fb6"}
+
+
+def group_label(group: str) -> str:
+    """A comm_bytes key as drawn: the gradient group (dp x cp) is reported under its first
+    dimension's key, so a cp-only run moves "dp" bytes; the label says whose they are."""
+    return f"{group} ({'×'.join(GRAD_DIMS)} grads)" if group == GRAD_DIMS[0] else group
 
 
 def load_run(run_dir: Path):
@@ -54,7 +61,9 @@ def plot_loss(records, path: Path) -> None:
     fig = _figure()
     ax = fig.add_subplot()
     steps = [r["step"] for r in records]
-    ax.plot(steps, [r["loss"] for r in records], color=COLOURS["compute"], lw=1.8, label="training")
+    # A line needs two points: a run of one step (a quick check, an early stop) shows a marker.
+    ax.plot(steps, [r["loss"] for r in records], color=COLOURS["compute"], lw=1.8, label="training",
+            marker="o" if len(steps) == 1 else None, ms=4)
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if val:
         ax.plot(*zip(*val), color=COLOURS["tp"], lw=1.5, marker="o", ms=4, label="validation (after the step)")
@@ -77,18 +86,20 @@ def plot_breakdown(records, path: Path) -> None:
     layers = [("compute", COLOURS["compute"], [r.get("compute_s") or 0.0 for r in records])]
     by_group = [r.get("exposed_comm_s_by_group") for r in records]
     if all(by_group):  # its "pp" entry is the bubble, drawn below
-        layers += [(f"exposed comm: {g}", COLOURS[g], [b.get(g, 0.0) for b in by_group]) for g in GROUPS
+        layers += [(f"exposed comm: {group_label(g)}", COLOURS[g], [b.get(g, 0.0) for b in by_group]) for g in GROUPS
                    if g != "pp" and any(b.get(g, 0.0) for b in by_group)]
     else:
         layers.append(("exposed comm", COLOURS["comm"], [r.get("exposed_comm_s") or 0.0 for r in records]))
     layers += [(name, COLOURS[colour], [r.get(key) or 0.0 for r in records]) for name, colour, key in
                (("pipeline bubble", "bubble", "bubble_s"), ("optimizer", "optimizer", "optimizer_s"),
                 ("data", "data", "data_s")) if any(r.get(key) for r in records)]
-    ms = lambda xs: [1e3 * x for x in xs]  # noqa: E731
-    ax.stackplot(steps, *[ms(v) for _, _, v in layers], labels=[n for n, _, _ in layers],
-                 colors=[c for _, c, _ in layers], alpha=0.85, step="mid")
-    ax.plot(steps, ms([r["step_time_s"] for r in records]), color="black", lw=1.2, label="measured step time",
-            drawstyle="steps-mid")
+    # Step s spans [s - 0.5, s + 0.5]: every step, the first, last and only one included, is a full block.
+    edges = [s - 0.5 for s in steps] + [steps[-1] + 0.5]
+    ms = lambda xs: [1e3 * x for x in xs + xs[-1:]]  # noqa: E731
+    ax.stackplot(edges, *[ms(v) for _, _, v in layers], labels=[n for n, _, _ in layers],
+                 colors=[c for _, c, _ in layers], alpha=0.85, step="post")
+    ax.plot(edges, ms([r["step_time_s"] for r in records]), color="black", lw=1.2, label="measured step time",
+            drawstyle="steps-post")
     _style(ax, "Where each step's time went", "step", "milliseconds")
     # The first steps warm up allocators and the backend: scale the axis to the steady state.
     steady = sorted(r["step_time_s"] for r in records)[int(0.9 * (len(records) - 1))]
@@ -136,7 +147,7 @@ def plot_comm(segments, predicted: dict | None, path: Path) -> None:
         ax.bar_label(bars, labels=[f"{v:.3g} MiB" if v else "" for v in values], padding=3, fontsize=8)
     if len(series) > 1:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    ax.set_yticks(list(range(len(GROUPS))), list(GROUPS))
+    ax.set_yticks(list(range(len(GROUPS))), [group_label(g) for g in GROUPS])
     ax.invert_yaxis()
     ax.set_xlim(0, 1.25 * max([v for _, values in series for v in values] + [1e-9]))
     _style(ax, "Communication per step, by group (rank 0)", "MiB handed to collectives", "")
@@ -186,8 +197,9 @@ def _timelines(run_dir: Path, cfg, out: Path) -> tuple[list[Path], str]:
     p = cfg.parallel
     if p.pp == 1:
         return [], "pp = 1: no pipeline, so no timeline."
-    recorded = sorted((run_dir / "timeline").glob("pp*.json"))
-    if len(recorded) != p.pp:
+    # pp<rank>.json of this layout's ranks only: a resume from a deeper pipeline leaves stale higher ranks.
+    recorded = [run_dir / "timeline" / f"pp{r}.json" for r in range(p.pp)]
+    if not all(path.is_file() for path in recorded):
         return [], f"pp = {p.pp}, but the run recorded no complete timeline (timeline/pp*.json)."
     from tetrad.parallel.pipeline.registry import build_schedule
     from tetrad.parallel.pipeline.schedules import Action
@@ -200,12 +212,15 @@ def _timelines(run_dir: Path, cfg, out: Path) -> tuple[list[Path], str]:
     f, b = mean("F"), mean("B") or mean("BI") + mean("BW")
     bi, bw = (mean("BI"), mean("BW")) if mean("BI") else (b / 2, b / 2)
     sim = simulate(build_schedule(p.schedule, p.pp, cfg.microbatches, p.vpp), StageCosts(f, bi, bw))
+    measured_span = max(e for *_, e in rows) - min(s for *_, s, _ in rows)
     paths = [out / "timeline_measured.png", out / "timeline_simulated.png"]
-    span = max(max(e for *_, e in rows) - min(s for *_, s, _ in rows), sim.step_time)  # one time axis for both
+    span = max(measured_span, sim.step_time)  # one time axis for both
     render_timeline(rows, paths[0], title=f"measured: {p.schedule}, pp={p.pp}, {cfg.microbatches} micro-batches",
                     pp=p.pp, span=span)
     render_timeline(sim, paths[1], title="simulated with the measured mean action costs", pp=p.pp, span=span)
-    return paths, f"simulated bubble {100 * sim.bubble_fraction:.1f}%."
+    idle = 1 - sum(e - s for *_, s, e in rows) / (p.pp * measured_span)  # SimResult.bubble_fraction's definition
+    return paths, (f"bubble (idle share of rank-time, last step) measured {100 * idle:.1f}%, "
+                   f"simulated {100 * sim.bubble_fraction:.1f}%.")
 
 
 def _prediction(cfg, cluster_ref: str | None):
@@ -225,7 +240,9 @@ def _prediction(cfg, cluster_ref: str | None):
 
 # Sample k (from 0) is what `tetrad generate RUN_DIR --prompt SAMPLE_PROMPTS[k] --seed k
 # --max-new-tokens SAMPLE_TOKENS` prints (its default temperature): short, so that the report stays fast.
-SAMPLE_PROMPTS = ("", "The ", "This ")
+# No prompt ends in a space: byte-level BPE joins a space to the word after it ("Ġword"), so a
+# trailing space would be a token of its own that running text never has there.
+SAMPLE_PROMPTS = ("", "The", "This")
 SAMPLE_TOKENS = 48
 
 
@@ -258,9 +275,9 @@ def write_report(run_dir: str | Path, cluster: str | None = None, sample_count: 
     est, predicted_bytes, cluster_label = _prediction(cfg, cluster)
     segments = layout_segments(records, cfg)
     current = segments[-1][1]  # the layout of config.toml, which the planner predicts
-    steady = current[1:] or current  # the first step of a run pays warm-up
+    steady = steady_steps(current)
     measured = {"step time (s, median)": statistics.median(r["step_time_s"] for r in steady),
-                "peak memory (GiB)": max((r.get("peak_memory_gib") or 0 for r in records), default=0) or None}
+                "peak memory (GiB)": max(r.get("peak_memory_gib") or 0 for r in current) or None}
     panels = [("loss.png", plot_loss, (records,)), ("breakdown.png", plot_breakdown, (records,)),
               ("comm.png", plot_comm, (segments, predicted_bytes))]
     if est is not None:
@@ -287,22 +304,42 @@ def write_report(run_dir: str | Path, cluster: str | None = None, sample_count: 
         notes.append("The layout changed on resume: " + "; then ".join(
             f"{label} for steps {rs[0]['step']}-{rs[-1]['step']}" for label, rs in segments)
             + ". Communication is drawn per layout; times and the prediction are the last layout's.")
-    page.write_text(_html(cfg, records, steady, images + timeline_images, texts, notes))
+    page.write_text(_html(cfg, records, current, images + timeline_images, texts, notes))
     return page, texts
 
 
-def _html(cfg, records, steady, images, texts, notes) -> str:
-    p, last = cfg.parallel, records[-1]
+def layout_fact(p) -> str:
+    """The [parallel] section as the page states it: the options of the dimensions in use only
+    (a schedule without a pipeline, or sequence parallelism without tp, would mislead)."""
+    words = [f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}", f"zero={p.zero}"]
+    if p.tp > 1 and p.sequence_parallel:
+        words.append("sequence parallel")
+    if p.pp > 1:
+        words.append(f"schedule {p.schedule}" + (f" (vpp={p.vpp})" if p.vpp > 1 else ""))
+    if p.cp > 1:
+        words.append(f"cp_algo {p.cp_algo}")
+    return ", ".join(words)
+
+
+def steady_steps(current: list[dict]) -> list[dict]:
+    """The steps whose times the report summarises: all but the first, which pays warm-up,
+    unless it is the only one."""
+    return current[1:] or current
+
+
+def _html(cfg, records, current, images, texts, notes) -> str:
+    p, last, steady = cfg.parallel, records[-1], steady_steps(current)
     step_s = statistics.median(r["step_time_s"] for r in steady)
     split = ", ".join(f"{name} {100 * statistics.median(r.get(key) or 0 for r in steady) / step_s:.0f}%"
                       for name, key in (("compute", "compute_s"), ("exposed comm", "exposed_comm_s"),
                                         ("bubble", "bubble_s"), ("optimizer", "optimizer_s"), ("data", "data_s")))
     facts = [("model", f"{cfg.model.preset}: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}"),
-             ("layout", f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}, zero={p.zero}, schedule {p.schedule}"),
+             ("layout", layout_fact(p)),
              ("steps", f"{last['step']} of {cfg.train.steps}"),
              ("loss", f"{records[0]['loss']:.4f} → {last['loss']:.4f}"),
              *[("validation loss", f"{r['val_loss']:.4f} at step {r['step']}") for r in records if "val_loss" in r][-1:],
-             ("step time (median, after its first step)", f"{1e3 * step_s:.1f} ms: {split}"),
+             ("step time (median, after its first step)" if len(steady) < len(current) else
+              "step time (its only step, warm-up included)", f"{1e3 * step_s:.1f} ms: {split}"),
              ("tokens/s (median)", f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f}")]
     if all(r.get("mfu") is not None for r in steady):
         facts.append(("MFU / HFU (median)", f"{100 * statistics.median(r['mfu'] for r in steady):.2f}% / "

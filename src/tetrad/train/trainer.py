@@ -167,6 +167,7 @@ class Trainer:
                 total += self.eval_pipeline.run(local, positions, 1.0)
         finally:
             self.model.train()
+        self.grads.release_gathered()  # not in `finally`: after a failure it could wait on a dead rank
         topo.comm.all_reduce(total, GRAD)
         topo.comm.all_reduce(total, "pp")
         return float(total) / (self.tokens_per_step * cfg.train.eval_steps)

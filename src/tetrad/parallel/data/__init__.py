@@ -117,6 +117,12 @@ class GradReducer:
         """Full parameters inside the block (ZeRO-3), e.g. to export or compare them."""
         return self.zero3.gathered() if self.zero3 else contextlib.nullcontext()
 
+    def release_gathered(self) -> None:
+        """Free what ZeRO-3 gathered outside a training step: a forward-only pass (evaluation)
+        keeps the root gathered, as a step's forward does until its `reduce`."""
+        if self.zero3:
+            self.zero3.free_all()
+
     def owned_grad(self, bucket: Bucket) -> torch.Tensor | None:
         return owned_grad(bucket, self.zero)
 

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from conftest import assert_parity, tiny_config, train_layout
+from tetrad.dist.codecs import powersgd_shape
+from tetrad.plan.comm_bytes import comm_bytes_per_step
 
 pytestmark = pytest.mark.dist
 
@@ -43,6 +45,22 @@ def test_codec_tracks_uncompressed_curve(codec, zero, tol, factor):
     grad_bytes = dp_bytes(run(zero=0)[2])
     gathered = dp_bytes(ref_history) - grad_bytes
     assert grad_bytes / (dp_bytes(history) - gathered) > factor
+
+
+@pytest.mark.parametrize("codec, zero", [(c, z) for c, z, *_ in CASES])
+def test_the_planner_counts_the_codecs_bytes(codec, zero):
+    """What the runtime's counters measure under a codec, the planner predicts (its comm panel
+    and its time model rank codecs by these bytes)."""
+    cfg = tiny_config(parallel={"dp": 2, "grad_codec": codec, "zero": zero}, train=TRAIN)
+    assert [r["comm_bytes"] for r in run(grad_codec=codec, zero=zero)[2]] == [comm_bytes_per_step(cfg)] * TRAIN["steps"]
+
+
+@pytest.mark.parametrize("n", [4096, 106816, 65537, 1_000_003, 2 * 999_983])  # primes, twice a prime
+def test_powersgd_compresses_whatever_the_bucket_size(n):
+    rows, cols = powersgd_shape(n)
+    assert rows * cols >= n > (rows - 1) * cols  # exact, or zero padding of less than one row
+    assert (rows + cols) * 4 < n / 4  # P and Q (rank 4) send under a quarter of the bucket
+    assert powersgd_shape(106816) == (1669, 64)  # an exact factorisation where one compresses
 
 
 def test_hierarchical_equals_flat():

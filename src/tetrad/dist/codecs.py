@@ -7,6 +7,8 @@ this step is added back before compressing the next, so the error does not accum
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -84,9 +86,10 @@ class Int8(Plain):
 
 
 class PowerSGD(Plain):
-    """Rank-r PowerSGD (Vogels et al. 2019) over the whole bucket seen as a [rows, cols] matrix:
-    P = M Q, all-reduce, orthonormalise, Q = M^T P, all-reduce, M ~ P Q^T. Q is warm-started from
-    the previous step; the residual M/N - (P Q^T)/N stays on this rank (error feedback)."""
+    """Rank-r PowerSGD (Vogels et al. 2019) over the whole bucket seen as a [rows, cols] matrix
+    (`powersgd_shape`): P = M Q, all-reduce, orthonormalise, Q = M^T P, all-reduce, M ~ P Q^T.
+    Q is warm-started from the previous step; the residual M/N - (P Q^T)/N stays on this rank
+    (error feedback)."""
 
     STATE = ("residual", "q")
 
@@ -96,11 +99,12 @@ class PowerSGD(Plain):
         self.q: dict[int, torch.Tensor] = {}
 
     def all_reduce(self, flat, comm, group, key):
-        cols = max(1, int(flat.numel() ** 0.5))
-        while flat.numel() % cols:
-            cols -= 1
+        n = flat.numel()
+        rows, cols = powersgd_shape(n)
         err = self.residual.setdefault(key, torch.zeros_like(flat))
-        m = (flat + err).view(-1, cols)
+        m = flat.new_zeros(rows * cols)
+        torch.add(flat, err, out=m[:n])
+        m = m.view(rows, cols)
         if key not in self.q:  # the same seed on every rank: Q must agree
             gen = torch.Generator().manual_seed(flat.numel())
             self.q[key] = torch.randn(cols, self.rank, generator=gen).to(flat.device)
@@ -111,10 +115,23 @@ class PowerSGD(Plain):
         q.copy_(m.t() @ p)
 
         def finish():
-            approx = (p @ q.t()).view(-1)
-            err.copy_(m.view(-1) - approx / self.n)
+            approx = (p @ q.t()).view(-1)[:n]
+            err.copy_(m.view(-1)[:n] - approx / self.n)
             flat.copy_(approx)
         return Then(comm.all_reduce(q, group, async_op=True), finish)
+
+
+def powersgd_shape(n: int, rank: int = POWERSGD_RANK) -> tuple[int, int]:
+    """(rows, cols) of the matrix PowerSGD sees a bucket of n values as: the factorisation of n
+    nearest a square below it, or, where that would not compress (a prime n gives [n, 1], and P
+    alone would send `rank` times the bucket), a near-square one, zero-padded."""
+    cols = max(1, math.isqrt(n))
+    while n % cols:
+        cols -= 1
+    if (n // cols + cols) * rank < n:
+        return n // cols, cols
+    cols = math.isqrt(n - 1) + 1 if n > 1 else 1  # ceil(sqrt(n))
+    return -(-n // cols), cols
 
 
 def make_codec(name: str, group_size: int):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 from tetrad.config import Config
+from tetrad.config.sections import bucket_bytes
+from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, powersgd_shape
 from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers
 from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param
@@ -99,12 +101,42 @@ def _dp_bytes(cfg: Config) -> float:
     w = state_bytes_per_param(cfg.train.dtype)[0]
     params = rank_params(cfg)[0]
     if p.zero == 0:
-        grads = params * 4
-    elif p.zero == 1:
-        grads = params * (4 + w)
+        grads = gradient_reduce_bytes(cfg, params)
+    elif p.zero == 1:  # the updated shards gathered over whole (int8: padded) buckets
+        grads = gradient_reduce_bytes(cfg, params) + _int8_padded(cfg, params) * w
     elif p.zero == 2:
         grads = params * (micro * 4 + w)
     else:
         block = rank_layers(cfg)[0] * (flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m))
         grads = micro * 2 * block * w + (params - block) * w + micro * params * 4
     return grads + STEP_SUMS
+
+
+def gradient_reduce_bytes(cfg: Config, params: float, plain: float = 4) -> float:
+    """Bytes a rank hands to the ZeRO-0/1 gradient all-reduce of `params` gradients under
+    `parallel.grad_codec` (dist/codecs.py), `plain` bytes a gradient without one. The codecs that
+    work per bucket see buckets of `grad_bucket_mb` (exact for a rank whose gradients fill one)."""
+    p = cfg.parallel
+    if p.grad_codec == "none":
+        return params * plain
+    if p.grad_codec == "bf16":
+        return params * 2
+    if p.grad_codec == "int8":  # a byte a value and an fp32 scale a block
+        return _int8_padded(cfg, params) * (1 + 4 / INT8_BLOCK)
+    count = _bucket_count(cfg, params)
+    rows, cols = powersgd_shape(math.ceil(params / count))  # P, then Q, in fp32
+    return count * (rows + cols) * POWERSGD_RANK * 4
+
+
+def _bucket_count(cfg: Config, params: float) -> int:
+    return max(1, math.ceil(4 * params / bucket_bytes(cfg.parallel)))
+
+
+def _int8_padded(cfg: Config, params: float) -> float:
+    """Gradients in buckets, each padded to a multiple of dp*cp int8 blocks under that codec."""
+    p = cfg.parallel
+    if p.grad_codec != "int8":
+        return params
+    count, align = _bucket_count(cfg, params), p.dp * p.cp * INT8_BLOCK
+    return count * math.ceil(math.ceil(params / count) / align) * align
+

@@ -30,6 +30,7 @@ from tetrad.plan.memory import (
     rank_params,
     state_bytes_per_param,
 )
+from tetrad.plan.comm_bytes import gradient_reduce_bytes
 from tetrad.plan.pipeline import inflight, loss_waiting, pipeline
 from tetrad.plan.stacks import Stack, load_stack
 
@@ -186,7 +187,7 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
         if n == 1:
             continue
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
-        grad_bytes = params * stack.grad_reduce_bytes
+        grad_bytes = gradient_reduce_bytes(cfg, params, stack.grad_reduce_bytes)
         grads = reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
         if stack.dp_overlap:  # (and slowing the work it runs beside)

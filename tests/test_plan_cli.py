@@ -123,6 +123,19 @@ def test_plan_with_nothing_fitting_says_why_and_fails(capsys, tmp_path):
     assert all(not r["fits"] for r in json.loads(out.out)) and "no layout fits in memory" in out.err
 
 
+def test_plan_names_what_does_not_fit_and_shows_a_tiny_models_memory(capsys):
+    """The no-fit line blames what is largest on top of the states (here the buffers, `other`, not
+    the activations it used to blame); a tiny model's GiB/GPU is not printed as 0.0."""
+    assert main(["plan", "--model", "llama3-405b", "--cluster", "h100x1024", "--gpus", "96", "--global-batch", "96",
+                 "--top", "1"]) == 1
+    text = capsys.readouterr().out
+    parts = re.search(r"activations (\d+\.\d), other (\d+\.\d)\); the buffers on top of them \(`other`", text)
+    assert parts and float(parts[2]) > float(parts[1]), text[-600:]
+    assert main(["plan", "--model", "tiny", "--cluster", "dgx-h100", "--global-batch", "16", "--top", "1"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tp="))
+    assert re.search(r"  0\.00\d+  ", row), row
+
+
 def test_plan_defaults_to_bf16_unless_the_config_says(tmp_path, capsys):
     args = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "16", "--top", "1", "--json"]
     assert main(args) == 0

@@ -36,12 +36,17 @@ def table(estimates: list[Estimate]) -> list[str]:
     d = decimals(min((e.step_time_s for e in estimates), default=1.0))
     head = ("layout", "step (s)", "tok/s/GPU", "MFU", "GiB/GPU", "bubble", "comm", "fits")
     rows = [head] + [(layout_label(e), f"{e.step_time_s:.{d}f}", f"{e.tokens_per_s / e.cfg.parallel.world_size:,.0f}",
-                      f"{100 * e.mfu:.1f}%", f"{e.peak_memory_gib:.1f}", f"{100 * e.bubble_fraction:.1f}%",
+                      f"{100 * e.mfu:.1f}%", _gib(e.peak_memory_gib), f"{100 * e.bubble_fraction:.1f}%",
                       f"{100 * _exposed_comm(e) / e.step_time_s:.1f}%", "yes" if e.fits else "NO")
                      for e in estimates]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
             for row in rows]
+
+
+def _gib(gib: float) -> str:
+    """One decimal, or two significant digits below 0.1 GiB (a tiny model's 0.0042 is not 0.0)."""
+    return f"{gib:.1f}" if gib >= 0.1 else f"{gib:.2g}"
 
 
 def _exposed_comm(e: Estimate) -> float:
@@ -82,6 +87,9 @@ def why_nothing_fits(closest: Estimate, cluster: Cluster) -> str:
     elif states >= closest.usable_gib:
         fix = (f"the model states alone do not fit in any layout's share of the {cluster.world} GPUs: use more "
                "GPUs (--gpus or a larger --cluster) or GPUs with more memory")
+    elif gib["other"] > acts:
+        fix = ("the buffers on top of them (`other`: gradient buckets, communication buffers, the allocator's "
+               "allowance) do not fit: use more GPUs (--gpus or a larger --cluster) or GPUs with more memory")
     else:
         fix = ("the activations on top of them do not fit even with full recompute and one sequence per "
                "micro-batch: use a shorter --seq-len, more GPUs, or GPUs with more memory")

@@ -24,6 +24,7 @@ ERRORS = [
     ({"train": {"global_batch": 12, "micro_batch": 4}, "parallel": {"dp": 2}}, None,
      "global_batch=12 is not divisible by micro_batch*dp = 4*2 = 8"),
     ({"parallel": {"tpp": 2}}, None, "unknown key parallel.tpp (did you mean 'tp'?)"),
+    ({"train": {"dtype": "BF16"}}, None, "got 'BF16' (str) (did you mean 'bf16'?)"),
     ({"trian": {"steps": 2}}, None, "unknown section [trian] (did you mean 'train'?)"),
     ({"model": {"preset": "lama3-8b"}}, None, "unknown model.preset 'lama3-8b' (did you mean 'llama3-8b'?)"),
     ({"train": {"lr": "fast"}}, None, "train.lr must be a number, got 'fast' (str)"),

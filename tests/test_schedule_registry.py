@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import re
+
 import pytest
 
 from conftest import assert_parity, tiny_config, train_layout
@@ -45,6 +47,9 @@ def test_config_checks_read_the_registry(toy, monkeypatch):
     with pytest.raises(ConfigError, match=f"parallel.schedule must be one of 'gpipe', '1f1b', 'interleaved', 'zb', "
                                           f"got '{TOY}'"):
         check_config(load_config(overrides=_pp2()))
+    for typed, meant in (("1F1B", "1f1b"), ("Interleaved1F1B", "interleaved"), ("ZB", "zb")):  # torch's names, case
+        with pytest.raises(ConfigError, match=re.escape(f"got '{typed}' (did you mean '{meant}'?)")):
+            check_config(load_config(overrides={"parallel": {"pp": 2, "schedule": typed}}))
 
 
 def test_simulator_and_renderer_take_it(toy, tmp_path, capsys):

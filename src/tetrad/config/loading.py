@@ -201,7 +201,13 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
             if isinstance(value, dict):
                 return {k: _check_type(f"{name}.{k}", v, item) for k, v in value.items()}
     raise ConfigError(f"{name} must be {_describe(options)}, got {_short(value)} ({type(value).__name__})"
-                      + _as_list_hint(value, options) + _as_number_hint(value, options))
+                      + _as_choice_hint(value, options) + _as_list_hint(value, options) + _as_number_hint(value, options))
+
+
+def _as_choice_hint(value: Any, options: tuple) -> str:
+    """' (did you mean ...?)' for a word close to one of the allowed ones (BF16 for bf16)."""
+    words = [w for o in options if typing.get_origin(o) is Literal for w in typing.get_args(o) if isinstance(w, str)]
+    return did_you_mean(value, words) if isinstance(value, str) and words else ""
 
 
 def _as_number_hint(value: Any, options: tuple) -> str:

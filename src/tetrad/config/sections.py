@@ -209,7 +209,9 @@ def _toml_value(value: Any) -> str:
 
 
 def did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1)
+    """' (did you mean ...?)' for the choice `word` differs from only in case, or is close to."""
+    choices = list(choices)
+    close = [c for c in choices if c.lower() == word.lower()] or difflib.get_close_matches(word.lower(), choices, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

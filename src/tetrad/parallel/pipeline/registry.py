@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tetrad.config import Config, ConfigError
+from tetrad.config.sections import did_you_mean
 from tetrad.parallel.pipeline import generators
 from tetrad.parallel.pipeline.schedules import KINDS, Action, Schedule, ScheduleError, validate_schedule
 
@@ -103,7 +104,8 @@ def check_config(cfg: Config) -> None:
     rank it runs, and with pp > 1 enough micro-batches. Run by every command before it starts."""
     p, t = cfg.parallel, cfg.train
     if p.schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {p.schedule!r}")
+        raise ConfigError(f"parallel.schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {p.schedule!r}"
+                          + did_you_mean(p.schedule, SCHEDULES))
     problem = _vpp_problem(p.schedule, p.vpp)
     if problem:
         raise ConfigError(f"parallel.{problem}; set parallel.vpp or parallel.schedule")

@@ -112,3 +112,18 @@ def test_context_parallel_ring_is_unchanged_under_nccl_ordering():
     gloo_losses, gloo_state, _ = run()
     assert losses == gloo_losses and state.keys() == gloo_state.keys() and gloo_state
     assert all(torch.equal(state[k], gloo_state[k]) for k in gloo_state)
+
+
+@pytest.mark.parametrize("parallel", [{"pp": 3, "vpp": 2, "schedule": "interleaved"},
+                                      {"pp": 2, "dp": 2, "zero": 3, "schedule": "zb"}], ids=["interleaved-pp3", "zb-dp2-zero3"])
+def test_evaluation_under_nccl_ordering(parallel):
+    """The forward-only schedule of an evaluation (its own sends and receives, and under ZeRO-3 the
+    gathers it frees afterwards) between training steps: the same losses as on gloo, bit for bit."""
+    def run(transport=None):
+        cfg = tiny_config(model={"n_layers": 6}, parallel=parallel, data={"val_fraction": 0.1},
+                          train={"steps": 2, "eval_every": 1, "eval_steps": 2, "micro_batch": 1, "global_batch": 6})
+        return train_layout(cfg, transport=transport, timeout_s=DEADLINE_S)[2]
+    ordered, gloo = run(partial(NcclSemantics, timeout_s=TIMEOUT_S)), run()
+    assert [r.get("val_loss") for r in ordered] == [r.get("val_loss") for r in gloo]
+    assert all("val_loss" in r for r in gloo) and [r["loss"] for r in ordered] == [r["loss"] for r in gloo]
+

@@ -73,15 +73,15 @@ def assert_parity(got, ref, atol=1e-5, loss_atol=1e-6):
     every step (AdamW's update is scale-invariant, clipping cancels a uniform factor), so each
     step's pre-clip gradient norm is compared as well: a summed-instead-of-averaged or
     twice-reduced gradient moves it by its factor. First-step norms differ only by summation
-    order: rtol 1e-5 (every step of every parity run but three was within 7e-6 relative). Later
-    steps also follow the parameters' drift, rtol 1e-4: those three are 1.2e-5 to 1.4e-5 off at
-    step 5 (interleaved pp4 x vpp2, cp4 ring, cp2 x tp2 ring)."""
+    order: rtol 1e-5. Later steps also follow the parameters' drift, rtol 5e-4: a near-cancelling
+    batch amplifies the order of sums alone. On the gpt-tied model (seed 0, step 5) one process
+    moves its grad norm by 1.5e-4 relative between micro_batch 4 and 2, and tp2 by 2.7e-4."""
     losses, state, history = got
     ref_losses, ref_state, ref_history = ref
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=loss_atol)
     norms, ref_norms = grad_norms(history), grad_norms(ref_history)
     torch.testing.assert_close(norms[0], ref_norms[0], rtol=1e-5, atol=0, msg=lambda m: f"first grad_norm: {m}")
-    torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=0, msg=lambda m: f"grad_norm per step: {m}")
+    torch.testing.assert_close(norms, ref_norms, rtol=5e-4, atol=0, msg=lambda m: f"grad_norm per step: {m}")
     assert state.keys() == ref_state.keys()
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=atol, msg=name)

@@ -186,7 +186,7 @@ def test_reshard_and_continue(source, target):
     tgt = tiny_config(parallel=target, model=model, train=train, checkpoint={"resume": str(saved / "step_00000003")})
     losses, state, history = train_layout(tgt)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad_norms(history), grad_norms(ref_history)[3:], rtol=1e-4, atol=0)  # as assert_parity
+    torch.testing.assert_close(grad_norms(history), grad_norms(ref_history)[3:], rtol=1e-4, atol=0)
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-5, msg=name)
 

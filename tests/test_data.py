@@ -12,7 +12,7 @@ from tetrad.data.prepare import pieces
 from tetrad.data.shards import dtype_for, model_keys, open_shards, read_index
 from tetrad.data.sources import TokenStream, load_splits, load_tokens
 from tetrad.data.tokenizer import load_tokenizer
-from tetrad.train.batches import Batches, split_batches
+from tetrad.train.batches import Batches, describe, permute, split_batches
 
 
 def test_windows_and_splits_read_across_pieces():
@@ -44,6 +44,44 @@ def test_each_dp_rank_reads_only_its_share_of_the_same_global_batch():
         shares = [batches.microbatches(7, r, dp, micro_batch=2) for r in range(dp)]
         assert torch.equal(torch.cat([x for share in shares for x, _ in share]), inputs)
         assert torch.equal(torch.cat([y for share in shares for _, y in share]), labels)
+
+
+def test_an_epoch_reads_every_window_once_then_reshuffles_at_another_offset():
+    batches = Batches(TokenStream([np.arange(2000) % 256]), seq_len=16, global_batch=8, seed=3, vocab_size=256)
+    n = batches.windows_per_epoch
+    epochs = [batches.starts(np.arange(e * n, (e + 1) * n)) for e in range(6)]
+    for starts in epochs:
+        offset = int(starts.min())
+        assert offset < 16 and starts.max() + 17 <= 2000
+        assert sorted(starts.tolist()) == [offset + 16 * k for k in range(n)]  # each window once
+        assert starts.tolist() != sorted(starts.tolist())  # shuffled
+    assert len({tuple(s.tolist()) for s in epochs}) == 6 and len({int(s.min()) for s in epochs}) > 1
+    # A step's rows are those windows, however many epochs came before; another seed, another order.
+    inputs, labels = batches.global_batch_at(40)
+    starts = batches.starts(np.arange(320, 328))
+    assert torch.equal(inputs, torch.from_numpy(np.stack([np.arange(s, s + 16) % 256 for s in starts])))
+    assert torch.equal(labels[:, -1], torch.from_numpy((starts + 16) % 256))
+    other = Batches(TokenStream([np.arange(2000) % 256]), seq_len=16, global_batch=8, seed=4, vocab_size=256)
+    assert not np.array_equal(other.starts(np.arange(n)), epochs[0])
+
+
+def test_the_shuffle_is_a_permutation_for_any_size_and_key():
+    for n in (1, 2, 3, 4, 5, 8, 9, 100, 1024, 1025, 4099):
+        for key in (0, 7, 2**63 - 1):
+            assert sorted(permute(np.arange(n, dtype=np.uint64), n, key).tolist()) == list(range(n))
+
+
+def test_validation_reads_the_held_out_windows_in_order_and_no_more_than_they_hold():
+    val = Batches(TokenStream([np.arange(1000) % 256]), seq_len=16, global_batch=8, seed=0, vocab_size=256,
+                  shuffle=False)
+    assert val.windows_per_epoch == 999 // 16
+    assert val.starts(np.arange(val.windows_per_epoch)).tolist() == [16 * k for k in range(999 // 16)]
+    assert val.eval_batches(4) == 4 and val.eval_batches(1000) == (999 // 16) // 8
+    tiny = Batches(TokenStream([np.arange(40) % 256]), seq_len=16, global_batch=8, seed=0, vocab_size=256,
+                   shuffle=False)
+    assert tiny.eval_batches(5) == 1  # two windows: one batch, its rows wrapping round
+    line = describe(tiny_config(train={"eval_every": 5, "eval_steps": 1000}, data={"val_fraction": 0.05}))
+    assert "epochs" in line and "held-out windows" in line and "train.eval_steps=1000 asks for more" in line
 
 
 def test_val_fraction_holds_out_the_tail_and_training_never_reads_it():

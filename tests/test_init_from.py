@@ -55,10 +55,17 @@ def test_hf_llama_fine_tunes_from_its_weights_under_parallel_layouts(tmp_path, c
         assert losses[0] == pytest.approx(hf_loss(tmp_path / "hf", inputs, labels), rel=1e-5), source.name
 
     # The command `convert --to-tetrad` prints runs (it named a folder `resume` could not take).
-    assert main(["train", f"--checkpoint.init_from={tmp_path / 'ckpt'}", "--train.steps=1", "--model.seq_len=32",
-                 f"--run.dir={tmp_path / 'cli'}"]) == 0
+    fine_tune = ["train", f"--checkpoint.init_from={tmp_path / 'ckpt'}", "--model.seq_len=32",
+                 "--checkpoint.every=1", f"--run.dir={tmp_path / 'cli'}"]
+    assert main(fine_tune + ["--train.steps=1"]) == 0
+    out = capsys.readouterr().out
     # announced by the weights' shape, not the preset's name (tiny: 4 layers, d_model 64)
-    assert f"training the 2-layer, d_model 64 model of {tmp_path / 'ckpt'} with dp=1" in capsys.readouterr().out
+    assert f"training the 2-layer, d_model 64 model of {tmp_path / 'ckpt'} with dp=1" in out
+    assert "train.warmup=20 > train.steps=1: the learning rate never reaches train.lr" in out
+    assert main(fine_tune + ["--train.steps=2", "--train.warmup=2"]) == 0  # resumes its own checkpoint
+    out = capsys.readouterr().out
+    assert f"training the 2-layer, d_model 64 model fine-tuned from {tmp_path / 'ckpt'}" in out
+    assert "never reaches" not in out
     assert main(["train", f"--checkpoint.init_from={tmp_path / 'ckpt'}", "--model.n_layers=3",
                  f"--run.dir={tmp_path / 'bad'}"]) == 2
     assert "n_layers=2 there, 3 here" in capsys.readouterr().err

@@ -61,10 +61,11 @@ def test_tp_matches_single_process(references, model, parallel):
     # loss's sum-exp is added over vocabulary slices, and under SP replicated-parameter gradients
     # are added over sequence chunks; ~1e-7 relative per operation. Losses agree to ~1e-7.
     # Parameters: Adam divides each update by sqrt(v): for entries whose gradient is near zero a
-    # 1e-7 relative gradient difference becomes a visible update difference; after 5 steps at
-    # lr 1e-2 the largest seen is ~1.5e-5 absolute, hence atol 5e-5 (still 1/200 of one step).
+    # 1e-7 relative gradient difference becomes a visible update difference. After 5 steps at
+    # lr 1e-2 one process differs from itself by up to 3e-5 beyond rtol between micro_batch 1
+    # and 2 (gqa8-tied), and gqa8-tied tp4 with SP by 6e-5: atol 1e-4 (1/100 of one step).
     got = train_layout(tiny_config(model=MODELS[model], parallel=parallel))
-    assert_parity(got, references(model), atol=5e-5)
+    assert_parity(got, references(model), atol=1e-4)
 
 
 def expected_tp_bytes(sequence_parallel: bool) -> int:

@@ -39,6 +39,7 @@ def train_command(argv: list[str]) -> int:
     from tetrad import launch
     from tetrad.data.checks import check_data
     from tetrad.parallel.pipeline.registry import check_config as check_pipeline
+    from tetrad.train.batches import describe as describe_data
     from tetrad.train.checkpoint.preflight import check_storage
     from tetrad.train.init_from import check_init_from, model_keys
     from tetrad.train.trainer import train_on_this_rank
@@ -56,7 +57,7 @@ def train_command(argv: list[str]) -> int:
     validate_device(cfg, device_type)
     check_init_from(cfg)
     check_data(cfg)
-    check_storage(cfg)
+    resuming = check_storage(cfg)
     p = cfg.parallel
     launch.diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
     if launch.in_torchrun():
@@ -68,11 +69,17 @@ def train_command(argv: list[str]) -> int:
                           f"{devices.local_device_count(device_type)} {device_type} devices; use torchrun across "
                           "nodes, or a smaller layout")
     m = cfg.model  # under init_from the weights decide the shape, whatever the preset says
-    model = (f"the {m.n_layers}-layer, d_model {m.d_model} model of {cfg.checkpoint.init_from}"
-             if cfg.checkpoint.init_from else m.preset)
+    model = m.preset
+    if cfg.checkpoint.init_from:
+        model = (f"the {m.n_layers}-layer, d_model {m.d_model} model "
+                 f"{'fine-tuned from' if resuming else 'of'} {cfg.checkpoint.init_from}")
     print(f"tetrad: training {model} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
           f"({p.world_size} rank{'s' if p.world_size > 1 else ''} on {device_type}), "
           f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
+    print(describe_data(cfg), flush=True)
+    if cfg.train.warmup > cfg.train.steps:
+        print(f"tetrad: note: train.warmup={cfg.train.warmup} > train.steps={cfg.train.steps}: the learning rate "
+              f"never reaches train.lr={cfg.train.lr:g}", flush=True)
     history = launch.run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type,
                                pg_timeout_s=p.startup_timeout_s)[0]
     if history:

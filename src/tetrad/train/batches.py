@@ -1,18 +1,64 @@
 """Batches: which token windows each rank trains (and validates) on at each step.
 
-Batches are a pure function of (seed, step): the global batch of a step is the same whatever
-the layout, and resuming needs only the step number. Every rank draws the step's window starts
-(a few integers) but reads only the rows of its own dp share, so data loading does not grow
-with dp. The tokens come from data/sources.py.
+Training reads the data in epochs, as Megatron-LM's GPT dataset does: an epoch cuts the tokens
+into consecutive windows of seq_len + 1 tokens (a window's last token is the next one's first)
+and visits every window once, in a shuffled order. Each epoch shifts the cut by a seeded offset
+below seq_len and reshuffles, so a small corpus is not memorised at fixed boundaries. Sample j
+of the run (step * global_batch + row) is a pure function of (seed, j): the global batch of a
+step is the same whatever the layout, resuming needs only the step number, and the shuffle is a
+keyed permutation computed per sample (no index array, whatever the data's size). Every rank
+works out the step's window starts (a few integers) but reads only the rows of its own dp share,
+so data loading does not grow with dp. Validation reads the held-out windows in order. The
+tokens come from data/sources.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tetrad.data.sources import TokenStream, load_splits
+
+MASK64 = (1 << 64) - 1
+
+
+def _mix(x, key: int):
+    """splitmix64's finaliser of x ^ key: a keyed hash of a uint64 array, or of a Python int."""
+    if isinstance(x, int):
+        x = (x ^ key) & MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+        return x ^ (x >> 31)
+    x = x ^ np.uint64(key & MASK64)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
+    """A keyed permutation of range(n), applied to `index` (values below n): six Feistel rounds
+    over the smallest power-of-two domain holding n, each mixing one half of the bits into the
+    other, walked until the value lands below n (the domain is under 2n: a round or two)."""
+    bits = max(1, (n - 1).bit_length())
+    high_bits = bits // 2
+    low = (1 << (bits - high_bits)) - 1
+    shift, high = np.uint64(bits - high_bits), np.uint64((1 << high_bits) - 1)
+    keys = [_mix(key * 6 + r, 0x5EED) for r in range(6)]
+    out = index.astype(np.uint64)
+    todo = np.ones(len(out), dtype=bool)
+    while todo.any():
+        x = out[todo]
+        left, right = x >> shift, x & np.uint64(low)
+        for r, k in enumerate(keys):
+            if r % 2:
+                right = right ^ (_mix(left, k) & np.uint64(low))
+            else:
+                left = left ^ (_mix(right, k) & high)
+        out[todo] = (left << shift) | right
+        todo = out >= np.uint64(n)
+    return out
 
 
 @dataclass
@@ -22,22 +68,50 @@ class Batches:
     global_batch: int
     seed: int
     vocab_size: int
+    shuffle: bool = True  # training: shuffled epochs; validation: the windows in order, offset 0
 
     def __post_init__(self):
         if len(self.tokens) < self.seq_len + 2:
             raise ValueError(f"the data has {len(self.tokens)} tokens, fewer than seq_len+2 = {self.seq_len + 2}")
+        usable = len(self.tokens) - 1  # the last token is only ever a label
+        # Windows per epoch: one fewer than fit, so that every epoch's offset leaves room for all.
+        self.windows_per_epoch = max(1, usable // self.seq_len - (1 if self.shuffle else 0))
+        self.max_offset = min(self.seq_len - 1, usable - self.windows_per_epoch * self.seq_len) if self.shuffle else 0
+
+    def starts(self, samples: np.ndarray) -> np.ndarray:
+        """Token offsets of the windows of these run-wide sample numbers."""
+        n = self.windows_per_epoch
+        epoch, position = samples // n, samples % n
+        if not self.shuffle:
+            return position * self.seq_len
+        starts = np.empty_like(samples)
+        for e in range(int(epoch.min()), int(epoch.max()) + 1):
+            key = (self.seed * 1_000_003 + e) % 2**63  # any seed in [0, 2**63)
+            offset = _mix(key, 0x0FF5E7) % (self.max_offset + 1)
+            here = epoch == e
+            starts[here] = offset + permute(position[here], n, key).astype(np.int64) * self.seq_len
+        return starts
 
     def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [lo, hi) of the step's global batch: (inputs, labels), each [hi - lo, seq_len]
-        int64, windows at random offsets (drawn for the whole batch, read for these rows)."""
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % 2**63)  # any seed in [0, 2**63)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=gen)
-        rows = torch.from_numpy(self.tokens.windows(starts[lo:hi].tolist(), self.seq_len + 1))
+        int64 (the windows are worked out for these rows only)."""
+        samples = np.arange(step * self.global_batch + lo, step * self.global_batch + hi, dtype=np.int64)
+        rows = torch.from_numpy(self.tokens.windows(self.starts(samples).tolist(), self.seq_len + 1))
         low, high = (int(v) for v in torch.aminmax(rows))
         if low < 0 or high >= self.vocab_size:
             raise ValueError(f"token id {low if low < 0 else high} in the data is outside [0, model.vocab_size="
                              f"{self.vocab_size}); check data.source or model.vocab_size")
         return rows[:, :-1], rows[:, 1:]
+
+    def epochs(self, steps: int) -> float:
+        """How many epochs `steps` global batches read."""
+        return steps * self.global_batch / self.windows_per_epoch
+
+    def eval_batches(self, requested: int) -> int:
+        """Validation batches an evaluation runs: `requested`, but no more than the held-out
+        windows fill (at least one, whose rows then wrap round), so a small validation set is not
+        read over and over."""
+        return max(1, min(requested, self.windows_per_epoch // self.global_batch))
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows(step, 0, self.global_batch)
@@ -51,9 +125,25 @@ class Batches:
 
 def split_batches(cfg) -> tuple[Batches, Batches | None]:
     """The training batches and, when `data.val_source` or `data.val_fraction` sets some tokens
-    apart, the validation batches (same shapes; batch i of an evaluation is `microbatches(i, ...)`,
-    so every evaluation sees the same held-out windows)."""
+    apart, the validation batches (same shapes, in order: batch i of an evaluation is
+    `microbatches(i, ...)`, so every evaluation sees the same held-out windows)."""
     d, m, t = cfg.data, cfg.model, cfg.train
     train, val = load_splits(d.source, d.val_source, d.val_fraction)
     return (Batches(train, m.seq_len, t.global_batch, t.seed, m.vocab_size),
-            None if val is None else Batches(val, m.seq_len, t.global_batch, t.seed + 1, m.vocab_size))
+            None if val is None else Batches(val, m.seq_len, t.global_batch, t.seed, m.vocab_size, shuffle=False))
+
+
+def describe(cfg) -> str:
+    """One line for the start of a run: how many epochs of the data it trains, and how much of
+    the held-out data an evaluation reads."""
+    train, val = split_batches(cfg)
+    t = cfg.train
+    line = (f"tetrad: data: {train.windows_per_epoch:,} windows of {cfg.model.seq_len} tokens an epoch; "
+            f"{t.steps} steps x {t.global_batch} = {train.epochs(t.steps):.2f} epochs")
+    if val is not None and t.eval_every:
+        used = val.eval_batches(t.eval_steps)
+        line += (f"; an evaluation reads {min(used * t.global_batch, val.windows_per_epoch):,} of "
+                 f"{val.windows_per_epoch:,} held-out windows")
+        if used < t.eval_steps:
+            line += f" ({used} batch{'es' if used > 1 else ''}; train.eval_steps={t.eval_steps} asks for more than they hold)"
+    return line

@@ -155,13 +155,14 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Validation loss: the mean token loss over `eval_steps` held-out global batches (the
-        same ones each time), computed in the training layout with a forward-only pipeline
+        same ones each time; fewer if the held-out windows fill fewer), computed in the training layout with a forward-only pipeline
         schedule and summed over ranks as a training step's loss is. Dropout is off."""
         cfg, topo = self.cfg, self.topo
         total = torch.zeros((), device=topo.device)
+        batches = self.val_batches.eval_batches(cfg.train.eval_steps)
         self.model.eval()
         try:
-            for i in range(cfg.train.eval_steps):
+            for i in range(batches):
                 micro = self.val_batches.microbatches(i, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
                 local, positions = self._sequence_shards(micro)
                 total += self.eval_pipeline.run(local, positions, 1.0)
@@ -170,7 +171,7 @@ class Trainer:
         self.grads.release_gathered()  # not in `finally`: after a failure it could wait on a dead rank
         topo.comm.all_reduce(total, GRAD)
         topo.comm.all_reduce(total, "pp")
-        return float(total) / (self.tokens_per_step * cfg.train.eval_steps)
+        return float(total) / (self.tokens_per_step * batches)
 
     def _evaluates_after(self, step: int) -> bool:
         """Whether validation runs after 0-based `step`: every eval_every steps and at the last."""

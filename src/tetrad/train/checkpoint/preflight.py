@@ -20,8 +20,9 @@ PROBE_BYTES = 1 << 20
 CHECKPOINT_BYTES_PER_PARAM = 12
 
 
-def check_storage(cfg: Config) -> None:
-    """Everything a rank would otherwise find out at its first save, or at resume, with a traceback."""
+def check_storage(cfg: Config) -> Path | None:
+    """Everything a rank would otherwise find out at its first save, or at resume, with a traceback.
+    Returns the checkpoint the run will resume (None for a fresh start)."""
     run_dir = Path(cfg.run.dir)
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     key = "checkpoint.dir" if cfg.checkpoint.dir else "run.dir"
@@ -29,25 +30,26 @@ def check_storage(cfg: Config) -> None:
     _writable(root, key)
     _room_for_a_checkpoint(root, key, parameter_count(cfg.model) * CHECKPOINT_BYTES_PER_PARAM)
     try:
-        _resume_target(cfg, root, run_dir / "metrics.jsonl")
+        return _resume_target(cfg, root, run_dir / "metrics.jsonl")
     except CheckpointError as e:
         raise ConfigError(str(e).replace("\n", " ")) from None
 
 
-def _resume_target(cfg: Config, root: Path, metrics: Path) -> None:
+def _resume_target(cfg: Config, root: Path, metrics: Path) -> Path | None:
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never"):
         if not Path(resume).exists():
             raise ConfigError(f"checkpoint.resume={resume!r} does not exist; give a step_* folder or a checkpoint "
                               "root, or 'auto'")
         _same_model(cfg, resolve(resume))
-        return
+        return resolve(resume)
     if resume == "never":
         refuse_later(root, 0, "checkpoint.resume='never'")
     if resume == "never" or not any((p / MANIFEST).exists() for p in published(root)):
         refuse_overwriting_history(metrics, cfg.checkpoint.every if resume == "auto" else 0)
-    else:
-        _same_model(cfg, resolve(root))
+        return None
+    _same_model(cfg, resolve(root))
+    return resolve(root)
 
 
 def _same_model(cfg: Config, checkpoint: Path) -> None:

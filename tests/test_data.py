@@ -1,7 +1,10 @@
 """Data sources and batches: windows across shards, each rank's share of the global batch,
 the held-out validation split."""
 
+from fractions import Fraction
+
 import numpy as np
+import pytest
 import torch
 
 from conftest import tiny_config
@@ -10,9 +13,10 @@ from tetrad.config import load_config
 from tetrad.data.checks import check_data
 from tetrad.data.prepare import pieces
 from tetrad.data.shards import dtype_for, model_keys, open_shards, read_index
-from tetrad.data.sources import TokenStream, load_splits, load_tokens
+from tetrad.data.blend import blend_parts
+from tetrad.data.sources import CORPORA, TokenStream, load_tokens
 from tetrad.data.tokenizer import load_tokenizer
-from tetrad.train.batches import Batches, describe, permute, split_batches
+from tetrad.train.batches import Batches, blend_counts, describe, permute, route, split_batches
 
 
 def test_windows_and_splits_read_across_pieces():
@@ -37,7 +41,7 @@ def test_windows_gather_the_same_rows_from_one_piece_or_many():
 
 
 def test_each_dp_rank_reads_only_its_share_of_the_same_global_batch():
-    batches = Batches(TokenStream([np.arange(1000) % 256]), seq_len=16, global_batch=8, seed=3, vocab_size=256)
+    batches = Batches([(1, TokenStream([np.arange(1000) % 256]))], seq_len=16, global_batch=8, seed=3, vocab_size=256)
     inputs, labels = batches.global_batch_at(7)
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
     for dp in (1, 2, 4):
@@ -47,9 +51,10 @@ def test_each_dp_rank_reads_only_its_share_of_the_same_global_batch():
 
 
 def test_an_epoch_reads_every_window_once_then_reshuffles_at_another_offset():
-    batches = Batches(TokenStream([np.arange(2000) % 256]), seq_len=16, global_batch=8, seed=3, vocab_size=256)
-    n = batches.windows_per_epoch
-    epochs = [batches.starts(np.arange(e * n, (e + 1) * n)) for e in range(6)]
+    batches = Batches([(1, TokenStream([np.arange(2000) % 256]))], seq_len=16, global_batch=8, seed=3, vocab_size=256)
+    windows = batches.windows[0]
+    n = windows.per_epoch
+    epochs = [windows.starts(np.arange(e * n, (e + 1) * n)) for e in range(6)]
     for starts in epochs:
         offset = int(starts.min())
         assert offset < 16 and starts.max() + 17 <= 2000
@@ -58,11 +63,11 @@ def test_an_epoch_reads_every_window_once_then_reshuffles_at_another_offset():
     assert len({tuple(s.tolist()) for s in epochs}) == 6 and len({int(s.min()) for s in epochs}) > 1
     # A step's rows are those windows, however many epochs came before; another seed, another order.
     inputs, labels = batches.global_batch_at(40)
-    starts = batches.starts(np.arange(320, 328))
+    starts = windows.starts(np.arange(320, 328))
     assert torch.equal(inputs, torch.from_numpy(np.stack([np.arange(s, s + 16) % 256 for s in starts])))
     assert torch.equal(labels[:, -1], torch.from_numpy((starts + 16) % 256))
-    other = Batches(TokenStream([np.arange(2000) % 256]), seq_len=16, global_batch=8, seed=4, vocab_size=256)
-    assert not np.array_equal(other.starts(np.arange(n)), epochs[0])
+    other = Batches([(1, TokenStream([np.arange(2000) % 256]))], seq_len=16, global_batch=8, seed=4, vocab_size=256)
+    assert not np.array_equal(other.windows[0].starts(np.arange(n)), epochs[0])
 
 
 def test_the_shuffle_is_a_permutation_for_any_size_and_key():
@@ -72,27 +77,65 @@ def test_the_shuffle_is_a_permutation_for_any_size_and_key():
 
 
 def test_validation_reads_the_held_out_windows_in_order_and_no_more_than_they_hold():
-    val = Batches(TokenStream([np.arange(1000) % 256]), seq_len=16, global_batch=8, seed=0, vocab_size=256,
+    val = Batches([(1, TokenStream([np.arange(1000) % 256]))], seq_len=16, global_batch=8, seed=0, vocab_size=256,
                   shuffle=False)
-    assert val.windows_per_epoch == 999 // 16
-    assert val.starts(np.arange(val.windows_per_epoch)).tolist() == [16 * k for k in range(999 // 16)]
+    assert val.windows[0].per_epoch == 999 // 16
+    assert val.windows[0].starts(np.arange(999 // 16)).tolist() == [16 * k for k in range(999 // 16)]
     assert val.eval_batches(4) == 4 and val.eval_batches(1000) == (999 // 16) // 8
-    tiny = Batches(TokenStream([np.arange(40) % 256]), seq_len=16, global_batch=8, seed=0, vocab_size=256,
+    tiny = Batches([(1, TokenStream([np.arange(40) % 256]))], seq_len=16, global_batch=8, seed=0, vocab_size=256,
                    shuffle=False)
     assert tiny.eval_batches(5) == 1  # two windows: one batch, its rows wrapping round
     line = describe(tiny_config(train={"eval_every": 5, "eval_steps": 1000}, data={"val_fraction": 0.05}))
     assert "epochs" in line and "held-out windows" in line and "train.eval_steps=1000 asks for more" in line
 
 
+def test_blend_parses_megatron_data_path_and_keeps_a_path_with_spaces_whole():
+    assert blend_parts("0.7 data/web 0.3 data/code") == [(Fraction(7, 10), "data/web"), (Fraction(3, 10), "data/code")]
+    assert blend_parts("3 a 1 b") == [(Fraction(3, 4), "a"), (Fraction(1, 4), "b")]
+    for single in ("licenses", "my notes/a b.txt", "1e-3"):
+        assert blend_parts(single) == [(1, single)]
+    with pytest.raises(ValueError, match="weight 0; every weight must be positive"):
+        blend_parts("0 a 1 b")
+
+
+def test_a_blend_draws_each_source_at_its_weight_and_numbers_its_samples_consecutively():
+    for weights in ([Fraction(3, 4), Fraction(1, 4)], [Fraction(5, 10), Fraction(3, 10), Fraction(2, 10)],
+                    [Fraction(1, 7)] * 7):
+        source, index = route(np.arange(2000), weights)
+        for total in (1, 7, 100, 999, 2000):
+            counts = blend_counts(total, weights)
+            assert counts == [int((source[:total] == i).sum()) for i in range(len(weights))]
+            assert all(abs(c - w * total) < 2 for c, w in zip(counts, weights))  # within a sample or so
+        for i in range(len(weights)):  # each source's samples are 0, 1, 2, ... in the run's order
+            assert index[source == i].tolist() == list(range(int((source == i).sum())))
+    # Batches: ids < 100 come from the first source, >= 100 from the second, 6 of every 8 rows first.
+    first, second = TokenStream([np.arange(2000) % 100]), TokenStream([100 + np.arange(3000) % 100])
+    batches = Batches([(Fraction(3, 4), first), (Fraction(1, 4), second)], seq_len=16, global_batch=8, seed=0,
+                      vocab_size=256)
+    for step in range(20):
+        inputs, _ = batches.global_batch_at(step)
+        from_first = (inputs < 100).all(dim=1)
+        assert int(from_first.sum()) == 6 and bool(((inputs >= 100).all(dim=1) | from_first).all())
+    n = batches.windows[0].per_epoch  # the first source's epoch: every window once
+    starts = batches.windows[0].starts(np.arange(n))
+    assert len(set(starts.tolist())) == n
+    assert batches.epochs(100) == [600 / n, 200 / batches.windows[1].per_epoch]
+
+
 def test_val_fraction_holds_out_the_tail_and_training_never_reads_it():
     cfg = tiny_config(data={"val_fraction": 0.1})
     train, val = split_batches(cfg)
-    whole = load_splits("licenses")[0]
-    n_train, n_val = len(train.tokens), len(val.tokens)
+    whole = load_tokens("licenses")
+    n_train, n_val = len(train.windows[0].tokens), len(val.windows[0].tokens)
     assert n_val == int(len(whole) * 0.1) and n_train + n_val == len(whole)
-    assert np.array_equal(val.tokens.window(0, n_val), whole.window(n_train, n_val))
+    assert np.array_equal(val.windows[0].tokens.window(0, n_val), whole.window(n_train, n_val))
     assert not torch.equal(val.global_batch_at(0)[0], train.global_batch_at(0)[0])
     assert split_batches(tiny_config())[1] is None
+    # A blend holds out the tail of every source, and validates on them at the blend's weights.
+    train, val = split_batches(tiny_config(data={"source": f"3 licenses 1 {CORPORA['licenses']}",
+                                                 "val_fraction": 0.1}))
+    assert [len(w.tokens) for w in train.windows] == [n_train, n_train]
+    assert [len(w.tokens) for w in val.windows] == [n_val, n_val] and val.weights == [Fraction(3, 4), Fraction(1, 4)]
 
 
 def write_docs(folder, n=3):
@@ -150,6 +193,17 @@ def test_tetrad_data_writes_shards_that_decode_to_the_documents(tmp_path, capsys
     again = tmp_path / "again"  # an existing tokenizer.json gives the same tokens
     assert main(["data", str(tmp_path / "text"), "--out", str(again), "--tokenizer", str(out / "tokenizer.json")]) == 0
     assert np.array_equal(load_tokens(str(again)).window(0, len(stream)), np.array(ids))
+
+    # A blend of shard folders in one vocabulary trains (the vocabulary follows the first); a blend
+    # with text read as bytes is refused before any rank starts.
+    blend = f"1 {out} 1 {again}"
+    assert load_config(overrides=[f"data.source={blend}"], model_from_inputs=model_keys).model.vocab_size == \
+        index["vocab_size"]
+    assert main(["train", f"--data.source={blend}", "--train.steps=2", "--model.seq_len=32",
+                 f"--run.dir={tmp_path / 'blend'}"]) == 0
+    assert f"from 50% {out} (" in capsys.readouterr().out
+    assert main(["train", f"--data.source=1 {out} 1 licenses", f"--run.dir={tmp_path / 'mixed'}"]) == 2
+    assert "blends sources in different vocabularies" in capsys.readouterr().err
 
 
 def test_tetrad_data_refuses_bad_inputs_in_one_line(tmp_path, capsys):

@@ -62,4 +62,4 @@ def test_good_token_files_pass_and_a_bad_id_past_the_sample_stops_the_batches(tm
     tokens = np.zeros(100, dtype=np.int64)
     tokens[:] = -1
     with pytest.raises(ValueError, match="token id -1"):
-        Batches(TokenStream([tokens]), seq_len=8, global_batch=2, seed=0, vocab_size=256).global_batch_at(0)
+        Batches([(1, TokenStream([tokens]))], seq_len=8, global_batch=2, seed=0, vocab_size=256).global_batch_at(0)

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from tetrad.config import Config, ConfigError
-from tetrad.data.shards import is_shard_folder, open_shards, read_index
-from tetrad.data.sources import CORPORA, NPY_DTYPES, TokenStream, load_splits, text_files
+from tetrad.data.shards import TOKENIZER, is_shard_folder, open_shards, read_index
+from tetrad.data.sources import CORPORA, NPY_DTYPES, TokenStream, blend_parts, load_blend, text_files
 
 SCAN_TOKENS = 1 << 28  # up to this many tokens the whole range is scanned (seconds)
 CHUNK = 1 << 22
@@ -22,23 +22,61 @@ SAMPLES = 64  # else: this many chunks spread over the data
 
 
 def check_data(cfg: Config) -> None:
-    """Raise ConfigError for the first problem with `data.source` / `data.val_source`."""
+    """Raise ConfigError for the first problem with `data.source` / `data.val_source` (every
+    source of a blend)."""
     d, m = cfg.data, cfg.model
     for key, source in (("data.source", d.source), ("data.val_source", d.val_source)):
         if source:
-            _check_source(key, source, m.vocab_size, cfg.checkpoint.init_from)
+            try:
+                parts = blend_parts(source)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            for _, part in parts:
+                _check_source(key, part, m.vocab_size, cfg.checkpoint.init_from)
+            _check_one_tokenizer(key, source, parts)
     try:
-        train, val = load_splits(d.source, d.val_source, d.val_fraction)
+        train, val = load_blend(d.source, d.val_source, d.val_fraction)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.source={d.source!r} cannot be read: {e}") from None
-    for name, tokens in (("data.source", train), ("the validation tokens", val)):
-        if tokens is not None and len(tokens) < m.seq_len + 2:
-            raise ConfigError(f"{name} holds {len(tokens)} tokens, fewer than model.seq_len+2 = {m.seq_len + 2}; "
-                              "use more data or a shorter seq_len" + (" (or a smaller data.val_fraction)"
-                                                                       if tokens is val else ""))
-    for key, tokens in (("data.source", train), ("data.val_source", val)):
-        if tokens is not None:
-            _check_ids(key, tokens, m.vocab_size)
+    sources = [("data.source", name, tokens) for (_, name), (_, tokens) in zip(blend_parts(d.source), train)]
+    if val is not None:
+        held_out = blend_parts(d.val_source) if d.val_source else blend_parts(d.source)
+        sources += [("the validation tokens", name, tokens) for (_, name), (_, tokens) in zip(held_out, val)]
+    for what, name, tokens in sources:
+        if len(tokens) < m.seq_len + 2:
+            where = f" ({name})" if name != d.source else ""
+            raise ConfigError(f"{what}{where} holds {len(tokens)} tokens, fewer than model.seq_len+2 = "
+                              f"{m.seq_len + 2}; use more data or a shorter seq_len"
+                              + (" (or a smaller data.val_fraction)" if what != "data.source" else ""))
+    for what, name, tokens in sources:
+        _check_ids("data.source" if what == "data.source" else "data.val_source", tokens, m.vocab_size)
+
+
+def _tokenizer_of(source: str) -> str | None:
+    """What a source's ids mean: its shard folder's tokenizer.json (text), "bytes", or None for
+    token files, which do not say."""
+    path = Path(source)
+    if source in CORPORA or (path.exists() and not is_shard_folder(path) and path.suffix not in (".bin", ".npy")):
+        return "bytes"
+    if is_shard_folder(path) and (path / TOKENIZER).is_file():
+        return (path / TOKENIZER).read_text()
+    return None
+
+
+def _check_one_tokenizer(key: str, source: str, parts: list) -> None:
+    """A blend's sources must share one vocabulary: ids of two tokenizers would mean different
+    text to one embedding."""
+    first = parts[0][1]
+    known = _tokenizer_of(first)
+    for _, part in parts[1:]:
+        theirs = _tokenizer_of(part)
+        if known is not None and theirs is not None and theirs != known:
+            kind = {first: known, part: theirs}
+            said = ", ".join(f"{name!r} {'is read as bytes' if kind[name] == 'bytes' else 'has its own tokenizer'}"
+                             for name in (first, part))
+            tokenizer = Path(first) / TOKENIZER if known != "bytes" else Path(part) / TOKENIZER
+            raise ConfigError(f"{key} blends sources in different vocabularies ({said}); tokenize every source "
+                              f"with one tokenizer: `tetrad data TEXT --tokenizer {tokenizer} --out DATA`")
 
 
 def _check_source(key: str, source: str, vocab_size: int, init_from: str) -> None:

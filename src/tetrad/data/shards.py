@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tetrad.data.blend import primary_source
+
 INDEX = "index.json"
 TOKENIZER = "tokenizer.json"
 FORMAT = 1
@@ -71,11 +73,12 @@ def open_shards(folder: Path) -> list[np.ndarray]:
 
 
 def model_keys(raw: dict) -> dict:
-    """[model] keys a raw config's data decides: a shard folder's vocabulary is the model's."""
+    """[model] keys a raw config's data decides: a shard folder's vocabulary is the model's (the
+    first source's, for a blend)."""
     source = raw.get("data", {}).get("source")
-    if not isinstance(source, str) or not is_shard_folder(Path(source)):
+    if not isinstance(source, str) or not is_shard_folder(Path(primary_source(source))):
         return {}
     try:
-        return {"vocab_size": read_index(Path(source))["vocab_size"]}
+        return {"vocab_size": read_index(Path(primary_source(source)))["vocab_size"]}
     except ValueError:
         return {}  # data/checks.py names the problem

@@ -2,7 +2,9 @@
 
 `data.source` is a built-in corpus name, a text file or a folder of `.txt` files (tokens are
 bytes, vocabulary 256), a token file (`.bin`: raw uint16, the nanoGPT/Megatron convention;
-`.npy`: uint16/uint32/int32/int64), or a shard folder from `tetrad data` (its index.json).
+`.npy`: uint16/uint32/int32/int64), or a shard folder from `tetrad data` (its index.json); or a
+blend of such sources with weights, written as Megatron-LM writes `--data-path`:
+"0.7 data/web 0.3 data/code".
 The built-in corpus ships inside the package (the texts of common free-software licences,
 whose verbatim copying is permitted), so the default run needs no download and reads the same
 bytes on every machine. Token files and shards are memory-mapped: a rank reads only the
@@ -11,10 +13,12 @@ windows it samples.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 
+from tetrad.data.blend import blend_parts
 from tetrad.data.shards import is_shard_folder, open_shards
 
 CORPORA = {"licenses": Path(__file__).parent / "corpus" / "licenses.txt"}
@@ -88,12 +92,15 @@ def load_tokens(source: str) -> TokenStream:
     return TokenStream([np.frombuffer(path.read_bytes(), dtype=np.uint8)])  # any other file: its bytes
 
 
-def load_splits(source: str, val_source: str = "", val_fraction: float = 0.0) -> tuple[TokenStream, TokenStream | None]:
-    """(training tokens, held-out validation tokens or None): `val_source` read whole, or the
-    last `val_fraction` of `source` set apart (training never sees it)."""
-    tokens = load_tokens(source)
+def load_blend(source: str, val_source: str = "", val_fraction: float = 0.0
+               ) -> tuple[list[tuple[Fraction, TokenStream]], list[tuple[Fraction, TokenStream]] | None]:
+    """(training sources, held-out validation sources or None), each as (weight, tokens):
+    `val_source` read whole (a blend too), or the last `val_fraction` of every source of
+    `source` set apart, at the same weights (training never sees it)."""
+    train = [(w, load_tokens(part)) for w, part in blend_parts(source)]
     if val_source:
-        return tokens, load_tokens(val_source)
+        return train, [(w, load_tokens(part)) for w, part in blend_parts(val_source)]
     if val_fraction > 0:
-        return tokens.split(len(tokens) - int(len(tokens) * val_fraction))
-    return tokens, None
+        splits = [(w, tokens.split(len(tokens) - int(len(tokens) * val_fraction))) for w, tokens in train]
+        return [(w, head) for w, (head, _) in splits], [(w, tail) for w, (_, tail) in splits]
+    return train, None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tetrad.data.blend import primary_source
 from tetrad.data.shards import TOKENIZER, is_shard_folder
 from tetrad.data.sources import CORPORA
 
@@ -70,6 +71,7 @@ def run_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer, Path | Non
     """The tokenizer of a run and where it came from: the tokenizer.json beside its checkpoint
     (or HF) `folder`, else its data's (a shard folder); bytes (None) when it trained on text.
     ValueError when the run's data cannot tell (moved, or token ids without a tokenizer)."""
+    data_source = primary_source(data_source)  # a blend's sources share its first's tokenizer
     for candidate in (folder / TOKENIZER, Path(data_source) / TOKENIZER):
         if candidate.is_file():
             return load_tokenizer(candidate), candidate

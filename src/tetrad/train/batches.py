@@ -8,18 +8,20 @@ of the run (step * global_batch + row) is a pure function of (seed, j): the glob
 step is the same whatever the layout, resuming needs only the step number, and the shuffle is a
 keyed permutation computed per sample (no index array, whatever the data's size). Every rank
 works out the step's window starts (a few integers) but reads only the rows of its own dp share,
-so data loading does not grow with dp. Validation reads the held-out windows in order. The
-tokens come from data/sources.py.
+so data loading does not grow with dp. A blend of sources (data/blend.py) sends each sample to
+one source by weight (`route`), and each source numbers its own samples and runs its own
+epochs. Validation reads the held-out windows in order. The tokens come from data/sources.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
 
-from tetrad.data.sources import TokenStream, load_splits
+from tetrad.data.blend import blend_parts
+from tetrad.data.sources import TokenStream, load_blend
 
 MASK64 = (1 << 64) - 1
 
@@ -61,26 +63,21 @@ def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
     return out
 
 
-@dataclass
-class Batches:
-    tokens: TokenStream
-    seq_len: int
-    global_batch: int
-    seed: int
-    vocab_size: int
-    shuffle: bool = True  # training: shuffled epochs; validation: the windows in order, offset 0
+class Windows:
+    """One source's windows of seq_len + 1 tokens: in shuffled epochs, or in order (offset 0)."""
 
-    def __post_init__(self):
-        if len(self.tokens) < self.seq_len + 2:
-            raise ValueError(f"the data has {len(self.tokens)} tokens, fewer than seq_len+2 = {self.seq_len + 2}")
-        usable = len(self.tokens) - 1  # the last token is only ever a label
+    def __init__(self, tokens: TokenStream, seq_len: int, seed: int, shuffle: bool):
+        if len(tokens) < seq_len + 2:
+            raise ValueError(f"the data has {len(tokens)} tokens, fewer than seq_len+2 = {seq_len + 2}")
+        self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
+        usable = len(tokens) - 1  # the last token is only ever a label
         # Windows per epoch: one fewer than fit, so that every epoch's offset leaves room for all.
-        self.windows_per_epoch = max(1, usable // self.seq_len - (1 if self.shuffle else 0))
-        self.max_offset = min(self.seq_len - 1, usable - self.windows_per_epoch * self.seq_len) if self.shuffle else 0
+        self.per_epoch = max(1, usable // seq_len - (1 if shuffle else 0))
+        self.max_offset = min(seq_len - 1, usable - self.per_epoch * seq_len) if shuffle else 0
 
     def starts(self, samples: np.ndarray) -> np.ndarray:
-        """Token offsets of the windows of these run-wide sample numbers."""
-        n = self.windows_per_epoch
+        """Token offsets of the windows of these sample numbers (counted from the run's start)."""
+        n = self.per_epoch
         epoch, position = samples // n, samples % n
         if not self.shuffle:
             return position * self.seq_len
@@ -92,26 +89,92 @@ class Batches:
             starts[here] = offset + permute(position[here], n, key).astype(np.int64) * self.seq_len
         return starts
 
+    def read(self, samples: np.ndarray) -> np.ndarray:
+        """The windows of these samples, [len(samples), seq_len + 1] int64."""
+        return self.tokens.windows(self.starts(samples).tolist(), self.seq_len + 1)
+
+
+def _left_share(weights: list[Fraction]) -> Fraction:
+    """The first half's share of a blend node's weight (denominator bounded: int64 arithmetic)."""
+    mid = len(weights) // 2
+    return (sum(weights[:mid]) / sum(weights)).limit_denominator(1 << 20)
+
+
+def route(samples: np.ndarray, weights: list[Fraction]) -> tuple[np.ndarray, np.ndarray]:
+    """(source, number within that source) of each sample of a blend. The sources are halved
+    recursively; of a node's first j samples floor(j * share) go to its first half, so every
+    source's count stays within a sample or so of its weight at every j, and a sample's place is
+    found in O(log sources) without counting the samples before it."""
+    source = np.zeros(len(samples), dtype=np.int64)
+    index = samples.astype(np.int64)
+    todo = [(0, len(weights), np.arange(len(samples)))]
+    while todo:
+        lo, hi, rows = todo.pop()
+        if hi - lo == 1:
+            source[rows] = lo
+            continue
+        share = _left_share(weights[lo:hi])
+        j = index[rows]
+        before = j * share.numerator // share.denominator
+        first = (j + 1) * share.numerator // share.denominator > before
+        index[rows] = np.where(first, before, j - before)
+        mid = (lo + hi) // 2
+        todo += [(lo, mid, rows[first]), (mid, hi, rows[~first])]
+    return source, index
+
+
+def blend_counts(total: int, weights: list[Fraction]) -> list[int]:
+    """How many of a blend's first `total` samples each source gives (as `route` sends them)."""
+    if len(weights) == 1:
+        return [total]
+    share, mid = _left_share(weights), len(weights) // 2
+    first = total * share.numerator // share.denominator
+    return blend_counts(first, weights[:mid]) + blend_counts(total - first, weights[mid:])
+
+
+class Batches:
+    """A run's global batches from one source or a weighted blend of several (Megatron-LM's
+    blend: each source keeps its own epochs; a small source with a large weight repeats sooner)."""
+
+    def __init__(self, sources: list[tuple[Fraction, TokenStream]], seq_len: int, global_batch: int, seed: int,
+                 vocab_size: int, shuffle: bool = True):
+        self.weights = [Fraction(w) for w, _ in sources]
+        # Each source its own shuffle: the first keeps the run's seed.
+        self.windows = [Windows(tokens, seq_len, seed + (i << 32), shuffle) for i, (_, tokens) in enumerate(sources)]
+        self.seq_len, self.global_batch, self.vocab_size = seq_len, global_batch, vocab_size
+
     def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [lo, hi) of the step's global batch: (inputs, labels), each [hi - lo, seq_len]
         int64 (the windows are worked out for these rows only)."""
         samples = np.arange(step * self.global_batch + lo, step * self.global_batch + hi, dtype=np.int64)
-        rows = torch.from_numpy(self.tokens.windows(self.starts(samples).tolist(), self.seq_len + 1))
+        source, index = route(samples, self.weights)
+        rows = np.empty((hi - lo, self.seq_len + 1), dtype=np.int64)
+        for i, windows in enumerate(self.windows):
+            here = source == i
+            if here.any():
+                rows[here] = windows.read(index[here])
+        rows = torch.from_numpy(rows)
         low, high = (int(v) for v in torch.aminmax(rows))
         if low < 0 or high >= self.vocab_size:
             raise ValueError(f"token id {low if low < 0 else high} in the data is outside [0, model.vocab_size="
                              f"{self.vocab_size}); check data.source or model.vocab_size")
         return rows[:, :-1], rows[:, 1:]
 
-    def epochs(self, steps: int) -> float:
-        """How many epochs `steps` global batches read."""
-        return steps * self.global_batch / self.windows_per_epoch
+    def epochs(self, steps: int) -> list[float]:
+        """How many epochs of each source `steps` global batches read."""
+        counts = blend_counts(steps * self.global_batch, self.weights)
+        return [count / windows.per_epoch for count, windows in zip(counts, self.windows)]
 
     def eval_batches(self, requested: int) -> int:
         """Validation batches an evaluation runs: `requested`, but no more than the held-out
         windows fill (at least one, whose rows then wrap round), so a small validation set is not
         read over and over."""
-        return max(1, min(requested, self.windows_per_epoch // self.global_batch))
+        batches = 1
+        while batches < requested and all(
+                count <= windows.per_epoch for count, windows in
+                zip(blend_counts((batches + 1) * self.global_batch, self.weights), self.windows)):
+            batches += 1
+        return batches
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows(step, 0, self.global_batch)
@@ -128,22 +191,27 @@ def split_batches(cfg) -> tuple[Batches, Batches | None]:
     apart, the validation batches (same shapes, in order: batch i of an evaluation is
     `microbatches(i, ...)`, so every evaluation sees the same held-out windows)."""
     d, m, t = cfg.data, cfg.model, cfg.train
-    train, val = load_splits(d.source, d.val_source, d.val_fraction)
+    train, val = load_blend(d.source, d.val_source, d.val_fraction)
     return (Batches(train, m.seq_len, t.global_batch, t.seed, m.vocab_size),
             None if val is None else Batches(val, m.seq_len, t.global_batch, t.seed, m.vocab_size, shuffle=False))
 
 
 def describe(cfg) -> str:
-    """One line for the start of a run: how many epochs of the data it trains, and how much of
-    the held-out data an evaluation reads."""
+    """One line for the start of a run: how many epochs of its data (of each source of a blend)
+    it trains, and how much of the held-out data an evaluation reads."""
     train, val = split_batches(cfg)
     t = cfg.train
-    line = (f"tetrad: data: {train.windows_per_epoch:,} windows of {cfg.model.seq_len} tokens an epoch; "
-            f"{t.steps} steps x {t.global_batch} = {train.epochs(t.steps):.2f} epochs")
+    epochs = train.epochs(t.steps)
+    if len(epochs) == 1:
+        line = (f"tetrad: data: {train.windows[0].per_epoch:,} windows of {cfg.model.seq_len} tokens an epoch; "
+                f"{t.steps} steps x {t.global_batch} = {epochs[0]:.2f} epochs")
+    else:
+        parts = ", ".join(f"{float(w):.0%} {name} ({windows.per_epoch:,} windows an epoch: {e:.2f} epochs)"
+                          for (w, name), windows, e in zip(blend_parts(cfg.data.source), train.windows, epochs))
+        line = f"tetrad: data: {t.steps} steps x {t.global_batch} windows of {cfg.model.seq_len} tokens from {parts}"
     if val is not None and t.eval_every:
-        used = val.eval_batches(t.eval_steps)
-        line += (f"; an evaluation reads {min(used * t.global_batch, val.windows_per_epoch):,} of "
-                 f"{val.windows_per_epoch:,} held-out windows")
+        used, held_out = val.eval_batches(t.eval_steps), sum(w.per_epoch for w in val.windows)
+        line += f"; an evaluation reads {min(used * t.global_batch, held_out):,} of {held_out:,} held-out windows"
         if used < t.eval_steps:
             line += f" ({used} batch{'es' if used > 1 else ''}; train.eval_steps={t.eval_steps} asks for more than they hold)"
     return line

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from tetrad.config import Config, ConfigError, read_toml
 from tetrad.data import shards
+from tetrad.data.blend import primary_source
 from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
 from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, verify
 from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_name, model_config_from_hf, one_process
@@ -93,7 +94,7 @@ def _tokenizer_file(path: Path) -> Path | None:
         return folder / shards.TOKENIZER
     if is_hf_folder(path) or not (folder / "config.toml").is_file():
         return None
-    data = Path(read_toml(folder / "config.toml").get("data", {}).get("source", ""))
+    data = Path(primary_source(read_toml(folder / "config.toml").get("data", {}).get("source", "")))
     return data / shards.TOKENIZER if (data / shards.TOKENIZER).is_file() else None
 
 

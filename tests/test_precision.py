@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import grad_norms, run_ranks, tiny_config, train_layout
+from tetrad.cli import main
 from tetrad.config import ConfigError, load_config, validate_device
 from tetrad.train.precision import LossScaler
 from tetrad.train.trainer import Trainer
@@ -95,6 +96,50 @@ def test_fp16_overflow_skips_the_step_on_every_rank():
         assert unchanged  # no rank stepped
     losses = [r["loss"] for r in results[0][0]]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]  # training went on
+
+
+def _poisoned_fit(cfg, rank, step):
+    """fit(), adding inf to one parameter's gradient on `rank` from 0-based `step` on; the history
+    and whether every parameter is still finite."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    per_step = cfg.train.global_batch // (cfg.parallel.dp * cfg.train.micro_batch)  # one hook call each
+    calls = {"n": 0}
+
+    def poison(grad):
+        calls["n"] += 1
+        return grad + math.inf if calls["n"] > step * per_step else grad
+    if trainer.topo.rank == rank:
+        trainer.params[-1].register_hook(poison)
+    history = trainer.fit()
+    return history, all(bool(torch.isfinite(p).all()) for p in trainer.params)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_non_finite_gradient_without_loss_scaling_stops_the_run_unapplied(dtype, tmp_path, capfd):
+    # Megatron-LM stops on a NaN gradient; stepping on would write NaN weights into every later
+    # checkpoint. Every rank stops at the same step (the verdict is the global gradient norm).
+    cfg = tiny_config(parallel={"dp": 2, "tp": 2, "zero": 1}, train={"dtype": dtype})
+    for history, finite in run_ranks(_poisoned_fit, 4, cfg, 3, 2):
+        assert [r["step"] for r in history] == [1, 2, 3] and history[-1]["diverged"] and history[-1]["skipped"]
+        assert not any("diverged" in r for r in history[:-1])
+        assert finite  # the step was not applied
+    # The command exits 1 and says what to do; no checkpoint of the step is written.
+    args = ["train", "--train.lr=1e4", "--train.warmup=0", "--train.grad_clip=0", "--checkpoint.every=1",
+            f"--run.dir={tmp_path}"]
+    assert main(args) == 1
+    out = capfd.readouterr().out  # the note comes from the rank's process
+    assert "step 2: the gradient norm is nan" in out and "the step was not applied and the run stops" in out
+    assert f"resumes from {tmp_path}/checkpoints/step_00000001" in out
+    assert not (tmp_path / "checkpoints" / "step_00000002").exists()
+
+
+def test_fp16_stops_only_once_its_loss_scale_can_fall_no_further():
+    cfg = tiny_config(train={"dtype": "fp16", "steps": 20})
+    [(history, finite)] = run_ranks(_poisoned_fit, 1, cfg, 0, 0)  # every gradient inf from the start
+    # 2^16 halves to the floor 1.0 over 16 skipped steps; the 17th overflow at the floor stops the run.
+    assert [r["loss_scale"] for r in history] == [2.0**(16 - i) for i in range(17)]
+    assert all(r["skipped"] for r in history) and [bool(r.get("diverged")) for r in history] == [False] * 16 + [True]
+    assert finite
 
 
 def test_loss_scaler_grows_and_backs_off():

@@ -87,7 +87,7 @@ def train_command(argv: list[str]) -> int:
         val = f", val_loss {evaluated[-1]['val_loss']:.4f} at step {evaluated[-1]['step']}" if evaluated else ""
         print(f"tetrad: loss {history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f} at step "
               f"{history[-1]['step']}{val}; metrics in {cfg.run.dir}/metrics.jsonl")
-    return 0
+    return 1 if history and history[-1].get("diverged") else 0  # a job scheduler sees the stop
 
 
 def estimate_command(argv: list[str]) -> int:

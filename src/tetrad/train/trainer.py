@@ -34,7 +34,7 @@ from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
 from tetrad.parallel.pipeline.schedules import forward_only, link_order
 from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.train.batches import split_batches
-from tetrad.train.checkpoint import Checkpointer, step_dir
+from tetrad.train.checkpoint import Checkpointer, CheckpointError, resolve, step_dir
 from tetrad.train.init_from import initial_weights
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
@@ -198,7 +198,9 @@ class Trainer:
             grad_norm, loss, self.stop_signal = self._step_sums(loss_sum, scale)
             self.grads.clip(grad_norm, cfg.train.grad_clip, loss_scale=scale)
             # The norm is reduced over the whole job: every rank steps, or every rank skips.
-            stepped = self.scaler.update(math.isfinite(grad_norm))
+            finite = math.isfinite(grad_norm)
+            at_floor = not self.scaler.enabled or self.scaler.scale <= self.scaler.min_scale
+            stepped = self.scaler.update(finite) and finite
             if stepped:
                 self.optimizer.step()
             model_states = self._model_states(stepped)  # gradients still held: their peak
@@ -217,6 +219,8 @@ class Trainer:
             "comm_bytes": {g: sent.get(g, 0) for g in REPORTED},
             "layout": self.layout,  # a resume may change it: the report tells the layouts apart
             "loss_scale": scale, "skipped": not stepped,
+            # Non-finite with no loss scale left to lower (fp32/bf16 have none): fit() stops the run.
+            **({"diverged": True} if not finite and at_floor else {}),
             "peak_memory_gib": peak / 2**30,
             # Model states counted from this rank's tensors; activations: the peak of what autograd
             # saved for backward (train/memory.py); peak: device.peak_memory_bytes.
@@ -305,6 +309,11 @@ class Trainer:
                         record = self.train_step(step)
                         if step == start:  # start-up and compilation are over: the shorter timeout
                             watchdog.set_timeouts(cfg.parallel.collective_timeout_s, world_too=False)
+                        if record.get("diverged"):
+                            history.append(record)
+                            log.log(record)
+                            log.note(self._divergence_note(record, ckpt))
+                            break
                         if self._evaluates_after(step):
                             record["val_loss"] = self.evaluate()
                         history.append(record)
@@ -322,6 +331,17 @@ class Trainer:
             if self.telemetry:
                 self.telemetry.stop()
         return history
+
+    def _divergence_note(self, record: dict, ckpt: Checkpointer) -> str:
+        """What a run that diverged says as it stops (Megatron-LM stops on a NaN gradient too):
+        the weights are the previous step's, and the checkpoint to go back to."""
+        try:
+            again = f"it resumes from {resolve(ckpt.root)}"
+        except CheckpointError:
+            again = "no checkpoint was saved yet: it starts afresh"
+        return (f"tetrad: step {record['step']}: the gradient norm is {record['grad_norm']} (loss {record['loss']:.4g})"
+                f"{' at the smallest fp16 loss scale' if self.scaler.enabled else ''}; the step was not applied and "
+                f"the run stops. Run it again with a lower train.lr or a longer train.warmup ({again})")
 
     def _save_and_stop(self, step: int, signum: int, ckpt: Checkpointer, state: tuple, log: MetricsLog) -> None:
         """Save after `step` (unless `checkpoint.every` just did) before a stop that a signal asked for."""

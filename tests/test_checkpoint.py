@@ -203,7 +203,7 @@ def read_logical(path: Path) -> dict[str, torch.Tensor]:
 def _load_and_save(cfg, path: Path, root: Path):
     trainer = Trainer(cfg, torch.device("cpu"))
     ckpt = Checkpointer(cfg, trainer.topo, root)
-    params, stateful = dict(trainer.model.named_parameters()), {"scaler": trainer.scaler}  # as Trainer.fit
+    params, stateful = dict(trainer.model.named_parameters()), trainer.job_state()  # as Trainer.fit
     ckpt.save(ckpt.load(path, params, trainer.optimizer, stateful), params, trainer.optimizer, stateful)
 
 
@@ -365,3 +365,31 @@ def _round_trip_beside_a_mesh_of_another_device(cfg, root):
 def test_host_state_beside_an_accelerator_mesh_round_trips_bitwise(tmp_path):
     cfg = tiny_config(parallel={"dp": 2, "zero": 1}, train={"micro_batch": 1})
     assert run_ranks(_round_trip_beside_a_mesh_of_another_device, 2, cfg, tmp_path) == [True, True]
+
+
+def _fit_reading(cfg):
+    """fit(), recording the first sample each step reads; (history, those sample numbers)."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    read = []
+    microbatches = trainer.batches.microbatches
+
+    def recording(step, *args):
+        read.append(trainer.batches.first_sample(step))
+        return microbatches(step, *args)
+    trainer.batches.microbatches = recording
+    return trainer.fit(), read
+
+
+def test_a_resume_under_another_global_batch_continues_at_the_next_unread_sample(tmp_path):
+    # 2 steps of 8 samples read samples 0-15; resumed with global_batch 16, step 3 starts at sample
+    # 16 (not 2 x 16 = 32: that would skip 16 samples of the epoch), step 4 at 32; a second resume
+    # keeps counting from the saved position.
+    run = {"dir": str(tmp_path)}
+    [(_, read)] = run_ranks(_fit_reading, 1, tiny_config(train={"steps": 2}, checkpoint={"every": 2}, run=run))
+    assert read == [0, 8]
+    bigger = tiny_config(train={"steps": 4, "global_batch": 16}, checkpoint={"every": 1}, run=run)
+    [(history, read)] = run_ranks(_fit_reading, 1, bigger)
+    assert [r["step"] for r in history] == [3, 4] and read == [16, 32]
+    smaller = tiny_config(train={"steps": 5, "global_batch": 4}, checkpoint={"every": 1}, run=run)
+    [(_, read)] = run_ranks(_fit_reading, 1, smaller)
+    assert read == [48]

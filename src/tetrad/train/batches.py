@@ -142,11 +142,20 @@ class Batches:
         # Each source its own shuffle: the first keeps the run's seed.
         self.windows = [Windows(tokens, seq_len, seed + (i << 32), shuffle) for i, (_, tokens) in enumerate(sources)]
         self.seq_len, self.global_batch, self.vocab_size = seq_len, global_batch, vocab_size
+        self.origin = (0, 0)  # (step, sample): that step's first sample; later steps follow on
+
+    def first_sample(self, step: int) -> int:
+        """The run-wide number of the first sample of `step` (0-based)."""
+        return self.origin[1] + (step - self.origin[0]) * self.global_batch
+
+    def continue_from(self, step: int, sample: int) -> None:
+        """Start `step` at `sample`: a resume whose global batch differs from the saved run's."""
+        self.origin = (step, sample)
 
     def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [lo, hi) of the step's global batch: (inputs, labels), each [hi - lo, seq_len]
         int64 (the windows are worked out for these rows only)."""
-        samples = np.arange(step * self.global_batch + lo, step * self.global_batch + hi, dtype=np.int64)
+        samples = np.arange(self.first_sample(step) + lo, self.first_sample(step) + hi, dtype=np.int64)
         source, index = route(samples, self.weights)
         rows = np.empty((hi - lo, self.seq_len + 1), dtype=np.int64)
         for i, windows in enumerate(self.windows):
@@ -184,6 +193,23 @@ class Batches:
         per_rank = self.global_batch // dp
         inputs, labels = self.rows(step, dp_rank * per_rank, (dp_rank + 1) * per_rank)
         return list(zip(inputs.split(micro_batch), labels.split(micro_batch)))
+
+
+class DataPosition:
+    """The data's place, for checkpoints: how many samples the steps so far read, so that a resume
+    under another train.global_batch continues where the run left off, neither skipping nor
+    re-reading any (Megatron-LM keeps consumed_samples for the same reason). The trainer sets
+    `step` (steps done) after each step."""
+
+    def __init__(self, batches: Batches):
+        self.batches, self.step = batches, 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "samples": self.batches.first_sample(self.step)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.batches.continue_from(self.step, int(state["samples"]))
 
 
 def split_batches(cfg) -> tuple[Batches, Batches | None]:

@@ -33,7 +33,7 @@ from tetrad.parallel.pipeline.executor import PipelineExecutor
 from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
 from tetrad.parallel.pipeline.schedules import forward_only, link_order
 from tetrad.parallel.pipeline.stages import PipelineStages
-from tetrad.train.batches import split_batches
+from tetrad.train.batches import DataPosition, split_batches
 from tetrad.train.checkpoint import Checkpointer, CheckpointError, resolve, step_dir
 from tetrad.train.init_from import initial_weights
 from tetrad.train.memory import ActivationMeter
@@ -121,6 +121,7 @@ class Trainer:
         # val_batches: None without held-out tokens (data.val_fraction / val_source); config
         # validation refuses train.eval_every without them.
         self.batches, self.val_batches = split_batches(cfg)
+        self.data_position = DataPosition(self.batches)
         self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         tokens = cfg.model.seq_len // p.cp // (p.tp if self.model.execution.sequence_parallel else 1)
@@ -264,6 +265,11 @@ class Trainer:
             self._counted_states = counted
         return self._counted_states
 
+    def job_state(self) -> dict:
+        """What a checkpoint keeps beside the model and optimizer, the same on every rank: the
+        loss scale, and the data's place (for a resume under another global batch)."""
+        return {"scaler": self.scaler, "data": self.data_position}
+
     def _profiler(self, first_step: int):
         """torch.profiler over the steps `train.profile` names (1-based), one warm-up step before
         them when there is one; a Chrome trace per rank in RUN_DIR/traces/. None when off."""
@@ -291,7 +297,7 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
         ckpt = Checkpointer.for_run(cfg, self.topo, self.run_dir)
         params = dict(self.model.named_parameters())
-        stateful = {"scaler": self.scaler}
+        stateful = self.job_state()
         local = {"grads": self.grads, "dropout": DropoutGenerators(self.model)}
         start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful, local)
         log = MetricsLog(cfg, start, is_logger)
@@ -318,6 +324,7 @@ class Trainer:
                             record["val_loss"] = self.evaluate()
                         history.append(record)
                         log.log(record)
+                        self.data_position.step = step + 1
                         ckpt.maybe_save(step + 1, params, self.optimizer, stateful, local)
                         if step == cfg.train.steps - 1:
                             self._write_timeline()

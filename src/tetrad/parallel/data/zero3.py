@@ -15,9 +15,9 @@ their `.data` is an empty tensor of their dtype and device until the bucket is g
 as FSDP swaps its parameters' data. Outside `gathered()` and a block's use a parameter reads as
 empty (shape (0,)), and using it with real tensors raises a shape error; the buckets keep the
 shapes (buffers.py). Saved for backward, a parameter is its Python object, whose views are back
-when `_before_backward` gathers the block. One exception: under a zero-bubble split backward a
-block freed by its BI keeps its views until the step's `free_all`, since BW's gradients are
-accumulated into the parameters then, and autograd reads their shape to do so.
+when `_before_backward` gathers the block. Under a zero-bubble split backward BW accumulates
+weight gradients into a freed block's parameters, and autograd's accumulator reads the
+parameter's shape (not its values) to do so: each parameter gets its view back for just that.
 """
 
 from __future__ import annotations
@@ -46,11 +46,15 @@ class ParamGather:
         # Each parameter's gradient accumulator, made now, while it has its shape, and kept: autograd
         # checks gradients against the shape it saw when making one, and a graph of the empty
         # parameter (a user's `p * 2` kept alive) would otherwise make it with shape (0,).
-        self.accumulators = [torch.autograd.graph.get_gradient_edge(p) for bucket in buckets for p in bucket.params]
+        self.accumulators = [[torch.autograd.graph.get_gradient_edge(p) for p in bucket.params] for bucket in buckets]
         self.empty = flat[0].new_empty(0)  # what a freed bucket's parameters point at
         self.shown = [True] * len(buckets)  # bucket k's parameters are views of its buffer
         for k in range(len(buckets)):  # freed since start-up (MasterWeights.add)
             self._hide(k)
+            if execution.split_backward:
+                for p, view, edge in zip(buckets[k].params, self.views[k], self.accumulators[k]):
+                    edge.node.register_prehook(self._shape_for_accumulation(k, p, view))
+                    p.register_post_accumulate_grad_hook(self._empty_after_accumulation(k))
 
     def start(self, k: int) -> None:
         """Non-blocking all-gather of bucket k's parameters (no-op if already there or on its way)."""
@@ -72,8 +76,7 @@ class ParamGather:
 
     def free(self, k: int) -> None:
         self.flat[k].untyped_storage().resize_(0)
-        if not self.execution.split_backward:  # else BW may still accumulate into them: free_all
-            self._hide(k)
+        self._hide(k)
 
     def _hide(self, k: int) -> None:
         """Bucket k's parameters read as empty, not as views of its released storage."""
@@ -82,13 +85,24 @@ class ParamGather:
                 p.data = self.empty
             self.shown[k] = False
 
+    def _shape_for_accumulation(self, k: int, p: nn.Parameter, view: torch.Tensor):
+        def prehook(grad_outputs):
+            if not self.shown[k]:
+                p.data = view  # for its shape only: the bucket is not gathered
+        return prehook
+
+    def _empty_after_accumulation(self, k: int):
+        def hook(p: nn.Parameter) -> None:
+            if not self.shown[k]:
+                p.data = self.empty
+        return hook
+
     def free_all(self) -> None:
         """End of step: nothing gathered outlives it, so the next forward sees the updated shards."""
         for k in list(self.gathering):
             self.gathering.pop(k).wait()
         for k in range(len(self.buckets)):
             self.free(k)
-            self._hide(k)
 
     def on_complete(self, bucket: Bucket) -> None:
         """A block's gradients are all in: its weights are done with, unless backward is split

@@ -42,6 +42,9 @@ LAYOUTS = {
     "cp2-ring": ({"cp": 2, "cp_algo": "ring"}, "none", {"atol": 2e-4, "loss_atol": 2e-6}),
     "cp2-alltoall-pp2-zb": ({"cp": 2, "cp_algo": "alltoall", "pp": 2, "schedule": "zb"}, "none",
                             {"atol": 2e-4, "loss_atol": 2e-6}),
+    # ZeRO-3 swaps each block's parameters' data between its gathered views and an empty tensor
+    # around every use (zero3.py): the compiled body must still see the same tensors each step.
+    "dp2-zero3-full": ({"dp": 2, "zero": 3}, "full", {}),
 }
 
 

@@ -1,6 +1,8 @@
 """ZeRO 0-3 parity with one process, exactness of ZeRO-1 (and ZeRO-2 to rounding) against ZeRO-0,
 model-state memory and ZeRO-2's gradient peak, composition with tp and pp, and bad input."""
 
+import math
+
 import pytest
 import torch
 
@@ -93,6 +95,46 @@ def test_zero_composes_with_tp(reference, zero):
 @pytest.mark.parametrize("zero", [1, 3])
 def test_zero_composes_with_pp(reference, zero):
     assert_parity(run(dp=2, pp=2, zero=zero), reference)
+
+
+def _read_outside_gathered(cfg):
+    """After a step every ZeRO-3 parameter is freed: read each outside `gathered()`, then inside
+    it, then train on. Per parameter: (name, elements of its copy, repr shows [], using it
+    raised, shape inside gathered() is the bucket's, finite there); the two losses; and whether
+    the blocks' parameters were empty after every forward within the steps."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    shapes = {id(p): shape for b in trainer.grads.buckets for p, shape in zip(b.params, b.shapes)}
+    within = []  # in a step, after a micro-batch's forward: every block is freed (zb: some await BW)
+    trainer.model.register_forward_hook(lambda *_: within.append(
+        all(p.clone().numel() == 0 for block in trainer.grads.blocks for p in block.parameters())))
+    losses = [trainer.train_step(0)["loss"]]
+    out, copies = [], []  # the copies' graphs live through the next step
+    for name, p in trainer.model.named_parameters():
+        copy, text = p.clone(), repr(p)  # on freed storage these read freed memory (SIGSEGV)
+        copies.append(copy)
+        try:
+            p.detach() + torch.ones(5, 3)
+            raised = False
+        except RuntimeError:
+            raised = True
+        with trainer.grads.gathered():
+            shaped, finite = p.shape == shapes[id(p)] and p.numel() > 1, bool(p.detach().isfinite().all())
+        out.append((name, copy.numel(), "[]" in text, raised, shaped, finite))
+    losses.append(trainer.train_step(1)["loss"])
+    return out, losses, within
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {"dp": 2, "pp": 2, "schedule": "zb"}], ids=["dp2", "dp2-pp2-zb"])
+def test_zero3_parameter_read_outside_gathered_is_empty_not_a_crash(parallel):
+    # Before, every read below died by SIGSEGV (a view of the bucket's released storage). Under
+    # zero-bubble, BW accumulates into blocks freed since BI: they read as empty all the same.
+    cfg = tiny_config(parallel={**parallel, "zero": 3}, train={"steps": 2})
+    for reads, losses, within in run_ranks(_read_outside_gathered, cfg.parallel.world_size, cfg):
+        for name, numel, empty_repr, raised, shaped, finite in reads:
+            assert numel == 0 and empty_repr and raised, name
+            assert shaped and finite, name
+        assert all(math.isfinite(x) for x in losses), losses
+        assert within and all(within), within
 
 
 @pytest.mark.parametrize("dtype,per_param", [

@@ -114,7 +114,8 @@ class GradReducer:
         return self.sync.last_microbatch()
 
     def gathered(self):
-        """Full parameters inside the block (ZeRO-3), e.g. to export or compare them."""
+        """Full parameters inside the block (ZeRO-3), e.g. to export or compare them; outside it
+        a ZeRO-3 parameter reads as an empty tensor (zero3.py)."""
         return self.zero3.gathered() if self.zero3 else contextlib.nullcontext()
 
     def release_gathered(self) -> None:

@@ -19,14 +19,16 @@ import torch.nn as nn
 
 class Bucket:
     """A run of parameters laid out in one flat buffer, padded so N equal shards cover it. The
-    gradient fields are the bucket lifecycle's (lifecycle.py)."""
+    gradient fields are the bucket lifecycle's (lifecycle.py). `shapes`: the parameters' shapes
+    as laid out, read instead of the parameters' own (ZeRO-3 empties those while freed, zero3.py)."""
 
     def __init__(self, params: list[nn.Parameter], n: int, rank: int, align: int, index: int):
         self.params, self.index = params, index
-        self.offsets, size = [], 0
-        for p in params:
+        self.shapes = [p.shape for p in params]
+        self.offsets, self.numels, size = [], [p.numel() for p in params], 0
+        for numel in self.numels:
             self.offsets.append(size)
-            size += p.numel()
+            size += numel
         self.size = size
         self.padded = math.ceil(size / (n * align)) * n * align
         self.shard_size = self.padded // n
@@ -42,16 +44,15 @@ class Bucket:
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's part of a flat buffer laid out as this bucket, in its shape."""
-        p = self.params[i]
-        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+        return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])
 
     def slices(self, lo: int | None = None, hi: int | None = None) -> list[tuple[int, int, int]]:
         """(param index, start, end) in bucket coordinates of each parameter's part of [lo, hi),
         by default this rank's shard."""
         lo, hi = (self.lo, self.hi) if lo is None else (lo, hi)
         out = []
-        for i, (off, p) in enumerate(zip(self.offsets, self.params)):
-            a, b = max(off, lo), min(off + p.numel(), hi)
+        for i, (off, numel) in enumerate(zip(self.offsets, self.numels)):
+            a, b = max(off, lo), min(off + numel, hi)
             if a < b:
                 out.append((i, a, b))
         return out

@@ -129,7 +129,7 @@ class ShardedAdamW:
             for i, a, b in bucket.slices(lo, hi):
                 piece = master[a - lo:b - lo]
                 self.slots.append((bucket, piece, a - lo, b - lo))
-                (decay if bucket.params[i].ndim >= 2 else no_decay).append(piece)
+                (decay if len(bucket.shapes[i]) >= 2 else no_decay).append(piece)
         self.inner = adamw(decay, no_decay, train_cfg)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
@@ -191,15 +191,16 @@ def clip_gradients(grads: list[torch.Tensor], norm: float, max_norm: float, loss
 # ---------------------------------------------------------------------- checkpoint export / import
 # train/checkpoint.py stores the optimizer's state in the logical parameter space; these two say
 # where that state lives in a ShardedAdamW, so the checkpoint never depends on the bucket layout.
-def zero_pieces(optimizer: ShardedAdamW) -> list[tuple[nn.Parameter, int, int, torch.Tensor]]:
-    """(parameter, start, end, piece) for every slot: `piece` holds the weights AdamW updates for
-    the parameter's flattened local elements [start, end), and AdamW keys their state by it."""
+def zero_pieces(optimizer: ShardedAdamW) -> list[tuple[nn.Parameter, torch.Size, int, int, torch.Tensor]]:
+    """(parameter, its local shape, start, end, piece) for every slot: `piece` holds the weights
+    AdamW updates for the parameter's flattened local elements [start, end), and AdamW keys
+    their state by it. The shape is the bucket's (a freed ZeRO-3 parameter reads as empty)."""
     out = []
     for bucket, piece, a, b in optimizer.slots:
         at = optimizer.weights.owned_range(bucket)[0] + a  # bucket coordinates
         i = max(j for j, off in enumerate(bucket.offsets) if off <= at)
         start = at - bucket.offsets[i]
-        out.append((bucket.params[i], start, start + (b - a), piece))
+        out.append((bucket.params[i], bucket.shapes[i], start, start + (b - a), piece))
     return out
 
 

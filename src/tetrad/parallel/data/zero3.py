@@ -8,6 +8,16 @@ gradients are in (lifecycle.py's `on_complete`); under a zero-bubble split backw
 input gradient is out, as BW needs no weights. The bucket of everything outside the blocks (the
 root: embedding, final norm, head) is gathered for the whole step. Full recompute runs inside
 the block's forward, so these hooks never see it.
+
+A freed bucket's parameters are not left as views of its released storage (reading one, say
+`p.clone()` or `print(p)` in a callback, would read freed memory: a segfault, not an error):
+their `.data` is an empty tensor of their dtype and device until the bucket is gathered again,
+as FSDP swaps its parameters' data. Outside `gathered()` and a block's use a parameter reads as
+empty (shape (0,)), and using it with real tensors raises a shape error; the buckets keep the
+shapes (buffers.py). Saved for backward, a parameter is its Python object, whose views are back
+when `_before_backward` gathers the block. Under a zero-bubble split backward BW accumulates
+weight gradients into a freed block's parameters, and autograd's accumulator reads the
+parameter's shape (not its values) to do so: each parameter gets its view back for just that.
 """
 
 from __future__ import annotations
@@ -32,6 +42,19 @@ class ParamGather:
         self.execution, self.root, self.prefetch = execution, root, prefetch
         self.gathering: dict[int, object] = {}  # bucket index -> its all-gather in flight
         self.scratch_free = collectives.scratch_free(topo)  # gloo: gather by in-place broadcasts (collectives.py)
+        self.views = [[p.data for p in bucket.params] for bucket in buckets]  # buffers.flatten's views
+        # Each parameter's gradient accumulator, made now, while it has its shape, and kept: autograd
+        # checks gradients against the shape it saw when making one, and a graph of the empty
+        # parameter (a user's `p * 2` kept alive) would otherwise make it with shape (0,).
+        self.accumulators = [[torch.autograd.graph.get_gradient_edge(p) for p in bucket.params] for bucket in buckets]
+        self.empty = flat[0].new_empty(0)  # what a freed bucket's parameters point at
+        self.shown = [True] * len(buckets)  # bucket k's parameters are views of its buffer
+        for k in range(len(buckets)):  # freed since start-up (MasterWeights.add)
+            self._hide(k)
+            if execution.split_backward:
+                for p, view, edge in zip(buckets[k].params, self.views[k], self.accumulators[k]):
+                    edge.node.register_prehook(self._shape_for_accumulation(k, p, view))
+                    p.register_post_accumulate_grad_hook(self._empty_after_accumulation(k))
 
     def start(self, k: int) -> None:
         """Non-blocking all-gather of bucket k's parameters (no-op if already there or on its way)."""
@@ -46,9 +69,33 @@ class ParamGather:
         self.start(k)
         if k in self.gathering:
             self.gathering.pop(k).wait()
+        if not self.shown[k]:
+            for p, view in zip(self.buckets[k].params, self.views[k]):
+                p.data = view
+            self.shown[k] = True
 
     def free(self, k: int) -> None:
         self.flat[k].untyped_storage().resize_(0)
+        self._hide(k)
+
+    def _hide(self, k: int) -> None:
+        """Bucket k's parameters read as empty, not as views of its released storage."""
+        if self.shown[k]:
+            for p in self.buckets[k].params:
+                p.data = self.empty
+            self.shown[k] = False
+
+    def _shape_for_accumulation(self, k: int, p: nn.Parameter, view: torch.Tensor):
+        def prehook(grad_outputs):
+            if not self.shown[k]:
+                p.data = view  # for its shape only: the bucket is not gathered
+        return prehook
+
+    def _empty_after_accumulation(self, k: int):
+        def hook(p: nn.Parameter) -> None:
+            if not self.shown[k]:
+                p.data = self.empty
+        return hook
 
     def free_all(self) -> None:
         """End of step: nothing gathered outlives it, so the next forward sees the updated shards."""
@@ -71,8 +118,7 @@ class ParamGather:
         try:
             yield
         finally:
-            for k in range(len(self.buckets)):
-                self.free(k)
+            self.free_all()
 
     # ------------------------------------------------------------------ hooks
     def install(self, model: nn.Module, blocks: list[nn.Module]) -> None:

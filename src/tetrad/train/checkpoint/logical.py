@@ -24,11 +24,13 @@ from tetrad.train.checkpoint.store import CheckpointError
 
 @dataclasses.dataclass
 class Piece:
-    """Elements [start, end) of a local parameter, flattened: `values` holds them (the parameter
-    itself, or the ZeRO shard's slice of it) and the optimizer keeps their state under `values`."""
+    """Elements [start, end) of a local parameter of `shape`, flattened: `values` holds them (the
+    parameter itself, or the ZeRO shard's slice of it) and the optimizer keeps their state under
+    `values`."""
 
     name: str
     param: nn.Parameter
+    shape: tuple[int, ...]
     start: int
     end: int
     values: torch.Tensor
@@ -38,8 +40,9 @@ def pieces(params: dict[str, nn.Parameter], optimizer) -> list[Piece]:
     """What this rank holds and updates: whole local parameters, or under ZeRO its shard's slices."""
     if isinstance(optimizer, ShardedAdamW):
         names = {id(p): name for name, p in params.items()}
-        return [Piece(names[id(p)], p, start, end, values) for p, start, end, values in zero_pieces(optimizer)]
-    return [Piece(name, p, 0, p.numel(), p) for name, p in params.items()]
+        return [Piece(names[id(p)], p, tuple(shape), start, end, values)
+                for p, shape, start, end, values in zero_pieces(optimizer)]
+    return [Piece(name, p, tuple(p.shape), 0, p.numel(), p) for name, p in params.items()]
 
 
 def _flat_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -65,7 +68,7 @@ def chunks(piece: Piece, flat: torch.Tensor) -> list[tuple[tuple[int, ...], torc
     """(offsets in the logical tensor, view of `flat`) for every box of `piece`, whose elements
     `flat` holds: a tp shard's boxes move to its place, vocabulary padding is cut off."""
     spec, index, _ = spec_of(piece.param)
-    shape = tuple(piece.param.shape)
+    shape = piece.shape
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     out = []
     for offsets, sizes in _flat_boxes(shape, piece.start, piece.end):

@@ -16,6 +16,7 @@ from tetrad.data.shards import dtype_for, model_keys, open_shards, read_index
 from tetrad.data.blend import blend_parts
 from tetrad.data.sources import CORPORA, TokenStream, load_tokens
 from tetrad.data.tokenizer import load_tokenizer
+from tetrad.train import batches as batches_module
 from tetrad.train.batches import Batches, blend_counts, describe, permute, route, split_batches
 
 
@@ -70,10 +71,17 @@ def test_an_epoch_reads_every_window_once_then_reshuffles_at_another_offset():
     assert not np.array_equal(other.windows[0].starts(np.arange(n)), epochs[0])
 
 
-def test_the_shuffle_is_a_permutation_for_any_size_and_key():
+def test_the_shuffle_is_a_permutation_for_any_size_and_key(monkeypatch):
     for n in (1, 2, 3, 4, 5, 8, 9, 100, 1024, 1025, 4099):
         for key in (0, 7, 2**63 - 1):
             assert sorted(permute(np.arange(n, dtype=np.uint64), n, key).tolist()) == list(range(n))
+    # An epoch's order kept whole (small data) and worked out per sample (large data) agree.
+    def starts():
+        windows = Batches([(1, TokenStream([np.arange(2000) % 256]))], 16, 8, 5, 256).windows[0]
+        return windows.starts(np.arange(0, 600, 7))
+    kept = starts()
+    monkeypatch.setattr(batches_module, "ORDER_CACHED", 0)
+    assert np.array_equal(starts(), kept)
 
 
 def test_validation_reads_the_held_out_windows_in_order_and_no_more_than_they_hold():

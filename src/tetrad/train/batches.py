@@ -24,6 +24,7 @@ from tetrad.data.blend import blend_parts
 from tetrad.data.sources import TokenStream, load_blend
 
 MASK64 = (1 << 64) - 1
+ORDER_CACHED = 1 << 22  # windows; an epoch's order then takes 32 MB and a fraction of a second once
 
 
 def _mix(x, key: int):
@@ -74,6 +75,17 @@ class Windows:
         # Windows per epoch: one fewer than fit, so that every epoch's offset leaves room for all.
         self.per_epoch = max(1, usable // seq_len - (1 if shuffle else 0))
         self.max_offset = min(seq_len - 1, usable - self.per_epoch * seq_len) if shuffle else 0
+        self.cached = (-1, None)  # (epoch, its whole order) when the order is small enough to keep
+
+    def _order(self, epoch: int, key: int, position: np.ndarray) -> np.ndarray:
+        """The epoch's shuffled window numbers at these positions. An order of up to ORDER_CACHED
+        windows is worked out whole once per epoch and kept (a step then costs a lookup, not the
+        permutation's per-call overhead); a larger one per sample, with the same result."""
+        if self.per_epoch > ORDER_CACHED:
+            return permute(position, self.per_epoch, key).astype(np.int64)
+        if self.cached[0] != epoch:
+            self.cached = (epoch, permute(np.arange(self.per_epoch), self.per_epoch, key).astype(np.int64))
+        return self.cached[1][position]
 
     def starts(self, samples: np.ndarray) -> np.ndarray:
         """Token offsets of the windows of these sample numbers (counted from the run's start)."""
@@ -86,7 +98,7 @@ class Windows:
             key = (self.seed * 1_000_003 + e) % 2**63  # any seed in [0, 2**63)
             offset = _mix(key, 0x0FF5E7) % (self.max_offset + 1)
             here = epoch == e
-            starts[here] = offset + permute(position[here], n, key).astype(np.int64) * self.seq_len
+            starts[here] = offset + self._order(e, key, position[here]) * self.seq_len
         return starts
 
     def read(self, samples: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ from tetrad.cli import main
 from tetrad.config import ConfigError, load_config, validate_device
 from tetrad.train.precision import LossScaler
 from tetrad.train.trainer import Trainer
+from tetrad.viz.report import write_report
 
 pytestmark = pytest.mark.dist
 
@@ -131,6 +132,8 @@ def test_a_non_finite_gradient_without_loss_scaling_stops_the_run_unapplied(dtyp
     assert "step 2: the gradient norm is nan" in out and "the step was not applied and the run stops" in out
     assert f"resumes from {tmp_path}/checkpoints/step_00000001" in out
     assert not (tmp_path / "checkpoints" / "step_00000002").exists()
+    page, _ = write_report(tmp_path, sample_count=0)
+    assert "The run diverged: at step 2 the gradient norm was nan" in page.read_text()
 
 
 def test_fp16_stops_only_once_its_loss_scale_can_fall_no_further():

@@ -297,6 +297,9 @@ def write_report(run_dir: str | Path, cluster: str | None = None, sample_count: 
     elif cfg.train.device != "cuda":
         notes.append("On CPU, measured peak memory is each rank's resident-set growth since it started "
                      "(docs/planner.md); the memory panel counts tensors instead.")
+    if records[-1].get("diverged"):
+        notes.insert(0, f"The run diverged: at step {records[-1]['step']} the gradient norm was "
+                        f"{records[-1]['grad_norm']}; that step was not applied and the run stopped there.")
     texts, sample_note = samples(run_dir, cfg, sample_count)
     notes.append(sample_note)
     page = out / "report.html"

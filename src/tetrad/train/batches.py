@@ -4,9 +4,10 @@ Training reads the data in epochs, as Megatron-LM's GPT dataset does: an epoch c
 into consecutive windows of seq_len + 1 tokens (a window's last token is the next one's first)
 and visits every window once, in a shuffled order. Each epoch shifts the cut by a seeded offset
 below seq_len and reshuffles, so a small corpus is not memorised at fixed boundaries. Sample j
-of the run (step * global_batch + row) is a pure function of (seed, j): the global batch of a
-step is the same whatever the layout, resuming needs only the step number, and the shuffle is a
-keyed permutation computed per sample (no index array, whatever the data's size). Every rank
+of the run (the samples of the steps before, plus the row) is a pure function of (seed, j): the
+global batch of a step is the same whatever the layout, and a resume needs only the step and
+the samples read so far (`DataPosition`, in the checkpoint). The shuffle is a keyed permutation,
+kept whole for an epoch of up to ORDER_CACHED windows, else computed per sample. Every rank
 works out the step's window starts (a few integers) but reads only the rows of its own dp share,
 so data loading does not grow with dp. A blend of sources (data/blend.py) sends each sample to
 one source by weight (`route`), and each source numbers its own samples and runs its own

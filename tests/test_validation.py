@@ -57,3 +57,26 @@ def test_report_shows_the_validation_loss(reference):
     assert main(["report", str(run_dir), "--cluster", "cpu"]) == 0
     page = (run_dir / "report" / "report.html").read_text()
     assert f"<th>validation loss</th><td>{got[-1][1]:.4f} at step 3</td>" in page
+
+
+def test_a_blend_reports_each_sources_validation_loss_in_every_layout(tmp_path):
+    # Two sources of different text: the licences, and one sentence over and over (easy to learn).
+    (tmp_path / "easy.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    source = f"3 licenses 1 {tmp_path / 'easy.txt'}"
+    by_layout = []
+    for parallel in ({}, {"dp": 2, "pp": 2}):
+        cfg = tiny_config(parallel=parallel, train=EVAL, model={"n_layers": 4},
+                          data={"source": source, "val_fraction": 0.1})
+        _, _, history = train_layout(cfg)
+        evaluated = [r for r in history if "val_loss" in r]
+        for record in evaluated:
+            losses = record["val_loss_by_source"]
+            assert list(losses) == ["licenses", str(tmp_path / "easy.txt")]
+            licenses, easy = losses.values()
+            assert record["val_loss"] == pytest.approx(0.75 * licenses + 0.25 * easy)
+        by_layout.append([list(r["val_loss_by_source"].values()) for r in evaluated])
+    assert by_layout[0][-1][1] < by_layout[0][-1][0]  # the repeated sentence is the easier text
+    torch.testing.assert_close(torch.tensor(by_layout[1]), torch.tensor(by_layout[0]), rtol=1e-5, atol=1e-6)
+    assert main(["report", cfg.run.dir, "--cluster", "cpu", "--samples", "0"]) == 0
+    page = (Path(cfg.run.dir) / "report" / "report.html").read_text()
+    assert f"; licenses {by_layout[1][-1][0]:.4f}; {tmp_path / 'easy.txt'} {by_layout[1][-1][1]:.4f}</td>" in page

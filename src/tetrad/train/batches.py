@@ -198,6 +198,14 @@ class Batches:
             batches += 1
         return batches
 
+    def split(self) -> list[tuple[Fraction, "Batches"]]:
+        """Each source alone, with its weight (one part for a single source): validation
+        evaluates a blend's sources apart."""
+        if len(self.windows) == 1:
+            return [(Fraction(1), self)]
+        return [(weight, Batches([(1, w.tokens)], self.seq_len, self.global_batch, w.seed, self.vocab_size,
+                                 w.shuffle)) for weight, w in zip(self.weights, self.windows)]
+
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows(step, 0, self.global_batch)
 
@@ -249,8 +257,14 @@ def describe(cfg) -> str:
                           for (w, name), windows, e in zip(blend_parts(cfg.data.source), train.windows, epochs))
         line = f"tetrad: data: {t.steps} steps x {t.global_batch} windows of {cfg.model.seq_len} tokens from {parts}"
     if val is not None and t.eval_every:
-        used, held_out = val.eval_batches(t.eval_steps), sum(w.per_epoch for w in val.windows)
-        line += f"; an evaluation reads {min(used * t.global_batch, held_out):,} of {held_out:,} held-out windows"
-        if used < t.eval_steps:
-            line += f" ({used} batch{'es' if used > 1 else ''}; train.eval_steps={t.eval_steps} asks for more than they hold)"
+        parts = [batches for _, batches in val.split()]
+        used = [part.eval_batches(t.eval_steps) for part in parts]
+        held_out = [part.windows[0].per_epoch for part in parts]
+        read = sum(min(n * t.global_batch, h) for n, h in zip(used, held_out))
+        line += f"; an evaluation reads {read:,} of {sum(held_out):,} held-out windows"
+        notes = ["each source apart"] if len(parts) > 1 else []
+        if min(used) < t.eval_steps:
+            notes.append(f"{'/'.join(map(str, used))} batch{'es' if max(used) > 1 else ''}; train.eval_steps="
+                         f"{t.eval_steps} asks for more than they hold")
+        line += f" ({': '.join(notes)})" if notes else ""
     return line

@@ -1,4 +1,4 @@
-"""Stopping on a signal: SLURM preemption and `scancel` send SIGTERM, Ctrl-C sends SIGINT.
+"""Stopping on a signal, or on divergence. Signals: SLURM preemption and `scancel` send SIGTERM, Ctrl-C sends SIGINT.
 
 A handler only records the signal; every step sums each rank's `flags` over the whole job, in
 the one all-reduce of the step's numbers (the trainer's, after the gradient reduction), so
@@ -9,12 +9,19 @@ all-reduce is read in the next step's, which finishes too. No step is lost.
 Under `tetrad train`'s own launcher the ranks get SIGTERM only (the launcher forwards SIGINT and
 SIGHUP as SIGTERM and has its ranks ignore them); under torchrun or srun a rank may get any of
 them directly. A signal a rank ignores stays ignored.
+
+Divergence: a step whose job-wide gradient norm is not finite, with no loss scale left to lower,
+is not applied and ends the run on every rank (the trainer's `fit`), as Megatron-LM stops on a
+NaN gradient; `divergence_note` is what rank 0 says.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
+
+from tetrad.train.checkpoint import CheckpointError, resolve
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -51,3 +58,14 @@ class StopSignals:
         """The signal of the job's summed `flags` (0: none): the highest-numbered one any rank
         received (SIGTERM over SIGINT over SIGHUP), the same on every rank."""
         return max((int(sig) for sig, n in zip(SIGNALS, counts) if n), default=0)
+
+
+def divergence_note(record: dict, checkpoint_root: Path, loss_scaled: bool) -> str:
+    """The line a diverged run stops with: its step, and the checkpoint the same command resumes."""
+    try:
+        again = f"it resumes from {resolve(checkpoint_root)}"
+    except CheckpointError:
+        again = "no checkpoint was saved yet: it starts afresh"
+    return (f"tetrad: step {record['step']}: the gradient norm is {record['grad_norm']} (loss {record['loss']:.4g})"
+            f"{' at the smallest fp16 loss scale' if loss_scaled else ''}; the step was not applied and the run "
+            f"stops. Run it again with a lower train.lr or a longer train.warmup ({again})")

@@ -33,15 +33,16 @@ from tetrad.parallel.pipeline.executor import PipelineExecutor
 from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
 from tetrad.parallel.pipeline.schedules import forward_only, link_order
 from tetrad.parallel.pipeline.stages import PipelineStages
-from tetrad.train.batches import DataPosition, split_batches
-from tetrad.train.checkpoint import Checkpointer, CheckpointError, resolve, step_dir
+from tetrad.data.blend import blend_parts
+from tetrad.train.batches import Batches, DataPosition, split_batches
+from tetrad.train.checkpoint import Checkpointer, step_dir
 from tetrad.train.init_from import initial_weights
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
 from tetrad.train import telemetry
 from tetrad.train.optim import lr_at
 from tetrad.train.precision import LossScaler
-from tetrad.train.stopping import StopSignals
+from tetrad.train.stopping import StopSignals, divergence_note
 
 
 def execution_for(cfg: Config, hold=None) -> Execution:
@@ -153,18 +154,32 @@ class Trainer:
         local = [tuple(shard_sequence(t.to(self.topo.device), cp, cp_rank) for t in pair) for pair in microbatches]
         return local, self.positions
 
+    def evaluate(self) -> dict:
+        """The record's validation fields. `val_loss`: the mean token loss over `eval_steps`
+        held-out global batches (the same ones each time; fewer if the held-out windows fill
+        fewer). For a blend each source is evaluated apart, as Megatron-LM's multiple validation
+        sets are: `val_loss_by_source`, and `val_loss` their mean at the blend's weights."""
+        d = self.cfg.data
+        parts = self.val_batches.split()
+        losses = [self._validation_loss(batches) for _, batches in parts]
+        val_loss = float(sum(weight * loss for (weight, _), loss in zip(parts, losses)))
+        if len(parts) == 1:
+            return {"val_loss": val_loss}
+        names = [name for _, name in blend_parts(d.val_source or d.source)]
+        return {"val_loss": val_loss, "val_loss_by_source": dict(zip(names, losses))}
+
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Validation loss: the mean token loss over `eval_steps` held-out global batches (the
-        same ones each time; fewer if the held-out windows fill fewer), computed in the training layout with a forward-only pipeline
-        schedule and summed over ranks as a training step's loss is. Dropout is off."""
+    def _validation_loss(self, val: Batches) -> float:
+        """The mean token loss over `val`'s evaluation batches, computed in the training layout
+        with a forward-only pipeline schedule and summed over ranks as a training step's loss is.
+        Dropout is off."""
         cfg, topo = self.cfg, self.topo
         total = torch.zeros((), device=topo.device)
-        batches = self.val_batches.eval_batches(cfg.train.eval_steps)
+        batches = val.eval_batches(cfg.train.eval_steps)
         self.model.eval()
         try:
             for i in range(batches):
-                micro = self.val_batches.microbatches(i, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
+                micro = val.microbatches(i, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
                 local, positions = self._sequence_shards(micro)
                 total += self.eval_pipeline.run(local, positions, 1.0)
         finally:
@@ -318,10 +333,10 @@ class Trainer:
                         if record.get("diverged"):
                             history.append(record)
                             log.log(record)
-                            log.note(self._divergence_note(record, ckpt))
+                            log.note(divergence_note(record, ckpt.root, self.scaler.enabled))
                             break
                         if self._evaluates_after(step):
-                            record["val_loss"] = self.evaluate()
+                            record.update(self.evaluate())
                         history.append(record)
                         log.log(record)
                         self.data_position.step = step + 1
@@ -338,17 +353,6 @@ class Trainer:
             if self.telemetry:
                 self.telemetry.stop()
         return history
-
-    def _divergence_note(self, record: dict, ckpt: Checkpointer) -> str:
-        """What a run that diverged says as it stops (Megatron-LM stops on a NaN gradient too):
-        the weights are the previous step's, and the checkpoint to go back to."""
-        try:
-            again = f"it resumes from {resolve(ckpt.root)}"
-        except CheckpointError:
-            again = "no checkpoint was saved yet: it starts afresh"
-        return (f"tetrad: step {record['step']}: the gradient norm is {record['grad_norm']} (loss {record['loss']:.4g})"
-                f"{' at the smallest fp16 loss scale' if self.scaler.enabled else ''}; the step was not applied and "
-                f"the run stops. Run it again with a lower train.lr or a longer train.warmup ({again})")
 
     def _save_and_stop(self, step: int, signum: int, ckpt: Checkpointer, state: tuple, log: MetricsLog) -> None:
         """Save after `step` (unless `checkpoint.every` just did) before a stop that a signal asked for."""

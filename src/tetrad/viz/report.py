@@ -67,6 +67,10 @@ def plot_loss(records, path: Path) -> None:
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if val:
         ax.plot(*zip(*val), color=COLOURS["tp"], lw=1.5, marker="o", ms=4, label="validation (after the step)")
+        by_source = [(r["step"], r["val_loss_by_source"]) for r in records if "val_loss_by_source" in r]
+        for name in (by_source[-1][1] if by_source else {}):  # a blend: each source's, thinner
+            ax.plot([step for step, _ in by_source], [losses[name] for _, losses in by_source], lw=0.8,
+                    marker=".", ms=3, label=f"validation: {name}")
         ax.legend(loc="upper center", fontsize=8, frameon=False)
     _style(ax, "Training and validation loss" if val else "Training loss", "step", "loss (mean per token)")
     ax2 = ax.twinx()
@@ -340,7 +344,9 @@ def _html(cfg, records, current, images, texts, notes) -> str:
              ("layout", layout_fact(p)),
              ("steps", f"{last['step']} of {cfg.train.steps}"),
              ("loss", f"{records[0]['loss']:.4f} → {last['loss']:.4f}"),
-             *[("validation loss", f"{r['val_loss']:.4f} at step {r['step']}") for r in records if "val_loss" in r][-1:],
+             *[("validation loss", f"{r['val_loss']:.4f} at step {r['step']}" + "".join(
+                 f"; {name} {loss:.4f}" for name, loss in r.get("val_loss_by_source", {}).items()))
+               for r in records if "val_loss" in r][-1:],
              ("step time (median, after its first step)" if len(steady) < len(current) else
               "step time (its only step, warm-up included)", f"{1e3 * step_s:.1f} ms: {split}"),
              ("tokens/s (median)", f"{statistics.median(r['tokens_per_s'] for r in steady):,.0f}")]

@@ -14,7 +14,8 @@ import numpy as np
 
 from tetrad.config import Config, ConfigError
 from tetrad.data.shards import TOKENIZER, is_shard_folder, open_shards, read_index
-from tetrad.data.sources import CORPORA, NPY_DTYPES, TokenStream, blend_parts, load_blend, text_files
+from tetrad.data.blend import blend_parts
+from tetrad.data.sources import CORPORA, NPY_DTYPES, TokenStream, load_blend, reads_as_bytes, text_files
 
 SCAN_TOKENS = 1 << 28  # up to this many tokens the whole range is scanned (seconds)
 CHUNK = 1 << 22
@@ -56,7 +57,7 @@ def _tokenizer_of(source: str) -> str | None:
     """What a source's ids mean: its shard folder's tokenizer.json (text), "bytes", or None for
     token files, which do not say."""
     path = Path(source)
-    if source in CORPORA or (path.exists() and not is_shard_folder(path) and path.suffix not in (".bin", ".npy")):
+    if reads_as_bytes(source):
         return "bytes"
     if is_shard_folder(path) and (path / TOKENIZER).is_file():
         return (path / TOKENIZER).read_text()

@@ -68,6 +68,12 @@ def text_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*.txt") if p.is_file())
 
 
+def reads_as_bytes(source: str) -> bool:
+    """Whether `load_tokens` reads `source` as bytes (a built-in corpus, text files), not as ids."""
+    path = Path(source)
+    return source in CORPORA or (path.exists() and not is_shard_folder(path) and path.suffix not in (".bin", ".npy"))
+
+
 def load_tokens(source: str) -> TokenStream:
     """The tokens of `source` (see the module docstring); errors are one line (data/checks.py
     checks them all before any rank starts)."""

@@ -13,8 +13,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tetrad.data.blend import primary_source
-from tetrad.data.shards import TOKENIZER, is_shard_folder
-from tetrad.data.sources import CORPORA
+from tetrad.data.shards import TOKENIZER
+from tetrad.data.sources import reads_as_bytes
 
 EOS = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, tried in order when none is named.
@@ -76,7 +76,7 @@ def run_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer, Path | Non
         if candidate.is_file():
             return load_tokenizer(candidate), candidate
     path = Path(data_source)
-    if data_source in CORPORA or (path.exists() and not is_shard_folder(path) and path.suffix not in (".bin", ".npy")):
+    if reads_as_bytes(data_source):
         return byte_tokenizer(), None
     why = "is not found from here" if not path.exists() else "holds token ids but no tokenizer.json"
     raise ValueError(f"the run's data.source={data_source!r} {why}, so its tokenizer is unknown; run from where "

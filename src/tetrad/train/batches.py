@@ -188,15 +188,11 @@ class Batches:
         return [count / windows.per_epoch for count, windows in zip(counts, self.windows)]
 
     def eval_batches(self, requested: int) -> int:
-        """Validation batches an evaluation runs: `requested`, but no more than the held-out
-        windows fill (at least one, whose rows then wrap round), so a small validation set is not
-        read over and over."""
-        batches = 1
-        while batches < requested and all(
-                count <= windows.per_epoch for count, windows in
-                zip(blend_counts((batches + 1) * self.global_batch, self.weights), self.windows)):
-            batches += 1
-        return batches
+        """Validation batches an evaluation of this one source runs: `requested`, but no more
+        than its held-out windows fill (at least one, whose rows then wrap round), so a small
+        validation set is not read over and over. A blend is evaluated per source (`split`)."""
+        windows, = self.windows
+        return max(1, min(requested, windows.per_epoch // self.global_batch))
 
     def split(self) -> list[tuple[Fraction, "Batches"]]:
         """Each source alone, with its weight (one part for a single source): validation

@@ -119,9 +119,10 @@ class Trainer:
                                  offload=cfg.train.offload_optimizer, init=shard_init)
         self.optimizer = self.grads.build_optimizer(cfg.train)
         self.scaler = LossScaler(enabled=cfg.train.dtype == "fp16")
-        # val_batches: None without held-out tokens (data.val_fraction / val_source); config
+        # val_parts: empty without held-out tokens (data.val_fraction / val_source); config
         # validation refuses train.eval_every without them.
-        self.batches, self.val_batches = split_batches(cfg)
+        self.batches, val = split_batches(cfg)
+        self.val_parts = val.split() if val is not None else []  # (weight, batches) of each source
         self.data_position = DataPosition(self.batches)
         self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
@@ -160,7 +161,7 @@ class Trainer:
         fewer). For a blend each source is evaluated apart, as Megatron-LM's multiple validation
         sets are: `val_loss_by_source`, and `val_loss` their mean at the blend's weights."""
         d = self.cfg.data
-        parts = self.val_batches.split()
+        parts = self.val_parts
         losses = [self._validation_loss(batches) for _, batches in parts]
         val_loss = float(sum(weight * loss for (weight, _), loss in zip(parts, losses)))
         if len(parts) == 1:

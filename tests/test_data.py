@@ -97,6 +97,14 @@ def test_validation_reads_the_held_out_windows_in_order_and_no_more_than_they_ho
     assert "epochs" in line and "held-out windows" in line and "train.eval_steps=1000 asks for more" in line
 
 
+
+def test_the_run_line_names_a_blend_source_that_gets_no_sample():
+    # 5 steps x 8 samples: a source at a millionth of the weight gets none of the 40.
+    line = describe(tiny_config(data={"source": f"0.000001 licenses 0.999999 {CORPORA['licenses']}"}))
+    assert "0.0001% licenses" in line and line.count("no sample in this run: raise its weight") == 1
+    line = describe(tiny_config(data={"source": f"3 licenses 1 {CORPORA['licenses']}"}))
+    assert "75% licenses" in line and "25% " in line and "no sample" not in line
+
 def test_blend_parses_megatron_data_path_and_keeps_a_path_with_spaces_whole():
     assert blend_parts("0.7 data/web 0.3 data/code") == [(Fraction(7, 10), "data/web"), (Fraction(3, 10), "data/code")]
     assert blend_parts("3 a 1 b") == [(Fraction(3, 4), "a"), (Fraction(1, 4), "b")]

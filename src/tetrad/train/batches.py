@@ -249,8 +249,11 @@ def describe(cfg) -> str:
         line = (f"tetrad: data: {train.windows[0].per_epoch:,} windows of {cfg.model.seq_len} tokens an epoch; "
                 f"{t.steps} steps x {t.global_batch} = {epochs[0]:.2f} epochs")
     else:
-        parts = ", ".join(f"{float(w):.0%} {name} ({windows.per_epoch:,} windows an epoch: {e:.2f} epochs)"
-                          for (w, name), windows, e in zip(blend_parts(cfg.data.source), train.windows, epochs))
+        counts = blend_counts(t.steps * t.global_batch, train.weights)
+        parts = ", ".join(f"{100 * float(w):.3g}% {name} ({windows.per_epoch:,} windows an epoch: {e:.2f} epochs"
+                          f"{'' if count else '; no sample in this run: raise its weight or train longer'})"
+                          for (w, name), windows, e, count in zip(blend_parts(cfg.data.source), train.windows,
+                                                                  epochs, counts))
         line = f"tetrad: data: {t.steps} steps x {t.global_batch} windows of {cfg.model.seq_len} tokens from {parts}"
     if val is not None and t.eval_every:
         parts = [batches for _, batches in val.split()]

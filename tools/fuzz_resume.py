@@ -136,7 +136,8 @@ def close(name, got, ref, rtol, atol) -> list[str]:
     return []
 
 
-def compare(got, ref, wide: bool, exact: bool = False, param_atol: float | None = None) -> list[str]:
+def compare(got, ref, wide: bool, exact: bool = False, param_atol: float | None = None,
+            norm_rtol: float = 5e-4) -> list[str]:
     """`got`, `ref`: (losses, state, history) of the same steps."""
     losses, state, history = got
     ref_losses, ref_state, ref_history = ref
@@ -144,7 +145,7 @@ def compare(got, ref, wide: bool, exact: bool = False, param_atol: float | None 
         return (close("loss", torch.tensor(losses), torch.tensor(ref_losses), 0, 0)
                 + [f"param {k} not bitwise" for k in ref_state if not torch.equal(state[k], ref_state[k])][:3])
     problems = close("loss", torch.tensor(losses), torch.tensor(ref_losses), 1e-5, 2e-6 if wide else 1e-6)
-    problems += close("grad_norm", grad_norms(history), grad_norms(ref_history), 5e-4, 0)
+    problems += close("grad_norm", grad_norms(history), grad_norms(ref_history), norm_rtol, 0)
     atol = param_atol or (2e-4 if wide else 5e-5)  # tests/test_zero.py's 5e-5: ZeRO-2/3 sum per micro-batch
     for k in ref_state:
         problems += close(f"param {k}", state[k], ref_state[k], 1e-4, atol)
@@ -225,8 +226,9 @@ def check_init_from(model: dict, b: dict, saved: Path, tmp: Path) -> list[str]:
     if exact_math(b):
         wide = b["parallel"].get("tp", 1) > 1 or b["parallel"].get("cp", 1) > 1
         # A fresh AdamW on trained weights moves near-zero-gradient elements by +-lr whatever the
-        # sign noise: one process alone moves them by 1.8e-4 between micro_batch 1 and 4 (case 30057).
-        return [f"init_from: {p}" for p in compare(run, ref, wide, param_atol=2e-3)]
+        # sign noise: one process alone moves them by 1.8e-4 between micro_batch 1 and 4 (case
+        # 30057), and its step-4 grad norm from 1.91 to 2.08 (case 60015).
+        return [f"init_from: {p}" for p in compare(run, ref, wide, param_atol=2e-3, norm_rtol=0.1)]
     return close("init_from first loss (loose)", torch.tensor(run[0][:1]), torch.tensor(ref[0][:1]), 1e-2, 0)
 
 

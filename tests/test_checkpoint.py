@@ -88,20 +88,24 @@ def test_killed_rank_resumes_bitwise(layout, reference):
 
 # State that lives on one rank only: gradient codecs' error feedback (and PowerSGD's warm-started
 # Q), and the tp-shared dropout generators (tp > 1 without SP). It comes back when the layout is
-# the same.
+# the same, even if the resume changes [parallel] keys no such state depends on (the timeouts,
+# say after a collective timed out, and the communicators' settings).
 PER_RANK_RUNS = {"int8": ({"dp": 2, "grad_codec": "int8"}, {}), "powersgd": ({"dp": 2, "grad_codec": "powersgd"}, {}),
                  "tp-dropout": ({"tp": 2}, {"dropout": 0.1})}
+NEW_TIMEOUTS = {"collective_timeout_s": 90.0, "startup_timeout_s": 300.0, "comm_options": {"dp": {"max_ctas": 8}}}
 
 
-@pytest.mark.parametrize("name", PER_RANK_RUNS)
-def test_per_rank_state_resumes_bitwise(name):
+@pytest.mark.parametrize("name, resumed_with", [(name, {}) for name in PER_RANK_RUNS] + [("int8", NEW_TIMEOUTS)],
+                         ids=[*PER_RANK_RUNS, "int8-new-timeouts"])
+def test_per_rank_state_resumes_bitwise(name, resumed_with):
     layout, model = PER_RANK_RUNS[name]
     train = {"steps": STEPS, "micro_batch": 1}
     expected = train_layout(tiny_config(parallel=layout, model=model, train=train, checkpoint={"every": 1}))[0]
     cfg = tiny_config(parallel=layout, model=model, train=train, checkpoint={"every": 2})
     with pytest.raises(RankFailure):
         run_ranks(_train_until_killed, 2, cfg, 1, 3)
-    resumed = train_layout(cfg)[0]
+    resumed = train_layout(tiny_config(parallel={**layout, **resumed_with}, model=model, train=train,
+                                       checkpoint={"every": 2}, run={"dir": cfg.run.dir}))[0]
     assert resumed == expected[2:]
 
 

@@ -1,6 +1,8 @@
 """`tetrad convert`: a checkpoint from any layout -> HF safetensors -> LlamaForCausalLM gives the same
 logits, and HF weights -> tetrad checkpoint gives the same model back."""
 
+import dataclasses
+import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -106,3 +108,19 @@ def test_to_hf_refuses_a_folder_with_another_exports_shards(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 0  # written again over its own export
     assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 0
 
+
+
+def test_a_checkpoint_logged_to_wandb_exports_where_wandb_is_not_installed(tmp_path, monkeypatch):
+    """The checkpoint's config.toml records the run's run.wandb / run.tensorboard; exporting or
+    sampling it on another machine needs neither package (it was refused, naming a key of a file
+    inside the checkpoint)."""
+    cfg = tiny_config(train={"steps": 1}, checkpoint={"every": 1}, run={"dir": str(tmp_path / "run")})
+    Trainer(cfg, torch.device("cpu")).fit()
+    saved = tmp_path / "run" / "checkpoints" / "step_00000001"
+    logged = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, wandb=True, tensorboard=True))
+    (saved / "config.toml").write_text(logged.to_toml())  # as a run on a machine with both writes it
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "tensorboard") else find_spec(name, *a))
+    assert main(["convert", str(saved), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert main(["generate", str(saved), "--prompt", "hi", "--max-new-tokens", "2"]) == 0

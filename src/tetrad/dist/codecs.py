@@ -34,6 +34,10 @@ class Plain:
     the checkpoint as {"KIND.BUCKET": tensor} (KIND one of STATE)."""
 
     STATE: tuple[str, ...] = ()
+    # Each element's sum depends on that element's values alone. int8's block scales and
+    # PowerSGD's low rank mix a bucket's elements, so tp ranks, whose buckets differ, get
+    # different sums of a tp-replicated parameter's identical gradients (GradReducer.reduce).
+    ELEMENTWISE = True
 
     def all_reduce(self, flat: torch.Tensor, comm, group: str, key: int):
         return comm.all_reduce(flat, group, async_op=True)
@@ -63,6 +67,7 @@ class Int8(Plain):
     the N-rank sum inside int8. About 4x fewer bytes than fp32 (1 byte + 4/INT8_BLOCK per value)."""
 
     STATE = ("residual",)
+    ELEMENTWISE = False
 
     def __init__(self, group_size: int):
         self.levels = 127 // group_size
@@ -92,6 +97,7 @@ class PowerSGD(Plain):
     (error feedback)."""
 
     STATE = ("residual", "q")
+    ELEMENTWISE = False
 
     def __init__(self, group_size: int, rank: int = POWERSGD_RANK):
         self.n, self.rank = group_size, rank

@@ -7,7 +7,7 @@ import math
 
 from tetrad.config import Config
 from tetrad.config.sections import bucket_bytes
-from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, powersgd_shape
+from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec, powersgd_shape
 from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers
 from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param
@@ -46,8 +46,9 @@ def _tp_bytes(cfg: Config) -> float:
     all-reduce (SP: reduce-scatter forward, all-gather of its gradient backward). On a single
     stage also the head's input collective and the cross-entropy's max, sum-exp and target logit
     (fp32 per token). With `sp_regather`, the column-parallel inputs' all-gathers again in backward.
-    Under SP, one all-reduce of the replicated (norm) weights' fp32 gradients
-    per step (their dp shard under ZeRO). The step's sums."""
+    Under SP, or after a codec that mixes elements (finalize.reduce_replicated), one all-reduce
+    of the replicated (norm) weights' fp32 gradients per step (their dp shard under ZeRO). The
+    step's sums."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
     per_layer = 2 * hidden * (2 if sp else 1)
@@ -63,7 +64,8 @@ def _tp_bytes(cfg: Config) -> float:
     replicated = layers * flops.layer_norm_params(m) + flops.head_params(m, separate=False) * (p.pp == 1)
     replicated += m.seq_len * m.d_model if m.pos == "learned" else 0
     shards = p.dp * p.cp if p.zero >= 1 else 1
-    return cfg.microbatches * per_micro + (4 * replicated / shards if sp else 0) + STEP_SUMS
+    averaged = not make_codec(p.grad_codec, p.dp * p.cp).ELEMENTWISE
+    return cfg.microbatches * per_micro + (4 * replicated / shards if sp or averaged else 0) + STEP_SUMS
 
 
 def _pp_bytes(cfg: Config) -> float:

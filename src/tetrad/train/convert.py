@@ -89,11 +89,13 @@ def one_process():
 
 def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
     """The checkpoint's config (as saved) and its logical parameters by name, read on one
-    process whatever layout wrote them (integrity and shapes checked first)."""
+    process whatever layout wrote them (integrity and shapes checked first). The config is the
+    training run's record: what only that run needed (its run.wandb or run.tensorboard package)
+    is not asked of the machine that exports or samples it."""
     path = checkpoint_folder(checkpoint)
     manifest = verify(path)
     saved = path / "config.toml"
-    cfg = load_config(saved if saved.is_file() else None, overrides={"model": manifest["model"]})
+    cfg = load_config(saved if saved.is_file() else None, overrides={"model": manifest["model"]}, runtime=False)
     reader = SafeReader(path)
     metadata = reader.read_metadata()
     stored = metadata.state_dict_metadata

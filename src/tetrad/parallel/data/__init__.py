@@ -39,7 +39,7 @@ from tetrad.model.execution import Execution
 from tetrad.model.layers import ColumnParallelLinear, RowParallelLinear
 from tetrad.parallel.data.buffers import Bucket, flatten, initial_shard, lay_out
 from tetrad.parallel.data.codec_state import codec_state_dict, load_codec_state
-from tetrad.parallel.data.finalize import sum_sequence_parallel, sum_tied
+from tetrad.parallel.data.finalize import reduce_replicated, sum_tied
 from tetrad.parallel.data.lifecycle import GradSync
 from tetrad.parallel.data.optimizer import (MasterWeights, ShardedAdamW, build_optimizer, clip_gradients, local_norm_sq,
                                             norm_ranges, owned_grad, zero_loaded, zero_pieces)
@@ -145,11 +145,13 @@ class GradReducer:
                     for i, p in enumerate(bucket.params):
                         p.grad = bucket.view(bucket.grad, i)
         if self.execution.sequence_parallel:
-            sum_sequence_parallel(self._sp_slices(), self.topo.comm)
+            reduce_replicated(self._replicated_slices(), self.topo.comm)
+        elif not self.codec.ELEMENTWISE and self.topo.size("tp") > 1:  # the tp replicas' sums differ
+            reduce_replicated(self._replicated_slices(), self.topo.comm, average_over=self.topo.size("tp"))
         if self.zero3:
             self.zero3.free_all()
 
-    def _sp_slices(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+    def _replicated_slices(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         if self.zero == 0:  # the optimizer reads the whole bucket
             return [(b.view(b.grad, i), p) for b in self.buckets if b.grad is not None for i, p in enumerate(b.params)]
         return self.shard_slices()

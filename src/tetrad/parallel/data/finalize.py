@@ -1,6 +1,6 @@
 """The sums that complete a reduced gradient beyond the gradient group (Megatron-Core's
-finalize_model_grads): the tied embedding over its two pipeline stages, and, under sequence
-parallelism, the tp-replicated parameters over tp.
+finalize_model_grads): the tied embedding over its two pipeline stages, and the tp-replicated
+parameters over tp (under sequence parallelism, or after a codec that mixes elements).
 """
 
 from __future__ import annotations
@@ -17,14 +17,19 @@ def sum_tied(reduced: torch.Tensor, comm) -> None:
     comm.all_reduce(reduced, "embed")
 
 
-def sum_sequence_parallel(slices: list[tuple[torch.Tensor, nn.Parameter]], comm) -> None:
-    """Under SP each tp rank's gradient of a tp-replicated parameter (norms) covers its own tokens
-    only: sum those over tp, in one collective. `slices` are (gradient, its parameter); bucket
-    layouts match across tp, so the slices line up."""
+def reduce_replicated(slices: list[tuple[torch.Tensor, nn.Parameter]], comm, average_over: int = 1) -> None:
+    """The gradients of the tp-replicated parameters (norms) over tp, in one collective: summed
+    under SP, where each tp rank's covers its own tokens only; averaged (`average_over` = tp)
+    after a codec that mixes a bucket's elements, which leaves each tp rank another
+    approximation of the same gradient: the replicas would drift apart, and a checkpoint keeps
+    one of them. `slices` are (gradient, its parameter); bucket layouts match across tp, so the
+    slices line up."""
     views = [g for g, p in slices if spec_of(p)[2] == 1]
     if not views:
         return
     flat = torch.cat([v.reshape(-1) for v in views])
     comm.all_reduce(flat, "tp")
+    if average_over > 1:
+        flat /= average_over
     for v, part in zip(views, flat.split([v.numel() for v in views])):
         v.copy_(part.view_as(v))

@@ -25,6 +25,11 @@ from tetrad.train.checkpoint.store import (LATEST, MANIFEST, PARTIAL, Checkpoint
                                            replace_text, resolve, step_dir, verify)
 
 
+# [parallel] keys no rank-local state depends on: a resume that changes only these (a longer
+# timeout after a collective timed out, other communicator settings) restores that state.
+NOT_LAYOUT = ("collective_timeout_s", "startup_timeout_s", "comm_options")
+
+
 class Checkpointer:
     """Saves and restores the model, optimizer, RNG and step of one rank; every method is collective.
 
@@ -116,9 +121,9 @@ class Checkpointer:
         return self._meshes[kind]
 
     def _layout(self) -> dict:
-        """What rank-local state depends on: the whole [parallel] section (layout, schedule,
-        virtual stages, sequence parallelism, ZeRO stage, codec, buckets)."""
-        return dataclasses.asdict(self.cfg.parallel)
+        """What rank-local state depends on: the [parallel] section (layout, schedule, virtual
+        stages, sequence parallelism, ZeRO stage, codec, buckets) but the keys in NOT_LAYOUT."""
+        return {k: v for k, v in dataclasses.asdict(self.cfg.parallel).items() if k not in NOT_LAYOUT}
 
     def _saved_state(self, params, optimizer, stateful: dict, local: dict) -> dict[str, torch.Tensor]:
         """The flat DCP state of this rank: its boxes of the model and optimizer state, its RNG
@@ -177,7 +182,8 @@ class Checkpointer:
         check_shapes(metadata, expected, path)
         mine = pieces(params, optimizer)
         state, buffers = self._scratch(mine, entries, expected)
-        same_layout = manifest.get("layout") == json.loads(json.dumps(self._layout()))  # as stored: lists, not tuples
+        saved_layout = {k: v for k, v in manifest.get("layout", {}).items() if k not in NOT_LAYOUT}  # older saves
+        same_layout = saved_layout == json.loads(json.dumps(self._layout()))  # as stored: lists, not tuples
         mine_local = f"local.rank{self.topo.rank}."
         for key, meta in metadata.state_dict_metadata.items():
             if (key.startswith((f"rng.rank{self.topo.rank}.", "extra."))

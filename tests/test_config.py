@@ -34,6 +34,8 @@ ERRORS = [
      "sequence_parallel splits each rank's 18 tokens (seq_len/cp) over tp=4"),
     ({"parallel": {"stage_layers": [2, "x"], "pp": 2}}, None, "parallel.stage_layers[1] must be an integer"),
     ({"parallel": {"tp": 2, "sp_regather": True}}, None, "sp_regather gathers sequence parallelism's input"),
+    ({"parallel": {"dp": 4, "zero": 3, "hierarchical": True, "ranks_per_node": 2}}, None,
+     "got zero=3, grad_codec='none'; use zero<=1 and grad_codec='none', or hierarchical=false"),
 ]
 
 

@@ -205,7 +205,8 @@ def _check_gradients(cfg: Config) -> None:
     if p.hierarchical is True:
         blocker = hierarchical_blocker(p)
         if blocker:
-            raise ConfigError(f"hierarchical=true: {blocker}")
+            raise ConfigError(f"hierarchical=true: {blocker}; use zero<=1 and grad_codec='none', or "
+                              f"hierarchical=false ('auto' reduces flat where it cannot)")
         per_node = p.ranks_per_node // p.tp
         if p.ranks_per_node % p.tp or (p.dp * p.cp) % per_node and per_node % (p.dp * p.cp):
             raise ConfigError(f"hierarchical=true needs the dp*cp = {p.dp * p.cp} ranks of a group split evenly "

@@ -1,0 +1,114 @@
+"""Seeded draws of layouts for parity runs (tests/test_drawn_layouts.py and tools/fuzz_layouts.py):
+dp/tp/pp/cp (2, 4 or 8 ranks) with ZeRO 0-3, the four schedules and virtual stages, sequence
+parallelism and its regather, both cp algorithms, codecs, bucket sizes, hierarchical reduction
+("auto" included), the tiny model's shapes varied (GQA, odd vocabularies, tied, GPT-style,
+uneven stage splits), micro/global batches, clipping, dtypes, recompute, offload and validation.
+Each draw is a pure function of its seed; a few are invalid on purpose (validation must refuse
+them with one line that names the fix)."""
+
+from __future__ import annotations
+
+import random
+
+from conftest import tiny_config
+from tetrad.config import ConfigError
+from tetrad.parallel.pipeline.registry import check_config as check_pipeline
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+def parity_atol(parallel: dict) -> float:
+    """assert_parity's parameter bound for a layout: tests/test_cp.py's and tests/test_tp.py's,
+    for the reasons written there."""
+    return 2e-4 if parallel["cp"] > 1 else 1e-4 if parallel["tp"] > 1 else 1e-5
+
+
+def factor(world: int, rng: random.Random) -> dict:
+    """dp, tp, pp, cp with product `world`, drawn by splitting its factors of 2 at random."""
+    sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
+    while world > 1:
+        sizes[rng.choice(list(sizes))] *= 2
+        world //= 2
+    return sizes
+
+
+def draw(seed: int) -> dict:
+    """Config overrides (model, parallel, train) for one draw."""
+    rng = random.Random(seed)
+    world = rng.choices([2, 4, 8], weights=[4, 5, 1])[0]
+    par = factor(world, rng)
+    schedule = rng.choice(SCHEDULES if par["pp"] > 1 else ("1f1b",))
+    par["schedule"] = schedule
+    par["vpp"] = rng.choice([2, 2, 3]) if schedule == "interleaved" else 1
+    par["zero"] = rng.randint(0, 3)
+    if par["tp"] > 1 and rng.random() < 0.6:
+        par["sequence_parallel"] = True
+        par["sp_regather"] = rng.random() < 0.4
+    if par["cp"] > 1:
+        par["cp_algo"] = rng.choice(["ring", "alltoall"])
+    if rng.random() < 0.2:
+        par["grad_codec"] = rng.choice(["bf16", "int8", "powersgd"])
+        par["zero"] = rng.choice([0, 1, 1, 2])  # 2: refused
+    if rng.random() < 0.3:
+        par["grad_bucket_mb"] = rng.choice([0.002, 0.01, 0.05, "auto"])  # several buckets, or measured
+    if par["dp"] * par["cp"] >= 2 and rng.random() < 0.15:
+        par["hierarchical"] = rng.choice([True, True, "auto"])
+        if par["hierarchical"] is True:
+            par["zero"] = rng.choice([0, 1, 1, 3])  # 3: refused
+            par.pop("grad_codec", None)
+        par["ranks_per_node"] = par["tp"] * rng.choice([1, 2])
+    stages = par["pp"] * par["vpp"]
+    split = par["tp"] * (par["cp"] if par.get("cp_algo") == "alltoall" else 1)
+    d_model = rng.choice([64, 64, 96])
+    heads = [h for h in ((4, 8) if d_model == 64 else (4, 6, 12)) if h % split == 0] or [split]
+    model = {"n_layers": max(2, rng.choice([stages, stages, stages + 1, 2 * stages])), "d_model": d_model,
+             "n_heads": rng.choice(heads), "ffn_hidden": rng.choice([128, 128, 96, 192]),
+             "tie_embeddings": rng.random() < 0.35, "vocab_size": rng.choice([251, 256, 257, 258]),
+             "seq_len": rng.choice([32, 32, 48, 64])}
+    kv = [h for h in range(1, model["n_heads"] + 1) if model["n_heads"] % h == 0]
+    model["n_kv_heads"] = rng.choice([h for h in kv if h % split == 0] if rng.random() < 0.9 else kv)
+    if rng.random() < 0.2:
+        model.update(norm="layernorm", mlp="gelu", pos="learned")
+    if stages > 1 and rng.random() < 0.15 and model["n_layers"] > stages:
+        cuts = sorted(rng.sample(range(1, model["n_layers"]), stages - 1))
+        par["stage_layers"] = [b - a for a, b in zip([0] + cuts, cuts + [model["n_layers"]])]
+    micro = rng.choice([1, 1, 2, 4])
+    need = par["pp"] * (2 if schedule == "interleaved" else 1)
+    m = rng.choice([1, 2, 3, 4]) if par["pp"] == 1 else rng.choice([need, need, need + 1, 2 * need])
+    train = {"steps": 3, "warmup": 1, "lr": 5e-3, "micro_batch": micro, "global_batch": micro * par["dp"] * m,
+             "grad_clip": rng.choice([1.0, 1.0, 0.0, 0.05]),
+             "dtype": rng.choices(["fp32", "bf16", "fp16"], weights=[7, 2, 1])[0],
+             "recompute": rng.choice(["none", "none", "selective", "selective-op", "full"])}
+    if rng.random() < 0.1:
+        train["offload_optimizer"] = True
+    if rng.random() < 0.1:
+        train["global_batch"] += rng.choice([1, micro])  # sometimes invalid
+    data = {}
+    if rng.random() < 0.25:  # validation in the training layout, at step 2 and the last
+        data["val_fraction"] = 0.05
+        train.update(eval_every=2, eval_steps=2)
+    return {"model": model, "parallel": par, "train": train, "data": data}
+
+
+def reference_of(overrides: dict) -> dict:
+    """The one-process config of the same model and train settings (no offload: same arithmetic)."""
+    train = {k: v for k, v in overrides["train"].items() if k != "offload_optimizer"}
+    return {"model": overrides["model"], "train": train, "data": overrides.get("data", {})}
+
+
+def resume_pair(seed: int) -> dict | None:
+    """Layout A trains 4 steps, saving at step 2; layout B, another draw over the same model and
+    train config (its own micro_batch), resumes from step 2. fp32 without codecs, for parity."""
+    a = draw(seed)
+    a["train"].update(steps=4, dtype="fp32")
+    a["parallel"].pop("grad_codec", None)
+    for k in range(1, 40):
+        b = draw(seed * 1000 + k)
+        b["parallel"].pop("grad_codec", None)
+        b_train = {**a["train"], "micro_batch": b["train"]["micro_batch"]}
+        try:
+            check_pipeline(tiny_config(model=a["model"], parallel=b["parallel"], train=b_train, data=a["data"]))
+        except ConfigError:
+            continue
+        return {"a": a, "b": {"model": a["model"], "parallel": b["parallel"], "train": b_train, "data": a["data"]}}
+    return None

@@ -1,0 +1,204 @@
+"""Seeded random-layout fuzzer: draws configs over the parallel dimensions and the features that
+combine with them, trains each for a few steps and compares it with one process.
+
+Each draw is a pure function of its seed. A draw that validation refuses is recorded with its
+message; one that runs is compared with the one-process run of the same model and train config
+(fp32 without a codec: assert_parity; codecs and bf16/fp16: loosely). Results go as JSON lines
+to --out. Run from the repository root:
+
+    PYTHONPATH=$PWD/src:$PWD/tests OMP_NUM_THREADS=1 python tools/fuzz_layouts.py --seed 0 --count 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import assert_parity, grad_norms, tiny_config, train_layout  # noqa: E402
+from layout_draws import draw, parity_atol, reference_of, resume_pair  # noqa: E402
+from tetrad.config import ConfigError  # noqa: E402
+from tetrad.parallel.pipeline.registry import check_config as check_pipeline  # noqa: E402
+
+# Loss tolerance of a lossy codec against the uncompressed run (tests/test_codecs.py).
+CODEC_ATOL = {"bf16": 0.02, "int8": 0.05, "powersgd": 0.3}
+# Low precision against one process in the same dtype: rounding order only, but rounding to 8
+# (bf16) or 11 (fp16) bits. Loose bounds of this script's own (the first seen misses were 1.5e-2
+# and 4.4e-3 on a step-3 loss); later losses get three times as much.
+DTYPE_ATOL = {"bf16": 2e-2, "fp16": 1e-2}
+DTYPE_NORM_RTOL = {"bf16": 4e-3, "fp16": 4e-4}
+
+
+def alternative_micro_batch(overrides: dict) -> int | None:
+    """Another micro_batch for the one-process run (None: global_batch 1 has no other)."""
+    t = overrides["train"]
+    return 1 if t["micro_batch"] > 1 else next((m for m in (2, 4, t["global_batch"]) if t["global_batch"] % m == 0
+                                                 and m > 1), None)
+
+
+def max_param_diff(a, b) -> float:
+    return max((a[1][k] - b[1][k]).abs().max().item() for k in b[1])
+
+
+def share_beyond(got, ref, atol: float) -> float:
+    """The share of parameter elements outside assert_parity's bound (rtol 1e-4, `atol`)."""
+    beyond = sum(int(((got[1][k] - v).abs() > atol + 1e-4 * v.abs()).sum()) for k, v in ref[1].items())
+    return beyond / sum(v.numel() for v in ref[1].values())
+
+
+def check(got, ref, overrides: dict, other_order) -> str:
+    """'ok', or why `got` is within what summation order alone moves one process; AssertionError
+    otherwise. `other_order()` trains the one-process run again with another micro_batch."""
+    par, dtype = overrides["parallel"], overrides["train"]["dtype"]
+    losses, _, history = got
+    assert all(math.isfinite(x) for x in losses), f"non-finite losses {losses}"
+    codec = par.get("grad_codec", "none")
+    ref_losses, ref_state, ref_history = ref
+    val, ref_val = ([r.get("val_loss", math.nan) for r in h] for h in (history, ref_history))
+    if codec == "none":  # validation of (nearly) the same weights
+        torch.testing.assert_close(torch.tensor(val), torch.tensor(ref_val), rtol=2e-5, equal_nan=True,
+                                   atol=DTYPE_ATOL.get(dtype, 0), msg=lambda m: f"val_loss: {m}")
+    if dtype == "fp32" and codec == "none":
+        atol = parity_atol(par)
+        try:
+            assert_parity(got, ref, atol=atol)
+        except AssertionError as e:
+            if not str(e) and not ref_losses[-1] < ref_losses[0]:
+                return "vacuous: the one-process run did not learn"
+            if str(e) not in ref_state:
+                raise
+            # Adam turns a near-zero gradient's rounding into a visible step, element by element:
+            # compare the drift with one process's own between two micro_batch sizes, and count
+            # the elements it reaches (a wrong shard or factor moves whole tensors).
+            other = other_order()  # None for global_batch 1
+            own = math.nan if other is None else max_param_diff(other, ref)
+            drift, share = max_param_diff(got, ref), share_beyond(got, ref, atol)
+            why = f"parameters drift {drift:.2e}, one process {own:.2e}; {share:.1e} of the elements beyond"
+            assert drift <= 4 * own + atol or share <= 1e-3, f"{e}: {why}"
+            return f"summation order: {why}"
+        return "ok"
+    first_atol = 1e-5 if dtype == "fp32" else DTYPE_ATOL[dtype]
+    assert abs(losses[0] - ref_losses[0]) <= first_atol, f"first loss {losses[0]} vs {ref_losses[0]}"
+    rtol = {"none": 0, "bf16": 1e-2, "int8": 2e-2}.get(codec)
+    if rtol is not None:  # powersgd's first step is a rank-4 approximation
+        rtol += DTYPE_NORM_RTOL.get(dtype, 1e-5)
+        torch.testing.assert_close(grad_norms(history)[0], grad_norms(ref_history)[0], rtol=rtol, atol=0,
+                                   msg=lambda m: f"first grad_norm: {m}")
+    if codec == "none":  # later steps of a lossy codec follow their own curve (tests/test_codecs.py)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=3 * first_atol)
+    if dtype != "fp16":
+        assert not any(r["skipped"] for r in history), "skipped steps"
+    return "ok"
+
+
+def trainer_of(refs: dict, timeout_s: float):
+    """`trained(overrides)`: train_layout of a config, cached by its overrides."""
+    def trained(overrides: dict, cache: bool = True):
+        key = json.dumps(overrides, sort_keys=True)
+        if not cache or key not in refs:
+            refs[key] = train_layout(tiny_config(**overrides), timeout_s=timeout_s)
+        return refs[key]
+    return trained
+
+
+def layout_run(overrides: dict, trained):
+    """Train `overrides` (one layout, or a resume pair) and return (result, its config for the
+    comparison)."""
+    if "a" not in overrides:
+        return trained(overrides, cache=False), overrides
+    a, b = overrides["a"], overrides["b"]
+    first = tiny_config(**a, checkpoint={"every": 2})
+    losses, _, history = train_layout(first)
+    step2 = str(Path(first.run.dir) / "checkpoints" / "step_00000002")
+    b_losses, state, b_history = trained({**b, "checkpoint": {"resume": step2}}, cache=False)
+    par = {d: max(a["parallel"][d], b["parallel"][d]) for d in ("dp", "tp", "pp", "cp")}
+    return (losses[:2] + b_losses, state, history[:2] + b_history), {**a, "parallel": par}
+
+
+def dropout_pair(seed: int) -> dict:
+    """A draw with residual dropout and a recompute mode; compared with the same layout without
+    recompute, which must give the same numbers exactly (the recompute replays the masks)."""
+    overrides = draw(seed)
+    overrides["model"]["dropout"] = 0.1
+    if overrides["train"]["recompute"] == "none":
+        overrides["train"]["recompute"] = random.Random(seed).choice(["selective", "selective-op", "full"])
+    return overrides
+
+
+def check_same(got, ref) -> str:
+    assert got[0] == ref[0], f"losses {got[0]} vs {ref[0]} without recompute"
+    assert [r["grad_norm"] for r in got[2]] == [r["grad_norm"] for r in ref[2]], "grad norms differ"
+    differ = [k for k in ref[1] if not torch.equal(got[1][k], ref[1][k])]
+    assert not differ, f"parameters differ without recompute: {differ[:4]}"
+    return "ok"
+
+
+def run_one(seed: int, refs: dict, timeout_s: float, resume: bool, dropout: bool = False) -> dict:
+    overrides = resume_pair(seed) if resume else dropout_pair(seed) if dropout else draw(seed)
+    record = {"seed": seed, "config": overrides}
+    if overrides is None:
+        return {**record, "result": "refused", "message": "no second layout validates"}
+    try:
+        for part in (overrides["a"], overrides["b"]) if resume else (overrides,):
+            check_pipeline(tiny_config(**part))  # as `tetrad train` does before it starts
+    except ConfigError as e:
+        return {**record, "result": "refused", "message": str(e)}
+    except Exception as e:  # not a ConfigError: a bug in validation
+        return {**record, "result": "validation-crash", "message": repr(e)}
+    trained = trainer_of(refs, timeout_s)
+    start = time.perf_counter()
+    elapsed = lambda: round(time.perf_counter() - start, 1)  # noqa: E731
+    try:
+        got, compared = layout_run(overrides, trained)
+        ref = trained({**compared, "train": {**compared["train"], "recompute": "none"}} if dropout
+                      else reference_of(compared))
+    except Exception as e:
+        tail = "".join(traceback.format_exception_only(type(e), e))[-1500:]
+        return {**record, "result": "crash", "message": tail, "s": elapsed()}
+
+    def other_order():
+        micro = alternative_micro_batch(compared)
+        alt = reference_of(compared)
+        return None if micro is None else trained({**alt, "train": {**alt["train"], "micro_batch": micro}})
+
+    try:
+        note = check_same(got, ref) if dropout else check(got, ref, compared, other_order)
+    except AssertionError as e:
+        return {**record, "result": "mismatch", "message": str(e)[-1500:], "s": elapsed()}
+    return {**record, "result": "ok", "note": note, "s": elapsed()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=0, help="first seed")
+    ap.add_argument("--count", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per train_layout (a hang fails)")
+    ap.add_argument("--out", default="fuzz_layouts.jsonl")
+    ap.add_argument("--budget", type=float, default=math.inf, help="stop starting draws after this many seconds")
+    ap.add_argument("--resume", action="store_true", help="save in one layout, resume in another")
+    ap.add_argument("--dropout", action="store_true", help="dropout: recompute against none, same layout")
+    args = ap.parse_args()
+    refs: dict = {}
+    start = time.perf_counter()
+    with open(args.out, "a") as out:
+        for seed in range(args.seed, args.seed + args.count):
+            if time.perf_counter() - start > args.budget:
+                print(f"budget spent; next seed {seed}", flush=True)
+                break
+            record = run_one(seed, refs, args.timeout, args.resume, args.dropout)
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            why = (record.get("message") or record.get("note", ""))[:300].replace("\n", " | ")
+            print(seed, record["result"], record.get("s", ""), why, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -251,7 +251,7 @@ def _check_training(cfg: Config, runtime: bool) -> None:
                           "in fp32, bf16 or fp16")
     if t.dtype == "fp16" and p.grad_codec in ("int8", "powersgd"):
         raise ConfigError(f"train.dtype='fp16' skips steps whose gradients overflow, which would leave inf in "
-                          f"grad_codec={p.grad_codec!r}'s error feedback; use train.dtype='bf16' or "
+                          f"the error feedback of grad_codec={p.grad_codec!r}; use train.dtype='bf16' or "
                           f"grad_codec='none'/'bf16'")
     if t.offload_optimizer and t.device == "cpu":
         raise ConfigError("train.offload_optimizer moves optimizer state from an accelerator to CPU memory; with "

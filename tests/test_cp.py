@@ -258,3 +258,6 @@ def test_alltoall_heads_must_divide_cp_tp():
     with pytest.raises(ConfigError, match=r"alltoall.*n_heads=4 and n_kv_heads=2; use cp in \[1, 2\]"):
         tiny_config(parallel={"cp": 4, "cp_algo": "alltoall"}, model={"n_heads": 4, "n_kv_heads": 2})
     tiny_config(parallel={"cp": 4, "cp_algo": "ring"}, model={"n_heads": 4, "n_kv_heads": 2})  # ring: fine
+    # One KV head: no cp > 1 splits it, so the fix is ring (the list would be just [1]).
+    with pytest.raises(ConfigError, match=r"n_kv_heads=1; use cp_algo='ring' \(no cp > 1 splits them\), or cp=1"):
+        tiny_config(parallel={"cp": 2, "cp_algo": "alltoall"}, model={"n_heads": 4, "n_kv_heads": 1})

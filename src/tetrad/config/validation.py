@@ -185,8 +185,9 @@ def _check_sequence(cfg: Config) -> None:
                           "sequence_parallel=true and tp > 1, or sp_regather=false")
     if p.cp > 1 and p.cp_algo == "alltoall" and (m.n_heads % (p.cp * p.tp) or m.n_kv_heads % (p.cp * p.tp)):
         ok = [c for c in divisors(m.seq_len // 2) if not m.n_heads % (c * p.tp) and not m.n_kv_heads % (c * p.tp)]
+        fix = f"cp in {ok} or cp_algo='ring'" if len(ok) > 1 else "cp_algo='ring' (no cp > 1 splits them), or cp=1"
         raise ConfigError(f"cp_algo='alltoall' splits heads over cp*tp = {p.cp}*{p.tp}, which must divide "
-                          f"n_heads={m.n_heads} and n_kv_heads={m.n_kv_heads}; use cp in {ok} or cp_algo='ring'")
+                          f"n_heads={m.n_heads} and n_kv_heads={m.n_kv_heads}; use {fix}")
 
 
 def _check_gradients(cfg: Config) -> None:

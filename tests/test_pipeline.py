@@ -5,14 +5,19 @@ config (fp32, 5 AdamW steps). Stages hold disjoint parameters, so a pipeline cha
 order of the gradient sum over micro-batches, never its terms.
 """
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import assert_parity, run_ranks, tiny_config, train_layout
 from tetrad import launch
 from tetrad.config import ConfigError, load_config
 from tetrad.parallel.pipeline.registry import check_config
 from tetrad.parallel.pipeline.split import layer_split
+from tetrad.train.trainer import Trainer, train_on_this_rank
 
 pytestmark = pytest.mark.dist
 
@@ -192,11 +197,42 @@ def test_bad_pipeline_config_is_refused(overrides, message):
         check_config(load_config(overrides=overrides))
 
 
+# Configs load_config accepts and the schedule registry refuses: an unknown schedule, a vpp the
+# schedule does not run, too few micro-batches (1) for interleaving at pp=2.
+REGISTRY_REFUSES = [{"parallel": {"pp": 2, "schedule": "Interleaved1F1B"}},
+                    {"parallel": {"pp": 2, "vpp": 2, "schedule": "gpipe"}},
+                    {"parallel": {"pp": 2, "vpp": 2, "schedule": "interleaved"},
+                     "train": {"global_batch": 4, "micro_batch": 4}}]
+
+
+@pytest.mark.parametrize("sections", REGISTRY_REFUSES)
+def test_trainer_refuses_as_the_cli_does(sections):
+    """A library user's Trainer gets `tetrad train`'s ConfigError, not build_schedule's ScheduleError."""
+    cfg = tiny_config(model={"n_layers": 4}, **sections)
+    with pytest.raises(ConfigError) as cli:
+        check_config(cfg)
+    with pytest.raises(ConfigError) as trainer:
+        Trainer(cfg, torch.device("cpu"))
+    assert str(trainer.value) == str(cli.value)
+
+
+def _mark_then_train(cfg, marks: Path):
+    (marks / f"rank{dist.get_rank()}").touch()
+    train_on_this_rank(cfg, "cpu")
+
+
+def test_run_local_refuses_before_any_rank_starts(tmp_path):
+    """One ConfigError from the launcher, instead of a ScheduleError traceback from every rank."""
+    cfg = tiny_config(model={"n_layers": 4}, **REGISTRY_REFUSES[2])
+    message = ("schedule='interleaved' with pp=2 needs at least 2 micro-batches per step; global_batch/(micro_batch*dp)"
+               " = 1. Raise global_batch to 8 or lower micro_batch")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        launch.run_local(_mark_then_train, 2, (cfg, tmp_path), timeout_s=60)
+    assert list(tmp_path.iterdir()) == []  # no rank ran
+
+
 def _die_mid_schedule(cfg):
     """Rank 1 raises in its third action; rank 0 is then blocked in a receive."""
-    import torch.distributed as dist
-
-    from tetrad.train.trainer import Trainer
     trainer = Trainer(cfg, torch.device("cpu"))
     if dist.get_rank() == 1:
         original = trainer.model.forward

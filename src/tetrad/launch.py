@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 from tetrad import device as devices
+from tetrad.config import Config
+from tetrad.parallel.pipeline.registry import check_config as check_pipeline
 
 
 class RankFailure(RuntimeError):
@@ -110,7 +112,14 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
     of the resident set wants spawned ranks. Accelerator ranks are always spawned, since a forked
     child cannot use a CUDA context. A signal to this process stops the ranks (module docstring)
     and raises `Stopped`; they get `stop_grace_s` to finish before they are killed.
+
+    A Config among `args` first meets the schedule registry's rules, which load_config cannot run
+    (config/ sits below the registry): a bad one is one ConfigError here, before any rank starts,
+    instead of a traceback from every rank.
     """
+    for arg in args:
+        if isinstance(arg, Config):
+            check_pipeline(arg)
     method = "spawn" if spawn or device_type != "cpu" else "fork"
     threads = devices.threads_per_rank(world_size) if device_type == "cpu" else 1
     ctx = multiprocessing.get_context(method)

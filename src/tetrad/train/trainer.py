@@ -30,7 +30,7 @@ from tetrad.model.sharding import full_state_dict, init_parameters, initial_valu
 from tetrad.model.layers import DropoutGenerators
 from tetrad.parallel.data import GradReducer, ShardedAdamW
 from tetrad.parallel.pipeline.executor import PipelineExecutor
-from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
+from tetrad.parallel.pipeline.registry import build_schedule, check_config, schedule_spec
 from tetrad.parallel.pipeline.schedules import forward_only, link_order
 from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.data.blend import blend_parts
@@ -91,6 +91,7 @@ def _without_storage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class Trainer:
     def __init__(self, cfg: Config, device: torch.device):
+        check_config(cfg)  # the registry's rules, which load_config cannot run: ConfigError, as `tetrad train`
         self.cfg = cfg
         p = cfg.parallel
         # Memory is measured from here: on CPU a forked rank starts with its parent's pages.

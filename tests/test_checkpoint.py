@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from conftest import grad_norms, run_ranks, tiny_config, train_layout
+from tetrad.dist import autotune
 from tetrad.launch import RankFailure
 from tetrad.train.checkpoint import CheckpointError, Checkpointer, SafeReader, resolve
 from tetrad.train.trainer import Trainer
@@ -135,6 +136,67 @@ def test_per_rank_state_of_another_layout_is_left_out(saved, resumed, tmp_path):
     train_layout(tiny_config(parallel=saved, train={"steps": 2, "micro_batch": 1}, **common))
     cfg = tiny_config(parallel=resumed, train={"steps": 3, "micro_batch": 1}, **common)
     assert run_ranks(_restored_codec_buckets, cfg.parallel.world_size, cfg) == [[]] * cfg.parallel.world_size
+
+
+def _train_measuring(cfg, bucket_mb: float, hierarchical_faster: bool = False, kill: tuple[int, int] | None = None):
+    """Train (resuming if a checkpoint is there) with autotune's measurements replaced, in this
+    forked rank only: buckets of `bucket_mb` are best, hierarchical reduction is faster or not;
+    `kill`: (rank, step) as _train_until_killed. Returns the losses, what was measured (nothing
+    when the resume reused the checkpoint's choices), the bucket sizes and whether hierarchical."""
+    measured = []
+
+    def measure_buckets(group, grad_bytes):
+        measured.append(bucket_mb)
+        return bucket_mb, {bucket_mb: 1.0}
+
+    def measure_hierarchical(flat_group, intra_group, inter_group, nbytes):
+        measured.append(hierarchical_faster)
+        return (2.0, 1.0) if hierarchical_faster else (1.0, 2.0)
+    autotune.choose_bucket_mb, autotune.choose_hierarchical = measure_buckets, measure_hierarchical
+    if kill:
+        _train_until_killed(cfg, *kill)
+    trainer = Trainer(cfg, torch.device("cpu"))
+    losses = [r["loss"] for r in trainer.fit()]
+    return losses, measured, [b.padded for b in trainer.grads.buckets], trainer.grads.sync.hierarchical
+
+
+# "auto" buckets and hierarchical reduction: what the measurement chose is part of the run. Each
+# resume below would measure 0.05 MiB buckets where the saved run measured 0.1 (other buckets: a
+# lossy codec's per-bucket state would be dropped, and the sums grouped otherwise) and, where it is
+# possible (no codec, two nodes), find hierarchical reduction faster where the saved run found flat.
+AUTO = {"grad_bucket_mb": "auto", "hierarchical": "auto"}
+AUTO_RUNS = {"int8": {"dp": 2, "grad_codec": "int8", **AUTO}, "powersgd": {"dp": 2, "grad_codec": "powersgd", **AUTO},
+             "hierarchical": {"dp": 4, "ranks_per_node": 2, **AUTO}}
+
+
+@pytest.mark.parametrize("name", AUTO_RUNS)
+def test_same_layout_resume_reuses_what_auto_measured(name, capfd):
+    layout, train = AUTO_RUNS[name], {"steps": STEPS, "micro_batch": 1}
+    world = layout["dp"]
+    expected, _, buckets, hierarchical = run_ranks(
+        _train_measuring, world, tiny_config(parallel=layout, train=train, checkpoint={"every": 1}), 0.1)[0]
+    cfg = tiny_config(parallel=layout, train=train, checkpoint={"every": 2})
+    with pytest.raises(RankFailure):
+        run_ranks(_train_measuring, world, cfg, 0.1, False, (1, 3))
+    capfd.readouterr()
+    resumed = run_ranks(_train_measuring, world, cfg, 0.05, True)
+    assert [measured for _, measured, _, _ in resumed] == [[]] * world  # not measured again, on any rank
+    log = capfd.readouterr().err
+    assert "grad_bucket_mb=auto -> 0.1 MiB, as chosen by the run that saved step_00000002" in log
+    assert "hierarchical=auto -> flat, as chosen by the run that saved step_00000002" in log
+    assert resumed[0][2:] == (buckets, hierarchical)
+    assert resumed[0][0] == expected[2:]
+
+
+def test_resume_in_another_layout_measures_again(tmp_path):
+    """ZeRO-1 here: the saved run's buckets need not suit another layout, which measures its own."""
+    common = {"train": {"steps": 3, "micro_batch": 1}, "checkpoint": {"every": 1}, "run": {"dir": str(tmp_path)}}
+    run_ranks(_train_measuring, 2, tiny_config(parallel=AUTO_RUNS["int8"], **common), 0.1)
+    layout = {**AUTO_RUNS["int8"], "zero": 1}
+    resumed = run_ranks(_train_measuring, 2, tiny_config(parallel=layout, **{**common, "train": {"steps": 4}}), 0.05)
+    fresh = run_ranks(_train_measuring, 2, tiny_config(parallel=layout, train={"steps": 1}), 0.05)
+    assert [measured for _, measured, _, _ in resumed] == [[0.05], [0.05]]
+    assert resumed[0][2] == fresh[0][2]
 
 
 def test_crash_during_save_keeps_previous_checkpoint(reference):

@@ -22,6 +22,8 @@ from tetrad.dist.bench import bus_factor, time_collective
 from tetrad.dist.layout import GRAD, GRAD_DIMS
 from tetrad.dist.topology import INTER, INTRA
 
+# The [parallel] keys "auto" leaves to this measurement.
+AUTO_KEYS = ("grad_bucket_mb", "hierarchical")
 BUCKET_CANDIDATES_MB = (1, 4, 16, 25, 64)
 SATURATION = 0.8  # a bucket this close to the best measured bus bandwidth is large enough
 
@@ -55,6 +57,18 @@ def resolve(parallel, topo, grad_bytes: int):
         for line in notes:
             print(f"tetrad: {line}", file=sys.stderr)
     return replace(parallel, grad_bucket_mb=bucket_mb, hierarchical=hierarchical)
+
+
+def reuse(parallel, saved: dict, source: str, rank: int):
+    """`parallel` with "auto" replaced by `saved`, what it resolved to in the run that wrote
+    checkpoint `source` (a resume in its layout: the same buckets, not measured again); logged on
+    rank 0 as `resolve` logs a measurement."""
+    shown = {"grad_bucket_mb": lambda mb: f"{mb:g} MiB", "hierarchical": lambda h: "hierarchical" if h else "flat"}
+    if rank == 0:
+        for key, value in saved.items():
+            print(f"tetrad: parallel.{key}=auto -> {shown[key](value)}, as chosen by the run that saved {source} "
+                  "(resumed in its layout: not measured again)", file=sys.stderr)
+    return replace(parallel, **saved)
 
 
 def choose_bucket_mb(group, grad_bytes: int | None = None, candidates_mb=BUCKET_CANDIDATES_MB) -> tuple[float, dict]:

@@ -110,8 +110,12 @@ class Trainer:
         set_execution(self.model, cfg.train.recompute, cfg.train.compile)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         dtype = devices.DTYPES[cfg.train.dtype]
-        # "auto" bucket size and hierarchical reduction, measured on this job's links (collective).
-        parallel = autotune.resolve(cfg.parallel, self.topo, 4 * sum(q.numel() for q in self.params))
+        self.run_dir = Path(cfg.run.dir)
+        self.checkpointer = Checkpointer.for_run(cfg, self.topo, self.run_dir)
+        # "auto" bucket size and hierarchical reduction, measured on this job's links (collective),
+        # or, resuming in the saved layout, what the saved run chose (checkpointer.py).
+        grad_bytes = 4 * sum(q.numel() for q in self.params)
+        parallel = self.checkpointer.resolve_auto(lambda: autotune.resolve(cfg.parallel, self.topo, grad_bytes))
         # ZeRO-3: each rank builds only its shard of the initial weights (build_model gave them no memory).
         shard_init = functools.partial(initial_value, seed=cfg.train.seed, weights=starting_weights(cfg)) \
             if p.zero == 3 else None
@@ -125,7 +129,6 @@ class Trainer:
         self.batches, val = split_batches(cfg)
         self.val_parts = val.split() if val is not None else []  # (weight, batches) of each source
         self.data_position = DataPosition(self.batches)
-        self.run_dir = Path(cfg.run.dir)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         tokens = cfg.model.seq_len // p.cp // (p.tp if self.model.execution.sequence_parallel else 1)
         shape = (cfg.train.micro_batch, tokens, cfg.model.d_model)
@@ -312,7 +315,7 @@ class Trainer:
         if is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
-        ckpt = Checkpointer.for_run(cfg, self.topo, self.run_dir)
+        ckpt = self.checkpointer
         params = dict(self.model.named_parameters())
         stateful = self.job_state()
         local = {"grads": self.grads, "dropout": DropoutGenerators(self.model)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +17,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tetrad import device as devices
+from tetrad.config import ParallelConfig
+from tetrad.dist import autotune
 from tetrad.model.sharding import spec_of
 from tetrad.parallel.data import ShardedAdamW, zero_loaded
 from tetrad.train.checkpoint import recovery
@@ -43,6 +46,8 @@ class Checkpointer:
         self.cfg, self.topo, self.root = cfg, topo, Path(root)
         self.world = dist.get_world_size() if topo.distributed else 1
         self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
+        self._chosen: tuple[Path | None, dict | None] | None = None  # what `choose` chose
+        self._autotuned: dict = {}  # what "auto" in [parallel] resolved to (resolve_auto): in each manifest
         self._meshes = {} if topo.mesh is None else {topo.mesh.device_type: topo.mesh}
 
     @classmethod
@@ -55,13 +60,7 @@ class Checkpointer:
         drops the metrics lines of steps after it, so a resumed run reads as never interrupted;
         a fresh start refuses to erase an earlier run's metrics."""
         resume, rank = self.cfg.checkpoint.resume, self.topo.rank
-        if resume == "auto":
-            path, manifest = recovery.newest_good(self.root, self.cfg.model, rank, self.world)
-        elif resume == "never":
-            recovery.refuse_later(self.root, 0, "checkpoint.resume='never'")
-            path = manifest = None
-        else:
-            path, manifest = recovery.explicit(resume, self.root, self.cfg.model, rank, self.world)
+        path, manifest = self.choose()
         if path is None:
             if rank == 0:
                 recovery.refuse_overwriting_history(metrics, self.cfg.checkpoint.every if resume == "auto" else 0)
@@ -72,6 +71,37 @@ class Checkpointer:
         if rank == 0:
             recovery.cut_history(metrics, step)
         return step
+
+    def choose(self) -> tuple[Path | None, dict | None]:
+        """The checkpoint `resume` loads and its manifest, (None, None) for a fresh start; chosen
+        once, by every rank alike (collective: recovery.py)."""
+        if self._chosen is None:
+            resume, rank = self.cfg.checkpoint.resume, self.topo.rank
+            if resume == "auto":
+                self._chosen = recovery.newest_good(self.root, self.cfg.model, rank, self.world)
+            elif resume == "never":
+                recovery.refuse_later(self.root, 0, "checkpoint.resume='never'")
+                self._chosen = None, None
+            else:
+                self._chosen = recovery.explicit(resume, self.root, self.cfg.model, rank, self.world)
+        return self._chosen
+
+    def resolve_auto(self, measure: Callable[[], ParallelConfig]) -> ParallelConfig:
+        """The [parallel] section with "auto" resolved (collective). A resume from a checkpoint of
+        this layout takes what its run resolved: the same buckets, so codecs' per-bucket state
+        and the order of the sums continue bitwise. Otherwise `measure()` (dist/autotune.py).
+        Rank 0 decides for all (a rank measuring alone would hang). Saved with each checkpoint."""
+        auto = [k for k in autotune.AUTO_KEYS if getattr(self.cfg.parallel, k) == "auto"]
+        if not auto:
+            return self.cfg.parallel
+        path, manifest = self.choose()
+        saved = None
+        if self.topo.rank == 0 and path is not None and self._same_layout(manifest):
+            saved = manifest.get("autotuned")  # absent before this was recorded: measured again
+        saved = recovery.broadcast(saved if saved and set(saved) == set(auto) else None, self.world)
+        parallel = measure() if saved is None else autotune.reuse(self.cfg.parallel, saved, path.name, self.topo.rank)
+        self._autotuned = {k: getattr(parallel, k) for k in auto}
+        return parallel
 
     def maybe_save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None,
                    local: dict | None = None) -> None:
@@ -99,7 +129,8 @@ class Checkpointer:
                      storage_writer=FileSystemWriter(tmp), no_dist=not self.topo.distributed)
             files = digest_files(tmp, self.topo.rank, self.world)
             if self.topo.rank == 0:
-                publish(tmp, final, self.cfg, step, files, optimizer=True, layout=self._layout())
+                publish(tmp, final, self.cfg, step, files, optimizer=True, layout=self._layout(),
+                        autotuned=self._autotuned)
                 replace_text(self.root / LATEST, final.name + "\n")
                 self._prune()
         except (OSError, CheckpointException) as e:
@@ -124,6 +155,11 @@ class Checkpointer:
         """What rank-local state depends on: the [parallel] section (layout, schedule, virtual
         stages, sequence parallelism, ZeRO stage, codec, buckets) but the keys in NOT_LAYOUT."""
         return {k: v for k, v in dataclasses.asdict(self.cfg.parallel).items() if k not in NOT_LAYOUT}
+
+    def _same_layout(self, manifest: dict) -> bool:
+        """Whether the checkpoint of `manifest` was saved in this layout (_layout)."""
+        saved = {k: v for k, v in manifest.get("layout", {}).items() if k not in NOT_LAYOUT}  # older saves
+        return saved == json.loads(json.dumps(self._layout()))  # as stored: lists, not tuples
 
     def _saved_state(self, params, optimizer, stateful: dict, local: dict) -> dict[str, torch.Tensor]:
         """The flat DCP state of this rank: its boxes of the model and optimizer state, its RNG
@@ -182,8 +218,7 @@ class Checkpointer:
         check_shapes(metadata, expected, path)
         mine = pieces(params, optimizer)
         state, buffers = self._scratch(mine, entries, expected)
-        saved_layout = {k: v for k, v in manifest.get("layout", {}).items() if k not in NOT_LAYOUT}  # older saves
-        same_layout = saved_layout == json.loads(json.dumps(self._layout()))  # as stored: lists, not tuples
+        same_layout = self._same_layout(manifest)
         mine_local = f"local.rank{self.topo.rank}."
         for key, meta in metadata.state_dict_metadata.items():
             if (key.startswith((f"rng.rank{self.topo.rank}.", "extra."))

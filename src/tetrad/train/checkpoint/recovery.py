@@ -22,7 +22,8 @@ def say(message: str) -> None:
     print(f"tetrad: checkpoint: {message}", flush=True)
 
 
-def _broadcast(obj, world: int):
+def broadcast(obj, world: int):
+    """Rank 0's `obj` on every rank."""
     if world == 1:
         return obj
     box = [obj]
@@ -34,7 +35,7 @@ def newest_good(root: Path, model_cfg, rank: int, world: int) -> tuple[Path | No
     """The newest published checkpoint under `root` that passes its integrity check, with its
     manifest; newer ones that fail are set aside as step_N.bad and named on the console. Refuses
     another model's checkpoint, and a root whose every checkpoint is damaged."""
-    names = _broadcast([p.name for p in published(root)] if rank == 0 else None, world)
+    names = broadcast([p.name for p in published(root)] if rank == 0 else None, world)
     bad: list[tuple[Path, str]] = []
     chosen = manifest = None
     for name in names:

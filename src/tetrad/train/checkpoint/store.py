@@ -81,14 +81,15 @@ def resolve(path: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------- publishing
-def publish(tmp: Path, final: Path, cfg, step: int, files: dict, optimizer: bool, layout: dict) -> None:
+def publish(tmp: Path, final: Path, cfg, step: int, files: dict, optimizer: bool, layout: dict,
+            autotuned: dict | None = None) -> None:
     """Make the fully written folder `tmp` the checkpoint `final`: `config.toml`, then
     `tetrad.json` (its presence marks a complete folder), then the rename. A folder already at
     `final` (a save of this step that an earlier run published, or set-aside debris) is replaced,
     so publishing a step twice ends in the same state as once."""
     (tmp / "config.toml").write_text(cfg.to_toml())
     manifest = {"format": FORMAT, "step": step, "model": dataclasses.asdict(cfg.model), "layout": layout,
-                "optimizer": optimizer, "files": files}
+                "autotuned": autotuned or {}, "optimizer": optimizer, "files": files}
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()

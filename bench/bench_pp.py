@@ -4,8 +4,11 @@ the schedule simulator against the measured step.
 Same model (tetrad's Llama chunks: torch's schedules drive the very same modules, so only the
 executors differ), same initial weights, same micro-batches, same ranks (forked gloo
 processes, one thread each). A step is the schedule's forwards and backwards over m
-micro-batches, then AdamW on the stage's parameters; tetrad's step also includes its gradient
-clipping and metrics. Rows (tetrad's schedule against torch's): 1F1B (torch `Schedule1F1B`),
+micro-batches, then AdamW on the stage's parameters. tetrad's step also includes the job-wide
+all-reduce of the step's numbers (gradient norm, loss, stop signal), which holds every rank at the
+step's end, and its metrics (`--executor-only` leaves both out); with `--grad-clip` both sides
+clip to the global norm, torch's as torchtitan does under pipelining (the norm all-reduced over the
+stages' ranks), so both hold their ranks there. Rows (tetrad's schedule against torch's): 1F1B (torch `Schedule1F1B`),
 interleaved 1F1B with two chunks per rank (torch `ScheduleInterleaved1F1B`), and tetrad's
 zero-bubble ZB-H1 against torch's `Schedule1F1B`, the schedule torch has at that memory (its
 zero-bubble schedules all run two or more chunks per rank).
@@ -30,6 +33,8 @@ can go under (the optimizer step comes on top).
 
     python bench/bench_pp.py                      # pp=2, m=8, d_model 256, 8 layers, seq 128
     python bench/bench_pp.py --pp 4 --microbatches 8
+    python bench/bench_pp.py --executor-only      # tetrad's step less its job-wide all-reduce and metrics
+    python bench/bench_pp.py --grad-clip 1.0      # both clip (torch's side as torchtitan does under pp)
 """
 
 from __future__ import annotations
@@ -74,8 +79,27 @@ def _rss_bytes() -> int:
 def _tetrad_step(cfg, torch_schedule: str):
     """tetrad's training step (its Trainer), and the timeline of the last one."""
     trainer = Trainer(cfg, torch.device("cpu"))
-    timeline = lambda: [(t.kind, t.mb, t.chunk, t.start, t.end) for t in trainer.pipeline.timeline()]
-    return trainer.train_step, timeline
+    return trainer.train_step, _timeline(trainer)
+
+
+def _tetrad_executor_step(cfg, torch_schedule: str):
+    """tetrad's step without the job-wide all-reduce of the step's numbers (gradient norm, loss,
+    stop signal) and its metrics: the executor, the gradient reduction and AdamW, as torch's step.
+    That all-reduce holds every rank at the step's end (`Trainer._step_sums`): the row tells the
+    executor's share of a gap from the step's."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+
+    def step(i):
+        dp = trainer.topo.coords["dp"]
+        trainer.forward_backward(trainer.batches.microbatches(i, dp, cfg.parallel.dp, cfg.train.micro_batch))
+        trainer.grads.reduce()
+        trainer.optimizer.step()
+        trainer.grads.zero_grad()  # fp32 ZeRO-0's p.grad are the buckets' views (Trainer.train_step)
+    return step, _timeline(trainer)
+
+
+def _timeline(trainer):
+    return lambda: [(t.kind, t.mb, t.chunk, t.start, t.end) for t in trainer.pipeline.timeline()]
 
 
 # tetrad's schedule, its chunks per rank, and the torch.distributed.pipelining schedule it is measured against
@@ -113,15 +137,22 @@ def _torch_step(cfg, torch_schedule: str):
                                   weight_decay=cfg.train.weight_decay)
     first, last = any(c.first for c in model.chunks), any(c.last for c in model.chunks)
 
+    clip = cfg.train.grad_clip
+
     def step(i):
         inputs, labels = batches.global_batch_at(i)
         schedule.step(*([inputs] if first else []), target=labels if last else None)
+        if clip > 0:  # torchtitan's clipping under pipelining: the norm summed over the stages' ranks
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm_sq = torch.nn.utils.get_total_norm(grads) ** 2
+            torch.distributed.all_reduce(norm_sq)  # the pipeline ranks are the whole job here
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip, norm_sq.sqrt())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step, lambda: None
 
 
-STEPPERS = {"tetrad": _tetrad_step, "torch": _torch_step}
+STEPPERS = {"tetrad": _tetrad_step, "tetrad executor": _tetrad_executor_step, "torch": _torch_step}
 
 
 def _rank(name: str, cfg, torch_schedule: str, warmup: int, steps: int):
@@ -181,7 +212,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5, help="alternated rounds of both frameworks")
+    ap.add_argument("--grad-clip", type=float, default=0.0,
+                    help="clip to this global gradient norm on both sides (0: neither clips)")
+    ap.add_argument("--executor-only", action="store_true",
+                    help="time tetrad's step without its job-wide all-reduce of the step's numbers and metrics")
     args = ap.parse_args()
+    ours = "tetrad executor" if args.executor_only else "tetrad"
     print(f"pp={args.pp}, m={args.microbatches}, d_model {args.d_model}, {args.layers} layers, seq {args.seq}, "
           f"micro-batch {args.micro_batch}; fp32 on CPU (gloo), one thread per rank; {args.rounds} alternated "
           f"rounds of {args.steps} timed steps")
@@ -193,23 +229,23 @@ def main() -> None:
                       "n_layers": args.layers, "seq_len": args.seq},
             "parallel": {"pp": args.pp, "vpp": vpp, "schedule": schedule},
             "train": {"micro_batch": args.micro_batch, "global_batch": args.micro_batch * args.microbatches,
-                      "device": "cpu", "grad_clip": 0.0},
+                      "device": "cpu", "grad_clip": args.grad_clip},
             "run": {"dir": "runs/bench_pp"}})
         rounds = []  # per round: {framework: (step time, peak memory rise, timelines)}
         for r in range(args.rounds):
-            order = ("tetrad", "torch") if r % 2 == 0 else ("torch", "tetrad")
+            order = (ours, "torch") if r % 2 == 0 else ("torch", ours)
             rounds.append({name: measure(cfg, name, torch_schedule, args.warmup, args.steps) for name in order})
-        time_of = {name: statistics.median(got[name][0] for got in rounds) for name in STEPPERS}
-        mem_of = {name: statistics.median(got[name][1] for got in rounds) for name in STEPPERS}
-        ratios = [got["tetrad"][0] / got["torch"][0] for got in rounds]
-        measured, simulated = simulated_vs_measured(cfg, rounds[-1]["tetrad"][2])
-        print(f"{schedule:<13}{torch_schedule:<25}{_spread([got['tetrad'][0] for got in rounds]):>15}"
-              f"{_spread([got['torch'][0] for got in rounds]):>15}{time_of['tetrad'] / time_of['torch']:>11.2f}"
-              f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}{mem_of['tetrad'] / 2**20:>11.1f}"
-              f"{mem_of['torch'] / 2**20:>10.1f}{mem_of['tetrad'] / max(mem_of['torch'], 1):>10.2f}"
+        time_of = {name: statistics.median(got[name][0] for got in rounds) for name in order}
+        mem_of = {name: statistics.median(got[name][1] for got in rounds) for name in order}
+        ratios = [got[ours][0] / got["torch"][0] for got in rounds]
+        measured, simulated = simulated_vs_measured(cfg, rounds[-1][ours][2])
+        print(f"{schedule:<13}{torch_schedule:<25}{_spread([got[ours][0] for got in rounds]):>15}"
+              f"{_spread([got['torch'][0] for got in rounds]):>15}{time_of[ours] / time_of['torch']:>11.2f}"
+              f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}{mem_of[ours] / 2**20:>11.1f}"
+              f"{mem_of['torch'] / 2**20:>10.1f}{mem_of[ours] / max(mem_of['torch'], 1):>10.2f}"
               f"{100 * (simulated / measured - 1):>8.1f}%"
-              f"{(time_of['tetrad'] - measured + simulated) / time_of['torch']:>7.2f}"
-              f"{busiest_compute(rounds[-1]['tetrad'][2]) / rounds[-1]['torch'][0]:>9.2f}")
+              f"{(time_of[ours] - measured + simulated) / time_of['torch']:>7.2f}"
+              f"{busiest_compute(rounds[-1][ours][2]) / rounds[-1]['torch'][0]:>9.2f}")
     print("tetrad s, torch s: median over rounds +- half their range; time ratio: of those medians (below 1: "
           "tetrad faster), ratio range: lowest and highest of the rounds' ratios; MiB: median peak rise; "
           "sim err: simulated step time from the measured mean action costs vs the measured span of tetrad's "

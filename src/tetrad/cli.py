@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 from pathlib import Path
 
-from tetrad.config import ConfigError, check_override, load_config, validate_device
+from tetrad.config import Config, ConfigError, check_override, load_config
 
 USAGE = """usage: tetrad COMMAND [ARGS]
 
@@ -35,14 +36,8 @@ def _split_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def train_command(argv: list[str]) -> int:
-    from tetrad import device as devices
     from tetrad import launch
-    from tetrad.data.checks import check_data
-    from tetrad.parallel.pipeline.registry import check_config as check_pipeline
-    from tetrad.train.batches import describe as describe_data
-    from tetrad.train.checkpoint.preflight import check_storage
-    from tetrad.train.init_from import check_init_from, model_keys
-    from tetrad.train.trainer import train_on_this_rank
+    from tetrad.train.init_from import model_keys
 
     if {"-h", "--help"} & set(argv):
         print("usage: tetrad train [CONFIG] [--section.key=value ...]\n"
@@ -51,28 +46,25 @@ def train_command(argv: list[str]) -> int:
     path, overrides = _split_config_args(argv)
     cfg = load_config(path, overrides + launch.torchrun_overrides(), world_size=launch.torchrun_world_size(),
                       model_from_inputs=model_keys)
-    device_type = devices.resolve_device_type(cfg.train.device)
-    devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
-    check_pipeline(cfg)
-    validate_device(cfg, device_type)
-    check_init_from(cfg)
-    check_data(cfg)
-    resuming = check_storage(cfg)
-    p = cfg.parallel
-    launch.diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
+    history = launch.train(cfg, announce=functools.partial(_announce, cfg))
     if launch.in_torchrun():
-        with launch.torchrun_process_group(device_type, p.startup_timeout_s):
-            train_on_this_rank(cfg, device_type)
         return 0
-    if device_type != "cpu" and p.world_size > devices.local_device_count(device_type):
-        raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
-                          f"{devices.local_device_count(device_type)} {device_type} devices; use torchrun across "
-                          "nodes, or a smaller layout")
-    m = cfg.model  # under init_from the weights decide the shape, whatever the preset says
-    model = m.preset
+    if history:
+        evaluated = [r for r in history if "val_loss" in r]
+        val = f", val_loss {evaluated[-1]['val_loss']:.4f} at step {evaluated[-1]['step']}" if evaluated else ""
+        print(f"tetrad: loss {history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f} at step "
+              f"{history[-1]['step']}{val}; metrics in {cfg.run.dir}/metrics.jsonl")
+    return 1 if history and history[-1].get("diverged") else 0  # a job scheduler sees the stop
+
+
+def _announce(cfg: Config, device_type: str, resume: Path | None) -> None:
+    """What `tetrad train` says once every check passed, before the ranks start."""
+    from tetrad.train.batches import describe as describe_data
+    p, m = cfg.parallel, cfg.model
+    model = m.preset  # under init_from the weights decide the shape, whatever the preset says
     if cfg.checkpoint.init_from:
         model = (f"the {m.n_layers}-layer, d_model {m.d_model} model "
-                 f"{'fine-tuned from' if resuming else 'of'} {cfg.checkpoint.init_from}")
+                 f"{'fine-tuned from' if resume else 'of'} {cfg.checkpoint.init_from}")
     print(f"tetrad: training {model} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
           f"({p.world_size} rank{'s' if p.world_size > 1 else ''} on {device_type}), "
           f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
@@ -80,14 +72,6 @@ def train_command(argv: list[str]) -> int:
     if cfg.train.warmup > cfg.train.steps:
         print(f"tetrad: note: train.warmup={cfg.train.warmup} > train.steps={cfg.train.steps}: the learning rate "
               f"never reaches train.lr={cfg.train.lr:g}", flush=True)
-    history = launch.run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type,
-                               pg_timeout_s=p.startup_timeout_s)[0]
-    if history:
-        evaluated = [r for r in history if "val_loss" in r]
-        val = f", val_loss {evaluated[-1]['val_loss']:.4f} at step {evaluated[-1]['step']}" if evaluated else ""
-        print(f"tetrad: loss {history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f} at step "
-              f"{history[-1]['step']}{val}; metrics in {cfg.run.dir}/metrics.jsonl")
-    return 1 if history and history[-1].get("diverged") else 0  # a job scheduler sees the stop
 
 
 def estimate_command(argv: list[str]) -> int:

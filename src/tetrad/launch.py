@@ -1,5 +1,6 @@
 """Start the ranks of a job: local processes when not under torchrun, or the environment
-torchrun gives. The same `run_local` serves `tetrad train` on a laptop and the multi-process tests.
+torchrun gives. The same `run_local` serves `tetrad train` on a laptop and the multi-process tests;
+`train` is `tetrad train` from Python (the checks, then the ranks).
 
 A rank that raises or dies ends the whole job: the others are killed and the error names the
 first rank that failed, with its traceback (or the signal that killed it). Nothing hangs:
@@ -37,8 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad import device as devices
-from tetrad.config import Config
-from tetrad.parallel.pipeline.registry import check_config as check_pipeline
+from tetrad.config import Config, ConfigError
 
 
 class RankFailure(RuntimeError):
@@ -112,14 +112,7 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
     of the resident set wants spawned ranks. Accelerator ranks are always spawned, since a forked
     child cannot use a CUDA context. A signal to this process stops the ranks (module docstring)
     and raises `Stopped`; they get `stop_grace_s` to finish before they are killed.
-
-    A Config among `args` first meets the schedule registry's rules, which load_config cannot run
-    (config/ sits below the registry): a bad one is one ConfigError here, before any rank starts,
-    instead of a traceback from every rank.
     """
-    for arg in args:
-        if isinstance(arg, Config):
-            check_pipeline(arg)
     method = "spawn" if spawn or device_type != "cpu" else "fork"
     threads = devices.threads_per_rank(world_size) if device_type == "cpu" else 1
     ctx = multiprocessing.get_context(method)
@@ -140,6 +133,34 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
                 _kill(procs)
                 raise
         return [pickle.loads((Path(tmp) / f"rank{r}.out").read_bytes()) for r in range(world_size)]
+
+
+def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = None,
+          timeout_s: float | None = None) -> list[dict]:
+    """Train `cfg` (from `load_config`) as `tetrad train` does: on this machine's ranks, or on this
+    rank under torchrun. Every check runs first, here, once (under torchrun once per process, as
+    `tetrad train`): a bad config or a missing file is one ConfigError, the text `tetrad train`
+    prints, and no rank starts. `announce(device_type, resume)` is called after the checks, before
+    the ranks start (resume: the checkpoint the run continues from, or None). `timeout_s` is
+    run_local's deadline. Returns the per-step records of rank 0 (this rank's under torchrun)."""
+    from tetrad.train.preflight import preflight  # here: run_local's other users need not load the trainer
+    from tetrad.train.trainer import train_on_this_rank
+    device_type = devices.resolve_device_type(cfg.train.device)
+    devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
+    resume = preflight(cfg, device_type)
+    p = cfg.parallel
+    diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
+    if in_torchrun():
+        with torchrun_process_group(device_type, p.startup_timeout_s):
+            return train_on_this_rank(cfg, device_type)
+    if device_type != "cpu" and p.world_size > devices.local_device_count(device_type):
+        raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
+                          f"{devices.local_device_count(device_type)} {device_type} devices; use torchrun across "
+                          "nodes, or a smaller layout")
+    if announce is not None:
+        announce(device_type, resume)
+    return run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type,
+                     timeout_s=timeout_s, pg_timeout_s=p.startup_timeout_s)[0]
 
 
 @contextlib.contextmanager

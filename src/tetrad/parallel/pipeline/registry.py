@@ -101,8 +101,8 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Sched
 
 def check_config(cfg: Config) -> None:
     """The schedule rules of `cfg` (ConfigError naming the fix): a known schedule, the chunks per
-    rank it runs, and with pp > 1 enough micro-batches. Run by every command, `launch.run_local` and
-    `Trainer` before they start: load_config cannot (config/ sits below this floor)."""
+    rank it runs, and with pp > 1 enough micro-batches. Run by every command (training: by `preflight`)
+    and by `Trainer`: load_config cannot (config/ sits below this floor)."""
     p, t = cfg.parallel, cfg.train
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"parallel.schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {p.schedule!r}"

@@ -70,7 +70,7 @@ def draw_layout(rng: random.Random, model: dict, dtype: str) -> dict:
     if p["zero"] <= 1 and rng.random() < 0.4:
         p["grad_codec"] = rng.choice(["bf16", "int8", "powersgd"] if dtype != "fp16" else ["bf16"])
     if rng.random() < 0.3:
-        p["grad_bucket_mb"] = rng.choice([0.01, 0.05])
+        p["grad_bucket_mb"] = rng.choice([0.01, 0.05, "auto"])  # "auto": measured, or reused by a same-layout resume
     micro = rng.choice([1, 1, 2])
     need = registry.min_microbatches(p.get("schedule", "1f1b"), dims["pp"], p.get("vpp", 1))
     global_batch = rng.choice([b for b in (4, 8, 16) if b % (micro * dims["dp"]) == 0

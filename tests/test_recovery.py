@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from conftest import tiny_config
+from conftest import run_ranks, tiny_config
 from tetrad.config import ConfigError
 from tetrad.train.checkpoint import CheckpointError, publish
 from tetrad.train.checkpoint.preflight import check_storage
@@ -214,3 +214,27 @@ def test_storage_problems_are_found_before_spawn(tmp_path, sections, message):
 def _big(overrides):
     from tetrad.config import load_config
     return load_config(overrides=overrides, runtime=False)
+
+
+def _verify_own_view(paths: list[Path]):
+    """Verify the checkpoint as this rank's file system shows it (`paths[rank]`)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    try:
+        return "ok", verify(paths[rank], rank, len(paths))["step"]
+    except CheckpointError as e:
+        return "refused", str(e)
+
+
+def test_a_manifest_one_rank_cannot_read_is_refused_on_every_rank(finished, tmp_path):
+    """Rank 1's file system shows a garbled tetrad.json where rank 0's shows the good one (a shared
+    file system that has not caught up on every node): every rank refuses the checkpoint, naming
+    the rank, rather than rank 1 going on without a manifest."""
+    good = finished / "checkpoints" / "step_00000004"
+    seen_by_rank1 = tmp_path / "step_00000004"
+    shutil.copytree(good, seen_by_rank1)
+    (seen_by_rank1 / "tetrad.json").write_text("{")
+    results = run_ranks(_verify_own_view, 2, [good, seen_by_rank1])
+    assert [status for status, _ in results] == ["refused", "refused"], results
+    # (Each rank names its own path here: the test gives the two views two folders.)
+    assert all("ranks [1] cannot read" in message and "JSONDecodeError" in message for _, message in results), results

@@ -175,12 +175,14 @@ def read_manifest(path: Path) -> dict:
 
 def verify(path: Path, rank: int = 0, world: int = 1) -> dict:
     """Read `tetrad.json` and check every file it lists (size, SHA-256); raise naming the bad
-    files. Collective when world > 1: every rank hashes its share."""
+    files. Collective when world > 1: every rank hashes its share, and every rank raises if any
+    rank cannot read the manifest (rank 0's reason, or the ranks whose file system does not
+    show what rank 0's does)."""
     try:
         manifest, failure = read_manifest(path), None
     except CheckpointError as e:
         manifest, failure = None, str(e)
-    problems = [failure] if failure and rank == 0 else []
+    problems = []
     for name in _share_of(list(manifest["files"]), rank, world) if manifest else []:
         want, file = manifest["files"][name], path / name
         if not file.exists():
@@ -189,7 +191,14 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> dict:
             problems.append(f"{file}: {file.stat().st_size} bytes, {want['bytes']} when written (truncated?)")
         elif _sha256(file) != want["sha256"]:
             problems.append(f"{file}: SHA-256 differs from the one recorded when written (corrupt)")
-    problems = sorted(p for part in all_gather(problems, world) for p in part)
+    gathered = all_gather((failure, problems), world)
+    problems = sorted(p for _, part in gathered for p in part)
+    unread = [r for r, (failed, _) in enumerate(gathered) if failed]
+    if unread and unread[0] == 0:
+        problems.insert(0, gathered[0][0])
+    elif unread:
+        problems.insert(0, f"ranks {unread} cannot read {path / MANIFEST}, which rank 0 reads (a shared file "
+                           f"system not yet showing it on every node?): {gathered[unread[0]][0]}")
     if problems:
         raise CheckpointError("checkpoint failed its integrity check:\n  " + "\n  ".join(problems))
     return manifest

@@ -169,3 +169,24 @@ def test_model_state_memory_follows_zero_formulas(zero, dtype, per_param):
 def test_bad_input_fails_at_validation(parallel, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides={"parallel": parallel, "train": {"global_batch": 24, "micro_batch": 1}})
+
+
+def _adam_settings(cfg):
+    trainer = Trainer(cfg, torch.device("cpu"))
+    return [(g["betas"], g["eps"]) for g in trainer.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_adam_betas_and_eps_come_from_the_config(zero):
+    """Plain AdamW (ZeRO-0) and the sharded one take train.adam_beta1/beta2/eps, and they reach the
+    update: the same run with torch's default beta2 trains to other losses."""
+    train = {**ACCUM, "adam_beta1": 0.8, "adam_beta2": 0.999, "adam_eps": 1e-6}
+    cfg = tiny_config(parallel={"dp": 2, "zero": zero}, train=train)
+    assert run_ranks(_adam_settings, 2, cfg) == [[((0.8, 0.999), 1e-6)] * 2] * 2
+    losses = train_layout(cfg)[0]
+    assert losses != pytest.approx(run(dp=2, zero=zero)[0], rel=1e-4)
+
+
+def test_adam_betas_below_one():
+    with pytest.raises(ConfigError, match="train.adam_beta2"):
+        load_config(overrides={"train": {"adam_beta2": 1.0}})

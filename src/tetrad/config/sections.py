@@ -113,7 +113,11 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2
     warmup: int = 20
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # on matrices only, not on norms and biases
+    # AdamW's betas and epsilon (Megatron-LM's and Llama's defaults; 0.999 and 1e-8 are torch's).
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
     dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
@@ -230,7 +234,8 @@ KEY_ALIASES = {
     "train_iters": "train.steps", "lr_warmup_iters": "train.warmup", "warmup_steps": "train.warmup",
     "global_batch_size": "train.global_batch", "micro_batch_size": "train.micro_batch",
     "local_batch_size": "train.micro_batch", "clip_grad": "train.grad_clip", "max_norm": "train.grad_clip",
-    "lr_decay_style": "train.lr_schedule", "recompute_granularity": "train.recompute",
+    "lr_decay_style": "train.lr_schedule", "beta1": "train.adam_beta1", "beta2": "train.adam_beta2",
+    "eps": "train.adam_eps", "recompute_granularity": "train.recompute",
     "mixed_precision_param": "train.dtype", "eval_interval": "train.eval_every", "eval_iters": "train.eval_steps",
     "data_path": "data.source", "dataset_path": "data.source", "save_interval": "checkpoint.every",
     "interval": "checkpoint.every", "log_interval": "run.log_every", "log_freq": "run.log_every",

@@ -60,6 +60,7 @@ RANGES: dict[str, Range] = {
     "train.lr": POSITIVE, "train.min_lr_ratio": FRACTION, "train.decay_fraction": Range(0, 1, low_open=True,
                                                                                          high_open=False),
     "train.weight_decay": Range(0), "train.grad_clip": Range(0),  # grad_clip 0: no clipping
+    "train.adam_beta1": Range(0, 1), "train.adam_beta2": Range(0, 1), "train.adam_eps": POSITIVE,
     "train.seed": Range(0, 2**63),
     "checkpoint.every": COUNT, "checkpoint.keep": SIZE,  # every 0: never
     "run.log_every": SIZE, "data.val_fraction": Range(0, 1),

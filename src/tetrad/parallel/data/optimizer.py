@@ -32,12 +32,12 @@ from tetrad.parallel.data.buffers import Bucket
 
 
 def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
-    """tetrad's AdamW (betas 0.9, 0.95, as Megatron and Llama use), weight decay on `decay` only."""
+    """tetrad's AdamW (betas and epsilon from `cfg`), weight decay on `decay` only."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # torch's fused kernel (one per step, not a loop over tensors) wherever it exists, the CPU included.
     fused = all(p.device.type in FUSED_OPTIMIZER_DEVICES for p in decay + no_decay)
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                             fused=fused)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:

@@ -154,6 +154,9 @@ class CheckpointConfig:
     every: int = 0
     keep: int = 2
     resume: str = "auto"  # "auto" | "never" | a checkpoint path
+    # Write checkpoints from a thread while training goes on (train/checkpoint/background.py): the
+    # step waits only for the copy of the state into CPU memory.
+    async_save: bool = False
     # A fresh run's starting weights (weights only; optimizer and step start afresh): a tetrad
     # checkpoint or an HF Llama folder. Resuming the run's own checkpoint takes precedence.
     init_from: str = ""
@@ -238,7 +241,7 @@ KEY_ALIASES = {
     "eps": "train.adam_eps", "recompute_granularity": "train.recompute",
     "mixed_precision_param": "train.dtype", "eval_interval": "train.eval_every", "eval_iters": "train.eval_steps",
     "data_path": "data.source", "dataset_path": "data.source", "save_interval": "checkpoint.every",
-    "interval": "checkpoint.every", "log_interval": "run.log_every", "log_freq": "run.log_every",
+    "interval": "checkpoint.every", "async_mode": "checkpoint.async_save", "log_interval": "run.log_every", "log_freq": "run.log_every",
     "dump_folder": "run.dir",
 }
 # torchtitan's tables whose keys live in one of ours.

@@ -35,7 +35,7 @@ from tetrad.parallel.pipeline.schedules import forward_only, link_order
 from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.data.blend import blend_parts
 from tetrad.train.batches import Batches, DataPosition, split_batches
-from tetrad.train.checkpoint import Checkpointer, step_dir
+from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.init_from import initial_weights
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
@@ -353,6 +353,7 @@ class Trainer:
                         if self.stop_signal and step + 1 < cfg.train.steps:
                             self._save_and_stop(step + 1, self.stop_signal, ckpt, (params, self.optimizer, stateful, local), log)
                             break
+                ckpt.finish()  # a checkpoint still being written in the background
         finally:
             log.close()
             if self.telemetry:
@@ -361,9 +362,7 @@ class Trainer:
 
     def _save_and_stop(self, step: int, signum: int, ckpt: Checkpointer, state: tuple, log: MetricsLog) -> None:
         """Save after `step` (unless `checkpoint.every` just did) before a stop that a signal asked for."""
-        path = step_dir(ckpt.root, step)
-        if not path.is_dir():  # maybe_save's barrier has passed: every rank sees the same folder
-            path = ckpt.save(step, *state)
+        path = ckpt.ensure_saved(step, *state)
         log.note(f"tetrad: stopping on {signal.Signals(signum).name} after step {step} of {self.cfg.train.steps}; "
                  f"saved {path}. Run the same command again to resume.")
 

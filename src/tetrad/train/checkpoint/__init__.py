@@ -25,7 +25,9 @@ On disk (ROOT = checkpoint.dir, default RUN_DIR/checkpoints):
 A save: rank 0 clears and creates `.partial`; every rank writes its shards; every rank hashes
 its share of the files; rank 0 writes config.toml and tetrad.json (fsync), renames `.partial` to
 `step_N` (replacing a `step_N` already there), fsyncs ROOT, rewrites `latest` atomically and
-prunes to `checkpoint.keep`. The states a kill can leave, and what `resume = "auto"` does:
+prunes to `checkpoint.keep`. With `checkpoint.async_save` the shards are written from a thread
+(background.py) and the rest runs at the end of a later step, once every rank's write is done:
+the same protocol, later. The states a kill can leave, and what `resume = "auto"` does:
 
 1. `.partial` without or with tetrad.json (killed while writing shards, between ranks finishing
    them, or before the rename): ignored, and removed by the next save or prune. The previous

@@ -22,6 +22,7 @@ from tetrad.dist import autotune
 from tetrad.model.sharding import spec_of
 from tetrad.parallel.data import ShardedAdamW, zero_loaded
 from tetrad.train.checkpoint import recovery
+from tetrad.train.checkpoint.background import BackgroundWrites, cause
 from tetrad.train.checkpoint.logical import Piece, check_optimizer_covered, chunks, logical, mesh_on, pieces
 from tetrad.train.checkpoint.store import (LATEST, MANIFEST, PARTIAL, CheckpointError, SafeReader, check_model,
                                            check_shapes, digest_files, optimizer_entries, published, publish,
@@ -49,6 +50,7 @@ class Checkpointer:
         self._chosen: tuple[Path | None, dict | None] | None = None  # what `choose` chose
         self._autotuned: dict = {}  # what "auto" in [parallel] resolved to (resolve_auto): in each manifest
         self._meshes = {} if topo.mesh is None else {topo.mesh.device_type: topo.mesh}
+        self.background = BackgroundWrites(topo.distributed) if cfg.checkpoint.async_save else None
 
     @classmethod
     def for_run(cls, cfg, topo, run_dir: Path) -> "Checkpointer":
@@ -105,19 +107,36 @@ class Checkpointer:
 
     def maybe_save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None,
                    local: dict | None = None) -> None:
-        """Save every `checkpoint.every` steps, and at the last step (every = 0: never)."""
+        """Save every `checkpoint.every` steps, and at the last step (every = 0: never); with
+        `checkpoint.async_save` in the background, and publish a write that every rank finished."""
+        if self.background is not None:
+            self._publish_written(wait=False)
         every = self.cfg.checkpoint.every
         if every and (step % every == 0 or step == self.cfg.train.steps):
-            self.save(step, params, optimizer, stateful, local)
+            self.save(step, params, optimizer, stateful, local, background=self.background is not None)
+
+    def finish(self) -> None:
+        """Publish the checkpoint being written in the background, once it is written (at a run's end)."""
+        if self.background is not None:
+            self._publish_written(wait=True)
+
+    def ensure_saved(self, step: int, *state) -> Path:
+        """Checkpoint `step`, published: the one `maybe_save` made of it, or a new one."""
+        self.finish()
+        path = step_dir(self.root, step)
+        return path if path.is_dir() else self.save(step, *state)  # every rank has passed the publish barrier
 
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
 
     def save(self, step: int, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None,
-             local: dict | None = None) -> Path:
-        """Write checkpoint `step`; it becomes visible, and `latest`, only once every rank is done.
-        A failure (full disk, no permission) leaves the previous checkpoints as they were."""
+             local: dict | None = None, background: bool = False) -> Path:
+        """Write checkpoint `step`; it becomes visible, and `latest`, only once every rank is done
+        (`background`: written by a thread, published by a later `maybe_save` or `finish`). A
+        failure (full disk, no permission) leaves the previous checkpoints as they were."""
+        if self.background is not None:
+            self._publish_written(wait=True)  # one write at a time
         final = step_dir(self.root, step)
         tmp = final.with_name(final.name + PARTIAL)
         try:
@@ -125,21 +144,44 @@ class Checkpointer:
                 _clear(tmp)  # left by a save that crashed
                 tmp.mkdir(parents=True)
             self._barrier()
-            dcp.save(self._saved_state(params, optimizer, stateful or {}, local or {}),
-                     storage_writer=FileSystemWriter(tmp), no_dist=not self.topo.distributed)
-            files = digest_files(tmp, self.topo.rank, self.world)
-            if self.topo.rank == 0:
-                publish(tmp, final, self.cfg, step, files, optimizer=True, layout=self._layout(),
-                        autotuned=self._autotuned)
-                replace_text(self.root / LATEST, final.name + "\n")
-                self._prune()
+            state = self._saved_state(params, optimizer, stateful or {}, local or {}, copy=background)
+            if background:
+                self.background.start(step, tmp, state)
+                return final
+            dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not self.topo.distributed)
+            self._publish(step, tmp, final)
         except (OSError, CheckpointException) as e:
-            kept = [p.name for p in published(self.root) if (p / MANIFEST).exists()]
-            raise CheckpointError(f"saving step {step} to {tmp} failed ({_first_line(e)}); the earlier checkpoints "
-                                  f"{kept or '(none)'} are untouched. Free space or fix the permissions of "
-                                  f"{self.root}, or set checkpoint.dir elsewhere") from None
+            raise self._failed(step, tmp, cause(e)) from None
         self._barrier()
         return final
+
+    def _publish_written(self, wait: bool) -> None:
+        """Publish the background write once every rank's is done (`wait`: wait for that)."""
+        write, failure = self.background.done(wait)
+        if write is None:
+            return
+        final = step_dir(self.root, write.step)
+        try:
+            if failure is not None:
+                raise self._failed(write.step, write.tmp, failure)
+            self._publish(write.step, write.tmp, final)
+        except (OSError, CheckpointException) as e:
+            raise self._failed(write.step, write.tmp, cause(e)) from None
+        self._barrier()
+
+    def _publish(self, step: int, tmp: Path, final: Path) -> None:
+        """Every rank's files in `tmp` are written: hash them, and make `tmp` checkpoint `final`."""
+        files = digest_files(tmp, self.topo.rank, self.world)
+        if self.topo.rank == 0:
+            publish(tmp, final, self.cfg, step, files, optimizer=True, layout=self._layout(), autotuned=self._autotuned)
+            replace_text(self.root / LATEST, final.name + "\n")
+            self._prune()
+
+    def _failed(self, step: int, tmp: Path, reason: str) -> CheckpointError:
+        kept = [p.name for p in published(self.root) if (p / MANIFEST).exists()]
+        return CheckpointError(f"saving step {step} to {tmp} failed ({reason}); the earlier checkpoints "
+                               f"{kept or '(none)'} are untouched. Free space or fix the permissions of "
+                               f"{self.root}, or set checkpoint.dir elsewhere")
 
     def _mesh_for(self, tensor: torch.Tensor):
         """The mesh to wrap `tensor` on: the topology's, or the same ranks on the tensor's own
@@ -161,23 +203,26 @@ class Checkpointer:
         saved = {k: v for k, v in manifest.get("layout", {}).items() if k not in NOT_LAYOUT}  # older saves
         return saved == json.loads(json.dumps(self._layout()))  # as stored: lists, not tuples
 
-    def _saved_state(self, params, optimizer, stateful: dict, local: dict) -> dict[str, torch.Tensor]:
+    def _saved_state(self, params, optimizer, stateful: dict, local: dict, copy: bool = False) -> dict[str, torch.Tensor]:
         """The flat DCP state of this rank: its boxes of the model and optimizer state, its RNG
-        state, the `stateful` objects' values and its `local` objects' values."""
+        state, the `stateful` objects' values and its `local` objects' values. `copy`: of copies
+        in CPU memory, which training cannot change (a background write's staging)."""
+        own = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach())
         mine = pieces(params, optimizer)
         check_optimizer_covered(optimizer, mine)
         state = {}
         for piece in mine:
             full = spec_of(piece.param)[0].full_shape
-            boxes = chunks(piece, piece.values.detach().reshape(-1))
+            boxes = chunks(piece, own(piece.values).reshape(-1))
             if not boxes:  # this rank's slice lies in the vocabulary padding
                 continue
             state[f"model.{piece.name}"] = logical(boxes, full, self._mesh_for(piece.values))
             for entry, value in optimizer.state.get(piece.values, {}).items():
                 key = f"optim.{piece.name}.{entry}"
                 if value.ndim == 0:
-                    state[key] = value
+                    state[key] = own(value)
                 elif value.numel() == piece.end - piece.start:
+                    value = own(value)
                     state[key] = logical(chunks(piece, value.reshape(-1)), full, self._mesh_for(value))
                 else:
                     raise CheckpointError(f"{key}: optimizer state of shape {tuple(value.shape)} is neither a "
@@ -189,7 +234,7 @@ class Checkpointer:
                 state[f"extra.{name}.{key}"] = _as_tensor(value)
         for name, obj in local.items():
             for key, value in obj.state_dict().items():
-                state[f"local.rank{self.topo.rank}.{name}.{key}"] = value
+                state[f"local.rank{self.topo.rank}.{name}.{key}"] = own(value)
         return state
 
     def _prune(self) -> None:
@@ -303,11 +348,3 @@ def _clear(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink()
-
-
-def _first_line(error: BaseException) -> str:
-    """The cause in a few words: DCP's CheckpointException carries each failed rank's exception."""
-    if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {_first_line(exc)}" for rank, (exc, _) in sorted(error.failures.items()))
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"

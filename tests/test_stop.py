@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tetrad.train.checkpoint import step_dir
@@ -28,16 +29,19 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def tetrad_train(run_dir: Path) -> subprocess.Popen:
+def tetrad_train(run_dir: Path, *extra: str) -> subprocess.Popen:
     """`tetrad train` of the TINY config on dp=2, as a user runs it."""
     args = [f"--{section}.{key}={value}" for section, values in TINY.items() for key, value in values.items()]
-    args += [f"--train.steps={STEPS}", "--train.device=cpu", "--parallel.dp=2", f"--run.dir={run_dir}"]
+    args += [f"--train.steps={STEPS}", "--train.device=cpu", "--parallel.dp=2", f"--run.dir={run_dir}", *extra]
     return subprocess.Popen([sys.executable, "-m", "tetrad", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"})
 
 
-def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path):
-    proc = tetrad_train(tmp_path)
+# With a checkpoint written in the background every step, the stop publishes the one of its step.
+@pytest.mark.parametrize("saving", [(), ("--checkpoint.every=1", "--checkpoint.async_save=true")],
+                         ids=["no-checkpoints", "async-every-step"])
+def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path, saving):
+    proc = tetrad_train(tmp_path, *saving)
     deadline = time.monotonic() + 120
     while len(metrics(tmp_path)) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)
@@ -49,7 +53,7 @@ def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path
     assert f"stopping on SIGTERM after step {reached} of {STEPS}; saved {step_dir(tmp_path / 'checkpoints', reached)}" in out
     assert "Traceback" not in out
 
-    proc = tetrad_train(tmp_path)
+    proc = tetrad_train(tmp_path, *saving)
     out = proc.communicate(timeout=300)[0].decode()
     assert proc.returncode == 0, out
     assert f"(step {reached}); continuing at step {reached + 1}" in out

@@ -75,7 +75,9 @@ def draw_layout(rng: random.Random, model: dict, dtype: str) -> dict:
     need = registry.min_microbatches(p.get("schedule", "1f1b"), dims["pp"], p.get("vpp", 1))
     global_batch = rng.choice([b for b in (4, 8, 16) if b % (micro * dims["dp"]) == 0
                                and b // (micro * dims["dp"]) >= need] or [micro * dims["dp"] * need])
-    return {"parallel": p, "train": {"micro_batch": micro, "global_batch": global_batch, "dtype": dtype}}
+    saving = {"async_save": True} if rng.random() < 0.3 else {}  # written from a thread (background.py)
+    return {"parallel": p, "train": {"micro_batch": micro, "global_batch": global_batch, "dtype": dtype},
+            "checkpoint": saving}
 
 
 def draw_pair(rng: random.Random) -> tuple[dict, dict, dict]:
@@ -99,7 +101,7 @@ def draw_pair(rng: random.Random) -> tuple[dict, dict, dict]:
 def config(model: dict, layout: dict, run_dir: Path, **checkpoint):
     train = {**layout["train"], "steps": STEPS}
     return tiny_config(model=model, parallel=layout["parallel"], train=train, run={"dir": str(run_dir)},
-                       checkpoint=checkpoint)
+                       checkpoint={**layout.get("checkpoint", {}), **checkpoint})
 
 
 def _load_and_save(cfg, path: Path, root: Path):

@@ -2,9 +2,9 @@
 --async-save, torchtitan's async mode).
 
 The rank's state is copied into CPU memory while the step waits (the only cost on the step), then
-DCP's `async_save` writes it from a thread. The publish protocol (package docstring) is unchanged:
-the folder stays `.partial` until every rank's files are written, then the ranks hash them and
-rank 0 publishes. The ranks agree that every write is done at the end of a step (`done`, one
+DCP's `async_save` writes it from a thread, and another hashes the rank's share of the files. The
+publish protocol (package docstring) is unchanged: the folder stays `.partial` until every rank's
+files are written and hashed, then rank 0 publishes. The ranks agree that every write is done at the end of a step (`done`, one
 all-reduce of two numbers while a write is pending), so a kill during the write leaves the
 previous checkpoint the newest published one. One write is in flight at a time: a save due
 before the last is published waits for it.
@@ -16,7 +16,7 @@ thread, and never meets them.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +27,13 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from tetrad.train.checkpoint.store import digest_share
+
 
 @dataclass
 class Write:
-    """A checkpoint being written: its step, its `.partial` folder, and DCP's future."""
+    """A checkpoint being written: its step, its `.partial` folder, and the future of the write
+    then of this rank's share of the hashes (store.digest_share), whose result is that share."""
 
     step: int
     tmp: Path
@@ -40,16 +43,25 @@ class Write:
 class BackgroundWrites:
     """This rank's checkpoint writes in flight (at most one); every method is collective."""
 
-    def __init__(self, distributed: bool):
+    def __init__(self, rank: int, world: int, distributed: bool):
+        self.rank, self.world = rank, world
         self.writing_group = dist.new_group(backend="gloo") if distributed else None
         self.asking_group = dist.new_group(backend="gloo") if distributed else None
+        self.hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tetrad-checkpoint-hash")
         self.pending: Write | None = None
 
     def start(self, step: int, tmp: Path, state: dict) -> None:
-        """Write `state`, copies in CPU memory that training cannot change, into `tmp` from a thread."""
-        future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.writing_group,
-                                no_dist=self.writing_group is None, async_stager=_AlreadyStaged())
-        self.pending = Write(step, tmp, future)
+        """Write `state`, copies in CPU memory that training cannot change, into `tmp` from a
+        thread, then hash this rank's share of the files from another."""
+        written = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.writing_group,
+                                 no_dist=self.writing_group is None, async_stager=_AlreadyStaged())
+        self.pending = Write(step, tmp, self.hashing.submit(self._hash_when_written, written, tmp))
+
+    def _hash_when_written(self, written: Future, tmp: Path) -> dict:
+        """DCP's write ends with a collective over every rank's (its metadata file is written by
+        then): when this rank's is done, every file is, and its share can be hashed."""
+        written.result()
+        return digest_share(tmp, self.rank, self.world)
 
     def done(self, wait: bool) -> tuple[Write | None, str | None]:
         """(the pending write, None) once every rank's has finished, (None, None) while some rank's

@@ -50,7 +50,8 @@ class Checkpointer:
         self._chosen: tuple[Path | None, dict | None] | None = None  # what `choose` chose
         self._autotuned: dict = {}  # what "auto" in [parallel] resolved to (resolve_auto): in each manifest
         self._meshes = {} if topo.mesh is None else {topo.mesh.device_type: topo.mesh}
-        self.background = BackgroundWrites(topo.distributed) if cfg.checkpoint.async_save else None
+        self.background = BackgroundWrites(topo.rank, self.world, topo.distributed) if cfg.checkpoint.async_save \
+            else None
 
     @classmethod
     def for_run(cls, cfg, topo, run_dir: Path) -> "Checkpointer":
@@ -61,11 +62,11 @@ class Checkpointer:
         """Apply `checkpoint.resume`; return the step to continue from (0: a fresh start). Rank 0
         drops the metrics lines of steps after it, so a resumed run reads as never interrupted;
         a fresh start refuses to erase an earlier run's metrics."""
-        resume, rank = self.cfg.checkpoint.resume, self.topo.rank
+        rank = self.topo.rank
         path, manifest = self.choose()
         if path is None:
             if rank == 0:
-                recovery.refuse_overwriting_history(metrics, self.cfg.checkpoint.every if resume == "auto" else 0)
+                recovery.refuse_overwriting_history(metrics, recovery.first_publish_by(self.cfg))
             self._barrier()
             return 0
         step = self._load_verified(path, manifest, params, optimizer, stateful or {}, local or {})
@@ -164,14 +165,15 @@ class Checkpointer:
         try:
             if failure is not None:
                 raise self._failed(write.step, write.tmp, failure)
-            self._publish(write.step, write.tmp, final)
+            self._publish(write.step, write.tmp, final, write.future.result())
         except (OSError, CheckpointException) as e:
             raise self._failed(write.step, write.tmp, cause(e)) from None
         self._barrier()
 
-    def _publish(self, step: int, tmp: Path, final: Path) -> None:
-        """Every rank's files in `tmp` are written: hash them, and make `tmp` checkpoint `final`."""
-        files = digest_files(tmp, self.topo.rank, self.world)
+    def _publish(self, step: int, tmp: Path, final: Path, hashed: dict | None = None) -> None:
+        """Every rank's files in `tmp` are written: hash them (`hashed`: this rank's share, done
+        already), and make `tmp` checkpoint `final`."""
+        files = digest_files(tmp, self.topo.rank, self.world, hashed)
         if self.topo.rank == 0:
             publish(tmp, final, self.cfg, step, files, optimizer=True, layout=self._layout(), autotuned=self._autotuned)
             replace_text(self.root / LATEST, final.name + "\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tetrad.config import Config, ConfigError
 from tetrad.model.flops import parameter_count
-from tetrad.train.checkpoint.recovery import refuse_later, refuse_overwriting_history
+from tetrad.train.checkpoint.recovery import first_publish_by, refuse_later, refuse_overwriting_history
 from tetrad.train.checkpoint.store import MANIFEST, CheckpointError, check_model, published, read_manifest, resolve
 
 PROBE_BYTES = 1 << 20
@@ -46,7 +46,7 @@ def _resume_target(cfg: Config, root: Path, metrics: Path) -> Path | None:
     if resume == "never":
         refuse_later(root, 0, "checkpoint.resume='never'")
     if resume == "never" or not any((p / MANIFEST).exists() for p in published(root)):
-        refuse_overwriting_history(metrics, cfg.checkpoint.every if resume == "auto" else 0)
+        refuse_overwriting_history(metrics, first_publish_by(cfg))
         return None
     _same_model(cfg, resolve(root))
     return resolve(root)

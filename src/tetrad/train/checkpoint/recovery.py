@@ -103,12 +103,20 @@ def history_steps(metrics: Path) -> list[int]:
     return steps
 
 
-def refuse_overwriting_history(metrics: Path, every: int) -> None:
+def first_publish_by(cfg) -> int:
+    """The step by which a run has published its first checkpoint (0: none it resumes): the
+    first save's step, `checkpoint.every`, or, written in the background, up to `every` steps
+    after it (the write is published at a later step's end, at the latest at the next save)."""
+    every = cfg.checkpoint.every if cfg.checkpoint.resume == "auto" else 0
+    return every * (2 if cfg.checkpoint.async_save else 1)
+
+
+def refuse_overwriting_history(metrics: Path, own_until: int) -> None:
     """A run that starts at step 0 must not erase an earlier run's metrics. History that ends by
-    the first checkpoint step (`every`) is this run's own, killed before its first save finished:
-    restarting from 0 is then a resume from step 0."""
+    `own_until` (first_publish_by) is this run's own, killed before its first checkpoint was
+    published: restarting from 0 is then a resume from step 0."""
     steps = history_steps(metrics)
-    if steps and not (every and max(steps) <= every):
+    if steps and not (own_until and max(steps) <= own_until):
         raise CheckpointError(f"{metrics} holds {len(steps)} steps of an earlier run and this run starts afresh "
                               f"(no checkpoint to resume); use a new run.dir, or move {metrics} away")
 

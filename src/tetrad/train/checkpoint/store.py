@@ -146,10 +146,16 @@ def _share_of(names: list[str], rank: int, world: int) -> list[str]:
     return sorted(names)[rank::world]
 
 
-def digest_files(folder: Path, rank: int, world: int) -> dict[str, dict]:
+def digest_share(folder: Path, rank: int, world: int) -> dict[str, dict]:
+    """Size and SHA-256 of this rank's share of the files in `folder` (every rank's are written)."""
     names = [p.name for p in folder.iterdir() if p.is_file()]
-    mine = {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)}
-            for n in _share_of(names, rank, world)}
+    return {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)} for n in _share_of(names, rank, world)}
+
+
+def digest_files(folder: Path, rank: int, world: int, mine: dict | None = None) -> dict[str, dict]:
+    """Size and SHA-256 of every file in `folder`, each rank hashing its share (collective);
+    `mine`: this rank's share, hashed already (a background write's thread did)."""
+    mine = digest_share(folder, rank, world) if mine is None else mine
     return {k: v for part in all_gather(mine, world) for k, v in part.items()}
 
 

@@ -11,7 +11,7 @@ from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
 from tetrad.train.trainer import Trainer
 
-from conftest import run_ranks, tiny_config, train_layout
+from conftest import rank_histories, run_ranks, tiny_config, train_layout
 
 LAYOUTS = [{"tp": 2, "sequence_parallel": True}, {"dp": 2, "zero": 3}, {"cp": 2}, {"cp": 2, "cp_algo": "alltoall"},
            {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {"tp": 2, "sequence_parallel": True, "sp_regather": True}]
@@ -63,14 +63,6 @@ def test_cpu_memory_estimate_within_15_percent(parallel):
         assert 0.85 * predicted <= measured <= (1 + above) * predicted, (predicted, measured)
 
 
-def _counted(cfg):
-    """(pipeline rank, the last step's counted memory: model states from the tensors, peak saved
-    activations from autograd's hooks)."""
-    trainer = Trainer(cfg, torch.device("cpu"))
-    record = trainer.fit()[-1]["memory_bytes"]
-    return trainer.topo.coords["pp"], record
-
-
 # Counted memory (not the resident set): every layout the runtime has, against the planner's parts
 # for the same rank. `other` (buffers, fragmentation) is an allowance with nothing to count it
 # against, so it is left out of both sides.
@@ -89,7 +81,10 @@ def test_counted_memory_matches_the_estimate_within_15_percent(parallel, train):
                       parallel=parallel, train={"steps": 2, "device": "cpu", "warmup": 1, "micro_batch": 2,
                                                 "global_batch": 8 * parallel.get("dp", 1), **train})
     est = estimate(cfg, load_cluster("cpu"))
-    for pp_rank, got in run_ranks(_counted, cfg.parallel.world_size, cfg):
+    # The last step's counted memory: model states from the tensors, peak saved activations
+    # from autograd's hooks.
+    for coords, history in rank_histories(cfg):
+        pp_rank, got = coords["pp"], history[-1]["memory_bytes"]
         want = est.memory_by_rank[pp_rank]
         measured = got["params"] + got["grads"] + got["optimizer"] + got["activations"]
         predicted = want.weights + want.grads + want.optimizer + want.activations

@@ -81,17 +81,22 @@ def _pp_bytes(cfg: Config) -> float:
 
 
 def _cp_bytes(cfg: Config) -> float:
-    """Ring: K/V cp-1 times forward (again under full or per-op recompute); backward K/V cp-1 times and the
-    fp32 dK/dV cp times. All-to-all: q, k, v to heads and the output back, each way."""
+    """Ring: K/V cp-1 times forward (again under any recompute: selective recomputes the
+    attention core, which holds the ring); backward K/V cp-1 times and the fp32 dK/dV cp times.
+    All-to-all: q, k, v to heads and the output back, each way; full and per-op recompute repeat
+    all four, selective q, k and v (its recompute stops at the attention kernel's saved outputs,
+    before the output's all-to-all)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e, tokens = activation_bytes(t.dtype), _tokens(cfg)
-    forwards = 2 if t.recompute in ("full", "selective-op") else 1
     per_micro = cfg.microbatches * rank_layers(cfg)[0]
     kv = 2 * tokens * m.n_kv_heads // p.tp * m.head_dim
     if p.cp_algo == "ring":
+        forwards = 1 if t.recompute == "none" else 2
         return per_micro * ((p.cp - 1) * kv * e * forwards + (p.cp - 1) * kv * e + p.cp * kv * 4)
-    qkvo = tokens * (2 * m.n_heads + 2 * m.n_kv_heads) // p.tp * m.head_dim * e
-    return per_micro * qkvo * (forwards + 1)
+    qkv = tokens * (m.n_heads + 2 * m.n_kv_heads) // p.tp * m.head_dim * e
+    out = tokens * m.n_heads // p.tp * m.head_dim * e
+    recomputed = {"none": 0, "selective": qkv, "full": qkv + out, "selective-op": qkv + out}[t.recompute]
+    return per_micro * (2 * (qkv + out) + recomputed)
 
 
 def _dp_bytes(cfg: Config) -> float:

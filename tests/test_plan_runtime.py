@@ -13,13 +13,16 @@ from tetrad.train.trainer import Trainer
 
 from conftest import rank_histories, run_ranks, tiny_config, train_layout
 
-# (parallel, train): selective recompute repeats cp's collectives inside the attention core
-# (tools/fuzz_estimate.py found it).
+# (parallel, train). tools/fuzz_estimate.py found: selective recompute repeats cp's collectives
+# inside the attention core; hierarchical reduction within a node (ranks_per_node 2: intra 2,
+# inter 1) and across two (dp 4: intra 2, inter 2).
 LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}), ({"dp": 2, "zero": 3}, {}), ({"cp": 2}, {}),
            ({"cp": 2, "cp_algo": "alltoall"}, {}), ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}),
            ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {}), ({"cp": 2}, {"recompute": "selective"}),
            ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "selective"}),
-           ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "full"})]
+           ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "full"}),
+           ({"dp": 2, "zero": 1, "hierarchical": True, "ranks_per_node": 2}, {}),
+           ({"dp": 4, "hierarchical": True, "ranks_per_node": 2}, {"micro_batch": 1, "global_batch": 8})]
 
 
 def _name(parallel: dict) -> str:

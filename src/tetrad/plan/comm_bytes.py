@@ -8,6 +8,7 @@ import math
 from tetrad.config import Config
 from tetrad.config.sections import bucket_bytes
 from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec, powersgd_shape
+from tetrad.dist.layout import GRAD_DIMS, Layout
 from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers
 from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param
@@ -108,15 +109,27 @@ def _dp_bytes(cfg: Config) -> float:
     w = state_bytes_per_param(cfg.train.dtype)[0]
     params = rank_params(cfg)[0]
     if p.zero == 0:
-        grads = gradient_reduce_bytes(cfg, params)
+        grads = _all_reduce_bytes(cfg, params)
     elif p.zero == 1:  # the updated shards gathered over whole (int8: padded) buckets
-        grads = gradient_reduce_bytes(cfg, params) + _int8_padded(cfg, params) * w
+        grads = _all_reduce_bytes(cfg, params) + _int8_padded(cfg, params) * w
     elif p.zero == 2:
         grads = params * (micro * 4 + w)
     else:
         block = rank_layers(cfg)[0] * (flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m))
         grads = micro * 2 * block * w + (params - block) * w + micro * params * 4
     return grads + STEP_SUMS
+
+
+def _all_reduce_bytes(cfg: Config, params: float) -> float:
+    """The ZeRO-0/1 gradient all-reduce: flat (gradient_reduce_bytes), or with `hierarchical`
+    (dist/hierarchical.py) a reduce-scatter and an all-gather over rank 0's node and an
+    all-reduce of its 1/k shard between nodes, each skipped over a group of one rank."""
+    p = cfg.parallel
+    if p.hierarchical is not True:  # "auto" resolves by measuring: counted flat, as the time model does
+        return gradient_reduce_bytes(cfg, params)
+    intra, inter = (next(len(g) for g in half if 0 in g)
+                    for half in Layout.of(p).split_by_node(GRAD_DIMS, p.ranks_per_node))
+    return params * 4 * (2 * (intra > 1) + (inter > 1) / intra)
 
 
 def gradient_reduce_bytes(cfg: Config, params: float, plain: float = 4) -> float:

@@ -13,25 +13,26 @@ from tetrad.train.trainer import Trainer
 
 from conftest import rank_histories, run_ranks, tiny_config, train_layout
 
-# (parallel, train). tools/fuzz_estimate.py found: selective recompute repeats cp's collectives
-# inside the attention core; hierarchical reduction within a node (ranks_per_node 2: intra 2,
-# inter 1) and across two (dp 4: intra 2, inter 2).
-LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}), ({"dp": 2, "zero": 3}, {}), ({"cp": 2}, {}),
-           ({"cp": 2, "cp_algo": "alltoall"}, {}), ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}),
-           ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {}), ({"cp": 2}, {"recompute": "selective"}),
-           ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "selective"}),
-           ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "full"}),
-           ({"dp": 2, "zero": 1, "hierarchical": True, "ranks_per_node": 2}, {}),
-           ({"dp": 4, "hierarchical": True, "ranks_per_node": 2}, {"micro_batch": 1, "global_batch": 8})]
+# (parallel, train, model). tools/fuzz_estimate.py found: selective recompute repeats cp's
+# collectives inside the attention core; hierarchical reduction within a node (ranks_per_node 2:
+# intra 2, inter 1) and across two (dp 4: intra 2, inter 2); a vocabulary padded to tp rows.
+LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}, {}, {}), ({"cp": 2}, {}, {}),
+           ({"cp": 2, "cp_algo": "alltoall"}, {}, {}), ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}, {}),
+           ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {}, {}),
+           ({"cp": 2}, {"recompute": "selective"}, {}), ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "selective"}, {}),
+           ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "full"}, {}),
+           ({"dp": 2, "zero": 1, "hierarchical": True, "ranks_per_node": 2}, {}, {}),
+           ({"dp": 4, "hierarchical": True, "ranks_per_node": 2}, {"micro_batch": 1, "global_batch": 8}, {}),
+           ({"dp": 2, "tp": 2, "zero": 1}, {}, {"vocab_size": 257}), ({"dp": 2, "tp": 2, "zero": 2}, {}, {"vocab_size": 251})]
 
 
 def _name(parallel: dict) -> str:
     return "-".join(f"{k}{v}" for k, v in parallel.items())
 
 
-@pytest.mark.parametrize("parallel,train", LAYOUTS, ids=lambda p: _name(p) or "-")
-def test_comm_bytes_equal_the_runtime_count(parallel, train):
-    cfg = tiny_config(parallel=parallel, train={"steps": 2, "device": "cpu", **train})
+@pytest.mark.parametrize("parallel,train,model", LAYOUTS, ids=lambda p: _name(p) or "-")
+def test_comm_bytes_equal_the_runtime_count(parallel, train, model):
+    cfg = tiny_config(parallel=parallel, train={"steps": 2, "device": "cpu", **train}, model=model)
     _, _, history = train_layout(cfg)
     assert all(r["comm_bytes"] == comm_bytes_per_step(cfg) for r in history)
 

@@ -11,7 +11,7 @@ from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec, powersgd_s
 from tetrad.dist.layout import GRAD_DIMS, Layout
 from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers
-from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param
+from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param, vocab_shard
 
 # The step's numbers that need the whole job: one all-reduce of 5 fp32 (squared gradient norm,
 # loss, a flag per stop signal) over dp, tp and pp (train/trainer.py's _step_sums).
@@ -77,7 +77,7 @@ def _pp_bytes(cfg: Config) -> float:
     sent = _hidden(cfg) / (p.tp if p.sequence_parallel else 1)
     out = cfg.microbatches * (2 * p.vpp - 1) * sent + STEP_SUMS
     if m.tie_embeddings:
-        out += 4 * math.ceil(m.vocab_size / p.tp) * m.d_model / (p.dp * p.cp if p.zero >= 2 else 1)
+        out += 4 * vocab_shard(m, p.tp) * m.d_model / (p.dp * p.cp if p.zero >= 2 else 1)
     return out
 
 

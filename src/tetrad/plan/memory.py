@@ -16,6 +16,7 @@ dropout, GELU and materialised scores they are exactly sbh(34 + 5as/h) per layer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from tetrad.config import Config, ModelConfig
@@ -93,16 +94,22 @@ def model_state_bytes(params: float, zero: int, shards: int,
 
 # ----------------------------------------------------------------------------- what a rank holds
 
+def vocab_shard(m: ModelConfig, tp: int) -> int:
+    """Vocabulary rows on one tp rank: the vocabulary is padded to a multiple of tp
+    (layers.VocabParallelEmbedding)."""
+    return math.ceil(m.vocab_size / tp)
+
+
 def rank_params(cfg: Config) -> list[float]:
     """Parameters each pipeline rank holds on one tp rank: its layers' linears split over tp,
     their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
-    the head on the last (its own head unless tied on a single stage)."""
+    the head on the last (its own head unless tied on a single stage), both padded to tp rows."""
     m, p = cfg.model, cfg.parallel
     per_layer = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
     params = [n * per_layer for n in rank_layers(cfg)]
-    params[0] += m.vocab_size * m.d_model / p.tp + (m.seq_len * m.d_model if m.pos == "learned" else 0)
+    params[0] += vocab_shard(m, p.tp) * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
     separate = not m.tie_embeddings or p.pp * p.vpp > 1
-    params[-1] += flops.head_params(m, separate=False) + (m.vocab_size * m.d_model / p.tp if separate else 0)
+    params[-1] += flops.head_params(m, separate=False) + (vocab_shard(m, p.tp) * m.d_model if separate else 0)
     return params
 
 
@@ -191,7 +198,7 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     # Without tp, torch's cross-entropy takes an fp32 copy of 16-bit logits while they are still
     # held, beside its fp32 log-softmax: the logits once more (seen on an H200, docs/gpu.md).
     logit_bytes = 8 + (e if p.tp == 1 and e < 4 else 0)
-    head = loss_waiting * (2 * hidden + logit_bytes * tokens * m.vocab_size / p.tp)
+    head = loss_waiting * (2 * hidden + logit_bytes * tokens * vocab_shard(m, p.tp))
     params = rank_params(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
@@ -225,7 +232,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float, rank
     if p.dp * p.cp > 1 and p.zero == 2:  # a parameter larger than the bucket size is a bucket alone:
         # the vocabulary matrices (the embedding on the first stage, the head on the last) are
         # only where they are, the layers' largest matrix anywhere
-        vocab = 4 * m.d_model * m.vocab_size / p.tp
+        vocab = 4 * m.d_model * vocab_shard(m, p.tp)
         head = rank == p.pp - 1 and (not m.tie_embeddings or p.pp * p.vpp > 1)
         largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * m.ffn_hidden / p.tp] * 2
         out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * params)

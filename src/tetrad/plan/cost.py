@@ -87,7 +87,7 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     """Predict one layout on `cluster` under software `stack` (stacks.py; default tetrad itself).
     `simulate_pipeline=False` gives a lower bound of the step time instead, without simulating:
     the pipeline's critical path and no data-parallel exposure (the search prunes with it)."""
-    stack = as_run(cfg, load_stack(stack) if isinstance(stack, str) else stack)
+    stack = as_run(cfg, load_stack(stack) if isinstance(stack, str) else stack, cluster.gpu.is_cpu)
     asked = cfg
     if stack.zero3_held_under_pp and cfg.parallel.zero == 3 and cfg.parallel.pp > 1:
         cfg = replace(cfg, parallel=replace(cfg.parallel, zero=1))

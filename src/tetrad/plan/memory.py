@@ -45,12 +45,15 @@ GPU_RESERVED_GIB = 1.0
 CPU_RANK_BASELINE_BYTES = 60 * 1024**2
 
 
-def as_run(cfg: Config, stack: Stack) -> Stack:
+def as_run(cfg: Config, stack: Stack, is_cpu: bool = False) -> Stack:
     """`stack` as `cfg` runs it: tetrad with `train.compile` is the `tetrad-compiled` stack, and
     tetrad's own stacks keep sequence parallelism's gathered input for backward unless
-    `parallel.sp_regather` (model/mappings.py); other stacks do as they do."""
+    `parallel.sp_regather` (model/mappings.py); other stacks do as they do. On CPU torch has no
+    fused RMSNorm: the composite runs (measured with autograd's saved-tensor hooks, torch 2.13)."""
     if cfg.train.compile and stack.name == "tetrad":
         stack = STACKS["tetrad-compiled"]
+    if is_cpu:
+        stack = replace(stack, fused_rms_norm=False)
     if cfg.parallel.sp_regather and stack.name.startswith("tetrad"):
         return replace(stack, sp_saves_gathered_input=False)
     return stack
@@ -73,6 +76,10 @@ class Memory:
     optimizer: float
     activations: float
     other: float
+    # The part of `activations` alive at the peak but not saved for backward: the layer a
+    # recompute rebuilds during its backward, the logits' gradient (and the fp32 copy of 16-bit
+    # logits without tp). The rest is what autograd saves (train/memory.py counts that).
+    transient: float = 0.0
 
     @property
     def total(self) -> float:
@@ -113,12 +120,19 @@ def rank_params(cfg: Config) -> list[float]:
     return params
 
 
+def norm_saved_bytes(m: ModelConfig, tokens: int, e: int, stack: Stack) -> float:
+    """Bytes one norm keeps for backward over `tokens` tokens: its input, or under the composite
+    RMSNorm (Stack.fused_rms_norm) two fp32 tensors."""
+    return tokens * m.d_model * (e if m.norm == "layernorm" or stack.fused_rms_norm else 8)
+
+
 def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, recompute: str, e: int,
                                stack: Stack) -> float:
     """Bytes one layer keeps for its backward, for one micro-batch of `tokens` tokens on this
     rank (micro_batch x seq_len / cp), `e` bytes per activation element."""
     div = tp if sp else 1
     hidden = tokens * m.d_model * e
+    norm_input = norm_saved_bytes(m, tokens, e, stack)
     if recompute == "full":
         return hidden / div  # only the layer's input (Korthikanti: 2sbh in 16 bit)
     q, kv = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp
@@ -131,7 +145,7 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after
     # attention and MLP; the attention and MLP inputs (norm outputs) too, unless the stack keeps
     # them all-gathered under SP.
-    norms = 2 * hidden + (2 * tokens * m.d_model if dropout else 0)
+    norms = 2 * norm_input + (2 * tokens * m.d_model if dropout else 0)
     inputs = 2 * hidden / (1 if sp and stack.sp_saves_gathered_input else div)
     replicated = norms / div + inputs
     # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
@@ -160,7 +174,7 @@ def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e
     return tokens * e * (inputs + grads)
 
 
-def after_bi_weight(cfg: Config, stack: Stack) -> float:
+def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
     """Under zero-bubble, a layer's held memory between BI and BW in units of its activation set
     (what `peak_held` weighs); 1.0 for schedules without a split backward."""
     if not schedule_spec(cfg.parallel.schedule).splits_backward:
@@ -168,7 +182,7 @@ def after_bi_weight(cfg: Config, stack: Stack) -> float:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * m.seq_len // p.cp
     e = activation_bytes(t.dtype)
-    stack = as_run(cfg, stack)
+    stack = as_run(cfg, stack, is_cpu)
     full = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
 
@@ -183,7 +197,7 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     e = activation_bytes(t.dtype)
     tokens = t.micro_batch * m.seq_len // p.cp
     hidden = tokens * m.d_model * e
-    stack = as_run(cfg, stack)
+    stack = as_run(cfg, stack, is_cpu)
     per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     rebuilt = 0.0
     if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward,
@@ -198,7 +212,9 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     # Without tp, torch's cross-entropy takes an fp32 copy of 16-bit logits while they are still
     # held, beside its fp32 log-softmax: the logits once more (seen on an H200, docs/gpu.md).
     logit_bytes = 8 + (e if p.tp == 1 and e < 4 else 0)
-    head = loss_waiting * (2 * hidden + logit_bytes * tokens * vocab_shard(m, p.tp))
+    logits = tokens * vocab_shard(m, p.tp)
+    head = loss_waiting * (norm_saved_bytes(m, tokens, e, stack) + hidden + logit_bytes * logits)
+    head_transient = loss_waiting * (logit_bytes - 4) * logits  # all but the softmax
     params = rank_params(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
@@ -214,7 +230,8 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
         # Communication buffers are transient, not activations kept for backward: with the
         # allocator's fragmentation they make up `other`.
         other = buffers + root + FRAGMENTATION * (acts + buffers + root) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)
-        out.append(Memory(weights, grads, optimizer, acts, other))
+        transient = rebuilt + (head_transient if r == p.pp - 1 else 0.0)
+        out.append(Memory(weights, grads, optimizer, acts, other, transient))
     return out
 
 

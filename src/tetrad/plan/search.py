@@ -198,6 +198,6 @@ def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack):
     waiting = loss_waiting(layout.schedule, layout.pp, micro, layout.vpp)
     for zero in zeros:
         cfg = config_of(base, layout, zero)
-        held = inflight(layout.schedule, layout.pp, micro, layout.vpp, after_bi_weight(cfg, stack))
+        held = inflight(layout.schedule, layout.pp, micro, layout.vpp, after_bi_weight(cfg, stack, cluster.gpu.is_cpu))
         peak = max(x.total for x in memory_by_rank(cfg, stack, held, waiting, cluster.gpu.is_cpu)) / GIB
         yield cfg, peak, zero == zeros[-1]

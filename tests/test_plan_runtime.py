@@ -15,7 +15,8 @@ from conftest import rank_histories, run_ranks, tiny_config, train_layout
 
 # (parallel, train, model). tools/fuzz_estimate.py found: selective recompute repeats cp's
 # collectives inside the attention core; hierarchical reduction within a node (ranks_per_node 2:
-# intra 2, inter 1) and across two (dp 4: intra 2, inter 2); a vocabulary padded to tp rows.
+# intra 2, inter 1) and across two (dp 4: intra 2, inter 2); a vocabulary padded to tp rows;
+# recompute under residual dropout repeating the layer's last tp reduction (the mask follows it).
 LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}, {}, {}), ({"cp": 2}, {}, {}),
            ({"cp": 2, "cp_algo": "alltoall"}, {}, {}), ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}, {}),
            ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {}, {}),
@@ -23,7 +24,9 @@ LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}
            ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "full"}, {}),
            ({"dp": 2, "zero": 1, "hierarchical": True, "ranks_per_node": 2}, {}, {}),
            ({"dp": 4, "hierarchical": True, "ranks_per_node": 2}, {"micro_batch": 1, "global_batch": 8}, {}),
-           ({"dp": 2, "tp": 2, "zero": 1}, {}, {"vocab_size": 257}), ({"dp": 2, "tp": 2, "zero": 2}, {}, {"vocab_size": 251})]
+           ({"dp": 2, "tp": 2, "zero": 1}, {}, {"vocab_size": 257}), ({"dp": 2, "tp": 2, "zero": 2}, {}, {"vocab_size": 251}),
+           ({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"dropout": 0.1}),
+           ({"tp": 2}, {"recompute": "selective-op"}, {"dropout": 0.1})]
 
 
 def _name(parallel: dict) -> str:

@@ -53,10 +53,11 @@ def _tp_bytes(cfg: Config) -> float:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
     per_layer = 2 * hidden * (2 if sp else 1)
-    # Full and per-op recompute repeat the layer's forward up to its last saved tensor (the MLP's output
-    # projection input): torch's non-reentrant checkpoint stops there, before the final
-    # row-parallel all-reduce / reduce-scatter.
-    recomputed = per_layer - hidden if t.recompute in ("full", "selective-op") else 0
+    # Full and per-op recompute repeat the layer's forward up to its last saved tensor: torch's
+    # non-reentrant checkpoint stops there. That is the MLP's output projection input, before the
+    # final row-parallel all-reduce / reduce-scatter, or with residual dropout its mask, after it.
+    last = 0 if m.dropout > 0 else hidden
+    recomputed = per_layer - last if t.recompute in ("full", "selective-op") else 0
     per_micro = layers * (2 * per_layer + recomputed) + hidden * (2 if sp else 1)
     if p.pp == 1:
         per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4

@@ -189,8 +189,8 @@ def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
 
 def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_waiting: float,
                    is_cpu: bool) -> list[Memory]:
-    """Peak bytes of one GPU of each pipeline rank, whose schedule keeps inflight[rank]
-    (micro-batch, chunk) activation sets alive at once (the pipeline simulator's count, with
+    """Peak bytes of one GPU of each pipeline rank, whose schedule keeps inflight[rank] layers'
+    activation sets alive at once (the pipeline simulator's count, weighed by chunk_layers, with
     zero-bubble's BI-to-BW remainders weighed by `after_bi_weight`) and `loss_waiting`
     micro-batches' head outputs on the last stage."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -226,7 +226,7 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
             root = (params[r] - layers * layer_params) * (per_param[0] + 4)
-        acts = per_layer * layers / p.vpp * inflight[r] + rebuilt + (head if r == p.pp - 1 else 0.0)
+        acts = per_layer * inflight[r] + rebuilt + (head if r == p.pp - 1 else 0.0)
         # Communication buffers are transient, not activations kept for backward: with the
         # allocator's fragmentation they make up `other`.
         other = buffers + root + FRAGMENTATION * (acts + buffers + root) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)

@@ -89,6 +89,8 @@ COUNTED_LAYOUTS = [(parallel, train, {}) for parallel, train in [
 # Interleaved chunks of unequal size: rank 0 holds more sets of its 3-layer chunk than of its
 # 1-layer one (13 layers' sets at its peak, not 10 for two 2-layer chunks).
 COUNTED_LAYOUTS += [({"pp": 2, "vpp": 2, "schedule": "interleaved", "stage_layers": [3, 1, 1, 1]}, {}, {"n_layers": 6})]
+# SP with full recompute: the final norm's input is a sequence chunk, a large share of little.
+COUNTED_LAYOUTS += [({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {})]
 
 
 @pytest.mark.parametrize("parallel,train,model", COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")

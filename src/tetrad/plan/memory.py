@@ -207,13 +207,14 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
         if schedule_spec(p.schedule).splits_backward:
             counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
         rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack) - counted
-    # Final norm and head inputs; the fp32 softmax of the vocab-parallel cross-entropy and the
+    # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered); the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
     # Without tp, torch's cross-entropy takes an fp32 copy of 16-bit logits while they are still
     # held, beside its fp32 log-softmax: the logits once more (seen on an H200, docs/gpu.md).
     logit_bytes = 8 + (e if p.tp == 1 and e < 4 else 0)
     logits = tokens * vocab_shard(m, p.tp)
-    head = loss_waiting * (norm_saved_bytes(m, tokens, e, stack) + hidden + logit_bytes * logits)
+    final_norm = norm_saved_bytes(m, tokens, e, stack) / (p.tp if p.sequence_parallel else 1)  # SP: a chunk
+    head = loss_waiting * (final_norm + hidden + logit_bytes * logits)
     head_transient = loss_waiting * (logit_bytes - 4) * logits  # all but the softmax
     params = rank_params(cfg)
     per_param = state_bytes_per_param(t.dtype)

@@ -59,6 +59,17 @@ def train_layout(cfg, transport=None, timeout_s: float = DEADLINE_S, trainer_cla
     return results[0][0], state, results[0][2]
 
 
+def _fit_rank(cfg):
+    trainer = Trainer(cfg, torch.device("cpu"))
+    return dict(trainer.topo.coords), trainer.fit()
+
+
+def rank_histories(cfg, timeout_s: float = DEADLINE_S) -> list[tuple[dict, list[dict]]]:
+    """Train `cfg` on its ranks; every rank's (coordinates {"dp", "tp", "pp", "cp"}, history):
+    what the planner's per-rank figures are compared with (memory_bytes, comm_bytes)."""
+    return run_ranks(_fit_rank, cfg.parallel.world_size, cfg, timeout_s=timeout_s)
+
+
 def grad_norms(history) -> torch.Tensor:
     """Per-step global gradient norms before clipping (every rank reports the same number)."""
     return torch.tensor([r["grad_norm"] for r in history], dtype=torch.float64)

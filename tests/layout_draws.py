@@ -9,6 +9,8 @@ them with one line that names the fix)."""
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Iterator
 
 from conftest import tiny_config
 from tetrad.config import ConfigError
@@ -30,6 +32,22 @@ def factor(world: int, rng: random.Random) -> dict:
         sizes[rng.choice(list(sizes))] *= 2
         world //= 2
     return sizes
+
+
+def seeds(first: int, count: int, budget_s: float) -> Iterator[int]:
+    """The fuzzers' seeds from `first`, `count` of them, none started after `budget_s` seconds."""
+    start = time.perf_counter()
+    for seed in range(first, first + count):
+        if time.perf_counter() - start > budget_s:
+            print(f"budget spent; next seed {seed}", flush=True)
+            return
+        yield seed
+
+
+def uneven_split(n_layers: int, stages: int, rng: random.Random) -> list[int]:
+    """Layers of each of `stages` pipeline stages (parallel.stage_layers), cut at random."""
+    cuts = sorted(rng.sample(range(1, n_layers), stages - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [n_layers])]
 
 
 def draw(seed: int) -> dict:
@@ -70,8 +88,7 @@ def draw(seed: int) -> dict:
     if rng.random() < 0.2:
         model.update(norm="layernorm", mlp="gelu", pos="learned")
     if stages > 1 and rng.random() < 0.15 and model["n_layers"] > stages:
-        cuts = sorted(rng.sample(range(1, model["n_layers"]), stages - 1))
-        par["stage_layers"] = [b - a for a, b in zip([0] + cuts, cuts + [model["n_layers"]])]
+        par["stage_layers"] = uneven_split(model["n_layers"], stages, rng)
     micro = rng.choice([1, 1, 2, 4])
     need = par["pp"] * (2 if schedule == "interleaved" else 1)
     m = rng.choice([1, 2, 3, 4]) if par["pp"] == 1 else rng.choice([need, need, need + 1, 2 * need])

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import assert_parity, grad_norms, tiny_config, train_layout  # noqa: E402
-from layout_draws import draw, parity_atol, reference_of, resume_pair  # noqa: E402
+from layout_draws import draw, parity_atol, reference_of, resume_pair, seeds  # noqa: E402
 from tetrad.config import ConfigError  # noqa: E402
 from tetrad.parallel.pipeline.registry import check_config as check_pipeline  # noqa: E402
 
@@ -187,12 +187,8 @@ def main() -> None:
     ap.add_argument("--dropout", action="store_true", help="dropout: recompute against none, same layout")
     args = ap.parse_args()
     refs: dict = {}
-    start = time.perf_counter()
     with open(args.out, "a") as out:
-        for seed in range(args.seed, args.seed + args.count):
-            if time.perf_counter() - start > args.budget:
-                print(f"budget spent; next seed {seed}", flush=True)
-                break
+        for seed in seeds(args.seed, args.count, args.budget):
             record = run_one(seed, refs, args.timeout, args.resume, args.dropout)
             out.write(json.dumps(record) + "\n")
             out.flush()

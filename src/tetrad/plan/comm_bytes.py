@@ -8,9 +8,10 @@ import math
 from tetrad.config import Config
 from tetrad.config.sections import bucket_bytes
 from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec, powersgd_shape
+from tetrad.dist.layout import GRAD_DIMS, Layout
 from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers
-from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param
+from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param, vocab_shard
 
 # The step's numbers that need the whole job: one all-reduce of 5 fp32 (squared gradient norm,
 # loss, a flag per stop signal) over dp, tp and pp (train/trainer.py's _step_sums).
@@ -52,10 +53,11 @@ def _tp_bytes(cfg: Config) -> float:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
     per_layer = 2 * hidden * (2 if sp else 1)
-    # Full and per-op recompute repeat the layer's forward up to its last saved tensor (the MLP's output
-    # projection input): torch's non-reentrant checkpoint stops there, before the final
-    # row-parallel all-reduce / reduce-scatter.
-    recomputed = per_layer - hidden if t.recompute in ("full", "selective-op") else 0
+    # Full and per-op recompute repeat the layer's forward up to its last saved tensor: torch's
+    # non-reentrant checkpoint stops there. That is the MLP's output projection input, before the
+    # final row-parallel all-reduce / reduce-scatter, or with residual dropout its mask, after it.
+    last = 0 if m.dropout > 0 else hidden
+    recomputed = per_layer - last if t.recompute in ("full", "selective-op") else 0
     per_micro = layers * (2 * per_layer + recomputed) + hidden * (2 if sp else 1)
     if p.pp == 1:
         per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4
@@ -76,22 +78,27 @@ def _pp_bytes(cfg: Config) -> float:
     sent = _hidden(cfg) / (p.tp if p.sequence_parallel else 1)
     out = cfg.microbatches * (2 * p.vpp - 1) * sent + STEP_SUMS
     if m.tie_embeddings:
-        out += 4 * math.ceil(m.vocab_size / p.tp) * m.d_model / (p.dp * p.cp if p.zero >= 2 else 1)
+        out += 4 * vocab_shard(m, p.tp) * m.d_model / (p.dp * p.cp if p.zero >= 2 else 1)
     return out
 
 
 def _cp_bytes(cfg: Config) -> float:
-    """Ring: K/V cp-1 times forward (again under full or per-op recompute); backward K/V cp-1 times and the
-    fp32 dK/dV cp times. All-to-all: q, k, v to heads and the output back, each way."""
+    """Ring: K/V cp-1 times forward (again under any recompute: selective recomputes the
+    attention core, which holds the ring); backward K/V cp-1 times and the fp32 dK/dV cp times.
+    All-to-all: q, k, v to heads and the output back, each way; full and per-op recompute repeat
+    all four, selective q, k and v (its recompute stops at the attention kernel's saved outputs,
+    before the output's all-to-all)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e, tokens = activation_bytes(t.dtype), _tokens(cfg)
-    forwards = 2 if t.recompute in ("full", "selective-op") else 1
     per_micro = cfg.microbatches * rank_layers(cfg)[0]
     kv = 2 * tokens * m.n_kv_heads // p.tp * m.head_dim
     if p.cp_algo == "ring":
+        forwards = 1 if t.recompute == "none" else 2
         return per_micro * ((p.cp - 1) * kv * e * forwards + (p.cp - 1) * kv * e + p.cp * kv * 4)
-    qkvo = tokens * (2 * m.n_heads + 2 * m.n_kv_heads) // p.tp * m.head_dim * e
-    return per_micro * qkvo * (forwards + 1)
+    qkv = tokens * (m.n_heads + 2 * m.n_kv_heads) // p.tp * m.head_dim * e
+    out = tokens * m.n_heads // p.tp * m.head_dim * e
+    recomputed = {"none": 0, "selective": qkv, "full": qkv + out, "selective-op": qkv + out}[t.recompute]
+    return per_micro * (2 * (qkv + out) + recomputed)
 
 
 def _dp_bytes(cfg: Config) -> float:
@@ -103,15 +110,27 @@ def _dp_bytes(cfg: Config) -> float:
     w = state_bytes_per_param(cfg.train.dtype)[0]
     params = rank_params(cfg)[0]
     if p.zero == 0:
-        grads = gradient_reduce_bytes(cfg, params)
+        grads = _all_reduce_bytes(cfg, params)
     elif p.zero == 1:  # the updated shards gathered over whole (int8: padded) buckets
-        grads = gradient_reduce_bytes(cfg, params) + _int8_padded(cfg, params) * w
+        grads = _all_reduce_bytes(cfg, params) + _int8_padded(cfg, params) * w
     elif p.zero == 2:
         grads = params * (micro * 4 + w)
     else:
         block = rank_layers(cfg)[0] * (flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m))
         grads = micro * 2 * block * w + (params - block) * w + micro * params * 4
     return grads + STEP_SUMS
+
+
+def _all_reduce_bytes(cfg: Config, params: float) -> float:
+    """The ZeRO-0/1 gradient all-reduce: flat (gradient_reduce_bytes), or with `hierarchical`
+    (dist/hierarchical.py) a reduce-scatter and an all-gather over rank 0's node and an
+    all-reduce of its 1/k shard between nodes, each skipped over a group of one rank."""
+    p = cfg.parallel
+    if p.hierarchical is not True:  # "auto" resolves by measuring: counted flat, as the time model does
+        return gradient_reduce_bytes(cfg, params)
+    intra, inter = (next(len(g) for g in half if 0 in g)
+                    for half in Layout.of(p).split_by_node(GRAD_DIMS, p.ranks_per_node))
+    return params * 4 * (2 * (intra > 1) + (inter > 1) / intra)
 
 
 def gradient_reduce_bytes(cfg: Config, params: float, plain: float = 4) -> float:

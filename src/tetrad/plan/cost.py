@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from tetrad.config import Config
 from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
-from tetrad.parallel.pipeline.split import rank_layers, rank_stages, stage_layers
+from tetrad.parallel.pipeline.split import chunk_layers, rank_layers, rank_stages, stage_layers
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.layer import end_costs, layer_cost
 from tetrad.plan.links import group_link, overlap_slowdown, reduction_time, ring_time
@@ -87,7 +87,7 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     """Predict one layout on `cluster` under software `stack` (stacks.py; default tetrad itself).
     `simulate_pipeline=False` gives a lower bound of the step time instead, without simulating:
     the pipeline's critical path and no data-parallel exposure (the search prunes with it)."""
-    stack = as_run(cfg, load_stack(stack) if isinstance(stack, str) else stack)
+    stack = as_run(cfg, load_stack(stack) if isinstance(stack, str) else stack, cluster.gpu.is_cpu)
     asked = cfg
     if stack.zero3_held_under_pp and cfg.parallel.zero == 3 and cfg.parallel.pp > 1:
         cfg = replace(cfg, parallel=replace(cfg.parallel, zero=1))
@@ -101,7 +101,7 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     step = pipe + dp_exposed + opt
     bubble = 1.0 - micro * sum(st.busy) / (p.pp * pipe)  # share of rank-time not computing
 
-    held = inflight(p.schedule, p.pp, micro, p.vpp, after_bi_weight(cfg, stack))
+    held = inflight(p.schedule, p.pp, micro, p.vpp, after_bi_weight(cfg, stack), chunk_layers(cfg))
     memory = memory_by_rank(cfg, stack, held, loss_waiting(p.schedule, p.pp, micro, p.vpp), gpu.is_cpu)
     busiest = max(range(p.pp), key=lambda r: st.busy[r])
     layers = rank_layers(cfg)[busiest]

@@ -75,13 +75,13 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     tp_f, tp_b = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
     cp_f, cp_b = _cp_exposed(cfg, cluster, tokens, e, attn_f, attn_b)
     z_f, z_b = _zero3_exposed(cfg, cluster, compute_f, compute_bi + compute_bw)
-    # Recomputation runs at the start of the backward: the attention core (selective), the
-    # whole forward with its collectives (full), or all of it but the kept matmuls and attention
-    # (selective-op; its collectives run again too).
+    # Recomputation runs at the start of the backward: the attention core (selective; cp's
+    # collectives inside it again, in cp_b), the whole forward with its collectives (full), or
+    # all of it but the kept matmuls and attention (selective-op; its collectives run again too).
     recompute = {"none": 0.0, "selective": attn_f, "full": compute_f,
                  "selective-op": _op_recomputed_gemms(cfg, cluster.gpu, tokens) + elem_f + cast_f}[t.recompute]
     if t.recompute in ("full", "selective-op"):
-        tp_b, cp_b = tp_b + tp_f, cp_b + cp_f
+        tp_b = tp_b + tp_f
     return LayerCost(forward=compute_f + tp_f + cp_f + z_f, backward_input=compute_bi + tp_b + cp_b + z_b,
                      backward_weight=compute_bw, recompute=recompute, compute=compute_f + compute_bi + compute_bw,
                      tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b, zero3_comm=z_f + z_b)
@@ -196,7 +196,9 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
     """Exposed CP time per layer per micro-batch, (forward, backward). Ring: each of cp-1 steps
     sends the K/V block while the previous one is attended (backward: K/V and the fp32 dK/dV
     accumulator), and the last dK/dV hand-off waits. All-to-all: q, k, v and the output re-shard
-    each way, exposed."""
+    each way, exposed. Backward also repeats what the recompute does again: the forward's
+    collectives, all of them under full or per-op recompute; under selective the attention
+    core's (the ring's sends; the all-to-alls of q, k and v, not the output's)."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return 0.0, 0.0
@@ -207,11 +209,12 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
         send_b = ring_time("p2p", kv * (e + 4), 2, alpha, bw)
         forward = (p.cp - 1) * max(0.0, send_f - attn_f / p.cp)
         backward = (p.cp - 1) * max(0.0, send_b - attn_b / p.cp) + ring_time("p2p", kv * 4, 2, alpha, bw)
-        return forward, backward
-    q = tokens * m.n_heads * m.head_dim / p.tp
-    one_way = 2 * (ring_time("all_to_all", q * e, p.cp, alpha, bw)  # q and the output
-                   + ring_time("all_to_all", kv / 2 * e, p.cp, alpha, bw))  # k and v
-    return one_way, one_way
+        return forward, backward + (forward if cfg.train.recompute != "none" else 0.0)
+    q = ring_time("all_to_all", tokens * m.n_heads * m.head_dim / p.tp * e, p.cp, alpha, bw)  # q or the output
+    k = ring_time("all_to_all", kv / 2 * e, p.cp, alpha, bw)  # k or v
+    one_way = 2 * q + 2 * k
+    recomputed = {"none": 0.0, "selective": q + 2 * k}.get(cfg.train.recompute, one_way)
+    return one_way, one_way + recomputed
 
 
 def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: float) -> tuple[float, float]:

@@ -16,6 +16,7 @@ dropout, GELU and materialised scores they are exactly sbh(34 + 5as/h) per layer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from tetrad.config import Config, ModelConfig
@@ -44,12 +45,15 @@ GPU_RESERVED_GIB = 1.0
 CPU_RANK_BASELINE_BYTES = 60 * 1024**2
 
 
-def as_run(cfg: Config, stack: Stack) -> Stack:
+def as_run(cfg: Config, stack: Stack, is_cpu: bool = False) -> Stack:
     """`stack` as `cfg` runs it: tetrad with `train.compile` is the `tetrad-compiled` stack, and
     tetrad's own stacks keep sequence parallelism's gathered input for backward unless
-    `parallel.sp_regather` (model/mappings.py); other stacks do as they do."""
+    `parallel.sp_regather` (model/mappings.py); other stacks do as they do. On CPU torch has no
+    fused RMSNorm: the composite runs (measured with autograd's saved-tensor hooks, torch 2.13)."""
     if cfg.train.compile and stack.name == "tetrad":
         stack = STACKS["tetrad-compiled"]
+    if is_cpu:
+        stack = replace(stack, fused_rms_norm=False)
     if cfg.parallel.sp_regather and stack.name.startswith("tetrad"):
         return replace(stack, sp_saves_gathered_input=False)
     return stack
@@ -72,6 +76,10 @@ class Memory:
     optimizer: float
     activations: float
     other: float
+    # The part of `activations` alive at the peak but not saved for backward: the layer a
+    # recompute rebuilds during its backward, the logits' gradient (and the fp32 copy of 16-bit
+    # logits without tp). The rest is what autograd saves (train/memory.py counts that).
+    transient: float = 0.0
 
     @property
     def total(self) -> float:
@@ -93,17 +101,29 @@ def model_state_bytes(params: float, zero: int, shards: int,
 
 # ----------------------------------------------------------------------------- what a rank holds
 
+def vocab_shard(m: ModelConfig, tp: int) -> int:
+    """Vocabulary rows on one tp rank: the vocabulary is padded to a multiple of tp
+    (layers.VocabParallelEmbedding)."""
+    return math.ceil(m.vocab_size / tp)
+
+
 def rank_params(cfg: Config) -> list[float]:
     """Parameters each pipeline rank holds on one tp rank: its layers' linears split over tp,
     their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
-    the head on the last (its own head unless tied on a single stage)."""
+    the head on the last (its own head unless tied on a single stage), both padded to tp rows."""
     m, p = cfg.model, cfg.parallel
     per_layer = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
     params = [n * per_layer for n in rank_layers(cfg)]
-    params[0] += m.vocab_size * m.d_model / p.tp + (m.seq_len * m.d_model if m.pos == "learned" else 0)
+    params[0] += vocab_shard(m, p.tp) * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
     separate = not m.tie_embeddings or p.pp * p.vpp > 1
-    params[-1] += flops.head_params(m, separate=False) + (m.vocab_size * m.d_model / p.tp if separate else 0)
+    params[-1] += flops.head_params(m, separate=False) + (vocab_shard(m, p.tp) * m.d_model if separate else 0)
     return params
+
+
+def norm_saved_bytes(m: ModelConfig, tokens: int, e: int, stack: Stack) -> float:
+    """Bytes one norm keeps for backward over `tokens` tokens: its input, or under the composite
+    RMSNorm (Stack.fused_rms_norm) two fp32 tensors."""
+    return tokens * m.d_model * (e if m.norm == "layernorm" or stack.fused_rms_norm else 8)
 
 
 def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, recompute: str, e: int,
@@ -112,6 +132,7 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     rank (micro_batch x seq_len / cp), `e` bytes per activation element."""
     div = tp if sp else 1
     hidden = tokens * m.d_model * e
+    norm_input = norm_saved_bytes(m, tokens, e, stack)
     if recompute == "full":
         return hidden / div  # only the layer's input (Korthikanti: 2sbh in 16 bit)
     q, kv = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp
@@ -124,7 +145,7 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after
     # attention and MLP; the attention and MLP inputs (norm outputs) too, unless the stack keeps
     # them all-gathered under SP.
-    norms = 2 * hidden + (2 * tokens * m.d_model if dropout else 0)
+    norms = 2 * norm_input + (2 * tokens * m.d_model if dropout else 0)
     inputs = 2 * hidden / (1 if sp and stack.sp_saves_gathered_input else div)
     replicated = norms / div + inputs
     # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
@@ -153,7 +174,7 @@ def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e
     return tokens * e * (inputs + grads)
 
 
-def after_bi_weight(cfg: Config, stack: Stack) -> float:
+def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
     """Under zero-bubble, a layer's held memory between BI and BW in units of its activation set
     (what `peak_held` weighs); 1.0 for schedules without a split backward."""
     if not schedule_spec(cfg.parallel.schedule).splits_backward:
@@ -161,22 +182,22 @@ def after_bi_weight(cfg: Config, stack: Stack) -> float:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * m.seq_len // p.cp
     e = activation_bytes(t.dtype)
-    stack = as_run(cfg, stack)
+    stack = as_run(cfg, stack, is_cpu)
     full = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
 
 
 def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_waiting: float,
                    is_cpu: bool) -> list[Memory]:
-    """Peak bytes of one GPU of each pipeline rank, whose schedule keeps inflight[rank]
-    (micro-batch, chunk) activation sets alive at once (the pipeline simulator's count, with
+    """Peak bytes of one GPU of each pipeline rank, whose schedule keeps inflight[rank] layers'
+    activation sets alive at once (the pipeline simulator's count, weighed by chunk_layers, with
     zero-bubble's BI-to-BW remainders weighed by `after_bi_weight`) and `loss_waiting`
     micro-batches' head outputs on the last stage."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e = activation_bytes(t.dtype)
     tokens = t.micro_batch * m.seq_len // p.cp
     hidden = tokens * m.d_model * e
-    stack = as_run(cfg, stack)
+    stack = as_run(cfg, stack, is_cpu)
     per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     rebuilt = 0.0
     if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward,
@@ -186,12 +207,15 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
         if schedule_spec(p.schedule).splits_backward:
             counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
         rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack) - counted
-    # Final norm and head inputs; the fp32 softmax of the vocab-parallel cross-entropy and the
+    # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered); the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
     # Without tp, torch's cross-entropy takes an fp32 copy of 16-bit logits while they are still
     # held, beside its fp32 log-softmax: the logits once more (seen on an H200, docs/gpu.md).
     logit_bytes = 8 + (e if p.tp == 1 and e < 4 else 0)
-    head = loss_waiting * (2 * hidden + logit_bytes * tokens * m.vocab_size / p.tp)
+    logits = tokens * vocab_shard(m, p.tp)
+    final_norm = norm_saved_bytes(m, tokens, e, stack) / (p.tp if p.sequence_parallel else 1)  # SP: a chunk
+    head = loss_waiting * (final_norm + hidden + logit_bytes * logits)
+    head_transient = loss_waiting * (logit_bytes - 4) * logits  # all but the softmax
     params = rank_params(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
@@ -203,11 +227,12 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
             root = (params[r] - layers * layer_params) * (per_param[0] + 4)
-        acts = per_layer * layers / p.vpp * inflight[r] + rebuilt + (head if r == p.pp - 1 else 0.0)
+        acts = per_layer * inflight[r] + rebuilt + (head if r == p.pp - 1 else 0.0)
         # Communication buffers are transient, not activations kept for backward: with the
         # allocator's fragmentation they make up `other`.
         other = buffers + root + FRAGMENTATION * (acts + buffers + root) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)
-        out.append(Memory(weights, grads, optimizer, acts, other))
+        transient = rebuilt + (head_transient if r == p.pp - 1 else 0.0)
+        out.append(Memory(weights, grads, optimizer, acts, other, transient))
     return out
 
 
@@ -225,7 +250,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float, rank
     if p.dp * p.cp > 1 and p.zero == 2:  # a parameter larger than the bucket size is a bucket alone:
         # the vocabulary matrices (the embedding on the first stage, the head on the last) are
         # only where they are, the layers' largest matrix anywhere
-        vocab = 4 * m.d_model * m.vocab_size / p.tp
+        vocab = 4 * m.d_model * vocab_shard(m, p.tp)
         head = rank == p.pp - 1 and (not m.tie_embeddings or p.pp * p.vpp > 1)
         largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * m.ffn_hidden / p.tp] * 2
         out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * params)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from tetrad.config import Config, validate
 from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
-from tetrad.parallel.pipeline.split import rank_layers, stage_layers
+from tetrad.parallel.pipeline.split import chunk_layers, rank_layers, stage_layers
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster
 from tetrad.plan.layer import layer_cost
@@ -198,6 +198,7 @@ def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack):
     waiting = loss_waiting(layout.schedule, layout.pp, micro, layout.vpp)
     for zero in zeros:
         cfg = config_of(base, layout, zero)
-        held = inflight(layout.schedule, layout.pp, micro, layout.vpp, after_bi_weight(cfg, stack))
+        held = inflight(layout.schedule, layout.pp, micro, layout.vpp, after_bi_weight(cfg, stack, cluster.gpu.is_cpu),
+                        chunk_layers(cfg))
         peak = max(x.total for x in memory_by_rank(cfg, stack, held, waiting, cluster.gpu.is_cpu)) / GIB
         yield cfg, peak, zero == zeros[-1]

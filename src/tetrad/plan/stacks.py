@@ -25,6 +25,10 @@ class Stack:
     # Copies of the attention output kept: eager keeps SDPA's own and the output projection's
     # input (a transposed, hence copied, view).
     attn_out_copies: int = 1
+    # RMSNorm runs as one fused kernel that keeps its input for backward (torch's on CUDA);
+    # otherwise as torch's composite (on CPU), which keeps its input in fp32 and the fp32
+    # normalised output: 8 bytes an element, whatever the activations' dtype (memory.as_run).
+    fused_rms_norm: bool = True
     # Under SP a column-parallel linear keeps its all-gathered input for backward (torch's
     # SequenceParallel, tetrad) instead of gathering it again there (Megatron-LM, Korthikanti).
     sp_saves_gathered_input: bool = False

@@ -54,12 +54,15 @@ def peak_inflight(s: Schedule) -> list[int]:
     return [round(x) for x in peak_held(s)]
 
 
-def peak_held(s: Schedule, after_bi: float = 1.0) -> list[float]:
+def peak_held(s: Schedule, after_bi: float = 1.0, weights: tuple | None = None) -> list[float]:
     """Per rank, the most activation memory held at once, in (mb, chunk) activation sets: a set
     is whole from its F until its B or BI; between BI and BW (zero-bubble) what the weight
-    gradients still need (the linears' inputs and output gradients) weighs `after_bi` sets."""
+    gradients still need (the linears' inputs and output gradients) weighs `after_bi` sets.
+    `weights[rank][chunk]` (default 1): what one set of that chunk weighs, e.g. its layers."""
     change = {"F": 1.0, "B": -1.0, "BI": after_bi - 1.0, "BW": -after_bi}
-    return [max(accumulate((change[a.kind] for a in actions), initial=0.0)) for actions in s.actions]
+    weights = weights or [[1.0] * s.vpp] * s.pp
+    return [max(accumulate((change[a.kind] * weights[r][a.chunk] for a in actions), initial=0.0))
+            for r, actions in enumerate(s.actions)]
 
 
 def peak_waiting_loss(s: Schedule) -> int:

@@ -56,7 +56,12 @@ def rank_stages(pp: int, vpp: int, rank: int) -> range:
     return range(stage_of(rank, 0, pp), stage_of(rank, vpp, pp), pp)
 
 
+def chunk_layers(cfg: Config) -> tuple[tuple[int, ...], ...]:
+    """Layers of each pipeline rank's chunks, in local chunk order."""
+    p, counts = cfg.parallel, stage_layers(cfg)
+    return tuple(tuple(map(counts.__getitem__, rank_stages(p.pp, p.vpp, r))) for r in range(p.pp))
+
+
 def rank_layers(cfg: Config) -> list[int]:
     """Layers each pipeline rank holds (its vpp chunks together)."""
-    p, counts = cfg.parallel, stage_layers(cfg)
-    return [sum(map(counts.__getitem__, rank_stages(p.pp, p.vpp, r))) for r in range(p.pp)]
+    return [sum(chunks) for chunks in chunk_layers(cfg)]

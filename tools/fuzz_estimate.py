@@ -1,0 +1,158 @@
+"""Seeded fuzzer of the planner against the runtime: draws a layout and model variant
+(tests/layout_draws.py, plus residual dropout and uneven stage splits more often), trains it
+two steps on gloo ranks and compares, rank by rank, what the planner predicts with what the
+trainer counts:
+
+- params, grads, optimizer (tensor storages, GradReducer.model_state_bytes) against
+  `estimate(cfg, load_cluster("cpu")).memory_by_rank[pp rank]`: within STATE_RTOL each;
+- activations (autograd's saved tensors, train/memory.py) against the same less what the plan
+  counts alive but not saved (Memory.transient): within ACT_RTOL;
+- rank 0's comm_bytes per group, every step, against plan.comm_bytes.comm_bytes_per_step: equal.
+
+A draw that validation refuses counts as refused; one whose last step fp16's loss scaler
+skipped, as skipped (no optimizer state to compare). Each draw is a pure function of its seed;
+one JSON line per draw goes to --log. Run from the repository root:
+
+    PYTHONPATH=$PWD/src:$PWD/tests OMP_NUM_THREADS=1 python tools/fuzz_estimate.py --seed 0 --count 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import rank_histories, tiny_config  # noqa: E402
+from layout_draws import draw, seeds, uneven_split  # noqa: E402
+from tetrad.config import ConfigError  # noqa: E402
+from tetrad.parallel.pipeline.registry import check_config as check_pipeline  # noqa: E402
+from tetrad.plan.comm_bytes import comm_bytes_per_step  # noqa: E402
+from tetrad.plan.cost import estimate  # noqa: E402
+from tetrad.plan.hardware import load_cluster  # noqa: E402
+
+# Model states are tensor sizes against formulas: only ZeRO's bucket padding and a padded
+# vocabulary shard separate them. Activations: tests/test_plan_runtime.py's bound.
+STATE_RTOL = 0.02
+ACT_RTOL = 0.15
+STATES = ("params", "grads", "optimizer")
+PLANNED = {"params": lambda m: m.weights, "grads": lambda m: m.grads, "optimizer": lambda m: m.optimizer,
+           "activations": lambda m: m.activations - m.transient}
+
+
+def draw_variant(seed: int) -> dict:
+    """layout_draws.draw(seed) for two steps without validation or "auto" settings, with residual
+    dropout a quarter of the time and an uneven stage split a third of the time where the draw
+    has none."""
+    overrides = draw(seed)
+    rng = random.Random(f"estimate-{seed}")
+    model, par = overrides["model"], overrides["parallel"]
+    if rng.random() < 0.25:
+        model["dropout"] = 0.1
+    stages = par["pp"] * par["vpp"]
+    if "stage_layers" not in par and stages > 1 and model["n_layers"] > stages and rng.random() < 0.33:
+        par["stage_layers"] = uneven_split(model["n_layers"], stages, rng)
+    for key in ("grad_bucket_mb", "hierarchical"):  # "auto" is measured at start: no plan predicts it
+        if par.get(key) == "auto":
+            del par[key]
+    overrides["train"].update(steps=2, device="cpu")
+    for key in ("eval_every", "offload_optimizer"):  # CPU training refuses offload: already there
+        overrides["train"].pop(key, None)
+    overrides["run"] = {"log_every": 10}  # quiet: the activation meter counts the first step
+    overrides["data"] = {}
+    return overrides
+
+
+def relative(got: float, want: float) -> float:
+    return 0.0 if got == want else abs(got - want) / max(abs(want), abs(got))
+
+
+def compare(cfg, results) -> tuple[list[str], dict]:
+    """(mismatches, per-rank figures) of one trained draw; None for the mismatches when the last
+    step was skipped (fp16's loss scale): its model states hold no optimizer state to compare."""
+    est = estimate(cfg, load_cluster("cpu"))
+    misses, ranks = [], {}
+    for coords, history in results:
+        name = "r" + "".join(f"{k}{coords[k]}" for k in ("dp", "tp", "pp", "cp"))
+        got, want = history[-1]["memory_bytes"], est.memory_by_rank[coords["pp"]]
+        figures = {}
+        for part, planned in PLANNED.items():
+            predicted = planned(want)
+            diff = relative(got[part], predicted)
+            figures[part] = [got[part], round(predicted), round(diff, 4)]
+            if diff > (ACT_RTOL if part == "activations" else STATE_RTOL):
+                misses.append(f"{name} {part}: counted {got[part]} predicted {predicted:.0f} ({diff:+.1%})")
+        ranks[name] = figures
+    if any(history[-1]["skipped"] for _, history in results):
+        return None, ranks
+    want = comm_bytes_per_step(cfg)
+    for record in results[0][1]:
+        got = record["comm_bytes"]
+        for group in sorted(set(got) | set(want)):
+            if got.get(group, 0) != want.get(group, 0):
+                misses.append(f"step {record['step']} comm {group}: runtime {got.get(group, 0)} "
+                              f"planned {want.get(group, 0)} ({got.get(group, 0) - want.get(group, 0):+d})")
+    ranks["comm"] = {"runtime": results[0][1][-1]["comm_bytes"], "planned": want}
+    return misses, ranks
+
+
+def run_one(seed: int, timeout_s: float) -> dict:
+    overrides = draw_variant(seed)
+    record = {"seed": seed, "config": overrides}
+    try:
+        cfg = tiny_config(**overrides)
+        check_pipeline(cfg)  # as `tetrad train` does before it starts
+    except ConfigError as e:
+        return {**record, "result": "refused", "message": str(e)}
+    start = time.perf_counter()
+    try:
+        misses, ranks = compare(cfg, rank_histories(cfg, timeout_s=timeout_s))
+    except Exception as e:
+        tail = "".join(traceback.format_exception_only(type(e), e))[-1500:]
+        return {**record, "result": "crash", "message": tail, "s": round(time.perf_counter() - start, 1)}
+    result = "skipped" if misses is None else "mismatch" if misses else "ok"
+    return {**record, "result": result, "misses": misses or [], "ranks": ranks, "s": round(time.perf_counter() - start, 1)}
+
+
+def describe(overrides: dict) -> str:
+    """One short line of a draw's layout and variant."""
+    p, m, t = overrides["parallel"], overrides["model"], overrides["train"]
+    dims = "".join(f"{k}{p[k]}" for k in ("dp", "tp", "pp", "cp") if p[k] > 1) or "single"
+    extra = [f"z{p['zero']}", p["schedule"] if p["pp"] > 1 else "", f"vpp{p['vpp']}" if p["vpp"] > 1 else "",
+             "sp" + ("+regather" if p.get("sp_regather") else "") if p.get("sequence_parallel") else "",
+             p.get("cp_algo", ""), p.get("grad_codec", ""), t["dtype"], t["recompute"],
+             "drop" if m.get("dropout") else "", "tied" if m["tie_embeddings"] else "",
+             "gpt" if m.get("mlp") == "gelu" else "", f"stages{p['stage_layers']}" if p.get("stage_layers") else "",
+             f"mb{t['micro_batch']}x{t['global_batch'] // (t['micro_batch'] * p['dp'])}"]
+    return " ".join([dims, *(x for x in extra if x)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=0, help="first seed")
+    ap.add_argument("--count", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per draw's training (a hang fails)")
+    ap.add_argument("--log", default="fuzz_estimate.jsonl", help="JSON lines, appended")
+    ap.add_argument("--budget", type=float, default=math.inf, help="stop starting draws after this many seconds")
+    args = ap.parse_args()
+    counts: collections.Counter = collections.Counter()
+    start = time.perf_counter()
+    with open(args.log, "a") as log:
+        for seed in seeds(args.seed, args.count, args.budget):
+            record = run_one(seed, args.timeout)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            counts[record["result"]] += 1
+            why = "; ".join(record.get("misses") or [record.get("message", "")])[:400].replace("\n", " | ")
+            print(seed, record["result"], record.get("s", ""), describe(record["config"]), "|", why, flush=True)
+    print("summary:", dict(counts), f"{time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

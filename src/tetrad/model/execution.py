@@ -83,13 +83,15 @@ class DeferredWeightGrads:
             torch.autograd.backward(_HandOver.apply(compute, *ws))
             queue[i] = None  # its inputs and output gradients go now, not after the whole BW
 
-    def grads(self, weights: list, grads: tuple, x: torch.Tensor, sinks: tuple) -> list:
+    def grads(self, weights: list, grads: tuple, x: torch.Tensor, sinks: tuple, in_bi: bool = False) -> list:
         """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate (None
-        where the weight's sink, `sinks[i]`, took it), or queued while collecting (None for now)."""
+        where the weight's sink, `sinks[i]`, took it), or queued while collecting (None for now).
+        `in_bi`: now even while collecting (the head's: its dy is the vocabulary-sized logits'
+        gradient, which a queue would keep alive until BW)."""
         def compute():
             flat = x.reshape(-1, x.shape[-1])
             return [deliver(sink, g.reshape(-1, g.shape[-1]).t(), flat) for sink, g in zip(sinks, grads)]
-        if self._queue is None:
+        if self._queue is None or in_bi:
             return compute()
         held = [self.hold(t) for t in (x, *grads)] if self.hold else []
         self._queue.append((weights, compute, held))

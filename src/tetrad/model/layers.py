@@ -20,14 +20,15 @@ class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T, W split by output rows; the output stays split over tp."""
 
     def __init__(self, in_features: int, out_features: int, topo, ex: Execution, *, std: float = 0.02,
-                 pad_to: int | None = None):
+                 pad_to: int | None = None, grad_in_bi: bool = False):
         super().__init__()
         self.topo, self.ex = topo, ex
+        self.grad_in_bi = grad_in_bi  # a split backward makes its weight gradient in BI, not BW
         self.weight = new_param((out_features, in_features), shard_dim=0, parts=topo.tp_size,
                                 index=topo.tp_rank, pad_to=pad_to, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight, self.topo, self.ex)
+        return column_parallel_linear(x, self.weight, self.topo, self.ex, self.grad_in_bi)
 
 
 class RowParallelLinear(nn.Module):

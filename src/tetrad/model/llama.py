@@ -273,7 +273,11 @@ class Transformer(nn.Module):
             if cfg.tie_embeddings and first:
                 self.head = None  # logits from the embedding's weight
             else:
-                self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, ex, pad_to=topo.tp_size)
+                # Its weight gradient is made in BI under zero-bubble: queued, it would hold the
+                # logits' fp32 gradient until BW (16 MiB a micro-batch at vocab 16384, seq 128,
+                # micro-batch 2; test_plan_runtime).
+                self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, ex, pad_to=topo.tp_size,
+                                                 grad_in_bi=True)
         self._rope: tuple | None = None  # (positions, their version, tables): see `rope`
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
@@ -296,7 +300,7 @@ class Transformer(nn.Module):
             return h
         h = self.norm(h)
         weight = self.embed.weight if self.head is None else self.head.weight
-        logits = column_parallel_linear(h, weight, self.topo, self.execution)
+        logits = column_parallel_linear(h, weight, self.topo, self.execution, in_bi=True)  # as self.head's
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.topo).sum()

@@ -111,27 +111,27 @@ class _Linear(torch.autograd.Function):
     Function costs ~22 us per linear per step on CPU."""
 
     @staticmethod
-    def forward(ctx, x, weight, weight_grads, sink):
-        ctx.weight_grads, ctx.sink = weight_grads, sink
+    def forward(ctx, x, weight, weight_grads, sink, in_bi):
+        ctx.weight_grads, ctx.sink, ctx.in_bi = weight_grads, sink, in_bi
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_weight, = ctx.weight_grads.grads([weight], (grad,), x, (ctx.sink,))
-        return grad.matmul(weight), grad_weight, None, None
+        grad_weight, = ctx.weight_grads.grads([weight], (grad,), x, (ctx.sink,), ctx.in_bi)
+        return grad.matmul(weight), grad_weight, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution, in_bi: bool = False) -> torch.Tensor:
     """x W^T with no communication: F.linear, or `_Linear` when backward is split or the weight's
     gradient goes to a sink (never inside torch.compile: a custom Function there would break its
     graph; a compiled region keeps F.linear)."""
     if ex.split_backward:
-        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads, getattr(weight, GRAD_SINK, None))
+        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads, getattr(weight, GRAD_SINK, None), in_bi)
     sink = None if torch.compiler.is_compiling() else getattr(weight, GRAD_SINK, None)
     if sink is not None:
-        return _Linear.apply(x, weight, ex.weight_grads, sink)
+        return _Linear.apply(x, weight, ex.weight_grads, sink, in_bi)
     return F.linear(x, weight)
 
 
@@ -150,8 +150,8 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, topo, ex, *weights):
-        ctx.topo, ctx.ex = topo, ex
+    def forward(ctx, x, topo, ex, in_bi, *weights):
+        ctx.topo, ctx.ex, ctx.in_bi = topo, ex, in_bi
         ctx.sinks = tuple(getattr(w, GRAD_SINK, None) for w in weights)  # saved_tensors' weights lack it
         total = gather_sequence(x, topo) if ex.sequence_parallel else x
         ctx.save_for_backward(x if ex.sequence_parallel and ex.sp_regather else total, *weights)
@@ -175,25 +175,27 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             grad_input, pending = _reduce_scatter_sequence(grad_input, topo, async_op=True)
         else:
             pending = topo.comm.all_reduce(grad_input, "tp", async_op=True)
-        grad_weights = ex.weight_grads.grads(weights, grads, total, ctx.sinks)
+        grad_weights = ex.weight_grads.grads(weights, grads, total, ctx.sinks, ctx.in_bi)
         pending.wait()
-        return (grad_input, None, None, *grad_weights)
+        return (grad_input, None, None, None, *grad_weights)
 
 
 # ----------------------------------------------------------------------------- functional forms
 
-def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo, ex: Execution) -> tuple[torch.Tensor, ...]:
+def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo, ex: Execution,
+                            in_bi: bool = False) -> tuple[torch.Tensor, ...]:
     """x W_i^T for each weight split by output rows, sharing the input collective (see
     `_ColumnParallelMatmul`). x is [b, s, h], or [b, s/tp, h] under SP; outputs cover the whole
     (local) sequence and this rank's output features."""
     if topo.tp_size == 1:
-        return tuple([linear(x, w, ex) for w in weights])  # a list: torch.compile breaks cleanly in it
-    return run_eagerly(_ColumnParallelMatmul.apply, x, topo, ex, *weights)
+        return tuple([linear(x, w, ex, in_bi) for w in weights])  # a list: torch.compile breaks cleanly in it
+    return run_eagerly(_ColumnParallelMatmul.apply, x, topo, ex, in_bi, *weights)
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
-    """x W_local^T for a weight split by output rows (also the tied head: the embedding's weight)."""
-    return column_parallel_linears(x, [weight], topo, ex)[0]
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, topo, ex: Execution, in_bi: bool = False) -> torch.Tensor:
+    """x W_local^T for a weight split by output rows (also the tied head: the embedding's weight);
+    `in_bi`: a split backward makes its weight gradient in BI (DeferredWeightGrads.grads)."""
+    return column_parallel_linears(x, [weight], topo, ex, in_bi)[0]
 
 
 def reduce_tp_output(x: torch.Tensor, topo, ex: Execution) -> torch.Tensor:

@@ -95,6 +95,8 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     gpu, micro = cluster.gpu, cfg.microbatches
     layer = layer_cost(cfg, cluster, stack)
     embed, head = end_costs(cfg, cluster)
+    if stack.head_weight_grad_in_bi:
+        head = (head[0], head[1] + head[2], 0.0)
     st = _stage_costs(cfg, cluster, stack, layer, embed, head)
     pipe, tail = _pipeline_time(cfg, st, simulate_pipeline)
     dp_exposed, opt = _data_parallel_time(cfg, cluster, stack, st, tail)

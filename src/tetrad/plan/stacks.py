@@ -68,6 +68,9 @@ class Stack:
     # to a full fp32 bucket as unfused accumulation), "fsdp1" (FullyShardedDataParallel's flat
     # parameter), "fsdp2" (fully_shard's per-parameter shards).
     zero3_impl: str = "buckets"
+    # Under a split backward (zero-bubble) the head's weight gradient is made in BI, not queued
+    # for BW (tetrad's model/llama.py: the queue would keep the logits' gradient alive).
+    head_weight_grad_in_bi: bool = False
 
 
 STACKS: dict[str, Stack] = {s.name: s for s in [
@@ -75,7 +78,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # runs cuDNN's fused kernel in bf16/fp16 where torch prefers it (Hopper, Blackwell: seen on an
     # H200 by bench/gpu_check.py) and FlashAttention-2 elsewhere (a GPU with no fused efficiency).
     Stack("tetrad", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
-          sp_saves_gathered_input=True, zero1_reduce_scatter=False, attention_kernel="fused"),
+          sp_saves_gathered_input=True, zero1_reduce_scatter=False, attention_kernel="fused",
+          head_weight_grad_in_bi=True),
     # tetrad with train.compile: inductor fuses each block's element-wise chains (norms, RoPE,
     # SwiGLU, residuals) into one kernel per region between tp/cp collectives, so they cost what
     # fused kernels do (Ansel et al. 2024, "PyTorch 2", ASPLOS, sec. 5: inductor's fusion), and
@@ -84,7 +88,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # 1,946,132 -> 1,552,916 bytes, per layer one SwiGLU tensor (131,072), one attention output
     # (32,768) and 32,768 more, not counted here. Collectives and the optimizer stay tetrad's.
     Stack("tetrad-compiled", fused_grad_accumulation=False, sp_saves_gathered_input=True, zero1_reduce_scatter=False,
-          attention_kernel="fused"),
+          attention_kernel="fused", head_weight_grad_in_bi=True),
     # torch.compile'd PyTorch (torchtitan), Megatron-Core with Transformer Engine.
     Stack("compiled", zero3_held_under_pp=True, sp_saves_gathered_input=True, zero3_impl="fsdp2"),
     # Megatron-LM since 2023 (flash attention, fused kernels, overlapped gradient buckets).

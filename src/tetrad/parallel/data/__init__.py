@@ -102,12 +102,14 @@ class GradReducer:
             self.zero3 = ParamGather(self.buckets, self.flat, self.weights.shards, topo, self.execution,
                                      layout.root, prefetch)
             self.zero3.install(model, layout.blocks)
-        linears = [m.weight for m in model.modules()
+        linears = [m for m in model.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] if model is not None else []
         self.sync = GradSync(self.buckets, topo, self.execution, self.zero, self.codec, hierarchical,
                              on_complete=self.zero3.on_complete if self.zero3 else None,
-                             linear_weights=frozenset(id(w) for w in linears if w.numel() >= SINK_MIN_NUMEL),
-                             deferred_weights=frozenset(id(w) for w in linears))
+                             linear_weights=frozenset(id(m.weight) for m in linears if m.weight.numel() >= SINK_MIN_NUMEL),
+                             # every linear's but the head's, made in BI (ColumnParallelLinear.grad_in_bi)
+                             deferred_weights=frozenset(id(m.weight) for m in linears
+                                                        if not getattr(m, "grad_in_bi", False)))
 
     def last_microbatch(self):
         """Backward inside this block is the accumulation's last: buckets reduce as they fill."""

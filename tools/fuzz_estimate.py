@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import random
@@ -138,16 +139,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="first seed")
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per draw's training (a hang fails)")
-    ap.add_argument("--log", default="fuzz_estimate.jsonl", help="JSON lines, appended")
+    ap.add_argument("--log", default=None, help="append one JSON line per draw to this file")
     ap.add_argument("--budget", type=float, default=math.inf, help="stop starting draws after this many seconds")
     args = ap.parse_args()
     counts: collections.Counter = collections.Counter()
     start = time.perf_counter()
-    with open(args.log, "a") as log:
+    with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
         for seed in seeds(args.seed, args.count, args.budget):
             record = run_one(seed, args.timeout)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+            if log is not None:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
             counts[record["result"]] += 1
             why = "; ".join(record.get("misses") or [record.get("message", "")])[:400].replace("\n", " | ")
             print(seed, record["result"], record.get("s", ""), describe(record["config"]), "|", why, flush=True)

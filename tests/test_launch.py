@@ -173,3 +173,40 @@ def test_torchrun_takes_ranks_per_node_from_local_world_size(tmp_path):
         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ranks_per_node = 2" in (run_dir / "config.toml").read_text()
+
+
+_LIBRARY_USER = """
+import sys
+from tetrad import launch
+from tetrad.config import ConfigError, load_config
+cfg = load_config(overrides=sys.argv[1:])  # as a library user builds it: no world size, no node size
+try:
+    launch.train(cfg)
+except ConfigError as e:
+    print("config error:", e)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_launch_train_under_torchrun_checks_the_job(tmp_path, dp):
+    """launch.train (not only `tetrad train`) takes torchrun's world size and ranks per node: a
+    layout of the wrong size is a ConfigError naming the dp that fits, before any rank trains."""
+    import subprocess
+    import sys
+    script = tmp_path / "user.py"
+    script.write_text(_LIBRARY_USER)
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+         f"--parallel.dp={dp}", "--parallel.ranks_per_node=8", "--train.steps=1", "--train.global_batch=4",
+         "--train.micro_batch=2", "--model.n_layers=1", "--model.d_model=32", "--model.ffn_hidden=64",
+         "--model.seq_len=16", f"--run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    if dp == 1:
+        assert out.returncode != 0
+        assert "dp*tp*pp*cp = 1*1*1*1 = 1 but the job has 2 ranks; set parallel.dp=2" in out.stdout
+        assert not (run_dir / "metrics.jsonl").exists()
+    else:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "ranks_per_node = 2" in (run_dir / "config.toml").read_text()

@@ -44,8 +44,7 @@ def train_command(argv: list[str]) -> int:
               "Without CONFIG the defaults apply: the tiny preset on the built-in corpus, one process.")
         return 0
     path, overrides = _split_config_args(argv)
-    cfg = load_config(path, overrides + launch.torchrun_overrides(), world_size=launch.torchrun_world_size(),
-                      model_from_inputs=model_keys)
+    cfg = load_config(path, overrides, model_from_inputs=model_keys)
     history = launch.train(cfg, announce=functools.partial(_announce, cfg))
     if launch.in_torchrun():
         return 0

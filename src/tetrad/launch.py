@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad import device as devices
-from tetrad.config import Config, ConfigError
+from tetrad.config import Config, ConfigError, validate
 
 
 class RankFailure(RuntimeError):
@@ -61,16 +62,14 @@ def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def torchrun_world_size() -> int | None:
-    return int(os.environ["WORLD_SIZE"]) if in_torchrun() else None
-
-
-def torchrun_overrides() -> list[str]:
-    """Config facts torchrun knows: the ranks on each node (LOCAL_WORLD_SIZE), which decides
-    where hierarchical groups split, whatever the config file says."""
-    if in_torchrun() and "LOCAL_WORLD_SIZE" in os.environ:
-        return [f"--parallel.ranks_per_node={int(os.environ['LOCAL_WORLD_SIZE'])}"]
-    return []
+def for_torchrun_job(cfg: Config) -> Config:
+    """`cfg` with the facts torchrun knows, checked against its job: the ranks on each node
+    (LOCAL_WORLD_SIZE, which decides where hierarchical groups split, whatever the config says)
+    and the world size dp*tp*pp*cp must equal (a ConfigError naming the dp that fits)."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        cfg = replace(cfg, parallel=replace(cfg.parallel, ranks_per_node=int(os.environ["LOCAL_WORLD_SIZE"])))
+    validate(cfg, int(os.environ["WORLD_SIZE"]))
+    return cfg
 
 
 def diagnose_nccl(device_type: str, trace_dir: Path) -> None:
@@ -145,6 +144,8 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
     run_local's deadline. Returns the per-step records of rank 0 (this rank's under torchrun)."""
     from tetrad.train.preflight import preflight  # here: run_local's other users need not load the trainer
     from tetrad.train.trainer import train_on_this_rank
+    if in_torchrun():
+        cfg = for_torchrun_job(cfg)
     device_type = devices.resolve_device_type(cfg.train.device)
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
     resume = preflight(cfg, device_type)

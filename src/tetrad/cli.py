@@ -1,4 +1,4 @@
-"""`tetrad` command line: data, train, generate, estimate, plan, schedule, bench, report, convert."""
+"""`tetrad` command line: data, train, generate, estimate, plan, schedule, bench, report, compare, convert."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ commands:
   bench [comm|gemm] [--out DIR]               measure matmul and collective rates; write a hardware profile
   schedule --pp P --microbatches M --schedule S [--vpp V] [--out x.png]   simulate and draw a pipeline schedule
   report RUN_DIR [--cluster C]                loss, step-time breakdown, comm bytes, timelines as HTML + PNGs
+  compare RUN_A RUN_B [--out x.png]           do two layouts of one training agree? (first step to rounding)
 """
 
 
@@ -113,9 +114,14 @@ def report_command(argv: list[str]) -> int:
     return run(argv)
 
 
+def compare_command(argv: list[str]) -> int:
+    from tetrad.viz.compare import compare_command as run
+    return run(argv)
+
+
 COMMANDS = {"data": data_command, "train": train_command, "schedule": schedule_command, "estimate": estimate_command, "plan": plan_command, "convert": convert_command,
             "generate": generate_command,
-            "bench": bench_command, "report": report_command}
+            "bench": bench_command, "report": report_command, "compare": compare_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,7 @@ def load_run(run_dir: Path):
     return load_config(run_dir / "config.toml", runtime=False), records
 
 
-def _figure(width=7.5, height=3.4):
+def new_figure(width=7.5, height=3.4):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
@@ -49,7 +49,7 @@ def _figure(width=7.5, height=3.4):
     return fig
 
 
-def _style(ax, title, xlabel, ylabel):
+def style_axes(ax, title, xlabel, ylabel):
     ax.set_title(title, loc="left", fontsize=11, fontweight="bold")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -58,7 +58,7 @@ def _style(ax, title, xlabel, ylabel):
 
 
 def plot_loss(records, path: Path) -> None:
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     steps = [r["step"] for r in records]
     # A line needs two points: a run of one step (a quick check, an early stop) shows a marker.
@@ -72,7 +72,7 @@ def plot_loss(records, path: Path) -> None:
             ax.plot([step for step, _ in by_source], [losses[name] for _, losses in by_source], lw=0.8,
                     marker=".", ms=3, label=f"validation: {name}")
         ax.legend(loc="upper center", fontsize=8, frameon=False)
-    _style(ax, "Training and validation loss" if val else "Training loss", "step", "loss (mean per token)")
+    style_axes(ax, "Training and validation loss" if val else "Training loss", "step", "loss (mean per token)")
     ax2 = ax.twinx()
     ax2.plot(steps, [r["lr"] for r in records], color="#999999", lw=1, ls="--")
     ax2.set_ylabel("learning rate (dashed)", color="#777777")
@@ -84,7 +84,7 @@ def plot_breakdown(records, path: Path) -> None:
     """Stacked per step: compute, exposed comm by group (when recorded), pipeline bubble,
     optimizer, data; the measured step time as a line over them, so a gap or overshoot shows
     an accounting error."""
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     steps = [r["step"] for r in records]
     layers = [("compute", COLOURS["compute"], [r.get("compute_s") or 0.0 for r in records])]
@@ -104,7 +104,7 @@ def plot_breakdown(records, path: Path) -> None:
                  colors=[c for _, c, _ in layers], alpha=0.85, step="post")
     ax.plot(edges, ms([r["step_time_s"] for r in records]), color="black", lw=1.2, label="measured step time",
             drawstyle="steps-post")
-    _style(ax, "Where each step's time went", "step", "milliseconds")
+    style_axes(ax, "Where each step's time went", "step", "milliseconds")
     # The first steps warm up allocators and the backend: scale the axis to the steady state.
     steady = sorted(r["step_time_s"] for r in records)[int(0.9 * (len(records) - 1))]
     ax.set_ylim(0, 1.5e3 * steady)
@@ -135,7 +135,7 @@ def comm_medians(records) -> list[float]:
 def plot_comm(segments, predicted: dict | None, path: Path) -> None:
     """Bytes each group moved per step (rank 0's count, median), one bar per layout the run
     used, beside the planner's count for the current (last) layout."""
-    fig = _figure(height=2.4 + 0.6 * len(segments))
+    fig = new_figure(height=2.4 + 0.6 * len(segments))
     ax = fig.add_subplot()
     series = [(f"measured: {label}, steps {rs[0]['step']}-{rs[-1]['step']}" if len(segments) > 1
                else "measured (tetrad.comm)", comm_medians(rs)) for label, rs in segments]
@@ -154,14 +154,14 @@ def plot_comm(segments, predicted: dict | None, path: Path) -> None:
     ax.set_yticks(list(range(len(GROUPS))), [group_label(g) for g in GROUPS])
     ax.invert_yaxis()
     ax.set_xlim(0, 1.25 * max([v for _, values in series for v in values] + [1e-9]))
-    _style(ax, "Communication per step, by group (rank 0)", "MiB handed to collectives", "")
+    style_axes(ax, "Communication per step, by group (rank 0)", "MiB handed to collectives", "")
     fig.savefig(path)
 
 
 def plot_predicted(measured: dict, predicted: dict, path: Path) -> None:
     """Side-by-side bars of the planner's prediction and the measurement for each quantity."""
     names = [k for k in predicted if measured.get(k) is not None]
-    fig = _figure(width=3.0 + 1.6 * len(names), height=3.2)
+    fig = new_figure(width=3.0 + 1.6 * len(names), height=3.2)
     axes = fig.subplots(1, len(names), squeeze=False)[0]
     for ax, name in zip(axes, names):
         values = [predicted[name], measured[name]]
@@ -180,7 +180,7 @@ MEMORY_PARTS = (("params", "weights"), ("grads", "grads"), ("optimizer", "optimi
 def plot_memory(record: dict, predicted, path: Path) -> None:
     """Rank 0's counted memory at the last step (model states from the tensors, the peak of saved
     activations) beside the planner's parts for pipeline rank 0 (None: no prediction)."""
-    fig = _figure(height=3.0)
+    fig = new_figure(height=3.0)
     ax = fig.add_subplot()
     names = [name for name, _ in MEMORY_PARTS]
     x = range(len(names))
@@ -191,7 +191,7 @@ def plot_memory(record: dict, predicted, path: Path) -> None:
     ax.bar([i + (0.2 if predicted is not None else 0) for i in x], measured, width=0.4,
            color=COLOURS["measured"], label="counted (this run, rank 0)")
     ax.set_xticks(list(x), names)
-    _style(ax, "Memory per rank: model states and saved activations", "", "MiB")
+    style_axes(ax, "Memory per rank: model states and saved activations", "", "MiB")
     ax.legend(frameon=False, fontsize=8)
     fig.savefig(path)
 

@@ -1,0 +1,55 @@
+"""`tetrad compare`: two layouts of one training agree at the first step to rounding; a
+difference beyond it, or a key that changes the training, is reported as a disagreement."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tetrad.cli import main
+
+from conftest import tiny_config, train_layout
+
+
+def _run(**parallel_and_train):
+    train = {"steps": 3, "device": "cpu", **parallel_and_train.pop("train", {})}
+    cfg = tiny_config(parallel=parallel_and_train, train=train)
+    train_layout(cfg)
+    return Path(cfg.run.dir)
+
+
+def test_two_layouts_agree_and_a_changed_gradient_does_not(tmp_path, capsys):
+    one, four = _run(), _run(dp=2, tp=2, zero=1, train={"micro_batch": 4})
+    assert main(["compare", str(one), str(four), "--out", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "parallel.dp: 1 -> 2" in out and "parallel.tp: 1 -> 2" in out and "train.micro_batch" in out
+    assert "training keys that differ" not in out
+    assert "within fp32 rounding" in out and "BEYOND" not in out
+    assert out.rstrip().endswith("the runs agree")
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+    # The same runs, with layout B's first gradient norm off by 1e-4 relative (a backward off
+    # by less than a per-mille, as a wrong reduction of a few parameters' gradients would be).
+    changed = tmp_path / "changed"
+    shutil.copytree(four, changed)
+    records = [json.loads(line) for line in (changed / "metrics.jsonl").read_text().splitlines()]
+    records[0]["grad_norm"] *= 1 + 1e-4
+    (changed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["compare", str(one), str(changed)]) == 1
+    out = capsys.readouterr().out
+    assert "relative difference 1.00e-04 (BEYOND fp32 rounding, 1e-05)" in out
+    assert out.rstrip().endswith("the runs DISAGREE")
+
+
+def test_a_training_key_that_differs_is_named(capsys):
+    a, b = _run(dp=2), _run(train={"lr": 1e-3})
+    assert main(["compare", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "training keys that differ: train.lr: 0.01 -> 0.001" in out
+    assert "step 1 loss" in out  # the first step is still the same forward: shown
+
+
+def test_a_folder_that_is_not_a_run_is_refused(tmp_path, capsys):
+    assert main(["compare", str(tmp_path), str(tmp_path)]) == 2
+    assert "holds no metrics.jsonl and config.toml" in capsys.readouterr().err

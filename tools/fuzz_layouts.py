@@ -3,8 +3,8 @@ combine with them, trains each for a few steps and compares it with one process.
 
 Each draw is a pure function of its seed. A draw that validation refuses is recorded with its
 message; one that runs is compared with the one-process run of the same model and train config
-(fp32 without a codec: assert_parity; codecs and bf16/fp16: loosely). Results go as JSON lines
-to --out. Run from the repository root:
+(fp32 without a codec: assert_parity; codecs and bf16/fp16: loosely). Each draw prints a line,
+and with --log appends a JSON line to that file. Run from the repository root:
 
     PYTHONPATH=$PWD/src:$PWD/tests OMP_NUM_THREADS=1 python tools/fuzz_layouts.py --seed 0 --count 20
 """
@@ -12,6 +12,7 @@ to --out. Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -181,17 +182,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="first seed")
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per train_layout (a hang fails)")
-    ap.add_argument("--out", default="fuzz_layouts.jsonl")
+    ap.add_argument("--log", default=None, help="append one JSON line per draw to this file")
     ap.add_argument("--budget", type=float, default=math.inf, help="stop starting draws after this many seconds")
     ap.add_argument("--resume", action="store_true", help="save in one layout, resume in another")
     ap.add_argument("--dropout", action="store_true", help="dropout: recompute against none, same layout")
     args = ap.parse_args()
     refs: dict = {}
-    with open(args.out, "a") as out:
+    with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
         for seed in seeds(args.seed, args.count, args.budget):
             record = run_one(seed, refs, args.timeout, args.resume, args.dropout)
-            out.write(json.dumps(record) + "\n")
-            out.flush()
+            if log is not None:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
             why = (record.get("message") or record.get("note", ""))[:300].replace("\n", " | ")
             print(seed, record["result"], record.get("s", ""), why, flush=True)
 

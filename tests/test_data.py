@@ -1,6 +1,7 @@
 """Data sources and batches: windows across shards, each rank's share of the global batch,
 the held-out validation split."""
 
+import json
 from fractions import Fraction
 
 import numpy as np
@@ -11,11 +12,11 @@ from conftest import tiny_config
 from tetrad.cli import main
 from tetrad.config import load_config
 from tetrad.data.checks import check_data
-from tetrad.data.prepare import pieces
+from tetrad.data.prepare import json_documents, pieces
 from tetrad.data.shards import dtype_for, model_keys, open_shards, read_index
 from tetrad.data.blend import blend_parts
 from tetrad.data.sources import CORPORA, TokenStream, load_tokens
-from tetrad.data.tokenizer import load_tokenizer
+from tetrad.data.tokenizer import load_tokenizer, train_bpe
 from tetrad.train import batches as batches_module
 from tetrad.train.batches import Batches, blend_counts, describe, permute, route, split_batches
 
@@ -170,7 +171,7 @@ def test_files_a_folder_holds_besides_txt_are_named_as_left_out(tmp_path, capsys
     (tmp_path / "text" / ".DS_Store").write_bytes(b"\0")  # hidden: not the user's text
     assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
     out = capsys.readouterr().out
-    assert f"1 file(s) in the input folders are not .txt and are left out, e.g. {tmp_path / 'text' / 'notes.md'}" in out
+    assert f"1 file(s) in the input folders are not .txt or .jsonl and are left out, e.g. {tmp_path / 'text' / 'notes.md'}" in out
     assert "1 documents" in out
     assert main(["data", str(tmp_path / "text"), str(tmp_path / "text" / "notes.md"), "--out", str(tmp_path / "both"),
                  "--vocab-size", "300"]) == 0
@@ -243,3 +244,48 @@ def test_a_file_is_cut_into_pieces_at_line_ends_that_cover_it(tmp_path):
     assert len(cut) > 10 and cut[0].start == 0 and cut[-1].end == len(data) and cut[-1].last
     assert all(a.end == b.start and not a.last for a, b in zip(cut, cut[1:]))
     assert all(data[p.end - 1:p.end] == b"\n" for p in cut[:-1])
+
+
+def test_tetrad_data_reads_json_lines_one_document_a_line(tmp_path, capsys):
+    """A .jsonl file (datasets' export, Megatron-LM's input) holds a document per line, its text
+    under --json-key; blank lines and empty texts are no documents; .txt files beside it are one each."""
+    docs = ["first document\nover two lines", "", "zweites Dokument: ünïcødé", 'a "quoted" {brace} text']
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(json.dumps({"id": i, "content": d}) + "\n" + ("\n" if i == 1 else "")
+                                            for i, d in enumerate(docs)))
+    (folder / "b.txt").write_text("a text file\n")
+    out = tmp_path / "shards"
+    assert main(["data", str(folder), "--out", str(out), "--vocab-size", "300", "--json-key", "content",
+                 "--workers", "2", "--shard-mb", "0.0001"]) == 0
+    assert "4 documents" in capsys.readouterr().out
+    index, tokenizer = read_index(out), load_tokenizer(out / "tokenizer.json")
+    ids = load_tokens(str(out)).window(0, index["tokens"]).tolist()
+    ends = [i for i, t in enumerate(ids) if t == index["eos_id"]]
+    assert [tokenizer.decode(ids[a + 1:b]) for a, b in zip([-1] + ends, ends)] == \
+        [d for d in docs if d] + ["a text file\n"]
+    for shard in open_shards(out):
+        assert shard[-1] == index["eos_id"]  # a document never straddles two shards
+
+    # Cut into small pieces at line ends, the lines still read as the same documents.
+    cut = pieces(folder / "a.jsonl", piece_bytes=40)
+    assert len(cut) > 2 and all(p.json_lines for p in cut)
+    assert [d for p in cut for d in json_documents(p, "content")] == [d for d in docs if d]
+
+
+def test_tetrad_data_refuses_json_lines_without_the_key_before_any_work(tmp_path, capsys):
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"content": "x"}) + "\n")
+    assert main(["data", str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"tetrad data: {tmp_path / 'docs.jsonl'}: the line at byte 0 is not a JSON object with a 'text' "
+                   "string; give the texts' key with --json-key")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+    # A bad line past the part checked up front stops the tokenizer's training, or (a tokenizer
+    # given) the tokenizing workers, the same way.
+    good = json.dumps({"text": "y" * 100}) + "\n"
+    (tmp_path / "late.jsonl").write_text(good * 1000 + "not json\n")
+    train_bpe(iter(["some text to learn from"]), 300).save(str(tmp_path / "bpe.json"))
+    for tokenizer in (["--vocab-size", "300"], ["--tokenizer", str(tmp_path / "bpe.json")]):
+        assert main(["data", str(tmp_path / "late.jsonl"), "--out", str(tmp_path / "o"), *tokenizer]) == 2
+        assert f"late.jsonl: the line at byte {len(good) * 1000} is not a JSON object" in capsys.readouterr().err
+        assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()

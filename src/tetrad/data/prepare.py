@@ -1,15 +1,18 @@
 """`tetrad data`: a folder (or files) of text -> a shard folder a run trains on (shards.py).
 
-Each `.txt` file is one document. A BPE tokenizer is trained on a sample of the text (or an
-existing tokenizer.json is taken), then worker processes tokenize the text in pieces of a few
-MB, cut at line ends, while this process writes the pieces in order into shards, an EOS token
-after each document, starting a new shard only between documents.
+Each `.txt` file is one document; each line of a `.jsonl` file (JSON Lines, as datasets are
+exported and Megatron-LM's preprocess_data.py reads them) is one, its text under `--json-key`. A
+BPE tokenizer is trained on a sample of the text (or an existing tokenizer.json is taken), then
+worker processes tokenize the files in pieces of a few MB, cut at line ends, while this process
+writes the pieces in order into shards, an EOS token after each document, starting a new shard
+only between documents.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -23,34 +26,38 @@ import numpy as np
 from tqdm import tqdm
 
 from tetrad.data.shards import TOKENIZER, dtype_for, shard_name, write_index
-from tetrad.data.sources import text_files
 from tetrad.data.tokenizer import eos_id, load_tokenizer, train_bpe, vocab_size
 
 PIECE_BYTES = 4 << 20
+DOCUMENT_SUFFIXES = (".txt", ".jsonl")  # a document per file; a document per line
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Bytes [start, end) of one file; `last`: the document ends here (EOS follows)."""
+    """Bytes [start, end) of one file; `last`: the file ends here (a .txt document: EOS follows);
+    `json_lines`: each line is a whole document (a .jsonl file)."""
     path: str
     start: int
     end: int
     last: bool
+    json_lines: bool = False
 
 
 def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path]]:
-    """The documents: each input file, and every .txt file under each input folder; and the
-    other files under those folders (hidden ones aside), left out, which the command names."""
+    """The documents' files: each input file, and every .txt and .jsonl file under each input
+    folder; and the other files under those folders (hidden ones aside), left out, which the
+    command names."""
     files, left_out = [], []
     for path in inputs:
         if not path.exists():
             raise ValueError(f"{path} does not exist")
-        found = text_files(path) if path.is_dir() else [path]
+        found = sorted(f for f in path.rglob("*") if f.suffix in DOCUMENT_SUFFIXES and f.is_file()) \
+            if path.is_dir() else [path]
         if not found:
-            raise ValueError(f"{path} holds no .txt files")
+            raise ValueError(f"{path} holds no .txt or .jsonl files")
         files += found
         if path.is_dir():
-            left_out += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix != ".txt"
+            left_out += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix not in DOCUMENT_SUFFIXES
                                and not any(part.startswith(".") for part in f.relative_to(path).parts))
     if not any(f.stat().st_size for f in files):
         raise ValueError(f"the {len(files)} input file(s) are empty")
@@ -66,7 +73,7 @@ def pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> list[Piece]:
             f.seek(min(start + piece_bytes, size))
             newline = f.read(1 << 16).find(b"\n") if start + piece_bytes < size else -1
             end = size if newline < 0 else min(start + piece_bytes + newline + 1, size)
-            out.append(Piece(str(path), start, end, end == size))
+            out.append(Piece(str(path), start, end, end == size, path.suffix == ".jsonl"))
             start = end
     return out
 
@@ -77,29 +84,68 @@ def read_piece(piece: Piece) -> str:
         return f.read(piece.end - piece.start).decode("utf-8", errors="replace")
 
 
-def sample_texts(files: list[Path], budget_bytes: int) -> Iterator[str]:
+def json_documents(piece: Piece, key: str) -> list[str]:
+    """The texts of a .jsonl piece's lines (blank lines and empty texts skipped); a ValueError
+    naming the file and the line's byte offset when a line is not an object with a `key` string."""
+    texts, offset = [], piece.start
+    for line in read_piece(piece).splitlines(keepends=True):
+        if line.strip():
+            try:
+                text = json.loads(line)[key]
+            except (ValueError, KeyError, TypeError, IndexError):
+                text = None
+            if not isinstance(text, str):
+                raise ValueError(f"{piece.path}: the line at byte {offset} is not a JSON object with a {key!r} "
+                                 f"string; give the texts' key with --json-key")
+            if text:
+                texts.append(text)
+        offset += len(line.encode("utf-8", errors="replace"))
+    return texts
+
+
+def piece_texts(piece: Piece, key: str) -> list[str]:
+    """A .txt piece's text as it is (part of one document), or a .jsonl piece's documents."""
+    return json_documents(piece, key) if piece.json_lines else [read_piece(piece)]
+
+
+def sample_texts(files: list[Path], budget_bytes: int, key: str) -> Iterator[str]:
     """Text to learn the BPE merges from: the first `budget_bytes`, spread over the files in order."""
     for path in files:
         for piece in pieces(path, 1 << 20):
             if budget_bytes <= 0:
                 return
             budget_bytes -= piece.end - piece.start
-            yield read_piece(piece)
+            yield from piece_texts(piece, key)
+
+
+def check_json_lines(files: list[Path], key: str) -> None:
+    """Each .jsonl file's first piece reads (the rest is checked as it is tokenized): a wrong
+    --json-key is refused before a tokenizer is trained."""
+    for path in files:
+        if path.suffix == ".jsonl" and path.stat().st_size:
+            json_documents(pieces(path, 1 << 16)[0], key)
 
 
 class _Encoder:
     """A worker's tokenizer (built once per process from its JSON) and the piece encoder."""
 
-    def __init__(self, tokenizer_json: str, eos: int, dtype: str):
+    def __init__(self, tokenizer_json: str, eos: int, dtype: str, json_key: str):
         from tokenizers import Tokenizer
         self.tokenizer, self.eos, self.dtype = Tokenizer.from_str(tokenizer_json), eos, np.dtype(dtype)
+        self.json_key = json_key
 
-    def __call__(self, piece: Piece) -> np.ndarray:
+    def __call__(self, piece: Piece) -> list[np.ndarray]:
+        """A .txt piece's ids (EOS after the file's last), or each of a .jsonl piece's documents'
+        ids with its EOS."""
+        texts = piece_texts(piece, self.json_key)
         # Line by line: one encode of megabytes is many times slower, and byte-level BPE's
         # pre-tokenizer splits at line ends anyway (only runs of blank lines may merge differently).
-        lines = self.tokenizer.encode_batch_fast(read_piece(piece).splitlines(keepends=True), add_special_tokens=False)
-        ids = [i for line in lines for i in line.ids] + ([self.eos] if piece.last else [])
-        return np.array(ids, dtype=self.dtype)
+        lines = [text.splitlines(keepends=True) for text in texts]
+        encoded = iter(self.tokenizer.encode_batch_fast([line for text in lines for line in text],
+                                                        add_special_tokens=False))
+        ends = piece.json_lines or piece.last
+        return [np.array([i for _ in text for i in next(encoded).ids] + ([self.eos] if ends else []), dtype=self.dtype)
+                for text in lines]
 
 
 def _start_worker(*args) -> None:
@@ -159,19 +205,24 @@ class ShardWriter:
         return self.shards
 
 
-def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float, workers: int) -> dict:
+def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float, workers: int,
+             json_key: str) -> dict:
     """Tokenize `files` into shards in `out` with `workers` processes; returns the index."""
     size = vocab_size(tokenizer)
     dtype = dtype_for(size)
     writer = ShardWriter(out, max(1, int(shard_mb * 2**20) // dtype.itemsize))
     work = [p for f in files for p in pieces(f)]
-    with _forked_pool(workers, (tokenizer.to_str(), eos, dtype.str)) as pool, \
+    with _forked_pool(workers, (tokenizer.to_str(), eos, dtype.str, json_key)) as pool, \
             tqdm(total=sum(p.end - p.start for p in work), unit="B", unit_scale=True, desc="tokenizing",
                  disable=None) as bar:
-        document: list[np.ndarray] = []
-        for piece, ids in zip(work, pool.imap(_encode, work)):
-            document.append(ids)
+        document: list[np.ndarray] = []  # a .txt file's pieces so far
+        for piece, encoded in zip(work, pool.imap(_encode, work)):
             bar.update(piece.end - piece.start)
+            if piece.json_lines:
+                for ids in encoded:
+                    writer.add_document([ids])
+                continue
+            document += encoded
             if piece.last:
                 writer.add_document(document)
                 document = []
@@ -181,8 +232,11 @@ def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float,
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tetrad data", description="Train a byte-level BPE tokenizer on text "
                                      "(or take a tokenizer.json) and tokenize the text into memory-mapped shards "
-                                     "that `data.source` reads. Each .txt file is one document.")
-    parser.add_argument("inputs", nargs="+", type=Path, help="text files, or folders of .txt files")
+                                     "that `data.source` reads. Each .txt file is one document, and each line "
+                                     "of a .jsonl file.")
+    parser.add_argument("inputs", nargs="+", type=Path, help="text or JSON Lines files, or folders of .txt and "
+                                                             ".jsonl files")
+    parser.add_argument("--json-key", default="text", help="the key of each .jsonl line's text (default: text)")
     parser.add_argument("--out", type=Path, required=True, help="the shard folder to write (new or empty)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary to train (default 8192)")
@@ -206,6 +260,7 @@ def data_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
         files, left_out = input_files(args.inputs)
+        check_json_lines(files, args.json_key)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
         if tokenizer is not None:
             eos_id(tokenizer, args.eos)  # refused before any work
@@ -213,29 +268,42 @@ def data_command(argv: list[str]) -> int:
         print(f"tetrad data: {e}", file=sys.stderr)
         return 2
     if left_out:
-        print(f"tetrad data: {len(left_out)} file(s) in the input folders are not .txt and are left out, e.g. "
+        print(f"tetrad data: {len(left_out)} file(s) in the input folders are not .txt or .jsonl and are left out, e.g. "
               f"{left_out[0]}; name them as inputs to include them", flush=True)
-    total = sum(f.stat().st_size for f in files)
-    started = time.perf_counter()
-    if tokenizer is None:
-        print(f"tetrad data: training a {args.vocab_size}-token BPE on up to {args.sample_mb:g} MB of "
-              f"{total / 1e6:.1f} MB of text", flush=True)
-        tokenizer = train_bpe(sample_texts(files, int(args.sample_mb * 2**20)), args.vocab_size,
-                              progress=sys.stderr.isatty())
-    trained = time.perf_counter()
     # Written beside the final folder and renamed when complete: a crash leaves no half folder.
     partial = args.out.with_name(args.out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    tokenizer.save(str(partial / TOKENIZER))
-    index = tokenize(files, tokenizer, eos_id(tokenizer, args.eos), partial, args.shard_mb, args.workers)
+    try:
+        index, (started, trained, done) = _write_shards(args, files, tokenizer, partial)
+    except ValueError as e:  # a .jsonl line past the part checked up front that is not a document
+        shutil.rmtree(partial, ignore_errors=True)
+        print(f"tetrad data: {e}", file=sys.stderr)
+        return 2
     if args.out.exists():
         args.out.rmdir()  # checked empty above
     partial.rename(args.out)
-    done = time.perf_counter()
+    total = sum(f.stat().st_size for f in files)
     print(f"tetrad data: {index['documents']} documents, {index['tokens']:,} tokens (vocab {index['vocab_size']}, "
           f"{index['dtype']}) in {len(index['shards'])} shard(s) at {args.out}; tokenized {total / 1e6:.1f} MB in "
           f"{done - trained:.1f} s = {total / 1e6 / (done - trained):.1f} MB/s with {args.workers} process(es)"
           + (f"; tokenizer trained in {trained - started:.1f} s" if args.tokenizer is None else ""))
     print(f"tetrad data: train on it with --data.source={args.out} (model.vocab_size follows: {index['vocab_size']})")
     return 0
+
+
+def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partial: Path) -> tuple[dict, tuple]:
+    """Train the tokenizer (unless given), then write it and the shards into `partial`; the index
+    and the times (start, tokenizer trained, shards written)."""
+    started = time.perf_counter()
+    if tokenizer is None:
+        total = sum(f.stat().st_size for f in files)
+        print(f"tetrad data: training a {args.vocab_size}-token BPE on up to {args.sample_mb:g} MB of "
+              f"{total / 1e6:.1f} MB of text", flush=True)
+        tokenizer = train_bpe(sample_texts(files, int(args.sample_mb * 2**20), args.json_key), args.vocab_size,
+                              progress=sys.stderr.isatty())
+    trained = time.perf_counter()
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    tokenizer.save(str(partial / TOKENIZER))
+    index = tokenize(files, tokenizer, eos_id(tokenizer, args.eos), partial, args.shard_mb, args.workers,
+                     args.json_key)
+    return index, (started, trained, time.perf_counter())

@@ -16,7 +16,7 @@ from tetrad.data.prepare import json_documents, pieces
 from tetrad.data.shards import dtype_for, model_keys, open_shards, read_index
 from tetrad.data.blend import blend_parts
 from tetrad.data.sources import CORPORA, TokenStream, load_tokens
-from tetrad.data.tokenizer import load_tokenizer, train_bpe
+from tetrad.data.tokenizer import document_prefix, load_tokenizer, train_bpe
 from tetrad.train import batches as batches_module
 from tetrad.train.batches import Batches, blend_counts, describe, permute, route, split_batches
 
@@ -289,3 +289,34 @@ def test_tetrad_data_refuses_json_lines_without_the_key_before_any_work(tmp_path
         assert main(["data", str(tmp_path / "late.jsonl"), "--out", str(tmp_path / "o"), *tokenizer]) == 2
         assert f"late.jsonl: the line at byte {len(good) * 1000} is not a JSON object" in capsys.readouterr().err
         assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def _with_begin_of_text(tokenizer):
+    """`tokenizer` with Llama 3's post-processor: <|begin_of_text|> before every encoded text."""
+    from tokenizers import processors
+    tokenizer.add_special_tokens(["<|begin_of_text|>"])
+    bos = tokenizer.token_to_id("<|begin_of_text|>")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                             special_tokens=[("<|begin_of_text|>", bos)])
+    return tokenizer, bos
+
+
+def test_documents_start_with_the_tokenizers_own_prefix(tmp_path, capsys):
+    """A tokenizer whose post-processor starts texts with a token (Llama 3's <|begin_of_text|>)
+    starts every document with it, as HF's encode does; tetrad's own BPE adds none."""
+    texts = write_docs(tmp_path / "text")
+    (tmp_path / "more.jsonl").write_text(json.dumps({"text": "a json document"}) + "\n")
+    plain = train_bpe(iter(texts), 300)
+    assert document_prefix(plain) == []
+    tokenizer, bos = _with_begin_of_text(plain)
+    assert document_prefix(tokenizer) == [bos]
+    tokenizer.save(str(tmp_path / "llama-like.json"))
+    out = tmp_path / "shards"
+    assert main(["data", str(tmp_path / "text"), str(tmp_path / "more.jsonl"), "--out", str(out),
+                 "--tokenizer", str(tmp_path / "llama-like.json"), "--shard-mb", "0.001"]) == 0
+    index = read_index(out)
+    ids = load_tokens(str(out)).window(0, index["tokens"]).tolist()
+    ends = [i for i, t in enumerate(ids) if t == index["eos_id"]]
+    docs = [ids[a + 1:b] for a, b in zip([-1] + ends, ends)]
+    assert [d[0] for d in docs] == [bos] * 4 and ids.count(bos) == 4
+    assert [tokenizer.decode(d[1:]) for d in docs] == texts + ["a json document"]

@@ -103,3 +103,20 @@ def test_a_run_folder_names_its_checkpoints_where_checkpoint_dir_put_them(tmp_pa
     (root / "step_00000002").mkdir(parents=True)
     (root / "step_00000002" / "tetrad.json").write_text("{}")  # published (checkpoint_folder does not verify)
     assert checkpoint_folder(run) == root / "step_00000002"
+
+
+def test_a_prompt_starts_with_the_tokenizers_own_prefix():
+    """Generation from a model whose tokenizer starts texts with <|begin_of_text|> (Llama 3)
+    feeds it first, as HF's generate does; tetrad's own BPE gets none."""
+    from test_data import _with_begin_of_text
+    from tetrad.data.tokenizer import train_bpe
+    from tetrad.train.generate import complete
+    net = random_model(vocab_size=512)
+    plain = train_bpe(iter(["the licence text and more of the licence text"]), 300)
+    _, ids, _ = complete(net, plain, "the licence", max_new=2)
+    assert ids == plain.encode("the licence", add_special_tokens=False).ids
+    tokenizer, bos = _with_begin_of_text(train_bpe(iter(["the licence text and more of the licence text"]), 300))
+    text, ids, _ = complete(net, tokenizer, "the licence", max_new=2)
+    assert ids == [bos] + plain.encode("the licence", add_special_tokens=False).ids
+    assert text.startswith("the licence")
+    assert complete(net, tokenizer, "", max_new=1)[1] == [bos]  # an empty prompt: the prefix alone

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tetrad.data.shards import TOKENIZER, dtype_for, shard_name, write_index
-from tetrad.data.tokenizer import eos_id, load_tokenizer, train_bpe, vocab_size
+from tetrad.data.tokenizer import document_prefix, eos_id, load_tokenizer, train_bpe, vocab_size
 
 PIECE_BYTES = 4 << 20
 DOCUMENT_SUFFIXES = (".txt", ".jsonl")  # a document per file; a document per line
@@ -132,20 +132,20 @@ class _Encoder:
     def __init__(self, tokenizer_json: str, eos: int, dtype: str, json_key: str):
         from tokenizers import Tokenizer
         self.tokenizer, self.eos, self.dtype = Tokenizer.from_str(tokenizer_json), eos, np.dtype(dtype)
-        self.json_key = json_key
+        self.json_key, self.prefix = json_key, document_prefix(self.tokenizer)
 
     def __call__(self, piece: Piece) -> list[np.ndarray]:
-        """A .txt piece's ids (EOS after the file's last), or each of a .jsonl piece's documents'
-        ids with its EOS."""
+        """A .txt piece's ids (the tokenizer's document prefix before the file's first, EOS after
+        its last), or each of a .jsonl piece's documents' ids, prefix and EOS around them."""
         texts = piece_texts(piece, self.json_key)
         # Line by line: one encode of megabytes is many times slower, and byte-level BPE's
         # pre-tokenizer splits at line ends anyway (only runs of blank lines may merge differently).
         lines = [text.splitlines(keepends=True) for text in texts]
         encoded = iter(self.tokenizer.encode_batch_fast([line for text in lines for line in text],
                                                         add_special_tokens=False))
-        ends = piece.json_lines or piece.last
-        return [np.array([i for _ in text for i in next(encoded).ids] + ([self.eos] if ends else []), dtype=self.dtype)
-                for text in lines]
+        starts, ends = piece.json_lines or piece.start == 0, piece.json_lines or piece.last
+        return [np.array((self.prefix if starts else []) + [i for _ in text for i in next(encoded).ids]
+                         + ([self.eos] if ends else []), dtype=self.dtype) for text in lines]
 
 
 def _start_worker(*args) -> None:

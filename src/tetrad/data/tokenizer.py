@@ -1,5 +1,6 @@
 """Tokenizers, through HF `tokenizers`: a byte-level BPE trained on the user's text, or an
-existing `tokenizer.json` (e.g. Llama 3's), and the end-of-document token between documents.
+existing `tokenizer.json` (e.g. Llama 3's), the end-of-document token between documents, and
+the tokens a tokenizer starts each document with (its beginning-of-text token, if it has one).
 
 Byte-level BPE starts from the 256 byte symbols, so any text encodes (no unknown token) and
 decoding gives the exact bytes back.
@@ -61,6 +62,16 @@ def eos_id(tokenizer: Tokenizer, name: str = "") -> int:
             return found
     raise ValueError(f"the tokenizer has no end-of-document token {name!r}" if name else
                      f"the tokenizer has none of {', '.join(KNOWN_EOS)}; name its end-of-document token with --eos")
+
+
+def document_prefix(tokenizer: Tokenizer) -> list[int]:
+    """The ids the tokenizer's own post-processor puts before a text (Llama 3's <|begin_of_text|>,
+    Llama 2's <s>; none for tetrad's BPE): each document (`tetrad data`) and each prompt (`tetrad
+    generate`) starts with them, as HF's `encode` does by default and Megatron-LM's and
+    torchtitan's Llama data do, so a model fine-tuned from released weights sees its own format."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    return next((full[:at] for at in range(len(full)) if full[at:at + len(plain)] == plain), [])
 
 
 def vocab_size(tokenizer: Tokenizer) -> int:

@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tetrad.config import ModelConfig
-from tetrad.data.tokenizer import eos_id, run_tokenizer
+from tetrad.data.tokenizer import document_prefix, eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
@@ -105,8 +105,10 @@ def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | Non
 def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int, temperature: float = 0.8,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> tuple[str, list[int], list[int]]:
     """`prompt` and its sampled continuation as text (what `tetrad generate` prints), with the
-    prompt's and the continuation's token ids. An empty prompt starts from a newline."""
-    ids = tokenizer.encode(prompt or "\n", add_special_tokens=False).ids
+    prompt's and the continuation's token ids, the tokenizer's document prefix (data/tokenizer.py)
+    first. An empty prompt starts from that prefix, or from a newline when there is none."""
+    prefix = document_prefix(tokenizer)
+    ids = prefix + tokenizer.encode(prompt or ("" if prefix else "\n"), add_special_tokens=False).ids
     if len(ids) >= model.cfg.seq_len:
         raise ValueError(f"the prompt is {len(ids)} tokens; the model reads at most seq_len={model.cfg.seq_len}, "
                          "so use a shorter one")

@@ -95,7 +95,7 @@ class TorchLlama(nn.Module):
         self.layers = nn.ModuleDict({str(i): _Block(m) for i in range(m.n_layers)})
         self.norm = nn.RMSNorm(m.d_model, m.norm_eps)
         self.head = nn.Linear(m.d_model, m.vocab_size, bias=False)
-        self.rope = rope_tables(torch.arange(m.seq_len), m.head_dim, m.rope_theta)
+        self.rope = rope_tables(torch.arange(m.seq_len), m)
 
     def forward(self, tokens):
         h = self.embed(tokens)

@@ -36,6 +36,17 @@ ERRORS = [
     ({"parallel": {"tp": 2, "sp_regather": True}}, None, "sp_regather gathers sequence parallelism's input"),
     ({"parallel": {"dp": 4, "zero": 3, "hierarchical": True, "ranks_per_node": 2}}, None,
      "got zero=3, grad_codec='none'; use zero<=1 and grad_codec='none', or hierarchical=false"),
+    ({"model": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}}, None,
+     "model.rope_scaling needs exactly rope_type, factor, low_freq_factor, high_freq_factor, "
+     "original_max_position_embeddings; missing low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+    ({"model": {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}}}, None,
+     "model.rope_scaling.rope_type='yarn': tetrad has Llama 3.1's 'llama3' scaling only"),
+    ({"model": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                                 "original_max_position_embeddings": 8192}}}, None,
+     "model.rope_scaling needs factor >= 1, 0 <= low_freq_factor < high_freq_factor"),
+    ({"model": {"pos": "learned", "rope_scaling": {"rope_type": "llama3"}}}, None,
+     "model.rope_scaling scales RoPE's frequencies, and model.pos='learned' has none; remove it"),
 ]
 
 

@@ -1,6 +1,7 @@
 """`tetrad convert`: a checkpoint from any layout -> HF safetensors -> LlamaForCausalLM gives the same
 logits, and HF weights -> tetrad checkpoint gives the same model back."""
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -39,6 +40,12 @@ def hf_logits(hf_dir: Path) -> torch.Tensor:
         return hf(TOKENS).logits
 
 
+# Llama 3.1's RoPE: theta 500000 and its frequency scaling, over an original context shorter than
+# the test's 32 tokens, so that every frequency band (kept, blended, slowed) is in use.
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 16}
+LLAMA31_ROPE = {"rope_theta": 500000.0, "rope_scaling": LLAMA31_SCALING}
+
 # fp32, the same math in a different order (as in test_model_hf): 1e-4 catches any real mismatch.
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -47,7 +54,8 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
 @pytest.mark.parametrize("parallel,model", [({"tp": 2}, {"vocab_size": 251}),  # padded vocab under tp
                                             ({"dp": 2}, {"vocab_size": 251, "tie_embeddings": True}),
                                             ({"dp": 2, "tp": 2, "zero": 3}, {"vocab_size": 251}),
-                                            ({"pp": 2, "tp": 2, "zero": 1}, {"vocab_size": 251})])
+                                            ({"pp": 2, "tp": 2, "zero": 1}, {"vocab_size": 251}),
+                                            ({"dp": 2}, {"vocab_size": 251, **LLAMA31_ROPE})])
 def test_checkpoint_to_hf_and_back(tmp_path, parallel, model):
     cfg = tiny_config(parallel=parallel, model=model, train={"steps": 2, "micro_batch": 1}, checkpoint={"every": 2})
     train_layout(cfg)
@@ -63,19 +71,48 @@ def test_checkpoint_to_hf_and_back(tmp_path, parallel, model):
     assert all(torch.equal(original[k], restored[k]) for k in original)
 
 
-def test_hf_model_to_tetrad(tmp_path):
-    """Weights written by transformers itself (not by us) load and give HF's logits."""
+@pytest.mark.parametrize("rope", [{"rope_theta": 10000.0}, {"rope_theta": 500000.0},
+                                  {"rope_theta": 500000.0, "rope_scaling": LLAMA31_SCALING}])
+def test_hf_model_to_tetrad(tmp_path, rope):
+    """Weights written by transformers itself (not by us) load and give HF's logits, RoPE's theta
+    and Llama 3.1's scaling included (transformers 5 writes both under `rope_parameters`)."""
     hf_cfg = transformers.LlamaConfig(vocab_size=251, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+                                      rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                      **copy.deepcopy(rope))  # transformers adds rope_theta to the scaling dict
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
     with warnings.catch_warnings(record=True) as caught:  # nothing but the command's own line
         warnings.simplefilter("always")
         assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
     assert not caught, [str(w.message) for w in caught]
-    ours = load_single(tmp_path / "ckpt", {"vocab_size": 251})
-    torch.testing.assert_close(logits(ours), hf_logits(tmp_path / "hf"), **TOL)
+    # As `tetrad generate` reads it: the model its config.toml describes, RoPE included.
+    from tetrad.train.convert import read_weights
+    from tetrad.train.generate import single_process_model
+    cfg, state = read_weights(tmp_path / "ckpt")
+    with torch.no_grad():
+        ours = single_process_model(cfg.model, state)(TOKENS, torch.arange(TOKENS.shape[1]))
+    torch.testing.assert_close(ours, hf_logits(tmp_path / "hf"), **TOL)
+
+
+def test_rope_read_from_either_transformers_config_form():
+    """transformers 4 writes `rope_theta` and `rope_scaling` (its older key `type`) at the top;
+    transformers 5 writes `rope_parameters`. Other scalings are refused by name."""
+    from tetrad.config import ConfigError
+    from tetrad.train.convert import model_config_from_hf
+    base = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+            "vocab_size": 251}
+    forms = [{"rope_theta": 5e5, "rope_scaling": LLAMA31_SCALING},
+             {"rope_theta": 5e5, "rope_scaling": {"type": "llama3", **{k: v for k, v in LLAMA31_SCALING.items()
+                                                                      if k != "rope_type"}}},
+             {"rope_parameters": {"rope_theta": 5e5, **LLAMA31_SCALING}}]
+    for form in forms:
+        keys = model_config_from_hf({**base, **form}, Path("config.json"))
+        assert (keys["rope_theta"], keys["rope_scaling"]) == (5e5, LLAMA31_SCALING), form
+    plain = model_config_from_hf({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}, Path("c"))
+    assert (plain["rope_theta"], plain["rope_scaling"]) == (5e5, {})
+    with pytest.raises(ConfigError, match="tetrad's Llama has no {'rope_scaling': {'rope_type': 'yarn'"):
+        model_config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, Path("config.json"))
 
 
 def test_hf_weights_that_do_not_fit_config_are_refused(tmp_path, capsys):

@@ -103,3 +103,21 @@ def test_gpt_variant_logits_match_hf_gpt2(tied):
         theirs = hf(tokens).logits
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)  # fp32, as for Llama above
     assert ours.abs().max() > 1e-3  # a non-trivial comparison
+
+
+def test_llama31_rope_frequencies_are_transformers_own():
+    """Llama 3.1's RoPE scaling at its real sizes (head_dim 128, theta 500000, an 8192-token
+    original context stretched 8x), against transformers' computation of the same frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from tetrad.model.llama import rope_frequencies
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cfg = load_config(overrides={"model": {"preset": "llama3-8b", "rope_scaling": scaling}}).model
+    hf_cfg = transformers.LlamaConfig(hidden_size=cfg.d_model, num_attention_heads=cfg.n_heads, rope_theta=cfg.rope_theta,
+                                      rope_scaling=dict(scaling), max_position_embeddings=131072)
+    theirs, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    ours = rope_frequencies(cfg, torch.device("cpu"))
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    assert attention_factor == 1.0  # llama3 scaling leaves the angles' cos/sin unscaled
+    plain = rope_frequencies(load_config(overrides={"model": {"preset": "llama3-8b"}}).model, torch.device("cpu"))
+    assert (ours < plain).sum() > 16 and (ours == plain).sum() > 16  # slowed and kept bands both exist

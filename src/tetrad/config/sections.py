@@ -42,6 +42,8 @@ COMM_GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "dp_cp_intra", "dp_cp_inter", "e
 COMM_OPTIONS = {"high_priority_stream": (bool, None), "cga_cluster_size": (int, range(0, 9)),
                 "min_ctas": (int, range(1, 65)), "max_ctas": (int, range(1, 65))}
 
+ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
 
 @dataclass
 class ModelConfig:
@@ -58,6 +60,10 @@ class ModelConfig:
     pos: Literal["rope", "learned"] = "rope"
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    # Llama 3.1's RoPE frequency scaling, as HF's config.json holds it (model/llama.py
+    # rope_frequencies): {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0,
+    # high_freq_factor = 4.0, original_max_position_embeddings = 8192}; empty: none.
+    rope_scaling: dict[str, Union[str, float]] = field(default_factory=dict)
     norm_eps: float = 1e-5
     dropout: float = 0.0
 

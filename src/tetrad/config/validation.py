@@ -9,8 +9,8 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
-from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, Config, ConfigError, ParallelConfig, did_you_mean,
-                                    hierarchical_blocker)
+from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, ROPE_SCALING_KEYS, Config, ConfigError, ModelConfig,
+                                    ParallelConfig, did_you_mean, hierarchical_blocker)
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,7 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
     check_ranges(cfg)
     _check_world(cfg.parallel, world_size)
     _check_heads(cfg)
+    _check_rope_scaling(cfg.model)
     _check_pipeline(cfg, runtime)
     _check_sequence(cfg)
     _check_gradients(cfg)
@@ -147,6 +148,29 @@ def _check_heads(cfg: Config) -> None:
     if m.ffn_hidden % p.tp:
         raise ConfigError(f"tp={p.tp} does not divide ffn_hidden={m.ffn_hidden}; "
                           f"use tp in {sorted(set(common) & set(divisors(m.ffn_hidden)))}")
+
+
+def _check_rope_scaling(m: ModelConfig) -> None:
+    """Llama 3.1's scaling, whole: its five keys (HF's names) with frequencies it can blend."""
+    s = m.rope_scaling
+    if not s:
+        return
+    if m.pos != "rope":
+        raise ConfigError("model.rope_scaling scales RoPE's frequencies, and model.pos='learned' has none; remove it")
+    missing, unknown = [k for k in ROPE_SCALING_KEYS if k not in s], [k for k in s if k not in ROPE_SCALING_KEYS]
+    if missing or unknown:
+        raise ConfigError(f"model.rope_scaling needs exactly {', '.join(ROPE_SCALING_KEYS)}"
+                          + (f"; missing {', '.join(missing)}" if missing else "")
+                          + (f"; unknown {', '.join(unknown)}" if unknown else ""))
+    if s["rope_type"] != "llama3":
+        raise ConfigError(f"model.rope_scaling.rope_type={s['rope_type']!r}: tetrad has Llama 3.1's 'llama3' scaling only")
+    numbers = {k: s[k] for k in ROPE_SCALING_KEYS[1:]}
+    if any(isinstance(v, str) for v in numbers.values()):
+        raise ConfigError(f"model.rope_scaling's {', '.join(numbers)} must be numbers, got {numbers}")
+    if not (s["factor"] >= 1 and 0 <= s["low_freq_factor"] < s["high_freq_factor"]
+            and s["original_max_position_embeddings"] > 0):
+        raise ConfigError(f"model.rope_scaling needs factor >= 1, 0 <= low_freq_factor < high_freq_factor and "
+                          f"original_max_position_embeddings > 0, got {numbers}")
 
 
 def _check_pipeline(cfg: Config, runtime: bool) -> None:

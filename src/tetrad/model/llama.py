@@ -47,11 +47,25 @@ class Norm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """RoPE's angle per position of each pair of a head's dimensions: theta^(-2i/d), or under Llama
+    3.1's `rope_scaling` those frequencies remapped by how many turns they make over the context it
+    was first trained on: fewer than low_freq_factor, slowed by `factor` (long context); more than
+    high_freq_factor, kept (local order); in between, a linear blend of the two."""
+    d = cfg.head_dim
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    if not cfg.rope_scaling:
+        return inv_freq
+    s = cfg.rope_scaling
+    turns = s["original_max_position_embeddings"] * inv_freq / (2 * math.pi)
+    kept = ((turns - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])).clamp(0, 1)
+    return kept * inv_freq + (1 - kept) * inv_freq / s["factor"]
+
+
+def rope_tables(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each token's true position (positions: [s]), laid out for `apply_rope`:
     [1, s, 1, head_dim], each half's angles repeated, sin negated on the first half."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[:, None] * rope_frequencies(cfg, positions.device)[None, :]
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], dim=-1)[None, :, None, :], torch.cat([-sin, sin], dim=-1)[None, :, None, :]
 
@@ -310,7 +324,7 @@ class Transformer(nn.Module):
         the trainer passes one positions tensor every step; decoding passes new ones. Never under
         inference mode, whose tensors have no version and cannot be saved for a later backward."""
         if torch.is_inference_mode_enabled() or positions.is_inference():
-            return rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+            return rope_tables(positions, self.cfg)
         if self._rope is None or self._rope[0] is not positions or self._rope[1] != positions._version:
-            self._rope = positions, positions._version, rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+            self._rope = positions, positions._version, rope_tables(positions, self.cfg)
         return self._rope[2]

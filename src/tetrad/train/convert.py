@@ -127,7 +127,7 @@ def to_hf(checkpoint: Path, out: Path) -> None:
                  "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
                  "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
                  "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-                 "mlp_bias": False, "torch_dtype": dtype}
+                 "mlp_bias": False, "torch_dtype": dtype, **_hf_rope_scaling(m.rope_scaling)}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
 
 
@@ -142,9 +142,32 @@ def write_hf_tokenizer(tokenizer, out: Path, max_length: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _hf_rope_scaling(scaling: dict) -> dict:
+    """config.json's `rope_scaling` for model.rope_scaling, in the form every transformers reads."""
+    if not scaling:
+        return {}
+    return {"rope_scaling": {**scaling, "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}}
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, dict]:
+    """(rope_theta, model.rope_scaling) of a config.json: top-level `rope_theta` and `rope_scaling`
+    (transformers 4; its older scaling key `type`), or `rope_parameters` (transformers 5 writes
+    theta there, and no top-level key). ConfigError-worthy scaling comes back as-is: validation
+    names what is wrong with it."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or params)
+    theta = float(hf.get("rope_theta", params.get("rope_theta", scaling.get("rope_theta", 1e4))))
+    scaling.pop("rope_theta", None)
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return theta, {} if kind == "default" else {"rope_type": kind, **scaling}
+
+
 def model_config_from_hf(hf: dict, source: Path) -> dict:
     """[model] keys of an HF Llama config.json; refuse what tetrad's model cannot represent."""
-    unsupported = {k: hf[k] for k in ("rope_scaling", "attention_bias", "mlp_bias") if hf.get(k)}
+    theta, scaling = _rope_from_hf(hf)
+    unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias") if hf.get(k)}
+    if scaling and scaling.get("rope_type") != "llama3":
+        unsupported["rope_scaling"] = scaling
     if hf.get("hidden_act", "silu") != "silu":
         unsupported["hidden_act"] = hf["hidden_act"]
     if hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]) != hf["hidden_size"] // hf["num_attention_heads"]:
@@ -155,8 +178,8 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "n_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
             "ffn_hidden": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
             "seq_len": hf.get("max_position_embeddings", 2048), "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope",
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "rope_theta": float(hf.get("rope_theta", 1e4)),
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-5))}
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "rope_theta": theta,
+            "rope_scaling": scaling, "norm_eps": float(hf.get("rms_norm_eps", 1e-5))}
 
 
 def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:

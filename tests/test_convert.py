@@ -161,3 +161,19 @@ def test_a_checkpoint_logged_to_wandb_exports_where_wandb_is_not_installed(tmp_p
                         lambda name, *a: None if name in ("wandb", "tensorboard") else find_spec(name, *a))
     assert main(["convert", str(saved), "--to-hf", str(tmp_path / "hf")]) == 0
     assert main(["generate", str(saved), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+
+
+def test_exported_tokenizer_names_its_special_tokens(tmp_path):
+    """A Llama-3-like tokenizer (<|begin_of_text|> before each text, <|endoftext|> between
+    documents) exports with both named: AutoTokenizer knows them, and config.json's ids tell
+    HF's generate where text starts and stops."""
+    from test_data import _with_begin_of_text
+    from tetrad.data.tokenizer import eos_id, train_bpe
+    from tetrad.train.convert import _special_token_ids, write_hf_tokenizer
+    tokenizer, bos = _with_begin_of_text(train_bpe(iter(["some text to learn a few merges from"]), 300))
+    write_hf_tokenizer(tokenizer, tmp_path, 32)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert (hf.bos_token, hf.eos_token) == ("<|begin_of_text|>", "<|endoftext|>")
+    assert hf("some text").input_ids[0] == bos
+    assert _special_token_ids(tokenizer) == {"eos_token_id": eos_id(tokenizer), "bos_token_id": bos}
+    assert _special_token_ids(train_bpe(iter(["text"]), 300)) == {"eos_token_id": 0}  # tetrad's BPE: no prefix

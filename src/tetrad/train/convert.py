@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from tetrad.config import Config, ConfigError, load_config, read_toml
 from tetrad.data.shards import TOKENIZER
-from tetrad.data.tokenizer import eos_id, run_tokenizer
+from tetrad.data.tokenizer import document_prefix, eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import spec_of
 from tetrad.dist.topology import Topology
@@ -120,25 +120,43 @@ def to_hf(checkpoint: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_file({hf_name(k): v for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
-    write_hf_tokenizer(run_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)[0], out, m.seq_len)
+    tokenizer = run_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)[0]
+    write_hf_tokenizer(tokenizer, out, m.seq_len)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
                  "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
                  "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
                  "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-                 "mlp_bias": False, "torch_dtype": dtype, **_hf_rope_scaling(m.rope_scaling)}
+                 "mlp_bias": False, "torch_dtype": dtype, **_hf_rope_scaling(m.rope_scaling),
+                 **_special_token_ids(tokenizer)}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+def _special_token_ids(tokenizer) -> dict:
+    """config.json's `eos_token_id` (where HF's generate stops) and `bos_token_id` (what the
+    tokenizer starts a text with), for the tokens the tokenizer has."""
+    return {f"{name}_token_id": token for name, token in _special_tokens(tokenizer).items()}
+
+
+def _special_tokens(tokenizer) -> dict[str, int]:
+    """The tokenizer's end-of-document token and its one-token document prefix, by HF's names."""
+    found = {}
+    try:
+        found["eos"] = eos_id(tokenizer)
+    except ValueError:
+        pass  # bytes: no end-of-document token
+    prefix = document_prefix(tokenizer)
+    if len(prefix) == 1:
+        found["bos"] = prefix[0]
+    return found
 
 
 def write_hf_tokenizer(tokenizer, out: Path, max_length: int) -> None:
     """tokenizer.json and the tokenizer_config.json that lets `AutoTokenizer` load it."""
     tokenizer.save(str(out / TOKENIZER))
-    try:
-        eos = {"eos_token": tokenizer.id_to_token(eos_id(tokenizer))}
-    except ValueError:
-        eos = {}  # bytes: no end-of-document token
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, **eos}
+    names = {f"{name}_token": tokenizer.id_to_token(token) for name, token in _special_tokens(tokenizer).items()}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, **names}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

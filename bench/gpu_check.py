@@ -8,6 +8,7 @@
 - memory: `tetrad estimate`'s peak against the measured peak allocated and reserved, for
   recompute none / selective / full;
 - offload: a save -> resume round trip with train.offload_optimizer continues the same losses;
+- async save: a background checkpoint (checkpoint.async_save) resumes to the same losses;
 - ring blocks: the fused block kernels against the fp32 math path at 8k-32k tokens (time, peak
   memory, largest difference);
 - the user's commands: `tetrad train` (the demo config on one rank) and `tetrad generate`.
@@ -289,6 +290,22 @@ def offload_resume(device_type: str = "cuda") -> list[tuple]:
     return [("offload save -> resume", a == b, f"steps 3-4 straight {a}, resumed from {saved.name} {b}")]
 
 
+def async_checkpoint_resume(device_type: str = "cuda") -> list[tuple]:
+    """Four steps straight, against two steps with a background checkpoint (checkpoint.async_save:
+    the state copied from the device to CPU memory, written from a thread) and two resumed from it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        straight = train_run(config(TINY, f"{tmp}/a", steps=4, device=device_type), device_type)
+        first = config(TINY, f"{tmp}/b", steps=2, device=device_type)
+        first.checkpoint.every, first.checkpoint.async_save = 2, True
+        train_run(first, device_type)
+        saved = sorted(Path(tmp, "b", "checkpoints").glob("step_*"))[-1]
+        resumed_cfg = config(TINY, f"{tmp}/c", steps=4, device=device_type)
+        resumed_cfg.checkpoint.resume = str(saved)
+        resumed = train_run(resumed_cfg, device_type)
+    a, b = [r["loss"] for r in straight[2:]], [r["loss"] for r in resumed]
+    return [("async save -> resume", a == b, f"steps 3-4 straight {a}, resumed from {saved.name} {b}")]
+
+
 def cli_round_trip(device_type: str = "cuda") -> list[tuple]:
     """The user's path: `tetrad train` (the demo config on one rank, train.device=auto), then
     `tetrad generate` from its checkpoint, as commands."""
@@ -355,6 +372,7 @@ def _guarded(name: str, part) -> list[tuple]:
 PARTS = {"cli": lambda gpu: cli_round_trip(), "parity": lambda gpu: loss_parity(),
          "throughput": lambda gpu: throughput_and_memory(gpu=gpu), "planner": lambda gpu: planner_points(gpu=gpu),
          "attention": lambda gpu: attention_kernels(), "offload": lambda gpu: offload_resume(),
+         "async_save": lambda gpu: async_checkpoint_resume(),
          "ring": lambda gpu: ring_blocks()}
 
 

@@ -58,3 +58,10 @@ def test_table_marks_failures_and_a_raising_part_is_a_row():
     table = gpu_check.format_table(rows)
     assert "PASS" in table.splitlines()[1] and "FAIL" in table.splitlines()[2]
     assert "broken" in table and "CUDA out of memory" in table
+
+
+def test_async_checkpoint_part_runs_on_the_cpu():
+    """The part that checks a background checkpoint's device-to-host copy on a GPU resumes to the
+    straight run's losses on the CPU too."""
+    ((name, ok, detail),) = gpu_check.async_checkpoint_resume("cpu")
+    assert name == "async save -> resume" and ok, detail

@@ -8,6 +8,8 @@ cp > 1 each rank holds two load-balanced chunks of the sequence (dist/layout.py)
   next block in flight while the current one is computed, and partial outputs are merged with
   the log-sum-exp trick. The backward re-circulates K/V and passes the dK/dV accumulators
   around the ring, so nothing but the local block is kept for backward. Only KV heads travel.
+  Under per-op recompute (`selective-op`) the recompute replays the ring's kept result
+  (`RingReplay`) instead of running it again.
 - all-to-all (`cp_algo="alltoall"`, Ulysses): re-shard from sequence to heads, attend over the
   whole sequence on heads/cp heads, re-shard back.
 

@@ -41,6 +41,8 @@ LAYOUTS = {
     "tp2-selective": ({"tp": 2}, "selective", {"atol": 5e-5}),
     "tp2-sp-full": ({"tp": 2, "sequence_parallel": True}, "full", {"atol": 5e-5}),
     "cp2-ring": ({"cp": 2, "cp_algo": "ring"}, "none", {"atol": 2e-4, "loss_atol": 2e-6}),
+    # The per-op policy around the compiled body; the eager ring between its regions is replayed.
+    "cp2-ring-selective-op": ({"cp": 2, "cp_algo": "ring"}, "selective-op", {"atol": 2e-4, "loss_atol": 2e-6}),
     "cp2-alltoall-pp2-zb": ({"cp": 2, "cp_algo": "alltoall", "pp": 2, "schedule": "zb"}, "none",
                             {"atol": 2e-4, "loss_atol": 2e-6}),
     # ZeRO-3 swaps each block's parameters' data between its gathered views and an empty tensor

@@ -1,5 +1,6 @@
 """The planner's time: the FLOP convention, the pipeline simulator's extrapolation and 1F1B bubble,
-a breakdown with no negative part, and the bytes each group moves."""
+a breakdown with no negative part, the bytes each group moves, and the ring per-op recompute
+replays."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from tetrad.model import flops
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
+from tetrad.plan.layer import layer_cost
 from tetrad.plan.memory import rank_params
 from tetrad.plan.pipeline import _simulate, pipeline
 from tetrad.plan.search import config_of, layouts
+from tetrad.plan.stacks import load_stack
 
 
 def _cfg(**sections):
@@ -94,3 +97,21 @@ def test_comm_bytes_follow_tetrad_comm_convention():
     ring = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, cp=2))
     kv = 2 * m.seq_len // 2 * m.n_kv_heads * m.head_dim * 2  # k and v of this rank's tokens, micro-batch 2
     assert comm_bytes_per_step(ring)["cp"] == ring.microbatches * m.n_layers * (kv * 4 + kv * 4 + 2 * kv * 4)
+
+
+def test_per_op_recompute_replays_the_ring():
+    """selective-op keeps the ring's result and replays it (model/attention.py RingReplay): its
+    exposed cp time is no recompute's, its recompute has no ring merges (what the all-to-all's,
+    which merges nothing, has), and the ring's K/V is sent once forward. The all-to-alls it repeats."""
+    cluster, stack = load_cluster("dgx-h100"), load_stack("tetrad")
+
+    def cost(algo, recompute):
+        cfg = _cfg(model={"preset": "llama3-8b", "seq_len": 2048}, parallel={"cp": 4, "cp_algo": algo},
+                   train={"global_batch": 8, "micro_batch": 1, "dtype": "bf16", "recompute": recompute})
+        return layer_cost(cfg, cluster, stack), comm_bytes_per_step(cfg)["cp"]
+
+    (op, op_bytes), (none, none_bytes), (full, full_bytes) = (cost("ring", r) for r in ("selective-op", "none", "full"))
+    assert op.cp_comm == none.cp_comm < full.cp_comm
+    assert op_bytes == none_bytes < full_bytes
+    assert op.recompute == pytest.approx(cost("alltoall", "selective-op")[0].recompute, rel=1e-12)
+    assert cost("alltoall", "selective-op")[0].cp_comm == cost("alltoall", "full")[0].cp_comm

@@ -1,6 +1,7 @@
 """Activation recomputation: `full`, `selective` and `selective-op` give the losses and gradients of `none`
-(exactly: the recompute repeats the same operations on the same inputs), dropout included, with
-tp's shared dropout generator and ZeRO-3's block hooks; and the measured activation memory falls
+(exactly: the recompute repeats the same operations on the same inputs, or under ring cp
+selective-op hands back the ring's kept result), dropout included, with tp's shared dropout
+generator and ZeRO-3's block hooks; and the measured activation memory falls
 none > selective > selective-op > full."""
 
 import pytest
@@ -38,14 +39,18 @@ def _run(recompute, world=1, **sections):
     {"model": {"dropout": 0.1}, "parallel": {"tp": 2}},  # tp ranks draw one mask from a shared generator
     {"model": {"dropout": 0.1}, "parallel": {"tp": 2, "sequence_parallel": True}},  # the default generator
     {"parallel": {"dp": 2, "zero": 3}},  # ZeRO-3 gathers around every block
-], ids=["single", "tp2-dropout", "tp2-sp-dropout", "dp2-zero3"])
+    {"parallel": {"cp": 2}},  # ring cp: selective-op's recompute replays the ring (RingReplay)
+    {"model": {"dropout": 0.1}, "parallel": {"cp": 4}},
+], ids=["single", "tp2-dropout", "tp2-sp-dropout", "dp2-zero3", "cp2-ring", "cp4-ring-dropout"])
 def test_recompute_gives_the_same_losses_and_gradients(case):
-    world = max(1, case.get("parallel", {}).get("tp", 1) * case.get("parallel", {}).get("dp", 1))
+    parallel = case.get("parallel", {})
+    world = parallel.get("tp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1)
     base = _run("none", world, **{k: dict(v) for k, v in case.items()})
     for mode in ("selective", "selective-op", "full"):
         other = _run(mode, world, **{k: dict(v) for k, v in case.items()})
-        for (losses, grads, _, _), (ref_losses, ref_grads, _, _) in zip(other, base):
+        for (losses, grads, _, live), (ref_losses, ref_grads, _, _) in zip(other, base):
             assert losses == ref_losses, mode
+            assert live == 0, mode  # every saved or kept tensor was released after backward
             assert len(grads) == len(ref_grads)
             for k, (grad, ref) in enumerate(zip(grads, ref_grads)):
                 assert torch.equal(grad, ref), (mode, k)

@@ -8,6 +8,8 @@ cp > 1 each rank holds two load-balanced chunks of the sequence (dist/layout.py)
   next block in flight while the current one is computed, and partial outputs are merged with
   the log-sum-exp trick. The backward re-circulates K/V and passes the dK/dV accumulators
   around the ring, so nothing but the local block is kept for backward. Only KV heads travel.
+  Under per-op recompute (`selective-op`) the recompute replays the ring's kept result
+  (`RingReplay`) instead of running it again.
 - all-to-all (`cp_algo="alltoall"`, Ulysses): re-shard from sequence to heads, attend over the
   whole sequence on heads/cp heads, re-shard back.
 
@@ -21,6 +23,7 @@ heads repeated to the query heads (`expand_kv`), so fp32 GQA never falls back to
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -77,22 +80,73 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return out.transpose(1, 2)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, cp_algo: str = "ring") -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, cp_algo: str = "ring",
+              replay: RingReplay | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens (shapes as `local_attention`), context parallel
-    over topo's cp group with `cp_algo` ("ring" or "alltoall") when cp > 1."""
+    over topo's cp group with `cp_algo` ("ring" or "alltoall") when cp > 1. `replay`: the
+    layer's RingReplay, which a per-op recompute opens."""
     if topo.size("cp") == 1:
         return local_attention(q, k, v)
     if cp_algo == "ring":
-        return run_eagerly(ring_attention, q, k, v, topo)
+        return run_eagerly(ring_attention, q, k, v, topo, replay)
     return alltoall_attention(q, k, v, topo)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
+                   replay: RingReplay | None = None) -> torch.Tensor:
     """`_RingAttention` on the kernel this device and dtype take (shapes as `local_attention`)."""
     kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
                            devices.prefers_cudnn_attention(q.device))
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel)
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel, replay)
     return out.transpose(1, 2)
+
+
+class RingReplay:
+    """The ring's merged output and log-sum-exp, kept by a block's forward and handed back to its
+    recompute under the per-op policy (`selective-op`, model/llama.py). The ring's backward reads
+    only q, k, v and those two; left to the policy, the ring's block kernels would each keep their
+    own (cp of them, over the whole sequence on the last cp rank: `_visible`) and the recompute
+    would run the ring again, K/V sends included. One per attention layer: the block's checkpoint
+    opens `recording(kept)` around its forward, where each ring call appends its result to `kept`
+    (and `running` tells the policy to keep nothing from inside it), and `replaying(kept)` around
+    its recompute, where each ring call takes its result back without sending or computing."""
+
+    def __init__(self):
+        self.running = False  # inside a ring call's forward
+        self._kept: list | None = None  # the open checkpoint's results, oldest first
+        self._hold = None  # an activation meter's: the kept results live outside autograd
+        self._replaying = False
+
+    @contextlib.contextmanager
+    def recording(self, kept: list, hold=None):
+        self._kept, self._hold = kept, hold
+        try:
+            yield
+        finally:
+            self._kept, self._hold = None, None
+
+    @contextlib.contextmanager
+    def replaying(self, kept: list):
+        self._kept, self._replaying = kept, True
+        try:
+            yield
+        finally:
+            self._kept, self._replaying = None, False
+
+    def run(self, ring, *args):
+        """ring(*args)'s (output, log-sum-exp): taken back while replaying, else computed (and
+        kept while recording)."""
+        if self._replaying:
+            return self._kept.pop(0)[:2]
+        self.running = True
+        try:
+            out, lse = ring(*args)
+        finally:
+            self.running = False
+        if self._kept is not None:  # detached: the replay's node must not take over this output
+            held = [self._hold(t) for t in (out, lse)] if self._hold else []
+            self._kept.append((out.detach(), lse.detach(), held))
+        return out, lse
 
 
 # ----------------------------------------------------------------------------- block kernels
@@ -209,27 +263,33 @@ def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.view(b, h // groups, groups, s, d).sum(2) if groups > 1 else x
 
 
+def _ring_forward(q, k, v, topo, kernel: Kernel):
+    """The merged (output, fp32 log-sum-exp) of q over every rank's K/V, passed around the ring."""
+    cp, rank = topo.size("cp"), topo.local_rank("cp")
+    half, groups = q.shape[2] // 2, _expansion(q, k, kernel)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+    kv = torch.stack([k, v])  # the block that travels: KV heads only
+    for step in range(cp):
+        pending, incoming = _pass_on(kv, topo) if step < cp - 1 else (None, None)
+        rows, cols, causal = _visible(step, (rank - step) % cp, rank, half)
+        blk_out, blk_lse = _block_forward(q[:, :, rows], _repeat_kv(kv[0][:, :, cols], groups),
+                                          _repeat_kv(kv[1][:, :, cols], groups), causal, kernel.name)
+        _merge(out, lse, rows, blk_out, blk_lse)
+        if pending is not None:
+            pending.wait()
+            kv = incoming
+    return out.to(q.dtype), lse
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention over the CP group; q [b, heads, s, d], k/v [b, kv_heads, s, d], where s is
     this rank's two chunks. Its backward is a second ring, not autograd through the first."""
 
     @staticmethod
-    def forward(ctx, q, k, v, topo, kernel: Kernel):
-        cp, rank = topo.size("cp"), topo.local_rank("cp")
-        half, groups = q.shape[2] // 2, _expansion(q, k, kernel)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
-        kv = torch.stack([k, v])  # the block that travels: KV heads only
-        for step in range(cp):
-            pending, incoming = _pass_on(kv, topo) if step < cp - 1 else (None, None)
-            rows, cols, causal = _visible(step, (rank - step) % cp, rank, half)
-            blk_out, blk_lse = _block_forward(q[:, :, rows], _repeat_kv(kv[0][:, :, cols], groups),
-                                              _repeat_kv(kv[1][:, :, cols], groups), causal, kernel.name)
-            _merge(out, lse, rows, blk_out, blk_lse)
-            if pending is not None:
-                pending.wait()
-                kv = incoming
-        out = out.to(q.dtype)
+    def forward(ctx, q, k, v, topo, kernel: Kernel, replay: RingReplay | None):
+        args = (q, k, v, topo, kernel)
+        out, lse = replay.run(_ring_forward, *args) if replay is not None else _ring_forward(*args)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.topo, ctx.kernel = topo, kernel
         return out
@@ -264,7 +324,7 @@ class _RingAttention(torch.autograd.Function):
                 kv_pending.wait()
                 kv = kv_incoming
         dkv_pending.wait()
-        return dq.to(q.dtype), dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype), None, None, None
 
 
 # ----------------------------------------------------------------------------- all-to-all

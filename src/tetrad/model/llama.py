@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tetrad.config import ModelConfig
-from tetrad.model.attention import attention
+from tetrad.model.attention import RingReplay, attention
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
 from tetrad.model.layers import (ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
@@ -114,6 +114,7 @@ class Attention(nn.Module):
         self.wv = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo, ex)
         self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, topo, ex, std=out_std)
         self.recompute_core = False  # selective recompute (see `core`)
+        self.ring_replay = RingReplay()  # per-op recompute under ring cp (model/attention.py)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
@@ -139,7 +140,7 @@ class Attention(nn.Module):
         and log-sum-exp); the rotated q and k, elementwise and cheap to redo, are the bulk."""
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return attention(q, k, v, self.topo, self.ex.cp_algo)
+        return attention(q, k, v, self.topo, self.ex.cp_algo, self.ring_replay)
 
 
 class MLP(nn.Module):
@@ -166,16 +167,22 @@ _ATTENTION_OPS = {aten._scaled_dot_product_flash_attention.default, aten._scaled
                   aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def _save_attention_and_every_other_matmul(hold=None):
+def _save_attention_and_every_other_matmul(ring: RingReplay, hold=None):
     """Per-op selective checkpointing as torchtitan's "op" mode runs it (its `_save_list` and
     policy): the block is recomputed in backward except the attention kernels' outputs and every
     other matmul's (the 1st, 3rd, ... in forward order: q, v, gate and down for a SwiGLU layer),
     which the recompute reads back instead of computing. One policy per block call. The kept
-    outputs live outside autograd until the recompute: `hold` (an activation meter's) counts them."""
-    matmuls, held = 0, []
+    outputs live outside autograd until the recompute: `hold` (an activation meter's) counts them.
+    Under ring cp the ring keeps its merged output and log-sum-exp itself, and the recompute
+    replays them without running the ring (`ring`, the layer's RingReplay): the policy keeps
+    nothing from inside it. (torch's recompute finds a kept output by its op and that op's call
+    count; the ring calls no matmul, so skipping it leaves the later matmuls' counts as they were.)"""
+    matmuls, held, kept = 0, [], []
 
     def policy(ctx, op, *args, **kwargs):
         nonlocal matmuls
+        if ring.running:
+            return CheckpointPolicy.PREFER_RECOMPUTE
         matmuls += op is aten.mm.default
         keep = op in _ATTENTION_OPS or (op is aten.mm.default and matmuls % 2 == 1)
         if keep and hold is not None:
@@ -183,6 +190,7 @@ def _save_attention_and_every_other_matmul(hold=None):
             held.extend(hold(t) for t in outputs if isinstance(t, torch.Tensor))
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     forward, recompute = create_selective_checkpoint_contexts(policy)
+    forward, recompute = _both(forward, ring.recording(kept, hold)), _both(recompute, ring.replaying(kept))
     return forward, _both(recompute, _on_exit(held.clear))
 
 
@@ -218,7 +226,8 @@ class Block(nn.Module):
         dropout replay."""
         forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
         if self.recompute == "selective-op":
-            forward, recompute = _save_attention_and_every_other_matmul(self.attn.ex.weight_grads.hold)
+            forward, recompute = _save_attention_and_every_other_matmul(self.attn.ring_replay,
+                                                                         self.attn.ex.weight_grads.hold)
         return forward, _both(recompute, self._replay_dropout())
 
     def _replay_dropout(self):

@@ -83,8 +83,9 @@ def _pp_bytes(cfg: Config) -> float:
 
 
 def _cp_bytes(cfg: Config) -> float:
-    """Ring: K/V cp-1 times forward (again under any recompute: selective recomputes the
-    attention core, which holds the ring); backward K/V cp-1 times and the fp32 dK/dV cp times.
+    """Ring: K/V cp-1 times forward (again under selective and full recompute, which run the
+    ring again; selective-op replays its kept result: model/attention.py RingReplay); backward
+    K/V cp-1 times and the fp32 dK/dV cp times.
     All-to-all: q, k, v to heads and the output back, each way; full and per-op recompute repeat
     all four, selective q, k and v (its recompute stops at the attention kernel's saved outputs,
     before the output's all-to-all)."""
@@ -93,7 +94,7 @@ def _cp_bytes(cfg: Config) -> float:
     per_micro = cfg.microbatches * rank_layers(cfg)[0]
     kv = 2 * tokens * m.n_kv_heads // p.tp * m.head_dim
     if p.cp_algo == "ring":
-        forwards = 1 if t.recompute == "none" else 2
+        forwards = 2 if t.recompute in ("selective", "full") else 1
         return per_micro * ((p.cp - 1) * kv * e * forwards + (p.cp - 1) * kv * e + p.cp * kv * 4)
     qkv = tokens * (m.n_heads + 2 * m.n_kv_heads) // p.tp * m.head_dim * e
     out = tokens * m.n_heads // p.tp * m.head_dim * e

@@ -77,9 +77,12 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     z_f, z_b = _zero3_exposed(cfg, cluster, compute_f, compute_bi + compute_bw)
     # Recomputation runs at the start of the backward: the attention core (selective; cp's
     # collectives inside it again, in cp_b), the whole forward with its collectives (full), or
-    # all of it but the kept matmuls and attention (selective-op; its collectives run again too).
+    # all of it but the kept matmuls and attention (selective-op; its tp and all-to-all
+    # collectives run again too; a ring is replayed, neither merged nor sent again).
+    ring_merge_f = _ring_merges(cfg, cluster.gpu, tokens)[0]
     recompute = {"none": 0.0, "selective": attn_f, "full": compute_f,
-                 "selective-op": _op_recomputed_gemms(cfg, cluster.gpu, tokens) + elem_f + cast_f}[t.recompute]
+                 "selective-op": _op_recomputed_gemms(cfg, cluster.gpu, tokens) + elem_f - ring_merge_f + cast_f
+                 }[t.recompute]
     if t.recompute in ("full", "selective-op"):
         tp_b = tp_b + tp_f
     return LayerCost(forward=compute_f + tp_f + cp_f + z_f, backward_input=compute_bi + tp_b + cp_b + z_b,
@@ -157,11 +160,19 @@ def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[floa
     act = 3 if m.mlp == "swiglu" else 2
     elem_bytes = tokens * e * (10 * m.d_model / div + act * f + (2 * (q + kv) if m.pos == "rope" else 0))
     forward = stack.elementwise_factor * elem_bytes / hbm
-    backward = 2 * forward
-    if p.cp > 1 and p.cp_algo == "ring":
-        forward += p.cp * tokens * q * RING_MERGE_BYTES / hbm
-        backward += p.cp * tokens * (q + 2 * kv) * RING_MERGE_BYTES / hbm
-    return forward, backward
+    merge_f, merge_b = _ring_merges(cfg, gpu, tokens)
+    return forward + merge_f, 2 * forward + merge_b
+
+
+def _ring_merges(cfg: Config, gpu: GPU, tokens: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the ring's fp32 accumulations over its cp steps: the
+    log-sum-exp merges of partial outputs, and backward's dq, dk and dv."""
+    p = cfg.parallel
+    if p.cp == 1 or p.cp_algo != "ring":
+        return 0.0, 0.0
+    q, kv, _ = _widths(cfg)
+    per_width = p.cp * tokens * RING_MERGE_BYTES / gpu.hbm_bytes_per_s
+    return per_width * q, per_width * (q + 2 * kv)
 
 
 def _shape(d: float) -> float:
@@ -197,8 +208,9 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
     sends the K/V block while the previous one is attended (backward: K/V and the fp32 dK/dV
     accumulator), and the last dK/dV hand-off waits. All-to-all: q, k, v and the output re-shard
     each way, exposed. Backward also repeats what the recompute does again: the forward's
-    collectives, all of them under full or per-op recompute; under selective the attention
-    core's (the ring's sends; the all-to-alls of q, k and v, not the output's)."""
+    collectives, all of them under full recompute, under per-op recompute the all-to-alls (the
+    ring is replayed: model/attention.py RingReplay), under selective the attention core's (the
+    ring's sends; the all-to-alls of q, k and v, not the output's)."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return 0.0, 0.0
@@ -209,7 +221,7 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
         send_b = ring_time("p2p", kv * (e + 4), 2, alpha, bw)
         forward = (p.cp - 1) * max(0.0, send_f - attn_f / p.cp)
         backward = (p.cp - 1) * max(0.0, send_b - attn_b / p.cp) + ring_time("p2p", kv * 4, 2, alpha, bw)
-        return forward, backward + (forward if cfg.train.recompute != "none" else 0.0)
+        return forward, backward + (forward if cfg.train.recompute in ("selective", "full") else 0.0)
     q = ring_time("all_to_all", tokens * m.n_heads * m.head_dim / p.tp * e, p.cp, alpha, bw)  # q or the output
     k = ring_time("all_to_all", kv / 2 * e, p.cp, alpha, bw)  # k or v
     one_way = 2 * q + 2 * k

@@ -126,19 +126,10 @@ def norm_saved_bytes(m: ModelConfig, tokens: int, e: int, stack: Stack) -> float
     return tokens * m.d_model * (e if m.norm == "layernorm" or stack.fused_rms_norm else 8)
 
 
-def attention_calls_kept(p) -> int:
-    """Attention-kernel calls whose outputs selective-op keeps, in units of one over this rank's
-    tokens: one, or under ring cp one per ring step (the per-op policy sees the kernels inside the
-    ring), which on the last cp rank all cover its whole sequence (model/attention.py `_visible`):
-    cp of them, the most any cp rank keeps."""
-    return p.cp if p.cp > 1 and p.cp_algo == "ring" else 1
-
-
 def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, recompute: str, e: int,
-                               stack: Stack, attention_calls: int = 1) -> float:
+                               stack: Stack) -> float:
     """Bytes one layer keeps for its backward, for one micro-batch of `tokens` tokens on this
-    rank (micro_batch x seq_len / cp), `e` bytes per activation element (`attention_calls`:
-    attention_calls_kept)."""
+    rank (micro_batch x seq_len / cp), `e` bytes per activation element."""
     div = tp if sp else 1
     hidden = tokens * m.d_model * e
     norm_input = norm_saved_bytes(m, tokens, e, stack)
@@ -146,9 +137,10 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
         return hidden / div  # only the layer's input (Korthikanti: 2sbh in 16 bit)
     q, kv = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp
     if recompute == "selective-op":  # the input, the kept matmul outputs (a row-parallel one whole,
-        # before its all-reduce or reduce-scatter), each attention call's output and fp32 log-sum-exp
+        # before its all-reduce or reduce-scatter), the attention's output and fp32 log-sum-exp (under
+        # ring cp the ring's merged ones, once: model/attention.py RingReplay)
         kept = sum(n if row else n / tp for _, n, row in flops.op_checkpoint_saved_matmuls(m))
-        return hidden / div + tokens * e * kept + attention_calls * (tokens * e * q + 4 * m.n_heads / tp * tokens)
+        return hidden / div + tokens * e * (kept + q) + 4 * m.n_heads / tp * tokens
     f = m.ffn_hidden / tp
     dropout = m.dropout > 0
     # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after
@@ -192,8 +184,7 @@ def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
     tokens = t.micro_batch * m.seq_len // p.cp
     e = activation_bytes(t.dtype)
     stack = as_run(cfg, stack, is_cpu)
-    full = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack,
-                                      attention_calls_kept(p))
+    full = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
 
 
@@ -208,8 +199,7 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     tokens = t.micro_batch * m.seq_len // p.cp
     hidden = tokens * m.d_model * e
     stack = as_run(cfg, stack, is_cpu)
-    per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack,
-                                           attention_calls_kept(p))
+    per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     rebuilt = 0.0
     if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward,
         # beyond what the held sets already count for that layer: what it keeps, or under a split

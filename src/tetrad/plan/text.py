@@ -22,7 +22,7 @@ def layout_label(e: Estimate) -> str:
     cp = f" cp={p.cp}{'' if p.cp == 1 else '/' + p.cp_algo}"
     sched = p.schedule + (f" vpp={p.vpp}" if p.vpp > 1 else "")
     return (f"tp={p.tp} pp={p.pp}{cp} dp={p.dp} zero={p.zero} {sched} mb={t.micro_batch} "
-            f"recompute={t.recompute}")
+            f"recompute={t.recompute}" + (" offload" if t.offload_optimizer else ""))
 
 
 def decimals(seconds: float) -> int:
@@ -68,10 +68,25 @@ def describe(e: Estimate) -> str:
     lines += ["", f"  memory per GPU, worst pipeline rank: {e.peak_memory_gib:.2f} GiB of {e.usable_gib:.1f} usable "
                   f"({e.hbm_gib:.1f} GiB) -> {verdict}"]
     lines += [f"    {k:<12} {v:9.2f} GiB" for k, v in e.memory.gib().items()]
+    lines += _host_lines(e)
     if not e.fits:
-        lines.append("  to fit: more recompute, a higher ZeRO stage, a smaller micro-batch, or more tp/pp "
-                     "(`tetrad plan` ranks the layouts that fit)")
+        lines.append("  to fit: more recompute, a higher ZeRO stage, a smaller micro-batch, more tp/pp, or "
+                     "train.offload_optimizer (`tetrad plan` ranks the layouts that fit)")
     return "\n".join(lines)
+
+
+def _host_lines(e: Estimate) -> list[str]:
+    """Host memory per rank (offloaded optimizer state, checkpoint staging), and per node against
+    its RAM where the cluster says how much it has."""
+    if not e.host_memory.total:
+        return []
+    node = f"{e.node_host_memory_gib:.1f} GiB for its {e.ranks_per_node} ranks"
+    if e.host_fits is None:
+        node += " (the cluster does not say how much RAM a node has)"
+    else:
+        node += f" of {e.node_ram_gib:.0f} GiB of RAM -> {'fits' if e.host_fits else 'DOES NOT FIT'}"
+    return ["", f"  host memory per rank, worst pipeline rank: {e.host_memory.total / GIB:.2f} GiB; per node {node}"] + \
+        [f"    {k:<12} {v:9.2f} GiB" for k, v in e.host_memory.gib().items()]
 
 
 def why_nothing_fits(closest: Estimate, cluster: Cluster) -> str:

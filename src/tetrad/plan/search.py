@@ -119,9 +119,10 @@ def config_of(base: Config, layout: Layout, zero: int = 0) -> Config:
     return cfg
 
 
-def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "tetrad") -> Plan:
+def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "tetrad", offload: bool = True) -> Plan:
     """The `top` fastest layouts of `base`'s model and global batch that fit in memory on
-    `cluster`, best first; if none fits, the `top` closest to fitting, so the user sees why."""
+    `cluster`, best first; if none fits, the `top` closest to fitting, so the user sees why.
+    `offload`: also with optimizer offload where only that fits (base's own setting otherwise)."""
     stack = load_stack(stack) if isinstance(stack, str) else stack
     usable = cluster.gpu.hbm_gib - (0.0 if cluster.gpu.is_cpu else GPU_RESERVED_GIB)
     bound = _LayoutBound(base, cluster, stack)
@@ -145,7 +146,7 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
             ranked.sort(key=lambda e: e.step_time_s)
             del ranked[top:]
             continue
-        for cfg, peak, last in _zero_stages(base, item, cluster, stack, usable):
+        for cfg, peak, last in _zero_stages(base, item, cluster, stack, usable, offload):
             if peak <= usable and _host_fits(cfg, cluster):
                 tie += 1
                 rough = estimate(cfg, cluster, stack, simulate_pipeline=False).step_time_s
@@ -190,16 +191,16 @@ class _LayoutBound:
         return max(r * hops + micro * per_layer * n for r, n in enumerate(layers))
 
 
-def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, usable: float):
+def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, usable: float, offload: bool):
     """(config, peak GiB per GPU, whether it is the last) of each ZeRO stage `layout` can run,
     each followed, where it exceeds `usable` GiB and would fit with optimizer offload, by the same
-    with offload (where the cluster can cost it and `base` does not offload already)."""
+    with offload (where `offload`, the cluster can cost it and `base` does not offload already)."""
     micro = base.train.global_batch // (layout.micro_batch * layout.dp)
     zeros = (0, 1, 2, 3) if layout.dp * layout.cp > 1 else (0,)
     if layout.pp > 1 and base.model.tie_embeddings:  # the runtime's limit (config.validate)
         zeros = tuple(z for z in zeros if z < 3)
     waiting = loss_waiting(layout.schedule, layout.pp, micro, layout.vpp)
-    offload = not base.train.offload_optimizer and offload_unknown(cluster) is None
+    offload = offload and not base.train.offload_optimizer and offload_unknown(cluster) is None
     candidates = []
     for zero in zeros:
         cfg = config_of(base, layout, zero)

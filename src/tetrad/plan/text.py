@@ -9,7 +9,7 @@ import math
 from tetrad.config import Config
 from tetrad.model import flops
 from tetrad.plan.cost import Estimate
-from tetrad.plan.hardware import Cluster
+from tetrad.plan.hardware import Cluster, offload_unknown
 from tetrad.plan.memory import GIB, state_bytes_per_param
 from tetrad.plan.reference import CALIBRATION_MAPE
 from tetrad.plan.search import Plan, layouts
@@ -95,10 +95,13 @@ def why_nothing_fits(closest: Estimate, cluster: Cluster) -> str:
     states, acts = sum(gib[k] for k in STATES), gib["activations"]
     need = (f"the closest layout needs {closest.peak_memory_gib:.1f} GiB per GPU of {closest.usable_gib:.1f} usable "
             f"(model states {states:.1f}, activations {acts:.1f}, other {gib['other']:.1f})")
-    gpus = _gpus_for_states(closest, cluster)
+    offloaded = closest.cfg.train.offload_optimizer
+    gpus = _gpus_for_states(closest, cluster, offloaded)
     if gpus > cluster.world:
+        fewer = "" if offloaded or offload_unknown(cluster) else \
+            f"; {_gpus_for_states(closest, cluster, True)} with train.offload_optimizer"
         fix = (f"the model states alone do not fit even sharded over the {cluster.world} GPUs: they need at least "
-               f"{gpus} of these GPUs (a larger --cluster), or GPUs with more memory")
+               f"{gpus} of these GPUs (a larger --cluster{fewer}), or GPUs with more memory")
     elif states >= closest.usable_gib:
         fix = (f"the model states alone do not fit in any layout's share of the {cluster.world} GPUs: use more "
                "GPUs (--gpus or a larger --cluster) or GPUs with more memory")
@@ -137,11 +140,12 @@ def why_no_layout(base: Config, cluster: Cluster) -> str:
             f"{m.n_layers} layers and sequence length {m.seq_len}); use {' or '.join(fixes)}")
 
 
-def _gpus_for_states(e: Estimate, cluster: Cluster) -> int:
-    """The fewest GPUs (whole nodes past one) whose memory holds the model states fully sharded:
-    a lower bound, activations and buffers come on top."""
-    m, dtype = e.cfg.model, e.cfg.train.dtype
-    need = math.ceil(flops.parameter_count(m) * sum(state_bytes_per_param(dtype)) / GIB / e.usable_gib)
+def _gpus_for_states(e: Estimate, cluster: Cluster, offloaded: bool) -> int:
+    """The fewest GPUs (whole nodes past one) whose memory holds the model states fully sharded
+    (weights and gradients alone, `offloaded`): a lower bound, activations and buffers come on top."""
+    m, (weights, grads, optimizer) = e.cfg.model, state_bytes_per_param(e.cfg.train.dtype)
+    per_param = weights + grads + (0 if offloaded else optimizer)
+    need = math.ceil(flops.parameter_count(m) * per_param / GIB / e.usable_gib)
     per_node = cluster.gpus_per_node
     return need if need <= per_node else -(-need // per_node) * per_node
 

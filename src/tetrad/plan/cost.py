@@ -43,13 +43,13 @@ OPTIMIZER_BYTES_PER_PARAM = 36  # Adam + clipping: read/write weights, master, m
 # runs on the device: torch's non-blocking copy_ converts after the transfer), at LINK_EFFICIENCY of
 # the link's datasheet rate (assumed, as for NCCL's links; not measured); torch's fused CPU AdamW,
 # reading weight, gradient and both moments and writing three: 28 bytes over the host's DRAM,
-# which the node's ranks share (bench/bench_cpu_adam.py: on the 2-core development machine it is
-# bound by memory bandwidth, 2 threads no faster than 1, at 0.76-0.86 of a triad's bandwidth); a
-# streaming kernel reaches about 0.75 of the DDR wire rate, so AdamW about 0.6 of it. The device
-# still reads the gradient twice for the norm and clipping.
+# which the node's ranks share. It streams like a triad (bench/bench_cpu_adam.py, 2-core CPU
+# machine: 0.80-0.85 of a triad's bytes per second on one thread, 0.97-1.15 on two), and a triad
+# commonly reaches 70-80% of the DDR wire rate: 0.7 of the node's rated bandwidth (assumed; no GPU
+# host measured). The device still reads the gradient twice for the norm and clipping.
 OFFLOAD_COPY_BYTES = 8
 HOST_ADAM_BYTES = 28
-HOST_ADAM_EFFICIENCY = 0.6
+HOST_ADAM_EFFICIENCY = 0.7
 OFFLOAD_DEVICE_BYTES = 8
 
 

@@ -84,7 +84,7 @@ def test_plan_offloads_where_only_offload_fits():
     assert eight.ranked[0].fits and not any(e.cfg.train.offload_optimizer for e in eight.ranked)
 
 
-def test_plan_command_writes_offload_unless_the_user_set_it(tmp_path, capsys):
+def test_plan_command_writes_offload_unless_the_user_set_it_or_ram_is_short(tmp_path, capsys):
     one = tmp_path / "one.toml"
     one.write_text('[cluster]\ngpu = "H100-SXM"\ngpus_per_node = 1\n')
     args = ["--model", "llama3-8b", "--cluster", str(one), "--global-batch", "8", "--top", "1"]
@@ -92,6 +92,9 @@ def test_plan_command_writes_offload_unless_the_user_set_it(tmp_path, capsys):
     assert "offload_optimizer = true" in (tmp_path / "best.toml").read_text()
     assert plan_command([*args, "--train.offload_optimizer=false"]) == 1  # as the user set it
     assert "NO LAYOUT FITS" in capsys.readouterr().out
+    one.write_text('[cluster]\ngpu = "H100-SXM"\ngpus_per_node = 1\nhost_memory_gib = 64\n')
+    assert plan_command(args) == 1  # offloaded, the 8B model's 16 bytes a parameter exceed 64 GiB of RAM
+    assert "fits on its GPUs but needs host memory 120 GiB a node > 64 GiB of RAM" in capsys.readouterr().out
 
 
 def test_async_save_stages_the_checkpointed_state_in_host_memory():

@@ -91,6 +91,10 @@ def _host_lines(e: Estimate) -> list[str]:
 
 def why_nothing_fits(closest: Estimate, cluster: Cluster) -> str:
     """One line: what the layout closest to fitting still needs, and what would change that."""
+    if closest.peak_memory_gib <= closest.usable_gib:  # its GPUs hold it, its nodes' RAM does not
+        return (f"no layout fits in memory: the closest fits on its GPUs but needs {_short_of(closest)} "
+                "(offloaded optimizer state, checkpoint staging): use more GPUs (ZeRO shards that state too), "
+                "nodes with more RAM, or checkpoint.async_save = false")
     gib = closest.memory.gib()
     states, acts = sum(gib[k] for k in STATES), gib["activations"]
     need = (f"the closest layout needs {closest.peak_memory_gib:.1f} GiB per GPU of {closest.usable_gib:.1f} usable "
@@ -165,10 +169,16 @@ def plan_text(result: Plan, base: Config, cluster: Cluster) -> str:
         lines += ["", confidence(result.ranked), "", "why the best wins:", describe(result.ranked[0])]
     if result.rejected:
         lines += ["", "faster on compute alone, but out of memory:"]
-        lines += [f"  {layout_label(e)}: {e.peak_memory_gib:.1f} GiB > {e.usable_gib:.1f} usable "
-                  f"(activations {e.memory.gib()['activations']:.1f}, model states "
-                  f"{sum(e.memory.gib()[k] for k in STATES):.1f})" for e in result.rejected]
+        lines += [f"  {layout_label(e)}: {_short_of(e)}" for e in result.rejected]
     return "\n".join(lines)
+
+
+def _short_of(e: Estimate) -> str:
+    """What an estimate that does not fit exceeds: its GPU's memory, or its node's RAM."""
+    if e.peak_memory_gib > e.usable_gib:
+        return (f"{e.peak_memory_gib:.1f} GiB > {e.usable_gib:.1f} usable (activations "
+                f"{e.memory.gib()['activations']:.1f}, model states {sum(e.memory.gib()[k] for k in STATES):.1f})")
+    return f"host memory {e.node_host_memory_gib:.0f} GiB a node > {e.node_ram_gib:.0f} GiB of RAM"
 
 
 def confidence(ranked: list[Estimate]) -> str:

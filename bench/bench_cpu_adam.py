@@ -58,7 +58,8 @@ def main() -> None:
     for t in threads:
         adam_t, triad_t = statistics.median(adam_s[t]), statistics.median(triad_s[t])
         adam_gbps, triad_gbps = n * ADAM_BYTES / adam_t / 1e9, n * TRIAD_BYTES / triad_t / 1e9
-        print(f"{t:7d}  {n / adam_t / 1e9:13.3f}  {adam_gbps:10.1f}  {triad_gbps:10.1f}  {adam_gbps / triad_gbps:11.2f}")
+        print(f"{t:7d}  {n / adam_t / 1e9:13.3f}  {adam_gbps:10.1f}  {triad_gbps:10.1f}  "
+              f"{adam_gbps / triad_gbps:11.2f}")
 
 
 if __name__ == "__main__":

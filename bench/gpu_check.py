@@ -317,8 +317,8 @@ def offload_memory(device_type: str = "cuda", gpu: str = "H200") -> list[tuple]:
     guess = moved.breakdown["optimizer"] + moved.breakdown["host_copies"]
     return [("offload memory, 1B seq 4096 bf16", near(peak, moved.peak_memory_gib, ESTIMATE_TOLERANCE[1]),
              f"peak allocated {peak:.1f} GiB, predicted {moved.peak_memory_gib:.1f} ({kept.peak_memory_gib:.1f} "
-             f"without offload); host {moved.host_memory.total / 2**30:.1f} GiB predicted; optimizer {optimizer:.3f} s, "
-             f"predicted {guess:.3f} (measured/estimate {optimizer / guess:.2f})")]
+             f"without offload); host {moved.host_memory.total / 2**30:.1f} GiB predicted; optimizer "
+             f"{optimizer:.3f} s, predicted {guess:.3f} (measured/estimate {optimizer / guess:.2f})")]
 
 
 def cli_round_trip(device_type: str = "cuda") -> list[tuple]:
@@ -386,7 +386,8 @@ def _guarded(name: str, part) -> list[tuple]:
 # Each part takes the GPU's profile name; in the order they run, the quick ones first.
 PARTS = {"cli": lambda gpu: cli_round_trip(), "parity": lambda gpu: loss_parity(),
          "throughput": lambda gpu: throughput_and_memory(gpu=gpu), "planner": lambda gpu: planner_points(gpu=gpu),
-         "attention": lambda gpu: attention_kernels(), "offload": lambda gpu: offload_resume() + offload_memory(gpu=gpu),
+         "attention": lambda gpu: attention_kernels(),
+         "offload": lambda gpu: offload_resume() + offload_memory(gpu=gpu),
          "ring": lambda gpu: ring_blocks()}
 
 

@@ -68,7 +68,8 @@ def test_offload_adds_the_host_copies_and_cpu_adamw_to_the_step():
     assert moved.breakdown["host_copies"] == pytest.approx(8 * updated / (64e9 * LINK_EFFICIENCY))
     # AdamW over the host's DRAM, which the node's 8 ranks share, and the device's reads of the gradient.
     host_adam = updated * HOST_ADAM_BYTES * 8 / (gpu.host_memory_gbps * 1e9 * HOST_ADAM_EFFICIENCY)
-    assert moved.breakdown["optimizer"] == pytest.approx(host_adam + updated * OFFLOAD_DEVICE_BYTES / gpu.hbm_bytes_per_s)
+    device = updated * OFFLOAD_DEVICE_BYTES / gpu.hbm_bytes_per_s
+    assert moved.breakdown["optimizer"] == pytest.approx(host_adam + device)
     added = moved.breakdown["host_copies"] + moved.breakdown["optimizer"] - kept.breakdown["optimizer"]
     assert moved.step_time_s == pytest.approx(kept.step_time_s + added) and added > 0
 
@@ -77,9 +78,10 @@ def test_plan_offloads_where_only_offload_fits():
     """Llama-3-8B on one H100: 18 bytes a parameter of model states (144 GB) do not fit in 80 GB,
     the 6 left on the GPU with the optimizer offloaded do."""
     base = _cfg("--model.preset=llama3-8b", "--train.global_batch=8", "--train.dtype=bf16")
-    one = plan(base, Cluster(GPUS["H100-SXM"], 1, 1), top=3)
+    one_gpu = Cluster(GPUS["H100-SXM"], 1, 1)
+    one = plan(base, one_gpu, top=3)
     assert one.ranked and all(e.fits and e.cfg.train.offload_optimizer for e in one.ranked)
-    assert not estimate(_with(one.ranked[0].cfg, "train", offload_optimizer=False), Cluster(GPUS["H100-SXM"], 1, 1)).fits
+    assert not estimate(_with(one.ranked[0].cfg, "train", offload_optimizer=False), one_gpu).fits
     eight = plan(base, load_cluster("dgx-h100"), top=3)  # fits sharded: offload only costs time there
     assert eight.ranked[0].fits and not any(e.cfg.train.offload_optimizer for e in eight.ranked)
 

@@ -117,7 +117,8 @@ def plan_command(argv: list[str]) -> int:
         return 2
     base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, ranks_per_node=cluster.gpus_per_node))
     # Offload where only it fits, unless the user set train.offload_optimizer (then as set).
-    result = plan(base, cluster, args.top, args.stack, offload="train.offload_optimizer" not in _user_keys(args, overrides))
+    offload = "train.offload_optimizer" not in _user_keys(args, overrides)
+    result = plan(base, cluster, args.top, args.stack, offload=offload)
     if not result.considered:  # the global batch does not split over these GPUs: bad input
         print(f"tetrad plan: {why_no_layout(base, cluster)}", file=sys.stderr)
         return 2

@@ -4,8 +4,8 @@ A GPU profile is dense peak FLOP/s per dtype, HBM capacity and bandwidth, the pe
 bandwidth inside a node (NVLink/xGMI) and across nodes (the GPU's network share), and two
 achieved-fraction constants: a large GEMM's share of peak and a flash-attention kernel's.
 Bandwidths are GB/s per GPU per direction. For `train.offload_optimizer`, the GPU's link to its
-host (PCIe) and the host memory bandwidth of the node it usually sits in. `tetrad bench` writes a measured profile (JSON,
-format in docs/planner.md) that replaces any of these figures.
+host (PCIe) and the host memory bandwidth of the node it usually sits in. `tetrad bench` writes a
+measured profile (JSON, format in docs/planner.md) that replaces any of these figures.
 """
 
 from __future__ import annotations

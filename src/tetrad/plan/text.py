@@ -80,13 +80,13 @@ def _host_lines(e: Estimate) -> list[str]:
     its RAM where the cluster says how much it has."""
     if not e.host_memory.total:
         return []
-    node = f"{e.node_host_memory_gib:.1f} GiB for its {e.ranks_per_node} ranks"
+    node = f"{e.node_host_memory_gib:.1f} GiB ({e.ranks_per_node} x the worst rank)"
     if e.host_fits is None:
         node += " (the cluster does not say how much RAM a node has)"
     else:
         node += f" of {e.node_ram_gib:.0f} GiB of RAM -> {'fits' if e.host_fits else 'DOES NOT FIT'}"
-    return ["", f"  host memory per rank, worst pipeline rank: {e.host_memory.total / GIB:.2f} GiB; per node {node}"] + \
-        [f"    {k:<12} {v:9.2f} GiB" for k, v in e.host_memory.gib().items()]
+    head = f"  host memory per rank, worst pipeline rank: {e.host_memory.total / GIB:.2f} GiB; per node {node}"
+    return ["", head] + [f"    {k:<12} {v:9.2f} GiB" for k, v in e.host_memory.gib().items()]
 
 
 def why_nothing_fits(closest: Estimate, cluster: Cluster) -> str:

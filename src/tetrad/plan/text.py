@@ -64,14 +64,17 @@ def describe(e: Estimate) -> str:
              f"  bubble         {100 * e.bubble_fraction:.1f}% of pipeline rank-time", "",
              "  time per step, busiest pipeline rank (exposed parts only):"]
     lines += [f"    {k:<18} {v:{d + 6}.{d}f} s  {100 * v / e.step_time_s:5.1f}%" for k, v in e.breakdown.items()]
-    verdict = "fits" if e.fits else "DOES NOT FIT"
+    verdict = "fits" if e.peak_memory_gib <= e.usable_gib else "DOES NOT FIT"  # the GPU's; the host's below
     lines += ["", f"  memory per GPU, worst pipeline rank: {e.peak_memory_gib:.2f} GiB of {e.usable_gib:.1f} usable "
                   f"({e.hbm_gib:.1f} GiB) -> {verdict}"]
     lines += [f"    {k:<12} {v:9.2f} GiB" for k, v in e.memory.gib().items()]
     lines += _host_lines(e)
-    if not e.fits:
+    if e.peak_memory_gib > e.usable_gib:
         lines.append("  to fit: more recompute, a higher ZeRO stage, a smaller micro-batch, more tp/pp, or "
                      "train.offload_optimizer (`tetrad plan` ranks the layouts that fit)")
+    elif e.host_fits is False:
+        lines.append("  to fit the host: a higher ZeRO stage or more GPUs (fewer parameters updated per rank), "
+                     "or checkpoint.async_save = false")
     return "\n".join(lines)
 
 

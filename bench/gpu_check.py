@@ -7,7 +7,9 @@
   eager and with train.compile;
 - memory: `tetrad estimate`'s peak against the measured peak allocated and reserved, for
   recompute none / selective / full;
-- offload: a save -> resume round trip with train.offload_optimizer continues the same losses;
+- offload: a save -> resume round trip with train.offload_optimizer continues the same losses,
+  and the ~1B model trained with it: measured peak allocated against `tetrad estimate`'s device
+  peak (the optimizer's states on the host), its optimizer time beside the estimate's;
 - async save: a background checkpoint (checkpoint.async_save) resumes to the same losses;
 - ring blocks: the fused block kernels against the fp32 math path at 8k-32k tokens (time, peak
   memory, largest difference);
@@ -274,36 +276,62 @@ def planner_points(device_type: str = "cuda", gpu: str = "H200", steps: int = 5)
     return rows
 
 
-def offload_resume(device_type: str = "cuda") -> list[tuple]:
-    """Four steps straight, against two steps, a checkpoint, and two steps resumed from it."""
+def resume_round_trip(name: str, device_type: str = "cuda", **train) -> list[tuple]:
+    """Four steps straight, against two steps, a checkpoint, and two steps resumed from it, all with
+    the `train` keys (and `checkpoint.async_save` where `train` asks for it)."""
+    async_save = train.pop("async_save", False)
     with tempfile.TemporaryDirectory() as tmp:
-        straight = train_run(config(TINY, f"{tmp}/a", steps=4, device=device_type, offload_optimizer=True),
-                           device_type)
-        first = config(TINY, f"{tmp}/b", steps=2, device=device_type, offload_optimizer=True)
-        first.checkpoint.every = 2
+        straight = train_run(config(TINY, f"{tmp}/a", steps=4, device=device_type, **train), device_type)
+        first = config(TINY, f"{tmp}/b", steps=2, device=device_type, **train)
+        first.checkpoint.every, first.checkpoint.async_save = 2, async_save
         train_run(first, device_type)
         saved = sorted(Path(tmp, "b", "checkpoints").glob("step_*"))[-1]
-        resumed_cfg = config(TINY, f"{tmp}/c", steps=4, device=device_type, offload_optimizer=True)
+        resumed_cfg = config(TINY, f"{tmp}/c", steps=4, device=device_type, **train)
         resumed_cfg.checkpoint.resume = str(saved)
         resumed = train_run(resumed_cfg, device_type)
     a, b = [r["loss"] for r in straight[2:]], [r["loss"] for r in resumed]
-    return [("offload save -> resume", a == b, f"steps 3-4 straight {a}, resumed from {saved.name} {b}")]
+    return [(f"{name} save -> resume", a == b, f"steps 3-4 straight {a}, resumed from {saved.name} {b}")]
+
+
+def offload_resume(device_type: str = "cuda") -> list[tuple]:
+    """An offloaded optimizer's state saved from and restored to host memory."""
+    return resume_round_trip("offload", device_type, offload_optimizer=True)
 
 
 def async_checkpoint_resume(device_type: str = "cuda") -> list[tuple]:
-    """Four steps straight, against two steps with a background checkpoint (checkpoint.async_save:
-    the state copied from the device to CPU memory, written from a thread) and two resumed from it."""
+    """A background checkpoint (checkpoint.async_save): the state copied from the device to CPU
+    memory, written from a thread."""
+    return resume_round_trip("async", device_type, async_save=True)
+
+
+def offload_config(run_dir: str, device_type: str = "cuda", steps: int = 4):
+    """The ~1B model (seq 4096, one micro-batch of 2) in bf16 with the optimizer offloaded: its
+    fp32 masters and moments, 12 bytes a parameter, are most of what leaves the GPU."""
+    return config({"model": LLAMA_1B}, run_dir, steps=steps, dtype="bf16", global_batch=2, micro_batch=2, warmup=1,
+                  offload_optimizer=True, device=device_type)
+
+
+def offload_predictions(cfg, gpu: str):
+    """`tetrad estimate` of `cfg` on one `gpu`, offloaded as it is and with the optimizer kept."""
+    from dataclasses import replace
+    return predicted(cfg, gpu), predicted(replace(cfg, train=replace(cfg.train, offload_optimizer=False)), gpu)
+
+
+def offload_memory(device_type: str = "cuda", gpu: str = "H200") -> list[tuple]:
+    """The measured peak allocated (torch.cuda.max_memory_allocated) of an offloaded run against
+    the estimate's device peak; its optimizer time (copies and CPU AdamW, on this machine's host,
+    which the profile's DGX figures may not describe) beside the estimate's, not judged."""
     with tempfile.TemporaryDirectory() as tmp:
-        straight = train_run(config(TINY, f"{tmp}/a", steps=4, device=device_type), device_type)
-        first = config(TINY, f"{tmp}/b", steps=2, device=device_type)
-        first.checkpoint.every, first.checkpoint.async_save = 2, True
-        train_run(first, device_type)
-        saved = sorted(Path(tmp, "b", "checkpoints").glob("step_*"))[-1]
-        resumed_cfg = config(TINY, f"{tmp}/c", steps=4, device=device_type)
-        resumed_cfg.checkpoint.resume = str(saved)
-        resumed = train_run(resumed_cfg, device_type)
-    a, b = [r["loss"] for r in straight[2:]], [r["loss"] for r in resumed]
-    return [("async save -> resume", a == b, f"steps 3-4 straight {a}, resumed from {saved.name} {b}")]
+        cfg = offload_config(tmp, device_type)
+        records = train_run(cfg, device_type)
+    moved, kept = offload_predictions(cfg, gpu)
+    peak = records[-1]["peak_memory_gib"]
+    optimizer = statistics.median(r["optimizer_s"] for r in records[1:])
+    guess = moved.breakdown["optimizer"] + moved.breakdown["host_copies"]
+    return [("offload memory, 1B seq 4096 bf16", near(peak, moved.peak_memory_gib, ESTIMATE_TOLERANCE[1]),
+             f"peak allocated {peak:.1f} GiB, predicted {moved.peak_memory_gib:.1f} ({kept.peak_memory_gib:.1f} "
+             f"without offload); host {moved.host_memory.total / 2**30:.1f} GiB predicted; optimizer "
+             f"{optimizer:.3f} s, predicted {guess:.3f} (measured/estimate {optimizer / guess:.2f})")]
 
 
 def cli_round_trip(device_type: str = "cuda") -> list[tuple]:
@@ -371,7 +399,8 @@ def _guarded(name: str, part) -> list[tuple]:
 # Each part takes the GPU's profile name; in the order they run, the quick ones first.
 PARTS = {"cli": lambda gpu: cli_round_trip(), "parity": lambda gpu: loss_parity(),
          "throughput": lambda gpu: throughput_and_memory(gpu=gpu), "planner": lambda gpu: planner_points(gpu=gpu),
-         "attention": lambda gpu: attention_kernels(), "offload": lambda gpu: offload_resume(),
+         "attention": lambda gpu: attention_kernels(),
+         "offload": lambda gpu: offload_resume() + offload_memory(gpu=gpu),
          "async_save": lambda gpu: async_checkpoint_resume(),
          "ring": lambda gpu: ring_blocks()}
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import run_ranks
@@ -49,6 +50,15 @@ def test_memory_prediction_of_the_1b_model(tmp_path):
     none = gpu_check.predicted_peak_gib(cfg, "H200")
     cfg.train.recompute = "full"
     assert 10 < gpu_check.predicted_peak_gib(cfg, "H200") < none < 141  # fits the check's GPU
+
+
+def test_offload_prediction_of_the_1b_model(tmp_path):
+    """The offload row's estimate: the 1B model's optimizer states leave the GPU for the host."""
+    cfg = gpu_check.offload_config(str(tmp_path), "auto")  # the config refuses offload on "cpu"
+    moved, kept = gpu_check.offload_predictions(cfg, "H200")
+    assert cfg.train.offload_optimizer and not kept.cfg.train.offload_optimizer
+    assert moved.peak_memory_gib == pytest.approx(kept.peak_memory_gib - kept.memory.optimizer / 2**30)
+    assert moved.host_memory.optimizer == kept.memory.optimizer and moved.breakdown["host_copies"] > 0
 
 
 def test_table_marks_failures_and_a_raising_part_is_a_row():

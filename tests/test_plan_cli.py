@@ -125,9 +125,10 @@ def test_plan_with_nothing_fitting_says_why_and_fails(capsys, tmp_path):
 
 def test_plan_names_what_does_not_fit_and_shows_a_tiny_models_memory(capsys):
     """The no-fit line blames what is largest on top of the states (here the buffers, `other`, not
-    the activations it used to blame); a tiny model's GiB/GPU is not printed as 0.0."""
+    the activations it used to blame; without optimizer offload, which would fit); a tiny model's
+    GiB/GPU is not printed as 0.0."""
     assert main(["plan", "--model", "llama3-405b", "--cluster", "h100x1024", "--gpus", "96", "--global-batch", "96",
-                 "--top", "1"]) == 1
+                 "--top", "1", "--train.offload_optimizer=false"]) == 1
     text = capsys.readouterr().out
     parts = re.search(r"activations (\d+\.\d), other (\d+\.\d)\); the buffers on top of them \(`other`", text)
     assert parts and float(parts[2]) > float(parts[1]), text[-600:]
@@ -211,13 +212,15 @@ def test_plan_with_no_legal_layout_says_which_batch_or_gpus_would_have_one(capsy
 
 def test_plan_that_needs_more_gpus_says_how_many(capsys):
     """The model states alone: 405B parameters x 18 bytes need 88 H100s (11 nodes) fully sharded,
-    a lower bound; on 88 GPUs no layout's share is that even, which the user reads too."""
+    a lower bound, and x 6 with the optimizer offloaded, 32; on 88 GPUs without offload (which
+    would fit) no layout's share is that even, which the user reads too."""
     err = []
     for gpus in ("8", "88"):
         assert main(["plan", "--model", "llama3-405b", "--cluster", "h100x1024", "--gpus", gpus, "--global-batch", "88",
-                     "--top", "1", "--json"]) == 1
+                     "--top", "1", "--json", "--train.offload_optimizer=false"]) == 1
         err.append(capsys.readouterr().err)
     assert "do not fit even sharded over the 8 GPUs: they need at least 88 of these GPUs" in err[0]
+    assert "32 with train.offload_optimizer" in err[0]
     assert "do not fit in any layout's share of the 88 GPUs: use more GPUs" in err[1]
 
 

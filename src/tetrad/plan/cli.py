@@ -21,7 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 from tetrad.config import Config, ConfigError, load_config
 from tetrad.parallel.pipeline.registry import check_config
 from tetrad.plan.cost import Estimate, estimate
-from tetrad.plan.hardware import Cluster, HardwareError, load_cluster
+from tetrad.plan.hardware import Cluster, HardwareError, load_cluster, offload_unknown
 from tetrad.plan.plot import plan_figure
 from tetrad.plan.recipe import sized_training
 from tetrad.plan.search import plan
@@ -67,7 +67,11 @@ def estimate_command(argv: list[str]) -> int:
         print(f"tetrad estimate: the layout needs {cfg.parallel.world_size} GPUs, the cluster has {cluster.world}",
               file=sys.stderr)
         return 2
-    est = estimate(cfg, cluster, args.stack)
+    try:
+        est = estimate(cfg, cluster, args.stack)
+    except HardwareError as e:  # offload where the profile cannot cost it
+        print(f"tetrad estimate: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(est.to_json(), indent=2) if args.json else describe(est))
     return 0 if est.fits else 1
 
@@ -106,11 +110,15 @@ def plan_command(argv: list[str]) -> int:
     try:
         base = _base_config(args, overrides)
         cluster = _cluster(args.cluster, args.gpus)
+        if base.train.offload_optimizer and offload_unknown(cluster):
+            raise HardwareError(offload_unknown(cluster))
     except (ConfigError, HardwareError) as e:
         print(f"tetrad plan: {e}", file=sys.stderr)
         return 2
     base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, ranks_per_node=cluster.gpus_per_node))
-    result = plan(base, cluster, args.top, args.stack)
+    # Offload where only it fits, unless the user set train.offload_optimizer (then as set).
+    offload = "train.offload_optimizer" not in _user_keys(args, overrides)
+    result = plan(base, cluster, args.top, args.stack, offload=offload)
     if not result.considered:  # the global batch does not split over these GPUs: bad input
         print(f"tetrad plan: {why_no_layout(base, cluster)}", file=sys.stderr)
         return 2

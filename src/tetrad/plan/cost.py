@@ -3,8 +3,9 @@
 Per-stage costs from the layer's (layer.py) and the embedding's and head's; the pipeline's time,
 bubble and in-flight activations from the schedule simulator (pipeline.py); data-parallel
 gradient reduction and weight gathering over the links (links.py), exposed where neither the
-last backward nor the pipeline's idle tail hides them; the optimizer as bytes / HBM bandwidth;
-memory from memory.py. Nothing here imports torch.
+last backward nor the pipeline's idle tail hides them; the optimizer as bytes / HBM bandwidth, or
+under optimizer offload its copies over the host link and AdamW over the host's memory bandwidth;
+memory from memory.py, the device's and the host's. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from tetrad.config import Config
 from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers, rank_stages, stage_layers
-from tetrad.plan.hardware import GPU, Cluster
+from tetrad.plan.hardware import GPU, Cluster, HardwareError, offload_unknown
 from tetrad.plan.layer import end_costs, layer_cost
-from tetrad.plan.links import group_link, overlap_slowdown, reduction_time, ring_time
+from tetrad.plan.links import LINK_EFFICIENCY, group_link, overlap_slowdown, reduction_time, ring_time
 from tetrad.plan.memory import (
     GIB,
     GPU_RESERVED_GIB,
+    HostMemory,
     Memory,
     activation_bytes,
     after_bi_weight,
     as_run,
+    host_memory_by_rank,
     memory_by_rank,
     rank_params,
     state_bytes_per_param,
@@ -35,6 +38,19 @@ from tetrad.plan.pipeline import inflight, loss_waiting, pipeline
 from tetrad.plan.stacks import Stack, load_stack
 
 OPTIMIZER_BYTES_PER_PARAM = 36  # Adam + clipping: read/write weights, master, moments; read grads twice
+# Optimizer offload (parallel/data/optimizer.py), per updated parameter, one step after another:
+# the fp32 gradient down and the fp32 masters up over the host link (the cast to the model dtype
+# runs on the device: torch's non-blocking copy_ converts after the transfer), at LINK_EFFICIENCY of
+# the link's datasheet rate (assumed, as for NCCL's links; not measured); torch's fused CPU AdamW,
+# reading weight, gradient and both moments and writing three: 28 bytes over the host's DRAM,
+# which the node's ranks share. It streams like a triad (bench/bench_cpu_adam.py, 2-core CPU
+# machine: 0.80-0.85 of a triad's bytes per second on one thread, 0.97-1.15 on two), and a triad
+# commonly reaches 70-80% of the DDR wire rate: 0.7 of the node's rated bandwidth (assumed; no GPU
+# host measured). The device still reads the gradient twice for the norm and clipping.
+OFFLOAD_COPY_BYTES = 8
+HOST_ADAM_BYTES = 28
+HOST_ADAM_EFFICIENCY = 0.7
+OFFLOAD_DEVICE_BYTES = 8
 
 
 @dataclass
@@ -51,14 +67,27 @@ class Estimate:
     hbm_gib: float
     usable_gib: float
     breakdown: dict = field(default_factory=dict)  # seconds per step on the busiest rank; sums to the step
+    host_memory: HostMemory = field(default_factory=HostMemory)  # the rank with the largest total
+    ranks_per_node: int = 1
+    node_ram_gib: float | None = None  # the cluster's RAM per node, where known
 
     @property
     def peak_memory_gib(self) -> float:
         return self.memory.total / GIB
 
     @property
+    def node_host_memory_gib(self) -> float:
+        """Host memory of a node's ranks, at most: ranks_per_node of the worst rank."""
+        return self.ranks_per_node * self.host_memory.total / GIB
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Whether a node's ranks fit its RAM; None where the cluster does not say how much it has."""
+        return None if self.node_ram_gib is None else self.node_host_memory_gib <= self.node_ram_gib
+
+    @property
     def fits(self) -> bool:
-        return self.peak_memory_gib <= self.usable_gib
+        return self.peak_memory_gib <= self.usable_gib and self.host_fits is not False
 
     def to_json(self) -> dict:
         p, t = self.cfg.parallel, self.cfg.train
@@ -72,8 +101,11 @@ class Estimate:
                 "memory_gib_by_pp_rank": [m.total / GIB for m in self.memory_by_rank],
                 "compute_s": b["compute"] + b["recompute"], "exposed_comm_s": exposed, "bubble_s": b["pipeline_bubble"],
                 "time_s": dict(b), "parallel": dict(vars(p)),
+                "host_memory_gib": self.host_memory.gib(), "peak_host_memory_gib": self.host_memory.total / GIB,
+                "node_host_memory_gib": self.node_host_memory_gib, "node_ram_gib": self.node_ram_gib,
+                "host_fits": self.host_fits,
                 "train": {"micro_batch": t.micro_batch, "global_batch": t.global_batch, "recompute": t.recompute,
-                          "dtype": t.dtype}}
+                          "dtype": t.dtype, "offload_optimizer": t.offload_optimizer}}
 
 
 def mfu_peak(gpu: GPU, dtype: str, tf32: bool) -> float:
@@ -87,6 +119,8 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     """Predict one layout on `cluster` under software `stack` (stacks.py; default tetrad itself).
     `simulate_pipeline=False` gives a lower bound of the step time instead, without simulating:
     the pipeline's critical path and no data-parallel exposure (the search prunes with it)."""
+    if cfg.train.offload_optimizer and offload_unknown(cluster):
+        raise HardwareError(offload_unknown(cluster))
     stack = as_run(cfg, load_stack(stack) if isinstance(stack, str) else stack, cluster.gpu.is_cpu)
     asked = cfg
     if stack.zero3_held_under_pp and cfg.parallel.zero == 3 and cfg.parallel.pp > 1:
@@ -99,8 +133,8 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
         head = (head[0], head[1] + head[2], 0.0)
     st = _stage_costs(cfg, cluster, stack, layer, embed, head)
     pipe, tail = _pipeline_time(cfg, st, simulate_pipeline)
-    dp_exposed, opt = _data_parallel_time(cfg, cluster, stack, st, tail)
-    step = pipe + dp_exposed + opt
+    dp_exposed, opt, host_copies = _data_parallel_time(cfg, cluster, stack, st, tail)
+    step = pipe + dp_exposed + opt + host_copies
     bubble = 1.0 - micro * sum(st.busy) / (p.pp * pipe)  # share of rank-time not computing
 
     held = inflight(p.schedule, p.pp, micro, p.vpp, after_bi_weight(cfg, stack), chunk_layers(cfg))
@@ -112,14 +146,18 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
                  "tp_comm": micro * layers * layer.tp_comm, "cp_comm": micro * layers * layer.cp_comm,
                  "zero3_comm": micro * layers * layer.zero3_comm,
                  "pipeline_bubble": pipe - micro * st.busy[busiest], "dp_comm": dp_exposed, "optimizer": opt}
+    if t.offload_optimizer:
+        breakdown["host_copies"] = host_copies
 
     global_tokens = t.global_batch * m.seq_len
     per_gpu = global_tokens / step / p.world_size  # tokens per second per GPU
     peak = mfu_peak(gpu, t.dtype, t.tf32)
     model_flops, hw_flops = flops.model_flops_per_token(m), flops.hardware_flops_per_token(m, t.recompute)
+    host = max(host_memory_by_rank(cfg), key=lambda x: x.total)
     return Estimate(asked, step, global_tokens / step, model_flops * per_gpu / 1e12, model_flops * per_gpu / peak,
                     hw_flops * per_gpu / peak, bubble, max(memory, key=lambda x: x.total), memory, gpu.hbm_gib,
-                    gpu.hbm_gib - (0.0 if gpu.is_cpu else GPU_RESERVED_GIB), breakdown)
+                    gpu.hbm_gib - (0.0 if gpu.is_cpu else GPU_RESERVED_GIB), breakdown, host,
+                    cluster.gpus_per_node, cluster.host_memory_gib)
 
 
 @dataclass
@@ -173,19 +211,33 @@ def _pipeline_time(cfg: Config, st: _StageCosts, simulate: bool) -> tuple[float,
     return max(r * hops + micro * st.work[r] for r in range(p.pp)), [math.inf] * p.pp
 
 
+def _optimizer_time(cfg: Config, cluster: Cluster, shard: float) -> tuple[float, float]:
+    """(optimizer step, copies between device and host) in seconds for a rank updating `shard`
+    parameters: AdamW through HBM, or under offload the device's reads of the gradient and AdamW
+    on the host, whose memory the node's ranks share, and the copies over the GPU's host link."""
+    gpu = cluster.gpu
+    if not cfg.train.offload_optimizer:
+        return shard * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s, 0.0
+    host_adam = shard * HOST_ADAM_BYTES * cluster.gpus_per_node / (gpu.host_memory_gbps * 1e9 * HOST_ADAM_EFFICIENCY)
+    copies = shard * OFFLOAD_COPY_BYTES / (gpu.host_link_gbps * 1e9 * LINK_EFFICIENCY)
+    return shard * OFFLOAD_DEVICE_BYTES / gpu.hbm_bytes_per_s + host_adam, copies
+
+
 def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageCosts,
-                        tail: list[float]) -> tuple[float, float]:
-    """(exposed data-parallel communication, optimizer step) in seconds, over dp x cp, the worst
-    pipeline rank's: the gradient reduction overlaps the last micro-batch's backward (all but
-    the last bucket) and the rank's idle tail of the pipeline; ZeRO-1/2 then all-gather the
-    updated weights (under the next step's first forward where the stack overlaps it)."""
+                        tail: list[float]) -> tuple[float, float, float]:
+    """(exposed data-parallel communication, optimizer step, offload's host copies) in seconds,
+    over dp x cp, the worst pipeline rank's: the gradient reduction overlaps the last
+    micro-batch's backward (all but the last bucket) and the rank's idle tail of the pipeline;
+    ZeRO-1/2 then all-gather the updated weights (under the next step's first forward where the
+    stack overlaps it)."""
     p, micro = cfg.parallel, cfg.microbatches
-    exposed, opt, gather = 0.0, 0.0, 0.0
+    exposed, opt, copies, gather = 0.0, 0.0, 0.0, 0.0
     n = p.dp * p.cp
     alpha, link = group_link(cluster, p.tp, n)
     for r, params in enumerate(rank_params(cfg)):
         shard = params / (n if p.zero >= 1 else 1)
-        opt = max(opt, shard * OPTIMIZER_BYTES_PER_PARAM / cluster.gpu.hbm_bytes_per_s)
+        rank_opt, rank_copies = _optimizer_time(cfg, cluster, shard)
+        opt, copies = max(opt, rank_opt), max(copies, rank_copies)
         if n == 1:
             continue
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
@@ -211,7 +263,7 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
                 weights_gather = (max(first_bucket, weights_gather - forward)
                                   + overlap_slowdown(weights_gather, forward, cluster.gpu))
             gather = max(gather, weights_gather)
-    return max(0.0, exposed) + gather, opt
+    return max(0.0, exposed) + gather, opt, copies
 
 
 def _p2p_time(cfg: Config, cluster: Cluster, stack: Stack, tokens: int, e: int) -> float:

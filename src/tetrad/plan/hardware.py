@@ -3,8 +3,9 @@
 A GPU profile is dense peak FLOP/s per dtype, HBM capacity and bandwidth, the per-GPU link
 bandwidth inside a node (NVLink/xGMI) and across nodes (the GPU's network share), and two
 achieved-fraction constants: a large GEMM's share of peak and a flash-attention kernel's.
-Bandwidths are GB/s per GPU per direction. `tetrad bench` writes a measured profile (JSON,
-format in docs/planner.md) that replaces any of these figures.
+Bandwidths are GB/s per GPU per direction. For `train.offload_optimizer`, the GPU's link to its
+host (PCIe) and the host memory bandwidth of the node it usually sits in. `tetrad bench` writes a
+measured profile (JSON, format in docs/planner.md) that replaces any of these figures.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class GPU:
     fused_attention_efficiency: float | None = None  # the same for the GPU's native fused kernel (None: as above)
     memory_efficiency: float = 0.85  # share of the rated HBM bandwidth streaming kernels reach
     sms: int = 0  # streaming multiprocessors (compute units) that collective kernels compete for; 0: none
+    host_link_gbps: float = 0.0  # the GPU's link to host memory (PCIe x16) per direction; 0: none known
+    host_memory_gbps: float = 0.0  # DRAM bandwidth of the whole host of a node, shared by its ranks; 0: unknown
     is_cpu: bool = False  # memory is the process's resident set (torch itself included), not HBM
 
     @property
@@ -76,33 +79,44 @@ class GPU:
 # up to 740 TFLOP/s (75%) forward in bf16: 1.65x FA2's fwd+bwd share, `fused_attention_efficiency`.
 # `sms`: streaming multiprocessors of the datasheets (A100 108, H100 SXM and H200 132, B200 148;
 # MI300X 304 compute units).
+# Host side, for optimizer offload (datasheet rates, not measured on a GPU): `host_link_gbps` is
+# the GPU's PCIe x16 link per direction: Gen4 (32 GB/s) on the A100 (datasheet: "PCIe Gen4 64 GB/s",
+# both directions), Gen5 (64 GB/s) on H100, H200 ("PCIe Gen5 128 GB/s") and MI300X ("PCIe Gen 5 x16,
+# 128 GB/s"); the B200 has Gen6 but its DGX/HGX hosts (Xeon Emerald Rapids) run Gen5. `host_memory_gbps`
+# is the DRAM bandwidth of the node the GPU ships in, two sockets' channels x transfer rate x 8 bytes:
+# DGX A100, 2x AMD EPYC 7742, 16 channels DDR4-3200: 409.6 GB/s; DGX H100 and H200, 2x Xeon Platinum
+# 8480C, 16 channels DDR5-4800: 614.4 GB/s; DGX B200, 2x Xeon Platinum 8570, 16 channels DDR5-5600:
+# 716.8 GB/s. MI300X hosts vary (no reference system): unknown, set it in the cluster file.
 GPUS: dict[str, GPU] = {g.name: g for g in [
     GPU("A100-80GB-SXM", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 80, 2039, 300, 25,
-        gemm_efficiency=0.78, attention_efficiency=0.60, sms=108),
+        gemm_efficiency=0.78, attention_efficiency=0.60, sms=108, host_link_gbps=32, host_memory_gbps=409.6),
     GPU("H100-SXM", {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 79.6, 3350, 450, 50,
-        gemm_efficiency=0.75, attention_efficiency=0.30, fused_attention_efficiency=0.50, sms=132),
+        gemm_efficiency=0.75, attention_efficiency=0.30, fused_attention_efficiency=0.50, sms=132,
+        host_link_gbps=64, host_memory_gbps=614.4),
     # The 96 GB HBM2e H100 at a 500 W cap (torchtitan's benchmark machines, Grand Teton): its
     # rated peak sits between the H100 NVL (835 TFLOP/s) and the 700 W SXM part (989), and under
     # sustained tensor-core load the power cap pulls its clock down to ~78% of the 700 W part's
     # achieved rates (hence the lower efficiencies).
     GPU("H100-96GB-500W", {"fp32": 60, "tf32": 450, "bf16": 900, "fp16": 900, "fp8": 1800}, 94, 2400, 450, 50,
-        gemm_efficiency=0.58, attention_efficiency=0.26, fused_attention_efficiency=0.43, sms=132),
+        gemm_efficiency=0.58, attention_efficiency=0.26, fused_attention_efficiency=0.43, sms=132,
+        host_link_gbps=64, host_memory_gbps=614.4),
     # H200: GEMM and fused-attention efficiencies measured on one (`tetrad bench gemm`, torch
     # 2.11+cu130, 2026-12-04): bf16 matmuls at training shapes sustained 666 TFLOP/s over 2 s at
     # 8192^3 (662-700 over 0.2 s), 0.71 of the datasheet peak after the shape law; cuDNN's causal
     # attention (head dim 128, 16k tokens, fwd+bwd) 579-589 TFLOP/s, 0.59; FlashAttention-2's
     # 241-311, 0.24-0.31 (0.30 kept).
     GPU("H200", {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989, "fp8": 1979}, 140, 4800, 450, 50,
-        gemm_efficiency=0.71, attention_efficiency=0.30, fused_attention_efficiency=0.59, sms=132),
+        gemm_efficiency=0.71, attention_efficiency=0.30, fused_attention_efficiency=0.59, sms=132,
+        host_link_gbps=64, host_memory_gbps=614.4),
     # B200 (SXM, 1000 W): dense bf16 2250 and fp8 4500 TFLOP/s, 8 TB/s HBM3e, 180 GB, NVLink 5 at 1.8 TB/s
     # both ways (NVIDIA's HGX B200 figures halved for sparsity). Its GEMM efficiency is the H100's
     # scaled by the two chips' measured maximum achievable matmul FLOPS (Bekman, ml-engineering,
     # insights/when-to-upgrade-gpus: bf16 1745.0 of 2250 = 77.6% on B200, 794.5 of 989 = 80.3% on
     # H100/H200; fp8 76.3% on B200, 73.4% on H200): 0.75 x 77.6 / 80.3 = 0.72.
     GPU("B200", {"fp32": 80, "tf32": 1100, "bf16": 2250, "fp16": 2250, "fp8": 4500}, 179, 8000, 900, 50,
-        gemm_efficiency=0.72, attention_efficiency=0.40, sms=148),
+        gemm_efficiency=0.72, attention_efficiency=0.40, sms=148, host_link_gbps=64, host_memory_gbps=716.8),
     GPU("MI300X", {"fp32": 163, "tf32": 654, "bf16": 1307, "fp16": 1307, "fp8": 2615}, 191.5, 5300, 448, 50,
-        gemm_efficiency=0.58, attention_efficiency=0.30, sms=304),
+        gemm_efficiency=0.58, attention_efficiency=0.30, sms=304, host_link_gbps=64),
     # One rank (one core) of a CPU machine (tetrad's tests); `tetrad bench` measures the real
     # figures. Peaks of the AVX-512 cores here (AMD EPYC, 2.6 GHz base, two 256-bit FMA pipes: 32
     # fp32 FLOP a cycle, ~0.12 TFLOP/s at boost; AVX512_BF16 dot products twice that; no fp16
@@ -119,6 +133,7 @@ class Cluster:
     gpu: GPU
     gpus_per_node: int = 8
     nodes: int = 1
+    host_memory_gib: float | None = None  # RAM per node where known (a DGX's datasheet, a cluster file)
 
     @property
     def world(self) -> int:
@@ -132,6 +147,22 @@ CLUSTERS: dict[str, tuple[str, int, int]] = {
     "h100x64": ("H100-SXM", 8, 8), "h100x1024": ("H100-SXM", 8, 128), "h100x16384": ("H100-SXM", 8, 2048),
     "cpu": ("CPU", 8, 1),
 }
+# RAM per node of the DGX systems (datasheets: DGX A100 640GB, DGX H100, DGX H200 and DGX B200 all
+# "2TB" of system memory; the B200's is configurable to 4TB); the other clusters' is unknown.
+NODE_RAM_GIB = {"dgx-a100": 2048, "dgx-h100": 2048, "dgx-h200": 2048, "dgx-b200": 2048}
+
+
+def offload_unknown(cluster: Cluster) -> str | None:
+    """Why `train.offload_optimizer` cannot be costed on `cluster` (None: it can): the runtime
+    refuses it on a CPU, and its time needs the host link and the host's memory bandwidth."""
+    gpu = cluster.gpu
+    if gpu.is_cpu:
+        return ("train.offload_optimizer moves optimizer state off an accelerator and this cluster's ranks are "
+                "CPUs: set train.offload_optimizer=false")
+    if not gpu.host_link_gbps or not gpu.host_memory_gbps:
+        return (f"the {gpu.name} profile has no host link or host memory bandwidth to cost train.offload_optimizer "
+                "with: set host_link_gbps (per GPU) and host_memory_gbps (the node's DRAM) in a cluster file")
+    return None
 
 
 def load_gpu(name_or_path: str) -> GPU:
@@ -172,14 +203,15 @@ def _measured_profile(path: Path) -> GPU:
 
 
 CLUSTER_KEYS = {"gpu", "gpus_per_node", "nodes", "intra_node_gbps", "inter_node_gbps", "peak_tflops",
-                "gemm_efficiency", "attention_efficiency", "memory_gib"}
+                "gemm_efficiency", "attention_efficiency", "memory_gib", "host_link_gbps", "host_memory_gbps",
+                "host_memory_gib"}
 
 
 def load_cluster(name_or_path: str) -> Cluster:
     """A built-in cluster name, or a TOML file with one [cluster] table (docs/planner.md)."""
     if name_or_path in CLUSTERS:
         gpu, per_node, nodes = CLUSTERS[name_or_path]
-        return Cluster(GPUS[gpu], per_node, nodes)
+        return Cluster(GPUS[gpu], per_node, nodes, NODE_RAM_GIB.get(name_or_path))
     path = Path(name_or_path)
     if not path.is_file():
         raise HardwareError(f"unknown cluster {name_or_path!r}: neither a built-in ({', '.join(CLUSTERS)}) "
@@ -203,8 +235,12 @@ def load_cluster(name_or_path: str) -> Cluster:
                   gemm_efficiency=table.get("gemm_efficiency", gpu.gemm_efficiency),
                   attention_efficiency=table.get("attention_efficiency", gpu.attention_efficiency),
                   hbm_gib=table.get("memory_gib", gpu.hbm_gib),
+                  host_link_gbps=table.get("host_link_gbps", gpu.host_link_gbps),
+                  host_memory_gbps=table.get("host_memory_gbps", gpu.host_memory_gbps),
                   peak_tflops={**gpu.peak_tflops, **table.get("peak_tflops", {})})
-    return Cluster(gpu, int(table.get("gpus_per_node", 8)), int(table.get("nodes", 1)))
+    ram = table.get("host_memory_gib")
+    return Cluster(gpu, int(table.get("gpus_per_node", 8)), int(table.get("nodes", 1)),
+                   None if ram is None else float(ram))
 
 
 def cluster_of(gpu: str, gpus: int, gpus_per_node: int = 8) -> Cluster:

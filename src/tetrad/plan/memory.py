@@ -6,7 +6,8 @@ weights, fp32 gradients and Adam's two moments, 4 + 4 + 8. Mixed precision (bf16
 linears) keeps 16-bit weights, fp32 gradients (tetrad, like Megatron-LM, accumulates and reduces
 them in fp32) and fp32 master weights plus both moments, 2 + 4 + 12 = 18. The ZeRO paper's
 convention, 2 + 2 + 12 = 16 with K = 12, is `ZERO_PAPER_BYTES`. ZeRO-1 shards the optimizer over
-the dp x cp group, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+the dp x cp group, ZeRO-2 also the gradients, ZeRO-3 also the weights. Optimizer offload moves the
+optimizer's part to host memory, which is counted apart (`host_memory_by_rank`).
 
 Activations follow Korthikanti et al. 2022, written per saved tensor so that they generalise to
 GQA, SwiGLU, fp32, flash attention (no s^2 scores kept, a log-sum-exp instead), TP with or
@@ -97,6 +98,49 @@ def model_state_bytes(params: float, zero: int, shards: int,
     return (params * w / (shards if zero >= 3 else 1),
             params * g / (shards if zero >= 2 else 1),
             params * o / (shards if zero >= 1 else 1))
+
+
+# Host (CPU) memory, per parameter a rank's optimizer updates (its ZeRO shard; all it holds under
+# ZeRO-0). Under train.offload_optimizer (parallel/data/optimizer.py, MasterWeights) the fp32
+# masters and AdamW's two moments live there, 12 bytes (fp32 training gets separate masters then
+# too), and a pinned buffer per bucket takes the owned fp32 gradient, 4; the device keeps the
+# weights and the gradient buckets. checkpoint.async_save stages a copy of the rank's checkpointed
+# state in CPU memory while a background write runs (Checkpointer._saved_state, copy=True): the
+# fp32 values the optimizer updates (masters, or fp32 weights) and both moments, 12 bytes, and the
+# gradient codec's fp32 error feedback (the rank's gradients' size) where it keeps one.
+OFFLOAD_HOST_BYTES = (12.0, 4.0)  # (masters and moments, gradient buffer)
+STAGING_BYTES = 12.0
+
+
+@dataclass
+class HostMemory:
+    optimizer: float = 0.0
+    grads: float = 0.0
+    checkpoint: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.optimizer + self.grads + self.checkpoint
+
+    def gib(self) -> dict:
+        return {k: getattr(self, k) / GIB for k in ("optimizer", "grads", "checkpoint")}
+
+
+def host_memory_by_rank(cfg: Config) -> list[HostMemory]:
+    """Host bytes of one rank of each pipeline rank: offloaded optimizer state, checkpoint staging."""
+    p, t = cfg.parallel, cfg.train
+    n = p.dp * p.cp
+    residual = n > 1 and p.grad_codec in ("int8", "powersgd")
+    out = []
+    for params in rank_params(cfg):
+        owned = params / (n if p.zero >= 1 else 1)
+        host = HostMemory()
+        if t.offload_optimizer:
+            host.optimizer, host.grads = (b * owned for b in OFFLOAD_HOST_BYTES)
+        if cfg.checkpoint.async_save and cfg.checkpoint.every:
+            host.checkpoint = STAGING_BYTES * owned + (4 * params if residual else 0.0)
+        out.append(host)
+    return out
 
 
 # ----------------------------------------------------------------------------- what a rank holds
@@ -223,6 +267,8 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     layer_params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
     for r, layers in enumerate(rank_layers(cfg)):
         weights, grads, optimizer = model_state_bytes(params[r], p.zero, p.dp * p.cp, per_param)
+        if t.offload_optimizer:  # on the host (host_memory_by_rank)
+            optimizer = 0.0
         buffers = _buffers(cfg, stack, tokens, e, params[r], r)
         root = 0.0
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,

@@ -1,7 +1,8 @@
 """`tetrad plan`: every legal layout of a model on a cluster, ranked by predicted step time.
 
 Enumerates (tp, pp, cp, dp, cp_algo, micro_batch, recompute, schedule, vpp, zero) under
-config.validate's rules (mirrored here as a cheap pre-filter; validate has the last word).
+config.validate's rules (mirrored here as a cheap pre-filter; validate has the last word), and
+optimizer offload for a ZeRO stage that fits on the GPU only with it (offload only adds time).
 Sequence parallelism is on whenever tp > 1 (it only saves memory); schedules come from the
 registry, less those another one dominates (GPipe: 1F1B has its time with less memory).
 
@@ -26,9 +27,9 @@ from tetrad.config import Config, validate
 from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers, stage_layers
 from tetrad.plan.cost import Estimate, estimate
-from tetrad.plan.hardware import Cluster
+from tetrad.plan.hardware import Cluster, offload_unknown
 from tetrad.plan.layer import layer_cost
-from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, after_bi_weight, memory_by_rank
+from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, after_bi_weight, host_memory_by_rank, memory_by_rank
 from tetrad.plan.pipeline import inflight, loss_waiting
 from tetrad.plan.stacks import Stack, load_stack
 
@@ -118,9 +119,10 @@ def config_of(base: Config, layout: Layout, zero: int = 0) -> Config:
     return cfg
 
 
-def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "tetrad") -> Plan:
+def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "tetrad", offload: bool = True) -> Plan:
     """The `top` fastest layouts of `base`'s model and global batch that fit in memory on
-    `cluster`, best first; if none fits, the `top` closest to fitting, so the user sees why."""
+    `cluster`, best first; if none fits, the `top` closest to fitting, so the user sees why.
+    `offload`: also with optimizer offload where only that fits (base's own setting otherwise)."""
     stack = load_stack(stack) if isinstance(stack, str) else stack
     usable = cluster.gpu.hbm_gib - (0.0 if cluster.gpu.is_cpu else GPU_RESERVED_GIB)
     bound = _LayoutBound(base, cluster, stack)
@@ -144,8 +146,8 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
             ranked.sort(key=lambda e: e.step_time_s)
             del ranked[top:]
             continue
-        for cfg, peak, last in _zero_stages(base, item, cluster, stack):
-            if peak <= usable:
+        for cfg, peak, last in _zero_stages(base, item, cluster, stack, usable, offload):
+            if peak <= usable and _host_fits(cfg, cluster):
                 tie += 1
                 rough = estimate(cfg, cluster, stack, simulate_pipeline=False).step_time_s
                 heapq.heappush(queue, (rough, tie, cfg))
@@ -189,16 +191,34 @@ class _LayoutBound:
         return max(r * hops + micro * per_layer * n for r, n in enumerate(layers))
 
 
-def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack):
-    """(config, peak GiB per GPU, whether it is the last) of each ZeRO stage `layout` can run."""
+def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, usable: float, offload: bool):
+    """(config, peak GiB per GPU, whether it is the last) of each ZeRO stage `layout` can run,
+    each followed, where it exceeds `usable` GiB and would fit with optimizer offload, by the same
+    with offload (where `offload`, the cluster can cost it and `base` does not offload already)."""
     micro = base.train.global_batch // (layout.micro_batch * layout.dp)
     zeros = (0, 1, 2, 3) if layout.dp * layout.cp > 1 else (0,)
     if layout.pp > 1 and base.model.tie_embeddings:  # the runtime's limit (config.validate)
         zeros = tuple(z for z in zeros if z < 3)
     waiting = loss_waiting(layout.schedule, layout.pp, micro, layout.vpp)
+    offload = offload and not base.train.offload_optimizer and offload_unknown(cluster) is None
+    candidates = []
     for zero in zeros:
         cfg = config_of(base, layout, zero)
         held = inflight(layout.schedule, layout.pp, micro, layout.vpp, after_bi_weight(cfg, stack, cluster.gpu.is_cpu),
                         chunk_layers(cfg))
-        peak = max(x.total for x in memory_by_rank(cfg, stack, held, waiting, cluster.gpu.is_cpu)) / GIB
-        yield cfg, peak, zero == zeros[-1]
+        memory = memory_by_rank(cfg, stack, held, waiting, cluster.gpu.is_cpu)
+        peak = max(x.total for x in memory) / GIB
+        candidates.append((cfg, peak))
+        offloaded = max(x.total - x.optimizer for x in memory) / GIB  # offload moves only the optimizer's part
+        if offload and peak > usable >= offloaded:
+            candidates.append((dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, offload_optimizer=True)),
+                               offloaded))
+    for i, (cfg, peak) in enumerate(candidates):
+        yield cfg, peak, i == len(candidates) - 1
+
+
+def _host_fits(cfg: Config, cluster: Cluster) -> bool:
+    """Whether a node's ranks fit its RAM (Estimate.host_fits), or the cluster does not say."""
+    if cluster.host_memory_gib is None:
+        return True
+    return cluster.gpus_per_node * max(h.total for h in host_memory_by_rank(cfg)) / GIB <= cluster.host_memory_gib

@@ -9,7 +9,7 @@ import math
 from tetrad.config import Config
 from tetrad.model import flops
 from tetrad.plan.cost import Estimate
-from tetrad.plan.hardware import Cluster
+from tetrad.plan.hardware import Cluster, offload_unknown
 from tetrad.plan.memory import GIB, state_bytes_per_param
 from tetrad.plan.reference import CALIBRATION_MAPE
 from tetrad.plan.search import Plan, layouts
@@ -22,7 +22,7 @@ def layout_label(e: Estimate) -> str:
     cp = f" cp={p.cp}{'' if p.cp == 1 else '/' + p.cp_algo}"
     sched = p.schedule + (f" vpp={p.vpp}" if p.vpp > 1 else "")
     return (f"tp={p.tp} pp={p.pp}{cp} dp={p.dp} zero={p.zero} {sched} mb={t.micro_batch} "
-            f"recompute={t.recompute}")
+            f"recompute={t.recompute}" + (" offload" if t.offload_optimizer else ""))
 
 
 def decimals(seconds: float) -> int:
@@ -64,26 +64,51 @@ def describe(e: Estimate) -> str:
              f"  bubble         {100 * e.bubble_fraction:.1f}% of pipeline rank-time", "",
              "  time per step, busiest pipeline rank (exposed parts only):"]
     lines += [f"    {k:<18} {v:{d + 6}.{d}f} s  {100 * v / e.step_time_s:5.1f}%" for k, v in e.breakdown.items()]
-    verdict = "fits" if e.fits else "DOES NOT FIT"
+    verdict = "fits" if e.peak_memory_gib <= e.usable_gib else "DOES NOT FIT"  # the GPU's; the host's below
     lines += ["", f"  memory per GPU, worst pipeline rank: {e.peak_memory_gib:.2f} GiB of {e.usable_gib:.1f} usable "
                   f"({e.hbm_gib:.1f} GiB) -> {verdict}"]
     lines += [f"    {k:<12} {v:9.2f} GiB" for k, v in e.memory.gib().items()]
-    if not e.fits:
-        lines.append("  to fit: more recompute, a higher ZeRO stage, a smaller micro-batch, or more tp/pp "
-                     "(`tetrad plan` ranks the layouts that fit)")
+    lines += _host_lines(e)
+    if e.peak_memory_gib > e.usable_gib:
+        lines.append("  to fit: more recompute, a higher ZeRO stage, a smaller micro-batch, more tp/pp, or "
+                     "train.offload_optimizer (`tetrad plan` ranks the layouts that fit)")
+    elif e.host_fits is False:
+        lines.append("  to fit the host: a higher ZeRO stage or more GPUs (fewer parameters updated per rank), "
+                     "or checkpoint.async_save = false")
     return "\n".join(lines)
+
+
+def _host_lines(e: Estimate) -> list[str]:
+    """Host memory per rank (offloaded optimizer state, checkpoint staging), and per node against
+    its RAM where the cluster says how much it has."""
+    if not e.host_memory.total:
+        return []
+    node = f"{e.node_host_memory_gib:.1f} GiB ({e.ranks_per_node} x the worst rank)"
+    if e.host_fits is None:
+        node += " (the cluster does not say how much RAM a node has)"
+    else:
+        node += f" of {e.node_ram_gib:.0f} GiB of RAM -> {'fits' if e.host_fits else 'DOES NOT FIT'}"
+    head = f"  host memory per rank, worst pipeline rank: {e.host_memory.total / GIB:.2f} GiB; per node {node}"
+    return ["", head] + [f"    {k:<12} {v:9.2f} GiB" for k, v in e.host_memory.gib().items()]
 
 
 def why_nothing_fits(closest: Estimate, cluster: Cluster) -> str:
     """One line: what the layout closest to fitting still needs, and what would change that."""
+    if closest.peak_memory_gib <= closest.usable_gib:  # its GPUs hold it, its nodes' RAM does not
+        return (f"no layout fits in memory: the closest fits on its GPUs but needs {_short_of(closest)} "
+                "(offloaded optimizer state, checkpoint staging): use more GPUs (ZeRO shards that state too), "
+                "nodes with more RAM, or checkpoint.async_save = false")
     gib = closest.memory.gib()
     states, acts = sum(gib[k] for k in STATES), gib["activations"]
     need = (f"the closest layout needs {closest.peak_memory_gib:.1f} GiB per GPU of {closest.usable_gib:.1f} usable "
             f"(model states {states:.1f}, activations {acts:.1f}, other {gib['other']:.1f})")
-    gpus = _gpus_for_states(closest, cluster)
+    offloaded = closest.cfg.train.offload_optimizer
+    gpus = _gpus_for_states(closest, cluster, offloaded)
     if gpus > cluster.world:
+        fewer = "" if offloaded or offload_unknown(cluster) else \
+            f"; {_gpus_for_states(closest, cluster, True)} with train.offload_optimizer"
         fix = (f"the model states alone do not fit even sharded over the {cluster.world} GPUs: they need at least "
-               f"{gpus} of these GPUs (a larger --cluster), or GPUs with more memory")
+               f"{gpus} of these GPUs (a larger --cluster{fewer}), or GPUs with more memory")
     elif states >= closest.usable_gib:
         fix = (f"the model states alone do not fit in any layout's share of the {cluster.world} GPUs: use more "
                "GPUs (--gpus or a larger --cluster) or GPUs with more memory")
@@ -122,11 +147,12 @@ def why_no_layout(base: Config, cluster: Cluster) -> str:
             f"{m.n_layers} layers and sequence length {m.seq_len}); use {' or '.join(fixes)}")
 
 
-def _gpus_for_states(e: Estimate, cluster: Cluster) -> int:
-    """The fewest GPUs (whole nodes past one) whose memory holds the model states fully sharded:
-    a lower bound, activations and buffers come on top."""
-    m, dtype = e.cfg.model, e.cfg.train.dtype
-    need = math.ceil(flops.parameter_count(m) * sum(state_bytes_per_param(dtype)) / GIB / e.usable_gib)
+def _gpus_for_states(e: Estimate, cluster: Cluster, offloaded: bool) -> int:
+    """The fewest GPUs (whole nodes past one) whose memory holds the model states fully sharded
+    (weights and gradients alone, `offloaded`): a lower bound, activations and buffers come on top."""
+    m, (weights, grads, optimizer) = e.cfg.model, state_bytes_per_param(e.cfg.train.dtype)
+    per_param = weights + grads + (0 if offloaded else optimizer)
+    need = math.ceil(flops.parameter_count(m) * per_param / GIB / e.usable_gib)
     per_node = cluster.gpus_per_node
     return need if need <= per_node else -(-need // per_node) * per_node
 
@@ -146,10 +172,16 @@ def plan_text(result: Plan, base: Config, cluster: Cluster) -> str:
         lines += ["", confidence(result.ranked), "", "why the best wins:", describe(result.ranked[0])]
     if result.rejected:
         lines += ["", "faster on compute alone, but out of memory:"]
-        lines += [f"  {layout_label(e)}: {e.peak_memory_gib:.1f} GiB > {e.usable_gib:.1f} usable "
-                  f"(activations {e.memory.gib()['activations']:.1f}, model states "
-                  f"{sum(e.memory.gib()[k] for k in STATES):.1f})" for e in result.rejected]
+        lines += [f"  {layout_label(e)}: {_short_of(e)}" for e in result.rejected]
     return "\n".join(lines)
+
+
+def _short_of(e: Estimate) -> str:
+    """What an estimate that does not fit exceeds: its GPU's memory, or its node's RAM."""
+    if e.peak_memory_gib > e.usable_gib:
+        return (f"{e.peak_memory_gib:.1f} GiB > {e.usable_gib:.1f} usable (activations "
+                f"{e.memory.gib()['activations']:.1f}, model states {sum(e.memory.gib()[k] for k in STATES):.1f})")
+    return f"host memory {e.node_host_memory_gib:.0f} GiB a node > {e.node_ram_gib:.0f} GiB of RAM"
 
 
 def confidence(ranked: list[Estimate]) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from tetrad.config import Config
 from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
-from tetrad.parallel.pipeline.split import chunk_layers, rank_layers, rank_stages, stage_layers
+from tetrad.parallel.pipeline.split import rank_layers, rank_stages, stage_layers
 from tetrad.plan.hardware import GPU, Cluster, HardwareError, offload_unknown
 from tetrad.plan.layer import end_costs, layer_cost
 from tetrad.plan.links import LINK_EFFICIENCY, group_link, overlap_slowdown, reduction_time, ring_time
@@ -26,7 +26,6 @@ from tetrad.plan.memory import (
     HostMemory,
     Memory,
     activation_bytes,
-    after_bi_weight,
     as_run,
     host_memory_by_rank,
     memory_by_rank,
@@ -34,7 +33,7 @@ from tetrad.plan.memory import (
     state_bytes_per_param,
 )
 from tetrad.plan.comm_bytes import gradient_reduce_bytes
-from tetrad.plan.pipeline import inflight, loss_waiting, pipeline
+from tetrad.plan.pipeline import pipeline
 from tetrad.plan.stacks import Stack, load_stack
 
 OPTIMIZER_BYTES_PER_PARAM = 36  # Adam + clipping: read/write weights, master, moments; read grads twice
@@ -137,8 +136,7 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     step = pipe + dp_exposed + opt + host_copies
     bubble = 1.0 - micro * sum(st.busy) / (p.pp * pipe)  # share of rank-time not computing
 
-    held = inflight(p.schedule, p.pp, micro, p.vpp, after_bi_weight(cfg, stack), chunk_layers(cfg))
-    memory = memory_by_rank(cfg, stack, held, loss_waiting(p.schedule, p.pp, micro, p.vpp), gpu.is_cpu)
+    memory = memory_by_rank(cfg, stack, gpu.is_cpu)
     busiest = max(range(p.pp), key=lambda r: st.busy[r])
     layers = rank_layers(cfg)[busiest]
     ends = (sum(embed) if busiest == 0 else 0.0) + (sum(head) if busiest == p.pp - 1 else 0.0)

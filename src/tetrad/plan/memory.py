@@ -24,7 +24,8 @@ from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
 from tetrad.parallel.pipeline.registry import schedule_spec
-from tetrad.parallel.pipeline.split import rank_layers
+from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
+from tetrad.plan.pipeline import inflight, loss_waiting
 from tetrad.plan.stacks import STACKS, Stack
 
 GIB = 1024**3
@@ -232,12 +233,11 @@ def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
     return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
 
 
-def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_waiting: float,
-                   is_cpu: bool) -> list[Memory]:
-    """Peak bytes of one GPU of each pipeline rank, whose schedule keeps inflight[rank] layers'
-    activation sets alive at once (the pipeline simulator's count, weighed by chunk_layers, with
-    zero-bubble's BI-to-BW remainders weighed by `after_bi_weight`) and `loss_waiting`
-    micro-batches' head outputs on the last stage."""
+def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
+    """Peak bytes of one GPU of each pipeline rank. Its activations are the most its schedule
+    holds at once (the pipeline simulator's count of layers' activation sets, zero-bubble's
+    BI-to-BW remainders weighed by `after_bi_weight`, and on the last stage the head outputs of
+    the micro-batches whose loss waits for backward, counted when they are held)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e = activation_bytes(t.dtype)
     tokens = t.micro_batch * m.seq_len // p.cp
@@ -259,8 +259,11 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
     logit_bytes = 8 + (e if p.tp == 1 and e < 4 else 0)
     logits = tokens * vocab_shard(m, p.tp)
     final_norm = norm_saved_bytes(m, tokens, e, stack) / (p.tp if p.sequence_parallel else 1)  # SP: a chunk
-    head = loss_waiting * (final_norm + hidden + logit_bytes * logits)
-    head_transient = loss_waiting * (logit_bytes - 4) * logits  # all but the softmax
+    micro = cfg.microbatches
+    head = final_norm + hidden + logit_bytes * logits  # one waiting micro-batch's
+    held = inflight(p.schedule, p.pp, micro, p.vpp, after_bi_weight(cfg, stack, is_cpu), chunk_layers(cfg),
+                    head / per_layer)
+    head_transient = loss_waiting(p.schedule, p.pp, micro, p.vpp) * (logit_bytes - 4) * logits  # all but the softmax
     params = rank_params(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
@@ -274,7 +277,7 @@ def memory_by_rank(cfg: Config, stack: Stack, inflight: tuple[float, ...], loss_
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
             root = (params[r] - layers * layer_params) * (per_param[0] + 4)
-        acts = per_layer * inflight[r] + rebuilt + (head if r == p.pp - 1 else 0.0)
+        acts = per_layer * held[r] + rebuilt
         # Communication buffers are transient, not activations kept for backward: with the
         # allocator's fragmentation they make up `other`.
         other = buffers + root + FRAGMENTATION * (acts + buffers + root) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)

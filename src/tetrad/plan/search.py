@@ -25,12 +25,11 @@ from typing import NamedTuple
 
 from tetrad.config import Config, validate
 from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
-from tetrad.parallel.pipeline.split import chunk_layers, rank_layers, stage_layers
+from tetrad.parallel.pipeline.split import rank_layers, stage_layers
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, offload_unknown
 from tetrad.plan.layer import layer_cost
-from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, after_bi_weight, host_memory_by_rank, memory_by_rank
-from tetrad.plan.pipeline import inflight, loss_waiting
+from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, host_memory_by_rank, memory_by_rank
 from tetrad.plan.stacks import Stack, load_stack
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -195,18 +194,14 @@ def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, u
     """(config, peak GiB per GPU, whether it is the last) of each ZeRO stage `layout` can run,
     each followed, where it exceeds `usable` GiB and would fit with optimizer offload, by the same
     with offload (where `offload`, the cluster can cost it and `base` does not offload already)."""
-    micro = base.train.global_batch // (layout.micro_batch * layout.dp)
     zeros = (0, 1, 2, 3) if layout.dp * layout.cp > 1 else (0,)
     if layout.pp > 1 and base.model.tie_embeddings:  # the runtime's limit (config.validate)
         zeros = tuple(z for z in zeros if z < 3)
-    waiting = loss_waiting(layout.schedule, layout.pp, micro, layout.vpp)
     offload = offload and not base.train.offload_optimizer and offload_unknown(cluster) is None
     candidates = []
     for zero in zeros:
         cfg = config_of(base, layout, zero)
-        held = inflight(layout.schedule, layout.pp, micro, layout.vpp, after_bi_weight(cfg, stack, cluster.gpu.is_cpu),
-                        chunk_layers(cfg))
-        memory = memory_by_rank(cfg, stack, held, waiting, cluster.gpu.is_cpu)
+        memory = memory_by_rank(cfg, stack, cluster.gpu.is_cpu)
         peak = max(x.total for x in memory) / GIB
         candidates.append((cfg, peak))
         offloaded = max(x.total - x.optimizer for x in memory) / GIB  # offload moves only the optimizer's part

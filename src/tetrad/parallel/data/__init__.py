@@ -139,8 +139,9 @@ class GradReducer:
             reduced = bucket.grad_shard if self.zero >= 2 else bucket.grad
             if reduced is None:
                 continue
-            if bucket is self._tied:
-                sum_tied(reduced, self.topo.comm)
+            if bucket is self._tied:  # the embedding's elements, not the bucket's padding
+                start = bucket.lo if self.zero >= 2 else 0
+                sum_tied(reduced[:max(0, bucket.size - start)], self.topo.comm)
             if self.zero < 2:
                 bucket.grad_shard = bucket.grad[bucket.lo:bucket.hi]
                 if not self.flat and not self.sync.in_place:  # plain AdamW on the (fp32) parameters

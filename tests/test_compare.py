@@ -50,6 +50,18 @@ def test_a_training_key_that_differs_is_named(capsys):
     assert "step 1 loss" in out  # the first step is still the same forward: shown
 
 
+def test_a_key_an_older_config_lacks_reads_as_its_default(tmp_path, capsys):
+    run = _run()
+    older = tmp_path / "older"
+    shutil.copytree(run, older)
+    config = older / "config.toml"
+    config.write_text("".join(line for line in config.read_text().splitlines(keepends=True)
+                              if not line.startswith(("adam_eps", "rope_scaling"))))
+    assert main(["compare", str(run), str(older)]) == 0
+    out = capsys.readouterr().out
+    assert "training keys that differ" not in out and "adam_eps" not in out
+
+
 def test_a_folder_that_is_not_a_run_is_refused(tmp_path, capsys):
     assert main(["compare", str(tmp_path), str(tmp_path)]) == 2
     assert "holds no metrics.jsonl and config.toml" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from tetrad.config import read_toml
+from tetrad.config import load_config, read_toml
 from tetrad.viz.report import new_figure, style_axes
 
 # Keys that change how a step is computed, not what: the layout and how it runs.
@@ -33,8 +33,9 @@ FIRST_STEP = {"fp32": (1e-5, 1e-5), "fp16": (1e-2, 4e-4), "tf32": (2e-2, 4e-3), 
 
 
 def config_differences(a: Path, b: Path) -> tuple[list[str], list[str]]:
-    """(execution keys that differ, training keys that differ), as `key: A -> B`."""
-    flat_a, flat_b = _flat(read_toml(a / "config.toml")), _flat(read_toml(b / "config.toml"))
+    """(execution keys that differ, training keys that differ), as `key: A -> B`; keys a run's
+    config.toml lacks (an older tetrad's) at their defaults."""
+    flat_a, flat_b = (_flat(load_config(run / "config.toml", runtime=False).to_dict()) for run in (a, b))
     execution, training = [], []
     for key in sorted(set(flat_a) | set(flat_b)):
         if flat_a.get(key) != flat_b.get(key):
@@ -61,7 +62,7 @@ def by_step(run: Path) -> dict[int, dict]:
 
 
 def precision(run: Path, first: dict) -> str:
-    dtype = read_toml(run / "config.toml")["train"]["dtype"]
+    dtype = read_toml(run / "config.toml")["train"].get("dtype", "fp32")
     return "tf32" if dtype == "fp32" and first.get("tf32") else dtype
 
 

@@ -25,7 +25,7 @@ from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
-from tetrad.plan.pipeline import inflight, loss_waiting
+from tetrad.plan.pipeline import inflight
 from tetrad.plan.stacks import STACKS, Stack
 
 GIB = 1024**3
@@ -259,11 +259,13 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     logit_bytes = 8 + (e if p.tp == 1 and e < 4 else 0)
     logits = tokens * vocab_shard(m, p.tp)
     final_norm = norm_saved_bytes(m, tokens, e, stack) / (p.tp if p.sequence_parallel else 1)  # SP: a chunk
-    micro = cfg.microbatches
-    head = final_norm + hidden + logit_bytes * logits  # one waiting micro-batch's
-    held = inflight(p.schedule, p.pp, micro, p.vpp, after_bi_weight(cfg, stack, is_cpu), chunk_layers(cfg),
-                    head / per_layer)
-    head_transient = loss_waiting(p.schedule, p.pp, micro, p.vpp) * (logit_bytes - 4) * logits  # all but the softmax
+    # The schedule's peak, in layers' sets, with a waiting micro-batch's head whole and with its
+    # saved part alone (the softmax kept, the rest transient): their difference is the head's
+    # transient at the peak, which may come when no loss waits (zero-bubble's after a BI).
+    saved_head = final_norm + hidden + 4 * logits
+    whole, saved = (inflight(p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu),
+                             chunk_layers(cfg), h / per_layer)
+                    for h in (saved_head + (logit_bytes - 4) * logits, saved_head))
     params = rank_params(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
@@ -277,11 +279,11 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
             root = (params[r] - layers * layer_params) * (per_param[0] + 4)
-        acts = per_layer * held[r] + rebuilt
+        acts = per_layer * whole[r] + rebuilt
         # Communication buffers are transient, not activations kept for backward: with the
         # allocator's fragmentation they make up `other`.
         other = buffers + root + FRAGMENTATION * (acts + buffers + root) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)
-        transient = rebuilt + (head_transient if r == p.pp - 1 else 0.0)
+        transient = rebuilt + per_layer * (whole[r] - saved[r])
         out.append(Memory(weights, grads, optimizer, acts, other, transient))
     return out
 

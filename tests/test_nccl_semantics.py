@@ -103,11 +103,13 @@ def test_schedule_matches_single_process_under_nccl_ordering(schedule, pp):
                   reference)
 
 
-def test_context_parallel_ring_is_unchanged_under_nccl_ordering():
+@pytest.mark.parametrize("recompute", ["none", "full", "selective-op"])
+def test_context_parallel_ring_is_unchanged_under_nccl_ordering(recompute):
     """CP's ring passes K/V as one batched send and receive per pass (one queue item, run as one
-    NCCL group): the same numbers as on gloo, bit for bit."""
+    NCCL group): the same numbers as on gloo, bit for bit; under full recompute the ring runs
+    again inside the backward, under selective-op its kept result is replayed without sending."""
     def run(transport=None):
-        cfg = tiny_config(parallel={"cp": 4}, train={"steps": 2})
+        cfg = tiny_config(parallel={"cp": 4}, train={"steps": 2, "recompute": recompute})
         return train_layout(cfg, transport=transport, timeout_s=DEADLINE_S)
     losses, state, _ = run(partial(NcclSemantics, timeout_s=TIMEOUT_S))
     gloo_losses, gloo_state, _ = run()

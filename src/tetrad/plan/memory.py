@@ -252,7 +252,8 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
         if schedule_spec(p.schedule).splits_backward:
             counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
         rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack) - counted
-    # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered); the fp32 softmax of the vocab-parallel cross-entropy and the
+    # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered unless
+    # the stack gathers it again in backward, as every column-parallel input); the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
     # Without tp, torch's cross-entropy takes an fp32 copy of 16-bit logits while they are still
     # held, beside its fp32 log-softmax: the logits once more (seen on an H200, docs/gpu.md).
@@ -262,7 +263,8 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     # The schedule's peak, in layers' sets, with a waiting micro-batch's head whole and with its
     # saved part alone (the softmax kept, the rest transient): their difference is the head's
     # transient at the peak, which may come when no loss waits (zero-bubble's after a BI).
-    saved_head = final_norm + hidden + 4 * logits
+    head_input = hidden / (p.tp if p.sequence_parallel and not stack.sp_saves_gathered_input else 1)
+    saved_head = final_norm + head_input + 4 * logits
     whole, saved = (inflight(p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu),
                              chunk_layers(cfg), h / per_layer)
                     for h in (saved_head + (logit_bytes - 4) * logits, saved_head))

@@ -41,10 +41,13 @@ def _run(recompute, world=1, **sections):
     {"parallel": {"dp": 2, "zero": 3}},  # ZeRO-3 gathers around every block
     {"parallel": {"cp": 2}},  # ring cp: selective-op's recompute replays the ring (RingReplay)
     {"model": {"dropout": 0.1}, "parallel": {"cp": 4}},
-], ids=["single", "tp2-dropout", "tp2-sp-dropout", "dp2-zero3", "cp2-ring", "cp4-ring-dropout"])
+    # zero-bubble: the replay runs inside BI's recompute, micro-batches interleaved on each stage
+    {"model": {"n_layers": 4}, "parallel": {"pp": 2, "cp": 2, "schedule": "zb"},
+     "train": {"micro_batch": 1, "global_batch": 4}},
+], ids=["single", "tp2-dropout", "tp2-sp-dropout", "dp2-zero3", "cp2-ring", "cp4-ring-dropout", "pp2-cp2-zb"])
 def test_recompute_gives_the_same_losses_and_gradients(case):
     parallel = case.get("parallel", {})
-    world = parallel.get("tp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1)
+    world = parallel.get("tp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("pp", 1)
     base = _run("none", world, **{k: dict(v) for k, v in case.items()})
     for mode in ("selective", "selective-op", "full"):
         other = _run(mode, world, **{k: dict(v) for k, v in case.items()})

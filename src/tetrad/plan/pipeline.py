@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
 from tetrad.parallel.pipeline.schedules import replay
-from tetrad.parallel.pipeline.simulate import StageCosts, peak_held, peak_waiting_loss
+from tetrad.parallel.pipeline.simulate import StageCosts, peak_held
 from tetrad.parallel.pipeline.split import rank_stages
 
 
@@ -52,17 +52,6 @@ def inflight(schedule: str, pp: int, m: int, vpp: int, after_bi: float = 1.0,
         return tuple(peak_held(_schedule(schedule, pp, m, vpp), after_bi, chunk_layers, loss))
     h0, h1 = (peak_held(_schedule(schedule, pp, n, vpp), after_bi, chunk_layers, loss) for n in (m0, m0 + pp))
     return tuple(a + (m - m0) / pp * (b - a) for a, b in zip(h0, h1))
-
-
-@lru_cache(maxsize=4096)
-def loss_waiting(schedule: str, pp: int, m: int, vpp: int) -> float:
-    """Micro-batches whose loss waits for its backward at once on the last stage (one under 1F1B,
-    all of them under GPipe), extended past the warm-up as `inflight` is."""
-    m0 = _steady(schedule, pp, m)
-    if m <= m0 + pp:
-        return peak_waiting_loss(_schedule(schedule, pp, m, vpp))
-    w0, w1 = (peak_waiting_loss(_schedule(schedule, pp, n, vpp)) for n in (m0, m0 + pp))
-    return w0 + (m - m0) / pp * (w1 - w0)
 
 
 def pipeline(schedule: str, pp: int, m: int, vpp: int, f: list, bi: list, bw: list, p2p: float):

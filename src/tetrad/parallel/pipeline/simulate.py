@@ -60,7 +60,7 @@ def peak_held(s: Schedule, after_bi: float = 1.0, weights: tuple | None = None, 
     gradients still need (the linears' inputs and output gradients) weighs `after_bi` sets.
     `weights[rank][chunk]` (default 1): what one set of that chunk weighs, e.g. its layers.
     `loss`: what a micro-batch's loss waiting for its backward (the last stage's head output and
-    logits, `peak_waiting_loss`) weighs in the same units: counted where it is held, so that a
+    logits, from the last stage's F until its B or BI) weighs in the same units: counted where it is held, so that a
     peak of sets that comes when no loss waits (zero-bubble's, after BI) does not take it too."""
     change = {"F": 1.0, "B": -1.0, "BI": after_bi - 1.0, "BW": -after_bi}
     weights = weights or [[1.0] * s.vpp] * s.pp
@@ -70,14 +70,6 @@ def peak_held(s: Schedule, after_bi: float = 1.0, weights: tuple | None = None, 
     def held(r: int, a: Action) -> float:
         return change[a.kind] * weights[r][a.chunk] + (waits[a.kind] if (r, a.chunk) == last else 0.0)
     return [max(accumulate((held(r, a) for a in actions), initial=0.0)) for r, actions in enumerate(s.actions)]
-
-
-def peak_waiting_loss(s: Schedule) -> int:
-    """The most micro-batches whose loss (the last stage's output) waits for its backward at once:
-    from the last stage's F until its B or BI, on the rank that holds it."""
-    rank, chunk = place_of(s.stages - 1, s.pp)
-    change = {"F": 1, "B": -1, "BI": -1, "BW": 0}
-    return max(accumulate((change[a.kind] for a in s.actions[rank] if a.chunk == chunk), initial=0))
 
 
 def simulate(s: Schedule, costs: StageCosts, timeline: bool = True) -> SimResult:

@@ -7,8 +7,7 @@ import textwrap
 
 import pytest
 
-from tetrad.cli import _split_config_args
-from tetrad.config import Config, ConfigError, load_config
+from tetrad.config import Config, ConfigError, load_config, split_config_args
 
 ERRORS = [
     ({"parallel": {"dp": 2, "tp": 2}}, 8, "dp*tp*pp*cp = 2*2*1*1 = 4 but the job has 8 ranks; set parallel.dp=4"),
@@ -153,7 +152,7 @@ def test_migration_mistake_names_the_fix(argv, text, message, tmp_path, monkeypa
         (tmp_path / name).write_text(text)
         argv = argv if "CONFIG" in " ".join(argv) else [name, *argv]
     with pytest.raises(ConfigError) as err:
-        path, overrides = _split_config_args(argv)
+        path, overrides = split_config_args(argv)
         load_config(path, overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
 

@@ -1,4 +1,4 @@
-"""`tetrad` command line: data, train, generate, estimate, plan, schedule, bench, report, compare, convert."""
+"""`tetrad` command line: data, train, check, generate, estimate, plan, schedule, bench, report, compare, convert."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import signal
 import sys
 from pathlib import Path
 
-from tetrad.config import Config, ConfigError, check_override, load_config
+from tetrad.config import Config, ConfigError, load_config, split_config_args
 
 USAGE = """usage: tetrad COMMAND [ARGS]
 
 commands:
   data TEXT... --out DIR [--vocab-size N | --tokenizer F]   BPE tokenizer + token shards for data.source
   train [CONFIG] [--section.key=value ...]   train (spawns local ranks, or runs under torchrun)
+  check [CONFIG] [--section.key=value ...]   train a few steps in the layout and in data parallel: do they agree?
   estimate CONFIG --cluster C [--json]        the cost model for one layout
   plan --model M --cluster C --global-batch N rank every legal layout by predicted step time
   generate CHECKPOINT --prompt TEXT          sample text (KV cache, the run's tokenizer) on one process
@@ -25,17 +26,6 @@ commands:
 """
 
 
-def _split_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """CONFIG is the one argument that is not a --section.key=value override."""
-    for i, arg in enumerate(argv):
-        if arg.startswith("-"):
-            check_override(arg, argv[i + 1] if i + 1 < len(argv) else None)
-    paths = [a for a in argv if not a.startswith("-")]
-    if len(paths) > 1:
-        raise ConfigError(f"expected at most one CONFIG file, got {paths}")
-    return (paths[0] if paths else None), [a for a in argv if a.startswith("-")]
-
-
 def train_command(argv: list[str]) -> int:
     from tetrad import launch
     from tetrad.train.init_from import model_keys
@@ -44,7 +34,7 @@ def train_command(argv: list[str]) -> int:
         print("usage: tetrad train [CONFIG] [--section.key=value ...]\n"
               "Without CONFIG the defaults apply: the tiny preset on the built-in corpus, one process.")
         return 0
-    path, overrides = _split_config_args(argv)
+    path, overrides = split_config_args(argv)
     cfg = load_config(path, overrides, model_from_inputs=model_keys)
     history = launch.train(cfg, announce=functools.partial(_announce, cfg))
     if launch.in_torchrun():
@@ -72,6 +62,11 @@ def _announce(cfg: Config, device_type: str, resume: Path | None) -> None:
     if cfg.train.warmup > cfg.train.steps:
         print(f"tetrad: note: train.warmup={cfg.train.warmup} > train.steps={cfg.train.steps}: the learning rate "
               f"never reaches train.lr={cfg.train.lr:g}", flush=True)
+
+
+def check_command(argv: list[str]) -> int:
+    from tetrad.check import check_command as run
+    return run(argv)
 
 
 def estimate_command(argv: list[str]) -> int:
@@ -119,7 +114,7 @@ def compare_command(argv: list[str]) -> int:
     return run(argv)
 
 
-COMMANDS = {"data": data_command, "train": train_command, "schedule": schedule_command, "estimate": estimate_command, "plan": plan_command, "convert": convert_command,
+COMMANDS = {"data": data_command, "train": train_command, "check": check_command, "schedule": schedule_command, "estimate": estimate_command, "plan": plan_command, "convert": convert_command,
             "generate": generate_command,
             "bench": bench_command, "report": report_command, "compare": compare_command}
 

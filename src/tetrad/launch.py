@@ -152,6 +152,8 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
     p = cfg.parallel
     diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
     if in_torchrun():
+        if dist.is_initialized():  # the caller holds the job's group (`tetrad check` trains twice in it)
+            return train_on_this_rank(cfg, device_type)
         with torchrun_process_group(device_type, p.startup_timeout_s):
             return train_on_this_rank(cfg, device_type)
     if device_type != "cpu" and p.world_size > devices.local_device_count(device_type):

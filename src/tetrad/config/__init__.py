@@ -3,11 +3,11 @@
 naming the fix (validation.py: each numeric key's range, then the rules between keys).
 """
 
-from tetrad.config.loading import check_override, load_config, read_toml
+from tetrad.config.loading import check_override, load_config, read_toml, split_config_args
 from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, DEFAULT_BUCKET_MB, SECTIONS, CheckpointConfig, Config, ConfigError, DataConfig,
                                     ModelConfig, ParallelConfig, RunConfig, TrainConfig)
 from tetrad.config.validation import RANGES, profile_steps, validate, validate_device
 
 __all__ = ["COMM_GROUPS", "COMM_OPTIONS", "DEFAULT_BUCKET_MB", "RANGES", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig", "check_override", "load_config", "profile_steps",
-           "read_toml", "validate", "validate_device"]
+           "read_toml", "split_config_args", "validate", "validate_device"]

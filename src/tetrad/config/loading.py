@@ -112,6 +112,17 @@ def check_override(arg: str, following: str | None = None) -> None:
                           f"'{arg} {following}'")
 
 
+def split_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """CONFIG is the one argument that is not a --section.key=value override."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("-"):
+            check_override(arg, argv[i + 1] if i + 1 < len(argv) else None)
+    paths = [a for a in argv if not a.startswith("-")]
+    if len(paths) > 1:
+        raise ConfigError(f"expected at most one CONFIG file, got {paths}")
+    return (paths[0] if paths else None), [a for a in argv if a.startswith("-")]
+
+
 def _is_toml(text: str) -> bool:
     try:
         tomllib.loads(f"v = {text}")

@@ -1,0 +1,94 @@
+"""`tetrad check [CONFIG]`: does this layout compute the same training as plain data parallelism,
+on this machine or cluster, with this model, data and precision?
+
+tetrad's test suite holds every layout to one process on tiny models on CPUs; a user's layout
+runs other kernels, another backend and other shapes. The check trains a few steps of the user's
+config twice from the same seed, as `tetrad train` would: once in its own layout, once in the
+simplest layout over the same ranks (data parallelism with ZeRO-3, every layer recomputed, so
+it holds the fewest bytes a rank can), then judges the two runs as `tetrad compare` does (step
+1's loss and gradient norm to the precision's rounding, later steps' drift). Neither run keeps
+a checkpoint or validates; both write their metrics under RUN_DIR/check/.
+
+A model too large for the reference can be checked shallower (`--model.n_layers=...`, both runs):
+no layout's arithmetic depends on the depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from tetrad.config import Config, ConfigError, load_config, split_config_args, validate
+
+CHECK_STEPS = 4
+
+
+def check_runs(cfg: Config, steps: int, world_size: int | None) -> tuple[Config, Config]:
+    """(the user's layout, the data-parallel reference), each a short run of `cfg` under
+    RUN_DIR/check/. `world_size` is torchrun's job size (the reference must use every rank), None
+    when tetrad starts the ranks itself (the reference then uses as many as divide the batch)."""
+    p, t = cfg.parallel, cfg.train
+    if p.grad_codec != "none":
+        raise ConfigError(f"parallel.grad_codec={p.grad_codec!r} changes the gradients by design, so the layouts "
+                          "cannot agree to rounding: check with --parallel.grad_codec=none")
+    ranks = world_size or p.world_size
+    dp = max(d for d in range(1, ranks + 1) if ranks % d == 0 and t.global_batch % d == 0)
+    if world_size is not None and dp != world_size:
+        raise ConfigError(f"the reference trains data-parallel over the job's {world_size} ranks, which needs "
+                          f"train.global_batch ({t.global_batch}) to be a multiple of {world_size}")
+    root = Path(cfg.run.dir) / "check"
+    short = dict(steps=steps, eval_every=0, profile="")
+    checkpoint = replace(cfg.checkpoint, dir="", every=0, resume="never", async_save=False)
+    run = replace(cfg.run, tensorboard=False, wandb=False)
+    layout = replace(cfg, train=replace(t, **short), checkpoint=checkpoint, run=replace(run, dir=str(root / "layout")))
+    reference = replace(
+        layout, run=replace(run, dir=str(root / "reference")),
+        train=replace(layout.train, recompute="full", micro_batch=math.gcd(t.micro_batch, t.global_batch // dp)),
+        parallel=replace(p, dp=dp, tp=1, pp=1, cp=1, vpp=1, schedule="1f1b", stage_layers=[], zero=3 if dp > 1 else 0,
+                         sequence_parallel=False, sp_regather=False, hierarchical=False))
+    validate(reference, world_size)
+    return layout, reference
+
+
+def describe(p) -> str:
+    return f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}" + (f" ZeRO-{p.zero}" if p.zero else "")
+
+
+def check_command(argv: list[str]) -> int:
+    from tetrad import device as devices, launch
+    from tetrad.train.init_from import model_keys
+    from tetrad.viz.compare import compare
+
+    ap = argparse.ArgumentParser(prog="tetrad check", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--steps", type=int, default=CHECK_STEPS, help="steps of each run (step 1 is judged to rounding)")
+    ap.add_argument("--drift", type=float, default=0.05, help="largest relative loss difference at a later step")
+    args, rest = ap.parse_known_args(argv)
+    if args.steps < 1:
+        raise ConfigError(f"--steps={args.steps}: give at least 1")
+    path, overrides = split_config_args(rest)
+    cfg = load_config(path, overrides, model_from_inputs=model_keys)
+    torchrun = launch.in_torchrun()
+    layout, reference = check_runs(cfg, args.steps, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+    first = not torchrun or os.environ["RANK"] == "0"
+    if first:
+        shutil.rmtree(Path(cfg.run.dir) / "check", ignore_errors=True)
+    # Under torchrun both runs share one process group: a second rendezvous would meet the first's keys.
+    joined = launch.torchrun_process_group(devices.resolve_device_type(cfg.train.device), cfg.parallel.startup_timeout_s) \
+        if torchrun else contextlib.nullcontext()
+    with joined:
+        for name, run in (("the layout", layout), ("the reference", reference)):
+            if first:
+                print(f"tetrad check: {name}, {describe(run.parallel)}, {args.steps} steps in {run.run.dir}", flush=True)
+            launch.train(run)
+    if not first:
+        return 0
+    lines, agree = compare(Path(layout.run.dir), Path(reference.run.dir), args.drift)
+    print("\n".join(lines))
+    print(f"tetrad check: {describe(layout.parallel)} {'agrees with' if agree else 'DISAGREES with'} "
+          f"{describe(reference.parallel)}")
+    return 0 if agree else 1

@@ -1,0 +1,78 @@
+"""`tetrad check`: a few steps of the user's config in its layout and in data parallelism over
+the same ranks, judged as `tetrad compare` judges two runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tetrad.check import check_runs
+from tetrad.cli import main
+from tetrad.config import ConfigError, load_config
+
+SMALL = ["--model.n_layers=2", "--model.d_model=32", "--model.n_heads=4", "--model.n_kv_heads=2",
+         "--model.ffn_hidden=64", "--model.seq_len=16", "--train.device=cpu"]
+
+
+def _config(tmp_path, *overrides):
+    return load_config(overrides=[*SMALL, f"--run.dir={tmp_path}", *overrides])
+
+
+def test_reference_is_data_parallel_over_the_same_ranks(tmp_path):
+    cfg = _config(tmp_path, "--parallel.tp=2", "--parallel.pp=2", "--parallel.sequence_parallel=true",
+                  "--parallel.vpp=1", "--parallel.schedule=zb", "--train.global_batch=12", "--train.micro_batch=3",
+                  "--checkpoint.every=5", "--checkpoint.dir=/elsewhere", "--train.eval_every=2",
+                  "--data.val_fraction=0.1")
+    layout, reference = check_runs(cfg, 3, None)
+    assert layout.parallel == cfg.parallel
+    assert (layout.train.steps, layout.train.eval_every, layout.checkpoint.every) == (3, 0, 0)
+    assert layout.checkpoint.dir == "" and layout.checkpoint.resume == "never"  # the user's checkpoints untouched
+    assert layout.run.dir == str(tmp_path / "check" / "layout")
+    p = reference.parallel
+    assert (p.dp, p.tp, p.pp, p.cp, p.zero, p.sequence_parallel) == (4, 1, 1, 1, 3, False)
+    assert reference.train.recompute == "full" and reference.train.micro_batch == 3
+    assert reference.run.dir == str(tmp_path / "check" / "reference")
+    assert (reference.model, reference.data, reference.train.lr) == (cfg.model, cfg.data, cfg.train.lr)
+
+    # A global batch of 6 over 4 ranks: the reference takes the 2 ranks that divide it.
+    _, reference = check_runs(_config(tmp_path, "--parallel.tp=2", "--parallel.pp=2", "--train.global_batch=6",
+                                      "--train.micro_batch=2"), 3, None)
+    assert (reference.parallel.dp, reference.train.micro_batch) == (2, 1)
+
+
+def test_refusals_name_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="multiple of 4"):  # under torchrun the reference needs every rank
+        check_runs(_config(tmp_path, "--parallel.tp=2", "--parallel.pp=2", "--train.global_batch=6",
+                           "--train.micro_batch=2"), 3, 4)
+    with pytest.raises(ConfigError, match="--parallel.grad_codec=none"):
+        check_runs(_config(tmp_path, "--parallel.dp=2", "--parallel.grad_codec=int8", "--train.global_batch=4",
+                           "--train.micro_batch=2"), 3, None)
+    assert main(["check", *SMALL, "--steps=0"]) == 2
+
+
+def test_tp_and_pp_agree_with_data_parallel(tmp_path, capsys):
+    code = main(["check", *SMALL, "--parallel.tp=2", "--parallel.pp=2", "--train.global_batch=8",
+                 "--train.micro_batch=2", f"--run.dir={tmp_path}", "--steps=2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "parallel.dp: 1 -> 4" in out and "parallel.zero: 0 -> 3" in out and "train.recompute: none -> full" in out
+    assert "training keys that differ" not in out and "BEYOND" not in out
+    assert out.rstrip().endswith("dp=1 tp=2 pp=2 cp=1 agrees with dp=4 tp=1 pp=1 cp=1 ZeRO-3")
+    for run in ("layout", "reference"):
+        assert len((tmp_path / "check" / run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (tmp_path / "check" / "layout" / "checkpoints").exists()
+
+
+def test_under_torchrun_both_runs_share_the_job(tmp_path):
+    """Each torchrun process trains twice: the process group is joined and left once per run."""
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tetrad", "check",
+         *SMALL, "--parallel.cp=2", "--train.global_batch=4", "--train.micro_batch=2", f"--run.dir={tmp_path}",
+         "--steps=2"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "dp=1 tp=1 pp=1 cp=2 agrees with dp=2 tp=1 pp=1 cp=1 ZeRO-3" in out.stdout
+    assert out.stdout.count("agrees with") == 1  # rank 0 alone judges

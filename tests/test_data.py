@@ -12,7 +12,7 @@ from conftest import tiny_config
 from tetrad.cli import main
 from tetrad.config import load_config
 from tetrad.data.checks import check_data
-from tetrad.data.prepare import json_documents, pieces
+from tetrad.data.documents import json_documents, parquet_documents, pieces
 from tetrad.data.shards import dtype_for, model_keys, open_shards, read_index
 from tetrad.data.blend import blend_parts
 from tetrad.data.sources import CORPORA, TokenStream, load_tokens
@@ -171,7 +171,7 @@ def test_files_a_folder_holds_besides_txt_are_named_as_left_out(tmp_path, capsys
     (tmp_path / "text" / ".DS_Store").write_bytes(b"\0")  # hidden: not the user's text
     assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
     out = capsys.readouterr().out
-    assert f"1 file(s) in the input folders are not .txt or .jsonl and are left out, e.g. {tmp_path / 'text' / 'notes.md'}" in out
+    assert f"1 file(s) in the input folders are not .txt, .jsonl or .parquet and are left out, e.g. {tmp_path / 'text' / 'notes.md'}" in out
     assert "1 documents" in out
     assert main(["data", str(tmp_path / "text"), str(tmp_path / "text" / "notes.md"), "--out", str(tmp_path / "both"),
                  "--vocab-size", "300"]) == 0
@@ -269,7 +269,7 @@ def test_tetrad_data_reads_json_lines_one_document_a_line(tmp_path, capsys):
 
     # Cut into small pieces at line ends, the lines still read as the same documents.
     cut = pieces(folder / "a.jsonl", piece_bytes=40)
-    assert len(cut) > 2 and all(p.json_lines for p in cut)
+    assert len(cut) > 2 and all(p.whole_documents for p in cut)
     assert [d for p in cut for d in json_documents(p, "content")] == [d for d in docs if d]
 
 
@@ -289,6 +289,38 @@ def test_tetrad_data_refuses_json_lines_without_the_key_before_any_work(tmp_path
         assert main(["data", str(tmp_path / "late.jsonl"), "--out", str(tmp_path / "o"), *tokenizer]) == 2
         assert f"late.jsonl: the line at byte {len(good) * 1000} is not a JSON object" in capsys.readouterr().err
         assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_tetrad_data_reads_parquet_one_document_a_row(tmp_path, capsys):
+    """A .parquet file (as HF datasets such as FineWeb are published) holds a document per row, its
+    text in the --json-key column; nulls and empty texts are no documents; pieces are runs of row
+    groups, and every row group is read once, in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = [f"document {i}: " + "word " * (i % 7) + "\nsecond line" for i in range(60)] + ["", None, "last one"]
+    path = tmp_path / "train-00000.parquet"
+    pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), path, row_group_size=8)
+    cut = pieces(path, piece_bytes=600)
+    assert len(cut) > 2 and cut[0].start == 0 and cut[-1].last and cut[-1].end == pq.ParquetFile(path).num_row_groups
+    assert all(a.end == b.start and not a.last and a.whole_documents for a, b in zip(cut, cut[1:]))
+    kept = [d for d in docs if d]
+    assert [d for p in cut for d in parquet_documents(p, "text")] == kept
+    out = tmp_path / "shards"
+    assert main(["data", str(path), "--out", str(out), "--vocab-size", "300", "--workers", "2"]) == 0
+    assert f"{len(kept)} documents" in capsys.readouterr().out
+    index, tokenizer = read_index(out), load_tokenizer(out / "tokenizer.json")
+    ids = load_tokens(str(out)).window(0, index["tokens"]).tolist()
+    ends = [i for i, t in enumerate(ids) if t == index["eos_id"]]
+    assert [tokenizer.decode(ids[a + 1:b]) for a, b in zip([-1] + ends, ends)] == kept
+
+    # A column that is not there (or not text) is refused before any work, naming the columns.
+    assert main(["data", str(path), "--out", str(tmp_path / "o"), "--json-key", "id"]) == 2
+    assert capsys.readouterr().err.strip() == (f"tetrad data: {path} has no string column 'id' (its columns: id, "
+                                               "text); give the texts' column with --json-key")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    assert main(["data", str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "o")]) == 2
+    assert "bad.parquet is not a readable parquet file" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def _with_begin_of_text(tokenizer):

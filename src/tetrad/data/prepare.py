@@ -1,7 +1,7 @@
 """`tetrad data`: a folder (or files) of text -> a shard folder a run trains on (shards.py).
 
-Each `.txt` file is one document; each line of a `.jsonl` file (JSON Lines, as datasets are
-exported and Megatron-LM's preprocess_data.py reads them) is one, its text under `--json-key`. A
+Each `.txt` file is one document, each line of a `.jsonl` file one, each row of a `.parquet`
+file one (documents.py: the text under `--json-key`). A
 BPE tokenizer is trained on a sample of the text (or an existing tokenizer.json is taken), then
 worker processes tokenize the files in pieces of a few MB, cut at line ends, while this process
 writes the pieces in order into shards, an EOS token after each document, starting a new shard
@@ -12,118 +12,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from tetrad.data.documents import (Piece, check_documents, input_files, piece_texts, pieces, sample_texts,
+                                    text_bytes)
 from tetrad.data.shards import TOKENIZER, dtype_for, shard_name, write_index
 from tetrad.data.tokenizer import document_prefix, eos_id, load_tokenizer, train_bpe, vocab_size
-
-PIECE_BYTES = 4 << 20
-DOCUMENT_SUFFIXES = (".txt", ".jsonl")  # a document per file; a document per line
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Bytes [start, end) of one file; `last`: the file ends here (a .txt document: EOS follows);
-    `json_lines`: each line is a whole document (a .jsonl file)."""
-    path: str
-    start: int
-    end: int
-    last: bool
-    json_lines: bool = False
-
-
-def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path]]:
-    """The documents' files: each input file, and every .txt and .jsonl file under each input
-    folder; and the other files under those folders (hidden ones aside), left out, which the
-    command names."""
-    files, left_out = [], []
-    for path in inputs:
-        if not path.exists():
-            raise ValueError(f"{path} does not exist")
-        found = sorted(f for f in path.rglob("*") if f.suffix in DOCUMENT_SUFFIXES and f.is_file()) \
-            if path.is_dir() else [path]
-        if not found:
-            raise ValueError(f"{path} holds no .txt or .jsonl files")
-        files += found
-        if path.is_dir():
-            left_out += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix not in DOCUMENT_SUFFIXES
-                               and not any(part.startswith(".") for part in f.relative_to(path).parts))
-    if not any(f.stat().st_size for f in files):
-        raise ValueError(f"the {len(files)} input file(s) are empty")
-    named = {f.resolve() for f in files}
-    return files, [f for f in left_out if f.resolve() not in named]
-
-
-def pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> list[Piece]:
-    """`path` cut into pieces of about `piece_bytes`, each ending at a line end (or the file's)."""
-    size, out, start = path.stat().st_size, [], 0
-    with path.open("rb") as f:
-        while start < size:
-            f.seek(min(start + piece_bytes, size))
-            newline = f.read(1 << 16).find(b"\n") if start + piece_bytes < size else -1
-            end = size if newline < 0 else min(start + piece_bytes + newline + 1, size)
-            out.append(Piece(str(path), start, end, end == size, path.suffix == ".jsonl"))
-            start = end
-    return out
-
-
-def read_piece(piece: Piece) -> str:
-    with open(piece.path, "rb") as f:
-        f.seek(piece.start)
-        return f.read(piece.end - piece.start).decode("utf-8", errors="replace")
-
-
-def json_documents(piece: Piece, key: str) -> list[str]:
-    """The texts of a .jsonl piece's lines (blank lines and empty texts skipped); a ValueError
-    naming the file and the line's byte offset when a line is not an object with a `key` string."""
-    texts, offset = [], piece.start
-    for line in read_piece(piece).splitlines(keepends=True):
-        if line.strip():
-            try:
-                text = json.loads(line)[key]
-            except (ValueError, KeyError, TypeError, IndexError):
-                text = None
-            if not isinstance(text, str):
-                raise ValueError(f"{piece.path}: the line at byte {offset} is not a JSON object with a {key!r} "
-                                 f"string; give the texts' key with --json-key")
-            if text:
-                texts.append(text)
-        offset += len(line.encode("utf-8", errors="replace"))
-    return texts
-
-
-def piece_texts(piece: Piece, key: str) -> list[str]:
-    """A .txt piece's text as it is (part of one document), or a .jsonl piece's documents."""
-    return json_documents(piece, key) if piece.json_lines else [read_piece(piece)]
-
-
-def sample_texts(files: list[Path], budget_bytes: int, key: str) -> Iterator[str]:
-    """Text to learn the BPE merges from: the first `budget_bytes`, spread over the files in order."""
-    for path in files:
-        for piece in pieces(path, 1 << 20):
-            if budget_bytes <= 0:
-                return
-            budget_bytes -= piece.end - piece.start
-            yield from piece_texts(piece, key)
-
-
-def check_json_lines(files: list[Path], key: str) -> None:
-    """Each .jsonl file's first piece reads (the rest is checked as it is tokenized): a wrong
-    --json-key is refused before a tokenizer is trained."""
-    for path in files:
-        if path.suffix == ".jsonl" and path.stat().st_size:
-            json_documents(pieces(path, 1 << 16)[0], key)
 
 
 class _Encoder:
@@ -136,14 +38,15 @@ class _Encoder:
 
     def __call__(self, piece: Piece) -> list[np.ndarray]:
         """A .txt piece's ids (the tokenizer's document prefix before the file's first, EOS after
-        its last), or each of a .jsonl piece's documents' ids, prefix and EOS around them."""
+        its last), or each of another piece's documents' ids, prefix and EOS around them."""
         texts = piece_texts(piece, self.json_key)
         # Line by line: one encode of megabytes is many times slower, and byte-level BPE's
         # pre-tokenizer splits at line ends anyway (only runs of blank lines may merge differently).
         lines = [text.splitlines(keepends=True) for text in texts]
         encoded = iter(self.tokenizer.encode_batch_fast([line for text in lines for line in text],
                                                         add_special_tokens=False))
-        starts, ends = piece.json_lines or piece.start == 0, piece.json_lines or piece.last
+        whole = piece.whole_documents
+        starts, ends = whole or piece.start == 0, whole or piece.last
         return [np.array((self.prefix if starts else []) + [i for _ in text for i in next(encoded).ids]
                          + ([self.eos] if ends else []), dtype=self.dtype) for text in lines]
 
@@ -213,12 +116,12 @@ def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float,
     writer = ShardWriter(out, max(1, int(shard_mb * 2**20) // dtype.itemsize))
     work = [p for f in files for p in pieces(f)]
     with _forked_pool(workers, (tokenizer.to_str(), eos, dtype.str, json_key)) as pool, \
-            tqdm(total=sum(p.end - p.start for p in work), unit="B", unit_scale=True, desc="tokenizing",
+            tqdm(total=sum(p.nbytes for p in work), unit="B", unit_scale=True, desc="tokenizing",
                  disable=None) as bar:
         document: list[np.ndarray] = []  # a .txt file's pieces so far
         for piece, encoded in zip(work, pool.imap(_encode, work)):
-            bar.update(piece.end - piece.start)
-            if piece.json_lines:
+            bar.update(piece.nbytes)
+            if piece.whole_documents:
                 for ids in encoded:
                     writer.add_document([ids])
                 continue
@@ -232,11 +135,12 @@ def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float,
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tetrad data", description="Train a byte-level BPE tokenizer on text "
                                      "(or take a tokenizer.json) and tokenize the text into memory-mapped shards "
-                                     "that `data.source` reads. Each .txt file is one document, and each line "
-                                     "of a .jsonl file.")
-    parser.add_argument("inputs", nargs="+", type=Path, help="text or JSON Lines files, or folders of .txt and "
-                                                             ".jsonl files")
-    parser.add_argument("--json-key", default="text", help="the key of each .jsonl line's text (default: text)")
+                                     "that `data.source` reads. Each .txt file is one document, each line of a "
+                                     ".jsonl file one, each row of a .parquet file one.")
+    parser.add_argument("inputs", nargs="+", type=Path, help="text, JSON Lines or parquet files, or folders of "
+                                                             ".txt, .jsonl and .parquet files")
+    parser.add_argument("--json-key", default="text", help="the key of each .jsonl line's text, or the "
+                        ".parquet column of texts (default: text)")
     parser.add_argument("--out", type=Path, required=True, help="the shard folder to write (new or empty)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary to train (default 8192)")
@@ -260,7 +164,7 @@ def data_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
         files, left_out = input_files(args.inputs)
-        check_json_lines(files, args.json_key)
+        check_documents(files, args.json_key)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
         if tokenizer is not None:
             eos_id(tokenizer, args.eos)  # refused before any work
@@ -268,20 +172,20 @@ def data_command(argv: list[str]) -> int:
         print(f"tetrad data: {e}", file=sys.stderr)
         return 2
     if left_out:
-        print(f"tetrad data: {len(left_out)} file(s) in the input folders are not .txt or .jsonl and are left out, e.g. "
+        print(f"tetrad data: {len(left_out)} file(s) in the input folders are not .txt, .jsonl or .parquet and are left out, e.g. "
               f"{left_out[0]}; name them as inputs to include them", flush=True)
     # Written beside the final folder and renamed when complete: a crash leaves no half folder.
     partial = args.out.with_name(args.out.name + ".partial")
     try:
         index, (started, trained, done) = _write_shards(args, files, tokenizer, partial)
-    except ValueError as e:  # a .jsonl line past the part checked up front that is not a document
+    except ValueError as e:  # a .jsonl line or .parquet file past the part checked up front that is not a document
         shutil.rmtree(partial, ignore_errors=True)
         print(f"tetrad data: {e}", file=sys.stderr)
         return 2
     if args.out.exists():
         args.out.rmdir()  # checked empty above
     partial.rename(args.out)
-    total = sum(f.stat().st_size for f in files)
+    total = text_bytes(files)
     print(f"tetrad data: {index['documents']} documents, {index['tokens']:,} tokens (vocab {index['vocab_size']}, "
           f"{index['dtype']}) in {len(index['shards'])} shard(s) at {args.out}; tokenized {total / 1e6:.1f} MB in "
           f"{done - trained:.1f} s = {total / 1e6 / (done - trained):.1f} MB/s with {args.workers} process(es)"
@@ -295,7 +199,7 @@ def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partia
     and the times (start, tokenizer trained, shards written)."""
     started = time.perf_counter()
     if tokenizer is None:
-        total = sum(f.stat().st_size for f in files)
+        total = text_bytes(files)
         print(f"tetrad data: training a {args.vocab_size}-token BPE on up to {args.sample_mb:g} MB of "
               f"{total / 1e6:.1f} MB of text", flush=True)
         tokenizer = train_bpe(sample_texts(files, int(args.sample_mb * 2**20), args.json_key), args.vocab_size,

@@ -1,0 +1,171 @@
+"""Where `tetrad data` finds documents in its input files, and how it cuts the files into pieces
+its workers tokenize in parallel.
+
+A `.txt` file is one document, cut at line ends. Each line of a `.jsonl` file (JSON Lines, as
+datasets are exported and Megatron-LM's preprocess_data.py reads them) is one, its text under the
+key `--json-key` names. Each row of a `.parquet` file (as Hugging Face datasets such as FineWeb
+are published) is one, its text in the column of that name; a piece is a run of row groups, read
+one column at a time with pyarrow (an optional dependency: `pip install pyarrow`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+PIECE_BYTES = 4 << 20
+DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".parquet")  # a document per file; per line; per row
+WHOLE_DOCUMENTS = (".jsonl", ".parquet")  # any other file named as an input is text, one document
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of one file: bytes [start, end) of a .txt or .jsonl file, or row groups [start, end)
+    of a .parquet file; `last`: the file ends here (a .txt document: EOS follows); `nbytes`: the
+    text's size, for progress and the tokenizer's sample."""
+    path: str
+    start: int
+    end: int
+    last: bool
+    nbytes: int
+
+    @property
+    def suffix(self) -> str:
+        return Path(self.path).suffix
+
+    @property
+    def whole_documents(self) -> bool:
+        """Each text the piece yields is a document (not so a part of a .txt file)."""
+        return self.suffix in WHOLE_DOCUMENTS
+
+
+def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path]]:
+    """The documents' files: each input file, and every document file under each input folder;
+    and the other files under those folders (hidden ones aside), left out, which the command names."""
+    files, left_out = [], []
+    for path in inputs:
+        if not path.exists():
+            raise ValueError(f"{path} does not exist")
+        found = sorted(f for f in path.rglob("*") if f.suffix in DOCUMENT_SUFFIXES and f.is_file()) \
+            if path.is_dir() else [path]
+        if not found:
+            raise ValueError(f"{path} holds no {', '.join(DOCUMENT_SUFFIXES)} files")
+        files += found
+        if path.is_dir():
+            left_out += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix not in DOCUMENT_SUFFIXES
+                               and not any(part.startswith(".") for part in f.relative_to(path).parts))
+    if not any(f.stat().st_size for f in files):
+        raise ValueError(f"the {len(files)} input file(s) are empty")
+    named = {f.resolve() for f in files}
+    return files, [f for f in left_out if f.resolve() not in named]
+
+
+def pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> list[Piece]:
+    """`path` cut into pieces of about `piece_bytes`: at line ends, or between row groups."""
+    if path.suffix == ".parquet":
+        return _parquet_pieces(path, piece_bytes)
+    size, out, start = path.stat().st_size, [], 0
+    with path.open("rb") as f:
+        while start < size:
+            f.seek(min(start + piece_bytes, size))
+            newline = f.read(1 << 16).find(b"\n") if start + piece_bytes < size else -1
+            end = size if newline < 0 else min(start + piece_bytes + newline + 1, size)
+            out.append(Piece(str(path), start, end, end == size, end - start))
+            start = end
+    return out
+
+
+def _parquet_file(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading .parquet needs pyarrow: pip install pyarrow") from None
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid and OSError alike: not a parquet file
+        raise ValueError(f"{path} is not a readable parquet file ({e})") from None
+
+
+def _parquet_pieces(path: Path, piece_bytes: int) -> list[Piece]:
+    meta = _parquet_file(path).metadata
+    sizes = [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
+    out, start = [], 0
+    while start < len(sizes):
+        end, nbytes = start + 1, sizes[start]
+        while end < len(sizes) and nbytes + sizes[end] <= piece_bytes:
+            nbytes, end = nbytes + sizes[end], end + 1
+        out.append(Piece(str(path), start, end, end == len(sizes), nbytes))
+        start = end
+    return out
+
+
+def text_bytes(files: list[Path]) -> int:
+    """The input's size as text: a parquet file's uncompressed row groups, other files' sizes."""
+    return sum(sum(p.nbytes for p in _parquet_pieces(f, PIECE_BYTES)) if f.suffix == ".parquet" else f.stat().st_size
+               for f in files)
+
+
+def read_piece(piece: Piece) -> str:
+    with open(piece.path, "rb") as f:
+        f.seek(piece.start)
+        return f.read(piece.end - piece.start).decode("utf-8", errors="replace")
+
+
+def json_documents(piece: Piece, key: str) -> list[str]:
+    """The texts of a .jsonl piece's lines (blank lines and empty texts skipped); a ValueError
+    naming the file and the line's byte offset when a line is not an object with a `key` string."""
+    texts, offset = [], piece.start
+    for line in read_piece(piece).splitlines(keepends=True):
+        if line.strip():
+            try:
+                text = json.loads(line)[key]
+            except (ValueError, KeyError, TypeError, IndexError):
+                text = None
+            if not isinstance(text, str):
+                raise ValueError(f"{piece.path}: the line at byte {offset} is not a JSON object with a {key!r} "
+                                 f"string; give the texts' key with --json-key")
+            if text:
+                texts.append(text)
+        offset += len(line.encode("utf-8", errors="replace"))
+    return texts
+
+
+def parquet_documents(piece: Piece, key: str) -> list[str]:
+    """The texts of a .parquet piece's rows (nulls and empty texts skipped); a ValueError naming
+    the file and its columns when no string column is called `key`."""
+    import pyarrow as pa
+    parquet = _parquet_file(Path(piece.path))
+    field = parquet.schema_arrow.field(key) if key in parquet.schema_arrow.names else None
+    if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+        raise ValueError(f"{piece.path} has no string column {key!r} (its columns: "
+                         f"{', '.join(parquet.schema_arrow.names)}); give the texts' column with --json-key")
+    column = parquet.read_row_groups(range(piece.start, piece.end), columns=[key]).column(0)
+    return [text for text in column.to_pylist() if text]
+
+
+def piece_texts(piece: Piece, key: str) -> list[str]:
+    """A .txt piece's text as it is (part of one document), or the documents of another piece."""
+    if piece.suffix == ".parquet":
+        return parquet_documents(piece, key)
+    return json_documents(piece, key) if piece.suffix == ".jsonl" else [read_piece(piece)]
+
+
+def sample_texts(files: list[Path], budget_bytes: int, key: str) -> Iterator[str]:
+    """Text to learn the BPE merges from: the first `budget_bytes`, spread over the files in order."""
+    for path in files:
+        for piece in pieces(path, 1 << 20):
+            if budget_bytes <= 0:
+                return
+            budget_bytes -= piece.nbytes
+            yield from piece_texts(piece, key)
+
+
+def check_documents(files: list[Path], key: str) -> None:
+    """Each .jsonl and .parquet file's first piece reads (the rest is checked as it is tokenized):
+    a wrong --json-key is refused before a tokenizer is trained."""
+    for path in files:
+        if path.suffix in WHOLE_DOCUMENTS and path.stat().st_size:
+            for piece in pieces(path, 1 << 16)[:1]:
+                piece_texts(piece, key)

@@ -42,6 +42,7 @@ from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
 from tetrad.train import telemetry
 from tetrad.train.optim import lr_at
 from tetrad.train.precision import LossScaler
+from tetrad.train.preflight import warn_if_over_memory
 from tetrad.train.stopping import StopSignals, divergence_note
 
 
@@ -382,7 +383,6 @@ class Trainer:
             return full_state_dict(self.model, self.topo)
 
 
-
 @contextlib.contextmanager
 def _naming_step(step: int):
     """A collective timeout anywhere in a step's iteration (the step, evaluation, the save, the
@@ -396,4 +396,5 @@ def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:
     """Entry point of a rank inside an initialised process group (local or torchrun)."""
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     devices.set_fp32_matmul(device, cfg.train.tf32)
+    warn_if_over_memory(cfg, device)
     return Trainer(cfg, device).fit()

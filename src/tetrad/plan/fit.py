@@ -1,0 +1,58 @@
+"""Will a run fit its GPUs? The planner's peak per rank (memory_by_rank, what `tetrad estimate`
+prints) against the device's memory, checked as the ranks start, with the one-key changes that
+would fit: an out-of-memory that would come minutes into start-up, or at a pipeline schedule's
+peak hours later, is named before the first step, with what to change."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tetrad.config import Config, ConfigError, validate
+from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, memory_by_rank
+from tetrad.plan.search import RECOMPUTE
+from tetrad.plan.stacks import load_stack
+
+
+def peak_gib(cfg: Config) -> float:
+    """The largest pipeline rank's predicted peak on a GPU, in GiB."""
+    return max(m.total for m in memory_by_rank(cfg, load_stack("tetrad"), is_cpu=False)) / GIB
+
+
+def _one_key_changes(cfg: Config) -> list[tuple[str, Config]]:
+    """Changes of one key that lower memory and keep the training the same: more recomputation,
+    a higher ZeRO stage, the optimizer on the host, smaller micro-batches, sequence parallelism."""
+    p, t = cfg.parallel, cfg.train
+    out = [(f"--train.recompute={mode}", replace(cfg, train=replace(t, recompute=mode)))
+           for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:]]
+    if p.dp * p.cp > 1:
+        out += [(f"--parallel.zero={zero}", replace(cfg, parallel=replace(p, zero=zero))) for zero in range(p.zero + 1, 4)]
+    if not t.offload_optimizer:
+        out.append(("--train.offload_optimizer=true", replace(cfg, train=replace(t, offload_optimizer=True))))
+    if t.micro_batch > 1:
+        out.append((f"--train.micro_batch={t.micro_batch // 2}", replace(cfg, train=replace(t, micro_batch=t.micro_batch // 2))))
+    if p.tp > 1 and not p.sequence_parallel:
+        out.append(("--parallel.sequence_parallel=true", replace(cfg, parallel=replace(p, sequence_parallel=True))))
+    valid = []
+    for flag, changed in out:
+        try:
+            validate(changed)
+        except ConfigError:
+            continue
+        valid.append((flag, changed))
+    return valid
+
+
+def memory_warning(cfg: Config, device_gib: float) -> str | None:
+    """A warning when the predicted peak exceeds the usable part of a `device_gib` device (None
+    when it fits), naming each one-key change that would fit, least recomputation first."""
+    usable = device_gib - GPU_RESERVED_GIB
+    peak = peak_gib(cfg)
+    if peak <= usable:
+        return None
+    fits = [f"{flag} ({gib:.1f} GiB)" for flag, gib in ((f, peak_gib(c)) for f, c in _one_key_changes(cfg))
+            if gib <= usable]
+    fix = (f"changes of one key that fit: {', '.join(fits)}" if fits else
+           "no change of one key fits; `tetrad plan` ranks the layouts that do")
+    return (f"tetrad: warning: the planner predicts a peak of {peak:.1f} GiB on the busiest rank, above the "
+            f"{usable:.1f} GiB usable of this {device_gib:.0f} GiB device: this run will likely run out of memory; "
+            f"{fix}")

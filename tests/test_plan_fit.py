@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import re
 
+import pytest
+import torch
+
 from tetrad.config import load_config
 from tetrad.plan.cost import estimate
 from tetrad.plan.fit import memory_warning, peak_gib
 from tetrad.plan.hardware import load_cluster
 from tetrad.plan.memory import GPU_RESERVED_GIB
+from tetrad.train.preflight import memory_watch
 
 LLAMA3_8B_DP8 = ["--model.preset=llama3-8b", "--model.seq_len=2048", "--train.dtype=bf16", "--parallel.dp=8",
                  "--train.micro_batch=2", "--train.global_batch=64"]
@@ -35,3 +39,28 @@ def test_no_warning_where_it_fits_and_plan_where_no_single_key_does():
     assert memory_warning(load_config(overrides=LLAMA3_8B_DP8 + ["--parallel.zero=3"]), 80.0) is None
     longer = load_config(overrides=LLAMA3_8B_DP8 + ["--model.seq_len=4096"])
     assert memory_warning(longer, 80.0).endswith("no change of one key fits; `tetrad plan` ranks the layouts that do")
+
+
+def test_memory_watch_warns_on_rank_0_and_adds_the_planner_to_an_out_of_memory(capsys):
+    cfg = load_config(overrides=LLAMA3_8B_DP8)
+    with memory_watch(cfg, None):  # not a GPU: nothing said
+        pass
+    assert capsys.readouterr().err == ""
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        with memory_watch(cfg, 80.0):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    assert capsys.readouterr().err.startswith("tetrad: warning: the planner predicts a peak of 163.7 GiB")
+    message = str(raised.value)
+    assert message.startswith("CUDA out of memory. Tried to allocate 2.00 GiB.\ntetrad: the planner predicted a peak "
+                              "of 163.7 GiB on the busiest rank against 79.0 GiB usable, above it")
+    saved = {flag: peak_gib(cfg) - peak_gib(load_config(overrides=LLAMA3_8B_DP8 + [flag]))
+             for flag in ("--parallel.zero=3", "--parallel.zero=2", "--train.offload_optimizer=true")}
+    assert sorted(saved.values(), reverse=True) == list(saved.values())  # the three largest, in that order
+    assert message.endswith("Largest predicted savings of one key: "
+                            + ", ".join(f"{flag} (-{gib:.1f} GiB)" for flag, gib in saved.items()))
+    # Where the planner said it fits, an out-of-memory means the prediction was short.
+    fitting = load_config(overrides=LLAMA3_8B_DP8 + ["--parallel.zero=3"])
+    with pytest.raises(torch.OutOfMemoryError, match="under it: the prediction was short; please report it"):
+        with memory_watch(fitting, 80.0):
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+    assert capsys.readouterr().err == ""

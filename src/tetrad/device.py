@@ -130,6 +130,12 @@ def accelerator_properties(device: torch.device):
     return torch.cuda.get_device_properties(device) if device.type == "cuda" else None
 
 
+def memory_gib(device: torch.device) -> float | None:
+    """A CUDA device's memory in GiB, as the driver reports it; None on other devices."""
+    props = accelerator_properties(device)
+    return None if props is None else props.total_memory / 2**30
+
+
 def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     """The states of the random generators a rank draws from: the CPU's, and its accelerator's."""
     out = {"cpu": torch.get_rng_state()}

@@ -1,7 +1,8 @@
 """Will a run fit its GPUs? The planner's peak per rank (memory_by_rank, what `tetrad estimate`
 prints) against the device's memory, checked as the ranks start, with the one-key changes that
 would fit: an out-of-memory that would come minutes into start-up, or at a pipeline schedule's
-peak hours later, is named before the first step, with what to change."""
+peak hours later, is named before the first step, with what to change. An out-of-memory that
+happens anyway gets the planner's view added to torch's message (`oom_note`)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,16 @@ def memory_warning(cfg: Config, device_gib: float) -> str | None:
     return (f"tetrad: warning: the planner predicts a peak of {peak:.1f} GiB on the busiest rank, above the "
             f"{usable:.1f} GiB usable of this {device_gib:.0f} GiB device: this run will likely run out of memory; "
             f"{fix}")
+
+
+def oom_note(cfg: Config, device_gib: float) -> str:
+    """What tetrad adds to an out-of-memory error: the planner's peak against the usable memory
+    (under it, the prediction was short: worth reporting) and the one-key changes that lower it
+    most, by the same model."""
+    usable, peak = device_gib - GPU_RESERVED_GIB, peak_gib(cfg)
+    savings = sorted(((peak - peak_gib(c), flag) for flag, c in _one_key_changes(cfg)), reverse=True)
+    biggest = ", ".join(f"{flag} (-{saved:.1f} GiB)" for saved, flag in savings[:3] if saved > 0.05)
+    verdict = ("above it, as tetrad warned at the start" if peak > usable else
+               "under it: the prediction was short; please report it with RUN_DIR/config.toml")
+    return (f"tetrad: the planner predicted a peak of {peak:.1f} GiB on the busiest rank against {usable:.1f} GiB "
+            f"usable, {verdict}. Largest predicted savings of one key: {biggest or 'none'}")

@@ -5,13 +5,13 @@ the rank's own GPU (the launcher never touches CUDA), so rank 0 runs it as it st
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tetrad import device as devices
 from tetrad.config import Config, validate_device
 from tetrad.data.checks import check_data
 from tetrad.parallel.pipeline.registry import check_config as check_pipeline
@@ -31,13 +31,20 @@ def preflight(cfg: Config, device_type: str) -> Path | None:
     return check_storage(cfg)
 
 
-def warn_if_over_memory(cfg: Config, device: torch.device) -> None:
-    """On rank 0 of a GPU job, the planner's warning (plan/fit.py) when its predicted peak exceeds
-    this GPU's memory. A warning, not a refusal: the prediction errs high by design."""
-    from tetrad.plan.fit import memory_warning
-    props = devices.accelerator_properties(device)
-    if props is None or (dist.is_initialized() and dist.get_rank() != 0):
+@contextlib.contextmanager
+def memory_watch(cfg: Config, device_gib: float | None):
+    """Around a GPU rank's training, `device_gib` its GPU's memory (None: not a GPU; plan/fit.py):
+    on rank 0, the planner's warning when its predicted peak exceeds it (a warning, not a refusal:
+    the prediction errs high by design); on any rank, its view added to an out-of-memory error."""
+    from tetrad.plan.fit import memory_warning, oom_note
+    if device_gib is None:
+        yield
         return
-    warning = memory_warning(cfg, props.total_memory / 2**30)
+    warning = memory_warning(cfg, device_gib) if not dist.is_initialized() or dist.get_rank() == 0 else None
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        e.args = (f"{e.args[0] if e.args else ''}\n{oom_note(cfg, device_gib)}",)
+        raise

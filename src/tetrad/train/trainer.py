@@ -42,7 +42,7 @@ from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
 from tetrad.train import telemetry
 from tetrad.train.optim import lr_at
 from tetrad.train.precision import LossScaler
-from tetrad.train.preflight import warn_if_over_memory
+from tetrad.train.preflight import memory_watch
 from tetrad.train.stopping import StopSignals, divergence_note
 
 
@@ -396,5 +396,5 @@ def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:
     """Entry point of a rank inside an initialised process group (local or torchrun)."""
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     devices.set_fp32_matmul(device, cfg.train.tf32)
-    warn_if_over_memory(cfg, device)
-    return Trainer(cfg, device).fit()
+    with memory_watch(cfg, devices.memory_gib(device)):
+        return Trainer(cfg, device).fit()

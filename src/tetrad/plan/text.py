@@ -125,6 +125,13 @@ def why_no_layout(base: Config, cluster: Cluster) -> str:
     """One line when no layout is legal: what every layout of the model on these GPUs needs of
     the global batch, and the nearest global batch and the largest GPU count that have one."""
     m, batch, world, per_node = base.model, base.train.global_batch, cluster.world, cluster.gpus_per_node
+    if base.train.batch_rampup:
+        flat = dataclasses.replace(base, train=dataclasses.replace(base.train, batch_rampup=[]))
+        if any(True for _ in layouts(flat, world, per_node)):
+            return (f"no legal layout runs every global batch of train.batch_rampup={base.train.batch_rampup}: each "
+                    "must be a multiple of the data-parallel degree times the micro-batch, and its start give the "
+                    "pipeline schedule enough micro-batches; use a start and an increment with more factors of 2")
+        base = flat  # nor does the constant batch: say why for it
 
     def legal(global_batch: int, gpus: int) -> bool:
         cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, global_batch=global_batch))

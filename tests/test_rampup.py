@@ -18,6 +18,7 @@ from tetrad.parallel.pipeline.registry import check_config
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
 from tetrad.plan.search import config_of, layouts
+from tetrad.plan.text import ramp_lines
 from tetrad.train.batches import DataPosition, split_batches
 
 # global_batch 8 from 2 in steps of 2 over 12 samples: 3 increments, one every 4 samples. Steps
@@ -36,7 +37,7 @@ def test_the_ramp_follows_megatrons_rule_on_a_worked_example():
     assert [ramp.size_at(c) for c in (15, 16, 47, 48, 49)] == [4, 8, 12, 16, 16]
     # A resume after 28 samples (not a step boundary of this run): 28 -> 8, 36 -> 12, 48 -> 16.
     assert ramp.stages(3, consumed=28) == [(8, 1), (12, 1), (16, 1)]
-    assert ramp.sizes() == [4, 8, 12, 16]
+    assert ramp.indivisible(4) is None and ramp.indivisible(8) == 4 and BatchRamp(16, 8, 4, 48).indivisible(8) == 12
     # The exact rule where Megatron-LM's float quotient rounds down: 9 of 18 samples is half of
     # 14 increments, 7 (9 / (18 / 14) = 6.999999999999999 in floating point).
     assert BatchRamp(final=15, start=1, increment=1, samples=18).size_at(9) == 8
@@ -138,6 +139,17 @@ def test_the_planner_estimates_the_final_batch_and_searches_layouts_that_run_the
     ramp = estimate(load_config(overrides={"model": model, "parallel": parallel, "train": ramped}, runtime=False),
                     cluster)
     assert ramp.to_json() == flat.to_json()  # peak memory and step time: the final (largest) batch's
+    for schedule in ("1f1b", "gpipe"):  # no batch of the ramp holds more (GPipe holds every micro-batch)
+        cfg = load_config(overrides={"model": model, "parallel": {**parallel, "schedule": schedule}, "train": train},
+                          runtime=False)
+        peaks = [estimate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=b)),
+                          cluster).peak_memory_gib for b in range(8, 72, 8)]
+        assert peaks == sorted(peaks)
+    # 7 increments of 10,000 / 7 samples: 8 until 1,429 samples are read (179 steps: 1,432), 16 until
+    # 2,858 (90 steps: 2,872), 24 until 4,286 (59 steps). train.steps = 200 ends at 16, after 1,768.
+    assert BatchRamp(64, 8, 8, 10000).stages(400)[:3] == [(8, 179), (16, 90), (24, 59)]
+    assert ramp_lines(ramp, cluster, "tetrad")[1].startswith(
+        "  batch ramp-up  200 of the 200 steps run global batches 8..16 (1,768 samples) in ")
     base = load_config(overrides={"model": model, "train": ramped}, runtime=False)
     found = list(layouts(base, 8, 8))
     assert found and all(8 % (x.micro_batch * x.dp) == 0 for x in found)
@@ -169,3 +181,15 @@ def test_a_ramp_too_small_for_the_pipeline_schedule_is_refused():
                                           "starts at a global batch of 1: 1 per step. Raise its start to 2"):
         check_config(cfg)
     check_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_rampup=[2, 2, 10])))
+
+
+def test_a_long_ramp_is_checked_without_walking_its_batches():
+    # 2**28 - 1 increments: validation and the registry never list them; the data's position walks
+    # one stretch of equal batches at a time, as stepping through the rule one step at a time does.
+    train = {"global_batch": 2**30, "micro_batch": 4, "batch_rampup": [4, 4, 2**31 - 1]}
+    check_config(load_config(overrides={"train": train}))
+    batches, _ = split_batches(tiny_config(train=train))
+    consumed = 0
+    for _ in range(3000):
+        consumed += batches.ramp.size_at(consumed)
+    assert batches.first_sample(3000) == consumed

@@ -44,9 +44,11 @@ class BatchRamp:
         done = min(self.increments, consumed * self.increments // self.samples)
         return self.start + done * self.increment
 
-    def sizes(self) -> list[int]:
-        """Every global batch the ramp can run, smallest first (a short ramp may skip some)."""
-        return list(range(self.start, self.final + 1, self.increment)) if self.increments else [self.final]
+    def indivisible(self, rows: int) -> int | None:
+        """The smallest global batch of the ramp that `rows` (micro_batch * dp) does not divide, or
+        None. Its batches are start + k * increment, so start's and the next one's decide."""
+        firsts = (self.start, self.start + self.increment) if self.increments else (self.final,)
+        return next((b for b in firsts if b % rows), None)
 
     def stages(self, steps: int, consumed: int = 0) -> list[tuple[int, int]]:
         """(global batch, steps) of each stretch of equal batches among `steps` steps that start

@@ -260,11 +260,11 @@ def _check_rampup(t, rows: int) -> None:
         raise ConfigError(f"train.batch_rampup={t.batch_rampup} must reach global_batch={t.global_batch} in whole "
                           f"increments: global_batch - start = {t.global_batch - start} is not a multiple of "
                           f"increment={increment}; change start or increment")
-    for size in BatchRamp.of(t).sizes():
-        if size % rows:
-            raise ConfigError(f"train.batch_rampup={t.batch_rampup} runs a global batch of {size}, which is not "
-                              f"divisible by micro_batch*dp = {rows}; use a start and an increment that are "
-                              f"multiples of {rows}, or change micro_batch")
+    size = BatchRamp.of(t).indivisible(rows)
+    if size is not None:
+        raise ConfigError(f"train.batch_rampup={t.batch_rampup} runs a global batch of {size}, which is not "
+                          f"divisible by micro_batch*dp = {rows}; use a start and an increment that are "
+                          f"multiples of {rows}, or change micro_batch")
 
 
 def _check_comm_options(groups: dict) -> None:

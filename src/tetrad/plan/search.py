@@ -70,7 +70,7 @@ def layouts(base: Config, world: int, per_node: int):
     `parallel.stage_layers` set, only those with its number of pipeline stages; with a batch
     ramp-up, only those that run each of its global batches (whole micro-batches over dp, enough
     for the schedule at its start)."""
-    m, batches = base.model, BatchRamp.of(base.train).sizes()
+    m, ramp = base.model, BatchRamp.of(base.train)
     fixed = len(base.parallel.stage_layers)
     heads = math.gcd(m.n_heads, m.n_kv_heads)
     for tp in _divisors(min(world, per_node)):
@@ -86,9 +86,9 @@ def layouts(base: Config, world: int, per_node: int):
                 algos = ("ring", "alltoall") if cp > 1 and heads % (tp * cp) == 0 else ("ring",)
                 for algo in algos:
                     for mb in MICRO_BATCHES:
-                        if any(b % (mb * dp) for b in batches):
+                        if ramp.indivisible(mb * dp) is not None:
                             continue
-                        for schedule, vpp in _schedules(pp, batches[0] // (mb * dp), m.n_layers, fixed):
+                        for schedule, vpp in _schedules(pp, ramp.start // (mb * dp), m.n_layers, fixed):
                             for recompute in RECOMPUTE:
                                 yield Layout(tp, pp, cp, dp, algo, mb, schedule, vpp, recompute)
 

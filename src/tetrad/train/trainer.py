@@ -254,8 +254,8 @@ class Trainer:
         """The step's numbers that need the whole job, in one all-reduce (over dp x cp, tp, pp)
         and one read: the global gradient norm (unscaled: the same on every rank, non-finite on
         all when any rank's gradient overflowed), the mean token loss (summed from the last
-        pipeline stage of each dp x cp replica, once per tp group, over the step's `tokens`) and the stop signal any rank
-        received (stopping.py)."""
+        pipeline stage of each dp x cp replica, once per tp group, over `tokens`) and the stop
+        signal any rank received (stopping.py)."""
         topo = self.topo
         loss = loss_sum if topo.tp_rank == 0 else torch.zeros_like(loss_sum)
         flags = torch.tensor(self.signals.flags(), device=topo.device)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import assert_parity, tiny_config, train_layout
+from nccl_semantics import NcclSemantics
 from tetrad.config import ConfigError, load_config
 from tetrad.config.rampup import BatchRamp
 from tetrad.parallel.pipeline.registry import check_config
@@ -88,7 +90,8 @@ def test_one_process_runs_the_ramp_and_normalises_by_each_steps_batch(reference)
 
 
 LAYOUTS = [{"dp": 2, "pp": 2}, {"dp": 2, "zero": 3}, {"pp": 2, "vpp": 2, "schedule": "interleaved"},
-           {"pp": 2, "schedule": "zb"}, {"tp": 2, "cp": 2, "sequence_parallel": True}]
+           {"pp": 2, "schedule": "zb"}, {"dp": 2, "pp": 2, "schedule": "gpipe", "zero": 2},
+           {"tp": 2, "cp": 2, "sequence_parallel": True}]
 
 
 @pytest.mark.dist
@@ -97,6 +100,24 @@ def test_a_ramped_parallel_run_matches_one_process(reference, parallel):
     got = train_layout(tiny_config(model={"n_layers": 4}, parallel=parallel, train=RAMP))
     assert [r["global_batch"] for r in got[2]] == RAMPED
     assert_parity(got, reference, atol=1e-4 if parallel.get("tp", 1) > 1 else 1e-5)  # tp: test_pipeline's bound
+
+
+# Under NCCL's ordering (tests/nccl_semantics.py): each new micro-batch count's schedule posts its
+# links' transfers in its own order at both ends, and evaluation's, at the final count, runs between.
+NCCL_RAMPS = [({"pp": 3, "vpp": 2, "schedule": "interleaved"}, 9, [3, 3, 12]),
+              ({"pp": 2, "dp": 2, "zero": 3, "schedule": "zb"}, 8, [2, 2, 12])]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel, global_batch, rampup", NCCL_RAMPS, ids=["interleaved-pp3", "zb-dp2-zero3"])
+def test_a_ramp_under_nccl_ordering_equals_gloo(parallel, global_batch, rampup):
+    def run(transport=None):
+        train = {"steps": 5, "eval_every": 2, "eval_steps": 1, "micro_batch": 1, "global_batch": global_batch,
+                 "batch_rampup": rampup}
+        cfg = tiny_config(model={"n_layers": 6}, parallel=parallel, data={"val_fraction": 0.1}, train=train)
+        return [(r["global_batch"], r["loss"], r.get("val_loss")) for r in train_layout(cfg, transport=transport)[2]]
+    ordered, gloo = run(partial(NcclSemantics, timeout_s=20)), run()
+    assert ordered == gloo and len({batch for batch, _, _ in gloo}) >= 3
 
 
 def _logged(run_dir) -> list[dict]:

@@ -16,10 +16,12 @@ from conftest import assert_parity, tiny_config, train_layout
 from nccl_semantics import NcclSemantics
 from tetrad.config import ConfigError, load_config
 from tetrad.config.rampup import BatchRamp
+from tetrad.model.flops import parameter_count
 from tetrad.parallel.pipeline.registry import check_config
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
 from tetrad.plan.search import config_of, layouts
+from tetrad.plan.recipe import sized_training
 from tetrad.plan.text import ramp_lines
 from tetrad.train.batches import DataPosition, split_batches
 
@@ -37,6 +39,7 @@ def test_the_ramp_follows_megatrons_rule_on_a_worked_example():
     assert ramp.stages(10) == [(4, 4), (8, 2), (12, 2), (16, 2)]
     assert [ramp.advance(0, k) for k in range(11)] == [0, 4, 8, 12, 16, 24, 32, 44, 56, 72, 88]
     assert [ramp.size_at(c) for c in (15, 16, 47, 48, 49)] == [4, 8, 12, 16, 16]
+    assert [ramp.steps_for(s) for s in (0, 1, 16, 17, 72, 73)] == [0, 1, 4, 5, 9, 10]
     # A resume after 28 samples (not a step boundary of this run): 28 -> 8, 36 -> 12, 48 -> 16.
     assert ramp.stages(3, consumed=28) == [(8, 1), (12, 1), (16, 1)]
     assert ramp.indivisible(4) is None and ramp.indivisible(8) == 4 and BatchRamp(16, 8, 4, 48).indivisible(8) == 12
@@ -214,3 +217,19 @@ def test_a_long_ramp_is_checked_without_walking_its_batches():
     for _ in range(3000):
         consumed += batches.ramp.size_at(consumed)
     assert batches.first_sample(3000) == consumed
+
+
+def test_plan_write_counts_the_ramps_smaller_steps_in_token_budgets():
+    # GPT-3's 375M-token warm-up is 45,777 samples of 8,192 tokens. Ramped 128 -> 512 by 128 over
+    # 100,000 samples (33,333.3 an increment): 261 steps of 128 (33,408 samples), then 49 of 256
+    # (45,952): 310 steps, where the constant batch of 512 takes 90.
+    train = {"global_batch": 512, "micro_batch": 1, "batch_rampup": [128, 128, 100_000]}
+    cfg = load_config(overrides={"model": {"preset": "llama3-8b"}, "train": train}, runtime=False)
+    sized, notes = sized_training(cfg, set())
+    assert sized.train.warmup == 310
+    flat, _ = sized_training(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_rampup=[])), set())
+    assert flat.train.warmup == 90
+    budget, ramp = 20 * parameter_count(cfg.model) / 8192, BatchRamp.of(cfg.train)  # samples of 20 tokens/parameter
+    assert ramp.advance(0, sized.train.steps - 1) < budget <= ramp.advance(0, sized.train.steps)
+    assert sized.train.steps > flat.train.steps
+    assert any("after train.batch_rampup's smaller ones" in note for note in notes)

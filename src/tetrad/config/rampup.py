@@ -50,20 +50,35 @@ class BatchRamp:
         firsts = (self.start, self.start + self.increment) if self.increments else (self.final,)
         return next((b for b in firsts if b % rows), None)
 
+    def _stretch(self, consumed: int) -> tuple[int, int | None]:
+        """(the global batch after `consumed` samples, how many steps it lasts; None: for good)."""
+        size = self.size_at(consumed)
+        if size == self.final:
+            return size, None
+        # The least count c at which the next increment applies: c * n // samples > those done.
+        boundary = -(-((size - self.start) // self.increment + 1) * self.samples // self.increments)
+        return size, -(-(boundary - consumed) // size)
+
     def stages(self, steps: int, consumed: int = 0) -> list[tuple[int, int]]:
         """(global batch, steps) of each stretch of equal batches among `steps` steps that start
         after `consumed` samples: one loop turn per increment, not per step, for long runs."""
         out = []
         while steps > 0:
-            size = self.size_at(consumed)
-            run = steps
-            if size < self.final:
-                # The least count c at which the next increment applies: c * n // samples > done.
-                boundary = -(-((size - self.start) // self.increment + 1) * self.samples // self.increments)
-                run = min(steps, -(-(boundary - consumed) // size))
+            size, lasts = self._stretch(consumed)
+            run = steps if lasts is None else min(steps, lasts)
             out.append((size, run))
             consumed, steps = consumed + run * size, steps - run
         return out
+
+    def steps_for(self, samples: int) -> int:
+        """The fewest steps from the run's start that read at least `samples` samples."""
+        steps = consumed = 0
+        while consumed < samples:
+            size, lasts = self._stretch(consumed)
+            run = -(-(samples - consumed) // size)
+            run = run if lasts is None else min(run, lasts)
+            consumed, steps = consumed + run * size, steps + run
+        return steps
 
     def advance(self, consumed: int, steps: int) -> int:
         """The samples read after `steps` more steps from `consumed`."""

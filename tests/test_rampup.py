@@ -24,6 +24,7 @@ from tetrad.plan.search import config_of, layouts
 from tetrad.plan.recipe import sized_training
 from tetrad.plan.text import ramp_lines
 from tetrad.train.batches import DataPosition, split_batches
+from tetrad.viz.report import _timelines
 
 # global_batch 8 from 2 in steps of 2 over 12 samples: 3 increments, one every 4 samples. Steps
 # start after 0, 2, 4, 8, 14, 22 samples: batches 2, 2, 4, 6, 8, 8 (micro_batch 1: 1-4 micro-batches per dp rank).
@@ -233,3 +234,15 @@ def test_plan_write_counts_the_ramps_smaller_steps_in_token_budgets():
     assert ramp.advance(0, sized.train.steps - 1) < budget <= ramp.advance(0, sized.train.steps)
     assert sized.train.steps > flat.train.steps
     assert any("after train.batch_rampup's smaller ones" in note for note in notes)
+
+
+@pytest.mark.dist
+def test_the_report_simulates_the_last_steps_micro_batches(tmp_path):
+    # A run that ends mid-ramp: its last step ran 8 / (micro_batch * dp) = 2 micro-batches, not the
+    # final batch's 4; 1F1B over pp=2 at uniform stage costs idles (p-1)/(m+p-1) = 1/3 of rank-time.
+    cfg = tiny_config(parallel={"pp": 2, "dp": 2}, run={"dir": str(tmp_path)},
+                      train={"steps": 3, "global_batch": 16, "micro_batch": 2, "batch_rampup": [4, 4, 24]})
+    _, _, history = train_layout(cfg)
+    assert [r["global_batch"] for r in history] == [4, 4, 8]
+    _, text = _timelines(tmp_path, cfg, tmp_path)
+    assert "simulated 33.3%" in text

@@ -112,6 +112,10 @@ class TrainConfig:
     steps: int = 200
     global_batch: int = 16
     micro_batch: int = 4
+    # [start, increment, samples]: Megatron-LM's --rampup-batch-size (config/rampup.py): the global
+    # batch starts at `start` and grows by `increment` until it is global_batch after `samples`
+    # samples; the LR schedule stays step-based. Empty: no ramp.
+    batch_rampup: list[int] = field(default_factory=list)
     lr: float = 3e-3
     # After `warmup` steps: cosine or linear decay to lr * min_lr_ratio at the last step, constant,
     # or warmup-stable-decay (lr until the last `decay_fraction` of the steps, then linear decay).
@@ -191,7 +195,8 @@ class Config:
 
     @property
     def microbatches(self) -> int:
-        """Micro-batches per optimizer step on each data-parallel rank."""
+        """Micro-batches per optimizer step on each data-parallel rank (at train.global_batch: the
+        most a batch ramp-up reaches)."""
         return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
 
     def to_dict(self) -> dict:
@@ -242,6 +247,7 @@ KEY_ALIASES = {
     "ffn_hidden_size": "model.ffn_hidden", "seq_length": "model.seq_len", "learning_rate": "train.lr",
     "train_iters": "train.steps", "lr_warmup_iters": "train.warmup", "warmup_steps": "train.warmup",
     "global_batch_size": "train.global_batch", "micro_batch_size": "train.micro_batch",
+    "rampup_batch_size": "train.batch_rampup",
     "local_batch_size": "train.micro_batch", "clip_grad": "train.grad_clip", "max_norm": "train.grad_clip",
     "lr_decay_style": "train.lr_schedule", "beta1": "train.adam_beta1", "beta2": "train.adam_beta2",
     "eps": "train.adam_eps", "recompute_granularity": "train.recompute",

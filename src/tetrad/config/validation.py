@@ -9,6 +9,7 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
+from tetrad.config.rampup import BatchRamp
 from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, ROPE_SCALING_KEYS, Config, ConfigError, ModelConfig,
                                     ParallelConfig, did_you_mean, hierarchical_blocker)
 
@@ -55,7 +56,8 @@ RANGES: dict[str, Range] = {
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False),
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,
-    "train.steps": SIZE, "train.global_batch": SIZE, "train.micro_batch": SIZE, "train.warmup": COUNT,
+    "train.steps": SIZE, "train.global_batch": SIZE, "train.micro_batch": SIZE, "train.batch_rampup": SIZE,
+    "train.warmup": COUNT,
     "train.eval_every": COUNT, "train.eval_steps": SIZE,  # eval_every 0: no validation
     "train.lr": POSITIVE, "train.min_lr_ratio": FRACTION, "train.decay_fraction": Range(0, 1, low_open=True,
                                                                                          high_open=False),
@@ -222,6 +224,7 @@ def _check_gradients(cfg: Config) -> None:
         raise ConfigError(f"global_batch={t.global_batch} is not divisible by micro_batch*dp = "
                           f"{t.micro_batch}*{p.dp} = {t.micro_batch * p.dp}; use a global_batch that is a "
                           f"multiple of {t.micro_batch * p.dp}, or change micro_batch")
+    _check_rampup(t, t.micro_batch * p.dp)
     if p.grad_codec != "none" and p.zero >= 2:
         raise ConfigError(f"grad_codec={p.grad_codec!r} compresses the all-reduce of ZeRO 0/1; zero={p.zero} "
                           f"reduce-scatters instead. Use zero<=1 or grad_codec='none'")
@@ -239,6 +242,29 @@ def _check_gradients(cfg: Config) -> None:
                               f"over nodes of ranks_per_node={p.ranks_per_node} (tp={p.tp} per replica); "
                               f"use a ranks_per_node that is a multiple of tp and divides or is divided by "
                               f"dp*cp*tp")
+
+
+def _check_rampup(t, rows: int) -> None:
+    """A ramp Megatron-LM's calculator accepts, whose every global batch splits into whole
+    micro-batches over dp (`rows` = micro_batch*dp), as Megatron-LM requires at each update."""
+    if not t.batch_rampup:
+        return
+    if len(t.batch_rampup) != 3:
+        raise ConfigError(f"train.batch_rampup={t.batch_rampup} must be [start, increment, samples] (Megatron-LM's "
+                          "--rampup-batch-size), or [] for a constant global batch")
+    start, increment, _ = t.batch_rampup
+    if start >= t.global_batch:
+        raise ConfigError(f"train.batch_rampup={t.batch_rampup} starts at {start}, which must be below "
+                          f"global_batch={t.global_batch} (the batch it ramps up to); lower start, or set [] for none")
+    if (t.global_batch - start) % increment:
+        raise ConfigError(f"train.batch_rampup={t.batch_rampup} must reach global_batch={t.global_batch} in whole "
+                          f"increments: global_batch - start = {t.global_batch - start} is not a multiple of "
+                          f"increment={increment}; change start or increment")
+    size = BatchRamp.of(t).indivisible(rows)
+    if size is not None:
+        raise ConfigError(f"train.batch_rampup={t.batch_rampup} runs a global batch of {size}, which is not "
+                          f"divisible by micro_batch*dp = {rows}; use a start and an increment that are "
+                          f"multiples of {rows}, or change micro_batch")
 
 
 def _check_comm_options(groups: dict) -> None:

@@ -26,7 +26,7 @@ from tetrad.plan.plot import plan_figure
 from tetrad.plan.recipe import sized_training
 from tetrad.plan.search import plan
 from tetrad.plan.stacks import STACKS
-from tetrad.plan.text import describe, plan_text, why_no_layout, why_nothing_fits
+from tetrad.plan.text import describe, plan_text, ramp_lines, why_no_layout, why_nothing_fits
 
 
 def _positive(text: str) -> int:
@@ -72,7 +72,8 @@ def estimate_command(argv: list[str]) -> int:
     except HardwareError as e:  # offload where the profile cannot cost it
         print(f"tetrad estimate: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(est.to_json(), indent=2) if args.json else describe(est))
+    print(json.dumps(est.to_json(), indent=2) if args.json else "\n".join([describe(est),
+                                                                            *ramp_lines(est, cluster, args.stack)]))
     return 0 if est.fits else 1
 
 

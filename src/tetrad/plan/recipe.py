@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 from tetrad.config import Config
+from tetrad.config.rampup import BatchRamp
 from tetrad.model import flops
 
 # Brown et al. 2020 (GPT-3), Table 2.1: (parameters, learning rate), interpolated in log-log and
@@ -32,19 +33,25 @@ def learning_rate(parameters: float) -> float:
     return points[-1][1]
 
 
+def _steps_for(cfg: Config, tokens: float) -> int:
+    """The fewest steps (at least one) that read `tokens` tokens: a batch ramp-up's smaller steps
+    read fewer each, so GPT-3's warm-up in tokens spans more of them, as Megatron-LM's in samples."""
+    return max(1, BatchRamp.of(cfg.train).steps_for(math.ceil(tokens / cfg.model.seq_len)))
+
+
 def sized_training(cfg: Config, user_keys: set[str]) -> tuple[Config, list[str]]:
     """`cfg` with lr, steps, warm-up and data source sized to its model, except the keys in
     `user_keys` ("section.key"); and one line per value set, saying why."""
     params = flops.parameter_count(cfg.model)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    steps = max(1, math.ceil(TOKENS_PER_PARAMETER * params / tokens_per_step))
+    steps = _steps_for(cfg, TOKENS_PER_PARAMETER * params)
+    ramped = " after train.batch_rampup's smaller ones" if cfg.train.batch_rampup else ""
     chosen = {
         "train.lr": (float(f"{learning_rate(params):.2g}"),
                      f"GPT-3's learning rate for {params / 1e9:.3g}B parameters (Brown et al. 2020, Table 2.1)"),
         "train.steps": (steps, f"{TOKENS_PER_PARAMETER} tokens per parameter (Hoffmann et al. 2022) at "
-                               f"{tokens_per_step:,} tokens per step"),
-        "train.warmup": (min(steps, max(1, math.ceil(WARMUP_TOKENS / tokens_per_step))),
-                         "GPT-3's warm-up of 375M tokens"),
+                               f"{tokens_per_step:,} tokens per step{ramped}"),
+        "train.warmup": (min(steps, _steps_for(cfg, WARMUP_TOKENS)), "GPT-3's warm-up of 375M tokens"),
         "data.source": (DATA_PLACEHOLDER, "set it to your token shards or text (the built-in corpus is a demo)"),
     }
     notes, sections = [], {}

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tetrad.config import Config, validate
+from tetrad.config.rampup import BatchRamp
 from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
 from tetrad.parallel.pipeline.split import rank_layers, stage_layers
 from tetrad.plan.cost import Estimate, estimate
@@ -66,8 +67,10 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(base: Config, world: int, per_node: int):
     """Every legal layout of `base`'s model and global batch on `world` ranks (ZeRO aside); with
-    `parallel.stage_layers` set, only those with its number of pipeline stages."""
-    m, gb = base.model, base.train.global_batch
+    `parallel.stage_layers` set, only those with its number of pipeline stages; with a batch
+    ramp-up, only those that run each of its global batches (whole micro-batches over dp, enough
+    for the schedule at its start)."""
+    m, ramp = base.model, BatchRamp.of(base.train)
     fixed = len(base.parallel.stage_layers)
     heads = math.gcd(m.n_heads, m.n_kv_heads)
     for tp in _divisors(min(world, per_node)):
@@ -83,17 +86,17 @@ def layouts(base: Config, world: int, per_node: int):
                 algos = ("ring", "alltoall") if cp > 1 and heads % (tp * cp) == 0 else ("ring",)
                 for algo in algos:
                     for mb in MICRO_BATCHES:
-                        if gb % (mb * dp):
+                        if ramp.indivisible(mb * dp) is not None:
                             continue
-                        for schedule, vpp in _schedules(pp, gb // (mb * dp), m.n_layers, fixed):
+                        for schedule, vpp in _schedules(pp, ramp.start // (mb * dp), m.n_layers, fixed):
                             for recompute in RECOMPUTE:
                                 yield Layout(tp, pp, cp, dp, algo, mb, schedule, vpp, recompute)
 
 
 def _schedules(pp: int, micro: int, layers: int, stages: int):
-    """(schedule, vpp) pairs worth ranking: every registered schedule that another does not
-    dominate (same time, less memory), with each number of chunks per rank it runs (giving
-    `stages` pipeline stages, when that is fixed)."""
+    """(schedule, vpp) pairs worth ranking for steps of at least `micro` micro-batches: every
+    registered schedule that another does not dominate (same time, less memory), with each number
+    of chunks per rank it runs (giving `stages` pipeline stages, when that is fixed)."""
     if pp == 1:
         if stages <= 1:
             yield "1f1b", 1

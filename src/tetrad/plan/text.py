@@ -7,8 +7,9 @@ import dataclasses
 import math
 
 from tetrad.config import Config
+from tetrad.config.rampup import BatchRamp
 from tetrad.model import flops
-from tetrad.plan.cost import Estimate
+from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, offload_unknown
 from tetrad.plan.memory import GIB, state_bytes_per_param
 from tetrad.plan.reference import CALIBRATION_MAPE
@@ -78,6 +79,24 @@ def describe(e: Estimate) -> str:
     return "\n".join(lines)
 
 
+def ramp_lines(e: Estimate, cluster: Cluster, stack: str) -> list[str]:
+    """A batch ramp-up's share of the run (train.batch_rampup): its steps and samples, and their
+    time at each of its batches' estimated step time; the estimate itself is the final batch's."""
+    t = e.cfg.train
+    stages = [(b, n) for b, n in BatchRamp.of(t).stages(t.steps) if b < t.global_batch]
+    if not stages:
+        return []
+    ramp_s = sum(n * estimate(dataclasses.replace(e.cfg, train=dataclasses.replace(t, global_batch=b, batch_rampup=[])),
+                              cluster, stack).step_time_s for b, n in stages)
+    steps = sum(n for _, n in stages)
+    run_s = ramp_s + (t.steps - steps) * e.step_time_s
+    seconds = lambda x: f"{x:,.0f} s" if x >= 10 else f"{x:.3g} s"  # noqa: E731
+    return ["", f"  batch ramp-up  {steps} of the {t.steps} steps run global batches {stages[0][0]}..{stages[-1][0]} "
+                f"({sum(b * n for b, n in stages):,} samples) in {seconds(ramp_s)}; all {t.steps} in {seconds(run_s)}",
+            f"                 (the figures above are the final batch's, {t.global_batch}: its step time and "
+            "peak memory)"]
+
+
 def _host_lines(e: Estimate) -> list[str]:
     """Host memory per rank (offloaded optimizer state, checkpoint staging), and per node against
     its RAM where the cluster says how much it has."""
@@ -125,6 +144,13 @@ def why_no_layout(base: Config, cluster: Cluster) -> str:
     """One line when no layout is legal: what every layout of the model on these GPUs needs of
     the global batch, and the nearest global batch and the largest GPU count that have one."""
     m, batch, world, per_node = base.model, base.train.global_batch, cluster.world, cluster.gpus_per_node
+    if base.train.batch_rampup:
+        flat = dataclasses.replace(base, train=dataclasses.replace(base.train, batch_rampup=[]))
+        if any(True for _ in layouts(flat, world, per_node)):
+            return (f"no legal layout runs every global batch of train.batch_rampup={base.train.batch_rampup}: each "
+                    "must be a multiple of the data-parallel degree times the micro-batch, and its start give the "
+                    "pipeline schedule enough micro-batches; use a start and an increment with more factors of 2")
+        base = flat  # nor does the constant batch: say why for it
 
     def legal(global_batch: int, gpus: int) -> bool:
         cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, global_batch=global_batch))

@@ -6,7 +6,8 @@ and visits every window once, in a shuffled order. Each epoch shifts the cut by 
 below seq_len and reshuffles, so a small corpus is not memorised at fixed boundaries. Sample j
 of the run (the samples of the steps before, plus the row) is a pure function of (seed, j): the
 global batch of a step is the same whatever the layout, and a resume needs only the step and
-the samples read so far (`DataPosition`, in the checkpoint). The shuffle is a keyed permutation,
+the samples read so far (`DataPosition`, in the checkpoint), which also set the step's global
+batch under a ramp-up (`train.batch_rampup`, config/rampup.py). The shuffle is a keyed permutation,
 kept whole for an epoch of up to ORDER_CACHED windows, else computed per sample. Every rank
 works out the step's window starts (a few integers) but reads only the rows of its own dp share,
 so data loading does not grow with dp. A blend of sources (data/blend.py) sends each sample to
@@ -21,6 +22,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from tetrad.config.rampup import BatchRamp
 from tetrad.data.blend import blend_parts
 from tetrad.data.sources import TokenStream, load_blend
 
@@ -147,19 +149,25 @@ def blend_counts(total: int, weights: list[Fraction]) -> list[int]:
 
 class Batches:
     """A run's global batches from one source or a weighted blend of several (Megatron-LM's
-    blend: each source keeps its own epochs; a small source with a large weight repeats sooner)."""
+    blend: each source keeps its own epochs; a small source with a large weight repeats sooner).
+    `ramp`: the global batch of each step (config/rampup.py); global_batch at every step if None."""
 
     def __init__(self, sources: list[tuple[Fraction, TokenStream]], seq_len: int, global_batch: int, seed: int,
-                 vocab_size: int, shuffle: bool = True):
+                 vocab_size: int, shuffle: bool = True, ramp: BatchRamp | None = None):
         self.weights = [Fraction(w) for w, _ in sources]
         # Each source its own shuffle: the first keeps the run's seed.
         self.windows = [Windows(tokens, seq_len, seed + (i << 32), shuffle) for i, (_, tokens) in enumerate(sources)]
         self.seq_len, self.global_batch, self.vocab_size = seq_len, global_batch, vocab_size
+        self.ramp = ramp or BatchRamp(global_batch, global_batch)
         self.origin = (0, 0)  # (step, sample): that step's first sample; later steps follow on
 
     def first_sample(self, step: int) -> int:
-        """The run-wide number of the first sample of `step` (0-based)."""
-        return self.origin[1] + (step - self.origin[0]) * self.global_batch
+        """The run-wide number of the first sample of `step` (0-based, not before the origin's)."""
+        return self.ramp.advance(self.origin[1], step - self.origin[0])
+
+    def size(self, step: int) -> int:
+        """The global batch of `step`: the ramp's at the samples read before it."""
+        return self.ramp.size_at(self.first_sample(step))
 
     def continue_from(self, step: int, sample: int) -> None:
         """Start `step` at `sample`: a resume whose global batch differs from the saved run's."""
@@ -184,7 +192,7 @@ class Batches:
 
     def epochs(self, steps: int) -> list[float]:
         """How many epochs of each source `steps` global batches read."""
-        counts = blend_counts(steps * self.global_batch, self.weights)
+        counts = blend_counts(self.ramp.advance(0, steps), self.weights)
         return [count / windows.per_epoch for count, windows in zip(counts, self.windows)]
 
     def eval_batches(self, requested: int) -> int:
@@ -203,11 +211,11 @@ class Batches:
                                  w.shuffle)) for weight, w in zip(self.weights, self.windows)]
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows(step, 0, self.global_batch)
+        return self.rows(step, 0, self.size(step))
 
     def microbatches(self, step: int, dp_rank: int, dp: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This DP rank's contiguous share of the step's global batch, cut into micro-batches."""
-        per_rank = self.global_batch // dp
+        per_rank = self.size(step) // dp
         inputs, labels = self.rows(step, dp_rank * per_rank, (dp_rank + 1) * per_rank)
         return list(zip(inputs.split(micro_batch), labels.split(micro_batch)))
 
@@ -235,7 +243,7 @@ def split_batches(cfg) -> tuple[Batches, Batches | None]:
     `microbatches(i, ...)`, so every evaluation sees the same held-out windows)."""
     d, m, t = cfg.data, cfg.model, cfg.train
     train, val = load_blend(d.source, d.val_source, d.val_fraction)
-    return (Batches(train, m.seq_len, t.global_batch, t.seed, m.vocab_size),
+    return (Batches(train, m.seq_len, t.global_batch, t.seed, m.vocab_size, ramp=BatchRamp.of(t)),
             None if val is None else Batches(val, m.seq_len, t.global_batch, t.seed, m.vocab_size, shuffle=False))
 
 
@@ -245,16 +253,17 @@ def describe(cfg) -> str:
     train, val = split_batches(cfg)
     t = cfg.train
     epochs = train.epochs(t.steps)
+    batch = f"{t.batch_rampup[0]}..{t.global_batch} (ramped up)" if t.batch_rampup else t.global_batch
     if len(epochs) == 1:
         line = (f"tetrad: data: {train.windows[0].per_epoch:,} windows of {cfg.model.seq_len} tokens an epoch; "
-                f"{t.steps} steps x {t.global_batch} = {epochs[0]:.2f} epochs")
+                f"{t.steps} steps x {batch} = {epochs[0]:.2f} epochs")
     else:
-        counts = blend_counts(t.steps * t.global_batch, train.weights)
+        counts = blend_counts(train.ramp.advance(0, t.steps), train.weights)
         parts = ", ".join(f"{100 * float(w):.3g}% {name} ({windows.per_epoch:,} windows an epoch: {e:.2f} epochs"
                           f"{'' if count else '; no sample in this run: raise its weight or train longer'})"
                           for (w, name), windows, e, count in zip(blend_parts(cfg.data.source), train.windows,
                                                                   epochs, counts))
-        line = f"tetrad: data: {t.steps} steps x {t.global_batch} windows of {cfg.model.seq_len} tokens from {parts}"
+        line = f"tetrad: data: {t.steps} steps x {batch} windows of {cfg.model.seq_len} tokens from {parts}"
     if val is not None and t.eval_every:
         parts = [batches for _, batches in val.split()]
         used = [part.eval_batches(t.eval_steps) for part in parts]

@@ -22,7 +22,7 @@ from tetrad.plan.cost import mfu_peak
 from tetrad.plan.hardware import GPU, GPUS
 
 # Fields every line carries (docs/design.md, metrics.jsonl contract; tests/test_breakdown.py checks them).
-CONTRACT_FIELDS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
+CONTRACT_FIELDS = ("step", "loss", "lr", "grad_norm", "global_batch", "step_time_s", "tokens_per_s", "mfu",
                    "compute_s", "exposed_comm_s", "bubble_s", "comm_bytes")
 # The parts a step's time is split into; they are measured separately, so their sum against the
 # measured step time checks the accounting (tests/test_breakdown.py).
@@ -94,21 +94,23 @@ def device_profile(device: torch.device) -> GPU | None:
 class FlopRate:
     """MFU and HFU of a step with the planner's FLOP convention (model/flops.py: causal attention
     counted in full, recomputation only in HFU): this rank's share of the model FLOPs of the
-    global batch, per second of step time, over the peak of `device_profile` (fp32's, or TF32's
-    under train.tf32, for fp32 training, else the 16-bit peak, as `tetrad estimate`)."""
+    step's global batch (a ramp-up's smaller one included), per second of step time, over the peak
+    of `device_profile` (fp32's, or TF32's under train.tf32, for fp32 training, else the 16-bit
+    peak, as `tetrad estimate`)."""
 
     def __init__(self, cfg, device: torch.device):
         m, t = cfg.model, cfg.train
-        per_rank = t.global_batch * m.seq_len / cfg.parallel.world_size
-        self.model_flops = flops.model_flops_per_token(m) * per_rank
-        self.hardware_flops = flops.hardware_flops_per_token(m, t.recompute) * per_rank
+        per_sample = m.seq_len / cfg.parallel.world_size  # a rank's share of one sample's tokens
+        self.model_flops = flops.model_flops_per_token(m) * per_sample
+        self.hardware_flops = flops.hardware_flops_per_token(m, t.recompute) * per_sample
         gpu = device_profile(device)
         self.peak = mfu_peak(gpu, t.dtype, t.tf32) if gpu else None
 
-    def __call__(self, step_time_s: float) -> dict:
+    def __call__(self, step_time_s: float, global_batch: int) -> dict:
         if self.peak is None:
             return {"mfu": None, "hfu": None}
-        return {"mfu": self.model_flops / step_time_s / self.peak, "hfu": self.hardware_flops / step_time_s / self.peak}
+        per_second = global_batch / step_time_s / self.peak
+        return {"mfu": self.model_flops * per_second, "hfu": self.hardware_flops * per_second}
 
 
 class MetricsLog:

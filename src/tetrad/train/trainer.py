@@ -29,9 +29,7 @@ from tetrad.model.llama import set_execution
 from tetrad.model.sharding import full_state_dict, init_parameters, initial_value, set_spec, spec_of
 from tetrad.model.layers import DropoutGenerators
 from tetrad.parallel.data import GradReducer, ShardedAdamW
-from tetrad.parallel.pipeline.executor import PipelineExecutor
-from tetrad.parallel.pipeline.registry import build_schedule, check_config, schedule_spec
-from tetrad.parallel.pipeline.schedules import forward_only, link_order
+from tetrad.parallel.pipeline.registry import check_config, schedule_spec
 from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.data.blend import blend_parts
 from tetrad.train.batches import Batches, DataPosition, split_batches
@@ -41,6 +39,7 @@ from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
 from tetrad.train import telemetry
 from tetrad.train.optim import lr_at
+from tetrad.train.pipelines import StepPipelines, pipeline_links
 from tetrad.train.precision import LossScaler
 from tetrad.train.preflight import memory_watch
 from tetrad.train.stopping import StopSignals, divergence_note
@@ -97,12 +96,10 @@ class Trainer:
         p = cfg.parallel
         # Memory is measured from here: on CPU a forked rank starts with its parent's pages.
         self.memory = devices.PeakMemory(device)
-        # Without a pipeline the schedule is F, B per micro-batch: plain gradient accumulation.
-        schedule = build_schedule(p.schedule if p.pp > 1 else "1f1b", p.pp, cfg.microbatches, p.vpp)
         # Every group starts with the start-up timeout; after the first step, the collective one.
         self.topo = Topology(Layout.of(p), device, p.ranks_per_node,
                              timeout=datetime.timedelta(seconds=p.startup_timeout_s),
-                             pipeline_links=sorted(link_order(schedule)), comm_options=p.comm_options)
+                             pipeline_links=pipeline_links(cfg), comm_options=p.comm_options)
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed((cfg.train.seed + 7919 * self.topo.rank) % 2**63)
         self.activations = ActivationMeter()
@@ -130,28 +127,29 @@ class Trainer:
         self.batches, val = split_batches(cfg)
         self.val_parts = val.split() if val is not None else []  # (weight, batches) of each source
         self.data_position = DataPosition(self.batches)
-        self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         tokens = cfg.model.seq_len // p.cp // (p.tp if self.model.execution.sequence_parallel else 1)
         shape = (cfg.train.micro_batch, tokens, cfg.model.d_model)
-        self.pipeline = PipelineExecutor(self.model, schedule, self.topo, self.grads, shape, dtype)
-        self.eval_pipeline = PipelineExecutor(self.model, forward_only(schedule), self.topo, self.grads, shape, dtype)
+        # An executor per micro-batch count: a batch ramp-up (train.batch_rampup) changes it.
+        self.pipelines = StepPipelines(cfg, self.model, self.topo, self.grads, shape, dtype)
+        self.pipeline = self.pipelines(cfg.microbatches)  # the executor of the last step run
         self.clock = StepClock(self.topo.comm)  # where each step's time went (metrics.py)
         self.layout = layout_label(p)
         # This rank's tokens' true positions (context parallel: its two chunks of the sequence).
         self.positions = shard_sequence(torch.arange(cfg.model.seq_len, device=device), p.cp, self.topo.local_rank("cp"))
         self.signals = StopSignals()  # entered by fit; its flags ride on each step's all-reduce
         self.stop_signal = 0  # the signal the last step's ranks agreed on (0: none)
-        self._activations_measured = False
+        self._activations_measured = 0  # micro-batches of the step last measured (0: none yet)
         self._counted_states: dict[str, int] | None = None
         self.flop_rate = FlopRate(cfg, device)
         self.telemetry = telemetry.for_device(device)  # None where the device reports nothing
 
     def forward_backward(self, microbatches, grad_scale: float = 1.0) -> torch.Tensor:
         """Summed token loss of this rank's micro-batches (zero off the last pipeline stage);
-        gradients (of the loss times `grad_scale`, fp16's loss scale) accumulate in the
-        reducer's buckets."""
+        gradients (of the loss times `grad_scale`, fp16's loss scale, over the step's global token
+        count) accumulate in the reducer's buckets. Every dp rank runs as many micro-batches."""
         local, positions = self._sequence_shards(microbatches)
-        return self.pipeline.run(local, positions, grad_scale / self.tokens_per_step)
+        self.pipeline = self.pipelines(len(microbatches))
+        return self.pipeline.run(local, positions, grad_scale / self.pipelines.tokens(len(microbatches)))
 
     def _sequence_shards(self, microbatches):
         """Context parallel: this rank's two load-balanced chunks of every sequence (context.py),
@@ -187,13 +185,13 @@ class Trainer:
             for i in range(batches):
                 micro = val.microbatches(i, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
                 local, positions = self._sequence_shards(micro)
-                total += self.eval_pipeline.run(local, positions, 1.0)
+                total += self.pipelines.eval.run(local, positions, 1.0)
         finally:
             self.model.train()
         self.grads.release_gathered()  # not in `finally`: after a failure it could wait on a dead rank
         topo.comm.all_reduce(total, GRAD)
         topo.comm.all_reduce(total, "pp")
-        return float(total) / (self.tokens_per_step * batches)
+        return float(total) / (cfg.train.global_batch * cfg.model.seq_len * batches)
 
     def _evaluates_after(self, step: int) -> bool:
         """Whether validation runs after 0-based `step`: every eval_every steps and at the last."""
@@ -209,15 +207,16 @@ class Trainer:
         clock.start()
         start = topo.comm.clock.mark()
         with clock.part("data"):
+            batch = self.batches.size(step)  # train.global_batch, or a ramp-up's smaller one
             micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
         scale = self.scaler.scale
         with clock.part("forward_backward"), devices.phase("forward_backward", topo.device), \
-                self._activation_meter(step):
+                self._activation_meter(step, len(micro)):
             loss_sum = self.forward_backward(micro, grad_scale=scale)
         with clock.part("optimizer"), devices.phase("grad_reduce", topo.device):
             self.grads.reduce()  # dp x cp (and, under SP, tp for tp-replicated parameters)
         with clock.part("optimizer"), devices.phase("optimizer", topo.device):
-            grad_norm, loss, self.stop_signal = self._step_sums(loss_sum, scale)
+            grad_norm, loss, self.stop_signal = self._step_sums(loss_sum, scale, batch * cfg.model.seq_len)
             self.grads.clip(grad_norm, cfg.train.grad_clip, loss_scale=scale)
             # The norm is reduced over the whole job: every rank steps, or every rank skips.
             finite = math.isfinite(grad_norm)
@@ -234,8 +233,9 @@ class Trainer:
         peak = self.memory.bytes()
         sent = topo.comm.bytes_by_group()
         return {
-            "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time, **self.flop_rate(step_time),
+            "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "global_batch": batch,
+            "step_time_s": step_time, "tokens_per_s": batch * cfg.model.seq_len / step_time,
+            **self.flop_rate(step_time, batch),
             # Waits on a pipeline neighbour are the bubble; every other collective wait is exposed comm.
             **clock.breakdown(),
             "comm_bytes": {g: sent.get(g, 0) for g in REPORTED},
@@ -251,12 +251,12 @@ class Trainer:
             **(self.telemetry.take() if self.telemetry else {}),
         }
 
-    def _step_sums(self, loss_sum: torch.Tensor, loss_scale: float) -> tuple[float, float, int]:
+    def _step_sums(self, loss_sum: torch.Tensor, loss_scale: float, tokens: int) -> tuple[float, float, int]:
         """The step's numbers that need the whole job, in one all-reduce (over dp x cp, tp, pp)
         and one read: the global gradient norm (unscaled: the same on every rank, non-finite on
         all when any rank's gradient overflowed), the mean token loss (summed from the last
-        pipeline stage of each dp x cp replica, once per tp group) and the stop signal any rank
-        received (stopping.py)."""
+        pipeline stage of each dp x cp replica, once per tp group, over `tokens`) and the stop
+        signal any rank received (stopping.py)."""
         topo = self.topo
         loss = loss_sum if topo.tp_rank == 0 else torch.zeros_like(loss_sum)
         flags = torch.tensor(self.signals.flags(), device=topo.device)
@@ -264,15 +264,15 @@ class Trainer:
         for group in (GRAD, *WEIGHT_SPLIT_DIMS):
             topo.comm.all_reduce(sums, group)
         norm_sq, loss, *signals = sums.tolist()
-        return math.sqrt(norm_sq) / loss_scale, loss / self.tokens_per_step, self.signals.agreed(signals)
+        return math.sqrt(norm_sq) / loss_scale, loss / tokens, self.signals.agreed(signals)
 
-    def _activation_meter(self, step: int):
-        """Count saved activations (train/memory.py) on the first step this trainer runs and on
-        every step that prints a log line (run.log_every): a step's graph is the same every step,
-        so the lines between carry the latest peak, without a Python hook per saved tensor."""
-        if self._activations_measured and (step + 1) % self.cfg.run.log_every:
+    def _activation_meter(self, step: int, microbatches: int):
+        """Count saved activations (train/memory.py) on the first step this trainer runs and of each
+        micro-batch count (a ramp-up's), and on every step that prints a log line (run.log_every):
+        the lines between carry the latest peak, without a Python hook per saved tensor."""
+        if self._activations_measured == microbatches and (step + 1) % self.cfg.run.log_every:
             return contextlib.nullcontext()
-        self._activations_measured = True
+        self._activations_measured = microbatches
         return self.activations.measuring()
 
     def _model_states(self, stepped: bool) -> dict[str, int]:
@@ -391,6 +391,7 @@ def _naming_step(step: int):
         yield
     except watchdog.CollectiveTimeout as e:
         raise watchdog.CollectiveTimeout(f"at step {step + 1}: {e}") from None
+
 
 def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:
     """Entry point of a rank inside an initialised process group (local or torchrun)."""

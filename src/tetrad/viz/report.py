@@ -215,11 +215,12 @@ def _timelines(run_dir: Path, cfg, out: Path) -> tuple[list[Path], str]:
         a.kind == kind for _, a, _, _ in rows) else 0.0
     f, b = mean("F"), mean("B") or mean("BI") + mean("BW")
     bi, bw = (mean("BI"), mean("BW")) if mean("BI") else (b / 2, b / 2)
-    sim = simulate(build_schedule(p.schedule, p.pp, cfg.microbatches, p.vpp), StageCosts(f, bi, bw))
+    micro = 1 + max(a.mb for _, a, _, _ in rows)  # the last step's: under a ramp-up maybe below cfg.microbatches
+    sim = simulate(build_schedule(p.schedule, p.pp, micro, p.vpp), StageCosts(f, bi, bw))
     measured_span = max(e for *_, e in rows) - min(s for *_, s, _ in rows)
     paths = [out / "timeline_measured.png", out / "timeline_simulated.png"]
     span = max(measured_span, sim.step_time)  # one time axis for both
-    render_timeline(rows, paths[0], title=f"measured: {p.schedule}, pp={p.pp}, {cfg.microbatches} micro-batches",
+    render_timeline(rows, paths[0], title=f"measured: {p.schedule}, pp={p.pp}, {micro} micro-batches",
                     pp=p.pp, span=span)
     render_timeline(sim, paths[1], title="simulated with the measured mean action costs", pp=p.pp, span=span)
     idle = 1 - sum(e - s for *_, s, e in rows) / (p.pp * measured_span)  # SimResult.bubble_fraction's definition

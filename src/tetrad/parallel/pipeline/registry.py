@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tetrad.config import Config, ConfigError
+from tetrad.config.rampup import BatchRamp
 from tetrad.config.sections import did_you_mean
 from tetrad.parallel.pipeline import generators
 from tetrad.parallel.pipeline.schedules import KINDS, Action, Schedule, ScheduleError, validate_schedule
@@ -101,8 +102,9 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Sched
 
 def check_config(cfg: Config) -> None:
     """The schedule rules of `cfg` (ConfigError naming the fix): a known schedule, the chunks per
-    rank it runs, and with pp > 1 enough micro-batches. Run by every command (training: by `preflight`)
-    and by `Trainer`: load_config cannot (config/ sits below this floor)."""
+    rank it runs, and with pp > 1 enough micro-batches at every global batch a ramp-up runs. Run
+    by every command (training: by `preflight`) and by `Trainer`: load_config cannot (config/ sits
+    below this floor)."""
     p, t = cfg.parallel, cfg.train
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"parallel.schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {p.schedule!r}"
@@ -115,3 +117,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"schedule={p.schedule!r} with pp={p.pp} needs at least {need} micro-batches per step; "
                           f"global_batch/(micro_batch*dp) = {cfg.microbatches}. "
                           f"Raise global_batch to {need * t.micro_batch * p.dp} or lower micro_batch")
+    # A ramp's steps run each of its batch sizes; the fewest micro-batches is its start's.
+    smallest = BatchRamp.of(t).start // (t.micro_batch * p.dp)
+    if p.pp > 1 and smallest < need:
+        raise ConfigError(f"schedule={p.schedule!r} with pp={p.pp} needs at least {need} micro-batches per step; "
+                          f"train.batch_rampup={t.batch_rampup} starts at a global batch of {t.batch_rampup[0]}: "
+                          f"{smallest} per step. Raise its start to {need * t.micro_batch * p.dp} or lower micro_batch")

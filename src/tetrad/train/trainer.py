@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from tetrad import device as devices
-from tetrad.dist import watchdog
 from tetrad.config import Config, profile_steps
-from tetrad.dist import autotune
+from tetrad.dist import autotune, watchdog
 from tetrad.dist.layout import GRAD, REPORTED, WEIGHT_SPLIT_DIMS, Layout, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model.execution import DeferredWeightGrads, Execution

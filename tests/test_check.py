@@ -25,10 +25,11 @@ def test_reference_is_data_parallel_over_the_same_ranks(tmp_path):
     cfg = _config(tmp_path, "--parallel.tp=2", "--parallel.pp=2", "--parallel.sequence_parallel=true",
                   "--parallel.vpp=1", "--parallel.schedule=zb", "--train.global_batch=12", "--train.micro_batch=3",
                   "--checkpoint.every=5", "--checkpoint.dir=/elsewhere", "--train.eval_every=2",
-                  "--data.val_fraction=0.1")
+                  "--data.val_fraction=0.1", "--train.batch_rampup=[6, 6, 24]")
     layout, reference = check_runs(cfg, 3, None)
     assert layout.parallel == cfg.parallel
     assert (layout.train.steps, layout.train.eval_every, layout.checkpoint.every) == (3, 0, 0)
+    assert layout.train.batch_rampup == reference.train.batch_rampup == []
     assert layout.checkpoint.dir == "" and layout.checkpoint.resume == "never"  # the user's checkpoints untouched
     assert layout.run.dir == str(tmp_path / "check" / "layout")
     p = reference.parallel

@@ -7,7 +7,8 @@ config twice from the same seed, as `tetrad train` would: once in its own layout
 simplest layout over the same ranks (data parallelism with ZeRO-3, every layer recomputed, so
 it holds the fewest bytes a rank can), then judges the two runs as `tetrad compare` does (step
 1's loss and gradient norm to the precision's rounding, later steps' drift). Neither run keeps
-a checkpoint or validates; both write their metrics under RUN_DIR/check/.
+a checkpoint or validates, and both run `train.global_batch` from the first step (a batch ramp-up
+runs the same arithmetic on fewer samples); both write their metrics under RUN_DIR/check/.
 
 A model too large for the reference can be checked shallower (`--model.n_layers=...`, both runs):
 no layout's arithmetic depends on the depth.
@@ -42,7 +43,7 @@ def check_runs(cfg: Config, steps: int, world_size: int | None) -> tuple[Config,
         raise ConfigError(f"the reference trains data-parallel over the job's {world_size} ranks, which needs "
                           f"train.global_batch ({t.global_batch}) to be a multiple of {world_size}")
     root = Path(cfg.run.dir) / "check"
-    short = dict(steps=steps, eval_every=0, profile="")
+    short = dict(steps=steps, eval_every=0, profile="", batch_rampup=[])  # a ramp's batches are the final one's
     checkpoint = replace(cfg.checkpoint, dir="", every=0, resume="never", async_save=False)
     run = replace(cfg.run, tensorboard=False, wandb=False)
     layout = replace(cfg, train=replace(t, **short), checkpoint=checkpoint, run=replace(run, dir=str(root / "layout")))

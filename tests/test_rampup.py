@@ -24,6 +24,7 @@ from tetrad.plan.search import config_of, layouts
 from tetrad.plan.recipe import sized_training
 from tetrad.plan.text import ramp_lines
 from tetrad.train.batches import DataPosition, split_batches
+from tetrad.train.metrics import MetricsLog
 from tetrad.viz.report import _timelines
 
 # global_batch 8 from 2 in steps of 2 over 12 samples: 3 increments, one every 4 samples. Steps
@@ -246,3 +247,11 @@ def test_the_report_simulates_the_last_steps_micro_batches(tmp_path):
     assert [r["global_batch"] for r in history] == [4, 4, 8]
     _, text = _timelines(tmp_path, cfg, tmp_path)
     assert "simulated 33.3%" in text
+
+
+def test_a_log_line_names_the_batch_while_the_ramp_is_below_the_final_one():
+    cfg = load_config(overrides=["--train.global_batch=16", "--train.micro_batch=2", "--train.batch_rampup=[4, 4, 24]"])
+    log = MetricsLog(cfg, 0, enabled=False)
+    record = {"step": 1, "loss": 5.0, "tokens_per_s": 100.0, "step_time_s": 1.0, "lr": 1e-3}
+    assert "| batch 4, lr 1.00e-03 |" in log.plain_line({**record, "global_batch": 4})
+    assert "| lr 1.00e-03 |" in log.plain_line({**record, "global_batch": 16})

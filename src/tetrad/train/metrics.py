@@ -120,6 +120,7 @@ class MetricsLog:
 
     def __init__(self, cfg, first_step: int, enabled: bool):
         self.enabled, self.total, self.every, self.first_step = enabled, cfg.train.steps, cfg.run.log_every, first_step
+        self.final_batch = cfg.train.global_batch  # a line names the step's batch while a ramp-up is below it
         self.file = self.bar = self.board = self.wandb = None
         self.start = time.perf_counter()
         if not enabled:
@@ -167,7 +168,8 @@ class MetricsLog:
         elapsed = time.perf_counter() - self.start
         done = record["step"] - self.first_step
         left = elapsed / done * (self.total - record["step"])
-        return (f"step {record['step']}/{self.total} | {progress_line(record)} | lr {record['lr']:.2e} | "
+        ramping = f"batch {record['global_batch']}, " if record.get("global_batch", self.final_batch) != self.final_batch else ""
+        return (f"step {record['step']}/{self.total} | {progress_line(record)} | {ramping}lr {record['lr']:.2e} | "
                 f"{_clock(elapsed)} elapsed, {_clock(left)} left")
 
     def close(self) -> None:

@@ -183,7 +183,7 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     q, kv = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp
     if recompute == "selective-op":  # the input, the kept matmul outputs (a row-parallel one whole,
         # before its all-reduce or reduce-scatter), the attention's output and fp32 log-sum-exp (under
-        # ring cp the ring's merged ones, once: model/attention.py RingReplay)
+        # ring cp the ring's merged ones, once: model/replay.py RingReplay)
         kept = sum(n if row else n / tp for _, n, row in flops.op_checkpoint_saved_matmuls(m))
         return hidden / div + tokens * e * (kept + q) + 4 * m.n_heads / tp * tokens
     f = m.ffn_hidden / tp

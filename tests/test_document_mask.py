@@ -1,0 +1,228 @@
+"""Document masking (train.document_mask): a token attends only to earlier tokens of its own
+document. Proven against running each document on its own, then every layout against one process
+with the mask on; the ring's merge of a block row that sees no key is checked apart."""
+
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_all_within, assert_parity, run_ranks, tiny_config, train_layout
+from tetrad.config import ConfigError
+from tetrad.data.checks import check_data
+from tetrad.data.shards import shard_name, write_index
+from tetrad.data.sources import CORPORA
+from tetrad.dist.layout import Layout, shard_sequence
+from tetrad.dist.topology import Topology
+from tetrad.model import attention as attn
+from tetrad.train.batches import document_ids
+from tetrad.train.trainer import build_model
+
+EOS = 0  # byte 0 never occurs in the built-in corpus
+
+
+def _documents(seq: int, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    """Document ids of `batch` windows of many short documents (2 to 7 tokens), cut apart."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 9, (batch, seq), generator=g)
+    tokens[torch.rand(batch, seq, generator=g) < 0.25] = EOS
+    return document_ids(tokens, EOS)
+
+
+def _spans(docs_row: torch.Tensor) -> list[tuple[int, int]]:
+    ids = docs_row.tolist()
+    starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
+    return list(zip(starts, starts[1:] + [len(ids)]))
+
+
+def test_document_ids_give_the_eos_to_the_document_it_ends():
+    tokens = torch.tensor([[5, EOS, 7, 8, EOS, EOS, 3]])
+    assert document_ids(tokens, EOS).tolist() == [[0, 0, 1, 1, 1, 2, 3]]
+
+
+def test_masked_dispatch_takes_a_kernel_with_a_mask():
+    for dtype in (torch.float32, torch.bfloat16):
+        for algo in ("ring", "alltoall"):
+            assert attn.choose_kernel("cuda", dtype, True, algo, True, masked=True).name == "efficient"
+            assert attn.choose_kernel("cpu", dtype, True, algo, masked=True).name == "cpu_flash"
+
+
+# ----------------------------------------------------------------------------- one process
+
+def _apart_reference():
+    """Masked attention over whole windows, and each document attended on its own."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 24, n, 8, generator=g, requires_grad=True) for n in (4, 2, 2))
+    dout = torch.randn(2, 24, 4, 8, generator=g)
+    docs = _documents(24)
+    out = attn.local_attention(q, k, v, docs)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    errors = []
+    for row in range(2):
+        for a, b in _spans(docs[row]):
+            part = [t[row:row + 1, a:b].detach().requires_grad_() for t in (q, k, v)]
+            alone = attn.local_attention(*part)
+            alone_grads = torch.autograd.grad(alone, part, dout[row:row + 1, a:b])
+            errors.append(float((out[row:row + 1, a:b] - alone).abs().max()))
+            errors += [float((g[row:row + 1, a:b] - ag).abs().max()) for g, ag in zip(grads, alone_grads)]
+    return errors
+
+
+def test_masked_attention_equals_each_document_alone():
+    # fp32, the same kernel over fewer keys: only summation order differs (a few ulps of O(1)
+    # values; measured 1.2e-6 on a gradient).
+    assert_all_within(run_ranks(_apart_reference, 1)[0], 1e-5)
+
+
+def _model_apart():
+    """The model's logits over whole windows with the mask equal each document's alone, at the
+    document's own positions (RoPE runs on through the window)."""
+    cfg = tiny_config()
+    model = build_model(cfg, Topology.single())
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(1, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=g)
+    x[torch.rand(x.shape, generator=g) < 0.15] = EOS
+    docs, positions = document_ids(x, EOS), torch.arange(cfg.model.seq_len)
+    with torch.no_grad():
+        logits = model(x, positions, docs=docs)
+        unmasked = model(x, positions)
+        errors = [float((logits[r:r + 1, a:b] - model(x[r:r + 1, a:b], positions[a:b])).abs().max())
+                  for r in range(2) for a, b in _spans(docs[r])]
+    return errors, float((logits - unmasked).abs().max())
+
+
+def test_model_with_mask_equals_each_document_alone():
+    errors, masked_vs_not = run_ranks(_model_apart, 1)[0]
+    assert_all_within(errors, 1e-5)
+    assert masked_vs_not > 1e-2  # the windows do cross documents: the mask changes the logits
+
+
+# ----------------------------------------------------------------------------- the ring's merge
+
+def test_merge_takes_nothing_from_a_row_that_sees_no_key():
+    """A block row whose keys are all masked: the kernels give it lse -inf (or, the CPU kernel,
+    0 with the mask applied as -inf later) and an output of NaN or anything. The running
+    result must stay as it was, forward, with no NaN."""
+    out, lse = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4)
+    blk_out, blk_lse = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4)
+    blk_out[:, :, 1:3], blk_lse[:, :, 1:3] = float("nan"), float("-inf")
+    merged, merged_lse = out.clone(), lse.clone()
+    attn._merge(merged, merged_lse, slice(None), blk_out, blk_lse)
+    assert not merged.isnan().any() and not merged_lse.isnan().any()
+    torch.testing.assert_close(merged[:, :, 1:3], out[:, :, 1:3], rtol=0, atol=0)
+    torch.testing.assert_close(merged_lse[:, :, 1:3], lse[:, :, 1:3], rtol=0, atol=0)
+    # Both -inf (a row that has seen nothing yet) stays empty, not NaN.
+    empty, empty_lse = torch.zeros(1, 2, 4, 8), torch.full((1, 2, 4), float("-inf"))
+    attn._merge(empty, empty_lse, slice(None), blk_out, blk_lse)
+    assert not empty.isnan().any() and empty_lse[:, :, 1:3].isneginf().all()
+
+
+def _ring_reference(heads, kv_heads):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 32, n, 8, generator=g, requires_grad=True) for n in (heads, kv_heads, kv_heads))
+    dout = torch.randn(2, 32, heads, 8, generator=g)
+    docs = _documents(32, seed=3)
+    out = attn.local_attention(q, k, v, docs)
+    out.backward(dout)
+    return [t.detach() for t in (q, k, v, dout, out, q.grad, k.grad, v.grad)], docs
+
+
+def _ring_rank(cp, cases):
+    """Each case on this cp rank, through `attention` (ring and all-to-all on the CPU kernel) and
+    through the ring on the fp32 math kernel, whose masked rows give NaN outputs."""
+    topo = Topology(Layout(cp=cp), torch.device("cpu"))
+    rank, errors = topo.local_rank("cp"), {}
+    for (heads, kv_heads), (tensors, docs) in cases.items():
+        q, k, v, dout, *expected = (shard_sequence(t, cp, rank, 1) for t in tensors)
+        runs = {algo: (lambda q, k, v, algo=algo: attn.attention(q, k, v, topo, algo, docs=docs))
+                for algo in ("ring", "alltoall")}
+        math = attn.Kernel("math", heads != kv_heads)
+        runs["ring-math"] = lambda q, k, v: attn._RingAttention.apply(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, math, None, docs).transpose(1, 2)
+        for name, run in runs.items():
+            q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+            out = run(q_, k_, v_)
+            out.backward(dout)
+            errors[name, heads, kv_heads] = [float((a.detach() - b).abs().max())
+                                             for a, b in zip((out, q_.grad, k_.grad, v_.grad), expected)]
+    return errors
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_attention_matches_one_process(cp):
+    """At cp=4 a rank's chunks are 4 tokens of documents of 2 to 7: many blocks see nothing
+    (skipped) and many block rows see no key (merged as nothing)."""
+    cases = {shape: run_ranks(_ring_reference, 1, *shape)[0] for shape in ((4, 4), (8, 4))}
+    for errors in run_ranks(_ring_rank, cp, cp, cases):
+        for errs in errors.values():
+            assert_all_within(errs, 1e-5)  # fp32: the ring's merge order; all-to-all exact
+
+
+# ----------------------------------------------------------------------------- training parity
+
+@lru_cache(maxsize=None)
+def doc_shards() -> str:
+    """A shard folder (vocabulary 256, EOS 0) of the built-in corpus cut into documents of 4 to
+    24 bytes: a 32-token window holds a few."""
+    text = np.frombuffer(CORPORA["licenses"].read_bytes()[:40_000], dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    cuts = np.cumsum(rng.integers(4, 25, size=len(text) // 4))
+    docs = np.split(text, cuts[cuts < len(text)])
+    tokens = np.concatenate([np.append(d, EOS) for d in docs]).astype(np.uint16)
+    folder = Path(tempfile.mkdtemp(prefix="tetrad-doc-shards-"))
+    tokens.tofile(folder / shard_name(0))
+    write_index(folder, [{"file": shard_name(0), "tokens": len(tokens), "documents": len(docs)}], 256, EOS)
+    return str(folder)
+
+
+LAYOUTS = {  # name -> (parallel, train, model)
+    "cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {}, {}),
+    "cp4-ring-selective-op": ({"cp": 4, "cp_algo": "ring"}, {"recompute": "selective-op"}, {}),
+    "cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}, {}),
+    "pp2-zb": ({"pp": 2, "schedule": "zb"}, {}, {}),
+    "pp2-vpp2-interleaved-full": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"recompute": "full"},
+                                  {"n_layers": 4}),
+    "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}, {}),
+    "dp2-zero3": ({"dp": 2, "zero": 3}, {}, {}),
+}
+
+
+@lru_cache(maxsize=None)
+def _train(name: str | None, masked: bool = True, n_layers: int = 2):
+    parallel, train, model = LAYOUTS[name] if name else ({}, {}, {"n_layers": n_layers})
+    cfg = tiny_config(parallel=parallel, model=model, data={"source": doc_shards()},
+                      train={"document_mask": masked, **train})
+    return train_layout(cfg)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """The one-process runs first (a forked single-rank job hangs once the pytest process has
+    computed with its OpenMP pool)."""
+    return {layers: _train(None, n_layers=layers) for layers in (2, 4)}
+
+
+def test_the_mask_changes_training(references):
+    unmasked = _train(None, masked=False)
+    assert abs(unmasked[0][0] - references[2][0][0]) > 1e-3, (unmasked[0], references[2][0])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, references):
+    # As tests/test_cp.py: fp32, only orders of sums differ (the ring's merge, tp pieces, dp x cp).
+    layers = LAYOUTS[name][2].get("n_layers", 2)
+    assert_parity(_train(name), references[layers], atol=2e-4, loss_atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def test_data_without_an_eos_is_refused():
+    with pytest.raises(ConfigError, match=r"train.document_mask: 'licenses' does not say which token ends a "
+                                          r"document.*tetrad data"):
+        check_data(tiny_config(train={"document_mask": True}))
+    check_data(tiny_config(train={"document_mask": True}, data={"source": doc_shards()}))

@@ -187,7 +187,7 @@ LAYOUTS = {  # name -> (parallel, train, model)
     "pp2-vpp2-interleaved-full": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"recompute": "full"},
                                   {"n_layers": 4}),
     "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}, {}),
-    "dp2-zero3": ({"dp": 2, "zero": 3}, {}, {}),
+    "dp2-zero3-selective": ({"dp": 2, "zero": 3}, {"recompute": "selective"}, {}),
 }
 
 
@@ -226,3 +226,20 @@ def test_data_without_an_eos_is_refused():
                                           r"document.*tetrad data"):
         check_data(tiny_config(train={"document_mask": True}))
     check_data(tiny_config(train={"document_mask": True}, data={"source": doc_shards()}))
+
+
+# ----------------------------------------------------------------------------- compile
+
+@pytest.mark.dist
+def test_compiled_layout_matches_single_process(references):
+    """All-to-all's attention, mask built from the ids, runs inside the compiled block between
+    the eager all-to-alls: no other graph break, no recompile after step 1 (the ids change every
+    micro-batch, their shape does not)."""
+    from test_compile import CountingTrainer
+    cfg = tiny_config(parallel={"cp": 2, "cp_algo": "alltoall"}, data={"source": doc_shards()},
+                      train={"document_mask": True, "compile": True})
+    got = train_layout(cfg, trainer_class=CountingTrainer, timeout_s=900)
+    frames = [record["frames_compiled"] for record in got[2]]
+    assert frames[0] > 0 and frames == frames[:1] * len(frames), frames
+    assert got[2][-1]["other_breaks"] == [], got[2][-1]["other_breaks"]
+    assert_parity(got, references[2], atol=2e-4, loss_atol=2e-6)  # tests/test_compile.py's cp2 bounds

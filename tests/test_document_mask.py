@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_all_within, assert_parity, run_ranks, tiny_config, train_layout
+from conftest import assert_all_within, assert_parity, rank_histories, run_ranks, tiny_config, train_layout
 from tetrad.config import ConfigError
 from tetrad.data.checks import check_data
 from tetrad.data.shards import shard_name, write_index
@@ -18,6 +18,8 @@ from tetrad.data.sources import CORPORA
 from tetrad.dist.layout import Layout, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model import attention as attn
+from tetrad.plan.cost import estimate
+from tetrad.plan.hardware import load_cluster
 from tetrad.train.batches import document_ids
 from tetrad.train.trainer import build_model
 
@@ -217,6 +219,28 @@ def test_layout_matches_single_process(name, references):
     # As tests/test_cp.py: fp32, only orders of sums differ (the ring's merge, tp pieces, dp x cp).
     layers = LAYOUTS[name][2].get("n_layers", 2)
     assert_parity(_train(name), references[layers], atol=2e-4, loss_atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- the planner
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel,recompute", [({}, "none"), ({"cp": 2, "cp_algo": "alltoall"}, "none"),
+                                                ({"cp": 2}, "none"), ({}, "selective")])
+def test_counted_activations_match_the_estimate(parallel, recompute):
+    """The mask SDPA keeps per layer (b x s^2 in the activations' dtype) is in the estimate where
+    it is kept, as tests/test_plan_runtime.py checks the other layouts (within 15%): every rank's
+    saved activations against the estimate's. A long window on a narrow model, so that the mask
+    is a large share: without its term the estimate fell 25% and 43% under the count (cp=1,
+    all-to-all); with it, the mask adds 4.00 MiB to both (2 layers x 2 x 512^2 x 4 B)."""
+    cfg = tiny_config(model={"seq_len": 512},
+                      parallel=parallel, data={"source": doc_shards()},
+                      train={"steps": 2, "device": "cpu", "warmup": 1, "micro_batch": 2, "global_batch": 8,
+                             "document_mask": True, "recompute": recompute})
+    want = estimate(cfg, load_cluster("cpu")).memory_by_rank[0]
+    for _, history in rank_histories(cfg):
+        got = history[-1]["memory_bytes"]["activations"]
+        print(f"estimate {(want.activations - want.transient) / 2**20:.2f} MiB, counted {got / 2**20:.2f} MiB")
+        assert want.activations - want.transient == pytest.approx(got, rel=0.15), (want, got)
 
 
 # ----------------------------------------------------------------------------- validation

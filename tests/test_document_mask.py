@@ -193,12 +193,16 @@ LAYOUTS = {  # name -> (parallel, train, model)
 }
 
 
+def _config(parallel: dict, train: dict, model: dict):
+    """TINY on the document shards, a validation at the last step."""
+    return tiny_config(parallel=parallel, model=model, data={"source": doc_shards(), "val_fraction": 0.2},
+                       train={"document_mask": True, "eval_every": 5, **train})
+
+
 @lru_cache(maxsize=None)
 def _train(name: str | None, masked: bool = True, n_layers: int = 2):
-    parallel, train, model = LAYOUTS[name] if name else ({}, {}, {"n_layers": n_layers})
-    cfg = tiny_config(parallel=parallel, model=model, data={"source": doc_shards()},
-                      train={"document_mask": masked, **train})
-    return train_layout(cfg)
+    parallel, train, model = LAYOUTS[name] if name else ({}, {"document_mask": masked}, {"n_layers": n_layers})
+    return train_layout(_config(parallel, train, model))
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +222,9 @@ def test_the_mask_changes_training(references):
 def test_layout_matches_single_process(name, references):
     # As tests/test_cp.py: fp32, only orders of sums differ (the ring's merge, tp pieces, dp x cp).
     layers = LAYOUTS[name][2].get("n_layers", 2)
-    assert_parity(_train(name), references[layers], atol=2e-4, loss_atol=2e-6)
+    got, ref = _train(name), references[layers]
+    assert_parity(got, ref, atol=2e-4, loss_atol=2e-6)
+    assert got[2][-1]["val_loss"] == pytest.approx(ref[2][-1]["val_loss"], rel=1e-5)  # validation masks too
 
 
 # ----------------------------------------------------------------------------- the planner
@@ -260,8 +266,7 @@ def test_compiled_layout_matches_single_process(references):
     the eager all-to-alls: no other graph break, no recompile after step 1 (the ids change every
     micro-batch, their shape does not)."""
     from test_compile import CountingTrainer
-    cfg = tiny_config(parallel={"cp": 2, "cp_algo": "alltoall"}, data={"source": doc_shards()},
-                      train={"document_mask": True, "compile": True})
+    cfg = _config({"cp": 2, "cp_algo": "alltoall"}, {"compile": True}, {})
     got = train_layout(cfg, trainer_class=CountingTrainer, timeout_s=900)
     frames = [record["frames_compiled"] for record in got[2]]
     assert frames[0] > 0 and frames == frames[:1] * len(frames), frames

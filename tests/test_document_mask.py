@@ -52,6 +52,20 @@ def test_masked_dispatch_takes_a_kernel_with_a_mask():
             assert attn.choose_kernel("cpu", dtype, True, algo, masked=True).name == "cpu_flash"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_cuda_kernel_calls_on_meta(dtype):
+    """The memory-efficient kernel's calls with a document mask (its bias over every head, rows
+    padded to 16 elements), through torch's meta kernels: shapes as unmasked (no GPU here; as
+    tests/test_attention_kernels.py checks the unmasked calls)."""
+    q = torch.empty(2, 4, 40, 64, dtype=dtype, device="meta")
+    k = v = torch.empty(2, 4, 24, 64, dtype=dtype, device="meta")
+    visible = torch.empty(2, 1, 40, 24, dtype=torch.bool, device="meta")
+    out, lse = attn._block_forward(q, k, v, False, "efficient", visible)
+    assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    grads = attn._block_backward(torch.empty_like(out), q, k, v, out, lse, False, "efficient", visible)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+
+
 # ----------------------------------------------------------------------------- one process
 
 def _apart_reference():

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import pytest

@@ -4,7 +4,6 @@ compiled regions (model/execution.py's `run_eagerly`), the compiled runs train t
 model, and nothing recompiles after the first step."""
 
 import pytest
-import torch
 from torch._dynamo.utils import counters
 
 from conftest import assert_parity, tiny_config, train_layout

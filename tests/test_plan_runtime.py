@@ -130,7 +130,7 @@ def test_zero_bubble_does_not_hold_the_logits_gradient_until_bw():
 
 def test_ring_attention_under_the_per_op_policy_is_kept_once_and_not_resent():
     """selective-op under ring cp keeps the ring's merged output and log-sum-exp once per layer
-    and replays them in the recompute (model/attention.py RingReplay): every cp rank counts what
+    and replays them in the recompute (model/replay.py RingReplay): every cp rank counts what
     the estimate says (within 15%), the last as much as the first, and the ring sends what it
     sends without recompute. (When the policy saw the block kernels inside the ring, it kept
     every ring step's output: 2.64 / 2.78 / 2.91 / 3.05 MB on cp ranks 0-3; and the recompute ran

@@ -100,7 +100,7 @@ def test_comm_bytes_follow_tetrad_comm_convention():
 
 
 def test_per_op_recompute_replays_the_ring():
-    """selective-op keeps the ring's result and replays it (model/attention.py RingReplay): its
+    """selective-op keeps the ring's result and replays it (model/replay.py RingReplay): its
     exposed cp time is no recompute's, its recompute has no ring merges (what the all-to-all's,
     which merges nothing, has), and the ring's K/V is sent once forward. The all-to-alls it repeats."""
     cluster, stack = load_cluster("dgx-h100"), load_stack("tetrad")

@@ -138,6 +138,11 @@ class TrainConfig:
     # torch.compile each transformer block, in every layout: tp's, cp's and zero-bubble's
     # autograd Functions run eagerly between its compiled regions (model/execution.py).
     compile: bool = False
+    # Document masking (Llama 3's, torchtitan's block_causal, Megatron-LM's --reset-attention-mask):
+    # a token attends only to earlier tokens of its own document, the data's EOS ending each one
+    # (the data must be a shard folder from `tetrad data`, whose index names its EOS). Positions
+    # (RoPE) run on through the window, as in Llama 3.
+    document_mask: bool = False
     # Validation loss every eval_every steps and at the last step (0: never), over eval_steps
     # held-out global batches.
     eval_every: int = 0
@@ -251,6 +256,7 @@ KEY_ALIASES = {
     "local_batch_size": "train.micro_batch", "clip_grad": "train.grad_clip", "max_norm": "train.grad_clip",
     "lr_decay_style": "train.lr_schedule", "beta1": "train.adam_beta1", "beta2": "train.adam_beta2",
     "eps": "train.adam_eps", "recompute_granularity": "train.recompute",
+    "reset_attention_mask": "train.document_mask", "attn_mask_type": "train.document_mask",
     "mixed_precision_param": "train.dtype", "eval_interval": "train.eval_every", "eval_iters": "train.eval_steps",
     "data_path": "data.source", "dataset_path": "data.source", "save_interval": "checkpoint.every",
     "interval": "checkpoint.every", "async_mode": "checkpoint.async_save", "log_interval": "run.log_every", "log_freq": "run.log_every",

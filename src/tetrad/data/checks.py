@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tetrad.config import Config, ConfigError
-from tetrad.data.shards import TOKENIZER, is_shard_folder, open_shards, read_index
+from tetrad.data.shards import TOKENIZER, end_of_document, is_shard_folder, open_shards, read_index
 from tetrad.data.blend import blend_parts
 from tetrad.data.sources import CORPORA, NPY_DTYPES, TokenStream, load_blend, reads_as_bytes, text_files
 
@@ -35,6 +35,8 @@ def check_data(cfg: Config) -> None:
             for _, part in parts:
                 _check_source(key, part, m.vocab_size, cfg.checkpoint.init_from)
             _check_one_tokenizer(key, source, parts)
+    if cfg.train.document_mask:
+        _check_document_ends(d.source, d.val_source)
     try:
         train, val = load_blend(d.source, d.val_source, d.val_fraction)
     except (OSError, ValueError) as e:
@@ -51,6 +53,17 @@ def check_data(cfg: Config) -> None:
                               + (" (or a smaller data.val_fraction)" if what != "data.source" else ""))
     for what, name, tokens in sources:
         _check_ids("data.source" if what == "data.source" else "data.val_source", tokens, m.vocab_size)
+
+
+def _check_document_ends(source: str, val_source: str) -> None:
+    """Document masking needs the token that ends a document, one for training and validation."""
+    try:
+        eos = end_of_document(source)
+        if val_source and end_of_document(val_source) != eos:
+            raise ValueError(f"data.val_source ends documents with token {end_of_document(val_source)}, "
+                             f"data.source with {eos}; tokenize both with one tokenizer")
+    except ValueError as e:
+        raise ConfigError(f"train.document_mask: {e}; or set train.document_mask=false") from None
 
 
 def _tokenizer_of(source: str) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tetrad.data.blend import primary_source
+from tetrad.data.blend import blend_parts, primary_source
 
 INDEX = "index.json"
 TOKENIZER = "tokenizer.json"
@@ -56,6 +56,23 @@ def read_index(folder: Path) -> dict:
     if dtype not in (np.uint16, np.uint32) or not isinstance(shards, list) or not shards:
         raise ValueError(f"{folder / INDEX} names dtype {dtype} and {len(shards)} shards; rebuild it with `tetrad data`")
     return index
+
+
+def end_of_document(source: str) -> int:
+    """The id of the token that ends each document of `source` (every source of a blend): where
+    document masking (train.document_mask) cuts a window. ValueError naming the fix where a source
+    does not say (text read as bytes and token files have no EOS) or two sources disagree."""
+    found = set()
+    for _, part in blend_parts(source):
+        eos = read_index(Path(part)).get("eos_id") if is_shard_folder(Path(part)) else None
+        if not isinstance(eos, int):
+            raise ValueError(f"{part!r} does not say which token ends a document (a shard folder's index.json "
+                             "does); tokenize the text with `tetrad data TEXT --out DATA` and train on DATA")
+        found.add(eos)
+    if len(found) > 1:
+        raise ValueError(f"the sources end documents with different tokens ({sorted(found)}); tokenize every "
+                         "source with one tokenizer")
+    return found.pop()
 
 
 def open_shards(folder: Path) -> list[np.ndarray]:

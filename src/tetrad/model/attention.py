@@ -19,19 +19,25 @@ attention uses them: flash for bf16/fp16 (cuDNN where torch itself prefers it: H
 with a recent cuDNN), memory-efficient for fp32; on CPU the CPU flash kernel; elsewhere a plain
 fp32 matmul + logsumexp with the same contract. Kernels without grouped-query support get K/V
 heads repeated to the query heads (`expand_kv`), so fp32 GQA never falls back to SDPA's math kernel.
+
+Document masking (`docs`: each token's document id over the whole window, [b, S], the same on
+every rank, so no rank needs another's): a query sees only earlier keys of its own document. The
+local and all-to-all paths hand SDPA a boolean mask over the window; the ring builds each block's
+mask from the ids of the two ranks' chunks, skips a block no query row of which sees a key, and
+merges a row that sees none of a block's keys as no contribution.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tetrad import device as devices
-from tetrad.dist.layout import load_balanced_order
+from tetrad.dist.layout import load_balanced_order, shard_sequence
 from tetrad.model.execution import run_eagerly
+from tetrad.model.replay import RingReplay
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,7 @@ class Kernel:
 
 
 def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
-                  cudnn_preferred: bool = False) -> Kernel:
+                  cudnn_preferred: bool = False, masked: bool = False) -> Kernel:
     """The kernel for attention on `device_type` in `dtype`. `cp_algo="ring"` needs a block
     kernel that returns the log-sum-exp; otherwise (all-to-all, or no CP) one SDPA call runs
     over the whole sequence, where torch picks among the kernels this choice makes eligible.
@@ -55,134 +61,116 @@ def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
     one SDPA call runs cuDNN for bf16/fp16, grouped heads included (seen on an H200, torch 2.11),
     and the ring's blocks call cuDNN too, except with GQA (its block op takes equal heads only).
     Causal masking does not enter: a ring's causal blocks are square, which every kernel takes.
+    A document mask (`masked`) does: flash takes no mask, so CUDA runs the memory-efficient kernel
+    (an additive bias) in every dtype; the CPU kernel takes one too.
     """
     half = dtype in (torch.bfloat16, torch.float16)
     if device_type == "cpu":
         return Kernel("cpu_flash", False)
-    if device_type == "cuda" and half:
+    if device_type == "cuda" and half and not masked:
         return Kernel("cudnn" if cudnn_preferred and (cp_algo != "ring" or not gqa) else "flash", False)
     if device_type == "cuda":
         return Kernel("efficient", gqa)
     return Kernel("math", gqa) if cp_algo == "ring" else Kernel("sdpa", False)
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over a whole sequence held by this rank.
+def document_visibility(docs_q: torch.Tensor, docs_k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[b, 1, sq, sk] bool: query i may see key j, both of one document (ids [b, sq] and [b, sk])
+    and, if `causal`, j not after i (rows and columns both in position order)."""
+    visible = docs_q[:, None, :, None] == docs_k[:, None, None, :]
+    if causal:
+        visible = visible & torch.ones(visible.shape[-2:], dtype=torch.bool, device=visible.device).tril()
+    return visible
 
-    q: [b, s, heads, d]; k, v: [b, s, kv_heads, d] (grouped-query when kv_heads < heads).
-    Returns [b, s, heads, d].
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over a whole sequence held by this rank, within documents if `docs`.
+
+    q: [b, s, heads, d]; k, v: [b, s, kv_heads, d] (grouped-query when kv_heads < heads); docs:
+    [b, s] document ids. Returns [b, s, heads, d].
     """
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
-    if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall").expand_kv:
+    if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall", masked=docs is not None).expand_kv:
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    mask = None if docs is None else document_visibility(docs, docs, causal=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                         enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, cp_algo: str = "ring",
-              replay: RingReplay | None = None) -> torch.Tensor:
+              replay: RingReplay | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens (shapes as `local_attention`), context parallel
     over topo's cp group with `cp_algo` ("ring" or "alltoall") when cp > 1. `replay`: the
-    layer's RingReplay, which a per-op recompute opens."""
+    layer's RingReplay, which a per-op recompute opens. `docs`: the document ids of the whole
+    window (not this rank's shard), [b, seq_len], for document masking."""
     if topo.size("cp") == 1:
-        return local_attention(q, k, v)
+        return local_attention(q, k, v, docs)
     if cp_algo == "ring":
-        return run_eagerly(ring_attention, q, k, v, topo, replay)
-    return alltoall_attention(q, k, v, topo)
+        return run_eagerly(ring_attention, q, k, v, topo, replay, docs)
+    return alltoall_attention(q, k, v, topo, docs)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
-                   replay: RingReplay | None = None) -> torch.Tensor:
-    """`_RingAttention` on the kernel this device and dtype take (shapes as `local_attention`)."""
+                   replay: RingReplay | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """`_RingAttention` on the kernel this device and dtype take (shapes as `attention`)."""
     kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
-                           devices.prefers_cudnn_attention(q.device))
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel, replay)
+                           devices.prefers_cudnn_attention(q.device), masked=docs is not None)
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel, replay, docs)
     return out.transpose(1, 2)
-
-
-class RingReplay:
-    """The ring's merged output and log-sum-exp, kept by a block's forward and handed back to its
-    recompute under the per-op policy (`selective-op`, model/llama.py). The ring's backward reads
-    only q, k, v and those two; left to the policy, the ring's block kernels would each keep their
-    own (cp of them, over the whole sequence on the last cp rank: `_visible`) and the recompute
-    would run the ring again, K/V sends included. One per attention layer: the block's checkpoint
-    opens `recording(kept)` around its forward, where each ring call appends its result to `kept`
-    (and `running` tells the policy to keep nothing from inside it), and `replaying(kept)` around
-    its recompute, where each ring call takes its result back without sending or computing."""
-
-    def __init__(self):
-        self.running = False  # inside a ring call's forward
-        self._kept: list | None = None  # the open checkpoint's results, oldest first
-        self._hold = None  # an activation meter's: the kept results live outside autograd
-        self._replaying = False
-
-    @contextlib.contextmanager
-    def recording(self, kept: list, hold=None):
-        self._kept, self._hold = kept, hold
-        try:
-            yield
-        finally:
-            self._kept, self._hold = None, None
-
-    @contextlib.contextmanager
-    def replaying(self, kept: list):
-        self._kept, self._replaying = kept, True
-        try:
-            yield
-        finally:
-            self._kept, self._replaying = None, False
-
-    def run(self, ring, *args):
-        """ring(*args)'s (output, log-sum-exp): taken back while replaying, else computed (and
-        kept while recording)."""
-        if self._replaying:
-            return self._kept.pop(0)[:2]
-        self.running = True
-        try:
-            out, lse = ring(*args)
-        finally:
-            self.running = False
-        if self._kept is not None:  # detached: the replay's node must not take over this output
-            held = [self._hold(t) for t in (out, lse)] if self._hold else []
-            self._kept.append((out.detach(), lse.detach(), held))
-        return out, lse
 
 
 # ----------------------------------------------------------------------------- block kernels
 # q [b, h, sq, d]; k, v [b, h or kv_heads, sk, d]; lse [b, h, sq] in fp32. A causal block is
-# square. Dropout is 0, so the CUDA backwards never read their random-number state.
+# square. Dropout is 0, so the CUDA backwards never read their random-number state. `visible`:
+# a document mask [b, 1, sq, sk] (bool), for the kernels that take one (choose_kernel).
 aten = torch.ops.aten
 
 
-def _block_forward(q, k, v, causal: bool, kernel: str):
+def _bias(visible, q, kernel: str):
+    """`visible` as the additive bias (q's dtype) a fused kernel takes; the memory-efficient one
+    wants it over every head, its rows 16-element aligned (as SDPA pads it)."""
+    if visible is None:
+        return None
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    if kernel != "efficient":
+        return bias
+    sk = bias.shape[-1]
+    return F.pad(bias, (0, -sk % 16))[..., :sk].expand(q.shape[0], q.shape[1], q.shape[2], sk)
+
+
+def _block_forward(q, k, v, causal: bool, kernel: str, visible=None):
     """(output, log-sum-exp) of q's rows over one K/V block."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    bias = _bias(visible, q, kernel)
     if kernel == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
     if kernel == "flash":
         return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
     if kernel == "efficient":  # its log-sum-exp is padded to a multiple of 32 rows
-        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[:2]
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal)[:2]
         return out, lse[..., :q.shape[2]]
     if kernel == "cudnn":  # its log-sum-exp has a trailing unit dimension
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
         return out, lse.reshape(q.shape[:3])
-    return _math_forward(q, k, v, causal)
+    return _math_forward(q, k, v, causal, visible)
 
 
-def _math_forward(q, k, v, causal: bool):
-    scores = _scores(q, k, causal)
+def _math_forward(q, k, v, causal: bool, visible=None):
+    scores = _scores(q, k, causal, visible)
     lse = scores.logsumexp(-1)
     return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, kernel: str):
+def _block_backward(dout, q, k, v, out, lse, causal: bool, kernel: str, visible=None):
     """dq, dk, dv of one block, given the *final* output and log-sum-exp of the rows."""
     dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
     sq, sk = q.shape[2], k.shape[2]
+    bias = _bias(visible, q, kernel)
     if kernel == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                         attn_mask=bias)
     seed, offset = (torch.empty((), dtype=torch.long, device=q.device) for _ in range(2))
     if kernel == "flash":
         return aten._scaled_dot_product_flash_attention_backward(
@@ -190,16 +178,16 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool, kernel: str):
     if kernel == "efficient":
         lse = F.pad(lse, (0, -sq % 32))
         return aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal)[:3]
+            dout, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], causal)[:3]
     if kernel == "cudnn":
         return aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, lse[..., None], seed, offset, None, None, None, sq, sk, 0.0, causal)
-    return _math_backward(dout, q, k, v, out, lse, causal)
+    return _math_backward(dout, q, k, v, out, lse, causal, visible)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal: bool):
+def _math_backward(dout, q, k, v, out, lse, causal: bool, visible=None):
     scale = q.shape[-1] ** -0.5
-    p = torch.exp(_scores(q, k, causal) - lse[..., None])
+    p = torch.exp(_scores(q, k, causal, visible) - lse[..., None])
     dout = dout.float()
     dv = p.transpose(-1, -2) @ dout
     ds = p * (dout @ v.float().transpose(-1, -2) - (dout * out.float()).sum(-1, keepdim=True))
@@ -207,11 +195,13 @@ def _math_backward(dout, q, k, v, out, lse, causal: bool):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _scores(q, k, causal: bool):
+def _scores(q, k, causal: bool, visible=None):
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     return scores
 
 
@@ -231,6 +221,26 @@ def _visible(step: int, src: int, rank: int, half: int):
     return slice(half, None), slice(None), False
 
 
+def _ring_steps(docs: torch.Tensor | None, cp: int, rank: int, half: int) -> list:
+    """Each ring step's (rows, cols, causal, visible): `_visible`'s block and, under document
+    masking, its mask with causality folded in (`causal` then False), from the ids of my chunks
+    and the source's (every rank holds the whole window's). A masked block no row of which sees
+    a key is None: the ring passes it on without computing (one host sync decides them all)."""
+    steps = []
+    for step in range(cp):
+        src = (rank - step) % cp
+        rows, cols, causal = _visible(step, src, rank, half)
+        if docs is None:
+            steps.append((rows, cols, causal, None))
+        else:
+            mine, theirs = shard_sequence(docs, cp, rank)[:, rows], shard_sequence(docs, cp, src)[:, cols]
+            steps.append((rows, cols, False, document_visibility(mine, theirs, causal)))
+    if docs is None:
+        return steps
+    live = torch.stack([visible.any() for *_, visible in steps]).tolist()
+    return [block if alive else None for block, alive in zip(steps, live)]
+
+
 def _pass_on(tensor: torch.Tensor, topo):
     """Start sending `tensor` to the next CP rank and receiving the previous one's; returns
     (pending, receive buffer)."""
@@ -246,10 +256,15 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor):
-    """Fold one block's (output, log-sum-exp) of `rows` into the fp32 running `out` and `lse`."""
-    new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
-    out[:, :, rows] = (out[:, :, rows] * (lse[:, :, rows] - new_lse).exp()[..., None]
-                       + blk_out.float() * (blk_lse - new_lse).exp()[..., None])
+    """Fold one block's (output, log-sum-exp) of `rows` into the fp32 running `out` and `lse`.
+    A row whose block log-sum-exp is -inf saw none of the block's keys (document masking): it
+    takes nothing from the block, whose output there is NaN or anything (kernels differ), and
+    -inf minus -inf never enters its arithmetic."""
+    old, old_out = lse[:, :, rows], out[:, :, rows]
+    seen = blk_lse > float("-inf")
+    new_lse = torch.where(seen, torch.logaddexp(old, blk_lse), old)
+    merged = old_out * (old - new_lse).exp()[..., None] + blk_out.float() * (blk_lse - new_lse).exp()[..., None]
+    out[:, :, rows] = torch.where(seen[..., None], merged, old_out)
     lse[:, :, rows] = new_lse
 
 
@@ -263,19 +278,22 @@ def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.view(b, h // groups, groups, s, d).sum(2) if groups > 1 else x
 
 
-def _ring_forward(q, k, v, topo, kernel: Kernel):
+def _ring_forward(q, k, v, topo, kernel: Kernel, docs: torch.Tensor | None):
     """The merged (output, fp32 log-sum-exp) of q over every rank's K/V, passed around the ring."""
     cp, rank = topo.size("cp"), topo.local_rank("cp")
     half, groups = q.shape[2] // 2, _expansion(q, k, kernel)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
     kv = torch.stack([k, v])  # the block that travels: KV heads only
-    for step in range(cp):
+    for step, block in enumerate(_ring_steps(docs, cp, rank, half)):
         pending, incoming = _pass_on(kv, topo) if step < cp - 1 else (None, None)
-        rows, cols, causal = _visible(step, (rank - step) % cp, rank, half)
-        blk_out, blk_lse = _block_forward(q[:, :, rows], _repeat_kv(kv[0][:, :, cols], groups),
-                                          _repeat_kv(kv[1][:, :, cols], groups), causal, kernel.name)
-        _merge(out, lse, rows, blk_out, blk_lse)
+        if block is not None:
+            rows, cols, causal, visible = block
+            blk_out, blk_lse = _block_forward(q[:, :, rows], _repeat_kv(kv[0][:, :, cols], groups),
+                                              _repeat_kv(kv[1][:, :, cols], groups), causal, kernel.name, visible)
+            if visible is not None:  # a row that sees no key here: -inf (the CPU kernel says 0)
+                blk_lse = blk_lse.masked_fill(~visible.any(-1), float("-inf"))
+            _merge(out, lse, rows, blk_out, blk_lse)
         if pending is not None:
             pending.wait()
             kv = incoming
@@ -287,11 +305,11 @@ class _RingAttention(torch.autograd.Function):
     this rank's two chunks. Its backward is a second ring, not autograd through the first."""
 
     @staticmethod
-    def forward(ctx, q, k, v, topo, kernel: Kernel, replay: RingReplay | None):
-        args = (q, k, v, topo, kernel)
+    def forward(ctx, q, k, v, topo, kernel: Kernel, replay: RingReplay | None, docs: torch.Tensor | None):
+        args = (q, k, v, topo, kernel, docs)
         out, lse = replay.run(_ring_forward, *args) if replay is not None else _ring_forward(*args)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.topo, ctx.kernel = topo, kernel
+        ctx.topo, ctx.kernel, ctx.docs = topo, kernel, docs  # docs: the batch's, alive anyway
         return out
 
     @staticmethod
@@ -303,19 +321,20 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv_pending = dkv_incoming = None
-        for step in range(cp):
+        for step, block in enumerate(_ring_steps(ctx.docs, cp, rank, half)):
             kv_pending, kv_incoming = _pass_on(kv, topo) if step < cp - 1 else (None, None)
-            rows, cols, causal = _visible(step, (rank - step) % cp, rank, half)
-            dq_b, dk_b, dv_b = _block_backward(dout[:, :, rows], q[:, :, rows],
-                                               _repeat_kv(kv[0][:, :, cols], groups),
-                                               _repeat_kv(kv[1][:, :, cols], groups),
-                                               out[:, :, rows], lse[:, :, rows], causal, kernel.name)
-            dq[:, :, rows] += dq_b
             # The dK/dV of the block in hand, fp32; the accumulator for it arrives from the
             # previous rank and leaves for the next, reaching the owner after cp passes.
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            dkv[0][:, :, cols] = _sum_groups(dk_b.float(), groups)
-            dkv[1][:, :, cols] = _sum_groups(dv_b.float(), groups)
+            if block is not None:
+                rows, cols, causal, visible = block
+                dq_b, dk_b, dv_b = _block_backward(dout[:, :, rows], q[:, :, rows],
+                                                   _repeat_kv(kv[0][:, :, cols], groups),
+                                                   _repeat_kv(kv[1][:, :, cols], groups),
+                                                   out[:, :, rows], lse[:, :, rows], causal, kernel.name, visible)
+                dq[:, :, rows] += dq_b
+                dkv[0][:, :, cols] = _sum_groups(dk_b.float(), groups)
+                dkv[1][:, :, cols] = _sum_groups(dv_b.float(), groups)
             if dkv_pending is not None:
                 dkv_pending.wait()
                 dkv += dkv_incoming
@@ -324,7 +343,7 @@ class _RingAttention(torch.autograd.Function):
                 kv_pending.wait()
                 kv = kv_incoming
         dkv_pending.wait()
-        return dq.to(q.dtype), dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype), None, None, None, None
 
 
 # ----------------------------------------------------------------------------- all-to-all
@@ -359,13 +378,15 @@ class _AllToAll(torch.autograd.Function):
         return _reshard(grad.contiguous(), ctx.topo, not ctx.to_heads), None, None
 
 
-def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo) -> torch.Tensor:
+def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
+                       docs: torch.Tensor | None = None) -> torch.Tensor:
     """Ulysses: every rank attends over the whole sequence for heads/cp of its heads. The
-    gathered sequence is put in true-position order so the causal kernel applies, then back."""
+    gathered sequence is put in true-position order so the causal kernel (and the window's
+    document ids, `docs`) apply, then back."""
     cp = topo.size("cp")
     order = load_balanced_order(q.shape[1] * cp, cp, q.device)  # true position of each gathered token
     natural = torch.argsort(order)
     q = run_eagerly(_AllToAll.apply, q, topo, True)[:, natural]
     k = run_eagerly(_AllToAll.apply, k, topo, True)[:, natural]
     v = run_eagerly(_AllToAll.apply, v, topo, True)[:, natural]
-    return run_eagerly(_AllToAll.apply, local_attention(q, k, v)[:, order], topo, False)
+    return run_eagerly(_AllToAll.apply, local_attention(q, k, v, docs)[:, order], topo, False)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tetrad.config import ModelConfig
-from tetrad.model.attention import RingReplay, attention
+from tetrad.model.attention import attention
+from tetrad.model.replay import RingReplay
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
 from tetrad.model.layers import (ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
@@ -114,11 +115,12 @@ class Attention(nn.Module):
         self.wv = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo, ex)
         self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, topo, ex, std=out_std)
         self.recompute_core = False  # selective recompute (see `core`)
-        self.ring_replay = RingReplay()  # per-op recompute under ring cp (model/attention.py)
+        self.ring_replay = RingReplay()  # per-op recompute under ring cp (model/replay.py)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: LayerCache | None = None) -> torch.Tensor:
-        """`cache` (decoding): x holds the newest tokens only; their keys and values join the cache."""
+                cache: LayerCache | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """`cache` (decoding): x holds the newest tokens only; their keys and values join the cache.
+        `docs`: the window's document ids, for document masking (model/attention.py)."""
         # q, k, v share one input collective; under SP x is a sequence chunk, q/k/v the whole sequence.
         q, k, v = column_parallel_linears(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.topo, self.ex)
         b, s, _ = q.shape
@@ -129,18 +131,18 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             out = cached_attention(q, *cache.extend(k, v))
         elif self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core, q, k, v, rope, use_reentrant=False)
+            out = checkpoint(self.core, q, k, v, rope, docs, use_reentrant=False)
         else:
-            out = self.core(q, k, v, rope)
+            out = self.core(q, k, v, rope, docs)
         return self.wo(out.reshape(b, s, self.heads * hd))
 
-    def core(self, q, k, v, rope):
+    def core(self, q, k, v, rope, docs=None):
         """Rotary embedding and attention: what selective recompute recomputes, keeping only q, k,
         v (Korthikanti et al. 2022). With a flash kernel the core itself keeps little (its output
         and log-sum-exp); the rotated q and k, elementwise and cheap to redo, are the bulk."""
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return attention(q, k, v, self.topo, self.ex.cp_algo, self.ring_replay)
+        return attention(q, k, v, self.topo, self.ex.cp_algo, self.ring_replay, docs)
 
 
 class MLP(nn.Module):
@@ -206,11 +208,12 @@ class Block(nn.Module):
         self.recompute = "none"  # "full" or "selective-op": the block runs under a checkpoint
         self.compiled_body = None  # torch.compile's version of `body`, when compiling
 
-    def body(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+    def body(self, x: torch.Tensor, rope, docs: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, docs=docs))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
-    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
         if cache is not None:  # decoding: no recompute, no compile
             x = x + self.attn(self.attn_norm(x), rope, cache)
             return x + self.mlp(self.mlp_norm(x))
@@ -218,8 +221,8 @@ class Block(nn.Module):
         # per forward and never during the recompute.
         body = self.compiled_body or self.body
         if self.recompute != "none" and torch.is_grad_enabled():
-            return checkpoint(body, x, rope, use_reentrant=False, context_fn=self._recompute_contexts)
-        return body(x, rope)
+            return checkpoint(body, x, rope, docs, use_reentrant=False, context_fn=self._recompute_contexts)
+        return body(x, rope, docs)
 
     def _recompute_contexts(self):
         """(forward, recompute) contexts of the checkpoint: the per-op policy's, if any, and the
@@ -304,12 +307,14 @@ class Transformer(nn.Module):
         self._rope: tuple | None = None  # (positions, their version, tables): see `rope`
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: dict[str, LayerCache] | None = None) -> torch.Tensor:
+                cache: dict[str, LayerCache] | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
         """x: tokens [b, s] on the first chunk, else hidden states [b, s, d]; positions: [s], each
         token's true position. On the last chunk returns the summed token loss (labels given)
         or this rank's vocabulary slice of the logits; otherwise the hidden states. `cache`
         (decoding, one process): per layer name, the keys and values of the earlier tokens; x
-        then holds only the new tokens, at `positions`, and the cache grows by them."""
+        then holds only the new tokens, at `positions`, and the cache grows by them. `docs`
+        (document masking): the document id of every token of the whole window, [b, seq_len],
+        on every rank and stage (not sharded: attention derives each rank's part)."""
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":
@@ -318,7 +323,7 @@ class Transformer(nn.Module):
             h = x
         rope = self.rope(positions) if self.cfg.pos == "rope" else None
         for name, block in self.layers.items():
-            h = block(h, rope) if cache is None else block(h, rope, cache.setdefault(name, LayerCache()))
+            h = block(h, rope, docs=docs) if cache is None else block(h, rope, cache.setdefault(name, LayerCache()))
         if not self.last:
             return h
         h = self.norm(h)

@@ -84,7 +84,7 @@ def _pp_bytes(cfg: Config) -> float:
 
 def _cp_bytes(cfg: Config) -> float:
     """Ring: K/V cp-1 times forward (again under selective and full recompute, which run the
-    ring again; selective-op replays its kept result: model/attention.py RingReplay); backward
+    ring again; selective-op replays its kept result: model/replay.py RingReplay); backward
     K/V cp-1 times and the fp32 dK/dV cp times.
     All-to-all: q, k, v to heads and the output back, each way; full and per-op recompute repeat
     all four, selective q, k and v (its recompute stops at the attention kernel's saved outputs,

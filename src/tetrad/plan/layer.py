@@ -209,7 +209,7 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
     accumulator), and the last dK/dV hand-off waits. All-to-all: q, k, v and the output re-shard
     each way, exposed. Backward also repeats what the recompute does again: the forward's
     collectives, all of them under full recompute, under per-op recompute the all-to-alls (the
-    ring is replayed: model/attention.py RingReplay), under selective the attention core's (the
+    ring is replayed: model/replay.py RingReplay), under selective the attention core's (the
     ring's sends; the all-to-alls of q, k and v, not the output's)."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:

@@ -12,7 +12,8 @@ optimizer's part to host memory, which is counted apart (`host_memory_by_rank`).
 Activations follow Korthikanti et al. 2022, written per saved tensor so that they generalise to
 GQA, SwiGLU, fp32, flash attention (no s^2 scores kept, a log-sum-exp instead), TP with or
 without SP, CP (a rank holds seq_len/cp tokens) and recomputation: with 16-bit activations,
-dropout, GELU and materialised scores they are exactly sbh(34 + 5as/h) per layer.
+dropout, GELU and materialised scores they are exactly sbh(34 + 5as/h) per layer. Document
+masking adds the mask SDPA keeps (`document_mask_bytes`).
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     q, kv = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp
     if recompute == "selective-op":  # the input, the kept matmul outputs (a row-parallel one whole,
         # before its all-reduce or reduce-scatter), the attention's output and fp32 log-sum-exp (under
-        # ring cp the ring's merged ones, once: model/attention.py RingReplay)
+        # ring cp the ring's merged ones, once: model/replay.py RingReplay)
         kept = sum(n if row else n / tp for _, n, row in flops.op_checkpoint_saved_matmuls(m))
         return hidden / div + tokens * e * (kept + q) + 4 * m.n_heads / tp * tokens
     f = m.ffn_hidden / tp
@@ -205,6 +206,19 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
         else:  # softmax output, and with dropout its mask and output: Korthikanti's 5as^2b
             core = (e + (e + 1 if dropout else 0)) * heads * tokens * m.seq_len
     return replicated + split + core
+
+
+def document_mask_bytes(cfg: Config, recompute: str) -> float:
+    """Bytes of the document mask one layer's attention keeps for backward (train.document_mask):
+    SDPA's additive bias over the whole window, [micro_batch, 1, seq_len, seq_len] in the
+    activations' dtype (converted from the boolean mask; seen on CPU: model/attention.py), on the
+    local and all-to-all paths, whose kernel takes the whole window. The ring keeps none (its
+    backward builds each block's mask again from the window's ids), nor does a recompute that
+    rebuilds the attention core."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not t.document_mask or recompute != "none" or (p.cp > 1 and p.cp_algo == "ring"):
+        return 0.0
+    return t.micro_batch * m.seq_len ** 2 * activation_bytes(t.dtype)
 
 
 def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e: int) -> float:
@@ -229,7 +243,8 @@ def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
     tokens = t.micro_batch * m.seq_len // p.cp
     e = activation_bytes(t.dtype)
     stack = as_run(cfg, stack, is_cpu)
-    full = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
+    full = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
+            + document_mask_bytes(cfg, t.recompute))
     return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
 
 
@@ -243,7 +258,8 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     tokens = t.micro_batch * m.seq_len // p.cp
     hidden = tokens * m.d_model * e
     stack = as_run(cfg, stack, is_cpu)
-    per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
+    per_layer = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
+                 + document_mask_bytes(cfg, t.recompute))
     rebuilt = 0.0
     if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward,
         # beyond what the held sets already count for that layer: what it keeps, or under a split
@@ -251,7 +267,8 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
         counted = per_layer
         if schedule_spec(p.schedule).splits_backward:
             counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
-        rebuilt = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack) - counted
+        rebuilt = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
+                   + document_mask_bytes(cfg, "none") - counted)
     # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered unless
     # the stack gathers it again in backward, as every column-parallel input); the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).

@@ -24,6 +24,7 @@ import torch
 
 from tetrad.config.rampup import BatchRamp
 from tetrad.data.blend import blend_parts
+from tetrad.data.shards import end_of_document
 from tetrad.data.sources import TokenStream, load_blend
 
 MASK64 = (1 << 64) - 1
@@ -147,17 +148,25 @@ def blend_counts(total: int, weights: list[Fraction]) -> list[int]:
     return blend_counts(first, weights[:mid]) + blend_counts(total - first, weights[mid:])
 
 
+def document_ids(inputs: torch.Tensor, eos: int) -> torch.Tensor:
+    """Each token's document within its window ([b, s] -> [b, s]): how many EOS tokens come
+    before it, so an EOS belongs to the document it ends and the token after it starts the next."""
+    ends = (inputs == eos).long()
+    return ends.cumsum(1) - ends
+
+
 class Batches:
     """A run's global batches from one source or a weighted blend of several (Megatron-LM's
     blend: each source keeps its own epochs; a small source with a large weight repeats sooner).
-    `ramp`: the global batch of each step (config/rampup.py); global_batch at every step if None."""
+    `ramp`: the global batch of each step (config/rampup.py); global_batch at every step if None.
+    `eos`: the token that ends a document, under document masking (train.document_mask)."""
 
     def __init__(self, sources: list[tuple[Fraction, TokenStream]], seq_len: int, global_batch: int, seed: int,
-                 vocab_size: int, shuffle: bool = True, ramp: BatchRamp | None = None):
+                 vocab_size: int, shuffle: bool = True, ramp: BatchRamp | None = None, eos: int | None = None):
         self.weights = [Fraction(w) for w, _ in sources]
         # Each source its own shuffle: the first keeps the run's seed.
         self.windows = [Windows(tokens, seq_len, seed + (i << 32), shuffle) for i, (_, tokens) in enumerate(sources)]
-        self.seq_len, self.global_batch, self.vocab_size = seq_len, global_batch, vocab_size
+        self.seq_len, self.global_batch, self.vocab_size, self.eos = seq_len, global_batch, vocab_size, eos
         self.ramp = ramp or BatchRamp(global_batch, global_batch)
         self.origin = (0, 0)  # (step, sample): that step's first sample; later steps follow on
 
@@ -208,7 +217,13 @@ class Batches:
         if len(self.windows) == 1:
             return [(Fraction(1), self)]
         return [(weight, Batches([(1, w.tokens)], self.seq_len, self.global_batch, w.seed, self.vocab_size,
-                                 w.shuffle)) for weight, w in zip(self.weights, self.windows)]
+                                 w.shuffle, self.eos)) for weight, w in zip(self.weights, self.windows)]
+
+    def documents(self, inputs: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """The document ids of these whole windows on `device`, or None without document masking.
+        Every rank (every pipeline stage, every cp rank) derives them from the same rows: no
+        communication."""
+        return None if self.eos is None else document_ids(inputs, self.eos).to(device)
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows(step, 0, self.size(step))
@@ -243,8 +258,9 @@ def split_batches(cfg) -> tuple[Batches, Batches | None]:
     `microbatches(i, ...)`, so every evaluation sees the same held-out windows)."""
     d, m, t = cfg.data, cfg.model, cfg.train
     train, val = load_blend(d.source, d.val_source, d.val_fraction)
-    return (Batches(train, m.seq_len, t.global_batch, t.seed, m.vocab_size, ramp=BatchRamp.of(t)),
-            None if val is None else Batches(val, m.seq_len, t.global_batch, t.seed, m.vocab_size, shuffle=False))
+    eos = end_of_document(d.source) if t.document_mask else None  # the validation's too (data/checks.py)
+    return (Batches(train, m.seq_len, t.global_batch, t.seed, m.vocab_size, ramp=BatchRamp.of(t), eos=eos),
+            None if val is None else Batches(val, m.seq_len, t.global_batch, t.seed, m.vocab_size, False, eos=eos))
 
 
 def describe(cfg) -> str:

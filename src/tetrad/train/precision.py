@@ -10,7 +10,6 @@ range and needs no scaling.
 
 from __future__ import annotations
 
-import torch
 
 class LossScaler:
     """Dynamic loss scale (torch.amp.GradScaler's rule): halve it on an overflow, double it after

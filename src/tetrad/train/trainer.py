@@ -91,8 +91,7 @@ def _without_storage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class Trainer:
     def __init__(self, cfg: Config, device: torch.device):
         check_config(cfg)  # the registry's rules, which load_config cannot run: ConfigError, as `tetrad train`
-        self.cfg = cfg
-        p = cfg.parallel
+        self.cfg, p = cfg, cfg.parallel
         # Memory is measured from here: on CPU a forked rank starts with its parent's pages.
         self.memory = devices.PeakMemory(device)
         # Every group starts with the start-up timeout; after the first step, the collective one.
@@ -152,9 +151,10 @@ class Trainer:
 
     def _sequence_shards(self, microbatches):
         """Context parallel: this rank's two load-balanced chunks of every sequence (context.py),
-        and their positions."""
-        cp, cp_rank = self.topo.size("cp"), self.topo.local_rank("cp")
-        local = [tuple(shard_sequence(t.to(self.topo.device), cp, cp_rank) for t in pair) for pair in microbatches]
+        and their positions; beside them the whole window's document ids (or None: no masking)."""
+        cp, cp_rank, device = self.topo.size("cp"), self.topo.local_rank("cp"), self.topo.device
+        local = [(*(shard_sequence(t.to(device), cp, cp_rank) for t in (x, y)), self.batches.documents(x, device))
+                 for x, y in microbatches]
         return local, self.positions
 
     def evaluate(self) -> dict:

@@ -25,7 +25,6 @@ import torch.nn as nn
 from tetrad import device as devices
 from tetrad.config import TrainConfig
 from tetrad.device import FUSED_OPTIMIZER_DEVICES
-from tetrad.dist.layout import GRAD
 from tetrad.model.sharding import spec_of
 from tetrad.parallel.data import collectives
 from tetrad.parallel.data.buffers import Bucket

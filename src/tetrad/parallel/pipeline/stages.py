@@ -69,9 +69,9 @@ class PipelineStages(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
-                chunk: int = 0) -> torch.Tensor:
+                chunk: int = 0, docs: torch.Tensor | None = None) -> torch.Tensor:
         """Run local chunk `chunk` (see Transformer.forward for what goes in and out)."""
-        return self.chunks[chunk](x, positions, labels)
+        return self.chunks[chunk](x, positions, labels, docs=docs)
 
     def tied_weight(self) -> nn.Parameter | None:
         """This rank's copy of the embedding tied across stages, if it holds one."""

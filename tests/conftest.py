@@ -5,12 +5,17 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from functools import lru_cache
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from tetrad import launch
 from tetrad.config import load_config
+from tetrad.data.shards import shard_name, write_index
+from tetrad.data.sources import CORPORA
 from tetrad.model.sharding import gather_full, set_spec, spec_of
 from tetrad.train.trainer import Trainer
 
@@ -28,6 +33,24 @@ TINY = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "
 def run_ranks(fn, world_size: int, *args, timeout_s: float = DEADLINE_S, spawn: bool = False):
     """Run fn(*args) on `world_size` forked (or spawned) gloo ranks and return every rank's result."""
     return launch.run_local(fn, world_size, args, timeout_s=timeout_s, pg_timeout_s=PG_TIMEOUT_S, spawn=spawn)
+
+
+DOC_EOS = 0  # byte 0 never occurs in the built-in corpus
+
+
+@lru_cache(maxsize=None)
+def doc_shards() -> str:
+    """A shard folder (vocabulary 256, EOS 0) of the built-in corpus cut into documents of 4 to
+    24 bytes: a 32-token window holds a few."""
+    text = np.frombuffer(CORPORA["licenses"].read_bytes()[:40_000], dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    cuts = np.cumsum(rng.integers(4, 25, size=len(text) // 4))
+    docs = np.split(text, cuts[cuts < len(text)])
+    tokens = np.concatenate([np.append(d, DOC_EOS) for d in docs]).astype(np.uint16)
+    folder = Path(tempfile.mkdtemp(prefix="tetrad-doc-shards-"))
+    tokens.tofile(folder / shard_name(0))
+    write_index(folder, [{"file": shard_name(0), "tokens": len(tokens), "documents": len(docs)}], 256, DOC_EOS)
+    return str(folder)
 
 
 def tiny_config(**sections):

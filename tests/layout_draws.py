@@ -2,7 +2,8 @@
 dp/tp/pp/cp (2, 4 or 8 ranks) with ZeRO 0-3, the four schedules and virtual stages, sequence
 parallelism and its regather, both cp algorithms, codecs, bucket sizes, hierarchical reduction
 ("auto" included), the tiny model's shapes varied (GQA, odd vocabularies, tied, GPT-style,
-uneven stage splits), micro/global batches, clipping, dtypes, recompute, offload and validation.
+uneven stage splits), micro/global batches and their ramp-up, clipping, dtypes, recompute, offload,
+validation and document masking.
 Each draw is a pure function of its seed; a few are invalid on purpose (validation must refuse
 them with one line that names the fix)."""
 
@@ -12,7 +13,7 @@ import random
 import time
 from collections.abc import Iterator
 
-from conftest import tiny_config
+from conftest import doc_shards, tiny_config
 from tetrad.config import ConfigError
 from tetrad.parallel.pipeline.registry import check_config as check_pipeline
 
@@ -50,8 +51,11 @@ def uneven_split(n_layers: int, stages: int, rng: random.Random) -> list[int]:
     return [b - a for a, b in zip([0] + cuts, cuts + [n_layers])]
 
 
-def draw(seed: int) -> dict:
-    """Config overrides (model, parallel, train) for one draw."""
+def draw(seed: int, extended: bool = False) -> dict:
+    """Config overrides (model, parallel, train) for one draw; `extended` (the fuzzers') also draws
+    document masking and batch ramp-up, after every other choice (so a seed's layout is the same).
+    The suite's fixed seeds draw without: at global batches of 2, Adam's cancellations carry fp32
+    rounding past tp's parity bound (tests/test_drawn_layouts.py)."""
     rng = random.Random(seed)
     world = rng.choices([2, 4, 8], weights=[4, 5, 1])[0]
     par = factor(world, rng)
@@ -104,6 +108,12 @@ def draw(seed: int) -> dict:
     if rng.random() < 0.25:  # validation in the training layout, at step 2 and the last
         data["val_fraction"] = 0.05
         train.update(eval_every=2, eval_steps=2)
+    if extended and rng.random() < 0.15:  # document masking needs shards whose index names the EOS
+        train["document_mask"], data["source"], model["vocab_size"] = True, doc_shards(), 256
+    fewest = max(1, need if par["pp"] > 1 else 1)  # micro-batches per dp rank the schedule needs
+    if extended and m > fewest and rng.random() < 0.15:  # a ramp-up from the fewest over the run's 3 steps
+        rows = micro * par["dp"]
+        train["batch_rampup"] = [rows * fewest, rows, rng.choice([1, 2]) * rows * fewest]
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 
@@ -113,14 +123,14 @@ def reference_of(overrides: dict) -> dict:
     return {"model": overrides["model"], "train": train, "data": overrides.get("data", {})}
 
 
-def resume_pair(seed: int) -> dict | None:
+def resume_pair(seed: int, extended: bool = False) -> dict | None:
     """Layout A trains 4 steps, saving at step 2; layout B, another draw over the same model and
     train config (its own micro_batch), resumes from step 2. fp32 without codecs, for parity."""
-    a = draw(seed)
+    a = draw(seed, extended)
     a["train"].update(steps=4, dtype="fp32")
     a["parallel"].pop("grad_codec", None)
     for k in range(1, 40):
-        b = draw(seed * 1000 + k)
+        b = draw(seed * 1000 + k, extended)
         b["parallel"].pop("grad_codec", None)
         b_train = {**a["train"], "micro_batch": b["train"]["micro_batch"]}
         try:

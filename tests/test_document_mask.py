@@ -2,19 +2,15 @@
 document. Proven against running each document on its own, then every layout against one process
 with the mask on; the ring's merge of a block row that sees no key is checked apart."""
 
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import assert_all_within, assert_parity, rank_histories, run_ranks, tiny_config, train_layout
+from conftest import DOC_EOS as EOS, assert_all_within, assert_parity, doc_shards, rank_histories, run_ranks, \
+    tiny_config, train_layout
 from tetrad.config import ConfigError
 from tetrad.data.checks import check_data
-from tetrad.data.shards import shard_name, write_index
-from tetrad.data.sources import CORPORA
 from tetrad.dist.layout import Layout, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model import attention as attn
@@ -23,7 +19,6 @@ from tetrad.plan.hardware import load_cluster
 from tetrad.train.batches import document_ids
 from tetrad.train.trainer import build_model
 
-EOS = 0  # byte 0 never occurs in the built-in corpus
 
 
 def _documents(seq: int, batch: int = 2, seed: int = 0) -> torch.Tensor:
@@ -184,19 +179,6 @@ def test_context_parallel_attention_matches_one_process(cp, dtype):
 
 # ----------------------------------------------------------------------------- training parity
 
-@lru_cache(maxsize=None)
-def doc_shards() -> str:
-    """A shard folder (vocabulary 256, EOS 0) of the built-in corpus cut into documents of 4 to
-    24 bytes: a 32-token window holds a few."""
-    text = np.frombuffer(CORPORA["licenses"].read_bytes()[:40_000], dtype=np.uint8)
-    rng = np.random.default_rng(0)
-    cuts = np.cumsum(rng.integers(4, 25, size=len(text) // 4))
-    docs = np.split(text, cuts[cuts < len(text)])
-    tokens = np.concatenate([np.append(d, EOS) for d in docs]).astype(np.uint16)
-    folder = Path(tempfile.mkdtemp(prefix="tetrad-doc-shards-"))
-    tokens.tofile(folder / shard_name(0))
-    write_index(folder, [{"file": shard_name(0), "tokens": len(tokens), "documents": len(docs)}], 256, EOS)
-    return str(folder)
 
 
 LAYOUTS = {  # name -> (parallel, train, model)

@@ -127,7 +127,7 @@ def layout_run(overrides: dict, trained):
 def dropout_pair(seed: int) -> dict:
     """A draw with residual dropout and a recompute mode; compared with the same layout without
     recompute, which must give the same numbers exactly (the recompute replays the masks)."""
-    overrides = draw(seed)
+    overrides = draw(seed, extended=True)
     overrides["model"]["dropout"] = 0.1
     if overrides["train"]["recompute"] == "none":
         overrides["train"]["recompute"] = random.Random(seed).choice(["selective", "selective-op", "full"])
@@ -143,7 +143,7 @@ def check_same(got, ref) -> str:
 
 
 def run_one(seed: int, refs: dict, timeout_s: float, resume: bool, dropout: bool = False) -> dict:
-    overrides = resume_pair(seed) if resume else dropout_pair(seed) if dropout else draw(seed)
+    overrides = resume_pair(seed, extended=True) if resume else dropout_pair(seed) if dropout else draw(seed, extended=True)
     record = {"seed": seed, "config": overrides}
     if overrides is None:
         return {**record, "result": "refused", "message": "no second layout validates"}

@@ -17,6 +17,7 @@ from tetrad.model import attention as attn
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
 from tetrad.train.batches import document_ids
+from tetrad.train.memory import ActivationMeter
 from tetrad.train.trainer import build_model
 
 
@@ -109,6 +110,30 @@ def test_model_with_mask_equals_each_document_alone():
     errors, masked_vs_not = run_ranks(_model_apart, 1)[0]
     assert_all_within(errors, 1e-5)
     assert masked_vs_not > 1e-2  # the windows do cross documents: the mask changes the logits
+
+
+def _saved_by_depth():
+    """Bytes autograd saves for one forward of 1 and 3 layers, with the mask and without."""
+    out = {}
+    for layers in (1, 3):
+        cfg = tiny_config(model={"n_layers": layers, "seq_len": 64})
+        model = build_model(cfg, Topology.single())
+        x = torch.randint(1, cfg.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(4))
+        x[:, ::7] = EOS
+        for masked in (False, True):
+            meter = ActivationMeter()
+            with meter.measuring():
+                model(x, torch.arange(64), docs=document_ids(x, EOS) if masked else None)
+            out[layers, masked] = meter.peak
+    return out
+
+
+def test_the_layers_share_one_bias():
+    """Without recompute every layer's attention keeps the same bias tensor (built once per
+    micro-batch): the mask costs b x S^2 in the activations' dtype, at any depth."""
+    saved = run_ranks(_saved_by_depth, 1)[0]
+    for layers in (1, 3):
+        assert saved[layers, True] - saved[layers, False] == 2 * 64 * 64 * 4
 
 
 # ----------------------------------------------------------------------------- the ring's merge

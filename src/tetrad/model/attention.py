@@ -20,11 +20,11 @@ with a recent cuDNN), memory-efficient for fp32; on CPU the CPU flash kernel; el
 fp32 matmul + logsumexp with the same contract. Kernels without grouped-query support get K/V
 heads repeated to the query heads (`expand_kv`), so fp32 GQA never falls back to SDPA's math kernel.
 
-Document masking (`docs`: each token's document id over the whole window, [b, S], the same on
-every rank, so no rank needs another's): a query sees only earlier keys of its own document. The
-local and all-to-all paths hand SDPA a boolean mask over the window; the ring builds each block's
-mask from the ids of the two ranks' chunks, skips a block no query row of which sees a key, and
-merges a row that sees none of a block's keys as no contribution.
+Document masking (`docs`, model/documents.py): the local and all-to-all paths hand SDPA the
+window's additive bias (one tensor per micro-batch that every layer shares, unless the layers
+recompute attention, which then build it from the ids); the ring takes each token's document id over the whole window, [b, S], builds each block's mask
+from the ids of the two ranks' chunks, skips a block no query row of which sees a key, and merges
+a row that sees none of a block's keys as no contribution.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from tetrad import device as devices
 from tetrad.dist.layout import load_balanced_order, shard_sequence
 from tetrad.model.execution import run_eagerly
+from tetrad.model.documents import document_visibility, window_bias
 from tetrad.model.replay import RingReplay
 
 
@@ -74,27 +75,19 @@ def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
     return Kernel("math", gqa) if cp_algo == "ring" else Kernel("sdpa", False)
 
 
-def document_visibility(docs_q: torch.Tensor, docs_k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """[b, 1, sq, sk] bool: query i may see key j, both of one document (ids [b, sq] and [b, sk])
-    and, if `causal`, j not after i (rows and columns both in position order)."""
-    visible = docs_q[:, None, :, None] == docs_k[:, None, None, :]
-    if causal:
-        visible = visible & torch.ones(visible.shape[-2:], dtype=torch.bool, device=visible.device).tril()
-    return visible
-
-
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over a whole sequence held by this rank, within documents if `docs`.
 
     q: [b, s, heads, d]; k, v: [b, s, kv_heads, d] (grouped-query when kv_heads < heads); docs:
-    [b, s] document ids. Returns [b, s, heads, d].
+    the window's document-masking bias, [b, 1, s, s] (documents.window_bias, shared by the
+    layers), or its document ids, [b, s], to build it here. Returns [b, s, heads, d].
     """
+    bias = window_bias(docs, q.dtype) if docs is not None and docs.dim() == 2 else docs
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
-    if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall", masked=docs is not None).expand_kv:
+    if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall", masked=bias is not None).expand_kv:
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    mask = None if docs is None else document_visibility(docs, docs, causal=True)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None,
                                          enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
@@ -103,8 +96,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, cp_algo: 
               replay: RingReplay | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens (shapes as `local_attention`), context parallel
     over topo's cp group with `cp_algo` ("ring" or "alltoall") when cp > 1. `replay`: the
-    layer's RingReplay, which a per-op recompute opens. `docs`: the document ids of the whole
-    window (not this rank's shard), [b, seq_len], for document masking."""
+    layer's RingReplay, which a per-op recompute opens. `docs`: document masking's input: the
+    window's document ids, [b, seq_len] (not this rank's shard), or for the local and all-to-all
+    paths the window's bias built from them (model/documents.py)."""
     if topo.size("cp") == 1:
         return local_attention(q, k, v, docs)
     if cp_algo == "ring":
@@ -382,7 +376,7 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
                        docs: torch.Tensor | None = None) -> torch.Tensor:
     """Ulysses: every rank attends over the whole sequence for heads/cp of its heads. The
     gathered sequence is put in true-position order so the causal kernel (and the window's
-    document ids, `docs`) apply, then back."""
+    document masking, `docs` as local_attention takes it) apply, then back."""
     cp = topo.size("cp")
     order = load_balanced_order(q.shape[1] * cp, cp, q.device)  # true position of each gathered token
     natural = torch.argsort(order)

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from tetrad.config import ModelConfig
 from tetrad.model.attention import attention
+from tetrad.model.documents import window_bias
 from tetrad.model.replay import RingReplay
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
@@ -306,6 +307,14 @@ class Transformer(nn.Module):
                                                  grad_in_bi=True)
         self._rope: tuple | None = None  # (positions, their version, tables): see `rope`
 
+    def _shares_document_bias(self) -> bool:
+        """Whether the chunk's layers take one document-masking bias built for all of them: on the
+        paths that attend over the whole window (the ring builds per-block masks from the ids),
+        where no layer recomputes its attention (a recompute rebuilds the bias instead of keeping
+        one; model/documents.py)."""
+        whole = self.topo.size("cp") == 1 or self.execution.cp_algo == "alltoall"
+        return whole and all(b.recompute == "none" and not b.attn.recompute_core for b in self.layers.values())
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: dict[str, LayerCache] | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
         """x: tokens [b, s] on the first chunk, else hidden states [b, s, d]; positions: [s], each
@@ -314,7 +323,8 @@ class Transformer(nn.Module):
         (decoding, one process): per layer name, the keys and values of the earlier tokens; x
         then holds only the new tokens, at `positions`, and the cache grows by them. `docs`
         (document masking): the document id of every token of the whole window, [b, seq_len],
-        on every rank and stage (not sharded: attention derives each rank's part)."""
+        on every rank and stage (not sharded: attention derives each rank's part), or the
+        window's bias built here once for the chunk's layers (`_shares_document_bias`)."""
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":
@@ -322,6 +332,8 @@ class Transformer(nn.Module):
         else:
             h = x
         rope = self.rope(positions) if self.cfg.pos == "rope" else None
+        if docs is not None and self._shares_document_bias():
+            docs = window_bias(docs, h.dtype)  # once for all the chunk's layers
         for name, block in self.layers.items():
             h = block(h, rope, docs=docs) if cache is None else block(h, rope, cache.setdefault(name, LayerCache()))
         if not self.last:

@@ -13,7 +13,7 @@ Activations follow Korthikanti et al. 2022, written per saved tensor so that the
 GQA, SwiGLU, fp32, flash attention (no s^2 scores kept, a log-sum-exp instead), TP with or
 without SP, CP (a rank holds seq_len/cp tokens) and recomputation: with 16-bit activations,
 dropout, GELU and materialised scores they are exactly sbh(34 + 5as/h) per layer. Document
-masking adds the mask SDPA keeps (`document_mask_bytes`).
+masking adds its bias (`document_bias_bytes`).
 """
 
 from __future__ import annotations
@@ -208,15 +208,16 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     return replicated + split + core
 
 
-def document_mask_bytes(cfg: Config, recompute: str) -> float:
-    """Bytes of the document mask one layer's attention keeps for backward (train.document_mask):
-    SDPA's additive bias over the whole window, [micro_batch, 1, seq_len, seq_len] in the
-    activations' dtype (converted from the boolean mask; seen on CPU: model/attention.py), on the
-    local and all-to-all paths, whose kernel takes the whole window. The ring keeps none (its
-    backward builds each block's mask again from the window's ids), nor does a recompute that
-    rebuilds the attention core."""
+def document_bias_bytes(cfg: Config) -> float:
+    """Bytes of document masking's bias (train.document_mask) on the local and all-to-all paths,
+    whose kernel takes the whole window: [micro_batch, 1, seq_len, seq_len] in the activations'
+    dtype (model/documents.py). Without recompute it is built once per micro-batch and model
+    chunk and kept by every layer's attention: one per activation set in flight (`memory_by_rank`
+    passes it to the simulator as what each set carries). Under recompute each layer builds it in
+    the recomputed region and keeps none: the layer rebuilt during backward holds one. The ring
+    keeps none: its backward builds each block's mask again from the window's ids."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not t.document_mask or recompute != "none" or (p.cp > 1 and p.cp_algo == "ring"):
+    if not t.document_mask or (p.cp > 1 and p.cp_algo == "ring"):
         return 0.0
     return t.micro_batch * m.seq_len ** 2 * activation_bytes(t.dtype)
 
@@ -243,8 +244,7 @@ def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
     tokens = t.micro_batch * m.seq_len // p.cp
     e = activation_bytes(t.dtype)
     stack = as_run(cfg, stack, is_cpu)
-    full = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
-            + document_mask_bytes(cfg, t.recompute))
+    full = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
 
 
@@ -258,8 +258,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     tokens = t.micro_batch * m.seq_len // p.cp
     hidden = tokens * m.d_model * e
     stack = as_run(cfg, stack, is_cpu)
-    per_layer = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
-                 + document_mask_bytes(cfg, t.recompute))
+    per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
     rebuilt = 0.0
     if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward,
         # beyond what the held sets already count for that layer: what it keeps, or under a split
@@ -268,7 +267,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
         if schedule_spec(p.schedule).splits_backward:
             counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
         rebuilt = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
-                   + document_mask_bytes(cfg, "none") - counted)
+                   + document_bias_bytes(cfg) - counted)
     # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered unless
     # the stack gathers it again in backward, as every column-parallel input); the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
@@ -282,8 +281,9 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     # transient at the peak, which may come when no loss waits (zero-bubble's after a BI).
     head_input = hidden / (p.tp if p.sequence_parallel and not stack.sp_saves_gathered_input else 1)
     saved_head = final_norm + head_input + 4 * logits
+    shared_bias = document_bias_bytes(cfg) if t.recompute == "none" else 0.0
     whole, saved = (inflight(p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu),
-                             chunk_layers(cfg), h / per_layer)
+                             chunk_layers(cfg), h / per_layer, shared_bias / per_layer)
                     for h in (saved_head + (logit_bytes - 4) * logits, saved_head))
     params = rank_params(cfg)
     per_param = state_bytes_per_param(t.dtype)

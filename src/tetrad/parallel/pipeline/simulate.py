@@ -54,21 +54,25 @@ def peak_inflight(s: Schedule) -> list[int]:
     return [round(x) for x in peak_held(s)]
 
 
-def peak_held(s: Schedule, after_bi: float = 1.0, weights: tuple | None = None, loss: float = 0.0) -> list[float]:
+def peak_held(s: Schedule, after_bi: float = 1.0, weights: tuple | None = None, loss: float = 0.0,
+              per_set: float = 0.0) -> list[float]:
     """Per rank, the most activation memory held at once, in (mb, chunk) activation sets: a set
     is whole from its F until its B or BI; between BI and BW (zero-bubble) what the weight
     gradients still need (the linears' inputs and output gradients) weighs `after_bi` sets.
     `weights[rank][chunk]` (default 1): what one set of that chunk weighs, e.g. its layers.
     `loss`: what a micro-batch's loss waiting for its backward (the last stage's head output and
     logits, from the last stage's F until its B or BI) weighs in the same units: counted where it is held, so that a
-    peak of sets that comes when no loss waits (zero-bubble's, after BI) does not take it too."""
+    peak of sets that comes when no loss waits (zero-bubble's, after BI) does not take it too.
+    `per_set`: what every set carries beside its layers (document masking's bias, one per
+    micro-batch and chunk), from its F until its B or BI, in the same units."""
     change = {"F": 1.0, "B": -1.0, "BI": after_bi - 1.0, "BW": -after_bi}
+    carried = {"F": per_set, "B": -per_set, "BI": -per_set, "BW": 0.0}
     weights = weights or [[1.0] * s.vpp] * s.pp
     last = place_of(s.stages - 1, s.pp)
     waits = {"F": loss, "B": -loss, "BI": -loss, "BW": 0.0}
 
     def held(r: int, a: Action) -> float:
-        return change[a.kind] * weights[r][a.chunk] + (waits[a.kind] if (r, a.chunk) == last else 0.0)
+        return change[a.kind] * weights[r][a.chunk] + carried[a.kind] + (waits[a.kind] if (r, a.chunk) == last else 0.0)
     return [max(accumulate((held(r, a) for a in actions), initial=0.0)) for r, actions in enumerate(s.actions)]
 
 

@@ -26,7 +26,11 @@ LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}
            ({"dp": 4, "hierarchical": True, "ranks_per_node": 2}, {"micro_batch": 1, "global_batch": 8}, {}),
            ({"dp": 2, "tp": 2, "zero": 1}, {}, {"vocab_size": 257}), ({"dp": 2, "tp": 2, "zero": 2}, {}, {"vocab_size": 251}),
            ({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"dropout": 0.1}),
-           ({"tp": 2}, {"recompute": "selective-op"}, {"dropout": 0.1})]
+           ({"tp": 2}, {"recompute": "selective-op"}, {"dropout": 0.1}),
+           # zero-bubble's BI makes the gradients of a bucket of no linear (embedding and learned
+           # positions): reduced once a micro-batch, not once per gradient (fuzz_estimate 4542)
+           ({"pp": 2, "dp": 2, "zero": 3, "schedule": "zb"}, {"micro_batch": 1}, {"norm": "layernorm", "mlp": "gelu",
+                                                                                  "pos": "learned"})]
 
 
 def _name(parallel: dict) -> str:

@@ -39,7 +39,7 @@ class Bucket:
         self.pending = None  # the gradient collective in flight
         self.incoming: torch.Tensor | None = None  # ZeRO >= 2: where this rank's reduced shard lands
         self.parked: dict[int, torch.Tensor] = {}  # ZeRO >= 2 under zero-bubble: BI's gradients, by param
-        self.from_bi: set[int] = set()  # ... and the params whose gradients BI makes
+        self.from_bw = 0  # ... and how many of its params' gradients BW makes (lifecycle.py)
         self.seen = 0  # gradients arrived in this backward
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:

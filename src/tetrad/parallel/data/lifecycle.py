@@ -17,7 +17,8 @@ embedding's), BW the linears'. Under ZeRO 0/1 a deferred weight's hook in BI (au
 with nothing added) is not an arrival; its gradient arrives in BW. Under ZeRO >= 2 BI's are
 parked apart (fp32) until BW starts the bucket, and the bucket is complete when BW has
 delivered all of its linears' (a later micro-batch's BI may come first: it joins this
-reduction), so no bucket is held full from BI to BW.
+reduction), so no bucket is held full from BI to BW; a bucket of no linear (the embedding's and
+learned positions') completes when BI has delivered all of its gradients, once a micro-batch.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class GradSync:
         self.in_place = zero < 2 and all(p.dtype == torch.float32 for b in buckets for p in b.params)
         self.deferred = deferred_weights if execution.split_backward else frozenset()
         for bucket in buckets:
+            bucket.from_bw = sum(id(p) in self.deferred for p in bucket.params)
             if self.in_place:
                 bucket.grad = torch.zeros(bucket.padded, dtype=torch.float32, device=topo.device)
                 bucket.views = [bucket.view(bucket.grad, i) for i in range(len(bucket.params))]
@@ -100,13 +102,10 @@ class GradSync:
         if bucket.state == "reducing" and self.zero >= 2:  # last micro-batch's, still in flight
             self.finish(bucket)
         in_bi = self.execution.weight_grads.collecting_now
-        if self.zero >= 2 and self.execution.split_backward:
-            if in_bi:
-                bucket.from_bi.add(i)
-            else:
-                bucket.seen += 1
-            complete = bucket.seen == len(bucket.params) - len(bucket.from_bi)
-        else:
+        if self.zero >= 2 and bucket.from_bw:  # BW's arrivals complete it; BI's wait parked
+            bucket.seen += not in_bi
+            complete = bucket.seen == bucket.from_bw
+        else:  # every gradient counts, BI's too (a bucket of no linear completes in BI)
             bucket.seen += 1
             complete = bucket.seen == len(bucket.params)
         if in_bi and self.zero >= 2 and bucket.grad is None:

@@ -2,6 +2,7 @@
 document. Proven against running each document on its own, then every layout against one process
 with the mask on; the ring's merge of a block row that sees no key is checked apart."""
 
+from fractions import Fraction
 from functools import lru_cache
 
 import pytest
@@ -11,12 +12,13 @@ from conftest import DOC_EOS as EOS, assert_all_within, assert_parity, doc_shard
     tiny_config, train_layout
 from tetrad.config import ConfigError
 from tetrad.data.checks import check_data
+from tetrad.data.sources import load_tokens
 from tetrad.dist.layout import Layout, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model import attention as attn
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
-from tetrad.train.batches import document_ids
+from tetrad.train.batches import Batches, document_ids
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.trainer import build_model
 
@@ -297,3 +299,12 @@ def test_compiled_layout_matches_single_process(references):
     assert frames[0] > 0 and frames == frames[:1] * len(frames), frames
     assert got[2][-1]["other_breaks"] == [], got[2][-1]["other_breaks"]
     assert_parity(got, references[2], atol=2e-4, loss_atol=2e-6)  # tests/test_compile.py's cp2 bounds
+
+
+def test_each_source_of_a_blend_keeps_the_eos():
+    """Validation evaluates a blend's sources apart (Batches.split): each part masks documents too."""
+    tokens = load_tokens(doc_shards())
+    blend = Batches([(Fraction(1, 2), tokens), (Fraction(1, 2), tokens)], 32, 4, 0, 256, shuffle=False, eos=EOS)
+    x, _ = blend.global_batch_at(0)
+    for _, part in blend.split():
+        assert part.eos == EOS and torch.equal(part.documents(x, torch.device("cpu")), document_ids(x, EOS))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import assert_parity, run_ranks, tiny_config, train_layout
+from conftest import assert_parity, doc_shards, run_ranks, tiny_config, train_layout
 from layout_draws import parity_atol
 from nccl_semantics import NcclSemantics
 from tetrad.parallel.pipeline.registry import SCHEDULES, schedule_spec
@@ -103,13 +103,16 @@ def test_schedule_matches_single_process_under_nccl_ordering(schedule, pp):
                   reference)
 
 
-@pytest.mark.parametrize("recompute", ["none", "full", "selective-op"])
-def test_context_parallel_ring_is_unchanged_under_nccl_ordering(recompute):
+@pytest.mark.parametrize("recompute,masked", [("none", False), ("full", False), ("selective-op", False),
+                                               ("none", True)])
+def test_context_parallel_ring_is_unchanged_under_nccl_ordering(recompute, masked):
     """CP's ring passes K/V as one batched send and receive per pass (one queue item, run as one
     NCCL group): the same numbers as on gloo, bit for bit; under full recompute the ring runs
-    again inside the backward, under selective-op its kept result is replayed without sending."""
+    again inside the backward, under selective-op its kept result is replayed without sending.
+    Under document masking a block no row sees is skipped, its K/V still passed on in order."""
     def run(transport=None):
-        cfg = tiny_config(parallel={"cp": 4}, train={"steps": 2, "recompute": recompute})
+        cfg = tiny_config(parallel={"cp": 4}, train={"steps": 2, "recompute": recompute, "document_mask": masked},
+                          **({"data": {"source": doc_shards()}, "model": {"vocab_size": 256}} if masked else {}))
         return train_layout(cfg, transport=transport, timeout_s=DEADLINE_S)
     losses, state, _ = run(partial(NcclSemantics, timeout_s=TIMEOUT_S))
     gloo_losses, gloo_state, _ = run()

@@ -217,7 +217,7 @@ class Batches:
         if len(self.windows) == 1:
             return [(Fraction(1), self)]
         return [(weight, Batches([(1, w.tokens)], self.seq_len, self.global_batch, w.seed, self.vocab_size,
-                                 w.shuffle, self.eos)) for weight, w in zip(self.weights, self.windows)]
+                                 w.shuffle, eos=self.eos)) for weight, w in zip(self.weights, self.windows)]
 
     def documents(self, inputs: torch.Tensor, device: torch.device) -> torch.Tensor | None:
         """The document ids of these whole windows on `device`, or None without document masking.

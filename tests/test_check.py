@@ -61,7 +61,7 @@ def test_tp_and_pp_agree_with_data_parallel(tmp_path, capsys):
     assert code == 0, out
     assert "parallel.dp: 1 -> 4" in out and "parallel.zero: 0 -> 3" in out and "train.recompute: none -> full" in out
     assert "training keys that differ" not in out and "BEYOND" not in out
-    assert out.rstrip().endswith("dp=1 tp=2 pp=2 cp=1 agrees with dp=4 tp=1 pp=1 cp=1 ZeRO-3")
+    assert out.rstrip().endswith("dp1 tp2 pp2 cp1 zero0 agrees with dp4 tp1 pp1 cp1 zero3")
     for run in ("layout", "reference"):
         assert len((tmp_path / "check" / run / "metrics.jsonl").read_text().splitlines()) == 2
     assert not (tmp_path / "check" / "layout" / "checkpoints").exists()
@@ -75,5 +75,5 @@ def test_under_torchrun_both_runs_share_the_job(tmp_path):
          "--steps=2"],
         capture_output=True, text=True, timeout=180, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "dp=1 tp=1 pp=1 cp=2 agrees with dp=2 tp=1 pp=1 cp=1 ZeRO-3" in out.stdout
+    assert "dp1 tp1 pp1 cp2 zero0 agrees with dp2 tp1 pp1 cp1 zero3" in out.stdout
     assert out.stdout.count("agrees with") == 1  # rank 0 alone judges

@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tetrad.config import Config, ConfigError, load_config, split_config_args, validate
+from tetrad.train.metrics import layout_label
 
 CHECK_STEPS = 4
 
@@ -38,7 +39,7 @@ def check_runs(cfg: Config, steps: int, world_size: int | None) -> tuple[Config,
         raise ConfigError(f"parallel.grad_codec={p.grad_codec!r} changes the gradients by design, so the layouts "
                           "cannot agree to rounding: check with --parallel.grad_codec=none")
     ranks = world_size or p.world_size
-    dp = max(d for d in range(1, ranks + 1) if ranks % d == 0 and t.global_batch % d == 0)
+    dp = math.gcd(ranks, t.global_batch)  # the most ranks that split the batch evenly
     if world_size is not None and dp != world_size:
         raise ConfigError(f"the reference trains data-parallel over the job's {world_size} ranks, which needs "
                           f"train.global_batch ({t.global_batch}) to be a multiple of {world_size}")
@@ -54,10 +55,6 @@ def check_runs(cfg: Config, steps: int, world_size: int | None) -> tuple[Config,
                          sequence_parallel=False, sp_regather=False, hierarchical=False))
     validate(reference, world_size)
     return layout, reference
-
-
-def describe(p) -> str:
-    return f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}" + (f" ZeRO-{p.zero}" if p.zero else "")
 
 
 def check_command(argv: list[str]) -> int:
@@ -84,12 +81,12 @@ def check_command(argv: list[str]) -> int:
     with joined:
         for name, run in (("the layout", layout), ("the reference", reference)):
             if first:
-                print(f"tetrad check: {name}, {describe(run.parallel)}, {args.steps} steps in {run.run.dir}", flush=True)
+                print(f"tetrad check: {name}, {layout_label(run.parallel)}, {args.steps} steps in {run.run.dir}", flush=True)
             launch.train(run)
     if not first:
         return 0
     lines, agree = compare(Path(layout.run.dir), Path(reference.run.dir), args.drift)
     print("\n".join(lines))
-    print(f"tetrad check: {describe(layout.parallel)} {'agrees with' if agree else 'DISAGREES with'} "
-          f"{describe(reference.parallel)}")
+    print(f"tetrad check: {layout_label(layout.parallel)} {'agrees with' if agree else 'DISAGREES with'} "
+          f"{layout_label(reference.parallel)}")
     return 0 if agree else 1

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tetrad import device as devices
 from tetrad.dist.layout import load_balanced_order, shard_sequence
 from tetrad.model.execution import run_eagerly
-from tetrad.model.documents import document_visibility, window_bias
+from tetrad.model.documents import additive_bias, document_visibility, window_bias
 from tetrad.model.replay import RingReplay
 
 
@@ -127,7 +127,7 @@ def _bias(visible, q, kernel: str):
     wants it over every head, its rows 16-element aligned (as SDPA pads it)."""
     if visible is None:
         return None
-    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    bias = additive_bias(visible, q.dtype)
     if kernel != "efficient":
         return bias
     sk = bias.shape[-1]

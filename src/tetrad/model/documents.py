@@ -25,5 +25,10 @@ def window_bias(ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     tensor per layer (4 GiB at Llama 3 8B's 32 layers, seq 8192, tp 8) becomes one per micro-batch
     in flight. Under recompute each layer builds it from the ids inside the recomputed region
     instead, which keeps none past its forward."""
-    visible = document_visibility(ids, ids, causal=True)
-    return torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill_(~visible, float("-inf"))
+    return additive_bias(document_visibility(ids, ids, causal=True), dtype)
+
+
+def additive_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility as the additive bias attention kernels take: 0 where a query sees a
+    key, -inf elsewhere, in `dtype`."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))

@@ -1,10 +1,14 @@
 """Shard folders, as `tetrad data` writes them and runs read them.
 
     FOLDER/index.json        {"format", "dtype", "vocab_size", "eos_id", "documents", "tokens",
-                              "shards": [{"file", "tokens", "documents"}, ...]}
+                              "loss_mask", "shards": [{"file", "tokens", "documents"}, ...]}
     FOLDER/shard_00000.bin   raw token ids (uint16 when the vocabulary fits, else uint32):
                              documents one after the other, each followed by the EOS token;
                              a document never straddles two shards
+    FOLDER/shard_00000.mask  only where index.json says "loss_mask": true (supervised fine-tuning
+                             data): one uint8 per token of the shard, 1 where the loss counts the
+                             token as a label (a response's tokens and its EOS), 0 where it does
+                             not (a prompt's tokens, the tokenizer's document prefix)
     FOLDER/tokenizer.json    the HF `tokenizers` tokenizer that made them
 
 Shards are memory-mapped when read, so a run touches only the windows it samples.
@@ -33,14 +37,20 @@ def shard_name(i: int) -> str:
     return f"shard_{i:05d}.bin"
 
 
+def mask_name(shard_file: str) -> str:
+    """The loss-mask file beside a shard: shard_00000.bin -> shard_00000.mask."""
+    return str(Path(shard_file).with_suffix(".mask"))
+
+
 def is_shard_folder(path: Path) -> bool:
     return path.is_dir() and (path / INDEX).is_file()
 
 
-def write_index(folder: Path, shards: list[dict], vocab_size: int, eos_id: int) -> dict:
+def write_index(folder: Path, shards: list[dict], vocab_size: int, eos_id: int, loss_mask: bool = False) -> dict:
+    """`loss_mask`: every shard has its mask file beside it (mask_name)."""
     index = {"format": FORMAT, "dtype": dtype_for(vocab_size).name, "vocab_size": vocab_size, "eos_id": eos_id,
              "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
-             "shards": shards}
+             "loss_mask": loss_mask, "shards": shards}
     (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
 
@@ -78,15 +88,22 @@ def end_of_document(source: str) -> int:
 def open_shards(folder: Path) -> list[np.ndarray]:
     """Every shard of the folder, memory-mapped, in order; sizes checked against the index."""
     index = read_index(folder)
-    dtype = np.dtype(index["dtype"])
-    out = []
-    for shard in index["shards"]:
-        path = folder / shard["file"]
-        if not path.is_file() or path.stat().st_size != shard["tokens"] * dtype.itemsize:
-            raise ValueError(f"{path}: missing or not {shard['tokens']} {dtype.name} tokens as {INDEX} says; "
-                             "rebuild the folder with `tetrad data`")
-        out.append(np.memmap(path, dtype=dtype, mode="r"))
-    return out
+    return [_mapped(folder / shard["file"], shard["tokens"], np.dtype(index["dtype"])) for shard in index["shards"]]
+
+
+def open_loss_masks(folder: Path) -> list[np.ndarray] | None:
+    """Each shard's loss mask (uint8, memory-mapped), in order; None for a folder without them."""
+    index = read_index(folder)
+    if not index.get("loss_mask"):
+        return None
+    return [_mapped(folder / mask_name(shard["file"]), shard["tokens"], np.dtype(np.uint8)) for shard in index["shards"]]
+
+
+def _mapped(path: Path, count: int, dtype: np.dtype) -> np.ndarray:
+    if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
+        raise ValueError(f"{path}: missing or not {count} {dtype.name} values as {INDEX} says; "
+                         "rebuild the folder with `tetrad data`")
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def model_keys(raw: dict) -> dict:

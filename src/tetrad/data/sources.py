@@ -19,17 +19,21 @@ from pathlib import Path
 import numpy as np
 
 from tetrad.data.blend import blend_parts
-from tetrad.data.shards import is_shard_folder, open_shards
+from tetrad.data.shards import is_shard_folder, open_loss_masks, open_shards
 
 CORPORA = {"licenses": Path(__file__).parent / "corpus" / "licenses.txt"}
 NPY_DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
 
 
 class TokenStream:
-    """1-D token ids held as consecutive pieces (one array, or one memory map per shard)."""
+    """1-D token ids held as consecutive pieces (one array, or one memory map per shard), with each
+    piece's loss mask beside it where the source has one (supervised fine-tuning shards: 1 where
+    the loss counts the token as a label; shards.py), else `loss_masks` is None."""
 
-    def __init__(self, pieces: list[np.ndarray]):
-        self.pieces = [p for p in pieces if len(p)]
+    def __init__(self, pieces: list[np.ndarray], loss_masks: list[np.ndarray] | None = None):
+        kept = [i for i, p in enumerate(pieces) if len(p)]
+        self.pieces = [pieces[i] for i in kept]
+        self.loss_masks = None if loss_masks is None else [loss_masks[i] for i in kept]
         self.offsets = np.cumsum([0] + [len(p) for p in self.pieces])
 
     def __len__(self) -> int:
@@ -37,31 +41,44 @@ class TokenStream:
 
     def window(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) as int64, read across piece boundaries."""
+        return self._window(self.pieces, start, length).astype(np.int64)
+
+    def _window(self, arrays: list[np.ndarray], start: int, length: int) -> np.ndarray:
         out, end = [], start + length
         first = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        for i in range(first, len(self.pieces)):
+        for i in range(first, len(arrays)):
             lo, hi = max(start, int(self.offsets[i])), min(end, int(self.offsets[i + 1]))
             if lo >= hi:
                 break
-            out.append(np.asarray(self.pieces[i][lo - self.offsets[i]:hi - self.offsets[i]], dtype=np.int64))
+            out.append(np.asarray(arrays[i][lo - self.offsets[i]:hi - self.offsets[i]]))
         return np.concatenate(out)
 
     def windows(self, starts: list[int], length: int) -> np.ndarray:
         """Tokens [s, s + length) for each of `starts`, [len(starts), length] int64. One piece
         (every source but a shard folder) is read in one gather: a loop of `window`s costs a
         tiny model's step more than its rows are worth."""
-        if len(self.pieces) == 1:
-            return np.asarray(self.pieces[0][np.add.outer(starts, np.arange(length))], dtype=np.int64)
-        return np.stack([self.window(s, length) for s in starts])
+        return self._windows(self.pieces, starts, length).astype(np.int64, copy=False)
+
+    def counted(self, starts: list[int], length: int) -> np.ndarray:
+        """Whether the loss counts each token of `windows(starts, length)` as a label, bool of the
+        same shape: the loss masks', or every token where the source has none."""
+        if self.loss_masks is None:
+            return np.ones((len(starts), length), dtype=bool)
+        return self._windows(self.loss_masks, starts, length).astype(bool)
+
+    def _windows(self, arrays: list[np.ndarray], starts: list[int], length: int) -> np.ndarray:
+        if len(arrays) == 1:
+            return np.asarray(arrays[0][np.add.outer(starts, np.arange(length))])
+        return np.stack([self._window(arrays, s, length) for s in starts])
 
     def split(self, at: int) -> tuple["TokenStream", "TokenStream"]:
         """Tokens [0, at) and [at, len)."""
-        head, tail = [], []
-        for piece, lo in zip(self.pieces, self.offsets[:-1].tolist()):
-            cut = min(max(at - lo, 0), len(piece))
-            head.append(piece[:cut])
-            tail.append(piece[cut:])
-        return TokenStream(head), TokenStream(tail)
+        cuts = [min(max(at - lo, 0), len(piece)) for piece, lo in zip(self.pieces, self.offsets[:-1].tolist())]
+
+        def part(arrays, head):
+            return None if arrays is None else [a[:c] if head else a[c:] for a, c in zip(arrays, cuts)]
+        return (TokenStream(part(self.pieces, True), part(self.loss_masks, True)),
+                TokenStream(part(self.pieces, False), part(self.loss_masks, False)))
 
 
 def text_files(folder: Path) -> list[Path]:
@@ -84,7 +101,7 @@ def load_tokens(source: str) -> TokenStream:
         raise FileNotFoundError(f"data.source={source!r} is neither a built-in corpus ({', '.join(CORPORA)}) "
                                 "nor an existing file or folder")
     if is_shard_folder(path):
-        return TokenStream(open_shards(path))
+        return TokenStream(open_shards(path), open_loss_masks(path))
     if path.is_dir():
         files = text_files(path)
         if not files:

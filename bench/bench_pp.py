@@ -91,7 +91,8 @@ def _tetrad_executor_step(cfg, torch_schedule: str):
 
     def step(i):
         dp = trainer.topo.coords["dp"]
-        trainer.forward_backward(trainer.batches.microbatches(i, dp, cfg.parallel.dp, cfg.train.micro_batch))
+        trainer.forward_backward(trainer.batches.microbatches(i, dp, cfg.parallel.dp, cfg.train.micro_batch),
+                                 trainer.batches.loss_tokens(i))
         trainer.grads.reduce()
         trainer.optimizer.step()
         trainer.grads.zero_grad()  # fp32 ZeRO-0's p.grad are the buckets' views (Trainer.train_step)

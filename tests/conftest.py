@@ -14,7 +14,7 @@ import torch
 
 from tetrad import launch
 from tetrad.config import load_config
-from tetrad.data.shards import shard_name, write_index
+from tetrad.data.shards import mask_name, shard_name, write_index
 from tetrad.data.sources import CORPORA
 from tetrad.model.sharding import gather_full, set_spec, spec_of
 from tetrad.train.trainer import Trainer
@@ -50,6 +50,31 @@ def doc_shards() -> str:
     folder = Path(tempfile.mkdtemp(prefix="tetrad-doc-shards-"))
     tokens.tofile(folder / shard_name(0))
     write_index(folder, [{"file": shard_name(0), "tokens": len(tokens), "documents": len(docs)}], 256, DOC_EOS)
+    return str(folder)
+
+
+@lru_cache(maxsize=None)
+def sft_shards() -> str:
+    """A supervised fine-tuning shard folder (vocabulary 256, EOS 0, loss masks) of the built-in
+    corpus cut into examples: a prompt of 3 to 16 bytes the loss leaves out, then a response of 1
+    to 12 bytes and its EOS the loss counts; two shards, so windows cross a shard boundary. A
+    32-token window holds about two examples: its count of counted labels varies by window."""
+    text = np.frombuffer(CORPORA["licenses"].read_bytes()[40_000:60_000], dtype=np.uint8)
+    rng = np.random.default_rng(1)
+    shards, start = [[], []], 0
+    while start < len(text) - 30:
+        prompt, response = rng.integers(3, 17), rng.integers(1, 13)
+        tokens = np.append(text[start:start + prompt + response], DOC_EOS).astype(np.uint16)
+        mask = np.r_[np.zeros(prompt), np.ones(response + 1)].astype(np.uint8)
+        shards[start * 2 // len(text)].append((tokens, mask))
+        start += prompt + response
+    folder = Path(tempfile.mkdtemp(prefix="tetrad-sft-shards-"))
+    entries = []
+    for i, examples in enumerate(shards):
+        np.concatenate([t for t, _ in examples]).tofile(folder / shard_name(i))
+        np.concatenate([m for _, m in examples]).tofile(folder / mask_name(shard_name(i)))
+        entries.append({"file": shard_name(i), "tokens": sum(len(t) for t, _ in examples), "documents": len(examples)})
+    write_index(folder, entries, 256, DOC_EOS, loss_mask=True)
     return str(folder)
 
 
@@ -133,7 +158,7 @@ def assert_all_within(errors, bound: float):
 def _first_step_gradients(cfg):
     trainer = Trainer(cfg, torch.device("cpu"))
     micro = trainer.batches.microbatches(0, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-    trainer.forward_backward(micro)
+    trainer.forward_backward(micro, trainer.batches.loss_tokens(0))
     trainer.grads.reduce()
     grads = {}
     for name, p in trainer.model.named_parameters():
@@ -158,7 +183,7 @@ def model_state_after_reduce(cfg):
     trainer = Trainer(cfg, torch.device("cpu"))
     trainer.train_step(0)  # creates the optimizer state
     micro = trainer.batches.microbatches(1, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-    trainer.forward_backward(micro)
+    trainer.forward_backward(micro, trainer.batches.loss_tokens(1))
     trainer.grads.reduce()
     held = trainer.grads.model_state_bytes(trainer.optimizer)
     with trainer.grads.gathered():  # a freed ZeRO-3 parameter reads as empty

@@ -13,7 +13,7 @@ import random
 import time
 from collections.abc import Iterator
 
-from conftest import doc_shards, tiny_config
+from conftest import doc_shards, sft_shards, tiny_config
 from tetrad.config import ConfigError
 from tetrad.parallel.pipeline.registry import check_config as check_pipeline
 
@@ -53,7 +53,8 @@ def uneven_split(n_layers: int, stages: int, rng: random.Random) -> list[int]:
 
 def draw(seed: int, extended: bool = False) -> dict:
     """Config overrides (model, parallel, train) for one draw; `extended` (the fuzzers') also draws
-    document masking and batch ramp-up, after every other choice (so a seed's layout is the same).
+    document masking, batch ramp-up and loss-masked (SFT) data, after every other choice (so a
+    seed's layout is the same).
     The suite's fixed seeds draw without: at global batches of 2, Adam's cancellations carry fp32
     rounding past tp's parity bound (tests/test_drawn_layouts.py)."""
     rng = random.Random(seed)
@@ -114,6 +115,8 @@ def draw(seed: int, extended: bool = False) -> dict:
     if extended and m > fewest and rng.random() < 0.15:  # a ramp-up from the fewest over the run's 3 steps
         rows = micro * par["dp"]
         train["batch_rampup"] = [rows * fewest, rows, rng.choice([1, 2]) * rows * fewest]
+    if extended and rng.random() < 0.15:  # supervised fine-tuning data: a loss mask (its index names the EOS too)
+        data["source"], model["vocab_size"] = sft_shards(), 256
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 

@@ -75,8 +75,8 @@ class SummingTrainer(Trainer):
     """The bug the norm check is for: each dp rank normalises its loss by its own tokens, so the
     dp all-reduce sums dp per-rank means: the gradient is dp times the true one, every step."""
 
-    def forward_backward(self, microbatches, grad_scale: float = 1.0):
-        return super().forward_backward(microbatches, grad_scale * self.cfg.parallel.dp)
+    def forward_backward(self, microbatches, loss_tokens: int, grad_scale: float = 1.0):
+        return super().forward_backward(microbatches, loss_tokens, grad_scale * self.cfg.parallel.dp)
 
 
 def test_a_doubled_dp_gradient_fails_parity():

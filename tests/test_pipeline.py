@@ -67,7 +67,7 @@ def _gathered_blocks_after_backward(cfg):
     from tetrad.train.trainer import Trainer
     trainer = Trainer(cfg, torch.device("cpu"))
     micro = trainer.batches.microbatches(0, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-    trainer.forward_backward(micro)
+    trainer.forward_backward(micro, trainer.batches.loss_tokens(0))
     grads = trainer.grads
     blocks = len(grads.blocks)
     return sum(grads.flat[k].untyped_storage().nbytes() > 0 for k in range(blocks)), blocks
@@ -85,7 +85,7 @@ def _most_full_buckets_in_backward(cfg):
     for p in trainer.params:
         p.register_post_accumulate_grad_hook(record)
     micro = trainer.batches.microbatches(0, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-    trainer.forward_backward(micro)
+    trainer.forward_backward(micro, trainer.batches.loss_tokens(0))
     return most[0], len(trainer.grads.buckets)
 
 

@@ -20,7 +20,7 @@ def _losses_and_grads(cfg):
     (per bucket), the measured activation peaks, and the saved bytes still live at the end."""
     trainer = Trainer(cfg, torch.device("cpu"))
     micro = trainer.batches.microbatches(0, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-    trainer.forward_backward(micro)
+    trainer.forward_backward(micro, trainer.batches.loss_tokens(0))
     trainer.grads.reduce()
     grads = [trainer.grads.owned_grad(bucket).clone() for bucket in trainer.grads.buckets]
     trainer.optimizer.zero_grad()

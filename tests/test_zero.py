@@ -64,7 +64,7 @@ def _peak_gradient_bytes_in_backward(cfg):
     for p in trainer.params:
         p.register_post_accumulate_grad_hook(record)
     micro = trainer.batches.microbatches(0, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-    trainer.forward_backward(micro)
+    trainer.forward_backward(micro, trainer.batches.loss_tokens(0))
     return peak[0], max(4 * b.padded for b in trainer.grads.buckets), sum(p.numel() for p in trainer.params)
 
 

@@ -13,6 +13,8 @@ from tetrad.model.execution import Execution, run_eagerly
 from tetrad.model.mappings import column_parallel_linear, linear, reduce_tp_output
 from tetrad.model.sharding import new_param
 
+IGNORED_LABEL = -100  # a label the loss leaves out (torch's cross_entropy default ignore_index)
+
 
 # ----------------------------------------------------------------------------- modules
 
@@ -158,8 +160,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, topo) -> torch.Tensor:
-    """Per-token loss, fp32, from this rank's slice of the (padded) vocabulary."""
+    """Per-token loss, fp32, from this rank's slice of the (padded) vocabulary; zero, with a zero
+    gradient, at IGNORED_LABEL (a prompt token under supervised fine-tuning)."""
     if topo.tp_size == 1:
         return F.cross_entropy(logits[..., :vocab_size].float().flatten(0, -2), labels.flatten(),
-                               reduction="none").view(labels.shape)
-    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_size, topo)
+                               ignore_index=IGNORED_LABEL, reduction="none").view(labels.shape)
+    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_size, topo).masked_fill(labels == IGNORED_LABEL, 0.0)

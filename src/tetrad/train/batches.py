@@ -26,6 +26,7 @@ from tetrad.config.rampup import BatchRamp
 from tetrad.data.blend import blend_parts
 from tetrad.data.shards import end_of_document
 from tetrad.data.sources import TokenStream, load_blend
+from tetrad.model.layers import IGNORED_LABEL
 
 MASK64 = (1 << 64) - 1
 ORDER_CACHED = 1 << 22  # windows; an epoch's order then takes 32 MB and a fraction of a second once
@@ -109,6 +110,11 @@ class Windows:
         """The windows of these samples, [len(samples), seq_len + 1] int64."""
         return self.tokens.windows(self.starts(samples).tolist(), self.seq_len + 1)
 
+    def counted(self, samples: np.ndarray) -> np.ndarray:
+        """Whether the loss counts each label of these samples' windows (the tokens after the
+        first), [len(samples), seq_len] bool: the source's loss mask (TokenStream.counted)."""
+        return self.tokens.counted(self.starts(samples).tolist(), self.seq_len + 1)[:, 1:]
+
 
 def _left_share(weights: list[Fraction]) -> Fraction:
     """The first half's share of a blend node's weight (denominator bounded: int64 arithmetic)."""
@@ -168,6 +174,7 @@ class Batches:
         self.windows = [Windows(tokens, seq_len, seed + (i << 32), shuffle) for i, (_, tokens) in enumerate(sources)]
         self.seq_len, self.global_batch, self.vocab_size, self.eos = seq_len, global_batch, vocab_size, eos
         self.ramp = ramp or BatchRamp(global_batch, global_batch)
+        self.loss_masked = any(tokens.loss_masks is not None for _, tokens in sources)
         self.origin = (0, 0)  # (step, sample): that step's first sample; later steps follow on
 
     def first_sample(self, step: int) -> int:
@@ -184,20 +191,44 @@ class Batches:
 
     def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [lo, hi) of the step's global batch: (inputs, labels), each [hi - lo, seq_len]
-        int64 (the windows are worked out for these rows only)."""
-        samples = np.arange(self.first_sample(step) + lo, self.first_sample(step) + hi, dtype=np.int64)
-        source, index = route(samples, self.weights)
+        int64 (the windows are worked out for these rows only); a label the source's loss mask
+        leaves out (a prompt token) is IGNORED_LABEL."""
+        source, index = self._route(step, lo, hi)
         rows = np.empty((hi - lo, self.seq_len + 1), dtype=np.int64)
+        counted = np.ones((hi - lo, self.seq_len), dtype=bool) if self.loss_masked else None
         for i, windows in enumerate(self.windows):
             here = source == i
             if here.any():
                 rows[here] = windows.read(index[here])
+                if counted is not None:
+                    counted[here] = windows.counted(index[here])
         rows = torch.from_numpy(rows)
         low, high = (int(v) for v in torch.aminmax(rows))
         if low < 0 or high >= self.vocab_size:
             raise ValueError(f"token id {low if low < 0 else high} in the data is outside [0, model.vocab_size="
                              f"{self.vocab_size}); check data.source or model.vocab_size")
-        return rows[:, :-1], rows[:, 1:]
+        labels = rows[:, 1:]
+        if counted is not None:
+            labels = labels.masked_fill(~torch.from_numpy(counted), IGNORED_LABEL)
+        return rows[:, :-1], labels
+
+    def loss_tokens(self, step: int) -> int:
+        """How many labels of the step's global batch the loss counts (at least one): what the
+        step's summed token loss is divided by. Every token's without a loss mask; with one,
+        every rank reads the whole batch's masks (one byte a token, no communication), so that
+        the mean is over the global batch's counted labels whatever the layout: a mean per
+        micro-batch or per rank would weigh a label by how its batch was cut."""
+        size = self.size(step)
+        if not self.loss_masked:
+            return size * self.seq_len
+        source, index = self._route(step, 0, size)
+        return max(1, sum(int(windows.counted(index[source == i]).sum())
+                          for i, windows in enumerate(self.windows) if (source == i).any()))
+
+    def _route(self, step: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """The source of rows [lo, hi) of the step's global batch, and each row's sample number within it."""
+        first = self.first_sample(step)
+        return route(np.arange(first + lo, first + hi, dtype=np.int64), self.weights)
 
     def epochs(self, steps: int) -> list[float]:
         """How many epochs of each source `steps` global batches read."""

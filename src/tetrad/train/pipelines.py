@@ -39,9 +39,3 @@ class StepPipelines:
             schedule = step_schedule(self.cfg, microbatches)
             self.executors[microbatches] = PipelineExecutor(self.model, schedule, *self.args)
         return self.executors[microbatches]
-
-    def tokens(self, microbatches: int) -> int:
-        """The global token count of a step of `microbatches` on each dp rank (every rank runs as
-        many): what its summed loss is divided by."""
-        t = self.cfg.train
-        return microbatches * t.micro_batch * self.cfg.parallel.dp * self.cfg.model.seq_len

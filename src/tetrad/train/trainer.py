@@ -1,7 +1,7 @@
 """The training loop. Runs on every rank after the process group exists.
 
-A step: each micro-batch's forward and backward (the loss divided by the global token count, so
-accumulation and data parallelism give the single-device gradient), the gradient reduction
+A step: each micro-batch's forward and backward (the loss divided by the global batch's count of
+labels the loss counts, so accumulation and data parallelism give the single-device gradient), the gradient reduction
 over dp x cp, clipping by the true global norm, the AdamW update, metrics on rank 0.
 """
 
@@ -141,13 +141,13 @@ class Trainer:
         self.flop_rate = FlopRate(cfg, device)
         self.telemetry = telemetry.for_device(device)  # None where the device reports nothing
 
-    def forward_backward(self, microbatches, grad_scale: float = 1.0) -> torch.Tensor:
-        """Summed token loss of this rank's micro-batches (zero off the last pipeline stage);
-        gradients (of the loss times `grad_scale`, fp16's loss scale, over the step's global token
-        count) accumulate in the reducer's buckets. Every dp rank runs as many micro-batches."""
+    def forward_backward(self, microbatches, loss_tokens: int, grad_scale: float = 1.0) -> torch.Tensor:
+        """Summed token loss of this rank's micro-batches (zero off the last pipeline stage); gradients
+        (of the loss times `grad_scale`, fp16's loss scale, over the global batch's `loss_tokens`:
+        Batches.loss_tokens) accumulate in the reducer's buckets. Every dp rank runs as many."""
         local, positions = self._sequence_shards(microbatches)
         self.pipeline = self.pipelines(len(microbatches))
-        return self.pipeline.run(local, positions, grad_scale / self.pipelines.tokens(len(microbatches)))
+        return self.pipeline.run(local, positions, grad_scale / loss_tokens)
 
     def _sequence_shards(self, microbatches):
         """Context parallel: this rank's two load-balanced chunks of every sequence (context.py),
@@ -173,9 +173,8 @@ class Trainer:
 
     @torch.no_grad()
     def _validation_loss(self, val: Batches) -> float:
-        """The mean token loss over `val`'s evaluation batches, computed in the training layout
-        with a forward-only pipeline schedule and summed over ranks as a training step's loss is.
-        Dropout is off."""
+        """The mean token loss over `val`'s evaluation batches (their labels the loss counts), in the training
+        layout with a forward-only pipeline schedule, summed over ranks as a step's loss is. No dropout."""
         cfg, topo = self.cfg, self.topo
         total = torch.zeros((), device=topo.device)
         batches = val.eval_batches(cfg.train.eval_steps)
@@ -190,7 +189,7 @@ class Trainer:
         self.grads.release_gathered()  # not in `finally`: after a failure it could wait on a dead rank
         topo.comm.all_reduce(total, GRAD)
         topo.comm.all_reduce(total, "pp")
-        return float(total) / (cfg.train.global_batch * cfg.model.seq_len * batches)
+        return float(total) / sum(val.loss_tokens(i) for i in range(batches))
 
     def _evaluates_after(self, step: int) -> bool:
         """Whether validation runs after 0-based `step`: every eval_every steps and at the last."""
@@ -208,14 +207,15 @@ class Trainer:
         with clock.part("data"):
             batch = self.batches.size(step)  # train.global_batch, or a ramp-up's smaller one
             micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
+            loss_tokens = self.batches.loss_tokens(step)
         scale = self.scaler.scale
         with clock.part("forward_backward"), devices.phase("forward_backward", topo.device), \
                 self._activation_meter(step, len(micro)):
-            loss_sum = self.forward_backward(micro, grad_scale=scale)
+            loss_sum = self.forward_backward(micro, loss_tokens, grad_scale=scale)
         with clock.part("optimizer"), devices.phase("grad_reduce", topo.device):
             self.grads.reduce()  # dp x cp (and, under SP, tp for tp-replicated parameters)
         with clock.part("optimizer"), devices.phase("optimizer", topo.device):
-            grad_norm, loss, self.stop_signal = self._step_sums(loss_sum, scale, batch * cfg.model.seq_len)
+            grad_norm, loss, self.stop_signal = self._step_sums(loss_sum, scale, loss_tokens)
             self.grads.clip(grad_norm, cfg.train.grad_clip, loss_scale=scale)
             # The norm is reduced over the whole job: every rank steps, or every rank skips.
             finite = math.isfinite(grad_norm)
@@ -232,7 +232,7 @@ class Trainer:
         peak = self.memory.bytes()
         sent = topo.comm.bytes_by_group()
         return {
-            "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "global_batch": batch,
+            "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "global_batch": batch, "loss_tokens": loss_tokens,
             "step_time_s": step_time, "tokens_per_s": batch * cfg.model.seq_len / step_time,
             **self.flop_rate(step_time, batch),
             # Waits on a pipeline neighbour are the bubble; every other collective wait is exposed comm.
@@ -250,11 +250,11 @@ class Trainer:
             **(self.telemetry.take() if self.telemetry else {}),
         }
 
-    def _step_sums(self, loss_sum: torch.Tensor, loss_scale: float, tokens: int) -> tuple[float, float, int]:
+    def _step_sums(self, loss_sum: torch.Tensor, loss_scale: float, loss_tokens: int) -> tuple[float, float, int]:
         """The step's numbers that need the whole job, in one all-reduce (over dp x cp, tp, pp)
         and one read: the global gradient norm (unscaled: the same on every rank, non-finite on
         all when any rank's gradient overflowed), the mean token loss (summed from the last
-        pipeline stage of each dp x cp replica, once per tp group, over `tokens`) and the stop
+        pipeline stage of each dp x cp replica, once per tp group, over `loss_tokens`) and the stop
         signal any rank received (stopping.py)."""
         topo = self.topo
         loss = loss_sum if topo.tp_rank == 0 else torch.zeros_like(loss_sum)
@@ -263,7 +263,7 @@ class Trainer:
         for group in (GRAD, *WEIGHT_SPLIT_DIMS):
             topo.comm.all_reduce(sums, group)
         norm_sq, loss, *signals = sums.tolist()
-        return math.sqrt(norm_sq) / loss_scale, loss / tokens, self.signals.agreed(signals)
+        return math.sqrt(norm_sq) / loss_scale, loss / loss_tokens, self.signals.agreed(signals)
 
     def _activation_meter(self, step: int, microbatches: int):
         """Count saved activations (train/memory.py) on the first step this trainer runs and of each

@@ -1,0 +1,136 @@
+"""Supervised fine-tuning's loss mask: a prompt's labels are left out of the loss, and the step's
+loss is the mean over the global batch's counted labels, whatever the layout cuts it into (a mean
+per micro-batch or per rank would weigh each label by its batch's count). Proven on one process
+against an independent cross-entropy, then every layout against one process."""
+
+import json
+from fractions import Fraction
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_parity, run_ranks, sft_shards, tiny_config, train_layout
+from tetrad.data.sources import TokenStream, load_tokens
+from tetrad.model.layers import IGNORED_LABEL
+from tetrad.train.batches import Batches
+from tetrad.train.trainer import Trainer
+
+
+def _batches(sources, global_batch: int = 8) -> Batches:
+    return Batches(sources, seq_len=32, global_batch=global_batch, seed=0, vocab_size=256)
+
+
+def test_a_prompts_labels_are_ignored_and_the_rest_counted():
+    tokens = load_tokens(sft_shards())
+    batches = _batches([(1, tokens)])
+    inputs, labels = batches.global_batch_at(3)
+    starts = batches.windows[0].starts(np.arange(3 * 8, 4 * 8)).tolist()
+    windows, counted = torch.from_numpy(tokens.windows(starts, 33)), torch.from_numpy(tokens.counted(starts, 33))
+    assert torch.equal(inputs, windows[:, :-1])
+    assert torch.equal(labels, windows[:, 1:].masked_fill(~counted[:, 1:], IGNORED_LABEL))
+    assert 0 < (labels == IGNORED_LABEL).sum() < labels.numel() / 2 < (labels != IGNORED_LABEL).sum()
+    assert batches.loss_tokens(3) == int((labels != IGNORED_LABEL).sum())
+    # each dp rank's share, cut into micro-batches, is the global batch's
+    shares = [torch.cat([y for _, y in batches.microbatches(3, rank, 2, 2)]) for rank in range(2)]
+    assert torch.equal(torch.cat(shares), labels)
+
+
+def test_a_blend_counts_every_label_of_a_source_without_a_mask():
+    plain = TokenStream([np.arange(3000) % 200])
+    batches = _batches([(Fraction(1, 2), load_tokens(sft_shards())), (Fraction(1, 2), plain)], global_batch=16)
+    _, labels = batches.global_batch_at(0)
+    plain_rows = (labels != IGNORED_LABEL).all(dim=1)
+    assert 0 < int(plain_rows.sum()) < 16  # both sources are in the batch, and only the plain one is whole
+    assert batches.loss_tokens(0) == int((labels != IGNORED_LABEL).sum())
+    assert _batches([(1, plain)]).loss_tokens(0) == 8 * 32
+
+
+def test_cross_entropy_gives_an_ignored_label_no_loss_and_no_gradient():
+    from tetrad.model.layers import vocab_parallel_cross_entropy
+
+    class OneRank:
+        tp_size = 1
+    logits = torch.randn(2, 5, 16, requires_grad=True)
+    labels = torch.tensor([[1, IGNORED_LABEL, 3, 4, IGNORED_LABEL], [IGNORED_LABEL, 2, 2, 0, 9]])
+    losses = vocab_parallel_cross_entropy(logits, labels, 12, OneRank())
+    losses.sum().backward()
+    ignored = labels == IGNORED_LABEL
+    assert (losses[ignored] == 0).all() and (losses[~ignored] > 0).all()
+    assert (logits.grad[ignored] == 0).all() and (logits.grad[~ignored].abs().sum(-1) > 0).all()
+
+
+# ----------------------------------------------------------------------------- one process
+
+def _config(parallel: dict, train: dict | None = None, source: str | None = None):
+    """TINY on the SFT shards, a validation at the last step."""
+    return tiny_config(parallel=parallel, data={"source": source or sft_shards(), "val_fraction": 0.2},
+                       train={"eval_every": 5, **(train or {})})
+
+
+def _first_loss_by_hand(cfg):
+    """(the first step's recorded loss, the mean cross-entropy over the global batch's counted
+    labels by torch's own cross_entropy on the untrained model's logits)."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    inputs, labels = trainer.batches.global_batch_at(0)
+    with torch.no_grad():
+        logits = trainer.model(inputs, trainer.positions)[..., :cfg.model.vocab_size]
+    by_hand = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORED_LABEL)
+    return trainer.train_step(0)["loss"], float(by_hand)
+
+
+@lru_cache(maxsize=None)
+def _train(name: str | None, document_mask: bool = False, micro_batch: int = 2):
+    parallel, train = LAYOUTS[name] if name else ({}, {"document_mask": document_mask, "micro_batch": micro_batch})
+    return train_layout(_config(parallel, train))
+
+
+LAYOUTS = {  # name -> (parallel, train); the reference is one process with the same document_mask
+    "dp2-zero1": ({"dp": 2, "zero": 1}, {}),
+    "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
+    "cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {}),
+    "pp2-1f1b-docmask": ({"pp": 2, "schedule": "1f1b"}, {"document_mask": True}),
+    "dp2-pp2-zb-zero2": ({"dp": 2, "pp": 2, "schedule": "zb", "zero": 2}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    """The one-process runs first (a forked single-rank job hangs once the pytest process has
+    computed with its OpenMP pool)."""
+    return {masked: _train(None, document_mask=masked) for masked in (False, True)}
+
+
+def test_the_first_loss_is_the_mean_over_counted_labels(references):
+    recorded, by_hand = run_ranks(_first_loss_by_hand, 1, _config({}))[0]
+    assert recorded == pytest.approx(by_hand, rel=1e-6)
+
+
+def test_the_mask_changes_training(tmp_path, references):
+    """The same tokens without their masks train otherwise: the masks are read."""
+    unmasked = tmp_path / "unmasked"
+    unmasked.mkdir()
+    for f in Path(sft_shards()).iterdir():
+        if f.suffix != ".mask":
+            (unmasked / f.name).write_bytes(f.read_bytes())
+    index = json.loads((unmasked / "index.json").read_text())
+    (unmasked / "index.json").write_text(json.dumps({**index, "loss_mask": False}))
+    plain = train_layout(_config({}, source=str(unmasked)))
+    assert abs(plain[0][0] - references[False][0][0]) > 1e-2, (plain[0], references[False][0])
+
+
+def test_accumulation_does_not_reweigh_labels(references):
+    """micro_batch 1 and 2 cut the batch into micro-batches of different label counts: the same run."""
+    assert_parity(_train(None, micro_batch=1), references[False])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, references):
+    # fp32: only orders of sums differ (tp pieces, dp x cp, micro-batches), as test_document_mask's.
+    got, ref = _train(name), references[LAYOUTS[name][1].get("document_mask", False)]
+    assert_parity(got, ref, atol=2e-4, loss_atol=2e-6)
+    assert got[2][-1]["val_loss"] == pytest.approx(ref[2][-1]["val_loss"], rel=1e-5)  # validation masks too

@@ -270,7 +270,7 @@ def test_tetrad_data_reads_json_lines_one_document_a_line(tmp_path, capsys):
     # Cut into small pieces at line ends, the lines still read as the same documents.
     cut = pieces(folder / "a.jsonl", piece_bytes=40)
     assert len(cut) > 2 and all(p.whole_documents for p in cut)
-    assert [d for p in cut for d in json_documents(p, "content")] == [d for d in docs if d]
+    assert [d for p in cut for (d,) in json_documents(p, ("content",))] == [d for d in docs if d]
 
 
 def test_tetrad_data_refuses_json_lines_without_the_key_before_any_work(tmp_path, capsys):
@@ -304,7 +304,7 @@ def test_tetrad_data_reads_parquet_one_document_a_row(tmp_path, capsys):
     assert len(cut) > 2 and cut[0].start == 0 and cut[-1].last and cut[-1].end == pq.ParquetFile(path).num_row_groups
     assert all(a.end == b.start and not a.last and a.whole_documents for a, b in zip(cut, cut[1:]))
     kept = [d for d in docs if d]
-    assert [d for p in cut for d in parquet_documents(p, "text")] == kept
+    assert [d for p in cut for (d,) in parquet_documents(p, ("text",))] == kept
     out = tmp_path / "shards"
     assert main(["data", str(path), "--out", str(out), "--vocab-size", "300", "--workers", "2"]) == 0
     assert f"{len(kept)} documents" in capsys.readouterr().out

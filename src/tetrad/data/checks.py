@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from tetrad.config import Config, ConfigError
-from tetrad.data.shards import TOKENIZER, end_of_document, is_shard_folder, open_shards, read_index
+from tetrad.data.shards import (TOKENIZER, end_of_document, is_shard_folder, open_loss_masks, open_shards,
+                                 read_index)
 from tetrad.data.blend import blend_parts
 from tetrad.data.sources import CORPORA, NPY_DTYPES, TokenStream, load_blend, reads_as_bytes, text_files
 
@@ -136,11 +137,13 @@ def _check_npy(key: str, path: Path) -> None:
 
 
 def _check_shards(key: str, path: Path, vocab_size: int, init_from: str) -> None:
-    """The index and shard sizes; the tokenizer's vocabulary is the model's (a released model's
-    may be larger: padded, under checkpoint.init_from)."""
+    """The index and the sizes of the shards and of their loss masks (where the index says it has
+    them); the tokenizer's vocabulary is the model's (a released model's may be larger: padded,
+    under checkpoint.init_from)."""
     try:
         index = read_index(path)
         open_shards(path)
+        open_loss_masks(path)
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
     if index["vocab_size"] != vocab_size and not (init_from and vocab_size > index["vocab_size"]):

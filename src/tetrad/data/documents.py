@@ -6,6 +6,11 @@ datasets are exported and Megatron-LM's preprocess_data.py reads them) is one, i
 key `--json-key` names. Each row of a `.parquet` file (as Hugging Face datasets such as FineWeb
 are published) is one, its text in the column of that name; a piece is a run of row groups, read
 one column at a time with pyarrow (an optional dependency: `pip install pyarrow`).
+
+A line or row is read as a record: the strings under its keys, the text's last. Supervised
+fine-tuning examples (`--prompt-key`) are records of two, (prompt, response), kept apart so that
+the loss can count the response alone; a text file has no prompt, so only .jsonl and .parquet
+files hold them.
 """
 
 from __future__ import annotations
@@ -113,59 +118,88 @@ def read_piece(piece: Piece) -> str:
         return f.read(piece.end - piece.start).decode("utf-8", errors="replace")
 
 
-def json_documents(piece: Piece, key: str) -> list[str]:
-    """The texts of a .jsonl piece's lines (blank lines and empty texts skipped); a ValueError
-    naming the file and the line's byte offset when a line is not an object with a `key` string."""
-    texts, offset = [], piece.start
+def _flag(keys: tuple[str, ...], key: str, where: str) -> str:
+    """How an error names the option that sets `key`: the text's is --json-key, a prompt's --prompt-key."""
+    return f"give the texts' {where} with --json-key" if key == keys[-1] else \
+        f"give the prompts' {where} with --prompt-key"
+
+
+def _json_record(line: str, keys: tuple[str, ...]) -> tuple:
+    """The values under `keys` of a line's JSON object (None where it has none)."""
+    try:
+        found = json.loads(line)
+    except ValueError:
+        found = None
+    return tuple(found.get(key) for key in keys) if isinstance(found, dict) else (None,) * len(keys)
+
+
+def json_documents(piece: Piece, keys: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The records of a .jsonl piece's lines (blank lines and empty texts skipped); a ValueError
+    naming the file and the line's byte offset when a line is not an object with a string under
+    each of `keys`."""
+    records, offset = [], piece.start
     for line in read_piece(piece).splitlines(keepends=True):
         if line.strip():
-            try:
-                text = json.loads(line)[key]
-            except (ValueError, KeyError, TypeError, IndexError):
-                text = None
-            if not isinstance(text, str):
-                raise ValueError(f"{piece.path}: the line at byte {offset} is not a JSON object with a {key!r} "
-                                 f"string; give the texts' key with --json-key")
-            if text:
-                texts.append(text)
+            record = _json_record(line, keys)
+            wrong = next((key for key, value in zip(keys, record) if not isinstance(value, str)), None)
+            if wrong is not None:
+                raise ValueError(f"{piece.path}: the line at byte {offset} is not a JSON object with a {wrong!r} "
+                                 f"string; {_flag(keys, wrong, 'key')}")
+            if record[-1]:
+                records.append(record)
         offset += len(line.encode("utf-8", errors="replace"))
-    return texts
+    return records
 
 
-def parquet_documents(piece: Piece, key: str) -> list[str]:
-    """The texts of a .parquet piece's rows (nulls and empty texts skipped); a ValueError naming
-    the file and its columns when no string column is called `key`."""
+def parquet_documents(piece: Piece, keys: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The records of a .parquet piece's rows (null and empty texts skipped); a ValueError naming
+    the file and its columns when no string column is called one of `keys`, or the row whose
+    prompt is null."""
     import pyarrow as pa
     parquet = _parquet_file(Path(piece.path))
-    field = parquet.schema_arrow.field(key) if key in parquet.schema_arrow.names else None
-    if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
-        raise ValueError(f"{piece.path} has no string column {key!r} (its columns: "
-                         f"{', '.join(parquet.schema_arrow.names)}); give the texts' column with --json-key")
-    column = parquet.read_row_groups(range(piece.start, piece.end), columns=[key]).column(0)
-    return [text for text in column.to_pylist() if text]
+    schema = parquet.schema_arrow
+    for key in keys:
+        field = schema.field(key) if key in schema.names else None
+        if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+            raise ValueError(f"{piece.path} has no string column {key!r} (its columns: "
+                             f"{', '.join(schema.names)}); {_flag(keys, key, 'column')}")
+    table = parquet.read_row_groups(range(piece.start, piece.end), columns=list(keys))
+    columns = [table.column(key).to_pylist() for key in keys]
+    for key, column in zip(keys[:-1], columns):
+        if None in column:
+            row = sum(parquet.metadata.row_group(i).num_rows for i in range(piece.start)) + column.index(None)
+            raise ValueError(f"{piece.path}: row {row} has a null {key!r}; {_flag(keys, key, 'column')}")
+    return [record for record in zip(*columns) if record[-1]]
 
 
-def piece_texts(piece: Piece, key: str) -> list[str]:
-    """A .txt piece's text as it is (part of one document), or the documents of another piece."""
+def piece_records(piece: Piece, keys: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """A .txt piece's text as it is (part of one document), or the records of another piece."""
     if piece.suffix == ".parquet":
-        return parquet_documents(piece, key)
-    return json_documents(piece, key) if piece.suffix == ".jsonl" else [read_piece(piece)]
+        return parquet_documents(piece, keys)
+    return json_documents(piece, keys) if piece.suffix == ".jsonl" else [(read_piece(piece),)]
 
 
-def sample_texts(files: list[Path], budget_bytes: int, key: str) -> Iterator[str]:
-    """Text to learn the BPE merges from: the first `budget_bytes`, spread over the files in order."""
+def sample_texts(files: list[Path], budget_bytes: int, keys: tuple[str, ...]) -> Iterator[str]:
+    """Text to learn the BPE merges from: the first `budget_bytes`, spread over the files in order
+    (prompts too: the tokenizer encodes them as well)."""
     for path in files:
         for piece in pieces(path, 1 << 20):
             if budget_bytes <= 0:
                 return
             budget_bytes -= piece.nbytes
-            yield from piece_texts(piece, key)
+            for record in piece_records(piece, keys):
+                yield from record
 
 
-def check_documents(files: list[Path], key: str) -> None:
+def check_documents(files: list[Path], keys: tuple[str, ...]) -> None:
     """Each .jsonl and .parquet file's first piece reads (the rest is checked as it is tokenized):
-    a wrong --json-key is refused before a tokenizer is trained."""
+    a wrong --json-key or --prompt-key is refused before a tokenizer is trained, and so is a text
+    file among fine-tuning examples."""
+    text = [path for path in files if path.suffix not in WHOLE_DOCUMENTS]
+    if len(keys) > 1 and text:
+        raise ValueError(f"{text[0]} is a text file, which has no prompt ({len(text)} among the inputs); "
+                         "--prompt-key reads .jsonl and .parquet files only")
     for path in files:
         if path.suffix in WHOLE_DOCUMENTS and path.stat().st_size:
             for piece in pieces(path, 1 << 16)[:1]:
-                piece_texts(piece, key)
+                piece_records(piece, keys)

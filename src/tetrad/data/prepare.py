@@ -6,6 +6,11 @@ BPE tokenizer is trained on a sample of the text (or an existing tokenizer.json 
 worker processes tokenize the files in pieces of a few MB, cut at line ends, while this process
 writes the pieces in order into shards, an EOS token after each document, starting a new shard
 only between documents.
+
+With `--prompt-key` each line or row is a supervised fine-tuning example instead: prompt and
+response are tokenized apart (as torchtune tokenizes each message) and written one after the
+other, with a loss mask beside each shard that counts the response and its EOS only, so that the
+model learns to answer (and to stop) without being trained to write prompts.
 """
 
 from __future__ import annotations
@@ -22,24 +27,27 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from tetrad.data.documents import (Piece, check_documents, input_files, piece_texts, pieces, sample_texts,
+from tetrad.data.documents import (Piece, check_documents, input_files, piece_records, pieces, sample_texts,
                                     text_bytes)
-from tetrad.data.shards import TOKENIZER, dtype_for, shard_name, write_index
+from tetrad.data.shards import TOKENIZER, dtype_for, mask_name, shard_name, write_index
 from tetrad.data.tokenizer import document_prefix, eos_id, load_tokenizer, train_bpe, vocab_size
 
 
 class _Encoder:
     """A worker's tokenizer (built once per process from its JSON) and the piece encoder."""
 
-    def __init__(self, tokenizer_json: str, eos: int, dtype: str, json_key: str):
+    def __init__(self, tokenizer_json: str, eos: int, dtype: str, keys: tuple[str, ...]):
         from tokenizers import Tokenizer
         self.tokenizer, self.eos, self.dtype = Tokenizer.from_str(tokenizer_json), eos, np.dtype(dtype)
-        self.json_key, self.prefix = json_key, document_prefix(self.tokenizer)
+        self.keys, self.prefix = keys, document_prefix(self.tokenizer)
 
-    def __call__(self, piece: Piece) -> list[np.ndarray]:
+    def __call__(self, piece: Piece) -> list:
+        return self.examples(piece) if len(self.keys) > 1 else self.documents(piece)
+
+    def documents(self, piece: Piece) -> list[np.ndarray]:
         """A .txt piece's ids (the tokenizer's document prefix before the file's first, EOS after
         its last), or each of another piece's documents' ids, prefix and EOS around them."""
-        texts = piece_texts(piece, self.json_key)
+        texts = [text for (text,) in piece_records(piece, self.keys)]
         # Line by line: one encode of megabytes is many times slower, and byte-level BPE's
         # pre-tokenizer splits at line ends anyway (only runs of blank lines may merge differently).
         lines = [text.splitlines(keepends=True) for text in texts]
@@ -49,6 +57,20 @@ class _Encoder:
         starts, ends = whole or piece.start == 0, whole or piece.last
         return [np.array((self.prefix if starts else []) + [i for _ in text for i in next(encoded).ids]
                          + ([self.eos] if ends else []), dtype=self.dtype) for text in lines]
+
+    def examples(self, piece: Piece) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each fine-tuning example's ids, prefix + prompt + response + EOS, and its loss mask: 1
+        on the response and the EOS. Each text is encoded whole: examples are short, and the ids
+        are then exactly the tokenizer's encode of each."""
+        encoded = self.tokenizer.encode_batch_fast([text for record in piece_records(piece, self.keys)
+                                                    for text in record], add_special_tokens=False)
+        out = []
+        for prompt, response in zip(encoded[::2], encoded[1::2]):
+            ids = np.array(self.prefix + prompt.ids + response.ids + [self.eos], dtype=self.dtype)
+            mask = np.zeros(len(ids), dtype=np.uint8)
+            mask[len(self.prefix) + len(prompt.ids):] = 1
+            out.append((ids, mask))
+        return out
 
 
 def _start_worker(*args) -> None:
@@ -80,67 +102,80 @@ def _forked_pool(workers: int, encoder_args: tuple):
 
 
 class ShardWriter:
-    """Writes documents in order into shards of about `shard_tokens` tokens (a document is never cut)."""
+    """Writes documents in order into shards of about `shard_tokens` tokens (a document is never
+    cut); `masked`: each document comes with its loss mask, written beside its shard (mask_name).
+    `counted`: how many tokens the loss counts (all of them, unmasked)."""
 
-    def __init__(self, folder: Path, shard_tokens: int):
-        self.folder, self.shard_tokens = folder, shard_tokens
+    def __init__(self, folder: Path, shard_tokens: int, masked: bool = False):
+        self.folder, self.shard_tokens, self.masked = folder, shard_tokens, masked
         self.shards: list[dict] = []
-        self.file = None
+        self.files: list = []  # the shard's, and its mask's
+        self.counted = 0
 
-    def add_document(self, parts: list[np.ndarray]) -> None:
+    def add_document(self, parts: list[np.ndarray], mask: np.ndarray | None = None) -> None:
         n = sum(len(p) for p in parts)
-        if self.file is None or (self.shards[-1]["tokens"] and self.shards[-1]["tokens"] + n > self.shard_tokens):
+        if not self.files or (self.shards[-1]["tokens"] and self.shards[-1]["tokens"] + n > self.shard_tokens):
             self._next_shard()
         for part in parts:
-            self.file.write(part.tobytes())
+            self.files[0].write(part.tobytes())
+        if self.masked:
+            self.files[1].write(mask.tobytes())
+        self.counted += int(np.count_nonzero(mask)) if self.masked else n
         self.shards[-1]["tokens"] += n
         self.shards[-1]["documents"] += 1
 
     def _next_shard(self) -> None:
-        if self.file is not None:
-            self.file.close()
+        self.close()
         self.shards.append({"file": shard_name(len(self.shards)), "tokens": 0, "documents": 0})
-        self.file = (self.folder / self.shards[-1]["file"]).open("wb")
+        names = [self.shards[-1]["file"]] + ([mask_name(self.shards[-1]["file"])] if self.masked else [])
+        self.files = [(self.folder / name).open("wb") for name in names]
 
     def close(self) -> list[dict]:
-        if self.file is not None:
-            self.file.close()
+        for file in self.files:
+            file.close()
         return self.shards
 
 
 def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float, workers: int,
-             json_key: str) -> dict:
-    """Tokenize `files` into shards in `out` with `workers` processes; returns the index."""
+             keys: tuple[str, ...]) -> tuple[dict, int]:
+    """Tokenize `files` into shards in `out` with `workers` processes, the records under `keys`
+    (a prompt's key before the text's: fine-tuning examples, masked); returns the index and how
+    many tokens the loss counts."""
     size = vocab_size(tokenizer)
     dtype = dtype_for(size)
-    writer = ShardWriter(out, max(1, int(shard_mb * 2**20) // dtype.itemsize))
+    writer = ShardWriter(out, max(1, int(shard_mb * 2**20) // dtype.itemsize), masked=len(keys) > 1)
     work = [p for f in files for p in pieces(f)]
-    with _forked_pool(workers, (tokenizer.to_str(), eos, dtype.str, json_key)) as pool, \
+    with _forked_pool(workers, (tokenizer.to_str(), eos, dtype.str, keys)) as pool, \
             tqdm(total=sum(p.nbytes for p in work), unit="B", unit_scale=True, desc="tokenizing",
                  disable=None) as bar:
         document: list[np.ndarray] = []  # a .txt file's pieces so far
         for piece, encoded in zip(work, pool.imap(_encode, work)):
             bar.update(piece.nbytes)
             if piece.whole_documents:
-                for ids in encoded:
-                    writer.add_document([ids])
+                for result in encoded:  # ids, or (ids, loss mask) for fine-tuning examples
+                    ids, mask = result if writer.masked else (result, None)
+                    writer.add_document([ids], mask)
                 continue
             document += encoded
             if piece.last:
                 writer.add_document(document)
                 document = []
-    return write_index(out, writer.close(), size, eos)
+    return write_index(out, writer.close(), size, eos, loss_mask=writer.masked), writer.counted
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tetrad data", description="Train a byte-level BPE tokenizer on text "
                                      "(or take a tokenizer.json) and tokenize the text into memory-mapped shards "
                                      "that `data.source` reads. Each .txt file is one document, each line of a "
-                                     ".jsonl file one, each row of a .parquet file one.")
+                                     ".jsonl file one, each row of a .parquet file one; with --prompt-key each "
+                                     "line or row is a fine-tuning example (prompt, response) instead.")
     parser.add_argument("inputs", nargs="+", type=Path, help="text, JSON Lines or parquet files, or folders of "
                                                              ".txt, .jsonl and .parquet files")
     parser.add_argument("--json-key", default="text", help="the key of each .jsonl line's text, or the "
-                        ".parquet column of texts (default: text)")
+                        ".parquet column of texts (default: text); with --prompt-key, of the responses")
+    parser.add_argument("--prompt-key", help="supervised fine-tuning data: the key (or column) of each example's "
+                        "prompt, written before its response under --json-key; the loss counts only the "
+                        "response's tokens and its EOS (a loss mask beside each shard). .jsonl and .parquet only")
     parser.add_argument("--out", type=Path, required=True, help="the shard folder to write (new or empty)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary to train (default 8192)")
@@ -157,6 +192,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
         raise ValueError(f"--vocab-size={args.vocab_size} must be in [257, 2^32] (256 bytes + EOS at least)")
     if args.workers < 1 or args.shard_mb <= 0 or args.sample_mb <= 0:
         raise ValueError("--workers must be >= 1, --shard-mb and --sample-mb > 0")
+    if args.prompt_key == args.json_key:
+        raise ValueError(f"--prompt-key and --json-key both name {args.json_key!r}; the prompt and the response "
+                         "are two keys of each example")
+    args.keys = (args.json_key,) if args.prompt_key is None else (args.prompt_key, args.json_key)
     return args
 
 
@@ -164,7 +203,7 @@ def data_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
         files, left_out = input_files(args.inputs)
-        check_documents(files, args.json_key)
+        check_documents(files, args.keys)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
         if tokenizer is not None:
             eos_id(tokenizer, args.eos)  # refused before any work
@@ -177,7 +216,7 @@ def data_command(argv: list[str]) -> int:
     # Written beside the final folder and renamed when complete: a crash leaves no half folder.
     partial = args.out.with_name(args.out.name + ".partial")
     try:
-        index, (started, trained, done) = _write_shards(args, files, tokenizer, partial)
+        (index, counted), (started, trained, done) = _write_shards(args, files, tokenizer, partial)
     except ValueError as e:  # a .jsonl line or .parquet file past the part checked up front that is not a document
         shutil.rmtree(partial, ignore_errors=True)
         print(f"tetrad data: {e}", file=sys.stderr)
@@ -186,28 +225,34 @@ def data_command(argv: list[str]) -> int:
         args.out.rmdir()  # checked empty above
     partial.rename(args.out)
     total = text_bytes(files)
-    print(f"tetrad data: {index['documents']} documents, {index['tokens']:,} tokens (vocab {index['vocab_size']}, "
-          f"{index['dtype']}) in {len(index['shards'])} shard(s) at {args.out}; tokenized {total / 1e6:.1f} MB in "
-          f"{done - trained:.1f} s = {total / 1e6 / (done - trained):.1f} MB/s with {args.workers} process(es)"
+    masked = f"of which {counted / max(index['tokens'], 1):.0%} are response tokens the loss counts; " \
+        if index["loss_mask"] else ""
+    print(f"tetrad data: {index['documents']} documents, {index['tokens']:,} tokens ({masked}vocab "
+          f"{index['vocab_size']}, {index['dtype']}) in {len(index['shards'])} shard(s) at {args.out}; tokenized "
+          f"{total / 1e6:.1f} MB in {done - trained:.1f} s = {total / 1e6 / (done - trained):.1f} MB/s with "
+          f"{args.workers} process(es)"
           + (f"; tokenizer trained in {trained - started:.1f} s" if args.tokenizer is None else ""))
-    print(f"tetrad data: train on it with --data.source={args.out} (model.vocab_size follows: {index['vocab_size']})")
+    print(f"tetrad data: train on it with --data.source={args.out} (model.vocab_size follows: {index['vocab_size']})"
+          + ("; with train.document_mask=true packed examples do not attend to each other"
+             if index["loss_mask"] else ""))
     return 0
 
 
-def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partial: Path) -> tuple[dict, tuple]:
+def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partial: Path) -> tuple[tuple, tuple]:
     """Train the tokenizer (unless given), then write it and the shards into `partial`; the index
-    and the times (start, tokenizer trained, shards written)."""
+    and the count of tokens the loss counts (tokenize's), and the times (start, tokenizer trained,
+    shards written)."""
     started = time.perf_counter()
     if tokenizer is None:
         total = text_bytes(files)
         print(f"tetrad data: training a {args.vocab_size}-token BPE on up to {args.sample_mb:g} MB of "
               f"{total / 1e6:.1f} MB of text", flush=True)
-        tokenizer = train_bpe(sample_texts(files, int(args.sample_mb * 2**20), args.json_key), args.vocab_size,
+        tokenizer = train_bpe(sample_texts(files, int(args.sample_mb * 2**20), args.keys), args.vocab_size,
                               progress=sys.stderr.isatty())
     trained = time.perf_counter()
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     tokenizer.save(str(partial / TOKENIZER))
-    index = tokenize(files, tokenizer, eos_id(tokenizer, args.eos), partial, args.shard_mb, args.workers,
-                     args.json_key)
-    return index, (started, trained, time.perf_counter())
+    written = tokenize(files, tokenizer, eos_id(tokenizer, args.eos), partial, args.shard_mb, args.workers,
+                       args.keys)
+    return written, (started, trained, time.perf_counter())

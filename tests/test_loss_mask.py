@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_parity, run_ranks, sft_shards, tiny_config, train_layout
-from tetrad.data.sources import TokenStream, load_tokens
+from tetrad.data.sources import CORPORA, TokenStream, load_tokens
 from tetrad.model.layers import IGNORED_LABEL
-from tetrad.train.batches import Batches
+from tetrad.config import load_config
+from tetrad.train.batches import Batches, split_batches
 from tetrad.train.trainer import Trainer
 
 
@@ -134,3 +135,23 @@ def test_layout_matches_single_process(name, references):
     got, ref = _train(name), references[LAYOUTS[name][1].get("document_mask", False)]
     assert_parity(got, ref, atol=2e-4, loss_atol=2e-6)
     assert got[2][-1]["val_loss"] == pytest.approx(ref[2][-1]["val_loss"], rel=1e-5)  # validation masks too
+
+
+def test_tetrad_data_then_train_counts_the_responses(tmp_path):
+    """The user's path: `tetrad data --prompt-key` on JSON Lines, then `tetrad train` on the folder
+    with document masking. Each step's loss_tokens is the count of response tokens (and EOS) among
+    the step's labels, read here from the written masks by the windows the data gives."""
+    from tetrad.cli import main
+    text = CORPORA["licenses"].read_text()[:20_000].split()
+    records = [{"prompt": " ".join(text[i:i + 6]), "response": " ".join(text[i + 6:i + 9])} for i in range(0, 2400, 9)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out, run = tmp_path / "sft", tmp_path / "run"
+    assert main(["data", str(tmp_path / "sft.jsonl"), "--out", str(out), "--vocab-size", "300", "--workers", "1",
+                 "--prompt-key", "prompt", "--json-key", "response"]) == 0
+    assert main(["train", f"--data.source={out}", "--train.document_mask=true", "--train.steps=3",
+                 "--model.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2", f"--run.dir={run}"]) == 0
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    batches, _ = split_batches(load_config(run / "config.toml"))  # the run's own data, as it resolved it
+    counted = [int((batches.global_batch_at(i)[1] != IGNORED_LABEL).sum()) for i in range(3)]
+    assert [r["loss_tokens"] for r in steps] == counted
+    assert all(0 < c < 4 * 32 / 2 for c in counted)  # three response words after six prompt words: well under half

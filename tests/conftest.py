@@ -57,8 +57,8 @@ def doc_shards() -> str:
 def sft_shards() -> str:
     """A supervised fine-tuning shard folder (vocabulary 256, EOS 0, loss masks) of the built-in
     corpus cut into examples: a prompt of 3 to 16 bytes the loss leaves out, then a response of 1
-    to 12 bytes and its EOS the loss counts; two shards, so windows cross a shard boundary. A
-    32-token window holds about two examples: its count of counted labels varies by window."""
+    to 12 bytes and its EOS the loss counts; two shards, so a pack may cross a shard boundary. A
+    32-token window holds one to a few whole examples: its count of counted labels varies."""
     text = np.frombuffer(CORPORA["licenses"].read_bytes()[40_000:60_000], dtype=np.uint8)
     rng = np.random.default_rng(1)
     shards, start = [[], []], 0

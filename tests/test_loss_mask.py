@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_parity, run_ranks, sft_shards, tiny_config, train_layout
+from tetrad.data.packing import ExamplePacks
 from tetrad.data.sources import CORPORA, TokenStream, load_tokens
 from tetrad.model.layers import IGNORED_LABEL
 from tetrad.config import load_config
@@ -29,15 +30,43 @@ def test_a_prompts_labels_are_ignored_and_the_rest_counted():
     tokens = load_tokens(sft_shards())
     batches = _batches([(1, tokens)])
     inputs, labels = batches.global_batch_at(3)
-    starts = batches.windows[0].starts(np.arange(3 * 8, 4 * 8)).tolist()
-    windows, counted = torch.from_numpy(tokens.windows(starts, 33)), torch.from_numpy(tokens.counted(starts, 33))
-    assert torch.equal(inputs, windows[:, :-1])
-    assert torch.equal(labels, windows[:, 1:].masked_fill(~counted[:, 1:], IGNORED_LABEL))
-    assert 0 < (labels == IGNORED_LABEL).sum() < labels.numel() / 2 < (labels != IGNORED_LABEL).sum()
+    windows = batches.windows[0]
+    rows, counted = (torch.from_numpy(a) for a in windows.packs.read(windows.starts(np.arange(3 * 8, 4 * 8))))
+    assert torch.equal(inputs, rows[:, :-1])
+    assert torch.equal(labels, rows[:, 1:].masked_fill(~counted[:, 1:], IGNORED_LABEL))
+    assert 0 < (labels != IGNORED_LABEL).sum() < labels.numel() / 2 < (labels == IGNORED_LABEL).sum()
     assert batches.loss_tokens(3) == int((labels != IGNORED_LABEL).sum())
     # each dp rank's share, cut into micro-batches, is the global batch's
     shares = [torch.cat([y for _, y in batches.microbatches(3, rank, 2, 2)]) for rank in range(2)]
     assert torch.equal(torch.cat(shares), labels)
+
+
+def test_examples_are_packed_whole_in_order_and_padded():
+    """Examples of 3, 4, 2, 9 and 1 tokens (each ending in EOS 0), capacity 6: (3), (4 + 2), the
+    9 cut to 6 alone, and the last 1, which the stream ends without an EOS (a split's cut)."""
+    lengths = [3, 4, 2, 9, 1]
+    ids = np.concatenate([np.r_[np.arange(10 * i + 1, 10 * i + n), 0] for i, n in enumerate(lengths[:-1])] + [[41]])
+    mask = np.concatenate([np.r_[0, np.ones(n - 1)] for n in lengths]).astype(np.uint8)
+    stream = TokenStream([ids[:8], ids[8:]], [mask[:8], mask[8:]], eos=0)  # a shard boundary inside a pack
+    packs = ExamplePacks(stream, capacity=6)
+    assert (packs.starts.tolist(), packs.lengths.tolist()) == ([0, 3, 9, 18], [3, 6, 6, 1])
+    assert (packs.examples, packs.truncated) == (5, 1)
+    rows, counted = packs.read(np.array([1, 0, 3, 2]))
+    assert rows.tolist() == [[11, 12, 13, 0, 21, 0], [1, 2, 0, 0, 0, 0], [41, 0, 0, 0, 0, 0],
+                             [31, 32, 33, 34, 35, 36]]
+    assert counted.astype(int).tolist() == [[0, 1, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0],
+                                            [0, 1, 1, 1, 1, 1]]
+    assert packs.fill() == pytest.approx(16 / 24)
+
+
+def test_every_example_of_the_shards_is_in_one_pack_whole():
+    stream = load_tokens(sft_shards())
+    packs = ExamplePacks(stream, capacity=33)
+    tokens = stream.window(0, len(stream))
+    ends = packs.starts + packs.lengths
+    assert packs.starts[0] == 0 and (packs.starts[1:] == ends[:-1]).all()  # no example left out: none is cut here
+    assert (tokens[ends - 1] == 0).all() and (tokens[packs.starts[1:] - 1] == 0).all()  # each pack ends an example
+    assert packs.truncated == 0 and packs.examples == int((tokens == 0).sum())
 
 
 def test_a_blend_counts_every_label_of_a_source_without_a_mask():

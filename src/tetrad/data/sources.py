@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tetrad.data.blend import blend_parts
-from tetrad.data.shards import is_shard_folder, open_loss_masks, open_shards
+from tetrad.data.shards import is_shard_folder, open_loss_masks, open_shards, read_index
 
 CORPORA = {"licenses": Path(__file__).parent / "corpus" / "licenses.txt"}
 NPY_DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
@@ -28,9 +28,11 @@ NPY_DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
 class TokenStream:
     """1-D token ids held as consecutive pieces (one array, or one memory map per shard), with each
     piece's loss mask beside it where the source has one (supervised fine-tuning shards: 1 where
-    the loss counts the token as a label; shards.py), else `loss_masks` is None."""
+    the loss counts the token as a label; shards.py), else `loss_masks` is None; `eos`: the
+    token that ends a document, where the source names one (a shard folder)."""
 
-    def __init__(self, pieces: list[np.ndarray], loss_masks: list[np.ndarray] | None = None):
+    def __init__(self, pieces: list[np.ndarray], loss_masks: list[np.ndarray] | None = None, eos: int | None = None):
+        self.eos = eos  # the token that ends each document (a shard folder's), or None
         kept = [i for i, p in enumerate(pieces) if len(p)]
         self.pieces = [pieces[i] for i in kept]
         self.loss_masks = None if loss_masks is None else [loss_masks[i] for i in kept]
@@ -87,8 +89,8 @@ class TokenStream:
 
         def part(arrays, head):
             return None if arrays is None else [a[:c] if head else a[c:] for a, c in zip(arrays, cuts)]
-        return (TokenStream(part(self.pieces, True), part(self.loss_masks, True)),
-                TokenStream(part(self.pieces, False), part(self.loss_masks, False)))
+        return (TokenStream(part(self.pieces, True), part(self.loss_masks, True), self.eos),
+                TokenStream(part(self.pieces, False), part(self.loss_masks, False), self.eos))
 
 
 def text_files(folder: Path) -> list[Path]:
@@ -111,7 +113,7 @@ def load_tokens(source: str) -> TokenStream:
         raise FileNotFoundError(f"data.source={source!r} is neither a built-in corpus ({', '.join(CORPORA)}) "
                                 "nor an existing file or folder")
     if is_shard_folder(path):
-        return TokenStream(open_shards(path), open_loss_masks(path))
+        return TokenStream(open_shards(path), open_loss_masks(path), read_index(path)["eos_id"])
     if path.is_dir():
         files = text_files(path)
         if not files:

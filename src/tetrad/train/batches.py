@@ -12,7 +12,9 @@ kept whole for an epoch of up to ORDER_CACHED windows, else computed per sample.
 works out the step's window starts (a few integers) but reads only the rows of its own dp share,
 so data loading does not grow with dp. A blend of sources (data/blend.py) sends each sample to
 one source by weight (`route`), and each source numbers its own samples and runs its own
-epochs. Validation reads the held-out windows in order. The tokens come from data/sources.py.
+epochs. Validation reads the held-out windows in order. The tokens come from data/sources.py; a
+source with a loss mask (fine-tuning examples) is read as packs of whole examples instead of
+cuts of its stream (data/packing.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from tetrad.config.rampup import BatchRamp
 from tetrad.data.blend import blend_parts
+from tetrad.data.packing import ExamplePacks
 from tetrad.data.shards import end_of_document
 from tetrad.data.sources import TokenStream, load_blend
 from tetrad.model.layers import IGNORED_LABEL
@@ -70,16 +73,23 @@ def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
 
 
 class Windows:
-    """One source's windows of seq_len + 1 tokens: in shuffled epochs, or in order (offset 0)."""
+    """One source's windows of seq_len + 1 tokens: in shuffled epochs, or in order (offset 0). A
+    source with a loss mask is read as packs of whole fine-tuning examples (data/packing.py),
+    shuffled alike: an epoch visits every pack once, with no offset to shift."""
 
     def __init__(self, tokens: TokenStream, seq_len: int, seed: int, shuffle: bool):
         if len(tokens) < seq_len + 2:
             raise ValueError(f"the data has {len(tokens)} tokens, fewer than seq_len+2 = {seq_len + 2}")
         self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
-        usable = len(tokens) - 1  # the last token is only ever a label
-        # Windows per epoch: one fewer than fit, so that every epoch's offset leaves room for all.
-        self.per_epoch = max(1, usable // seq_len - (1 if shuffle else 0))
-        self.max_offset = min(seq_len - 1, usable - self.per_epoch * seq_len) if shuffle else 0
+        self.packs = ExamplePacks(tokens, seq_len + 1) if tokens.loss_masks is not None else None
+        if self.packs is not None:
+            self.per_epoch, self.max_offset, self.stride = len(self.packs), 0, 1
+        else:
+            usable = len(tokens) - 1  # the last token is only ever a label
+            # Windows per epoch: one fewer than fit, so that every epoch's offset leaves room for all.
+            self.per_epoch = max(1, usable // seq_len - (1 if shuffle else 0))
+            self.max_offset = min(seq_len - 1, usable - self.per_epoch * seq_len) if shuffle else 0
+            self.stride = seq_len
         self.cached = (-1, None)  # (epoch, its whole order) when the order is small enough to keep
 
     def _order(self, epoch: int, key: int, position: np.ndarray) -> np.ndarray:
@@ -93,26 +103,31 @@ class Windows:
         return self.cached[1][position]
 
     def starts(self, samples: np.ndarray) -> np.ndarray:
-        """Token offsets of the windows of these sample numbers (counted from the run's start)."""
+        """Token offsets of the windows of these sample numbers (counted from the run's start), or
+        with packs their pack numbers."""
         n = self.per_epoch
         epoch, position = samples // n, samples % n
         if not self.shuffle:
-            return position * self.seq_len
+            return position * self.stride
         starts = np.empty_like(samples)
         for e in range(int(epoch.min()), int(epoch.max()) + 1):
             key = (self.seed * 1_000_003 + e) % 2**63  # any seed in [0, 2**63)
             offset = _mix(key, 0x0FF5E7) % (self.max_offset + 1)
             here = epoch == e
-            starts[here] = offset + self._order(e, key, position[here]) * self.seq_len
+            starts[here] = offset + self._order(e, key, position[here]) * self.stride
         return starts
 
     def read(self, samples: np.ndarray) -> np.ndarray:
         """The windows of these samples, [len(samples), seq_len + 1] int64."""
+        if self.packs is not None:
+            return self.packs.read(self.starts(samples))[0]
         return self.tokens.windows(self.starts(samples).tolist(), self.seq_len + 1)
 
     def counted(self, samples: np.ndarray) -> np.ndarray:
         """Whether the loss counts each label of these samples' windows (the tokens after the
-        first), [len(samples), seq_len] bool: the source's loss mask (TokenStream.counted)."""
+        first), [len(samples), seq_len] bool: the source's loss mask (never a pack's padding)."""
+        if self.packs is not None:
+            return self.packs.read(self.starts(samples))[1][:, 1:]
         return self.tokens.counted(self.starts(samples).tolist(), self.seq_len + 1)[:, 1:]
 
 
@@ -302,11 +317,12 @@ def describe(cfg) -> str:
     epochs = train.epochs(t.steps)
     batch = f"{t.batch_rampup[0]}..{t.global_batch} (ramped up)" if t.batch_rampup else t.global_batch
     if len(epochs) == 1:
-        line = (f"tetrad: data: {train.windows[0].per_epoch:,} windows of {cfg.model.seq_len} tokens an epoch; "
-                f"{t.steps} steps x {batch} = {epochs[0]:.2f} epochs")
+        line = (f"tetrad: data: {train.windows[0].per_epoch:,} windows of {cfg.model.seq_len} tokens an epoch"
+                f"{_packed(train.windows[0])}; {t.steps} steps x {batch} = {epochs[0]:.2f} epochs")
     else:
         counts = blend_counts(train.ramp.advance(0, t.steps), train.weights)
-        parts = ", ".join(f"{100 * float(w):.3g}% {name} ({windows.per_epoch:,} windows an epoch: {e:.2f} epochs"
+        parts = ", ".join(f"{100 * float(w):.3g}% {name} ({windows.per_epoch:,} windows an epoch{_packed(windows)}: "
+                          f"{e:.2f} epochs"
                           f"{'' if count else '; no sample in this run: raise its weight or train longer'})"
                           for (w, name), windows, e, count in zip(blend_parts(cfg.data.source), train.windows,
                                                                   epochs, counts))
@@ -323,3 +339,13 @@ def describe(cfg) -> str:
                          f"{t.eval_steps} asks for more than they hold")
         line += f" ({': '.join(notes)})" if notes else ""
     return line
+
+
+def _packed(windows: Windows) -> str:
+    """What a packed source's windows hold (data/packing.py), for `describe`; '' for others."""
+    packs = windows.packs
+    if packs is None:
+        return ""
+    cut = f", {packs.truncated:,} cut to seq_len + 1 tokens" if packs.truncated else ""
+    return (f", each whole fine-tuning examples ({packs.examples:,} in all{cut}; "
+            f"{packs.fill():.0%} of the windows' tokens are examples', the rest padding)")

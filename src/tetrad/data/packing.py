@@ -1,0 +1,68 @@
+"""Fine-tuning examples packed whole into windows. A source with a loss mask (supervised
+fine-tuning shards, `tetrad data --prompt-key`) is read as packs, not as cuts of its stream.
+
+Cutting the stream every seq_len tokens, as pre-training does, would split an example between two
+windows, and its response's tail would be trained with its prompt out of sight. Instead
+consecutive examples (each ends with its EOS) fill a pack of up to seq_len + 1 tokens, in order,
+greedily, as torchtune packs; the rest of the pack is EOS padding whose labels the loss does not
+count (under document masking each padding EOS is a document of its own, so no real token sees
+it, and causal attention keeps it out of sight without). An example longer than a window keeps
+its first seq_len + 1 tokens, alone in its pack (torchtune truncates likewise). The packs are
+worked out once from the EOS positions, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tetrad.data.sources import TokenStream
+
+
+class ExamplePacks:
+    """The packs of a loss-masked stream: `starts` and `lengths` in tokens, `capacity` (seq_len + 1)
+    each at most; `examples` and `truncated` count what they hold."""
+
+    def __init__(self, tokens: TokenStream, capacity: int):
+        if tokens.eos is None:
+            raise ValueError("a loss-masked source must name the token that ends its examples (a shard folder's eos_id)")
+        self.tokens, self.capacity = tokens, capacity
+        ends = [np.flatnonzero(np.asarray(piece) == tokens.eos) + 1 + lo
+                for piece, lo in zip(tokens.pieces, tokens.offsets[:-1].tolist())]
+        ends = np.concatenate(ends + [np.array([len(tokens)])])  # a last example cut by a split: as it is
+        ends = np.unique(ends[ends > 0])
+        starts, lengths = [], []
+        for start, n in zip(np.r_[0, ends[:-1]].tolist(), np.diff(ends, prepend=0).tolist()):
+            if lengths and starts[-1] + lengths[-1] == start and lengths[-1] + n <= capacity:
+                lengths[-1] += n  # joins the open pack
+            else:
+                starts.append(start)
+                lengths.append(min(n, capacity))
+        self.starts, self.lengths = np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64)
+        self.examples = len(ends)
+        self.truncated = int((np.diff(ends, prepend=0) > capacity).sum())
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def fill(self) -> float:
+        """The share of the packs' tokens that are examples' (the rest is padding)."""
+        return float(self.lengths.sum()) / (len(self) * self.capacity)
+
+    def read(self, packs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """These packs' tokens, [len(packs), capacity] int64 padded with EOS, and whether the loss
+        counts each (the loss mask; never the padding), bool of the same shape."""
+        starts, lengths = self.starts[packs], self.lengths[packs]
+        rows = np.full((len(packs), self.capacity), self.tokens.eos, dtype=np.int64)
+        counted = np.zeros((len(packs), self.capacity), dtype=bool)
+        whole = starts + self.capacity <= len(self.tokens)  # read at full width, padding set after
+        if whole.any():
+            rows[whole] = self.tokens.windows(starts[whole].tolist(), self.capacity)
+            counted[whole] = self.tokens.counted(starts[whole].tolist(), self.capacity)
+        for row in np.flatnonzero(~whole).tolist():  # the stream ends within the window
+            n = int(lengths[row])
+            rows[row, :n] = self.tokens.windows([int(starts[row])], n)[0]
+            counted[row, :n] = self.tokens.counted([int(starts[row])], n)[0]
+        padding = np.arange(self.capacity) >= lengths[:, None]
+        rows[padding] = self.tokens.eos
+        counted[padding] = False
+        return rows, counted

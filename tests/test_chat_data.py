@@ -34,10 +34,11 @@ CONVERSATIONS = [
 ]
 
 
-def _chat_tokenizer(tmp_path, template=TEMPLATE, eos_token="<|eot_id|>"):
-    """A BPE with Llama 3's special tokens saved as tmp_path/tokenizer.json, the template in the
-    tokenizer_config.json beside it; the tokenizer and the config's path."""
-    texts = [m["content"] for c in CONVERSATIONS for m in c] * 4
+def _chat_tokenizer(tmp_path, template=TEMPLATE, eos_token="<|eot_id|>", texts=()):
+    """A BPE (learned from the conversations and `texts`) with Llama 3's special tokens saved as
+    tmp_path/tokenizer.json, the template in the tokenizer_config.json beside it; the tokenizer
+    and the config's path."""
+    texts = [m["content"] for c in CONVERSATIONS for m in c] * 4 + list(texts)
     tokenizer, _ = _with_begin_of_text(train_bpe(iter(texts), 300))
     tokenizer.add_special_tokens(SPECIAL)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
@@ -202,3 +203,17 @@ def test_chat_data_errors_are_one_line(tmp_path, capsys):
         main(["data", str(data), "--out", str(tmp_path / "o"), "--tokenizer", tokenizer, "--chat-key", "messages",
               "--prompt-key", "q"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_token_across_a_turns_edge_counts_and_the_ids_stay_the_templates(tmp_path):
+    """A plain-text template whose generation prompt ends with a space: BPE encodes the space with
+    the answer's first word (" Hello"), so the text is tokenized whole (pieces would give ":", " ",
+    "Hello", not apply_chat_template's ids) and that token counts: it holds the answer's start."""
+    plain = ("{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endfor %}"
+             "{% if add_generation_prompt %}Assistant: {% endif %}")
+    tokenizer, _ = _chat_tokenizer(tmp_path, template=plain, texts=["Assistant: Hello"] * 50)
+    assert len(tokenizer.encode(" Hello", add_special_tokens=False).ids) == 1
+    conversation = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = written(_chat_data(tmp_path, [{"messages": conversation}]))
+    assert ids == _oracle(tmp_path, conversation, plain) + [tokenizer.token_to_id("<|endoftext|>")]
+    assert [tokenizer.decode(run, skip_special_tokens=False) for run in _runs(ids, mask)] == [" Hello\n<|endoftext|>"]

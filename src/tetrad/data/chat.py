@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MESSAGES = "list of {role, content} strings"
@@ -152,7 +153,7 @@ class Conversations:
                 turns.append((len(prompt), len(answered)))
         return text, turns
 
-    def encode(self, messages: list[dict], where: str) -> tuple[list[int], list[int]] | None:
+    def encode(self, messages: list[dict], where: str) -> tuple[list[int], np.ndarray] | None:
         """The conversation's ids and loss mask (1 on each token that holds characters of an
         assistant turn), then EOS unless the text ends with it: counted when the conversation
         ends with the assistant's turn, as the end of its answer (--prompt-key's EOS counts too),
@@ -161,10 +162,10 @@ class Conversations:
         if not turns:
             return None
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        ids = encoding.ids
-        mask = [int(any(start < end_turn and end > start_turn for start_turn, end_turn in turns))
-                for start, end in encoding.offsets]
+        ids, offsets = encoding.ids, np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        for start, end in turns:
+            mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
         if not ids or ids[-1] != self.eos:
-            ids.append(self.eos)
-            mask.append(int(turns[-1][1] == len(text)))
+            ids, mask = ids + [self.eos], np.append(mask, np.uint8(turns[-1][1] == len(text)))
         return ids, mask

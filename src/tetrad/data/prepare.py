@@ -87,7 +87,7 @@ class _Encoder:
         for where, messages in piece_records(piece, self.keys, chat=True):
             encoded = self.chat.encode(messages, f"{piece.path}: {where}")
             if encoded is not None:
-                out.append((np.array(encoded[0], dtype=self.dtype), np.array(encoded[1], dtype=np.uint8)))
+                out.append((np.array(encoded[0], dtype=self.dtype), encoded[1]))
         return out
 
 

@@ -5,8 +5,8 @@ A record is a list of messages, {"role": ..., "content": ...} each (UltraChat's,
 Tulu's "messages"). The template is Hugging Face's (tokenizer_config.json's "chat_template", a
 Jinja2 text), rendered as transformers renders it, so that the ids are those of the model's own
 `apply_chat_template` and a fine-tuned model sees its own format. Assistant turn i is what the
-template adds to messages[:i] rendered with the generation prompt when message i is appended (as
-trl and torchtune find it): its content and the end-of-turn markup after it (Llama 3's
+template adds to messages[:i] rendered with the generation prompt when message i is appended (the
+prefix technique of SFT libraries): its content and the end-of-turn markup after it (Llama 3's
 <|eot_id|>), not the assistant header the generation prompt renders, which the model is given at
 inference. The text is tokenized whole, as apply_chat_template tokenizes it (cutting it into
 pieces would change the ids of tokenizers that mark each text's start, such as SentencePiece's

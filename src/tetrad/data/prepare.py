@@ -256,8 +256,9 @@ def data_command(argv: list[str]) -> int:
         args.out.rmdir()  # checked empty above
     partial.rename(args.out)
     total = text_bytes(files)
-    masked = f"of which {counted / max(index['tokens'], 1):.0%} are {'assistant' if args.chat else 'response'} " \
-        "tokens the loss counts; " if index["loss_mask"] else ""
+    counted_as = "response" if args.chat is None else "assistant"
+    masked = f"of which {counted / max(index['tokens'], 1):.0%} are {counted_as} tokens the loss counts; " \
+        if index["loss_mask"] else ""
     print(f"tetrad data: {index['documents']} documents, {index['tokens']:,} tokens ({masked}vocab "
           f"{index['vocab_size']}, {index['dtype']}) in {len(index['shards'])} shard(s) at {args.out}; tokenized "
           f"{total / 1e6:.1f} MB in {done - trained:.1f} s = {total / 1e6 / (done - trained):.1f} MB/s with "

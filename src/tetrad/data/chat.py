@@ -111,7 +111,8 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 
 def compile_template(chat: ChatTemplate):
     """The template compiled in a sandbox as transformers compiles it (a template is code from the
-    Hub); ValueError (one line) when it is not Jinja."""
+    Hub); ValueError (one line) when it is not Jinja. No strftime_now: the shards do not depend on
+    the day they are made (Llama 3.2's template then writes its own default date)."""
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
     environment.filters["tojson"] = _tojson

@@ -10,7 +10,9 @@ one column at a time with pyarrow (an optional dependency: `pip install pyarrow`
 A line or row is read as a record: the strings under its keys, the text's last. Supervised
 fine-tuning examples (`--prompt-key`) are records of two, (prompt, response), kept apart so that
 the loss can count the response alone; a text file has no prompt, so only .jsonl and .parquet
-files hold them.
+files hold them. A chat record (`--chat-key`, chat.py) is (where, messages): the messages under
+the key (a list<struct<role, content>> column in parquet), and where the line or row is, which
+an error in rendering it names (that happens later, in a worker).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tetrad.data.chat import MESSAGES, is_conversation
 
 PIECE_BYTES = 4 << 20
 DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".parquet")  # a document per file; per line; per row
@@ -118,10 +122,17 @@ def read_piece(piece: Piece) -> str:
         return f.read(piece.end - piece.start).decode("utf-8", errors="replace")
 
 
-def _flag(keys: tuple[str, ...], key: str, where: str) -> str:
-    """How an error names the option that sets `key`: the text's is --json-key, a prompt's --prompt-key."""
+def _flag(keys: tuple[str, ...], key: str, where: str, chat: bool = False) -> str:
+    """How an error names the option that sets `key`: the text's is --json-key, a prompt's
+    --prompt-key, the conversations' --chat-key."""
+    if chat:
+        return f"give the conversations' {where} with --chat-key"
     return f"give the texts' {where} with --json-key" if key == keys[-1] else \
         f"give the prompts' {where} with --prompt-key"
+
+
+def _fits(value, chat: bool) -> bool:
+    return is_conversation(value) if chat else isinstance(value, str)
 
 
 def _json_record(line: str, keys: tuple[str, ...]) -> tuple:
@@ -133,50 +144,63 @@ def _json_record(line: str, keys: tuple[str, ...]) -> tuple:
     return tuple(found.get(key) for key in keys) if isinstance(found, dict) else (None,) * len(keys)
 
 
-def json_documents(piece: Piece, keys: tuple[str, ...]) -> list[tuple[str, ...]]:
+def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> list[tuple]:
     """The records of a .jsonl piece's lines (blank lines and empty texts skipped); a ValueError
-    naming the file and the line's byte offset when a line is not an object with a string under
-    each of `keys`."""
+    naming the file and the line's byte offset when a line is not an object with a string (with
+    `chat`, a list of messages) under each of `keys`."""
     records, offset = [], piece.start
     for line in read_piece(piece).splitlines(keepends=True):
         if line.strip():
             record = _json_record(line, keys)
-            wrong = next((key for key, value in zip(keys, record) if not isinstance(value, str)), None)
+            wrong = next((key for key, value in zip(keys, record) if not _fits(value, chat)), None)
             if wrong is not None:
                 raise ValueError(f"{piece.path}: the line at byte {offset} is not a JSON object with a {wrong!r} "
-                                 f"string; {_flag(keys, wrong, 'key')}")
+                                 f"{MESSAGES if chat else 'string'}; {_flag(keys, wrong, 'key', chat)}")
             if record[-1]:
-                records.append(record)
+                records.append((f"the line at byte {offset}", *record) if chat else record)
         offset += len(line.encode("utf-8", errors="replace"))
     return records
 
 
-def parquet_documents(piece: Piece, keys: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """The records of a .parquet piece's rows (null and empty texts skipped); a ValueError naming
-    the file and its columns when no string column is called one of `keys`, or the row whose
-    prompt is null."""
+def _column_fits(type_, chat: bool) -> bool:
     import pyarrow as pa
+    if chat:
+        return pa.types.is_list(type_) or pa.types.is_large_list(type_)
+    return pa.types.is_string(type_) or pa.types.is_large_string(type_)
+
+
+def parquet_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> list[tuple]:
+    """The records of a .parquet piece's rows (null and empty texts skipped); a ValueError naming
+    the file and its columns when no string (with `chat`, list) column is called one of `keys`,
+    or the row whose prompt is null or whose messages are not a list of {role, content} strings."""
     parquet = _parquet_file(Path(piece.path))
     schema = parquet.schema_arrow
     for key in keys:
         field = schema.field(key) if key in schema.names else None
-        if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
-            raise ValueError(f"{piece.path} has no string column {key!r} (its columns: "
-                             f"{', '.join(schema.names)}); {_flag(keys, key, 'column')}")
+        if field is None or not _column_fits(field.type, chat):
+            raise ValueError(f"{piece.path} has no {'list' if chat else 'string'} column {key!r} (its columns: "
+                             f"{', '.join(schema.names)}); {_flag(keys, key, 'column', chat)}")
     table = parquet.read_row_groups(range(piece.start, piece.end), columns=list(keys))
     columns = [table.column(key).to_pylist() for key in keys]
+    first = sum(parquet.metadata.row_group(i).num_rows for i in range(piece.start))
+    if chat:
+        wrong = next((i for i, value in enumerate(columns[0]) if not (value is None or is_conversation(value))), None)
+        if wrong is not None:  # a null row is left out, as a null text is
+            raise ValueError(f"{piece.path}: row {first + wrong} is not a {MESSAGES}; "
+                             f"{_flag(keys, keys[0], 'column', chat)}")
+        return [(f"row {first + i}", value) for i, value in enumerate(columns[0]) if value]
     for key, column in zip(keys[:-1], columns):
         if None in column:
-            row = sum(parquet.metadata.row_group(i).num_rows for i in range(piece.start)) + column.index(None)
-            raise ValueError(f"{piece.path}: row {row} has a null {key!r}; {_flag(keys, key, 'column')}")
+            raise ValueError(f"{piece.path}: row {first + column.index(None)} has a null {key!r}; "
+                             f"{_flag(keys, key, 'column')}")
     return [record for record in zip(*columns) if record[-1]]
 
 
-def piece_records(piece: Piece, keys: tuple[str, ...]) -> list[tuple[str, ...]]:
+def piece_records(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> list[tuple]:
     """A .txt piece's text as it is (part of one document), or the records of another piece."""
     if piece.suffix == ".parquet":
-        return parquet_documents(piece, keys)
-    return json_documents(piece, keys) if piece.suffix == ".jsonl" else [(read_piece(piece),)]
+        return parquet_documents(piece, keys, chat)
+    return json_documents(piece, keys, chat) if piece.suffix == ".jsonl" else [(read_piece(piece),)]
 
 
 def sample_texts(files: list[Path], budget_bytes: int, keys: tuple[str, ...]) -> Iterator[str]:
@@ -191,15 +215,16 @@ def sample_texts(files: list[Path], budget_bytes: int, keys: tuple[str, ...]) ->
                 yield from record
 
 
-def check_documents(files: list[Path], keys: tuple[str, ...]) -> None:
+def check_documents(files: list[Path], keys: tuple[str, ...], chat: bool = False) -> None:
     """Each .jsonl and .parquet file's first piece reads (the rest is checked as it is tokenized):
-    a wrong --json-key or --prompt-key is refused before a tokenizer is trained, and so is a text
-    file among fine-tuning examples."""
+    a wrong --json-key, --prompt-key or --chat-key is refused before a tokenizer is trained, and
+    so is a text file among fine-tuning examples or conversations."""
     text = [path for path in files if path.suffix not in WHOLE_DOCUMENTS]
-    if len(keys) > 1 and text:
-        raise ValueError(f"{text[0]} is a text file, which has no prompt ({len(text)} among the inputs); "
-                         "--prompt-key reads .jsonl and .parquet files only")
+    if (len(keys) > 1 or chat) and text:
+        held, flag = ("no conversations", "--chat-key") if chat else ("no prompt", "--prompt-key")
+        raise ValueError(f"{text[0]} is a text file, which has {held} ({len(text)} among the inputs); "
+                         f"{flag} reads .jsonl and .parquet files only")
     for path in files:
         if path.suffix in WHOLE_DOCUMENTS and path.stat().st_size:
             for piece in pieces(path, 1 << 16)[:1]:
-                piece_records(piece, keys)
+                piece_records(piece, keys, chat)

@@ -11,6 +11,9 @@ With `--prompt-key` each line or row is a supervised fine-tuning example instead
 response are tokenized apart (as torchtune tokenizes each message) and written one after the
 other, with a loss mask beside each shard that counts the response and its EOS only, so that the
 model learns to answer (and to stop) without being trained to write prompts.
+
+With `--chat-key` each line or row is a conversation, rendered with the model's chat template
+(chat.py), the loss mask counting the assistant's turns only.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from tetrad.data.chat import ChatTemplate, Conversations, load_template
 from tetrad.data.documents import (Piece, check_documents, input_files, piece_records, pieces, sample_texts,
                                     text_bytes)
 from tetrad.data.shards import TOKENIZER, dtype_for, mask_name, shard_name, write_index
@@ -34,14 +38,18 @@ from tetrad.data.tokenizer import document_prefix, eos_id, load_tokenizer, train
 
 
 class _Encoder:
-    """A worker's tokenizer (built once per process from its JSON) and the piece encoder."""
+    """A worker's tokenizer (built once per process from its JSON), its chat template's renderer
+    for conversations, and the piece encoder."""
 
-    def __init__(self, tokenizer_json: str, eos: int, dtype: str, keys: tuple[str, ...]):
+    def __init__(self, tokenizer_json: str, eos: int, dtype: str, keys: tuple[str, ...], chat: ChatTemplate | None):
         from tokenizers import Tokenizer
         self.tokenizer, self.eos, self.dtype = Tokenizer.from_str(tokenizer_json), eos, np.dtype(dtype)
         self.keys, self.prefix = keys, document_prefix(self.tokenizer)
+        self.chat = None if chat is None else Conversations(chat, self.tokenizer, eos)
 
     def __call__(self, piece: Piece) -> list:
+        if self.chat is not None:
+            return self.conversations(piece)
         return self.examples(piece) if len(self.keys) > 1 else self.documents(piece)
 
     def documents(self, piece: Piece) -> list[np.ndarray]:
@@ -70,6 +78,16 @@ class _Encoder:
             mask = np.zeros(len(ids), dtype=np.uint8)
             mask[len(self.prefix) + len(prompt.ids):] = 1
             out.append((ids, mask))
+        return out
+
+    def conversations(self, piece: Piece) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each conversation's ids and loss mask (chat.py), without the document prefix: templates
+        render their own (Llama 3's {{ bos_token }}). Conversations with no assistant turn are left out."""
+        out = []
+        for where, messages in piece_records(piece, self.keys, chat=True):
+            encoded = self.chat.encode(messages, f"{piece.path}: {where}")
+            if encoded is not None:
+                out.append((np.array(encoded[0], dtype=self.dtype), encoded[1]))
         return out
 
 
@@ -137,15 +155,15 @@ class ShardWriter:
 
 
 def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float, workers: int,
-             keys: tuple[str, ...]) -> tuple[dict, int]:
+             keys: tuple[str, ...], chat: ChatTemplate | None = None) -> tuple[dict, int]:
     """Tokenize `files` into shards in `out` with `workers` processes, the records under `keys`
-    (a prompt's key before the text's: fine-tuning examples, masked); returns the index and how
-    many tokens the loss counts."""
+    (a prompt's key before the text's: fine-tuning examples, masked; with `chat`, conversations
+    rendered with it, masked); returns the index and how many tokens the loss counts."""
     size = vocab_size(tokenizer)
     dtype = dtype_for(size)
-    writer = ShardWriter(out, max(1, int(shard_mb * 2**20) // dtype.itemsize), masked=len(keys) > 1)
+    writer = ShardWriter(out, max(1, int(shard_mb * 2**20) // dtype.itemsize), masked=len(keys) > 1 or chat is not None)
     work = [p for f in files for p in pieces(f)]
-    with _forked_pool(workers, (tokenizer.to_str(), eos, dtype.str, keys)) as pool, \
+    with _forked_pool(workers, (tokenizer.to_str(), eos, dtype.str, keys, chat)) as pool, \
             tqdm(total=sum(p.nbytes for p in work), unit="B", unit_scale=True, desc="tokenizing",
                  disable=None) as bar:
         document: list[np.ndarray] = []  # a .txt file's pieces so far
@@ -168,14 +186,21 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                                      "(or take a tokenizer.json) and tokenize the text into memory-mapped shards "
                                      "that `data.source` reads. Each .txt file is one document, each line of a "
                                      ".jsonl file one, each row of a .parquet file one; with --prompt-key each "
-                                     "line or row is a fine-tuning example (prompt, response) instead.")
+                                     "line or row is a fine-tuning example (prompt, response) instead, with "
+                                     "--chat-key a conversation.")
     parser.add_argument("inputs", nargs="+", type=Path, help="text, JSON Lines or parquet files, or folders of "
                                                              ".txt, .jsonl and .parquet files")
     parser.add_argument("--json-key", default="text", help="the key of each .jsonl line's text, or the "
                         ".parquet column of texts (default: text); with --prompt-key, of the responses")
-    parser.add_argument("--prompt-key", help="supervised fine-tuning data: the key (or column) of each example's "
-                        "prompt, written before its response under --json-key; the loss counts only the "
-                        "response's tokens and its EOS (a loss mask beside each shard). .jsonl and .parquet only")
+    examples = parser.add_mutually_exclusive_group()
+    examples.add_argument("--prompt-key", help="supervised fine-tuning data: the key (or column) of each example's "
+                          "prompt, written before its response under --json-key; the loss counts only the "
+                          "response's tokens and its EOS (a loss mask beside each shard). .jsonl and .parquet only")
+    examples.add_argument("--chat-key", help="chat fine-tuning data: the key (or list<struct<role, content>> "
+                          "column) of each conversation's messages, rendered with the model's chat template; the "
+                          "loss counts only the assistant's turns. Needs --tokenizer. .jsonl and .parquet only")
+    parser.add_argument("--chat-template", type=Path, help="with --chat-key: a tokenizer_config.json (its "
+                        "chat_template) or a .jinja file (default: the tokenizer_config.json beside --tokenizer)")
     parser.add_argument("--out", type=Path, required=True, help="the shard folder to write (new or empty)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary to train (default 8192)")
@@ -195,7 +220,12 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     if args.prompt_key == args.json_key:
         raise ValueError(f"--prompt-key and --json-key both name {args.json_key!r}; the prompt and the response "
                          "are two keys of each example")
-    args.keys = (args.json_key,) if args.prompt_key is None else (args.prompt_key, args.json_key)
+    if args.chat_key is not None and args.tokenizer is None:
+        raise ValueError("--chat-key needs --tokenizer: the model's tokenizer.json, which its chat template is for")
+    if args.chat_template is not None and args.chat_key is None:
+        raise ValueError("--chat-template is for conversations; name their key with --chat-key")
+    args.keys = (args.chat_key,) if args.chat_key is not None else \
+        (args.json_key,) if args.prompt_key is None else (args.prompt_key, args.json_key)
     return args
 
 
@@ -203,10 +233,11 @@ def data_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
         files, left_out = input_files(args.inputs)
-        check_documents(files, args.keys)
+        check_documents(files, args.keys, chat=args.chat_key is not None)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
         if tokenizer is not None:
             eos_id(tokenizer, args.eos)  # refused before any work
+        args.chat = load_template(args.chat_template, args.tokenizer) if args.chat_key is not None else None
     except ValueError as e:
         print(f"tetrad data: {e}", file=sys.stderr)
         return 2
@@ -225,7 +256,8 @@ def data_command(argv: list[str]) -> int:
         args.out.rmdir()  # checked empty above
     partial.rename(args.out)
     total = text_bytes(files)
-    masked = f"of which {counted / max(index['tokens'], 1):.0%} are response tokens the loss counts; " \
+    counted_as = "response" if args.chat is None else "assistant"
+    masked = f"of which {counted / max(index['tokens'], 1):.0%} are {counted_as} tokens the loss counts; " \
         if index["loss_mask"] else ""
     print(f"tetrad data: {index['documents']} documents, {index['tokens']:,} tokens ({masked}vocab "
           f"{index['vocab_size']}, {index['dtype']}) in {len(index['shards'])} shard(s) at {args.out}; tokenized "
@@ -254,5 +286,5 @@ def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partia
     partial.mkdir(parents=True)
     tokenizer.save(str(partial / TOKENIZER))
     written = tokenize(files, tokenizer, eos_id(tokenizer, args.eos), partial, args.shard_mb, args.workers,
-                       args.keys)
+                       args.keys, args.chat)
     return written, (started, trained, time.perf_counter())

@@ -1,0 +1,219 @@
+"""Chat fine-tuning data from `tetrad data --chat-key`: conversations rendered with the model's
+chat template (transformers' apply_chat_template is the oracle for the ids), the loss mask
+counting each assistant turn's tokens only."""
+
+import json
+
+import pytest
+
+from test_data import _with_begin_of_text
+from test_sft_data import _jsonl, _refused, written
+from tetrad.cli import main
+from tetrad.data.shards import read_index
+from tetrad.data.tokenizer import train_bpe
+
+# Llama 3's structure (a header per message, <|eot_id|> after each, BOS rendered by the template),
+# written here: a role it does not know is refused through raise_exception.
+TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
+            "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+            "{{ raise_exception('no role ' + message['role'] + ' in this template') }}{% endif %}"
+            "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
+            "+ '<|eot_id|>' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+SPECIAL = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+BOS = "<|begin_of_text|>"
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
+    [{"role": "system", "content": "You answer briefly.\n\nAlways."},
+     {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, héllo!"},
+     {"role": "user", "content": "  And another?"}, {"role": "assistant", "content": "Red.\nOr green. "}],
+    [{"role": "system", "content": "Nobody answers here."}, {"role": "user", "content": "Hello?"}],  # left out
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+     {"role": "user", "content": "Bye"}],  # ends with the user's turn
+]
+
+
+def _chat_tokenizer(tmp_path, template=TEMPLATE, eos_token="<|eot_id|>", texts=()):
+    """A BPE (learned from the conversations and `texts`) with Llama 3's special tokens saved as
+    tmp_path/tokenizer.json, the template in the tokenizer_config.json beside it; the tokenizer
+    and the config's path."""
+    texts = [m["content"] for c in CONVERSATIONS for m in c] * 4 + list(texts)
+    tokenizer, _ = _with_begin_of_text(train_bpe(iter(texts), 300))
+    tokenizer.add_special_tokens(SPECIAL)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": template, "bos_token": {"content": BOS}, "eos_token": eos_token}))
+    return tokenizer, config
+
+
+def _oracle(tmp_path, conversation, template=TEMPLATE):
+    """transformers' ids for the conversation: what a model fine-tuned with HF tooling sees."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=template,
+                                              bos_token=BOS, eos_token="<|eot_id|>")
+    encoded = hf.apply_chat_template(conversation, tokenize=True)
+    return list(encoded["input_ids"] if "input_ids" in encoded else encoded)
+
+
+def _runs(values, flags):
+    """The runs of `values` where `flags` is 1, in order."""
+    runs, current = [], []
+    for value, flag in zip(values, flags):
+        if flag:
+            current.append(value)
+        elif current:
+            runs, current = runs + [current], []
+    return runs + ([current] if current else [])
+
+
+def _chat_data(tmp_path, records, *flags, out="out"):
+    data, out = _jsonl(tmp_path / "chat.jsonl", records), tmp_path / out
+    assert main(["data", str(data), "--out", str(out), "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--chat-key", "messages", *flags]) == 0
+    return out
+
+
+def test_conversations_are_the_templates_ids_and_the_loss_counts_each_assistant_turn(tmp_path, capsys):
+    tokenizer, _ = _chat_tokenizer(tmp_path)
+    out = _chat_data(tmp_path, [{"messages": c} for c in CONVERSATIONS])
+    index = read_index(out)
+    ids, mask = written(out)
+    eos = index["eos_id"]
+    assert eos == tokenizer.token_to_id("<|endoftext|>")
+    kept = [c for c in CONVERSATIONS if any(m["role"] == "assistant" for m in c)]
+    assert index["loss_mask"] is True and index["documents"] == len(kept) == 3
+    # The ids are the model's own template's, each conversation then ended by the folder's EOS.
+    assert ids == [i for c in kept for i in _oracle(tmp_path, c) + [eos]]
+    # One BOS a conversation (the template's; no document prefix before it), every end of turn one id.
+    assert ids.count(tokenizer.token_to_id(BOS)) == 3 and ids[0] == tokenizer.token_to_id(BOS)
+    assert ids.count(tokenizer.token_to_id("<|eot_id|>")) == sum(len(c) for c in kept)
+    # The loss counts each assistant turn's content and its <|eot_id|>, nothing else; the EOS counts
+    # after an assistant's turn (the end of its answer), not after a user's.
+    answers = []
+    for conversation in kept:
+        answers += [m["content"].strip() + "<|eot_id|>" for m in conversation if m["role"] == "assistant"]
+        answers[-1] += "<|endoftext|>" if conversation[-1]["role"] == "assistant" else ""
+    assert answers[0] == "4<|eot_id|><|endoftext|>" and answers[-1] == "Hello.<|eot_id|>"
+    assert [tokenizer.decode(run, skip_special_tokens=False) for run in _runs(ids, mask)] == answers
+    assert mask[-1] == 0 and ids[-1] == eos
+    printed = capsys.readouterr().out
+    assert f"3 documents, {len(ids):,} tokens (of which {sum(mask) / len(ids):.0%} are assistant tokens the loss " \
+           "counts; vocab" in printed
+
+
+def test_no_eos_is_added_where_the_template_ends_with_it(tmp_path):
+    """With --eos <|eot_id|> the template's last end of turn ends the document: no second one."""
+    tokenizer, _ = _chat_tokenizer(tmp_path)
+    out = _chat_data(tmp_path, [{"messages": CONVERSATIONS[0]}], "--eos", "<|eot_id|>")
+    ids, mask = written(out)
+    assert ids == _oracle(tmp_path, CONVERSATIONS[0]) and ids[-1] == read_index(out)["eos_id"]
+    assert [tokenizer.decode(run, skip_special_tokens=False) for run in _runs(ids, mask)] == ["4<|eot_id|>"]
+
+
+def test_parquet_conversations_are_a_list_of_structs_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    tokenizer, _ = _chat_tokenizer(tmp_path)
+    rows = [CONVERSATIONS[0], None, CONVERSATIONS[1], []]  # a null and an empty row are left out
+    path = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"id": list(range(4)), "messages": rows}), path, row_group_size=2)
+    assert pa.types.is_struct(pq.read_schema(path).field("messages").type.value_type)
+    out = tmp_path / "out"
+    assert main(["data", str(path), "--out", str(out), "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--chat-key", "messages"]) == 0
+    ids, mask = written(out)
+    eos = read_index(out)["eos_id"]
+    assert ids == _oracle(tmp_path, rows[0]) + [eos] + _oracle(tmp_path, rows[2]) + [eos]
+    assert len(_runs(ids, mask)) == 3 and read_index(out)["documents"] == 2
+
+
+def test_parquet_rows_that_are_not_conversations_are_refused_in_one_line(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    _chat_tokenizer(tmp_path)
+    path = tmp_path / "chat.parquet"
+    flags = [str(path), "--tokenizer", str(tmp_path / "tokenizer.json"), "--chat-key", "messages"]
+    pq.write_table(pa.table({"messages": [CONVERSATIONS[0], [{"role": "user", "content": None}]]}), path)
+    assert _refused(flags, capsys, tmp_path) == (
+        f"tetrad data: {path}: row 1 is not a list of {{role, content}} strings; give the conversations' column "
+        "with --chat-key")
+    pq.write_table(pa.table({"messages": ["a string"]}), path)
+    assert _refused(flags, capsys, tmp_path) == (
+        f"tetrad data: {path} has no list column 'messages' (its columns: messages); give the conversations' "
+        "column with --chat-key")
+
+
+def test_the_template_comes_from_a_config_a_jinja_file_or_beside_the_tokenizer(tmp_path):
+    _, config = _chat_tokenizer(tmp_path)
+    expected = written(_chat_data(tmp_path, [{"messages": CONVERSATIONS[0]}]))
+    ids = _oracle(tmp_path, CONVERSATIONS[0]) + [read_index(tmp_path / "out")["eos_id"]]
+    assert expected == (ids, [0] * (len(ids) - 3) + [1] * 3)  # ...<|end_header_id|>\n\n | 4 <|eot_id|> EOS
+    (tmp_path / "elsewhere").mkdir()
+    listed = tmp_path / "elsewhere" / "tokenizer_config.json"  # HF's named form
+    listed.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "x"},
+                                                    {"name": "default", "template": TEMPLATE}], "bos_token": BOS}))
+    raw = tmp_path / "elsewhere" / "llama.jinja"  # bos_token from the config beside the tokenizer
+    raw.write_text(TEMPLATE)
+    for i, flag in enumerate((listed, raw)):
+        assert written(_chat_data(tmp_path, [{"messages": CONVERSATIONS[0]}], "--chat-template", str(flag),
+                                  out=f"out{i}")) == expected
+    # Newer Hugging Face models keep the template in chat_template.jinja beside tokenizer_config.json.
+    config.write_text(json.dumps({"bos_token": BOS}))
+    (tmp_path / "chat_template.jinja").write_text(TEMPLATE)
+    assert written(_chat_data(tmp_path, [{"messages": CONVERSATIONS[0]}], out="beside")) == expected
+
+
+def test_chat_data_errors_are_one_line(tmp_path, capsys):
+    _, config = _chat_tokenizer(tmp_path)
+    tokenizer = str(tmp_path / "tokenizer.json")
+    good = {"messages": CONVERSATIONS[0]}
+    data = _jsonl(tmp_path / "chat.jsonl", [good, {"messages": [{"role": "tool", "content": "42"}]}])
+    second = len(json.dumps(good)) + 1
+    assert _refused([str(data), "--tokenizer", tokenizer, "--chat-key", "messages"], capsys, tmp_path) == (
+        f"tetrad data: {data}: the line at byte {second}: the chat template refuses the conversation: no role tool "
+        "in this template")
+    bad = _jsonl(tmp_path / "bad.jsonl", [good, {"messages": [{"role": "user", "content": 3}]}])
+    assert _refused([str(bad), "--tokenizer", tokenizer, "--chat-key", "messages"], capsys, tmp_path) == (
+        f"tetrad data: {bad}: the line at byte {second} is not a JSON object with a 'messages' list of {{role, "
+        "content} strings; give the conversations' key with --chat-key")
+    dropping = tmp_path / "last_two.jinja"  # renders the last two messages only: turns cannot be found
+    dropping.write_text(TEMPLATE.replace("in messages %}", "in messages[-2:] %}"))
+    conversation = _jsonl(tmp_path / "long.jsonl", [{"messages": CONVERSATIONS[1]}])
+    assert "long.jsonl: the line at byte 0: the chat template is not incremental" in _refused(
+        [str(conversation), "--tokenizer", tokenizer, "--chat-key", "messages", "--chat-template", str(dropping)],
+        capsys, tmp_path)
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    assert "the chat template is not valid Jinja" in _refused(
+        [str(data), "--tokenizer", tokenizer, "--chat-key", "messages", "--chat-template",
+         str(tmp_path / "broken.jinja")], capsys, tmp_path)
+    (tmp_path / "notes.txt").write_text("text\n")
+    assert _refused([str(tmp_path / "notes.txt"), "--tokenizer", tokenizer, "--chat-key", "messages"], capsys,
+                    tmp_path) == (f"tetrad data: {tmp_path / 'notes.txt'} is a text file, which has no conversations "
+                                  "(1 among the inputs); --chat-key reads .jsonl and .parquet files only")
+    assert _refused([str(data), "--chat-key", "messages"], capsys, tmp_path) == (
+        "tetrad data: --chat-key needs --tokenizer: the model's tokenizer.json, which its chat template is for")
+    assert "--chat-template is for conversations" in _refused(
+        [str(data), "--tokenizer", tokenizer, "--chat-template", str(config)], capsys, tmp_path)
+    config.unlink()
+    assert _refused([str(data), "--tokenizer", tokenizer, "--chat-key", "messages"], capsys, tmp_path) == (
+        f"tetrad data: no chat template in {config} (or chat_template.jinja beside {tokenizer}); pass "
+        "--chat-template with the model's tokenizer_config.json or a .jinja file")
+    with pytest.raises(SystemExit):
+        main(["data", str(data), "--out", str(tmp_path / "o"), "--tokenizer", tokenizer, "--chat-key", "messages",
+              "--prompt-key", "q"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_token_across_a_turns_edge_counts_and_the_ids_stay_the_templates(tmp_path):
+    """A plain-text template whose generation prompt ends with a space: BPE encodes the space with
+    the answer's first word (" Hello"), so the text is tokenized whole (pieces would give ":", " ",
+    "Hello", not apply_chat_template's ids) and that token counts: it holds the answer's start."""
+    plain = ("{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endfor %}"
+             "{% if add_generation_prompt %}Assistant: {% endif %}")
+    tokenizer, _ = _chat_tokenizer(tmp_path, template=plain, texts=["Assistant: Hello"] * 50)
+    assert len(tokenizer.encode(" Hello", add_special_tokens=False).ids) == 1
+    conversation = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = written(_chat_data(tmp_path, [{"messages": conversation}]))
+    assert ids == _oracle(tmp_path, conversation, plain) + [tokenizer.token_to_id("<|endoftext|>")]
+    assert [tokenizer.decode(run, skip_special_tokens=False) for run in _runs(ids, mask)] == [" Hello\n<|endoftext|>"]

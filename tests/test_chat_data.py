@@ -52,7 +52,11 @@ def _oracle(tmp_path, conversation, template=TEMPLATE):
     transformers = pytest.importorskip("transformers")
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=template,
                                               bos_token=BOS, eos_token="<|eot_id|>")
-    encoded = hf.apply_chat_template(conversation, tokenize=True)
+    return _ids(hf.apply_chat_template(conversation, tokenize=True))
+
+
+def _ids(encoded) -> list[int]:
+    """apply_chat_template's ids: a list, or (in newer transformers) an encoding that holds them."""
     return list(encoded["input_ids"] if "input_ids" in encoded else encoded)
 
 
@@ -217,3 +221,33 @@ def test_a_token_across_a_turns_edge_counts_and_the_ids_stay_the_templates(tmp_p
     ids, mask = written(_chat_data(tmp_path, [{"messages": conversation}]))
     assert ids == _oracle(tmp_path, conversation, plain) + [tokenizer.token_to_id("<|endoftext|>")]
     assert [tokenizer.decode(run, skip_special_tokens=False) for run in _runs(ids, mask)] == [" Hello\n<|endoftext|>"]
+
+
+def test_a_run_on_chat_data_answers_in_its_template_and_exports_it(tmp_path, capsys):
+    """The loop after chat fine-tuning: the data folder keeps the template, so `tetrad generate
+    --chat` renders the user's message as the data was rendered (transformers' ids with the
+    generation prompt) and stops at the template's end of turn; the Hugging Face export carries
+    the template, so transformers' apply_chat_template gives the same ids there."""
+    transformers = pytest.importorskip("transformers")
+    from tetrad.data.chat import template_beside
+    from tetrad.train.generate import _stops
+    tokenizer, _ = _chat_tokenizer(tmp_path)
+    out = _chat_data(tmp_path, [{"messages": c} for c in CONVERSATIONS] * 10)
+    assert template_beside(out / "tokenizer.json").text == TEMPLATE
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", f"--data.source={out}", "--train.steps=2", "--model.seq_len=32", "--train.global_batch=2",
+                 "--train.micro_batch=1", "--checkpoint.every=2", f"--run.dir={run}"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(run), "--chat", "--prompt", "Name a colour.", "--max-new-tokens", "4"]) == 0
+    message = [{"role": "user", "content": "Name a colour."}]
+    hf_ids = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=TEMPLATE,
+                                                  bos_token=BOS).apply_chat_template(message, add_generation_prompt=True)
+    from tetrad.train.generate import load_generator, reply
+    model, run_tokenizer, source = load_generator(run)
+    _, ids, new = reply(model, run_tokenizer, template_beside(source), "Name a colour.", 4, temperature=0)
+    assert ids == _ids(hf_ids)
+    eot = tokenizer.token_to_id("<|eot_id|>")
+    assert eot in _stops(run_tokenizer, template_beside(source)) and eot not in new[:-1]
+    assert main(["convert", str(run), "--to-hf", str(hf)]) == 0
+    exported = transformers.AutoTokenizer.from_pretrained(hf)
+    assert _ids(exported.apply_chat_template(message, add_generation_prompt=True, tokenize=True)) == ids

@@ -99,6 +99,22 @@ def load_template(template: Path | None, tokenizer: Path) -> ChatTemplate:
     return chat
 
 
+def save_template(chat: ChatTemplate, folder: Path) -> None:
+    """Keep the template beside a shard folder's tokenizer.json, in a tokenizer_config.json of
+    its own keys: a run on the folder then chats in its format (`tetrad generate --chat`), and
+    the Hugging Face export carries it (train/convert.py)."""
+    config = {"chat_template": chat.text, "bos_token": chat.bos, "eos_token": chat.eos}
+    (folder / CONFIG).write_text(json.dumps(config, indent=1, ensure_ascii=False) + "\n")
+
+
+def template_beside(tokenizer: Path) -> ChatTemplate | None:
+    """The chat template kept beside a tokenizer.json (save_template's, or a Hugging Face
+    model's), or None where there is none."""
+    if not (tokenizer.with_name(CONFIG).is_file() or tokenizer.with_name(JINJA).is_file()):
+        return None
+    return load_template(None, tokenizer)
+
+
 def _raise_exception(message: str):
     """The templates' way to refuse a conversation (e.g. roles that do not alternate)."""
     raise ValueError(message)
@@ -126,7 +142,7 @@ def compile_template(chat: ChatTemplate):
 class Conversations:
     """Renders and tokenizes conversations (one per worker process: the template compiles once)."""
 
-    def __init__(self, chat: ChatTemplate, tokenizer, eos: int):
+    def __init__(self, chat: ChatTemplate, tokenizer, eos: int | None):
         self.chat, self.tokenizer, self.eos = chat, tokenizer, eos
         self.template = compile_template(chat)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from tetrad.data.chat import ChatTemplate, Conversations, load_template
+from tetrad.data.chat import ChatTemplate, Conversations, load_template, save_template
 from tetrad.data.documents import (Piece, check_documents, input_files, piece_records, pieces, sample_texts,
                                     text_bytes)
 from tetrad.data.shards import TOKENIZER, dtype_for, mask_name, shard_name, write_index
@@ -285,6 +285,8 @@ def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partia
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     tokenizer.save(str(partial / TOKENIZER))
+    if args.chat is not None:
+        save_template(args.chat, partial)
     written = tokenize(files, tokenizer, eos_id(tokenizer, args.eos), partial, args.shard_mb, args.workers,
                        args.keys, args.chat)
     return written, (started, trained, time.perf_counter())

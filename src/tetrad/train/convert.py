@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemWriter
 
 from tetrad.config import Config, ConfigError, load_config, read_toml
+from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, template_beside
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import document_prefix, eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
@@ -120,8 +121,8 @@ def to_hf(checkpoint: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_file({hf_name(k): v for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
-    tokenizer = run_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)[0]
-    write_hf_tokenizer(tokenizer, out, m.seq_len)
+    tokenizer, source = run_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
+    write_hf_tokenizer(tokenizer, out, m.seq_len, template_beside(source) if source else None)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
@@ -152,11 +153,14 @@ def _special_tokens(tokenizer) -> dict[str, int]:
     return found
 
 
-def write_hf_tokenizer(tokenizer, out: Path, max_length: int) -> None:
-    """tokenizer.json and the tokenizer_config.json that lets `AutoTokenizer` load it."""
+def write_hf_tokenizer(tokenizer, out: Path, max_length: int, chat: ChatTemplate | None = None) -> None:
+    """tokenizer.json and the tokenizer_config.json that lets `AutoTokenizer` load it, with the
+    chat template the run's data was rendered with, if any (`apply_chat_template` then works)."""
     tokenizer.save(str(out / TOKENIZER))
     names = {f"{name}_token": tokenizer.id_to_token(token) for name, token in _special_tokens(tokenizer).items()}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, **names}
+    if chat is not None:
+        config["chat_template"] = chat.text
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -241,8 +245,9 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
     with one_process():
         dcp.save({f"model.{n}": weights[k].contiguous() for k, n in expected.items()},
                  storage_writer=FileSystemWriter(tmp), no_dist=True)
-    if (hf_dir / TOKENIZER).is_file():  # generate and export find it beside the weights
-        shutil.copyfile(hf_dir / TOKENIZER, tmp / TOKENIZER)
+    for name in (TOKENIZER, CHAT_CONFIG, CHAT_JINJA):  # generate and export find them beside the weights
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, tmp / name)
     publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})
 
 

@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tetrad.config import ModelConfig
+from tetrad.data.chat import ChatTemplate, Conversations, template_beside
 from tetrad.data.tokenizer import document_prefix, eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.dist.topology import Topology
@@ -48,9 +49,9 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, eos: int | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """The new token ids (at most `max_new`, ending at EOS or at seq_len tokens in all) and the
-    logits each was drawn from."""
+             top_p: float = 1.0, seed: int = 0, stop: frozenset[int] = frozenset()) -> tuple[list[int], list[torch.Tensor]]:
+    """The new token ids (at most `max_new`, ending at a `stop` token, e.g. EOS, or at seq_len
+    tokens in all) and the logits each was drawn from."""
     generator = torch.Generator().manual_seed(seed)
     cache: dict = {}
     logits = model(torch.tensor([prompt]), torch.arange(len(prompt)), cache=cache)[0, -1]
@@ -59,7 +60,7 @@ def generate(model: Transformer, prompt: list[int], max_new: int, temperature: f
         token = sample(logits, temperature, top_k, top_p, generator)
         new.append(token)
         drawn_from.append(logits)
-        if token == eos or position == model.cfg.seq_len:
+        if token in stop or position == model.cfg.seq_len:
             break
         logits = model(torch.tensor([[token]]), torch.tensor([position]), cache=cache)[0, -1]
     return new, drawn_from
@@ -80,7 +81,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tetrad generate", description="Sample text from a checkpoint, on one "
                                      "process, with a KV cache and the run's tokenizer.")
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, a checkpoint dir with `latest`, or a run dir")
-    parser.add_argument("--prompt", default="", help="text to continue (default: nothing but the first token)")
+    parser.add_argument("--prompt", default="", help="text to continue (default: nothing but the first token); "
+                        "with --chat, the user's message")
+    parser.add_argument("--chat", action="store_true", help="answer --prompt as the assistant, in the chat template "
+                        "the run's data was rendered with (tetrad data --chat-key), and print the answer alone")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
@@ -112,20 +116,54 @@ def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int
     if len(ids) >= model.cfg.seq_len:
         raise ValueError(f"the prompt is {len(ids)} tokens; the model reads at most seq_len={model.cfg.seq_len}, "
                          "so use a shorter one")
-    try:
-        eos = eos_id(tokenizer)
-    except ValueError:
-        eos = None  # bytes: generation runs to max_new tokens
-    new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, eos)
+    new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, _stops(tokenizer))
     return prompt + tokenizer.decode(new, skip_special_tokens=False), ids, new
+
+
+def _stops(tokenizer: Tokenizer, chat: ChatTemplate | None = None) -> frozenset[int]:
+    """The tokens that end a sample: the EOS (none for bytes: generation runs to max_new tokens),
+    and in a chat the template's eos_token (Llama 3's <|eot_id|> ends the assistant's turn)."""
+    try:
+        stops = {eos_id(tokenizer)}
+    except ValueError:
+        stops = set()
+    turn_end = tokenizer.token_to_id(chat.eos) if chat is not None and chat.eos else None
+    return frozenset(stops | ({turn_end} if turn_end is not None else set()))
+
+
+def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, message: str, max_new: int,
+          temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> tuple[str, list[int], list[int]]:
+    """The assistant's sampled answer to a user's `message`, rendered with the run's chat template
+    (the format its data was: data/chat.py) and its generation prompt; with the prompt's and the
+    answer's ids, as `complete` gives them."""
+    text = Conversations(chat, tokenizer, None).render([{"role": "user", "content": message}], True, "--prompt")
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if len(ids) >= model.cfg.seq_len:
+        raise ValueError(f"the rendered prompt is {len(ids)} tokens; the model reads at most seq_len="
+                         f"{model.cfg.seq_len}, so use a shorter one")
+    stops = _stops(tokenizer, chat)
+    new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, stops)
+    return tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=False), ids, new
+
+
+def _run_template(tokenizer_source: Path | None) -> ChatTemplate:
+    """The chat template beside the run's tokenizer.json; ValueError naming what to do without one."""
+    chat = template_beside(tokenizer_source) if tokenizer_source is not None else None
+    if chat is None:
+        raise ValueError(f"--chat needs the chat template the run's data was rendered with, and none is beside its "
+                         f"tokenizer ({tokenizer_source or 'bytes'}); make the data with `tetrad data --chat-key`")
+    return chat
 
 
 def generate_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
         model, tokenizer, source = load_generator(args.checkpoint)
-        text, prompt, new = complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
-                                     args.top_k, args.top_p, args.seed)
+        sampling = (args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+        if args.chat:
+            text, prompt, new = reply(model, tokenizer, _run_template(source), args.prompt, *sampling)
+        else:
+            text, prompt, new = complete(model, tokenizer, args.prompt, *sampling)
     except (ValueError, CheckpointError) as e:
         print(f"tetrad generate: {e}", file=sys.stderr)
         return 2

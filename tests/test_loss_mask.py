@@ -59,6 +59,19 @@ def test_examples_are_packed_whole_in_order_and_padded():
     assert packs.fill() == pytest.approx(16 / 24)
 
 
+def test_held_out_examples_are_whole():
+    """data.val_fraction moves its cut to the end of the example it falls in: every held-out
+    example keeps its prompt. Plain streams are cut where the fraction says."""
+    stream = load_tokens(sft_shards())
+    head, tail = stream.held_out(0.2)
+    cut = len(head)
+    assert len(stream) - int(len(stream) * 0.2) <= cut < len(stream) - int(len(stream) * 0.2) + 30
+    assert stream.window(cut - 1, 1)[0] == 0 and len(head) + len(tail) == len(stream)  # an EOS ends the head
+    assert stream.counted([cut], 1)[0, 0] == 0  # the tail starts with a prompt
+    plain = TokenStream([np.arange(1000) % 7], eos=0)
+    assert len(plain.held_out(0.2)[0]) == 800
+
+
 def test_every_example_of_the_shards_is_in_one_pack_whole():
     stream = load_tokens(sft_shards())
     packs = ExamplePacks(stream, capacity=33)

@@ -83,6 +83,19 @@ class TokenStream:
             out[row] = self._window(arrays, int(starts[row]), length)
         return out
 
+    def held_out(self, fraction: float) -> tuple["TokenStream", "TokenStream"]:
+        """The stream without its last `fraction`, and that part (data.val_fraction). Fine-tuning
+        examples (a loss mask) are not cut: the split moves on to the end of the example it falls
+        in, so that no held-out response is scored without its prompt."""
+        at = len(self) - int(len(self) * fraction)
+        if self.loss_masks is not None and self.eos is not None:
+            for start in range(max(at - 1, 0), len(self), 1 << 16):
+                ends = np.flatnonzero(self.window(start, min(1 << 16, len(self) - start)) == self.eos)
+                if len(ends):
+                    at = start + int(ends[0]) + 1
+                    break
+        return self.split(at)
+
     def split(self, at: int) -> tuple["TokenStream", "TokenStream"]:
         """Tokens [0, at) and [at, len)."""
         cuts = [min(max(at - lo, 0), len(piece)) for piece, lo in zip(self.pieces, self.offsets[:-1].tolist())]
@@ -136,6 +149,6 @@ def load_blend(source: str, val_source: str = "", val_fraction: float = 0.0
     if val_source:
         return train, [(w, load_tokens(part)) for w, part in blend_parts(val_source)]
     if val_fraction > 0:
-        splits = [(w, tokens.split(len(tokens) - int(len(tokens) * val_fraction))) for w, tokens in train]
+        splits = [(w, tokens.held_out(val_fraction)) for w, tokens in train]
         return [(w, head) for w, (head, _) in splits], [(w, tail) for w, (_, tail) in splits]
     return train, None

@@ -31,7 +31,8 @@ def test_a_prompts_labels_are_ignored_and_the_rest_counted():
     batches = _batches([(1, tokens)])
     inputs, labels = batches.global_batch_at(3)
     windows = batches.windows[0]
-    rows, counted = (torch.from_numpy(a) for a in windows.packs.read(windows.starts(np.arange(3 * 8, 4 * 8))))
+    packed = windows.starts(np.arange(3 * 8, 4 * 8))
+    rows, counted = (torch.from_numpy(a) for a in (windows.packs.read(packed), windows.packs.counted(packed)))
     assert torch.equal(inputs, rows[:, :-1])
     assert torch.equal(labels, rows[:, 1:].masked_fill(~counted[:, 1:], IGNORED_LABEL))
     assert 0 < (labels != IGNORED_LABEL).sum() < labels.numel() / 2 < (labels == IGNORED_LABEL).sum()
@@ -51,7 +52,7 @@ def test_examples_are_packed_whole_in_order_and_padded():
     packs = ExamplePacks(stream, capacity=6)
     assert (packs.starts.tolist(), packs.lengths.tolist()) == ([0, 3, 9, 18], [3, 6, 6, 1])
     assert (packs.examples, packs.truncated) == (5, 1)
-    rows, counted = packs.read(np.array([1, 0, 3, 2]))
+    rows, counted = packs.read(np.array([1, 0, 3, 2])), packs.counted(np.array([1, 0, 3, 2]))
     assert rows.tolist() == [[11, 12, 13, 0, 21, 0], [1, 2, 0, 0, 0, 0], [41, 0, 0, 0, 0, 0],
                              [31, 32, 33, 34, 35, 36]]
     assert counted.astype(int).tolist() == [[0, 1, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0],

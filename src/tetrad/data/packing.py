@@ -48,21 +48,23 @@ class ExamplePacks:
         """The share of the packs' tokens that are examples' (the rest is padding)."""
         return float(self.lengths.sum()) / (len(self) * self.capacity)
 
-    def read(self, packs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """These packs' tokens, [len(packs), capacity] int64 padded with EOS, and whether the loss
-        counts each (the loss mask; never the padding), bool of the same shape."""
+    def read(self, packs: np.ndarray) -> np.ndarray:
+        """These packs' tokens, [len(packs), capacity] int64, padded with EOS."""
+        return self._gather(packs, self.tokens.windows, np.int64, self.tokens.eos)
+
+    def counted(self, packs: np.ndarray) -> np.ndarray:
+        """Whether the loss counts each token of `read(packs)` (the loss mask; never the padding),
+        bool: the masks alone, so that Batches.loss_tokens reads no token ids."""
+        return self._gather(packs, self.tokens.counted, bool, False)
+
+    def _gather(self, packs: np.ndarray, read, dtype, padding) -> np.ndarray:
+        """Rows of `read` (TokenStream.windows or .counted) at the packs' starts, `padding` past each pack's end."""
         starts, lengths = self.starts[packs], self.lengths[packs]
-        rows = np.full((len(packs), self.capacity), self.tokens.eos, dtype=np.int64)
-        counted = np.zeros((len(packs), self.capacity), dtype=bool)
+        out = np.full((len(packs), self.capacity), padding, dtype=dtype)
         whole = starts + self.capacity <= len(self.tokens)  # read at full width, padding set after
         if whole.any():
-            rows[whole] = self.tokens.windows(starts[whole].tolist(), self.capacity)
-            counted[whole] = self.tokens.counted(starts[whole].tolist(), self.capacity)
+            out[whole] = read(starts[whole].tolist(), self.capacity)
         for row in np.flatnonzero(~whole).tolist():  # the stream ends within the window
-            n = int(lengths[row])
-            rows[row, :n] = self.tokens.windows([int(starts[row])], n)[0]
-            counted[row, :n] = self.tokens.counted([int(starts[row])], n)[0]
-        padding = np.arange(self.capacity) >= lengths[:, None]
-        rows[padding] = self.tokens.eos
-        counted[padding] = False
-        return rows, counted
+            out[row, :lengths[row]] = read([int(starts[row])], int(lengths[row]))[0]
+        out[np.arange(self.capacity) >= lengths[:, None]] = padding
+        return out

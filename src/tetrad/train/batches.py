@@ -120,14 +120,14 @@ class Windows:
     def read(self, samples: np.ndarray) -> np.ndarray:
         """The windows of these samples, [len(samples), seq_len + 1] int64."""
         if self.packs is not None:
-            return self.packs.read(self.starts(samples))[0]
+            return self.packs.read(self.starts(samples))
         return self.tokens.windows(self.starts(samples).tolist(), self.seq_len + 1)
 
     def counted(self, samples: np.ndarray) -> np.ndarray:
         """Whether the loss counts each label of these samples' windows (the tokens after the
         first), [len(samples), seq_len] bool: the source's loss mask (never a pack's padding)."""
         if self.packs is not None:
-            return self.packs.read(self.starts(samples))[1][:, 1:]
+            return self.packs.counted(self.starts(samples))[:, 1:]
         return self.tokens.counted(self.starts(samples).tolist(), self.seq_len + 1)[:, 1:]
 
 

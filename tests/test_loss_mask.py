@@ -61,14 +61,17 @@ def test_examples_are_packed_whole_in_order_and_padded():
 
 
 def test_held_out_examples_are_whole():
-    """data.val_fraction moves its cut to the end of the example it falls in: every held-out
-    example keeps its prompt. Plain streams are cut where the fraction says."""
+    """data.val_fraction moves its cut back to the start of the example it falls in: every held-out
+    example keeps its prompt, and a last example longer than the fraction is held out, not dropped.
+    Plain streams are cut where the fraction says."""
     stream = load_tokens(sft_shards())
     head, tail = stream.held_out(0.2)
     cut = len(head)
-    assert len(stream) - int(len(stream) * 0.2) <= cut < len(stream) - int(len(stream) * 0.2) + 30
+    assert len(stream) - int(len(stream) * 0.2) - 30 < cut <= len(stream) - int(len(stream) * 0.2)
     assert stream.window(cut - 1, 1)[0] == 0 and len(head) + len(tail) == len(stream)  # an EOS ends the head
     assert stream.counted([cut], 1)[0, 0] == 0  # the tail starts with a prompt
+    long_last = TokenStream([np.r_[[1, 2, 0] * 10, [5] * 40, 0]], [np.ones(71, np.uint8)], eos=0)
+    assert [len(part) for part in long_last.held_out(0.05)] == [30, 41]
     plain = TokenStream([np.arange(1000) % 7], eos=0)
     assert len(plain.held_out(0.2)[0]) == 800
 

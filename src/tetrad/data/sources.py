@@ -85,16 +85,22 @@ class TokenStream:
 
     def held_out(self, fraction: float) -> tuple["TokenStream", "TokenStream"]:
         """The stream without its last `fraction`, and that part (data.val_fraction). Fine-tuning
-        examples (a loss mask) are not cut: the split moves on to the end of the example it falls
-        in, so that no held-out response is scored without its prompt."""
+        examples (a loss mask) are not cut: the split moves back to the start of the example it
+        falls in, so that no held-out response is scored without its prompt, and a long last
+        example is held out rather than leaving nothing held out."""
         at = len(self) - int(len(self) * fraction)
-        if self.loss_masks is not None and self.eos is not None:
-            for start in range(max(at - 1, 0), len(self), 1 << 16):
-                ends = np.flatnonzero(self.window(start, min(1 << 16, len(self) - start)) == self.eos)
-                if len(ends):
-                    at = start + int(ends[0]) + 1
-                    break
+        if self.loss_masks is not None and self.eos is not None and at < len(self):
+            at = self._example_start(at)
         return self.split(at)
+
+    def _example_start(self, at: int, chunk: int = 1 << 16) -> int:
+        """The start of the example that holds position `at`: just after the last EOS before it (0: none)."""
+        for end in range(at, 0, -chunk):
+            lo = max(end - chunk, 0)
+            found = np.flatnonzero(self.window(lo, end - lo) == self.eos)
+            if len(found):
+                return lo + int(found[-1]) + 1
+        return 0
 
     def split(self, at: int) -> tuple["TokenStream", "TokenStream"]:
         """Tokens [0, at) and [at, len)."""

@@ -251,3 +251,11 @@ def test_a_run_on_chat_data_answers_in_its_template_and_exports_it(tmp_path, cap
     assert main(["convert", str(run), "--to-hf", str(hf)]) == 0
     exported = transformers.AutoTokenizer.from_pretrained(hf)
     assert _ids(exported.apply_chat_template(message, add_generation_prompt=True, tokenize=True)) == ids
+
+
+def test_a_base_models_tokenizer_config_has_no_template(tmp_path):
+    """convert --to-tetrad keeps a base model's tokenizer_config.json (no chat_template): no template, not an error."""
+    from tetrad.data.chat import template_beside
+    _chat_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": "<|eot_id|>"}))
+    assert template_beside(tmp_path / "tokenizer.json") is None

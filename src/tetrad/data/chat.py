@@ -109,8 +109,9 @@ def save_template(chat: ChatTemplate, folder: Path) -> None:
 
 def template_beside(tokenizer: Path) -> ChatTemplate | None:
     """The chat template kept beside a tokenizer.json (save_template's, or a Hugging Face
-    model's), or None where there is none."""
-    if not (tokenizer.with_name(CONFIG).is_file() or tokenizer.with_name(JINJA).is_file()):
+    model's), or None where there is none (a base model's tokenizer_config.json has no chat_template)."""
+    config = tokenizer.with_name(CONFIG)
+    if not (tokenizer.with_name(JINJA).is_file() or (config.is_file() and "chat_template" in _read_config(config))):
         return None
     return load_template(None, tokenizer)
 

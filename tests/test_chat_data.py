@@ -107,11 +107,13 @@ def test_conversations_are_the_templates_ids_and_the_loss_counts_each_assistant_
 
 
 def test_no_eos_is_added_where_the_template_ends_with_it(tmp_path):
-    """With --eos <|eot_id|> the template's last end of turn ends the document: no second one."""
+    """With --eos <|eot_id|> the template's last end of turn ends the document: no second one (a
+    conversation of one turn: with more, that EOS inside it is refused, as below)."""
     tokenizer, _ = _chat_tokenizer(tmp_path)
-    out = _chat_data(tmp_path, [{"messages": CONVERSATIONS[0]}], "--eos", "<|eot_id|>")
+    answer = [{"role": "assistant", "content": "4"}]
+    out = _chat_data(tmp_path, [{"messages": answer}], "--eos", "<|eot_id|>")
     ids, mask = written(out)
-    assert ids == _oracle(tmp_path, CONVERSATIONS[0]) and ids[-1] == read_index(out)["eos_id"]
+    assert ids == _oracle(tmp_path, answer) and ids[-1] == read_index(out)["eos_id"]
     assert [tokenizer.decode(run, skip_special_tokens=False) for run in _runs(ids, mask)] == ["4<|eot_id|>"]
 
 
@@ -259,3 +261,15 @@ def test_a_base_models_tokenizer_config_has_no_template(tmp_path):
     _chat_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": "<|eot_id|>"}))
     assert template_beside(tmp_path / "tokenizer.json") is None
+
+
+def test_an_eos_inside_a_conversation_is_refused(tmp_path, capsys):
+    """Llama 2's template ends each answer with eos_token: with that --eos, training would cut the
+    conversation into turns (packing, document masking), so tetrad data refuses it, naming the line."""
+    template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+                "{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")
+    _chat_tokenizer(tmp_path, template=template, eos_token="<|eot_id|>")
+    data = _jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[1][1:]}])
+    assert main(["data", str(data), "--out", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--chat-key", "messages", "--eos", "<|eot_id|>"]) != 0
+    assert "line at byte 0: the conversation holds the folder's EOS '<|eot_id|>' before its end" in capsys.readouterr().err

@@ -175,7 +175,8 @@ class Conversations:
         """The conversation's ids and loss mask (1 on each token that holds characters of an
         assistant turn), then EOS unless the text ends with it: counted when the conversation
         ends with the assistant's turn, as the end of its answer (--prompt-key's EOS counts too),
-        not after a user's turn. None without an assistant turn: nothing to learn."""
+        not after a user's turn. None without an assistant turn: nothing to learn. ValueError when
+        the EOS comes earlier: training would cut the conversation there (packing.py)."""
         text, turns = self.assistant_turns(messages, where)
         if not turns:
             return None
@@ -184,6 +185,10 @@ class Conversations:
         mask = np.zeros(len(ids), dtype=np.uint8)
         for start, end in turns:
             mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+        if self.eos in ids[:-1]:
+            raise ValueError(f"{where}: the conversation holds the folder's EOS {self.tokenizer.id_to_token(self.eos)!r} "
+                             "before its end (the template renders it inside, as Llama 2's after each answer); training "
+                             "packs and masks examples at each EOS, so it would be cut there: pass another --eos")
         if not ids or ids[-1] != self.eos:
             ids, mask = ids + [self.eos], np.append(mask, np.uint8(turns[-1][1] == len(text)))
         return ids, mask

@@ -273,3 +273,20 @@ def test_an_eos_inside_a_conversation_is_refused(tmp_path, capsys):
     assert main(["data", str(data), "--out", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tokenizer.json"),
                  "--chat-key", "messages", "--eos", "<|eot_id|>"]) != 0
     assert "line at byte 0: the conversation holds the folder's EOS '<|eot_id|>' before its end" in capsys.readouterr().err
+
+
+def test_the_export_renders_the_templates_bos_token_where_the_tokenizer_adds_none(tmp_path):
+    """A template's {{ bos_token }} is the data's own in the exported tokenizer_config.json, even for
+    a tokenizer whose post-processor adds no BOS (no document prefix to name it by)."""
+    transformers = pytest.importorskip("transformers")
+    from tetrad.data.chat import ChatTemplate, Conversations
+    from tetrad.train.convert import write_hf_tokenizer
+    tokenizer = train_bpe(iter(["user assistant hi hello"] * 20), 300)
+    tokenizer.add_special_tokens(["<s>"])
+    chat = ChatTemplate("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+                        bos="<s>")
+    write_hf_tokenizer(tokenizer, tmp_path, 64, chat)
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    conversation = CONVERSATIONS[0]
+    assert exported.apply_chat_template(conversation, tokenize=False) == \
+        Conversations(chat, tokenizer, None).render(conversation, False, "here")

@@ -159,8 +159,9 @@ def write_hf_tokenizer(tokenizer, out: Path, max_length: int, chat: ChatTemplate
     tokenizer.save(str(out / TOKENIZER))
     names = {f"{name}_token": tokenizer.id_to_token(token) for name, token in _special_tokens(tokenizer).items()}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, **names}
-    if chat is not None:
-        config["chat_template"] = chat.text
+    if chat is not None:  # rendered with the bos_token and eos_token the data was rendered with
+        config.update({"chat_template": chat.text, **{f"{name}_token": token for name, token
+                                                       in (("bos", chat.bos), ("eos", chat.eos)) if token}})
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

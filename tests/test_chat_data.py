@@ -290,3 +290,14 @@ def test_the_export_renders_the_templates_bos_token_where_the_tokenizer_adds_non
     conversation = CONVERSATIONS[0]
     assert exported.apply_chat_template(conversation, tokenize=False) == \
         Conversations(chat, tokenizer, None).render(conversation, False, "here")
+
+
+def test_a_template_without_tools_renders_as_transformers_renders_it(tmp_path):
+    """transformers passes tools=None and documents=None when there are none: a template that
+    tests `tools is not none` renders no tool block here either."""
+    template = "{% if tools is not none %}[TOOLS]{% endif %}" + TEMPLATE
+    tokenizer, _ = _chat_tokenizer(tmp_path, template=template)
+    out = _chat_data(tmp_path, [{"messages": CONVERSATIONS[0]}])
+    ids = written(out)[0]
+    assert ids == _oracle(tmp_path, CONVERSATIONS[0], template=template) + [read_index(out)["eos_id"]]
+    assert "[TOOLS]" not in tokenizer.decode(ids, skip_special_tokens=False)

@@ -201,3 +201,13 @@ def test_tetrad_data_then_train_counts_the_responses(tmp_path):
     counted = [int((batches.global_batch_at(i)[1] != IGNORED_LABEL).sum()) for i in range(3)]
     assert [r["loss_tokens"] for r in steps] == counted
     assert all(0 < c < 4 * 32 / 2 for c in counted)  # three response words after six prompt words: well under half
+
+
+def test_a_few_short_examples_fill_windows():
+    """Packs need an example, not seq_len + 2 tokens: three 8-token examples make windows of 32
+    (a small held-out set of fine-tuning examples is not refused for being short)."""
+    ids = np.tile(np.r_[np.arange(1, 8), 0], 3)
+    stream = TokenStream([ids], [np.tile(np.r_[np.zeros(4), np.ones(4)], 3).astype(np.uint8)], eos=0)
+    inputs, labels = _batches([(1, stream)], global_batch=2).global_batch_at(0)
+    assert inputs.shape == (2, 32) and inputs[0, :24].tolist() == ids.tolist()[:24]
+    assert (labels != IGNORED_LABEL).sum() == 2 * 3 * 4  # every pack holds the three examples

@@ -173,3 +173,22 @@ def test_missing_or_short_loss_masks_are_refused_before_any_rank_starts(tmp_path
     assert err == (f"tetrad: config error: data.source: {second}: missing or not {index['shards'][1]['tokens']} "
                    "uint8 values as index.json says; rebuild the folder with `tetrad data`")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_eos_written_in_an_example_is_text_not_its_end(tmp_path):
+    """A prompt or response quoting the EOS token ("<|endoftext|>") keeps it as characters: the
+    example ends only at the EOS tetrad appends, so packing and document masking see it whole."""
+    from tetrad.data.packing import ExamplePacks
+    tokenizer = train_bpe(iter([e["q"] + e["text"] for e in EXAMPLES]), 300)
+    tokenizer.save(str(tmp_path / "bpe.json"))
+    quoting = [{"q": "What ends a document?", "text": "The token <|endoftext|> does."},
+               {"q": "Say <|endoftext|> twice.", "text": "<|endoftext|><|endoftext|>"}]
+    out = tmp_path / "sft"
+    assert main(["data", str(_jsonl(tmp_path / "sft.jsonl", quoting)), "--out", str(out), "--tokenizer",
+                 str(tmp_path / "bpe.json"), "--prompt-key", "q"]) == 0
+    ids, mask = written(out)
+    eos = read_index(out)["eos_id"]
+    assert [i for i, t in enumerate(ids) if t == eos] == [ids.index(eos), len(ids) - 1]  # one EOS per example
+    assert ExamplePacks(load_tokens(str(out)), capacity=len(ids)).examples == 2
+    assert tokenizer.decode(ids[ids.index(eos) + 1:-1], skip_special_tokens=False) == \
+        "Say <|endoftext|> twice.<|endoftext|><|endoftext|>"

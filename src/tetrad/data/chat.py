@@ -149,8 +149,10 @@ class Conversations:
 
     def render(self, messages: list[dict], generation_prompt: bool, where: str) -> str:
         try:
+            # tools and documents as transformers passes them without any: a template testing
+            # `tools is not none` renders no tool block.
             return self.template.render(messages=messages, add_generation_prompt=generation_prompt,
-                                        bos_token=self.chat.bos, eos_token=self.chat.eos)
+                                        bos_token=self.chat.bos, eos_token=self.chat.eos, tools=None, documents=None)
         except (jinja2.TemplateError, ValueError, TypeError) as e:  # the template's own errors too
             raise ValueError(f"{where}: the chat template refuses the conversation: "
                              f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None

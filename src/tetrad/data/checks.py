@@ -16,6 +16,7 @@ from tetrad.config import Config, ConfigError
 from tetrad.data.shards import (TOKENIZER, end_of_document, is_shard_folder, open_loss_masks, open_shards,
                                  read_index)
 from tetrad.data.blend import blend_parts
+from tetrad.data.packing import fewest_tokens
 from tetrad.data.sources import CORPORA, NPY_DTYPES, TokenStream, load_blend, reads_as_bytes, text_files
 
 SCAN_TOKENS = 1 << 28  # up to this many tokens the whole range is scanned (seconds)
@@ -47,10 +48,12 @@ def check_data(cfg: Config) -> None:
         held_out = blend_parts(d.val_source) if d.val_source else blend_parts(d.source)
         sources += [("the validation tokens", name, tokens) for (_, name), (_, tokens) in zip(held_out, val)]
     for what, name, tokens in sources:
-        if len(tokens) < m.seq_len + 2:
+        if len(tokens) < fewest_tokens(tokens, m.seq_len):
             where = f" ({name})" if name != d.source else ""
-            raise ConfigError(f"{what}{where} holds {len(tokens)} tokens, fewer than model.seq_len+2 = "
-                              f"{m.seq_len + 2}; use more data or a shorter seq_len"
+            needed = "two tokens (one example)" if tokens.loss_masks is not None else \
+                f"model.seq_len+2 = {m.seq_len + 2}"
+            raise ConfigError(f"{what}{where} holds {len(tokens)} tokens, fewer than {needed}; use more data or a "
+                              "shorter seq_len"
                               + (" (or a smaller data.val_fraction)" if what != "data.source" else ""))
     for what, name, tokens in sources:
         _check_ids("data.source" if what == "data.source" else "data.val_source", tokens, m.vocab_size)

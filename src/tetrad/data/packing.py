@@ -18,6 +18,12 @@ import numpy as np
 from tetrad.data.sources import TokenStream
 
 
+def fewest_tokens(tokens: TokenStream, seq_len: int) -> int:
+    """The fewest tokens a source needs for one training window: seq_len + 2 to cut one from a
+    stream (and shift it), one example of two tokens (a label) to make a pack."""
+    return 2 if tokens.loss_masks is not None else seq_len + 2
+
+
 class ExamplePacks:
     """The packs of a loss-masked stream: `starts` and `lengths` in tokens, `capacity` (seq_len + 1)
     each at most; `examples` and `truncated` count what they hold."""
@@ -30,8 +36,9 @@ class ExamplePacks:
                 for piece, lo in zip(tokens.pieces, tokens.offsets[:-1].tolist())]
         ends = np.concatenate(ends + [np.array([len(tokens)])])  # a last example cut by a split: as it is
         ends = np.unique(ends[ends > 0])
+        sizes = np.diff(ends, prepend=0)
         starts, lengths = [], []
-        for start, n in zip(np.r_[0, ends[:-1]].tolist(), np.diff(ends, prepend=0).tolist()):
+        for start, n in zip(np.r_[0, ends[:-1]].tolist(), sizes.tolist()):
             if lengths and starts[-1] + lengths[-1] == start and lengths[-1] + n <= capacity:
                 lengths[-1] += n  # joins the open pack
             else:
@@ -39,7 +46,7 @@ class ExamplePacks:
                 lengths.append(min(n, capacity))
         self.starts, self.lengths = np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64)
         self.examples = len(ends)
-        self.truncated = int((np.diff(ends, prepend=0) > capacity).sum())
+        self.truncated = int((sizes > capacity).sum())
 
     def __len__(self) -> int:
         return len(self.starts)

@@ -10,7 +10,8 @@ the samples read so far (`DataPosition`, in the checkpoint), which also set the 
 batch under a ramp-up (`train.batch_rampup`, config/rampup.py). The shuffle is a keyed permutation,
 kept whole for an epoch of up to ORDER_CACHED windows, else computed per sample. Every rank
 works out the step's window starts (a few integers) but reads only the rows of its own dp share,
-so data loading does not grow with dp. A blend of sources (data/blend.py) sends each sample to
+so data loading does not grow with dp (a loss mask's count, below, reads the whole batch's masks:
+one byte a token). A blend of sources (data/blend.py) sends each sample to
 one source by weight (`route`), and each source numbers its own samples and runs its own
 epochs. Validation reads the held-out windows in order. The tokens come from data/sources.py; a
 source with a loss mask (fine-tuning examples) is read as packs of whole examples instead of
@@ -26,7 +27,7 @@ import torch
 
 from tetrad.config.rampup import BatchRamp
 from tetrad.data.blend import blend_parts
-from tetrad.data.packing import ExamplePacks
+from tetrad.data.packing import ExamplePacks, fewest_tokens
 from tetrad.data.shards import end_of_document
 from tetrad.data.sources import TokenStream, load_blend
 from tetrad.model.layers import IGNORED_LABEL
@@ -78,8 +79,9 @@ class Windows:
     shuffled alike: an epoch visits every pack once, with no offset to shift."""
 
     def __init__(self, tokens: TokenStream, seq_len: int, seed: int, shuffle: bool):
-        if len(tokens) < seq_len + 2:
-            raise ValueError(f"the data has {len(tokens)} tokens, fewer than seq_len+2 = {seq_len + 2}")
+        if len(tokens) < fewest_tokens(tokens, seq_len):
+            raise ValueError(f"the data has {len(tokens)} tokens, fewer than the {fewest_tokens(tokens, seq_len)} "
+                             "a window needs")
         self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
         self.packs = ExamplePacks(tokens, seq_len + 1) if tokens.loss_masks is not None else None
         if self.packs is not None:

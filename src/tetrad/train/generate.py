@@ -161,7 +161,11 @@ def generate_command(argv: list[str]) -> int:
         model, tokenizer, source = load_generator(args.checkpoint)
         sampling = (args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
         if args.chat:
-            text, prompt, new = reply(model, tokenizer, _run_template(source), args.prompt, *sampling)
+            chat = _run_template(source)
+            if chat.eos and tokenizer.token_to_id(chat.eos) is None:
+                print(f"tetrad generate: note: the template's eos_token {chat.eos!r} is not one token of the "
+                      "tokenizer; the answer runs to the EOS or --max-new-tokens", file=sys.stderr)
+            text, prompt, new = reply(model, tokenizer, chat, args.prompt, *sampling)
         else:
             text, prompt, new = complete(model, tokenizer, args.prompt, *sampling)
     except (ValueError, CheckpointError) as e:

@@ -10,8 +10,9 @@ and ZeRO 0-3, split along Megatron-Core's seams:
 - codec_state.py: the gradient codec's state in a checkpoint.
 
 CP ranks hold the same weights as their DP peers, so both dimensions reduce (and shard)
-together. Each micro-batch's loss is already divided by the global token count, so a SUM of the
-gradients gives exactly the single-device gradient.
+together. Each micro-batch's loss is already divided by the global batch's count of labels the
+loss counts (every token's without a loss mask), so a SUM of the gradients gives exactly the
+single-device gradient.
 
 ZeRO-0 all-reduces each bucket; plain AdamW on the full gradients. ZeRO-1 all-reduces too, but
 AdamW runs only on this rank's shard; updated shards are then all-gathered into the flat

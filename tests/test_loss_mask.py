@@ -112,10 +112,10 @@ def test_cross_entropy_gives_an_ignored_label_no_loss_and_no_gradient():
 
 # ----------------------------------------------------------------------------- one process
 
-def _config(parallel: dict, train: dict | None = None, source: str | None = None):
+def _config(parallel: dict, train: dict | None = None, source: str | None = None, **sections):
     """TINY on the SFT shards, a validation at the last step."""
     return tiny_config(parallel=parallel, data={"source": source or sft_shards(), "val_fraction": 0.2},
-                       train={"eval_every": 5, **(train or {})})
+                       train={"eval_every": 5, **(train or {})}, **sections)
 
 
 def _first_loss_by_hand(cfg):
@@ -211,3 +211,16 @@ def test_a_few_short_examples_fill_windows():
     inputs, labels = _batches([(1, stream)], global_batch=2).global_batch_at(0)
     assert inputs.shape == (2, 32) and inputs[0, :24].tolist() == ids.tolist()[:24]
     assert (labels != IGNORED_LABEL).sum() == 2 * 3 * 4  # every pack holds the three examples
+
+
+@pytest.mark.dist
+def test_a_packed_run_resumes_in_another_layout(references):
+    """Steps 1-2 on dp2 ZeRO-1, a checkpoint, steps 3-5 resumed on tp2 with SP: the packs, their
+    order and the normaliser follow on, and the five steps are the one-process run's."""
+    first = _config(*LAYOUTS["dp2-zero1"], checkpoint={"every": 2, "keep": 3})
+    losses, _, history = train_layout(first)
+    step2 = str(Path(first.run.dir) / "checkpoints" / "step_00000002")
+    later = train_layout(_config(*LAYOUTS["tp2-sp"], checkpoint={"resume": step2}))
+    assert len(later[0]) == 3  # steps 3-5
+    assert_parity((losses[:2] + later[0], later[1], history[:2] + later[2]), references[False], atol=2e-4,
+                  loss_atol=2e-6)

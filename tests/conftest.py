@@ -14,7 +14,8 @@ import torch
 
 from tetrad import launch
 from tetrad.config import load_config
-from tetrad.data.shards import mask_name, shard_name, write_index
+from tetrad.data.shards import TOKENIZER, mask_name, shard_name, write_index
+from tetrad.data.tokenizer import byte_tokenizer
 from tetrad.data.sources import CORPORA
 from tetrad.model.sharding import gather_full, set_spec, spec_of
 from tetrad.train.trainer import Trainer
@@ -75,6 +76,7 @@ def sft_shards() -> str:
         np.concatenate([m for _, m in examples]).tofile(folder / mask_name(shard_name(i)))
         entries.append({"file": shard_name(i), "tokens": sum(len(t) for t, _ in examples), "documents": len(examples)})
     write_index(folder, entries, 256, DOC_EOS, loss_mask=True)
+    byte_tokenizer().save(str(folder / TOKENIZER))  # as `tetrad data` leaves one: generate and export decode
     return str(folder)
 
 

@@ -12,6 +12,9 @@ checkpoint exactly):
   follows one process doing the same, and `tetrad convert --to-hf` of A's checkpoint holds its
   logical tensors bitwise.
 
+A fifth of the pairs train on fine-tuning data (tests/conftest.py sft_shards: packs of whole
+examples under a loss mask), both layouts and the one-process runs alike.
+
 A FAIL is a lead, not a verdict: fp32 runs that near-cancel amplify the order of sums (see
 tests/conftest.py assert_parity); rerun the case with other micro-batch sizes before blaming.
 Run: PYTHONPATH=src OMP_NUM_THREADS=1 python tools/fuzz_resume.py --seed 0 --count 20
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import grad_norms, run_ranks, tiny_config, train_layout  # noqa: E402
+from conftest import grad_norms, run_ranks, sft_shards, tiny_config, train_layout  # noqa: E402
 from test_checkpoint import read_logical  # noqa: E402
 from tetrad.config import ConfigError  # noqa: E402
 from tetrad.model.layers import DropoutGenerators  # noqa: E402
@@ -95,13 +98,16 @@ def draw_pair(rng: random.Random) -> tuple[dict, dict, dict]:
         b = {**a, "parallel": {**a["parallel"], "collective_timeout_s": 90.0, "startup_timeout_s": 300.0}}
     else:
         b = draw_layout(rng, model, dtype_b)
+    if rng.random() < 0.2:  # fine-tuning data: packs of whole examples, a loss mask (the same for both)
+        model["vocab_size"] = 256
+        a, b = ({**layout, "data": {"source": sft_shards()}} for layout in (a, b))
     return model, a, b
 
 
 def config(model: dict, layout: dict, run_dir: Path, **checkpoint):
     train = {**layout["train"], "steps": STEPS}
     return tiny_config(model=model, parallel=layout["parallel"], train=train, run={"dir": str(run_dir)},
-                       checkpoint={**layout.get("checkpoint", {}), **checkpoint})
+                       checkpoint={**layout.get("checkpoint", {}), **checkpoint}, data=layout.get("data", {}))
 
 
 def _load_and_save(cfg, path: Path, root: Path):
@@ -167,7 +173,7 @@ def exact_math(layout: dict) -> bool:
 
 
 def one_process(layout: dict, dtype: str = "fp32") -> dict:
-    return {"parallel": {}, "train": {**layout["train"], "dtype": dtype}}
+    return {"parallel": {}, "train": {**layout["train"], "dtype": dtype}, "data": layout.get("data", {})}
 
 
 def slice_steps(run, first: int):

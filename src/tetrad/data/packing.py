@@ -37,13 +37,13 @@ class ExamplePacks:
         ends = np.concatenate(ends + [np.array([len(tokens)])])  # a last example cut by a split: as it is
         ends = np.unique(ends[ends > 0])
         sizes = np.diff(ends, prepend=0)
-        starts, lengths = [], []
-        for start, n in zip(np.r_[0, ends[:-1]].tolist(), sizes.tolist()):
-            if lengths and starts[-1] + lengths[-1] == start and lengths[-1] + n <= capacity:
-                lengths[-1] += n  # joins the open pack
-            else:
-                starts.append(start)
-                lengths.append(min(n, capacity))
+        starts, lengths, i = [], [], 0
+        while i < len(ends):  # one turn a pack: the examples from i that end within capacity of its start
+            start = int(ends[i - 1]) if i else 0
+            fit = int(np.searchsorted(ends, start + capacity, side="right"))
+            starts.append(start)
+            lengths.append(int(ends[fit - 1]) - start if fit > i else capacity)  # none fits: example i, cut
+            i = max(fit, i + 1)
         self.starts, self.lengths = np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64)
         self.examples = len(ends)
         self.truncated = int((sizes > capacity).sum())

@@ -224,3 +224,20 @@ def test_a_packed_run_resumes_in_another_layout(references):
     assert len(later[0]) == 3  # steps 3-5
     assert_parity((losses[:2] + later[0], later[1], history[:2] + later[2]), references[False], atol=2e-4,
                   loss_atol=2e-6)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel", [{"pp": 2, "vpp": 2, "schedule": "interleaved", "cp": 2},
+                                      {"dp": 2, "pp": 2, "schedule": "zb", "zero": 3}], ids=["interleaved-cp2", "zb-zero3"])
+def test_packed_sft_under_nccl_ordering_equals_gloo(parallel):
+    """Under NCCL's ordering (tests/nccl_semantics.py: in-order communicator queues, rendezvous
+    sends) the pipeline carries the masked labels' micro-batches, and validation, as gloo does:
+    the same losses bit for bit, nothing hung."""
+    from functools import partial
+    from nccl_semantics import NcclSemantics
+
+    def run(transport=None):
+        cfg = _config(parallel, {"document_mask": True}, model={"n_layers": 4})
+        return [(r["loss"], r["loss_tokens"], r.get("val_loss")) for r in train_layout(cfg, transport=transport)[2]]
+    ordered, gloo = run(partial(NcclSemantics, timeout_s=20)), run()
+    assert ordered == gloo and gloo[-1][2] is not None

@@ -16,20 +16,22 @@ from tetrad.data.sources import load_tokens
 from tetrad.dist.layout import Layout, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model import attention as attn
+from tetrad.model.documents import Documents, document_ids, document_visibility
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
-from tetrad.train.batches import Batches, document_ids
+from tetrad.train.batches import Batches
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.trainer import build_model
 
 
 
-def _documents(seq: int, batch: int = 2, seed: int = 0) -> torch.Tensor:
-    """Document ids of `batch` windows of many short documents (2 to 7 tokens), cut apart."""
+def _documents(seq: int, batch: int = 2, seed: int = 0, eos_share: float = 0.25) -> Documents:
+    """The documents of `batch` windows of many short documents (2 to 7 tokens at the default
+    share of EOS tokens), cut apart."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, 9, (batch, seq), generator=g)
-    tokens[torch.rand(batch, seq, generator=g) < 0.25] = EOS
-    return document_ids(tokens, EOS)
+    tokens[torch.rand(batch, seq, generator=g) < eos_share] = EOS
+    return Documents.of_windows(tokens, EOS, torch.device("cpu"))
 
 
 def _spans(docs_row: torch.Tensor) -> list[tuple[int, int]]:
@@ -76,7 +78,7 @@ def _apart_reference():
     grads = torch.autograd.grad(out, (q, k, v), dout)
     errors = []
     for row in range(2):
-        for a, b in _spans(docs[row]):
+        for a, b in _spans(docs.ids[row]):
             part = [t[row:row + 1, a:b].detach().requires_grad_() for t in (q, k, v)]
             alone = attn.local_attention(*part)
             alone_grads = torch.autograd.grad(alone, part, dout[row:row + 1, a:b])
@@ -99,12 +101,12 @@ def _model_apart():
     g = torch.Generator().manual_seed(2)
     x = torch.randint(1, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=g)
     x[torch.rand(x.shape, generator=g) < 0.15] = EOS
-    docs, positions = document_ids(x, EOS), torch.arange(cfg.model.seq_len)
+    docs, positions = Documents.of_windows(x, EOS, torch.device("cpu")), torch.arange(cfg.model.seq_len)
     with torch.no_grad():
         logits = model(x, positions, docs=docs)
         unmasked = model(x, positions)
         errors = [float((logits[r:r + 1, a:b] - model(x[r:r + 1, a:b], positions[a:b])).abs().max())
-                  for r in range(2) for a, b in _spans(docs[r])]
+                  for r in range(2) for a, b in _spans(docs.ids[r])]
     return errors, float((logits - unmasked).abs().max())
 
 
@@ -125,7 +127,7 @@ def _saved_by_depth():
         for masked in (False, True):
             meter = ActivationMeter()
             with meter.measuring():
-                model(x, torch.arange(64), docs=document_ids(x, EOS) if masked else None)
+                model(x, torch.arange(64), docs=Documents.of_windows(x, EOS, torch.device("cpu")) if masked else None)
             out[layers, masked] = meter.peak
     return out
 
@@ -156,6 +158,26 @@ def test_merge_takes_nothing_from_a_row_that_sees_no_key():
     empty, empty_lse = torch.zeros(1, 2, 4, 8), torch.full((1, 2, 4), float("-inf"))
     attn._merge(empty, empty_lse, slice(None), blk_out, blk_lse)
     assert not empty.isnan().any() and empty_lse[:, :, 1:3].isneginf().all()
+
+
+def test_the_ring_skips_exactly_the_blocks_no_row_sees():
+    """`_sees_any` decides from two ids per sequence on the host what the block's mask says on
+    the device: in every block off the diagonal, at every cp rank and ring step, over documents
+    from one token long to longer than the window."""
+    outcomes = set()
+    for seed, (cp, chunk, eos_share) in enumerate((c, n, e) for c in (2, 3, 4) for n in (1, 3, 5)
+                                                  for e in (0.0, 0.05, 0.3, 0.9)):
+        docs = _documents(2 * cp * chunk, batch=3, seed=seed, eos_share=eos_share)
+        for rank in range(cp):
+            for step in range(1, cp):
+                src = (rank - step) % cp
+                rows, cols, causal = attn._visible(step, src, rank, chunk)
+                mine = shard_sequence(docs.ids, cp, rank)[:, rows]
+                theirs = shard_sequence(docs.ids, cp, src)[:, cols]
+                seen = bool(document_visibility(mine, theirs, causal).any())
+                assert attn._sees_any(docs.host, cp, rank, src) == seen, (cp, chunk, eos_share, rank, step)
+                outcomes.add(seen)
+    assert outcomes == {True, False}
 
 
 def _ring_reference(heads, kv_heads):
@@ -307,4 +329,4 @@ def test_each_source_of_a_blend_keeps_the_eos():
     blend = Batches([(Fraction(1, 2), tokens), (Fraction(1, 2), tokens)], 32, 4, 0, 256, shuffle=False, eos=EOS)
     x, _ = blend.global_batch_at(0)
     for _, part in blend.split():
-        assert part.eos == EOS and torch.equal(part.documents(x, torch.device("cpu")), document_ids(x, EOS))
+        assert part.eos == EOS and torch.equal(part.documents(x, torch.device("cpu")).ids, document_ids(x, EOS))

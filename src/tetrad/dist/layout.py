@@ -71,7 +71,12 @@ class Layout:
         return {name: out[name] for name in DIMS}
 
     def rank_at(self, coords: dict[str, int]) -> int:
-        return int(self.grid()[tuple(coords[d] for d in DIMS)])
+        """The rank at `coords` (the inverse of `coords`; `grid`'s order), in plain arithmetic:
+        point-to-point calls ask it per transfer, where building the grid cost a tensor each."""
+        rank = 0
+        for name, size in zip(DIMS, self.sizes):
+            rank = rank * size + coords[name]
+        return rank
 
     def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
         """Every group spanning `dims` (the other coordinates fixed), each as a sorted rank list."""

@@ -22,22 +22,24 @@ heads repeated to the query heads (`expand_kv`), so fp32 GQA never falls back to
 
 Document masking (`docs`, model/documents.py): the local and all-to-all paths hand SDPA the
 window's additive bias (one tensor per micro-batch that every layer shares, unless the layers
-recompute attention, which then build it from the ids); the ring takes each token's document id over the whole window, [b, S], builds each block's mask
-from the ids of the two ranks' chunks, skips a block no query row of which sees a key, and merges
-a row that sees none of a block's keys as no contribution.
+recompute attention, which then build it from the ids); the ring takes each token's document id
+over the whole window (`Documents`), builds each block's mask from the ids of the two ranks'
+chunks, skips a block no query row of which sees a key (decided from the ids on the host, so no
+layer waits on the device), and merges a row that sees none of a block's keys as no contribution.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tetrad import device as devices
 from tetrad.dist.layout import load_balanced_order, shard_sequence
 from tetrad.model.execution import run_eagerly
-from tetrad.model.documents import additive_bias, document_visibility, window_bias
+from tetrad.model.documents import Documents, additive_bias, document_visibility, window_bias
 from tetrad.model.replay import RingReplay
 
 
@@ -75,14 +77,15 @@ def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
     return Kernel("math", gqa) if cp_algo == "ring" else Kernel("sdpa", False)
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over a whole sequence held by this rank, within documents if `docs`.
 
     q: [b, s, heads, d]; k, v: [b, s, kv_heads, d] (grouped-query when kv_heads < heads); docs:
     the window's document-masking bias, [b, 1, s, s] (documents.window_bias, shared by the
-    layers), or its document ids, [b, s], to build it here. Returns [b, s, heads, d].
+    layers), or its `Documents`, to build it here. Returns [b, s, heads, d].
     """
-    bias = window_bias(docs, q.dtype) if docs is not None and docs.dim() == 2 else docs
+    bias = window_bias(docs.ids, q.dtype) if isinstance(docs, Documents) else docs
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall", masked=bias is not None).expand_kv:
@@ -93,12 +96,12 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: tor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, cp_algo: str = "ring",
-              replay: RingReplay | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+              replay: RingReplay | None = None, docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens (shapes as `local_attention`), context parallel
     over topo's cp group with `cp_algo` ("ring" or "alltoall") when cp > 1. `replay`: the
     layer's RingReplay, which a per-op recompute opens. `docs`: document masking's input: the
-    window's document ids, [b, seq_len] (not this rank's shard), or for the local and all-to-all
-    paths the window's bias built from them (model/documents.py)."""
+    window's `Documents` (the whole window's, not this rank's shard), or for the local and
+    all-to-all paths the window's bias built from them (model/documents.py)."""
     if topo.size("cp") == 1:
         return local_attention(q, k, v, docs)
     if cp_algo == "ring":
@@ -107,7 +110,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, cp_algo: 
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
-                   replay: RingReplay | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+                   replay: RingReplay | None = None, docs: Documents | None = None) -> torch.Tensor:
     """`_RingAttention` on the kernel this device and dtype take (shapes as `attention`)."""
     kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
                            devices.prefers_cudnn_attention(q.device), masked=docs is not None)
@@ -215,24 +218,35 @@ def _visible(step: int, src: int, rank: int, half: int):
     return slice(half, None), slice(None), False
 
 
-def _ring_steps(docs: torch.Tensor | None, cp: int, rank: int, half: int) -> list:
+def _ring_steps(docs: Documents | None, cp: int, rank: int, half: int) -> list:
     """Each ring step's (rows, cols, causal, visible): `_visible`'s block and, under document
     masking, its mask with causality folded in (`causal` then False), from the ids of my chunks
     and the source's (every rank holds the whole window's). A masked block no row of which sees
-    a key is None: the ring passes it on without computing (one host sync decides them all)."""
+    a key is None: the ring passes it on without computing (`_sees_any`, decided on the host)."""
     steps = []
     for step in range(cp):
         src = (rank - step) % cp
         rows, cols, causal = _visible(step, src, rank, half)
         if docs is None:
             steps.append((rows, cols, causal, None))
-        else:
-            mine, theirs = shard_sequence(docs, cp, rank)[:, rows], shard_sequence(docs, cp, src)[:, cols]
+        elif step == 0 or _sees_any(docs.host, cp, rank, src):
+            mine, theirs = shard_sequence(docs.ids, cp, rank)[:, rows], shard_sequence(docs.ids, cp, src)[:, cols]
             steps.append((rows, cols, False, document_visibility(mine, theirs, causal)))
-    if docs is None:
-        return steps
-    live = torch.stack([visible.any() for *_, visible in steps]).tolist()
-    return [block if alive else None for block, alive in zip(steps, live)]
+        else:
+            steps.append(None)
+    return steps
+
+
+def _sees_any(host_ids: np.ndarray, cp: int, rank: int, src: int) -> bool:
+    """Whether any query row of mine sees a key of `src`'s block, off the diagonal (src != rank),
+    from the window's document ids on the host [b, S]. There every key of the block comes before
+    every query row (`_visible`), and ids never decrease along a row, so some row sees some key
+    exactly when, in some sequence, the block's last key and its first query row share a document
+    (the keys end with src's first chunk if src < rank, else its second; the rows start likewise)."""
+    chunk = host_ids.shape[1] // (2 * cp)
+    last_key = src if src < rank else 2 * cp - 1 - src
+    first_query = rank if src < rank else 2 * cp - 1 - rank
+    return bool((host_ids[:, (last_key + 1) * chunk - 1] == host_ids[:, first_query * chunk]).any())
 
 
 def _pass_on(tensor: torch.Tensor, topo):
@@ -272,7 +286,7 @@ def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.view(b, h // groups, groups, s, d).sum(2) if groups > 1 else x
 
 
-def _ring_forward(q, k, v, topo, kernel: Kernel, docs: torch.Tensor | None):
+def _ring_forward(q, k, v, topo, kernel: Kernel, docs: Documents | None):
     """The merged (output, fp32 log-sum-exp) of q over every rank's K/V, passed around the ring."""
     cp, rank = topo.size("cp"), topo.local_rank("cp")
     half, groups = q.shape[2] // 2, _expansion(q, k, kernel)
@@ -299,7 +313,7 @@ class _RingAttention(torch.autograd.Function):
     this rank's two chunks. Its backward is a second ring, not autograd through the first."""
 
     @staticmethod
-    def forward(ctx, q, k, v, topo, kernel: Kernel, replay: RingReplay | None, docs: torch.Tensor | None):
+    def forward(ctx, q, k, v, topo, kernel: Kernel, replay: RingReplay | None, docs: Documents | None):
         args = (q, k, v, topo, kernel, docs)
         out, lse = replay.run(_ring_forward, *args) if replay is not None else _ring_forward(*args)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -373,7 +387,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
-                       docs: torch.Tensor | None = None) -> torch.Tensor:
+                       docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
     """Ulysses: every rank attends over the whole sequence for heads/cp of its heads. The
     gathered sequence is put in true-position order so the causal kernel (and the window's
     document masking, `docs` as local_attention takes it) apply, then back."""

@@ -1,10 +1,38 @@
 """Document masking's inputs to attention (train.document_mask): a query sees only earlier keys
 of its own document. A micro-batch carries each token's document id over the whole window, [b, S]
-(train/batches.py), the same on every rank and pipeline stage, so no rank needs another's."""
+(`Documents`, from train/batches.py), the same on every rank and pipeline stage, so no rank needs
+another's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
+
+
+def document_ids(inputs: torch.Tensor, eos: int) -> torch.Tensor:
+    """Each token's document within its window ([b, s] -> [b, s]): how many EOS tokens come
+    before it, so an EOS belongs to the document it ends and the token after it starts the next.
+    Ids never decrease along a row."""
+    ends = (inputs == eos).long()
+    return ends.cumsum(1) - ends
+
+
+@dataclass(frozen=True)
+class Documents:
+    """A micro-batch's document ids over the whole window, [b, S]: on the device for the masks
+    (`ids`) and on the host (`host`, the same ids) for the decisions that depend on their values,
+    which read from the device would stall the host once per layer on GPUs (the ring's skipped
+    blocks, model/attention.py)."""
+    ids: torch.Tensor
+    host: np.ndarray
+
+    @classmethod
+    def of_windows(cls, inputs: torch.Tensor, eos: int, device: torch.device) -> "Documents":
+        """The documents of host-side windows `inputs` [b, S] that `eos` ends."""
+        ids = document_ids(inputs, eos)
+        return cls(ids.to(device), ids.numpy())
 
 
 def document_visibility(docs_q: torch.Tensor, docs_k: torch.Tensor, causal: bool) -> torch.Tensor:

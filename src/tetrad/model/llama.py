@@ -25,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from tetrad.config import ModelConfig
 from tetrad.model.attention import attention
-from tetrad.model.documents import window_bias
+from tetrad.model.documents import Documents, window_bias
 from tetrad.model.replay import RingReplay
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
@@ -119,9 +119,9 @@ class Attention(nn.Module):
         self.ring_replay = RingReplay()  # per-op recompute under ring cp (model/replay.py)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: LayerCache | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
         """`cache` (decoding): x holds the newest tokens only; their keys and values join the cache.
-        `docs`: the window's document ids, for document masking (model/attention.py)."""
+        `docs`: the window's `Documents` or their shared bias, for document masking (model/attention.py)."""
         # q, k, v share one input collective; under SP x is a sequence chunk, q/k/v the whole sequence.
         q, k, v = column_parallel_linears(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.topo, self.ex)
         b, s, _ = q.shape
@@ -209,12 +209,12 @@ class Block(nn.Module):
         self.recompute = "none"  # "full" or "selective-op": the block runs under a checkpoint
         self.compiled_body = None  # torch.compile's version of `body`, when compiling
 
-    def body(self, x: torch.Tensor, rope, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def body(self, x: torch.Tensor, rope, docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), rope, docs=docs))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
     def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None,
-                docs: torch.Tensor | None = None) -> torch.Tensor:
+                docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
         if cache is not None:  # decoding: no recompute, no compile
             x = x + self.attn(self.attn_norm(x), rope, cache)
             return x + self.mlp(self.mlp_norm(x))
@@ -316,14 +316,14 @@ class Transformer(nn.Module):
         return whole and all(b.recompute == "none" and not b.attn.recompute_core for b in self.layers.values())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: dict[str, LayerCache] | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+                cache: dict[str, LayerCache] | None = None, docs: Documents | None = None) -> torch.Tensor:
         """x: tokens [b, s] on the first chunk, else hidden states [b, s, d]; positions: [s], each
         token's true position. On the last chunk returns the summed token loss (labels given)
         or this rank's vocabulary slice of the logits; otherwise the hidden states. `cache`
         (decoding, one process): per layer name, the keys and values of the earlier tokens; x
         then holds only the new tokens, at `positions`, and the cache grows by them. `docs`
-        (document masking): the document id of every token of the whole window, [b, seq_len],
-        on every rank and stage (not sharded: attention derives each rank's part), or the
+        (document masking): the `Documents` of the whole window, [b, seq_len], on every rank and
+        stage (not sharded: attention derives each rank's part), or the
         window's bias built here once for the chunk's layers (`_shares_document_bias`)."""
         if self.first:
             h = self.embed(x)
@@ -333,7 +333,7 @@ class Transformer(nn.Module):
             h = x
         rope = self.rope(positions) if self.cfg.pos == "rope" else None
         if docs is not None and self._shares_document_bias():
-            docs = window_bias(docs, h.dtype)  # once for all the chunk's layers
+            docs = window_bias(docs.ids, h.dtype)  # once for all the chunk's layers
         for name, block in self.layers.items():
             h = block(h, rope, docs=docs) if cache is None else block(h, rope, cache.setdefault(name, LayerCache()))
         if not self.last:

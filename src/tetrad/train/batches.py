@@ -30,6 +30,7 @@ from tetrad.data.blend import blend_parts
 from tetrad.data.packing import ExamplePacks, fewest_tokens
 from tetrad.data.shards import end_of_document
 from tetrad.data.sources import TokenStream, load_blend
+from tetrad.model.documents import Documents
 from tetrad.model.layers import IGNORED_LABEL
 
 MASK64 = (1 << 64) - 1
@@ -171,13 +172,6 @@ def blend_counts(total: int, weights: list[Fraction]) -> list[int]:
     return blend_counts(first, weights[:mid]) + blend_counts(total - first, weights[mid:])
 
 
-def document_ids(inputs: torch.Tensor, eos: int) -> torch.Tensor:
-    """Each token's document within its window ([b, s] -> [b, s]): how many EOS tokens come
-    before it, so an EOS belongs to the document it ends and the token after it starts the next."""
-    ends = (inputs == eos).long()
-    return ends.cumsum(1) - ends
-
-
 class Batches:
     """A run's global batches from one source or a weighted blend of several (Megatron-LM's
     blend: each source keeps its own epochs; a small source with a large weight repeats sooner).
@@ -267,11 +261,11 @@ class Batches:
         return [(weight, Batches([(1, w.tokens)], self.seq_len, self.global_batch, w.seed, self.vocab_size,
                                  w.shuffle, eos=self.eos)) for weight, w in zip(self.weights, self.windows)]
 
-    def documents(self, inputs: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-        """The document ids of these whole windows on `device`, or None without document masking.
+    def documents(self, inputs: torch.Tensor, device: torch.device) -> Documents | None:
+        """The documents of these whole windows (host-side), or None without document masking.
         Every rank (every pipeline stage, every cp rank) derives them from the same rows: no
         communication."""
-        return None if self.eos is None else document_ids(inputs, self.eos).to(device)
+        return None if self.eos is None else Documents.of_windows(inputs, self.eos, device)
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows(step, 0, self.size(step))

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from tetrad.config import Config
+from tetrad.model.documents import Documents
 from tetrad.model.execution import Execution
 from tetrad.model.llama import Transformer
 from tetrad.parallel.pipeline.split import layer_split, rank_stages
@@ -69,7 +70,7 @@ class PipelineStages(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
-                chunk: int = 0, docs: torch.Tensor | None = None) -> torch.Tensor:
+                chunk: int = 0, docs: Documents | None = None) -> torch.Tensor:
         """Run local chunk `chunk` (see Transformer.forward for what goes in and out)."""
         return self.chunks[chunk](x, positions, labels, docs=docs)
 

@@ -1,0 +1,54 @@
+"""No host syncs inside a training step's forward and backward (tests/host_reads.py): on a GPU
+each read of a tensor's value from the host waits for the device, and one per layer or per
+micro-batch leaves the device idle while the host catches up. The step reads its results once,
+after the backward (the loss and gradient norm, train/trainer.py); nothing before that may."""
+
+import pytest
+import torch
+
+from conftest import doc_shards, run_ranks, tiny_config
+from host_reads import HostReads
+from tetrad.train.trainer import Trainer
+
+LAYOUTS = {  # name -> (parallel, train, model), every one under document masking
+    "dp2-zero3-selective": ({"dp": 2, "zero": 3}, {"recompute": "selective"}, {}),
+    "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}, {}),
+    "cp2-ring-selective-op": ({"cp": 2, "cp_algo": "ring"}, {"recompute": "selective-op"}, {}),
+    "cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}, {}),
+    "pp2-1f1b": ({"pp": 2, "schedule": "1f1b"}, {}, {}),
+    "pp2-zb": ({"pp": 2, "schedule": "zb"}, {}, {}),
+    "pp2-vpp2-interleaved-full": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"recompute": "full"},
+                                  {"n_layers": 4}),
+}
+
+
+class _CountingTrainer(Trainer):
+    """The Trainer, with the reads each step's pipeline run makes (forward and backward of every
+    micro-batch) recorded in `reads`. The micro-batches are cut beforehand, as forward_backward
+    does: that is host work on host tensors (the data), which the double cannot tell apart."""
+
+    def forward_backward(self, microbatches, loss_tokens: int, grad_scale: float = 1.0) -> torch.Tensor:
+        local, positions = self._sequence_shards(microbatches)
+        self.pipeline = self.pipelines(len(microbatches))
+        with HostReads() as counted:
+            loss = self.pipeline.run(local, positions, grad_scale / loss_tokens)
+        self.reads = getattr(self, "reads", []) + counted.reads
+        return loss
+
+
+def _reads(parallel: dict, train: dict, model: dict) -> list[str]:
+    cfg = tiny_config(parallel=parallel, model=model, data={"source": doc_shards()},
+                      train={"document_mask": True, "steps": 2, **train})
+    trainer = _CountingTrainer(cfg, torch.device("cpu"))
+    trainer.fit()
+    return trainer.reads
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_step_reads_nothing_from_the_device_before_its_results(name):
+    """Before Documents kept the ids on the host, the ring read which of its blocks a document
+    mask leaves empty from the device: one sync per layer, forward and backward (4 per micro-batch
+    on this model), and every pipeline transfer read its peer's rank from a tensor."""
+    for reads in run_ranks(_reads, 2, *LAYOUTS[name]):
+        assert reads == [], reads

@@ -117,6 +117,8 @@ def draw(seed: int, extended: bool = False) -> dict:
         train["batch_rampup"] = [rows * fewest, rows, rng.choice([1, 2]) * rows * fewest]
     if extended and rng.random() < 0.15:  # supervised fine-tuning data: a loss mask (its index names the EOS too)
         data["source"], model["vocab_size"] = sft_shards(), 256
+    if extended and rng.random() < 0.15:  # Qwen2's biases on the q, k and v projections
+        model["qkv_bias"] = True
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 

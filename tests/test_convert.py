@@ -35,7 +35,8 @@ def logits(trainer: Trainer) -> torch.Tensor:
 
 
 def hf_logits(hf_dir: Path) -> torch.Tensor:
-    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    """The logits of the model transformers itself builds from the folder's config.json."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     with torch.no_grad():
         return hf(TOKENS).logits
 
@@ -55,12 +56,15 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
                                             ({"dp": 2}, {"vocab_size": 251, "tie_embeddings": True}),
                                             ({"dp": 2, "tp": 2, "zero": 3}, {"vocab_size": 251}),
                                             ({"pp": 2, "tp": 2, "zero": 1}, {"vocab_size": 251}),
-                                            ({"dp": 2}, {"vocab_size": 251, **LLAMA31_ROPE})])
+                                            ({"dp": 2}, {"vocab_size": 251, **LLAMA31_ROPE}),
+                                            ({"tp": 2, "sequence_parallel": True}, {"vocab_size": 251, "qkv_bias": True})])
 def test_checkpoint_to_hf_and_back(tmp_path, parallel, model):
     cfg = tiny_config(parallel=parallel, model=model, train={"steps": 2, "micro_batch": 1}, checkpoint={"every": 2})
     train_layout(cfg)
     root = Path(cfg.run.dir) / "checkpoints"
     assert main(["convert", str(root), "--to-hf", str(tmp_path / "hf")]) == 0
+    architecture = "Qwen2ForCausalLM" if model.get("qkv_bias") else "LlamaForCausalLM"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
     ours = load_single(root / "step_00000002", model)
     torch.testing.assert_close(logits(ours), hf_logits(tmp_path / "hf"), **TOL)
 
@@ -93,6 +97,49 @@ def test_hf_model_to_tetrad(tmp_path, rope):
     with torch.no_grad():
         ours = single_process_model(cfg.model, state)(TOKENS, torch.arange(TOKENS.shape[1]))
     torch.testing.assert_close(ours, hf_logits(tmp_path / "hf"), **TOL)
+
+
+def test_hf_qwen2_model_to_tetrad(tmp_path):
+    """A Qwen2 folder written by transformers (Llama with q, k and v biases; biases given values
+    here, as training gives them) loads with model.qkv_bias and gives transformers' logits."""
+    hf_cfg = transformers.Qwen2Config(vocab_size=251, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                                      use_sliding_window=False)
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(hf_cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    from tetrad.train.convert import read_weights
+    from tetrad.train.generate import single_process_model
+    cfg, state = read_weights(tmp_path / "ckpt")
+    assert cfg.model.qkv_bias and cfg.model.tie_embeddings and cfg.model.norm_eps == 1e-6
+    with torch.no_grad():
+        ours = single_process_model(cfg.model, state)(TOKENS, torch.arange(TOKENS.shape[1]))
+    torch.testing.assert_close(ours, hf_logits(tmp_path / "hf"), **TOL)
+
+
+def test_attention_that_tetrad_lacks_is_refused_by_name():
+    """A sliding window shorter than the context (Mistral 7B v0.1's 4096), Llama's output
+    projection bias, and a Qwen2 that uses its sliding window: each would be another model."""
+    from tetrad.config import ConfigError
+    from tetrad.train.convert import model_config_from_hf
+    base = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+            "vocab_size": 251, "max_position_embeddings": 32768}
+    refused = [({"model_type": "mistral", "sliding_window": 4096}, "'sliding_window': 4096"),
+               ({"model_type": "llama", "attention_bias": True}, "'attention_bias': True"),
+               ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "'sliding_window': 4096")]
+    for keys, named in refused:
+        with pytest.raises(ConfigError, match=f"tetrad's Llama has no {{{named}"):
+            model_config_from_hf({**base, **keys}, Path("config.json"))
+    # Windows that cover the whole context, or that the config switches off, change nothing.
+    for keys in ({"model_type": "mistral", "sliding_window": None}, {"model_type": "mistral", "sliding_window": 32768},
+                 {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096}):
+        assert model_config_from_hf({**base, **keys}, Path("config.json"))["qkv_bias"] == (keys["model_type"] == "qwen2")
 
 
 def test_rope_read_from_either_transformers_config_form():

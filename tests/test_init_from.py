@@ -31,7 +31,7 @@ def config(tmp_path, name, **sections):
 
 
 def hf_loss(hf_dir: Path, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     with torch.no_grad():
         logits = hf(inputs).logits
     return float(F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
@@ -69,6 +69,28 @@ def test_hf_llama_fine_tunes_from_its_weights_under_parallel_layouts(tmp_path, c
     assert main(["train", f"--checkpoint.init_from={tmp_path / 'ckpt'}", "--model.n_layers=3",
                  f"--run.dir={tmp_path / 'bad'}"]) == 2
     assert "n_layers=2 there, 3 here" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+def test_hf_qwen2_fine_tunes_from_its_folder_under_tp(tmp_path):
+    """Qwen2 (q, k and v biases, given values here) straight from its HF folder: the first
+    step's loss is transformers' on the same batch, under tp2 with SP (the biases split)."""
+    hf_cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                      use_sliding_window=False)
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(hf_cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    cfg = config(tmp_path, "run", parallel={"tp": 2, "sequence_parallel": True},
+                 checkpoint={"init_from": str(tmp_path / "hf")}, model={"seq_len": 32})
+    assert cfg.model.qkv_bias
+    losses, _, _ = train_layout(cfg)
+    inputs, labels = split_batches(cfg)[0].global_batch_at(0)
+    assert losses[0] == pytest.approx(hf_loss(tmp_path / "hf", inputs, labels), rel=1e-5)
 
 
 @pytest.mark.dist

@@ -1,4 +1,5 @@
-"""Model numerics against an implementation nobody here wrote: HF transformers' LlamaForCausalLM."""
+"""Model numerics against an implementation nobody here wrote: HF transformers' LlamaForCausalLM
+(and Qwen2ForCausalLM, Llama with q, k and v biases)."""
 
 import pytest
 import torch
@@ -11,14 +12,17 @@ from tetrad.dist.topology import Topology
 transformers = pytest.importorskip("transformers")
 
 
-def hf_model_from(model: Transformer, cfg) -> "transformers.LlamaForCausalLM":
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-        attn_implementation="eager")
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+def hf_model_from(model: Transformer, cfg) -> "transformers.LlamaForCausalLM | transformers.Qwen2ForCausalLM":
+    """transformers' own model holding `model`'s weights: Qwen2's where the model has q, k and v
+    biases, else Llama's."""
+    shape = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+                 num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+                 max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+                 tie_word_embeddings=cfg.tie_embeddings, attn_implementation="eager")
+    if cfg.qkv_bias:
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape, use_sliding_window=False)).eval()
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, attention_bias=False, mlp_bias=False)).eval()
     ours = dict(model.named_parameters())
     state = {"model.embed_tokens.weight": ours["embed.weight"], "model.norm.weight": ours["norm.weight"]}
     if not cfg.tie_embeddings:
@@ -28,7 +32,9 @@ def hf_model_from(model: Transformer, cfg) -> "transformers.LlamaForCausalLM":
              "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
     for i in range(cfg.n_layers):
         for ours_name, hf_name in names.items():
-            state[f"model.layers.{i}.{hf_name}.weight"] = ours[f"layers.{i}.{ours_name}.weight"]
+            for leaf in ("weight", "bias"):
+                if f"layers.{i}.{ours_name}.{leaf}" in ours:
+                    state[f"model.layers.{i}.{hf_name}.{leaf}"] = ours[f"layers.{i}.{ours_name}.{leaf}"]
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in m or (cfg.tie_embeddings and m == "lm_head.weight") for m in missing)
     if cfg.tie_embeddings:
@@ -36,12 +42,17 @@ def hf_model_from(model: Transformer, cfg) -> "transformers.LlamaForCausalLM":
     return hf
 
 
-@pytest.mark.parametrize("kv_heads,tied", [(2, False), (4, True)])
-def test_logits_match_hf_llama(kv_heads, tied):
+@pytest.mark.parametrize("kv_heads,tied,qkv_bias", [(2, False, False), (4, True, False), (2, False, True),
+                                                    (2, True, True)])
+def test_logits_match_hf_llama_and_qwen2(kv_heads, tied, qkv_bias):
     cfg = load_config(overrides={"model": {"n_kv_heads": kv_heads, "tie_embeddings": tied, "n_layers": 2,
-                                           "rope_theta": 10000.0, "seq_len": 32}}).model
+                                           "rope_theta": 10000.0, "seq_len": 32, "qkv_bias": qkv_bias}}).model
     model = Transformer(cfg, Topology.single())
     init_parameters(model, seed=3)
+    with torch.no_grad():  # biases start at zero: give them values, so that a misplaced one shows
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
     hf = hf_model_from(model, cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -30,7 +30,10 @@ LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}
            # zero-bubble's BI makes the gradients of a bucket of no linear (embedding and learned
            # positions): reduced once a micro-batch, not once per gradient (fuzz_estimate 4542)
            ({"pp": 2, "dp": 2, "zero": 3, "schedule": "zb"}, {"micro_batch": 1}, {"norm": "layernorm", "mlp": "gelu",
-                                                                                  "pos": "learned"})]
+                                                                                  "pos": "learned"}),
+           # q, k and v biases: split over tp, reduced over dp, gathered by ZeRO-3 like the weights
+           ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}, {"qkv_bias": True}),
+           ({"dp": 2, "zero": 3}, {}, {"qkv_bias": True})]
 
 
 def _name(parallel: dict) -> str:

@@ -59,6 +59,9 @@ class ModelConfig:
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     pos: Literal["rope", "learned"] = "rope"
     tie_embeddings: bool = False
+    # Biases on the q, k and v projections, as Qwen2 / Qwen2.5 have (HF's Llama `attention_bias`
+    # puts one on the output projection too, which tetrad has not).
+    qkv_bias: bool = False
     rope_theta: float = 10000.0
     # Llama 3.1's RoPE frequency scaling, as HF's config.json holds it (model/llama.py
     # rope_frequencies): {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0,

@@ -26,6 +26,17 @@ def layer_matrix_params(m: ModelConfig) -> int:
     return attn + m.d_model * m.ffn_hidden * (3 if m.mlp == "swiglu" else 2)
 
 
+def layer_bias_params(m: ModelConfig) -> int:
+    """Biases of one layer's q, k and v projections (split over tp, as their weights are)."""
+    return (m.n_heads + 2 * m.n_kv_heads) * m.head_dim if m.qkv_bias else 0
+
+
+def layer_params(m: ModelConfig, tp: int) -> float:
+    """Parameters of one layer on a tp rank: its share of the linears' weights and biases, and
+    the norms, which every rank holds whole."""
+    return (layer_matrix_params(m) + layer_bias_params(m)) / tp + layer_norm_params(m)
+
+
 def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, bool]]:
     """One layer's matmuls in the order its forward runs them, as (input width, output width,
     row-parallel): q, k, v, the output projection, then gate, up and down (SwiGLU) or fc1 and fc2.
@@ -89,7 +100,7 @@ def head_params(m: ModelConfig, separate: bool) -> int:
 
 
 def parameter_count(m: ModelConfig) -> int:
-    return (m.n_layers * (layer_matrix_params(m) + layer_norm_params(m)) + embedding_params(m)
+    return (m.n_layers * layer_params(m, 1) + embedding_params(m)
             + head_params(m, separate=not m.tie_embeddings))
 
 

@@ -19,18 +19,25 @@ IGNORED_LABEL = -100  # a label the loss leaves out (torch's cross_entropy defau
 # ----------------------------------------------------------------------------- modules
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T, W split by output rows; the output stays split over tp."""
+    """y_local = x W_local^T (+ b_local), W and the bias split by output rows; the output stays
+    split over tp. The bias (Qwen2's q, k and v projections) starts at zero."""
 
     def __init__(self, in_features: int, out_features: int, topo, ex: Execution, *, std: float = 0.02,
-                 pad_to: int | None = None, grad_in_bi: bool = False):
+                 pad_to: int | None = None, grad_in_bi: bool = False, bias: bool = False):
         super().__init__()
         self.topo, self.ex = topo, ex
         self.grad_in_bi = grad_in_bi  # a split backward makes its weight gradient in BI, not BW
         self.weight = new_param((out_features, in_features), shard_dim=0, parts=topo.tp_size,
                                 index=topo.tp_rank, pad_to=pad_to, std=std)
+        self.bias = new_param((out_features,), shard_dim=0, parts=topo.tp_size, index=topo.tp_rank,
+                              pad_to=pad_to, init="zeros") if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight, self.topo, self.ex, self.grad_in_bi)
+        return self.add_bias(column_parallel_linear(x, self.weight, self.topo, self.ex, self.grad_in_bi))
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        """y + the bias, where there is one (a fused input collective gives the product alone)."""
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(nn.Module):

@@ -111,9 +111,9 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         self.heads = cfg.n_heads // topo.tp_size
         self.kv_heads = cfg.n_kv_heads // topo.tp_size
-        self.wq = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, topo, ex)
-        self.wk = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo, ex)
-        self.wv = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo, ex)
+        self.wq = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, topo, ex, bias=cfg.qkv_bias)
+        self.wk = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo, ex, bias=cfg.qkv_bias)
+        self.wv = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo, ex, bias=cfg.qkv_bias)
         self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, topo, ex, std=out_std)
         self.recompute_core = False  # selective recompute (see `core`)
         self.ring_replay = RingReplay()  # per-op recompute under ring cp (model/replay.py)
@@ -124,6 +124,7 @@ class Attention(nn.Module):
         `docs`: the window's `Documents` or their shared bias, for document masking (model/attention.py)."""
         # q, k, v share one input collective; under SP x is a sequence chunk, q/k/v the whole sequence.
         q, k, v = column_parallel_linears(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.topo, self.ex)
+        q, k, v = self.wq.add_bias(q), self.wk.add_bias(k), self.wv.add_bias(v)
         b, s, _ = q.shape
         hd = self.cfg.head_dim
         q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.kv_heads, hd), v.view(b, s, self.kv_heads, hd)

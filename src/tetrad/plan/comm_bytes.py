@@ -117,7 +117,7 @@ def _dp_bytes(cfg: Config) -> float:
     elif p.zero == 2:
         grads = params * (micro * 4 + w)
     else:
-        block = rank_layers(cfg)[0] * (flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m))
+        block = rank_layers(cfg)[0] * flops.layer_params(m, p.tp)
         grads = micro * 2 * block * w + (params - block) * w + micro * params * 4
     return grads + STEP_SUMS
 

@@ -69,7 +69,7 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     # under FSDP's ZeRO-3, which reduce-scatters every micro-batch and accumulates only its shard.
     fsdp = p.zero == 3 and stack.zero3_impl != "buckets"
     if not stack.fused_grad_accumulation and cfg.microbatches > 1 and not fsdp:
-        params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+        params = flops.layer_params(m, p.tp)
         compute_bw += params * 12 / cluster.gpu.hbm_bytes_per_s  # fp32 accumulator: read it and the new gradient, write it
     e = activation_bytes(t.dtype)
     tp_f, tp_b = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
@@ -239,7 +239,7 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
     if p.zero < 3 or n == 1:
         return 0.0, 0.0
     alpha, bw = group_link(cluster, p.tp, n)
-    params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+    params = flops.layer_params(m, p.tp)
     gather = ring_time("all_gather", params * state_bytes_per_param(t.dtype)[0], n, alpha, bw)
     scatter = ring_time("reduce_scatter", params * 4, n, alpha, bw)
     gpu = cluster.gpu
@@ -264,7 +264,7 @@ def _zero3_copies(cfg: Config, gpu: GPU, stack: Stack) -> tuple[float, float, fl
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.zero < 3 or p.dp * p.cp == 1 or stack.zero3_impl == "buckets":
         return 0.0, 0.0, 0.0
-    params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+    params = flops.layer_params(m, p.tp)
     e, r = state_bytes_per_param(t.dtype)[0], stack.grad_reduce_bytes
     per_byte = params / gpu.hbm_bytes_per_s
     if stack.zero3_impl == "fsdp1":

@@ -158,7 +158,7 @@ def rank_params(cfg: Config) -> list[float]:
     their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
     the head on the last (its own head unless tied on a single stage), both padded to tp rows."""
     m, p = cfg.model, cfg.parallel
-    per_layer = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+    per_layer = flops.layer_params(m, p.tp)
     params = [n * per_layer for n in rank_layers(cfg)]
     params[0] += vocab_shard(m, p.tp) * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
     separate = not m.tie_embeddings or p.pp * p.vpp > 1
@@ -288,7 +288,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     params = rank_params(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
-    layer_params = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+    layer_params = flops.layer_params(m, p.tp)
     for r, layers in enumerate(rank_layers(cfg)):
         weights, grads, optimizer = model_state_bytes(params[r], p.zero, p.dp * p.cp, per_param)
         if t.offload_optimizer:  # on the host (host_memory_by_rank)
@@ -328,7 +328,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float, rank
     if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket
         out += 4 * params
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)
-        layer = flops.layer_matrix_params(m) / p.tp + flops.layer_norm_params(m)
+        layer = flops.layer_params(m, p.tp)
         out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)
     if p.tp > 1 and p.sequence_parallel and not stack.sp_saves_gathered_input:  # gathered again in backward
         out += 2 * hidden

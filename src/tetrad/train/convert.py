@@ -1,4 +1,5 @@
-"""`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors (`LlamaForCausalLM` layout).
+"""`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors (`LlamaForCausalLM` layout, or
+`Qwen2ForCausalLM`'s, which is Llama's with biases on the q, k and v projections: model.qkv_bias).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming. Reading HF weights goes through
@@ -124,14 +125,21 @@ def to_hf(checkpoint: Path, out: Path) -> None:
     tokenizer, source = run_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
     write_hf_tokenizer(tokenizer, out, m.seq_len, template_beside(source) if source else None)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    hf_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+    hf_config = {**_hf_architecture(m), "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
                  "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
                  "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-                 "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-                 "mlp_bias": False, "torch_dtype": dtype, **_hf_rope_scaling(m.rope_scaling),
+                 "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "torch_dtype": dtype, **_hf_rope_scaling(m.rope_scaling),
                  **_special_token_ids(tokenizer)}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+def _hf_architecture(m) -> dict:
+    """config.json's architecture keys: Qwen2's for q, k and v biases (transformers' Llama would
+    put one on the output projection too), else Llama's."""
+    if m.qkv_bias:
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False}
 
 
 def _special_token_ids(tokenizer) -> dict:
@@ -186,9 +194,15 @@ def _rope_from_hf(hf: dict) -> tuple[float, dict]:
 
 
 def model_config_from_hf(hf: dict, source: Path) -> dict:
-    """[model] keys of an HF Llama config.json; refuse what tetrad's model cannot represent."""
+    """[model] keys of an HF Llama (or Mistral, or Qwen2) config.json; refuse what tetrad's model
+    cannot represent. Qwen2 is Llama with q, k and v biases, whatever its config says (it has no
+    key for them)."""
     theta, scaling = _rope_from_hf(hf)
+    qwen2 = hf.get("model_type") == "qwen2"
     unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias") if hf.get(k)}
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", not qwen2) else None
+    if window is not None and window < hf.get("max_position_embeddings", 2048):
+        unsupported["sliding_window"] = window
     if scaling and scaling.get("rope_type") != "llama3":
         unsupported["rope_scaling"] = scaling
     if hf.get("hidden_act", "silu") != "silu":
@@ -201,7 +215,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "n_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
             "ffn_hidden": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
             "seq_len": hf.get("max_position_embeddings", 2048), "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope",
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "rope_theta": theta,
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": qwen2, "rope_theta": theta,
             "rope_scaling": scaling, "norm_eps": float(hf.get("rms_norm_eps", 1e-5))}
 
 
@@ -254,7 +268,8 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
 
 def convert_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tetrad convert", description="Convert between tetrad checkpoints and "
-                                     "Hugging Face safetensors (LlamaForCausalLM), on one CPU process.")
+                                     "Hugging Face safetensors (LlamaForCausalLM, or Qwen2ForCausalLM for "
+                                     "model.qkv_bias), on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)

@@ -205,3 +205,20 @@ def _scratch_tmpdir():
         else:
             os.environ["TMPDIR"] = old
         tempfile.tempdir = None
+
+
+def write_hf_qwen2(folder: Path, **shape) -> None:
+    """A Qwen2 folder as transformers writes it (2 layers, d_model 64, GQA 4:2, no sliding
+    window; `shape` overrides Qwen2Config's keys), its q, k and v biases given values: Qwen2
+    starts them at zero, where a misplaced bias would not show."""
+    import transformers
+    cfg = transformers.Qwen2Config(**{"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                      "use_sliding_window": False, **shape})
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder, safe_serialization=True)

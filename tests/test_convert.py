@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config, train_layout
+from conftest import tiny_config, train_layout, write_hf_qwen2
 from tetrad.cli import main
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.trainer import Trainer
@@ -102,17 +102,8 @@ def test_hf_model_to_tetrad(tmp_path, rope):
 def test_hf_qwen2_model_to_tetrad(tmp_path):
     """A Qwen2 folder written by transformers (Llama with q, k and v biases; biases given values
     here, as training gives them) loads with model.qkv_bias and gives transformers' logits."""
-    hf_cfg = transformers.Qwen2Config(vocab_size=251, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
-                                      use_sliding_window=False)
-    torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(hf_cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    write_hf_qwen2(tmp_path / "hf", vocab_size=251, max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=1e6,
+                   tie_word_embeddings=True)
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
     from tetrad.train.convert import read_weights
     from tetrad.train.generate import single_process_model

@@ -5,6 +5,7 @@ cleanly at an empty line, the input's end or the model's seq_len."""
 
 import io
 import json
+import re
 
 import pytest
 
@@ -97,15 +98,18 @@ def test_generate_chat_without_a_prompt_converses_over_stdin(chat_run, monkeypat
                  "--max-new-tokens", "6"]) == 0
     out, err = capsys.readouterr()
     model, tokenizer, source = load_generator(run)
-    history, answers = [{"role": "system", "content": SYSTEM}], []
+    history, answers, prompted = [{"role": "system", "content": SYSTEM}], [], 0
     for question in QUESTIONS[:2]:
         history.append({"role": "user", "content": question})
         text, ids, _ = reply(model, tokenizer, template_beside(source), history, 6, temperature=0)
         assert ids == _oracle(data / "tokenizer.json", history)
         history.append({"role": "assistant", "content": text})
         answers.append(text)
+        prompted += len(ids)
     assert out == "".join(a + "\n" for a in answers)
-    assert "tetrad generate: answered 2 messages; the KV cache held " in err and "Traceback" not in err
+    held = re.fullmatch(rf"tetrad generate: answered 2 messages; the KV cache held (\d+) of their {prompted} prompt "
+                        r"tokens\n", err)
+    assert held and int(held[1]) > 0  # the second turn read the whole history, the first turn's from the cache
 
 
 class _Terminal(io.StringIO):

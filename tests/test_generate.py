@@ -1,6 +1,6 @@
 """`tetrad generate`: KV-cache decoding gives the full forward's logits, with RoPE tables that
-follow the positions given; a sample's loss by the training forward is the one its decoding
-logits give; a checkpoint trained on `tetrad data` shards decodes with their tokenizer; a run
+follow the positions given, and so does a cache kept from one chat turn to the next; a sample's
+loss by the training forward is the one its decoding logits give; a checkpoint trained on `tetrad data` shards decodes with their tokenizer; a run
 folder names its checkpoints through its config.toml; a missing checkpoint is refused in one line."""
 
 import numpy as np
@@ -14,7 +14,7 @@ from tetrad.model.llama import Transformer
 from tetrad.model.sharding import init_parameters
 from tetrad.dist.topology import Topology
 from tetrad.train.convert import checkpoint_folder
-from tetrad.train.generate import continuation_loss, generate
+from tetrad.train.generate import Cache, continuation_loss, generate
 
 
 def random_model(**model):
@@ -71,6 +71,30 @@ def test_generation_stops_at_seq_len():
     net = random_model()  # seq_len 32
     new, _ = generate(net, list(range(30)), max_new=50, temperature=1.0)
     assert len(new) == 3  # tokens at positions 30, 31 and 32 (read from 32 tokens)
+
+
+def test_a_kept_cache_runs_only_what_a_prompt_adds_and_gives_a_fresh_decodings_logits():
+    """A chat's next turn starts with the last one's prompt and answer: a kept Cache runs only the
+    rest. A prompt that departs from its ids earlier (an answer that tokenizes otherwise once
+    rendered) keeps the common start, none at all, or (the same ids again) all but the last
+    token, whose logits are wanted. Every time the tokens and logits are those of a fresh cache."""
+    net = random_model()  # seq_len 32
+    cache, first = Cache(), list(range(10, 20))
+    new, _ = generate(net, first, max_new=4, temperature=0, cache=cache)
+    assert cache.ids == first + new[:-1]  # the last token drawn is never run
+
+    def turn(prompt, kept):
+        reused = cache.reused
+        ours, ours_logits = generate(net, prompt, max_new=4, temperature=0, cache=cache)
+        assert cache.reused - reused == kept
+        fresh, fresh_logits = generate(net, prompt, max_new=4, temperature=0)
+        assert ours == fresh and cache.ids == prompt + ours[:-1]
+        torch.testing.assert_close(torch.stack(ours_logits), torch.stack(fresh_logits), atol=1e-5, rtol=1e-5)
+    turn(first + new + [5, 6], len(first) + len(new) - 1)
+    turn(first[:6] + [7, 8, 9], 6)
+    turn([1, 2], 0)
+    turn(list(cache.ids), len(cache.ids) - 1)
+    assert cache.prompted == 10 + 16 + 9 + 2 + 5  # the last prompt: [1, 2] and 3 of its 4 new tokens
 
 
 def test_missing_checkpoint_is_refused_in_one_line(tmp_path, capsys):

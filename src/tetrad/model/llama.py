@@ -92,6 +92,11 @@ class LayerCache:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
         return self.k, self.v
 
+    def keep(self, tokens: int) -> None:
+        """Forget all but the first `tokens`: a chat's next turn that reads the same up to there
+        (train/generate.py); each token's keys and values depend on the tokens before it only."""
+        self.k, self.v = self.k[:, :tokens], self.v[:, :tokens]
+
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of the newest q.shape[1] tokens over all k.shape[1] cached ones

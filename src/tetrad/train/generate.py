@@ -2,16 +2,20 @@
 
 The checkpoint (any layout) is read as logical weights into a single-process model; decoding
 runs the prompt once and then one token per step against a KV cache (llama.LayerCache), and
-texts go through the run's tokenizer (data/tokenizer.py: bytes for a run on raw text). The continuation's loss is computed
-by the model's training forward (summed token cross-entropy / tokens), the number a training
-step reports for the same tokens.
+texts go through the run's tokenizer (data/tokenizer.py: bytes for a run on raw text). The
+continuation's loss is computed by the model's training forward (summed token cross-entropy /
+tokens), the number a training step reports for the same tokens. With --chat the model answers
+as the assistant in the run's chat template: one message, or a conversation read from stdin whose
+turns each render the whole history and reuse the last turn's KV cache where it starts the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
+from typing import TextIO
 
 import torch
 from tokenizers import Tokenizer
@@ -19,7 +23,7 @@ from tokenizers import Tokenizer
 from tetrad.config import ModelConfig
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
 from tetrad.data.tokenizer import document_prefix, eos_id, run_tokenizer
-from tetrad.model.llama import Transformer
+from tetrad.model.llama import LayerCache, Transformer
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
 from tetrad.train.convert import checkpoint_folder, read_weights
@@ -47,22 +51,58 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class Cache:
+    """The model's KV cache (llama.LayerCache by layer name) and the ids it holds, kept from one
+    chat turn to the next: a turn's prompt starts with the last one's prompt and answer (the
+    templates tetrad chats in are incremental: data/chat.py), so only what it adds is run."""
+
+    def __init__(self):
+        self.layers: dict[str, LayerCache] = {}
+        self.ids: list[int] = []
+        self.prompted = self.reused = 0  # prompt tokens in all, and those found in the cache
+
+    def reuse(self, prompt: list[int]) -> int:
+        """Keep the keys and values of the longest common start of the cached ids and `prompt`
+        (not the prompt's last token, whose logits are wanted), forget the rest; how many are
+        kept. The start is shorter than the cached ids where the re-rendered answer tokenizes
+        differently (a BPE merge across its end, a template that trims it): those are recomputed."""
+        kept = 0
+        while kept < min(len(self.ids), len(prompt) - 1) and self.ids[kept] == prompt[kept]:
+            kept += 1
+        for layer in self.layers.values():
+            layer.keep(kept)
+        self.ids = self.ids[:kept]
+        self.prompted, self.reused = self.prompted + len(prompt), self.reused + kept
+        return kept
+
+    def feed(self, model: Transformer, ids: list[int]) -> torch.Tensor:
+        """Run `ids` after the cached ones, which they join; the logits after the last."""
+        start = len(self.ids)
+        logits = model(torch.tensor([ids]), torch.arange(start, start + len(ids)), cache=self.layers)[0, -1]
+        self.ids = self.ids + list(ids)
+        return logits
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, stop: frozenset[int] = frozenset()) -> tuple[list[int], list[torch.Tensor]]:
+             top_p: float = 1.0, seed: int = 0, stop: frozenset[int] = frozenset(),
+             cache: Cache | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """The new token ids (at most `max_new`, ending at a `stop` token, e.g. EOS, or at seq_len
-    tokens in all) and the logits each was drawn from."""
+    tokens in all) and the logits each was drawn from. `cache`: an earlier call's (a chat's last
+    turn), reused where `prompt` starts as its ids do; it ends holding the prompt and the new ids
+    but the last (never run)."""
     generator = torch.Generator().manual_seed(seed)
-    cache: dict = {}
-    logits = model(torch.tensor([prompt]), torch.arange(len(prompt)), cache=cache)[0, -1]
+    cache = Cache() if cache is None else cache
+    logits = cache.feed(model, prompt[cache.reuse(prompt):])
     new, drawn_from = [], []
-    for position in range(len(prompt), min(len(prompt) + max_new, model.cfg.seq_len + 1)):
+    end = min(len(prompt) + max_new, model.cfg.seq_len + 1)
+    for position in range(len(prompt), end):
         token = sample(logits, temperature, top_k, top_p, generator)
         new.append(token)
         drawn_from.append(logits)
-        if token in stop or position == model.cfg.seq_len:
+        if token in stop or position + 1 == end:
             break
-        logits = model(torch.tensor([[token]]), torch.tensor([position]), cache=cache)[0, -1]
+        logits = cache.feed(model, [token])
     return new, drawn_from
 
 
@@ -81,10 +121,13 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tetrad generate", description="Sample text from a checkpoint, on one "
                                      "process, with a KV cache and the run's tokenizer.")
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, a checkpoint dir with `latest`, or a run dir")
-    parser.add_argument("--prompt", default="", help="text to continue (default: nothing but the first token); "
-                        "with --chat, the user's message")
-    parser.add_argument("--chat", action="store_true", help="answer --prompt as the assistant, in the chat template "
-                        "the run's data was rendered with (tetrad data --chat-key), and print the answer alone")
+    parser.add_argument("--prompt", metavar="TEXT", help="text to continue (default: nothing but the first token); with --chat, "
+                        "the user's one message")
+    parser.add_argument("--chat", action="store_true", help="answer as the assistant, in the chat template the run's "
+                        "data was rendered with (tetrad data --chat-key), printing the answers alone: to --prompt, or "
+                        "without it to each line of stdin in turn, keeping the conversation, until an empty line, "
+                        "the input's end or the model's seq_len")
+    parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
@@ -93,6 +136,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise ValueError("need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat's system message: pass --chat too")
     if not args.checkpoint.exists():
         raise ValueError(f"no checkpoint at {args.checkpoint}; pass a run folder, its checkpoints/ folder, or one "
                          "of its step_N folders")
@@ -131,19 +176,69 @@ def _stops(tokenizer: Tokenizer, chat: ChatTemplate | None = None) -> frozenset[
     return frozenset(stops | ({turn_end} if turn_end is not None else set()))
 
 
-def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, message: str, max_new: int,
-          temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> tuple[str, list[int], list[int]]:
-    """The assistant's sampled answer to a user's `message`, rendered with the run's chat template
-    (the format its data was: data/chat.py) and its generation prompt; with the prompt's and the
-    answer's ids, as `complete` gives them."""
-    text = Conversations(chat, tokenizer, None).render([{"role": "user", "content": message}], True, "--prompt")
+class ContextFull(ValueError):
+    """A chat's rendered conversation reaches the model's seq_len: a conversation ends there."""
+
+
+def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages: list[dict], max_new: int,
+          temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+          cache: Cache | None = None) -> tuple[str, list[int], list[int]]:
+    """The assistant's sampled answer to `messages` (a conversation ending with the user's turn),
+    rendered with the run's chat template (the format its data was: data/chat.py) and its
+    generation prompt; with the prompt's and the answer's ids, as `complete` gives them.
+    `cache`: the conversation's last turn's (generate)."""
+    text = Conversations(chat, tokenizer, None).render(messages, True, f"message {len(messages)}")
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     if len(ids) >= model.cfg.seq_len:
-        raise ValueError(f"the rendered prompt is {len(ids)} tokens; the model reads at most seq_len="
-                         f"{model.cfg.seq_len}, so use a shorter one")
+        raise ContextFull(f"the rendered conversation is {len(ids)} tokens and the model reads at most seq_len="
+                          f"{model.cfg.seq_len}")
     stops = _stops(tokenizer, chat)
-    new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, stops)
+    new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, stops, cache)
     return tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=False), ids, new
+
+
+class Dialogue:
+    """A chat with the model: the conversation so far and the KV cache of its last turn."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, system: str | None = None):
+        self.model, self.tokenizer, self.chat, self.cache = model, tokenizer, chat, Cache()
+        self.messages = [] if system is None else [{"role": "system", "content": system}]
+        if system is not None:  # a template without the role (Gemma's) refuses it before any turn
+            Conversations(chat, tokenizer, None).render(self.messages + [{"role": "user", "content": "Hi"}], True,
+                                                        "--system")
+
+    def answer(self, message: str, max_new: int, temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
+               seed: int = 0) -> tuple[str, list[int], list[int]]:
+        """`reply` to the user's next `message`; both join the conversation."""
+        asked = self.messages + [{"role": "user", "content": message}]
+        text, ids, new = reply(self.model, self.tokenizer, self.chat, asked, max_new, temperature, top_k, top_p, seed,
+                               self.cache)
+        self.messages = asked + [{"role": "assistant", "content": text}]
+        return text, ids, new
+
+
+def converse(dialogue: Dialogue, sampling: tuple, lines: TextIO) -> int:
+    """Answer each line of `lines` as the user's next message, printing the answers, until an
+    empty line, the input's end or the model's seq_len (said in a line); the number of turns. The
+    prompt marker is for a terminal: piped, the output is the answers alone."""
+    max_new, temperature, top_k, top_p, seed = sampling
+    seq_len = dialogue.model.cfg.seq_len
+    for turn in itertools.count():
+        if lines.isatty():
+            print("> ", end="", flush=True)
+        line = lines.readline()
+        if not line.strip():
+            return turn
+        try:
+            text, ids, new = dialogue.answer(line.rstrip("\r\n"), max_new, temperature, top_k, top_p, seed + turn)
+        except ContextFull as e:
+            print(f"tetrad generate: {e}: the conversation ends here", file=sys.stderr)
+            return turn
+        print(text, flush=True)
+        if len(ids) + len(new) > seq_len:
+            print(f"tetrad generate: the answer reached the model's seq_len={seq_len}: the conversation ends here",
+                  file=sys.stderr)
+            return turn + 1
 
 
 def _run_template(tokenizer_source: Path | None) -> ChatTemplate:
@@ -155,19 +250,30 @@ def _run_template(tokenizer_source: Path | None) -> ChatTemplate:
     return chat
 
 
+def _dialogue(model: Transformer, tokenizer: Tokenizer, source: Path | None, system: str | None) -> Dialogue:
+    """A chat in the run's template, noting where the answers cannot end at its eos_token."""
+    chat = _run_template(source)
+    if chat.eos and tokenizer.token_to_id(chat.eos) is None:
+        print(f"tetrad generate: note: the template's eos_token {chat.eos!r} is not one token of the "
+              "tokenizer; the answer runs to the EOS or --max-new-tokens", file=sys.stderr)
+    return Dialogue(model, tokenizer, chat, system)
+
+
 def generate_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
         model, tokenizer, source = load_generator(args.checkpoint)
         sampling = (args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
         if args.chat:
-            chat = _run_template(source)
-            if chat.eos and tokenizer.token_to_id(chat.eos) is None:
-                print(f"tetrad generate: note: the template's eos_token {chat.eos!r} is not one token of the "
-                      "tokenizer; the answer runs to the EOS or --max-new-tokens", file=sys.stderr)
-            text, prompt, new = reply(model, tokenizer, chat, args.prompt, *sampling)
+            dialogue = _dialogue(model, tokenizer, source, args.system)
+            if args.prompt is None:
+                turns = converse(dialogue, sampling, sys.stdin)
+                print(f"tetrad generate: answered {turns} message{'s' * (turns != 1)}; the KV cache held "
+                      f"{dialogue.cache.reused} of their {dialogue.cache.prompted} prompt tokens", file=sys.stderr)
+                return 0
+            text, prompt, new = dialogue.answer(args.prompt, *sampling)
         else:
-            text, prompt, new = complete(model, tokenizer, args.prompt, *sampling)
+            text, prompt, new = complete(model, tokenizer, args.prompt or "", *sampling)
     except (ValueError, CheckpointError) as e:
         print(f"tetrad generate: {e}", file=sys.stderr)
         return 2

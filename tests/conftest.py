@@ -207,18 +207,21 @@ def _scratch_tmpdir():
         tempfile.tempdir = None
 
 
-def write_hf_qwen2(folder: Path, **shape) -> None:
-    """A Qwen2 folder as transformers writes it (2 layers, d_model 64, GQA 4:2, no sliding
-    window; `shape` overrides Qwen2Config's keys), its q, k and v biases given values: Qwen2
-    starts them at zero, where a misplaced bias would not show."""
+def write_hf_qwen(folder: Path, family: str = "qwen2", **shape) -> None:
+    """A Qwen2 or Qwen3 folder as transformers writes it (2 layers, d_model 64, GQA 4:2, no
+    sliding window; Qwen3 with heads of 24, not d_model / n_heads; `shape` overrides the config's
+    keys), its q, k and v biases (Qwen2) or qk-norm weights (Qwen3) given values: they start at
+    zero and one, where a misplaced one would not show."""
     import transformers
-    cfg = transformers.Qwen2Config(**{"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-                                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                      "use_sliding_window": False, **shape})
+    config, model = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if family == "qwen2"
+                     else (transformers.Qwen3Config, transformers.Qwen3ForCausalLM))
+    cfg = config(**{"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "use_sliding_window": False,
+                    **({"head_dim": 24} if family == "qwen3" else {}), **shape})
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg)
+    hf = model(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(folder, safe_serialization=True)
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "_norm" in name:
+                p.normal_(float("_norm" in name), 0.5)
+    hf.save_pretrained(folder, safe_serialization=True)

@@ -119,6 +119,8 @@ def draw(seed: int, extended: bool = False) -> dict:
         data["source"], model["vocab_size"] = sft_shards(), 256
     if extended and rng.random() < 0.15:  # Qwen2's biases on the q, k and v projections
         model["qkv_bias"] = True
+    if extended and rng.random() < 0.15:  # Qwen3's qk-norm, with heads of their own width
+        model.update(qk_norm=True, head_dim=rng.choice([8, 16, 24]))
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 

@@ -343,6 +343,21 @@ def test_wrong_model_shape_is_refused(saved_checkpoint):
                                 r"  model\.ffn_hidden = 128 in the checkpoint, 64 here")
 
 
+def test_a_checkpoint_from_before_a_model_key_reads_as_a_model_without_it():
+    """Manifests written before model.qkv_bias, head_dim and qk_norm existed lack them: such a
+    checkpoint is a model without those features (head_dim d_model / n_heads), accepted as one
+    and refused, by name, for a model with them."""
+    from dataclasses import asdict
+    from tetrad.train.checkpoint.store import check_model
+    cfg = tiny_config()
+    old = {k: v for k, v in asdict(cfg.model).items() if k not in ("qkv_bias", "head_dim", "qk_norm")}
+    check_model({"model": old}, cfg.model, Path("ckpt"))
+    qwen3 = tiny_config(model={"qk_norm": True, "head_dim": 24}).model
+    with pytest.raises(CheckpointError, match=r"model\.head_dim = 16 in the checkpoint, 24 here\n"
+                                              r"  model\.qk_norm = False in the checkpoint, True here"):
+        check_model({"model": old}, qwen3, Path("ckpt"))
+
+
 def test_a_new_run_never_mixes_its_checkpoints_with_an_earlier_runs(saved_checkpoint):
     """resume='never' in a folder an earlier run saved into would write steps beside (or over) the
     earlier run's: refused before anything is written, naming the way out."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config, train_layout, write_hf_qwen2
+from conftest import tiny_config, train_layout, write_hf_qwen
 from tetrad.cli import main
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.trainer import Trainer
@@ -57,13 +57,15 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
                                             ({"dp": 2, "tp": 2, "zero": 3}, {"vocab_size": 251}),
                                             ({"pp": 2, "tp": 2, "zero": 1}, {"vocab_size": 251}),
                                             ({"dp": 2}, {"vocab_size": 251, **LLAMA31_ROPE}),
-                                            ({"tp": 2, "sequence_parallel": True}, {"vocab_size": 251, "qkv_bias": True})])
+                                            ({"tp": 2, "sequence_parallel": True}, {"vocab_size": 251, "qkv_bias": True}),
+                                            ({"tp": 2}, {"vocab_size": 251, "qk_norm": True, "head_dim": 24})])
 def test_checkpoint_to_hf_and_back(tmp_path, parallel, model):
     cfg = tiny_config(parallel=parallel, model=model, train={"steps": 2, "micro_batch": 1}, checkpoint={"every": 2})
     train_layout(cfg)
     root = Path(cfg.run.dir) / "checkpoints"
     assert main(["convert", str(root), "--to-hf", str(tmp_path / "hf")]) == 0
-    architecture = "Qwen2ForCausalLM" if model.get("qkv_bias") else "LlamaForCausalLM"
+    architecture = ("Qwen3ForCausalLM" if model.get("qk_norm") else
+                    "Qwen2ForCausalLM" if model.get("qkv_bias") else "LlamaForCausalLM")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
     ours = load_single(root / "step_00000002", model)
     torch.testing.assert_close(logits(ours), hf_logits(tmp_path / "hf"), **TOL)
@@ -99,18 +101,22 @@ def test_hf_model_to_tetrad(tmp_path, rope):
     torch.testing.assert_close(ours, hf_logits(tmp_path / "hf"), **TOL)
 
 
-def test_hf_qwen2_model_to_tetrad(tmp_path):
-    """A Qwen2 folder written by transformers (Llama with q, k and v biases; biases given values
-    here, as training gives them) loads with model.qkv_bias and gives transformers' logits."""
-    write_hf_qwen2(tmp_path / "hf", vocab_size=251, max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=1e6,
-                   tie_word_embeddings=True)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_hf_qwen_model_to_tetrad(tmp_path, family):
+    """A Qwen2 or Qwen3 folder written by transformers (Llama with q, k and v biases, or with
+    qk-norm and heads of 24 over d_model 64) loads with model.qkv_bias or model.qk_norm and
+    gives transformers' logits."""
+    write_hf_qwen(tmp_path / "hf", family, vocab_size=251, max_position_embeddings=32, rms_norm_eps=1e-6,
+                  rope_theta=1e6, tie_word_embeddings=True)
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
     from tetrad.train.convert import read_weights
     from tetrad.train.generate import single_process_model
     cfg, state = read_weights(tmp_path / "ckpt")
-    assert cfg.model.qkv_bias and cfg.model.tie_embeddings and cfg.model.norm_eps == 1e-6
+    m = cfg.model
+    assert (m.qkv_bias, m.qk_norm, m.head_dim) == ((True, False, 16) if family == "qwen2" else (False, True, 24))
+    assert m.tie_embeddings and m.norm_eps == 1e-6
     with torch.no_grad():
-        ours = single_process_model(cfg.model, state)(TOKENS, torch.arange(TOKENS.shape[1]))
+        ours = single_process_model(m, state)(TOKENS, torch.arange(TOKENS.shape[1]))
     torch.testing.assert_close(ours, hf_logits(tmp_path / "hf"), **TOL)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY, train_layout, write_hf_qwen2
+from conftest import TINY, train_layout, write_hf_qwen
 from test_data import write_docs
 from tetrad.cli import main
 from tetrad.config import load_config
@@ -75,7 +75,7 @@ def test_hf_llama_fine_tunes_from_its_weights_under_parallel_layouts(tmp_path, c
 def test_hf_qwen2_fine_tunes_from_its_folder_under_tp(tmp_path):
     """Qwen2 (q, k and v biases, given values here) straight from its HF folder: the first
     step's loss is transformers' on the same batch, under tp2 with SP (the biases split)."""
-    write_hf_qwen2(tmp_path / "hf", max_position_embeddings=4096)
+    write_hf_qwen(tmp_path / "hf", "qwen2", max_position_embeddings=4096)
     cfg = config(tmp_path, "run", parallel={"tp": 2, "sequence_parallel": True},
                  checkpoint={"init_from": str(tmp_path / "hf")}, model={"seq_len": 32})
     assert cfg.model.qkv_bias

@@ -1,5 +1,5 @@
 """Model numerics against an implementation nobody here wrote: HF transformers' LlamaForCausalLM
-(and Qwen2ForCausalLM, Llama with q, k and v biases)."""
+(and Qwen2ForCausalLM, Llama with q, k and v biases, and Qwen3ForCausalLM, Llama with qk-norm)."""
 
 import pytest
 import torch
@@ -13,13 +13,15 @@ transformers = pytest.importorskip("transformers")
 
 
 def hf_model_from(model: Transformer, cfg) -> "transformers.LlamaForCausalLM | transformers.Qwen2ForCausalLM":
-    """transformers' own model holding `model`'s weights: Qwen2's where the model has q, k and v
-    biases, else Llama's."""
+    """transformers' own model holding `model`'s weights: Qwen3's where the model has qk-norm,
+    Qwen2's where it has q, k and v biases, else Llama's."""
     shape = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-                 max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-                 tie_word_embeddings=cfg.tie_embeddings, attn_implementation="eager")
-    if cfg.qkv_bias:
+                 head_dim=cfg.head_dim, max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
+                 rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, attn_implementation="eager")
+    if cfg.qk_norm:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, use_sliding_window=False)).eval()
+    elif cfg.qkv_bias:
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape, use_sliding_window=False)).eval()
     else:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, attention_bias=False, mlp_bias=False)).eval()
@@ -29,7 +31,8 @@ def hf_model_from(model: Transformer, cfg) -> "transformers.LlamaForCausalLM | t
         state["lm_head.weight"] = ours["head.weight"]
     names = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
              "attn.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj",
-             "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+             "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+             "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
     for i in range(cfg.n_layers):
         for ours_name, hf_name in names.items():
             for leaf in ("weight", "bias"):
@@ -42,17 +45,20 @@ def hf_model_from(model: Transformer, cfg) -> "transformers.LlamaForCausalLM | t
     return hf
 
 
-@pytest.mark.parametrize("kv_heads,tied,qkv_bias", [(2, False, False), (4, True, False), (2, False, True),
-                                                    (2, True, True)])
-def test_logits_match_hf_llama_and_qwen2(kv_heads, tied, qkv_bias):
+QWEN2, QWEN3 = {"qkv_bias": True}, {"qk_norm": True, "head_dim": 24}  # Qwen3: q and o 4 x 24 wide, not d_model
+
+
+@pytest.mark.parametrize("kv_heads,tied,variant", [(2, False, {}), (4, True, {}), (2, False, QWEN2), (2, True, QWEN2),
+                                                   (2, False, QWEN3), (1, True, QWEN3)])
+def test_logits_match_hf_llama_and_qwen(kv_heads, tied, variant):
     cfg = load_config(overrides={"model": {"n_kv_heads": kv_heads, "tie_embeddings": tied, "n_layers": 2,
-                                           "rope_theta": 10000.0, "seq_len": 32, "qkv_bias": qkv_bias}}).model
+                                           "rope_theta": 10000.0, "seq_len": 32, **variant}}).model
     model = Transformer(cfg, Topology.single())
     init_parameters(model, seed=3)
-    with torch.no_grad():  # biases start at zero: give them values, so that a misplaced one shows
+    with torch.no_grad():  # biases start at 0 and norms at 1: give them values, so that a misplaced one shows
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+            if name.endswith(".bias") or "norm" in name:
+                p.normal_(float("norm" in name), 0.5, generator=torch.Generator().manual_seed(len(name)))
     hf = hf_model_from(model, cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

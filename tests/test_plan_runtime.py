@@ -33,7 +33,11 @@ LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}
                                                                                   "pos": "learned"}),
            # q, k and v biases: split over tp, reduced over dp, gathered by ZeRO-3 like the weights
            ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}, {"qkv_bias": True}),
-           ({"dp": 2, "zero": 3}, {}, {"qkv_bias": True})]
+           ({"dp": 2, "zero": 3}, {}, {"qkv_bias": True}),
+           # qk-norm: its weights' gradients summed over tp without SP too; heads of 24 over d_model 64
+           ({"tp": 2}, {}, {"qk_norm": True, "head_dim": 24}),
+           ({"dp": 2, "tp": 2, "zero": 1, "grad_codec": "bf16"}, {}, {"qk_norm": True, "head_dim": 24}),
+           ({"tp": 2, "sequence_parallel": True}, {}, {"qk_norm": True, "head_dim": 24})]
 
 
 def _name(parallel: dict) -> str:
@@ -98,6 +102,8 @@ COUNTED_LAYOUTS = [(parallel, train, {}) for parallel, train in [
 COUNTED_LAYOUTS += [({"pp": 2, "vpp": 2, "schedule": "interleaved", "stage_layers": [3, 1, 1, 1]}, {}, {"n_layers": 6})]
 # SP with full recompute: the final norm's input is a sequence chunk, a large share of little.
 COUNTED_LAYOUTS += [({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {})]
+# qk-norm keeps q's and k's inputs; heads of 48 over d_model 256 (q 384 wide).
+COUNTED_LAYOUTS += [({"tp": 2}, {}, {"qk_norm": True, "head_dim": 48})]
 
 
 @pytest.mark.parametrize("parallel,train,model", COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")

@@ -69,10 +69,17 @@ class ModelConfig:
     rope_scaling: dict[str, Union[str, float]] = field(default_factory=dict)
     norm_eps: float = 1e-5
     dropout: float = 0.0
+    # Width of each attention head; 0: d_model / n_heads. Qwen3 and Mistral NeMo set their own
+    # (Qwen3-4B: 32 heads of 128 over d_model 2560), so q and the attention output are
+    # n_heads * head_dim wide, not d_model.
+    head_dim: int = 0
+    # An RMSNorm over each head of q and of k before RoPE (Qwen3's q_norm and k_norm): one weight
+    # of head_dim shared by every head, whose gradient each tp rank makes from its own heads.
+    qk_norm: bool = False
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def __post_init__(self):
+        if not self.head_dim and self.n_heads > 0:
+            self.head_dim = self.d_model // self.n_heads
 
 
 @dataclass

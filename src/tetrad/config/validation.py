@@ -52,6 +52,7 @@ FRACTION = Range(0, 1, high_open=False)
 RANGES: dict[str, Range] = {
     **{f"model.{k}": SIZE for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size",
                                     "seq_len")},
+    "model.head_dim": COUNT,  # 0: d_model / n_heads
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.dropout": Range(0, 1),
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False),
@@ -133,14 +134,14 @@ def _check_world(p: ParallelConfig, world_size: int | None) -> None:
 
 def _check_heads(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
-    if m.d_model % m.n_heads:
+    if m.d_model % m.n_heads and m.head_dim == m.d_model // m.n_heads:  # head_dim derived, not set
         raise ConfigError(f"d_model={m.d_model} is not divisible by n_heads={m.n_heads}; "
-                          f"use n_heads in {divisors(m.d_model)}")
+                          f"use n_heads in {divisors(m.d_model)}, or set model.head_dim")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}; "
                           f"use n_kv_heads in {divisors(m.n_heads)}")
     if m.pos == "rope" and m.head_dim % 2:
-        raise ConfigError(f"RoPE needs an even head_dim, got d_model/n_heads = {m.head_dim}; use a d_model that is a "
+        raise ConfigError(f"RoPE needs an even head_dim, got {m.head_dim}; use a d_model that is a "
                           f"multiple of 2*n_heads = {2 * m.n_heads}, or model.pos='learned'")
     common = sorted(set(divisors(m.n_heads)) & set(divisors(m.n_kv_heads)))
     if m.n_heads % p.tp:

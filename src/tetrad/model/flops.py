@@ -53,8 +53,15 @@ def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, bool]]:
 
 
 def layer_norm_params(m: ModelConfig) -> int:
-    """Weights of one layer's two norms (replicated over tp)."""
-    return 2 * m.d_model * (1 if m.norm == "rmsnorm" else 2)
+    """Weights of one layer's norms, replicated over tp: the two before attention and the MLP,
+    and qk-norm's (`layer_qk_norm_params`)."""
+    return 2 * m.d_model * (1 if m.norm == "rmsnorm" else 2) + layer_qk_norm_params(m)
+
+
+def layer_qk_norm_params(m: ModelConfig) -> int:
+    """Weights of one layer's q and k norms (one head wide each), whose gradients each tp rank
+    makes from its own heads."""
+    return 2 * m.head_dim * (1 if m.norm == "rmsnorm" else 2) if m.qk_norm else 0
 
 
 def attention_core_flops(m: ModelConfig, seq_len: int) -> float:

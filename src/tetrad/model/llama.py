@@ -35,13 +35,15 @@ from tetrad.model.mappings import column_parallel_linear, column_parallel_linear
 
 
 class Norm(nn.Module):
-    """RMSNorm or LayerNorm (with bias) over the last dimension; replicated over tp."""
+    """RMSNorm or LayerNorm (with bias) over the last dimension (d_model, or `width`); replicated
+    over tp. `per_head`: qk-norm's, over each head, its gradient split over tp (ParamSpec)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None, per_head: bool = False):
         super().__init__()
+        width = width or cfg.d_model
         self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.weight = new_param((cfg.d_model,), init="ones")
-        self.bias = new_param((cfg.d_model,), init="zeros") if cfg.norm == "layernorm" else None
+        self.weight = new_param((width,), init="ones", grad_split_over_tp=per_head)
+        self.bias = new_param((width,), init="zeros", grad_split_over_tp=per_head) if cfg.norm == "layernorm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":
@@ -120,6 +122,8 @@ class Attention(nn.Module):
         self.wk = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo, ex, bias=cfg.qkv_bias)
         self.wv = ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * hd, topo, ex, bias=cfg.qkv_bias)
         self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, topo, ex, std=out_std)
+        self.q_norm = Norm(cfg, hd, per_head=True) if cfg.qk_norm else None
+        self.k_norm = Norm(cfg, hd, per_head=True) if cfg.qk_norm else None
         self.recompute_core = False  # selective recompute (see `core`)
         self.ring_replay = RingReplay()  # per-op recompute under ring cp (model/replay.py)
 
@@ -133,6 +137,8 @@ class Attention(nn.Module):
         b, s, _ = q.shape
         hd = self.cfg.head_dim
         q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.kv_heads, hd), v.view(b, s, self.kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if cache is not None:
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)

@@ -28,10 +28,14 @@ class ParamSpec:
     padded_size: int | None = None  # size of shard_dim once padded to a multiple of the group size
     init: str = "normal"  # "normal" (std below), "ones" or "zeros"
     std: float = 0.02
+    # Replicated over tp, but each tp rank's gradient covers only its own heads (qk-norm's
+    # weights): summed over tp even without sequence parallelism (parallel/data/finalize.py).
+    grad_split_over_tp: bool = False
 
 
 def new_param(full_shape: tuple[int, ...], *, shard_dim: int | None = None, parts: int = 1, index: int = 0,
-              pad_to: int | None = None, init: str = "normal", std: float = 0.02, group: str = "tp") -> nn.Parameter:
+              pad_to: int | None = None, init: str = "normal", std: float = 0.02, group: str = "tp",
+              grad_split_over_tp: bool = False) -> nn.Parameter:
     """An uninitialised local parameter holding shard `index` of `parts` of a logical tensor.
 
     `pad_to` rounds the sharded dimension up (vocabulary padding); the pad rows are zero and are
@@ -46,7 +50,7 @@ def new_param(full_shape: tuple[int, ...], *, shard_dim: int | None = None, part
             raise ValueError(f"padded size {padded} of dim {shard_dim} does not split into {parts} parts")
         local[shard_dim] = padded // parts
     param = nn.Parameter(torch.empty(local))
-    set_spec(param, ParamSpec(tuple(full_shape), shard_dim, group, padded, init, std), index, parts)
+    set_spec(param, ParamSpec(tuple(full_shape), shard_dim, group, padded, init, std, grad_split_over_tp), index, parts)
     return param
 
 

@@ -48,8 +48,8 @@ def _tp_bytes(cfg: Config) -> float:
     stage also the head's input collective and the cross-entropy's max, sum-exp and target logit
     (fp32 per token). With `sp_regather`, the column-parallel inputs' all-gathers again in backward.
     Under SP, or after a codec that mixes elements (finalize.reduce_replicated), one all-reduce
-    of the replicated (norm) weights' fp32 gradients per step (their dp shard under ZeRO). The
-    step's sums."""
+    of the replicated (norm) weights' fp32 gradients per step (their dp shard under ZeRO);
+    otherwise of qk-norm's alone. The step's sums."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
     per_layer = 2 * hidden * (2 if sp else 1)
@@ -67,7 +67,8 @@ def _tp_bytes(cfg: Config) -> float:
     replicated += m.seq_len * m.d_model if m.pos == "learned" else 0
     shards = p.dp * p.cp if p.zero >= 1 else 1
     averaged = not make_codec(p.grad_codec, p.dp * p.cp).ELEMENTWISE
-    return cfg.microbatches * per_micro + (4 * replicated / shards if sp or averaged else 0) + STEP_SUMS
+    summed = replicated if sp or averaged else layers * flops.layer_qk_norm_params(m)  # qk-norm: always
+    return cfg.microbatches * per_micro + 4 * summed / shards + STEP_SUMS
 
 
 def _pp_bytes(cfg: Config) -> float:

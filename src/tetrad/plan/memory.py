@@ -198,6 +198,8 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
     mlp = stack.swiglu_saved if m.mlp == "swiglu" else 2  # GELU: its input and the fc2 input
     split = tokens * e * (q + 2 * kv + stack.attn_out_copies * q + mlp * f)
+    if m.qk_norm:  # q's and k's norms keep their inputs, as the layer's norms do theirs
+        split += tokens * (q + kv) * (e if m.norm == "layernorm" or stack.fused_rms_norm else 8)
     core = 0.0
     if recompute != "selective":
         heads = m.n_heads / tp

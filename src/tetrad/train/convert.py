@@ -1,5 +1,6 @@
 """`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors (`LlamaForCausalLM` layout, or
-`Qwen2ForCausalLM`'s, which is Llama's with biases on the q, k and v projections: model.qkv_bias).
+`Qwen2ForCausalLM`'s, which is Llama's with biases on the q, k and v projections: model.qkv_bias,
+or `Qwen3ForCausalLM`'s, Llama's with an RMSNorm over each head of q and k: model.qk_norm).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming. Reading HF weights goes through
@@ -38,7 +39,8 @@ from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, chec
 # tetrad name inside layer i -> HF name inside model.layers.i
 LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
                "attn.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj",
-               "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+               "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+               "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
 TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "head.weight": "lm_head.weight"}
 
@@ -62,6 +64,10 @@ def _check_llama(m) -> None:
     if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
         raise ConfigError(f"LlamaForCausalLM has rmsnorm, swiglu and rope; this model has norm={m.norm!r}, "
                           f"mlp={m.mlp!r}, pos={m.pos!r}")
+    if m.qk_norm and m.qkv_bias:
+        raise ConfigError("no transformers model has qk-norm with biases on q, k and v alone (Qwen3's attention_bias "
+                          "puts one on the output projection too); export a model with one of model.qk_norm and "
+                          "model.qkv_bias")
 
 
 def checkpoint_folder(path: Path) -> Path:
@@ -135,8 +141,11 @@ def to_hf(checkpoint: Path, out: Path) -> None:
 
 
 def _hf_architecture(m) -> dict:
-    """config.json's architecture keys: Qwen2's for q, k and v biases (transformers' Llama would
-    put one on the output projection too), else Llama's."""
+    """config.json's architecture keys: Qwen3's for qk-norm, Qwen2's for q, k and v biases
+    (transformers' Llama would put one on the output projection too), else Llama's."""
+    if m.qk_norm:
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+                "use_sliding_window": False}
     if m.qkv_bias:
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False}
@@ -194,28 +203,28 @@ def _rope_from_hf(hf: dict) -> tuple[float, dict]:
 
 
 def model_config_from_hf(hf: dict, source: Path) -> dict:
-    """[model] keys of an HF Llama (or Mistral, or Qwen2) config.json; refuse what tetrad's model
-    cannot represent. Qwen2 is Llama with q, k and v biases, whatever its config says (it has no
-    key for them)."""
+    """[model] keys of an HF Llama (or Mistral, Qwen2 or Qwen3) config.json; refuse what tetrad's
+    model cannot represent. Qwen2 is Llama with q, k and v biases, whatever its config says (it has
+    no key for them); Qwen3 is Llama with qk-norm and, often, its own head_dim."""
     theta, scaling = _rope_from_hf(hf)
-    qwen2 = hf.get("model_type") == "qwen2"
+    kind = hf.get("model_type")
     unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias") if hf.get(k)}
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", not qwen2) else None
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind not in ("qwen2", "qwen3")) else None
     if window is not None and window < hf.get("max_position_embeddings", 2048):
         unsupported["sliding_window"] = window
     if scaling and scaling.get("rope_type") != "llama3":
         unsupported["rope_scaling"] = scaling
     if hf.get("hidden_act", "silu") != "silu":
         unsupported["hidden_act"] = hf["hidden_act"]
-    if hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]) != hf["hidden_size"] // hf["num_attention_heads"]:
-        unsupported["head_dim"] = hf["head_dim"]
     if unsupported:
         raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
     return {"n_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"], "n_heads": hf["num_attention_heads"],
             "n_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
             "ffn_hidden": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
             "seq_len": hf.get("max_position_embeddings", 2048), "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope",
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": qwen2, "rope_theta": theta,
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
+            "qk_norm": kind == "qwen3", "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            "rope_theta": theta,
             "rope_scaling": scaling, "norm_eps": float(hf.get("rms_norm_eps", 1e-5))}
 
 
@@ -268,8 +277,8 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
 
 def convert_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tetrad convert", description="Convert between tetrad checkpoints and "
-                                     "Hugging Face safetensors (LlamaForCausalLM, or Qwen2ForCausalLM for "
-                                     "model.qkv_bias), on one CPU process.")
+                                     "Hugging Face safetensors (LlamaForCausalLM; Qwen2ForCausalLM for "
+                                     "model.qkv_bias, Qwen3ForCausalLM for model.qk_norm), on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)

@@ -23,7 +23,7 @@ from tetrad.config import Config, ConfigError, read_toml
 from tetrad.data import shards
 from tetrad.data.blend import primary_source
 from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
-from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, verify
+from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, saved_model, verify
 from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_name, model_config_from_hf, one_process
 
 HF_CONFIG = "config.json"
@@ -39,7 +39,7 @@ def _source_model(path: Path) -> dict:
         keys = model_config_from_hf(json.loads((path / HF_CONFIG).read_text()), path / HF_CONFIG)
         del keys["seq_len"]  # the context it was trained to (often 8k-128k), not what fine-tuning needs
         return keys
-    return json.loads((checkpoint_folder(path) / MANIFEST).read_text())["model"]
+    return saved_model(json.loads((checkpoint_folder(path) / MANIFEST).read_text()))
 
 
 def model_keys(raw: dict) -> dict:

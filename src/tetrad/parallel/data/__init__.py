@@ -40,7 +40,7 @@ from tetrad.model.execution import Execution
 from tetrad.model.layers import ColumnParallelLinear, RowParallelLinear
 from tetrad.parallel.data.buffers import Bucket, flatten, initial_shard, lay_out
 from tetrad.parallel.data.codec_state import codec_state_dict, load_codec_state
-from tetrad.parallel.data.finalize import reduce_replicated, sum_tied
+from tetrad.parallel.data.finalize import reduce_replicated, split_over_tp, sum_tied
 from tetrad.parallel.data.lifecycle import GradSync
 from tetrad.parallel.data.optimizer import (MasterWeights, ShardedAdamW, build_optimizer, clip_gradients, local_norm_sq,
                                             norm_ranges, owned_grad, zero_loaded, zero_pieces)
@@ -148,10 +148,14 @@ class GradReducer:
                 if not self.flat and not self.sync.in_place:  # plain AdamW on the (fp32) parameters
                     for i, p in enumerate(bucket.params):
                         p.grad = bucket.view(bucket.grad, i)
+        tp = self.topo.size("tp")
         if self.execution.sequence_parallel:
             reduce_replicated(self._replicated_slices(), self.topo.comm)
-        elif not self.codec.ELEMENTWISE and self.topo.size("tp") > 1:  # the tp replicas' sums differ
-            reduce_replicated(self._replicated_slices(), self.topo.comm, average_over=self.topo.size("tp"))
+        elif tp > 1:
+            slices = self._replicated_slices()
+            reduce_replicated(split_over_tp(slices, True), self.topo.comm)  # qk-norm: each rank's heads
+            if not self.codec.ELEMENTWISE:  # the tp replicas' sums differ
+                reduce_replicated(split_over_tp(slices, False), self.topo.comm, average_over=tp)
         if self.zero3:
             self.zero3.free_all()
 

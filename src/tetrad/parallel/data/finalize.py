@@ -1,6 +1,7 @@
 """The sums that complete a reduced gradient beyond the gradient group (Megatron-Core's
 finalize_model_grads): the tied embedding over its two pipeline stages, and the tp-replicated
-parameters over tp (under sequence parallelism, or after a codec that mixes elements).
+parameters over tp (under sequence parallelism, after a codec that mixes elements, and always
+for qk-norm's weights, whose gradient each tp rank makes from its own heads).
 """
 
 from __future__ import annotations
@@ -33,3 +34,9 @@ def reduce_replicated(slices: list[tuple[torch.Tensor, nn.Parameter]], comm, ave
         flat /= average_over
     for v, part in zip(views, flat.split([v.numel() for v in views])):
         v.copy_(part.view_as(v))
+
+
+def split_over_tp(slices: list[tuple[torch.Tensor, nn.Parameter]], split: bool) -> list:
+    """The (gradient, parameter) slices whose parameter's gradient each tp rank makes from its
+    own heads (`split`: qk-norm's weights, ParamSpec.grad_split_over_tp), or the others."""
+    return [(g, p) for g, p in slices if spec_of(p)[0].grad_split_over_tp == split]

@@ -27,7 +27,7 @@ PARTIAL = ".partial"  # a save in progress, or one that crashed: never loaded
 SET_ASIDE = ".bad"  # a published checkpoint that failed its integrity check on resume
 # Keys of [model] that decide tensor shapes; the others (dropout, ...) may change on resume.
 SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "norm", "mlp", "pos",
-              "tie_embeddings")
+              "tie_embeddings", "qkv_bias", "head_dim", "qk_norm")
 
 
 class CheckpointError(RuntimeError):
@@ -210,11 +210,18 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> dict:
     return manifest
 
 
+def saved_model(manifest: dict) -> dict:
+    """The manifest's [model] keys, those it predates at their defaults (head_dim derived as it
+    was then): a checkpoint from before a key existed is a model without that feature."""
+    from tetrad.config import ModelConfig
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return dataclasses.asdict(ModelConfig(**{k: v for k, v in manifest["model"].items() if k in known}))
+
+
 def check_model(manifest: dict, model_cfg, path: Path) -> None:
     """Refuse a checkpoint written for another model shape, naming every key that differs."""
-    here = dataclasses.asdict(model_cfg)
-    diffs = [f"model.{k} = {manifest['model'].get(k)!r} in the checkpoint, {here[k]!r} here"
-             for k in SHAPE_KEYS if manifest["model"].get(k) != here[k]]
+    here, saved = dataclasses.asdict(model_cfg), saved_model(manifest)
+    diffs = [f"model.{k} = {saved[k]!r} in the checkpoint, {here[k]!r} here" for k in SHAPE_KEYS if saved[k] != here[k]]
     if diffs:
         raise CheckpointError(f"{path / MANIFEST} was written for a different model:\n  " + "\n  ".join(diffs)
                               + "\nset those keys back to the checkpoint's, or train this model in a new run.dir "

@@ -1,0 +1,66 @@
+"""The attention variants of the Qwen families, as every layout trains them:
+- q, k and v biases (model.qkv_bias: Qwen2 / Qwen2.5), split over tp with their weights' rows;
+- qk-norm (model.qk_norm: Qwen3), an RMSNorm over each head of q and k whose one weight every tp
+  rank holds and whose gradient each makes from its own heads (summed over tp even without SP),
+  with its own head_dim (q and the attention output n_heads * head_dim wide, not d_model).
+The planner must count both wherever it counts parameters."""
+
+from functools import lru_cache
+
+import pytest
+
+from conftest import assert_parity, tiny_config, train_layout
+from tetrad.dist.topology import Topology
+from tetrad.model.flops import parameter_count
+from tetrad.train.trainer import build_model
+
+QWEN2 = {"qkv_bias": True}
+QWEN3 = {"qk_norm": True, "head_dim": 24}  # 4 heads of 24 over d_model 64
+LAYOUTS = {  # name -> (parallel, model)
+    "qwen2-tp2-sp": ({"tp": 2, "sequence_parallel": True}, QWEN2),
+    "qwen2-dp2-zero3": ({"dp": 2, "zero": 3}, QWEN2),
+    "qwen2-pp2-zb": ({"pp": 2, "schedule": "zb"}, QWEN2),
+    "qwen2-cp2-ring": ({"cp": 2, "cp_algo": "ring"}, QWEN2),
+    "qwen2-dp2-tp2-zero2": ({"dp": 2, "tp": 2, "zero": 2}, QWEN2),
+    "qwen3-tp2": ({"tp": 2}, QWEN3),  # the norm weights' gradients summed over tp without SP
+    "qwen3-tp2-sp": ({"tp": 2, "sequence_parallel": True}, QWEN3),
+    "qwen3-dp2-tp2-zero1": ({"dp": 2, "tp": 2, "zero": 1}, QWEN3),
+    "qwen3-dp2-zero3": ({"dp": 2, "zero": 3}, QWEN3),
+    "qwen3-pp2-zb": ({"pp": 2, "schedule": "zb"}, QWEN3),
+    "qwen3-cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, QWEN3),
+}
+
+
+@lru_cache(maxsize=None)
+def _train(name: str):
+    parallel, model = LAYOUTS[name]
+    return train_layout(tiny_config(parallel=parallel, model=model))
+
+
+@lru_cache(maxsize=None)
+def _one_process(family: str):
+    return train_layout(tiny_config(model=QWEN2 if family == "qwen2" else QWEN3))
+
+
+@pytest.mark.parametrize("family,leaves", [("qwen2", ("wq.bias", "wk.bias", "wv.bias")),
+                                           ("qwen3", ("q_norm.weight", "k_norm.weight"))])
+def test_the_new_parameters_train(family, leaves):
+    """Biases from zero and norm weights from one, to values: a layout that dropped their
+    gradients, or reduced them over the wrong ranks, shows in the parity below."""
+    _, state, _ = _one_process(family)
+    new = [name for name in state if name.endswith(leaves)]
+    assert len(new) == len(leaves) * 2  # in each of the two layers
+    start = 0.0 if family == "qwen2" else 1.0
+    assert all((state[name] - start).abs().min() > 0 for name in new)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_single_process(name):
+    assert_parity(_train(name), _one_process(name.split("-")[0]), atol=1e-4)  # tp's bound (tests/test_tp.py)
+
+
+@pytest.mark.parametrize("model", [QWEN2, QWEN3, {**QWEN2, "tie_embeddings": True}, {**QWEN3, "norm": "layernorm"}])
+def test_the_parameter_count_includes_them(model):
+    cfg = tiny_config(model=model)
+    assert parameter_count(cfg.model) == sum(p.numel() for p in build_model(cfg, Topology.single()).parameters())

@@ -92,6 +92,18 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_resumed(run, fi
     assert (root / "step_00000004.bad").is_dir() and verify(root / "step_00000004")["step"] == 4
 
 
+def test_a_step_damaged_again_is_set_aside_beside_the_first(run, finished, capsys):
+    """step_4 was damaged and set aside once, trained again, and damaged again: the second copy is
+    set aside too (not an OSError renaming onto the first's folder) and step 2 resumed."""
+    root = run / "checkpoints"
+    shutil.copytree(root / "step_00000004", root / "step_00000004.bad")
+    _damage(root / "step_00000004", "missing shard")
+    history = Trainer(_config(run), torch.device("cpu")).fit()
+    assert "step_00000004 is damaged and was set aside as step_00000004.bad2" in capsys.readouterr().out
+    assert [r["step"] for r in history] == [3, 4] and _losses(run) == _losses(finished)
+    assert (root / "step_00000004.bad").is_dir() and (root / "step_00000004.bad2").is_dir()
+
+
 def test_every_checkpoint_damaged_is_refused(run):
     root = run / "checkpoints"
     for step in (2, 4):

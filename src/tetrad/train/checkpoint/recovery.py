@@ -60,7 +60,7 @@ def newest_good(root: Path, model_cfg, rank: int, world: int) -> tuple[Path | No
 def _report(root: Path, chosen: Path | None, bad: list[tuple[Path, str]]) -> None:
     """Set the damaged checkpoints aside and say what was chosen, and why, when it is not plain."""
     for path, reason in bad:
-        aside = path.with_name(path.name + SET_ASIDE)
+        aside = _free_aside_name(path)
         os.rename(path, aside)
         fallback = f"resuming from {chosen.name}" if chosen else "no intact checkpoint left"
         say(f"{path.name} is damaged and was set aside as {aside.name}; {fallback}. {reason}")
@@ -69,6 +69,16 @@ def _report(root: Path, chosen: Path | None, bad: list[tuple[Path, str]]) -> Non
         say(problem)
     elif chosen is not None and latest != chosen.name and not bad:
         say(f"{root}/latest names {latest or 'nothing'}; resuming from {chosen.name}, the newest complete checkpoint")
+
+
+def _free_aside_name(path: Path) -> Path:
+    """step_N.bad, or step_N.bad2, ... where a damaged step_N was set aside before (a rename onto
+    that non-empty folder would fail and stop the resume)."""
+    aside, n = path.with_name(path.name + SET_ASIDE), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}{SET_ASIDE}{n}")
+    return aside
 
 
 def explicit(path: str, root: Path, model_cfg, rank: int, world: int) -> tuple[Path, dict]:

@@ -159,6 +159,19 @@ def test_rope_read_from_either_transformers_config_form():
         model_config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, Path("config.json"))
 
 
+def test_an_hf_model_without_a_tokenizer_exports_back_without_one(tmp_path, capsys):
+    """transformers' save_pretrained writes no tokenizer: converted and exported again, the model
+    has none either, not the byte tokenizer of the default data.source in the converted
+    checkpoint's config (256 entries for a vocabulary of 1000)."""
+    hf_cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["config.json", "model.safetensors"]
+    assert "no tokenizer" in capsys.readouterr().out
+
+
 def test_hf_weights_that_do_not_fit_config_are_refused(tmp_path, capsys):
     hf_cfg = transformers.LlamaConfig(vocab_size=251, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)

@@ -156,6 +156,21 @@ def test_loss_scaler_grows_and_backs_off():
     assert off.scale == 1.0 and off.update(False)
 
 
+@pytest.mark.parametrize("saved, resumed, scales", [
+    ("fp32", "fp16", [2.0**16] * 2),  # a fresh fp16 run's scale, not the unscaled run's 1
+    ("fp16", "bf16", [1.0] * 2),  # bf16 scales nothing
+    ("fp16", "fp16", [2.0**10] * 2),  # the saved scale carries on
+])
+def test_a_resume_under_another_dtype_scales_the_loss_as_that_dtype_needs(tmp_path, saved, resumed, scales):
+    run = {"dir": str(tmp_path)}
+    first = Trainer(tiny_config(train={"steps": 2, "dtype": saved}, checkpoint={"every": 2}, run=run), torch.device("cpu"))
+    first.scaler.scale = 2.0**10 if first.scaler.enabled else 1.0
+    first.fit()
+    cfg = tiny_config(train={"steps": 4, "dtype": resumed}, checkpoint={"every": 2}, run=run)
+    history = Trainer(cfg, torch.device("cpu")).fit()
+    assert [r["loss_scale"] for r in history] == scales
+
+
 def _offload_run(cfg):
     trainer = Trainer(cfg, torch.device("cpu"))
     history = trainer.fit()

@@ -92,6 +92,18 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_previous_resumed(run, fi
     assert (root / "step_00000004.bad").is_dir() and verify(root / "step_00000004")["step"] == 4
 
 
+def test_a_step_damaged_again_is_set_aside_beside_the_first(run, finished, capsys):
+    """step_4 was damaged and set aside once, trained again, and damaged again: the second copy is
+    set aside too (not an OSError renaming onto the first's folder) and step 2 resumed."""
+    root = run / "checkpoints"
+    shutil.copytree(root / "step_00000004", root / "step_00000004.bad")
+    _damage(root / "step_00000004", "missing shard")
+    history = Trainer(_config(run), torch.device("cpu")).fit()
+    assert "step_00000004 is damaged and was set aside as step_00000004.bad2" in capsys.readouterr().out
+    assert [r["step"] for r in history] == [3, 4] and _losses(run) == _losses(finished)
+    assert (root / "step_00000004.bad").is_dir() and (root / "step_00000004.bad2").is_dir()
+
+
 def test_every_checkpoint_damaged_is_refused(run):
     root = run / "checkpoints"
     for step in (2, 4):
@@ -146,10 +158,13 @@ def test_publishing_a_step_twice_replaces_it(tmp_path):
     assert (final / "data").read_bytes() == b"second" and not (tmp_path / "step_00000003.partial").exists()
 
 
-def test_a_fresh_run_never_erases_an_earlier_runs_history(tmp_path):
+@pytest.mark.parametrize("every", [0, 5])
+def test_a_fresh_run_never_erases_an_earlier_runs_history(tmp_path, every):
+    """every 5: the new run's first checkpoint would come after the 2 steps there, but they are not
+    its own history killed before that checkpoint: the run that wrote them saved none."""
     run_dir = tmp_path / "run"
-    cfg = tiny_config(train={"steps": 2}, run={"dir": str(run_dir)})  # no checkpoints
-    Trainer(cfg, torch.device("cpu")).fit()
+    Trainer(tiny_config(train={"steps": 2}, run={"dir": str(run_dir)}), torch.device("cpu")).fit()  # no checkpoints
+    cfg = tiny_config(train={"steps": 2}, checkpoint={"every": every}, run={"dir": str(run_dir)})
     before = (run_dir / "metrics.jsonl").read_text()
     message = r"metrics\.jsonl holds 2 steps of an earlier run and this run starts afresh .* use a new run\.dir"
     with pytest.raises(ConfigError, match=message):
@@ -157,6 +172,24 @@ def test_a_fresh_run_never_erases_an_earlier_runs_history(tmp_path):
     with pytest.raises(CheckpointError, match=message):
         Trainer(cfg, torch.device("cpu")).fit()  # and in the ranks
     assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_over_its_own_history(tmp_path):
+    cfg = tiny_config(train={"steps": 4}, checkpoint={"every": 3}, run={"dir": str(tmp_path)})
+    trainer = Trainer(cfg, torch.device("cpu"))
+    original = trainer.train_step
+
+    def killed_at_step_3(step):
+        if step == 2:
+            raise InterruptedError("killed")
+        return original(step)
+    trainer.train_step = killed_at_step_3
+    with pytest.raises(InterruptedError):
+        trainer.fit()
+    assert len(_losses(tmp_path)) == 2
+    assert check_storage(cfg) is None  # a fresh start, not refused
+    assert [r["step"] for r in Trainer(cfg, torch.device("cpu")).fit()] == [1, 2, 3, 4]
+    assert len(_losses(tmp_path)) == 4
 
 
 @pytest.mark.parametrize("resume", ["auto", "explicit"])

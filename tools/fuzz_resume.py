@@ -123,7 +123,11 @@ def check_resave(model, a, b, saved: Path, tmp: Path) -> list[str]:
     run_ranks(_load_and_save, cfg.parallel.world_size, cfg, saved, tmp / "resaved")
     before, after = read_logical(saved), read_logical(tmp / "resaved" / saved.name)
     same_layout = same_run({**a, "train": {}}, {**b, "train": {}})
-    keep = (lambda k: True) if same_layout else (lambda k: not k.startswith("local."))
+    # Per-rank state only in the same layout; the loss scale only where both scale the loss (fp16).
+    same_scaling = (a["train"]["dtype"] == "fp16") == (b["train"]["dtype"] == "fp16")
+
+    def keep(k: str) -> bool:
+        return (same_layout or not k.startswith("local.")) and (same_scaling or not k.startswith("extra.scaler."))
     problems = []
     if {k for k in before if keep(k)} != {k for k in after if keep(k)}:
         problems.append(f"resave keys differ: only saved {sorted(set(before) - set(after))[:6]}, "

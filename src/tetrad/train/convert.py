@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 from torch.distributed.checkpoint import FileSystemWriter
 
 from tetrad.config import Config, ConfigError, load_config, read_toml
@@ -35,6 +36,7 @@ from tetrad.model.sharding import spec_of
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
                                      verify)
+from tetrad.train.checkpoint.store import read_manifest
 
 # tetrad name inside layer i -> HF name inside model.layers.i
 LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
@@ -117,7 +119,8 @@ def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
     return cfg, {k[len("model."):]: v for k, v in state.items()}
 
 
-def to_hf(checkpoint: Path, out: Path) -> None:
+def to_hf(checkpoint: Path, out: Path) -> bool:
+    """Write the HF folder `out`; whether it holds a tokenizer (one is known)."""
     cfg, state = read_weights(checkpoint)
     m = cfg.model
     _check_llama(m)
@@ -128,16 +131,27 @@ def to_hf(checkpoint: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_file({hf_name(k): v for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
-    tokenizer, source = run_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
-    write_hf_tokenizer(tokenizer, out, m.seq_len, template_beside(source) if source else None)
+    tokenizer, source = exported_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
+    if tokenizer is not None:
+        write_hf_tokenizer(tokenizer, out, m.seq_len, template_beside(source) if source else None)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf_config = {**_hf_architecture(m), "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
                  "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
                  "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-                 "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "torch_dtype": dtype, **_hf_rope_scaling(m.rope_scaling),
-                 **_special_token_ids(tokenizer)}
+                 "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "torch_dtype": dtype,
+                 **_hf_rope_scaling(m.rope_scaling), **(_special_token_ids(tokenizer) if tokenizer is not None else {})}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return tokenizer is not None
+
+
+def exported_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer | None, Path | None]:
+    """The run's tokenizer and where it came from (data/tokenizer.py run_tokenizer), or (None, None)
+    for a weights-only checkpoint (`--to-tetrad`) with no tokenizer.json beside it: no run read
+    data for it, so the default data.source in its config.toml says nothing of its vocabulary."""
+    if not (folder / TOKENIZER).is_file() and not read_manifest(folder)["optimizer"]:
+        return None, None
+    return run_tokenizer(folder, data_source)
 
 
 def _hf_architecture(m) -> dict:
@@ -287,8 +301,11 @@ def convert_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         if args.to_hf is not None:
-            to_hf(args.source, args.to_hf)
-            print(f"tetrad: wrote {args.to_hf}/config.json, model.safetensors and the tokenizer")
+            if to_hf(args.source, args.to_hf):
+                print(f"tetrad: wrote {args.to_hf}/config.json, model.safetensors and the tokenizer")
+            else:
+                print(f"tetrad: wrote {args.to_hf}/config.json and model.safetensors; no tokenizer: the weights "
+                      f"came without a tokenizer.json (copy the model's own into {args.to_hf})")
         else:
             if args.to_tetrad.exists():
                 raise CheckpointError(f"{args.to_tetrad} exists; choose a new checkpoint path")

@@ -42,7 +42,11 @@ class LossScaler:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps, so a resumed fp16 run continues at the same scale."""
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        return {"scale": self.scale, "good_steps": self.good_steps, "enabled": self.enabled}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        """Continue a saved scale only where both runs scale the loss: a resume under another
+        train.dtype keeps its own (fp16 after fp32 or bf16 starts at init_scale, not at the 1 of a
+        run without scaling; bf16 or fp32 after fp16 scales nothing)."""
+        if self.enabled and state.get("enabled", True):
+            self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

@@ -312,14 +312,14 @@ class Trainer:
     def fit(self) -> list[dict]:
         cfg = self.cfg
         is_logger = self.topo.rank == 0
-        if is_logger:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(cfg.to_toml())
         ckpt = self.checkpointer
         params = dict(self.model.named_parameters())
         stateful = self.job_state()
         local = {"grads": self.grads, "dropout": DropoutGenerators(self.model)}
         start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful, local)
+        if is_logger:  # after resume, which reads the config.toml of the run whose metrics are there
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
         log = MetricsLog(cfg, start, is_logger)
         if start >= cfg.train.steps:
             log.note(f"tetrad: {ckpt.resumed_from} is step {start} and train.steps = {cfg.train.steps}: nothing left "

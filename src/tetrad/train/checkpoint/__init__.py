@@ -36,8 +36,8 @@ the same protocol, later. The states a kill can leave, and what `resume = "auto"
    and the pointer): `step_N` is adopted after its integrity check, said on the console.
 3. `step_N` published and `latest` naming it: resumed after its integrity check.
 4. A published `step_N` that fails its integrity check (truncated, flipped or missing file,
-   missing or garbled manifest or metadata): set aside as `step_N.bad`, said on the console with
-   the reason, and the next older intact checkpoint resumed; if none is intact, refused.
+   missing or garbled manifest or metadata): set aside as `step_N.bad` (`.bad2`, ... beside an
+   earlier one), said on the console with the reason, and the next older intact checkpoint resumed; if none is intact, refused.
 5. `latest` unreadable or naming something else (a binary file, a person's edit): said on the
    console and ignored; the next save rewrites it.
 6. A checkpoint of another model shape: refused, naming every key that differs.

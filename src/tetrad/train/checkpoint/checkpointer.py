@@ -66,7 +66,7 @@ class Checkpointer:
         path, manifest = self.choose()
         if path is None:
             if rank == 0:
-                recovery.refuse_overwriting_history(metrics, recovery.first_publish_by(self.cfg))
+                recovery.refuse_overwriting_history(metrics, recovery.first_publish_by(self.cfg, metrics.parent))
             self._barrier()
             return 0
         step = self._load_verified(path, manifest, params, optimizer, stateful or {}, local or {})

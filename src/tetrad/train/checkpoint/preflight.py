@@ -46,7 +46,7 @@ def _resume_target(cfg: Config, root: Path, metrics: Path) -> Path | None:
     if resume == "never":
         refuse_later(root, 0, "checkpoint.resume='never'")
     if resume == "never" or not any((p / MANIFEST).exists() for p in published(root)):
-        refuse_overwriting_history(metrics, first_publish_by(cfg))
+        refuse_overwriting_history(metrics, first_publish_by(cfg, metrics.parent))
         return None
     _same_model(cfg, resolve(root))
     return resolve(root)

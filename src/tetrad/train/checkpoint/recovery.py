@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from tetrad.config import ConfigError, read_toml
 from tetrad.train.checkpoint.store import (MANIFEST, SET_ASIDE, CheckpointError, check_model, published,
                                            read_latest, replace_text, resolve, step_of, verify)
 
@@ -60,7 +61,7 @@ def newest_good(root: Path, model_cfg, rank: int, world: int) -> tuple[Path | No
 def _report(root: Path, chosen: Path | None, bad: list[tuple[Path, str]]) -> None:
     """Set the damaged checkpoints aside and say what was chosen, and why, when it is not plain."""
     for path, reason in bad:
-        aside = path.with_name(path.name + SET_ASIDE)
+        aside = _free_aside_name(path)
         os.rename(path, aside)
         fallback = f"resuming from {chosen.name}" if chosen else "no intact checkpoint left"
         say(f"{path.name} is damaged and was set aside as {aside.name}; {fallback}. {reason}")
@@ -69,6 +70,16 @@ def _report(root: Path, chosen: Path | None, bad: list[tuple[Path, str]]) -> Non
         say(problem)
     elif chosen is not None and latest != chosen.name and not bad:
         say(f"{root}/latest names {latest or 'nothing'}; resuming from {chosen.name}, the newest complete checkpoint")
+
+
+def _free_aside_name(path: Path) -> Path:
+    """step_N.bad, or step_N.bad2, ... where a damaged step_N was set aside before (a rename onto
+    that non-empty folder would fail and stop the resume)."""
+    aside, n = path.with_name(path.name + SET_ASIDE), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}{SET_ASIDE}{n}")
+    return aside
 
 
 def explicit(path: str, root: Path, model_cfg, rank: int, world: int) -> tuple[Path, dict]:
@@ -103,17 +114,24 @@ def history_steps(metrics: Path) -> list[int]:
     return steps
 
 
-def first_publish_by(cfg) -> int:
-    """The step by which a run has published its first checkpoint (0: none it resumes): the
-    first save's step, `checkpoint.every`, or, written in the background, up to `every` steps
-    after it (the write is published at a later step's end, at the latest at the next save)."""
-    every = cfg.checkpoint.every if cfg.checkpoint.resume == "auto" else 0
-    return every * (2 if cfg.checkpoint.async_save else 1)
+def first_publish_by(cfg, run_dir: Path) -> int:
+    """The step by which the run that wrote RUN_DIR's metrics (its config.toml there) has published
+    its first checkpoint (0: none this run resumes): `checkpoint.every`, or, written in the
+    background, up to `every` steps after it (the write is published at a later step's end, at the
+    latest at the next save). That run's, not this one's: a run that saved no checkpoints has no
+    history of its own to restart over, whatever this run's `every`."""
+    recorded = run_dir / "config.toml"
+    try:
+        saved = read_toml(recorded).get("checkpoint", {}) if recorded.is_file() else {}
+    except ConfigError:
+        saved = {}  # unreadable: no run's record
+    every = saved.get("every", 0) if cfg.checkpoint.resume == "auto" else 0
+    return every * (2 if saved.get("async_save") else 1)
 
 
 def refuse_overwriting_history(metrics: Path, own_until: int) -> None:
     """A run that starts at step 0 must not erase an earlier run's metrics. History that ends by
-    `own_until` (first_publish_by) is this run's own, killed before its first checkpoint was
+    `own_until` (first_publish_by) is the run's own, killed before its first checkpoint was
     published: restarting from 0 is then a resume from step 0."""
     steps = history_steps(metrics)
     if steps and not (own_until and max(steps) <= own_until):

@@ -326,19 +326,19 @@ def _apply(mine: list[Piece], buffers: dict, entries: dict, optimizer) -> None:
             piece.values.view(-1).copy_(buffers[f"model.{piece.name}"])
             restored = {entry: buffers[f"optim.{piece.name}.{entry}"] for entry in entries.get(piece.name, {})}
             if restored:
-                scalars = _scalar_device(optimizer, piece.values)
                 optimizer.state[piece.values] = {
-                    e: t.to(scalars) if t.ndim == 0 else t.view_as(piece.values) for e, t in restored.items()}
+                    e: _step(t, optimizer, piece.values) if t.ndim == 0 else t.view_as(piece.values)
+                    for e, t in restored.items()}
     if isinstance(optimizer, ShardedAdamW):
         zero_loaded(optimizer)
 
 
-def _scalar_device(optimizer, param: torch.Tensor) -> torch.device:
-    """Where AdamW's `step` of `param` belongs, as torch's own load_state_dict places it: on the
+def _step(loaded: torch.Tensor, optimizer, param: torch.Tensor) -> torch.Tensor:
+    """AdamW's `step` of `param`, placed as torch's own load_state_dict places it: fp32 on the
     parameter's device for the fused and capturable kernels, which read it there (a host tensor
-    there is a pointer the GPU cannot read), on the host otherwise."""
+    is a pointer the GPU cannot read), as loaded (on the host) otherwise."""
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-    return param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+    return loaded.to(param.device, torch.float32) if group.get("fused") or group.get("capturable") else loaded
 
 
 def _as_tensor(value) -> torch.Tensor:

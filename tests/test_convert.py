@@ -170,6 +170,11 @@ def test_an_hf_model_without_a_tokenizer_exports_back_without_one(tmp_path, caps
     assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
     assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["config.json", "model.safetensors"]
     assert "no tokenizer" in capsys.readouterr().out
+    # Nor does generate decode its ids as bytes: one line, naming the way out.
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer is known for its 1000 tokens; copy the model's tokenizer.json into" in err
+    assert "Traceback" not in err
 
 
 def test_hf_weights_that_do_not_fit_config_are_refused(tmp_path, capsys):

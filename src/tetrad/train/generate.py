@@ -22,11 +22,11 @@ from tokenizers import Tokenizer
 
 from tetrad.config import ModelConfig
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
-from tetrad.data.tokenizer import document_prefix, eos_id, run_tokenizer
+from tetrad.data.tokenizer import document_prefix, eos_id
 from tetrad.model.llama import LayerCache, Transformer
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
-from tetrad.train.convert import checkpoint_folder, read_weights
+from tetrad.train.convert import checkpoint_folder, exported_tokenizer, read_weights
 
 
 def single_process_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
@@ -147,7 +147,12 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
 def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | None]:
     """The checkpoint's single-process model, the run's tokenizer and where that came from (None: bytes)."""
     cfg, state = read_weights(checkpoint)
-    tokenizer, source = run_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
+    folder = checkpoint_folder(checkpoint)
+    tokenizer, source = exported_tokenizer(folder, cfg.data.source)
+    if tokenizer is None:
+        raise ValueError(f"{folder} holds weights converted from a Hugging Face folder that had no tokenizer.json, "
+                         f"so no tokenizer is known for its {cfg.model.vocab_size} tokens; copy the model's "
+                         f"tokenizer.json into {folder}")
     return single_process_model(cfg.model, state), tokenizer, source
 
 

@@ -177,6 +177,24 @@ def test_an_hf_model_without_a_tokenizer_exports_back_without_one(tmp_path, caps
     assert "Traceback" not in err
 
 
+def test_a_tied_hf_model_whose_file_holds_the_head_too_converts(tmp_path):
+    """Some tied exports store lm_head.weight beside the embedding (the same values): transformers
+    ties them on load, and so does tetrad, reading the embedding."""
+    from safetensors.torch import load_file, save_file
+    write_hf_qwen(tmp_path / "hf", "qwen2", vocab_size=251, max_position_embeddings=32, tie_word_embeddings=True)
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert "lm_head.weight" not in weights
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    from tetrad.train.convert import read_weights
+    from tetrad.train.generate import single_process_model
+    cfg, state = read_weights(tmp_path / "ckpt")
+    with torch.no_grad():
+        ours = single_process_model(cfg.model, state)(TOKENS, torch.arange(TOKENS.shape[1]))
+    torch.testing.assert_close(ours, hf_logits(tmp_path / "hf"), **TOL)
+
+
 def test_hf_weights_that_do_not_fit_config_are_refused(tmp_path, capsys):
     hf_cfg = transformers.LlamaConfig(vocab_size=251, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)

@@ -259,6 +259,32 @@ def _verify_own_view(paths: list[Path]):
         return "refused", str(e)
 
 
+def _choose_in_own_view(roots: list[Path]):
+    """newest_good on the checkpoint root as this rank's file system shows it (`roots[rank]`)."""
+    import torch.distributed as dist
+    from tetrad.train.checkpoint.recovery import newest_good
+    rank = dist.get_rank()
+    try:
+        chosen, _ = newest_good(roots[rank], _config(roots[rank].parent).model, rank, len(roots))
+        return "resumed", chosen.name
+    except CheckpointError as e:
+        return "stopped", str(e)
+
+
+def test_a_checkpoint_another_node_does_not_show_yet_stops_the_run_and_stays(finished, tmp_path):
+    """The newest checkpoint is whole where rank 0 reads it and not yet shown on rank 1's node:
+    resuming the older one would set the newer aside as damaged and lose its steps. The run stops
+    on every rank, naming the lag, and the newer checkpoint stays where it is."""
+    views = [tmp_path / f"rank{r}" / "checkpoints" for r in range(2)]
+    for view in views:
+        shutil.copytree(finished / "checkpoints", view)
+    (views[1] / "step_00000004" / "tetrad.json").unlink()
+    results = run_ranks(_choose_in_own_view, 2, views)
+    assert [status for status, _ in results] == ["stopped", "stopped"], results
+    assert all("not shown on every node" in message and "nothing was set aside" in message for _, message in results)
+    assert (views[0] / "step_00000004").is_dir() and not list(views[0].glob("*.bad*"))
+
+
 def test_a_manifest_one_rank_cannot_read_is_refused_on_every_rank(finished, tmp_path):
     """Rank 1's file system shows a garbled tetrad.json where rank 0's shows the good one (a shared
     file system that has not caught up on every node): every rank refuses the checkpoint, naming

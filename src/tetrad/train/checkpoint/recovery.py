@@ -14,8 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tetrad.config import ConfigError, read_toml
-from tetrad.train.checkpoint.store import (MANIFEST, SET_ASIDE, CheckpointError, check_model, published,
-                                           read_latest, replace_text, resolve, step_of, verify)
+from tetrad.train.checkpoint.store import (MANIFEST, SET_ASIDE, CheckpointError, NotShownEverywhere, check_model,
+                                           published, read_latest, replace_text, resolve, step_of, verify)
 
 
 def say(message: str) -> None:
@@ -35,13 +35,18 @@ def broadcast(obj, world: int):
 def newest_good(root: Path, model_cfg, rank: int, world: int) -> tuple[Path | None, dict | None]:
     """The newest published checkpoint under `root` that passes its integrity check, with its
     manifest; newer ones that fail are set aside as step_N.bad and named on the console. Refuses
-    another model's checkpoint, and a root whose every checkpoint is damaged."""
+    another model's checkpoint, and a root whose every checkpoint is damaged. One that rank 0
+    reads whole and another rank does not see yet stops the run with nothing set aside: resuming
+    an older one would throw the newer one's progress away for a file system's delay."""
     names = broadcast([p.name for p in published(root)] if rank == 0 else None, world)
     bad: list[tuple[Path, str]] = []
     chosen = manifest = None
     for name in names:
         try:
             manifest = verify(root / name, rank, world)
+        except NotShownEverywhere as e:
+            raise CheckpointError(f"{root / name}: {e}\nnothing was set aside; start the run again once every node "
+                                  "shows it (or check that checkpoint.dir is on a file system every node shares)") from None
         except CheckpointError as e:
             bad.append((root / name, str(e)))
             continue

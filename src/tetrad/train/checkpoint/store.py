@@ -34,6 +34,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded or saved; the message names the file and what to do."""
 
 
+class NotShownEverywhere(CheckpointError):
+    """A checkpoint rank 0 reads whole that some other rank's file system does not show yet (a
+    shared file system catching up): not damage, so nothing is set aside for it."""
+
+
 # ---------------------------------------------------------------------------------------- names
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
@@ -203,8 +208,11 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> dict:
     if unread and unread[0] == 0:
         problems.insert(0, gathered[0][0])
     elif unread:
+        lag = not problems
         problems.insert(0, f"ranks {unread} cannot read {path / MANIFEST}, which rank 0 reads (a shared file "
                            f"system not yet showing it on every node?): {gathered[unread[0]][0]}")
+        if lag:
+            raise NotShownEverywhere("checkpoint not shown on every node:\n  " + "\n  ".join(problems))
     if problems:
         raise CheckpointError("checkpoint failed its integrity check:\n  " + "\n  ".join(problems))
     return manifest

@@ -358,6 +358,21 @@ def test_a_checkpoint_from_before_a_model_key_reads_as_a_model_without_it():
         check_model({"model": old}, qwen3, Path("ckpt"))
 
 
+def test_seq_len_is_a_shape_key_for_learned_positions_only():
+    """A learned position embedding has a row per position: another seq_len is another shape,
+    refused before the ranks load; under RoPE it is not."""
+    from dataclasses import asdict
+    from tetrad.train.checkpoint.store import check_model
+    for pos, refused in (("learned", True), ("rope", False)):
+        saved = {"model": asdict(tiny_config(model={"pos": pos}).model)}
+        longer = tiny_config(model={"pos": pos, "seq_len": 64}).model
+        if refused:
+            with pytest.raises(CheckpointError, match=r"model\.seq_len = 32 in the checkpoint, 64 here"):
+                check_model(saved, longer, Path("ckpt"))
+        else:
+            check_model(saved, longer, Path("ckpt"))
+
+
 def test_a_new_run_never_mixes_its_checkpoints_with_an_earlier_runs(saved_checkpoint):
     """resume='never' in a folder an earlier run saved into would write steps beside (or over) the
     earlier run's: refused before anything is written, naming the way out."""

@@ -23,7 +23,7 @@ from tetrad.config import Config, ConfigError, read_toml
 from tetrad.data import shards
 from tetrad.data.blend import primary_source
 from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
-from tetrad.train.checkpoint import MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, saved_model, verify
+from tetrad.train.checkpoint import MANIFEST, CheckpointError, SafeReader, saved_model, shape_keys, verify
 from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_name, model_config_from_hf, one_process
 
 HF_CONFIG = "config.json"
@@ -70,7 +70,7 @@ def check_init_from(cfg: Config) -> None:
         saved, here = _source_model(path), dataclasses.asdict(cfg.model)
     except (CheckpointError, OSError, ValueError, KeyError) as e:
         raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
-    differ = [f"{k}={saved.get(k)!r} there, {here[k]!r} here" for k in SHAPE_KEYS if saved.get(k) != here[k]]
+    differ = [f"{k}={saved.get(k)!r} there, {here[k]!r} here" for k in shape_keys(cfg.model) if saved.get(k) != here[k]]
     if differ:
         raise ConfigError(f"checkpoint.init_from={source!r} holds a model of another shape ({'; '.join(differ)}); "
                           "drop those [model] keys: they follow the weights")

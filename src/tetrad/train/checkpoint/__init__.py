@@ -51,7 +51,7 @@ and never unpickles anything but DCP's own metadata classes (tensors load weight
 
 from tetrad.train.checkpoint.checkpointer import Checkpointer
 from tetrad.train.checkpoint.store import (MANIFEST, SHAPE_KEYS, CheckpointError, SafeReader, check_shapes,
-                                           digest_files, publish, resolve, saved_model, step_dir, verify)
+                                           digest_files, publish, resolve, saved_model, shape_keys, step_dir, verify)
 
 __all__ = ["MANIFEST", "SHAPE_KEYS", "Checkpointer", "CheckpointError", "SafeReader", "check_shapes", "digest_files",
-           "publish", "resolve", "saved_model", "step_dir", "verify"]
+           "publish", "resolve", "saved_model", "shape_keys", "step_dir", "verify"]

@@ -30,6 +30,11 @@ SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "voc
               "tie_embeddings", "qkv_bias", "head_dim", "qk_norm")
 
 
+def shape_keys(model_cfg) -> tuple[str, ...]:
+    """SHAPE_KEYS, and seq_len where the model learns a position embedding (its rows)."""
+    return SHAPE_KEYS + (("seq_len",) if model_cfg.pos == "learned" else ())
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded or saved; the message names the file and what to do."""
 
@@ -229,7 +234,8 @@ def saved_model(manifest: dict) -> dict:
 def check_model(manifest: dict, model_cfg, path: Path) -> None:
     """Refuse a checkpoint written for another model shape, naming every key that differs."""
     here, saved = dataclasses.asdict(model_cfg), saved_model(manifest)
-    diffs = [f"model.{k} = {saved[k]!r} in the checkpoint, {here[k]!r} here" for k in SHAPE_KEYS if saved[k] != here[k]]
+    diffs = [f"model.{k} = {saved[k]!r} in the checkpoint, {here[k]!r} here"
+             for k in shape_keys(model_cfg) if saved[k] != here[k]]
     if diffs:
         raise CheckpointError(f"{path / MANIFEST} was written for a different model:\n  " + "\n  ".join(diffs)
                               + "\nset those keys back to the checkpoint's, or train this model in a new run.dir "

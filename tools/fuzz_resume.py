@@ -88,6 +88,11 @@ def draw_pair(rng: random.Random) -> tuple[dict, dict, dict]:
              "tie_embeddings": rng.random() < 0.4, "n_kv_heads": rng.choice([1, 2, 2, 4]),
              "pos": rng.choice(["rope"] * 4 + ["learned"]), "norm": rng.choice(["rmsnorm"] * 4 + ["layernorm"]),
              "mlp": rng.choice(["swiglu"] * 4 + ["gelu"])}
+    attention = rng.random()  # Qwen2's q, k and v biases, or Qwen3's qk-norm over heads of their own width
+    if attention < 0.15:
+        model["qkv_bias"] = True
+    elif attention < 0.3:
+        model.update(qk_norm=True, head_dim=rng.choice([8, 24]))
     dtype_a = rng.choices(["fp32", "bf16", "fp16"], [6, 1, 1])[0]
     dtype_b = dtype_a if rng.random() < 0.8 else rng.choice(["fp32", "bf16", "fp16"])
     a = draw_layout(rng, model, dtype_a)

@@ -3,6 +3,7 @@ each read of a tensor's value from the host waits for the device, and one per la
 micro-batch leaves the device idle while the host catches up. The step reads its results once,
 after the backward (the loss and gradient norm, train/trainer.py); nothing before that may."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,3 +53,20 @@ def test_a_step_reads_nothing_from_the_device_before_its_results(name):
     on this model), and every pipeline transfer read its peer's rank from a tensor."""
     for reads in run_ranks(_reads, 2, *LAYOUTS[name]):
         assert reads == [], reads
+
+
+def test_the_double_counts_every_read_that_waits_for_a_gpu():
+    """Each of these waits on a GPU; a double that missed one would pass a path that syncs."""
+    t = torch.arange(6.0)
+    mask = t > 2
+    reads = {"item": lambda: t[0].item(), "if": lambda: 1 if t.any() else 0, "cpu": t.cpu, "to": lambda: t.to("cpu"),
+             "asarray": lambda: np.asarray(t), "print": lambda: str(t), "nonzero": t.nonzero,
+             "mask": lambda: t[mask], "masked_select": lambda: t.masked_select(mask), "unique": t.unique,
+             "equal": lambda: torch.equal(t, t), "allclose": lambda: torch.allclose(t, t)}
+    for name, read in reads.items():
+        with HostReads() as counted:
+            read()
+        assert counted.reads, name
+    with HostReads() as counted:  # device work alone: slicing, gathering, a change of dtype
+        t[1:3], t[torch.tensor([1, 2])], t.to(torch.float64), t.masked_fill(mask, 0)
+    assert counted.reads == []

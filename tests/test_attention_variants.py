@@ -5,14 +5,17 @@
   with its own head_dim (q and the attention output n_heads * head_dim wide, not d_model).
 The planner must count both wherever it counts parameters."""
 
+import json
 from functools import lru_cache
 
 import pytest
+import torch
 
 from conftest import assert_parity, tiny_config, train_layout
 from tetrad.dist.topology import Topology
 from tetrad.model.flops import parameter_count
-from tetrad.train.trainer import build_model
+from tetrad.train.checkpoint import MANIFEST, CheckpointError
+from tetrad.train.trainer import Trainer, build_model
 
 QWEN2 = {"qkv_bias": True}
 QWEN3 = {"qk_norm": True, "head_dim": 24}  # 4 heads of 24 over d_model 64
@@ -64,3 +67,33 @@ def test_layout_matches_single_process(name):
 def test_the_parameter_count_includes_them(model):
     cfg = tiny_config(model=model)
     assert parameter_count(cfg.model) == sum(p.numel() for p in build_model(cfg, Topology.single()).parameters())
+
+
+def _run(run_dir, steps: int, model: dict) -> None:
+    Trainer(tiny_config(model=model, train={"steps": steps}, checkpoint={"every": 1}, run={"dir": str(run_dir)}),
+            torch.device("cpu")).fit()
+
+
+@pytest.mark.parametrize("key,saved,here", [("qkv_bias", True, False), ("qkv_bias", False, True),
+                                            ("qk_norm", True, False)])
+def test_resuming_with_the_other_variant_is_refused_by_name(tmp_path, key, saved, here):
+    """The same run.dir with the variant flipped: its parameters would be dropped from (or missing
+    in) the checkpoint, so the resume is refused naming the key, as for any shape key (the
+    reviewer's test: true -> false resumed and trained on without the biases)."""
+    _run(tmp_path, 1, {key: saved})
+    with pytest.raises(CheckpointError, match=rf"written for a different model:\n  model\.{key} = {saved} "
+                                              rf"in the checkpoint, {here} here"):
+        _run(tmp_path, 2, {key: here})
+
+
+def test_a_checkpoint_from_before_the_variants_resumes_as_a_model_without_them(tmp_path):
+    """A manifest written before qkv_bias, head_dim and qk_norm existed lacks them: that model
+    had neither, and heads of d_model / n_heads."""
+    _run(tmp_path, 1, {})
+    manifest = tmp_path / "checkpoints" / "step_00000001" / MANIFEST
+    old = json.loads(manifest.read_text())
+    for key in ("qkv_bias", "head_dim", "qk_norm"):
+        del old["model"][key]
+    manifest.write_text(json.dumps(old))
+    _run(tmp_path, 2, {})
+    assert (tmp_path / "checkpoints" / "step_00000002").is_dir()

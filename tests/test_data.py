@@ -221,6 +221,13 @@ def test_tetrad_data_writes_shards_that_decode_to_the_documents(tmp_path, capsys
     assert f"from 50% {out} (" in capsys.readouterr().out
     assert main(["train", f"--data.source=1 {out} 1 licenses", f"--run.dir={tmp_path / 'mixed'}"]) == 2
     assert "blends sources in different vocabularies" in capsys.readouterr().err
+    # Two tokenizers of different sizes: the blend is named, not model.vocab_size (which the first set).
+    other = tmp_path / "other"
+    assert main(["data", str(tmp_path / "text"), "--out", str(other), "--vocab-size", "260"]) == 0
+    assert read_index(other)["vocab_size"] != index["vocab_size"]
+    assert main(["train", f"--data.source=1 {out} 1 {other}", f"--run.dir={tmp_path / 'two'}"]) == 2
+    err = capsys.readouterr().err
+    assert "blends sources in different vocabularies" in err and "model.vocab_size" not in err, err
 
 
 def test_tetrad_data_refuses_bad_inputs_in_one_line(tmp_path, capsys):

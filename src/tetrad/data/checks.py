@@ -34,9 +34,9 @@ def check_data(cfg: Config) -> None:
                 parts = blend_parts(source)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            _check_one_tokenizer(key, source, parts)  # first: a second vocabulary is the blend's fault
             for _, part in parts:
                 _check_source(key, part, m.vocab_size, cfg.checkpoint.init_from)
-            _check_one_tokenizer(key, source, parts)
     if cfg.train.document_mask:
         _check_document_ends(d.source, d.val_source)
     try:

@@ -103,7 +103,7 @@ def _check_source(key: str, source: str, vocab_size: int, init_from: str) -> Non
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"{key}={source!r} is neither a built-in corpus ({', '.join(CORPORA)}) nor an existing "
-                          "file or folder")
+                          "file or folder" + _blend_hint(source))
     if is_shard_folder(path):
         return _check_shards(key, path, vocab_size, init_from)
     if path.is_dir():
@@ -120,6 +120,14 @@ def _check_source(key: str, source: str, vocab_size: int, init_from: str) -> Non
         return _check_npy(key, path)
     if path.suffix != ".bin":
         _check_bytes(key, source, vocab_size)
+
+
+def _blend_hint(source: str) -> str:
+    """Sources listed without weights (Megatron-LM also takes that form): how to write the blend."""
+    words = source.split()
+    if len(words) < 2 or not all(w in CORPORA or Path(w).exists() for w in words):
+        return ""
+    return f"; a blend gives each source a weight: {' '.join(f'1 {w}' for w in words)!r}"
 
 
 def _check_bytes(key: str, source: str, vocab_size: int) -> None:

@@ -159,8 +159,18 @@ def _check_shards(key: str, path: Path, vocab_size: int, init_from: str) -> None
         raise ConfigError(f"{key}: {e}") from None
     if index["vocab_size"] != vocab_size and not (init_from and vocab_size > index["vocab_size"]):
         raise ConfigError(f"{key}={str(path)!r} was tokenized with a {index['vocab_size']}-token vocabulary but "
-                          f"model.vocab_size={vocab_size} (set, or the weights of checkpoint.init_from); tokenize "
-                          f"with the model's tokenizer, or drop model.vocab_size (it follows the data)")
+                          + _vocabulary_fix(vocab_size, init_from))
+
+
+def _vocabulary_fix(vocab_size: int, init_from: str) -> str:
+    """Who set model.vocab_size, and the fix: under init_from the weights (a different one set here
+    was refused before), else the user."""
+    if not init_from:
+        return (f"model.vocab_size={vocab_size}; tokenize with the model's tokenizer, or drop model.vocab_size "
+                "(it follows the data)")
+    as_bytes = ", or give the text itself, read as bytes" if vocab_size == 256 else ""
+    return (f"the weights of checkpoint.init_from={init_from!r} have {vocab_size} (model.vocab_size follows them); "
+            f"tokenize the text with their tokenizer{as_bytes}")
 
 
 def _check_ids(key: str, tokens: TokenStream, vocab_size: int) -> None:

@@ -38,9 +38,7 @@ def train_command(argv: list[str]) -> int:
     path, overrides = split_config_args(argv)
     cfg = load_config(path, overrides, model_from_inputs=model_keys)
     history = launch.train(cfg, announce=functools.partial(_announce, cfg))
-    if launch.in_torchrun():
-        return 0
-    if history:
+    if history and (not launch.in_torchrun() or launch.is_job_rank_zero()):
         evaluated = [r for r in history if "val_loss" in r]
         val = f", val_loss {evaluated[-1]['val_loss']:.4f} at step {evaluated[-1]['step']}" if evaluated else ""
         print(f"tetrad: loss {history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f} at step "

@@ -294,7 +294,8 @@ def test_tetrad_data_refuses_json_lines_without_the_key_before_any_work(tmp_path
     train_bpe(iter(["some text to learn from"]), 300).save(str(tmp_path / "bpe.json"))
     for tokenizer in (["--vocab-size", "300"], ["--tokenizer", str(tmp_path / "bpe.json")]):
         assert main(["data", str(tmp_path / "late.jsonl"), "--out", str(tmp_path / "o"), *tokenizer]) == 2
-        assert f"late.jsonl: the line at byte {len(good) * 1000} is not a JSON object" in capsys.readouterr().err
+        assert f"late.jsonl: the line at byte {len(good) * 1000} is not valid JSON (Expecting value: line 1 column 1 " \
+            "(char 0)); a .jsonl file holds one JSON object a line" in capsys.readouterr().err
         assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 

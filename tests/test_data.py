@@ -171,6 +171,7 @@ def test_files_a_folder_holds_besides_txt_are_named_as_left_out(tmp_path, capsys
     (tmp_path / "text" / ".DS_Store").write_bytes(b"\0")  # hidden: not the user's text
     assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
     out = capsys.readouterr().out
+    assert "tetrad data: training a 300-token BPE on the 0.0 MB of text\n" in out  # all of it: under --sample-mb
     assert f"1 file(s) in the input folders are not .txt, .jsonl or .parquet and are left out, e.g. {tmp_path / 'text' / 'notes.md'}" in out
     assert "1 documents" in out
     assert main(["data", str(tmp_path / "text"), str(tmp_path / "text" / "notes.md"), "--out", str(tmp_path / "both"),

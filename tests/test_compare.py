@@ -65,3 +65,13 @@ def test_a_key_an_older_config_lacks_reads_as_its_default(tmp_path, capsys):
 def test_a_folder_that_is_not_a_run_is_refused(tmp_path, capsys):
     assert main(["compare", str(tmp_path), str(tmp_path)]) == 2
     assert "holds no metrics.jsonl and config.toml" in capsys.readouterr().err
+
+
+def test_an_unset_path_shows_as_empty_quotes(tmp_path):
+    """checkpoint.init_from unset in one run: `checkpoint.init_from: '' -> hf`, not a blank."""
+    from tetrad.viz.compare import config_differences
+    for name, init_from in (("a", ""), ("b", "hf")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.toml").write_text(tiny_config(checkpoint={"init_from": init_from}).to_toml())
+    execution, training = config_differences(tmp_path / "a", tmp_path / "b")
+    assert "checkpoint.init_from: '' -> hf" in training, (execution, training)

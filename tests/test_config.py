@@ -163,6 +163,14 @@ def test_help_after_a_config_prints_the_usage(capsys):
     assert "usage: tetrad train [CONFIG]" in capsys.readouterr().out
 
 
+def test_an_unknown_command_is_named_with_the_closest(capsys):
+    from tetrad.cli import main
+    assert main(["trian", "configs/demo.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tetrad: unknown command 'trian' (did you mean 'train'?)\n") and "commands:" in err
+    assert main([]) == 0 and "commands:" in capsys.readouterr().out
+
+
 def test_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 2\n")  # as some Windows editors save

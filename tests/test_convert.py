@@ -257,3 +257,16 @@ def test_exported_tokenizer_names_its_special_tokens(tmp_path):
     assert hf("some text").input_ids[0] == bos
     assert _special_token_ids(tokenizer) == {"eos_token_id": eos_id(tokenizer), "bos_token_id": bos}
     assert _special_token_ids(train_bpe(iter(["text"]), 300)) == {"eos_token_id": 0}  # tetrad's BPE: no prefix
+
+
+def test_to_tetrad_from_a_folder_that_is_not_hf_is_one_line(tmp_path, capsys):
+    """A tetrad run, or any folder without config.json, given to --to-tetrad: one line naming what it
+    reads (it was a FileNotFoundError traceback)."""
+    cfg = tiny_config(train={"steps": 1}, checkpoint={"every": 1}, run={"dir": str(tmp_path / "run")})
+    Trainer(cfg, torch.device("cpu")).fit()
+    for source, hint in [(tmp_path / "run", "train from it with --checkpoint.init_from="),
+                         (tmp_path / "missing", "config.json and *.safetensors")]:
+        assert main(["convert", str(source), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
+        err = capsys.readouterr().err
+        assert f"{source} is not a Hugging Face model folder (no config.json)" in err and hint in err, err
+        assert err.count("\n") == 1 and not (tmp_path / "ckpt").exists()

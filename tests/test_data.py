@@ -171,6 +171,7 @@ def test_files_a_folder_holds_besides_txt_are_named_as_left_out(tmp_path, capsys
     (tmp_path / "text" / ".DS_Store").write_bytes(b"\0")  # hidden: not the user's text
     assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
     out = capsys.readouterr().out
+    assert "tetrad data: training a 300-token BPE on the 0.0 MB of text\n" in out  # all of it: under --sample-mb
     assert f"1 file(s) in the input folders are not .txt, .jsonl or .parquet and are left out, e.g. {tmp_path / 'text' / 'notes.md'}" in out
     assert "1 documents" in out
     assert main(["data", str(tmp_path / "text"), str(tmp_path / "text" / "notes.md"), "--out", str(tmp_path / "both"),
@@ -221,6 +222,13 @@ def test_tetrad_data_writes_shards_that_decode_to_the_documents(tmp_path, capsys
     assert f"from 50% {out} (" in capsys.readouterr().out
     assert main(["train", f"--data.source=1 {out} 1 licenses", f"--run.dir={tmp_path / 'mixed'}"]) == 2
     assert "blends sources in different vocabularies" in capsys.readouterr().err
+    # Two tokenizers of different sizes: the blend is named, not model.vocab_size (which the first set).
+    other = tmp_path / "other"
+    assert main(["data", str(tmp_path / "text"), "--out", str(other), "--vocab-size", "260"]) == 0
+    assert read_index(other)["vocab_size"] != index["vocab_size"]
+    assert main(["train", f"--data.source=1 {out} 1 {other}", f"--run.dir={tmp_path / 'two'}"]) == 2
+    err = capsys.readouterr().err
+    assert "blends sources in different vocabularies" in err and "model.vocab_size" not in err, err
 
 
 def test_tetrad_data_refuses_bad_inputs_in_one_line(tmp_path, capsys):
@@ -287,7 +295,8 @@ def test_tetrad_data_refuses_json_lines_without_the_key_before_any_work(tmp_path
     train_bpe(iter(["some text to learn from"]), 300).save(str(tmp_path / "bpe.json"))
     for tokenizer in (["--vocab-size", "300"], ["--tokenizer", str(tmp_path / "bpe.json")]):
         assert main(["data", str(tmp_path / "late.jsonl"), "--out", str(tmp_path / "o"), *tokenizer]) == 2
-        assert f"late.jsonl: the line at byte {len(good) * 1000} is not a JSON object" in capsys.readouterr().err
+        assert f"late.jsonl: the line at byte {len(good) * 1000} is not valid JSON (Expecting value: line 1 column 1 " \
+            "(char 0)); a .jsonl file holds one JSON object a line" in capsys.readouterr().err
         assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 

@@ -29,6 +29,8 @@ def bad_inputs(tmp):
     return {
         "missing": ([f"--data.source={tmp / 'nothing.bin'}"], "neither a built-in corpus"),
         "unknown": (["--data.source=shakespeare"], "neither a built-in corpus"),
+        "unweighted_blend": ([f"--data.source={tmp / 'short.txt'} licenses"],
+                             f"a blend gives each source a weight: '1 {tmp / 'short.txt'} 1 licenses'"),
         "empty": ([f"--data.source={tmp / 'empty.txt'}"], "empty file"),
         "short": ([f"--data.source={tmp / 'short.txt'}"], "fewer than model.seq_len+2"),
         "no_txt": ([f"--data.source={tmp / 'no_txt'}"], "without .txt"),

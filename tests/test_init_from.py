@@ -183,3 +183,17 @@ def test_data_tokenized_with_another_vocabulary_than_the_weights_is_refused(tmp_
                          "--train.steps=1", f"--run.dir={tmp_path / 'refused'}"]) == 2
             err = capsys.readouterr().err
             assert how in err and f"theirs: `tetrad data TEXT --tokenizer {weights / 'tokenizer.json'}" in err, err
+
+
+def test_shards_in_another_vocabulary_size_than_weights_without_a_tokenizer_name_the_weights(tmp_path, capsys):
+    """Weights whose tokenizer is not known (here a byte-level model's): the refusal names them as
+    what set model.vocab_size, not a model.vocab_size the user never set."""
+    write_docs(tmp_path / "text")
+    assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
+    tiny_hf(tmp_path / "hf", vocab_size=256)
+    capsys.readouterr()
+    assert main(["train", f"--checkpoint.init_from={tmp_path / 'hf'}", f"--data.source={tmp_path / 'shards'}",
+                 "--model.seq_len=32", "--train.steps=1", f"--run.dir={tmp_path / 'refused'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"but the weights of checkpoint.init_from='{tmp_path / 'hf'}' have 256 (model.vocab_size follows them); " \
+        "tokenize the text with their tokenizer, or give the text itself, read as bytes" in err, err

@@ -234,3 +234,14 @@ def test_plan_text_shows_a_tiny_models_step_time(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  #") and "[" in line]
     assert times[0] < 1e-3
     assert [float(r[1]) for r in rows] == pytest.approx(times, rel=5e-3)
+
+
+def test_estimate_shows_a_cpus_model_tflops_not_zero(capsys):
+    """On the built-in cpu cluster a rank does a few hundredths of a TFLOP/s: shown to four
+    significant digits, not as 0.0 beside a non-zero MFU."""
+    args = ["estimate", "--cluster", "cpu"]
+    assert main(args + ["--json"]) == 0
+    tflops = json.loads(capsys.readouterr().out)["model_tflops_per_gpu"]
+    assert main(args) == 0
+    shown = re.search(r"model TFLOP/s per GPU (\S+)", capsys.readouterr().out).group(1)
+    assert tflops < 0.1 and float(shown) == pytest.approx(tflops, rel=1e-3), shown

@@ -201,8 +201,8 @@ def test_resuming_another_models_checkpoint_is_refused_before_spawn(tmp_path, re
     target = {"resume": str(tmp_path / "checkpoints" / "step_00000001")} if resume == "explicit" else {}
     changed = tiny_config(model={"n_layers": saved.model.n_layers + 1}, checkpoint={"every": 1, **target},
                           run={"dir": str(tmp_path)})
-    with pytest.raises(ConfigError, match=r"written for a different model: +model\.n_layers = \d+ in the checkpoint, "
-                                          r"\d+ here set those keys back .* or train this model in a new run\.dir"):
+    with pytest.raises(ConfigError, match=r"written for a different model: model\.n_layers = \d+ in the checkpoint, "
+                                          r"\d+ here; set those keys back .* or train this model in a new run\.dir"):
         check_storage(changed)
     check_storage(saved)  # the same model resumes
 

@@ -192,3 +192,16 @@ def test_an_eos_written_in_an_example_is_text_not_its_end(tmp_path):
     assert ExamplePacks(load_tokens(str(out)), capacity=len(ids)).examples == 2
     assert tokenizer.decode(ids[ids.index(eos) + 1:-1], skip_special_tokens=False) == \
         "Say <|endoftext|> twice.<|endoftext|><|endoftext|>"
+
+
+def test_a_run_on_packed_examples_says_they_attend_to_each_other_without_document_masking(tmp_path, capsys):
+    """Several examples packed in a window attend to each other unless train.document_mask is set:
+    the run's data line says so, as `tetrad data` does."""
+    from tetrad.train.batches import describe
+    data, out = _jsonl(tmp_path / "sft.jsonl", EXAMPLES * 20), tmp_path / "sft"
+    assert main(["data", str(data), "--out", str(out), "--vocab-size", "300", "--prompt-key", "q"]) == 0
+    vocab = read_index(out)["vocab_size"]
+    for document_mask, said in ((False, True), (True, False)):
+        line = describe(tiny_config(data={"source": str(out)}, model={"vocab_size": vocab},
+                                    train={"document_mask": document_mask}))
+        assert ("they attend to each other: set train.document_mask=true" in line) == said, line

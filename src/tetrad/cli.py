@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from tetrad.config import Config, ConfigError, load_config, split_config_args
+from tetrad.config.sections import did_you_mean
 
 USAGE = """usage: tetrad COMMAND [ARGS]
 
@@ -38,9 +39,7 @@ def train_command(argv: list[str]) -> int:
     path, overrides = split_config_args(argv)
     cfg = load_config(path, overrides, model_from_inputs=model_keys)
     history = launch.train(cfg, announce=functools.partial(_announce, cfg))
-    if launch.in_torchrun():
-        return 0
-    if history:
+    if history and (not launch.in_torchrun() or launch.is_job_rank_zero()):
         evaluated = [r for r in history if "val_loss" in r]
         val = f", val_loss {evaluated[-1]['val_loss']:.4f} at step {evaluated[-1]['step']}" if evaluated else ""
         print(f"tetrad: loss {history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f} at step "
@@ -122,9 +121,12 @@ COMMANDS = {"data": data_command, "train": train_command, "check": check_command
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"tetrad: unknown command {argv[0]!r}{did_you_mean(argv[0], COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+        return 2
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as e:

@@ -62,6 +62,11 @@ def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def is_job_rank_zero() -> bool:
+    """Whether this process is rank 0 of a torchrun job (before its process group exists)."""
+    return os.environ.get("RANK") == "0"
+
+
 def for_torchrun_job(cfg: Config) -> Config:
     """`cfg` with the facts torchrun knows, checked against its job: the ranks on each node
     (LOCAL_WORLD_SIZE, which decides where hierarchical groups split, whatever the config says)
@@ -140,7 +145,8 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
     rank under torchrun. Every check runs first, here, once (under torchrun once per process, as
     `tetrad train`): a bad config or a missing file is one ConfigError, the text `tetrad train`
     prints, and no rank starts. `announce(device_type, resume)` is called after the checks, before
-    the ranks start (resume: the checkpoint the run continues from, or None). `timeout_s` is
+    the ranks start (under torchrun on rank 0 alone; resume: the checkpoint the run continues from,
+    or None). `timeout_s` is
     run_local's deadline. Returns the per-step records of rank 0 (this rank's under torchrun)."""
     from tetrad.train.preflight import preflight  # here: run_local's other users need not load the trainer
     from tetrad.train.trainer import train_on_this_rank
@@ -152,6 +158,8 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
     p = cfg.parallel
     diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
     if in_torchrun():
+        if announce is not None and is_job_rank_zero():  # once in the job's log
+            announce(device_type, resume)
         if dist.is_initialized():  # the caller holds the job's group (`tetrad check` trains twice in it)
             return train_on_this_rank(cfg, device_type)
         with torchrun_process_group(device_type, p.startup_timeout_s):

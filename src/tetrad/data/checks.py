@@ -34,9 +34,9 @@ def check_data(cfg: Config) -> None:
                 parts = blend_parts(source)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            _check_one_tokenizer(key, source, parts)  # first: a second vocabulary is the blend's fault
             for _, part in parts:
                 _check_source(key, part, m.vocab_size, cfg.checkpoint.init_from)
-            _check_one_tokenizer(key, source, parts)
     if cfg.train.document_mask:
         _check_document_ends(d.source, d.val_source)
     try:
@@ -103,7 +103,7 @@ def _check_source(key: str, source: str, vocab_size: int, init_from: str) -> Non
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"{key}={source!r} is neither a built-in corpus ({', '.join(CORPORA)}) nor an existing "
-                          "file or folder")
+                          "file or folder" + _blend_hint(source))
     if is_shard_folder(path):
         return _check_shards(key, path, vocab_size, init_from)
     if path.is_dir():
@@ -120,6 +120,14 @@ def _check_source(key: str, source: str, vocab_size: int, init_from: str) -> Non
         return _check_npy(key, path)
     if path.suffix != ".bin":
         _check_bytes(key, source, vocab_size)
+
+
+def _blend_hint(source: str) -> str:
+    """Sources listed without weights (Megatron-LM also takes that form): how to write the blend."""
+    words = source.split()
+    if len(words) < 2 or not all(w in CORPORA or Path(w).exists() for w in words):
+        return ""
+    return f"; a blend gives each source a weight: {' '.join(f'1 {w}' for w in words)!r}"
 
 
 def _check_bytes(key: str, source: str, vocab_size: int) -> None:
@@ -151,8 +159,18 @@ def _check_shards(key: str, path: Path, vocab_size: int, init_from: str) -> None
         raise ConfigError(f"{key}: {e}") from None
     if index["vocab_size"] != vocab_size and not (init_from and vocab_size > index["vocab_size"]):
         raise ConfigError(f"{key}={str(path)!r} was tokenized with a {index['vocab_size']}-token vocabulary but "
-                          f"model.vocab_size={vocab_size} (set, or the weights of checkpoint.init_from); tokenize "
-                          f"with the model's tokenizer, or drop model.vocab_size (it follows the data)")
+                          + _vocabulary_fix(vocab_size, init_from))
+
+
+def _vocabulary_fix(vocab_size: int, init_from: str) -> str:
+    """Who set model.vocab_size, and the fix: under init_from the weights (a different one set here
+    was refused before), else the user."""
+    if not init_from:
+        return (f"model.vocab_size={vocab_size}; tokenize with the model's tokenizer, or drop model.vocab_size "
+                "(it follows the data)")
+    as_bytes = ", or give the text itself, read as bytes" if vocab_size == 256 else ""
+    return (f"the weights of checkpoint.init_from={init_from!r} have {vocab_size} (model.vocab_size follows them); "
+            f"tokenize the text with their tokenizer{as_bytes}")
 
 
 def _check_ids(key: str, tokens: TokenStream, vocab_size: int) -> None:

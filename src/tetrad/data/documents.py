@@ -135,12 +135,13 @@ def _fits(value, chat: bool) -> bool:
     return is_conversation(value) if chat else isinstance(value, str)
 
 
-def _json_record(line: str, keys: tuple[str, ...]) -> tuple:
-    """The values under `keys` of a line's JSON object (None where it has none)."""
+def _json_record(line: str, keys: tuple[str, ...], where: str) -> tuple:
+    """The values under `keys` of a line's JSON object (None where it has none); a ValueError
+    naming `where` when the line is not JSON at all (no key would help)."""
     try:
         found = json.loads(line)
-    except ValueError:
-        found = None
+    except ValueError as e:
+        raise ValueError(f"{where} is not valid JSON ({e}); a .jsonl file holds one JSON object a line") from None
     return tuple(found.get(key) for key in keys) if isinstance(found, dict) else (None,) * len(keys)
 
 
@@ -151,7 +152,7 @@ def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> l
     records, offset = [], piece.start
     for line in read_piece(piece).splitlines(keepends=True):
         if line.strip():
-            record = _json_record(line, keys)
+            record = _json_record(line, keys, f"{piece.path}: the line at byte {offset}")
             wrong = next((key for key, value in zip(keys, record) if not _fits(value, chat)), None)
             if wrong is not None:
                 raise ValueError(f"{piece.path}: the line at byte {offset} is not a JSON object with a {wrong!r} "

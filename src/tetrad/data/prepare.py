@@ -279,11 +279,11 @@ def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partia
     shards written)."""
     started = time.perf_counter()
     if tokenizer is None:
-        total = text_bytes(files)
-        print(f"tetrad data: training a {args.vocab_size}-token BPE on up to {args.sample_mb:g} MB of "
-              f"{total / 1e6:.1f} MB of text", flush=True)
-        tokenizer = train_bpe(sample_texts(files, int(args.sample_mb * 2**20), args.keys), args.vocab_size,
-                              progress=sys.stderr.isatty())
+        total, sample = text_bytes(files), int(args.sample_mb * 2**20)
+        learned = f"the {total / 1e6:.1f} MB of text" if total <= sample else \
+            f"{args.sample_mb:g} MB of the {total / 1e6:.1f} MB of text (--sample-mb)"
+        print(f"tetrad data: training a {args.vocab_size}-token BPE on {learned}", flush=True)
+        tokenizer = train_bpe(sample_texts(files, sample, args.keys), args.vocab_size, progress=sys.stderr.isatty())
     trained = time.perf_counter()
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

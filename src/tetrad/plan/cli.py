@@ -98,8 +98,9 @@ def plan_command(argv: list[str]) -> int:
     ap.add_argument("--model", default="tiny", help="a preset name or a config TOML (default: tiny)")
     ap.add_argument("--cluster", required=True, help="a built-in cluster name or a cluster TOML file")
     ap.add_argument("--gpus", type=_positive, help="plan for this many of the cluster's GPUs (default: all)")
-    ap.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the config's "
+                    "train.global_batch, 16 unless it sets one)")
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's seq_len)")
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"],
                     help="training precision (default: the config's train.dtype if it sets one, else bf16)")
     ap.add_argument("--stack", default="tetrad", choices=list(STACKS), help="software stack to model")

@@ -61,7 +61,7 @@ def describe(e: Estimate) -> str:
              f"  step time      {e.step_time_s:.{d}f} s    tokens/s {e.tokens_per_s:,.0f} "
              f"({e.tokens_per_s / e.cfg.parallel.world_size:,.0f} per GPU)",
              f"  MFU / HFU      {100 * e.mfu:.1f}% / {100 * e.hfu:.1f}%    model TFLOP/s per GPU "
-             f"{e.model_tflops_per_gpu:.1f}",
+             f"{e.model_tflops_per_gpu:.4g}",
              f"  bubble         {100 * e.bubble_fraction:.1f}% of pipeline rank-time", "",
              "  time per step, busiest pipeline rank (exposed parts only):"]
     lines += [f"    {k:<18} {v:{d + 6}.{d}f} s  {100 * v / e.step_time_s:5.1f}%" for k, v in e.breakdown.items()]

@@ -314,11 +314,11 @@ def describe(cfg) -> str:
     batch = f"{t.batch_rampup[0]}..{t.global_batch} (ramped up)" if t.batch_rampup else t.global_batch
     if len(epochs) == 1:
         line = (f"tetrad: data: {train.windows[0].per_epoch:,} windows of {cfg.model.seq_len} tokens an epoch"
-                f"{_packed(train.windows[0])}; {t.steps} steps x {batch} = {epochs[0]:.2f} epochs")
+                f"{_packed(train.windows[0], t.document_mask)}; {t.steps} steps x {batch} = {epochs[0]:.2f} epochs")
     else:
         counts = blend_counts(train.ramp.advance(0, t.steps), train.weights)
-        parts = ", ".join(f"{100 * float(w):.3g}% {name} ({windows.per_epoch:,} windows an epoch{_packed(windows)}: "
-                          f"{e:.2f} epochs"
+        parts = ", ".join(f"{100 * float(w):.3g}% {name} ({windows.per_epoch:,} windows an epoch"
+                          f"{_packed(windows, t.document_mask)}: {e:.2f} epochs"
                           f"{'' if count else '; no sample in this run: raise its weight or train longer'})"
                           for (w, name), windows, e, count in zip(blend_parts(cfg.data.source), train.windows,
                                                                   epochs, counts))
@@ -337,11 +337,14 @@ def describe(cfg) -> str:
     return line
 
 
-def _packed(windows: Windows) -> str:
-    """What a packed source's windows hold (data/packing.py), for `describe`; '' for others."""
+def _packed(windows: Windows, document_mask: bool) -> str:
+    """What a packed source's windows hold (data/packing.py), for `describe`; '' for others. Where
+    a window holds several examples, without document masking they attend to each other."""
     packs = windows.packs
     if packs is None:
         return ""
     cut = f", {packs.truncated:,} cut to seq_len + 1 tokens" if packs.truncated else ""
+    mixed = "; they attend to each other: set train.document_mask=true to keep each to itself" \
+        if packs.examples > len(packs) and not document_mask else ""
     return (f", each whole fine-tuning examples ({packs.examples:,} in all{cut}; "
-            f"{packs.fill():.0%} of the windows' tokens are examples', the rest padding)")
+            f"{packs.fill():.0%} of the windows' tokens are examples', the rest padding{mixed})")

@@ -272,6 +272,11 @@ def hf_mismatches(hf_dir: Path, model_cfg) -> list[str]:
 
 
 def to_tetrad(hf_dir: Path, out: Path) -> None:
+    if not (hf_dir / "config.json").is_file():
+        tetrad = any((hf_dir / name).exists() for name in ("config.toml", MANIFEST, "checkpoints"))
+        raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder (no config.json); --to-tetrad reads one: "
+                              "config.json and *.safetensors" + (" (a tetrad run or checkpoint needs no conversion: "
+                              f"train from it with --checkpoint.init_from={hf_dir})" if tetrad else ""))
     cfg = load_config(overrides={"model": model_config_from_hf(json.loads((hf_dir / "config.json").read_text()),
                                                                 hf_dir / "config.json")})
     problems = hf_mismatches(hf_dir, cfg.model)

@@ -39,10 +39,15 @@ def config_differences(a: Path, b: Path) -> tuple[list[str], list[str]]:
     execution, training = [], []
     for key in sorted(set(flat_a) | set(flat_b)):
         if flat_a.get(key) != flat_b.get(key):
-            line = f"{key}: {flat_a.get(key, '(unset)')} -> {flat_b.get(key, '(unset)')}"
+            line = f"{key}: {_shown(flat_a.get(key, '(unset)'))} -> {_shown(flat_b.get(key, '(unset)'))}"
             executes = key.split(".")[0] in EXECUTION_SECTIONS or key in EXECUTION_KEYS
             (execution if executes and key not in TRAINING_KEYS_INSIDE else training).append(line)
     return execution, training
+
+
+def _shown(value) -> str:
+    """A value as the difference lines show it: an empty string (an unset path) as ''."""
+    return "''" if value == "" else str(value)
 
 
 def _flat(table: dict, prefix: str = "") -> dict:

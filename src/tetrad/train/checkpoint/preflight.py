@@ -32,7 +32,14 @@ def check_storage(cfg: Config) -> Path | None:
     try:
         return _resume_target(cfg, root, run_dir / "metrics.jsonl")
     except CheckpointError as e:
-        raise ConfigError(str(e).replace("\n", " ")) from None
+        raise ConfigError(_one_line(str(e))) from None
+
+
+def _one_line(message: str) -> str:
+    """A CheckpointError's indented list (keys that differ, damaged files) as one line: the
+    heading, then its items and the advice after them, separated by semicolons."""
+    heading, *items = [line.strip() for line in message.splitlines() if line.strip()]
+    return " ".join([heading, "; ".join(items)]) if items else heading
 
 
 def _resume_target(cfg: Config, root: Path, metrics: Path) -> Path | None:

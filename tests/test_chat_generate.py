@@ -168,3 +168,14 @@ def test_a_system_message_the_template_refuses_is_refused_in_one_line(chat_run, 
         config.write_text(kept)
     assert main(["generate", str(run), "--system", SYSTEM, "--prompt", "hi"]) == 2
     assert capsys.readouterr().err == "tetrad generate: --system is a chat's system message: pass --chat too\n"
+
+
+def test_a_continuation_the_context_ends_says_so(chat_run, capsys):
+    """--max-new-tokens beyond what seq_len leaves: the continuation stops at the context, and
+    the summary line says the context ended it (it used to stop silently)."""
+    run, _ = chat_run
+    assert main(["generate", str(run), "--prompt", "Hi", "--max-new-tokens", "100000", "--top-k", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "the model's context (seq_len=128) ended it before --max-new-tokens" in err, err
+    assert main(["generate", str(run), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
+    assert "ended it" not in capsys.readouterr().err

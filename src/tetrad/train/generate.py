@@ -283,6 +283,8 @@ def generate_command(argv: list[str]) -> int:
         print(f"tetrad generate: {e}", file=sys.stderr)
         return 2
     print(text)
+    capped = (f"; the model's context (seq_len={model.cfg.seq_len}) ended it before --max-new-tokens"
+              if len(prompt) + len(new) > model.cfg.seq_len and len(new) < args.max_new_tokens else "")
     print(f"tetrad generate: {len(new)} tokens; their loss under the model {continuation_loss(model, prompt, new):.4f} "
-          f"(tokenizer: {source or 'bytes'})", file=sys.stderr)
+          f"(tokenizer: {source or 'bytes'}){capped}", file=sys.stderr)
     return 0

@@ -171,6 +171,23 @@ def test_an_unknown_command_is_named_with_the_closest(capsys):
     assert main([]) == 0 and "commands:" in capsys.readouterr().out
 
 
+def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path):
+    """`tetrad ... | head`: once stdout's reader is gone, the command ends with SIGPIPE's status and
+    no traceback, as Unix tools do (it ended in a BrokenPipeError traceback). The pipe's reading
+    end is closed before the command starts, so its first line already finds no reader."""
+    import os
+    (tmp_path / "in.txt").write_text("a few words of text\n" * 50)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "tetrad", "data", str(tmp_path / "in.txt"), "--out",
+                               str(tmp_path / "out")], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 128 + 13, done.stderr  # SIGPIPE
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 2\n")  # as some Windows editors save

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 from pathlib import Path
@@ -128,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tetrad: unknown command {argv[0]!r}{did_you_mean(argv[0], COMMANDS)}\n\n{USAGE}", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        code = COMMANDS[argv[0]](argv[1:])
+        sys.stdout.flush()  # here, not at exit: a reader gone by then is a traceback out of reach
+        return code
+    except BrokenPipeError:  # stdout's reader left (`| head`): end quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 128 + signal.SIGPIPE
     except ConfigError as e:
         print(f"tetrad: config error: {e}", file=sys.stderr)
         return 2

@@ -188,6 +188,21 @@ def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path):
     assert "Traceback" not in done.stderr, done.stderr
 
 
+def test_settings_the_layout_leaves_idle_are_named_as_the_run_starts(tmp_path, capsys):
+    """sequence_parallel at tp=1, ZeRO or a gradient codec at dp*cp=1: accepted (a config may be
+    shared between layouts) and said, once, before the run (the audit helper found them silent)."""
+    from tetrad.cli import main
+    idle = ["--parallel.sequence_parallel=true", "--parallel.zero=1", "--parallel.grad_codec=bf16"]
+    assert main(["train", "--train.steps=1", f"--run.dir={tmp_path / 'idle'}", *idle]) == 0
+    out = capsys.readouterr().out
+    for said in ("parallel.sequence_parallel=true does nothing at tp=1", "parallel.zero=1 does nothing at dp*cp=1",
+                 "parallel.grad_codec='bf16' does nothing at dp*cp=1"):
+        assert out.count(said) == 1, out
+    assert main(["train", "--train.steps=1", f"--run.dir={tmp_path / 'busy'}", "--parallel.dp=2",
+                 "--parallel.zero=2"]) == 0
+    assert "does nothing" not in capsys.readouterr().out
+
+
 def test_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 2\n")  # as some Windows editors save

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tetrad.config import Config, ConfigError, load_config, split_config_args
+from tetrad.config import Config, ConfigError, idle_settings, load_config, split_config_args
 from tetrad.config.sections import did_you_mean
 
 USAGE = """usage: tetrad COMMAND [ARGS]
@@ -63,6 +63,8 @@ def _announce(cfg: Config, device_type: str, resume: Path | None) -> None:
     if cfg.train.warmup > cfg.train.steps:
         print(f"tetrad: note: train.warmup={cfg.train.warmup} > train.steps={cfg.train.steps}: the learning rate "
               f"never reaches train.lr={cfg.train.lr:g}", flush=True)
+    for note in idle_settings(cfg):
+        print(f"tetrad: note: {note}", flush=True)
 
 
 def check_command(argv: list[str]) -> int:

@@ -6,8 +6,8 @@ naming the fix (validation.py: each numeric key's range, then the rules between 
 from tetrad.config.loading import check_override, load_config, read_toml, split_config_args
 from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, DEFAULT_BUCKET_MB, SECTIONS, CheckpointConfig, Config, ConfigError, DataConfig,
                                     ModelConfig, ParallelConfig, RunConfig, TrainConfig)
-from tetrad.config.validation import RANGES, profile_steps, validate, validate_device
+from tetrad.config.validation import RANGES, idle_settings, profile_steps, validate, validate_device
 
-__all__ = ["COMM_GROUPS", "COMM_OPTIONS", "DEFAULT_BUCKET_MB", "RANGES", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+__all__ = ["COMM_GROUPS", "COMM_OPTIONS", "DEFAULT_BUCKET_MB", "RANGES", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "idle_settings",
            "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig", "check_override", "load_config", "profile_steps",
            "read_toml", "split_config_args", "validate", "validate_device"]

@@ -317,6 +317,20 @@ def _check_training(cfg: Config, runtime: bool) -> None:
                           "pip install wandb (or tetrad[wandb]), or set run.wandb=false")
 
 
+def idle_settings(cfg: Config) -> list[str]:
+    """Settings this layout leaves without effect (not errors: a config may be shared between
+    layouts), one line each, for the run's first lines: a user who set them expects them to act."""
+    p, replicas = cfg.parallel, cfg.parallel.dp * cfg.parallel.cp
+    notes = []
+    if p.sequence_parallel and p.tp == 1:
+        notes.append("parallel.sequence_parallel=true does nothing at tp=1 (it splits the sequence over tp)")
+    if p.zero and replicas == 1:
+        notes.append(f"parallel.zero={p.zero} does nothing at dp*cp=1 (it shards states over dp*cp replicas)")
+    if p.grad_codec != "none" and replicas == 1:
+        notes.append(f"parallel.grad_codec={p.grad_codec!r} does nothing at dp*cp=1 (no gradient is reduced)")
+    return notes
+
+
 def validate_device(cfg: Config, device_type: str) -> None:
     """The checks that need the device `train.device` resolved to (before any rank starts)."""
     from tetrad.device import DTYPES, dtype_problem

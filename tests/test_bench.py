@@ -40,6 +40,16 @@ def comm_rows():
     return bench_comm(group_sizes=(2,), sizes=(4 << 10, 256 << 10))
 
 
+def test_too_few_message_sizes_are_refused_before_measuring(capsys, tmp_path):
+    """Two sizes fit latency and bandwidth exactly, noise included (the audit helper's run fitted
+    1,250,000 GB/s): refused in one line, naming sizes that work, before any rank starts."""
+    from tetrad.cli import main
+    for sizes in ("4,64", "64,128,256"):
+        assert main(["bench", "comm", "--ranks", "2", "--sizes-kb", sizes, "--out", str(tmp_path)]) == 2
+        assert "--sizes-kb needs 3 or more sizes spanning 16x or more" in capsys.readouterr().err
+    assert not (tmp_path / "hardware.json").exists()
+
+
 def test_bench_comm_rows_are_sensible(comm_rows):
     assert {r["op"] for r in comm_rows} == set(bench.OPS)
     for r in comm_rows:

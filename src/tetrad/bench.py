@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -219,6 +220,12 @@ def bench_command(argv: list[str]) -> int:
     ranks = [int(x) for x in args.ranks.split(",")] if args.ranks else \
         [2, 4, 8] if device == "cpu" else [n for n in (2, 4, 8) if n <= local]
     sizes = [int(s) << 10 for s in args.sizes_kb.split(",")] if args.sizes_kb else list(_default_sizes(device))
+    if args.what in ("comm", "all") and (len(set(sizes)) < 3 or max(sizes) < 16 * min(sizes)):
+        # two unknowns (latency, bandwidth): fewer sizes, or a narrow span, fit noise (1.25 PB/s seen)
+        print(f"tetrad bench: --sizes-kb needs 3 or more sizes spanning 16x or more (got {args.sizes_kb}), so that "
+              "both the link's latency and its bandwidth show in the times; e.g. --sizes-kb 4,64,1024,16384",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     if args.what in ("gemm", "all"):
         torch.set_num_threads(args.threads)

@@ -190,10 +190,6 @@ def _check_pipeline(cfg: Config, runtime: bool) -> None:
     if p.stage_layers and (len(p.stage_layers) != stages or sum(p.stage_layers) != m.n_layers):
         raise ConfigError(f"parallel.stage_layers={p.stage_layers} must list pp*vpp = {stages} layer counts, each "
                           f">= 1, adding up to n_layers={m.n_layers}; or leave it empty for a balanced split")
-    if p.pp > 1 and runtime and m.tie_embeddings and p.zero == 3:
-        raise ConfigError("tie_embeddings with pp > 1 and zero=3 is not supported yet (the embedding's copy on "
-                          "the last stage would need its own gathered bucket); use zero<=2, "
-                          "model.tie_embeddings=false or pp=1")
 
 
 def _check_sequence(cfg: Config) -> None:

@@ -198,8 +198,6 @@ def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, u
     each followed, where it exceeds `usable` GiB and would fit with optimizer offload, by the same
     with offload (where `offload`, the cluster can cost it and `base` does not offload already)."""
     zeros = (0, 1, 2, 3) if layout.dp * layout.cp > 1 else (0,)
-    if layout.pp > 1 and base.model.tie_embeddings:  # the runtime's limit (config.validate)
-        zeros = tuple(z for z in zeros if z < 3)
     offload = offload and not base.train.offload_optimizer and offload_unknown(cluster) is None
     candidates = []
     for zero in zeros:

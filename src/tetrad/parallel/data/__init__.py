@@ -101,7 +101,7 @@ class GradReducer:
         self.zero3 = None
         if self.zero == 3:
             self.zero3 = ParamGather(self.buckets, self.flat, self.weights.shards, topo, self.execution,
-                                     layout.root, prefetch)
+                                     layout.roots, prefetch)
             self.zero3.install(model, layout.blocks)
         linears = [m for m in model.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] if model is not None else []

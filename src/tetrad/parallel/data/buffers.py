@@ -62,31 +62,36 @@ class Bucket:
 class BucketLayout:
     buckets: list[Bucket]
     blocks: list[nn.Module]  # ZeRO-3: the blocks whose buckets come first, in order
-    root: Bucket | None  # ZeRO-3: the bucket of everything outside the blocks
+    roots: list[Bucket]  # ZeRO-3: the buckets gathered for the whole step (all outside the blocks)
     tied: Bucket | None  # the embedding tied across pipeline stages
     tied_copy: bool  # ... and this rank's is the head's copy
 
 
 def lay_out(params: list[nn.Parameter], model: nn.Module | None, zero: int, n: int, rank: int, align: int,
             bucket_bytes: float) -> BucketLayout:
-    """The buckets of `params` for ZeRO stage `zero` over a gradient group of n ranks."""
+    """The buckets of `params` for ZeRO stage `zero` over a gradient group of n ranks. An
+    embedding tied across pipeline stages gets a bucket of its own on both stages, so that the
+    two copies' gradient shards line up for their sum (finalize.sum_tied)."""
+    tied = model.tied_weight() if hasattr(model, "tied_weight") else None
     if zero == 3:
         blocks = list(model.layers.values())
         units = [list(block.parameters()) for block in blocks]
         in_blocks = {id(p) for unit in units for p in unit}
-        rest = [p for p in params if id(p) not in in_blocks]
-        buckets = [Bucket(u, n, rank, align, k) for k, u in enumerate(u for u in units + [rest] if u)]
-        return BucketLayout(buckets, blocks, buckets[-1] if rest else None, None, False)
-    tied = model.tied_weight() if hasattr(model, "tied_weight") else None
+        rest = [p for p in params if id(p) not in in_blocks and p is not tied]
+        outside = [unit for unit in (rest, [tied] if tied is not None else []) if unit]
+        buckets = [Bucket(unit, n, rank, align, k) for k, unit in enumerate(units + outside)]
+        roots = buckets[len(units):]
+        return BucketLayout(buckets, blocks, roots, roots[-1] if tied is not None else None,
+                            tied is not None and model.holds_tied_copy)
     wanted = {id(p) for p in params if p is not tied}
     chunks = model.chunk_parameters() if hasattr(model, "chunk_parameters") else [params]
     runs = [run for chunk in chunks[::-1] for run in split_runs([p for p in chunk[::-1] if id(p) in wanted],
                                                                 bucket_bytes)]
     buckets = [Bucket(run, n, rank, align, k) for k, run in enumerate(runs)]
     if tied is None:
-        return BucketLayout(buckets, [], None, None, False)
+        return BucketLayout(buckets, [], [], None, False)
     buckets.append(Bucket([tied], n, rank, align, len(buckets)))
-    return BucketLayout(buckets, [], None, buckets[-1], model.holds_tied_copy)
+    return BucketLayout(buckets, [], [], buckets[-1], model.holds_tied_copy)
 
 
 def split_runs(params: list[nn.Parameter], limit_bytes: float) -> list[list[nn.Parameter]]:

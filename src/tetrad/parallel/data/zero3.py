@@ -5,8 +5,9 @@ Forward: the block is gathered (waiting for a gather already started), the next 
 blocks' gathers are started, the block runs and is freed. Backward: a block is gathered again
 when its output gradient arrives (prefetching the `prefetch` blocks before it) and freed when its
 gradients are in (lifecycle.py's `on_complete`); under a zero-bubble split backward once its
-input gradient is out, as BW needs no weights. The bucket of everything outside the blocks (the
-root: embedding, final norm, head) is gathered for the whole step. Full recompute runs inside
+input gradient is out, as BW needs no weights. The buckets of everything outside the blocks (the
+roots: embedding, final norm, head, and an embedding tied across pipeline stages, which has a
+bucket of its own) are gathered for the whole step. Full recompute runs inside
 the block's forward, so these hooks never see it.
 
 A freed bucket's parameters are not left as views of its released storage (reading one, say
@@ -33,13 +34,13 @@ from tetrad.parallel.data.buffers import Bucket
 
 class ParamGather:
     """Gathers and frees the flat parameter buffers `flat` (one per bucket, freed while not in use)
-    from the persistent shards `shards`; block k owns bucket k, and `root`, when there is one, is
-    the last. `prefetch`: how many blocks ahead (behind, in backward) to start gathering."""
+    from the persistent shards `shards`; block k owns bucket k, and `roots` come after the
+    blocks'. `prefetch`: how many blocks ahead (behind, in backward) to start gathering."""
 
     def __init__(self, buckets: list[Bucket], flat: list[torch.Tensor], shards: list[torch.Tensor], topo,
-                 execution, root: Bucket | None, prefetch: int = 1):
+                 execution, roots: list[Bucket], prefetch: int = 1):
         self.buckets, self.flat, self.shards, self.topo = buckets, flat, shards, topo
-        self.execution, self.root, self.prefetch = execution, root, prefetch
+        self.execution, self.roots, self.prefetch = execution, roots, prefetch
         self.gathering: dict[int, object] = {}  # bucket index -> its all-gather in flight
         self.scratch_free = collectives.scratch_free(topo)  # gloo: gather by in-place broadcasts (collectives.py)
         self.views = [[p.data for p in bucket.params] for bucket in buckets]  # buffers.flatten's views
@@ -107,7 +108,7 @@ class ParamGather:
     def on_complete(self, bucket: Bucket) -> None:
         """A block's gradients are all in: its weights are done with, unless backward is split
         (its BI may still need them while an earlier BW completes the count)."""
-        if bucket is not self.root and not self.execution.split_backward:
+        if all(bucket is not root for root in self.roots) and not self.execution.split_backward:
             self.free(bucket.index)
 
     @contextlib.contextmanager
@@ -129,8 +130,8 @@ class ParamGather:
             block.register_forward_hook(self._after_block(k))
 
     def _before_model(self, module, args) -> None:
-        if self.root is not None:
-            self.gather(self.root.index)
+        for root in self.roots:
+            self.gather(root.index)
 
     def _before_block(self, k: int, n_blocks: int):
         def hook(module, args):

@@ -222,9 +222,9 @@ def _check_gradients(cfg: Config) -> None:
                           f"{t.micro_batch}*{p.dp} = {t.micro_batch * p.dp}; use a global_batch that is a "
                           f"multiple of {t.micro_batch * p.dp}, or change micro_batch")
     _check_rampup(t, t.micro_batch * p.dp)
-    if p.grad_codec != "none" and p.zero >= 2:
+    if p.grad_codec in ("int8", "powersgd") and p.zero >= 2:
         raise ConfigError(f"grad_codec={p.grad_codec!r} compresses the all-reduce of ZeRO 0/1; zero={p.zero} "
-                          f"reduce-scatters instead. Use zero<=1 or grad_codec='none'")
+                          f"reduce-scatters instead. Use zero<=1, or grad_codec='bf16' or 'none'")
     if p.grad_codec == "int8" and p.dp * p.cp > 127:
         raise ConfigError(f"grad_codec='int8' sums int8 over dp*cp = {p.dp * p.cp} ranks, at most 127; "
                           f"use bf16 or hierarchical reduction")

@@ -1,4 +1,5 @@
-"""Gradient codecs: compressed all-reduce of one flat fp32 bucket (SUM over the group).
+"""Gradient codecs: compressed all-reduce of one flat fp32 bucket (SUM over the group); bf16 also
+ZeRO >= 2's reduce-scatter (`SCATTER_DTYPE`).
 
 Each codec returns a Pending whose wait() leaves the summed (decompressed) gradient in the
 bucket. int8 and powersgd keep an error-feedback residual per bucket: what compression dropped
@@ -38,6 +39,10 @@ class Plain:
     # PowerSGD's low rank mix a bucket's elements, so tp ranks, whose buckets differ, get
     # different sums of a tp-replicated parameter's identical gradients (GradReducer.reduce).
     ELEMENTWISE = True
+    # The dtype ZeRO >= 2's reduce-scatter sums in under this codec (None: the gradients', fp32).
+    # Only an elementwise cast can: int8's shared block scales and PowerSGD's factors need the
+    # whole bucket on every rank (config.validate refuses them with ZeRO >= 2).
+    SCATTER_DTYPE: torch.dtype | None = None
 
     def all_reduce(self, flat: torch.Tensor, comm, group: str, key: int):
         return comm.all_reduce(flat, group, async_op=True)
@@ -54,7 +59,10 @@ class Plain:
 
 
 class BF16(Plain):
-    """Halves the bytes; the sum itself is rounded to bf16 (no residual: the error is unbiased)."""
+    """Halves the bytes; the sum itself is rounded to bf16 (no residual: the error is unbiased).
+    Under ZeRO >= 2 the reduce-scatter sums in bf16 (FSDP2's and Megatron-LM's bf16 reduction)."""
+
+    SCATTER_DTYPE = torch.bfloat16
 
     def all_reduce(self, flat, comm, group, key):
         low = flat.to(torch.bfloat16)

@@ -116,11 +116,16 @@ def _dp_bytes(cfg: Config) -> float:
     elif p.zero == 1:  # the updated shards gathered over whole (int8: padded) buckets
         grads = _all_reduce_bytes(cfg, params) + _int8_padded(cfg, params) * w
     elif p.zero == 2:
-        grads = params * (micro * 4 + w)
+        grads = params * (micro * scatter_bytes(cfg) + w)
     else:
         block = rank_layers(cfg)[0] * flops.layer_params(m, p.tp)
-        grads = micro * 2 * block * w + (params - block) * w + micro * params * 4
+        grads = micro * 2 * block * w + (params - block) * w + micro * params * scatter_bytes(cfg)
     return grads + STEP_SUMS
+
+
+def scatter_bytes(cfg: Config) -> int:
+    """Bytes per gradient of ZeRO >= 2's reduce-scatter: fp32, or bf16 under that codec."""
+    return 2 if cfg.parallel.grad_codec == "bf16" else 4
 
 
 def _all_reduce_bytes(cfg: Config, params: float) -> float:

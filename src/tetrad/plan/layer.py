@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tetrad.config import Config
 from tetrad.model import flops
+from tetrad.plan.comm_bytes import scatter_bytes
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.links import group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
@@ -241,7 +242,7 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
     alpha, bw = group_link(cluster, p.tp, n)
     params = flops.layer_params(m, p.tp)
     gather = ring_time("all_gather", params * state_bytes_per_param(t.dtype)[0], n, alpha, bw)
-    scatter = ring_time("reduce_scatter", params * 4, n, alpha, bw)
+    scatter = ring_time("reduce_scatter", params * scatter_bytes(cfg), n, alpha, bw)
     gpu = cluster.gpu
     return (max(0.0, gather - forward) + overlap_slowdown(gather, forward, gpu),
             max(0.0, gather - backward) + overlap_slowdown(gather + scatter, backward, gpu))

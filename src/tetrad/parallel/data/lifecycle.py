@@ -180,7 +180,9 @@ class GradSync:
         bucket.state = "reducing"
         comm = self.topo.comm
         if self.zero >= 2:
-            bucket.pending, bucket.incoming = collectives.start_reduce(self.topo, bucket.grad, bucket.shard_size,
+            wire = self.codec.SCATTER_DTYPE
+            full = bucket.grad if wire is None else bucket.grad.to(wire)
+            bucket.pending, bucket.incoming = collectives.start_reduce(self.topo, full, bucket.shard_size,
                                                                        self.scratch_free)
             self.in_flight.append(bucket)
             while len(self.in_flight) > 1:  # double buffering: one reducing while the next fills
@@ -200,10 +202,11 @@ class GradSync:
         if self.zero < 2:
             bucket.state = "reduced"
             return
+        incoming = bucket.incoming.float()  # a bf16 codec's sum back in fp32 (itself when fp32)
         if bucket.grad_shard is None:  # a copy when `incoming` is a view of the full gradient
-            bucket.grad_shard = bucket.incoming.clone() if self.scratch_free else bucket.incoming
+            bucket.grad_shard = incoming.clone() if self.scratch_free and incoming is bucket.incoming else incoming
         else:
-            bucket.grad_shard.add_(bucket.incoming)
+            bucket.grad_shard.add_(incoming)
         bucket.incoming = bucket.grad = None
         bucket.state = "empty"
         self.in_flight.remove(bucket)

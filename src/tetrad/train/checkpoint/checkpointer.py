@@ -256,8 +256,10 @@ class Checkpointer:
         return self._load_verified(path, manifest, params, optimizer, stateful or {}, local or {})
 
     def _load_verified(self, path: Path, manifest: dict, params, optimizer, stateful: dict, local: dict) -> int:
-        """Read the verified checkpoint at `path` into scratch buffers (vocabulary padding stays
-        zero), then copy them into the live state: a failure leaves the live state untouched."""
+        """Read the verified checkpoint at `path` into scratch buffers on the host (vocabulary
+        padding stays zero), then copy them into the live state: a failure leaves the live state
+        untouched, and the device never holds a second copy of this rank's weights and optimizer
+        state (12 B a parameter more at resume would turn a run that fits into an OOM there)."""
         reader = SafeReader(path)
         metadata = reader.read_metadata()
         entries = optimizer_entries(metadata) if manifest["optimizer"] else {}
@@ -296,7 +298,7 @@ class Checkpointer:
                 if expected[key] == ():
                     buffers[key] = state[key] = torch.zeros((), dtype=dtype)
                     continue
-                buffers[key] = torch.zeros(piece.end - piece.start, dtype=dtype, device=piece.values.device)
+                buffers[key] = torch.zeros(piece.end - piece.start, dtype=dtype)  # host: see _load_verified
                 boxes = chunks(piece, buffers[key])
                 if boxes:
                     state[key] = logical(boxes, full, self._mesh_for(buffers[key]))
@@ -326,17 +328,18 @@ def _apply(mine: list[Piece], buffers: dict, entries: dict, optimizer) -> None:
             piece.values.view(-1).copy_(buffers[f"model.{piece.name}"])
             restored = {entry: buffers[f"optim.{piece.name}.{entry}"] for entry in entries.get(piece.name, {})}
             if restored:
-                optimizer.state[piece.values] = {
-                    e: _step(t, optimizer, piece.values) if t.ndim == 0 else t.view_as(piece.values)
-                    for e, t in restored.items()}
+                optimizer.state[piece.values] = {e: _state_entry(t, optimizer, piece.values) for e, t in restored.items()}
     if isinstance(optimizer, ShardedAdamW):
         zero_loaded(optimizer)
 
 
-def _step(loaded: torch.Tensor, optimizer, param: torch.Tensor) -> torch.Tensor:
-    """AdamW's `step` of `param`, placed as torch's own load_state_dict places it: fp32 on the
-    parameter's device for the fused and capturable kernels, which read it there (a host tensor
-    is a pointer the GPU cannot read), as loaded (on the host) otherwise."""
+def _state_entry(loaded: torch.Tensor, optimizer, param: torch.Tensor) -> torch.Tensor:
+    """One loaded optimizer-state entry of `param`, where it lives: a moment beside the parameter,
+    in its shape; AdamW's `step` as torch's own load_state_dict places it, fp32 on the parameter's
+    device for the fused and capturable kernels, which read it there (a host tensor is a pointer
+    the GPU cannot read), as loaded (on the host) otherwise."""
+    if loaded.ndim:
+        return loaded.to(param.device).view_as(param)
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
     return loaded.to(param.device, torch.float32) if group.get("fused") or group.get("capturable") else loaded
 

@@ -48,8 +48,10 @@ def hf_model_from(model: Transformer, cfg) -> "transformers.LlamaForCausalLM | t
 QWEN2, QWEN3 = {"qkv_bias": True}, {"qk_norm": True, "head_dim": 24}  # Qwen3: q and o 4 x 24 wide, not d_model
 
 
+# {"head_dim": 24} alone: a Llama-architecture model with heads of its own width (Mistral NeMo's 128
+# over d_model 5120), which transformers' LlamaConfig takes as head_dim.
 @pytest.mark.parametrize("kv_heads,tied,variant", [(2, False, {}), (4, True, {}), (2, False, QWEN2), (2, True, QWEN2),
-                                                   (2, False, QWEN3), (1, True, QWEN3)])
+                                                   (2, False, QWEN3), (1, True, QWEN3), (2, False, {"head_dim": 24})])
 def test_logits_match_hf_llama_and_qwen(kv_heads, tied, variant):
     cfg = load_config(overrides={"model": {"n_kv_heads": kv_heads, "tie_embeddings": tied, "n_layers": 2,
                                            "rope_theta": 10000.0, "seq_len": 32, **variant}}).model

@@ -120,13 +120,17 @@ def test_context_parallel_ring_is_unchanged_under_nccl_ordering(recompute, maske
     assert all(torch.equal(state[k], gloo_state[k]) for k in gloo_state)
 
 
-@pytest.mark.parametrize("parallel", [{"pp": 3, "vpp": 2, "schedule": "interleaved"},
-                                      {"pp": 2, "dp": 2, "zero": 3, "schedule": "zb"}], ids=["interleaved-pp3", "zb-dp2-zero3"])
-def test_evaluation_under_nccl_ordering(parallel):
+@pytest.mark.parametrize("parallel,model", [({"pp": 3, "vpp": 2, "schedule": "interleaved"}, {}),
+                                            ({"pp": 2, "dp": 2, "zero": 3, "schedule": "zb"}, {}),
+                                            ({"pp": 2, "vpp": 3, "dp": 2, "zero": 3, "schedule": "interleaved"},
+                                             {"tie_embeddings": True})],
+                         ids=["interleaved-pp3", "zb-dp2-zero3", "interleaved-dp2-zero3-tied"])
+def test_evaluation_under_nccl_ordering(parallel, model):
     """The forward-only schedule of an evaluation (its own sends and receives, and under ZeRO-3 the
-    gathers it frees afterwards) between training steps: the same losses as on gloo, bit for bit."""
+    gathers it frees afterwards) between training steps: the same losses as on gloo, bit for bit;
+    with tied embeddings, the embedding's own ZeRO-3 bucket gathered over both stages' steps."""
     def run(transport=None):
-        cfg = tiny_config(model={"n_layers": 6}, parallel=parallel, data={"val_fraction": 0.1},
+        cfg = tiny_config(model={"n_layers": 6, **model}, parallel=parallel, data={"val_fraction": 0.1},
                           train={"steps": 2, "eval_every": 1, "eval_steps": 2, "micro_batch": 1, "global_batch": 6})
         return train_layout(cfg, transport=transport, timeout_s=DEADLINE_S)[2]
     ordered, gloo = run(partial(NcclSemantics, timeout_s=TIMEOUT_S)), run()

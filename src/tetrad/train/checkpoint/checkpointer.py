@@ -323,25 +323,26 @@ def _expected_shapes(params: dict[str, nn.Parameter], entries: dict) -> dict[str
 
 def _apply(mine: list[Piece], buffers: dict, entries: dict, optimizer) -> None:
     """Copy the loaded scratch buffers into the parameters and the optimizer state."""
+    on_device = {id(p) for g in optimizer.param_groups if g.get("fused") or g.get("capturable") for p in g["params"]}
     with torch.no_grad():
         for piece in mine:
             piece.values.view(-1).copy_(buffers[f"model.{piece.name}"])
             restored = {entry: buffers[f"optim.{piece.name}.{entry}"] for entry in entries.get(piece.name, {})}
             if restored:
-                optimizer.state[piece.values] = {e: _state_entry(t, optimizer, piece.values) for e, t in restored.items()}
+                optimizer.state[piece.values] = {e: _state_entry(t, piece.values, id(piece.values) in on_device)
+                                                 for e, t in restored.items()}
     if isinstance(optimizer, ShardedAdamW):
         zero_loaded(optimizer)
 
 
-def _state_entry(loaded: torch.Tensor, optimizer, param: torch.Tensor) -> torch.Tensor:
+def _state_entry(loaded: torch.Tensor, param: torch.Tensor, step_on_device: bool) -> torch.Tensor:
     """One loaded optimizer-state entry of `param`, where it lives: a moment beside the parameter,
     in its shape; AdamW's `step` as torch's own load_state_dict places it, fp32 on the parameter's
-    device for the fused and capturable kernels, which read it there (a host tensor is a pointer
-    the GPU cannot read), as loaded (on the host) otherwise."""
+    device for the fused and capturable kernels (`step_on_device`), which read it there (a host
+    tensor is a pointer the GPU cannot read), as loaded (on the host) otherwise."""
     if loaded.ndim:
         return loaded.to(param.device).view_as(param)
-    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-    return loaded.to(param.device, torch.float32) if group.get("fused") or group.get("capturable") else loaded
+    return loaded.to(param.device, torch.float32) if step_on_device else loaded
 
 
 def _as_tensor(value) -> torch.Tensor:

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from tetrad.config import ModelConfig
+
 FORMAT = 1
 MANIFEST = "tetrad.json"
 LATEST = "latest"
@@ -226,7 +228,6 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> dict:
 def saved_model(manifest: dict) -> dict:
     """The manifest's [model] keys, those it predates at their defaults (head_dim derived as it
     was then): a checkpoint from before a key existed is a model without that feature."""
-    from tetrad.config import ModelConfig
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return dataclasses.asdict(ModelConfig(**{k: v for k, v in manifest["model"].items() if k in known}))
 

@@ -67,6 +67,37 @@ def test_device_mesh_groups_match_layout():
         assert timeouts == {7.0}
 
 
+def _closed_groups():
+    import torch
+    from torch.distributed.distributed_c10d import _world  # torch keeps no public count of live groups
+    live = len(_world.pg_map)
+    topo = Topology(Layout(pp=2, dp=2, cp=1, tp=2), torch.device("cpu"), ranks_per_node=2)
+    groups = {name: topo.group(name) for name in (*DIMS, "dp_cp", INTER, "embed")}
+    made = len(_world.pg_map) - live
+    topo.close()
+    closed = {name: _refused(pg) for name, pg in groups.items() if pg is not None}
+    Topology(Layout(dp=8), torch.device("cpu")).close()  # its dp group is the job's own
+    world = torch.ones(1)
+    dist.all_reduce(world)  # the job's own group outlives the topology
+    return made, len(_world.pg_map) - live, closed, world.item()
+
+
+def _refused(pg) -> bool:
+    try:
+        dist.get_process_group_ranks(pg)
+    except (ValueError, KeyError, RuntimeError):
+        return True
+    return False
+
+
+@pytest.mark.dist
+def test_close_destroys_every_group_it_made():
+    """`tetrad check` under torchrun trains twice in one job: the first run's groups (on NCCL,
+    communicators holding device memory) must be gone before the second starts."""
+    for made, left, closed, world in run_ranks(_closed_groups, 8):
+        assert made > 5 and left == 0 and all(closed.values()) and world == 8.0, (made, left, closed)
+
+
 def test_split_by_node():
     layout = Layout(dp=4, tp=2)  # dp groups: [0, 2, 4, 6] and [1, 3, 5, 7]
     assert layout.split_by_node(("dp", "cp"), 4) == ([[0, 2], [4, 6], [1, 3], [5, 7]],

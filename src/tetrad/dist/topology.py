@@ -2,7 +2,9 @@
 
 Megatron-Core passes its process groups around as one explicit collection; this is tetrad's.
 The groups are made once, in `_create_groups`, in the same order on every rank (NCCL requires
-it), with one collective `timeout` for all of them. Nothing else creates process groups.
+it), with one collective `timeout` for all of them, and destroyed by `close` when the run ends.
+Nothing else creates process groups but the checkpointer's two gloo groups for background writes
+(train/checkpoint/background.py).
 
 Names: one per dimension ("pp", "dp", "cp", "tp": one DeviceMesh, dist/layout.py's DIMENSIONS);
 GRAD ("dp_cp"), the flattened replicated dimensions gradients are reduced over (cp ranks hold
@@ -106,6 +108,17 @@ class Topology:
 
     def _add(self, name: str, ranks: list[int], pg) -> None:
         self._ranks[name], self._groups[name] = list(ranks), pg
+
+    def close(self) -> None:
+        """Destroy this rank's groups, never the job's own (DeviceMesh reuses it for a dimension
+        that spans every rank): a process that trains again in the same job (`tetrad check` under
+        torchrun) would otherwise keep each communicator of the first run, on NCCL with its device
+        buffers, through the second."""
+        groups = {id(pg): pg for pg in self._groups.values() if pg is not None and pg != dist.group.WORLD}
+        for pg in groups.values():
+            dist.destroy_process_group(pg)
+        self._groups.clear()
+        self.mesh = None
 
     # ------------------------------------------------------------------ lookup
     def group(self, name: str):

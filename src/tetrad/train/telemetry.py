@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from tetrad import device as devices
+from tetrad.config import profile_steps
 
 # Every field a sample may carry, with the label the report shows.
 FIELDS = {"gpu_util_pct": "GPU busy %", "mem_bw_util_pct": "memory bandwidth busy %",
@@ -136,3 +137,21 @@ def infiniband_bytes(root: Path = Path("/sys/class/infiniband")) -> dict:
             tx += 4 * int((port / "port_xmit_data").read_text())
             rx += 4 * int((port / "port_rcv_data").read_text())
     return {"nic_tx_gbps": tx, "nic_rx_gbps": rx} if ports else {}
+
+
+def step_profiler(profile: str, first_step: int, trace: Path, device: torch.device):
+    """torch.profiler over the steps `train.profile` names (1-based) from `first_step` on, one
+    warm-up step before them when there is one; a Chrome trace written to `trace`. None when off."""
+    steps = profile_steps(profile)
+    steps = range(max(steps.start, first_step + 1), steps.stop)
+    if not steps:
+        return None
+    before = steps.start - 1 - first_step
+    warmup = min(1, before)
+
+    def export(prof):
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+    return torch.profiler.profile(
+        activities=devices.profiler_activities(device), record_shapes=True, on_trace_ready=export,
+        schedule=torch.profiler.schedule(skip_first=before - warmup, wait=0, warmup=warmup, active=len(steps), repeat=1))

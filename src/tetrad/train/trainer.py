@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tetrad import device as devices
-from tetrad.config import Config, profile_steps
+from tetrad.config import Config
 from tetrad.dist import autotune, watchdog
 from tetrad.dist.layout import GRAD, REPORTED, WEIGHT_SPLIT_DIMS, Layout, shard_sequence
 from tetrad.dist.topology import Topology
@@ -290,25 +290,6 @@ class Trainer:
         loss scale, and the data's place (for a resume under another global batch)."""
         return {"scaler": self.scaler, "data": self.data_position}
 
-    def _profiler(self, first_step: int):
-        """torch.profiler over the steps `train.profile` names (1-based), one warm-up step before
-        them when there is one; a Chrome trace per rank in RUN_DIR/traces/. None when off."""
-        steps = profile_steps(self.cfg.train.profile)
-        steps = range(max(steps.start, first_step + 1), steps.stop)
-        if not steps:
-            return None
-        before = steps.start - 1 - first_step
-        warmup = min(1, before)
-        trace = self.run_dir / "traces" / f"rank{self.topo.rank}.json"
-
-        def export(prof):
-            trace.parent.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(trace))
-        return torch.profiler.profile(
-            activities=devices.profiler_activities(self.topo.device), record_shapes=True, on_trace_ready=export,
-            schedule=torch.profiler.schedule(skip_first=before - warmup, wait=0, warmup=warmup,
-                                             active=len(steps), repeat=1))
-
     def fit(self) -> list[dict]:
         cfg = self.cfg
         is_logger = self.topo.rank == 0
@@ -327,7 +308,8 @@ class Trainer:
         elif start:
             log.note(f"tetrad: resumed from {ckpt.resumed_from} (step {start}); continuing at step {start + 1}")
         history = []
-        profiler = self._profiler(start)
+        profiler = telemetry.step_profiler(cfg.train.profile, start, self.run_dir / "traces" / f"rank{self.topo.rank}.json",
+                                           self.topo.device)
         try:
             with self.signals, profiler or contextlib.nullcontext():
                 for step in range(start, cfg.train.steps):
@@ -393,8 +375,12 @@ def _naming_step(step: int):
 
 
 def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:
-    """Entry point of a rank inside an initialised process group (local or torchrun)."""
+    """Entry point of a rank inside an initialised process group (local or torchrun). The run's
+    groups end with it: `tetrad check` trains again in the same torchrun job."""
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     devices.set_fp32_matmul(device, cfg.train.tf32)
     with memory_watch(cfg, devices.memory_gib(device)):
-        return Trainer(cfg, device).fit()
+        trainer = Trainer(cfg, device)
+        history = trainer.fit()
+    trainer.topo.close()
+    return history

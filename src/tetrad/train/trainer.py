@@ -13,7 +13,6 @@ import functools
 import json
 import math
 import os
-import signal
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ from tetrad.train.optim import lr_at
 from tetrad.train.pipelines import StepPipelines, pipeline_links
 from tetrad.train.precision import LossScaler
 from tetrad.train.preflight import memory_watch
-from tetrad.train.stopping import StopSignals, divergence_note
+from tetrad.train.stopping import StopSignals, divergence_note, stop_name
 
 
 def execution_for(cfg: Config, hold=None) -> Execution:
@@ -320,7 +319,7 @@ class Trainer:
         if is_logger:  # after resume, which reads the config.toml of the run whose metrics are there
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
-        log = MetricsLog(cfg, start, is_logger)
+        log = MetricsLog(cfg, start, is_logger, self.signals.stdout_closed)  # `| head`: a stop, as SIGTERM
         if start >= cfg.train.steps:
             log.note(f"tetrad: {ckpt.resumed_from} is step {start} and train.steps = {cfg.train.steps}: nothing left "
                      "to train; raise train.steps to continue this run, or use a new run.dir")
@@ -363,7 +362,7 @@ class Trainer:
     def _save_and_stop(self, step: int, signum: int, ckpt: Checkpointer, state: tuple, log: MetricsLog) -> None:
         """Save after `step` (unless `checkpoint.every` just did) before a stop that a signal asked for."""
         path = ckpt.ensure_saved(step, *state)
-        log.note(f"tetrad: stopping on {signal.Signals(signum).name} after step {step} of {self.cfg.train.steps}; "
+        log.note(f"tetrad: stopping on {stop_name(signum)} after step {step} of {self.cfg.train.steps}; "
                  f"saved {path}. Run the same command again to resume.")
 
     def _write_timeline(self) -> None:

@@ -59,7 +59,7 @@ def _announce(cfg: Config, device_type: str, resume: Path | None) -> None:
     print(f"tetrad: training {model} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
           f"({p.world_size} rank{'s' if p.world_size > 1 else ''} on {device_type}), "
           f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
-    print(describe_data(cfg), flush=True)
+    print(describe_data(cfg, resume), flush=True)
     if cfg.train.warmup > cfg.train.steps:
         print(f"tetrad: note: train.warmup={cfg.train.warmup} > train.steps={cfg.train.steps}: the learning rate "
               f"never reaches train.lr={cfg.train.lr:g}", flush=True)

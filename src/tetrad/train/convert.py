@@ -13,11 +13,9 @@ folder's tokenizer.json is kept beside the converted weights.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -36,7 +34,7 @@ from tetrad.model.sharding import spec_of
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
                                      verify)
-from tetrad.train.checkpoint.store import read_manifest
+from tetrad.train.checkpoint.store import one_process, read_manifest
 
 # tetrad name inside layer i -> HF name inside model.layers.i
 LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
@@ -87,14 +85,6 @@ def checkpoint_folder(path: Path) -> Path:
                               f"{saved.get('every', 0)}; 0 saves none); train with --checkpoint.every=N to save "
                               "every N steps and at the last")
     return resolve(path)  # a checkpoint root
-
-
-@contextlib.contextmanager
-def one_process():
-    """DCP on one process by design: its warning that it assumes so is noise here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:

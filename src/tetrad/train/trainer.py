@@ -287,7 +287,7 @@ class Trainer:
     def job_state(self) -> dict:
         """What a checkpoint keeps beside the model and optimizer, the same on every rank: the
         loss scale, and the data's place (for a resume under another global batch)."""
-        return {"scaler": self.scaler, "data": self.data_position}
+        return {"scaler": self.scaler, DataPosition.NAME: self.data_position}
 
     def _profiler(self, first_step: int):
         """torch.profiler over the steps `train.profile` names (1-based), one warm-up step before

@@ -25,7 +25,7 @@ from tetrad.dist.topology import Topology
 from tetrad.model.execution import DeferredWeightGrads, Execution
 from tetrad.model.llama import set_execution
 from tetrad.model.sharding import full_state_dict, init_parameters, initial_value, set_spec, spec_of
-from tetrad.model.layers import DropoutGenerators
+from tetrad.model.layers import DropoutSeeds
 from tetrad.parallel.data import GradReducer, ShardedAdamW
 from tetrad.parallel.pipeline.registry import check_config, schedule_spec
 from tetrad.parallel.pipeline.stages import PipelineStages
@@ -75,8 +75,7 @@ def build_model(cfg: Config, topo: Topology, execution: Execution | None = None,
 
 def starting_weights(cfg: Config):
     """`weights(name)` of `checkpoint.init_from`, or None: the logical init."""
-    init_from = cfg.checkpoint.init_from
-    return initial_weights(init_from) if init_from else None
+    return initial_weights(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
 
 
 def _without_storage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -103,6 +102,7 @@ class Trainer:
         self.model = build_model(cfg, self.topo, execution_for(cfg, hold=self.activations.hold),
                                  materialise=p.zero != 3)
         set_execution(self.model, cfg.train.recompute, cfg.train.compile)
+        self.dropout = DropoutSeeds(self.model)  # tp-shared masks: a function of (seed, step)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         dtype = devices.DTYPES[cfg.train.dtype]
         self.run_dir = Path(cfg.run.dir)
@@ -200,6 +200,7 @@ class Trainer:
         lr = lr_at(step, cfg.train)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.dropout.at_step(step)
         clock = self.clock
         clock.start()
         start = topo.comm.clock.mark()
@@ -314,7 +315,7 @@ class Trainer:
         ckpt = self.checkpointer
         params = dict(self.model.named_parameters())
         stateful = self.job_state()
-        local = {"grads": self.grads, "dropout": DropoutGenerators(self.model)}
+        local = {"grads": self.grads}
         start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful, local)
         if is_logger:  # after resume, which reads the config.toml of the run whose metrics are there
             self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,12 @@ cleanly at an empty line, the input's end or the model's seq_len."""
 
 import io
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +20,7 @@ from tetrad.cli import main
 from tetrad.data.chat import template_beside
 from tetrad.train.generate import Dialogue, continuation_loss, converse, load_generator, reply
 
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 SYSTEM = "You answer briefly."
 QUESTIONS = ["Name a colour.", "And another?", "What is 2+2?"]
 
@@ -179,3 +185,59 @@ def test_a_continuation_the_context_ends_says_so(chat_run, capsys):
     assert "the model's context (seq_len=128) ended it before --max-new-tokens" in err, err
     assert main(["generate", str(run), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
     assert "ended it" not in capsys.readouterr().err
+
+
+def _generate_chat(run, code: str = "") -> subprocess.Popen:
+    """`tetrad generate RUN --chat` in its own process, as a user runs it, stdin and stdout piped;
+    `code` runs first in that process (before tetrad's command line)."""
+    script = f"import sys; {code}\nfrom tetrad.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", script, "generate", str(run), "--chat", "--temperature", "0",
+                             "--max-new-tokens", "6"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"})
+
+
+def test_ctrl_c_while_the_chat_waits_for_a_line_ends_it_quietly(chat_run):
+    """Ctrl-C at the next message's prompt ends the conversation as a shell's command ends: a
+    newline, status 130, no traceback (it printed the training's `stopped by SIGINT; every rank
+    was stopped`; with torch half imported, a traceback)."""
+    proc = _generate_chat(chat_run[0])
+    proc.stdin.write(f"{QUESTIONS[0]}\n")
+    proc.stdin.flush()
+    answer = proc.stdout.readline()  # the first turn answered: the chat now waits for the next line
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert answer.strip() and out == "" and (proc.returncode, err) == (128 + signal.SIGINT, "\n")
+
+
+# A real SIGINT, sent from inside the model's third forward: the first answer's second token.
+INTERRUPT_IN_DECODING = """
+import os, signal, torch
+forwards = []
+def interrupt(module, args):
+    if type(module).__name__ == "Transformer":
+        forwards.append(module)
+    if len(forwards) == 3 and type(module).__name__ == "Transformer":
+        os.kill(os.getpid(), signal.SIGINT)
+torch.nn.modules.module.register_module_forward_pre_hook(interrupt)
+"""
+
+
+# A real SIGINT, sent while torch is half imported (as the command starts).
+INTERRUPT_IN_IMPORT = """
+import os, signal, importlib.abc
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch.functional":
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, Interrupt())
+"""
+
+
+@pytest.mark.parametrize("code", [INTERRUPT_IN_DECODING, INTERRUPT_IN_IMPORT], ids=["decoding", "torch-import"])
+def test_ctrl_c_while_the_model_answers_or_loads_ends_the_chat_quietly(chat_run, code):
+    """In torch's import the handler's own import of tetrad.launch failed on the half-imported
+    torch: a traceback, and the process killed by the signal."""
+    proc = _generate_chat(chat_run[0], code)
+    out, err = proc.communicate(f"{QUESTIONS[0]}\n{QUESTIONS[1]}\n", timeout=60)
+    assert (proc.returncode, out, err) == (128 + signal.SIGINT, "", "\n")

@@ -88,9 +88,9 @@ def test_killed_rank_resumes_bitwise(layout, reference):
 
 
 # State that lives on one rank only: gradient codecs' error feedback (and PowerSGD's warm-started
-# Q), and the tp-shared dropout generators (tp > 1 without SP). It comes back when the layout is
-# the same, even if the resume changes [parallel] keys no such state depends on (the timeouts,
-# say after a collective timed out, and the communicators' settings).
+# Q). It comes back when the layout is the same, even if the resume changes [parallel] keys no
+# such state depends on (the timeouts, say after a collective timed out, and the communicators'
+# settings). The tp-shared dropout generators (tp > 1 without SP) need none: seeded from the step.
 PER_RANK_RUNS = {"int8": ({"dp": 2, "grad_codec": "int8"}, {}), "powersgd": ({"dp": 2, "grad_codec": "powersgd"}, {}),
                  "tp-dropout": ({"tp": 2}, {"dropout": 0.1})}
 NEW_TIMEOUTS = {"collective_timeout_s": 90.0, "startup_timeout_s": 300.0, "comm_options": {"dp": {"max_ctas": 8}}}
@@ -108,6 +108,37 @@ def test_per_rank_state_resumes_bitwise(name, resumed_with):
     resumed = train_layout(tiny_config(parallel={**layout, **resumed_with}, model=model, train=train,
                                        checkpoint={"every": 2}, run={"dir": cfg.run.dir}))[0]
     assert resumed == expected[2:]
+
+
+def _dropout_masks(cfg) -> list[bytes]:
+    """Train (resuming if a checkpoint is there); the tp-shared dropout masks this rank drew, in order."""
+    from tetrad.model.layers import ResidualDropout
+    masks, draw = [], ResidualDropout._shared_mask_dropout
+
+    def recording(module, x):
+        state = module.generator.get_state()
+        masks.append((torch.rand(x.shape, generator=module.generator) >= module.p).numpy().tobytes())
+        module.generator.set_state(state)  # the draw itself is the module's
+        return draw(module, x)
+    ResidualDropout._shared_mask_dropout = recording  # this forked rank's class only
+    Trainer(cfg, torch.device("cpu")).fit()
+    return masks
+
+
+def test_tp_dropout_after_a_resume_in_another_layout_draws_fresh_masks(tmp_path):
+    """The tp-shared dropout generators' state is per rank, so a resume under another layout
+    cannot restore it: the masks after it must still be new ones. They restarted from the
+    generators' construction seeds: rank 0 drew at step 3 exactly the masks of step 1."""
+    common = {"model": {"dropout": 0.1}, "train": {"micro_batch": 1}, "run": {"dir": str(tmp_path)}}
+    before = run_ranks(_dropout_masks, 2, tiny_config(parallel={"tp": 2}, checkpoint={"every": 2},
+                                                       **{**common, "train": {"micro_batch": 1, "steps": 2}}))
+    after = run_ranks(_dropout_masks, 4, tiny_config(parallel={"tp": 2, "dp": 2},
+                                                      **{**common, "train": {"micro_batch": 1, "steps": 4}}))
+    assert before[0] == before[1] and after[0] == after[1] and after[2] == after[3]  # shared over tp
+    assert len(before[0]) == 2 * 8 * 4 and len(after[0]) == 2 * 4 * 4  # steps x micro-batches x dropouts
+    drawn = set(before[0])
+    repeated = sum(mask in drawn for mask in after[0] + after[2])
+    assert len(drawn) == len(before[0]) and repeated == 0
 
 
 def _restored_codec_buckets(cfg):

@@ -13,7 +13,7 @@ import torch
 
 from conftest import tiny_config, train_layout, write_hf_qwen
 from tetrad.cli import main
-from tetrad.train.checkpoint import Checkpointer
+from tetrad.train.checkpoint import MANIFEST, Checkpointer
 from tetrad.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -210,21 +210,39 @@ def test_hf_weights_that_do_not_fit_config_are_refused(tmp_path, capsys):
     assert "model.safetensors is not a readable safetensors file" in capsys.readouterr().err
 
 
-def test_to_hf_refuses_a_folder_with_another_exports_shards(tmp_path, capsys):
-    """Readers that take every *.safetensors (init_from, --to-tetrad) would mix the two exports."""
+def test_an_export_refuses_a_folder_that_holds_anything_in_one_line(tmp_path, capsys):
+    """--to-hf, as --to-tetrad, writes only into a new or empty folder: a folder with another
+    export's shards (readers of every *.safetensors would mix the two), with its own earlier export
+    or with the HF model a run was fine-tuned from (a single model.safetensors) is refused, naming
+    the fix, and left as it was. --to-hf wrote over the last two silently; --to-tetrad refused an
+    empty folder."""
     cfg = tiny_config(train={"steps": 1}, checkpoint={"every": 1}, run={"dir": str(tmp_path / "run")})
     Trainer(cfg, torch.device("cpu")).fit()
     out = tmp_path / "hf"
     out.mkdir()
     (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
     assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 1
-    assert "holds model-00001-of-00002.safetensors from another export; write into a new folder" in \
-        capsys.readouterr().err
+    assert capsys.readouterr().err == (f"tetrad: --to-hf {out} exists and is not an empty folder; choose a new one, "
+                                       "or remove it first\n")
     assert not (out / "model.safetensors").exists()
     (out / "model-00001-of-00002.safetensors").unlink()
-    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 0  # written again over its own export
-    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 0
-
+    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 0  # an empty folder is a new one
+    exported = (out / "model.safetensors").read_bytes()
+    (tmp_path / "base").mkdir()
+    for name in ("config.json", "model.safetensors"):  # as the HF model a run was fine-tuned from
+        (tmp_path / "base" / name).write_bytes(b"base model's " + name.encode())
+    for target in (out, tmp_path / "base"):
+        kept = {p.name: p.read_bytes() for p in target.iterdir()}
+        assert main(["convert", str(tmp_path / "run"), "--to-hf", str(target)]) == 1
+        assert capsys.readouterr().err.startswith(f"tetrad: --to-hf {target} exists and is not an empty folder")
+        assert {p.name: p.read_bytes() for p in target.iterdir()} == kept
+    assert (out / "model.safetensors").read_bytes() == exported
+    assert main(["convert", str(out), "--to-tetrad", str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().err == (f"tetrad: --to-tetrad {tmp_path / 'run'} exists and is not an empty folder; "
+                                       "choose a new one, or remove it first\n")
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", str(out), "--to-tetrad", str(tmp_path / "empty")]) == 0
+    assert (tmp_path / "empty" / MANIFEST).is_file()
 
 
 def test_a_checkpoint_logged_to_wandb_exports_where_wandb_is_not_installed(tmp_path, monkeypatch):

@@ -361,3 +361,22 @@ def test_documents_start_with_the_tokenizers_own_prefix(tmp_path, capsys):
     docs = [ids[a + 1:b] for a, b in zip([-1] + ends, ends)]
     assert [d[0] for d in docs] == [bos] * 4 and ids.count(bos) == 4
     assert [tokenizer.decode(d[1:]) for d in docs] == texts + ["a json document"]
+
+
+def test_the_epochs_line_of_a_resume_under_another_global_batch_counts_the_samples_read(tmp_path, capsys):
+    """`tetrad train`'s data line on a resume under another train.global_batch: the samples the
+    checkpoint says were read (4 steps x 8), then the steps left at the new batch (4 x 16), 96 in
+    all, as the resumed run reads them (test_checkpoint's next unread sample). It counted 8 steps
+    x 16 = 128 from step 0, as if the new batch had read the first steps too."""
+    (tmp_path / "text.txt").write_text("".join(f"line {i} of a small corpus.\n" for i in range(100)))
+    common = [f"--data.source={tmp_path / 'text.txt'}", "--model.seq_len=32", "--model.n_layers=1",
+              "--model.d_model=32", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_hidden=64",
+              "--train.micro_batch=8", f"--run.dir={tmp_path / 'run'}"]
+    assert main(["train", *common, "--train.steps=4", "--train.global_batch=8", "--checkpoint.every=4"]) == 0
+    first = capsys.readouterr().out
+    per_epoch = int(first.split("tetrad: data: ")[1].split(" windows")[0].replace(",", ""))
+    assert f"; 4 steps x 8 = {32 / per_epoch:.2f} epochs" in first
+    assert main(["train", *common, "--train.steps=8", "--train.global_batch=16"]) == 0
+    resumed = capsys.readouterr().out
+    assert (f"tetrad: data: {per_epoch:,} windows of 32 tokens an epoch; 32 samples read by step 4, then 4 steps "
+            f"x 16 = {96 / per_epoch:.2f} epochs\n") in resumed, resumed

@@ -89,7 +89,7 @@ def test_comm_bytes_follow_tetrad_comm_convention():
     hidden = 2 * m.seq_len * m.d_model * 4  # micro-batch x seq x d_model, fp32
     got = comm_bytes_per_step(cfg)
     layers = 2  # of 4, on pipeline rank 0
-    sums = 5 * 4  # the step's fp32 sums (norm, loss, stop flags) on every group
+    sums = 6 * 4  # the step's fp32 sums (norm, loss, stop flags) on every group
     assert got["tp"] == micro * (layers * 4 * hidden + hidden) + sums  # 2 all-reduces fwd + 2 bwd per layer; embedding
     assert got["pp"] == micro * hidden + sums  # activations sent on
     assert got["dp"] == int(rank_params(cfg)[0] * 4) + sums  # one all-reduce of fp32 gradients

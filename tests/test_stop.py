@@ -80,3 +80,31 @@ def test_every_rank_stops_after_the_same_step():
     done = run_ranks(_train_until_rank1_is_signalled, 2, cfg)
     assert done[0] == done[1] < STEPS
     assert step_dir(Path(cfg.run.dir) / "checkpoints", done[0]).is_dir()
+
+
+def test_a_closed_stdout_stops_the_run_as_sigterm_does(tmp_path):
+    """`tetrad train ... | head`: the reader leaves after the first step's line; the run stops as
+    on SIGTERM (the step in flight finishes, every rank saves it) and exits with SIGPIPE's status,
+    saying so on stderr; the same command resumes exactly. It ended in rank 0's BrokenPipeError
+    traceback, status 1, with no checkpoint: every step since the last one lost."""
+    steps = 40  # a margin: the pipe closes within a step or two of the first line
+    args = [f"--{section}.{key}={value}" for section, values in TINY.items() for key, value in values.items()]
+    args += [f"--train.steps={steps}", "--train.device=cpu", "--parallel.dp=2", "--run.log_every=1",
+             f"--run.dir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, "-m", "tetrad", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"})
+    while not proc.stdout.readline().startswith("step 1/"):
+        assert proc.poll() is None, proc.stderr.read()
+    proc.stdout.close()  # as `head` exits
+    err = proc.communicate(timeout=120)[1]
+    reached = len(metrics(tmp_path))
+    assert proc.returncode == 128 + signal.SIGPIPE and 1 < reached < steps, err
+    assert err == (f"tetrad: stopping on SIGPIPE (stdout's reader left) after step {reached} of {steps}; saved "
+                   f"{step_dir(tmp_path / 'checkpoints', reached)}. Run the same command again to resume.\n")
+
+    again = subprocess.run([sys.executable, "-m", "tetrad", "train", *args], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0 and f"(step {reached}); continuing at step {reached + 1}" in again.stdout, again.stderr
+    uninterrupted, _, _ = train_layout(tiny_config(parallel={"dp": 2}, train={"steps": steps, "device": "cpu"}))
+    assert [r["loss"] for r in metrics(tmp_path)] == uninterrupted

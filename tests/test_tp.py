@@ -95,10 +95,10 @@ def expected_tp_bytes(sequence_parallel: bool) -> int:
     # Vocab-parallel cross-entropy: max, sum-exp and target logit, one fp32 per token each.
     loss = 3 * b * s * fp32
     per_micro_batch = layers * per_layer + outside + loss
-    # Once per step: the step's sums over the job (5 fp32: squared gradient norm, loss, a flag
-    # per stop signal), and under SP the gradients of the replicated norm weights (2 per layer +
+    # Once per step: the step's sums over the job (6 fp32: squared gradient norm, loss, a flag
+    # per stop signal and one for a closed stdout), and under SP the gradients of the replicated norm weights (2 per layer +
     # the final one, h each) summed over the sequence chunks.
-    per_step = 5 * fp32 + ((2 * layers + 1) * h * fp32 if sequence_parallel else 0)
+    per_step = 6 * fp32 + ((2 * layers + 1) * h * fp32 if sequence_parallel else 0)
     return micro_batches * per_micro_batch + per_step
 
 

@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import grad_norms, run_ranks, sft_shards, tiny_config, train_layout  # noqa: E402
 from test_checkpoint import read_logical  # noqa: E402
 from tetrad.config import ConfigError  # noqa: E402
-from tetrad.model.layers import DropoutGenerators  # noqa: E402
 from tetrad.parallel.pipeline import registry  # noqa: E402
 from tetrad.train.checkpoint import Checkpointer  # noqa: E402
 from tetrad.train.trainer import Trainer  # noqa: E402
@@ -119,7 +118,7 @@ def _load_and_save(cfg, path: Path, root: Path):
     trainer = Trainer(cfg, torch.device("cpu"))
     ckpt = Checkpointer(cfg, trainer.topo, root)
     params, stateful = dict(trainer.model.named_parameters()), trainer.job_state()
-    local = {"grads": trainer.grads, "dropout": DropoutGenerators(trainer.model)}
+    local = {"grads": trainer.grads}
     ckpt.save(ckpt.load(path, params, trainer.optimizer, stateful, local), params, trainer.optimizer, stateful, local)
 
 

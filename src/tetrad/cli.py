@@ -59,7 +59,7 @@ def _announce(cfg: Config, device_type: str, resume: Path | None) -> None:
     print(f"tetrad: training {model} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
           f"({p.world_size} rank{'s' if p.world_size > 1 else ''} on {device_type}), "
           f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
-    print(describe_data(cfg), flush=True)
+    print(describe_data(cfg, resume), flush=True)
     if cfg.train.warmup > cfg.train.steps:
         print(f"tetrad: note: train.warmup={cfg.train.warmup} > train.steps={cfg.train.steps}: the learning rate "
               f"never reaches train.lr={cfg.train.lr:g}", flush=True)
@@ -93,8 +93,14 @@ def data_command(argv: list[str]) -> int:
 
 
 def generate_command(argv: list[str]) -> int:
-    from tetrad.train.generate import generate_command as run
-    return run(argv)
+    """Ctrl-C (while torch loads, the model reads or a chat waits for a line) ends it as a shell's
+    command ends: a newline, so the prompt starts on its own line, and status 130."""
+    try:
+        from tetrad.train.generate import generate_command as run
+        return run(argv)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def bench_command(argv: list[str]) -> int:
@@ -140,9 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tetrad: config error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:
-        from tetrad.launch import Stopped
-        signum = e.signum if isinstance(e, Stopped) else 2
+    except KeyboardInterrupt as e:  # no import here: Ctrl-C may have come while torch was half imported
+        signum = getattr(e, "signum", signal.SIGINT)  # launch.Stopped's, or Ctrl-C's
         print(f"tetrad: stopped by {signal.Signals(signum).name}; every rank was stopped", file=sys.stderr)
         return 128 + signum
     except RuntimeError as e:

@@ -83,19 +83,21 @@ class ResidualDropout(nn.Module):
     trainer seeds every rank differently), as one device would with independent draws. Without
     SP the stream is replicated over tp and every tp rank must drop the same elements, or the
     replicas (and the replicated norm weights) drift apart: the mask then comes from a generator
-    seeded the same on every tp rank, with a seed tp rank 0 draws at construction and broadcasts.
-    Masks are not a function of the token's position, so they differ from a single-process
-    run's: dropout > 0 is reproducible per layout, not bitwise equal across layouts.
+    seeded the same on every tp rank, from a seed tp rank 0 draws at construction and broadcasts,
+    and the step (DropoutSeeds). Masks are not a function of the token's position, so they differ
+    from a single-process run's: dropout > 0 is reproducible per layout, not bitwise equal across
+    layouts.
     """
 
     def __init__(self, p: float, topo, ex: Execution):
         super().__init__()
         self.p = p
-        self.generator = None
+        self.generator, self.seed = None, 0
         if topo.tp_size > 1 and not ex.sequence_parallel:
             seed = torch.randint(2**62, (1,), device=topo.device)  # explicit device: models are built on meta
             topo.comm.broadcast(seed, 0, "tp")
-            self.generator = torch.Generator(device=topo.device).manual_seed(int(seed))
+            self.seed = int(seed)
+            self.generator = torch.Generator(device=topo.device).manual_seed(self.seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
@@ -110,21 +112,21 @@ class ResidualDropout(nn.Module):
         return x * keep / (1 - self.p)
 
 
-class DropoutGenerators:
-    """The tp-shared generators of a model's ResidualDropout modules, by module name, as a rank's
-    checkpoint state: without them a resumed run would draw other masks than an unbroken one."""
+class DropoutSeeds:
+    """The tp-shared generators of a model's ResidualDropout modules, seeded at each step from
+    (the module's seed, the step): a resume continues with the masks of its step in any layout,
+    bitwise in the same one, with no checkpoint state. A generator's state is per rank, so a
+    checkpoint's could not follow a layout change, and one started again from its seed repeated
+    the masks of the run's first steps."""
+
+    GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / the golden ratio: steps' seeds far apart
 
     def __init__(self, model: nn.Module):
-        self.generators = {name: m.generator for name, m in model.named_modules()
-                           if isinstance(m, ResidualDropout) and m.generator is not None}
+        self.modules = [m for m in model.modules() if isinstance(m, ResidualDropout) and m.generator is not None]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: g.get_state() for name, g in self.generators.items()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name, value in state.items():
-            if name in self.generators:
-                self.generators[name].set_state(value)
+    def at_step(self, step: int) -> None:
+        for m in self.modules:
+            m.generator.manual_seed((m.seed + self.GOLDEN * (step + 1)) % 2**63)
 
 
 # ----------------------------------------------------------------------------- loss

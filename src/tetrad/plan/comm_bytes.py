@@ -13,9 +13,10 @@ from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers
 from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param, vocab_shard
 
-# The step's numbers that need the whole job: one all-reduce of 5 fp32 (squared gradient norm,
-# loss, a flag per stop signal) over dp, tp and pp (train/trainer.py's _step_sums).
-STEP_SUMS = 5 * 4
+# The step's numbers that need the whole job: one all-reduce of 6 fp32 (squared gradient norm,
+# loss, a flag per stop signal and one for a closed stdout) over dp, tp and pp (train/trainer.py's
+# _step_sums).
+STEP_SUMS = 6 * 4
 
 
 def comm_bytes_per_step(cfg: Config) -> dict[str, int]:

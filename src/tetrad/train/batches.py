@@ -21,6 +21,7 @@ cuts of its stream (data/packing.py).
 from __future__ import annotations
 
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from tetrad.data.shards import end_of_document
 from tetrad.data.sources import TokenStream, load_blend
 from tetrad.model.documents import Documents
 from tetrad.model.layers import IGNORED_LABEL
+from tetrad.train.checkpoint.store import CheckpointError, read_extras
 
 MASK64 = (1 << 64) - 1
 ORDER_CACHED = 1 << 22  # windows; an epoch's order then takes 32 MB and a fraction of a second once
@@ -242,8 +244,9 @@ class Batches:
         return route(np.arange(first + lo, first + hi, dtype=np.int64), self.weights)
 
     def epochs(self, steps: int) -> list[float]:
-        """How many epochs of each source `steps` global batches read."""
-        counts = blend_counts(self.ramp.advance(0, steps), self.weights)
+        """How many epochs of each source the run has read by step `steps`: from its start, or from
+        where a resume under another global batch continued (`continue_from`)."""
+        counts = blend_counts(self.first_sample(steps), self.weights)
         return [count / windows.per_epoch for count, windows in zip(counts, self.windows)]
 
     def eval_batches(self, requested: int) -> int:
@@ -283,6 +286,8 @@ class DataPosition:
     re-reading any (Megatron-LM keeps consumed_samples for the same reason). The trainer sets
     `step` (steps done) after each step."""
 
+    NAME = "data"  # in a checkpoint: extra.data.step, extra.data.samples
+
     def __init__(self, batches: Batches):
         self.batches, self.step = batches, 0
 
@@ -305,24 +310,26 @@ def split_batches(cfg) -> tuple[Batches, Batches | None]:
             None if val is None else Batches(val, m.seq_len, t.global_batch, t.seed, m.vocab_size, False, eos=eos))
 
 
-def describe(cfg) -> str:
+def describe(cfg, resume: Path | None = None) -> str:
     """One line for the start of a run: how many epochs of its data (of each source of a blend)
-    it trains, and how much of the held-out data an evaluation reads."""
+    it trains, and how much of the held-out data an evaluation reads. `resume`: the checkpoint
+    the run continues from, whose data place counts the samples read before it."""
     train, val = split_batches(cfg)
     t = cfg.train
-    epochs = train.epochs(t.steps)
     batch = f"{t.batch_rampup[0]}..{t.global_batch} (ramped up)" if t.batch_rampup else t.global_batch
+    span = _resumed(train, resume, f"steps x {batch}", t.steps) or f"{t.steps} steps x {batch}"
+    epochs = train.epochs(t.steps)
     if len(epochs) == 1:
         line = (f"tetrad: data: {train.windows[0].per_epoch:,} windows of {cfg.model.seq_len} tokens an epoch"
-                f"{_packed(train.windows[0], t.document_mask)}; {t.steps} steps x {batch} = {epochs[0]:.2f} epochs")
+                f"{_packed(train.windows[0], t.document_mask)}; {span} = {epochs[0]:.2f} epochs")
     else:
-        counts = blend_counts(train.ramp.advance(0, t.steps), train.weights)
+        counts = blend_counts(train.first_sample(t.steps), train.weights)
         parts = ", ".join(f"{100 * float(w):.3g}% {name} ({windows.per_epoch:,} windows an epoch"
                           f"{_packed(windows, t.document_mask)}: {e:.2f} epochs"
                           f"{'' if count else '; no sample in this run: raise its weight or train longer'})"
                           for (w, name), windows, e, count in zip(blend_parts(cfg.data.source), train.windows,
                                                                   epochs, counts))
-        line = f"tetrad: data: {t.steps} steps x {batch} windows of {cfg.model.seq_len} tokens from {parts}"
+        line = f"tetrad: data: {span} windows of {cfg.model.seq_len} tokens from {parts}"
     if val is not None and t.eval_every:
         parts = [batches for _, batches in val.split()]
         used = [part.eval_batches(t.eval_steps) for part in parts]
@@ -335,6 +342,24 @@ def describe(cfg) -> str:
                          f"{t.eval_steps} asks for more than they hold")
         line += f" ({': '.join(notes)})" if notes else ""
     return line
+
+
+def _resumed(batches: Batches, resume: Path | None, per_step: str, steps: int) -> str | None:
+    """A resume under another global batch (or ramp-up) than the one that read its steps: the
+    samples read before it, from the checkpoint's data place (which `batches` then continues
+    from), and the steps after it, in words. None for a fresh start or a resume whose steps this
+    batch would have read alike (and for a checkpoint that cannot say: the resume reports it)."""
+    try:
+        saved = read_extras(resume, DataPosition.NAME) if resume is not None else {}
+    except (CheckpointError, OSError):
+        return None
+    if "samples" not in saved:
+        return None
+    step, samples = int(saved["step"]), int(saved["samples"])
+    if samples == batches.first_sample(step):
+        return None
+    batches.continue_from(step, samples)
+    return f"{samples:,} samples read by step {step}, then {steps - step} {per_step}"
 
 
 def _packed(windows: Windows, document_mask: bool) -> str:

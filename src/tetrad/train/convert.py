@@ -13,11 +13,9 @@ folder's tokenizer.json is kept beside the converted weights.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -36,7 +34,7 @@ from tetrad.model.sharding import spec_of
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
                                      verify)
-from tetrad.train.checkpoint.store import read_manifest
+from tetrad.train.checkpoint.store import one_process, read_manifest
 
 # tetrad name inside layer i -> HF name inside model.layers.i
 LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
@@ -89,14 +87,6 @@ def checkpoint_folder(path: Path) -> Path:
     return resolve(path)  # a checkpoint root
 
 
-@contextlib.contextmanager
-def one_process():
-    """DCP on one process by design: its warning that it assumes so is noise here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
     """The checkpoint's config (as saved) and its logical parameters by name, read on one
     process whatever layout wrote them (integrity and shapes checked first). The config is the
@@ -119,15 +109,20 @@ def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
     return cfg, {k[len("model."):]: v for k, v in state.items()}
 
 
+def _refuse_written(out: Path, flag: str) -> None:
+    """Neither direction writes into a folder that holds anything: it could be the HF model a run
+    was fine-tuned from (a single model.safetensors, written over), another export (whose shards
+    readers of every *.safetensors would mix with the new weights) or a checkpoint."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{flag} {out} exists and is not an empty folder; choose a new one, or remove it first")
+
+
 def to_hf(checkpoint: Path, out: Path) -> bool:
     """Write the HF folder `out`; whether it holds a tokenizer (one is known)."""
+    _refuse_written(out, "--to-hf")
     cfg, state = read_weights(checkpoint)
     m = cfg.model
     _check_llama(m)
-    others = sorted(p.name for p in out.glob("*.safetensors*") if p.name != "model.safetensors")
-    if others:  # another export's shards: readers that take every *.safetensors would mix the two
-        raise CheckpointError(f"{out} holds {others[0]}{f' and {len(others) - 1} more' if len(others) > 1 else ''} "
-                              "from another export; write into a new folder, or remove them")
     out.mkdir(parents=True, exist_ok=True)
     save_file({hf_name(k): v for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
@@ -272,6 +267,7 @@ def hf_mismatches(hf_dir: Path, model_cfg) -> list[str]:
 
 
 def to_tetrad(hf_dir: Path, out: Path) -> None:
+    _refuse_written(out, "--to-tetrad")
     if not (hf_dir / "config.json").is_file():
         tetrad = any((hf_dir / name).exists() for name in ("config.toml", MANIFEST, "checkpoints"))
         raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder (no config.json); --to-tetrad reads one: "
@@ -314,8 +310,6 @@ def convert_command(argv: list[str]) -> int:
                 print(f"tetrad: wrote {args.to_hf}/config.json and model.safetensors; no tokenizer: the weights "
                       f"came without a tokenizer.json (copy the model's own into {args.to_hf})")
         else:
-            if args.to_tetrad.exists():
-                raise CheckpointError(f"{args.to_tetrad} exists; choose a new checkpoint path")
             to_tetrad(args.source, args.to_tetrad)
             tokenizer = args.to_tetrad / TOKENIZER
             print(f"tetrad: wrote {args.to_tetrad}; fine-tune from it with `tetrad train --checkpoint.init_from="

@@ -24,7 +24,8 @@ from tetrad.data import shards
 from tetrad.data.blend import primary_source
 from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
 from tetrad.train.checkpoint import MANIFEST, CheckpointError, SafeReader, saved_model, shape_keys, verify
-from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_name, model_config_from_hf, one_process
+from tetrad.train.checkpoint.store import one_process
+from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_name, model_config_from_hf
 
 HF_CONFIG = "config.json"
 

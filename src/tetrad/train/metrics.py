@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -116,10 +117,13 @@ class FlopRate:
 class MetricsLog:
     """Rank 0's outputs of each optimizer step: a line of `RUN_DIR/metrics.jsonl`; a progress bar
     when stdout is a terminal, else a plain log line every `run.log_every` steps (a SLURM log
-    reads line by line); optionally TensorBoard scalars (RUN_DIR/tensorboard/) and wandb."""
+    reads line by line); optionally TensorBoard scalars (RUN_DIR/tensorboard/) and wandb. Once
+    stdout's reader has left (`| head`) it says so to `on_closed` (the run stops and saves:
+    stopping.py), prints no more lines there, and its notes go to stderr."""
 
-    def __init__(self, cfg, first_step: int, enabled: bool):
+    def __init__(self, cfg, first_step: int, enabled: bool, on_closed: Callable[[], None] = lambda: None):
         self.enabled, self.total, self.every, self.first_step = enabled, cfg.train.steps, cfg.run.log_every, first_step
+        self.on_closed, self.closed = on_closed, False
         self.final_batch = cfg.train.global_batch  # a line names the step's batch while a ramp-up is below it
         self.file = self.bar = self.board = self.wandb = None
         self.start = time.perf_counter()
@@ -149,7 +153,7 @@ class MetricsLog:
             self.bar.update(1)
         elif record["step"] % self.every == 0 or record["step"] in (self.first_step + 1, self.total) \
                 or "val_loss" in record:
-            print(self.plain_line(record), flush=True)
+            self._print(self.plain_line(record))
         if self.board is not None:
             for tag, value in scalars(record):
                 self.board.add_scalar(tag, value, record["step"])
@@ -161,7 +165,19 @@ class MetricsLog:
         if self.bar is not None:
             self.bar.write(text, file=sys.stdout)
         elif self.enabled:
-            print(text, flush=True)
+            self._print(text, notes=True)
+
+    def _print(self, text: str, notes: bool = False) -> None:
+        """A line on stdout while it has a reader; after, a note on stderr and the rest nowhere."""
+        if not self.closed:
+            try:
+                print(text, flush=True)
+                return
+            except BrokenPipeError:
+                self.closed = True
+                self.on_closed()
+        if notes:
+            print(text, file=sys.stderr, flush=True)
 
     def plain_line(self, record: dict) -> str:
         """E.g. "step 20/200 | loss 4.2107, 812 tok/s | ... | lr 3.00e-03 | 0:00:41 elapsed, 0:06:09 left"."""

@@ -1,4 +1,5 @@
-"""Stopping on a signal, or on divergence. Signals: SLURM preemption and `scancel` send SIGTERM, Ctrl-C sends SIGINT.
+"""Stopping on a signal, on a closed stdout, or on divergence. Signals: SLURM preemption and
+`scancel` send SIGTERM, Ctrl-C sends SIGINT.
 
 A handler only records the signal; every step sums each rank's `flags` over the whole job, in
 the one all-reduce of the step's numbers (the trainer's, after the gradient reduction), so
@@ -9,6 +10,11 @@ all-reduce is read in the next step's, which finishes too. No step is lost.
 Under `tetrad train`'s own launcher the ranks get SIGTERM only (the launcher forwards SIGINT and
 SIGHUP as SIGTERM and has its ranks ignore them); under torchrun or srun a rank may get any of
 them directly. A signal a rank ignores stays ignored.
+
+A closed stdout (`tetrad train ... | head`: the reader left) stops the run as SIGTERM does, under
+SIGPIPE's name (rank 0's log finds it, `stdout_closed`): it rides on the same all-reduce, so the
+step in flight finishes and is saved, rather than rank 0 failing on its next line and the job
+losing the steps since its last checkpoint.
 
 Divergence: a step whose job-wide gradient norm is not finite, with no loss scale left to lower,
 is not applied and ends the run on every rank (the trainer's `fit`), as Megatron-LM stops on a
@@ -24,6 +30,7 @@ from pathlib import Path
 from tetrad.train.checkpoint import CheckpointError, resolve
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOPS = SIGNALS + (signal.SIGPIPE,)  # what a step's flags carry: the signals, and a closed stdout
 
 
 class StopSignals:
@@ -32,6 +39,7 @@ class StopSignals:
 
     def __init__(self):
         self.received = 0  # the signal number, 0 for none
+        self.closed = False  # rank 0's stdout lost its reader (kept from before the run's first step)
         self.previous: dict = {}
 
     def __enter__(self) -> "StopSignals":
@@ -49,15 +57,25 @@ class StopSignals:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
+    def stdout_closed(self) -> None:
+        self.closed = True
+
     def flags(self) -> list[float]:
-        """This rank's signal, one count per SIGNALS entry: summed over the job, `agreed` reads them."""
-        return [float(self.received == sig) for sig in SIGNALS]
+        """This rank's signal and closed stdout, one count per STOPS entry: summed over the job,
+        `agreed` reads them."""
+        return [float(self.received == sig) for sig in SIGNALS] + [float(self.closed)]
 
     @staticmethod
     def agreed(counts: list[float]) -> int:
         """The signal of the job's summed `flags` (0: none): the highest-numbered one any rank
-        received (SIGTERM over SIGINT over SIGHUP), the same on every rank."""
-        return max((int(sig) for sig, n in zip(SIGNALS, counts) if n), default=0)
+        received (SIGTERM over SIGPIPE, a closed stdout, over SIGINT over SIGHUP), the same on
+        every rank."""
+        return max((int(sig) for sig, n in zip(STOPS, counts) if n), default=0)
+
+
+def stop_name(signum: int) -> str:
+    """What a stop's line calls `agreed`'s signal."""
+    return signal.Signals(signum).name + (" (stdout's reader left)" if signum == signal.SIGPIPE else "")
 
 
 def divergence_note(record: dict, checkpoint_root: Path, loss_scaled: bool) -> str:

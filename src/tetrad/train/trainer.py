@@ -13,7 +13,6 @@ import functools
 import json
 import math
 import os
-import signal
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from tetrad.dist.topology import Topology
 from tetrad.model.execution import DeferredWeightGrads, Execution
 from tetrad.model.llama import set_execution
 from tetrad.model.sharding import full_state_dict, init_parameters, initial_value, set_spec, spec_of
-from tetrad.model.layers import DropoutGenerators
+from tetrad.model.layers import DropoutSeeds
 from tetrad.parallel.data import GradReducer, ShardedAdamW
 from tetrad.parallel.pipeline.registry import check_config, schedule_spec
 from tetrad.parallel.pipeline.stages import PipelineStages
@@ -41,7 +40,7 @@ from tetrad.train.optim import lr_at
 from tetrad.train.pipelines import StepPipelines, pipeline_links
 from tetrad.train.precision import LossScaler
 from tetrad.train.preflight import memory_watch
-from tetrad.train.stopping import StopSignals, divergence_note
+from tetrad.train.stopping import StopSignals, divergence_note, stop_name
 
 
 def execution_for(cfg: Config, hold=None) -> Execution:
@@ -76,8 +75,7 @@ def build_model(cfg: Config, topo: Topology, execution: Execution | None = None,
 
 def starting_weights(cfg: Config):
     """`weights(name)` of `checkpoint.init_from`, or None: the logical init."""
-    init_from = cfg.checkpoint.init_from
-    return initial_weights(init_from) if init_from else None
+    return initial_weights(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
 
 
 def _without_storage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -104,6 +102,7 @@ class Trainer:
         self.model = build_model(cfg, self.topo, execution_for(cfg, hold=self.activations.hold),
                                  materialise=p.zero != 3)
         set_execution(self.model, cfg.train.recompute, cfg.train.compile)
+        self.dropout = DropoutSeeds(self.model)  # tp-shared masks: a function of (seed, step)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         dtype = devices.DTYPES[cfg.train.dtype]
         self.run_dir = Path(cfg.run.dir)
@@ -201,6 +200,7 @@ class Trainer:
         lr = lr_at(step, cfg.train)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.dropout.at_step(step)
         clock = self.clock
         clock.start()
         start = topo.comm.clock.mark()
@@ -288,7 +288,7 @@ class Trainer:
     def job_state(self) -> dict:
         """What a checkpoint keeps beside the model and optimizer, the same on every rank: the
         loss scale, and the data's place (for a resume under another global batch)."""
-        return {"scaler": self.scaler, "data": self.data_position}
+        return {"scaler": self.scaler, DataPosition.NAME: self.data_position}
 
     def fit(self) -> list[dict]:
         cfg = self.cfg
@@ -296,12 +296,12 @@ class Trainer:
         ckpt = self.checkpointer
         params = dict(self.model.named_parameters())
         stateful = self.job_state()
-        local = {"grads": self.grads, "dropout": DropoutGenerators(self.model)}
+        local = {"grads": self.grads}
         start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful, local)
         if is_logger:  # after resume, which reads the config.toml of the run whose metrics are there
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
-        log = MetricsLog(cfg, start, is_logger)
+        log = MetricsLog(cfg, start, is_logger, self.signals.stdout_closed)  # `| head`: a stop, as SIGTERM
         if start >= cfg.train.steps:
             log.note(f"tetrad: {ckpt.resumed_from} is step {start} and train.steps = {cfg.train.steps}: nothing left "
                      "to train; raise train.steps to continue this run, or use a new run.dir")
@@ -345,7 +345,7 @@ class Trainer:
     def _save_and_stop(self, step: int, signum: int, ckpt: Checkpointer, state: tuple, log: MetricsLog) -> None:
         """Save after `step` (unless `checkpoint.every` just did) before a stop that a signal asked for."""
         path = ckpt.ensure_saved(step, *state)
-        log.note(f"tetrad: stopping on {signal.Signals(signum).name} after step {step} of {self.cfg.train.steps}; "
+        log.note(f"tetrad: stopping on {stop_name(signum)} after step {step} of {self.cfg.train.steps}; "
                  f"saved {path}. Run the same command again to resume.")
 
     def _write_timeline(self) -> None:

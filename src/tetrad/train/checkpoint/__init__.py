@@ -8,12 +8,12 @@ DCP writes each box once and on load reads whichever parts the new layout needs,
 written under one dp/tp/pp/cp/zero layout loads under any other, or into one process. Also:
 `rng.rankR.KIND` (each rank's RNG state), `extra.NAME.KEY` (replicated `stateful` objects such as
 the loss scaler), `local.rankR.NAME.KEY` (state only rank R holds, meaningful in the same layout:
-codecs' error feedback, tp-shared dropout generators; restored when the [parallel] section is the
-saved one), the resolved config (config.toml) and the manifest (tetrad.json: step, model shape,
-layout, what "auto" in [parallel] resolved to, size and SHA-256 of every file). A resume in the
-saved layout takes those choices instead of measuring again (Checkpointer.resolve_auto): the same
-buckets, so codec state and sums continue bitwise. The learning rate and the data position are
-functions of the step, so nothing more is needed.
+codecs' error feedback; restored when the [parallel] section is the saved one), the resolved
+config (config.toml) and the manifest (tetrad.json: step, model shape, layout, what "auto" in
+[parallel] resolved to, size and SHA-256 of every file). A resume in the saved layout takes those
+choices instead of measuring again (Checkpointer.resolve_auto): the same buckets, so codec state
+and sums continue bitwise. The learning rate, the tp-shared dropout masks and the data position
+are functions of the step, so nothing more is needed.
 
 On disk (ROOT = checkpoint.dir, default RUN_DIR/checkpoints):
 

@@ -6,6 +6,7 @@ Nothing here knows about models or layouts beyond the manifest's model section; 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -13,11 +14,14 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from tetrad.config import ModelConfig
@@ -299,3 +303,29 @@ def optimizer_entries(metadata: Metadata) -> dict[str, dict[str, TensorStorageMe
             name, entry = key[len("optim."):].rsplit(".", 1)
             out.setdefault(name, {})[entry] = meta
     return out
+
+
+@contextlib.contextmanager
+def one_process():
+    """DCP on one process by design: its warning that it assumes so is noise here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def read_extras(path: Path, name: str) -> dict[str, torch.Tensor]:
+    """The saved values of the replicated `stateful` object `name` (its `extra.NAME.KEY` entries),
+    read on one process without the rest of the checkpoint at `path` ({} when it holds none): what
+    the process that starts the ranks needs of a resume, such as the data's place. A damaged file
+    is a CheckpointError (a resume verifies the checkpoint, and says what it does about it)."""
+    reader = SafeReader(path)
+    prefix = f"extra.{name}."
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in reader.read_metadata().state_dict_metadata.items() if key.startswith(prefix)}
+    if state:
+        try:
+            with one_process():
+                dcp.load(state, storage_reader=reader, no_dist=True)
+        except CheckpointException:
+            raise CheckpointError(f"{path}: {', '.join(state)} cannot be read") from None
+    return {key[len(prefix):]: value for key, value in state.items()}

@@ -310,9 +310,7 @@ class Trainer:
                                              active=len(steps), repeat=1))
 
     def fit(self) -> list[dict]:
-        cfg = self.cfg
-        is_logger = self.topo.rank == 0
-        ckpt = self.checkpointer
+        cfg, ckpt, is_logger = self.cfg, self.checkpointer, self.topo.rank == 0
         params = dict(self.model.named_parameters())
         stateful = self.job_state()
         local = {"grads": self.grads, "dropout": DropoutGenerators(self.model)}
@@ -397,4 +395,6 @@ def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     devices.set_fp32_matmul(device, cfg.train.tf32)
     with memory_watch(cfg, devices.memory_gib(device)):
-        return Trainer(cfg, device).fit()
+        trainer = Trainer(cfg, device)
+        with contextlib.closing(trainer.grads):  # a later run in this process (`tetrad check`) gets the memory back
+            return trainer.fit()

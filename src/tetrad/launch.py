@@ -118,7 +118,9 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
     and raises `Stopped`; they get `stop_grace_s` to finish before they are killed.
     """
     method = "spawn" if spawn or device_type != "cpu" else "fork"
-    threads = devices.threads_per_rank(world_size) if device_type == "cpu" else 1
+    # Accelerator ranks too: train.offload_optimizer's AdamW runs on the host, and the planner gives it
+    # the rank's share of the node's memory bandwidth, which one thread (a core) cannot draw.
+    threads = devices.threads_per_rank(world_size)
     ctx = multiprocessing.get_context(method)
     with tempfile.TemporaryDirectory(prefix="tetrad-rdzv-") as tmp:
         store_path = os.path.join(tmp, "store")

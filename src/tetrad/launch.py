@@ -222,7 +222,7 @@ def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_
         store = dist.FileStore(store_path, world_size)
         # device_id, as torchrun_process_group: NCCL then makes each group's communicator when the group
         # is created, in one order on every rank. Made lazily instead, a communicator's first use blocks
-        # the host until every member uses it, and an interleaved pipeline at pp >= 3 hung in its first
+        # the host until every member uses it, and an interleaved pipeline at pp >= 3 would hang in its first
         # step: rank 0 waits in the wrap-around link's first receive for the last rank, which waits in
         # its own first receive for the rank before it, ... and rank 1 for rank 0's first send.
         dist.init_process_group(devices.backend_for(device_type), store=store, rank=rank, world_size=world_size,

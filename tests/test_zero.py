@@ -53,6 +53,18 @@ def test_zero_with_the_collectives_nccl_runs_matches_single_process(reference, z
     assert_parity(train_layout(cfg, trainer_class=_FlatCollectives), reference)
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_bf16_reduce_scatter_as_nccl_runs_it_equals_the_in_place_one(zero):
+    """grad_codec='bf16' under ZeRO >= 2 sums a bf16 copy of the bucket: into a new bf16 shard on
+    NCCL (converted back to fp32 when it is done), in place on gloo. At dp2 both add the same two
+    bf16 numbers: the same bits."""
+    def config():
+        return tiny_config(parallel={"dp": 2, "zero": zero, "grad_codec": "bf16"}, train=ACCUM)
+    nccl_losses, nccl_state, _ = train_layout(config(), trainer_class=_FlatCollectives)
+    losses, state, _ = train_layout(config())
+    assert nccl_losses == losses and all(torch.equal(nccl_state[k], state[k]) for k in state)
+
+
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero1_equals_zero0_exactly_and_zero2_to_rounding(dp):
     # ZeRO-1 does the same arithmetic: the same all-reduced sums, the clipping norm from the same

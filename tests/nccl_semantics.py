@@ -35,8 +35,8 @@ which the tests do not assert.)
 Left out: collectives do not go through the queues (tetrad posts a group's collectives after
 its point-to-point has been waited for, and a pipeline link carries no collectives); and a
 communicator's lazy initialisation, which blocks the host at a communicator's first use until
-every member uses it (the torchrun path binds `device_id`, so NCCL makes communicators when the
-groups are created).
+every member uses it (both launch paths, tetrad's own and torchrun's, bind `device_id`, so NCCL
+makes communicators when the groups are created).
 
 Data moves over one dedicated gloo group, with a pair of tags per communicator (data, and
 the receiver's ready signal that makes a send a rendezvous), so that gloo's per-(peer, tag)

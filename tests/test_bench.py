@@ -109,3 +109,20 @@ def test_attention_rate_and_profile_efficiency_on_cpu():
     # the CPU has flash and no cuDNN: one efficiency, and the other backend named as not run
     assert set(part) == {"attention_efficiency"} and part["attention_efficiency"] > 0
     assert [r["backend"] for r in rows if r["tflops"] is None] == ["CUDNN_ATTENTION"]
+
+
+def test_flat_collectives_go_through_the_names_every_torch_has():
+    """torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (to *_single); a GPU
+    cluster's torch may be older (the H200 of docs/gpu.md ran 2.11). Only dist/comm.py names
+    either spelling, and everything else calls its aliases: `tetrad bench comm` called the 2.13
+    names directly and would stop with an AttributeError there."""
+    import ast
+    from pathlib import Path
+
+    import tetrad
+    renamed = {"all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor"}
+    src = Path(tetrad.__file__).parent
+    calls = [f"{path.relative_to(src)}:{node.lineno}" for path in sorted(src.rglob("*.py")) if path.name != "comm.py"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in renamed]
+    assert calls == []

@@ -35,6 +35,36 @@ def test_zero_matches_single_process(reference, dp, zero):
     assert_parity(run(dp=dp, zero=zero), reference)
 
 
+class _FlatCollectives(Trainer):
+    """ZeRO's collectives as they run on NCCL: a reduce-scatter into a new shard and an all-gather
+    into the flat buffer from its own slice. On gloo tetrad runs them in place (an all-reduce, one
+    broadcast per rank: parallel/data/collectives.py), so the NCCL branch had never run here."""
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        for part in (self.grads.sync, self.grads.weights, self.grads.zero3):
+            if part is not None:
+                part.scratch_free = False
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_with_the_collectives_nccl_runs_matches_single_process(reference, zero):
+    cfg = tiny_config(parallel={"dp": 2, "zero": zero}, train=ACCUM)
+    assert_parity(train_layout(cfg, trainer_class=_FlatCollectives), reference)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_bf16_reduce_scatter_as_nccl_runs_it_equals_the_in_place_one(zero):
+    """grad_codec='bf16' under ZeRO >= 2 sums a bf16 copy of the bucket: into a new bf16 shard on
+    NCCL (converted back to fp32 when it is done), in place on gloo. At dp2 both add the same two
+    bf16 numbers: the same bits."""
+    def config():
+        return tiny_config(parallel={"dp": 2, "zero": zero, "grad_codec": "bf16"}, train=ACCUM)
+    nccl_losses, nccl_state, _ = train_layout(config(), trainer_class=_FlatCollectives)
+    losses, state, _ = train_layout(config())
+    assert nccl_losses == losses and all(torch.equal(nccl_state[k], state[k]) for k in state)
+
+
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero1_equals_zero0_exactly_and_zero2_to_rounding(dp):
     # ZeRO-1 does the same arithmetic: the same all-reduced sums, the clipping norm from the same

@@ -76,8 +76,10 @@ def check_command(argv: list[str]) -> int:
     if first:
         shutil.rmtree(Path(cfg.run.dir) / "check", ignore_errors=True)
     # Under torchrun both runs share one process group: a second rendezvous would meet the first's keys.
-    joined = launch.torchrun_process_group(devices.resolve_device_type(cfg.train.device), cfg.parallel.startup_timeout_s) \
-        if torchrun else contextlib.nullcontext()
+    # Joining it starts CUDA, so the allocator is configured first (launch.train's call would come too late).
+    device_type = devices.resolve_device_type(cfg.train.device)
+    devices.configure_allocator(device_type)
+    joined = launch.torchrun_process_group(device_type, cfg.parallel.startup_timeout_s) if torchrun else contextlib.nullcontext()
     with joined:
         for name, run in (("the layout", layout), ("the reference", reference)):
             if first:

@@ -118,7 +118,9 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
     and raises `Stopped`; they get `stop_grace_s` to finish before they are killed.
     """
     method = "spawn" if spawn or device_type != "cpu" else "fork"
-    threads = devices.threads_per_rank(world_size) if device_type == "cpu" else 1
+    # Accelerator ranks too: train.offload_optimizer's AdamW runs on the host, and the planner gives it
+    # the rank's share of the node's memory bandwidth, which one thread (a core) cannot draw.
+    threads = devices.threads_per_rank(world_size)
     ctx = multiprocessing.get_context(method)
     with tempfile.TemporaryDirectory(prefix="tetrad-rdzv-") as tmp:
         store_path = os.path.join(tmp, "store")
@@ -216,10 +218,16 @@ def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
     try:
-        devices.bind_rank(device_type, rank)
+        device = devices.bind_rank(device_type, rank)
         store = dist.FileStore(store_path, world_size)
+        # device_id, as torchrun_process_group: NCCL then makes each group's communicator when the group
+        # is created, in one order on every rank. Made lazily instead, a communicator's first use blocks
+        # the host until every member uses it, and an interleaved pipeline at pp >= 3 would hang in its first
+        # step: rank 0 waits in the wrap-around link's first receive for the last rank, which waits in
+        # its own first receive for the rank before it, ... and rank 1 for rank 0's first send.
         dist.init_process_group(devices.backend_for(device_type), store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+                                timeout=datetime.timedelta(seconds=pg_timeout_s),
+                                device_id=device if device.type != "cpu" else None)
         result = fn(*args)
         Path(tmp, f"rank{rank}.out").write_bytes(pickle.dumps(result))
         dist.destroy_process_group()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad import device as devices
+from tetrad.dist.comm import all_gather_single, reduce_scatter_single
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
@@ -50,9 +51,9 @@ def _collective(op: str, nbytes: int, group, dtype=torch.float32):
     if op == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if op == "all_gather":
-        return lambda: dist.all_gather_single(full, shard, group=group)
+        return lambda: all_gather_single(full, shard, group=group)
     if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(shard, full, group=group)
+        return lambda: reduce_scatter_single(shard, full, group=group)
     if op == "all_to_all":
         out = torch.empty_like(full)
         return lambda: dist.all_to_all_single(out, full, group=group)

@@ -152,7 +152,7 @@ class Comm:
             output.copy_(tensor)
             return DONE
         return self._run("all_gather", group, _nbytes(output),
-                         lambda: _all_gather(output, tensor, group=pg, async_op=async_op),
+                         lambda: all_gather_single(output, tensor, group=pg, async_op=async_op),
                          async_op)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: str,
@@ -163,7 +163,7 @@ class Comm:
             output.copy_(tensor)
             return DONE
         return self._run("reduce_scatter", group, _nbytes(tensor),
-                         lambda: _reduce_scatter(output, tensor, op=op, group=pg, async_op=async_op),
+                         lambda: reduce_scatter_single(output, tensor, op=op, group=pg, async_op=async_op),
                          async_op)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
@@ -211,9 +211,10 @@ def _annotated(name: str):
         else contextlib.nullcontext()
 
 
-# torch 2.13 renamed the flat-tensor collectives (the old names warn); clusters may bring an older torch.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); clusters may bring an older
+# torch (the H200 of docs/gpu.md ran 2.11, which has only the old names). Call them through these.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -291,9 +291,7 @@ class Trainer:
         return {"scaler": self.scaler, DataPosition.NAME: self.data_position}
 
     def fit(self) -> list[dict]:
-        cfg = self.cfg
-        is_logger = self.topo.rank == 0
-        ckpt = self.checkpointer
+        cfg, ckpt, is_logger = self.cfg, self.checkpointer, self.topo.rank == 0
         params = dict(self.model.named_parameters())
         stateful = self.job_state()
         local = {"grads": self.grads}
@@ -376,11 +374,12 @@ def _naming_step(step: int):
 
 def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:
     """Entry point of a rank inside an initialised process group (local or torchrun). The run's
-    groups end with it: `tetrad check` trains again in the same torchrun job."""
+    memory and groups end with it: `tetrad check` trains again in the same torchrun process."""
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     devices.set_fp32_matmul(device, cfg.train.tf32)
     with memory_watch(cfg, devices.memory_gib(device)):
         trainer = Trainer(cfg, device)
-        history = trainer.fit()
+        with contextlib.closing(trainer.grads):  # its hooks would keep the weights alive past the run
+            history = trainer.fit()
     trainer.topo.close()
     return history

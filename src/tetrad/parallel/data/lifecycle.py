@@ -63,13 +63,14 @@ class GradSync:
         # split backward defers to BW (every linear's).
         self.in_place = zero < 2 and all(p.dtype == torch.float32 for b in buckets for p in b.params)
         self.deferred = deferred_weights if execution.split_backward else frozenset()
+        self.handles = []  # the parameters' hooks, removed by `close`
         for bucket in buckets:
             bucket.from_bw = sum(id(p) in self.deferred for p in bucket.params)
             if self.in_place:
                 bucket.grad = torch.zeros(bucket.padded, dtype=torch.float32, device=topo.device)
                 bucket.views = [bucket.view(bucket.grad, i) for i in range(len(bucket.params))]
             for i, p in enumerate(bucket.params):
-                p.register_post_accumulate_grad_hook(self._hook(bucket, i))
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket, i)))
                 if self.in_place and id(p) in linear_weights:
                     setattr(p, GRAD_SINK, functools.partial(self._sink, bucket, i, p))
         self.clear()
@@ -235,6 +236,19 @@ class GradSync:
             if p.grad is not bucket.views[i]:
                 bucket.views[i].zero_()
                 p.grad = bucket.views[i]
+
+    def close(self) -> None:
+        """Take the hooks and sinks off the parameters. Autograd holds a parameter's hooks from C++,
+        where Python's garbage collector cannot see them, and they reach the parameter again through
+        this object: without this the buckets and parameters outlive the run in its process (on a
+        GPU, device memory the next run there, `tetrad check`'s reference under torchrun, lacks)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        for bucket in self.buckets:
+            for p in bucket.params:
+                if hasattr(p, GRAD_SINK):
+                    delattr(p, GRAD_SINK)
 
     def clear(self) -> None:
         """Drop every gradient (after the optimizer step): all buckets empty and every p.grad None

@@ -50,12 +50,13 @@ class ParamGather:
         self.accumulators = [[torch.autograd.graph.get_gradient_edge(p) for p in bucket.params] for bucket in buckets]
         self.empty = flat[0].new_empty(0)  # what a freed bucket's parameters point at
         self.shown = [True] * len(buckets)  # bucket k's parameters are views of its buffer
+        self.handles = []  # the hooks autograd holds from C++ (GradSync.close says why they go)
         for k in range(len(buckets)):  # freed since start-up (MasterWeights.add)
             self._hide(k)
             if execution.split_backward:
                 for p, view, edge in zip(buckets[k].params, self.views[k], self.accumulators[k]):
-                    edge.node.register_prehook(self._shape_for_accumulation(k, p, view))
-                    p.register_post_accumulate_grad_hook(self._empty_after_accumulation(k))
+                    self.handles += [edge.node.register_prehook(self._shape_for_accumulation(k, p, view)),
+                                     p.register_post_accumulate_grad_hook(self._empty_after_accumulation(k))]
 
     def start(self, k: int) -> None:
         """Non-blocking all-gather of bucket k's parameters (no-op if already there or on its way)."""
@@ -97,6 +98,11 @@ class ParamGather:
             if not self.shown[k]:
                 p.data = self.empty
         return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
     def free_all(self) -> None:
         """End of step: nothing gathered outlives it, so the next forward sees the updated shards."""

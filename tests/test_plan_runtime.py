@@ -37,7 +37,16 @@ LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}
            # qk-norm: its weights' gradients summed over tp without SP too; heads of 24 over d_model 64
            ({"tp": 2}, {}, {"qk_norm": True, "head_dim": 24}),
            ({"dp": 2, "tp": 2, "zero": 1, "grad_codec": "bf16"}, {}, {"qk_norm": True, "head_dim": 24}),
-           ({"tp": 2, "sequence_parallel": True}, {}, {"qk_norm": True, "head_dim": 24})]
+           ({"tp": 2, "sequence_parallel": True}, {}, {"qk_norm": True, "head_dim": 24}),
+           # the tp-replicated gradients finalize sums are those in rank 0's shard of each bucket as
+           # laid out, not an even part (fuzz_estimate 4804, 4823): qk-norm's over small buckets, and
+           # under ZeRO-3 each block's bucket, whose first shard starts with the attention norm
+           ({"dp": 2, "tp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {}, {"qk_norm": True, "head_dim": 24}),
+           ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 3}, {}, {}),
+           # buckets cut at parameters: PowerSGD's factors and int8's padding per bucket as laid out
+           # (fuzz_estimate 4835)
+           ({"dp": 2, "zero": 1, "grad_codec": "powersgd", "grad_bucket_mb": 0.002}, {}, {}),
+           ({"dp": 2, "zero": 1, "grad_codec": "int8", "grad_bucket_mb": 0.01}, {}, {})]
 
 
 def _name(parallel: dict) -> str:

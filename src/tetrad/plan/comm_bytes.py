@@ -3,15 +3,13 @@ must equal for the same layout (tests/test_plan_runtime.py, tests/test_breakdown
 
 from __future__ import annotations
 
-import math
-
 from tetrad.config import Config
-from tetrad.config.sections import bucket_bytes
-from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec, powersgd_shape
+from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec
 from tetrad.dist.layout import GRAD_DIMS, Layout
-from tetrad.model import flops
+from tetrad.parallel.bucketing import padded_size
 from tetrad.parallel.pipeline.split import rank_layers
-from tetrad.plan.memory import activation_bytes, rank_params, state_bytes_per_param, vocab_shard
+from tetrad.plan.buckets import RankBuckets, rank_buckets
+from tetrad.plan.memory import activation_bytes, state_bytes_per_param, vocab_shard
 
 # The step's numbers that need the whole job: one all-reduce of 6 fp32 (squared gradient norm,
 # loss, a flag per stop signal and one for a closed stdout) over dp, tp and pp (train/trainer.py's
@@ -24,8 +22,8 @@ def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
     optimizer step, by group, under tetrad.comm's convention: all-reduce the tensor, all-gather
     the gathered output, reduce-scatter the unscattered input, all-to-all the input,
     point-to-point what it sends. The dp x cp gradient group counts as "dp". Each group also
-    carries STEP_SUMS. Not counted: the padding of ZeRO
-    buckets to a multiple of dp x cp elements."""
+    carries STEP_SUMS. Gradient traffic is summed over rank 0's buckets as the runtime lays them
+    out (plan/buckets.py), padding included."""
     p = cfg.parallel
     out = {"tp": _tp_bytes(cfg) if p.tp > 1 else 0, "cp": _cp_bytes(cfg) if p.cp > 1 else 0,
            "pp": _pp_bytes(cfg) if p.pp > 1 else 0, "dp": _dp_bytes(cfg) if p.dp * p.cp > 1 else 0}
@@ -49,8 +47,9 @@ def _tp_bytes(cfg: Config) -> float:
     stage also the head's input collective and the cross-entropy's max, sum-exp and target logit
     (fp32 per token). With `sp_regather`, the column-parallel inputs' all-gathers again in backward.
     Under SP, or after a codec that mixes elements (finalize.reduce_replicated), one all-reduce
-    of the replicated (norm) weights' fp32 gradients per step (their dp shard under ZeRO);
-    otherwise of qk-norm's alone. The step's sums."""
+    of the replicated (norm) weights' fp32 gradients per step, otherwise of qk-norm's alone: those
+    in the rank's buckets under ZeRO-0, in its shard of each under ZeRO (rank_buckets: the shard
+    holds whichever parameters the layout puts there, not an even part). The step's sums."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
     per_layer = 2 * hidden * (2 if sp else 1)
@@ -64,12 +63,10 @@ def _tp_bytes(cfg: Config) -> float:
         per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4
     if sp and p.sp_regather:  # each column-parallel input gathered again in backward: qkv, fc1, the head
         per_micro += hidden * (2 * layers + (p.pp == 1))
-    replicated = layers * flops.layer_norm_params(m) + flops.head_params(m, separate=False) * (p.pp == 1)
-    replicated += m.seq_len * m.d_model if m.pos == "learned" else 0
-    shards = p.dp * p.cp if p.zero >= 1 else 1
     averaged = not make_codec(p.grad_codec, p.dp * p.cp).ELEMENTWISE
-    summed = replicated if sp or averaged else layers * flops.layer_qk_norm_params(m)  # qk-norm: always
-    return cfg.microbatches * per_micro + 4 * summed / shards + STEP_SUMS
+    buckets = rank_buckets(cfg)[0]
+    summed = buckets.heads + (buckets.replicated if sp or averaged else 0)  # qk-norm: always
+    return cfg.microbatches * per_micro + 4 * summed + STEP_SUMS
 
 
 def _pp_bytes(cfg: Config) -> float:
@@ -79,8 +76,9 @@ def _pp_bytes(cfg: Config) -> float:
     m, p = cfg.model, cfg.parallel
     sent = _hidden(cfg) / (p.tp if p.sequence_parallel else 1)
     out = cfg.microbatches * (2 * p.vpp - 1) * sent + STEP_SUMS
-    if m.tie_embeddings:
-        out += 4 * vocab_shard(m, p.tp) * m.d_model / (p.dp * p.cp if p.zero >= 2 else 1)
+    if m.tie_embeddings:  # rank 0's shard of the embedding's bucket, its padding left out (GradReducer.reduce)
+        size = vocab_shard(m, p.tp) * m.d_model
+        out += 4 * (padded_size(size, p.dp * p.cp, 1) // (p.dp * p.cp) if p.zero >= 2 else size)
     return out
 
 
@@ -105,22 +103,23 @@ def _cp_bytes(cfg: Config) -> float:
 
 
 def _dp_bytes(cfg: Config) -> float:
-    """ZeRO-0: one all-reduce of the fp32 gradient buckets; ZeRO-1: that, then the updated shards
-    all-gathered; ZeRO-2: a reduce-scatter every micro-batch, then the shards all-gathered;
-    ZeRO-3: each layer gathered for forward and for backward every micro-batch, the rest once, and
-    a reduce-scatter every micro-batch. The step's sums."""
-    m, p, micro = cfg.model, cfg.parallel, cfg.microbatches
+    """Over rank 0's buckets, padded (rank_buckets): ZeRO-0: one all-reduce of the fp32 gradient
+    buckets; ZeRO-1: that, then the updated shards all-gathered; ZeRO-2: a reduce-scatter every
+    micro-batch, then the shards all-gathered; ZeRO-3: each block's bucket gathered for forward
+    and for backward every micro-batch, the rest once, and a reduce-scatter every micro-batch.
+    The step's sums."""
+    p, micro = cfg.parallel, cfg.microbatches
     w = state_bytes_per_param(cfg.train.dtype)[0]
-    params = rank_params(cfg)[0]
+    buckets = rank_buckets(cfg)[0]
+    padded = buckets.padded
     if p.zero == 0:
-        grads = _all_reduce_bytes(cfg, params)
-    elif p.zero == 1:  # the updated shards gathered over whole (int8: padded) buckets
-        grads = _all_reduce_bytes(cfg, params) + _int8_padded(cfg, params) * w
+        grads = _all_reduce_bytes(cfg, buckets)
+    elif p.zero == 1:  # the updated shards gathered over whole (padded) buckets
+        grads = _all_reduce_bytes(cfg, buckets) + padded * w
     elif p.zero == 2:
-        grads = params * (micro * scatter_bytes(cfg) + w)
+        grads = padded * (micro * scatter_bytes(cfg) + w)
     else:
-        block = rank_layers(cfg)[0] * flops.layer_params(m, p.tp)
-        grads = micro * 2 * block * w + (params - block) * w + micro * params * scatter_bytes(cfg)
+        grads = (2 * micro * buckets.blocks + padded - buckets.blocks) * w + micro * padded * scatter_bytes(cfg)
     return grads + STEP_SUMS
 
 
@@ -129,43 +128,27 @@ def scatter_bytes(cfg: Config) -> int:
     return 2 if cfg.parallel.grad_codec == "bf16" else 4
 
 
-def _all_reduce_bytes(cfg: Config, params: float) -> float:
+def _all_reduce_bytes(cfg: Config, buckets: RankBuckets) -> float:
     """The ZeRO-0/1 gradient all-reduce: flat (gradient_reduce_bytes), or with `hierarchical`
     (dist/hierarchical.py) a reduce-scatter and an all-gather over rank 0's node and an
     all-reduce of its 1/k shard between nodes, each skipped over a group of one rank."""
     p = cfg.parallel
     if p.hierarchical is not True:  # "auto" resolves by measuring: counted flat, as the time model does
-        return gradient_reduce_bytes(cfg, params)
+        return gradient_reduce_bytes(cfg, buckets)
     intra, inter = (next(len(g) for g in half if 0 in g)
                     for half in Layout.of(p).split_by_node(GRAD_DIMS, p.ranks_per_node))
-    return params * 4 * (2 * (intra > 1) + (inter > 1) / intra)
+    return buckets.padded * 4 * (2 * (intra > 1) + (inter > 1) / intra)
 
 
-def gradient_reduce_bytes(cfg: Config, params: float, plain: float = 4) -> float:
-    """Bytes a rank hands to the ZeRO-0/1 gradient all-reduce of `params` gradients under
-    `parallel.grad_codec` (dist/codecs.py), `plain` bytes a gradient without one. The codecs that
-    work per bucket see buckets of `grad_bucket_mb` (exact for a rank whose gradients fill one)."""
-    p = cfg.parallel
-    if p.grad_codec == "none":
-        return params * plain
-    if p.grad_codec == "bf16":
-        return params * 2
-    if p.grad_codec == "int8":  # a byte a value and an fp32 scale a block
-        return _int8_padded(cfg, params) * (1 + 4 / INT8_BLOCK)
-    count = _bucket_count(cfg, params)
-    rows, cols = powersgd_shape(math.ceil(params / count))  # P, then Q, in fp32
-    return count * (rows + cols) * POWERSGD_RANK * 4
-
-
-def _bucket_count(cfg: Config, params: float) -> int:
-    return max(1, math.ceil(4 * params / bucket_bytes(cfg.parallel)))
-
-
-def _int8_padded(cfg: Config, params: float) -> float:
-    """Gradients in buckets, each padded to a multiple of dp*cp int8 blocks under that codec."""
-    p = cfg.parallel
-    if p.grad_codec != "int8":
-        return params
-    count, align = _bucket_count(cfg, params), p.dp * p.cp * INT8_BLOCK
-    return count * math.ceil(math.ceil(params / count) / align) * align
-
+def gradient_reduce_bytes(cfg: Config, buckets: RankBuckets, plain: float = 4) -> float:
+    """Bytes a rank hands to the ZeRO-0/1 gradient all-reduce of its `buckets` (rank_buckets)
+    under `parallel.grad_codec` (dist/codecs.py), `plain` bytes a gradient without one: each
+    bucket whole, padding included; PowerSGD's two factors of the bucket's own matrix shape."""
+    codec, padded = cfg.parallel.grad_codec, buckets.padded
+    if codec == "none":
+        return padded * plain
+    if codec == "bf16":
+        return padded * 2
+    if codec == "int8":  # a byte a value and an fp32 scale a block
+        return padded * (1 + 4 / INT8_BLOCK)
+    return buckets.factors * POWERSGD_RANK * 4  # P, then Q, in fp32

@@ -32,6 +32,7 @@ from tetrad.plan.memory import (
     rank_params,
     state_bytes_per_param,
 )
+from tetrad.plan.buckets import rank_buckets
 from tetrad.plan.comm_bytes import gradient_reduce_bytes
 from tetrad.plan.pipeline import pipeline
 from tetrad.plan.stacks import Stack, load_stack
@@ -232,14 +233,14 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
     exposed, opt, copies, gather = 0.0, 0.0, 0.0, 0.0
     n = p.dp * p.cp
     alpha, link = group_link(cluster, p.tp, n)
-    for r, params in enumerate(rank_params(cfg)):
+    for r, (params, buckets) in enumerate(zip(rank_params(cfg), rank_buckets(cfg))):
         shard = params / (n if p.zero >= 1 else 1)
         rank_opt, rank_copies = _optimizer_time(cfg, cluster, shard)
         opt, copies = max(opt, rank_opt), max(copies, rank_copies)
         if n == 1:
             continue
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
-        grad_bytes = gradient_reduce_bytes(cfg, params, stack.grad_reduce_bytes)
+        grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes)
         grads = reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
         if stack.dp_overlap:  # (and slowing the work it runs beside)

@@ -5,16 +5,18 @@ shards cover it (N = the gradient group's size); rank i owns the i-th shard. Buc
 backward order, so each fills at one time; one never spans two pipeline chunks (their backwards
 run at different times); an embedding tied across pipeline stages gets a bucket of its own, laid
 out alike on both stages. Under ZeRO-3 there is one bucket per transformer block, plus one for
-the rest, as the block is the unit that is gathered.
+the rest, as the block is the unit that is gathered. The rule itself is parallel/bucketing.py's,
+which the planner follows too (plan/buckets.py).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from tetrad.parallel.bucketing import bucket_contents, padded_size
 
 
 class Bucket:
@@ -30,7 +32,7 @@ class Bucket:
             self.offsets.append(size)
             size += numel
         self.size = size
-        self.padded = math.ceil(size / (n * align)) * n * align
+        self.padded = padded_size(size, n, align)
         self.shard_size = self.padded // n
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
         self.state = "empty"  # lifecycle.py: empty -> filling -> reducing -> reduced
@@ -69,41 +71,26 @@ class BucketLayout:
 
 def lay_out(params: list[nn.Parameter], model: nn.Module | None, zero: int, n: int, rank: int, align: int,
             bucket_bytes: float) -> BucketLayout:
-    """The buckets of `params` for ZeRO stage `zero` over a gradient group of n ranks. An
-    embedding tied across pipeline stages gets a bucket of its own on both stages, so that the
-    two copies' gradient shards line up for their sum (finalize.sum_tied)."""
+    """The buckets of `params` for ZeRO stage `zero` over a gradient group of n ranks, by
+    `bucket_contents`' rule. An embedding tied across pipeline stages gets a bucket of its own on
+    both stages, so that the two copies' gradient shards line up for their sum (finalize.sum_tied)."""
     tied = model.tied_weight() if hasattr(model, "tied_weight") else None
+    wanted = {id(p) for p in params if p is not tied}
+    blocks, block = [], None
     if zero == 3:
         blocks = list(model.layers.values())
-        units = [list(block.parameters()) for block in blocks]
-        in_blocks = {id(p) for unit in units for p in unit}
-        rest = [p for p in params if id(p) not in in_blocks and p is not tied]
-        outside = [unit for unit in (rest, [tied] if tied is not None else []) if unit]
-        buckets = [Bucket(unit, n, rank, align, k) for k, unit in enumerate(units + outside)]
-        roots = buckets[len(units):]
-        return BucketLayout(buckets, blocks, roots, roots[-1] if tied is not None else None,
-                            tied is not None and model.holds_tied_copy)
-    wanted = {id(p) for p in params if p is not tied}
-    chunks = model.chunk_parameters() if hasattr(model, "chunk_parameters") else [params]
-    runs = [run for chunk in chunks[::-1] for run in split_runs([p for p in chunk[::-1] if id(p) in wanted],
-                                                                bucket_bytes)]
-    buckets = [Bucket(run, n, rank, align, k) for k, run in enumerate(runs)]
-    if tied is None:
-        return BucketLayout(buckets, [], [], None, False)
-    buckets.append(Bucket([tied], n, rank, align, len(buckets)))
-    return BucketLayout(buckets, [], [], buckets[-1], model.holds_tied_copy)
-
-
-def split_runs(params: list[nn.Parameter], limit_bytes: float) -> list[list[nn.Parameter]]:
-    """Consecutive runs of params, each at most limit_bytes of fp32 gradient (or one parameter)."""
-    out, run, size = [], [], 0
-    for p in params:
-        if run and size + 4 * p.numel() > limit_bytes:
-            out.append(run)
-            run, size = [], 0
-        run.append(p)
-        size += 4 * p.numel()
-    return out + [run] if run else out
+        block_of = {id(p): k for k, b in enumerate(blocks) for p in b.parameters()}
+        block = block_of.get
+        chunks = [[p for p in params if id(p) in wanted]]
+    else:
+        chunks = model.chunk_parameters() if hasattr(model, "chunk_parameters") else [params]
+        chunks = [[p for p in chunk if id(p) in wanted] for chunk in chunks]
+    contents = bucket_contents(chunks, lambda p: p.numel(), bucket_bytes, len(blocks),
+                               None if block is None else lambda p: block(id(p)), tied)
+    buckets = [Bucket(unit, n, rank, align, k) for k, unit in enumerate(contents)]
+    roots = buckets[len(blocks):] if zero == 3 else []
+    return BucketLayout(buckets, blocks, roots, buckets[-1] if tied is not None else None,
+                        tied is not None and model.holds_tied_copy)
 
 
 def flatten(buckets: list[Bucket], dtype: torch.dtype, device: torch.device, owned_range, initial=None):

@@ -1,0 +1,166 @@
+"""A pipeline rank's gradient buckets as the runtime lays them out, from the config alone: the
+model's parameters listed in the order the model registers them (model/llama.py,
+parallel/pipeline/stages.py; tests/test_plan_buckets.py holds the two equal), put through the
+runtime's own rule (parallel/bucketing.py, as parallel/data/buffers.py's lay_out). The exact
+communication counts (plan/comm_bytes.py) are sums over them: each bucket's padding, the matrix
+shape PowerSGD gives it, and which tp-replicated gradients fall into the rank's ZeRO shard,
+which an even split over dp x cp misses by up to a whole norm.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from operator import itemgetter
+from typing import NamedTuple
+
+from tetrad.config import Config, ModelConfig
+from tetrad.config.sections import bucket_bytes
+from tetrad.dist.codecs import INT8_BLOCK, powersgd_shape
+from tetrad.parallel.bucketing import bucket_contents, padded_size
+from tetrad.parallel.pipeline.split import rank_stages, stage_layers
+
+# A parameter's kind: split over tp; replicated over tp (norms, learned positions: their gradients
+# summed over tp under SP or after a codec that mixes elements); replicated, but each tp rank's
+# gradient made from its own heads (qk-norm's: summed over tp always). finalize.reduce_replicated.
+SPLIT, REPLICATED, HEADS = 0, 1, 2
+
+
+class PlannedBucket(NamedTuple):
+    padded: int  # elements, padding included (what the bucket's collectives move)
+    shard: int  # elements of each rank's ZeRO shard
+    replicated: int  # REPLICATED elements in the part finalize sums on the first rank (its shard under ZeRO)
+    heads: int  # ... and HEADS elements there
+    block: bool  # ZeRO-3: a transformer block's, gathered for each use (otherwise once a step)
+    tied: bool  # the embedding tied across pipeline stages
+
+
+def _norm(m: ModelConfig, width: int, kind: int) -> list[tuple[int, int]]:
+    return [(width, kind)] * (1 if m.norm == "rmsnorm" else 2)  # weight, and LayerNorm's bias
+
+
+def _local(rows: int, tp: int) -> int:
+    """A dimension's rows on one tp rank (padded to a multiple of tp, model/sharding.new_param)."""
+    return -(-rows // tp)
+
+
+def layer_parameters(m: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """(elements on a tp rank, kind) of one transformer block's parameters, in the order Block
+    registers them: attention norm, q, k, v (each with its bias), output projection, q and k
+    norms; MLP norm, w1, w3 (SwiGLU), w2."""
+    d, hd = m.d_model, m.head_dim
+    out = _norm(m, d, REPLICATED)
+    for heads in (m.n_heads, m.n_kv_heads, m.n_kv_heads):
+        rows = _local(heads * hd, tp)
+        out += [(rows * d, SPLIT)] + ([(rows, SPLIT)] if m.qkv_bias else [])
+    out.append((d * _local(m.n_heads * hd, tp), SPLIT))
+    out += _norm(m, hd, HEADS) * 2 if m.qk_norm else []
+    out += _norm(m, d, REPLICATED)
+    ffn = _local(m.ffn_hidden, tp) * d
+    return out + [(ffn, SPLIT)] * (3 if m.mlp == "swiglu" else 2)
+
+
+class Shapes(NamedTuple):
+    """What a rank's parameter list depends on, hashable (the layout is cached by it)."""
+    layer: tuple[tuple[int, int], ...]  # layer_parameters
+    vocab: int  # the embedding's (and the head's) elements on a tp rank
+    positions: int  # learned positions' elements (0 under RoPE)
+    norm: tuple[tuple[int, int], ...]  # the final norm's
+    tie: bool  # tied embeddings
+
+
+def shapes(cfg: Config) -> Shapes:
+    m, tp = cfg.model, cfg.parallel.tp
+    return Shapes(tuple(layer_parameters(m, tp)), _local(m.vocab_size, tp) * m.d_model,
+                  m.seq_len * m.d_model if m.pos == "learned" else 0, tuple(_norm(m, m.d_model, REPLICATED)),
+                  m.tie_embeddings)
+
+
+def stage_parameters(s: Shapes, stages: tuple[tuple[int, bool, bool], ...], ties: bool):
+    """(each chunk's parameters as (elements, kind, index of their block on this rank or None),
+    the embedding tied across stages if this rank holds a copy) of a pipeline rank whose chunks
+    hold `stages` (layers, first stage, last stage), in the order its PipelineStages' chunks
+    register them. `ties`: the embedding is tied across stages."""
+    vocab = (s.vocab, SPLIT, None)
+    chunks, tied, blocks = [], None, 0
+    for layers, first, last in stages:
+        chunk = []
+        if first:
+            chunk += [(s.positions, REPLICATED, None)] if s.positions else []
+            chunk += [] if ties else [vocab]
+            tied = vocab if ties else tied
+        for k in range(blocks, blocks + layers):
+            chunk += [(n, kind, k) for n, kind in s.layer]
+        blocks += layers
+        if last:
+            chunk += [(n, kind, None) for n, kind in s.norm]
+            chunk += [] if s.tie else [vocab]  # tied on one stage: the embedding's weight
+            tied = vocab if ties else tied
+        chunks.append(chunk)
+    return chunks, tied
+
+
+class RankBuckets(NamedTuple):
+    buckets: tuple[PlannedBucket, ...]  # in layout order
+    padded: int  # their elements, padding included
+    blocks: int  # ... of them in ZeRO-3's block buckets
+    replicated: int  # their REPLICATED elements in the part finalize sums (PlannedBucket)
+    heads: int  # ... and HEADS elements
+    factors: int  # PowerSGD: each bucket's matrix's rows + cols, summed (0 under another codec)
+
+
+def rank_buckets(cfg: Config) -> tuple[RankBuckets, ...]:
+    """Each pipeline rank's buckets, at dp x cp coordinate 0."""
+    p = cfg.parallel
+    return _pipeline(shapes(cfg), tuple(stage_layers(cfg)), p.pp, p.vpp, p.dp * p.cp, p.zero, p.grad_codec,
+                     bucket_bytes(p))
+
+
+# Cached, as the functions below: the search estimates many layouts with the same parameters on a rank.
+@lru_cache(maxsize=4096)
+def _pipeline(s: Shapes, counts: tuple[int, ...], pp: int, vpp: int, n: int, zero: int, codec: str,
+              limit: float) -> tuple[RankBuckets, ...]:
+    ties, last = s.tie and len(counts) > 1, len(counts) - 1
+    return tuple(_layout(s, tuple((counts[g], g == 0, g == last) for g in rank_stages(pp, vpp, r)), ties, n, zero,
+                         codec, limit) for r in range(pp))
+
+
+class _Content(NamedTuple):
+    """A bucket's parameters, whatever the group it is reduced over."""
+    size: int  # elements
+    spans: tuple[tuple[int, int, int], ...]  # (start, end, kind) of its REPLICATED and HEADS parameters
+    block: bool
+    tied: bool
+
+
+@lru_cache(maxsize=1024)
+def _contents(s: Shapes, stages: tuple, ties: bool, zero3: bool, limit: float) -> tuple[_Content, ...]:
+    chunks, tied = stage_parameters(s, stages, ties)
+    items = [item for chunk in chunks for item in chunk]
+    blocks = 1 + max((k for _, _, k in items if k is not None), default=-1)
+    chunks = [items] if zero3 else chunks  # ZeRO-3's rest in the parameters' order, as lay_out's
+    contents = bucket_contents(chunks, itemgetter(0), limit, blocks, itemgetter(2) if zero3 else None, tied)
+    out = []
+    for k, bucket in enumerate(contents):
+        spans, offset = [], 0
+        for numel, kind, _ in bucket:
+            spans += [(offset, offset + numel, kind)] if kind != SPLIT else []
+            offset += numel
+        out.append(_Content(offset, tuple(spans), zero3 and k < blocks, tied is not None and k == len(contents) - 1))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _layout(s: Shapes, stages: tuple, ties: bool, n: int, zero: int, codec: str, limit: float) -> RankBuckets:
+    align = INT8_BLOCK if codec == "int8" else 1
+    contents, planned = _contents(s, stages, ties, zero == 3, limit), {}
+    for b in set(contents):  # each layer's alike: a few distinct ones
+        padded = padded_size(b.size, n, align)
+        summed = padded if zero == 0 else padded // n  # finalize sums the whole bucket under ZeRO-0
+        kinds = [0, 0, 0]
+        for lo, hi, kind in b.spans:
+            kinds[kind] += max(0, min(hi, summed) - lo)
+        planned[b] = PlannedBucket(padded, padded // n, kinds[REPLICATED], kinds[HEADS], b.block, b.tied)
+    out = [planned[b] for b in contents]
+    factors = sum(sum(powersgd_shape(b.padded)) for b in out) if codec == "powersgd" else 0
+    return RankBuckets(tuple(out), sum(b.padded for b in out), sum(b.padded for b in out if b.block),
+                       sum(b.replicated for b in out), sum(b.heads for b in out), factors)

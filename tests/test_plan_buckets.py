@@ -1,0 +1,56 @@
+"""The planner's buckets (plan/buckets.py, from the config alone) against the runtime's layout of
+a built model (parallel/data/buffers.lay_out): the same sizes, padding, shards and tp-replicated
+elements in rank 0's part, bucket by bucket, on every pipeline rank. One process, meta device."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from tetrad.config.sections import bucket_bytes
+from tetrad.dist.codecs import INT8_BLOCK
+from tetrad.model.execution import Execution
+from tetrad.model.sharding import spec_of
+from tetrad.parallel.data.buffers import lay_out
+from tetrad.parallel.pipeline.stages import PipelineStages
+from tetrad.plan.buckets import PlannedBucket, rank_buckets
+
+CASES = [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"qk_norm": True, "head_dim": 24}),
+         ({"tp": 2, "pp": 2, "vpp": 2, "dp": 2, "zero": 3},
+          {"tie_embeddings": True, "n_layers": 4, "norm": "layernorm", "pos": "learned", "qk_norm": True}),
+         ({"tp": 2, "pp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01},
+          {"tie_embeddings": True, "qkv_bias": True, "mlp": "gelu"}),
+         ({"dp": 4, "zero": 0, "grad_codec": "powersgd", "grad_bucket_mb": 0.002}, {"vocab_size": 257}),
+         ({"tp": 2, "cp": 2, "zero": 2}, {"qkv_bias": True, "vocab_size": 257, "pos": "learned"}),
+         ({"tp": 2, "cp": 2, "zero": 1, "grad_codec": "int8"}, {"norm": "layernorm", "tie_embeddings": True}),
+         ({"pp": 2, "dp": 2, "zero": 3, "stage_layers": [1, 1]}, {"tie_embeddings": True})]
+
+
+def _runtime(cfg, rank: int) -> list[PlannedBucket]:
+    """lay_out of pipeline rank `rank`'s model (tp rank 0), summarised as rank_buckets does."""
+    p = cfg.parallel
+    topo = types.SimpleNamespace(tp_size=p.tp, tp_rank=0, coords={"pp": rank}, device=torch.device("cpu"))
+    with torch.device("meta"):
+        model = PipelineStages(cfg, topo, Execution())
+    layout = lay_out(list(model.parameters()), model, p.zero, p.dp * p.cp, 0,
+                     INT8_BLOCK if p.grad_codec == "int8" else 1, bucket_bytes(p))
+    out = []
+    for b in layout.buckets:
+        counts = [0, 0]  # replicated, of them qk-norm's
+        for i, lo, hi in b.slices(0, b.padded if p.zero == 0 else b.hi):
+            spec = spec_of(b.params[i])[0]
+            if spec.shard_dim is None:
+                counts[spec.grad_split_over_tp] += hi - lo
+        out.append(PlannedBucket(b.padded, b.shard_size, *counts, p.zero == 3 and b not in layout.roots,
+                                 b is layout.tied))
+    return out
+
+
+@pytest.mark.parametrize("parallel,model", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_planned_buckets_are_the_runtime_layout(parallel, model):
+    cfg = tiny_config(parallel=parallel, model=model)
+    for rank in range(cfg.parallel.pp):
+        assert list(rank_buckets(cfg)[rank].buckets) == _runtime(cfg, rank), rank

@@ -22,7 +22,17 @@ def hierarchical_blocker(parallel) -> str | None:
     if parallel.zero >= 2 or parallel.grad_codec != "none":
         return (f"hierarchical reduces the ZeRO 0/1 all-reduce without a codec; got zero={parallel.zero}, "
                 f"grad_codec={parallel.grad_codec!r}")
+    if zero_shard(parallel):
+        return f"hybrid ZeRO (zero_shard={parallel.zero_shard}) reduces within its shard groups instead"
     return None
+
+
+def zero_shard(parallel) -> int:
+    """The ranks each ZeRO shard set spans under hybrid sharding (ZeRO 1-3 sharded over blocks of
+    that many dp x cp ranks, replicated across them), or 0: sharded over all of dp x cp (also
+    where zero_shard is unset, equals dp x cp, or ZeRO is 0)."""
+    size = parallel.zero_shard
+    return size if parallel.zero >= 1 and 0 < size < parallel.dp * parallel.cp else 0
 
 
 def bucket_bytes(parallel) -> float:
@@ -93,6 +103,9 @@ class ParallelConfig:
     # Layers of each of the pp*vpp pipeline stages, e.g. [7, 8, 8, 7]; empty: balanced by FLOPs.
     stage_layers: list[int] = field(default_factory=list)
     zero: int = 0
+    # Hybrid sharding (FSDP2's HSDP, Megatron-Core's partial distributed optimizer): ZeRO 1-3 shard
+    # over consecutive blocks of this many dp x cp ranks and replicate across blocks; 0: all of them.
+    zero_shard: int = 0
     sequence_parallel: bool = False
     # Under SP, gather a column-parallel linear's input again in backward instead of keeping it
     # gathered (Megatron-LM): (tp-1)/tp of its activation memory for one more all-gather. Off by

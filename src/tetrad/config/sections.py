@@ -35,6 +35,11 @@ def zero_shard(parallel) -> int:
     return size if parallel.zero >= 1 and 0 < size < parallel.dp * parallel.cp else 0
 
 
+def shard_ranks(parallel) -> int:
+    """The ranks ZeRO shards states over: hybrid ZeRO's block, or all of dp x cp."""
+    return zero_shard(parallel) or parallel.dp * parallel.cp
+
+
 def bucket_bytes(parallel) -> float:
     """Bytes of fp32 gradient per bucket under `parallel` (None: the defaults); "auto" not yet
     measured (dist/autotune.py) counts as DEFAULT_BUCKET_MB, for the planner and the runtime alike."""

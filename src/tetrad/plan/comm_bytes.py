@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from tetrad.config import Config
-from tetrad.config.sections import bucket_bytes
+from tetrad.config.sections import bucket_bytes, shard_ranks, zero_shard
 from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec, powersgd_shape
 from tetrad.dist.layout import GRAD_DIMS, Layout
 from tetrad.model import flops
@@ -65,7 +65,7 @@ def _tp_bytes(cfg: Config) -> float:
         per_micro += hidden * (2 * layers + (p.pp == 1))
     replicated = layers * flops.layer_norm_params(m) + flops.head_params(m, separate=False) * (p.pp == 1)
     replicated += m.seq_len * m.d_model if m.pos == "learned" else 0
-    shards = p.dp * p.cp if p.zero >= 1 else 1
+    shards = shard_ranks(p) if p.zero >= 1 else 1
     averaged = not make_codec(p.grad_codec, p.dp * p.cp).ELEMENTWISE
     summed = replicated if sp or averaged else layers * flops.layer_qk_norm_params(m)  # qk-norm: always
     return cfg.microbatches * per_micro + 4 * summed / shards + STEP_SUMS
@@ -79,7 +79,7 @@ def _pp_bytes(cfg: Config) -> float:
     sent = _hidden(cfg) / (p.tp if p.sequence_parallel else 1)
     out = cfg.microbatches * (2 * p.vpp - 1) * sent + STEP_SUMS
     if m.tie_embeddings:
-        out += 4 * vocab_shard(m, p.tp) * m.d_model / (p.dp * p.cp if p.zero >= 2 else 1)
+        out += 4 * vocab_shard(m, p.tp) * m.d_model / (shard_ranks(p) if p.zero >= 2 else 1)
     return out
 
 
@@ -111,6 +111,8 @@ def _dp_bytes(cfg: Config) -> float:
     m, p, micro = cfg.model, cfg.parallel, cfg.microbatches
     w = state_bytes_per_param(cfg.train.dtype)[0]
     params = rank_params(cfg)[0]
+    if zero_shard(p):
+        return _hybrid_dp_bytes(cfg, params, w) + STEP_SUMS
     if p.zero == 0:
         grads = _all_reduce_bytes(cfg, params)
     elif p.zero == 1:  # the updated shards gathered over whole (int8: padded) buckets
@@ -121,6 +123,21 @@ def _dp_bytes(cfg: Config) -> float:
         block = rank_layers(cfg)[0] * flops.layer_params(m, p.tp)
         grads = micro * 2 * block * w + (params - block) * w + micro * params * scatter_bytes(cfg)
     return grads + STEP_SUMS
+
+
+def _hybrid_dp_bytes(cfg: Config, params: float, w: int) -> float:
+    """Hybrid ZeRO (parallel.zero_shard): each reduction a reduce-scatter inside the block of s
+    ranks and an all-reduce of its 1/s shard over the replicas (ZeRO-1 once, on the last
+    micro-batch; ZeRO 2/3 every micro-batch); the gathers as ZeRO's, inside the block. A group of
+    one rank (s = 1, or one replica) moves nothing."""
+    p, micro = cfg.parallel, cfg.microbatches
+    s = shard_ranks(p)
+    inside, across = s > 1, p.dp * p.cp > s
+    reduce = params * scatter_bytes(cfg) * (inside + across / s)
+    if p.zero == 3:
+        block = rank_layers(cfg)[0] * flops.layer_params(cfg.model, p.tp)
+        return micro * reduce + inside * w * (micro * 2 * block + params - block)
+    return (micro if p.zero == 2 else 1) * reduce + inside * w * params
 
 
 def scatter_bytes(cfg: Config) -> int:

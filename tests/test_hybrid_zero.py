@@ -15,7 +15,9 @@ from tetrad.dist.topology import Topology
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
+from tetrad.plan.text import layout_label as plan_label
 from tetrad.train.checkpoint import Checkpointer
+from tetrad.train.metrics import layout_label
 from tetrad.train.trainer import Trainer
 
 pytestmark = pytest.mark.dist
@@ -179,3 +181,12 @@ def test_a_save_from_before_zero_shard_is_in_the_same_layout(tmp_path):
     layout = ckpt._layout()
     assert ckpt._same_layout({"layout": {k: v for k, v in layout.items() if k != "zero_shard"}})
     assert not ckpt._same_layout({"layout": {**layout, "zero_shard": 2}})
+
+
+def test_labels_name_the_blocks():
+    """metrics.jsonl's `layout` and the planner's rows tell a hybrid layout from a plain one."""
+    cfg = load_config(overrides={"parallel": {"dp": 4, "zero": 3, "zero_shard": 2}}, runtime=False)
+    assert layout_label(cfg.parallel) == "dp4 tp1 pp1 cp1 zero3 shard2"
+    assert " zero=3 zero_shard=2 " in plan_label(estimate(cfg, load_cluster("cpu")))
+    plain = load_config(overrides={"parallel": {"dp": 4, "zero": 3, "zero_shard": 4}}, runtime=False)
+    assert layout_label(plain.parallel) == "dp4 tp1 pp1 cp1 zero3"

@@ -190,3 +190,14 @@ def test_labels_name_the_blocks():
     assert " zero=3 zero_shard=2 " in plan_label(estimate(cfg, load_cluster("cpu")))
     plain = load_config(overrides={"parallel": {"dp": 4, "zero": 3, "zero_shard": 4}}, runtime=False)
     assert layout_label(plain.parallel) == "dp4 tp1 pp1 cp1 zero3"
+
+
+@pytest.mark.parametrize("key,answer", [
+    ("data_parallel_shard_degree", "(did you mean 'parallel.dp' or 'parallel.zero_shard'?)"),
+    ("data-parallel-replicate-degree", "(did you mean 'parallel.dp'?)"),
+    ("num_distributed_optimizer_instances", "(did you mean 'parallel.zero_shard'?)")])
+def test_torchtitan_and_megatron_names_point_to_ours(key, answer):
+    """torchtitan's shard degree is all of dp, or with a replicate degree hybrid ZeRO's block."""
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"parallel": {key: 2}})
+    assert answer in str(err.value)

@@ -267,13 +267,17 @@ def did_you_mean(word: str, choices) -> str:
 
 
 # Names users bring from Megatron-LM's arguments and torchtitan's TOML (dashes read as
-# underscores): an unknown one is answered with ours.
+# underscores): an unknown one is answered with ours (or several, a tuple). torchtitan's
+# data_parallel_shard_degree is FSDP's shard size: all of dp without a replicate degree, else
+# zero_shard (dp = replicate x shard). Megatron-LM's num_distributed_optimizer_instances counts
+# the replicas, dp*cp / zero_shard.
 KEY_ALIASES = {
     **dict.fromkeys(("tensor_model_parallel_size", "tensor_parallel_degree", "tp_size"), "parallel.tp"),
     **dict.fromkeys(("pipeline_model_parallel_size", "pipeline_parallel_degree", "pp_size"), "parallel.pp"),
     **dict.fromkeys(("context_parallel_size", "context_parallel_degree", "cp_size"), "parallel.cp"),
-    **dict.fromkeys(("data_parallel_size", "data_parallel_shard_degree", "data_parallel_replicate_degree",
-                     "dp_size"), "parallel.dp"),
+    **dict.fromkeys(("data_parallel_size", "data_parallel_replicate_degree", "dp_size"), "parallel.dp"),
+    "data_parallel_shard_degree": ("parallel.dp", "parallel.zero_shard"),
+    "num_distributed_optimizer_instances": "parallel.zero_shard",
     "virtual_pipeline_model_parallel_size": "parallel.vpp", "pipeline_parallel_schedule": "parallel.schedule",
     "use_distributed_optimizer": "parallel.zero", "num_layers": "model.n_layers", "hidden_size": "model.d_model",
     "dim": "model.d_model", "num_attention_heads": "model.n_heads", "num_query_groups": "model.n_kv_heads",
@@ -301,7 +305,8 @@ def places_of(key: str, section: str | None = None) -> list[str]:
     key = key.replace("-", "_")
     homes = [f"{name}.{key}" for name, cls in SECTIONS.items()
              if name != section and key in {f.name for f in dataclasses.fields(cls)}]
-    return homes or ([KEY_ALIASES[key]] if key in KEY_ALIASES else [])
+    alias = KEY_ALIASES.get(key, ())
+    return homes or (list(alias) if isinstance(alias, tuple) else [alias])
 
 
 def suggest_key(section: str, key: str) -> str:

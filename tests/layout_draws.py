@@ -3,7 +3,7 @@ dp/tp/pp/cp (2, 4 or 8 ranks) with ZeRO 0-3, the four schedules and virtual stag
 parallelism and its regather, both cp algorithms, codecs, bucket sizes, hierarchical reduction
 ("auto" included), the tiny model's shapes varied (GQA, odd vocabularies, tied, GPT-style,
 uneven stage splits), micro/global batches and their ramp-up, clipping, dtypes, recompute, offload,
-validation and document masking.
+validation and document masking, and (the fuzzers') hybrid ZeRO's blocks.
 Each draw is a pure function of its seed; a few are invalid on purpose (validation must refuse
 them with one line that names the fix)."""
 
@@ -121,6 +121,9 @@ def draw(seed: int, extended: bool = False) -> dict:
         model["qkv_bias"] = True
     if extended and rng.random() < 0.15:  # Qwen3's qk-norm, with heads of their own width
         model.update(qk_norm=True, head_dim=rng.choice([8, 16, 24]))
+    replicas = par["dp"] * par["cp"]
+    if extended and par["zero"] >= 1 and replicas > 1 and rng.random() < 0.2:  # hybrid ZeRO's blocks
+        par["zero_shard"] = rng.choice([s for s in range(1, replicas + 1) if replicas % s == 0])
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 

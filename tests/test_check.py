@@ -47,6 +47,12 @@ def test_reference_is_data_parallel_over_the_same_ranks(tmp_path):
                                       "--train.micro_batch=2"), 3, None)
     assert (reference.parallel.dp, reference.train.micro_batch) == (2, 1)
 
+    # The reference shards over all of its ranks, whatever blocks hybrid ZeRO's layout had.
+    _, reference = check_runs(_config(tmp_path, "--parallel.dp=2", "--parallel.tp=2", "--parallel.zero=3",
+                                      "--parallel.zero_shard=1", "--train.global_batch=4", "--train.micro_batch=1"),
+                              3, None)
+    assert (reference.parallel.dp, reference.parallel.zero, reference.parallel.zero_shard) == (4, 3, 0)
+
 
 def test_refusals_name_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="multiple of 4"):  # under torchrun the reference needs every rank

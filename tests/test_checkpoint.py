@@ -253,6 +253,9 @@ RESHARD_CASES = [
     ({"dp": 2, "zero": 1}, {}),
     ({"dp": 2, "zero": 1}, {"dp": 4, "zero": 3}),
     ({"dp": 4, "zero": 3}, {"dp": 2, "tp": 2, "zero": 1}),
+    # Hybrid ZeRO (zero_shard): replicas' shards stored once, read back in any layout.
+    ({"dp": 4, "zero": 3, "zero_shard": 2}, {"dp": 2, "zero": 1}),
+    ({"dp": 4, "zero": 2}, {"dp": 4, "zero": 1, "zero_shard": 2}),
     ({"dp": 2, "tp": 2, "pp": 2}, {}),
     ({"dp": 2, "tp": 2, "pp": 2}, {"dp": 4, "pp": 2}),
     # Tied embeddings over two stages: both hold "embed.weight" (the last as its head), one tensor stored.

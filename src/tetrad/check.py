@@ -52,7 +52,7 @@ def check_runs(cfg: Config, steps: int, world_size: int | None) -> tuple[Config,
         layout, run=replace(run, dir=str(root / "reference")),
         train=replace(layout.train, recompute="full", micro_batch=math.gcd(t.micro_batch, t.global_batch // dp)),
         parallel=replace(p, dp=dp, tp=1, pp=1, cp=1, vpp=1, schedule="1f1b", stage_layers=[], zero=3 if dp > 1 else 0,
-                         sequence_parallel=False, sp_regather=False, hierarchical=False))
+                         zero_shard=0, sequence_parallel=False, sp_regather=False, hierarchical=False))
     validate(reference, world_size)
     return layout, reference
 

@@ -22,7 +22,22 @@ def hierarchical_blocker(parallel) -> str | None:
     if parallel.zero >= 2 or parallel.grad_codec != "none":
         return (f"hierarchical reduces the ZeRO 0/1 all-reduce without a codec; got zero={parallel.zero}, "
                 f"grad_codec={parallel.grad_codec!r}")
+    if zero_shard(parallel):
+        return f"hybrid ZeRO (zero_shard={parallel.zero_shard}) reduces within its shard groups instead"
     return None
+
+
+def zero_shard(parallel) -> int:
+    """The ranks each ZeRO shard set spans under hybrid sharding (ZeRO 1-3 sharded over blocks of
+    that many dp x cp ranks, replicated across them), or 0: sharded over all of dp x cp (also
+    where zero_shard is unset, equals dp x cp, or ZeRO is 0)."""
+    size = parallel.zero_shard
+    return size if parallel.zero >= 1 and 0 < size < parallel.dp * parallel.cp else 0
+
+
+def shard_ranks(parallel) -> int:
+    """The ranks ZeRO shards states over: hybrid ZeRO's block, or all of dp x cp."""
+    return zero_shard(parallel) or parallel.dp * parallel.cp
 
 
 def bucket_bytes(parallel) -> float:
@@ -93,6 +108,9 @@ class ParallelConfig:
     # Layers of each of the pp*vpp pipeline stages, e.g. [7, 8, 8, 7]; empty: balanced by FLOPs.
     stage_layers: list[int] = field(default_factory=list)
     zero: int = 0
+    # Hybrid sharding (FSDP2's HSDP, Megatron-Core's partial distributed optimizer): ZeRO 1-3 shard
+    # over consecutive blocks of this many dp x cp ranks and replicate across blocks; 0: all of them.
+    zero_shard: int = 0
     sequence_parallel: bool = False
     # Under SP, gather a column-parallel linear's input again in backward instead of keeping it
     # gathered (Megatron-LM): (tp-1)/tp of its activation memory for one more all-gather. Off by
@@ -249,13 +267,17 @@ def did_you_mean(word: str, choices) -> str:
 
 
 # Names users bring from Megatron-LM's arguments and torchtitan's TOML (dashes read as
-# underscores): an unknown one is answered with ours.
+# underscores): an unknown one is answered with ours (or several, a tuple). torchtitan's
+# data_parallel_shard_degree is FSDP's shard size: all of dp without a replicate degree, else
+# zero_shard (dp = replicate x shard). Megatron-LM's num_distributed_optimizer_instances counts
+# the replicas, dp*cp / zero_shard.
 KEY_ALIASES = {
     **dict.fromkeys(("tensor_model_parallel_size", "tensor_parallel_degree", "tp_size"), "parallel.tp"),
     **dict.fromkeys(("pipeline_model_parallel_size", "pipeline_parallel_degree", "pp_size"), "parallel.pp"),
     **dict.fromkeys(("context_parallel_size", "context_parallel_degree", "cp_size"), "parallel.cp"),
-    **dict.fromkeys(("data_parallel_size", "data_parallel_shard_degree", "data_parallel_replicate_degree",
-                     "dp_size"), "parallel.dp"),
+    **dict.fromkeys(("data_parallel_size", "data_parallel_replicate_degree", "dp_size"), "parallel.dp"),
+    "data_parallel_shard_degree": ("parallel.dp", "parallel.zero_shard"),
+    "num_distributed_optimizer_instances": "parallel.zero_shard",
     "virtual_pipeline_model_parallel_size": "parallel.vpp", "pipeline_parallel_schedule": "parallel.schedule",
     "use_distributed_optimizer": "parallel.zero", "num_layers": "model.n_layers", "hidden_size": "model.d_model",
     "dim": "model.d_model", "num_attention_heads": "model.n_heads", "num_query_groups": "model.n_kv_heads",
@@ -283,7 +305,8 @@ def places_of(key: str, section: str | None = None) -> list[str]:
     key = key.replace("-", "_")
     homes = [f"{name}.{key}" for name, cls in SECTIONS.items()
              if name != section and key in {f.name for f in dataclasses.fields(cls)}]
-    return homes or ([KEY_ALIASES[key]] if key in KEY_ALIASES else [])
+    alias = KEY_ALIASES.get(key, ())
+    return homes or (list(alias) if isinstance(alias, tuple) else [alias])
 
 
 def suggest_key(section: str, key: str) -> str:

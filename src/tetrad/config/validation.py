@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tetrad.config.rampup import BatchRamp
 from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, ROPE_SCALING_KEYS, Config, ConfigError, ModelConfig,
-                                    ParallelConfig, did_you_mean, hierarchical_blocker)
+                                    ParallelConfig, did_you_mean, hierarchical_blocker, zero_shard)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ RANGES: dict[str, Range] = {
     "model.head_dim": COUNT,  # 0: d_model / n_heads
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.dropout": Range(0, 1),
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
-    "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False),
+    "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,
     "train.steps": SIZE, "train.global_batch": SIZE, "train.micro_batch": SIZE, "train.batch_rampup": SIZE,
     "train.warmup": COUNT,
@@ -228,6 +228,7 @@ def _check_gradients(cfg: Config) -> None:
     if p.grad_codec == "int8" and p.dp * p.cp > 127:
         raise ConfigError(f"grad_codec='int8' sums int8 over dp*cp = {p.dp * p.cp} ranks, at most 127; "
                           f"use bf16 or hierarchical reduction")
+    _check_zero_shard(p)
     if p.hierarchical is True:
         blocker = hierarchical_blocker(p)
         if blocker:
@@ -239,6 +240,25 @@ def _check_gradients(cfg: Config) -> None:
                               f"over nodes of ranks_per_node={p.ranks_per_node} (tp={p.tp} per replica); "
                               f"use a ranks_per_node that is a multiple of tp and divides or is divided by "
                               f"dp*cp*tp")
+
+
+def _check_zero_shard(p: ParallelConfig) -> None:
+    """Hybrid ZeRO's shard size: whole blocks of dp x cp, with a reduction it composes with."""
+    replicas = p.dp * p.cp
+    if p.zero_shard and replicas % p.zero_shard:
+        raise ConfigError(f"parallel.zero_shard={p.zero_shard} must divide dp*cp = {replicas} (each ZeRO shard set "
+                          f"is a block of that many dp x cp ranks); use zero_shard in {divisors(replicas)}, or 0 "
+                          f"for all of them")
+    if not zero_shard(p):
+        return
+    if p.grad_codec in ("int8", "powersgd"):
+        raise ConfigError(f"grad_codec={p.grad_codec!r} compresses a whole-bucket all-reduce; zero_shard="
+                          f"{p.zero_shard} reduce-scatters within shard groups instead. Use grad_codec='bf16' or "
+                          f"'none', or zero_shard=0")
+    if p.hierarchical is True:
+        raise ConfigError(f"hierarchical=true and zero_shard={p.zero_shard} both split the dp*cp reduction by "
+                          f"blocks of ranks; set hierarchical=false (zero_shard={p.zero_shard} reduces within "
+                          f"its blocks) or zero_shard=0")
 
 
 def _check_rampup(t, rows: int) -> None:
@@ -322,6 +342,11 @@ def idle_settings(cfg: Config) -> list[str]:
         notes.append("parallel.sequence_parallel=true does nothing at tp=1 (it splits the sequence over tp)")
     if p.zero and replicas == 1:
         notes.append(f"parallel.zero={p.zero} does nothing at dp*cp=1 (it shards states over dp*cp replicas)")
+    if p.zero_shard and p.zero == 0:
+        notes.append(f"parallel.zero_shard={p.zero_shard} does nothing at zero=0 (it sets the ranks ZeRO 1-3 "
+                     f"shard states over)")
+    elif p.zero_shard and p.zero_shard == replicas and replicas > 1:
+        notes.append(f"parallel.zero_shard={p.zero_shard} = dp*cp shards over all of them, as zero_shard=0 does")
     if p.grad_codec != "none" and replicas == 1:
         notes.append(f"parallel.grad_codec={p.grad_codec!r} does nothing at dp*cp=1 (no gradient is reduced)")
     return notes

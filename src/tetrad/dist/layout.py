@@ -93,6 +93,14 @@ class Layout:
     def group_of(self, rank: int, dims: tuple[str, ...]) -> list[int]:
         return next(g for g in self.groups(dims) if rank in g)
 
+    def split_in_blocks(self, dims: tuple[str, ...], size: int) -> tuple[list, list]:
+        """(shard, replica): every `dims` group cut into consecutive blocks of `size` ranks (hybrid
+        ZeRO's shard groups: a block fits a node when `size` divides its ranks) and into the ranks
+        at the same position in every block (the replicas of one shard)."""
+        shard = [group[i:i + size] for group in self.groups(dims) for i in range(0, len(group), size)]
+        replica = [group[i::size] for group in self.groups(dims) for i in range(size)]
+        return shard, replica
+
     def split_by_node(self, dims: tuple[str, ...], ranks_per_node: int) -> tuple[list, list] | None:
         """(intra, inter): every `dims` group cut into its ranks on one node (node = rank //
         ranks_per_node) and into the ranks at the same position on every node; None when some

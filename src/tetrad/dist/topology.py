@@ -9,7 +9,8 @@ Nothing else creates process groups but the checkpointer's two gloo groups for b
 Names: one per dimension ("pp", "dp", "cp", "tp": one DeviceMesh, dist/layout.py's DIMENSIONS);
 GRAD ("dp_cp"), the flattened replicated dimensions gradients are reduced over (cp ranks hold
 the same weights as dp ranks); INTRA and INTER, its per-node halves for hierarchical reduction
-(when it spans nodes evenly); "embed", the first and last rank of each pipeline, which both hold
+(when it spans nodes evenly); SHARD and REPLICA, hybrid ZeRO's consecutive blocks of
+`zero_shard` ranks of it and the ranks at one position in every block (`zero_groups`); "embed", the first and last rank of each pipeline, which both hold
 the tied embedding; "pp:a-b" (`link_name`), the ranks at pipeline positions a and b of each
 pipeline, one per link the schedule sends over (parallel/pipeline/executor.py: on NCCL a link
 needs a communicator of its own). Each group's traffic is reported under one comm_bytes key
@@ -31,6 +32,7 @@ from tetrad.dist.comm import Comm
 from tetrad.dist.layout import DIMENSIONS, DIMS, GRAD, GRAD_DIMS, Layout
 
 INTRA, INTER = f"{GRAD}_intra", f"{GRAD}_inter"
+SHARD, REPLICA = f"{GRAD}_shard", f"{GRAD}_replica"
 
 
 class Topology:
@@ -43,9 +45,10 @@ class Topology:
 
     def __init__(self, layout: Layout, device: torch.device, ranks_per_node: int = 8,
                  timeout: datetime.timedelta | None = None, pipeline_links: list[tuple[int, int]] = (),
-                 comm_options: dict[str, dict] | None = None):
+                 comm_options: dict[str, dict] | None = None, zero_shard: int = 0):
         self.layout, self.device, self.ranks_per_node, self.timeout = layout, device, ranks_per_node, timeout
         self.pipeline_links, self.comm_options = list(pipeline_links), comm_options or {}
+        self.zero_shard = zero_shard  # hybrid ZeRO's shard size (config/sections.py zero_shard), or 0
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         world = dist.get_world_size() if self.distributed else 1
@@ -57,7 +60,7 @@ class Topology:
         # comm_bytes key of each group: a dimension's own; the gradient group's (and its halves')
         # its first dimension's; the tied-embedding pairs' the pipeline's.
         self._reported = {d.name: d.reported_as for d in DIMENSIONS}
-        self._reported.update(dict.fromkeys((GRAD, INTRA, INTER), self._reported[GRAD_DIMS[0]]), embed="pp")
+        self._reported.update(dict.fromkeys((GRAD, INTRA, INTER, SHARD, REPLICA), self._reported[GRAD_DIMS[0]]), embed="pp")
         self._reported.update(dict.fromkeys((link_name(a, b) for a, b in self.pipeline_links), "pp"))
         self.mesh = None
         if self.distributed:
@@ -83,6 +86,9 @@ class Topology:
         halves = self.layout.split_by_node(GRAD_DIMS, self.ranks_per_node)
         if halves is not None and len(self.ranks(GRAD)) > 1:
             for name, groups in zip((INTRA, INTER), halves):
+                self._new_groups(name, groups)
+        if self.zero_shard:
+            for name, groups in zip((SHARD, REPLICA), self.layout.split_in_blocks(GRAD_DIMS, self.zero_shard)):
                 self._new_groups(name, groups)
         if self.layout.pp > 1:
             self._new_groups("embed", [[ranks[0], ranks[-1]] for ranks in self.layout.groups(("pp",))])
@@ -133,6 +139,11 @@ class Topology:
     def reported(self, name: str) -> str:
         """The comm_bytes key the traffic of group `name` counts under."""
         return self._reported.get(name, name)
+
+    def zero_groups(self) -> tuple[str, str | None]:
+        """(the group ZeRO shards over, the group its shards are replicated over): (GRAD, None), or
+        hybrid ZeRO's (SHARD, REPLICA)."""
+        return (SHARD, REPLICA) if self.zero_shard else (GRAD, None)
 
     def size(self, name: str) -> int:
         return len(self.ranks(name))

@@ -14,7 +14,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from tetrad.config import Config, ModelConfig
-from tetrad.config.sections import bucket_bytes
+from tetrad.config.sections import bucket_bytes, shard_ranks
 from tetrad.dist.codecs import INT8_BLOCK, powersgd_shape
 from tetrad.parallel.bucketing import bucket_contents, padded_size
 from tetrad.parallel.pipeline.split import rank_stages, stage_layers
@@ -109,9 +109,10 @@ class RankBuckets(NamedTuple):
 
 
 def rank_buckets(cfg: Config) -> tuple[RankBuckets, ...]:
-    """Each pipeline rank's buckets, at dp x cp coordinate 0."""
+    """Each pipeline rank's buckets, at dp x cp coordinate 0, laid out over the ranks ZeRO shards
+    over (hybrid ZeRO's block, or all of dp x cp)."""
     p = cfg.parallel
-    return _pipeline(shapes(cfg), tuple(stage_layers(cfg)), p.pp, p.vpp, p.dp * p.cp, p.zero, p.grad_codec,
+    return _pipeline(shapes(cfg), tuple(stage_layers(cfg)), p.pp, p.vpp, shard_ranks(p), p.zero, p.grad_codec,
                      bucket_bytes(p))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tetrad.config import Config
 from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec
+from tetrad.config.sections import shard_ranks, zero_shard
 from tetrad.dist.layout import GRAD_DIMS, Layout
 from tetrad.parallel.bucketing import padded_size
 from tetrad.parallel.pipeline.split import rank_layers
@@ -78,7 +79,7 @@ def _pp_bytes(cfg: Config) -> float:
     out = cfg.microbatches * (2 * p.vpp - 1) * sent + STEP_SUMS
     if m.tie_embeddings:  # rank 0's shard of the embedding's bucket, its padding left out (GradReducer.reduce)
         size = vocab_shard(m, p.tp) * m.d_model
-        out += 4 * (padded_size(size, p.dp * p.cp, 1) // (p.dp * p.cp) if p.zero >= 2 else size)
+        out += 4 * (padded_size(size, shard_ranks(p), 1) // shard_ranks(p) if p.zero >= 2 else size)
     return out
 
 
@@ -112,6 +113,8 @@ def _dp_bytes(cfg: Config) -> float:
     w = state_bytes_per_param(cfg.train.dtype)[0]
     buckets = rank_buckets(cfg)[0]
     padded = buckets.padded
+    if zero_shard(p):
+        return _hybrid_dp_bytes(cfg, buckets, w) + STEP_SUMS
     if p.zero == 0:
         grads = _all_reduce_bytes(cfg, buckets)
     elif p.zero == 1:  # the updated shards gathered over whole (padded) buckets
@@ -121,6 +124,20 @@ def _dp_bytes(cfg: Config) -> float:
     else:
         grads = (2 * micro * buckets.blocks + padded - buckets.blocks) * w + micro * padded * scatter_bytes(cfg)
     return grads + STEP_SUMS
+
+
+def _hybrid_dp_bytes(cfg: Config, buckets: RankBuckets, w: int) -> float:
+    """Hybrid ZeRO (parallel.zero_shard): each reduction a reduce-scatter inside the block of s
+    ranks and an all-reduce of its 1/s shard over the replicas (ZeRO-1 once, on the last
+    micro-batch; ZeRO 2/3 every micro-batch); the gathers as ZeRO's, inside the block. A group of
+    one rank (s = 1, or one replica) moves nothing."""
+    p, micro, padded = cfg.parallel, cfg.microbatches, buckets.padded
+    s = shard_ranks(p)
+    inside, across = s > 1, p.dp * p.cp > s
+    reduce = padded * scatter_bytes(cfg) * (inside + across / s)
+    if p.zero == 3:
+        return micro * reduce + inside * w * (micro * 2 * buckets.blocks + padded - buckets.blocks)
+    return (micro if p.zero == 2 else 1) * reduce + inside * w * padded
 
 
 def scatter_bytes(cfg: Config) -> int:

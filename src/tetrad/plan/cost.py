@@ -14,12 +14,13 @@ import math
 from dataclasses import dataclass, field, replace
 
 from tetrad.config import Config
-from tetrad.config.sections import bucket_bytes
+from tetrad.config.sections import bucket_bytes, shard_ranks, zero_shard
 from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers, rank_stages, stage_layers
 from tetrad.plan.hardware import GPU, Cluster, HardwareError, offload_unknown
 from tetrad.plan.layer import end_costs, layer_cost
-from tetrad.plan.links import LINK_EFFICIENCY, group_link, overlap_slowdown, reduction_time, ring_time
+from tetrad.plan.links import (LINK_EFFICIENCY, group_link, hybrid_reduction_time, overlap_slowdown, reduction_time,
+                               ring_time)
 from tetrad.plan.memory import (
     GIB,
     GPU_RESERVED_GIB,
@@ -231,17 +232,18 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
     stack overlaps it)."""
     p, micro = cfg.parallel, cfg.microbatches
     exposed, opt, copies, gather = 0.0, 0.0, 0.0, 0.0
-    n = p.dp * p.cp
-    alpha, link = group_link(cluster, p.tp, n)
+    n, sharded = p.dp * p.cp, shard_ranks(p)  # hybrid ZeRO: gathers inside blocks of `sharded`
+    alpha, link = group_link(cluster, p.tp, sharded)
     for r, (params, buckets) in enumerate(zip(rank_params(cfg), rank_buckets(cfg))):
-        shard = params / (n if p.zero >= 1 else 1)
+        shard = params / (sharded if p.zero >= 1 else 1)
         rank_opt, rank_copies = _optimizer_time(cfg, cluster, shard)
         opt, copies = max(opt, rank_opt), max(copies, rank_copies)
         if n == 1:
             continue
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
         grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes)
-        grads = reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
+        grads = hybrid_reduction_time(grad_bytes, n, sharded, cluster, p.tp) if zero_shard(p) else \
+            reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
         if stack.dp_overlap:  # (and slowing the work it runs beside)
             window = sum(st.bi[g] + st.bw[g] for g in st.held_by[r])
@@ -255,7 +257,7 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
         exposed = max(exposed, earlier + max(0.0, grads - tail[r]))  # the idle tail hides only the last
         if p.zero in (1, 2):  # updated 16-bit (fp32) weights all-gathered after the optimizer step
             weights = params * state_bytes_per_param(cfg.train.dtype)[0]
-            weights_gather = ring_time("all_gather", weights, n, alpha, link)
+            weights_gather = ring_time("all_gather", weights, sharded, alpha, link)
             if stack.param_gather_overlap:  # or under the next step's first forward, bucket by bucket
                 first_bucket = weights_gather * min(1.0, bucket_bytes(cfg.parallel) / weights)
                 forward = sum(st.f[g] for g in st.held_by[r])

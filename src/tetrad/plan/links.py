@@ -68,3 +68,13 @@ def reduction_time(op: str, nbytes: float, n: int, cluster: Cluster, stride: int
         tree = 2 * (math.ceil(math.log2(nodes)) * g.inter_alpha_s + (per_node - 1) * g.intra_alpha_s)
         return min(ring, tree + 2 * nbytes / bw)
     return ring
+
+
+def hybrid_reduction_time(nbytes: float, n: int, shard: int, cluster: Cluster, stride: int) -> float:
+    """Hybrid ZeRO's reduction of `nbytes` of gradient over `n` ranks `stride` apart, sharded over
+    consecutive blocks of `shard` (parallel.zero_shard): a reduce-scatter inside the block (one
+    node's links where the block fits one), then an all-reduce of its 1/shard over the n/shard
+    replicas, `shard` x `stride` apart (across nodes)."""
+    replicas = n // shard
+    across = reduction_time("all_reduce", nbytes / shard, replicas, cluster, stride * shard) if replicas > 1 else 0.0
+    return reduction_time("reduce_scatter", nbytes, shard, cluster, stride) + across

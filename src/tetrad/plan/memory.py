@@ -6,7 +6,8 @@ weights, fp32 gradients and Adam's two moments, 4 + 4 + 8. Mixed precision (bf16
 linears) keeps 16-bit weights, fp32 gradients (tetrad, like Megatron-LM, accumulates and reduces
 them in fp32) and fp32 master weights plus both moments, 2 + 4 + 12 = 18. The ZeRO paper's
 convention, 2 + 2 + 12 = 16 with K = 12, is `ZERO_PAPER_BYTES`. ZeRO-1 shards the optimizer over
-the dp x cp group, ZeRO-2 also the gradients, ZeRO-3 also the weights. Optimizer offload moves the
+the dp x cp group (hybrid ZeRO: over its blocks of parallel.zero_shard ranks), ZeRO-2 also the
+gradients, ZeRO-3 also the weights. Optimizer offload moves the
 optimizer's part to host memory, which is counted apart (`host_memory_by_rank`).
 
 Activations follow Korthikanti et al. 2022, written per saved tensor so that they generalise to
@@ -22,7 +23,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tetrad.config import Config, ModelConfig
-from tetrad.config.sections import bucket_bytes
+from tetrad.config.sections import bucket_bytes, shard_ranks
 from tetrad.model import flops
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
@@ -135,7 +136,7 @@ def host_memory_by_rank(cfg: Config) -> list[HostMemory]:
     residual = n > 1 and p.grad_codec in ("int8", "powersgd")
     out = []
     for params in rank_params(cfg):
-        owned = params / (n if p.zero >= 1 else 1)
+        owned = params / (shard_ranks(p) if p.zero >= 1 else 1)
         host = HostMemory()
         if t.offload_optimizer:
             host.optimizer, host.grads = (b * owned for b in OFFLOAD_HOST_BYTES)
@@ -292,7 +293,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     out = []
     layer_params = flops.layer_params(m, p.tp)
     for r, layers in enumerate(rank_layers(cfg)):
-        weights, grads, optimizer = model_state_bytes(params[r], p.zero, p.dp * p.cp, per_param)
+        weights, grads, optimizer = model_state_bytes(params[r], p.zero, shard_ranks(p), per_param)
         if t.offload_optimizer:  # on the host (host_memory_by_rank)
             optimizer = 0.0
         buffers = _buffers(cfg, stack, tokens, e, params[r], r)

@@ -8,6 +8,7 @@ import math
 
 from tetrad.config import Config
 from tetrad.config.rampup import BatchRamp
+from tetrad.config.sections import zero_shard
 from tetrad.model import flops
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, offload_unknown
@@ -22,7 +23,8 @@ def layout_label(e: Estimate) -> str:
     p, t = e.cfg.parallel, e.cfg.train
     cp = f" cp={p.cp}{'' if p.cp == 1 else '/' + p.cp_algo}"
     sched = p.schedule + (f" vpp={p.vpp}" if p.vpp > 1 else "")
-    return (f"tp={p.tp} pp={p.pp}{cp} dp={p.dp} zero={p.zero} {sched} mb={t.micro_batch} "
+    shard = f" zero_shard={zero_shard(p)}" if zero_shard(p) else ""
+    return (f"tp={p.tp} pp={p.pp}{cp} dp={p.dp} zero={p.zero}{shard} {sched} mb={t.micro_batch} "
             f"recompute={t.recompute}" + (" offload" if t.offload_optimizer else ""))
 
 

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from tetrad import device as devices
+from tetrad.config.sections import zero_shard
 from tetrad.dist.layout import REPORTED
 from tetrad.model import flops
 from tetrad.plan.cost import mfu_peak
@@ -204,10 +205,11 @@ def _clock(seconds: float) -> str:
 
 
 def layout_label(p) -> str:
-    """A [parallel] section in a few words, e.g. "dp2 tp2 pp2 cp1 zero1 sp": what sets a step's
-    communication."""
+    """A [parallel] section in a few words, e.g. "dp2 tp2 pp2 cp1 zero1 sp" ("zero3 shard8": hybrid
+    ZeRO's blocks): what sets a step's communication."""
     words = [f"dp{p.dp}", f"tp{p.tp}", f"pp{p.pp}", f"cp{p.cp}"] + ([f"vpp{p.vpp}"] if p.vpp > 1 else [])
-    return " ".join(words + [f"zero{p.zero}"] + (["sp"] if p.sequence_parallel and p.tp > 1 else []))
+    words += [f"zero{p.zero}"] + ([f"shard{zero_shard(p)}"] if zero_shard(p) else [])
+    return " ".join(words + (["sp"] if p.sequence_parallel and p.tp > 1 else []))
 
 
 def progress_line(record: dict) -> str:

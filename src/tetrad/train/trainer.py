@@ -19,6 +19,7 @@ import torch
 
 from tetrad import device as devices
 from tetrad.config import Config
+from tetrad.config.sections import zero_shard
 from tetrad.dist import autotune, watchdog
 from tetrad.dist.layout import GRAD, REPORTED, WEIGHT_SPLIT_DIMS, Layout, shard_sequence
 from tetrad.dist.topology import Topology
@@ -95,7 +96,8 @@ class Trainer:
         # Every group starts with the start-up timeout; after the first step, the collective one.
         self.topo = Topology(Layout.of(p), device, p.ranks_per_node,
                              timeout=datetime.timedelta(seconds=p.startup_timeout_s),
-                             pipeline_links=pipeline_links(cfg), comm_options=p.comm_options)
+                             pipeline_links=pipeline_links(cfg), comm_options=p.comm_options,
+                             zero_shard=zero_shard(p))
         # Dropout differs per rank but is reproducible; weights come from the logical init.
         torch.manual_seed((cfg.train.seed + 7919 * self.topo.rank) % 2**63)
         self.activations = ActivationMeter()

@@ -21,6 +21,11 @@ micro-batch's bucket into this rank's shard and frees the full bucket once reduc
 by micro-batch: equal to ZeRO-0's to fp32 rounding, bit-equal with one micro-batch per rank).
 ZeRO-3 keeps only the parameter shard and gathers each block for its use; gradients as ZeRO-2.
 
+Hybrid ZeRO (parallel.zero_shard, FSDP2's HSDP): ZeRO 1-3 shard over blocks of the gradient
+group (topology's SHARD groups) and each block holds a replica of every shard: the buckets are
+laid out over the block, the reduce-scatter runs inside it and the shard is then all-reduced over
+the replicas (REPLICA), ZeRO-3 gathers inside it, and the gradient norm counts one replica only.
+
 `GradReducer` puts these together for the trainer; "auto" bucket size and hierarchical
 reduction are measured before it is built (dist/autotune.py), not by it.
 """
@@ -75,6 +80,7 @@ class GradReducer:
         self.execution = getattr(model, "execution", None) or Execution()
         self._names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
         self.zero = parallel.zero if parallel else 0
+        shard, replica = topo.zero_groups() if self.zero >= 1 else (GRAD, None)
         n = topo.size(GRAD)
         codec = parallel.grad_codec if parallel else "none"
         self.codec = make_codec(codec, n)
@@ -82,16 +88,18 @@ class GradReducer:
         if hierarchical and topo.layout.split_by_node(GRAD_DIMS, topo.ranks_per_node) is None:
             raise ValueError(f"hierarchical reduction needs the dp x cp groups spread evenly over nodes of "
                              f"{topo.ranks_per_node} ranks")
-        layout = lay_out(params, model, self.zero, n, topo.local_rank(GRAD), INT8_BLOCK if codec == "int8" else 1,
-                         bucket_bytes(parallel))
+        layout = lay_out(params, model, self.zero, topo.size(shard), topo.local_rank(shard),
+                         INT8_BLOCK if codec == "int8" else 1, bucket_bytes(parallel))
         self.buckets, self.blocks, self._tied, self._tied_copy = layout.buckets, layout.blocks, layout.tied, \
             layout.tied_copy
-        self._norm_ranges = norm_ranges(self.buckets, topo, layout.tied.params[0] if layout.tied_copy else None)
+        # Replicas of a shard hold the same reduced gradient: one of them counts it in the norm.
+        self._norm_ranges = norm_ranges(self.buckets, topo, layout.tied.params[0] if layout.tied_copy else None) \
+            if replica is None or topo.local_rank(replica) == 0 else []
         # Parameters become views of flat buffers under ZeRO, or behind separate fp32 masters.
         separate = dtype != torch.float32 or offload
         self.weights = None
         if self.zero >= 1 or separate:
-            self.weights = MasterWeights(self.buckets, topo, self.zero, dtype, separate, offload)
+            self.weights = MasterWeights(self.buckets, topo, self.zero, dtype, separate, offload, shard)
             initial = None if init is None else \
                 (lambda bucket, lo, hi: initial_shard(bucket, lo, hi, init, self._names, topo.device))
             for flat, owned in flatten(self.buckets, dtype, topo.device, self.weights.owned_range, initial):
@@ -101,7 +109,7 @@ class GradReducer:
         self.zero3 = None
         if self.zero == 3:
             self.zero3 = ParamGather(self.buckets, self.flat, self.weights.shards, topo, self.execution,
-                                     layout.roots, prefetch)
+                                     layout.roots, prefetch, shard)
             self.zero3.install(model, layout.blocks)
         linears = [m for m in model.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] if model is not None else []
@@ -110,7 +118,8 @@ class GradReducer:
                              linear_weights=frozenset(id(m.weight) for m in linears if m.weight.numel() >= SINK_MIN_NUMEL),
                              # every linear's but the head's, made in BI (ColumnParallelLinear.grad_in_bi)
                              deferred_weights=frozenset(id(m.weight) for m in linears
-                                                        if not getattr(m, "grad_in_bi", False)))
+                                                        if not getattr(m, "grad_in_bi", False)),
+                             groups=(shard, replica))
 
     def last_microbatch(self):
         """Backward inside this block is the accumulation's last: buckets reduce as they fill."""

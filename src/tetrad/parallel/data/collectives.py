@@ -10,6 +10,9 @@ in place and this rank's shard sliced out of it (the full gradient is freed righ
 overwriting it costs nothing), and the parameters are gathered with one broadcast per rank of
 its own shard, in place. Other backends (NCCL) run the collectives as they are. The bytes
 counted (dist/comm.py) are the same either way: the whole bucket.
+
+Under hybrid ZeRO (topology.zero_groups) both run over the shard group, and a reduced shard is
+then summed over its replicas (the ranks that own the same shard in the other blocks).
 """
 
 from __future__ import annotations
@@ -21,28 +24,44 @@ from tetrad.dist.comm import Pending
 from tetrad.dist.layout import GRAD
 
 
-def scratch_free(topo) -> bool:
-    """Whether the gradient group's backend stages flat collectives through a full-size scratch
-    (gloo): then they are run in place as above. A group of one rank moves nothing."""
-    group = topo.comm.groups.group(GRAD)
-    return group is not None and dist.get_backend(group) == "gloo"
+def scratch_free(topo, group: str = GRAD) -> bool:
+    """Whether `group`'s backend stages flat collectives through a full-size scratch (gloo): then
+    they are run in place as above. A group of one rank moves nothing."""
+    pg = topo.comm.groups.group(group)
+    return pg is not None and dist.get_backend(pg) == "gloo"
 
 
-def start_reduce(topo, full: torch.Tensor, shard_size: int, scratch_free: bool):
-    """Start summing `full` over the gradient group; returns (the pending collective, where this
-    rank's shard of the sum will be once it is done: a view of `full` when `scratch_free`)."""
+class ReplicaPending:
+    """Hybrid ZeRO: the shard group's reduction runs non-blocking; wait() then sums the reduced
+    shard over its replicas."""
+
+    def __init__(self, comm, first, shard: torch.Tensor, replica: str):
+        self._comm, self._first, self._shard, self._replica = comm, first, shard, replica
+
+    def wait(self) -> None:
+        self._first.wait()
+        self._comm.all_reduce(self._shard, self._replica)
+
+
+def start_reduce(topo, full: torch.Tensor, shard_size: int, scratch_free: bool, group: str = GRAD,
+                 replica: str | None = None):
+    """Start summing `full` over `group` (and its shard over `replica`, hybrid ZeRO); returns (the
+    pending collective, where this rank's shard of the sum will be once it is done: a view of
+    `full` when `scratch_free`)."""
     if scratch_free:
-        lo = topo.local_rank(GRAD) * shard_size
-        return topo.comm.all_reduce(full, GRAD, async_op=True), full[lo:lo + shard_size]
-    out = full.new_empty(shard_size)
-    return topo.comm.reduce_scatter(out, full, GRAD, async_op=True), out
+        lo = topo.local_rank(group) * shard_size
+        first, out = topo.comm.all_reduce(full, group, async_op=True), full[lo:lo + shard_size]
+    else:
+        out = full.new_empty(shard_size)
+        first = topo.comm.reduce_scatter(out, full, group, async_op=True)
+    return (first if replica is None else ReplicaPending(topo.comm, first, out, replica)), out
 
 
-def start_gather(topo, flat: torch.Tensor, shard_size: int, scratch_free: bool) -> Pending:
-    """Start gathering every rank's shard into `flat`, whose own shard (this rank's slice) holds
-    this rank's values already."""
-    comm, rank = topo.comm, topo.local_rank(GRAD)
+def start_gather(topo, flat: torch.Tensor, shard_size: int, scratch_free: bool, group: str = GRAD) -> Pending:
+    """Start gathering every rank's shard of `group` into `flat`, whose own shard (this rank's
+    slice) holds this rank's values already."""
+    comm, rank = topo.comm, topo.local_rank(group)
     if not scratch_free:
-        return comm.all_gather(flat, flat[rank * shard_size:(rank + 1) * shard_size], GRAD, async_op=True)
-    return Pending([comm.broadcast(flat[k * shard_size:(k + 1) * shard_size], k, GRAD, async_op=True)
-                    for k in range(topo.size(GRAD))])
+        return comm.all_gather(flat, flat[rank * shard_size:(rank + 1) * shard_size], group, async_op=True)
+    return Pending([comm.broadcast(flat[k * shard_size:(k + 1) * shard_size], k, group, async_op=True)
+                    for k in range(topo.size(group))])

@@ -19,6 +19,10 @@ parked apart (fp32) until BW starts the bucket, and the bucket is complete when 
 delivered all of its linears' (a later micro-batch's BI may come first: it joins this
 reduction), so no bucket is held full from BI to BW; a bucket of no linear (the embedding's and
 learned positions') completes when BI has delivered all of its gradients, once a micro-batch.
+
+Hybrid ZeRO (`groups` = the shard and replica groups): the reduce-scatter runs over the shard
+group and its shard is then all-reduced over the replicas (collectives.start_reduce); ZeRO-1
+reduces so too, on the last micro-batch, its shard of the sum written back into its full bucket.
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ class GradSync:
 
     def __init__(self, buckets: list[Bucket], topo, execution, zero: int, codec, hierarchical_: bool,
                  on_complete=None, linear_weights: frozenset[int] = frozenset(),
-                 deferred_weights: frozenset[int] = frozenset()):
+                 deferred_weights: frozenset[int] = frozenset(), groups: tuple[str, str | None] = (GRAD, None)):
         self.buckets, self.topo, self.execution = buckets, topo, execution
+        self.shard, self.replica = groups
         self.zero, self.codec, self.hierarchical = zero, codec, hierarchical_
         self.on_complete = on_complete or (lambda bucket: None)
         self.sync = False  # inside `last_microbatch`
         self.in_flight: list[Bucket] = []  # ZeRO >= 2: reduce-scatters started, oldest first
-        self.scratch_free = collectives.scratch_free(topo)  # gloo: all-reduce in place instead (collectives.py)
+        self.scratch_free = collectives.scratch_free(topo, self.shard)  # gloo: all-reduce in place instead (collectives.py)
         # fp32 ZeRO 0/1 without zero-bubble's split backward: each bucket's flat gradient persists
         # and each p.grad becomes its view. `clear` drops p.grad rather than zeroing the buckets,
         # so a step's first gradient is copied over its view (one pass over it, where zeroing and
@@ -180,11 +185,13 @@ class GradSync:
             raise RuntimeError(f"bucket {bucket.index} starts reducing from {bucket.state}")
         bucket.state = "reducing"
         comm = self.topo.comm
-        if self.zero >= 2:
+        if self.zero >= 2 or self.replica is not None:
             wire = self.codec.SCATTER_DTYPE
             full = bucket.grad if wire is None else bucket.grad.to(wire)
             bucket.pending, bucket.incoming = collectives.start_reduce(self.topo, full, bucket.shard_size,
-                                                                       self.scratch_free)
+                                                                       self.scratch_free, self.shard, self.replica)
+            if self.zero < 2:  # hybrid ZeRO-1: finished at the end of backward
+                return
             self.in_flight.append(bucket)
             while len(self.in_flight) > 1:  # double buffering: one reducing while the next fills
                 self.finish(self.in_flight[0])
@@ -201,6 +208,11 @@ class GradSync:
         bucket.pending.wait()
         bucket.pending = None
         if self.zero < 2:
+            if bucket.incoming is not None:  # hybrid ZeRO-1: the shard's sum into its place in the bucket
+                shard = bucket.grad[bucket.lo:bucket.hi]
+                if bucket.incoming.data_ptr() != shard.data_ptr():
+                    shard.copy_(bucket.incoming)
+                bucket.incoming = None
             bucket.state = "reduced"
             return
         incoming = bucket.incoming.float()  # a bf16 codec's sum back in fp32 (itself when fp32)

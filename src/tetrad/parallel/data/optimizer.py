@@ -25,6 +25,7 @@ import torch.nn as nn
 from tetrad import device as devices
 from tetrad.config import TrainConfig
 from tetrad.device import FUSED_OPTIMIZER_DEVICES
+from tetrad.dist.layout import GRAD
 from tetrad.model.sharding import spec_of
 from tetrad.parallel.data import collectives
 from tetrad.parallel.data.buffers import Bucket
@@ -52,16 +53,18 @@ def owned_grad(bucket: Bucket, zero: int) -> torch.Tensor | None:
 
 class MasterWeights:
     """The weights each bucket's optimizer updates: fp32 masters of the owned range (`separate`:
-    a low-precision model or offload), or the parameters' own storage there."""
+    a low-precision model or offload), or the parameters' own storage there. `group`: the one the
+    owned shards are gathered over (hybrid ZeRO's shard group)."""
 
-    def __init__(self, buckets: list[Bucket], topo, zero: int, dtype: torch.dtype, separate: bool, offload: bool):
-        self.buckets, self.topo, self.zero, self.dtype = buckets, topo, zero, dtype
+    def __init__(self, buckets: list[Bucket], topo, zero: int, dtype: torch.dtype, separate: bool, offload: bool,
+                 group: str = GRAD):
+        self.buckets, self.topo, self.zero, self.dtype, self.group = buckets, topo, zero, dtype, group
         self.separate, self.offload = separate, offload
         self.flat: list[torch.Tensor] = []  # flat parameter buffer (model dtype) of each bucket
         self.shards: list[torch.Tensor] = []  # ZeRO-3: the persistent parameter shard of each bucket
         self.masters: list[torch.Tensor] = []  # what the optimizer updates, per bucket
         self._host_grads: dict[int, torch.Tensor] = {}  # offload: each bucket's owned gradient on the host
-        self.scratch_free = collectives.scratch_free(topo)  # gloo: gather by in-place broadcasts (collectives.py)
+        self.scratch_free = collectives.scratch_free(topo, group)  # gloo: gather by in-place broadcasts (collectives.py)
 
     def add(self, flat: torch.Tensor, owned: torch.Tensor) -> None:
         """The next bucket's flat buffer and the fp32 values of its owned range (buffers.flatten):
@@ -107,7 +110,7 @@ class MasterWeights:
                 self.owned_params(k).copy_(master, non_blocking=True)
         if self.zero in (0, 3):
             return
-        pending = [collectives.start_gather(self.topo, f, b.shard_size, self.scratch_free)
+        pending = [collectives.start_gather(self.topo, f, b.shard_size, self.scratch_free, self.group)
                    for b, f in zip(self.buckets, self.flat)]
         for work in pending:
             work.wait()

@@ -28,6 +28,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from tetrad.dist.layout import GRAD
 from tetrad.parallel.data import collectives
 from tetrad.parallel.data.buffers import Bucket
 
@@ -35,14 +36,15 @@ from tetrad.parallel.data.buffers import Bucket
 class ParamGather:
     """Gathers and frees the flat parameter buffers `flat` (one per bucket, freed while not in use)
     from the persistent shards `shards`; block k owns bucket k, and `roots` come after the
-    blocks'. `prefetch`: how many blocks ahead (behind, in backward) to start gathering."""
+    blocks'. `prefetch`: how many blocks ahead (behind, in backward) to start gathering. `group`:
+    the shards' group (hybrid ZeRO's shard group: gathers never cross it)."""
 
     def __init__(self, buckets: list[Bucket], flat: list[torch.Tensor], shards: list[torch.Tensor], topo,
-                 execution, roots: list[Bucket], prefetch: int = 1):
-        self.buckets, self.flat, self.shards, self.topo = buckets, flat, shards, topo
+                 execution, roots: list[Bucket], prefetch: int = 1, group: str = GRAD):
+        self.buckets, self.flat, self.shards, self.topo, self.group = buckets, flat, shards, topo, group
         self.execution, self.roots, self.prefetch = execution, roots, prefetch
         self.gathering: dict[int, object] = {}  # bucket index -> its all-gather in flight
-        self.scratch_free = collectives.scratch_free(topo)  # gloo: gather by in-place broadcasts (collectives.py)
+        self.scratch_free = collectives.scratch_free(topo, group)  # gloo: gather by in-place broadcasts (collectives.py)
         self.views = [[p.data for p in bucket.params] for bucket in buckets]  # buffers.flatten's views
         # Each parameter's gradient accumulator, made now, while it has its shape, and kept: autograd
         # checks gradients against the shape it saw when making one, and a graph of the empty
@@ -65,7 +67,8 @@ class ParamGather:
             bucket = self.buckets[k]
             flat.untyped_storage().resize_(bucket.padded * flat.element_size())
             flat[bucket.lo:bucket.hi].copy_(self.shards[k])
-            self.gathering[k] = collectives.start_gather(self.topo, flat, bucket.shard_size, self.scratch_free)
+            self.gathering[k] = collectives.start_gather(self.topo, flat, bucket.shard_size, self.scratch_free,
+                                                              self.group)
 
     def gather(self, k: int) -> None:
         self.start(k)

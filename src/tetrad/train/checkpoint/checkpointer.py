@@ -202,7 +202,9 @@ class Checkpointer:
 
     def _same_layout(self, manifest: dict) -> bool:
         """Whether the checkpoint of `manifest` was saved in this layout (_layout)."""
-        saved = {k: v for k, v in manifest.get("layout", {}).items() if k not in NOT_LAYOUT}  # older saves
+        # Older saves: without NOT_LAYOUT's keys, and without a key added since (its default then).
+        saved = {**dataclasses.asdict(ParallelConfig()), **manifest.get("layout", {})}
+        saved = {k: v for k, v in saved.items() if k not in NOT_LAYOUT}
         return saved == json.loads(json.dumps(self._layout()))  # as stored: lists, not tuples
 
     def _saved_state(self, params, optimizer, stateful: dict, local: dict, copy: bool = False) -> dict[str, torch.Tensor]:

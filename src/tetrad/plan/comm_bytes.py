@@ -128,16 +128,16 @@ def _dp_bytes(cfg: Config) -> float:
 
 def _hybrid_dp_bytes(cfg: Config, buckets: RankBuckets, w: int) -> float:
     """Hybrid ZeRO (parallel.zero_shard): each reduction a reduce-scatter inside the block of s
-    ranks and an all-reduce of its 1/s shard over the replicas (ZeRO-1 once, on the last
-    micro-batch; ZeRO 2/3 every micro-batch); the gathers as ZeRO's, inside the block. A group of
-    one rank (s = 1, or one replica) moves nothing."""
+    ranks, and its 1/s shard all-reduced over the replicas once a step (ZeRO-1: the last
+    micro-batch's reduced shard; ZeRO 2/3: the step's fp32 sum of every micro-batch's); the
+    gathers as ZeRO's, inside the block. A group of one rank (s = 1, or one replica) moves nothing."""
     p, micro, padded = cfg.parallel, cfg.microbatches, buckets.padded
     s = shard_ranks(p)
     inside, across = s > 1, p.dp * p.cp > s
-    reduce = padded * scatter_bytes(cfg) * (inside + across / s)
-    if p.zero == 3:
-        return micro * reduce + inside * w * (micro * 2 * buckets.blocks + padded - buckets.blocks)
-    return (micro if p.zero == 2 else 1) * reduce + inside * w * padded
+    scatters = (micro if p.zero >= 2 else 1) * padded * scatter_bytes(cfg) * inside
+    replicas = padded / s * (4 if p.zero >= 2 else scatter_bytes(cfg)) * across
+    gathers = (2 * micro * buckets.blocks + padded - buckets.blocks) if p.zero == 3 else padded
+    return scatters + replicas + inside * w * gathers
 
 
 def scatter_bytes(cfg: Config) -> int:

@@ -242,18 +242,21 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
             continue
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
         grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes)
-        grads = hybrid_reduction_time(grad_bytes, n, sharded, cluster, p.tp) if zero_shard(p) else \
-            reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
+        if zero_shard(p):  # the block's reduce-scatter each time; the replicas' all-reduce once, on the last
+            each = reduction_time("reduce_scatter", grad_bytes, sharded, cluster, p.tp)
+            grads = hybrid_reduction_time(grad_bytes, n, sharded, cluster, p.tp)
+        else:
+            grads = each = reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
         if stack.dp_overlap:  # (and slowing the work it runs beside)
             window = sum(st.bi[g] + st.bw[g] for g in st.held_by[r])
             if p.zero >= 2:
                 work = window + sum(st.f[g] for g in st.held_by[r])
-                earlier = (micro - 1) * (max(0.0, grads - work) + overlap_slowdown(grads, work, cluster.gpu))
+                earlier = (micro - 1) * (max(0.0, each - work) + overlap_slowdown(each, work, cluster.gpu))
             last_bucket = grads * min(1.0, bucket_bytes(cfg.parallel) / (params * stack.grad_reduce_bytes))
             grads = max(last_bucket, grads - window) + overlap_slowdown(grads, window, cluster.gpu)
         elif p.zero >= 2:
-            earlier = (micro - 1) * grads
+            earlier = (micro - 1) * each
         exposed = max(exposed, earlier + max(0.0, grads - tail[r]))  # the idle tail hides only the last
         if p.zero in (1, 2):  # updated 16-bit (fp32) weights all-gathered after the optimizer step
             weights = params * state_bytes_per_param(cfg.train.dtype)[0]

@@ -21,8 +21,10 @@ reduction), so no bucket is held full from BI to BW; a bucket of no linear (the 
 learned positions') completes when BI has delivered all of its gradients, once a micro-batch.
 
 Hybrid ZeRO (`groups` = the shard and replica groups): the reduce-scatter runs over the shard
-group and its shard is then all-reduced over the replicas (collectives.start_reduce); ZeRO-1
-reduces so too, on the last micro-batch, its shard of the sum written back into its full bucket.
+group. ZeRO-1 then all-reduces the reduced shard over the replicas (collectives.start_reduce), on
+the last micro-batch, its shard of the sum written back into its full bucket; ZeRO 2/3 sum the
+step's accumulated shard over the replicas once, started as its last reduce-scatter ends, not
+once a micro-batch: the replica group spans nodes, and m micro-batches would send m times the bytes.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class GradSync:
         self.on_complete = on_complete or (lambda bucket: None)
         self.sync = False  # inside `last_microbatch`
         self.in_flight: list[Bucket] = []  # ZeRO >= 2: reduce-scatters started, oldest first
+        self.replica_sums: dict[int, object] = {}  # hybrid ZeRO 2/3: this step's all-reduces over the replicas
         self.scratch_free = collectives.scratch_free(topo, self.shard)  # gloo: all-reduce in place instead (collectives.py)
         # fp32 ZeRO 0/1 without zero-bubble's split backward: each bucket's flat gradient persists
         # and each p.grad becomes its view. `clear` drops p.grad rather than zeroing the buckets,
@@ -188,10 +191,12 @@ class GradSync:
         if self.zero >= 2 or self.replica is not None:
             wire = self.codec.SCATTER_DTYPE
             full = bucket.grad if wire is None else bucket.grad.to(wire)
+            replica = self.replica if self.zero < 2 else None  # ZeRO 2/3: the step's sum, once (finish)
             bucket.pending, bucket.incoming = collectives.start_reduce(self.topo, full, bucket.shard_size,
-                                                                       self.scratch_free, self.shard, self.replica)
+                                                                       self.scratch_free, self.shard, replica)
             if self.zero < 2:  # hybrid ZeRO-1: finished at the end of backward
                 return
+            bucket.closing = self.sync
             self.in_flight.append(bucket)
             while len(self.in_flight) > 1:  # double buffering: one reducing while the next fills
                 self.finish(self.in_flight[0])
@@ -223,6 +228,15 @@ class GradSync:
         bucket.incoming = bucket.grad = None
         bucket.state = "empty"
         self.in_flight.remove(bucket)
+        if bucket.closing:
+            self._sum_over_replicas(bucket)
+
+    def _sum_over_replicas(self, bucket: Bucket) -> None:
+        """Hybrid ZeRO 2/3: start summing the bucket's accumulated shard over its replicas (once a
+        step; nothing without replicas)."""
+        bucket.closing = False
+        if self.replica is not None and bucket.index not in self.replica_sums:
+            self.replica_sums[bucket.index] = self.topo.comm.all_reduce(bucket.grad_shard, self.replica, async_op=True)
 
     def finish_all(self) -> None:
         """Start every bucket that holds gradients and has not started, and finish every
@@ -240,6 +254,11 @@ class GradSync:
             if bucket.state == "reducing":
                 self.finish(bucket)
             bucket.seen = 0
+            if bucket.grad_shard is not None:  # a last reduction started outside `last_microbatch` too
+                self._sum_over_replicas(bucket)
+        for work in self.replica_sums.values():
+            work.wait()
+        self.replica_sums.clear()
 
     def _settle(self, bucket: Bucket) -> None:
         """In place, at the end of backward: a parameter that got no gradient since `clear` has

@@ -361,3 +361,17 @@ def test_documents_start_with_the_tokenizers_own_prefix(tmp_path, capsys):
     docs = [ids[a + 1:b] for a, b in zip([-1] + ends, ends)]
     assert [d[0] for d in docs] == [bos] * 4 and ids.count(bos) == 4
     assert [tokenizer.decode(d[1:]) for d in docs] == texts + ["a json document"]
+
+
+def test_json_lines_end_at_newlines_only_and_errors_name_the_byte_offset(tmp_path):
+    """JSON writes U+2028, U+0085 and the like unescaped inside strings (json.dumps with
+    ensure_ascii=False, as CJK datasets are exported): a line is one document up to its "\\n", and
+    an error names the line's offset in the file's bytes, invalid UTF-8 before it included."""
+    texts = ["para one\u2028para two", "next\x85line", "form\u2029feed \u000b", "plain"]
+    data = tmp_path / "docs.jsonl"
+    data.write_bytes(b"".join(json.dumps({"text": t}, ensure_ascii=False).encode() + b"\n" for t in texts))
+    assert [d for p in pieces(data) for (d,) in json_documents(p, ("text",))] == texts
+    bad = b'{"text": "caf\xe9"}\n'  # Latin-1, not UTF-8: read (replaced), and counted as the file's bytes
+    data.write_bytes(bad + b"not json\n")
+    with pytest.raises(ValueError, match=f"the line at byte {len(bad)} is not valid JSON"):
+        json_documents(pieces(data)[0], ("text",))

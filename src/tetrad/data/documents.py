@@ -116,10 +116,14 @@ def text_bytes(files: list[Path]) -> int:
                for f in files)
 
 
-def read_piece(piece: Piece) -> str:
+def _piece_bytes(piece: Piece) -> bytes:
     with open(piece.path, "rb") as f:
         f.seek(piece.start)
-        return f.read(piece.end - piece.start).decode("utf-8", errors="replace")
+        return f.read(piece.end - piece.start)
+
+
+def read_piece(piece: Piece) -> str:
+    return _piece_bytes(piece).decode("utf-8", errors="replace")
 
 
 def _flag(keys: tuple[str, ...], key: str, where: str, chat: bool = False) -> str:
@@ -150,7 +154,10 @@ def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> l
     naming the file and the line's byte offset when a line is not an object with a string (with
     `chat`, a list of messages) under each of `keys`."""
     records, offset = [], piece.start
-    for line in read_piece(piece).splitlines(keepends=True):
+    # Lines end at b"\n" only: str.splitlines would also cut at U+2028, U+0085 and the like, which
+    # JSON writes unescaped inside strings (json.dumps(ensure_ascii=False)).
+    for raw in _piece_bytes(piece).split(b"\n"):
+        line = raw.decode("utf-8", errors="replace")
         if line.strip():
             record = _json_record(line, keys, f"{piece.path}: the line at byte {offset}")
             wrong = next((key for key, value in zip(keys, record) if not _fits(value, chat)), None)
@@ -159,7 +166,7 @@ def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> l
                                  f"{MESSAGES if chat else 'string'}; {_flag(keys, wrong, 'key', chat)}")
             if record[-1]:
                 records.append((f"the line at byte {offset}", *record) if chat else record)
-        offset += len(line.encode("utf-8", errors="replace"))
+        offset += len(raw) + 1
     return records
 
 

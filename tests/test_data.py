@@ -375,3 +375,19 @@ def test_json_lines_end_at_newlines_only_and_errors_name_the_byte_offset(tmp_pat
     data.write_bytes(bad + b"not json\n")
     with pytest.raises(ValueError, match=f"the line at byte {len(bad)} is not valid JSON"):
         json_documents(pieces(data)[0], ("text",))
+
+
+def test_hidden_files_in_a_folder_are_not_documents(tmp_path, capsys):
+    """Jupyter's .ipynb_checkpoints copies, macOS's ._ resource forks (binary) and other hidden
+    files under a folder are not the user's text: neither `tetrad data` nor a run on the folder
+    (read as bytes) reads them."""
+    texts = write_docs(tmp_path / "text", n=1)
+    (tmp_path / "text" / ".ipynb_checkpoints").mkdir()
+    (tmp_path / "text" / ".ipynb_checkpoints" / "doc0-checkpoint.txt").write_text("an older copy\n")
+    (tmp_path / "text" / "._doc0.txt").write_bytes(b"\0\5\26\7\0\2\0\0Mac OS X")
+    (tmp_path / "text" / ".notes.jsonl").write_text(json.dumps({"text": "hidden"}) + "\n")
+    assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
+    assert "1 documents" in capsys.readouterr().out
+    stream, tokenizer = load_tokens(str(tmp_path / "shards")), load_tokenizer(tmp_path / "shards" / "tokenizer.json")
+    assert tokenizer.decode(stream.window(0, len(stream)).tolist()) == texts[0]
+    assert bytes(load_tokens(str(tmp_path / "text")).window(0, 10**6).astype(np.uint8)) == texts[0].encode()

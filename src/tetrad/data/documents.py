@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tetrad.data.chat import MESSAGES, is_conversation
+from tetrad.data.sources import visible_files
 
 PIECE_BYTES = 4 << 20
 DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".parquet")  # a document per file; per line; per row
@@ -51,20 +52,19 @@ class Piece:
 
 
 def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path]]:
-    """The documents' files: each input file, and every document file under each input folder;
-    and the other files under those folders (hidden ones aside), left out, which the command names."""
+    """The documents' files: each input file, and every document file under each input folder
+    (hidden ones aside: sources.visible_files); and the other files under those folders, left out,
+    which the command names."""
     files, left_out = [], []
     for path in inputs:
         if not path.exists():
             raise ValueError(f"{path} does not exist")
-        found = sorted(f for f in path.rglob("*") if f.suffix in DOCUMENT_SUFFIXES and f.is_file()) \
-            if path.is_dir() else [path]
+        inside = visible_files(path) if path.is_dir() else []
+        found = [f for f in inside if f.suffix in DOCUMENT_SUFFIXES] if path.is_dir() else [path]
         if not found:
             raise ValueError(f"{path} holds no {', '.join(DOCUMENT_SUFFIXES)} files")
         files += found
-        if path.is_dir():
-            left_out += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix not in DOCUMENT_SUFFIXES
-                               and not any(part.startswith(".") for part in f.relative_to(path).parts))
+        left_out += [f for f in inside if f.suffix not in DOCUMENT_SUFFIXES]
     if not any(f.stat().st_size for f in files):
         raise ValueError(f"the {len(files)} input file(s) are empty")
     named = {f.resolve() for f in files}

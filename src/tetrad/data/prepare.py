@@ -292,4 +292,16 @@ def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partia
         save_template(args.chat, partial)
     written = tokenize(files, tokenizer, eos_id(tokenizer, args.eos), partial, args.shard_mb, args.workers,
                        args.keys, args.chat)
+    if not written[0]["documents"]:  # a folder of no shards, which a run could not read
+        raise ValueError(_nothing_found(args))
     return written, (started, trained, time.perf_counter())
+
+
+def _nothing_found(args: argparse.Namespace) -> str:
+    """Why the inputs gave no document, and which key to check."""
+    if args.chat is not None:
+        return (f"no conversation under --chat-key {args.chat_key!r} has an assistant turn (those without are left "
+                "out); check the key and the messages' roles")
+    if args.prompt_key is not None:
+        return f"every example's response under --json-key {args.json_key!r} is empty (such examples are left out)"
+    return f"every text is empty (blank lines, and empty or null texts under --json-key {args.json_key!r}, are no documents)"

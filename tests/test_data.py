@@ -391,3 +391,24 @@ def test_hidden_files_in_a_folder_are_not_documents(tmp_path, capsys):
     stream, tokenizer = load_tokens(str(tmp_path / "shards")), load_tokenizer(tmp_path / "shards" / "tokenizer.json")
     assert tokenizer.decode(stream.window(0, len(stream)).tolist()) == texts[0]
     assert bytes(load_tokens(str(tmp_path / "text")).window(0, 10**6).astype(np.uint8)) == texts[0].encode()
+
+
+def test_compressed_or_utf16_inputs_are_refused_not_tokenized_as_noise(tmp_path, capsys):
+    """A dataset's data.jsonl.gz (or .zst, .xz, .bz2, .zip), or a Windows UTF-16 text, named as an
+    input is not UTF-8 text: read as text it was tokenized as noise, without a word."""
+    import bz2
+    import gzip
+    import lzma
+    line = json.dumps({"text": "a document"}) + "\n"
+    (tmp_path / "data.jsonl.gz").write_bytes(gzip.compress(line.encode()))
+    (tmp_path / "data.jsonl.xz").write_bytes(lzma.compress(line.encode()))
+    (tmp_path / "data.jsonl.bz2").write_bytes(bz2.compress(line.encode()))
+    (tmp_path / "notes.txt").write_text("notes\n", encoding="utf-16")
+    cases = {"data.jsonl.gz": "gzip-compressed; decompress it first (gunzip -k)",
+             "data.jsonl.xz": "xz-compressed; decompress it first (xz -dk)",
+             "data.jsonl.bz2": "bzip2-compressed; decompress it first (bunzip2 -k)",
+             "notes.txt": "UTF-16 text; save it as UTF-8"}
+    for name, what in cases.items():
+        assert main(["data", str(tmp_path / name), "--out", str(tmp_path / "o"), "--vocab-size", "300"]) == 2
+        assert capsys.readouterr().err == f"tetrad data: {tmp_path / name} is {what}\n"
+        assert not (tmp_path / "o").exists()

@@ -223,10 +223,35 @@ def sample_texts(files: list[Path], budget_bytes: int, keys: tuple[str, ...]) ->
                 yield from record
 
 
+# How files that are not text start: read as UTF-8 text they would be tokenized as noise.
+NOT_TEXT = ((b"\x1f\x8b", "gzip-compressed; decompress it first (gunzip -k)"),
+            (b"\x28\xb5\x2f\xfd", "zstd-compressed; decompress it first (zstd -d)"),
+            (b"\xfd7zXZ\x00", "xz-compressed; decompress it first (xz -dk)"),
+            (b"PK\x03\x04", "a zip archive; extract it first (unzip)"),
+            (b"PAR1", "a parquet file; name it .parquet"),
+            (b"\xff\xfe", "UTF-16 text; save it as UTF-8"), (b"\xfe\xff", "UTF-16 text; save it as UTF-8"))
+
+
+def _check_text(path: Path) -> None:
+    """ValueError (one line) when a file read as text or JSON Lines starts as a compressed or
+    binary one does (NOT_TEXT), or as bzip2's header."""
+    with path.open("rb") as f:
+        head = f.read(10)
+    what = next((what for magic, what in NOT_TEXT if head.startswith(magic)), None)
+    if head[:3] == b"BZh" and head[4:] == b"1AY&SY":
+        what = "bzip2-compressed; decompress it first (bunzip2 -k)"
+    if what is not None:
+        raise ValueError(f"{path} is {what}")
+
+
 def check_documents(files: list[Path], keys: tuple[str, ...], chat: bool = False) -> None:
-    """Each .jsonl and .parquet file's first piece reads (the rest is checked as it is tokenized):
-    a wrong --json-key, --prompt-key or --chat-key is refused before a tokenizer is trained, and
-    so is a text file among fine-tuning examples or conversations."""
+    """Each .jsonl and .parquet file's first piece reads (the rest is checked as it is tokenized),
+    and no other file is compressed (_check_text): a wrong --json-key, --prompt-key or --chat-key
+    is refused before a tokenizer is trained, and so is a text file among fine-tuning examples or
+    conversations."""
+    for path in files:
+        if path.suffix != ".parquet":
+            _check_text(path)
     text = [path for path in files if path.suffix not in WHOLE_DOCUMENTS]
     if (len(keys) > 1 or chat) and text:
         held, flag = ("no conversations", "--chat-key") if chat else ("no prompt", "--prompt-key")

@@ -412,3 +412,17 @@ def test_compressed_or_utf16_inputs_are_refused_not_tokenized_as_noise(tmp_path,
         assert main(["data", str(tmp_path / name), "--out", str(tmp_path / "o"), "--vocab-size", "300"]) == 2
         assert capsys.readouterr().err == f"tetrad data: {tmp_path / name} is {what}\n"
         assert not (tmp_path / "o").exists()
+
+
+def test_a_null_text_in_json_lines_is_left_out_as_in_parquet(tmp_path):
+    """datasets' to_json writes a missing text as null: such a line is no document (a parquet
+    row's null text is left out alike), where a line without the key is still refused."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [{"text": "a"}, {"text": None}, {"text": "b"}]))
+    assert json_documents(pieces(data)[0], ("text",)) == [("a",), ("b",)]
+    examples = [{"q": "x", "text": None}, {"q": "y", "text": "z"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in examples))
+    assert json_documents(pieces(data)[0], ("q", "text")) == [("y", "z")]
+    data.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"other": "b"}) + "\n")
+    with pytest.raises(ValueError, match="the line at byte 14 is not a JSON object with a 'text' string"):
+        json_documents(pieces(data)[0], ("text",))

@@ -139,18 +139,21 @@ def _fits(value, chat: bool) -> bool:
     return is_conversation(value) if chat else isinstance(value, str)
 
 
-def _json_record(line: str, keys: tuple[str, ...], where: str) -> tuple:
-    """The values under `keys` of a line's JSON object (None where it has none); a ValueError
-    naming `where` when the line is not JSON at all (no key would help)."""
+def _json_record(line: str, keys: tuple[str, ...], where: str) -> tuple | None:
+    """The values under `keys` of a line's JSON object (None where it has none), or None where its
+    text is null (datasets' to_json writes a missing text so; a parquet row's null text is left out
+    alike); a ValueError naming `where` when the line is not JSON at all (no key would help)."""
     try:
         found = json.loads(line)
     except ValueError as e:
         raise ValueError(f"{where} is not valid JSON ({e}); a .jsonl file holds one JSON object a line") from None
-    return tuple(found.get(key) for key in keys) if isinstance(found, dict) else (None,) * len(keys)
+    if not isinstance(found, dict):
+        return (None,) * len(keys)
+    return None if keys[-1] in found and found[keys[-1]] is None else tuple(found.get(key) for key in keys)
 
 
 def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> list[tuple]:
-    """The records of a .jsonl piece's lines (blank lines and empty texts skipped); a ValueError
+    """The records of a .jsonl piece's lines (blank lines, empty and null texts skipped); a ValueError
     naming the file and the line's byte offset when a line is not an object with a string (with
     `chat`, a list of messages) under each of `keys`."""
     records, offset = [], piece.start
@@ -158,8 +161,8 @@ def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> l
     # JSON writes unescaped inside strings (json.dumps(ensure_ascii=False)).
     for raw in _piece_bytes(piece).split(b"\n"):
         line = raw.decode("utf-8", errors="replace")
-        if line.strip():
-            record = _json_record(line, keys, f"{piece.path}: the line at byte {offset}")
+        record = _json_record(line, keys, f"{piece.path}: the line at byte {offset}") if line.strip() else None
+        if record is not None:
             wrong = next((key for key, value in zip(keys, record) if not _fits(value, chat)), None)
             if wrong is not None:
                 raise ValueError(f"{piece.path}: the line at byte {offset} is not a JSON object with a {wrong!r} "

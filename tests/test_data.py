@@ -426,3 +426,43 @@ def test_a_null_text_in_json_lines_is_left_out_as_in_parquet(tmp_path):
     data.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"other": "b"}) + "\n")
     with pytest.raises(ValueError, match="the line at byte 14 is not a JSON object with a 'text' string"):
         json_documents(pieces(data)[0], ("text",))
+
+
+def _metaspace_tokenizer(texts):
+    """A SentencePiece-style tokenizer as HF converts Llama 2's and Mistral's: a Metaspace
+    pre-tokenizer that marks the start of each encoded text with "▁"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    return tokenizer
+
+
+def test_documents_are_the_tokenizers_encode_of_each_whole_text(tmp_path):
+    """Blank lines, indentation, trailing spaces and CRLF line ends: each document's ids are the
+    tokenizer's encode of the whole text (what the model meets at inference), not of its lines
+    apart, which split "\\n\\n" and "  \\n" into other tokens, and under a SentencePiece-style
+    tokenizer put a "▁" (a space) before every line."""
+    texts = ["Title\n\n  indented line  \nnext.\r\nend\n\n\n", "one\ntwo\n three\t\n\nfour", "single"]
+    (tmp_path / "a.txt").write_text(texts[0], newline="")
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[1:]))
+    inputs = [str(tmp_path / "a.txt"), str(tmp_path / "docs.jsonl")]
+    bpe = train_bpe(iter(texts * 20), 300)
+    for name, tokenizer, eos in (("bpe", bpe, "<|endoftext|>"), ("metaspace", _metaspace_tokenizer(texts * 20), "</s>")):
+        tokenizer.save(str(tmp_path / f"{name}.json"))
+        out = tmp_path / name
+        assert main(["data", *inputs, "--out", str(out), "--tokenizer", str(tmp_path / f"{name}.json"), "--eos", eos,
+                     "--workers", "1"]) == 0
+        eos_id = tokenizer.token_to_id(eos)
+        expected = [i for t in texts for i in tokenizer.encode(t, add_special_tokens=False).ids + [eos_id]]
+        assert load_tokens(str(out)).window(0, 10**6).tolist() == expected, name
+
+
+def test_a_text_file_is_cut_into_pieces_where_its_parts_encode_as_the_whole(tmp_path):
+    """A piece ends at a line end between two printable characters where there is one (runs of
+    blank lines and trailing spaces tokenize as one), else at any line end."""
+    path = tmp_path / "text.txt"
+    path.write_bytes(b"x" * 100 + b"\n\n  \n" + b"y\nz" + b"\n" * 50 + b"end")  # 161 bytes
+    assert [(p.start, p.end) for p in pieces(path, piece_bytes=90)] == [(0, 107), (107, 161)]  # after "y\n"
+    path.write_bytes(b"x" * 100 + b"\n\n" + b"z" * 100)  # no such line end: at the first one
+    assert [(p.start, p.end) for p in pieces(path, piece_bytes=90)] == [(0, 101), (101, 202)]

@@ -18,6 +18,7 @@ an error in rendering it names (that happens later, in a worker).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,14 +73,18 @@ def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path]]:
 
 
 def pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> list[Piece]:
-    """`path` cut into pieces of about `piece_bytes`: at line ends, or between row groups."""
+    """`path` cut into pieces of about `piece_bytes`: at line ends, or between row groups. A line
+    end between two printable ASCII characters is taken where there is one (tokenizer.LINE_CUT:
+    a text's pieces then encode as the whole does), else any."""
     if path.suffix == ".parquet":
         return _parquet_pieces(path, piece_bytes)
     size, out, start = path.stat().st_size, [], 0
     with path.open("rb") as f:
         while start < size:
             f.seek(min(start + piece_bytes, size))
-            newline = f.read(1 << 16).find(b"\n") if start + piece_bytes < size else -1
+            ahead = f.read(1 << 16) if start + piece_bytes < size else b""
+            found = re.search(rb"[\x21-\x7e]\n(?=[\x21-\x7e])", ahead)
+            newline = found.end() - 1 if found else ahead.find(b"\n")
             end = size if newline < 0 else min(start + piece_bytes + newline + 1, size)
             out.append(Piece(str(path), start, end, end == size, end - start))
             start = end

@@ -34,7 +34,8 @@ from tetrad.data.chat import ChatTemplate, Conversations, load_template, save_te
 from tetrad.data.documents import (Piece, check_documents, input_files, piece_records, pieces, sample_texts,
                                     text_bytes)
 from tetrad.data.shards import TOKENIZER, dtype_for, mask_name, shard_name, write_index
-from tetrad.data.tokenizer import document_prefix, eos_id, load_tokenizer, train_bpe, vocab_size
+from tetrad.data.tokenizer import (LINE_CUT, cuts_at_lines, document_prefix, eos_id, load_tokenizer, train_bpe,
+                                    vocab_size)
 
 
 class _Encoder:
@@ -44,7 +45,7 @@ class _Encoder:
     def __init__(self, tokenizer_json: str, eos: int, dtype: str, keys: tuple[str, ...], chat: ChatTemplate | None):
         from tokenizers import Tokenizer
         self.tokenizer, self.eos, self.dtype = Tokenizer.from_str(tokenizer_json), eos, np.dtype(dtype)
-        self.keys, self.prefix = keys, document_prefix(self.tokenizer)
+        self.keys, self.prefix, self.cut = keys, document_prefix(self.tokenizer), cuts_at_lines(self.tokenizer)
         self.chat = None if chat is None else Conversations(chat, self.tokenizer, eos)
         # A prompt or response is text: "<|endoftext|>" written in it is characters, not the EOS
         # that would end the example there (packing and document masking cut at each EOS).
@@ -57,11 +58,14 @@ class _Encoder:
 
     def documents(self, piece: Piece) -> list[np.ndarray]:
         """A .txt piece's ids (the tokenizer's document prefix before the file's first, EOS after
-        its last), or each of another piece's documents' ids, prefix and EOS around them."""
+        its last), or each of another piece's documents' ids, prefix and EOS around them: the ids of
+        the tokenizer's encode of each document whole."""
         texts = [text for (text,) in piece_records(piece, self.keys)]
-        # Line by line: one encode of megabytes is many times slower, and byte-level BPE's
-        # pre-tokenizer splits at line ends anyway (only runs of blank lines may merge differently).
-        lines = [text.splitlines(keepends=True) for text in texts]
+        # Cut at the line ends where the tokenizer's pre-tokenizer splits anyway (LINE_CUT), where
+        # it gives the whole's ids: one encode of megabytes takes twice as long. A SentencePiece-style
+        # tokenizer encodes each piece whole: a .txt file over PIECE_BYTES gets a "▁" at each of
+        # its pieces' starts (one token in a million, where a piece a file would hold gigabytes).
+        lines = [LINE_CUT.split(text) if self.cut else [text] for text in texts]
         encoded = iter(self.tokenizer.encode_batch_fast([line for text in lines for line in text],
                                                         add_special_tokens=False))
         whole = piece.whole_documents

@@ -466,3 +466,15 @@ def test_a_text_file_is_cut_into_pieces_where_its_parts_encode_as_the_whole(tmp_
     assert [(p.start, p.end) for p in pieces(path, piece_bytes=90)] == [(0, 107), (107, 161)]  # after "y\n"
     path.write_bytes(b"x" * 100 + b"\n\n" + b"z" * 100)  # no such line end: at the first one
     assert [(p.start, p.end) for p in pieces(path, piece_bytes=90)] == [(0, 101), (101, 202)]
+
+
+def test_parquet_texts_in_any_arrow_string_layout_are_read(tmp_path):
+    """A dictionary-encoded string column (pandas' categories, low-cardinality columns of Spark
+    and polars) or a large string one holds texts as a plain one does."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    texts = ["first", "second", "first"]
+    for name, column in (("dictionary", pa.array(texts).dictionary_encode()),
+                         ("large", pa.array(texts, type=pa.large_string()))):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"text": column}), path)
+        assert [d for p in pieces(path) for (d,) in parquet_documents(p, ("text",))] == texts, name

@@ -179,10 +179,14 @@ def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> l
 
 
 def _column_fits(type_, chat: bool) -> bool:
+    """A column of lists (conversations), or of strings in any of arrow's layouts: plain, large,
+    view, or dictionary-encoded (pandas' categories, Spark's and polars' low-cardinality columns)."""
     import pyarrow as pa
     if chat:
         return pa.types.is_list(type_) or pa.types.is_large_list(type_)
-    return pa.types.is_string(type_) or pa.types.is_large_string(type_)
+    if pa.types.is_dictionary(type_):
+        type_ = type_.value_type
+    return pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_string_view(type_)
 
 
 def parquet_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> list[tuple]:

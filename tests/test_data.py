@@ -478,3 +478,18 @@ def test_parquet_texts_in_any_arrow_string_layout_are_read(tmp_path):
         path = tmp_path / f"{name}.parquet"
         pq.write_table(pa.table({"text": column}), path)
         assert [d for p in pieces(path) for (d,) in parquet_documents(p, ("text",))] == texts, name
+
+
+def test_a_file_named_twice_or_linked_is_read_once(tmp_path, capsys):
+    """A file given twice, or a link beside it in a folder ("latest.txt"), would be tokenized
+    twice: trained on twice, or trained on in one copy and held out for validation in the other."""
+    texts = write_docs(tmp_path / "text", n=2)
+    (tmp_path / "text" / "latest.txt").symlink_to(tmp_path / "text" / "doc1.txt")
+    doc0 = tmp_path / "text" / "doc0.txt"
+    assert main(["data", str(tmp_path / "text"), str(doc0), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
+    out = capsys.readouterr().out
+    assert ("tetrad data: 2 input file(s) are a file named before (twice, or through a link) and are read once, "
+            f"e.g. {tmp_path / 'text' / 'latest.txt'}\n") in out
+    assert "2 documents" in out
+    stream, tokenizer = load_tokens(str(tmp_path / "shards")), load_tokenizer(tmp_path / "shards" / "tokenizer.json")
+    assert tokenizer.decode(stream.window(0, len(stream)).tolist()) == "".join(texts)

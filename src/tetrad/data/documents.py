@@ -52,10 +52,12 @@ class Piece:
         return self.suffix in WHOLE_DOCUMENTS
 
 
-def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path]]:
+def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path], list[Path]]:
     """The documents' files: each input file, and every document file under each input folder
-    (hidden ones aside: sources.visible_files); and the other files under those folders, left out,
-    which the command names."""
+    (hidden ones aside: sources.visible_files), each file once; the other files under those
+    folders, left out; and the repeats left out (a file named twice, or a link to one named
+    before): the command names both. A repeat would be tokenized twice, and with
+    data.val_fraction a copy could be trained on while the other is held out for validation."""
     files, left_out = [], []
     for path in inputs:
         if not path.exists():
@@ -68,8 +70,11 @@ def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path]]:
         left_out += [f for f in inside if f.suffix not in DOCUMENT_SUFFIXES]
     if not any(f.stat().st_size for f in files):
         raise ValueError(f"the {len(files)} input file(s) are empty")
-    named = {f.resolve() for f in files}
-    return files, [f for f in left_out if f.resolve() not in named]
+    once, repeats, named = [], [], set()
+    for f in files:
+        (repeats if f.resolve() in named else once).append(f)
+        named.add(f.resolve())
+    return once, [f for f in left_out if f.resolve() not in named], repeats
 
 
 def pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> list[Piece]:

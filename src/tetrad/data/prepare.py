@@ -239,7 +239,7 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
 def data_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
-        files, left_out = input_files(args.inputs)
+        files, left_out, repeats = input_files(args.inputs)
         check_documents(files, args.keys, chat=args.chat_key is not None)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
         if tokenizer is not None:
@@ -251,6 +251,9 @@ def data_command(argv: list[str]) -> int:
     if left_out:
         print(f"tetrad data: {len(left_out)} file(s) in the input folders are not .txt, .jsonl or .parquet and are left out, e.g. "
               f"{left_out[0]}; name them as inputs to include them", flush=True)
+    if repeats:
+        print(f"tetrad data: {len(repeats)} input file(s) are a file named before (twice, or through a link) and are "
+              f"read once, e.g. {repeats[0]}", flush=True)
     # Written beside the final folder and renamed when complete: a crash leaves no half folder.
     partial = args.out.with_name(args.out.name + ".partial")
     try:

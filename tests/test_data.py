@@ -493,3 +493,14 @@ def test_a_file_named_twice_or_linked_is_read_once(tmp_path, capsys):
     assert "2 documents" in out
     stream, tokenizer = load_tokens(str(tmp_path / "shards")), load_tokenizer(tmp_path / "shards" / "tokenizer.json")
     assert tokenizer.decode(stream.window(0, len(stream)).tolist()) == "".join(texts)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    """Latin-1 or cp1252 text reads its accented letters as U+FFFD: tokenized, but said, with the fix."""
+    (tmp_path / "old.txt").write_bytes("café naïve\n".encode("latin-1"))
+    (tmp_path / "new.txt").write_text("漢字 😀 café\n" * 30_000)  # UTF-8, a character across the 64 KB checked
+    assert main(["data", str(tmp_path / "new.txt"), str(tmp_path / "old.txt"), "--out", str(tmp_path / "o"),
+                 "--vocab-size", "300"]) == 0
+    out = capsys.readouterr().out
+    assert (f"tetrad data: 1 input file(s) are not UTF-8 text, e.g. {tmp_path / 'old.txt'}: bytes that are not UTF-8 "
+            "read as U+FFFD ('\ufffd'); convert them first to keep their characters (iconv -f cp1252 -t utf-8)\n") in out

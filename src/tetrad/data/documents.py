@@ -17,6 +17,7 @@ an error in rendering it names (that happens later, in a worker).
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Iterator
@@ -249,26 +250,30 @@ NOT_TEXT = ((b"\x1f\x8b", "gzip-compressed; decompress it first (gunzip -k)"),
             (b"\xff\xfe", "UTF-16 text; save it as UTF-8"), (b"\xfe\xff", "UTF-16 text; save it as UTF-8"))
 
 
-def _check_text(path: Path) -> None:
-    """ValueError (one line) when a file read as text or JSON Lines starts as a compressed or
-    binary one does (NOT_TEXT), or as bzip2's header."""
+def _is_utf8(path: Path) -> bool:
+    """Whether a file read as text or JSON Lines starts as UTF-8 (its first 64 KB); ValueError
+    (one line) when it starts as a compressed or binary one does (NOT_TEXT), or as bzip2's header."""
     with path.open("rb") as f:
-        head = f.read(10)
+        head = f.read(1 << 16)
     what = next((what for magic, what in NOT_TEXT if head.startswith(magic)), None)
-    if head[:3] == b"BZh" and head[4:] == b"1AY&SY":
+    if head[:3] == b"BZh" and head[4:10] == b"1AY&SY":
         what = "bzip2-compressed; decompress it first (bunzip2 -k)"
     if what is not None:
         raise ValueError(f"{path} is {what}")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at 64 KB waits
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
-def check_documents(files: list[Path], keys: tuple[str, ...], chat: bool = False) -> None:
+def check_documents(files: list[Path], keys: tuple[str, ...], chat: bool = False) -> list[Path]:
     """Each .jsonl and .parquet file's first piece reads (the rest is checked as it is tokenized),
-    and no other file is compressed (_check_text): a wrong --json-key, --prompt-key or --chat-key
+    and no other file is compressed (_is_utf8): a wrong --json-key, --prompt-key or --chat-key
     is refused before a tokenizer is trained, and so is a text file among fine-tuning examples or
-    conversations."""
-    for path in files:
-        if path.suffix != ".parquet":
-            _check_text(path)
+    conversations. Returns the files whose start is not UTF-8 (Latin-1, cp1252): their bytes that
+    are not are read as U+FFFD, which the command says."""
+    legacy = [path for path in files if path.suffix != ".parquet" and not _is_utf8(path)]
     text = [path for path in files if path.suffix not in WHOLE_DOCUMENTS]
     if (len(keys) > 1 or chat) and text:
         held, flag = ("no conversations", "--chat-key") if chat else ("no prompt", "--prompt-key")
@@ -278,3 +283,4 @@ def check_documents(files: list[Path], keys: tuple[str, ...], chat: bool = False
         if path.suffix in WHOLE_DOCUMENTS and path.stat().st_size:
             for piece in pieces(path, 1 << 16)[:1]:
                 piece_records(piece, keys, chat)
+    return legacy

@@ -240,7 +240,7 @@ def data_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
         files, left_out, repeats = input_files(args.inputs)
-        check_documents(files, args.keys, chat=args.chat_key is not None)
+        legacy = check_documents(files, args.keys, chat=args.chat_key is not None)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
         if tokenizer is not None:
             eos_id(tokenizer, args.eos)  # refused before any work
@@ -251,6 +251,9 @@ def data_command(argv: list[str]) -> int:
     if left_out:
         print(f"tetrad data: {len(left_out)} file(s) in the input folders are not .txt, .jsonl or .parquet and are left out, e.g. "
               f"{left_out[0]}; name them as inputs to include them", flush=True)
+    if legacy:
+        print(f"tetrad data: {len(legacy)} input file(s) are not UTF-8 text, e.g. {legacy[0]}: bytes that are not UTF-8 "
+              "read as U+FFFD ('\ufffd'); convert them first to keep their characters (iconv -f cp1252 -t utf-8)", flush=True)
     if repeats:
         print(f"tetrad data: {len(repeats)} input file(s) are a file named before (twice, or through a link) and are "
               f"read once, e.g. {repeats[0]}", flush=True)

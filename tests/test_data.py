@@ -504,3 +504,25 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
     out = capsys.readouterr().out
     assert (f"tetrad data: 1 input file(s) are not UTF-8 text, e.g. {tmp_path / 'old.txt'}: bytes that are not UTF-8 "
             "read as U+FFFD ('\ufffd'); convert them first to keep their characters (iconv -f cp1252 -t utf-8)\n") in out
+
+
+def test_the_checks_before_any_work_read_the_start_of_a_large_file_only(tmp_path, monkeypatch):
+    """check_documents reads each .jsonl file's first piece, and the tokenizer's sample its
+    --sample-mb: not a 64 KB read at every piece's end all through a file of gigabytes."""
+    from pathlib import Path
+    from tetrad.data.documents import check_documents, sample_texts
+    path = tmp_path / "big.jsonl"
+    path.write_text((json.dumps({"text": "word " * 100}) + "\n") * 16_000)  # 8 MB
+    read, opened = [], Path.open
+
+    def counting_open(self, *args, **kwargs):
+        file = opened(self, *args, **kwargs)
+        reader = file.read
+        file.read = lambda *a: read.append(len(data := reader(*a))) or data
+        return file
+    monkeypatch.setattr(Path, "open", counting_open)
+    check_documents([path], ("text",))
+    assert 0 < sum(read) <= 1 << 18
+    read.clear()
+    assert sum(len(text) for text in sample_texts([path], 1 << 20, ("text",))) < 2 << 20
+    assert sum(read) <= 1 << 18

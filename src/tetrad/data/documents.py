@@ -18,6 +18,7 @@ an error in rendering it names (that happens later, in a worker).
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -79,12 +80,19 @@ def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path], list[Path]]
 
 
 def pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> list[Piece]:
-    """`path` cut into pieces of about `piece_bytes`: at line ends, or between row groups. A line
-    end between two printable ASCII characters is taken where there is one (tokenizer.LINE_CUT:
-    a text's pieces then encode as the whole does), else any."""
+    """`path` cut into pieces of about `piece_bytes`: at line ends, or between row groups."""
+    return list(iter_pieces(path, piece_bytes))
+
+
+def iter_pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> Iterator[Piece]:
+    """`pieces`, found as they are taken: the first few of a file of gigabytes without a read of
+    64 KB at every piece's end all through it. A line end between two printable ASCII characters
+    is taken where there is one (tokenizer.LINE_CUT: a text's pieces then encode as the whole
+    does), else any."""
     if path.suffix == ".parquet":
-        return _parquet_pieces(path, piece_bytes)
-    size, out, start = path.stat().st_size, [], 0
+        yield from _parquet_pieces(path, piece_bytes)
+        return
+    size, start = path.stat().st_size, 0
     with path.open("rb") as f:
         while start < size:
             f.seek(min(start + piece_bytes, size))
@@ -92,9 +100,8 @@ def pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> list[Piece]:
             found = re.search(rb"[\x21-\x7e]\n(?=[\x21-\x7e])", ahead)
             newline = found.end() - 1 if found else ahead.find(b"\n")
             end = size if newline < 0 else min(start + piece_bytes + newline + 1, size)
-            out.append(Piece(str(path), start, end, end == size, end - start))
+            yield Piece(str(path), start, end, end == size, end - start)
             start = end
-    return out
 
 
 def _parquet_file(path: Path):
@@ -233,7 +240,7 @@ def sample_texts(files: list[Path], budget_bytes: int, keys: tuple[str, ...]) ->
     """Text to learn the BPE merges from: the first `budget_bytes`, spread over the files in order
     (prompts too: the tokenizer encodes them as well)."""
     for path in files:
-        for piece in pieces(path, 1 << 20):
+        for piece in iter_pieces(path, 1 << 20):
             if budget_bytes <= 0:
                 return
             budget_bytes -= piece.nbytes
@@ -281,6 +288,6 @@ def check_documents(files: list[Path], keys: tuple[str, ...], chat: bool = False
                          f"{flag} reads .jsonl and .parquet files only")
     for path in files:
         if path.suffix in WHOLE_DOCUMENTS and path.stat().st_size:
-            for piece in pieces(path, 1 << 16)[:1]:
+            for piece in itertools.islice(iter_pieces(path, 1 << 16), 1):  # none: a parquet file of no rows
                 piece_records(piece, keys, chat)
     return legacy

@@ -211,7 +211,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="the shard folder to write (new or empty)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary to train (default 8192)")
-    source.add_argument("--tokenizer", type=Path, help="an existing tokenizer.json instead of training one")
+    source.add_argument("--tokenizer", type=Path, help="an existing tokenizer.json (or a model folder holding one) "
+                        "instead of training one")
     parser.add_argument("--eos", default="", help="end-of-document token (default: the tokenizer's usual one)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
     parser.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MB (default 256)")
@@ -220,6 +221,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         raise ValueError(f"--out {args.out} exists and is not an empty folder; choose a new one")
+    if args.tokenizer is not None and args.tokenizer.is_dir():  # a Hugging Face model's folder: its tokenizer.json
+        if not (args.tokenizer / TOKENIZER).is_file():
+            raise ValueError(f"--tokenizer {args.tokenizer} is a folder without a {TOKENIZER}; pass the tokenizer.json")
+        args.tokenizer = args.tokenizer / TOKENIZER
     if args.tokenizer is None and not 257 <= args.vocab_size <= 2**32:
         raise ValueError(f"--vocab-size={args.vocab_size} must be in [257, 2^32] (256 bytes + EOS at least)")
     if args.workers < 1 or args.shard_mb <= 0 or args.sample_mb <= 0:

@@ -12,7 +12,7 @@ from conftest import tiny_config
 from tetrad.cli import main
 from tetrad.config import load_config
 from tetrad.data.checks import check_data
-from tetrad.data.documents import json_documents, parquet_documents, pieces
+from tetrad.data.documents import json_documents, parquet_documents, pieces, read_piece
 from tetrad.data.shards import dtype_for, model_keys, open_shards, read_index
 from tetrad.data.blend import blend_parts
 from tetrad.data.sources import CORPORA, TokenStream, load_tokens
@@ -526,3 +526,16 @@ def test_the_checks_before_any_work_read_the_start_of_a_large_file_only(tmp_path
     read.clear()
     assert sum(len(text) for text in sample_texts([path], 1 << 20, ("text",))) < 2 << 20
     assert sum(read) <= 1 << 18
+
+
+def test_a_utf8_byte_order_mark_is_no_part_of_the_text(tmp_path):
+    """Notepad and PowerShell 5 start UTF-8 files with a byte order mark: a .jsonl file so written
+    was refused (json.loads takes no BOM), and a .txt document began with an invisible U+FEFF."""
+    bom = "\ufeff".encode()
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "one"}\n{"text": "two"}\nnot json\n')
+    with pytest.raises(ValueError, match=f"the line at byte {len(bom) + 32} is not valid JSON"):
+        json_documents(pieces(tmp_path / "a.jsonl")[0], ("text",))
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "one"}\n{"text": "two"}\n')
+    assert json_documents(pieces(tmp_path / "a.jsonl")[0], ("text",)) == [("one",), ("two",)]
+    (tmp_path / "a.txt").write_bytes(bom + "héllo\n".encode())
+    assert [read_piece(p) for p in pieces(tmp_path / "a.txt", piece_bytes=2)] == ["héllo\n"]

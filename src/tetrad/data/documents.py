@@ -134,14 +134,19 @@ def text_bytes(files: list[Path]) -> int:
                for f in files)
 
 
-def _piece_bytes(piece: Piece) -> bytes:
+def _piece_bytes(piece: Piece) -> tuple[bytes, int]:
+    """The piece's bytes and where they start in the file: after the UTF-8 byte order mark that
+    Windows tools (Notepad, PowerShell 5's Out-File) put first, which is no character of the text
+    (and which json.loads refuses)."""
     with open(piece.path, "rb") as f:
         f.seek(piece.start)
-        return f.read(piece.end - piece.start)
+        data = f.read(piece.end - piece.start)
+    bom = len(codecs.BOM_UTF8) if piece.start == 0 and data.startswith(codecs.BOM_UTF8) else 0
+    return data[bom:], piece.start + bom
 
 
 def read_piece(piece: Piece) -> str:
-    return _piece_bytes(piece).decode("utf-8", errors="replace")
+    return _piece_bytes(piece)[0].decode("utf-8", errors="replace")
 
 
 def _flag(keys: tuple[str, ...], key: str, where: str, chat: bool = False) -> str:
@@ -174,10 +179,10 @@ def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> l
     """The records of a .jsonl piece's lines (blank lines, empty and null texts skipped); a ValueError
     naming the file and the line's byte offset when a line is not an object with a string (with
     `chat`, a list of messages) under each of `keys`."""
-    records, offset = [], piece.start
+    records, (data, offset) = [], _piece_bytes(piece)
     # Lines end at b"\n" only: str.splitlines would also cut at U+2028, U+0085 and the like, which
     # JSON writes unescaped inside strings (json.dumps(ensure_ascii=False)).
-    for raw in _piece_bytes(piece).split(b"\n"):
+    for raw in data.split(b"\n"):
         line = raw.decode("utf-8", errors="replace")
         record = _json_record(line, keys, f"{piece.path}: the line at byte {offset}") if line.strip() else None
         if record is not None:

@@ -539,3 +539,21 @@ def test_a_utf8_byte_order_mark_is_no_part_of_the_text(tmp_path):
     assert json_documents(pieces(tmp_path / "a.jsonl")[0], ("text",)) == [("one",), ("two",)]
     (tmp_path / "a.txt").write_bytes(bom + "héllo\n".encode())
     assert [read_piece(p) for p in pieces(tmp_path / "a.txt", piece_bytes=2)] == ["héllo\n"]
+
+
+def test_an_eos_written_in_a_document_is_text_not_its_end(tmp_path):
+    """A document quoting a special token ("<|endoftext|>" in code or a discussion of models)
+    keeps it as characters: a .txt file or a .jsonl line is one document, ended only by the EOS
+    tetrad appends, so document masking does not cut it there."""
+    quoting = ["Models end text with <|endoftext|> here.\nMore.", "<|endoftext|><|endoftext|>"]
+    (tmp_path / "a.txt").write_text(quoting[0])
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": quoting[1]}) + "\n")
+    train_bpe(iter(quoting), 300).save(str(tmp_path / "bpe.json"))
+    out = tmp_path / "shards"
+    assert main(["data", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--out", str(out), "--tokenizer",
+                 str(tmp_path / "bpe.json")]) == 0
+    ids, eos = load_tokens(str(out)).window(0, 10**6).tolist(), read_index(out)["eos_id"]
+    ends = [i for i, t in enumerate(ids) if t == eos]
+    assert len(ends) == 2 and ends[-1] == len(ids) - 1
+    tokenizer = load_tokenizer(out / "tokenizer.json")
+    assert [tokenizer.decode(d, skip_special_tokens=False) for d in (ids[:ends[0]], ids[ends[0] + 1:-1])] == quoting

@@ -47,9 +47,11 @@ class _Encoder:
         self.tokenizer, self.eos, self.dtype = Tokenizer.from_str(tokenizer_json), eos, np.dtype(dtype)
         self.keys, self.prefix, self.cut = keys, document_prefix(self.tokenizer), cuts_at_lines(self.tokenizer)
         self.chat = None if chat is None else Conversations(chat, self.tokenizer, eos)
-        # A prompt or response is text: "<|endoftext|>" written in it is characters, not the EOS
-        # that would end the example there (packing and document masking cut at each EOS).
-        self.tokenizer.encode_special_tokens = len(keys) > 1 and chat is None
+        # A document, prompt or response is text: "<|endoftext|>" written in it is characters, not
+        # the EOS that would end it there (packing and document masking cut at each EOS), nor is
+        # Llama 3's "<|start_header_id|>" a control token (as nanoGPT's encode_ordinary and
+        # torchtitan read text). A chat template's markup is the model's own: parsed.
+        self.tokenizer.encode_special_tokens = chat is None
 
     def __call__(self, piece: Piece) -> list:
         if self.chat is not None:

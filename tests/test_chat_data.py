@@ -301,3 +301,17 @@ def test_a_template_without_tools_renders_as_transformers_renders_it(tmp_path):
     ids = written(out)[0]
     assert ids == _oracle(tmp_path, CONVERSATIONS[0], template=template) + [read_index(out)["eos_id"]]
     assert "[TOOLS]" not in tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_the_tokenizer_may_be_named_by_its_models_folder(tmp_path, capsys):
+    """--tokenizer names a Hugging Face model's folder as readily as its tokenizer.json (the
+    template beside it comes too); a folder without one is refused in one line."""
+    _chat_tokenizer(tmp_path)
+    data = _jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
+    by_file = _chat_data(tmp_path, [{"messages": CONVERSATIONS[0]}], out="by_file")
+    assert main(["data", str(data), "--out", str(tmp_path / "by_folder"), "--tokenizer", str(tmp_path),
+                 "--chat-key", "messages"]) == 0
+    assert written(tmp_path / "by_folder") == written(by_file)
+    (tmp_path / "empty").mkdir()
+    assert _refused([str(data), "--tokenizer", str(tmp_path / "empty")], capsys, tmp_path) == (
+        f"tetrad data: --tokenizer {tmp_path / 'empty'} is a folder without a tokenizer.json; pass the tokenizer.json")

@@ -12,7 +12,7 @@ from conftest import tiny_config
 from tetrad.cli import main
 from tetrad.config import load_config
 from tetrad.data.checks import check_data
-from tetrad.data.documents import json_documents, parquet_documents, pieces
+from tetrad.data.documents import json_documents, parquet_documents, pieces, read_piece
 from tetrad.data.shards import dtype_for, model_keys, open_shards, read_index
 from tetrad.data.blend import blend_parts
 from tetrad.data.sources import CORPORA, TokenStream, load_tokens
@@ -380,3 +380,199 @@ def test_the_epochs_line_of_a_resume_under_another_global_batch_counts_the_sampl
     resumed = capsys.readouterr().out
     assert (f"tetrad: data: {per_epoch:,} windows of 32 tokens an epoch; 32 samples read by step 4, then 4 steps "
             f"x 16 = {96 / per_epoch:.2f} epochs\n") in resumed, resumed
+
+
+def test_json_lines_end_at_newlines_only_and_errors_name_the_byte_offset(tmp_path):
+    """JSON writes U+2028, U+0085 and the like unescaped inside strings (json.dumps with
+    ensure_ascii=False, as CJK datasets are exported): a line is one document up to its "\\n", and
+    an error names the line's offset in the file's bytes, invalid UTF-8 before it included."""
+    texts = ["para one\u2028para two", "next\x85line", "form\u2029feed \u000b", "plain"]
+    data = tmp_path / "docs.jsonl"
+    data.write_bytes(b"".join(json.dumps({"text": t}, ensure_ascii=False).encode() + b"\n" for t in texts))
+    assert [d for p in pieces(data) for (d,) in json_documents(p, ("text",))] == texts
+    bad = b'{"text": "caf\xe9"}\n'  # Latin-1, not UTF-8: read (replaced), and counted as the file's bytes
+    data.write_bytes(bad + b"not json\n")
+    with pytest.raises(ValueError, match=f"the line at byte {len(bad)} is not valid JSON"):
+        json_documents(pieces(data)[0], ("text",))
+
+
+def test_hidden_files_in_a_folder_are_not_documents(tmp_path, capsys):
+    """Jupyter's .ipynb_checkpoints copies, macOS's ._ resource forks (binary) and other hidden
+    files under a folder are not the user's text: neither `tetrad data` nor a run on the folder
+    (read as bytes) reads them."""
+    texts = write_docs(tmp_path / "text", n=1)
+    (tmp_path / "text" / ".ipynb_checkpoints").mkdir()
+    (tmp_path / "text" / ".ipynb_checkpoints" / "doc0-checkpoint.txt").write_text("an older copy\n")
+    (tmp_path / "text" / "._doc0.txt").write_bytes(b"\0\5\26\7\0\2\0\0Mac OS X")
+    (tmp_path / "text" / ".notes.jsonl").write_text(json.dumps({"text": "hidden"}) + "\n")
+    assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
+    assert "1 documents" in capsys.readouterr().out
+    stream, tokenizer = load_tokens(str(tmp_path / "shards")), load_tokenizer(tmp_path / "shards" / "tokenizer.json")
+    assert tokenizer.decode(stream.window(0, len(stream)).tolist()) == texts[0]
+    assert bytes(load_tokens(str(tmp_path / "text")).window(0, 10**6).astype(np.uint8)) == texts[0].encode()
+
+
+def test_compressed_or_utf16_inputs_are_refused_not_tokenized_as_noise(tmp_path, capsys):
+    """A dataset's data.jsonl.gz (or .zst, .xz, .bz2, .zip), or a Windows UTF-16 text, named as an
+    input is not UTF-8 text: read as text it was tokenized as noise, without a word."""
+    import bz2
+    import gzip
+    import lzma
+    line = json.dumps({"text": "a document"}) + "\n"
+    (tmp_path / "data.jsonl.gz").write_bytes(gzip.compress(line.encode()))
+    (tmp_path / "data.jsonl.xz").write_bytes(lzma.compress(line.encode()))
+    (tmp_path / "data.jsonl.bz2").write_bytes(bz2.compress(line.encode()))
+    (tmp_path / "notes.txt").write_text("notes\n", encoding="utf-16")
+    cases = {"data.jsonl.gz": "gzip-compressed; decompress it first (gunzip -k)",
+             "data.jsonl.xz": "xz-compressed; decompress it first (xz -dk)",
+             "data.jsonl.bz2": "bzip2-compressed; decompress it first (bunzip2 -k)",
+             "notes.txt": "UTF-16 text; save it as UTF-8"}
+    for name, what in cases.items():
+        assert main(["data", str(tmp_path / name), "--out", str(tmp_path / "o"), "--vocab-size", "300"]) == 2
+        assert capsys.readouterr().err == f"tetrad data: {tmp_path / name} is {what}\n"
+        assert not (tmp_path / "o").exists()
+
+
+def test_a_null_text_in_json_lines_is_left_out_as_in_parquet(tmp_path):
+    """datasets' to_json writes a missing text as null: such a line is no document (a parquet
+    row's null text is left out alike), where a line without the key is still refused."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [{"text": "a"}, {"text": None}, {"text": "b"}]))
+    assert json_documents(pieces(data)[0], ("text",)) == [("a",), ("b",)]
+    examples = [{"q": "x", "text": None}, {"q": "y", "text": "z"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in examples))
+    assert json_documents(pieces(data)[0], ("q", "text")) == [("y", "z")]
+    data.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"other": "b"}) + "\n")
+    with pytest.raises(ValueError, match="the line at byte 14 is not a JSON object with a 'text' string"):
+        json_documents(pieces(data)[0], ("text",))
+
+
+def _metaspace_tokenizer(texts):
+    """A SentencePiece-style tokenizer as HF converts Llama 2's and Mistral's: a Metaspace
+    pre-tokenizer that marks the start of each encoded text with "▁"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    return tokenizer
+
+
+def test_documents_are_the_tokenizers_encode_of_each_whole_text(tmp_path):
+    """Blank lines, indentation, trailing spaces and CRLF line ends: each document's ids are the
+    tokenizer's encode of the whole text (what the model meets at inference), not of its lines
+    apart, which split "\\n\\n" and "  \\n" into other tokens, and under a SentencePiece-style
+    tokenizer put a "▁" (a space) before every line."""
+    texts = ["Title\n\n  indented line  \nnext.\r\nend\n\n\n", "one\ntwo\n three\t\n\nfour", "single"]
+    (tmp_path / "a.txt").write_text(texts[0], newline="")
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[1:]))
+    inputs = [str(tmp_path / "a.txt"), str(tmp_path / "docs.jsonl")]
+    bpe = train_bpe(iter(texts * 20), 300)
+    for name, tokenizer, eos in (("bpe", bpe, "<|endoftext|>"), ("metaspace", _metaspace_tokenizer(texts * 20), "</s>")):
+        tokenizer.save(str(tmp_path / f"{name}.json"))
+        out = tmp_path / name
+        assert main(["data", *inputs, "--out", str(out), "--tokenizer", str(tmp_path / f"{name}.json"), "--eos", eos,
+                     "--workers", "1"]) == 0
+        eos_id = tokenizer.token_to_id(eos)
+        expected = [i for t in texts for i in tokenizer.encode(t, add_special_tokens=False).ids + [eos_id]]
+        assert load_tokens(str(out)).window(0, 10**6).tolist() == expected, name
+
+
+def test_a_text_file_is_cut_into_pieces_where_its_parts_encode_as_the_whole(tmp_path):
+    """A piece ends at a line end between two printable characters where there is one (runs of
+    blank lines and trailing spaces tokenize as one), else at any line end."""
+    path = tmp_path / "text.txt"
+    path.write_bytes(b"x" * 100 + b"\n\n  \n" + b"y\nz" + b"\n" * 50 + b"end")  # 161 bytes
+    assert [(p.start, p.end) for p in pieces(path, piece_bytes=90)] == [(0, 107), (107, 161)]  # after "y\n"
+    path.write_bytes(b"x" * 100 + b"\n\n" + b"z" * 100)  # no such line end: at the first one
+    assert [(p.start, p.end) for p in pieces(path, piece_bytes=90)] == [(0, 101), (101, 202)]
+
+
+def test_parquet_texts_in_any_arrow_string_layout_are_read(tmp_path):
+    """A dictionary-encoded string column (pandas' categories, low-cardinality columns of Spark
+    and polars) or a large string one holds texts as a plain one does."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    texts = ["first", "second", "first"]
+    for name, column in (("dictionary", pa.array(texts).dictionary_encode()),
+                         ("large", pa.array(texts, type=pa.large_string()))):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"text": column}), path)
+        assert [d for p in pieces(path) for (d,) in parquet_documents(p, ("text",))] == texts, name
+
+
+def test_a_file_named_twice_or_linked_is_read_once(tmp_path, capsys):
+    """A file given twice, or a link beside it in a folder ("latest.txt"), would be tokenized
+    twice: trained on twice, or trained on in one copy and held out for validation in the other."""
+    texts = write_docs(tmp_path / "text", n=2)
+    (tmp_path / "text" / "latest.txt").symlink_to(tmp_path / "text" / "doc1.txt")
+    doc0 = tmp_path / "text" / "doc0.txt"
+    assert main(["data", str(tmp_path / "text"), str(doc0), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
+    out = capsys.readouterr().out
+    assert ("tetrad data: 2 input file(s) are a file named before (twice, or through a link) and are read once, "
+            f"e.g. {tmp_path / 'text' / 'latest.txt'}\n") in out
+    assert "2 documents" in out
+    stream, tokenizer = load_tokens(str(tmp_path / "shards")), load_tokenizer(tmp_path / "shards" / "tokenizer.json")
+    assert tokenizer.decode(stream.window(0, len(stream)).tolist()) == "".join(texts)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    """Latin-1 or cp1252 text reads its accented letters as U+FFFD: tokenized, but said, with the fix."""
+    (tmp_path / "old.txt").write_bytes("café naïve\n".encode("latin-1"))
+    (tmp_path / "new.txt").write_text("漢字 😀 café\n" * 30_000)  # UTF-8, a character across the 64 KB checked
+    assert main(["data", str(tmp_path / "new.txt"), str(tmp_path / "old.txt"), "--out", str(tmp_path / "o"),
+                 "--vocab-size", "300"]) == 0
+    out = capsys.readouterr().out
+    assert (f"tetrad data: 1 input file(s) are not UTF-8 text, e.g. {tmp_path / 'old.txt'}: bytes that are not UTF-8 "
+            "read as U+FFFD ('\ufffd'); convert them first to keep their characters (iconv -f cp1252 -t utf-8)\n") in out
+
+
+def test_the_checks_before_any_work_read_the_start_of_a_large_file_only(tmp_path, monkeypatch):
+    """check_documents reads each .jsonl file's first piece, and the tokenizer's sample its
+    --sample-mb: not a 64 KB read at every piece's end all through a file of gigabytes."""
+    from pathlib import Path
+    from tetrad.data.documents import check_documents, sample_texts
+    path = tmp_path / "big.jsonl"
+    path.write_text((json.dumps({"text": "word " * 100}) + "\n") * 16_000)  # 8 MB
+    read, opened = [], Path.open
+
+    def counting_open(self, *args, **kwargs):
+        file = opened(self, *args, **kwargs)
+        reader = file.read
+        file.read = lambda *a: read.append(len(data := reader(*a))) or data
+        return file
+    monkeypatch.setattr(Path, "open", counting_open)
+    check_documents([path], ("text",))
+    assert 0 < sum(read) <= 1 << 18
+    read.clear()
+    assert sum(len(text) for text in sample_texts([path], 1 << 20, ("text",))) < 2 << 20
+    assert sum(read) <= 1 << 18
+
+
+def test_a_utf8_byte_order_mark_is_no_part_of_the_text(tmp_path):
+    """Notepad and PowerShell 5 start UTF-8 files with a byte order mark: a .jsonl file so written
+    was refused (json.loads takes no BOM), and a .txt document began with an invisible U+FEFF."""
+    bom = "\ufeff".encode()
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "one"}\n{"text": "two"}\nnot json\n')
+    with pytest.raises(ValueError, match=f"the line at byte {len(bom) + 32} is not valid JSON"):
+        json_documents(pieces(tmp_path / "a.jsonl")[0], ("text",))
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "one"}\n{"text": "two"}\n')
+    assert json_documents(pieces(tmp_path / "a.jsonl")[0], ("text",)) == [("one",), ("two",)]
+    (tmp_path / "a.txt").write_bytes(bom + "héllo\n".encode())
+    assert [read_piece(p) for p in pieces(tmp_path / "a.txt", piece_bytes=2)] == ["héllo\n"]
+
+
+def test_an_eos_written_in_a_document_is_text_not_its_end(tmp_path):
+    """A document quoting a special token ("<|endoftext|>" in code or a discussion of models)
+    keeps it as characters: a .txt file or a .jsonl line is one document, ended only by the EOS
+    tetrad appends, so document masking does not cut it there."""
+    quoting = ["Models end text with <|endoftext|> here.\nMore.", "<|endoftext|><|endoftext|>"]
+    (tmp_path / "a.txt").write_text(quoting[0])
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": quoting[1]}) + "\n")
+    train_bpe(iter(quoting), 300).save(str(tmp_path / "bpe.json"))
+    out = tmp_path / "shards"
+    assert main(["data", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--out", str(out), "--tokenizer",
+                 str(tmp_path / "bpe.json")]) == 0
+    ids, eos = load_tokens(str(out)).window(0, 10**6).tolist(), read_index(out)["eos_id"]
+    ends = [i for i, t in enumerate(ids) if t == eos]
+    assert len(ends) == 2 and ends[-1] == len(ids) - 1
+    tokenizer = load_tokenizer(out / "tokenizer.json")
+    assert [tokenizer.decode(d, skip_special_tokens=False) for d in (ids[:ends[0]], ids[ends[0] + 1:-1])] == quoting

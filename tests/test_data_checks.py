@@ -6,8 +6,9 @@ import pickle
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import sft_shards, tiny_config
 from tetrad.cli import main
+from tetrad.config import ConfigError
 from tetrad.data.checks import check_data
 from tetrad.data.sources import TokenStream
 from tetrad.train.batches import Batches
@@ -65,3 +66,22 @@ def test_good_token_files_pass_and_a_bad_id_past_the_sample_stops_the_batches(tm
     tokens[:] = -1
     with pytest.raises(ValueError, match="token id -1"):
         Batches([(1, TokenStream([tokens]))], seq_len=8, global_batch=2, seed=0, vocab_size=256).global_batch_at(0)
+
+
+def test_a_source_too_short_names_the_val_fraction_change_that_lengthens_it(tmp_path):
+    """data.val_fraction moves tokens from training to validation: too few training tokens call
+    for a smaller one, too few held-out tokens for a larger one; a shorter seq_len does not help
+    packed fine-tuning examples, which need one example only."""
+    text = tmp_path / "short.txt"
+    text.write_bytes(bytes(range(40, 100)))  # 60 tokens, read as bytes
+    for fraction, expected in ((0.5, "data.source holds 30 tokens, fewer than model.seq_len+2 = 34; use more data, or "
+                                     "a shorter seq_len, or a smaller data.val_fraction (now 0.5)"),
+                               (0.1, "the validation tokens hold 6 tokens, fewer than model.seq_len+2 = 34; use more "
+                                     "data, or a shorter seq_len, or a larger data.val_fraction (now 0.1)")):
+        with pytest.raises(ConfigError) as e:
+            check_data(tiny_config(data={"source": str(text), "val_fraction": fraction}))
+        assert str(e.value) == expected
+    with pytest.raises(ConfigError) as e:
+        check_data(tiny_config(data={"source": sft_shards(), "val_fraction": 1e-6}))
+    assert str(e.value) == ("the validation tokens hold 0 tokens, fewer than two tokens (one example); use more "
+                            "data, or a larger data.val_fraction (now 1e-06)")

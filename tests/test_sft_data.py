@@ -205,3 +205,25 @@ def test_a_run_on_packed_examples_says_they_attend_to_each_other_without_documen
         line = describe(tiny_config(data={"source": str(out)}, model={"vocab_size": vocab},
                                     train={"document_mask": document_mask}))
         assert ("they attend to each other: set train.document_mask=true" in line) == said, line
+
+
+def test_inputs_that_hold_no_document_are_refused_in_one_line(tmp_path, capsys):
+    """Blank lines and empty texts, examples whose responses are all empty, conversations none of
+    which has an assistant turn: every one is left out, and a folder of no shards, which a run
+    would refuse with "rebuild it with `tetrad data`", is not written."""
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n" + json.dumps({"text": ""}) + "\n  \n")
+    assert _refused([str(blank), "--vocab-size", "300"], capsys, tmp_path) == (
+        "tetrad data: every text is empty (blank lines, and empty or null texts under --json-key 'text', are no "
+        "documents)")
+    unanswered = _jsonl(tmp_path / "sft.jsonl", [{"q": "a question", "text": ""}])
+    assert _refused([str(unanswered), "--vocab-size", "300", "--prompt-key", "q"], capsys, tmp_path) == (
+        "tetrad data: every example's response under --json-key 'text' is empty (such examples are left out)")
+    tokenizer = tmp_path / "tokenizer.json"
+    train_bpe(iter(["some text"]), 300).save(str(tokenizer))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}"
+                                                                "{{ m['content'] }}{% endfor %}"}))
+    system_only = _jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "system", "content": "Be brief."}]}])
+    assert _refused([str(system_only), "--tokenizer", str(tokenizer), "--chat-key", "messages"], capsys, tmp_path) == (
+        "tetrad data: no conversation under --chat-key 'messages' has an assistant turn (those without are left "
+        "out); check the key and the messages' roles")

@@ -49,14 +49,24 @@ def check_data(cfg: Config) -> None:
         sources += [("the validation tokens", name, tokens) for (_, name), (_, tokens) in zip(held_out, val)]
     for what, name, tokens in sources:
         if len(tokens) < fewest_tokens(tokens, m.seq_len):
-            where = f" ({name})" if name != d.source else ""
-            needed = "two tokens (one example)" if tokens.loss_masks is not None else \
-                f"model.seq_len+2 = {m.seq_len + 2}"
-            raise ConfigError(f"{what}{where} holds {len(tokens)} tokens, fewer than {needed}; use more data or a "
-                              "shorter seq_len"
-                              + (" (or a smaller data.val_fraction)" if what != "data.source" else ""))
+            raise ConfigError(_too_few(cfg, what, name, tokens))
     for what, name, tokens in sources:
         _check_ids("data.source" if what == "data.source" else "data.val_source", tokens, m.vocab_size)
+
+
+def _too_few(cfg: Config, what: str, name: str, tokens: TokenStream) -> str:
+    """A source (or its held-out part) too short for one window, and what would lengthen it: a
+    shorter seq_len does not, for packed examples; data.val_fraction moves tokens from training
+    to validation, so the fix is a smaller one for the first and a larger one for the second."""
+    d, m = cfg.data, cfg.model
+    packed = tokens.loss_masks is not None
+    needed = "two tokens (one example)" if packed else f"model.seq_len+2 = {m.seq_len + 2}"
+    fixes = ["more data"] + ([] if packed else ["a shorter seq_len"])
+    if d.val_fraction > 0 and not d.val_source:
+        fixes.append(f"a {'smaller' if what == 'data.source' else 'larger'} data.val_fraction (now {d.val_fraction:g})")
+    where = f" ({name})" if name != d.source else ""
+    holds = "holds" if what == "data.source" else "hold"
+    return f"{what}{where} {holds} {len(tokens)} tokens, fewer than {needed}; use {', or '.join(fixes)}"
 
 
 def _check_document_ends(source: str, val_source: str) -> None:

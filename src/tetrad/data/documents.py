@@ -17,12 +17,16 @@ an error in rendering it names (that happens later, in a worker).
 
 from __future__ import annotations
 
+import codecs
+import itertools
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tetrad.data.chat import MESSAGES, is_conversation
+from tetrad.data.sources import visible_files
 
 PIECE_BYTES = 4 << 20
 DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".parquet")  # a document per file; per line; per row
@@ -50,40 +54,54 @@ class Piece:
         return self.suffix in WHOLE_DOCUMENTS
 
 
-def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path]]:
-    """The documents' files: each input file, and every document file under each input folder;
-    and the other files under those folders (hidden ones aside), left out, which the command names."""
+def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path], list[Path]]:
+    """The documents' files: each input file, and every document file under each input folder
+    (hidden ones aside: sources.visible_files), each file once; the other files under those
+    folders, left out; and the repeats left out (a file named twice, or a link to one named
+    before): the command names both. A repeat would be tokenized twice, and with
+    data.val_fraction a copy could be trained on while the other is held out for validation."""
     files, left_out = [], []
     for path in inputs:
         if not path.exists():
             raise ValueError(f"{path} does not exist")
-        found = sorted(f for f in path.rglob("*") if f.suffix in DOCUMENT_SUFFIXES and f.is_file()) \
-            if path.is_dir() else [path]
+        inside = visible_files(path) if path.is_dir() else []
+        found = [f for f in inside if f.suffix in DOCUMENT_SUFFIXES] if path.is_dir() else [path]
         if not found:
             raise ValueError(f"{path} holds no {', '.join(DOCUMENT_SUFFIXES)} files")
         files += found
-        if path.is_dir():
-            left_out += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix not in DOCUMENT_SUFFIXES
-                               and not any(part.startswith(".") for part in f.relative_to(path).parts))
+        left_out += [f for f in inside if f.suffix not in DOCUMENT_SUFFIXES]
     if not any(f.stat().st_size for f in files):
         raise ValueError(f"the {len(files)} input file(s) are empty")
-    named = {f.resolve() for f in files}
-    return files, [f for f in left_out if f.resolve() not in named]
+    once, repeats, named = [], [], set()
+    for f in files:
+        (repeats if f.resolve() in named else once).append(f)
+        named.add(f.resolve())
+    return once, [f for f in left_out if f.resolve() not in named], repeats
 
 
 def pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> list[Piece]:
     """`path` cut into pieces of about `piece_bytes`: at line ends, or between row groups."""
+    return list(iter_pieces(path, piece_bytes))
+
+
+def iter_pieces(path: Path, piece_bytes: int = PIECE_BYTES) -> Iterator[Piece]:
+    """`pieces`, found as they are taken: the first few of a file of gigabytes without a read of
+    64 KB at every piece's end all through it. A line end between two printable ASCII characters
+    is taken where there is one (tokenizer.LINE_CUT: a text's pieces then encode as the whole
+    does), else any."""
     if path.suffix == ".parquet":
-        return _parquet_pieces(path, piece_bytes)
-    size, out, start = path.stat().st_size, [], 0
+        yield from _parquet_pieces(path, piece_bytes)
+        return
+    size, start = path.stat().st_size, 0
     with path.open("rb") as f:
         while start < size:
             f.seek(min(start + piece_bytes, size))
-            newline = f.read(1 << 16).find(b"\n") if start + piece_bytes < size else -1
+            ahead = f.read(1 << 16) if start + piece_bytes < size else b""
+            found = re.search(rb"[\x21-\x7e]\n(?=[\x21-\x7e])", ahead)
+            newline = found.end() - 1 if found else ahead.find(b"\n")
             end = size if newline < 0 else min(start + piece_bytes + newline + 1, size)
-            out.append(Piece(str(path), start, end, end == size, end - start))
+            yield Piece(str(path), start, end, end == size, end - start)
             start = end
-    return out
 
 
 def _parquet_file(path: Path):
@@ -116,10 +134,19 @@ def text_bytes(files: list[Path]) -> int:
                for f in files)
 
 
-def read_piece(piece: Piece) -> str:
+def _piece_bytes(piece: Piece) -> tuple[bytes, int]:
+    """The piece's bytes and where they start in the file: after the UTF-8 byte order mark that
+    Windows tools (Notepad, PowerShell 5's Out-File) put first, which is no character of the text
+    (and which json.loads refuses)."""
     with open(piece.path, "rb") as f:
         f.seek(piece.start)
-        return f.read(piece.end - piece.start).decode("utf-8", errors="replace")
+        data = f.read(piece.end - piece.start)
+    bom = len(codecs.BOM_UTF8) if piece.start == 0 and data.startswith(codecs.BOM_UTF8) else 0
+    return data[bom:], piece.start + bom
+
+
+def read_piece(piece: Piece) -> str:
+    return _piece_bytes(piece)[0].decode("utf-8", errors="replace")
 
 
 def _flag(keys: tuple[str, ...], key: str, where: str, chat: bool = False) -> str:
@@ -135,39 +162,49 @@ def _fits(value, chat: bool) -> bool:
     return is_conversation(value) if chat else isinstance(value, str)
 
 
-def _json_record(line: str, keys: tuple[str, ...], where: str) -> tuple:
-    """The values under `keys` of a line's JSON object (None where it has none); a ValueError
-    naming `where` when the line is not JSON at all (no key would help)."""
+def _json_record(line: str, keys: tuple[str, ...], where: str) -> tuple | None:
+    """The values under `keys` of a line's JSON object (None where it has none), or None where its
+    text is null (datasets' to_json writes a missing text so; a parquet row's null text is left out
+    alike); a ValueError naming `where` when the line is not JSON at all (no key would help)."""
     try:
         found = json.loads(line)
     except ValueError as e:
         raise ValueError(f"{where} is not valid JSON ({e}); a .jsonl file holds one JSON object a line") from None
-    return tuple(found.get(key) for key in keys) if isinstance(found, dict) else (None,) * len(keys)
+    if not isinstance(found, dict):
+        return (None,) * len(keys)
+    return None if keys[-1] in found and found[keys[-1]] is None else tuple(found.get(key) for key in keys)
 
 
 def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> list[tuple]:
-    """The records of a .jsonl piece's lines (blank lines and empty texts skipped); a ValueError
+    """The records of a .jsonl piece's lines (blank lines, empty and null texts skipped); a ValueError
     naming the file and the line's byte offset when a line is not an object with a string (with
     `chat`, a list of messages) under each of `keys`."""
-    records, offset = [], piece.start
-    for line in read_piece(piece).splitlines(keepends=True):
-        if line.strip():
-            record = _json_record(line, keys, f"{piece.path}: the line at byte {offset}")
+    records, (data, offset) = [], _piece_bytes(piece)
+    # Lines end at b"\n" only: str.splitlines would also cut at U+2028, U+0085 and the like, which
+    # JSON writes unescaped inside strings (json.dumps(ensure_ascii=False)).
+    for raw in data.split(b"\n"):
+        line = raw.decode("utf-8", errors="replace")
+        record = _json_record(line, keys, f"{piece.path}: the line at byte {offset}") if line.strip() else None
+        if record is not None:
             wrong = next((key for key, value in zip(keys, record) if not _fits(value, chat)), None)
             if wrong is not None:
                 raise ValueError(f"{piece.path}: the line at byte {offset} is not a JSON object with a {wrong!r} "
                                  f"{MESSAGES if chat else 'string'}; {_flag(keys, wrong, 'key', chat)}")
             if record[-1]:
                 records.append((f"the line at byte {offset}", *record) if chat else record)
-        offset += len(line.encode("utf-8", errors="replace"))
+        offset += len(raw) + 1
     return records
 
 
 def _column_fits(type_, chat: bool) -> bool:
+    """A column of lists (conversations), or of strings in any of arrow's layouts: plain, large,
+    view, or dictionary-encoded (pandas' categories, Spark's and polars' low-cardinality columns)."""
     import pyarrow as pa
     if chat:
         return pa.types.is_list(type_) or pa.types.is_large_list(type_)
-    return pa.types.is_string(type_) or pa.types.is_large_string(type_)
+    if pa.types.is_dictionary(type_):
+        type_ = type_.value_type
+    return pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_string_view(type_)
 
 
 def parquet_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> list[tuple]:
@@ -208,7 +245,7 @@ def sample_texts(files: list[Path], budget_bytes: int, keys: tuple[str, ...]) ->
     """Text to learn the BPE merges from: the first `budget_bytes`, spread over the files in order
     (prompts too: the tokenizer encodes them as well)."""
     for path in files:
-        for piece in pieces(path, 1 << 20):
+        for piece in iter_pieces(path, 1 << 20):
             if budget_bytes <= 0:
                 return
             budget_bytes -= piece.nbytes
@@ -216,10 +253,39 @@ def sample_texts(files: list[Path], budget_bytes: int, keys: tuple[str, ...]) ->
                 yield from record
 
 
-def check_documents(files: list[Path], keys: tuple[str, ...], chat: bool = False) -> None:
-    """Each .jsonl and .parquet file's first piece reads (the rest is checked as it is tokenized):
-    a wrong --json-key, --prompt-key or --chat-key is refused before a tokenizer is trained, and
-    so is a text file among fine-tuning examples or conversations."""
+# How files that are not text start: read as UTF-8 text they would be tokenized as noise.
+NOT_TEXT = ((b"\x1f\x8b", "gzip-compressed; decompress it first (gunzip -k)"),
+            (b"\x28\xb5\x2f\xfd", "zstd-compressed; decompress it first (zstd -d)"),
+            (b"\xfd7zXZ\x00", "xz-compressed; decompress it first (xz -dk)"),
+            (b"PK\x03\x04", "a zip archive; extract it first (unzip)"),
+            (b"PAR1", "a parquet file; name it .parquet"),
+            (b"\xff\xfe", "UTF-16 text; save it as UTF-8"), (b"\xfe\xff", "UTF-16 text; save it as UTF-8"))
+
+
+def _is_utf8(path: Path) -> bool:
+    """Whether a file read as text or JSON Lines starts as UTF-8 (its first 64 KB); ValueError
+    (one line) when it starts as a compressed or binary one does (NOT_TEXT), or as bzip2's header."""
+    with path.open("rb") as f:
+        head = f.read(1 << 16)
+    what = next((what for magic, what in NOT_TEXT if head.startswith(magic)), None)
+    if head[:3] == b"BZh" and head[4:10] == b"1AY&SY":
+        what = "bzip2-compressed; decompress it first (bunzip2 -k)"
+    if what is not None:
+        raise ValueError(f"{path} is {what}")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at 64 KB waits
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def check_documents(files: list[Path], keys: tuple[str, ...], chat: bool = False) -> list[Path]:
+    """Each .jsonl and .parquet file's first piece reads (the rest is checked as it is tokenized),
+    and no other file is compressed (_is_utf8): a wrong --json-key, --prompt-key or --chat-key
+    is refused before a tokenizer is trained, and so is a text file among fine-tuning examples or
+    conversations. Returns the files whose start is not UTF-8 (Latin-1, cp1252): their bytes that
+    are not are read as U+FFFD, which the command says."""
+    legacy = [path for path in files if path.suffix != ".parquet" and not _is_utf8(path)]
     text = [path for path in files if path.suffix not in WHOLE_DOCUMENTS]
     if (len(keys) > 1 or chat) and text:
         held, flag = ("no conversations", "--chat-key") if chat else ("no prompt", "--prompt-key")
@@ -227,5 +293,6 @@ def check_documents(files: list[Path], keys: tuple[str, ...], chat: bool = False
                          f"{flag} reads .jsonl and .parquet files only")
     for path in files:
         if path.suffix in WHOLE_DOCUMENTS and path.stat().st_size:
-            for piece in pieces(path, 1 << 16)[:1]:
+            for piece in itertools.islice(iter_pieces(path, 1 << 16), 1):  # none: a parquet file of no rows
                 piece_records(piece, keys, chat)
+    return legacy

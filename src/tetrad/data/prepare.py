@@ -34,7 +34,8 @@ from tetrad.data.chat import ChatTemplate, Conversations, load_template, save_te
 from tetrad.data.documents import (Piece, check_documents, input_files, piece_records, pieces, sample_texts,
                                     text_bytes)
 from tetrad.data.shards import TOKENIZER, dtype_for, mask_name, shard_name, write_index
-from tetrad.data.tokenizer import document_prefix, eos_id, load_tokenizer, train_bpe, vocab_size
+from tetrad.data.tokenizer import (LINE_CUT, cuts_at_lines, document_prefix, eos_id, load_tokenizer, train_bpe,
+                                    vocab_size)
 
 
 class _Encoder:
@@ -44,11 +45,13 @@ class _Encoder:
     def __init__(self, tokenizer_json: str, eos: int, dtype: str, keys: tuple[str, ...], chat: ChatTemplate | None):
         from tokenizers import Tokenizer
         self.tokenizer, self.eos, self.dtype = Tokenizer.from_str(tokenizer_json), eos, np.dtype(dtype)
-        self.keys, self.prefix = keys, document_prefix(self.tokenizer)
+        self.keys, self.prefix, self.cut = keys, document_prefix(self.tokenizer), cuts_at_lines(self.tokenizer)
         self.chat = None if chat is None else Conversations(chat, self.tokenizer, eos)
-        # A prompt or response is text: "<|endoftext|>" written in it is characters, not the EOS
-        # that would end the example there (packing and document masking cut at each EOS).
-        self.tokenizer.encode_special_tokens = len(keys) > 1 and chat is None
+        # A document, prompt or response is text: "<|endoftext|>" written in it is characters, not
+        # the EOS that would end it there (packing and document masking cut at each EOS), nor is
+        # Llama 3's "<|start_header_id|>" a control token (as nanoGPT's encode_ordinary and
+        # torchtitan read text). A chat template's markup is the model's own: parsed.
+        self.tokenizer.encode_special_tokens = chat is None
 
     def __call__(self, piece: Piece) -> list:
         if self.chat is not None:
@@ -57,11 +60,14 @@ class _Encoder:
 
     def documents(self, piece: Piece) -> list[np.ndarray]:
         """A .txt piece's ids (the tokenizer's document prefix before the file's first, EOS after
-        its last), or each of another piece's documents' ids, prefix and EOS around them."""
+        its last), or each of another piece's documents' ids, prefix and EOS around them: the ids of
+        the tokenizer's encode of each document whole."""
         texts = [text for (text,) in piece_records(piece, self.keys)]
-        # Line by line: one encode of megabytes is many times slower, and byte-level BPE's
-        # pre-tokenizer splits at line ends anyway (only runs of blank lines may merge differently).
-        lines = [text.splitlines(keepends=True) for text in texts]
+        # Cut at the line ends where the tokenizer's pre-tokenizer splits anyway (LINE_CUT), where
+        # it gives the whole's ids: one encode of megabytes takes twice as long. A SentencePiece-style
+        # tokenizer encodes each piece whole: a .txt file over PIECE_BYTES gets a "▁" at each of
+        # its pieces' starts (one token in a million, where a piece a file would hold gigabytes).
+        lines = [LINE_CUT.split(text) if self.cut else [text] for text in texts]
         encoded = iter(self.tokenizer.encode_batch_fast([line for text in lines for line in text],
                                                         add_special_tokens=False))
         whole = piece.whole_documents
@@ -207,7 +213,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="the shard folder to write (new or empty)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary to train (default 8192)")
-    source.add_argument("--tokenizer", type=Path, help="an existing tokenizer.json instead of training one")
+    source.add_argument("--tokenizer", type=Path, help="an existing tokenizer.json (or a model folder holding one) "
+                        "instead of training one")
     parser.add_argument("--eos", default="", help="end-of-document token (default: the tokenizer's usual one)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
     parser.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MB (default 256)")
@@ -216,6 +223,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         raise ValueError(f"--out {args.out} exists and is not an empty folder; choose a new one")
+    if args.tokenizer is not None and args.tokenizer.is_dir():  # a Hugging Face model's folder: its tokenizer.json
+        if not (args.tokenizer / TOKENIZER).is_file():
+            raise ValueError(f"--tokenizer {args.tokenizer} is a folder without a {TOKENIZER}; pass the tokenizer.json")
+        args.tokenizer = args.tokenizer / TOKENIZER
     if args.tokenizer is None and not 257 <= args.vocab_size <= 2**32:
         raise ValueError(f"--vocab-size={args.vocab_size} must be in [257, 2^32] (256 bytes + EOS at least)")
     if args.workers < 1 or args.shard_mb <= 0 or args.sample_mb <= 0:
@@ -235,8 +246,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
 def data_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
-        files, left_out = input_files(args.inputs)
-        check_documents(files, args.keys, chat=args.chat_key is not None)
+        files, left_out, repeats = input_files(args.inputs)
+        legacy = check_documents(files, args.keys, chat=args.chat_key is not None)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
         if tokenizer is not None:
             eos_id(tokenizer, args.eos)  # refused before any work
@@ -247,6 +258,12 @@ def data_command(argv: list[str]) -> int:
     if left_out:
         print(f"tetrad data: {len(left_out)} file(s) in the input folders are not .txt, .jsonl or .parquet and are left out, e.g. "
               f"{left_out[0]}; name them as inputs to include them", flush=True)
+    if legacy:
+        print(f"tetrad data: {len(legacy)} input file(s) are not UTF-8 text, e.g. {legacy[0]}: bytes that are not UTF-8 "
+              "read as U+FFFD ('\ufffd'); convert them first to keep their characters (iconv -f cp1252 -t utf-8)", flush=True)
+    if repeats:
+        print(f"tetrad data: {len(repeats)} input file(s) are a file named before (twice, or through a link) and are "
+              f"read once, e.g. {repeats[0]}", flush=True)
     # Written beside the final folder and renamed when complete: a crash leaves no half folder.
     partial = args.out.with_name(args.out.name + ".partial")
     try:
@@ -292,4 +309,16 @@ def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partia
         save_template(args.chat, partial)
     written = tokenize(files, tokenizer, eos_id(tokenizer, args.eos), partial, args.shard_mb, args.workers,
                        args.keys, args.chat)
+    if not written[0]["documents"]:  # a folder of no shards, which a run could not read
+        raise ValueError(_nothing_found(args))
     return written, (started, trained, time.perf_counter())
+
+
+def _nothing_found(args: argparse.Namespace) -> str:
+    """Why the inputs gave no document, and which key to check."""
+    if args.chat is not None:
+        return (f"no conversation under --chat-key {args.chat_key!r} has an assistant turn (those without are left "
+                "out); check the key and the messages' roles")
+    if args.prompt_key is not None:
+        return f"every example's response under --json-key {args.json_key!r} is empty (such examples are left out)"
+    return f"every text is empty (blank lines, and empty or null texts under --json-key {args.json_key!r}, are no documents)"

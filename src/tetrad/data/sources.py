@@ -112,8 +112,16 @@ class TokenStream:
                 TokenStream(part(self.pieces, False), part(self.loss_masks, False), self.eos))
 
 
+def visible_files(folder: Path) -> list[Path]:
+    """The files under `folder`, sorted, hidden ones aside (a name, or a folder on the way, that
+    starts with "."): .git, Jupyter's .ipynb_checkpoints copies and macOS's ._ resource forks are
+    not the user's text."""
+    return sorted(f for f in folder.rglob("*")
+                  if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+
+
 def text_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*.txt") if p.is_file())
+    return [p for p in visible_files(folder) if p.suffix == ".txt"]
 
 
 def reads_as_bytes(source: str) -> bool:

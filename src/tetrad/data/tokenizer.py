@@ -8,6 +8,7 @@ decoding gives the exact bytes back.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,12 @@ from tetrad.data.blend import primary_source
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.sources import reads_as_bytes
 
+# Where a text may be cut and its parts encoded apart with the ids of the whole: a line end between
+# two characters that are not whitespace, where byte-level BPE's pre-tokenizers (GPT-2's, Llama 3's,
+# Qwen's) split anyway. Not at every line end: they merge runs of whitespace ("\n\n" is one Llama 3
+# token, and "  \n" one pre-token only at a text's end).
+LINE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+PROBE = "Hello world.\nThe fox, 42 times:\n  indented\tline\r\nend.\n\nNext one\n"
 EOS = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, tried in order when none is named.
 KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -72,6 +79,16 @@ def document_prefix(tokenizer: Tokenizer) -> list[int]:
     plain = tokenizer.encode("a", add_special_tokens=False).ids
     full = tokenizer.encode("a", add_special_tokens=True).ids
     return next((full[:at] for at in range(len(full)) if full[at:at + len(plain)] == plain), [])
+
+
+def cuts_at_lines(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer encodes a text cut at LINE_CUT into the ids of the whole (tetrad data
+    then encodes such parts, in parallel pieces). Not so SentencePiece-style tokenizers (Llama 2's,
+    Mistral's: a Metaspace pre-tokenizer or a "▁"-prepending normalizer), which mark each encoded
+    text's start with "▁": each document (or .txt piece) is then encoded whole."""
+    whole = tokenizer.encode(PROBE, add_special_tokens=False).ids
+    parts = tokenizer.encode_batch(LINE_CUT.split(PROBE), add_special_tokens=False)
+    return whole == [i for part in parts for i in part.ids]
 
 
 def vocab_size(tokenizer: Tokenizer) -> int:

@@ -31,6 +31,23 @@ def test_plan_ranking_equals_estimating_every_layout():
     assert result.estimated < len(every) / 10
 
 
+def test_plan_ranks_zero_sharded_within_a_node_as_estimating_every_layout():
+    """On two nodes the search also costs hybrid ZeRO 1-3 sharded over one node's dp x cp ranks
+    (parallel.zero_shard = gpus_per_node / tp), and ranks them exactly as estimating them all."""
+    import dataclasses
+
+    cluster = dataclasses.replace(load_cluster("dgx-a100"), nodes=2)
+    base = _cfg(model={"preset": "tiny", "n_layers": 4, "d_model": 1024, "n_heads": 16, "n_kv_heads": 4,
+                       "ffn_hidden": 2816, "vocab_size": 32000, "seq_len": 1024},
+                train={"global_batch": 32, "micro_batch": 1, "dtype": "bf16"})
+    every = [estimate(config_of(base, x, z, s), cluster) for x in layouts(base, 16, 8) for z in range(4)
+             for s in (0, 8 // x.tp) if (z == 0 or x.dp * x.cp > 1) and (s == 0 or z and x.dp * x.cp > s)]
+    assert any(e.cfg.parallel.zero_shard for e in every if e.fits)
+    result = plan(base, cluster, top=8)
+    best = sorted((e for e in every if e.fits), key=lambda e: e.step_time_s)[:8]
+    assert [e.step_time_s for e in result.ranked] == pytest.approx([e.step_time_s for e in best], rel=1e-12)
+
+
 def test_every_searched_layout_is_one_the_runtime_accepts():
     """The search enumerates only layouts config validation passes (a long sequence over many
     ranks reaches cp and tp whose sequence-parallel split must divide the tokens)."""

@@ -1,6 +1,6 @@
 """`tetrad plan`: every legal layout of a model on a cluster, ranked by predicted step time.
 
-Enumerates (tp, pp, cp, dp, cp_algo, micro_batch, recompute, schedule, vpp, zero) under
+Enumerates (tp, pp, cp, dp, cp_algo, micro_batch, recompute, schedule, vpp, zero, zero_shard) under
 config.validate's rules (mirrored here as a cheap pre-filter; validate has the last word), and
 optimizer offload for a ZeRO stage that fits on the GPU only with it (offload only adds time).
 Sequence parallelism is on whenever tp > 1 (it only saves memory); schedules come from the
@@ -109,11 +109,11 @@ def _schedules(pp: int, micro: int, layers: int, stages: int):
                 yield name, vpp
 
 
-def config_of(base: Config, layout: Layout, zero: int = 0) -> Config:
-    """`base` with `layout` and ZeRO stage `zero` (validated)."""
+def config_of(base: Config, layout: Layout, zero: int = 0, zero_shard: int = 0) -> Config:
+    """`base` with `layout`, ZeRO stage `zero` and hybrid ZeRO's block `zero_shard` (validated)."""
     par = dataclasses.replace(base.parallel, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp,
                               cp_algo=layout.cp_algo, vpp=layout.vpp, schedule=layout.schedule, zero=zero,
-                              sequence_parallel=layout.tp > 1)
+                              zero_shard=zero_shard, sequence_parallel=layout.tp > 1)
     train = dataclasses.replace(base.train, micro_batch=layout.micro_batch, recompute=layout.recompute)
     cfg = dataclasses.replace(base, parallel=par, train=train)
     validate(cfg, layout.tp * layout.pp * layout.cp * layout.dp, runtime=False)
@@ -195,13 +195,18 @@ class _LayoutBound:
 
 def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, usable: float, offload: bool):
     """(config, peak GiB per GPU, whether it is the last) of each ZeRO stage `layout` can run,
+    ZeRO 1-3 also hybrid (sharded over the dp x cp ranks of one node, where dp x cp spans several),
     each followed, where it exceeds `usable` GiB and would fit with optimizer offload, by the same
     with offload (where `offload`, the cluster can cost it and `base` does not offload already)."""
-    zeros = (0, 1, 2, 3) if layout.dp * layout.cp > 1 else (0,)
+    n = layout.dp * layout.cp
+    zeros = (0, 1, 2, 3) if n > 1 else (0,)
+    node = cluster.gpus_per_node // layout.tp if cluster.gpus_per_node % layout.tp == 0 else 0  # tp innermost
+    composes = base.parallel.grad_codec in ("none", "bf16") and base.parallel.hierarchical is not True
+    blocks = (0, node) if composes and 1 < node < n and n % node == 0 else (0,)
     offload = offload and not base.train.offload_optimizer and offload_unknown(cluster) is None
     candidates = []
-    for zero in zeros:
-        cfg = config_of(base, layout, zero)
+    for zero, shard in ((z, b) for z in zeros for b in blocks if z or not b):
+        cfg = config_of(base, layout, zero, shard)
         memory = memory_by_rank(cfg, stack, cluster.gpu.is_cpu)
         peak = max(x.total for x in memory) / GIB
         candidates.append((cfg, peak))

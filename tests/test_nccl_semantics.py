@@ -123,12 +123,14 @@ def test_context_parallel_ring_is_unchanged_under_nccl_ordering(recompute, maske
 @pytest.mark.parametrize("parallel,model", [({"pp": 3, "vpp": 2, "schedule": "interleaved"}, {}),
                                             ({"pp": 2, "dp": 2, "zero": 3, "schedule": "zb"}, {}),
                                             ({"pp": 2, "vpp": 3, "dp": 2, "zero": 3, "schedule": "interleaved"},
-                                             {"tie_embeddings": True})],
-                         ids=["interleaved-pp3", "zb-dp2-zero3", "interleaved-dp2-zero3-tied"])
+                                             {"tie_embeddings": True}),
+                                            ({"pp": 2, "dp": 2, "zero": 3, "zero_shard": 1, "schedule": "zb"}, {})],
+                         ids=["interleaved-pp3", "zb-dp2-zero3", "interleaved-dp2-zero3-tied", "zb-dp2-hybrid-zero3"])
 def test_evaluation_under_nccl_ordering(parallel, model):
     """The forward-only schedule of an evaluation (its own sends and receives, and under ZeRO-3 the
     gathers it frees afterwards) between training steps: the same losses as on gloo, bit for bit;
-    with tied embeddings, the embedding's own ZeRO-3 bucket gathered over both stages' steps."""
+    with tied embeddings, the embedding's own ZeRO-3 bucket gathered over both stages' steps; under
+    hybrid ZeRO, the replicas' all-reduces started beside the pipeline's transfers."""
     def run(transport=None):
         cfg = tiny_config(model={"n_layers": 6, **model}, parallel=parallel, data={"val_fraction": 0.1},
                           train={"steps": 2, "eval_every": 1, "eval_steps": 2, "micro_batch": 1, "global_batch": 6})

@@ -2,6 +2,7 @@
 replicated across them train as one process does, hold 1/zero_shard of the states, count the
 planner's bytes, resume to and from plain layouts, and refuse what does not compose."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from tetrad.dist.topology import Topology
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
+from tetrad.plan.stacks import load_stack
 from tetrad.plan.text import layout_label as plan_label
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.metrics import layout_label
@@ -155,6 +157,20 @@ def test_the_planners_zero3_layers_see_only_their_blocks_collectives():
                           runtime=False)
         return estimate(cfg, load_cluster("h100x1024")).breakdown["zero3_comm"]
     assert zero3_comm(64, zero_shard=8) == pytest.approx(zero3_comm(8))
+
+
+def test_the_planner_times_zero2s_replica_sum_in_fp32_whatever_the_codec():
+    """Under ZeRO 2/3 the replicas sum the step's accumulated fp32 shard (GradSync._sum_over_replicas),
+    whatever grad_codec sends inside the block (bf16 there): the time a hybrid layout adds to its
+    block's, the replicas' all-reduce, is the same with and without the codec."""
+    def dp_comm(dp, codec, **parallel):
+        cfg = load_config(overrides={"model": {"preset": "llama3-8b"},
+                                     "parallel": {"dp": dp, "zero": 2, "grad_codec": codec, **parallel},
+                                     "train": {"global_batch": dp, "micro_batch": 1, "dtype": "bf16"}}, runtime=False)
+        stack = replace(load_stack("tetrad"), dp_overlap=False)  # the reduction whole, not behind backward
+        return estimate(cfg, load_cluster("h100x1024"), stack).breakdown["dp_comm"]
+    across = {codec: dp_comm(64, codec, zero_shard=8) - dp_comm(8, codec) for codec in ("none", "bf16")}
+    assert across["bf16"] == pytest.approx(across["none"]), across
 
 
 # ------------------------------------------------------------------------------ checkpoints

@@ -244,7 +244,8 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
         grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes)
         if zero_shard(p):  # the block's reduce-scatter each time; the replicas' all-reduce once, on the last
             each = reduction_time("reduce_scatter", grad_bytes, sharded, cluster, p.tp)
-            grads = hybrid_reduction_time(grad_bytes, n, sharded, cluster, p.tp)
+            summed = buckets.padded * stack.grad_reduce_bytes if p.zero >= 2 else None  # the step's sum, uncoded
+            grads = hybrid_reduction_time(grad_bytes, n, sharded, cluster, p.tp, summed)
         else:
             grads = each = reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work

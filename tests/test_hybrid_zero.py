@@ -173,6 +173,19 @@ def test_the_planner_times_zero2s_replica_sum_in_fp32_whatever_the_codec():
     assert across["bf16"] == pytest.approx(across["none"]), across
 
 
+def test_the_planner_hides_no_part_of_zero1s_replica_sums_behind_backward():
+    """Hybrid ZeRO-1 reduce-scatters each bucket inside its block during the last backward, but sums
+    the shards over the replicas only at its end (GradSync.finish_all: ReplicaPending.wait): the
+    backward hides of its reduction what it hides of the block's alone, the replicas' all-reduce none."""
+    def hidden(dp, **parallel):  # the dp time overlapping backward takes off
+        cfg = load_config(overrides={"model": {"preset": "llama3-8b"}, "parallel": {"dp": dp, "zero": 1, **parallel},
+                                     "train": {"global_batch": dp, "micro_batch": 1, "dtype": "bf16"}}, runtime=False)
+        stack = replace(load_stack("tetrad"), zero1_reduce_scatter=True)  # the block's collective as hybrid's
+        off = estimate(cfg, load_cluster("h100x1024"), replace(stack, dp_overlap=False)).breakdown["dp_comm"]
+        return off - estimate(cfg, load_cluster("h100x1024"), stack).breakdown["dp_comm"]
+    assert hidden(64, zero_shard=8) == pytest.approx(hidden(8))
+
+
 # ------------------------------------------------------------------------------ checkpoints
 # test_checkpoint's RESHARD_CASES resume hybrid checkpoints in plain layouts and plain ones in hybrid.
 MODEL, TRAIN = {"vocab_size": 251}, {"steps": 6, "micro_batch": 1}

@@ -514,6 +514,14 @@ def test_a_file_named_twice_or_linked_is_read_once(tmp_path, capsys):
     assert tokenizer.decode(stream.window(0, len(stream)).tolist()) == "".join(texts)
 
 
+def test_a_linked_text_file_in_a_source_folder_is_read_once(tmp_path):
+    """data.source as a folder of .txt files read as bytes: a link beside its file is the same text."""
+    (tmp_path / "v3.txt").write_text("the only text\n")
+    (tmp_path / "latest.txt").symlink_to(tmp_path / "v3.txt")
+    stream = load_tokens(str(tmp_path))
+    assert bytes(stream.window(0, len(stream)).astype(np.uint8)) == b"the only text\n"
+
+
 def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
     """Latin-1 or cp1252 text reads its accented letters as U+FFFD: tokenized, but said, with the fix."""
     (tmp_path / "old.txt").write_bytes("café naïve\n".encode("latin-1"))

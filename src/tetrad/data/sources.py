@@ -121,7 +121,15 @@ def visible_files(folder: Path) -> list[Path]:
 
 
 def text_files(folder: Path) -> list[Path]:
-    return [p for p in visible_files(folder) if p.suffix == ".txt"]
+    """The .txt files under `folder`, each once: a link beside its file (latest.txt -> v3.txt) would
+    be trained on twice, or with data.val_fraction trained on and held out (as tetrad data's inputs)."""
+    seen: set[Path] = set()
+    out = []
+    for p in visible_files(folder):
+        if p.suffix == ".txt" and p.resolve() not in seen:
+            seen.add(p.resolve())
+            out.append(p)
+    return out
 
 
 def reads_as_bytes(source: str) -> bool:

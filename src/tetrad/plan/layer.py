@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tetrad.config import Config
-from tetrad.config.sections import shard_ranks, zero_shard
+from tetrad.config.sections import shard_ranks
 from tetrad.model import flops
 from tetrad.plan.comm_bytes import scatter_bytes
 from tetrad.plan.hardware import GPU, Cluster
-from tetrad.plan.links import group_link, hybrid_reduction_time, overlap_slowdown, ring_time
+from tetrad.plan.links import group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
 from tetrad.plan.stacks import Stack
 
@@ -235,8 +235,9 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
     """ZeRO-3: each layer's weights all-gathered for forward and again for backward, every
     micro-batch, prefetched behind the previous layer's compute, which runs slower beside them;
     backward also beside the layer's fp32 gradient reduce-scatter. (Its exposed time is counted
-    once per step, as ZeRO-2's: `estimate`.) Hybrid ZeRO gathers inside its blocks, and reduces
-    there and then across the replicas."""
+    once per step, as ZeRO-2's: `estimate`.) Hybrid ZeRO gathers and reduce-scatters inside its
+    blocks; its sum across the replicas runs once a step, at the end of backward (the data-parallel
+    reduction's time), not beside every micro-batch's layers."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     n, sharded = p.dp * p.cp, shard_ranks(p)
     if p.zero < 3 or n == 1:
@@ -244,8 +245,7 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
     alpha, bw = group_link(cluster, p.tp, sharded)
     params = flops.layer_params(m, p.tp)
     gather = ring_time("all_gather", params * state_bytes_per_param(t.dtype)[0], sharded, alpha, bw)
-    scatter = hybrid_reduction_time(params * scatter_bytes(cfg), n, sharded, cluster, p.tp) if zero_shard(p) else \
-        ring_time("reduce_scatter", params * scatter_bytes(cfg), n, alpha, bw)
+    scatter = ring_time("reduce_scatter", params * scatter_bytes(cfg), sharded, alpha, bw)
     gpu = cluster.gpu
     return (max(0.0, gather - forward) + overlap_slowdown(gather, forward, gpu),
             max(0.0, gather - backward) + overlap_slowdown(gather + scatter, backward, gpu))

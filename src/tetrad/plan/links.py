@@ -70,11 +70,13 @@ def reduction_time(op: str, nbytes: float, n: int, cluster: Cluster, stride: int
     return ring
 
 
-def hybrid_reduction_time(nbytes: float, n: int, shard: int, cluster: Cluster, stride: int) -> float:
+def hybrid_reduction_time(nbytes: float, n: int, shard: int, cluster: Cluster, stride: int,
+                          summed: float | None = None) -> float:
     """Hybrid ZeRO's reduction of `nbytes` of gradient over `n` ranks `stride` apart, sharded over
     consecutive blocks of `shard` (parallel.zero_shard): a reduce-scatter inside the block (one
     node's links where the block fits one), then an all-reduce of its 1/shard over the n/shard
-    replicas, `shard` x `stride` apart (across nodes)."""
-    replicas = n // shard
-    across = reduction_time("all_reduce", nbytes / shard, replicas, cluster, stride * shard) if replicas > 1 else 0.0
+    replicas, `shard` x `stride` apart (across nodes), of `summed` bytes for the whole gradient
+    (ZeRO 2/3: the accumulated fp32 shard, whatever the codec sent inside the block; else `nbytes`)."""
+    replicas, summed = n // shard, nbytes if summed is None else summed
+    across = reduction_time("all_reduce", summed / shard, replicas, cluster, stride * shard) if replicas > 1 else 0.0
     return reduction_time("reduce_scatter", nbytes, shard, cluster, stride) + across

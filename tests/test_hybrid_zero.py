@@ -224,7 +224,16 @@ def test_a_save_from_before_zero_shard_is_in_the_same_layout(tmp_path):
     ckpt = Checkpointer(cfg, Topology.single(), tmp_path)
     layout = ckpt._layout()
     assert ckpt._same_layout({"layout": {k: v for k, v in layout.items() if k != "zero_shard"}})
-    assert not ckpt._same_layout({"layout": {**layout, "zero_shard": 2}})
+
+
+def test_an_idle_zero_shard_is_the_layout_without_it(tmp_path):
+    """zero_shard = dp x cp (or at ZeRO 0) does nothing: a save with it resumes as the same layout
+    as one without it, keeping per-rank state (a codec's error feedback, "auto"'s measurements)."""
+    ckpt = Checkpointer(tiny_config(parallel={"dp": 4, "zero": 1}), Topology.single(), tmp_path)
+    layout = ckpt._layout()
+    assert ckpt._same_layout({"layout": {**layout, "zero_shard": 4}})
+    assert ckpt._same_layout({"layout": {**layout, "zero": 0, "zero_shard": 2}}) is False  # ZeRO differs
+    assert not ckpt._same_layout({"layout": {**layout, "zero_shard": 2}})  # a hybrid layout is another
 
 
 def test_labels_name_the_blocks():

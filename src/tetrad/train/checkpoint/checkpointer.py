@@ -7,6 +7,7 @@ import dataclasses
 import json
 import shutil
 from collections.abc import Callable
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tetrad import device as devices
 from tetrad.config import ParallelConfig
+from tetrad.config.sections import zero_shard
 from tetrad.dist import autotune
 from tetrad.model.sharding import spec_of
 from tetrad.parallel.data import ShardedAdamW, zero_loaded
@@ -198,13 +200,13 @@ class Checkpointer:
     def _layout(self) -> dict:
         """What rank-local state depends on: the [parallel] section (layout, schedule, virtual
         stages, sequence parallelism, ZeRO stage, codec, buckets) but the keys in NOT_LAYOUT."""
-        return {k: v for k, v in dataclasses.asdict(self.cfg.parallel).items() if k not in NOT_LAYOUT}
+        return _in_effect({k: v for k, v in dataclasses.asdict(self.cfg.parallel).items() if k not in NOT_LAYOUT})
 
     def _same_layout(self, manifest: dict) -> bool:
         """Whether the checkpoint of `manifest` was saved in this layout (_layout)."""
         # Older saves: without NOT_LAYOUT's keys, and without a key added since (its default then).
         saved = {**dataclasses.asdict(ParallelConfig()), **manifest.get("layout", {})}
-        saved = {k: v for k, v in saved.items() if k not in NOT_LAYOUT}
+        saved = _in_effect({k: v for k, v in saved.items() if k not in NOT_LAYOUT})
         return saved == json.loads(json.dumps(self._layout()))  # as stored: lists, not tuples
 
     def _saved_state(self, params, optimizer, stateful: dict, local: dict, copy: bool = False) -> dict[str, torch.Tensor]:
@@ -365,3 +367,9 @@ def _clear(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def _in_effect(layout: dict) -> dict:
+    """`layout` with an idle zero_shard (ZeRO 0, or a block of all dp x cp ranks) as 0: the same
+    layout as without it, whose per-rank state it can resume."""
+    return {**layout, "zero_shard": zero_shard(SimpleNamespace(**layout))}

@@ -124,8 +124,10 @@ def test_context_parallel_ring_is_unchanged_under_nccl_ordering(recompute, maske
                                             ({"pp": 2, "dp": 2, "zero": 3, "schedule": "zb"}, {}),
                                             ({"pp": 2, "vpp": 3, "dp": 2, "zero": 3, "schedule": "interleaved"},
                                              {"tie_embeddings": True}),
-                                            ({"pp": 2, "dp": 2, "zero": 3, "zero_shard": 1, "schedule": "zb"}, {})],
-                         ids=["interleaved-pp3", "zb-dp2-zero3", "interleaved-dp2-zero3-tied", "zb-dp2-hybrid-zero3"])
+                                            ({"pp": 2, "dp": 2, "zero": 3, "zero_shard": 1, "schedule": "zb"}, {}),
+                                            ({"pp": 2, "dp": 2, "zero": 1, "zero_shard": 1, "schedule": "zb"}, {})],
+                         ids=["interleaved-pp3", "zb-dp2-zero3", "interleaved-dp2-zero3-tied", "zb-dp2-hybrid-zero3",
+                              "zb-dp2-hybrid-zero1"])
 def test_evaluation_under_nccl_ordering(parallel, model):
     """The forward-only schedule of an evaluation (its own sends and receives, and under ZeRO-3 the
     gathers it frees afterwards) between training steps: the same losses as on gloo, bit for bit;

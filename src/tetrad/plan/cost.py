@@ -242,15 +242,14 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
             continue
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
         grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes)
-        if zero_shard(p):  # the block's reduce-scatter each time; the replicas' all-reduce once, on the last
+        # Hybrid ZeRO: the block's reduce-scatter each time; the replicas' all-reduce once, on the last, each
+        # bucket's started as that ends (GradSync._sum_over_replicas): under the last backward as the rest is.
+        if zero_shard(p):
             each = reduction_time("reduce_scatter", grad_bytes, sharded, cluster, p.tp)
             summed = buckets.padded * stack.grad_reduce_bytes if p.zero >= 2 else None  # the step's sum, uncoded
             grads = hybrid_reduction_time(grad_bytes, n, sharded, cluster, p.tp, summed)
         else:
             grads = each = reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
-        # Hybrid ZeRO-1 sums its shards over the replicas at the end of backward (GradSync.finish_all): not under it.
-        after = grads - each if zero_shard(p) and p.zero == 1 else 0.0
-        grads -= after
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
         if stack.dp_overlap:  # (and slowing the work it runs beside)
             window = sum(st.bi[g] + st.bw[g] for g in st.held_by[r])
@@ -261,7 +260,7 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
             grads = max(last_bucket, grads - window) + overlap_slowdown(grads, window, cluster.gpu)
         elif p.zero >= 2:
             earlier = (micro - 1) * each
-        exposed = max(exposed, earlier + max(0.0, grads + after - tail[r]))  # the idle tail hides only the last
+        exposed = max(exposed, earlier + max(0.0, grads - tail[r]))  # the idle tail hides only the last
         if p.zero in (1, 2):  # updated 16-bit (fp32) weights all-gathered after the optimizer step
             weights = params * state_bytes_per_param(cfg.train.dtype)[0]
             weights_gather = ring_time("all_gather", weights, sharded, alpha, link)

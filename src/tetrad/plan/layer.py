@@ -236,7 +236,7 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
     micro-batch, prefetched behind the previous layer's compute, which runs slower beside them;
     backward also beside the layer's fp32 gradient reduce-scatter. (Its exposed time is counted
     once per step, as ZeRO-2's: `estimate`.) Hybrid ZeRO gathers and reduce-scatters inside its
-    blocks; its sum across the replicas runs once a step, at the end of backward (the data-parallel
+    blocks; its sum across the replicas runs once a step, in the last backward (the data-parallel
     reduction's time), not beside every micro-batch's layers."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     n, sharded = p.dp * p.cp, shard_ranks(p)

@@ -39,8 +39,8 @@ class Bucket:
         self.grad: torch.Tensor | None = None  # full fp32 gradient while it exists
         self.grad_shard: torch.Tensor | None = None  # this rank's reduced shard
         self.pending = None  # the gradient collective in flight
-        self.incoming: torch.Tensor | None = None  # ZeRO >= 2: where this rank's reduced shard lands
-        self.closing = False  # ZeRO >= 2: the reduction in flight is the step's last for this bucket
+        self.incoming: torch.Tensor | None = None  # ZeRO >= 2, hybrid ZeRO-1: where this rank's reduced shard lands
+        self.closing = False  # ZeRO >= 2, hybrid ZeRO-1: the reduction in flight is the step's last for this bucket
         self.parked: dict[int, torch.Tensor] = {}  # ZeRO >= 2 under zero-bubble: BI's gradients, by param
         self.from_bw = 0  # ... and how many of its params' gradients BW makes (lifecycle.py)
         self.seen = 0  # gradients arrived in this backward

@@ -11,8 +11,9 @@ overwriting it costs nothing), and the parameters are gathered with one broadcas
 its own shard, in place. Other backends (NCCL) run the collectives as they are. The bytes
 counted (dist/comm.py) are the same either way: the whole bucket.
 
-Under hybrid ZeRO (topology.zero_groups) both run over the shard group, and a reduced shard is
-then summed over its replicas (the ranks that own the same shard in the other blocks).
+Under hybrid ZeRO (topology.zero_groups) both run over the shard group; the bucket lifecycle
+then sums a reduced shard over its replicas (the ranks that own the same shard in the other
+blocks: lifecycle.GradSync._sum_over_replicas).
 """
 
 from __future__ import annotations
@@ -31,30 +32,16 @@ def scratch_free(topo, group: str = GRAD) -> bool:
     return pg is not None and dist.get_backend(pg) == "gloo"
 
 
-class ReplicaPending:
-    """Hybrid ZeRO: the shard group's reduction runs non-blocking; wait() then sums the reduced
-    shard over its replicas."""
-
-    def __init__(self, comm, first, shard: torch.Tensor, replica: str):
-        self._comm, self._first, self._shard, self._replica = comm, first, shard, replica
-
-    def wait(self) -> None:
-        self._first.wait()
-        self._comm.all_reduce(self._shard, self._replica)
-
-
-def start_reduce(topo, full: torch.Tensor, shard_size: int, scratch_free: bool, group: str = GRAD,
-                 replica: str | None = None):
-    """Start summing `full` over `group` (and its shard over `replica`, hybrid ZeRO); returns (the
-    pending collective, where this rank's shard of the sum will be once it is done: a view of
-    `full` when `scratch_free`)."""
+def start_reduce(topo, full: torch.Tensor, shard_size: int, scratch_free: bool, group: str = GRAD):
+    """Start summing `full` over `group`; returns (the pending collective, where this rank's shard
+    of the sum will be once it is done: a view of `full` when `scratch_free`)."""
     if scratch_free:
         lo = topo.local_rank(group) * shard_size
         first, out = topo.comm.all_reduce(full, group, async_op=True), full[lo:lo + shard_size]
     else:
         out = full.new_empty(shard_size)
         first = topo.comm.reduce_scatter(out, full, group, async_op=True)
-    return (first if replica is None else ReplicaPending(topo.comm, first, out, replica)), out
+    return first, out
 
 
 def start_gather(topo, flat: torch.Tensor, shard_size: int, scratch_free: bool, group: str = GRAD) -> Pending:

@@ -21,10 +21,14 @@ reduction), so no bucket is held full from BI to BW; a bucket of no linear (the 
 learned positions') completes when BI has delivered all of its gradients, once a micro-batch.
 
 Hybrid ZeRO (`groups` = the shard and replica groups): the reduce-scatter runs over the shard
-group. ZeRO-1 then all-reduces the reduced shard over the replicas (collectives.start_reduce), on
-the last micro-batch, its shard of the sum written back into its full bucket; ZeRO 2/3 sum the
-step's accumulated shard over the replicas once, started as its last reduce-scatter ends, not
-once a micro-batch: the replica group spans nodes, and m micro-batches would send m times the bytes.
+group, and the bucket's reduced shard is then summed over the replicas once a step, started as
+the step's last reduce-scatter of the bucket ends (`_sum_over_replicas`), so that it overlaps
+the rest of the last backward: ZeRO-1 sums its one reduction's shard (the last micro-batch's),
+written back into its full bucket at the end of backward; ZeRO 2/3 the step's accumulated shard,
+not each micro-batch's: the replica group spans nodes, and m micro-batches would send m times
+the bytes. Either way a reduce-scatter ends when the next bucket's starts (double buffering,
+`in_flight`) or at the end of backward; every rank issues both groups' collectives in the
+buckets' order.
 """
 
 from __future__ import annotations
@@ -55,8 +59,8 @@ class GradSync:
         self.zero, self.codec, self.hierarchical = zero, codec, hierarchical_
         self.on_complete = on_complete or (lambda bucket: None)
         self.sync = False  # inside `last_microbatch`
-        self.in_flight: list[Bucket] = []  # ZeRO >= 2: reduce-scatters started, oldest first
-        self.replica_sums: dict[int, object] = {}  # hybrid ZeRO 2/3: this step's all-reduces over the replicas
+        self.in_flight: list[Bucket] = []  # ZeRO >= 2 and hybrid ZeRO: reduce-scatters started, oldest first
+        self.replica_sums: dict[int, object] = {}  # hybrid ZeRO: this step's all-reduces over the replicas
         self.scratch_free = collectives.scratch_free(topo, self.shard)  # gloo: all-reduce in place instead (collectives.py)
         # fp32 ZeRO 0/1 without zero-bubble's split backward: each bucket's flat gradient persists
         # and each p.grad becomes its view. `clear` drops p.grad rather than zeroing the buckets,
@@ -191,12 +195,9 @@ class GradSync:
         if self.zero >= 2 or self.replica is not None:
             wire = self.codec.SCATTER_DTYPE
             full = bucket.grad if wire is None else bucket.grad.to(wire)
-            replica = self.replica if self.zero < 2 else None  # ZeRO 2/3: the step's sum, once (finish)
             bucket.pending, bucket.incoming = collectives.start_reduce(self.topo, full, bucket.shard_size,
-                                                                       self.scratch_free, self.shard, replica)
-            if self.zero < 2:  # hybrid ZeRO-1: finished at the end of backward
-                return
-            bucket.closing = self.sync
+                                                                       self.scratch_free, self.shard)
+            bucket.closing = self.sync  # then summed over the replicas as it ends (finish)
             self.in_flight.append(bucket)
             while len(self.in_flight) > 1:  # double buffering: one reducing while the next fills
                 self.finish(self.in_flight[0])
@@ -213,12 +214,11 @@ class GradSync:
         bucket.pending.wait()
         bucket.pending = None
         if self.zero < 2:
-            if bucket.incoming is not None:  # hybrid ZeRO-1: the shard's sum into its place in the bucket
-                shard = bucket.grad[bucket.lo:bucket.hi]
-                if bucket.incoming.data_ptr() != shard.data_ptr():
-                    shard.copy_(bucket.incoming)
-                bucket.incoming = None
             bucket.state = "reduced"
+            if bucket.incoming is not None:  # hybrid ZeRO-1: `incoming` waits for its replicas' sum (finish_all)
+                self.in_flight.remove(bucket)
+                if bucket.closing:
+                    self._sum_over_replicas(bucket)
             return
         incoming = bucket.incoming.float()  # a bf16 codec's sum back in fp32 (itself when fp32)
         if bucket.grad_shard is None:  # a copy when `incoming` is a view of the full gradient
@@ -232,11 +232,17 @@ class GradSync:
             self._sum_over_replicas(bucket)
 
     def _sum_over_replicas(self, bucket: Bucket) -> None:
-        """Hybrid ZeRO 2/3: start summing the bucket's accumulated shard over its replicas (once a
-        step; nothing without replicas)."""
+        """Hybrid ZeRO: start summing the bucket's reduced shard over its replicas, once a step
+        (nothing without replicas)."""
         bucket.closing = False
         if self.replica is not None and bucket.index not in self.replica_sums:
-            self.replica_sums[bucket.index] = self.topo.comm.all_reduce(bucket.grad_shard, self.replica, async_op=True)
+            self.replica_sums[bucket.index] = self.topo.comm.all_reduce(self._reduced_shard(bucket), self.replica,
+                                                                        async_op=True)
+
+    def _reduced_shard(self, bucket: Bucket) -> torch.Tensor | None:
+        """This step's reduced shard of the bucket, if any: ZeRO-1's (hybrid) last reduction's,
+        ZeRO 2/3's sum over micro-batches."""
+        return bucket.grad_shard if self.zero >= 2 else bucket.incoming
 
     def finish_all(self) -> None:
         """Start every bucket that holds gradients and has not started, and finish every
@@ -254,11 +260,17 @@ class GradSync:
             if bucket.state == "reducing":
                 self.finish(bucket)
             bucket.seen = 0
-            if bucket.grad_shard is not None:  # a last reduction started outside `last_microbatch` too
+            if self._reduced_shard(bucket) is not None:  # a last reduction started outside `last_microbatch` too
                 self._sum_over_replicas(bucket)
         for work in self.replica_sums.values():
             work.wait()
         self.replica_sums.clear()
+        for bucket in self.buckets:
+            if bucket.incoming is not None:  # hybrid ZeRO-1: the shard's sum into its place in the bucket
+                shard = bucket.grad[bucket.lo:bucket.hi]
+                if bucket.incoming.data_ptr() != shard.data_ptr():
+                    shard.copy_(bucket.incoming)
+                bucket.incoming = None
 
     def _settle(self, bucket: Bucket) -> None:
         """In place, at the end of backward: a parameter that got no gradient since `clear` has

@@ -45,7 +45,7 @@ def _runtime(cfg, rank: int) -> list[PlannedBucket]:
             if spec.shard_dim is None:
                 counts[spec.grad_split_over_tp] += hi - lo
         out.append(PlannedBucket(b.padded, b.shard_size, *counts, p.zero == 3 and b not in layout.roots,
-                                 b is layout.tied))
+                                 b is layout.tied, b.size))
     return out
 
 

@@ -9,6 +9,7 @@ which an even split over dp x cp misses by up to a whole norm.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 from operator import itemgetter
 from typing import NamedTuple
@@ -32,6 +33,7 @@ class PlannedBucket(NamedTuple):
     heads: int  # ... and HEADS elements there
     block: bool  # ZeRO-3: a transformer block's, gathered for each use (otherwise once a step)
     tied: bool  # the embedding tied across pipeline stages
+    size: int  # elements of its parameters (padding left out)
 
 
 def _norm(m: ModelConfig, width: int, kind: int) -> list[tuple[int, int]]:
@@ -106,6 +108,7 @@ class RankBuckets(NamedTuple):
     replicated: int  # their REPLICATED elements in the part finalize sums (PlannedBucket)
     heads: int  # ... and HEADS elements
     factors: int  # PowerSGD: each bucket's matrix's rows + cols, summed (0 under another codec)
+    first_shard: int  # parameter elements in the buckets' first shards (`shard_params` 0: the most)
 
 
 def rank_buckets(cfg: Config) -> tuple[RankBuckets, ...]:
@@ -160,8 +163,15 @@ def _layout(s: Shapes, stages: tuple, ties: bool, n: int, zero: int, codec: str,
         kinds = [0, 0, 0]
         for lo, hi, kind in b.spans:
             kinds[kind] += max(0, min(hi, summed) - lo)
-        planned[b] = PlannedBucket(padded, padded // n, kinds[REPLICATED], kinds[HEADS], b.block, b.tied)
+        planned[b] = PlannedBucket(padded, padded // n, kinds[REPLICATED], kinds[HEADS], b.block, b.tied, b.size)
     out = [planned[b] for b in contents]
     factors = sum(sum(powersgd_shape(b.padded)) for b in out) if codec == "powersgd" else 0
     return RankBuckets(tuple(out), sum(b.padded for b in out), sum(b.padded for b in out if b.block),
-                       sum(b.replicated for b in out), sum(b.heads for b in out), factors)
+                       sum(b.replicated for b in out), sum(b.heads for b in out), factors, shard_params(out, 0))
+
+
+def shard_params(buckets: Iterable[PlannedBucket], k: int) -> int:
+    """Parameter elements (padding left out) in shard k of every bucket: what AdamW's moments
+    cover on the rank at index k of the group ZeRO shards over (optimizer.ShardedAdamW's pieces
+    end where the parameters do). The padding is at a bucket's end, so shard 0 holds the most."""
+    return sum(max(0, min(b.size, (k + 1) * b.shard) - k * b.shard) for b in buckets)

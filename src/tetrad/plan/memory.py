@@ -7,7 +7,9 @@ linears) keeps 16-bit weights, fp32 gradients (tetrad, like Megatron-LM, accumul
 them in fp32) and fp32 master weights plus both moments, 2 + 4 + 12 = 18. The ZeRO paper's
 convention, 2 + 2 + 12 = 16 with K = 12, is `ZERO_PAPER_BYTES`. ZeRO-1 shards the optimizer over
 the dp x cp group (hybrid ZeRO: over its blocks of parallel.zero_shard ranks), ZeRO-2 also the
-gradients, ZeRO-3 also the weights. Optimizer offload moves the
+gradients, ZeRO-3 also the weights. A rank holds them as the runtime allocates them
+(`rank_model_states`): flat buffers of whole buckets, padded (plan/buckets.py), and AdamW's
+moments over the parameters alone. Optimizer offload moves the
 optimizer's part to host memory, which is counted apart (`host_memory_by_rank`).
 
 Activations follow Korthikanti et al. 2022, written per saved tensor so that they generalise to
@@ -27,6 +29,7 @@ from tetrad.config.sections import bucket_bytes, shard_ranks
 from tetrad.model import flops
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
+from tetrad.plan.buckets import RankBuckets, rank_buckets, shard_params
 from tetrad.plan.pipeline import inflight
 from tetrad.plan.stacks import STACKS, Stack
 
@@ -35,6 +38,7 @@ GIB = 1024**3
 FP32_BYTES = (4.0, 4.0, 8.0)
 MIXED_BYTES = (2.0, 4.0, 12.0)
 ZERO_PAPER_BYTES = (2.0, 2.0, 12.0)
+MOMENT_BYTES, MASTER_BYTES = 8.0, 4.0  # the optimizer's part: AdamW's two fp32 moments, fp32 masters
 
 # Allowances, stated. The caching allocator's blocks that are free but held (fragmentation), as
 # a share of what is allocated and freed during a step (activations and buffers). The CUDA
@@ -101,6 +105,30 @@ def model_state_bytes(params: float, zero: int, shards: int,
     return (params * w / (shards if zero >= 3 else 1),
             params * g / (shards if zero >= 2 else 1),
             params * o / (shards if zero >= 1 else 1))
+
+
+def rank_model_states(cfg: Config, shard: int = 0) -> list[tuple[float, float, float]]:
+    """Bytes of (weights, grads, optimizer) on each pipeline rank at index `shard` of the group
+    ZeRO shards over (0 holds the most), as parallel/data allocates them: the weights in flat
+    buffers of whole padded buckets (under ZeRO, or beside separate masters; fp32 ZeRO-0 keeps
+    plain parameters), ZeRO-3 a shard of each; the fp32 gradient buckets, padded (ZeRO-2/3: a
+    shard of each); fp32 masters of the owned range, padding included, where they are separate
+    (16-bit weights, offload); AdamW's moments of the parameters' elements in the owned range
+    (ShardedAdamW's pieces), which in the last shards hold less than a shard."""
+    return [_model_states(cfg, params, buckets, shard) for params, buckets in zip(rank_params(cfg), rank_buckets(cfg))]
+
+
+def _model_states(cfg: Config, params: float, buckets: RankBuckets, shard: int) -> tuple[float, float, float]:
+    """`rank_model_states` of a pipeline rank holding `params` parameters in `buckets`."""
+    p, t = cfg.parallel, cfg.train
+    w, g, _ = state_bytes_per_param(t.dtype)
+    n, separate = shard_ranks(p), t.dtype != "fp32" or t.offload_optimizer
+    weights, grads, _ = model_state_bytes(buckets.padded, p.zero, n, (w, g, 0.0))
+    if p.zero == 0 and not separate:  # AdamW on the parameters themselves: no flat buffer
+        weights = params * w
+    owned = params if p.zero == 0 else buckets.first_shard if shard == 0 else shard_params(buckets.buckets, shard)
+    masters = buckets.padded / (n if p.zero >= 1 else 1) if separate else 0
+    return weights, grads, MOMENT_BYTES * owned + MASTER_BYTES * masters
 
 
 # Host (CPU) memory, per parameter a rank's optimizer updates (its ZeRO shard; all it holds under
@@ -288,15 +316,15 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     whole, saved = (inflight(p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu),
                              chunk_layers(cfg), h / per_layer, shared_bias / per_layer)
                     for h in (saved_head + (logit_bytes - 4) * logits, saved_head))
-    params = rank_params(cfg)
+    params, buckets = rank_params(cfg), rank_buckets(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
     layer_params = flops.layer_params(m, p.tp)
     for r, layers in enumerate(rank_layers(cfg)):
-        weights, grads, optimizer = model_state_bytes(params[r], p.zero, shard_ranks(p), per_param)
+        weights, grads, optimizer = _model_states(cfg, params[r], buckets[r], 0)
         if t.offload_optimizer:  # on the host (host_memory_by_rank)
             optimizer = 0.0
-        buffers = _buffers(cfg, stack, tokens, e, params[r], r)
+        buffers = _buffers(cfg, stack, tokens, e, buckets[r].padded, r)
         root = 0.0
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
@@ -310,9 +338,9 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     return out
 
 
-def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float, rank: int) -> float:
-    """Communication buffers alive at the peak on pipeline rank `rank`, which holds `params`
-    parameters: ZeRO-2's full buckets in flight, ZeRO-3's gathered layers
+def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, padded: int, rank: int) -> float:
+    """Communication buffers alive at the peak on pipeline rank `rank`, whose gradient buckets hold
+    `padded` elements: ZeRO-2's full buckets in flight, ZeRO-3's gathered layers
     (the current and the prefetched one) and two layers' full gradients (filling, reducing),
     the SP-gathered layer input, CP ring blocks and accumulators, pipeline send/receive buffers."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -327,9 +355,9 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, params: float, rank
         vocab = 4 * m.d_model * vocab_shard(m, p.tp)
         head = rank == p.pp - 1 and (not m.tie_embeddings or p.pp * p.vpp > 1)
         largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * m.ffn_hidden / p.tp] * 2
-        out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * params)
+        out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * padded)
     if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket
-        out += 4 * params
+        out += 4 * padded
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)
         layer = flops.layer_params(m, p.tp)
         out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)

@@ -27,9 +27,18 @@ B (or BI and BW) duration of each stage go into the simulator (simulate.py); its
 the measured span of that step's actions. "floor" is the time ratio tetrad would have if that
 span shrank to the simulated one (no transfer latency, no host time between actions, the same
 kernels): the lowest ratio an executor can reach with this schedule and these per-action costs.
-"compute" is the busiest rank's summed action time in that step over torch's step time: the
-ratio with no bubble and no transfer at all, a bound no schedule or executor on these kernels
-can go under (the optimizer step comes on top).
+"compute" is the busiest rank's summed action time in a step (median over the timed steps) over
+torch's step time: the ratio with no bubble and no transfer at all, a bound no schedule or
+executor on these kernels can go under (the optimizer step comes on top). "torch cmp" is the
+same for torch's own actions, timed in as many extra steps after its timed ones
+(`_time_torch_actions`: its stage's forward_one_chunk plus the schedule's loss, and
+backward_one_chunk, wrapped with a clock; its timed steps run unwrapped). A second table gives
+each stage's mean F and B per micro-batch on both sides (zb: tetrad's BI + BW against torch's
+whole B): where they differ, the gap is inside the actions, not between them. "bound" runs
+tetrad's schedule in the simulator on torch's own mean action costs (zb: torch's whole B halved
+into BI and BW, a split that costs nothing) and divides by torch's step time: no executor
+driving torch's kernels through that schedule, with no transfer, host time or optimizer at all,
+gets a lower time ratio.
 
     python bench/bench_pp.py                      # pp=2, m=8, d_model 256, 8 layers, seq 128
     python bench/bench_pp.py --pp 4 --microbatches 8
@@ -265,9 +274,24 @@ def simulated_vs_measured(cfg, timelines) -> tuple[float, float]:
         f.append(mean_cost("F", g))
         bi.append(whole / 2 if whole is not None else mean_cost("BI", g))
         bw.append(whole / 2 if whole is not None else mean_cost("BW", g))
-    sim = simulate(build_schedule(p.schedule, p.pp, cfg.microbatches, p.vpp), StageCosts(f, bi, bw))
     measured = max(e for _, _, s, e in rows) - min(s for _, _, s, e in rows)
-    return measured, sim.step_time
+    return measured, simulated_step(cfg, f, bi, bw)
+
+
+def simulated_step(cfg, f: list, bi: list, bw: list) -> float:
+    """The step time of `cfg`'s (tetrad's) schedule with these per-stage action costs and nothing
+    between actions: no transfer latency, no host time, no optimizer."""
+    p = cfg.parallel
+    return simulate(build_schedule(p.schedule, p.pp, cfg.microbatches, p.vpp), StageCosts(f, bi, bw)).step_time
+
+
+def torch_bound(cfg, costs: dict[tuple[int, str], float]) -> float:
+    """`simulated_step` on torch's own mean F and B per stage (`action_costs`), each B halved into
+    BI and BW where tetrad's schedule splits it (a split then costs nothing): how short any
+    executor of this schedule on torch's kernels could make the step."""
+    stages = range(cfg.parallel.pp * cfg.parallel.vpp)
+    half = [costs[(g, "B")] / 2 for g in stages]
+    return simulated_step(cfg, [costs[(g, "F")] for g in stages], half, half)
 
 
 def main() -> None:
@@ -292,7 +316,7 @@ def main() -> None:
           f"rounds of {args.steps} timed steps")
     print(f"{'schedule':<13}{'torch':<25}{'tetrad s':>15}{'torch s':>15}{'time ratio':>11}{'ratio range':>13}"
           f"{'tetrad MiB':>11}{'torch MiB':>10}{'mem ratio':>10}{'sim err':>9}{'floor':>7}{'compute':>9}"
-          f"{'torch cmp':>11}")
+          f"{'torch cmp':>11}{'bound':>7}")
     per_action = []  # (schedule, {framework: action_costs})
     for schedule, vpp, torch_schedule in ROWS:
         cfg = load_config(overrides={
@@ -317,17 +341,19 @@ def main() -> None:
               f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}{mem_of[ours] / 2**20:>11.1f}"
               f"{mem_of['torch'] / 2**20:>10.1f}{mem_of[ours] / max(mem_of['torch'], 1):>10.2f}"
               f"{100 * (simulated / measured - 1):>8.1f}%"
-              f"{(time_of[ours] - measured + simulated) / time_of['torch']:>7.2f}"
-              f"{compute[ours]:>9.2f}{compute['torch']:>11.2f}")
-        per_action.append((schedule, {name: action_costs(args.pp, _pooled(got[name][2] for got in rounds))
-                                      for name in order}))
+              f"{(time_of[ours] - measured + simulated) / time_of['torch']:>7.2f}", end="")
+        costs = {name: action_costs(args.pp, _pooled(got[name][2] for got in rounds)) for name in order}
+        print(f"{compute[ours]:>9.2f}{compute['torch']:>11.2f}{torch_bound(cfg, costs['torch']) / time_of['torch']:>7.2f}")
+        per_action.append((schedule, costs))
     print("tetrad s, torch s: median over rounds +- half their range; time ratio: of those medians (below 1: "
           "tetrad faster), ratio range: lowest and highest of the rounds' ratios; MiB: median peak rise; "
           "sim err: simulated step time from the measured mean action costs vs the measured span of tetrad's "
           "last step; floor: the time ratio with tetrad's pipeline span at the simulated one; compute: the "
           "busiest rank's time inside tetrad's actions in a step (median over the round's steps) over torch's "
           "step time of the same round, median over rounds; torch cmp: the same for torch's own actions "
-          "(timed in extra steps after its timed ones)")
+          "(timed in extra steps after its timed ones); bound: tetrad's schedule simulated on torch's mean "
+          "action costs (zb: torch's B halved, the split free), no transfer, host time or optimizer, over "
+          "torch's step time: the lowest time ratio any executor reaches on torch's kernels")
     _print_actions(ours, per_action)
 
 

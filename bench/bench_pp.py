@@ -330,45 +330,47 @@ def main() -> None:
         for r in range(args.rounds):
             order = (ours, "torch") if r % 2 == 0 else ("torch", ours)
             rounds.append({name: measure(cfg, name, torch_schedule, args.warmup, args.steps) for name in order})
-        time_of = {name: statistics.median(got[name][0] for got in rounds) for name in order}
-        mem_of = {name: statistics.median(got[name][1] for got in rounds) for name in order}
-        ratios = [got[ours][0] / got["torch"][0] for got in rounds]
-        measured, simulated = simulated_vs_measured(cfg, [rank[-1] for rank in rounds[-1][ours][2]])
-        compute = {name: statistics.median(busiest_compute(got[name][2]) / got["torch"][0] for got in rounds)
-                   for name in order}
-        print(f"{schedule:<13}{torch_schedule:<25}{_spread([got[ours][0] for got in rounds]):>15}"
-              f"{_spread([got['torch'][0] for got in rounds]):>15}{time_of[ours] / time_of['torch']:>11.2f}"
-              f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}{mem_of[ours] / 2**20:>11.1f}"
-              f"{mem_of['torch'] / 2**20:>10.1f}{mem_of[ours] / max(mem_of['torch'], 1):>10.2f}"
-              f"{100 * (simulated / measured - 1):>8.1f}%"
-              f"{(time_of[ours] - measured + simulated) / time_of['torch']:>7.2f}", end="")
-        costs = {name: action_costs(args.pp, _pooled(got[name][2] for got in rounds)) for name in order}
-        print(f"{compute[ours]:>9.2f}{compute['torch']:>11.2f}{torch_bound(cfg, costs['torch']) / time_of['torch']:>7.2f}")
-        per_action.append((schedule, costs))
-    print("tetrad s, torch s: median over rounds +- half their range; time ratio: of those medians (below 1: "
+        per_action.append((schedule, _print_row(cfg, schedule, torch_schedule, ours, order, rounds)))
+    print(LEGEND)
+    _print_actions(ours, per_action)
+
+
+LEGEND = ("tetrad s, torch s: median over rounds +- half their range; time ratio: of those medians (below 1: "
           "tetrad faster), ratio range: lowest and highest of the rounds' ratios; MiB: median peak rise; "
           "sim err: simulated step time from the measured mean action costs vs the measured span of tetrad's "
           "last step; floor: the time ratio with tetrad's pipeline span at the simulated one; compute: the "
           "busiest rank's time inside tetrad's actions in a step (median over the round's steps) over torch's "
-          "step time of the same round, median over rounds; torch cmp: the same for torch's own actions "
-          "(timed in extra steps after its timed ones); bound: tetrad's schedule simulated on torch's mean "
-          "action costs (zb: torch's B halved, the split free), no transfer, host time or optimizer, over "
-          "torch's step time: the lowest time ratio any executor reaches on torch's kernels")
-    _print_actions(ours, per_action)
+          "step time of the same round, median over rounds (so are bound and the per-action costs); torch cmp: "
+          "the same for torch's own actions (timed in extra steps after its timed ones); bound: tetrad's "
+          "schedule simulated on torch's mean action costs (zb: torch's B halved, the split free), no "
+          "transfer, host time or optimizer, over torch's step time: the lowest time ratio any executor "
+          "reaches on torch's kernels")
 
 
-def _pooled(runs) -> list[list]:
-    """Several runs' timelines[rank][step] as one run's (each rank's steps one after another)."""
-    ranks: list[list] = []
-    for timelines in runs:
-        ranks = [a + b for a, b in zip(ranks, timelines)] if ranks else list(timelines)
-    return ranks
+def _print_row(cfg, schedule: str, torch_schedule: str, ours: str, order, rounds) -> dict:
+    """One schedule's line of the table; returns each framework's per-action costs (median over rounds)."""
+    time_of = {name: statistics.median(got[name][0] for got in rounds) for name in order}
+    mem_of = {name: statistics.median(got[name][1] for got in rounds) for name in order}
+    ratios = [got[ours][0] / got["torch"][0] for got in rounds]
+    measured, simulated = simulated_vs_measured(cfg, [rank[-1] for rank in rounds[-1][ours][2]])
+    compute = {name: statistics.median(busiest_compute(got[name][2]) / got["torch"][0] for got in rounds)
+               for name in order}
+    costs = [{name: action_costs(cfg.parallel.pp, got[name][2]) for name in order} for got in rounds]
+    bound = statistics.median(torch_bound(cfg, c["torch"]) / got["torch"][0] for c, got in zip(costs, rounds))
+    print(f"{schedule:<13}{torch_schedule:<25}{_spread([got[ours][0] for got in rounds]):>15}"
+          f"{_spread([got['torch'][0] for got in rounds]):>15}{time_of[ours] / time_of['torch']:>11.2f}"
+          f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}{mem_of[ours] / 2**20:>11.1f}"
+          f"{mem_of['torch'] / 2**20:>10.1f}{mem_of[ours] / max(mem_of['torch'], 1):>10.2f}"
+          f"{100 * (simulated / measured - 1):>8.1f}%"
+          f"{(time_of[ours] - measured + simulated) / time_of['torch']:>7.2f}"
+          f"{compute[ours]:>9.2f}{compute['torch']:>11.2f}{bound:>7.2f}")
+    return {name: {key: statistics.median(c[name][key] for c in costs) for key in costs[0][name]} for name in order}
 
 
 def _print_actions(ours: str, per_action) -> None:
     """Each stage's mean F and B (zero bubble: BI + BW) per micro-batch, tetrad against torch."""
-    print("\nper action, ms (mean over every round's steps and micro-batches; F includes the last stage's "
-          "loss; B of zb is BI+BW)")
+    print("\nper action, ms (mean over a round's steps and micro-batches, median over rounds; F includes the "
+          "last stage's loss; B of zb is BI+BW)")
     print(f"{'schedule':<13}{'stage':>6}{'tetrad F':>10}{'torch F':>9}{'ratio':>7}"
           f"{'tetrad B':>10}{'torch B':>9}{'ratio':>7}")
     for schedule, costs in per_action:

@@ -179,6 +179,21 @@ def test_torchrun_takes_ranks_per_node_from_local_world_size(tmp_path):
         assert out.stdout.count(line) == 1, (line, out.stdout)
 
 
+def test_a_config_error_under_torchrun_is_said_once(tmp_path):
+    """Every rank refuses a bad config and exits non-zero without a traceback, but one line says
+    why (global rank 0's), not one per rank."""
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tetrad", "train",
+         "--parallel.tp=3", f"--run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode != 0
+    assert out.stderr.count("tetrad: config error: tp=3 does not divide n_heads=4; use tp in [1, 2]") == 1, out.stderr
+    assert out.stderr.count("exitcode  : 2") == 2, out.stderr  # torchrun's summary: both ranks exited 2
+    assert "tetrad/" not in out.stderr  # no rank's traceback (torchrun's own names no tetrad file)
+
+
 _LIBRARY_USER = """
 import sys
 from tetrad import launch

@@ -40,7 +40,7 @@ def train_command(argv: list[str]) -> int:
     path, overrides = split_config_args(argv)
     cfg = load_config(path, overrides, model_from_inputs=model_keys)
     history = launch.train(cfg, announce=functools.partial(_announce, cfg))
-    if history and (not launch.in_torchrun() or launch.is_job_rank_zero()):
+    if history and launch.speaks_for_the_job():
         evaluated = [r for r in history if "val_loss" in r]
         val = f", val_loss {evaluated[-1]['val_loss']:.4f} at step {evaluated[-1]['step']}" if evaluated else ""
         print(f"tetrad: loss {history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f} at step "
@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 128 + signal.SIGPIPE
     except ConfigError as e:
-        print(f"tetrad: config error: {e}", file=sys.stderr)
+        if _speaks_for_the_job():  # every rank refuses (and exits 2); one says why
+            print(f"tetrad: config error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # no import here: Ctrl-C may have come while torch was half imported
         signum = getattr(e, "signum", signal.SIGINT)  # launch.Stopped's, or Ctrl-C's
@@ -156,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tetrad: {e}", file=sys.stderr)
             return 1
         raise
+
+
+def _speaks_for_the_job() -> bool:
+    """launch.speaks_for_the_job, without loading torch where no torchrun rank can be."""
+    if "RANK" not in os.environ:
+        return True
+    from tetrad import launch
+    return launch.speaks_for_the_job()
 
 
 if __name__ == "__main__":

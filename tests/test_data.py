@@ -584,3 +584,24 @@ def test_an_eos_written_in_a_document_is_text_not_its_end(tmp_path):
     assert len(ends) == 2 and ends[-1] == len(ids) - 1
     tokenizer = load_tokenizer(out / "tokenizer.json")
     assert [tokenizer.decode(d, skip_special_tokens=False) for d in (ids[:ends[0]], ids[ends[0] + 1:-1])] == quoting
+
+
+def test_an_eos_that_text_encodes_to_is_refused(tmp_path, capsys):
+    """--eos must name a special token: an ordinary one (or an added one that is not special) comes
+    out of documents' own text too, where packing and document masking would cut them. The refusal
+    lists the special tokens; a special one is taken."""
+    from tokenizers import AddedToken
+    text = tmp_path / "a.txt"
+    text.write_text("the fox and the dog\n")
+    tokenizer = train_bpe(iter(["the fox and the dog"] * 20), 300)
+    tokenizer.add_tokens([AddedToken("<sep>", special=False)])
+    tokenizer.save(str(tmp_path / "tok.json"))
+    args = [str(text), "--tokenizer", str(tmp_path / "tok.json"), "--workers", "1", "--eos"]
+    for eos in ("Ġthe", "<sep>", "<none>"):
+        assert main(["data", *args, eos, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.endswith("; name one of its special tokens: <|endoftext|>\n"), err
+        assert ("is no token" in err) == (eos == "<none>") and not (tmp_path / "out").exists()
+    assert main(["data", *args, "<|endoftext|>", "--out", str(tmp_path / "out")]) == 0
+    assert main(["data", str(text), "--eos", "</s>", "--out", str(tmp_path / "bpe")]) == 2
+    assert "the BPE tetrad data trains ends documents with its special token <|endoftext|>" in capsys.readouterr().err

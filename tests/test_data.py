@@ -433,6 +433,24 @@ def test_compressed_or_utf16_inputs_are_refused_not_tokenized_as_noise(tmp_path,
         assert not (tmp_path / "o").exists()
 
 
+def test_a_files_name_decides_its_format_before_its_first_bytes(tmp_path, capsys):
+    """A .txt file is text even when it starts with parquet's magic "PAR1" (a heading, say); a
+    parquet file under a name that says nothing (rows.dat) is refused with the fix, a text there
+    that only starts with "PAR1" is read."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    (tmp_path / "notes.txt").write_text("PAR1 results: the fox wins\n")
+    (tmp_path / "notes").write_text("PAR1 results, again\n")
+    pq.write_table(pa.table({"text": ["a document"]}), tmp_path / "rows.dat")
+    for name in ("notes.txt", "notes"):
+        shards = tmp_path / f"{name}_shards"
+        assert main(["data", str(tmp_path / name), "--out", str(shards), "--vocab-size", "300"]) == 0
+        ids = load_tokens(str(shards)).window(0, 10**6).tolist()
+        assert load_tokenizer(shards / "tokenizer.json").decode(ids) == (tmp_path / name).read_text(), name
+    capsys.readouterr()
+    assert main(["data", str(tmp_path / "rows.dat"), "--out", str(tmp_path / "o"), "--vocab-size", "300"]) == 2
+    assert capsys.readouterr().err == f"tetrad data: {tmp_path / 'rows.dat'} is a parquet file; name it .parquet\n"
+
+
 def test_a_null_text_in_json_lines_is_left_out_as_in_parquet(tmp_path):
     """datasets' to_json writes a missing text as null: such a line is no document (a parquet
     row's null text is left out alike), where a line without the key is still refused."""

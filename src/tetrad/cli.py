@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         _drop_stdout()
         return 128 + signal.SIGPIPE
     except ConfigError as e:
-        if _speaks_for_the_job():  # every rank refuses (and exits 2); one says why
+        if _says_refusal(f"tetrad: config error: {e}"):  # every rank that refuses exits 2; one says why
             print(f"tetrad: config error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # no import here: Ctrl-C may have come while torch was half imported
@@ -169,12 +169,12 @@ def _drop_stdout() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def _speaks_for_the_job() -> bool:
-    """launch.speaks_for_the_job, without loading torch where no torchrun rank can be."""
+def _says_refusal(message: str) -> bool:
+    """launch.says_refusal, without loading torch where no torchrun rank can be."""
     if "RANK" not in os.environ:
         return True
     from tetrad import launch
-    return launch.speaks_for_the_job()
+    return launch.says_refusal(message)
 
 
 if __name__ == "__main__":

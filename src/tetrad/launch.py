@@ -64,15 +64,15 @@ def in_torchrun() -> bool:
 
 def is_job_rank_zero() -> bool:
     """Whether this process is rank 0 of a torchrun job: the process group's rank once it exists,
-    before it torchrun's RANK."""
+    before that torchrun's RANK."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return os.environ.get("RANK") == "0"
 
 
 def speaks_for_the_job() -> bool:
-    """Whether this process prints what the job says once (a refusal, the closing line): every
-    process outside torchrun, global rank 0 under it (1024 ranks, one line)."""
+    """Whether this process prints what the job says once (the closing line): every process
+    outside torchrun, global rank 0 under it (1024 ranks, one line)."""
     return not in_torchrun() or is_job_rank_zero()
 
 

@@ -12,7 +12,8 @@
   peak (the optimizer's states on the host), its optimizer time beside the estimate's;
 - async save: a background checkpoint (checkpoint.async_save) resumes to the same losses;
 - ring blocks: the fused block kernels against the fp32 math path at 8k-32k tokens (time, peak
-  memory, largest difference);
+  memory, largest difference), and the kernel choose_kernel picks for head dims the fused ops
+  refuse when called directly (100, 200, 288) running a block;
 - the user's commands: `tetrad train` (the demo config on one rank) and `tetrad generate`.
 
     python bench/gpu_check.py
@@ -133,7 +134,7 @@ def block_vs_math(device: str, tokens: int, dtype: torch.dtype, heads: int = 4, 
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, heads, tokens, dim, generator=g).to(device, dtype) for _ in range(4))
     chosen = attn.choose_kernel(torch.device(device).type, dtype, False, "ring",
-                                devices.prefers_cudnn_attention(torch.device(device))).name
+                                devices.prefers_cudnn_attention(torch.device(device)), head_dim=dim).name
     results, out = {}, {}
     for name in (chosen, "math"):
         try:
@@ -177,6 +178,10 @@ def _ring_rank(device: str, tokens: tuple) -> list[tuple]:
             rows.append((f"ring block {n} tokens {str(dtype)[6:]}", ok,
                          f"{r['kernel']} {fused['ms']:.0f} ms {fused['gib']:.2f} GiB; {versus}"))
             # (the first call of each kernel includes its warm-up; the memory is what matters)
+    for dim in (100, 200, 288):  # head dims the fused ops refuse directly: choose_kernel's fallbacks
+        r = block_vs_math(device, 2048, torch.bfloat16, dim=dim)
+        rows.append((f"ring block head_dim {dim} bf16", r.get("max_diff", math.inf) < 0.125,  # 2 bf16 ulps at 8-16
+                     f"{r['kernel']} {r[r['kernel']]['ms']:.0f} ms; max |Δ| to math {r.get('max_diff', math.nan):.1e}"))
     return rows
 
 

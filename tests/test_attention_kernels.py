@@ -36,6 +36,36 @@ def test_other_accelerators_keep_a_log_sum_exp_kernel():
     assert attn.choose_kernel("xpu", torch.bfloat16, True, "alltoall") == attn.Kernel("sdpa", False)
 
 
+# head_dim -> the ring's CUDA kernel for (bf16, bf16 where cuDNN is preferred, fp32, bf16 with a
+# document mask): the fused ops the ring calls directly refuse what SDPA would pad or avoid.
+HEAD_DIMS = {64: ("flash", "cudnn", "efficient", "efficient"), 128: ("flash", "cudnn", "efficient", "efficient"),
+             256: ("flash", "flash", "efficient", "efficient"),  # cuDNN: up to 128 on every GPU
+             200: ("efficient", "efficient", "efficient", "efficient"),  # flash's backward on sm86/89/120
+             288: ("efficient", "efficient", "efficient", "efficient"),  # flash: up to 256
+             100: ("math", "math", "efficient", "math"),  # not a multiple of 8; of 4 (fp32's alignment)
+             50: ("math", "math", "math", "math")}
+
+
+@pytest.mark.parametrize("head_dim", sorted(HEAD_DIMS))
+def test_head_dims_a_fused_kernel_refuses_go_to_the_next_down_to_math(head_dim):
+    """Ring attention on CUDA calls the flash, cuDNN and memory-efficient ops directly, which
+    reject head dims SDPA's one call pads or falls back from; choose_kernel passes those to the
+    next kernel that takes them, down to the math path (K/V repeated for GQA), so ring cp runs
+    any head_dim. One SDPA call then lets torch choose (no K/V repeated for a kernel it won't run)."""
+    for gqa in (False, True):
+        got = (attn.choose_kernel("cuda", torch.bfloat16, False, "ring", head_dim=head_dim).name,
+               attn.choose_kernel("cuda", torch.bfloat16, False, "ring", True, head_dim=head_dim).name,
+               attn.choose_kernel("cuda", torch.float32, gqa, "ring", head_dim=head_dim).name,
+               attn.choose_kernel("cuda", torch.bfloat16, gqa, "ring", masked=True, head_dim=head_dim).name)
+        assert got == HEAD_DIMS[head_dim]
+        math = attn.choose_kernel("cuda", torch.float32, gqa, "ring", head_dim=head_dim).name == "math"
+        assert attn.choose_kernel("cuda", torch.float32, gqa, "alltoall", head_dim=head_dim) == \
+            (attn.Kernel("sdpa", False) if math else attn.Kernel("efficient", gqa))
+        assert attn.choose_kernel("cpu", torch.bfloat16, gqa, "ring", head_dim=head_dim).name == "cpu_flash"
+    assert attn.choose_kernel("cuda", torch.bfloat16, True, "ring", head_dim=head_dim).expand_kv == \
+        (HEAD_DIMS[head_dim][0] in ("efficient", "math"))
+
+
 def _blockwise(q, k, v, dout, kernel):
     """The ring's path on one process: the sequence in two K/V blocks, each row's blocks merged
     by log-sum-exp, then every block's backward from the merged output and log-sum-exp."""

@@ -433,6 +433,24 @@ def test_compressed_or_utf16_inputs_are_refused_not_tokenized_as_noise(tmp_path,
         assert not (tmp_path / "o").exists()
 
 
+def test_a_files_name_decides_its_format_before_its_first_bytes(tmp_path, capsys):
+    """A .txt file is text even when it starts with parquet's magic "PAR1" (a heading, say); a
+    parquet file under a name that says nothing (rows.dat) is refused with the fix, a text there
+    that only starts with "PAR1" is read."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    (tmp_path / "notes.txt").write_text("PAR1 results: the fox wins\n")
+    (tmp_path / "notes").write_text("PAR1 results, again\n")
+    pq.write_table(pa.table({"text": ["a document"]}), tmp_path / "rows.dat")
+    for name in ("notes.txt", "notes"):
+        shards = tmp_path / f"{name}_shards"
+        assert main(["data", str(tmp_path / name), "--out", str(shards), "--vocab-size", "300"]) == 0
+        ids = load_tokens(str(shards)).window(0, 10**6).tolist()
+        assert load_tokenizer(shards / "tokenizer.json").decode(ids) == (tmp_path / name).read_text(), name
+    capsys.readouterr()
+    assert main(["data", str(tmp_path / "rows.dat"), "--out", str(tmp_path / "o"), "--vocab-size", "300"]) == 2
+    assert capsys.readouterr().err == f"tetrad data: {tmp_path / 'rows.dat'} is a parquet file; name it .parquet\n"
+
+
 def test_a_null_text_in_json_lines_is_left_out_as_in_parquet(tmp_path):
     """datasets' to_json writes a missing text as null: such a line is no document (a parquet
     row's null text is left out alike), where a line without the key is still refused."""
@@ -584,3 +602,24 @@ def test_an_eos_written_in_a_document_is_text_not_its_end(tmp_path):
     assert len(ends) == 2 and ends[-1] == len(ids) - 1
     tokenizer = load_tokenizer(out / "tokenizer.json")
     assert [tokenizer.decode(d, skip_special_tokens=False) for d in (ids[:ends[0]], ids[ends[0] + 1:-1])] == quoting
+
+
+def test_an_eos_that_text_encodes_to_is_refused(tmp_path, capsys):
+    """--eos must name a special token: an ordinary one (or an added one that is not special) comes
+    out of documents' own text too, where packing and document masking would cut them. The refusal
+    lists the special tokens; a special one is taken."""
+    from tokenizers import AddedToken
+    text = tmp_path / "a.txt"
+    text.write_text("the fox and the dog\n")
+    tokenizer = train_bpe(iter(["the fox and the dog"] * 20), 300)
+    tokenizer.add_tokens([AddedToken("<sep>", special=False)])
+    tokenizer.save(str(tmp_path / "tok.json"))
+    args = [str(text), "--tokenizer", str(tmp_path / "tok.json"), "--workers", "1", "--eos"]
+    for eos in ("Ġthe", "<sep>", "<none>"):
+        assert main(["data", *args, eos, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.endswith("; name one of its special tokens: <|endoftext|>\n"), err
+        assert ("is no token" in err) == (eos == "<none>") and not (tmp_path / "out").exists()
+    assert main(["data", *args, "<|endoftext|>", "--out", str(tmp_path / "out")]) == 0
+    assert main(["data", str(text), "--eos", "</s>", "--out", str(tmp_path / "bpe")]) == 2
+    assert "the BPE tetrad data trains ends documents with its special token <|endoftext|>" in capsys.readouterr().err

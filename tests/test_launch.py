@@ -179,6 +179,49 @@ def test_torchrun_takes_ranks_per_node_from_local_world_size(tmp_path):
         assert out.stdout.count(line) == 1, (line, out.stdout)
 
 
+def test_a_config_error_under_torchrun_is_said_once(tmp_path):
+    """Every rank refuses a bad config and exits non-zero without a traceback, but one line says
+    why (global rank 0's), not one per rank."""
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tetrad", "train",
+         "--parallel.tp=3", f"--run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode != 0
+    assert out.stderr.count("tetrad: config error: tp=3 does not divide n_heads=4; use tp in [1, 2]") == 1, out.stderr
+    # torchrun's summary: rank 0 exited 2, rank 1 too (or torchrun stopped it first: rank 0 did not wait)
+    assert "exitcode  : 2" in out.stderr and out.stderr.count("exitcode  : ") == 2, out.stderr
+    assert "tetrad/" not in out.stderr  # no rank's traceback (torchrun's own names no tetrad file)
+
+
+_RANKS_OWN_REFUSAL = """
+import os
+import sys
+from tetrad.cli import main
+tp = {"0": "3", "1": "5"}[os.environ["RANK"]]  # as a file missing on one node: a refusal of its own
+sys.exit(main(["train", f"--parallel.tp={tp}", *sys.argv[1:]]))
+"""
+
+
+def test_a_refusal_rank_0_does_not_share_is_said_by_its_rank(tmp_path):
+    """Rank 0 says the job's refusal alone only where the others' is the same (torchrun's store
+    carries rank 0's to them): a rank that refuses otherwise says its own."""
+    import subprocess
+    import sys
+    script = tmp_path / "per_rank.py"
+    script.write_text(_RANKS_OWN_REFUSAL)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+         f"--run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode != 0
+    for tp in (3, 5):
+        assert out.stderr.count(f"tetrad: config error: tp={tp} does not divide n_heads=4; use tp in [1, 2]") == 1, \
+            out.stderr
+    assert "tetrad/" not in out.stderr
+
+
 _LIBRARY_USER = """
 import sys
 from tetrad import launch

@@ -108,3 +108,26 @@ def test_a_closed_stdout_stops_the_run_as_sigterm_does(tmp_path):
     assert again.returncode == 0 and f"(step {reached}); continuing at step {reached + 1}" in again.stdout, again.stderr
     uninterrupted, _, _ = train_layout(tiny_config(parallel={"dp": 2}, train={"steps": steps, "device": "cpu"}))
     assert [r["loss"] for r in metrics(tmp_path)] == uninterrupted
+
+
+def test_a_closed_stdout_under_torchrun_ends_the_job_without_a_restart(tmp_path):
+    """`torchrun ... -m tetrad train | head`: the ranks stop and save as above, and rank 0 exits 0,
+    not 141, which torchrun counts as a failed worker: it restarted the job (--max-restarts), whose
+    rank 0 failed again on its first line, then reported the job failed (ChildFailedError, 1)."""
+    steps = 40
+    args = [f"--{section}.{key}={value}" for section, values in TINY.items() for key, value in values.items()]
+    args += [f"--train.steps={steps}", "--train.device=cpu", "--parallel.dp=2", "--run.log_every=1",
+             f"--run.dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "--max-restarts=1", "-m", "tetrad", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SRC,
+                                                                    "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    while not proc.stdout.readline().startswith("step 1/"):
+        assert proc.poll() is None, proc.stderr.read()
+    proc.stdout.close()
+    err = proc.communicate(timeout=120)[1]
+    reached = len(metrics(tmp_path / "run"))
+    assert proc.returncode == 0 and 1 < reached < steps, err
+    assert "restart" not in err and "FAILED" not in err, err
+    assert err.count(f"tetrad: stopping on SIGPIPE (stdout's reader left) after step {reached} of {steps}; saved "
+                     f"{step_dir(tmp_path / 'run' / 'checkpoints', reached)}.") == 1, err

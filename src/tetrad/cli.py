@@ -40,11 +40,16 @@ def train_command(argv: list[str]) -> int:
     path, overrides = split_config_args(argv)
     cfg = load_config(path, overrides, model_from_inputs=model_keys)
     history = launch.train(cfg, announce=functools.partial(_announce, cfg))
-    if history and (not launch.in_torchrun() or launch.is_job_rank_zero()):
+    if history and launch.speaks_for_the_job():
         evaluated = [r for r in history if "val_loss" in r]
         val = f", val_loss {evaluated[-1]['val_loss']:.4f} at step {evaluated[-1]['step']}" if evaluated else ""
-        print(f"tetrad: loss {history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f} at step "
-              f"{history[-1]['step']}{val}; metrics in {cfg.run.dir}/metrics.jsonl")
+        try:
+            print(f"tetrad: loss {history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f} "
+                  f"at step {history[-1]['step']}{val}; metrics in {cfg.run.dir}/metrics.jsonl", flush=True)
+        except BrokenPipeError:  # `| head`: the run stopped on it and saved (train/stopping.py)
+            if not launch.in_torchrun():
+                raise  # main's SIGPIPE status
+            _drop_stdout()  # torchrun counts any other status than 0 as a failed worker: it restarts the job
     return 1 if history and history[-1].get("diverged") else 0  # a job scheduler sees the stop
 
 
@@ -141,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, not at exit: a reader gone by then is a traceback out of reach
         return code
     except BrokenPipeError:  # stdout's reader left (`| head`): end quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        _drop_stdout()
         return 128 + signal.SIGPIPE
     except ConfigError as e:
-        print(f"tetrad: config error: {e}", file=sys.stderr)
+        if _says_refusal(f"tetrad: config error: {e}"):  # every rank that refuses exits 2; one says why
+            print(f"tetrad: config error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # no import here: Ctrl-C may have come while torch was half imported
         signum = getattr(e, "signum", signal.SIGINT)  # launch.Stopped's, or Ctrl-C's
@@ -156,6 +162,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tetrad: {e}", file=sys.stderr)
             return 1
         raise
+
+
+def _drop_stdout() -> None:
+    """Point stdout, whose reader left, at /dev/null: nothing is left to flush at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _says_refusal(message: str) -> bool:
+    """launch.says_refusal, without loading torch where no torchrun rank can be."""
+    if "RANK" not in os.environ:
+        return True
+    from tetrad import launch
+    return launch.says_refusal(message)
 
 
 if __name__ == "__main__":

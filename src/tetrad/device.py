@@ -118,6 +118,21 @@ def prefers_cudnn_attention(device: torch.device) -> bool:
             and torch.backends.cuda.cudnn_sdp_enabled())
 
 
+def fused_attention_kernels(dtype: torch.dtype, head_dim: int) -> set[str]:
+    """The CUDA attention ops that take heads of `head_dim` in `dtype` on every GPU when called
+    directly, as ring attention calls them (torch's sdp_utils.cpp and flash_api.cpp): flash
+    (bf16/fp16) a multiple of 8 up to 256 (SDPA pads other sizes to 8 for it; the ring does not),
+    except (192, 224], whose backward sm86/89/120 refuse; cuDNN (bf16/fp16) a multiple of 8 up to
+    128 (up to 256 only on some GPUs and cuDNN versions); memory-efficient a multiple of 8 in
+    bf16/fp16, of 4 in fp32 (its GEMM alignment). Where none does, attention takes the math path
+    (the ring its own; one SDPA call torch's), as SDPA falls back to it."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    kernels = {"efficient"} if head_dim > 0 and head_dim % (8 if half else 4) == 0 else set()
+    if half and head_dim % 8 == 0 and 0 < head_dim <= 256 and not 192 < head_dim <= 224:
+        kernels |= {"flash", "cudnn"} if head_dim <= 128 else {"flash"}
+    return kernels
+
+
 def host_buffer(like: torch.Tensor) -> torch.Tensor:
     """An empty CPU tensor shaped like `like`: pinned (page-locked) when `like` is on an
     accelerator, so copies between the two run at full bus speed and without blocking the host

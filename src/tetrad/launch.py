@@ -63,8 +63,39 @@ def in_torchrun() -> bool:
 
 
 def is_job_rank_zero() -> bool:
-    """Whether this process is rank 0 of a torchrun job (before its process group exists)."""
+    """Whether this process is rank 0 of a torchrun job: the process group's rank once it exists,
+    before that torchrun's RANK."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
     return os.environ.get("RANK") == "0"
+
+
+def speaks_for_the_job() -> bool:
+    """Whether this process prints what the job says once (the closing line): every process
+    outside torchrun, global rank 0 under it (1024 ranks, one line)."""
+    return not in_torchrun() or is_job_rank_zero()
+
+
+def says_refusal(message: str, wait_s: float = 20.0) -> bool:
+    """Whether this process prints `message`, the job's refusal: every process outside torchrun;
+    under it rank 0, which posts it in torchrun's store, and another rank only where rank 0's
+    differs or has not come within `wait_s` (rank 0 passed). A refusal every rank meets is one
+    line, not one per rank; one that only some meet (a file missing on one node) is still said."""
+    if not in_torchrun():
+        return True
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no store before rank 0 hosts one
+        return is_job_rank_zero()
+    key = f"tetrad/refusal/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              timeout=datetime.timedelta(seconds=wait_s))
+        if is_job_rank_zero():
+            store.set(key, message)
+            return True
+        store.wait([key])
+        return store.get(key).decode() != message
+    except (KeyError, ValueError, RuntimeError):  # no store to reach, or no word from rank 0 (DistError)
+        return True
 
 
 def for_torchrun_job(cfg: Config) -> Config:

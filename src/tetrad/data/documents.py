@@ -253,23 +253,30 @@ def sample_texts(files: list[Path], budget_bytes: int, keys: tuple[str, ...]) ->
                 yield from record
 
 
-# How files that are not text start: read as UTF-8 text they would be tokenized as noise.
+# How files that are not text start: read as UTF-8 text they would be tokenized as noise. None of
+# them starts a text (not valid UTF-8, or control characters), whatever the file's name.
 NOT_TEXT = ((b"\x1f\x8b", "gzip-compressed; decompress it first (gunzip -k)"),
             (b"\x28\xb5\x2f\xfd", "zstd-compressed; decompress it first (zstd -d)"),
             (b"\xfd7zXZ\x00", "xz-compressed; decompress it first (xz -dk)"),
             (b"PK\x03\x04", "a zip archive; extract it first (unzip)"),
-            (b"PAR1", "a parquet file; name it .parquet"),
             (b"\xff\xfe", "UTF-16 text; save it as UTF-8"), (b"\xfe\xff", "UTF-16 text; save it as UTF-8"))
+PARQUET = b"PAR1"  # a parquet file's first and last bytes; a text may start with it too
 
 
 def _is_utf8(path: Path) -> bool:
     """Whether a file read as text or JSON Lines starts as UTF-8 (its first 64 KB); ValueError
-    (one line) when it starts as a compressed or binary one does (NOT_TEXT), or as bzip2's header."""
+    (one line) when it starts as a compressed or binary one does (NOT_TEXT), or as bzip2's header,
+    or, unless its name says text (.txt), is a parquet file (PAR1 at both ends)."""
     with path.open("rb") as f:
         head = f.read(1 << 16)
+        size = f.seek(0, 2)
+        f.seek(max(size - len(PARQUET), 0))
+        tail = f.read()
     what = next((what for magic, what in NOT_TEXT if head.startswith(magic)), None)
     if head[:3] == b"BZh" and head[4:10] == b"1AY&SY":
         what = "bzip2-compressed; decompress it first (bunzip2 -k)"
+    if path.suffix != ".txt" and size >= 12 and head.startswith(PARQUET) and tail == PARQUET:  # and a footer
+        what = "a parquet file; name it .parquet"
     if what is not None:
         raise ValueError(f"{path} is {what}")
     try:

@@ -34,7 +34,7 @@ from tetrad.data.chat import ChatTemplate, Conversations, load_template, save_te
 from tetrad.data.documents import (Piece, check_documents, input_files, piece_records, pieces, sample_texts,
                                     text_bytes)
 from tetrad.data.shards import TOKENIZER, dtype_for, mask_name, shard_name, write_index
-from tetrad.data.tokenizer import (LINE_CUT, cuts_at_lines, document_prefix, eos_id, load_tokenizer, train_bpe,
+from tetrad.data.tokenizer import (EOS, LINE_CUT, cuts_at_lines, document_prefix, eos_id, load_tokenizer, train_bpe,
                                     vocab_size)
 
 
@@ -229,6 +229,9 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
         args.tokenizer = args.tokenizer / TOKENIZER
     if args.tokenizer is None and not 257 <= args.vocab_size <= 2**32:
         raise ValueError(f"--vocab-size={args.vocab_size} must be in [257, 2^32] (256 bytes + EOS at least)")
+    if args.tokenizer is None and args.eos not in ("", EOS):
+        raise ValueError(f"--eos {args.eos!r} is for a --tokenizer; the BPE tetrad data trains ends documents "
+                         f"with its special token {EOS} (leave --eos out)")
     if args.workers < 1 or args.shard_mb <= 0 or args.sample_mb <= 0:
         raise ValueError("--workers must be >= 1, --shard-mb and --sample-mb > 0")
     if args.prompt_key == args.json_key:

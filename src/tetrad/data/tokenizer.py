@@ -61,14 +61,35 @@ def load_tokenizer(path: Path) -> Tokenizer:
         raise ValueError(f"{path} is not a tokenizer.json that HF tokenizers reads: {str(e).splitlines()[0]}") from None
 
 
+def special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
+    """The tokenizer's special tokens by id order (content: id): the only ones no text encodes to
+    (`tetrad data` encodes one written in a text as its characters)."""
+    return {t.content: i for i, t in sorted(tokenizer.get_added_tokens_decoder().items()) if t.special}
+
+
 def eos_id(tokenizer: Tokenizer, name: str = "") -> int:
-    """The id of the end-of-document token: `name`, or the first of KNOWN_EOS the vocabulary has."""
+    """The id of the end-of-document token: `name`, or the first of KNOWN_EOS the tokenizer has, a
+    special token either way (as Megatron-LM's and torchtitan's EOS, the tokenizer's eos_token): an
+    ordinary token, or an added one that is not special, also comes out of documents' own text, and
+    document masking and packing would cut them there."""
+    special = special_tokens(tokenizer)
     for candidate in [name] if name else KNOWN_EOS:
-        found = tokenizer.token_to_id(candidate)
-        if found is not None:
-            return found
-    raise ValueError(f"the tokenizer has no end-of-document token {name!r}" if name else
-                     f"the tokenizer has none of {', '.join(KNOWN_EOS)}; name its end-of-document token with --eos")
+        if candidate in special:
+            return special[candidate]
+    if name:
+        what = "is not a special token of the tokenizer: text encodes to it, so documents would also end inside " \
+            "their text" if tokenizer.token_to_id(name) is not None else "is no token of the tokenizer"
+        raise ValueError(f"--eos {name!r} {what}; name one of its special tokens{_listing(special)}")
+    raise ValueError(f"the tokenizer has none of {', '.join(KNOWN_EOS)} as a special token; name its end-of-document "
+                     f"token with --eos, one of its special tokens{_listing(special)}")
+
+
+def _listing(special: dict[str, int], most: int = 8) -> str:
+    """The special tokens, for a refusal: all of a short list, the first of a long one."""
+    if not special:
+        return ' (it has none: add one to its tokenizer.json\'s added_tokens, with "special": true)'
+    names = list(special)
+    return f": {', '.join(names[:most])}" + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
 def document_prefix(tokenizer: Tokenizer) -> list[int]:

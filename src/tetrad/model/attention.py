@@ -53,7 +53,7 @@ class Kernel:
 
 
 def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
-                  cudnn_preferred: bool = False, masked: bool = False) -> Kernel:
+                  cudnn_preferred: bool = False, masked: bool = False, head_dim: int = 128) -> Kernel:
     """The kernel for attention on `device_type` in `dtype`. `cp_algo="ring"` needs a block
     kernel that returns the log-sum-exp; otherwise (all-to-all, or no CP) one SDPA call runs
     over the whole sequence, where torch picks among the kernels this choice makes eligible.
@@ -65,14 +65,14 @@ def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
     and the ring's blocks call cuDNN too, except with GQA (its block op takes equal heads only).
     Causal masking does not enter: a ring's causal blocks are square, which every kernel takes.
     A document mask (`masked`) does: flash takes no mask, so CUDA runs the memory-efficient kernel
-    (an additive bias) in every dtype; the CPU kernel takes one too.
+    (an additive bias) in every dtype; the CPU kernel takes one too. So does `head_dim` (device.py).
     """
-    half = dtype in (torch.bfloat16, torch.float16)
+    fits = devices.fused_attention_kernels(dtype, head_dim) if device_type == "cuda" else set()
     if device_type == "cpu":
         return Kernel("cpu_flash", False)
-    if device_type == "cuda" and half and not masked:
-        return Kernel("cudnn" if cudnn_preferred and (cp_algo != "ring" or not gqa) else "flash", False)
-    if device_type == "cuda":
+    if "flash" in fits and not masked:
+        return Kernel("cudnn" if cudnn_preferred and (cp_algo != "ring" or not gqa) and "cudnn" in fits else "flash", False)
+    if "efficient" in fits:
         return Kernel("efficient", gqa)
     return Kernel("math", gqa) if cp_algo == "ring" else Kernel("sdpa", False)
 
@@ -88,7 +88,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bias = window_bias(docs.ids, q.dtype) if isinstance(docs, Documents) else docs
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
-    if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall", masked=bias is not None).expand_kv:
+    if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall", masked=bias is not None, head_dim=q.shape[-1]).expand_kv:
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None,
                                          enable_gqa=k.shape[1] != q.shape[1])
@@ -113,7 +113,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
                    replay: RingReplay | None = None, docs: Documents | None = None) -> torch.Tensor:
     """`_RingAttention` on the kernel this device and dtype take (shapes as `attention`)."""
     kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
-                           devices.prefers_cudnn_attention(q.device), masked=docs is not None)
+                           devices.prefers_cudnn_attention(q.device), masked=docs is not None, head_dim=q.shape[-1])
     out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel, replay, docs)
     return out.transpose(1, 2)
 

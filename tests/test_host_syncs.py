@@ -29,10 +29,10 @@ class _CountingTrainer(Trainer):
     does: that is host work on host tensors (the data), which the double cannot tell apart."""
 
     def forward_backward(self, microbatches, loss_tokens: int, grad_scale: float = 1.0) -> torch.Tensor:
-        local, positions = self._sequence_shards(microbatches)
+        local = self._sequence_shards(microbatches)
         self.pipeline = self.pipelines(len(microbatches))
         with HostReads() as counted:
-            loss = self.pipeline.run(local, positions, grad_scale / loss_tokens)
+            loss = self.pipeline.run(local, grad_scale / loss_tokens)
         self.reads = getattr(self, "reads", []) + counted.reads
         return loss
 

@@ -14,6 +14,7 @@ from tetrad.data.checks import check_data
 from tetrad.dist.layout import shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model.documents import Documents, document_positions
+from tetrad.train.batches import split_batches
 from tetrad.train.trainer import Trainer, build_model
 
 
@@ -109,13 +110,17 @@ def test_without_the_key_every_micro_batch_shares_one_positions_tensor():
 # RoPE without the mask (Megatron-LM allows --reset-position-ids alone): tokens attend across
 # documents, so the reset changes what they see (under the mask RoPE's offsets within a document
 # would not change; learned positions below take the mask).
-LAYOUTS = {  # name -> (parallel, model, document_mask)
-    "dp2": ({"dp": 2}, {}, False),
-    "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}, False),
-    "cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {}, False),
-    "cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}, False),
-    "pp2-1f1b": ({"pp": 2, "schedule": "1f1b"}, {}, False),
-    "tp2-sp-learned-masked": ({"tp": 2, "sequence_parallel": True}, {"pos": "learned"}, True),
+LAYOUTS = {  # name -> (parallel, model, document_mask, train)
+    "dp2-zero3-selective": ({"dp": 2, "zero": 3}, {}, False, {"recompute": "selective"}),
+    "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}, False, {}),
+    "cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {}, False, {}),
+    "cp2-ring-selective-op": ({"cp": 2, "cp_algo": "ring"}, {}, False, {"recompute": "selective-op"}),
+    "cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}, False, {}),
+    "pp2-1f1b": ({"pp": 2, "schedule": "1f1b"}, {}, False, {}),
+    "pp2-zb": ({"pp": 2, "schedule": "zb"}, {}, False, {}),
+    "pp2-vpp2-interleaved-full": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"n_layers": 4}, False,
+                                  {"recompute": "full"}),
+    "tp2-sp-learned-masked": ({"tp": 2, "sequence_parallel": True}, {"pos": "learned"}, True, {}),
 }
 
 
@@ -126,12 +131,12 @@ def _config(parallel: dict, model: dict, mask: bool, reset: bool = True, **train
 
 @lru_cache(maxsize=None)
 def _train(name: str | None, reset: bool = True, model: tuple = (), mask: bool = False):
-    parallel, model, mask = LAYOUTS[name] if name else ({}, dict(model), mask)
-    return train_layout(_config(parallel, model, mask, reset))
+    parallel, model, mask, train = LAYOUTS[name] if name else ({}, dict(model), mask, {})
+    return train_layout(_config(parallel, model, mask, reset, **train))
 
 
 def _reference(name: str):
-    _, model, mask = LAYOUTS[name]
+    _, model, mask, _ = LAYOUTS[name]
     return _train(None, model=tuple(model.items()), mask=mask)
 
 
@@ -169,3 +174,25 @@ def test_data_without_an_eos_is_refused():
 def test_megatron_name_points_at_the_key():
     with pytest.raises(ConfigError, match=r"did you mean 'train.reset_positions'"):
         tiny_config(train={"reset_position_ids": True})
+
+
+@pytest.mark.dist
+def test_compiled_layout_matches_single_process(references):
+    """Each micro-batch's RoPE tables enter the compiled blocks as new tensors of one shape: no
+    recompile after step 1, no graph break (tests/test_compile.py's counts)."""
+    from test_compile import CountingTrainer
+    parallel, model, mask, _ = LAYOUTS["cp2-ring"]
+    got = train_layout(_config(parallel, model, mask, compile=True), trainer_class=CountingTrainer, timeout_s=900)
+    frames = [record["frames_compiled"] for record in got[2]]
+    assert frames[0] > 0 and frames == frames[:1] * len(frames), frames
+    assert got[2][-1]["other_breaks"] == [], got[2][-1]["other_breaks"]
+    assert_parity(got, references["cp2-ring"], atol=2e-4, loss_atol=2e-6)  # tests/test_compile.py's cp2 bounds
+
+
+def test_validation_and_each_source_of_a_blend_reset_too():
+    cfg = tiny_config(data={"source": f"1 {doc_shards()} 1 {doc_shards()}", "val_fraction": 0.2},
+                      train={"reset_positions": True})
+    train, val = split_batches(cfg)
+    x, _ = val.global_batch_at(0)
+    for batches in (train, val, *(part for b in (train, val) for _, part in b.split())):
+        assert torch.equal(batches.positions(x), document_positions(x, EOS)) and batches.documents(x, "cpu") is None

@@ -20,6 +20,9 @@ LAYOUTS = {  # name -> (parallel, train, model), every one under document maskin
     "pp2-zb": ({"pp": 2, "schedule": "zb"}, {}, {}),
     "pp2-vpp2-interleaved-full": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"recompute": "full"},
                                   {"n_layers": 4}),
+    # Positions reset at document starts: each micro-batch's, cut on the host like the ids.
+    "cp2-ring-reset": ({"cp": 2, "cp_algo": "ring"}, {"reset_positions": True}, {}),
+    "tp2-sp-reset-learned": ({"tp": 2, "sequence_parallel": True}, {"reset_positions": True}, {"pos": "learned"}),
 }
 
 

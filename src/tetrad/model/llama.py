@@ -332,8 +332,9 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: dict[str, LayerCache] | None = None, docs: Documents | None = None) -> torch.Tensor:
         """x: tokens [b, s] on the first chunk, else hidden states [b, s, d]; positions: [s], each
-        token's true position, or [b, s] (train.reset_positions: each row's own). On the last chunk returns the summed token loss (labels given)
-        or this rank's vocabulary slice of the logits; otherwise the hidden states. `cache`
+        token's true position, or [b, s] (train.reset_positions: each row's own). On the last
+        chunk returns the summed token loss (labels given) or this rank's vocabulary slice of the
+        logits; otherwise the hidden states. `cache`
         (decoding, one process): per layer name, the keys and values of the earlier tokens; x
         then holds only the new tokens, at `positions`, and the cache grows by them. `docs`
         (document masking): the `Documents` of the whole window, [b, seq_len], on every rank and

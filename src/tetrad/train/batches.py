@@ -272,7 +272,9 @@ class Batches:
         """The documents of these whole windows (host-side), or None without document masking.
         Every rank (every pipeline stage, every cp rank) derives them from the same rows: no
         communication."""
-        return None if self.eos is None or not self.mask_documents else Documents.of_windows(inputs, self.eos, device)
+        if self.eos is None or not self.mask_documents:
+            return None
+        return Documents.of_windows(inputs, self.eos, device)
 
     def positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """Each token's offset within its document in these whole windows (host-side, [b, S]), or

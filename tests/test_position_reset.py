@@ -21,7 +21,7 @@ from tetrad.train.trainer import Trainer, build_model
 def _offsets(row: list[int]) -> list[int]:
     """Each token's offset within its document, the plain way."""
     out, at = [], 0
-    for i, token in enumerate(row):
+    for token in row:
         out.append(at)
         at = 0 if token == EOS else at + 1
     return out

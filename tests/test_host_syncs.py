@@ -20,6 +20,9 @@ LAYOUTS = {  # name -> (parallel, train, model), every one under document maskin
     "pp2-zb": ({"pp": 2, "schedule": "zb"}, {}, {}),
     "pp2-vpp2-interleaved-full": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"recompute": "full"},
                                   {"n_layers": 4}),
+    # Positions reset at document starts: each micro-batch's, cut on the host like the ids.
+    "cp2-ring-reset": ({"cp": 2, "cp_algo": "ring"}, {"reset_positions": True}, {}),
+    "tp2-sp-reset-learned": ({"tp": 2, "sequence_parallel": True}, {"reset_positions": True}, {"pos": "learned"}),
 }
 
 
@@ -29,10 +32,10 @@ class _CountingTrainer(Trainer):
     does: that is host work on host tensors (the data), which the double cannot tell apart."""
 
     def forward_backward(self, microbatches, loss_tokens: int, grad_scale: float = 1.0) -> torch.Tensor:
-        local, positions = self._sequence_shards(microbatches)
+        local = self._sequence_shards(microbatches)
         self.pipeline = self.pipelines(len(microbatches))
         with HostReads() as counted:
-            loss = self.pipeline.run(local, positions, grad_scale / loss_tokens)
+            loss = self.pipeline.run(local, grad_scale / loss_tokens)
         self.reads = getattr(self, "reads", []) + counted.reads
         return loss
 

@@ -169,8 +169,12 @@ class TrainConfig:
     # Document masking (Llama 3's, torchtitan's block_causal, Megatron-LM's --reset-attention-mask):
     # a token attends only to earlier tokens of its own document, the data's EOS ending each one
     # (the data must be a shard folder from `tetrad data`, whose index names its EOS). Positions
-    # (RoPE) run on through the window, as in Llama 3.
+    # (RoPE) run on through the window, as in Llama 3, unless reset_positions.
     document_mask: bool = False
+    # Each token's position is its offset within its document (Megatron-LM's --reset-position-ids;
+    # packed SFT as torchtune and HF's collators pack): the token after an EOS is at 0. The same
+    # data as document_mask; without it, tokens still attend across documents.
+    reset_positions: bool = False
     # Validation loss every eval_every steps and at the last step (0: never), over eval_steps
     # held-out global batches.
     eval_every: int = 0
@@ -289,6 +293,7 @@ KEY_ALIASES = {
     "lr_decay_style": "train.lr_schedule", "beta1": "train.adam_beta1", "beta2": "train.adam_beta2",
     "eps": "train.adam_eps", "recompute_granularity": "train.recompute",
     "reset_attention_mask": "train.document_mask", "attn_mask_type": "train.document_mask",
+    "reset_position_ids": "train.reset_positions",
     "mixed_precision_param": "train.dtype", "eval_interval": "train.eval_every", "eval_iters": "train.eval_steps",
     "data_path": "data.source", "dataset_path": "data.source", "save_interval": "checkpoint.every",
     "interval": "checkpoint.every", "async_mode": "checkpoint.async_save", "log_interval": "run.log_every", "log_freq": "run.log_every",

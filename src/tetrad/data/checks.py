@@ -37,8 +37,9 @@ def check_data(cfg: Config) -> None:
             _check_one_tokenizer(key, source, parts)  # first: a second vocabulary is the blend's fault
             for _, part in parts:
                 _check_source(key, part, m.vocab_size, cfg.checkpoint.init_from)
-    if cfg.train.document_mask:
-        _check_document_ends(d.source, d.val_source)
+    for key in ("document_mask", "reset_positions"):
+        if getattr(cfg.train, key):
+            _check_document_ends(d.source, d.val_source, f"train.{key}")
     try:
         train, val = load_blend(d.source, d.val_source, d.val_fraction)
     except (OSError, ValueError) as e:
@@ -69,15 +70,16 @@ def _too_few(cfg: Config, what: str, name: str, tokens: TokenStream) -> str:
     return f"{what}{where} {holds} {len(tokens)} tokens, fewer than {needed}; use {', or '.join(fixes)}"
 
 
-def _check_document_ends(source: str, val_source: str) -> None:
-    """Document masking needs the token that ends a document, one for training and validation."""
+def _check_document_ends(source: str, val_source: str, key: str) -> None:
+    """Document masking and position reset (`key`) need the token that ends a document, one for
+    training and validation."""
     try:
         eos = end_of_document(source)
         if val_source and end_of_document(val_source) != eos:
             raise ValueError(f"data.val_source ends documents with token {end_of_document(val_source)}, "
                              f"data.source with {eos}; tokenize both with one tokenizer")
     except ValueError as e:
-        raise ConfigError(f"train.document_mask: {e}; or set train.document_mask=false") from None
+        raise ConfigError(f"{key}: {e}; or set {key}=false") from None
 
 
 def _tokenizer_of(source: str) -> str | None:

@@ -19,6 +19,15 @@ def document_ids(inputs: torch.Tensor, eos: int) -> torch.Tensor:
     return ends.cumsum(1) - ends
 
 
+def document_positions(inputs: torch.Tensor, eos: int) -> torch.Tensor:
+    """Each token's offset within its document ([b, s] -> [b, s]; train.reset_positions, as
+    Megatron-LM's --reset-position-ids): the token after an EOS is at 0, the window's first too."""
+    at = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape)
+    starts = torch.zeros_like(inputs, dtype=torch.bool)
+    starts[:, 1:] = inputs[:, :-1] == eos
+    return at - torch.where(starts, at, 0).cummax(1).values
+
+
 @dataclass(frozen=True)
 class Documents:
     """A micro-batch's document ids over the whole window, [b, S]: on the device for the masks

@@ -67,11 +67,13 @@ def rope_frequencies(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
 
 
 def rope_tables(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each token's true position (positions: [s]), laid out for `apply_rope`:
-    [1, s, 1, head_dim], each half's angles repeated, sin negated on the first half."""
-    angles = positions.float()[:, None] * rope_frequencies(cfg, positions.device)[None, :]
+    """cos and sin of each token's true position (positions: [s], or [b, s] per row under
+    train.reset_positions), laid out for `apply_rope`: [1 or b, s, 1, head_dim], each half's angles
+    repeated, sin negated on the first half."""
+    rows = positions.float().reshape(-1, positions.shape[-1])  # [1 or b, s]
+    angles = rows[:, :, None, None] * rope_frequencies(cfg, positions.device)
     cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1)[None, :, None, :], torch.cat([-sin, sin], dim=-1)[None, :, None, :]
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -330,8 +332,9 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: dict[str, LayerCache] | None = None, docs: Documents | None = None) -> torch.Tensor:
         """x: tokens [b, s] on the first chunk, else hidden states [b, s, d]; positions: [s], each
-        token's true position. On the last chunk returns the summed token loss (labels given)
-        or this rank's vocabulary slice of the logits; otherwise the hidden states. `cache`
+        token's true position, or [b, s] (train.reset_positions: each row's own). On the last
+        chunk returns the summed token loss (labels given) or this rank's vocabulary slice of the
+        logits; otherwise the hidden states. `cache`
         (decoding, one process): per layer name, the keys and values of the earlier tokens; x
         then holds only the new tokens, at `positions`, and the cache grows by them. `docs`
         (document masking): the `Documents` of the whole window, [b, seq_len], on every rank and
@@ -340,7 +343,7 @@ class Transformer(nn.Module):
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":
-                h = h + self.pos_embed[sequence_shard(positions, self.topo, self.execution)]  # SP: h is a chunk
+                h = h + self.pos_embed[sequence_shard(positions, self.topo, self.execution, dim=-1)]  # SP: h is a chunk
         else:
             h = x
         rope = self.rope(positions) if self.cfg.pos == "rope" else None

@@ -31,7 +31,7 @@ from tetrad.data.blend import blend_parts
 from tetrad.data.packing import ExamplePacks, fewest_tokens
 from tetrad.data.shards import end_of_document
 from tetrad.data.sources import TokenStream, load_blend
-from tetrad.model.documents import Documents
+from tetrad.model.documents import Documents, document_positions
 from tetrad.model.layers import IGNORED_LABEL
 from tetrad.train.checkpoint.store import CheckpointError, read_extras
 
@@ -178,14 +178,17 @@ class Batches:
     """A run's global batches from one source or a weighted blend of several (Megatron-LM's
     blend: each source keeps its own epochs; a small source with a large weight repeats sooner).
     `ramp`: the global batch of each step (config/rampup.py); global_batch at every step if None.
-    `eos`: the token that ends a document, under document masking (train.document_mask)."""
+    `eos`: the token that ends a document, under document masking (train.document_mask, unless
+    not `mask_documents`) or position reset (`reset_positions`, train.reset_positions)."""
 
     def __init__(self, sources: list[tuple[Fraction, TokenStream]], seq_len: int, global_batch: int, seed: int,
-                 vocab_size: int, shuffle: bool = True, ramp: BatchRamp | None = None, eos: int | None = None):
+                 vocab_size: int, shuffle: bool = True, ramp: BatchRamp | None = None, eos: int | None = None,
+                 mask_documents: bool = True, reset_positions: bool = False):
         self.weights = [Fraction(w) for w, _ in sources]
         # Each source its own shuffle: the first keeps the run's seed.
         self.windows = [Windows(tokens, seq_len, seed + (i << 32), shuffle) for i, (_, tokens) in enumerate(sources)]
         self.seq_len, self.global_batch, self.vocab_size, self.eos = seq_len, global_batch, vocab_size, eos
+        self.mask_documents, self.reset_positions = mask_documents, reset_positions
         self.ramp = ramp or BatchRamp(global_batch, global_batch)
         self.loss_masked = any(tokens.loss_masks is not None for _, tokens in sources)
         self.origin = (0, 0)  # (step, sample): that step's first sample; later steps follow on
@@ -262,13 +265,21 @@ class Batches:
         if len(self.windows) == 1:
             return [(Fraction(1), self)]
         return [(weight, Batches([(1, w.tokens)], self.seq_len, self.global_batch, w.seed, self.vocab_size,
-                                 w.shuffle, eos=self.eos)) for weight, w in zip(self.weights, self.windows)]
+                                 w.shuffle, eos=self.eos, mask_documents=self.mask_documents,
+                                 reset_positions=self.reset_positions)) for weight, w in zip(self.weights, self.windows)]
 
     def documents(self, inputs: torch.Tensor, device: torch.device) -> Documents | None:
         """The documents of these whole windows (host-side), or None without document masking.
         Every rank (every pipeline stage, every cp rank) derives them from the same rows: no
         communication."""
-        return None if self.eos is None else Documents.of_windows(inputs, self.eos, device)
+        if self.eos is None or not self.mask_documents:
+            return None
+        return Documents.of_windows(inputs, self.eos, device)
+
+    def positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Each token's offset within its document in these whole windows (host-side, [b, S]), or
+        None without train.reset_positions: every position runs on through the window."""
+        return document_positions(inputs, self.eos) if self.reset_positions else None
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows(step, 0, self.size(step))
@@ -305,9 +316,11 @@ def split_batches(cfg) -> tuple[Batches, Batches | None]:
     `microbatches(i, ...)`, so every evaluation sees the same held-out windows)."""
     d, m, t = cfg.data, cfg.model, cfg.train
     train, val = load_blend(d.source, d.val_source, d.val_fraction)
-    eos = end_of_document(d.source) if t.document_mask else None  # the validation's too (data/checks.py)
-    return (Batches(train, m.seq_len, t.global_batch, t.seed, m.vocab_size, ramp=BatchRamp.of(t), eos=eos),
-            None if val is None else Batches(val, m.seq_len, t.global_batch, t.seed, m.vocab_size, False, eos=eos))
+    # The validation's EOS too (data/checks.py).
+    ends = dict(eos=end_of_document(d.source) if t.document_mask or t.reset_positions else None,
+                mask_documents=t.document_mask, reset_positions=t.reset_positions)
+    return (Batches(train, m.seq_len, t.global_batch, t.seed, m.vocab_size, ramp=BatchRamp.of(t), **ends),
+            None if val is None else Batches(val, m.seq_len, t.global_batch, t.seed, m.vocab_size, False, **ends))
 
 
 def describe(cfg, resume: Path | None = None) -> str:

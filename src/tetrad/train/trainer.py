@@ -146,17 +146,25 @@ class Trainer:
         """Summed token loss of this rank's micro-batches (zero off the last pipeline stage); gradients
         (of the loss times `grad_scale`, fp16's loss scale, over the global batch's `loss_tokens`:
         Batches.loss_tokens) accumulate in the reducer's buckets. Every dp rank runs as many."""
-        local, positions = self._sequence_shards(microbatches)
+        local = self._sequence_shards(microbatches)
         self.pipeline = self.pipelines(len(microbatches))
-        return self.pipeline.run(local, positions, grad_scale / loss_tokens)
+        return self.pipeline.run(local, grad_scale / loss_tokens)
 
-    def _sequence_shards(self, microbatches):
-        """Context parallel: this rank's two load-balanced chunks of every sequence (context.py),
-        and their positions; beside them the whole window's document ids (or None: no masking)."""
+    def _sequence_shards(self, microbatches) -> list[tuple]:
+        """Context parallel: this rank's two load-balanced chunks of every sequence (context.py);
+        beside them the whole window's document ids (or None: no masking) and the chunks'
+        positions: the one shared tensor (its RoPE tables stay cached), or under
+        train.reset_positions the micro-batch's own offsets within documents, [b, s]."""
         cp, cp_rank, device = self.topo.size("cp"), self.topo.local_rank("cp"), self.topo.device
-        local = [(*(shard_sequence(t.to(device), cp, cp_rank) for t in (x, y)), self.batches.documents(x, device))
-                 for x, y in microbatches]
-        return local, self.positions
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return shard_sequence(t.to(device), cp, cp_rank)
+        local = []
+        for x, y in microbatches:
+            reset = self.batches.positions(x)
+            local.append((shard(x), shard(y), self.batches.documents(x, device),
+                          self.positions if reset is None else shard(reset)))
+        return local
 
     def evaluate(self) -> dict:
         """The record's validation fields. `val_loss`: the mean token loss over `eval_steps`
@@ -183,8 +191,7 @@ class Trainer:
         try:
             for i in range(batches):
                 micro = val.microbatches(i, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-                local, positions = self._sequence_shards(micro)
-                total += self.pipelines.eval.run(local, positions, 1.0)
+                total += self.pipelines.eval.run(self._sequence_shards(micro), 1.0)
         finally:
             self.model.train()
         self.grads.release_gathered()  # not in `finally`: after a failure it could wait on a dead rank

@@ -77,11 +77,11 @@ class PipelineExecutor:
                 self.closing[a.chunk] = i
         self.marks: list = []  # the last run's clock marks: its start, then each action's start and end
 
-    def run(self, microbatches: list[tuple], positions: torch.Tensor, loss_weight: float) -> torch.Tensor:
+    def run(self, microbatches: list[tuple], loss_weight: float) -> torch.Tensor:
         """Forward and backward of every micro-batch ((inputs, labels), already this rank's
-        sequence shard, and the whole window's document ids or None: every stage masks with
-        them); each micro-batch's summed token loss is multiplied by `loss_weight` before
-        backward. Returns this rank's summed token loss (zero off the last stage)."""
+        sequence shard, the whole window's document ids or None: every stage masks with them,
+        and the shard's positions); each micro-batch's summed token loss is multiplied by
+        `loss_weight` before backward. Returns this rank's summed token loss (zero off the last stage)."""
         s = self.schedule
         stages = s.stages
         loss_sum = torch.zeros((), device=self.topo.device)
@@ -96,7 +96,7 @@ class PipelineExecutor:
             made = None
             closing = self.reducer.last_microbatch() if self.closing.get(a.chunk) == i else contextlib.nullcontext()
             if a.kind == "F":
-                inputs, labels, docs = microbatches[a.mb]
+                inputs, labels, docs, positions = microbatches[a.mb]
                 x = inputs if g == 0 else received[Value("act", g - 1, a.mb)].requires_grad_()
                 last = g == stages - 1
                 out = self.model(x, positions, labels if last else None, chunk=a.chunk, docs=docs)

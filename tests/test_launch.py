@@ -222,6 +222,34 @@ def test_a_refusal_rank_0_does_not_share_is_said_by_its_rank(tmp_path):
     assert "tetrad/" not in out.stderr
 
 
+_REFUSAL_OF_RANK_1 = """
+import sys
+from tetrad.launch import says_refusal
+print(says_refusal(sys.argv[1], wait_s=1.0))
+"""
+
+
+def test_a_refusal_rank_0_never_posts_is_said_alone_after_the_wait(tmp_path):
+    """Rank 0 passed (a file missing on rank 1's node only): rank 1 waits for rank 0's word in
+    torchrun's agent store, then says its own refusal, and nothing else: no c10d lines on stderr
+    (store.wait's timeout logged two 'waitForInput ... likely a timeout' warnings before it).
+    Where rank 0 posted the same refusal rank 1 stays quiet; a different one, rank 1 says its own."""
+    import subprocess
+    import sys
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "t", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+    script = tmp_path / "rank1.py"
+    script.write_text(_REFUSAL_OF_RANK_1)
+
+    def rank_1(message):
+        out = subprocess.run([sys.executable, str(script), message], capture_output=True, text=True, timeout=60, env=env)
+        return out.stdout, out.stderr
+    assert rank_1("tp=3") == ("True\n", "")
+    store.set("tetrad/refusal/0", "tp=3")
+    assert rank_1("tp=3") == ("False\n", "") and rank_1("tp=5") == ("True\n", "")
+
+
 _LIBRARY_USER = """
 import sys
 from tetrad import launch

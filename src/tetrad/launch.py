@@ -92,9 +92,14 @@ def says_refusal(message: str, wait_s: float = 20.0) -> bool:
         if is_job_rank_zero():
             store.set(key, message)
             return True
-        store.wait([key])
+        deadline, pause = time.monotonic() + wait_s, 0.05
+        while not store.check([key]):  # polled: store.wait's timeout logs two c10d warnings on stderr
+            if time.monotonic() > deadline:
+                return True  # no word from rank 0
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)  # a thousand ranks asking the agent's store, at most once a second each
         return store.get(key).decode() != message
-    except (KeyError, ValueError, RuntimeError):  # no store to reach, or no word from rank 0 (DistError)
+    except (KeyError, ValueError, RuntimeError):  # no store to reach (DistError)
         return True
 
 

@@ -242,12 +242,16 @@ def test_a_refusal_rank_0_never_posts_is_said_alone_after_the_wait(tmp_path):
     script = tmp_path / "rank1.py"
     script.write_text(_REFUSAL_OF_RANK_1)
 
-    def rank_1(message):
-        out = subprocess.run([sys.executable, str(script), message], capture_output=True, text=True, timeout=60, env=env)
+    def rank_1(message, agent_store=True):
+        run_env = env if agent_store else {k: v for k, v in env.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
+        out = subprocess.run([sys.executable, str(script), message], capture_output=True, text=True, timeout=60,
+                             env=run_env)
         return out.stdout, out.stderr
     assert rank_1("tp=3") == ("True\n", "")
     store.set("tetrad/refusal/0", "tp=3")
     assert rank_1("tp=3") == ("False\n", "") and rank_1("tp=5") == ("True\n", "")
+    # No agent store (srun's ranks, etcd rendezvous): nothing says what rank 0 refused, so every rank speaks
+    assert rank_1("tp=3", agent_store=False) == ("True\n", "")
 
 
 _LIBRARY_USER = """

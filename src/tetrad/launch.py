@@ -78,13 +78,13 @@ def speaks_for_the_job() -> bool:
 
 def says_refusal(message: str, wait_s: float = 20.0) -> bool:
     """Whether this process prints `message`, the job's refusal: every process outside torchrun;
-    under it rank 0, which posts it in torchrun's store, and another rank only where rank 0's
+    under it rank 0, which posts it in torchrun's agent store, and another rank only where rank 0's
     differs or has not come within `wait_s` (rank 0 passed). A refusal every rank meets is one
     line, not one per rank; one that only some meet (a file missing on one node) is still said."""
     if not in_torchrun():
         return True
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no store before rank 0 hosts one
-        return is_job_rank_zero()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no agent store (srun, etcd): no way to
+        return True  # know what rank 0 says, and a refusal only some rank meets must not go unsaid
     key = f"tetrad/refusal/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),

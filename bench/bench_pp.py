@@ -181,7 +181,8 @@ def _time_torch_actions(schedule, stages, rows: list) -> None:
         def call(mb, *args, **kwargs):
             start = time.perf_counter()
             out = fn(mb, *args, **kwargs)
-            full = kwargs.get("full_backward", True)
+            # backward_one_chunk(mb, loss=None, full_backward=True, ...), by keyword or position
+            full = kwargs.get("full_backward", args[1] if kind == "B" and len(args) > 1 else True)
             rows.append((kind if full else "BI", mb, chunk, start, time.perf_counter()))
             return out
         return call

@@ -183,9 +183,10 @@ def _window_from_hf(hf: dict, kind: str, source: Path) -> int:
         if sliding == 0:
             return 0
         if sliding != layers:
-            raise ConfigError(f"{source}: sliding_window={window} applies to {sliding} of {layers} layers "
-                              f"(max_window_layers={hf.get('max_window_layers', 28)}); tetrad's window is the same in "
-                              "every layer: only max_window_layers=0 (all) or >= num_hidden_layers (none) converts")
+            said = "its layer_types" if hf.get("layer_types") else f"max_window_layers={hf.get('max_window_layers', 28)}"
+            raise ConfigError(f"{source}: sliding_window={window} applies to {sliding} of {layers} layers ({said}); "
+                              "tetrad's window is the same in every layer: only max_window_layers=0 (all) or >= "
+                              "num_hidden_layers (none) converts")
     return int(window)
 
 

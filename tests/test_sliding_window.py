@@ -56,9 +56,10 @@ def test_the_ring_computes_exactly_the_blocks_the_masks_leave():
     whether masked; against the visibility of every (query, key) pair of the step: a skipped
     step sees nothing, the rows and columns left out see nothing, and an unmasked block is seen
     exactly as the kernel's causal square (step 0) or wholly. Windows shorter and longer than a
-    chunk, with documents and without (window 0: documents alone)."""
+    chunk, and at a pair's farthest key (window 2 x chunk - 1), with documents and without
+    (window 0: documents alone)."""
     outcomes = set()
-    cases = [(cp, chunk, window, eos) for cp in (2, 3, 4) for chunk in (1, 3, 5) for window in (0, 1, 2, 4, 7, 13, 99)
+    cases = [(cp, chunk, window, eos) for cp in (2, 3, 4) for chunk in (1, 3, 5) for window in (0, 1, 2, 4, 5, 7, 9, 13, 99)
              for eos in (None, 0.0, 0.3, 0.9) if window or eos is not None]
     for seed, (cp, chunk, window, eos_share) in enumerate(cases):
         docs = _documents(2 * cp * chunk, batch=3, seed=seed, eos_share=eos_share) if eos_share is not None else None
@@ -91,6 +92,7 @@ def test_the_ring_computes_exactly_the_blocks_the_masks_leave():
     (2, 11, False, torch.float32),   # window > a chunk: partial blocks across chunks
     (4, 3, False, torch.float32),    # window < a chunk of 4: steps skipped, blocks halved and masked
     (4, 6, False, torch.float32),    # window > a chunk: skipped, partial and plain blocks
+    (4, 7, False, torch.float32),    # the farthest key of adjacent chunks just out of the window
     (4, 6, True, torch.float32),     # with document masking
     (4, 6, False, torch.bfloat16)])
 def test_context_parallel_attention_matches_one_process(cp, window, masked, dtype):

@@ -53,14 +53,15 @@ def test_masked_dispatch_takes_a_kernel_with_a_mask():
             assert attn.choose_kernel("cpu", dtype, True, algo, masked=True).name == "cpu_flash"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masked_cuda_kernel_calls_on_meta(dtype):
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 2), (torch.bfloat16, 2), (torch.bfloat16, 1)])
+def test_masked_cuda_kernel_calls_on_meta(dtype, rows):
     """The memory-efficient kernel's calls with a document mask (its bias over every head, rows
-    padded to 16 elements), through torch's meta kernels: shapes as unmasked (no GPU here; as
-    tests/test_attention_kernels.py checks the unmasked calls)."""
+    padded to 16 elements), or a sliding window's, one row for the batch (`rows` 1), through
+    torch's meta kernels: shapes as unmasked (no GPU here; as tests/test_attention_kernels.py
+    checks the unmasked calls)."""
     q = torch.empty(2, 4, 40, 64, dtype=dtype, device="meta")
     k = v = torch.empty(2, 4, 24, 64, dtype=dtype, device="meta")
-    visible = torch.empty(2, 1, 40, 24, dtype=torch.bool, device="meta")
+    visible = torch.empty(rows, 1, 40, 24, dtype=torch.bool, device="meta")
     out, lse = attn._block_forward(q, k, v, False, "efficient", visible)
     assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
     grads = attn._block_backward(torch.empty_like(out), q, k, v, out, lse, False, "efficient", visible)

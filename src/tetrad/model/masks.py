@@ -55,8 +55,7 @@ def sequence_bias(docs: Documents | None, window: int, length: int, dtype: torch
         return None
     positions = torch.arange(length, device=device)
     ids = docs.ids if docs is not None else None
-    return additive_bias(visibility(positions, positions, window if hides_keys(window, length) else 0, ids, ids),
-                         dtype)
+    return additive_bias(visibility(positions, positions, window, ids, ids), dtype)
 
 
 def additive_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

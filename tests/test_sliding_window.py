@@ -117,6 +117,7 @@ LAYOUTS = {  # name -> (parallel, train, model)
     "cp4-ring-selective-op": ({"cp": 4, "cp_algo": "ring"}, {"recompute": "selective-op"}, {"sliding_window": 3}),
     "cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}, {}),
     "pp2-1f1b": ({"pp": 2, "schedule": "1f1b"}, {}, {}),
+    "pp2-zb": ({"pp": 2, "schedule": "zb"}, {}, {}),
     "pp2-vpp2-interleaved-full": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"recompute": "full"},
                                   {"n_layers": 4}),
     "dp2-zero3-selective": ({"dp": 2, "zero": 3}, {"recompute": "selective"}, {}),

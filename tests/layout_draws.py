@@ -124,6 +124,8 @@ def draw(seed: int, extended: bool = False) -> dict:
     replicas = par["dp"] * par["cp"]
     if extended and par["zero"] >= 1 and replicas > 1 and rng.random() < 0.2:  # hybrid ZeRO's blocks
         par["zero_shard"] = rng.choice([s for s in range(1, replicas + 1) if replicas % s == 0])
+    if extended and rng.random() < 0.15:  # a sliding window, shorter or longer than a cp chunk
+        model["sliding_window"] = rng.choice([1, 3, 8, 20])
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 

@@ -58,20 +58,27 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
                                             ({"pp": 2, "tp": 2, "zero": 1}, {"vocab_size": 251}),
                                             ({"dp": 2}, {"vocab_size": 251, **LLAMA31_ROPE}),
                                             ({"tp": 2, "sequence_parallel": True}, {"vocab_size": 251, "qkv_bias": True}),
-                                            ({"tp": 2}, {"vocab_size": 251, "qk_norm": True, "head_dim": 24})])
+                                            ({"tp": 2}, {"vocab_size": 251, "qk_norm": True, "head_dim": 24}),
+                                            # sliding windows shorter than the 32 tokens: Mistral's, Qwen's
+                                            ({"cp": 2}, {"vocab_size": 251, "sliding_window": 5}),
+                                            ({"dp": 2}, {"vocab_size": 251, "qkv_bias": True, "sliding_window": 5}),
+                                            ({"dp": 2}, {"vocab_size": 251, "qk_norm": True, "head_dim": 24,
+                                                         "sliding_window": 5})])
 def test_checkpoint_to_hf_and_back(tmp_path, parallel, model):
     cfg = tiny_config(parallel=parallel, model=model, train={"steps": 2, "micro_batch": 1}, checkpoint={"every": 2})
     train_layout(cfg)
     root = Path(cfg.run.dir) / "checkpoints"
     assert main(["convert", str(root), "--to-hf", str(tmp_path / "hf")]) == 0
-    architecture = ("Qwen3ForCausalLM" if model.get("qk_norm") else
-                    "Qwen2ForCausalLM" if model.get("qkv_bias") else "LlamaForCausalLM")
+    architecture = ("Qwen3ForCausalLM" if model.get("qk_norm") else "Qwen2ForCausalLM" if model.get("qkv_bias") else
+                    "MistralForCausalLM" if model.get("sliding_window") else "LlamaForCausalLM")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
     ours = load_single(root / "step_00000002", model)
     torch.testing.assert_close(logits(ours), hf_logits(tmp_path / "hf"), **TOL)
 
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "back")]) == 0
     back = load_single(tmp_path / "back", model)
+    from tetrad.train.convert import read_weights
+    assert read_weights(tmp_path / "back")[0].model.sliding_window == model.get("sliding_window", 0)
     original, restored = ours.model.state_dict(), back.model.state_dict()
     assert original.keys() == restored.keys()
     assert all(torch.equal(original[k], restored[k]) for k in original)
@@ -120,23 +127,58 @@ def test_hf_qwen_model_to_tetrad(tmp_path, family):
     torch.testing.assert_close(ours, hf_logits(tmp_path / "hf"), **TOL)
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_hf_sliding_window_models_to_tetrad(tmp_path, family):
+    """A Mistral written by transformers with a window of 5 of its 32 tokens, and Qwen2 and Qwen3
+    windowed in every layer (max_window_layers 0), load with model.sliding_window = 5 and give
+    transformers' logits (which a model without the window does not)."""
+    shape = {"vocab_size": 251, "max_position_embeddings": 32, "sliding_window": 5, "rms_norm_eps": 1e-6}
+    if family == "mistral":
+        hf_cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, **shape)
+        torch.manual_seed(0)
+        transformers.MistralForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    else:
+        write_hf_qwen(tmp_path / "hf", family, use_sliding_window=True, max_window_layers=0, **shape)
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    from tetrad.train.convert import read_weights
+    from tetrad.train.generate import single_process_model
+    cfg, state = read_weights(tmp_path / "ckpt")
+    assert cfg.model.sliding_window == 5
+    with torch.no_grad():
+        ours = single_process_model(cfg.model, state)(TOKENS, torch.arange(TOKENS.shape[1]))
+        unwindowed = single_process_model(dataclasses.replace(cfg.model, sliding_window=0), state)(
+            TOKENS, torch.arange(TOKENS.shape[1]))
+    theirs = hf_logits(tmp_path / "hf")
+    torch.testing.assert_close(ours, theirs, **TOL)
+    assert (unwindowed - theirs).abs().max() > 1e-2
+
+
 def test_attention_that_tetrad_lacks_is_refused_by_name():
-    """A sliding window shorter than the context (Mistral 7B v0.1's 4096), Llama's output
-    projection bias, and a Qwen2 that uses its sliding window: each would be another model."""
+    """Llama's output projection bias would be another model, and so would a Qwen2 window in some
+    layers only (max_window_layers between 0 and the layer count): both refused by name. Mistral
+    7B v0.1's window (4096 of 32768) and a Qwen2 window over every layer convert; windows that
+    cover the whole context, or that the config switches off or puts in no layer, are none."""
     from tetrad.config import ConfigError
     from tetrad.train.convert import model_config_from_hf
-    base = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+    base = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
             "vocab_size": 251, "max_position_embeddings": 32768}
-    refused = [({"model_type": "mistral", "sliding_window": 4096}, "'sliding_window': 4096"),
-               ({"model_type": "llama", "attention_bias": True}, "'attention_bias': True"),
-               ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "'sliding_window': 4096")]
+    qwen = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}
+    refused = [({"model_type": "llama", "attention_bias": True}, "tetrad's Llama has no {'attention_bias': True"),
+               ({**qwen, "max_window_layers": 1}, "sliding_window=4096 applies to 1 of 2 layers \\(max_window_layers=1\\)"
+                                                  ".*only max_window_layers=0"),
+               ({**qwen, "layer_types": ["full_attention", "sliding_attention"]}, "1 of 2 layers \\(its layer_types\\)")]
     for keys, named in refused:
-        with pytest.raises(ConfigError, match=f"tetrad's Llama has no {{{named}"):
+        with pytest.raises(ConfigError, match=named):
             model_config_from_hf({**base, **keys}, Path("config.json"))
-    # Windows that cover the whole context, or that the config switches off, change nothing.
-    for keys in ({"model_type": "mistral", "sliding_window": None}, {"model_type": "mistral", "sliding_window": 32768},
-                 {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096}):
-        assert model_config_from_hf({**base, **keys}, Path("config.json"))["qkv_bias"] == (keys["model_type"] == "qwen2")
+    windows = [({"model_type": "mistral", "sliding_window": 4096}, 4096), ({**qwen, "max_window_layers": 0}, 4096),
+               ({**qwen, "layer_types": ["sliding_attention"] * 2}, 4096), ({**qwen, "max_window_layers": 2}, 0),
+               ({**qwen}, 0),  # transformers' default max_window_layers, 28, puts the window in no layer of 2
+               ({"model_type": "mistral", "sliding_window": None}, 0), ({"model_type": "mistral", "sliding_window": 32768}, 0),
+               ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 0}, 0)]
+    for keys, window in windows:
+        model = model_config_from_hf({**base, **keys}, Path("config.json"))
+        assert (model["sliding_window"], model["qkv_bias"]) == (window, keys["model_type"] == "qwen2"), keys
 
 
 def test_rope_read_from_either_transformers_config_form():

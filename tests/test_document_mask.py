@@ -16,7 +16,8 @@ from tetrad.data.sources import load_tokens
 from tetrad.dist.layout import Layout, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model import attention as attn
-from tetrad.model.documents import Documents, document_ids, document_visibility
+from tetrad.model.documents import Documents, document_ids
+from tetrad.model.masks import RingMasks, ring_blocks
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
 from tetrad.train.batches import Batches
@@ -52,14 +53,15 @@ def test_masked_dispatch_takes_a_kernel_with_a_mask():
             assert attn.choose_kernel("cpu", dtype, True, algo, masked=True).name == "cpu_flash"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masked_cuda_kernel_calls_on_meta(dtype):
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 2), (torch.bfloat16, 2), (torch.bfloat16, 1)])
+def test_masked_cuda_kernel_calls_on_meta(dtype, rows):
     """The memory-efficient kernel's calls with a document mask (its bias over every head, rows
-    padded to 16 elements), through torch's meta kernels: shapes as unmasked (no GPU here; as
-    tests/test_attention_kernels.py checks the unmasked calls)."""
+    padded to 16 elements), or a sliding window's, one row for the batch (`rows` 1), through
+    torch's meta kernels: shapes as unmasked (no GPU here; as tests/test_attention_kernels.py
+    checks the unmasked calls)."""
     q = torch.empty(2, 4, 40, 64, dtype=dtype, device="meta")
     k = v = torch.empty(2, 4, 24, 64, dtype=dtype, device="meta")
-    visible = torch.empty(2, 1, 40, 24, dtype=torch.bool, device="meta")
+    visible = torch.empty(rows, 1, 40, 24, dtype=torch.bool, device="meta")
     out, lse = attn._block_forward(q, k, v, False, "efficient", visible)
     assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
     grads = attn._block_backward(torch.empty_like(out), q, k, v, out, lse, False, "efficient", visible)
@@ -160,50 +162,38 @@ def test_merge_takes_nothing_from_a_row_that_sees_no_key():
     assert not empty.isnan().any() and empty_lse[:, :, 1:3].isneginf().all()
 
 
-def test_the_ring_skips_exactly_the_blocks_no_row_sees():
-    """`_sees_any` decides from two ids per sequence on the host what the block's mask says on
-    the device: in every block off the diagonal, at every cp rank and ring step, over documents
-    from one token long to longer than the window."""
-    outcomes = set()
-    for seed, (cp, chunk, eos_share) in enumerate((c, n, e) for c in (2, 3, 4) for n in (1, 3, 5)
-                                                  for e in (0.0, 0.05, 0.3, 0.9)):
-        docs = _documents(2 * cp * chunk, batch=3, seed=seed, eos_share=eos_share)
-        for rank in range(cp):
-            for step in range(1, cp):
-                src = (rank - step) % cp
-                rows, cols, causal = attn._visible(step, src, rank, chunk)
-                mine = shard_sequence(docs.ids, cp, rank)[:, rows]
-                theirs = shard_sequence(docs.ids, cp, src)[:, cols]
-                seen = bool(document_visibility(mine, theirs, causal).any())
-                assert attn._sees_any(docs.host, cp, rank, src) == seen, (cp, chunk, eos_share, rank, step)
-                outcomes.add(seen)
-    assert outcomes == {True, False}
+# The ring's choice of blocks, from the ids on the host, against the masks on the device:
+# tests/test_sliding_window.py test_the_ring_computes_exactly_the_blocks_the_masks_leave
+# (window 0 is document masking alone).
 
 
-def _ring_reference(heads, kv_heads):
+def _ring_reference(heads, kv_heads, window: int = 0, masked: bool = True):
+    """One process's attention and gradients over 32 tokens, with documents (`masked`) and a
+    sliding `window` (0: none; tests/test_sliding_window.py)."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 32, n, 8, generator=g, requires_grad=True) for n in (heads, kv_heads, kv_heads))
     dout = torch.randn(2, 32, heads, 8, generator=g)
-    docs = _documents(32, seed=3)
-    out = attn.local_attention(q, k, v, docs)
+    docs = _documents(32, seed=3) if masked else None
+    out = attn.local_attention(q, k, v, docs, window)
     out.backward(dout)
     return [t.detach() for t in (q, k, v, dout, out, q.grad, k.grad, v.grad)], docs
 
 
-def _ring_rank(cp, cases, dtype):
+def _ring_rank(cp, cases, dtype, window: int = 0):
     """Each case on this cp rank, through `attention` (ring and all-to-all on the CPU kernel) and
     through the ring on the math kernel, whose masked rows give NaN outputs; inputs in `dtype`,
-    errors against the fp32 reference."""
+    errors against the fp32 reference (`_ring_reference`'s, at the same `window`)."""
     topo = Topology(Layout(cp=cp), torch.device("cpu"))
     rank, errors = topo.local_rank("cp"), {}
     for (heads, kv_heads), (tensors, docs) in cases.items():
         q, k, v, dout, *expected = (shard_sequence(t, cp, rank, 1) for t in tensors)
         q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
-        runs = {algo: (lambda q, k, v, algo=algo: attn.attention(q, k, v, topo, algo, docs=docs))
+        runs = {algo: (lambda q, k, v, algo=algo: attn.attention(q, k, v, topo, algo, docs=docs, window=window))
                 for algo in ("ring", "alltoall")}
         math = attn.Kernel("math", heads != kv_heads)
+        masks = RingMasks(window, docs, ring_blocks(cp, rank, q.shape[1] // 2, window, docs and docs.host))
         runs["ring-math"] = lambda q, k, v: attn._RingAttention.apply(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, math, None, docs).transpose(1, 2)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, math, None, masks).transpose(1, 2)
         for name, run in runs.items():
             q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
             out = run(q_, k_, v_)

@@ -25,7 +25,8 @@ def random_model(**model):
 
 
 @pytest.mark.parametrize("model", [{}, {"preset": "tiny-gpt", "n_layers": 2, "d_model": 64, "n_heads": 4,
-                                        "n_kv_heads": 4, "ffn_hidden": 128, "seq_len": 32}])
+                                        "n_kv_heads": 4, "ffn_hidden": 128, "seq_len": 32},
+                                   {"sliding_window": 5}])  # the cache keeps every token, the window masks
 def test_kv_cache_decoding_gives_the_full_forward_logits(model):
     net = random_model(**model)
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))

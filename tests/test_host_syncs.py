@@ -16,6 +16,7 @@ LAYOUTS = {  # name -> (parallel, train, model), every one under document maskin
     "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}, {}),
     "cp2-ring-selective-op": ({"cp": 2, "cp_algo": "ring"}, {"recompute": "selective-op"}, {}),
     "cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}, {}),
+    "cp2-ring-window": ({"cp": 2, "cp_algo": "ring"}, {}, {"sliding_window": 5}),  # which blocks: host-decided
     "pp2-1f1b": ({"pp": 2, "schedule": "1f1b"}, {}, {}),
     "pp2-zb": ({"pp": 2, "schedule": "zb"}, {}, {}),
     "pp2-vpp2-interleaved-full": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"recompute": "full"},

@@ -91,6 +91,10 @@ class ModelConfig:
     # An RMSNorm over each head of q and of k before RoPE (Qwen3's q_norm and k_norm): one weight
     # of head_dim shared by every head, whose gradient each tp rank makes from its own heads.
     qk_norm: bool = False
+    # Sliding-window attention (Mistral v0.1's `sliding_window`, Qwen2's with use_sliding_window):
+    # a query at position i sees the keys j with i - sliding_window < j <= i, itself included;
+    # 0: every earlier key (model/masks.py). A window of seq_len or more hides nothing.
+    sliding_window: int = 0
 
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:

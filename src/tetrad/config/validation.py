@@ -53,6 +53,7 @@ RANGES: dict[str, Range] = {
     **{f"model.{k}": SIZE for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size",
                                     "seq_len")},
     "model.head_dim": COUNT,  # 0: d_model / n_heads
+    "model.sliding_window": COUNT,  # 0: no window
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.dropout": Range(0, 1),
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
@@ -71,6 +72,9 @@ RANGES: dict[str, Range] = {
 
 
 PARALLEL_SIZES = tuple(f"parallel.{k}" for k in ("dp", "tp", "pp", "cp", "vpp"))
+# What a key means, where its range alone does not say what to set instead.
+RANGE_HINTS = {"model.sliding_window": "; it is how many keys each query sees, itself included (HF's sliding_window, "
+                                       "e.g. 4096); set 0 for no window"}
 
 
 def check_ranges(cfg: Config) -> None:
@@ -87,7 +91,8 @@ def check_ranges(cfg: Config) -> None:
                     kind = "a finite number" if isinstance(v, float) else "an integer"
                     infer = ("; tetrad does not infer a size from -1 (torchtitan does): give each of dp, tp, pp, "
                              "cp, whose product is the number of ranks" if v == -1 and name in PARALLEL_SIZES else "")
-                    raise ConfigError(f"{where}={v!r} is out of range: it must be {kind} {RANGES[name]}{infer}")
+                    raise ConfigError(f"{where}={v!r} is out of range: it must be {kind} {RANGES[name]}{infer}"
+                                      f"{RANGE_HINTS.get(name, '')}")
 
 
 def divisors(n: int) -> list[int]:
@@ -338,6 +343,9 @@ def idle_settings(cfg: Config) -> list[str]:
     layouts), one line each, for the run's first lines: a user who set them expects them to act."""
     p, replicas = cfg.parallel, cfg.parallel.dp * cfg.parallel.cp
     notes = []
+    if cfg.model.sliding_window >= cfg.model.seq_len:
+        notes.append(f"model.sliding_window={cfg.model.sliding_window} does nothing at seq_len={cfg.model.seq_len} "
+                     "(every query already sees at most seq_len keys)")
     if p.sequence_parallel and p.tp == 1:
         notes.append("parallel.sequence_parallel=true does nothing at tp=1 (it splits the sequence over tp)")
     if p.zero and replicas == 1:

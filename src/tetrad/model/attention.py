@@ -20,26 +20,28 @@ with a recent cuDNN), memory-efficient for fp32; on CPU the CPU flash kernel; el
 fp32 matmul + logsumexp with the same contract. Kernels without grouped-query support get K/V
 heads repeated to the query heads (`expand_kv`), so fp32 GQA never falls back to SDPA's math kernel.
 
-Document masking (`docs`, model/documents.py): the local and all-to-all paths hand SDPA the
-window's additive bias (one tensor per micro-batch that every layer shares, unless the layers
-recompute attention, which then build it from the ids); the ring takes each token's document id
-over the whole window (`Documents`), builds each block's mask from the ids of the two ranks'
-chunks, skips a block no query row of which sees a key (decided from the ids on the host, so no
-layer waits on the device), and merges a row that sees none of a block's keys as no contribution.
+Masks beyond causality (model/masks.py): a sliding window (`window`, model.sliding_window) and
+documents (`docs`, train.document_mask), AND-ed. The local and all-to-all paths hand SDPA the
+sequence's additive bias (one tensor per micro-batch that every layer shares, unless the layers
+recompute attention, which then build it); the ring decides on the host, from positions and the
+window's document ids (`Documents`), which blocks it computes and which of those need a mask
+(`ring_blocks`: a block no query row of which sees a key is skipped, so no layer waits on the
+device), builds each masked block's visibility from the two ranks' chunks, and merges a row that
+sees none of a block's keys as no contribution.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tetrad import device as devices
-from tetrad.dist.layout import load_balanced_order, shard_sequence
+from tetrad.dist.layout import load_balanced_order
 from tetrad.model.execution import run_eagerly
-from tetrad.model.documents import Documents, additive_bias, document_visibility, window_bias
+from tetrad.model.documents import Documents
+from tetrad.model.masks import RingMasks, additive_bias, block_visibility, ring_blocks, sequence_bias
 from tetrad.model.replay import RingReplay
 
 
@@ -64,8 +66,9 @@ def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
     one SDPA call runs cuDNN for bf16/fp16, grouped heads included (seen on an H200, torch 2.11),
     and the ring's blocks call cuDNN too, except with GQA (its block op takes equal heads only).
     Causal masking does not enter: a ring's causal blocks are square, which every kernel takes.
-    A document mask (`masked`) does: flash takes no mask, so CUDA runs the memory-efficient kernel
-    (an additive bias) in every dtype; the CPU kernel takes one too. So does `head_dim` (device.py).
+    A mask beyond it (`masked`: documents, a sliding window) does: flash takes no mask, so CUDA runs
+    the memory-efficient kernel (an additive bias) in every dtype; the CPU kernel takes one too.
+    So does `head_dim` (device.py).
     """
     fits = devices.fused_attention_kernels(dtype, head_dim) if device_type == "cuda" else set()
     if device_type == "cpu":
@@ -78,14 +81,15 @@ def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention over a whole sequence held by this rank, within documents if `docs`.
+                    docs: Documents | torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """Causal attention over a whole sequence held by this rank, within documents if `docs` and
+    the sliding `window` (0: none).
 
     q: [b, s, heads, d]; k, v: [b, s, kv_heads, d] (grouped-query when kv_heads < heads); docs:
-    the window's document-masking bias, [b, 1, s, s] (documents.window_bias, shared by the
-    layers), or its `Documents`, to build it here. Returns [b, s, heads, d].
+    the sequence's mask bias, [b or 1, 1, s, s] (masks.sequence_bias, shared by the layers: the
+    window is in it), or its `Documents` (or None) to build it here. Returns [b, s, heads, d].
     """
-    bias = window_bias(docs.ids, q.dtype) if isinstance(docs, Documents) else docs
+    bias = docs if isinstance(docs, torch.Tensor) else sequence_bias(docs, window, q.shape[1], q.dtype, q.device)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall", masked=bias is not None, head_dim=q.shape[-1]).expand_kv:
@@ -96,32 +100,38 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, cp_algo: str = "ring",
-              replay: RingReplay | None = None, docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
+              replay: RingReplay | None = None, docs: Documents | torch.Tensor | None = None,
+              window: int = 0) -> torch.Tensor:
     """Causal attention of this rank's tokens (shapes as `local_attention`), context parallel
     over topo's cp group with `cp_algo` ("ring" or "alltoall") when cp > 1. `replay`: the
     layer's RingReplay, which a per-op recompute opens. `docs`: document masking's input: the
-    window's `Documents` (the whole window's, not this rank's shard), or for the local and
-    all-to-all paths the window's bias built from them (model/documents.py)."""
+    whole sequence's `Documents` (not this rank's shard), or for the local and all-to-all paths
+    the sequence's bias (masks.sequence_bias, the window in it). `window`: model.sliding_window."""
     if topo.size("cp") == 1:
-        return local_attention(q, k, v, docs)
+        return local_attention(q, k, v, docs, window)
     if cp_algo == "ring":
-        return run_eagerly(ring_attention, q, k, v, topo, replay, docs)
-    return alltoall_attention(q, k, v, topo, docs)
+        return run_eagerly(ring_attention, q, k, v, topo, replay, docs, window)
+    return alltoall_attention(q, k, v, topo, docs, window)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
-                   replay: RingReplay | None = None, docs: Documents | None = None) -> torch.Tensor:
-    """`_RingAttention` on the kernel this device and dtype take (shapes as `attention`)."""
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, replay: RingReplay | None = None,
+                   docs: Documents | None = None, window: int = 0) -> torch.Tensor:
+    """`_RingAttention` on the kernel this device and dtype take (shapes as `attention`), over the
+    blocks the masks leave (decided on the host: masks.ring_blocks)."""
+    cp, rank = topo.size("cp"), topo.local_rank("cp")
+    blocks = ring_blocks(cp, rank, q.shape[1] // 2, window, docs.host if docs is not None else None)
+    masks = RingMasks(window, docs, blocks)
     kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
-                           devices.prefers_cudnn_attention(q.device), masked=docs is not None, head_dim=q.shape[-1])
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel, replay, docs)
+                           devices.prefers_cudnn_attention(q.device), masked=any(b and b.masked for b in blocks),
+                           head_dim=q.shape[-1])
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel, replay, masks)
     return out.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------- block kernels
 # q [b, h, sq, d]; k, v [b, h or kv_heads, sk, d]; lse [b, h, sq] in fp32. A causal block is
 # square. Dropout is 0, so the CUDA backwards never read their random-number state. `visible`:
-# a document mask [b, 1, sq, sk] (bool), for the kernels that take one (choose_kernel).
+# a mask [b or 1, 1, sq, sk] (bool), for the kernels that take one (choose_kernel).
 aten = torch.ops.aten
 
 
@@ -204,49 +214,11 @@ def _scores(q, k, causal: bool, visible=None):
 
 # ----------------------------------------------------------------------------- ring
 
-def _visible(step: int, src: int, rank: int, half: int):
-    """Which of my query rows see which of `src`'s key columns, and whether causally.
-
-    I hold chunks (rank, 2cp−1−rank), src holds (src, 2cp−1−src). Step 0 (my own block) is plain
-    causal. If src < rank, all my rows see src's first chunk and none its second. If src > rank,
-    only my second chunk sees src, all of it. So every other step is half a block, on every rank.
-    """
-    if step == 0:
-        return slice(None), slice(None), True
-    if src < rank:
-        return slice(None), slice(None, half), False
-    return slice(half, None), slice(None), False
-
-
-def _ring_steps(docs: Documents | None, cp: int, rank: int, half: int) -> list:
-    """Each ring step's (rows, cols, causal, visible): `_visible`'s block and, under document
-    masking, its mask with causality folded in (`causal` then False), from the ids of my chunks
-    and the source's (every rank holds the whole window's). A masked block no row of which sees
-    a key is None: the ring passes it on without computing (`_sees_any`, decided on the host)."""
-    steps = []
-    for step in range(cp):
-        src = (rank - step) % cp
-        rows, cols, causal = _visible(step, src, rank, half)
-        if docs is None:
-            steps.append((rows, cols, causal, None))
-        elif step == 0 or _sees_any(docs.host, cp, rank, src):
-            mine, theirs = shard_sequence(docs.ids, cp, rank)[:, rows], shard_sequence(docs.ids, cp, src)[:, cols]
-            steps.append((rows, cols, False, document_visibility(mine, theirs, causal)))
-        else:
-            steps.append(None)
-    return steps
-
-
-def _sees_any(host_ids: np.ndarray, cp: int, rank: int, src: int) -> bool:
-    """Whether any query row of mine sees a key of `src`'s block, off the diagonal (src != rank),
-    from the window's document ids on the host [b, S]. There every key of the block comes before
-    every query row (`_visible`), and ids never decrease along a row, so some row sees some key
-    exactly when, in some sequence, the block's last key and its first query row share a document
-    (the keys end with src's first chunk if src < rank, else its second; the rows start likewise)."""
-    chunk = host_ids.shape[1] // (2 * cp)
-    last_key = src if src < rank else 2 * cp - 1 - src
-    first_query = rank if src < rank else 2 * cp - 1 - rank
-    return bool((host_ids[:, (last_key + 1) * chunk - 1] == host_ids[:, first_query * chunk]).any())
+def _ring_steps(masks: RingMasks, cp: int, rank: int, half: int, device: torch.device) -> list:
+    """Each ring step's (rows, cols, causal, visible) from its host-decided block (None: skipped),
+    `visible` the block's mask on the device where it needs one (masks.block_visibility)."""
+    return [None if b is None else (b.rows, b.cols, b.causal and not b.masked,
+                                    block_visibility(masks, b, cp, rank, half, device)) for b in masks.blocks]
 
 
 def _pass_on(tensor: torch.Tensor, topo):
@@ -286,14 +258,14 @@ def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.view(b, h // groups, groups, s, d).sum(2) if groups > 1 else x
 
 
-def _ring_forward(q, k, v, topo, kernel: Kernel, docs: Documents | None):
+def _ring_forward(q, k, v, topo, kernel: Kernel, masks: RingMasks):
     """The merged (output, fp32 log-sum-exp) of q over every rank's K/V, passed around the ring."""
     cp, rank = topo.size("cp"), topo.local_rank("cp")
     half, groups = q.shape[2] // 2, _expansion(q, k, kernel)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
     kv = torch.stack([k, v])  # the block that travels: KV heads only
-    for step, block in enumerate(_ring_steps(docs, cp, rank, half)):
+    for step, block in enumerate(_ring_steps(masks, cp, rank, half, q.device)):
         pending, incoming = _pass_on(kv, topo) if step < cp - 1 else (None, None)
         if block is not None:
             rows, cols, causal, visible = block
@@ -313,11 +285,11 @@ class _RingAttention(torch.autograd.Function):
     this rank's two chunks. Its backward is a second ring, not autograd through the first."""
 
     @staticmethod
-    def forward(ctx, q, k, v, topo, kernel: Kernel, replay: RingReplay | None, docs: Documents | None):
-        args = (q, k, v, topo, kernel, docs)
+    def forward(ctx, q, k, v, topo, kernel: Kernel, replay: RingReplay | None, masks: RingMasks):
+        args = (q, k, v, topo, kernel, masks)
         out, lse = replay.run(_ring_forward, *args) if replay is not None else _ring_forward(*args)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.topo, ctx.kernel, ctx.docs = topo, kernel, docs  # docs: the batch's, alive anyway
+        ctx.topo, ctx.kernel, ctx.masks = topo, kernel, masks  # its documents: the batch's, alive anyway
         return out
 
     @staticmethod
@@ -329,7 +301,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv_pending = dkv_incoming = None
-        for step, block in enumerate(_ring_steps(ctx.docs, cp, rank, half)):
+        for step, block in enumerate(_ring_steps(ctx.masks, cp, rank, half, q.device)):
             kv_pending, kv_incoming = _pass_on(kv, topo) if step < cp - 1 else (None, None)
             # The dK/dV of the block in hand, fp32; the accumulator for it arrives from the
             # previous rank and leaves for the next, reaching the owner after cp passes.
@@ -387,14 +359,14 @@ class _AllToAll(torch.autograd.Function):
 
 
 def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo,
-                       docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
+                       docs: Documents | torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Ulysses: every rank attends over the whole sequence for heads/cp of its heads. The
-    gathered sequence is put in true-position order so the causal kernel (and the window's
-    document masking, `docs` as local_attention takes it) apply, then back."""
+    gathered sequence is put in true-position order so the causal kernel (and the masks, `docs`
+    and `window` as local_attention takes them) apply, then back."""
     cp = topo.size("cp")
     order = load_balanced_order(q.shape[1] * cp, cp, q.device)  # true position of each gathered token
     natural = torch.argsort(order)
     q = run_eagerly(_AllToAll.apply, q, topo, True)[:, natural]
     k = run_eagerly(_AllToAll.apply, k, topo, True)[:, natural]
     v = run_eagerly(_AllToAll.apply, v, topo, True)[:, natural]
-    return run_eagerly(_AllToAll.apply, local_attention(q, k, v, docs)[:, order], topo, False)
+    return run_eagerly(_AllToAll.apply, local_attention(q, k, v, docs, window)[:, order], topo, False)

@@ -1,7 +1,7 @@
 """Document masking's inputs to attention (train.document_mask): a query sees only earlier keys
 of its own document. A micro-batch carries each token's document id over the whole window, [b, S]
 (`Documents`, from train/batches.py), the same on every rank and pipeline stage, so no rank needs
-another's."""
+another's. model/masks.py turns them into masks."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Documents:
     """A micro-batch's document ids over the whole window, [b, S]: on the device for the masks
     (`ids`) and on the host (`host`, the same ids) for the decisions that depend on their values,
     which read from the device would stall the host once per layer on GPUs (the ring's skipped
-    blocks, model/attention.py)."""
+    blocks, model/masks.py)."""
     ids: torch.Tensor
     host: np.ndarray
 
@@ -42,30 +42,3 @@ class Documents:
         """The documents of host-side windows `inputs` [b, S] that `eos` ends."""
         ids = document_ids(inputs, eos)
         return cls(ids.to(device), ids.numpy())
-
-
-def document_visibility(docs_q: torch.Tensor, docs_k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """[b, 1, sq, sk] bool: query i may see key j, both of one document (ids [b, sq] and [b, sk])
-    and, if `causal`, j not after i (rows and columns both in position order)."""
-    visible = docs_q[:, None, :, None] == docs_k[:, None, None, :]
-    if causal:
-        visible = visible & torch.ones(visible.shape[-2:], dtype=torch.bool, device=visible.device).tril()
-    return visible
-
-
-def window_bias(ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The window's causal document-masking bias for the paths that attend over the whole window
-    at once (one cp rank, all-to-all): [b, 1, S, S] in the activations' `dtype`, 0 where a query
-    may see a key, -inf elsewhere: what SDPA would convert a boolean mask to, and keep. Built once
-    per micro-batch and model chunk where no layer recomputes its attention (model/llama.py),
-    every layer's attention keeps a reference to that one tensor, not a copy each: a b x S^2
-    tensor per layer (4 GiB at Llama 3 8B's 32 layers, seq 8192, tp 8) becomes one per micro-batch
-    in flight. Under recompute each layer builds it from the ids inside the recomputed region
-    instead, which keeps none past its forward."""
-    return additive_bias(document_visibility(ids, ids, causal=True), dtype)
-
-
-def additive_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean visibility as the additive bias attention kernels take: 0 where a query sees a
-    key, -inf elsewhere, in `dtype`."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))

@@ -3,8 +3,10 @@
 The convention, used for MFU everywhere in tetrad: a multiply-add is 2 FLOPs; a training step
 costs 3x the forward (forward, backward for inputs, backward for weights); causal attention's
 QK^T and AV are counted **in full**, as if no score were masked (the convention of Megatron-LM's
-Narayanan et al. Eq. 3, PaLM and torchtitan), so MFU is comparable with their figures; the
-embedding lookup is free and the output head counts. Hardware FLOPs (HFU) add what activation
+Narayanan et al. Eq. 3, PaLM and torchtitan), so MFU is comparable with their figures; under a
+sliding window shorter than the sequence each query counts the window's keys in full, not the
+sequence's (the band a sliding-window kernel computes; as the window grows to the sequence this
+is the causal count); the embedding lookup is free and the output head counts. Hardware FLOPs (HFU) add what activation
 recomputation repeats. What kernels actually execute (a causal kernel skips about half of the
 attention core) is the time model's business (plan/layer.py), not this convention's.
 """
@@ -65,8 +67,10 @@ def layer_qk_norm_params(m: ModelConfig) -> int:
 
 
 def attention_core_flops(m: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of QK^T and AV over the whole sequence, counted in full."""
-    return 2 * 2 * seq_len * m.n_heads * m.head_dim
+    """Forward FLOPs per token of QK^T and AV over the keys a query may see, counted in full: the
+    whole sequence, or model.sliding_window keys where that is shorter."""
+    keys = min(seq_len, m.sliding_window) if m.sliding_window else seq_len
+    return 2 * 2 * keys * m.n_heads * m.head_dim
 
 
 def head_flops(m: ModelConfig) -> float:

@@ -25,7 +25,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from tetrad.config import ModelConfig
 from tetrad.model.attention import attention
-from tetrad.model.documents import Documents, window_bias
+from tetrad.model.documents import Documents
+from tetrad.model.masks import hides_keys, sequence_bias, visibility
 from tetrad.model.replay import RingReplay
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
@@ -102,13 +103,15 @@ class LayerCache:
         self.k, self.v = self.k[:, :tokens], self.v[:, :tokens]
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
     """Causal attention of the newest q.shape[1] tokens over all k.shape[1] cached ones
-    (one process, no parallelism: decoding). q: [b, s, heads, d]; k, v: [b, t, kv_heads, d]."""
+    (one process, no parallelism: decoding), within the sliding `window` (0: none). The cache
+    keeps every token's keys and values; the window masks those it has left behind.
+    q: [b, s, heads, d]; k, v: [b, t, kv_heads, d]."""
     s, t = q.shape[1], k.shape[1]
     groups = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-    visible = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - s, t, device=q.device)[:, None]
+    visible = visibility(torch.arange(t - s, t, device=q.device), torch.arange(t, device=q.device), window)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible)
     return out.transpose(1, 2)
 
@@ -132,7 +135,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: LayerCache | None = None, docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
         """`cache` (decoding): x holds the newest tokens only; their keys and values join the cache.
-        `docs`: the window's `Documents` or their shared bias, for document masking (model/attention.py)."""
+        `docs`: the sequence's `Documents`, or the mask bias the chunk's layers share (model/masks.py)."""
         # q, k, v share one input collective; under SP x is a sequence chunk, q/k/v the whole sequence.
         q, k, v = column_parallel_linears(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.topo, self.ex)
         q, k, v = self.wq.add_bias(q), self.wk.add_bias(k), self.wv.add_bias(v)
@@ -144,7 +147,7 @@ class Attention(nn.Module):
         if cache is not None:
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            out = cached_attention(q, *cache.extend(k, v))
+            out = cached_attention(q, *cache.extend(k, v), self.cfg.sliding_window)
         elif self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, rope, docs, use_reentrant=False)
         else:
@@ -157,7 +160,7 @@ class Attention(nn.Module):
         and log-sum-exp); the rotated q and k, elementwise and cheap to redo, are the bulk."""
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return attention(q, k, v, self.topo, self.ex.cp_algo, self.ring_replay, docs)
+        return attention(q, k, v, self.topo, self.ex.cp_algo, self.ring_replay, docs, self.cfg.sliding_window)
 
 
 class MLP(nn.Module):
@@ -321,13 +324,19 @@ class Transformer(nn.Module):
                                                  grad_in_bi=True)
         self._rope: tuple | None = None  # (positions, their version, tables): see `rope`
 
-    def _shares_document_bias(self) -> bool:
-        """Whether the chunk's layers take one document-masking bias built for all of them: on the
-        paths that attend over the whole window (the ring builds per-block masks from the ids),
+    def _shared_bias(self, docs: Documents | None, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """The mask bias (documents, sliding window) the chunk's layers take, built once for all of
+        them: on the paths that attend over the whole sequence (the ring builds per-block masks),
         where no layer recomputes its attention (a recompute rebuilds the bias instead of keeping
-        one; model/documents.py)."""
-        whole = self.topo.size("cp") == 1 or self.execution.cp_algo == "alltoall"
-        return whole and all(b.recompute == "none" and not b.attn.recompute_core for b in self.layers.values())
+        one; model/masks.py). None where the layers build their own, or need none."""
+        cp = self.topo.size("cp")
+        length = positions.shape[0] * cp
+        if docs is None and not hides_keys(self.cfg.sliding_window, length):
+            return None
+        whole = cp == 1 or self.execution.cp_algo == "alltoall"
+        if not whole or any(b.recompute != "none" or b.attn.recompute_core for b in self.layers.values()):
+            return None
+        return sequence_bias(docs, self.cfg.sliding_window, length, h.dtype, h.device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: dict[str, LayerCache] | None = None, docs: Documents | None = None) -> torch.Tensor:
@@ -338,8 +347,8 @@ class Transformer(nn.Module):
         (decoding, one process): per layer name, the keys and values of the earlier tokens; x
         then holds only the new tokens, at `positions`, and the cache grows by them. `docs`
         (document masking): the `Documents` of the whole window, [b, seq_len], on every rank and
-        stage (not sharded: attention derives each rank's part), or the
-        window's bias built here once for the chunk's layers (`_shares_document_bias`)."""
+        stage (not sharded: attention derives each rank's part); the mask bias, documents and
+        sliding window, is built here once for the chunk's layers where they share it (`_shared_bias`)."""
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":
@@ -347,8 +356,8 @@ class Transformer(nn.Module):
         else:
             h = x
         rope = self.rope(positions) if self.cfg.pos == "rope" else None
-        if docs is not None and self._shares_document_bias():
-            docs = window_bias(docs.ids, h.dtype)  # once for all the chunk's layers
+        bias = self._shared_bias(docs, positions, h) if cache is None else None
+        docs = docs if bias is None else bias  # once for all the chunk's layers
         for name, block in self.layers.items():
             h = block(h, rope, docs=docs) if cache is None else block(h, rope, cache.setdefault(name, LayerCache()))
         if not self.last:

@@ -9,7 +9,7 @@ class RingReplay:
     """The ring's merged output and log-sum-exp, kept by a block's forward and handed back to its
     recompute under the per-op policy (`selective-op`, model/llama.py). The ring's backward reads
     only q, k, v and those two; left to the policy, the ring's block kernels would each keep their
-    own (cp of them, over the whole sequence on the last cp rank: model/attention.py `_visible`)
+    own (cp of them, over the whole sequence on the last cp rank: model/masks.py `ring_blocks`)
     and the recompute would run the ring again, K/V sends included. One per attention layer: the
     block's checkpoint opens `recording(kept)` around its forward, where each ring call appends
     its result to `kept` (and `running` tells the policy to keep nothing from inside it), and

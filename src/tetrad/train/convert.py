@@ -1,6 +1,7 @@
 """`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors (`LlamaForCausalLM` layout, or
 `Qwen2ForCausalLM`'s, which is Llama's with biases on the q, k and v projections: model.qkv_bias,
-or `Qwen3ForCausalLM`'s, Llama's with an RMSNorm over each head of q and k: model.qk_norm).
+or `Qwen3ForCausalLM`'s, Llama's with an RMSNorm over each head of q and k: model.qk_norm; a
+sliding window, model.sliding_window, as `MistralForCausalLM`'s or Qwen's sliding_window).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming. Reading HF weights goes through
@@ -30,6 +31,7 @@ from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTem
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import document_prefix, eos_id, run_tokenizer
 from tetrad.model.llama import Transformer
+from tetrad.model.masks import hides_keys
 from tetrad.model.sharding import spec_of
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
@@ -151,13 +153,41 @@ def exported_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer | None
 
 def _hf_architecture(m) -> dict:
     """config.json's architecture keys: Qwen3's for qk-norm, Qwen2's for q, k and v biases
-    (transformers' Llama would put one on the output projection too), else Llama's."""
+    (transformers' Llama would put one on the output projection too), else Llama's, or Mistral's
+    (Llama's with a sliding window) where model.sliding_window hides keys. Qwen2 and Qwen3 slide
+    in every layer from max_window_layers = 0 on."""
+    window = m.sliding_window if hides_keys(m.sliding_window, m.seq_len) else None
+    qwen = {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
     if m.qk_norm:
-        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-                "use_sliding_window": False}
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, **qwen}
     if m.qkv_bias:
-        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **qwen}
+    if window is not None:
+        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": window}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False}
+
+
+def _window_from_hf(hf: dict, kind: str, source: Path) -> int:
+    """model.sliding_window of a config.json: Mistral's `sliding_window` (null: none); Qwen2's and
+    Qwen3's where `use_sliding_window` is true, which transformers applies to the layers from
+    `max_window_layers` on (or as its `layer_types` list says): every layer or none, or refused
+    (tetrad's window is the same in every layer). 0 where the window covers the whole context."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind not in ("qwen2", "qwen3")) else None
+    if window is None or window >= hf.get("max_position_embeddings", 2048):
+        return 0
+    if kind in ("qwen2", "qwen3"):
+        layers = hf["num_hidden_layers"]
+        types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else
+                                          "full_attention" for i in range(layers)]
+        sliding = sum(t == "sliding_attention" for t in types)
+        if sliding == 0:
+            return 0
+        if sliding != layers:
+            said = "its layer_types" if hf.get("layer_types") else f"max_window_layers={hf.get('max_window_layers', 28)}"
+            raise ConfigError(f"{source}: sliding_window={window} applies to {sliding} of {layers} layers ({said}); "
+                              "tetrad's window is the same in every layer: only max_window_layers=0 (all) or >= "
+                              "num_hidden_layers (none) converts")
+    return int(window)
 
 
 def _special_token_ids(tokenizer) -> dict:
@@ -212,15 +242,12 @@ def _rope_from_hf(hf: dict) -> tuple[float, dict]:
 
 
 def model_config_from_hf(hf: dict, source: Path) -> dict:
-    """[model] keys of an HF Llama (or Mistral, Qwen2 or Qwen3) config.json; refuse what tetrad's
-    model cannot represent. Qwen2 is Llama with q, k and v biases, whatever its config says (it has
+    """[model] keys of an HF Llama (or Mistral, Qwen2 or Qwen3, their sliding windows included)
+    config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k and v biases, whatever its config says (it has
     no key for them); Qwen3 is Llama with qk-norm and, often, its own head_dim."""
     theta, scaling = _rope_from_hf(hf)
     kind = hf.get("model_type")
     unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias") if hf.get(k)}
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind not in ("qwen2", "qwen3")) else None
-    if window is not None and window < hf.get("max_position_embeddings", 2048):
-        unsupported["sliding_window"] = window
     if scaling and scaling.get("rope_type") != "llama3":
         unsupported["rope_scaling"] = scaling
     if hf.get("hidden_act", "silu") != "silu":
@@ -233,7 +260,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "seq_len": hf.get("max_position_embeddings", 2048), "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope",
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
             "qk_norm": kind == "qwen3", "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            "rope_theta": theta,
+            "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
             "rope_scaling": scaling, "norm_eps": float(hf.get("rms_norm_eps", 1e-5))}
 
 
@@ -295,7 +322,8 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
 def convert_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tetrad convert", description="Convert between tetrad checkpoints and "
                                      "Hugging Face safetensors (LlamaForCausalLM; Qwen2ForCausalLM for "
-                                     "model.qkv_bias, Qwen3ForCausalLM for model.qk_norm), on one CPU process.")
+                                     "model.qkv_bias, Qwen3ForCausalLM for model.qk_norm, MistralForCausalLM for a Llama with "
+                                     "model.sliding_window), on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)

@@ -1,7 +1,8 @@
 """`tetrad generate CHECKPOINT --prompt ...`: sample text from a checkpoint on one process.
 
 The checkpoint (any layout) is read as logical weights into a single-process model; decoding
-runs the prompt once and then one token per step against a KV cache (llama.LayerCache), and
+runs the prompt once and then one token per step against a KV cache (llama.LayerCache, which keeps
+every token; a model.sliding_window masks the keys a new token no longer sees), and
 texts go through the run's tokenizer (data/tokenizer.py: bytes for a run on raw text). The
 continuation's loss is computed by the model's training forward (summed token cross-entropy /
 tokens), the number a training step reports for the same tokens. With --chat the model answers

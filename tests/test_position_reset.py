@@ -96,6 +96,25 @@ def test_packed_window_equals_each_document_alone(pos):
         assert reset_vs_running < 1e-5
 
 
+def _window_by_row_positions():
+    """A windowed, document-masked model's logits given each row's positions ([b, s], as the reset
+    gives them) and given the one [s] tensor, over windows without an EOS (the same offsets)."""
+    cfg = tiny_config(model={"sliding_window": 3})
+    model = build_model(cfg, Topology.single())
+    x = torch.randint(1, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(3))
+    docs = Documents.of_windows(x, EOS, torch.device("cpu"))  # the mask's bias is built once for the layers
+    with torch.no_grad():
+        by_row = model(x, document_positions(x, EOS), docs=docs)
+        shared = model(x, torch.arange(cfg.model.seq_len), docs=docs)
+    return float((by_row - shared).abs().max())
+
+
+def test_a_sliding_window_masks_as_much_with_positions_per_row():
+    """The layers' shared mask (window and documents) measures the sequence from the positions'
+    last dimension: per-row positions [b, s] were read as a sequence of b tokens (a shape error)."""
+    assert run_ranks(_window_by_row_positions, 1)[0] < 1e-6
+
+
 def test_without_the_key_every_micro_batch_shares_one_positions_tensor():
     """The model keeps the RoPE tables of the positions tensor it was last given (Transformer.rope):
     with the key off they are computed once per run, not once per micro-batch."""
@@ -121,6 +140,7 @@ LAYOUTS = {  # name -> (parallel, model, document_mask, train)
     "pp2-vpp2-interleaved-full": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {"n_layers": 4}, False,
                                   {"recompute": "full"}),
     "tp2-sp-learned-masked": ({"tp": 2, "sequence_parallel": True}, {"pos": "learned"}, True, {}),
+    "cp2-ring-window-masked": ({"cp": 2, "cp_algo": "ring"}, {"sliding_window": 5}, True, {}),
 }
 
 

@@ -330,7 +330,7 @@ class Transformer(nn.Module):
         where no layer recomputes its attention (a recompute rebuilds the bias instead of keeping
         one; model/masks.py). None where the layers build their own, or need none."""
         cp = self.topo.size("cp")
-        length = positions.shape[0] * cp
+        length = positions.shape[-1] * cp  # positions: [s], or [b, s] under train.reset_positions
         if docs is None and not hides_keys(self.cfg.sliding_window, length):
             return None
         whole = cp == 1 or self.execution.cp_algo == "alltoall"

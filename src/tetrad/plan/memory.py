@@ -147,8 +147,8 @@ def _updated_elements(cfg: Config, params: float, buckets: RankBuckets, shard: i
 # buffer per bucket takes the owned fp32 gradient, 4 bytes a master's element; the device keeps
 # the weights and the gradient buckets. checkpoint.async_save stages a copy of the rank's
 # checkpointed state in CPU memory while a background write runs (Checkpointer._saved_state,
-# copy=True): the fp32 values the optimizer updates (masters, or fp32 weights) and both moments,
-# and the gradient codec's fp32 error feedback (the rank's gradients' size) where it keeps one.
+# copy=True): the fp32 values of the parameters the optimizer updates and both moments, unpadded,
+# and the gradient codec's fp32 error feedback (each whole padded bucket) where it keeps one.
 
 
 @dataclass
@@ -178,7 +178,7 @@ def host_memory_by_rank(cfg: Config) -> list[HostMemory]:
         if t.offload_optimizer:
             host.optimizer, host.grads = optimizer, 4 * updated
         if cfg.checkpoint.async_save and cfg.checkpoint.every:
-            host.checkpoint = optimizer + (4 * params if residual else 0.0)
+            host.checkpoint = (MOMENT_BYTES + MASTER_BYTES) * owned + (4 * buckets.padded if residual else 0.0)
         out.append(host)
     return out
 

@@ -145,3 +145,33 @@ def test_a_prompt_starts_with_the_tokenizers_own_prefix():
     assert ids == [bos] + plain.encode("the licence", add_special_tokens=False).ids
     assert text.startswith("the licence")
     assert complete(net, tokenizer, "", max_new=1)[1] == [bos]  # an empty prompt: the prefix alone
+
+
+def test_the_eos_the_data_recorded_stops_generation_and_is_the_exports(tmp_path, monkeypatch):
+    """A Llama-3-like tokenizer with <|endoftext|>, <|end_of_text|> and <|eot_id|>, its data made
+    with --eos <|eot_id|>: generate stops there, and the export's config.json and
+    tokenizer_config.json name it, not the first of KNOWN_EOS the tokenizer has (as before)."""
+    import json
+    from tetrad.data.tokenizer import eos_id, train_bpe
+    from tetrad.train.generate import _stops, load_generator
+    tokenizer = train_bpe(iter(["the licence grants the right to copy the text"] * 4), 300)
+    tokenizer.add_special_tokens(["<|end_of_text|>", "<|eot_id|>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    eot = tokenizer.token_to_id("<|eot_id|>")
+    assert eos_id(tokenizer) != eot
+    (tmp_path / "text.txt").write_text("the licence grants the right to copy the text, and to share it.\n\n" * 60)
+    data, run, hf = tmp_path / "data", tmp_path / "run", tmp_path / "hf"
+    assert main(["data", str(tmp_path / "text.txt"), "--out", str(data), "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--eos", "<|eot_id|>"]) == 0
+    assert main(["train", f"--data.source={data}", "--train.steps=1", "--model.seq_len=32", "--train.global_batch=2",
+                 "--train.micro_batch=1", "--checkpoint.every=1", f"--run.dir={run}"]) == 0
+    _, run_tokenizer, source = load_generator(run)
+    assert _stops(run_tokenizer, None, source) == {eot}
+    import tetrad.train.generate as module
+    seen, decode = [], module.generate
+    monkeypatch.setattr(module, "generate", lambda *args: seen.append(args[7]) or decode(*args))
+    assert main(["generate", str(run), "--prompt", "the", "--max-new-tokens", "2"]) == 0
+    assert seen == [{eot}]  # what `tetrad generate` stops on
+    assert main(["convert", str(run), "--to-hf", str(hf)]) == 0
+    assert json.loads((hf / "config.json").read_text())["eos_token_id"] == eot
+    assert json.loads((hf / "tokenizer_config.json").read_text())["eos_token"] == "<|eot_id|>"

@@ -15,7 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tetrad.data.blend import primary_source
-from tetrad.data.shards import TOKENIZER
+from tetrad.data.shards import TOKENIZER, is_shard_folder, read_index
 from tetrad.data.sources import reads_as_bytes
 
 # Where a text may be cut and its parts encoded apart with the ids of the whole: a line end between
@@ -82,6 +82,20 @@ def eos_id(tokenizer: Tokenizer, name: str = "") -> int:
         raise ValueError(f"--eos {name!r} {what}; name one of its special tokens{_listing(special)}")
     raise ValueError(f"the tokenizer has none of {', '.join(KNOWN_EOS)} as a special token; name its end-of-document "
                      f"token with --eos, one of its special tokens{_listing(special)}")
+
+
+def run_eos(tokenizer: Tokenizer, source: Path | None) -> int | None:
+    """The end-of-document id of a run whose tokenizer came from `source` (run_tokenizer): what
+    `tetrad data --eos` recorded in the shard folder beside it (its index.json's eos_id, what
+    the run learned to end documents with), else the KNOWN_EOS search; None for none (bytes)."""
+    if source is not None and is_shard_folder(source.parent):
+        recorded = read_index(source.parent).get("eos_id")
+        if isinstance(recorded, int):
+            return recorded
+    try:
+        return eos_id(tokenizer)
+    except ValueError:
+        return None
 
 
 def _listing(special: dict[str, int], most: int = 8) -> str:

@@ -127,21 +127,29 @@ def _model_states(cfg: Config, params: float, buckets: RankBuckets, shard: int) 
     weights, grads, _ = model_state_bytes(buckets.padded, p.zero, n, (w, g, 0.0))
     if p.zero == 0 and not separate:  # AdamW on the parameters themselves: no flat buffer
         weights = params * w
+    owned, updated = _updated_elements(cfg, params, buckets, shard)
+    return weights, grads, MOMENT_BYTES * owned + MASTER_BYTES * (updated if separate else 0)
+
+
+def _updated_elements(cfg: Config, params: float, buckets: RankBuckets, shard: int) -> tuple[float, float]:
+    """Elements of (AdamW's moments, the fp32 values it updates) on the rank at `shard`: the
+    parameters' elements in its owned range, and that range padding included (all parameters for
+    fp32 ZeRO-0 without separate masters): what the device or, offloaded, the host keeps."""
+    p, separate = cfg.parallel, cfg.train.dtype != "fp32" or cfg.train.offload_optimizer
     owned = params if p.zero == 0 else buckets.first_shard if shard == 0 else shard_params(buckets.buckets, shard)
-    masters = buckets.padded / (n if p.zero >= 1 else 1) if separate else 0
-    return weights, grads, MOMENT_BYTES * owned + MASTER_BYTES * masters
+    updated = buckets.padded / shard_ranks(p) if p.zero >= 1 else buckets.padded if separate else params
+    return owned, updated
 
 
 # Host (CPU) memory, per parameter a rank's optimizer updates (its ZeRO shard; all it holds under
-# ZeRO-0). Under train.offload_optimizer (parallel/data/optimizer.py, MasterWeights) the fp32
-# masters and AdamW's two moments live there, 12 bytes (fp32 training gets separate masters then
-# too), and a pinned buffer per bucket takes the owned fp32 gradient, 4; the device keeps the
-# weights and the gradient buckets. checkpoint.async_save stages a copy of the rank's checkpointed
-# state in CPU memory while a background write runs (Checkpointer._saved_state, copy=True): the
-# fp32 values the optimizer updates (masters, or fp32 weights) and both moments, 12 bytes, and the
-# gradient codec's fp32 error feedback (the rank's gradients' size) where it keeps one.
-OFFLOAD_HOST_BYTES = (12.0, 4.0)  # (masters and moments, gradient buffer)
-STAGING_BYTES = 12.0
+# ZeRO-0), counted as the device's are (`_updated_elements`: padded buckets, unpadded moments).
+# Under train.offload_optimizer (parallel/data/optimizer.py, MasterWeights) the fp32 masters and
+# AdamW's two moments live there (fp32 training gets separate masters then too), and a pinned
+# buffer per bucket takes the owned fp32 gradient, 4 bytes a master's element; the device keeps
+# the weights and the gradient buckets. checkpoint.async_save stages a copy of the rank's
+# checkpointed state in CPU memory while a background write runs (Checkpointer._saved_state,
+# copy=True): the fp32 values of the parameters the optimizer updates and both moments, unpadded,
+# and the gradient codec's fp32 error feedback (each whole padded bucket) where it keeps one.
 
 
 @dataclass
@@ -164,13 +172,14 @@ def host_memory_by_rank(cfg: Config) -> list[HostMemory]:
     n = p.dp * p.cp
     residual = n > 1 and p.grad_codec in ("int8", "powersgd")
     out = []
-    for params in rank_params(cfg):
-        owned = params / (shard_ranks(p) if p.zero >= 1 else 1)
+    for params, buckets in zip(rank_params(cfg), rank_buckets(cfg)):
+        owned, updated = _updated_elements(cfg, params, buckets, 0)  # shard 0 holds the most
+        optimizer = MOMENT_BYTES * owned + MASTER_BYTES * updated
         host = HostMemory()
         if t.offload_optimizer:
-            host.optimizer, host.grads = (b * owned for b in OFFLOAD_HOST_BYTES)
+            host.optimizer, host.grads = optimizer, 4 * updated
         if cfg.checkpoint.async_save and cfg.checkpoint.every:
-            host.checkpoint = STAGING_BYTES * owned + (4 * params if residual else 0.0)
+            host.checkpoint = (MOMENT_BYTES + MASTER_BYTES) * owned + (4 * buckets.padded if residual else 0.0)
         out.append(host)
     return out
 

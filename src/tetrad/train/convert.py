@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from tetrad.config import Config, ConfigError, load_config, read_toml
 from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, template_beside
 from tetrad.data.shards import TOKENIZER
-from tetrad.data.tokenizer import document_prefix, eos_id, run_tokenizer
+from tetrad.data.tokenizer import document_prefix, run_eos, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.model.masks import hides_keys
 from tetrad.model.sharding import spec_of
@@ -130,14 +130,14 @@ def to_hf(checkpoint: Path, out: Path) -> bool:
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
     tokenizer, source = exported_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
     if tokenizer is not None:
-        write_hf_tokenizer(tokenizer, out, m.seq_len, template_beside(source) if source else None)
+        write_hf_tokenizer(tokenizer, out, m.seq_len, template_beside(source) if source else None, source)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf_config = {**_hf_architecture(m), "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
                  "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
                  "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
                  "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "torch_dtype": dtype,
-                 **_hf_rope_scaling(m.rope_scaling), **(_special_token_ids(tokenizer) if tokenizer is not None else {})}
+                 **_hf_rope_scaling(m.rope_scaling), **(_special_token_ids(tokenizer, source) if tokenizer is not None else {})}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return tokenizer is not None
 
@@ -190,30 +190,31 @@ def _window_from_hf(hf: dict, kind: str, source: Path) -> int:
     return int(window)
 
 
-def _special_token_ids(tokenizer) -> dict:
+def _special_token_ids(tokenizer, source: Path | None = None) -> dict:
     """config.json's `eos_token_id` (where HF's generate stops) and `bos_token_id` (what the
     tokenizer starts a text with), for the tokens the tokenizer has."""
-    return {f"{name}_token_id": token for name, token in _special_tokens(tokenizer).items()}
+    return {f"{name}_token_id": token for name, token in _special_tokens(tokenizer, source).items()}
 
 
-def _special_tokens(tokenizer) -> dict[str, int]:
-    """The tokenizer's end-of-document token and its one-token document prefix, by HF's names."""
+def _special_tokens(tokenizer, source: Path | None = None) -> dict[str, int]:
+    """The run's end-of-document token (run_eos: the one its data recorded beside the tokenizer's
+    `source`) and the tokenizer's one-token document prefix, by HF's names."""
     found = {}
-    try:
-        found["eos"] = eos_id(tokenizer)
-    except ValueError:
-        pass  # bytes: no end-of-document token
+    eos = run_eos(tokenizer, source)
+    if eos is not None:  # bytes: no end-of-document token
+        found["eos"] = eos
     prefix = document_prefix(tokenizer)
     if len(prefix) == 1:
         found["bos"] = prefix[0]
     return found
 
 
-def write_hf_tokenizer(tokenizer, out: Path, max_length: int, chat: ChatTemplate | None = None) -> None:
+def write_hf_tokenizer(tokenizer, out: Path, max_length: int, chat: ChatTemplate | None = None,
+                       source: Path | None = None) -> None:
     """tokenizer.json and the tokenizer_config.json that lets `AutoTokenizer` load it, with the
     chat template the run's data was rendered with, if any (`apply_chat_template` then works)."""
     tokenizer.save(str(out / TOKENIZER))
-    names = {f"{name}_token": tokenizer.id_to_token(token) for name, token in _special_tokens(tokenizer).items()}
+    names = {f"{name}_token": tokenizer.id_to_token(token) for name, token in _special_tokens(tokenizer, source).items()}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, **names}
     if chat is not None:  # rendered with the bos_token and eos_token the data was rendered with
         config.update({"chat_template": chat.text, **{f"{name}_token": token for name, token

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from tetrad.config import ModelConfig
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
-from tetrad.data.tokenizer import document_prefix, eos_id
+from tetrad.data.tokenizer import document_prefix, run_eos
 from tetrad.model.llama import LayerCache, Transformer
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
@@ -158,26 +158,27 @@ def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | Non
 
 
 def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int, temperature: float = 0.8,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> tuple[str, list[int], list[int]]:
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             source: Path | None = None) -> tuple[str, list[int], list[int]]:
     """`prompt` and its sampled continuation as text (what `tetrad generate` prints), with the
     prompt's and the continuation's token ids, the tokenizer's document prefix (data/tokenizer.py)
-    first. An empty prompt starts from that prefix, or from a newline when there is none."""
+    first. An empty prompt starts from that prefix, or from a newline when there is none.
+    `source`: where the tokenizer came from (load_generator), which may record the EOS (_stops)."""
     prefix = document_prefix(tokenizer)
     ids = prefix + tokenizer.encode(prompt or ("" if prefix else "\n"), add_special_tokens=False).ids
     if len(ids) >= model.cfg.seq_len:
         raise ValueError(f"the prompt is {len(ids)} tokens; the model reads at most seq_len={model.cfg.seq_len}, "
                          "so use a shorter one")
-    new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, _stops(tokenizer))
+    new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, _stops(tokenizer, None, source))
     return prompt + tokenizer.decode(new, skip_special_tokens=False), ids, new
 
 
-def _stops(tokenizer: Tokenizer, chat: ChatTemplate | None = None) -> frozenset[int]:
-    """The tokens that end a sample: the EOS (none for bytes: generation runs to max_new tokens),
-    and in a chat the template's eos_token (Llama 3's <|eot_id|> ends the assistant's turn)."""
-    try:
-        stops = {eos_id(tokenizer)}
-    except ValueError:
-        stops = set()
+def _stops(tokenizer: Tokenizer, chat: ChatTemplate | None = None, source: Path | None = None) -> frozenset[int]:
+    """The tokens that end a sample: the run's EOS (run_eos: the one its data recorded beside the
+    tokenizer's `source`; none for bytes: generation runs to max_new tokens), and in a chat the
+    template's eos_token (Llama 3's <|eot_id|> ends the assistant's turn)."""
+    eos = run_eos(tokenizer, source)
+    stops = set() if eos is None else {eos}
     turn_end = tokenizer.token_to_id(chat.eos) if chat is not None and chat.eos else None
     return frozenset(stops | ({turn_end} if turn_end is not None else set()))
 
@@ -188,17 +189,17 @@ class ContextFull(ValueError):
 
 def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages: list[dict], max_new: int,
           temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-          cache: Cache | None = None) -> tuple[str, list[int], list[int]]:
+          cache: Cache | None = None, source: Path | None = None) -> tuple[str, list[int], list[int]]:
     """The assistant's sampled answer to `messages` (a conversation ending with the user's turn),
     rendered with the run's chat template (the format its data was: data/chat.py) and its
     generation prompt; with the prompt's and the answer's ids, as `complete` gives them.
-    `cache`: the conversation's last turn's (generate)."""
+    `cache`: the conversation's last turn's (generate); `source`: as `complete`'s."""
     text = Conversations(chat, tokenizer, None).render(messages, True, f"message {len(messages)}")
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     if len(ids) >= model.cfg.seq_len:
         raise ContextFull(f"the rendered conversation is {len(ids)} tokens and the model reads at most seq_len="
                           f"{model.cfg.seq_len}")
-    stops = _stops(tokenizer, chat)
+    stops = _stops(tokenizer, chat, source)
     new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, stops, cache)
     return tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=False), ids, new
 
@@ -206,8 +207,9 @@ def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages
 class Dialogue:
     """A chat with the model: the conversation so far and the KV cache of its last turn."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, system: str | None = None):
-        self.model, self.tokenizer, self.chat, self.cache = model, tokenizer, chat, Cache()
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, system: str | None = None,
+                 source: Path | None = None):
+        self.model, self.tokenizer, self.chat, self.cache, self.source = model, tokenizer, chat, Cache(), source
         self.messages = [] if system is None else [{"role": "system", "content": system}]
         if system is not None:  # a template without the role (Gemma's) refuses it before any turn
             Conversations(chat, tokenizer, None).render(self.messages + [{"role": "user", "content": "Hi"}], True,
@@ -218,7 +220,7 @@ class Dialogue:
         """`reply` to the user's next `message`; both join the conversation."""
         asked = self.messages + [{"role": "user", "content": message}]
         text, ids, new = reply(self.model, self.tokenizer, self.chat, asked, max_new, temperature, top_k, top_p, seed,
-                               self.cache)
+                               self.cache, self.source)
         self.messages = asked + [{"role": "assistant", "content": text}]
         return text, ids, new
 
@@ -262,7 +264,7 @@ def _dialogue(model: Transformer, tokenizer: Tokenizer, source: Path | None, sys
     if chat.eos and tokenizer.token_to_id(chat.eos) is None:
         print(f"tetrad generate: note: the template's eos_token {chat.eos!r} is not one token of the "
               "tokenizer; the answer runs to the EOS or --max-new-tokens", file=sys.stderr)
-    return Dialogue(model, tokenizer, chat, system)
+    return Dialogue(model, tokenizer, chat, system, source)
 
 
 def generate_command(argv: list[str]) -> int:
@@ -279,7 +281,7 @@ def generate_command(argv: list[str]) -> int:
                 return 0
             text, prompt, new = dialogue.answer(args.prompt, *sampling)
         else:
-            text, prompt, new = complete(model, tokenizer, args.prompt or "", *sampling)
+            text, prompt, new = complete(model, tokenizer, args.prompt or "", *sampling, source=source)
     except (ValueError, CheckpointError) as e:
         print(f"tetrad generate: {e}", file=sys.stderr)
         return 2

@@ -260,7 +260,7 @@ def samples(run_dir: Path, cfg, count: int) -> tuple[list[str], str]:
     checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir
     try:
         model, tokenizer, source = load_generator(checkpoints)
-        texts = [complete(model, tokenizer, prompt, SAMPLE_TOKENS, seed=k)[0]
+        texts = [complete(model, tokenizer, prompt, SAMPLE_TOKENS, seed=k, source=source)[0]
                  for k, prompt in enumerate(SAMPLE_PROMPTS[:count])]
     except CheckpointError as e:
         return [], f"Samples: no checkpoint: no samples ({e})."

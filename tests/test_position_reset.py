@@ -141,6 +141,10 @@ LAYOUTS = {  # name -> (parallel, model, document_mask, train)
                                   {"recompute": "full"}),
     "tp2-sp-learned-masked": ({"tp": 2, "sequence_parallel": True}, {"pos": "learned"}, True, {}),
     "cp2-ring-window-masked": ({"cp": 2, "cp_algo": "ring"}, {"sliding_window": 5}, True, {}),
+    # the all-to-all path builds the shared bias from [b, s] positions too; cp3's chunks of 8 are
+    # the window exactly (off-diagonal pairs seen wholly or not at all, none in part)
+    "cp2-alltoall-window-masked": ({"cp": 2, "cp_algo": "alltoall"}, {"sliding_window": 5}, True, {}),
+    "cp3-ring-window-of-a-chunk-masked": ({"cp": 3, "cp_algo": "ring"}, {"seq_len": 48, "sliding_window": 8}, True, {}),
 }
 
 

@@ -44,10 +44,12 @@ def test_plain_lines_off_a_terminal_then_a_resume_says_where_it_starts(tmp_path)
     assert ["val_loss" in line for line in lines] == [False, False, True, True]  # evaluation steps are logged
     assert "lr " in lines[-1] and "elapsed" in lines[-1]
     assert "at step 1 ->" in out.splitlines()[-1] and ", val_loss " in out.splitlines()[-1]
-    proc = tetrad_train(tmp_path, "--train.steps=6", "--run.log_every=2", "--checkpoint.every=4")  # and at the last
+    proc = tetrad_train(tmp_path, "--train.steps=6", "--run.log_every=2", "--checkpoint.every=4",  # and at the last
+                        "--model.sliding_window=8")  # the same weights attend otherwise: allowed, and said
     out = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 0, out
-    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000004'} (step 4)" in out
+    assert (f"resumed from {tmp_path / 'checkpoints' / 'step_00000004'} (step 4); continuing at step 5; "
+            "model.sliding_window = 0 in the checkpoint, 8 here") in out
     closing = out.splitlines()[-1]
     assert " at step 5 -> " in closing and closing.split(" at step ")[-1].startswith("6;"), closing
     proc = tetrad_train(tmp_path, "--train.steps=6", "--checkpoint.every=4")  # once more: the run is finished

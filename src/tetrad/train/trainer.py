@@ -313,7 +313,8 @@ class Trainer:
             log.note(f"tetrad: {ckpt.resumed_from} is step {start} and train.steps = {cfg.train.steps}: nothing left "
                      "to train; raise train.steps to continue this run, or use a new run.dir")
         elif start:
-            log.note(f"tetrad: resumed from {ckpt.resumed_from} (step {start}); continuing at step {start + 1}")
+            log.note(f"tetrad: resumed from {ckpt.resumed_from} (step {start}); continuing at step {start + 1}"
+                     + "".join(f"; {change}" for change in ckpt.behaviour_changes))
         history = []
         profiler = telemetry.step_profiler(cfg.train.profile, start, self.run_dir / "traces" / f"rank{self.topo.rank}.json",
                                            self.topo.device)

@@ -26,9 +26,9 @@ from tetrad.parallel.data import ShardedAdamW, zero_loaded
 from tetrad.train.checkpoint import recovery
 from tetrad.train.checkpoint.background import BackgroundWrites, cause
 from tetrad.train.checkpoint.logical import Piece, check_optimizer_covered, chunks, logical, mesh_on, pieces
-from tetrad.train.checkpoint.store import (LATEST, MANIFEST, PARTIAL, CheckpointError, SafeReader, check_model,
-                                           check_shapes, digest_files, optimizer_entries, published, publish,
-                                           replace_text, resolve, step_dir, verify)
+from tetrad.train.checkpoint.store import (LATEST, MANIFEST, PARTIAL, CheckpointError, SafeReader, behaviour_changes,
+                                           check_model, check_shapes, digest_files, optimizer_entries, published,
+                                           publish, replace_text, resolve, step_dir, verify)
 
 
 # [parallel] keys no rank-local state depends on: a resume that changes only these (a longer
@@ -49,6 +49,7 @@ class Checkpointer:
         self.cfg, self.topo, self.root = cfg, topo, Path(root)
         self.world = dist.get_world_size() if topo.distributed else 1
         self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
+        self.behaviour_changes: list[str] = []  # ... and how this run's model computes otherwise (store.py)
         self._chosen: tuple[Path | None, dict | None] | None = None  # what `choose` chose
         self._autotuned: dict = {}  # what "auto" in [parallel] resolved to (resolve_auto): in each manifest
         self._meshes = {} if topo.mesh is None else {topo.mesh.device_type: topo.mesh}
@@ -72,7 +73,7 @@ class Checkpointer:
             self._barrier()
             return 0
         step = self._load_verified(path, manifest, params, optimizer, stateful or {}, local or {})
-        self.resumed_from = path
+        self.resumed_from, self.behaviour_changes = path, behaviour_changes(manifest, self.cfg.model)
         if rank == 0:
             recovery.cut_history(metrics, step)
         return step

@@ -236,6 +236,17 @@ def saved_model(manifest: dict) -> dict:
     return dataclasses.asdict(ModelConfig(**{k: v for k, v in manifest["model"].items() if k in known}))
 
 
+# Keys of [model] that leave the shapes alone but change what the model computes from the same
+# weights: a resume with another value is allowed (context extension changes rope_theta), and said.
+BEHAVIOUR_KEYS = ("sliding_window", "rope_theta", "rope_scaling", "norm_eps")
+
+
+def behaviour_changes(manifest: dict, model_cfg) -> list[str]:
+    """How this run's model computes differently from the checkpoint's, key by key (none: alike)."""
+    here, saved = dataclasses.asdict(model_cfg), saved_model(manifest)
+    return [f"model.{k} = {saved[k]!r} in the checkpoint, {here[k]!r} here" for k in BEHAVIOUR_KEYS if saved[k] != here[k]]
+
+
 def check_model(manifest: dict, model_cfg, path: Path) -> None:
     """Refuse a checkpoint written for another model shape, naming every key that differs."""
     here, saved = dataclasses.asdict(model_cfg), saved_model(manifest)

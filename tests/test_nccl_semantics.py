@@ -103,16 +103,18 @@ def test_schedule_matches_single_process_under_nccl_ordering(schedule, pp):
                   reference)
 
 
-@pytest.mark.parametrize("recompute,masked", [("none", False), ("full", False), ("selective-op", False),
-                                               ("none", True)])
-def test_context_parallel_ring_is_unchanged_under_nccl_ordering(recompute, masked):
+@pytest.mark.parametrize("recompute,masked,window", [("none", False, 0), ("full", False, 0), ("selective-op", False, 0),
+                                                      ("none", True, 0), ("none", False, 5), ("selective-op", True, 3)])
+def test_context_parallel_ring_is_unchanged_under_nccl_ordering(recompute, masked, window):
     """CP's ring passes K/V as one batched send and receive per pass (one queue item, run as one
     NCCL group): the same numbers as on gloo, bit for bit; under full recompute the ring runs
     again inside the backward, under selective-op its kept result is replayed without sending.
-    Under document masking a block no row sees is skipped, its K/V still passed on in order."""
+    Under document masking or a sliding window a block no row sees is skipped (a window shorter
+    than the ring's reach skips whole steps), its K/V still passed on in order."""
     def run(transport=None):
+        model = {"sliding_window": window, **({"vocab_size": 256} if masked else {})}
         cfg = tiny_config(parallel={"cp": 4}, train={"steps": 2, "recompute": recompute, "document_mask": masked},
-                          **({"data": {"source": doc_shards()}, "model": {"vocab_size": 256}} if masked else {}))
+                          model=model, **({"data": {"source": doc_shards()}} if masked else {}))
         return train_layout(cfg, transport=transport, timeout_s=DEADLINE_S)
     losses, state, _ = run(partial(NcclSemantics, timeout_s=TIMEOUT_S))
     gloo_losses, gloo_state, _ = run()

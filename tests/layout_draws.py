@@ -126,6 +126,8 @@ def draw(seed: int, extended: bool = False) -> dict:
         par["zero_shard"] = rng.choice([s for s in range(1, replicas + 1) if replicas % s == 0])
     if extended and rng.random() < 0.15:  # a sliding window, shorter or longer than a cp chunk
         model["sliding_window"] = rng.choice([1, 3, 8, 20])
+    if extended and "source" in data and rng.random() < 0.5:  # shards whose index names the EOS: position reset
+        train["reset_positions"] = True
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tetrad.data.blend import primary_source
+from tetrad.data.chat import configured_eos
 from tetrad.data.shards import TOKENIZER, is_shard_folder, read_index
 from tetrad.data.sources import reads_as_bytes
 
@@ -87,11 +88,17 @@ def eos_id(tokenizer: Tokenizer, name: str = "") -> int:
 def run_eos(tokenizer: Tokenizer, source: Path | None) -> int | None:
     """The end-of-document id of a run whose tokenizer came from `source` (run_tokenizer): what
     `tetrad data --eos` recorded in the shard folder beside it (its index.json's eos_id, what
-    the run learned to end documents with), else the KNOWN_EOS search; None for none (bytes)."""
+    the run learned to end documents with), else the eos_token of the tokenizer_config.json beside
+    it where that is a special token (an imported Hugging Face model's, as transformers' generate
+    stops: Llama 3 Instruct's <|eot_id|> where the search finds <|end_of_text|>, DeepSeek's, which
+    it misses), else the KNOWN_EOS search; None for none (bytes)."""
     if source is not None and is_shard_folder(source.parent):
         recorded = read_index(source.parent).get("eos_id")
         if isinstance(recorded, int):
             return recorded
+    configured = special_tokens(tokenizer).get(configured_eos(source)) if source is not None else None
+    if configured is not None:
+        return configured
     try:
         return eos_id(tokenizer)
     except ValueError:

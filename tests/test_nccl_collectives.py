@@ -1,0 +1,226 @@
+"""Collectives under NCCL's timing of memory (tests/nccl_collectives.py): what the double catches
+that gloo hides, and tetrad's layouts with non-blocking collectives under it against one process
+(docs/design.md, "NCCL semantics on CPU")."""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import assert_parity, run_ranks, tiny_config, train_layout
+from layout_draws import parity_atol
+from nccl_collectives import NcclCollectives
+from nccl_semantics import NcclSemantics
+from tetrad.dist.comm import Comm
+from tetrad.train.trainer import Trainer
+
+pytestmark = pytest.mark.dist
+
+DEADLINE_S = 120
+
+
+class _World:
+    """The Groups Comm needs: every name is the whole job."""
+
+    def group(self, name: str):
+        return dist.group.WORLD
+
+    def reported(self, name: str) -> str:
+        return name
+
+
+def _comm(double: bool) -> Comm:
+    comm = Comm(_World(), torch.device("cpu"))
+    if double:
+        comm.collectives = NcclCollectives()
+    return comm
+
+
+def _outcome(program) -> str:
+    """What a program returns, or the error it raised."""
+    try:
+        return program()
+    except RuntimeError as e:
+        return f"error: {e}"
+
+
+def _read_before_wait(comm: Comm):
+    """The bug: the output read before the wait, after some compute (gloo's thread is done by then)."""
+    t = torch.full((4,), float(dist.get_rank() + 1))
+    pending = comm.all_reduce(t, "world", async_op=True)
+    time.sleep(0.3)
+    early = float(t.sum())
+    pending.wait()
+    return early, float(t.sum())
+
+
+def _input_modified(comm: Comm):
+    """The bug: the input changed while its all-gather runs (gloo copied it at the post)."""
+    mine, out = torch.full((2,), float(dist.get_rank())), torch.zeros(4)
+    pending = comm.all_gather(out, mine, "world", async_op=True)
+    time.sleep(0.3)
+    mine.add_(10)
+    pending.wait()
+    return out.tolist()
+
+
+def _in_place_modified(comm: Comm):
+    t = torch.ones(3)
+    pending = comm.all_reduce(t, "world", async_op=True)
+    t.mul_(2)
+    pending.wait()
+    return t.tolist()
+
+
+def _output_freed(comm: Comm):
+    """(Not on plain gloo: its thread would write into the freed memory.)"""
+    out = torch.zeros(4)
+    pending = comm.all_gather(out, torch.ones(2), "world", async_op=True)
+    out.untyped_storage().resize_(0)  # ZeRO-3's free, too early
+    pending.wait()
+    return "no error"
+
+
+def _completion(comm: Comm):
+    """Whether `is_completed` said True before the wait; what a later wait and a blocking call on
+    the group leave in earlier outputs; an in-place all-gather's own chunk and a root's buffer
+    while in flight."""
+    rank, seen = dist.get_rank(), {}
+    a, b = torch.ones(2), torch.ones(2)
+    first, second = comm.all_reduce(a, "world", async_op=True), comm.all_reduce(b, "world", async_op=True)
+    time.sleep(0.3)
+    seen["completed before wait"] = first.is_completed() or second.is_completed()
+    second.wait()
+    seen["first after second's wait"] = (first.is_completed(), a.tolist())
+    c = torch.ones(2)
+    pending = comm.all_reduce(c, "world", async_op=True)
+    comm.all_reduce(torch.ones(1), "world")
+    seen["after a blocking call"] = (pending.is_completed(), c.tolist())
+    flat = torch.full((4,), float(rank))
+    gathering = comm.all_gather(flat, flat[2 * rank:2 * rank + 2], "world", async_op=True)
+    root = torch.full((2,), 5.0)
+    broadcasting = comm.broadcast(root, 0, "world", async_op=True)
+    seen["in flight"] = (flat.tolist(), root.tolist())
+    gathering.wait()
+    broadcasting.wait()
+    seen["done"] = (flat.tolist(), root.tolist())
+    return seen
+
+
+PROGRAMS = {"read before wait": _read_before_wait, "input modified": _input_modified,
+            "in-place input modified": _in_place_modified, "output freed": _output_freed, "completion": _completion}
+OUTCOMES: dict = {}
+
+
+def _run_programs(double: bool):
+    return {name: _outcome(partial(program, _comm(double))) for name, program in PROGRAMS.items()
+            if double or name != "output freed"}
+
+
+def outcomes(double: bool) -> dict:
+    """Rank 0's outcome of every program (both ranks run them all, in the same order)."""
+    if double not in OUTCOMES:
+        OUTCOMES[double] = run_ranks(_run_programs, 2, double, timeout_s=DEADLINE_S)[0]
+    return OUTCOMES[double]
+
+
+def test_reading_an_all_reduce_before_its_wait_reads_poison_under_the_double_and_passes_on_gloo():
+    early, after = outcomes(double=False)["read before wait"]
+    assert early == after == 12.0  # gloo: the bug passes
+    early, after = outcomes(double=True)["read before wait"]
+    assert math.isnan(early) and after == 12.0
+
+
+@pytest.mark.parametrize("program,op", [("input modified", "all_gather"), ("in-place input modified", "all_reduce")])
+def test_an_input_modified_in_flight_is_an_error_under_the_double_and_passes_on_gloo(program, op):
+    assert not str(outcomes(double=False)[program]).startswith("error")
+    message = outcomes(double=True)[program]
+    assert f"{op} on group 'world': input modified while in flight" in message, message
+
+
+def test_an_output_freed_in_flight_is_an_error_under_the_double():
+    assert "all_gather on group 'world': output freed while in flight" in outcomes(double=True)["output freed"]
+
+
+def test_a_collective_completes_at_the_first_wait_that_covers_it():
+    """Never before a wait (gloo's is long done after the pause); at a later collective's wait on
+    the group, or a blocking call's (one stream per communicator); an in-place all-gather's own
+    chunk and a broadcast root's buffer hold their values in flight (NCCL only reads them)."""
+    seen = outcomes(double=True)["completion"]
+    assert seen["completed before wait"] is False
+    assert seen["first after second's wait"] == (True, [2.0, 2.0])
+    assert seen["after a blocking call"] == (True, [2.0, 2.0])
+    flat, root = seen["in flight"]  # rank 0's
+    assert flat[:2] == [0.0, 0.0] and all(math.isnan(v) for v in flat[2:]) and root == [5.0, 5.0]
+    assert seen["done"] == outcomes(double=False)["completion"]["done"] == ([0.0, 0.0, 1.0, 1.0], [5.0, 5.0])
+
+
+# --------------------------------------------------------------------------- layouts
+
+class _OnNccl(Trainer):
+    """Collectives under the double, and ZeRO's the ones NCCL runs (a reduce-scatter into a new
+    shard, an all-gather in place), not gloo's in-place substitutes (parallel/data/collectives.py).
+    The last step's record says which non-blocking collectives went through the double."""
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        self.topo.comm.collectives = NcclCollectives()
+        for part in (self.grads.sync, self.grads.weights, self.grads.zero3):
+            if part is not None:
+                part.scratch_free = False
+
+    def fit(self):
+        history = super().fit()
+        history[-1]["posted"] = set(self.topo.comm.collectives.posted)
+        return history
+
+
+TRAIN = {"steps": 3, "micro_batch": 1, "global_batch": 4}
+REFERENCES: dict = {}
+AR, AG, RS = "all_reduce", "all_gather", "reduce_scatter"
+# name: (parallel, the non-blocking collectives rank 0 posts)
+LAYOUTS = {
+    "dp2-zero0": ({"dp": 2, "grad_bucket_mb": 0.05}, {AR}),
+    "dp2-zero1": ({"dp": 2, "zero": 1, "grad_bucket_mb": 0.05}, {AR, AG}),
+    "dp2-zero2": ({"dp": 2, "zero": 2, "grad_bucket_mb": 0.05}, {RS, AG}),
+    "dp2-zero3": ({"dp": 2, "zero": 3}, {RS, AG}),
+    "dp4-hybrid-zero1": ({"dp": 4, "zero": 1, "zero_shard": 2, "grad_bucket_mb": 0.05}, {RS, AR, AG}),
+    "dp4-hybrid-zero3": ({"dp": 4, "zero": 3, "zero_shard": 2}, {RS, AR, AG}),
+    "dp4-hierarchical": ({"dp": 4, "hierarchical": True, "ranks_per_node": 2, "grad_bucket_mb": 0.05}, {RS}),
+    "tp2-sp-regather": ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {AG, RS}),
+    "tp2": ({"tp": 2}, {AR}),
+    "cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {AR}),
+    "cp2-ring": ({"cp": 2}, {AR}),
+    "pp2-dp2-1f1b-zero1": ({"pp": 2, "dp": 2, "zero": 1}, {AR, AG}),
+    "dp2-bf16-zero2": ({"dp": 2, "zero": 2, "grad_codec": "bf16", "grad_bucket_mb": 0.05}, {RS, AG}),
+    "dp2-int8": ({"dp": 2, "grad_codec": "int8", "grad_bucket_mb": 0.05}, {AR}),
+    "dp2-powersgd": ({"dp": 2, "grad_codec": "powersgd"}, {AR}),
+}
+# Compressed gradients are not one process's: compared with the same layout on gloo, bit for bit
+# (bf16's reduce-scatter as NCCL runs it equals gloo's in-place one at dp2: test_zero.py).
+ON_GLOO = ("dp2-bf16-zero2", "dp2-int8", "dp2-powersgd")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_under_nccl_collectives_matches(name):
+    """Bucketed reduction overlapped with backward (ZeRO 0-3, hybrid, hierarchical, codecs),
+    ZeRO-3's prefetched gathers, tp's overlapped backward collectives, cp's and a pipeline's
+    gradient reduction; cp's ring and the pipeline's transfers under NCCL's point-to-point too."""
+    parallel, posted = LAYOUTS[name]
+    ring = parallel.get("cp", 1) > 1 and parallel.get("cp_algo", "ring") == "ring"
+    transport = partial(NcclSemantics, timeout_s=20) if parallel.get("pp", 1) > 1 or ring else None
+    got = train_layout(tiny_config(parallel=parallel, train=TRAIN), transport=transport, trainer_class=_OnNccl,
+                       timeout_s=DEADLINE_S)
+    assert got[2][-1].pop("posted") == posted
+    if name in ON_GLOO:
+        ref = train_layout(tiny_config(parallel=parallel, train=TRAIN))
+        assert got[0] == ref[0] and all(torch.equal(got[1][k], ref[1][k]) for k in ref[1])
+        return
+    if "ref" not in REFERENCES:
+        REFERENCES["ref"] = train_layout(tiny_config(train=TRAIN))
+    assert_parity(got, REFERENCES["ref"], atol=parity_atol({"tp": 1, "cp": 1, **parallel}))

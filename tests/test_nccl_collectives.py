@@ -162,17 +162,23 @@ def test_a_collective_completes_at_the_first_wait_that_covers_it():
 
 # --------------------------------------------------------------------------- layouts
 
-class _OnNccl(Trainer):
-    """Collectives under the double, and ZeRO's the ones NCCL runs (a reduce-scatter into a new
-    shard, an all-gather in place), not gloo's in-place substitutes (parallel/data/collectives.py).
-    The last step's record says which non-blocking collectives went through the double."""
+class _AsOnNccl(Trainer):
+    """ZeRO's collectives as NCCL runs them (a reduce-scatter into a new shard, an all-gather in
+    place), not gloo's in-place substitutes (parallel/data/collectives.py)."""
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        for part in (self.grads.sync, self.grads.weights, self.grads.zero3):
+            if part is not None:
+                part.scratch_free = False
+
+
+class _UnderDouble(_AsOnNccl):
+    """And through the double. The last step's record says which non-blocking collectives it saw."""
 
     def __init__(self, cfg, device):
         super().__init__(cfg, device)
         self.topo.comm.collectives = NcclCollectives()
-        for part in (self.grads.sync, self.grads.weights, self.grads.zero3):
-            if part is not None:
-                part.scratch_free = False
 
     def fit(self):
         history = super().fit()
@@ -181,46 +187,60 @@ class _OnNccl(Trainer):
 
 
 TRAIN = {"steps": 3, "micro_batch": 1, "global_batch": 4}
-REFERENCES: dict = {}
+EVAL = {"train": {**TRAIN, "eval_every": 2, "eval_steps": 1}, "data": {"val_fraction": 0.1}}
 AR, AG, RS = "all_reduce", "all_gather", "reduce_scatter"
-# name: (parallel, the non-blocking collectives rank 0 posts)
+BUCKETS = {"grad_bucket_mb": 0.05}  # several buckets: one reduces while the next fills
+# name: (parallel, other sections, the non-blocking collectives rank 0 posts)
 LAYOUTS = {
-    "dp2-zero0": ({"dp": 2, "grad_bucket_mb": 0.05}, {AR}),
-    "dp2-zero1": ({"dp": 2, "zero": 1, "grad_bucket_mb": 0.05}, {AR, AG}),
-    "dp2-zero2": ({"dp": 2, "zero": 2, "grad_bucket_mb": 0.05}, {RS, AG}),
-    "dp2-zero3": ({"dp": 2, "zero": 3}, {RS, AG}),
-    "dp4-hybrid-zero1": ({"dp": 4, "zero": 1, "zero_shard": 2, "grad_bucket_mb": 0.05}, {RS, AR, AG}),
-    "dp4-hybrid-zero3": ({"dp": 4, "zero": 3, "zero_shard": 2}, {RS, AR, AG}),
-    "dp4-hierarchical": ({"dp": 4, "hierarchical": True, "ranks_per_node": 2, "grad_bucket_mb": 0.05}, {RS}),
-    "tp2-sp-regather": ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {AG, RS}),
-    "tp2": ({"tp": 2}, {AR}),
-    "cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {AR}),
-    "cp2-ring": ({"cp": 2}, {AR}),
-    "pp2-dp2-1f1b-zero1": ({"pp": 2, "dp": 2, "zero": 1}, {AR, AG}),
-    "dp2-bf16-zero2": ({"dp": 2, "zero": 2, "grad_codec": "bf16", "grad_bucket_mb": 0.05}, {RS, AG}),
-    "dp2-int8": ({"dp": 2, "grad_codec": "int8", "grad_bucket_mb": 0.05}, {AR}),
-    "dp2-powersgd": ({"dp": 2, "grad_codec": "powersgd"}, {AR}),
+    "dp2-zero0": ({"dp": 2, **BUCKETS}, {}, {AR}),
+    "dp2-zero1": ({"dp": 2, "zero": 1, **BUCKETS}, {}, {AR, AG}),
+    "dp2-zero2": ({"dp": 2, "zero": 2, **BUCKETS}, {}, {RS, AG}),
+    "dp2-zero3-eval": ({"dp": 2, "zero": 3}, EVAL, {RS, AG}),
+    "dp4-hybrid-zero1": ({"dp": 4, "zero": 1, "zero_shard": 2, **BUCKETS}, {}, {RS, AR, AG}),
+    "dp4-hybrid-zero3": ({"dp": 4, "zero": 3, "zero_shard": 2}, {}, {RS, AR, AG}),
+    "dp4-hierarchical": ({"dp": 4, "hierarchical": True, "ranks_per_node": 2, **BUCKETS}, {}, {RS}),
+    "tp2-sp-regather": ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {}, {AG, RS}),
+    "tp2-dp2-zero3-tied": ({"tp": 2, "dp": 2, "zero": 3}, {"model": {"tie_embeddings": True}}, {AR, RS, AG}),
+    "cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}, {AR}),
+    "cp2-ring": ({"cp": 2}, {}, {AR}),
+    "pp2-dp2-1f1b-zero1": ({"pp": 2, "dp": 2, "zero": 1}, {}, {AR, AG}),
+    "pp2-dp2-zb-zero3-eval": ({"pp": 2, "dp": 2, "zero": 3, "schedule": "zb"}, EVAL, {RS, AG}),
+    "dp2-zero2-bf16": ({"dp": 2, "zero": 2, **BUCKETS}, {"train": {**TRAIN, "dtype": "bf16"}}, {RS, AG}),
+    "dp2-zero2-bf16-codec": ({"dp": 2, "zero": 2, "grad_codec": "bf16", **BUCKETS}, {}, {RS, AG}),
+    "dp2-int8-codec": ({"dp": 2, "grad_codec": "int8", **BUCKETS}, {}, {AR}),
+    "dp2-powersgd-codec": ({"dp": 2, "grad_codec": "powersgd"}, {}, {AR}),
 }
-# Compressed gradients are not one process's: compared with the same layout on gloo, bit for bit
-# (bf16's reduce-scatter as NCCL runs it equals gloo's in-place one at dp2: test_zero.py).
-ON_GLOO = ("dp2-bf16-zero2", "dp2-int8", "dp2-powersgd")
+# Not one process's numbers (compressed gradients, a bf16 model): compared with the same
+# collectives on gloo without the double instead, bit for bit.
+ON_GLOO = ("dp2-zero2-bf16", "dp2-zero2-bf16-codec", "dp2-int8-codec", "dp2-powersgd-codec")
+REFERENCES: dict = {}
+
+
+def _config(parallel: dict, sections: dict):
+    return tiny_config(parallel=parallel, **{"train": TRAIN, **sections})
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_under_nccl_collectives_matches(name):
     """Bucketed reduction overlapped with backward (ZeRO 0-3, hybrid, hierarchical, codecs),
-    ZeRO-3's prefetched gathers, tp's overlapped backward collectives, cp's and a pipeline's
-    gradient reduction; cp's ring and the pipeline's transfers under NCCL's point-to-point too."""
-    parallel, posted = LAYOUTS[name]
+    ZeRO-3's prefetched gathers (and an evaluation's), tp's overlapped backward collectives, cp's
+    and a pipeline's gradient reduction; cp's ring and the pipeline's transfers under NCCL's
+    point-to-point too (tests/nccl_semantics.py)."""
+    parallel, sections, posted = LAYOUTS[name]
     ring = parallel.get("cp", 1) > 1 and parallel.get("cp_algo", "ring") == "ring"
     transport = partial(NcclSemantics, timeout_s=20) if parallel.get("pp", 1) > 1 or ring else None
-    got = train_layout(tiny_config(parallel=parallel, train=TRAIN), transport=transport, trainer_class=_OnNccl,
+    got = train_layout(_config(parallel, sections), transport=transport, trainer_class=_UnderDouble,
                        timeout_s=DEADLINE_S)
     assert got[2][-1].pop("posted") == posted
     if name in ON_GLOO:
-        ref = train_layout(tiny_config(parallel=parallel, train=TRAIN))
-        assert got[0] == ref[0] and all(torch.equal(got[1][k], ref[1][k]) for k in ref[1])
+        ref = train_layout(_config(parallel, sections), trainer_class=_AsOnNccl)
+        assert got[0] == ref[0] and all(torch.equal(got[1][k], ref[1][k]) for k in ref[1]) and ref[1]
         return
-    if "ref" not in REFERENCES:
-        REFERENCES["ref"] = train_layout(tiny_config(train=TRAIN))
-    assert_parity(got, REFERENCES["ref"], atol=parity_atol({"tp": 1, "cp": 1, **parallel}))
+    key = repr(sections)
+    if key not in REFERENCES:
+        REFERENCES[key] = train_layout(_config({}, sections))
+    assert_parity(got, REFERENCES[key], atol=parity_atol({"tp": 1, "cp": 1, **parallel}))
+    val, ref_val = [r.get("val_loss") for r in got[2]], [r.get("val_loss") for r in REFERENCES[key][2]]
+    assert (None not in val[1:]) == (sections is EVAL)
+    if sections is EVAL:
+        torch.testing.assert_close(torch.tensor(val[1:]), torch.tensor(ref_val[1:]), rtol=1e-5, atol=0)

@@ -6,7 +6,7 @@ the collective runs, passes on gloo. On NCCL the collective runs on its communic
 reading the input and writing the output at some time the compute stream does not see until it
 waits: such a program reads stale memory or sends changed values. `NcclCollectives` stands
 where torch.distributed's collectives stand for tetrad's comm layer (`Comm.collectives`) and
-makes that time the latest one NCCL allows, every time:
+makes that time the latest one, every time:
 
 - a non-blocking collective runs the real gloo collective at its post, on private copies (so
   every rank issues its collectives on a group in the same order, as NCCL requires, and the
@@ -14,35 +14,35 @@ makes that time the latest one NCCL allows, every time:
   integer, the highest for unsigned types): the output, and the input of an in-place
   all-reduce, reduce-scatter or non-root broadcast. An in-place all-gather's own chunk and a
   broadcast's root keep their values, as NCCL leaves them;
-- it completes (the result written into the output, `is_completed()` True) only at the first
-  wait that covers it: its own `wait()`, or that of a later collective on the same group, a
-  blocking one included;
-- at completion its input and output must hold what they held after the post (the poison
-  included) and their storage must be where it was: else it raises naming the op and the
-  group ("input modified while in flight", "output written while in flight", "... freed
-  while in flight").
+- it completes (the result written into the output, `is_completed()` True) only at its own
+  `wait()`;
+- there its input and output must hold what they held after the post (the poison included),
+  untouched by any in-place op, and their storage must be where it was: else it raises naming
+  the op and the group ("input modified while in flight", "output written while in flight",
+  "... freed while in flight").
 Blocking calls (async_op=False) run as torch.distributed runs them.
 
-Why a program that is wrong on NCCL cannot pass here, and a right one does:
+Why a program that is wrong on NCCL cannot pass here:
 - NCCL may read the input and write the output anywhere between the post and the moment the
   compute stream waits for the collective. A read of the output before then may see anything:
   here it sees poison, which turns a loss or a parameter into NaN (a sentinel for integers).
   A write to the input or output before then may or may not be seen by NCCL: here it is an
   error at the wait, whatever NCCL would have done.
-- The compute stream waits for a collective at its `wait()`, or at the wait of a later one on
-  the same process group: one communicator, one stream, run in issue order, so waiting for the
-  later one waits for every earlier one. Completion here happens at exactly those points and no
-  earlier: a program that reads after either is right on NCCL and passes here.
+- The compute stream waits for a collective at its `wait()` or, on NCCL, also at the wait of
+  a later collective on the same process group (one communicator, one stream, in issue order).
+  Here only its own wait completes it: stricter than NCCL, and what torch.distributed's API
+  promises (a program that counted on the later wait would break when that collective moved
+  to another group). tetrad waits for each of its collectives itself: its layouts pass with
+  or without the later waits counted.
 - The caching allocator may reuse the memory of a tensor freed while in flight only when the
   program frees it itself (ProcessGroupNCCL keeps a collective's tensors alive until its wait):
   a storage released or moved by hand (ZeRO-3's `resize_(0)`) is caught.
 - An in-place all-gather (the input at the output's own chunk) and a root's broadcast buffer
   are only read by NCCL: reading them in flight is right, so they are not poisoned.
 Left out: the collectives tetrad makes outside `Comm` (autotune's and the checkpoint's,
-blocking, on their own groups); point-to-point (tests/nccl_semantics.py), whose works do not
-complete the group's collectives here though coalesced point-to-point on a group shares its
-communicator on NCCL (a stricter model: tetrad's pipeline links carry no collectives); and the
-values' own arithmetic (NCCL's reduction order differs from gloo's only in rounding).
+blocking, on their own groups); point-to-point, which tests/nccl_semantics.py models (the two
+are installed side by side); and the values' own arithmetic (NCCL's reduction order differs
+from gloo's only in rounding).
 """
 
 from __future__ import annotations
@@ -102,21 +102,14 @@ class _Watched:
 class Flight:
     """A posted collective; what its post returns (Comm's Pending waits on it)."""
 
-    def __init__(self, lane: list, label: str, work, result: torch.Tensor, output: torch.Tensor, watched):
-        self.lane, self.label, self.work, self.result, self.output = lane, label, work, result, output
-        self.watched, self.done = watched, False
+    def __init__(self, label: str, work, result: torch.Tensor, output: torch.Tensor, watched):
+        self.label, self.work, self.result, self.output, self.watched = label, work, result, output, watched
+        self.done = False
 
     def wait(self, timeout=None) -> bool:
-        """Complete this collective and every earlier one on its group (one stream, in order)."""
-        while not self.done:
-            self.lane[0].complete()
-        return True
-
-    def is_completed(self) -> bool:
-        return self.done
-
-    def complete(self) -> None:
-        self.lane.remove(self)
+        """Complete: check what the post left, then write the result."""
+        if self.done:
+            return True
         self.done = True
         self.work.wait()
         for w in self.watched:
@@ -124,28 +117,19 @@ class Flight:
                 raise RuntimeError(f"NCCL-semantics collectives, rank {dist.get_rank()}: {self.label}: {problem} "
                                    "(NCCL reads the input and writes the output on its own stream until the wait)")
         self.output.copy_(self.result)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
 
 
 class NcclCollectives:
-    """The collectives (see the module). Holds, per process group, its collectives in flight,
-    oldest first: its communicator's stream; counts the non-blocking ones posted, by op."""
+    """The collectives (see the module); counts the non-blocking ones posted, by op (`posted`)."""
 
     def __init__(self):
-        self.lanes: dict[str, list[Flight]] = {}
         self.posted: Counter = Counter()
 
-    def _lane(self, pg) -> list[Flight]:
-        return self.lanes.setdefault(pg.group_name, [])
-
-    def _blocking(self, pg, run):
-        """A blocking call: it runs as torch's does, and its wait covers the group's earlier collectives."""
-        work = run()
-        lane = self._lane(pg)
-        if lane:
-            lane[-1].wait()
-        return work
-
-    def _post(self, op: str, group: str, pg, work, result, output, inputs, kept=()) -> Flight:
+    def _post(self, op: str, group: str, work, result, output, inputs, kept=()) -> Flight:
         """Poison `output`, give back the parts NCCL leaves as they are (`kept`: (view, values)),
         and watch the inputs and the output from here."""
         poison(output)
@@ -154,44 +138,42 @@ class NcclCollectives:
         watched = [_Watched("input", t) for t in inputs if t is not output] + [_Watched("output", output)]
         if any(t is output for t in inputs):
             watched[-1].role = "input"  # in place: the tensor is the input the program must leave alone
-        flight = Flight(self._lane(pg), f"{op} on group {group!r}", work, result, output, watched)
-        flight.lane.append(flight)
         self.posted[op] += 1
-        return flight
+        return Flight(f"{op} on group {group!r}", work, result, output, watched)
 
     def all_reduce(self, tensor, op, pg, async_op: bool, group: str):
         if not async_op:
-            return self._blocking(pg, lambda: TorchCollectives.all_reduce(tensor, op, pg, False, group))
+            return TorchCollectives.all_reduce(tensor, op, pg, False, group)
         private = tensor.clone()
-        work = dist.all_reduce(private, op=op, group=pg, async_op=True)
-        return self._post("all_reduce", group, pg, work, private, tensor, [tensor])
+        work = TorchCollectives.all_reduce(private, op, pg, True, group)
+        return self._post("all_reduce", group, work, private, tensor, [tensor])
 
     def all_gather(self, output, tensor, pg, async_op: bool, group: str):
         if not async_op:
-            return self._blocking(pg, lambda: TorchCollectives.all_gather(output, tensor, pg, False, group))
+            return TorchCollectives.all_gather(output, tensor, pg, False, group)
         mine, result = tensor.clone(), torch.empty_like(output)
         work = TorchCollectives.all_gather(result, mine, pg, True, group)
         # In place (the input is the output's own chunk), that chunk keeps its values.
-        return self._post("all_gather", group, pg, work, result, output, [tensor], kept=[(tensor, mine)])
+        return self._post("all_gather", group, work, result, output, [tensor], kept=[(tensor, mine)])
 
     def reduce_scatter(self, output, tensor, op, pg, async_op: bool, group: str):
         if not async_op:
-            return self._blocking(pg, lambda: TorchCollectives.reduce_scatter(output, tensor, op, pg, False, group))
+            return TorchCollectives.reduce_scatter(output, tensor, op, pg, False, group)
         result = torch.empty_like(output)
         work = TorchCollectives.reduce_scatter(result, tensor.clone(), op, pg, True, group)
-        return self._post("reduce_scatter", group, pg, work, result, output, [tensor])
+        return self._post("reduce_scatter", group, work, result, output, [tensor])
 
     def all_to_all(self, output, tensor, pg, async_op: bool, group: str):
         if not async_op:
-            return self._blocking(pg, lambda: TorchCollectives.all_to_all(output, tensor, pg, False, group))
+            return TorchCollectives.all_to_all(output, tensor, pg, False, group)
         result = torch.empty_like(output)
         work = TorchCollectives.all_to_all(result, tensor.clone(), pg, True, group)
-        return self._post("all_to_all", group, pg, work, result, output, [tensor])
+        return self._post("all_to_all", group, work, result, output, [tensor])
 
     def broadcast(self, tensor, src: int, pg, async_op: bool, group: str):
         if not async_op:
-            return self._blocking(pg, lambda: TorchCollectives.broadcast(tensor, src, pg, False, group))
+            return TorchCollectives.broadcast(tensor, src, pg, False, group)
         private = tensor.clone()
         work = TorchCollectives.broadcast(private, src, pg, True, group)
         kept = [(tensor, private.clone())] if dist.get_rank() == src else []  # the root's buffer is only read
-        return self._post("broadcast", group, pg, work, private, tensor, [tensor], kept=kept)
+        return self._post("broadcast", group, work, private, tensor, [tensor], kept=kept)

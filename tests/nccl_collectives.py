@@ -39,6 +39,9 @@ Why a program that is wrong on NCCL cannot pass here:
   a storage released or moved by hand (ZeRO-3's `resize_(0)`) is caught.
 - An in-place all-gather (the input at the output's own chunk) and a root's broadcast buffer
   are only read by NCCL: reading them in flight is right, so they are not poisoned.
+- An in-place op is seen by torch's version counter, which all views of one base share: a
+  write to another slice of the input's or output's base counts too, which NCCL would not
+  mind (stricter; tetrad's layouts make none).
 Left out: the collectives tetrad makes outside `Comm` (autotune's and the checkpoint's,
 blocking, on their own groups); point-to-point, which tests/nccl_semantics.py models (the two
 are installed side by side); and the values' own arithmetic (NCCL's reduction order differs
@@ -92,7 +95,7 @@ class _Watched:
         if self._where() != self.where:
             return f"{self.role} freed while in flight"
         # Bits alone miss arithmetic on poison (NaN + x is NaN): an in-place op on the tensor
-        # or a view of its memory counts too.
+        # or on any view of its base counts too.
         if self.tensor._version != self.version or not torch.equal(_bits(self.tensor), self.bits):
             return f"{self.role} modified while in flight" if self.role == "input" else \
                 f"{self.role} written while in flight"

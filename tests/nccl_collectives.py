@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad.dist.comm import TorchCollectives
+from tetrad.train.trainer import Trainer
 
 
 def poison(t: torch.Tensor) -> None:
@@ -180,3 +181,26 @@ class NcclCollectives:
         work = TorchCollectives.broadcast(private, src, pg, True, group)
         kept = [(tensor, private.clone())] if dist.get_rank() == src else []  # the root's buffer is only read
         return self._post("broadcast", group, work, private, tensor, [tensor], kept=kept)
+
+
+def zero_collectives_as_on_nccl(trainer: Trainer) -> None:
+    """ZeRO's collectives as NCCL runs them (a reduce-scatter into a new shard, an all-gather in
+    place), not gloo's in-place substitutes (parallel/data/collectives.py)."""
+    for part in (trainer.grads.sync, trainer.grads.weights, trainer.grads.zero3):
+        if part is not None:
+            part.scratch_free = False
+
+
+class NcclTrainer(Trainer):
+    """A Trainer whose collectives run under the double, ZeRO's as NCCL runs them. Its last
+    step's record lists the non-blocking collectives the double saw ("posted")."""
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        zero_collectives_as_on_nccl(self)
+        self.topo.comm.collectives = NcclCollectives()
+
+    def fit(self):
+        history = super().fit()
+        history[-1]["posted"] = set(self.topo.comm.collectives.posted)
+        return history

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from conftest import assert_parity, run_ranks, tiny_config, train_layout
 from layout_draws import parity_atol
-from nccl_collectives import NcclCollectives
+from nccl_collectives import NcclCollectives, NcclTrainer, zero_collectives_as_on_nccl
 from nccl_semantics import NcclSemantics
 from tetrad.dist.comm import Comm
 from tetrad.train.trainer import Trainer
@@ -168,27 +168,11 @@ def test_a_collective_completes_at_its_own_wait():
 # --------------------------------------------------------------------------- layouts
 
 class _AsOnNccl(Trainer):
-    """ZeRO's collectives as NCCL runs them (a reduce-scatter into a new shard, an all-gather in
-    place), not gloo's in-place substitutes (parallel/data/collectives.py)."""
+    """ZeRO's collectives as NCCL runs them, on gloo without the double."""
 
     def __init__(self, cfg, device):
         super().__init__(cfg, device)
-        for part in (self.grads.sync, self.grads.weights, self.grads.zero3):
-            if part is not None:
-                part.scratch_free = False
-
-
-class _UnderDouble(_AsOnNccl):
-    """And through the double. The last step's record says which non-blocking collectives it saw."""
-
-    def __init__(self, cfg, device):
-        super().__init__(cfg, device)
-        self.topo.comm.collectives = NcclCollectives()
-
-    def fit(self):
-        history = super().fit()
-        history[-1]["posted"] = set(self.topo.comm.collectives.posted)
-        return history
+        zero_collectives_as_on_nccl(self)
 
 
 TRAIN = {"steps": 3, "micro_batch": 1, "global_batch": 4}
@@ -239,7 +223,7 @@ def test_layout_under_nccl_collectives_matches(name):
     parallel, sections, posted = LAYOUTS[name]
     ring = parallel.get("cp", 1) > 1 and parallel.get("cp_algo", "ring") == "ring"
     transport = partial(NcclSemantics, timeout_s=20) if parallel.get("pp", 1) > 1 or ring else None
-    got = train_layout(_config(parallel, sections), transport=transport, trainer_class=_UnderDouble,
+    got = train_layout(_config(parallel, sections), transport=transport, trainer_class=NcclTrainer,
                        timeout_s=DEADLINE_S)
     assert got[2][-1].pop("posted") == posted
     if name in ON_GLOO:

@@ -33,7 +33,8 @@ which the tests do not assert.)
   runs; a larger one may not. The rendezvous here is the second case at every size: an edge
   NCCL has only for large messages, so a superset, and tetrad must be right at every size.
 Left out: collectives do not go through the queues (tetrad posts a group's collectives after
-its point-to-point has been waited for, and a pipeline link carries no collectives); and a
+its point-to-point has been waited for, and a pipeline link carries no collectives; their own
+timing of memory is tests/nccl_collectives.py's, installed beside this one); and a
 communicator's lazy initialisation, which blocks the host at a communicator's first use until
 every member uses it (both launch paths, tetrad's own and torchrun's, bind `device_id`, so NCCL
 makes communicators when the groups are created).

@@ -19,6 +19,7 @@ import random
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import assert_parity, grad_norms, tiny_config, train_layout  # noqa: E402
 from layout_draws import draw, parity_atol, reference_of, resume_pair, seeds  # noqa: E402
+from nccl_collectives import NcclTrainer  # noqa: E402
+from nccl_semantics import NcclSemantics  # noqa: E402
 from tetrad.config import ConfigError  # noqa: E402
 from tetrad.parallel.pipeline.registry import check_config as check_pipeline  # noqa: E402
 
@@ -100,10 +103,17 @@ def check(got, ref, overrides: dict, other_order) -> str:
     return "ok"
 
 
-def trainer_of(refs: dict, timeout_s: float):
-    """`trained(overrides)`: train_layout of a config, cached by its overrides."""
+def trainer_of(refs: dict, timeout_s: float, nccl: bool = False):
+    """`trained(overrides)`: train_layout of a config, cached by its overrides. `nccl`: the runs
+    not cached (the layouts under test) run under NCCL's semantics, point-to-point
+    (tests/nccl_semantics.py) and collectives (tests/nccl_collectives.py)."""
     def trained(overrides: dict, cache: bool = True):
         key = json.dumps(overrides, sort_keys=True)
+        if not cache and nccl:
+            result = train_layout(tiny_config(**overrides), transport=partial(NcclSemantics, timeout_s=20),
+                                  trainer_class=NcclTrainer, timeout_s=timeout_s)
+            result[2][-1].pop("posted")
+            return result
         if not cache or key not in refs:
             refs[key] = train_layout(tiny_config(**overrides), timeout_s=timeout_s)
         return refs[key]
@@ -142,7 +152,7 @@ def check_same(got, ref) -> str:
     return "ok"
 
 
-def run_one(seed: int, refs: dict, timeout_s: float, resume: bool, dropout: bool = False) -> dict:
+def run_one(seed: int, refs: dict, timeout_s: float, resume: bool, dropout: bool = False, nccl: bool = False) -> dict:
     overrides = resume_pair(seed, extended=True) if resume else dropout_pair(seed) if dropout else draw(seed, extended=True)
     record = {"seed": seed, "config": overrides}
     if overrides is None:
@@ -154,7 +164,7 @@ def run_one(seed: int, refs: dict, timeout_s: float, resume: bool, dropout: bool
         return {**record, "result": "refused", "message": str(e)}
     except Exception as e:  # not a ConfigError: a bug in validation
         return {**record, "result": "validation-crash", "message": repr(e)}
-    trained = trainer_of(refs, timeout_s)
+    trained = trainer_of(refs, timeout_s, nccl)
     start = time.perf_counter()
     elapsed = lambda: round(time.perf_counter() - start, 1)  # noqa: E731
     try:
@@ -186,11 +196,13 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=math.inf, help="stop starting draws after this many seconds")
     ap.add_argument("--resume", action="store_true", help="save in one layout, resume in another")
     ap.add_argument("--dropout", action="store_true", help="dropout: recompute against none, same layout")
+    ap.add_argument("--nccl", action="store_true", help="the layouts under NCCL's semantics (point-to-point and "
+                    "collectives: tests/nccl_semantics.py, tests/nccl_collectives.py; a resume's second run only)")
     args = ap.parse_args()
     refs: dict = {}
     with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
         for seed in seeds(args.seed, args.count, args.budget):
-            record = run_one(seed, refs, args.timeout, args.resume, args.dropout)
+            record = run_one(seed, refs, args.timeout, args.resume, args.dropout, args.nccl)
             if log is not None:
                 log.write(json.dumps(record) + "\n")
                 log.flush()

@@ -82,6 +82,9 @@ class Comm:
         # What posts point-to-point and returns its works: torch.distributed, or a transport that
         # models another backend's semantics on CPU (tests/nccl_semantics.py).
         self.transport = dist
+        # What runs the collectives: torch.distributed's, or a double that models another
+        # backend's semantics on CPU (tests/nccl_collectives.py).
+        self.collectives = TorchCollectives()
 
     @contextlib.contextmanager
     def _watch(self, op: str, group: str, call: int | None):
@@ -143,7 +146,7 @@ class Comm:
         if pg is None:
             return DONE
         return self._run("all_reduce", group, _nbytes(tensor),
-                         lambda: dist.all_reduce(tensor, op=op, group=pg, async_op=async_op), async_op)
+                         lambda: self.collectives.all_reduce(tensor, op, pg, async_op, group), async_op)
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
         """Concatenate every rank's `tensor` along dim 0 into `output`."""
@@ -152,7 +155,7 @@ class Comm:
             output.copy_(tensor)
             return DONE
         return self._run("all_gather", group, _nbytes(output),
-                         lambda: all_gather_single(output, tensor, group=pg, async_op=async_op),
+                         lambda: self.collectives.all_gather(output, tensor, pg, async_op, group),
                          async_op)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group: str,
@@ -163,7 +166,7 @@ class Comm:
             output.copy_(tensor)
             return DONE
         return self._run("reduce_scatter", group, _nbytes(tensor),
-                         lambda: reduce_scatter_single(output, tensor, op=op, group=pg, async_op=async_op),
+                         lambda: self.collectives.reduce_scatter(output, tensor, op, pg, async_op, group),
                          async_op)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
@@ -173,7 +176,7 @@ class Comm:
             output.copy_(tensor)
             return DONE
         return self._run("all_to_all", group, _nbytes(tensor),
-                         lambda: dist.all_to_all_single(output, tensor, group=pg, async_op=async_op), async_op)
+                         lambda: self.collectives.all_to_all(output, tensor, pg, async_op, group), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_local: int, group: str, async_op: bool = False):
         """Broadcast from the group's local rank `src_local`."""
@@ -182,7 +185,7 @@ class Comm:
             return DONE
         src = dist.get_global_rank(pg, src_local)
         return self._run("broadcast", group, _nbytes(tensor),
-                         lambda: dist.broadcast(tensor, src=src, group=pg, async_op=async_op), async_op)
+                         lambda: self.collectives.broadcast(tensor, src, pg, async_op, group), async_op)
 
     def p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
             group: str, send_tags: list[int] | None = None, recv_tags: list[int] | None = None) -> Pending:
@@ -201,6 +204,32 @@ class Comm:
         # Point-to-point involves only some ranks of the group: no common call number.
         return Pending(works, lambda: self._blocked(group), lambda: self._watch("send_recv", group, None),
                        f"{group}:send_recv")
+
+
+class TorchCollectives:
+    """Comm's collectives as torch.distributed runs them (`Comm.collectives`); `pg` the process
+    group, `group` its name in tetrad (unused here: for a double's messages)."""
+
+    @staticmethod
+    def all_reduce(tensor, op, pg, async_op: bool, group: str):
+        return dist.all_reduce(tensor, op=op, group=pg, async_op=async_op)
+
+    @staticmethod
+    def all_gather(output, tensor, pg, async_op: bool, group: str):
+        return all_gather_single(output, tensor, group=pg, async_op=async_op)
+
+    @staticmethod
+    def reduce_scatter(output, tensor, op, pg, async_op: bool, group: str):
+        return reduce_scatter_single(output, tensor, op=op, group=pg, async_op=async_op)
+
+    @staticmethod
+    def all_to_all(output, tensor, pg, async_op: bool, group: str):
+        return dist.all_to_all_single(output, tensor, group=pg, async_op=async_op)
+
+    @staticmethod
+    def broadcast(tensor, src: int, pg, async_op: bool, group: str):
+        """`src`: the global rank."""
+        return dist.broadcast(tensor, src=src, group=pg, async_op=async_op)
 
 
 def _annotated(name: str):

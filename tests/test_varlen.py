@@ -176,3 +176,51 @@ def test_varlen_is_chosen_on_cuda_in_16_bit_where_flash_takes_the_head_dim(dtype
         assert attn.choose_kernel("cuda", dtype, gqa, "alltoall", head_dim=head_dim).name != "varlen"
         assert attn.choose_kernel("cpu", dtype, gqa, "alltoall", masked=True, head_dim=head_dim).name == "cpu_flash"
     assert not attn.uses_varlen("cpu", dtype, head_dim) and not attn.uses_varlen("xpu", dtype, head_dim)
+
+
+# ----------------------------------------------------------------------------- the planner
+
+def _plan_cfg(dtype="bf16", head_dim=128, window=0, documents=False, cp=1, algo="alltoall"):
+    from tetrad.config import load_config
+    return load_config(overrides={
+        "model": {"preset": "llama3-8b", "n_layers": 4, "d_model": 2048, "n_heads": 16, "n_kv_heads": 8,
+                  "head_dim": head_dim, "ffn_hidden": 8192, "seq_len": 8192, "sliding_window": window},
+        "parallel": {"cp": cp, "cp_algo": algo}, "train": {"dtype": dtype, "document_mask": documents, "micro_batch": 2}},
+        runtime=False)
+
+
+def _core(stack="tetrad", cluster="dgx-h100", **cfg):
+    from tetrad.plan.hardware import load_cluster
+    from tetrad.plan.layer import _attention_core
+    from tetrad.plan.stacks import load_stack
+    c = _plan_cfg(**cfg)
+    return _attention_core(c, load_cluster(cluster).gpu, load_stack(stack), c.train.micro_batch * 8192 // c.parallel.cp)
+
+
+def test_the_planner_costs_the_kernel_the_runtime_chooses():
+    """bf16 (varlen: FlashAttention-2 over the band; documents: the causal half, their bound),
+    fp32 and a head dim flash refuses (the bias kernel's whole square), the ring's blocks and
+    other stacks (the causal half, as before)."""
+    from tetrad.plan.hardware import load_gpu
+    h100 = load_gpu("H100-SXM")
+    fused_over_flash2 = h100.attention(True) / h100.attention(False)  # the fused kernel's speed-up
+    plain = _core()[0]
+    assert _core(documents=True)[0] == pytest.approx(plain * fused_over_flash2)
+    # a window of S/4 keeps W - W^2/(2S) = 7S/32 keys a query of the causal half's S/2
+    assert _core(window=2048)[0] == pytest.approx(_core(documents=True)[0] * 7 / 16)
+    assert _core(window=2048, documents=True) == _core(window=2048)
+    assert _core(dtype="fp32", documents=True)[0] == pytest.approx(2 * _core(dtype="fp32")[0])
+    assert _core(head_dim=208, window=2048)[0] == pytest.approx(2 * _core(head_dim=208)[0] * fused_over_flash2)
+    assert _core(cp=2, algo="ring", documents=True) == _core(cp=2, algo="ring")
+    assert _core(cp=2, documents=True)[0] == pytest.approx(_core(cp=2)[0] * fused_over_flash2)
+    assert _core(stack="megatron-core", documents=True) == _core(stack="megatron-core")
+    assert _core(cluster="cpu", dtype="fp32", documents=True)[0] == pytest.approx(2 * _core(cluster="cpu", dtype="fp32")[0])
+
+
+def test_the_planner_counts_no_bias_where_varlen_runs():
+    from tetrad.plan.memory import mask_bias_bytes
+    assert mask_bias_bytes(_plan_cfg(documents=True)) == 0.0
+    assert mask_bias_bytes(_plan_cfg(window=2048)) == 0.0
+    assert mask_bias_bytes(_plan_cfg(documents=True), is_cpu=True) == 2 * 8192 ** 2 * 2  # micro_batch 2 rows, bf16
+    assert mask_bias_bytes(_plan_cfg(dtype="fp32", window=2048)) == 8192 ** 2 * 4
+    assert mask_bias_bytes(_plan_cfg(cp=2, algo="ring", documents=True)) == 0.0

@@ -184,7 +184,8 @@ aten = torch.ops.aten
 # Attention kernels whose outputs (output and log-sum-exp) `selective-op` keeps.
 _ATTENTION_OPS = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
                   aten._scaled_dot_product_cudnn_attention.default,
-                  aten._scaled_dot_product_flash_attention_for_cpu.default}
+                  aten._scaled_dot_product_flash_attention_for_cpu.default,
+                  torch.ops.torch_attn._varlen_attn.default}  # model/varlen.py's (its module registers it)
 
 
 def _save_attention_and_every_other_matmul(ring: RingReplay, hold=None):

@@ -153,6 +153,25 @@ def test_alltoall_with_the_packing_matches_one_process():
         assert max(errors) < 1e-5, errors
 
 
+def test_a_compiled_block_takes_new_segments_without_recompiling():
+    """Each micro-batch's segments differ (their count, the longest): the varlen call runs
+    outside torch.compile's graphs, so a compiled block neither recompiles nor specialises."""
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    def body(q, k, v, packing):
+        return attn.local_attention(q * 1, k, v, packing) * 2
+    compiled = torch.compile(body, backend=counter)
+    q, k, v, _, _ = _inputs(2, 4, 2, False, 5, 24)
+    frames = []
+    for seed in (1, 2, 3, 4):
+        packing = sequence_packing(_documents(2, 24, seed), 5, 2, 24, torch.device("cpu"), kernel=reference_varlen)
+        assert torch.allclose(compiled(q, k, v, packing), body(q, k, v, packing))
+        frames.append(counter.frame_count)
+    assert frames == frames[:1] * 4, frames  # traced instead of eager, it recompiled for new segments
+
+
 def test_the_packing_reads_nothing_from_the_device():
     """cu_seqlens and the longest segment come from the host ids (a read of the device ids would
     be a host sync per micro-batch on a GPU)."""

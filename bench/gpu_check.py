@@ -14,7 +14,10 @@
 - ring blocks: the fused block kernels against the fp32 math path at 8k-32k tokens (time, peak
   memory, largest difference), and the kernel choose_kernel picks for head dims the fused ops
   refuse when called directly (100, 200, 288) running a block;
-- the user's commands: `tetrad train` (the demo config on one rank) and `tetrad generate`.
+- the user's commands: `tetrad train` (the demo config on one rank) and `tetrad generate`;
+- varlen: masked attention (documents + a sliding window, bf16, GQA) through flash's varlen
+  kernel against the masked SDPA path, outputs and gradients, both times, and that per-op
+  recompute keeps its output (bench/varlen_check.py).
 
     python bench/gpu_check.py
 
@@ -38,6 +41,7 @@ from tetrad import device as devices
 from tetrad import launch
 from tetrad.config import load_config
 from tetrad.model import attention as attn
+from varlen_check import varlen_attention
 
 TINY = {"model": {"preset": "tiny"}, "train": {"steps": 5, "global_batch": 8, "micro_batch": 4, "warmup": 2,
                                                "lr": 1e-2, "dtype": "fp32", "tf32": False}}
@@ -404,7 +408,7 @@ def _guarded(name: str, part) -> list[tuple]:
 # Each part takes the GPU's profile name; in the order they run, the quick ones first.
 PARTS = {"cli": lambda gpu: cli_round_trip(), "parity": lambda gpu: loss_parity(),
          "throughput": lambda gpu: throughput_and_memory(gpu=gpu), "planner": lambda gpu: planner_points(gpu=gpu),
-         "attention": lambda gpu: attention_kernels(),
+         "attention": lambda gpu: attention_kernels(), "varlen": lambda gpu: varlen_attention(),
          "offload": lambda gpu: offload_resume() + offload_memory(gpu=gpu),
          "async_save": lambda gpu: async_checkpoint_resume(),
          "ring": lambda gpu: ring_blocks()}

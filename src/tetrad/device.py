@@ -140,6 +140,14 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.device.type != "cpu")
 
 
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to `device` with no wait on the host: from pinned memory, non-blocking
+    (a pageable copy waits for the device's queue to drain, a host sync). On the CPU, itself."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def accelerator_properties(device: torch.device):
     """A CUDA device's properties (name, total_memory, uuid, ...); None on other devices."""
     return torch.cuda.get_device_properties(device) if device.type == "cuda" else None

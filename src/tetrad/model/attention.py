@@ -21,9 +21,10 @@ fp32 matmul + logsumexp with the same contract. Kernels without grouped-query su
 heads repeated to the query heads (`expand_kv`), so fp32 GQA never falls back to SDPA's math kernel.
 
 Masks beyond causality (model/masks.py): a sliding window (`window`, model.sliding_window) and
-documents (`docs`, train.document_mask), AND-ed. The local and all-to-all paths hand SDPA the
-sequence's additive bias (one tensor per micro-batch that every layer shares, unless the layers
-recompute attention, which then build it); the ring decides on the host, from positions and the
+documents (`docs`, train.document_mask), AND-ed. The local and all-to-all paths run flash's
+varlen kernel on CUDA in 16-bit (model/varlen.py: the rows and documents as segments), else hand
+SDPA the sequence's additive bias (one tensor per micro-batch that every layer shares, unless the
+layers recompute attention, which then build it); the ring decides on the host, from positions and the
 window's document ids (`Documents`), which blocks it computes and which of those need a mask
 (`ring_blocks`: a block no query row of which sees a key is skipped, so no layer waits on the
 device), builds each masked block's visibility from the two ranks' chunks, and merges a row that
@@ -41,8 +42,9 @@ from tetrad import device as devices
 from tetrad.dist.layout import load_balanced_order
 from tetrad.model.execution import run_eagerly
 from tetrad.model.documents import Documents
-from tetrad.model.masks import RingMasks, additive_bias, block_visibility, ring_blocks, sequence_bias
+from tetrad.model.masks import RingMasks, additive_bias, block_visibility, hides_keys, ring_blocks, sequence_bias
 from tetrad.model.replay import RingReplay
+from tetrad.model.varlen import Packing, sequence_packing, varlen_attention
 
 
 @dataclass(frozen=True)
@@ -66,35 +68,59 @@ def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
     one SDPA call runs cuDNN for bf16/fp16, grouped heads included (seen on an H200, torch 2.11),
     and the ring's blocks call cuDNN too, except with GQA (its block op takes equal heads only).
     Causal masking does not enter: a ring's causal blocks are square, which every kernel takes.
-    A mask beyond it (`masked`: documents, a sliding window) does: flash takes no mask, so CUDA runs
-    the memory-efficient kernel (an additive bias) in every dtype; the CPU kernel takes one too.
-    So does `head_dim` (device.py).
+    A mask beyond it (`masked`: documents, a sliding window) does: over the whole sequence, where
+    flash takes the dtype and head dim, its varlen kernel (model/varlen.py: segments and a window,
+    grouped heads as they are); otherwise, and for the ring's blocks, the memory-efficient kernel
+    with an additive bias; the CPU kernel takes one too. So does `head_dim` (device.py).
     """
     fits = devices.fused_attention_kernels(dtype, head_dim) if device_type == "cuda" else set()
     if device_type == "cpu":
         return Kernel("cpu_flash", False)
     if "flash" in fits and not masked:
         return Kernel("cudnn" if cudnn_preferred and (cp_algo != "ring" or not gqa) and "cudnn" in fits else "flash", False)
+    if "flash" in fits and cp_algo != "ring":
+        return Kernel("varlen", False)
     if "efficient" in fits:
         return Kernel("efficient", gqa)
     return Kernel("math", gqa) if cp_algo == "ring" else Kernel("sdpa", False)
 
 
+def uses_varlen(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a masked attention over the whole sequence runs flash's varlen kernel (choose_kernel)."""
+    return choose_kernel(device_type, dtype, False, "alltoall", masked=True, head_dim=head_dim).name == "varlen"
+
+
+def sequence_mask(docs: Documents | None, window: int, rows: int, length: int, dtype: torch.dtype,
+                  device: torch.device, head_dim: int) -> torch.Tensor | Packing | None:
+    """What the whole-sequence paths attend with, for a micro-batch of `rows` sequences of
+    `length`: the varlen kernel's `Packing` (uses_varlen), else the additive bias in `dtype`
+    (masks.sequence_bias); None where causality alone masks."""
+    if docs is None and not hides_keys(window, length):
+        return None
+    if uses_varlen(device.type, dtype, head_dim):
+        return sequence_packing(docs, window, rows, length, device)
+    return sequence_bias(docs, window, length, dtype, device)
+
+
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    docs: Documents | torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                    docs: Documents | torch.Tensor | Packing | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention over a whole sequence held by this rank, within documents if `docs` and
     the sliding `window` (0: none).
 
     q: [b, s, heads, d]; k, v: [b, s, kv_heads, d] (grouped-query when kv_heads < heads); docs:
-    the sequence's mask bias, [b or 1, 1, s, s] (masks.sequence_bias, shared by the layers: the
-    window is in it), or its `Documents` (or None) to build it here. Returns [b, s, heads, d].
+    the sequence's mask as `sequence_mask` makes it (shared by the layers: the window is in it), a
+    bias [b or 1, 1, s, s] or a `Packing`, or its `Documents` (or None) to make it here.
+    Returns [b, s, heads, d].
     """
-    bias = docs if isinstance(docs, torch.Tensor) else sequence_bias(docs, window, q.shape[1], q.dtype, q.device)
+    mask = docs if isinstance(docs, (torch.Tensor, Packing)) else \
+        sequence_mask(docs, window, q.shape[0], q.shape[1], q.dtype, q.device, q.shape[-1])
+    if isinstance(mask, Packing):  # eager: the segments change every micro-batch (no recompile)
+        return run_eagerly(varlen_attention, q, k, v, mask)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
-    if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall", masked=bias is not None, head_dim=q.shape[-1]).expand_kv:
+    if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall", masked=mask is not None, head_dim=q.shape[-1]).expand_kv:
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None,
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                          enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 

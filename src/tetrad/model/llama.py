@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tetrad.config import ModelConfig
-from tetrad.model.attention import attention
+from tetrad.model.attention import attention, sequence_mask, uses_varlen
 from tetrad.model.documents import Documents
-from tetrad.model.masks import hides_keys, sequence_bias, visibility
+from tetrad.model.masks import hides_keys, visibility
 from tetrad.model.replay import RingReplay
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
@@ -184,7 +184,8 @@ aten = torch.ops.aten
 # Attention kernels whose outputs (output and log-sum-exp) `selective-op` keeps.
 _ATTENTION_OPS = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
                   aten._scaled_dot_product_cudnn_attention.default,
-                  aten._scaled_dot_product_flash_attention_for_cpu.default}
+                  aten._scaled_dot_product_flash_attention_for_cpu.default,
+                  torch.ops.torch_attn._varlen_attn.default}  # model/varlen.py's (its module registers it)
 
 
 def _save_attention_and_every_other_matmul(ring: RingReplay, hold=None):
@@ -324,19 +325,22 @@ class Transformer(nn.Module):
                                                  grad_in_bi=True)
         self._rope: tuple | None = None  # (positions, their version, tables): see `rope`
 
-    def _shared_bias(self, docs: Documents | None, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
-        """The mask bias (documents, sliding window) the chunk's layers take, built once for all of
-        them: on the paths that attend over the whole sequence (the ring builds per-block masks),
-        where no layer recomputes its attention (a recompute rebuilds the bias instead of keeping
-        one; model/masks.py). None where the layers build their own, or need none."""
+    def _shared_mask(self, docs: Documents | None, positions: torch.Tensor, h: torch.Tensor):
+        """The mask (documents, sliding window) the chunk's layers take, made once for all of them
+        on the paths that attend over the whole sequence (the ring builds per-block masks): the
+        varlen kernel's segments always (a few integers), the bias where no layer recomputes its
+        attention (a recompute rebuilds the bias instead of keeping one; model/masks.py). None
+        where the layers make their own, or need none."""
         cp = self.topo.size("cp")
         length = positions.shape[-1] * cp  # positions: [s], or [b, s] under train.reset_positions
         if docs is None and not hides_keys(self.cfg.sliding_window, length):
             return None
-        whole = cp == 1 or self.execution.cp_algo == "alltoall"
-        if not whole or any(b.recompute != "none" or b.attn.recompute_core for b in self.layers.values()):
+        if cp > 1 and self.execution.cp_algo != "alltoall":
             return None
-        return sequence_bias(docs, self.cfg.sliding_window, length, h.dtype, h.device)
+        recomputes = any(b.recompute != "none" or b.attn.recompute_core for b in self.layers.values())
+        if recomputes and not uses_varlen(h.device.type, h.dtype, self.cfg.head_dim):
+            return None
+        return sequence_mask(docs, self.cfg.sliding_window, h.shape[0], length, h.dtype, h.device, self.cfg.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: dict[str, LayerCache] | None = None, docs: Documents | None = None) -> torch.Tensor:
@@ -348,7 +352,7 @@ class Transformer(nn.Module):
         then holds only the new tokens, at `positions`, and the cache grows by them. `docs`
         (document masking): the `Documents` of the whole window, [b, seq_len], on every rank and
         stage (not sharded: attention derives each rank's part); the mask bias, documents and
-        sliding window, is built here once for the chunk's layers where they share it (`_shared_bias`)."""
+        sliding window, is made here once for the chunk's layers where they share it (`_shared_mask`)."""
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":
@@ -356,8 +360,8 @@ class Transformer(nn.Module):
         else:
             h = x
         rope = self.rope(positions) if self.cfg.pos == "rope" else None
-        bias = self._shared_bias(docs, positions, h) if cache is None else None
-        docs = docs if bias is None else bias  # once for all the chunk's layers
+        mask = self._shared_mask(docs, positions, h) if cache is None else None
+        docs = docs if mask is None else mask  # once for all the chunk's layers
         for name, block in self.layers.items():
             h = block(h, rope, docs=docs) if cache is None else block(h, rope, cache.setdefault(name, LayerCache()))
         if not self.last:

@@ -1,7 +1,8 @@
 """What one transformer layer costs, per micro-batch on one rank, and the embedding and head.
 
 Compute: GEMM FLOPs / (peak x the efficiency of that GEMM's shape); the attention core at the
-GPU's flash-attention efficiency (a causal kernel executes half the square) or, without flash
+GPU's flash-attention efficiency (a causal kernel executes half the square; tetrad's masked
+attention what its kernel executes: `_attention_keys`) or, without flash
 attention, as batched GEMMs plus the scores' HBM round trips; element-wise work and fp8 casts as
 bytes / HBM bandwidth. The layer's TP, CP and ZeRO-3 collectives (links.py) are exposed where
 nothing hides them; under FSDP also its copies of the weights and gradients. The pipeline
@@ -16,7 +17,9 @@ from tetrad.config import Config
 from tetrad.config.sections import shard_ranks
 from tetrad.model import flops
 from tetrad.plan.comm_bytes import scatter_bytes
+from tetrad.model.masks import hides_keys
 from tetrad.plan.hardware import GPU, Cluster
+from tetrad.plan.kernels import masked_attention
 from tetrad.plan.links import group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
 from tetrad.plan.stacks import Stack
@@ -138,9 +141,9 @@ def _attention_core(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[f
         # mem_eff_attention gemm_kernel_utils.h, DefaultGemmType for float at compute capability 8+).
         peak = gpu.peak("tf32") / 3 if "tf32" in gpu.peak_tflops else gpu.peak("fp32")
     if stack.flash_attention:
-        fused = stack.attention_kernel == "fused" and t.dtype != "fp32"  # fused kernels are 16-bit only
+        keys, fused = _attention_keys(cfg, stack, gpu.is_cpu)
         eff = gpu.attention(fused) * _shape(hd) / _shape(128) * _shape(tokens / t.micro_batch)
-        forward = 4 * tokens * (m.seq_len / 2) * heads * hd / (peak * eff)
+        forward = 4 * tokens * keys * heads * hd / (peak * eff)
         slower_f, slower_b = ATTENTION_KERNELS[stack.attention_kernel]
         return slower_f * forward, slower_b * FLASH_BACKWARD_FACTOR * forward
     e, hbm = activation_bytes(t.dtype), gpu.hbm_bytes_per_s
@@ -149,6 +152,26 @@ def _attention_core(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[f
     bmm = 4 * tokens * m.seq_len * heads * hd / (peak * gemm_efficiency(gpu, m.seq_len, m.seq_len, hd))
     forward = bmm + scores * (2 * e + mask * (2 * e + 1)) / hbm  # softmax (and dropout) read + write
     return forward, 2 * bmm + scores * (3 * e + mask * (2 * e + 1)) / hbm
+
+
+def _attention_keys(cfg: Config, stack: Stack, is_cpu: bool) -> tuple[float, bool]:
+    """(keys per query the flash-style kernel computes, whether it is the GPU's fused one). A
+    causal kernel computes half the square: seq_len / 2 (fused kernels are 16-bit only). tetrad's
+    own masked attention (`stack.tetrad_attention`; plan/kernels.py asks the runtime's choice):
+    flash's varlen kernel (FlashAttention-2, not the fused one) computes the window's causal band,
+    W - W^2 / (2 seq_len) a query (seq_len / 2 as W reaches seq_len); documents cannot be known
+    ahead, so their causal half is the bound it costs. The bias kernels compute the whole square,
+    at FlashAttention-2's efficiency (the planner's figure for the memory-efficient kernel). The
+    ring's blocks keep the causal half (not modelled apart). Other stacks: the causal half."""
+    m, t = cfg.model, cfg.train
+    fused = stack.attention_kernel == "fused" and t.dtype != "fp32"
+    kernel = masked_attention(cfg, is_cpu) if stack.tetrad_attention else None
+    if kernel == "varlen":
+        w = m.sliding_window if hides_keys(m.sliding_window, m.seq_len) else m.seq_len
+        return w - w * w / (2 * m.seq_len), False
+    if kernel == "square":
+        return float(m.seq_len), False
+    return m.seq_len / 2, fused
 
 
 def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[float, float]:

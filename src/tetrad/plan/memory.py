@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes, shard_ranks
 from tetrad.model import flops
-from tetrad.model.masks import hides_keys
+from tetrad.plan.kernels import masked_attention
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets, shard_params
@@ -249,7 +249,7 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     return replicated + split + core
 
 
-def mask_bias_bytes(cfg: Config) -> float:
+def mask_bias_bytes(cfg: Config, is_cpu: bool = False) -> float:
     """Bytes of the mask bias (train.document_mask, a model.sliding_window shorter than seq_len) on
     the local and all-to-all paths, whose kernel takes the whole sequence: [micro_batch, 1,
     seq_len, seq_len] in the activations' dtype with documents, [1, 1, seq_len, seq_len] with a
@@ -257,11 +257,12 @@ def mask_bias_bytes(cfg: Config) -> float:
     chunk and kept by every layer's attention: one per activation set in flight (`memory_by_rank`
     passes it to the simulator as what each set carries). Under recompute each layer builds it in
     the recomputed region and keeps none: the layer rebuilt during backward holds one. The ring
-    keeps none: its backward builds each block's mask again from the window's ids."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    rows = t.micro_batch if t.document_mask else 1 if hides_keys(m.sliding_window, m.seq_len) else 0
-    if p.cp > 1 and p.cp_algo == "ring":
+    keeps none: its backward builds each block's mask again from the window's ids. Nor does flash's
+    varlen kernel (CUDA, 16-bit: plan/kernels.py), which takes the segments' bounds instead."""
+    m, t = cfg.model, cfg.train
+    if masked_attention(cfg, is_cpu) != "square":
         return 0.0
+    rows = t.micro_batch if t.document_mask else 1
     return rows * m.seq_len ** 2 * activation_bytes(t.dtype)
 
 
@@ -310,7 +311,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
         if schedule_spec(p.schedule).splits_backward:
             counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
         rebuilt = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
-                   + mask_bias_bytes(cfg) - counted)
+                   + mask_bias_bytes(cfg, is_cpu) - counted)
     # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered unless
     # the stack gathers it again in backward, as every column-parallel input); the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
@@ -324,7 +325,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     # transient at the peak, which may come when no loss waits (zero-bubble's after a BI).
     head_input = hidden / (p.tp if p.sequence_parallel and not stack.sp_saves_gathered_input else 1)
     saved_head = final_norm + head_input + 4 * logits
-    shared_bias = mask_bias_bytes(cfg) if t.recompute == "none" else 0.0
+    shared_bias = mask_bias_bytes(cfg, is_cpu) if t.recompute == "none" else 0.0
     whole, saved = (inflight(p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu),
                              chunk_layers(cfg), h / per_layer, shared_bias / per_layer)
                     for h in (saved_head + (logit_bytes - 4) * logits, saved_head))

@@ -71,6 +71,10 @@ class Stack:
     # Under a split backward (zero-bubble) the head's weight gradient is made in BI, not queued
     # for BW (tetrad's model/llama.py: the queue would keep the logits' gradient alive).
     head_weight_grad_in_bi: bool = False
+    # Masked attention (documents, a sliding window) runs the kernel tetrad's runtime chooses
+    # (plan/kernels.py): flash's varlen kernel in 16-bit, the whole square under a bias otherwise.
+    # Other stacks are costed with flash's causal half (Megatron-LM's THD, flex attention).
+    tetrad_attention: bool = False
 
 
 STACKS: dict[str, Stack] = {s.name: s for s in [
@@ -79,7 +83,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # H200 by bench/gpu_check.py) and FlashAttention-2 elsewhere (a GPU with no fused efficiency).
     Stack("tetrad", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
           sp_saves_gathered_input=True, zero1_reduce_scatter=False, attention_kernel="fused",
-          head_weight_grad_in_bi=True),
+          head_weight_grad_in_bi=True, tetrad_attention=True),
     # tetrad with train.compile: inductor fuses each block's element-wise chains (norms, RoPE,
     # SwiGLU, residuals) into one kernel per region between tp/cp collectives, so they cost what
     # fused kernels do (Ansel et al. 2024, "PyTorch 2", ASPLOS, sec. 5: inductor's fusion), and
@@ -88,7 +92,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # 1,946,132 -> 1,552,916 bytes, per layer one SwiGLU tensor (131,072), one attention output
     # (32,768) and 32,768 more, not counted here. Collectives and the optimizer stay tetrad's.
     Stack("tetrad-compiled", fused_grad_accumulation=False, sp_saves_gathered_input=True, zero1_reduce_scatter=False,
-          attention_kernel="fused", head_weight_grad_in_bi=True),
+          attention_kernel="fused", head_weight_grad_in_bi=True, tetrad_attention=True),
     # torch.compile'd PyTorch (torchtitan), Megatron-Core with Transformer Engine.
     Stack("compiled", zero3_held_under_pp=True, sp_saves_gathered_input=True, zero3_impl="fsdp2"),
     # Megatron-LM since 2023 (flash attention, fused kernels, overlapped gradient buckets).

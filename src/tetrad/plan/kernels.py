@@ -1,0 +1,26 @@
+"""Which kernel runs a tetrad run's masked attention (documents, a sliding window), for the time
+(layer.py) and memory (memory.py) models: the runtime's own choice (model/attention.py
+choose_kernel, through `uses_varlen`), asked here rather than written again."""
+
+from __future__ import annotations
+
+import torch
+
+from tetrad.config import Config
+from tetrad.device import DTYPES
+from tetrad.model.attention import uses_varlen
+from tetrad.model.masks import hides_keys
+
+
+def masked_attention(cfg: Config, is_cpu: bool = False) -> str | None:
+    """None where causality alone masks; else "ring" (ring cp's per-block kernels), "varlen"
+    (flash's varlen kernel over the whole sequence: no bias, the causal band's tiles; CUDA, 16-bit,
+    a head dim flash takes) or "square" (an additive bias, the whole square computed: the
+    memory-efficient kernel in fp32 or at other head dims, the CPU's kernel on a CPU)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not t.document_mask and not hides_keys(m.sliding_window, m.seq_len):
+        return None
+    if p.cp > 1 and p.cp_algo == "ring":
+        return "ring"
+    dtype = DTYPES.get(t.dtype, torch.bfloat16)  # fp8 (the planner's alone): 16-bit activations
+    return "varlen" if uses_varlen("cpu" if is_cpu else "cuda", dtype, m.head_dim) else "square"

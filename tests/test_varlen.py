@@ -243,3 +243,66 @@ def test_the_planner_counts_no_bias_where_varlen_runs():
     assert mask_bias_bytes(_plan_cfg(documents=True), is_cpu=True) == 2 * 8192 ** 2 * 2  # micro_batch 2 rows, bf16
     assert mask_bias_bytes(_plan_cfg(dtype="fp32", window=2048)) == 8192 ** 2 * 4
     assert mask_bias_bytes(_plan_cfg(cp=2, algo="ring", documents=True)) == 0.0
+
+
+# ----------------------------------------------------------------------------- selective-op
+
+def _reference_backward(dout, q, k, v, bounds, window):
+    """dq, dk, dv of `reference_varlen` by attention's backward formulas (a CPU kernel runs below
+    autograd: it cannot differentiate the reference itself)."""
+    groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    left, right = window
+    for a, b in zip(bounds, bounds[1:]):
+        i, j = torch.arange(b - a)[:, None], torch.arange(b - a)[None, :]
+        visible = ((j <= i + right) if right >= 0 else True) & ((j >= i - left) if left >= 0 else True)
+        qh, do = q[a:b].transpose(0, 1), dout[a:b].transpose(0, 1)
+        kh, vh = (t[a:b].transpose(0, 1).repeat_interleave(groups, 0) for t in (k, v))
+        p = (qh @ kh.transpose(1, 2) * scale).masked_fill(~visible, float("-inf")).softmax(-1)
+        ds = p * (do @ vh.transpose(1, 2) - (do * (p @ vh)).sum(-1, keepdim=True))
+        for grad, part in zip(grads, (ds @ kh * scale, ds.transpose(1, 2) @ qh * scale, p.transpose(1, 2) @ do)):
+            grad[a:b] += part.unflatten(0, (grad.shape[1], -1)).sum(1).transpose(0, 1)
+    return grads
+
+
+def _cpu_varlen_op(calls: list):
+    """torch's own varlen op (torch_attn::_varlen_attn, its autograd and backward op) given CPU
+    kernels of the reference: `calls` records which kernel ran."""
+    from torch.nn.attention import varlen
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, scale=None, window_size=None, enable_gqa=False,
+                seqused_k=None, block_table=None, num_splits=None):
+        calls.append("forward")
+        out = reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size=tuple(window_size), enable_gqa=enable_gqa)
+        return out, torch.zeros(q.shape[1], q.shape[0]), torch.zeros(2, dtype=torch.uint64)
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, rng_state, scale=None, window_size=None):
+        calls.append("backward")
+        return tuple(_reference_backward(dout, q, k, v, cu_q.tolist(), tuple(window_size)))
+    varlen._varlen_attn.register_kernel("cpu")(forward)
+    varlen._varlen_attn_backward.register_kernel("cpu")(backward)
+    return varlen.varlen_attn
+
+
+def test_selective_op_keeps_the_varlen_kernels_output():
+    """Per-op recompute (recompute=selective-op) keeps the varlen op's outputs, as it keeps SDPA's:
+    its backward runs no second forward kernel (bench/gpu_check.py's varlen part checks the same
+    of flash on a GPU), and the gradients are those of no recompute."""
+    from torch.utils.checkpoint import checkpoint
+    from tetrad.model.llama import _save_attention_and_every_other_matmul
+    from tetrad.model.replay import RingReplay
+    from tetrad.model.varlen import varlen_attention
+    calls = []
+    q, k, v, dout, docs = _inputs(*CASES["gqa"], seq=24)
+    packing = sequence_packing(docs, 5, 2, 24, torch.device("cpu"), kernel=_cpu_varlen_op(calls))
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
+
+    def block(q, k, v):
+        return varlen_attention(q @ w, k, v, packing) @ w
+    contexts = _save_attention_and_every_other_matmul(RingReplay())
+    kept = _run(q, k, v, dout, lambda *t: checkpoint(block, *t, use_reentrant=False, context_fn=lambda: contexts))
+    assert calls == ["forward", "backward"], calls
+    expected = _run(q, k, v, dout, block)
+    masked = _run(q, k, v, dout, lambda q, k, v: attn.local_attention(q @ w, k, v, docs, 5) @ w)
+    for a, b, c in zip(kept, expected, masked):
+        assert torch.equal(a, b) and torch.allclose(a, c, atol=1e-5)

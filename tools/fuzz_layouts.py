@@ -96,10 +96,10 @@ def check(got, ref, overrides: dict, other_order) -> str:
             own = math.nan if other is None else max_param_diff(other, ref)
             drift, share = max_param_diff(got, ref), share_beyond(got, ref, atol)
             why = f"parameters drift {drift:.2e}, one process {own:.2e}; {share:.1e} of the elements beyond"
-            if later_norms:
-                norms = norm_drift(got, ref)
+            if later_norms:  # excused only by a parameter's drift for it to follow (AdamW and
+                norms = norm_drift(got, ref)  # clipping hide a later step's gradient factor)
                 why += f"; later grad norms drift {norms:.2e}"
-                assert norms <= 1e-2, f"{e}: {why}"
+                assert norms <= 1e-2 and share > 0, f"{e}: {why}"
             assert drift <= 4 * own + atol or share <= 1e-3, f"{e}: {why}"
             return f"summation order: {why}"
         return "ok"

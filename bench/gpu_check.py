@@ -15,8 +15,8 @@
   memory, largest difference), and the kernel choose_kernel picks for head dims the fused ops
   refuse when called directly (100, 200, 288) running a block;
 - the user's commands: `tetrad train` (the demo config on one rank) and `tetrad generate`;
-- varlen: masked attention (documents + a sliding window, bf16, GQA) through flash's varlen
-  kernel against the masked SDPA path, outputs and gradients, both times, and that per-op
+- varlen: masked attention (documents with and without a sliding window, bf16, GQA) through
+  flash's varlen kernel against the masked SDPA path, outputs and gradients, both times, and that per-op
   recompute keeps its output (bench/varlen_check.py).
 
     python bench/gpu_check.py

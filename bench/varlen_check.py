@@ -1,8 +1,9 @@
 """bench/gpu_check.py's `varlen` part (< 20 s on one GPU): masked attention over the whole
 sequence through flash's varlen kernel (model/varlen.py), which the CPU suite runs only with a
 reference kernel in its place, against the masked SDPA path it replaces (the memory-efficient
-kernel with the additive bias, K/V heads repeated), in bf16 with documents and a sliding window:
-forward and backward agreement and both times; and that per-op recompute (`selective-op`) keeps
+kernel with the additive bias, K/V heads repeated), in bf16 with documents and a sliding window
+(flash's window (W - 1, 0)) and with documents alone (its is_causal): forward and backward
+agreement and both times; and that per-op recompute (`selective-op`) keeps
 the varlen kernel's output, so its backward runs no flash forward again."""
 
 from __future__ import annotations
@@ -64,6 +65,19 @@ def _flash_forwards(q, k, v, dout, docs) -> tuple[int, int]:
     return in_forward, _flash_forward_kernels(lambda: out[0].backward(dout))
 
 
+def _agreement(q, k, v, dout, docs, window: int) -> tuple:
+    """The varlen path (which sequence_mask must choose) against the masked SDPA path: a row."""
+    dev = q.device
+    chosen = attn.sequence_mask(docs, window, ROWS, SEQ, torch.bfloat16, dev, DIM)
+    bias = sequence_bias(docs, window, SEQ, torch.bfloat16, dev)
+    ms_varlen, got = _timed(lambda q, k, v: attn.local_attention(q, k, v, docs, window), q, k, v, dout)
+    ms_masked, want = _timed(lambda q, k, v: _masked(q, k, v, bias), q, k, v, dout)
+    rel = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want))
+    return (f"varlen attention bf16, documents{f' + window {window}' if window else ''}, {ROWS}x{SEQ} GQA",
+            isinstance(chosen, Packing) and rel < 3e-2, f"chose {type(chosen).__name__}; varlen {ms_varlen:.1f} ms, "
+            f"masked SDPA {ms_masked:.1f} ms (fwd+bwd); max |Δ| / max of out, dq, dk, dv {rel:.1e}")
+
+
 def _varlen_rank(device: str) -> list[tuple]:
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
@@ -72,17 +86,10 @@ def _varlen_rank(device: str) -> list[tuple]:
     docs = Documents.of_windows(tokens, 0, dev)
     q, dout = (torch.randn(ROWS, SEQ, HEADS, DIM, generator=g).to(dev, torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(ROWS, SEQ, KV_HEADS, DIM, generator=g).to(dev, torch.bfloat16) for _ in range(2))
-    chosen = attn.sequence_mask(docs, WINDOW, ROWS, SEQ, torch.bfloat16, dev, DIM)
-    bias = sequence_bias(docs, WINDOW, SEQ, torch.bfloat16, dev)
-    ms_varlen, got = _timed(lambda q, k, v: attn.local_attention(q, k, v, docs, WINDOW), q, k, v, dout)
-    ms_masked, want = _timed(lambda q, k, v: _masked(q, k, v, bias), q, k, v, dout)
-    rel = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want))
+    rows = [_agreement(q, k, v, dout, docs, window) for window in (WINDOW, 0)]  # 0: flash's is_causal path
     in_forward, forwards = _flash_forwards(q, k, v, dout, docs)
-    return [(f"varlen attention bf16, documents + window {WINDOW}, {ROWS}x{SEQ} GQA", isinstance(chosen, Packing)
-             and rel < 3e-2, f"chose {type(chosen).__name__}; varlen {ms_varlen:.1f} ms, masked SDPA {ms_masked:.1f} ms "
-             f"(fwd+bwd); max |Δ| / max of out, dq, dk, dv {rel:.1e}"),
-            ("varlen kept by selective-op", in_forward > 0 and forwards == 0,
-             f"{in_forward} flash forward kernels in the forward, {forwards} in the backward")]
+    return rows + [("varlen kept by selective-op", in_forward > 0 and forwards == 0,
+                    f"{in_forward} flash forward kernels in the forward, {forwards} in the backward")]
 
 
 def varlen_attention(device_type: str = "cuda") -> list[tuple]:

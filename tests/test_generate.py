@@ -177,29 +177,36 @@ def test_the_eos_the_data_recorded_stops_generation_and_is_the_exports(tmp_path,
     assert json.loads((hf / "tokenizer_config.json").read_text())["eos_token"] == "<|eot_id|>"
 
 
-@pytest.mark.parametrize("configured", ["<|eot_id|>", "the"], ids=["special", "ordinary"])
-def test_an_imported_models_tokenizer_config_names_its_eos(tmp_path, configured):
-    """A Hugging Face folder (weights written by transformers) whose tokenizer_config.json names
-    <|eot_id|>, as Llama 3 Instruct's does: after --to-tetrad, generate stops there and --to-hf
-    writes it back, not the first of KNOWN_EOS the tokenizer has (as before). An
-    eos_token that is no special token is passed over for that search."""
+@pytest.mark.parametrize("eos", ["one", "list", "none"])
+def test_an_imported_models_eos_ends_generation_and_goes_back_out(tmp_path, eos):
+    """A Hugging Face folder (weights written by transformers) whose config names <|eot_id|> as
+    its EOS ("one"), or whose generation_config.json names <|end_of_text|> and <|eot_id|> as Llama
+    3.1 Instruct's does ("list"): after --to-tetrad, generate stops at them (before: at the first
+    of KNOWN_EOS the tokenizer has), and --to-hf and a second round trip write them back. "none":
+    the search, as before."""
     import json
     transformers = pytest.importorskip("transformers")
     from tetrad.data.tokenizer import eos_id, train_bpe
     from tetrad.train.generate import _stops, load_generator
-    hf, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
-    config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                                      tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).save_pretrained(hf, safe_serialization=True)
     tokenizer = train_bpe(iter(["the licence grants the right to copy the text"] * 4), 300)
     tokenizer.add_special_tokens(["<|end_of_text|>", "<|eot_id|>"])
+    end, eot = tokenizer.token_to_id("<|end_of_text|>"), tokenizer.token_to_id("<|eot_id|>")
+    assert eos_id(tokenizer) not in (end, eot)
+    hf = tmp_path / "hf"
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=False, eos_token_id=eot if eos == "one" else None)
+    transformers.LlamaForCausalLM(config).save_pretrained(hf, safe_serialization=True)
+    if eos == "list":
+        (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, eot]}))
     tokenizer.save(str(hf / "tokenizer.json"))
-    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": configured}}))
-    expected = tokenizer.token_to_id("<|eot_id|>") if configured == "<|eot_id|>" else eos_id(tokenizer)
-    assert eos_id(tokenizer) != tokenizer.token_to_id("<|eot_id|>")
-    assert main(["convert", str(hf), "--to-tetrad", str(ckpt)]) == 0
-    _, run_tokenizer, source = load_generator(ckpt)
-    assert _stops(run_tokenizer, None, source) == {expected}
-    assert main(["convert", str(ckpt), "--to-hf", str(back)]) == 0
-    assert json.loads((back / "config.json").read_text())["eos_token_id"] == expected
+    expected = {"one": {eot}, "list": {end, eot}, "none": {eos_id(tokenizer)}}[eos]
+    written = {"one": eot, "list": [end, eot], "none": eos_id(tokenizer)}[eos]
+    for round_trip in range(2):
+        ckpt, back = tmp_path / f"ckpt{round_trip}", tmp_path / f"back{round_trip}"
+        assert main(["convert", str(hf), "--to-tetrad", str(ckpt)]) == 0
+        _, run_tokenizer, source = load_generator(ckpt)
+        assert _stops(run_tokenizer, None, source) == expected
+        assert main(["convert", str(ckpt), "--to-hf", str(back)]) == 0
+        assert json.loads((back / "config.json").read_text())["eos_token_id"] == written
+        hf = back

@@ -59,13 +59,6 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def configured_eos(tokenizer: Path) -> str:
-    """The eos_token of the tokenizer_config.json beside a tokenizer.json, "" for none: a Hugging
-    Face model's own end of text (convert --to-tetrad keeps the file beside the weights)."""
-    beside = tokenizer.with_name(CONFIG)
-    return _token(_read_config(beside).get("eos_token")) if beside.is_file() else ""
-
-
 def _configured_template(config: dict, path: Path) -> str | None:
     """tokenizer_config.json's "chat_template": a string, or a list of {name, template} (the "default")."""
     found = config.get("chat_template")

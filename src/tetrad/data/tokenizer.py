@@ -8,6 +8,7 @@ decoding gives the exact bytes back.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,6 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tetrad.data.blend import primary_source
-from tetrad.data.chat import configured_eos
 from tetrad.data.shards import TOKENIZER, is_shard_folder, read_index
 from tetrad.data.sources import reads_as_bytes
 
@@ -25,6 +25,7 @@ from tetrad.data.sources import reads_as_bytes
 # token, and "  \n" one pre-token only at a text's end).
 LINE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 PROBE = "Hello world.\nThe fox, 42 times:\n  indented\tline\r\nend.\n\nNext one\n"
+GENERATION_CONFIG = "generation_config.json"  # Hugging Face's, beside an imported model's weights
 EOS = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, tried in order when none is named.
 KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -85,20 +86,34 @@ def eos_id(tokenizer: Tokenizer, name: str = "") -> int:
                      f"token with --eos, one of its special tokens{_listing(special)}")
 
 
+def model_eos(source: Path | None) -> list[int]:
+    """The eos_token_id(s) of the generation_config.json beside a tokenizer.json: an imported
+    Hugging Face model's own (convert --to-tetrad writes it from the model's generation_config.json
+    or config.json), where transformers' generate stops: Llama 3.1 Instruct's three, DeepSeek's
+    one, which the KNOWN_EOS search misses. [] for none."""
+    path = source.with_name(GENERATION_CONFIG) if source is not None else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        ids = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path} is not a readable generation_config.json ({e})") from None
+    ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+    return [i for i in ids if isinstance(i, int)]
+
+
 def run_eos(tokenizer: Tokenizer, source: Path | None) -> int | None:
     """The end-of-document id of a run whose tokenizer came from `source` (run_tokenizer): what
     `tetrad data --eos` recorded in the shard folder beside it (its index.json's eos_id, what
-    the run learned to end documents with), else the eos_token of the tokenizer_config.json beside
-    it where that is a special token (an imported Hugging Face model's, as transformers' generate
-    stops: Llama 3 Instruct's <|eot_id|> where the search finds <|end_of_text|>, DeepSeek's, which
-    it misses), else the KNOWN_EOS search; None for none (bytes)."""
+    the run learned to end documents with), else an imported model's first (model_eos), else
+    the KNOWN_EOS search; None for none (bytes)."""
     if source is not None and is_shard_folder(source.parent):
         recorded = read_index(source.parent).get("eos_id")
         if isinstance(recorded, int):
             return recorded
-    configured = special_tokens(tokenizer).get(configured_eos(source)) if source is not None else None
-    if configured is not None:
-        return configured
+    imported = model_eos(source)
+    if imported:
+        return imported[0]
     try:
         return eos_id(tokenizer)
     except ValueError:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from tetrad.config import Config, ConfigError, load_config, read_toml
 from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, template_beside
 from tetrad.data.shards import TOKENIZER
-from tetrad.data.tokenizer import document_prefix, run_eos, run_tokenizer
+from tetrad.data.tokenizer import GENERATION_CONFIG, document_prefix, model_eos, run_eos, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.model.masks import hides_keys
 from tetrad.model.sharding import spec_of
@@ -191,9 +191,12 @@ def _window_from_hf(hf: dict, kind: str, source: Path) -> int:
 
 
 def _special_token_ids(tokenizer, source: Path | None = None) -> dict:
-    """config.json's `eos_token_id` (where HF's generate stops) and `bos_token_id` (what the
-    tokenizer starts a text with), for the tokens the tokenizer has."""
-    return {f"{name}_token_id": token for name, token in _special_tokens(tokenizer, source).items()}
+    """config.json's `eos_token_id` (where HF's generate stops: an imported model's list as it
+    came, model_eos) and `bos_token_id` (what the tokenizer starts a text with), for the tokens
+    the tokenizer has."""
+    found = {f"{name}_token_id": token for name, token in _special_tokens(tokenizer, source).items()}
+    imported = model_eos(source)
+    return {**found, "eos_token_id": imported} if len(imported) > 1 else found
 
 
 def _special_tokens(tokenizer, source: Path | None = None) -> dict[str, int]:
@@ -317,7 +320,21 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
     for name in (TOKENIZER, CHAT_CONFIG, CHAT_JINJA):  # generate and export find them beside the weights
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, tmp / name)
+    _keep_model_eos(hf_dir, tmp)
     publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})
+
+
+def _keep_model_eos(hf_dir: Path, out: Path) -> None:
+    """The model's eos_token_id(s) (generation_config.json's, where transformers' generate stops,
+    else config.json's) into a generation_config.json beside the converted weights (model_eos)."""
+    for name in (GENERATION_CONFIG, "config.json"):
+        try:
+            ids = json.loads((hf_dir / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if ids is not None:
+            (out / GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": ids}) + "\n")
+            return
 
 
 def convert_command(argv: list[str]) -> int:

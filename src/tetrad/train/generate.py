@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from tetrad.config import ModelConfig
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
-from tetrad.data.tokenizer import document_prefix, run_eos
+from tetrad.data.tokenizer import document_prefix, model_eos, run_eos
 from tetrad.model.llama import LayerCache, Transformer
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
@@ -175,10 +175,11 @@ def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int
 
 def _stops(tokenizer: Tokenizer, chat: ChatTemplate | None = None, source: Path | None = None) -> frozenset[int]:
     """The tokens that end a sample: the run's EOS (run_eos: the one its data recorded beside the
-    tokenizer's `source`; none for bytes: generation runs to max_new tokens), and in a chat the
+    tokenizer's `source`; none for bytes: generation runs to max_new tokens), an imported model's
+    own (model_eos, as transformers' generate stops: all of Llama 3.1 Instruct's), and in a chat the
     template's eos_token (Llama 3's <|eot_id|> ends the assistant's turn)."""
     eos = run_eos(tokenizer, source)
-    stops = set() if eos is None else {eos}
+    stops = ({eos} if eos is not None else set()) | set(model_eos(source))
     turn_end = tokenizer.token_to_id(chat.eos) if chat is not None and chat.eos else None
     return frozenset(stops | ({turn_end} if turn_end is not None else set()))
 

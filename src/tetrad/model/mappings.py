@@ -107,8 +107,9 @@ class _Linear(torch.autograd.Function):
     """y = x W^T whose weight gradient dy^T x goes through `weight_grads` (model/execution.py's
     DeferredWeightGrads): computed now, or queued for a zero-bubble schedule's BW, and in both
     cases written by the weight's `sink` where it has one (GRAD_SINK: gradient accumulation
-    fusion; autograd gets None for it). Used instead of F.linear only then: a Python autograd
-    Function costs ~22 us per linear per step on CPU."""
+    fusion; autograd gets None for it); a queued one BW hands to `land` (model/execution.py's
+    `landing`). Used instead of F.linear only then: a Python autograd Function costs ~22 us per
+    linear per step on CPU."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_grads, sink, land, in_bi):

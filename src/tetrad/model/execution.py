@@ -20,7 +20,8 @@ import torch
 # side may give a linear's weight a callable attribute of this name, `sink(a, b)`, which writes
 # or adds the product a @ b (the weight gradient dy^T x) straight into the weight's fp32 gradient
 # buffer; autograd then gets None for the weight (no separate dW tensor, no copy or add of it into
-# the buffer) and still runs the weight's post-accumulate hooks.
+# the buffer) and still runs the weight's post-accumulate hooks (in zero-bubble's BW, outside
+# autograd, its GRAD_LANDING does what they do).
 GRAD_SINK = "grad_sink"
 
 

@@ -75,18 +75,23 @@ def _gathered_blocks_after_backward(cfg):
 
 def _most_full_buckets_in_backward(cfg):
     """The most reducer buckets holding a full gradient at once during one step's backward passes."""
+    from unittest import mock
+
+    from tetrad.parallel.data.lifecycle import GradSync
     from tetrad.train.trainer import Trainer
-    trainer = Trainer(cfg, torch.device("cpu"))
-    most = [0]
+    most, buckets = [0], []
 
-    def record(_):  # runs after the reducer's own hook on the same parameter
-        most[0] = max(most[0], sum(b.grad is not None for b in trainer.grads.buckets))
+    def record(sync, *args):  # each arrival: from autograd's hook (BI) or BW's landing
+        arrive(sync, *args)
+        most[0] = max(most[0], sum(b.grad is not None for b in buckets))
 
-    for p in trainer.params:
-        p.register_post_accumulate_grad_hook(record)
-    micro = trainer.batches.microbatches(0, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
-    trainer.forward_backward(micro, trainer.batches.loss_tokens(0))
-    return most[0], len(trainer.grads.buckets)
+    arrive = GradSync.arrive
+    with mock.patch.object(GradSync, "arrive", record):
+        trainer = Trainer(cfg, torch.device("cpu"))
+        buckets.extend(trainer.grads.buckets)
+        micro = trainer.batches.microbatches(0, trainer.topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
+        trainer.forward_backward(micro, trainer.batches.loss_tokens(0))
+    return most[0], len(buckets)
 
 
 @pytest.mark.parametrize("zero", [2, 3])
@@ -129,6 +134,48 @@ def test_tied_embeddings_across_stages(parallel):
     assert_parity(got, ref, atol=1e-4 if parallel.get("tp", 1) > 1 else 1e-5)  # tp: see test_pipeline_composes
     cfg = tiny_config(model=model, parallel=parallel, train=train)
     assert all(r["comm_bytes"]["pp"] == comm_bytes_per_step(cfg)["pp"] for r in got[2])
+
+
+def _bw_handover(cfg):
+    """One step's torch.autograd.backward calls, each parameter's arrivals at its bucket and each
+    bucket's reductions started (GradSync.start), and the micro-batches of this rank."""
+    from collections import Counter
+    from unittest import mock
+
+    from tetrad.parallel.data.lifecycle import GradSync
+    arrivals, starts = Counter(), Counter()
+    arrive, start = GradSync.arrive, GradSync.start
+
+    def count_arrival(sync, bucket, i, p, *grad):
+        arrivals[id(p)] += 1
+        arrive(sync, bucket, i, p, *grad)
+
+    def count_start(sync, bucket):
+        starts[bucket.index] += 1
+        start(sync, bucket)
+    with mock.patch.object(GradSync, "arrive", count_arrival), mock.patch.object(GradSync, "start", count_start):
+        trainer = Trainer(cfg, torch.device("cpu"))
+        with mock.patch.object(torch.autograd, "backward", wraps=torch.autograd.backward) as backward:
+            trainer.train_step(0)
+    return (backward.call_count, sorted(set(arrivals[id(p)] for p in trainer.params)), len(arrivals),
+            len(trainer.params), sorted(set(starts.values())), len(starts), len(trainer.grads.buckets))
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_bw_hands_weight_gradients_to_the_buckets_without_autograd(zero, monkeypatch):
+    """Zero-bubble's BW lands each weight gradient in its bucket itself (GRAD_LANDING), with no
+    torch.autograd.backward per layer: the step's only backward calls are its BIs, one per
+    micro-batch. Each parameter still arrives once per micro-batch and, under ZeRO-0, each
+    bucket starts reducing once a step. Every linear goes through the sink (fp32 ZeRO-0)."""
+    import tetrad.parallel.data
+    monkeypatch.setattr(tetrad.parallel.data, "SINK_MIN_NUMEL", 0)  # forked ranks inherit it
+    m = 4
+    cfg = tiny_config(model={"n_layers": 4}, parallel={"dp": 2, "pp": 2, "schedule": "zb", "zero": zero},
+                      train={"micro_batch": 1, "global_batch": m * 2})
+    for backwards, arrivals, arrived, params, starts, started, buckets in run_ranks(_bw_handover, 4, cfg):
+        assert backwards == m and arrivals == [m] and arrived == params, (backwards, arrivals, arrived, params)
+        if zero == 0:
+            assert starts == [1] and started == buckets, (starts, started, buckets)
 
 
 def test_split_backward_does_the_work_of_one_backward():

@@ -9,6 +9,7 @@ the sequence, and whether backward is split into its input- and weight-gradient 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,8 +20,17 @@ import torch
 # side may give a linear's weight a callable attribute of this name, `sink(a, b)`, which writes
 # or adds the product a @ b (the weight gradient dy^T x) straight into the weight's fp32 gradient
 # buffer; autograd then gets None for the weight (no separate dW tensor, no copy or add of it into
-# the buffer) and still runs the weight's post-accumulate hooks.
+# the buffer) and still runs the weight's post-accumulate hooks (in zero-bubble's BW, outside
+# autograd, its GRAD_LANDING does what they do).
 GRAD_SINK = "grad_sink"
+
+
+# Zero-bubble's BW hands each weight gradient over outside autograd: the data-parallel side gives
+# every weight whose gradient a split backward defers a callable attribute of this name,
+# `land(grad)`, which takes the gradient of one backward (None where the weight's sink wrote it)
+# into its bucket and counts its arrival, as autograd's accumulator and the weight's
+# post-accumulate hook (the reducer's) do for a gradient made inside autograd.
+GRAD_LANDING = "grad_landing"
 
 
 def deliver(sink: Callable | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -33,26 +43,26 @@ def deliver(sink: Callable | None, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     return None
 
 
-class _HandOver(torch.autograd.Function):
-    """BW's weight gradients go to autograd as the backward of this node, whose inputs are the
-    weights: their accumulators then run (and their post-accumulate hooks, the reducer's
-    buckets) for every weight, also one whose gradient a sink took (None: nothing to add)."""
+def landing(weight: torch.Tensor) -> Callable | None:
+    """Where BW puts `weight`'s gradient (taken in forward, as the sink): its GRAD_LANDING, or,
+    without one (no reducer), `weight.grad`, accumulated as autograd does; None for a frozen weight."""
+    if not weight.requires_grad:
+        return None
+    return getattr(weight, GRAD_LANDING, None) or functools.partial(_accumulate, weight)
 
-    @staticmethod
-    def forward(ctx, compute, *weights):
-        ctx.compute = compute
-        return weights[0].new_zeros(())
 
-    @staticmethod
-    def backward(ctx, _):
-        return (None, *ctx.compute())
+def _accumulate(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    if weight.grad is None:
+        weight.grad = grad
+    else:
+        weight.grad += grad
 
 
 class DeferredWeightGrads:
     """Zero-bubble's split backward (one per model, in its Execution): while `collecting()` is
     open, linear layers queue their weight-gradient matmuls instead of computing them, and the
     backward yields input gradients only (BI); `apply(queue)` later computes the queued matmuls
-    and hands them to autograd as the weights' gradients (BW), so BI + BW does one backward's work."""
+    and lands them (BW), so BI + BW does one backward's work."""
 
     def __init__(self, hold: Callable[[torch.Tensor], object] | None = None):
         self._queue: list | None = None
@@ -76,16 +86,21 @@ class DeferredWeightGrads:
 
     @staticmethod
     def apply(queue: list) -> None:
-        # Layer by layer, in BI's order: each layer's weight gradients reach autograd (which
-        # accumulates them and runs the gradient hooks, the reducer's buckets) before the next
-        # layer's are computed, so a chunk's gradients never all exist at once.
-        for i, (ws, compute, _) in enumerate(queue):
-            torch.autograd.backward(_HandOver.apply(compute, *ws))
-            queue[i] = None  # its inputs and output gradients go now, not after the whole BW
+        # Layer by layer, in BI's order, each weight gradient lands (`landing`: the reducer's
+        # bucket, which may start reducing) before the next layer's are computed, so a chunk's
+        # gradients never all exist at once. No autograd: a backward call per layer to hand them
+        # over cost ~0.1 ms each, 3 of BW's 17 ms a micro-batch in bench_pp's zb row.
+        with torch.no_grad():
+            for i, (lands, compute, _) in enumerate(queue):
+                for land, grad in zip(lands, compute()):
+                    if land is not None:
+                        land(grad)
+                queue[i] = None  # its inputs and output gradients go now, not after the whole BW
 
-    def grads(self, weights: list, grads: tuple, x: torch.Tensor, sinks: tuple, in_bi: bool = False) -> list:
+    def grads(self, lands: tuple, grads: tuple, x: torch.Tensor, sinks: tuple, in_bi: bool = False) -> list:
         """dW_i = dy_i^T x for each output gradient dy_i: now, for autograd to accumulate (None
-        where the weight's sink, `sinks[i]`, took it), or queued while collecting (None for now).
+        where the weight's sink, `sinks[i]`, took it), or queued while collecting (None for now)
+        for BW to hand to `lands[i]` (each weight's `landing`, taken in forward).
         `in_bi`: now even while collecting (the head's: its dy is the vocabulary-sized logits'
         gradient, which a queue would keep alive until BW)."""
         def compute():
@@ -94,7 +109,7 @@ class DeferredWeightGrads:
         if self._queue is None or in_bi:
             return compute()
         held = [self.hold(t) for t in (x, *grads)] if self.hold else []
-        self._queue.append((weights, compute, held))
+        self._queue.append((lands, compute, held))
         return [None] * len(grads)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tetrad.model.execution import GRAD_SINK, Execution, run_eagerly
+from tetrad.model.execution import GRAD_SINK, Execution, landing, run_eagerly
 
 
 # ----------------------------------------------------------------------------- sequence layout
@@ -107,20 +107,21 @@ class _Linear(torch.autograd.Function):
     """y = x W^T whose weight gradient dy^T x goes through `weight_grads` (model/execution.py's
     DeferredWeightGrads): computed now, or queued for a zero-bubble schedule's BW, and in both
     cases written by the weight's `sink` where it has one (GRAD_SINK: gradient accumulation
-    fusion; autograd gets None for it). Used instead of F.linear only then: a Python autograd
-    Function costs ~22 us per linear per step on CPU."""
+    fusion; autograd gets None for it); a queued one BW hands to `land` (model/execution.py's
+    `landing`). Used instead of F.linear only then: a Python autograd Function costs ~22 us per
+    linear per step on CPU."""
 
     @staticmethod
-    def forward(ctx, x, weight, weight_grads, sink, in_bi):
-        ctx.weight_grads, ctx.sink, ctx.in_bi = weight_grads, sink, in_bi
+    def forward(ctx, x, weight, weight_grads, sink, land, in_bi):
+        ctx.weight_grads, ctx.sink, ctx.land, ctx.in_bi = weight_grads, sink, land, in_bi
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_weight, = ctx.weight_grads.grads([weight], (grad,), x, (ctx.sink,), ctx.in_bi)
-        return grad.matmul(weight), grad_weight, None, None, None
+        grad_weight, = ctx.weight_grads.grads((ctx.land,), (grad,), x, (ctx.sink,), ctx.in_bi)
+        return grad.matmul(weight), grad_weight, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution, in_bi: bool = False) -> torch.Tensor:
@@ -128,10 +129,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution, in_bi: bool = F
     gradient goes to a sink (never inside torch.compile: a custom Function there would break its
     graph; a compiled region keeps F.linear)."""
     if ex.split_backward:
-        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads, getattr(weight, GRAD_SINK, None), in_bi)
+        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads, getattr(weight, GRAD_SINK, None),
+                           landing(weight), in_bi)
     sink = None if torch.compiler.is_compiling() else getattr(weight, GRAD_SINK, None)
     if sink is not None:
-        return _Linear.apply(x, weight, ex.weight_grads, sink, in_bi)
+        return _Linear.apply(x, weight, ex.weight_grads, sink, None, in_bi)
     return F.linear(x, weight)
 
 
@@ -153,6 +155,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def forward(ctx, x, topo, ex, in_bi, *weights):
         ctx.topo, ctx.ex, ctx.in_bi = topo, ex, in_bi
         ctx.sinks = tuple(getattr(w, GRAD_SINK, None) for w in weights)  # saved_tensors' weights lack it
+        ctx.lands = tuple(landing(w) if ex.split_backward else None for w in weights)  # for BW
         total = gather_sequence(x, topo) if ex.sequence_parallel else x
         ctx.save_for_backward(x if ex.sequence_parallel and ex.sp_regather else total, *weights)
         return tuple(F.linear(total, w) for w in weights)
@@ -175,7 +178,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             grad_input, pending = _reduce_scatter_sequence(grad_input, topo, async_op=True)
         else:
             pending = topo.comm.all_reduce(grad_input, "tp", async_op=True)
-        grad_weights = ex.weight_grads.grads(weights, grads, total, ctx.sinks, ctx.in_bi)
+        grad_weights = ex.weight_grads.grads(ctx.lands, grads, total, ctx.sinks, ctx.in_bi)
         pending.wait()
         return (grad_input, None, None, None, *grad_weights)
 

@@ -195,8 +195,6 @@ class GradReducer:
         """The end of the run: the parameters' hooks come off (GradSync.close), so that the buckets,
         shards and parameters are freed with the trainer rather than never."""
         self.sync.close()
-        if self.zero3:
-            self.zero3.close()
 
     def zero_grad(self) -> None:
         self.sync.clear()  # every p.grad None (in place: the next backward overwrites the buckets)

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from tetrad.dist import hierarchical
 from tetrad.dist.layout import GRAD
-from tetrad.model.execution import GRAD_SINK
+from tetrad.model.execution import GRAD_LANDING, GRAD_SINK
 from tetrad.parallel.data import collectives
 from tetrad.parallel.data.buffers import Bucket
 
@@ -85,6 +85,8 @@ class GradSync:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket, i)))
                 if self.in_place and id(p) in linear_weights:
                     setattr(p, GRAD_SINK, functools.partial(self._sink, bucket, i, p))
+                if id(p) in self.deferred:  # BW's gradients come outside autograd, without the hook
+                    setattr(p, GRAD_LANDING, functools.partial(self.arrive, bucket, i, p))
         self.clear()
 
     @contextlib.contextmanager
@@ -101,16 +103,19 @@ class GradSync:
     def _hook(self, bucket: Bucket, i: int):
         def hook(p: nn.Parameter) -> None:
             # Not an arrival: a deferred weight's hook in zero-bubble's BI (its gradient comes in
-            # BW), where p.grad is None or, in place, still its view from an earlier micro-batch.
+            # BW, through its GRAD_LANDING, not this hook), where p.grad is None or, in place,
+            # still its view from an earlier micro-batch.
             if p.grad is None or (id(p) in self.deferred and self.execution.weight_grads.collecting_now):
                 return
-            self.arrive(bucket, i, p)
+            self.arrive(bucket, i, p, p.grad)
         return hook
 
-    def arrive(self, bucket: Bucket, i: int, p: nn.Parameter) -> None:
-        """Parameter i's gradient of one backward (`p.grad`) moves into its bucket."""
+    def arrive(self, bucket: Bucket, i: int, p: nn.Parameter, grad: torch.Tensor | None) -> None:
+        """Parameter i's gradient of one backward, `grad`, moves into its bucket: from the hook,
+        `p.grad` (autograd's accumulation), or from zero-bubble's BW, its GRAD_LANDING, a gradient
+        made outside autograd (None where the GRAD_SINK has written it into its view)."""
         if self.in_place:
-            self._arrive_in_place(bucket, i, p)
+            self._arrive_in_place(bucket, i, p, grad)
             return
         if bucket.state == "reducing" and self.zero >= 2:  # last micro-batch's, still in flight
             self.finish(bucket)
@@ -123,31 +128,34 @@ class GradSync:
             complete = bucket.seen == len(bucket.params)
         if in_bi and self.zero >= 2 and bucket.grad is None:
             if i in bucket.parked:
-                bucket.parked[i].add_(p.grad)
+                bucket.parked[i].add_(grad)
             else:
-                bucket.parked[i] = p.grad.float()
+                bucket.parked[i] = grad.float()
         else:
-            self._fill(bucket, p.device)
-            bucket.view(bucket.grad, i).add_(p.grad)  # fp32 accumulation, whatever the model dtype
+            self._fill(bucket, grad.device)
+            bucket.view(bucket.grad, i).add_(grad)  # fp32 accumulation, whatever the model dtype
         p.grad = None
         if complete:
             bucket.seen = 0
-            self._fill(bucket, p.device)
+            self._fill(bucket, grad.device)
             self.on_complete(bucket)
             if self.sync or self.zero >= 2:
                 self.start(bucket)
 
-    def _arrive_in_place(self, bucket: Bucket, i: int, p: nn.Parameter) -> None:
-        """Autograd has added parameter i's gradient into its view of the bucket, or, where p.grad
-        was dropped (an optimizer's set_to_none), made a new one, which replaces the view's (or
-        the GRAD_SINK has written it there: `_sink`)."""
+    def _arrive_in_place(self, bucket: Bucket, i: int, p: nn.Parameter, grad: torch.Tensor | None) -> None:
+        """Autograd has added parameter i's gradient into its view of the bucket (`grad` is the
+        view), or, where p.grad was dropped (an optimizer's set_to_none), made a new one, which
+        replaces the view's; or the GRAD_SINK has written it there (`_sink`; `grad` None, p.grad
+        the view); or BW's `grad`, made outside autograd, is added here."""
         view = bucket.views[i]
         if p.grad is not view:
-            view.copy_(p.grad)
+            view.copy_(grad)
             p.grad = view
         elif bucket.state == "reduced":
             raise RuntimeError(f"bucket {bucket.index}: a gradient was added to last step's reduced sum; "
                                "clear the gradients (GradReducer.zero_grad) between steps")
+        elif grad is not None and grad is not view:
+            view.add_(grad)
         self._open(bucket)
         bucket.seen += 1
         if bucket.seen == len(bucket.params):
@@ -160,7 +168,8 @@ class GradSync:
         """Parameter i's GRAD_SINK (a linear's weight): its gradient a @ b added into its view by
         the GEMM, or, where p.grad was dropped, written over it (a new gradient: the bucket fills
         again, as for a copied one). Autograd then gets None for it, and still runs the
-        post-accumulate hook, which counts the arrival (`_arrive_in_place`)."""
+        post-accumulate hook, which counts the arrival (`_arrive_in_place`); in zero-bubble's BW,
+        outside autograd, the weight's GRAD_LANDING counts it."""
         view = bucket.views[i]
         if p.grad is view:
             view.addmm_(a, b)
@@ -290,8 +299,9 @@ class GradSync:
         self.handles.clear()
         for bucket in self.buckets:
             for p in bucket.params:
-                if hasattr(p, GRAD_SINK):
-                    delattr(p, GRAD_SINK)
+                for name in (GRAD_SINK, GRAD_LANDING):
+                    if hasattr(p, name):
+                        delattr(p, name)
 
     def clear(self) -> None:
         """Drop every gradient (after the optimizer step): all buckets empty and every p.grad None

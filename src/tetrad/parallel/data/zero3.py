@@ -16,9 +16,9 @@ their `.data` is an empty tensor of their dtype and device until the bucket is g
 as FSDP swaps its parameters' data. Outside `gathered()` and a block's use a parameter reads as
 empty (shape (0,)), and using it with real tensors raises a shape error; the buckets keep the
 shapes (buffers.py). Saved for backward, a parameter is its Python object, whose views are back
-when `_before_backward` gathers the block. Under a zero-bubble split backward BW accumulates
-weight gradients into a freed block's parameters, and autograd's accumulator reads the
-parameter's shape (not its values) to do so: each parameter gets its view back for just that.
+when `_before_backward` gathers the block. Zero-bubble's BW, which runs after a block is freed,
+hands its weight gradients straight to the buckets (model/execution.py's GRAD_LANDING), never
+to the parameters.
 """
 
 from __future__ import annotations
@@ -52,13 +52,8 @@ class ParamGather:
         self.accumulators = [[torch.autograd.graph.get_gradient_edge(p) for p in bucket.params] for bucket in buckets]
         self.empty = flat[0].new_empty(0)  # what a freed bucket's parameters point at
         self.shown = [True] * len(buckets)  # bucket k's parameters are views of its buffer
-        self.handles = []  # the hooks autograd holds from C++ (GradSync.close says why they go)
         for k in range(len(buckets)):  # freed since start-up (MasterWeights.add)
             self._hide(k)
-            if execution.split_backward:
-                for p, view, edge in zip(buckets[k].params, self.views[k], self.accumulators[k]):
-                    self.handles += [edge.node.register_prehook(self._shape_for_accumulation(k, p, view)),
-                                     p.register_post_accumulate_grad_hook(self._empty_after_accumulation(k))]
 
     def start(self, k: int) -> None:
         """Non-blocking all-gather of bucket k's parameters (no-op if already there or on its way)."""
@@ -89,23 +84,6 @@ class ParamGather:
             for p in self.buckets[k].params:
                 p.data = self.empty
             self.shown[k] = False
-
-    def _shape_for_accumulation(self, k: int, p: nn.Parameter, view: torch.Tensor):
-        def prehook(grad_outputs):
-            if not self.shown[k]:
-                p.data = view  # for its shape only: the bucket is not gathered
-        return prehook
-
-    def _empty_after_accumulation(self, k: int):
-        def hook(p: nn.Parameter) -> None:
-            if not self.shown[k]:
-                p.data = self.empty
-        return hook
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
     def free_all(self) -> None:
         """End of step: nothing gathered outlives it, so the next forward sees the updated shards."""

@@ -24,8 +24,8 @@ the plain gradient-accumulation loop.
 Zero-bubble halves: BI runs the backward with the linear layers' weight-gradient matmuls
 queued instead of computed (model/execution.py `DeferredWeightGrads`; the cheap gradients of norms and
 embeddings are made at once, and the head's, whose queue entry would keep the vocabulary-sized
-logits' gradient alive until BW), BW runs the queue and hands the results to autograd as the
-weights' gradients, so BI + BW does the work of one B.
+logits' gradient alive until BW), BW runs the queue outside autograd and lands each result in
+the reducer's bucket (model/execution.py's GRAD_LANDING), so BI + BW does the work of one B.
 """
 
 from __future__ import annotations

@@ -88,16 +88,30 @@ def test_host_buffers_are_plain_for_cpu_tensors():
 
 
 def _peak_both_ways():
-    meter = devices.PeakMemory(torch.device("cpu"))
-    before = meter.bytes(), devices.peak_memory_bytes(torch.device("cpu"), meter.base)
+    """PeakMemory's figure with /proc's read just before and just after it, below getrusage's start
+    and above it."""
+    cpu = torch.device("cpu")
+    meter = devices.PeakMemory(cpu)
+    low = devices.peak_memory_bytes(cpu, meter.base), meter.bytes(), devices.peak_memory_bytes(cpu, meter.base)
     block = torch.ones((meter.rusage_at_start - meter.base + (64 << 20)) // 4)  # above getrusage's start
     del block
     fast = devices._rusage_bytes() > meter.rusage_at_start
-    return before, fast, meter.bytes(), devices.peak_memory_bytes(torch.device("cpu"), meter.base)
+    high = devices.peak_memory_bytes(cpu, meter.base), meter.bytes(), devices.peak_memory_bytes(cpu, meter.base)
+    return low, fast, high
+
+
+# Linux keeps a process's resident pages in per-CPU counters and reads their approximate sum (each
+# CPU may hold up to a batch of 32+ pages unfolded), so two reads of the same high-water mark, by
+# getrusage or by /proc, can differ by a few pages either way (CI saw 64 KiB) though nothing grew.
+KERNEL_COUNTER_SLACK = 1 << 20
 
 
 def test_peak_memory_by_getrusage_is_proc_vmhwm_in_a_forked_rank():
-    """Below and above the parent's peak that getrusage starts from, PeakMemory says what /proc does."""
+    """Below and above where getrusage starts (a forked rank's own resident set once clear_refs has
+    reset its mark, or a figure the kernel kept from before), PeakMemory says what /proc does (to
+    the kernel counters' slack), and never less than nothing."""
     from tetrad import launch
-    (low, low_proc), fast, high, high_proc = launch.run_local(_peak_both_ways, 1, timeout_s=60)[0]
-    assert low == low_proc and fast and high == high_proc >= 64 << 20
+    low, fast, high = launch.run_local(_peak_both_ways, 1, timeout_s=60)[0]
+    assert fast and min(low) >= 0 and max(low) < KERNEL_COUNTER_SLACK
+    assert high[1] >= 64 << 20
+    assert high[0] - KERNEL_COUNTER_SLACK <= high[1] <= high[2] + KERNEL_COUNTER_SLACK

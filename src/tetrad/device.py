@@ -270,14 +270,17 @@ def start_memory_tracking(device: torch.device) -> int:
 
 def peak_memory_bytes(device: torch.device, since: int = 0) -> int:
     """Peak allocated bytes on an accelerator; on CPU the peak resident set (since the last
-    start_memory_tracking on Linux) less `since`, the resident set start_memory_tracking found."""
+    start_memory_tracking on Linux) less `since`, the resident set start_memory_tracking found.
+    Never below zero: the kernel raises its high-water mark lazily (when pages are unmapped, not
+    when they are released by madvise), so a mark read soon after the start can sit a few pages
+    under the resident set read then, and the rank's peak is never under where it started."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     try:
         peak = _proc_status_bytes("VmHWM")
     except OSError:
         peak = _rusage_bytes()
-    return peak - since
+    return max(0, peak - since)
 
 
 class PeakMemory:
@@ -295,7 +298,7 @@ class PeakMemory:
 
     def bytes(self) -> int:
         if self.rusage_at_start is not None and (now := _rusage_bytes()) > self.rusage_at_start:
-            return now - self.base
+            return max(0, now - self.base)
         return peak_memory_bytes(self.device, self.base)
 
 

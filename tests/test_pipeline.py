@@ -178,6 +178,24 @@ def test_bw_hands_weight_gradients_to_the_buckets_without_autograd(zero, monkeyp
             assert starts == [1] and started == buckets, (starts, started, buckets)
 
 
+def _one_zb_step(cfg):
+    Trainer(cfg, torch.device("cpu")).train_step(0)
+
+
+def test_a_weight_deferred_to_bw_that_the_reducer_does_not_expect_is_refused(monkeypatch):
+    """A linear whose weight gradient zero-bubble's BW computes must be in the reducer's
+    deferred set: one left out (here every row-parallel one, as a new layer type would be) ends
+    the run with what to change, instead of landing in p.grad past its bucket."""
+    import tetrad.parallel.data
+
+    class NotALayer:
+        pass
+    monkeypatch.setattr(tetrad.parallel.data, "RowParallelLinear", NotALayer)  # forked ranks inherit it
+    cfg = tiny_config(parallel={"pp": 2, "schedule": "zb"}, train={"micro_batch": 1, "global_batch": 4})
+    with pytest.raises(launch.RankFailure, match="add its layer to GradReducer's deferred_weights"):
+        run_ranks(_one_zb_step, 2, cfg, timeout_s=120)
+
+
 def test_split_backward_does_the_work_of_one_backward():
     """Zero-bubble's BI + BW: the same gradients as one backward, and the same FLOPs between them;
     every linear's weight gradient waits for BW but the head's."""

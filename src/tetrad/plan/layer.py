@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from tetrad.config import Config
 from tetrad.config.sections import shard_ranks
 from tetrad.model import flops
-from tetrad.plan.comm_bytes import scatter_bytes
 from tetrad.model.masks import hides_keys
+from tetrad.plan.comm_bytes import scatter_bytes
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.kernels import masked_attention
 from tetrad.plan.links import group_link, overlap_slowdown, ring_time

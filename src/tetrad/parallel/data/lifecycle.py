@@ -87,6 +87,8 @@ class GradSync:
                     setattr(p, GRAD_SINK, functools.partial(self._sink, bucket, i, p))
                 if id(p) in self.deferred:  # BW's gradients come outside autograd, without the hook
                     setattr(p, GRAD_LANDING, functools.partial(self.arrive, bucket, i, p))
+                elif execution.split_backward:  # never silently into p.grad, past the bucket
+                    setattr(p, GRAD_LANDING, functools.partial(_not_deferred, p))
         self.clear()
 
     @contextlib.contextmanager
@@ -314,3 +316,12 @@ class GradSync:
             bucket.state = "empty"
             for p in bucket.params:
                 p.grad = None
+
+
+def _not_deferred(p: nn.Parameter, grad: torch.Tensor | None) -> None:
+    """The GRAD_LANDING of a parameter whose gradient the reducer expects from autograd: a layer
+    that queues it for BW anyway would put it in p.grad, past its bucket: never reduced over the
+    data-parallel ranks, never seen by the optimizer."""
+    raise RuntimeError(f"a weight of shape {tuple(p.shape)} had its gradient deferred to zero-bubble's BW, "
+                       "but the reducer expects it inside autograd: add its layer to GradReducer's "
+                       "deferred_weights (parallel/data/__init__.py)")

@@ -197,6 +197,27 @@ def test_varlen_is_chosen_on_cuda_in_16_bit_where_flash_takes_the_head_dim(dtype
     assert not attn.uses_varlen("cpu", dtype, head_dim) and not attn.uses_varlen("xpu", dtype, head_dim)
 
 
+@pytest.mark.parametrize("major", [7, 8, 9])
+def test_a_gpu_older_than_ampere_takes_the_bias_and_not_flash(monkeypatch, major):
+    """flash_api.cpp refuses compute capability < 8.0 before any kernel (mha_varlen_fwd's first
+    check), and torch's varlen_attn has no other: a T4 or V100 training in fp16 (which the dtype
+    check allows) with documents gets the masked path's bias, its ring blocks the memory-efficient
+    kernel. Only the capability is asked (no allocation: this torch has no CUDA, so the bias is
+    not made here, and a packing's pinned copy would raise)."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(major=major, minor=0))
+    gpu, flash = torch.device("cuda", 0), major >= 8
+    assert attn.uses_varlen(gpu, torch.float16, 128) == flash and attn.uses_varlen("cuda", torch.float16, 128)
+    for gqa in (False, True):
+        ring = attn.choose_kernel(gpu, torch.float16, gqa, "ring", head_dim=128)
+        assert ring == (attn.Kernel("flash", False) if flash else attn.Kernel("efficient", gqa))
+        one_call = attn.choose_kernel(gpu, torch.float16, gqa, "alltoall", head_dim=128)
+        assert one_call.name == ("flash" if flash else "efficient") and one_call.expand_kv == (gqa and not flash)
+    if not flash:
+        monkeypatch.setattr(attn, "sequence_bias", lambda docs, window, length, dtype, device: ("bias", device))
+        assert attn.sequence_mask(_documents(2, 24, seed=1), 5, 2, 24, torch.float16, gpu, 128) == ("bias", gpu)
+
+
 # ----------------------------------------------------------------------------- the planner
 
 def _plan_cfg(dtype="bf16", head_dim=128, window=0, documents=False, cp=1, algo="alltoall"):

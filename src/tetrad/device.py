@@ -118,17 +118,30 @@ def prefers_cudnn_attention(device: torch.device) -> bool:
             and torch.backends.cuda.cudnn_sdp_enabled())
 
 
-def fused_attention_kernels(dtype: torch.dtype, head_dim: int) -> set[str]:
+def runs_flash_attention(device: torch.device | str) -> bool:
+    """Whether flash and cuDNN attention run on CUDA `device`: compute capability 8.0 (Ampere) or
+    newer, which flash_api.cpp checks before any kernel (torch's varlen_attn has no other; SDPA
+    never picks flash below it), so a T4 or V100 in fp16 gets the memory-efficient kernel. A
+    device named by type alone (the planner's GPU, a bench's "cuda") is taken to be one; ROCm too.
+    get_device_properties allocates nothing and torch.compile folds it to a constant."""
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is None or torch.version.hip:
+        return device.type == "cuda"
+    return torch.cuda.get_device_properties(device).major >= 8
+
+
+def fused_attention_kernels(dtype: torch.dtype, head_dim: int, flash: bool = True) -> set[str]:
     """The CUDA attention ops that take heads of `head_dim` in `dtype` on every GPU when called
     directly, as ring attention calls them (torch's sdp_utils.cpp and flash_api.cpp): flash
     (bf16/fp16) a multiple of 8 up to 256 (SDPA pads other sizes to 8 for it; the ring does not),
     except (192, 224], whose backward sm86/89/120 refuse; cuDNN (bf16/fp16) a multiple of 8 up to
     128 (up to 256 only on some GPUs and cuDNN versions); memory-efficient a multiple of 8 in
     bf16/fp16, of 4 in fp32 (its GEMM alignment). Where none does, attention takes the math path
-    (the ring its own; one SDPA call torch's), as SDPA falls back to it."""
+    (the ring its own; one SDPA call torch's), as SDPA falls back to it. `flash`: whether the GPU
+    runs flash and cuDNN at all (`runs_flash_attention`)."""
     half = dtype in (torch.bfloat16, torch.float16)
     kernels = {"efficient"} if head_dim > 0 and head_dim % (8 if half else 4) == 0 else set()
-    if half and head_dim % 8 == 0 and 0 < head_dim <= 256 and not 192 < head_dim <= 224:
+    if flash and half and head_dim % 8 == 0 and 0 < head_dim <= 256 and not 192 < head_dim <= 224:
         kernels |= {"flash", "cudnn"} if head_dim <= 128 else {"flash"}
     return kernels
 

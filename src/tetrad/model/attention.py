@@ -56,9 +56,9 @@ class Kernel:
     expand_kv: bool
 
 
-def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
+def choose_kernel(device: str | torch.device, dtype: torch.dtype, gqa: bool, cp_algo: str,
                   cudnn_preferred: bool = False, masked: bool = False, head_dim: int = 128) -> Kernel:
-    """The kernel for attention on `device_type` in `dtype`. `cp_algo="ring"` needs a block
+    """The kernel for attention on `device` in `dtype`. `cp_algo="ring"` needs a block
     kernel that returns the log-sum-exp; otherwise (all-to-all, or no CP) one SDPA call runs
     over the whole sequence, where torch picks among the kernels this choice makes eligible.
 
@@ -71,9 +71,11 @@ def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
     A mask beyond it (`masked`: documents, a sliding window) does: over the whole sequence, where
     flash takes the dtype and head dim, its varlen kernel (model/varlen.py: segments and a window,
     grouped heads as they are); otherwise, and for the ring's blocks, the memory-efficient kernel
-    with an additive bias; the CPU kernel takes one too. So does `head_dim` (device.py).
+    with an additive bias; the CPU kernel takes one too. So do `head_dim` and whether a CUDA
+    `device` runs flash at all (device.py: Ampere or newer; a type alone is taken to).
     """
-    fits = devices.fused_attention_kernels(dtype, head_dim) if device_type == "cuda" else set()
+    device_type, flash = torch.device(device).type, devices.runs_flash_attention(device)
+    fits = devices.fused_attention_kernels(dtype, head_dim, flash) if device_type == "cuda" else set()
     if device_type == "cpu":
         return Kernel("cpu_flash", False)
     if "flash" in fits and not masked:
@@ -85,9 +87,9 @@ def choose_kernel(device_type: str, dtype: torch.dtype, gqa: bool, cp_algo: str,
     return Kernel("math", gqa) if cp_algo == "ring" else Kernel("sdpa", False)
 
 
-def uses_varlen(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
+def uses_varlen(device: str | torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a masked attention over the whole sequence runs flash's varlen kernel (choose_kernel)."""
-    return choose_kernel(device_type, dtype, False, "alltoall", masked=True, head_dim=head_dim).name == "varlen"
+    return choose_kernel(device, dtype, False, "alltoall", masked=True, head_dim=head_dim).name == "varlen"
 
 
 def sequence_mask(docs: Documents | None, window: int, rows: int, length: int, dtype: torch.dtype,
@@ -97,7 +99,7 @@ def sequence_mask(docs: Documents | None, window: int, rows: int, length: int, d
     (masks.sequence_bias); None where causality alone masks."""
     if docs is None and not hides_keys(window, length):
         return None
-    if uses_varlen(device.type, dtype, head_dim):
+    if uses_varlen(device, dtype, head_dim):
         return sequence_packing(docs, window, rows, length, device)
     return sequence_bias(docs, window, length, dtype, device)
 
@@ -118,7 +120,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return run_eagerly(varlen_attention, q, k, v, mask)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
-    if choose_kernel(q.device.type, q.dtype, groups > 1, "alltoall", masked=mask is not None, head_dim=q.shape[-1]).expand_kv:
+    if choose_kernel(q.device, q.dtype, groups > 1, "alltoall", masked=mask is not None, head_dim=q.shape[-1]).expand_kv:
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                          enable_gqa=k.shape[1] != q.shape[1])
@@ -147,7 +149,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo, repl
     cp, rank = topo.size("cp"), topo.local_rank("cp")
     blocks = ring_blocks(cp, rank, q.shape[1] // 2, window, docs.host if docs is not None else None)
     masks = RingMasks(window, docs, blocks)
-    kernel = choose_kernel(q.device.type, q.dtype, k.shape[2] != q.shape[2], "ring",
+    kernel = choose_kernel(q.device, q.dtype, k.shape[2] != q.shape[2], "ring",
                            devices.prefers_cudnn_attention(q.device), masked=any(b and b.masked for b in blocks),
                            head_dim=q.shape[-1])
     out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), topo, kernel, replay, masks)

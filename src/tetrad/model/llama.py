@@ -338,7 +338,7 @@ class Transformer(nn.Module):
         if cp > 1 and self.execution.cp_algo != "alltoall":
             return None
         recomputes = any(b.recompute != "none" or b.attn.recompute_core for b in self.layers.values())
-        if recomputes and not uses_varlen(h.device.type, h.dtype, self.cfg.head_dim):
+        if recomputes and not uses_varlen(h.device, h.dtype, self.cfg.head_dim):
             return None
         return sequence_mask(docs, self.cfg.sliding_window, h.shape[0], length, h.dtype, h.device, self.cfg.head_dim)
 

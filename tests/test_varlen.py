@@ -17,7 +17,7 @@ from tetrad.dist.layout import Layout, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model import attention as attn
 from tetrad.model.documents import Documents
-from tetrad.model.varlen import flash_window, segment_bounds, sequence_packing
+from tetrad.model.varlen import MAX_SEGMENTS, flash_window, segment_bounds, sequence_packing
 
 EOS = 0
 
@@ -170,6 +170,14 @@ def test_a_compiled_block_takes_new_segments_without_recompiling():
         assert torch.allclose(compiled(q, k, v, packing), body(q, k, v, packing))
         frames.append(counter.frame_count)
     assert frames == frames[:1] * 4, frames  # traced instead of eager, it recompiled for new segments
+
+
+def test_more_segments_than_flashs_grid_takes_say_what_to_change():
+    """A micro-batch of more documents than flash's launch grid has rows for (one-token documents:
+    runs of end-of-document tokens) is refused with the cause, not a CUDA launch error."""
+    assert segment_bounds(np.arange(MAX_SEGMENTS)[None], 1, MAX_SEGMENTS)[1] == 1
+    with pytest.raises(ValueError, match="documents of a token or two"):
+        segment_bounds(np.arange(MAX_SEGMENTS + 1)[None], 1, MAX_SEGMENTS + 1)
 
 
 def test_the_packing_reads_nothing_from_the_device():

@@ -24,6 +24,11 @@ from tetrad.model.documents import Documents
 from tetrad.model.masks import hides_keys
 
 
+# flash_api.cpp launches its kernels on a grid (query blocks, segments, heads), and CUDA caps a
+# grid's second dimension at 65535.
+MAX_SEGMENTS = 65535
+
+
 @dataclass(frozen=True)
 class Packing:
     """What the varlen kernel attends within, for one micro-batch (built on the host once and
@@ -46,6 +51,10 @@ def segment_bounds(host_ids: np.ndarray | None, rows: int, length: int) -> tuple
         new = np.ones(host_ids.shape, dtype=bool)
         new[:, 1:] = host_ids[:, 1:] != host_ids[:, :-1]
         starts = np.flatnonzero(new)
+    if len(starts) > MAX_SEGMENTS:
+        raise ValueError(f"a micro-batch of {len(starts)} documents: flash's varlen kernel launches a grid row per "
+                         f"document, at most {MAX_SEGMENTS} (CUDA's limit). The data has documents of a token or two "
+                         "(runs of end-of-document tokens?): clean them out, or lower train.micro_batch")
     bounds = np.append(starts, rows * length).astype(np.int32)
     return bounds, int(np.diff(bounds).max())
 

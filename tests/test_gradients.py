@@ -1,6 +1,7 @@
 """The parity net itself: gradients compared directly, and a deliberately wrong gradient scale
 (summed over dp instead of averaged) that the loss and parameter checks alone let through."""
 
+from collections import Counter
 from unittest import mock
 
 import pytest
@@ -68,6 +69,34 @@ def test_fused_linear_gradients_match_autograds(reference_gradients, monkeypatch
         assert writes == expected > 0
     grads = first_step_gradients(cfg)
     for name, ref in reference_gradients.items():
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=name)
+
+
+def _backward_nodes(cfg) -> Counter:
+    """How many autograd nodes of each kind one micro-batch's loss hangs on."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    x, y = trainer.batches.microbatches(0, 0, 1, cfg.train.micro_batch)[0]
+    seen, todo = set(), [trainer.model(x, trainer.positions, y).grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return Counter(type(n).__name__ for n in seen)
+
+
+def test_shared_input_linears_partly_sunk_run_as_one_function_at_tp1(monkeypatch):
+    # bench_pp's model at d_model 256: wq and the SwiGLU gates are sunk, wk and wv (half wq's
+    # size under GQA) are not. Each group runs as one _ColumnParallelMatmul, as under tp, not one
+    # Python Function per sunk weight (mappings.py `_sinks_a_group`); the gradients are autograd's.
+    model = {**MODEL, "n_kv_heads": 2}
+    reference = first_step_gradients(tiny_config(model=model))  # below SINK_MIN_NUMEL: no sinks
+    monkeypatch.setattr(tetrad.parallel.data, "SINK_MIN_NUMEL", 64 * 64)  # wq, wo, w1-w3; not wk, wv
+    nodes = run_ranks(_backward_nodes, 1, tiny_config(model=model))[0]
+    assert nodes["_ColumnParallelMatmulBackward"] == 2 * 2  # q/k/v and the gates of 2 layers
+    assert nodes["_LinearBackward"] == 2 * 2  # wo and w2
+    grads = first_step_gradients(tiny_config(model=model, parallel={"dp": 2}, train={"micro_batch": 1}))
+    for name, ref in reference.items():
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=name)
 
 

@@ -190,9 +190,20 @@ def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo, 
     """x W_i^T for each weight split by output rows, sharing the input collective (see
     `_ColumnParallelMatmul`). x is [b, s, h], or [b, s/tp, h] under SP; outputs cover the whole
     (local) sequence and this rank's output features."""
-    if topo.tp_size == 1:
+    if topo.tp_size == 1 and not _sinks_a_group(weights):
         return tuple([linear(x, w, ex, in_bi) for w in weights])  # a list: torch.compile breaks cleanly in it
     return run_eagerly(_ColumnParallelMatmul.apply, x, topo, ex, in_bi, *weights)
+
+
+def _sinks_a_group(weights: list[torch.Tensor]) -> bool:
+    """Whether weights that share their input go through `_ColumnParallelMatmul` at tp = 1: where
+    one of them has a GRAD_SINK, and so would take a Python autograd Function of its own anyway
+    (`linear`). One Function for the group costs less than one per sunk weight plus autograd's sum
+    of the input gradients: each Function's host code runs after its GEMM, with the caches cold
+    (~45 us a call on a 2-core CPU; q/k/v and the SwiGLU gates at d_model 256: 0.3-0.5 ms of a
+    40 ms backward per micro-batch)."""
+    return len(weights) > 1 and not torch.compiler.is_compiling() and \
+        any(getattr(w, GRAD_SINK, None) is not None for w in weights)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, topo, ex: Execution, in_bi: bool = False) -> torch.Tensor:

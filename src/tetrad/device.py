@@ -284,9 +284,9 @@ def start_memory_tracking(device: torch.device) -> int:
 def peak_memory_bytes(device: torch.device, since: int = 0) -> int:
     """Peak allocated bytes on an accelerator; on CPU the peak resident set (since the last
     start_memory_tracking on Linux) less `since`, the resident set start_memory_tracking found.
-    Never below zero: the kernel raises its high-water mark lazily (when pages are unmapped, not
-    when they are released by madvise), so a mark read soon after the start can sit a few pages
-    under the resident set read then, and the rank's peak is never under where it started."""
+    Never below zero: Linux sums a process's resident pages from per-CPU counters approximately,
+    so a high-water mark read soon after the start can sit a few pages under the resident set read
+    then, and the rank's peak is never under where it started."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     try:

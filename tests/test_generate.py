@@ -210,3 +210,36 @@ def test_an_imported_models_eos_ends_generation_and_goes_back_out(tmp_path, eos)
         assert main(["convert", str(ckpt), "--to-hf", str(back)]) == 0
         assert json.loads((back / "config.json").read_text())["eos_token_id"] == written
         hf = back
+
+
+@pytest.mark.parametrize("written, expected", [
+    ({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, (0.6, 50, 0.9)),  # Llama 3.1's; HF's top_k 50
+    ({"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8}, (0.7, 20, 0.8)),  # Qwen2.5's
+    ({"do_sample": False, "temperature": 0.6}, (0.0, 0, 1.0)),  # transformers decodes greedily
+    ({"temperature": 0.6}, (0.0, 0, 1.0)),  # do_sample absent: false, as transformers reads it
+    (None, (0.8, 0, 1.0))])  # no generation_config.json: tetrad's defaults
+def test_an_imported_models_sampling_is_generates_default(tmp_path, written, expected):
+    """After --to-tetrad, `tetrad generate` samples as transformers' generate would with the
+    model's generation_config.json where no flag says otherwise; a flag wins; --to-hf writes the
+    file back (before: tetrad's 0.8 / all / 1 whatever the model asked, and the file was lost)."""
+    import json
+    transformers = pytest.importorskip("transformers")
+    from tetrad.data.tokenizer import train_bpe
+    from tetrad.train.generate import _arguments, load_generator, sampling_settings
+    hf = tmp_path / "hf"
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(config).save_pretrained(hf, safe_serialization=True)
+    (hf / "generation_config.json").unlink(missing_ok=True)
+    if written is not None:
+        (hf / "generation_config.json").write_text(json.dumps(written))
+    train_bpe(iter(["the licence grants the right to copy the text"] * 4), 300).save(str(hf / "tokenizer.json"))
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    assert main(["convert", str(hf), "--to-tetrad", str(ckpt)]) == 0
+    _, _, source = load_generator(ckpt)
+    assert sampling_settings(_arguments([str(ckpt)]), source)[1:4] == expected
+    assert sampling_settings(_arguments([str(ckpt), "--temperature", "0.3"]), source)[1:4] == (0.3, *expected[1:])
+    assert main(["convert", str(ckpt), "--to-hf", str(back)]) == 0
+    if written is not None:
+        loaded = transformers.GenerationConfig.from_pretrained(back)
+        assert (loaded.do_sample, loaded.temperature) == (written.get("do_sample", False), written["temperature"])

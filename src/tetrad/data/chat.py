@@ -49,13 +49,15 @@ def _token(value) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _read_config(path: Path) -> dict:
+def read_json_object(path: Path, what: str = "tokenizer_config.json") -> dict:
+    """A Hugging Face side file (`what`: tokenizer_config.json, generation_config.json), refused
+    with its path where it is not a readable JSON object."""
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable JSON file ({e})") from None
+        raise ValueError(f"{path} is not a readable {what} ({e})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path} is not a tokenizer_config.json (a JSON object)")
+        raise ValueError(f"{path} is not a {what} (a JSON object)")
     return config
 
 
@@ -77,9 +79,9 @@ def load_template(template: Path | None, tokenizer: Path) -> ChatTemplate:
     and eos_token come from the tokenizer_config.json. Compiled here, so that a broken template
     is refused before any work."""
     beside = tokenizer.with_name(CONFIG)
-    config = _read_config(beside) if beside.is_file() else {}
+    config = read_json_object(beside) if beside.is_file() else {}
     if template is not None and template.suffix == ".json":
-        config = _read_config(template)
+        config = read_json_object(template)
         text = _configured_template(config, template)
     elif template is not None:
         try:
@@ -111,7 +113,7 @@ def template_beside(tokenizer: Path) -> ChatTemplate | None:
     """The chat template kept beside a tokenizer.json (save_template's, or a Hugging Face
     model's), or None where there is none (a base model's tokenizer_config.json has no chat_template)."""
     config = tokenizer.with_name(CONFIG)
-    if not (tokenizer.with_name(JINJA).is_file() or (config.is_file() and "chat_template" in _read_config(config))):
+    if not (tokenizer.with_name(JINJA).is_file() or (config.is_file() and "chat_template" in read_json_object(config))):
         return None
     return load_template(None, tokenizer)
 

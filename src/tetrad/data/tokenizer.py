@@ -8,7 +8,6 @@ decoding gives the exact bytes back.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tetrad.data.blend import primary_source
+from tetrad.data.chat import read_json_object
 from tetrad.data.shards import TOKENIZER, is_shard_folder, read_index
 from tetrad.data.sources import reads_as_bytes
 
@@ -26,6 +26,7 @@ from tetrad.data.sources import reads_as_bytes
 LINE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 PROBE = "Hello world.\nThe fox, 42 times:\n  indented\tline\r\nend.\n\nNext one\n"
 GENERATION_CONFIG = "generation_config.json"  # Hugging Face's, beside an imported model's weights
+SAMPLING_KEYS = ("temperature", "top_k", "top_p")  # of its settings, those `tetrad generate` has
 EOS = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, tried in order when none is named.
 KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -86,20 +87,38 @@ def eos_id(tokenizer: Tokenizer, name: str = "") -> int:
                      f"token with --eos, one of its special tokens{_listing(special)}")
 
 
+def _generation_config(source: Path | None) -> dict:
+    """The generation_config.json beside a tokenizer.json ({} for none): an imported Hugging Face
+    model's, as convert --to-tetrad keeps it (its EOS and sampling settings)."""
+    path = source.with_name(GENERATION_CONFIG) if source is not None else None
+    if path is None or not path.is_file():
+        return {}
+    return read_json_object(path, GENERATION_CONFIG)
+
+
 def model_eos(source: Path | None) -> list[int]:
     """The eos_token_id(s) of the generation_config.json beside a tokenizer.json: an imported
     Hugging Face model's own (convert --to-tetrad writes it from the model's generation_config.json
     or config.json), where transformers' generate stops: Llama 3.1 Instruct's three, DeepSeek's
     one, which the KNOWN_EOS search misses. [] for none."""
-    path = source.with_name(GENERATION_CONFIG) if source is not None else None
-    if path is None or not path.is_file():
-        return []
-    try:
-        ids = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"{path} is not a readable generation_config.json ({e})") from None
+    ids = _generation_config(source).get("eos_token_id")
     ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
     return [i for i in ids if isinstance(i, int)]
+
+
+def model_sampling(source: Path | None) -> dict:
+    """The sampling an imported model's generation_config.json asks for, as transformers' generate
+    reads it (its defaults where a key is absent: temperature 1, top_k 50, top_p 1; a null top_k
+    none), in `tetrad generate`'s terms: greedy (temperature 0) where do_sample is false. {} where the model had no
+    generation_config.json of its own (convert writes do_sample only from one)."""
+    config = _generation_config(source)
+    if "do_sample" not in config:
+        return {}
+    if not config["do_sample"]:
+        return {"temperature": 0.0}
+    temperature, top_k, top_p = config.get("temperature"), config.get("top_k", 50), config.get("top_p")
+    return {"temperature": 1.0 if temperature is None else float(temperature),
+            "top_k": 0 if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p)}
 
 
 def run_eos(tokenizer: Tokenizer, source: Path | None) -> int | None:

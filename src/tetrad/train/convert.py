@@ -29,7 +29,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from tetrad.config import Config, ConfigError, load_config, read_toml
 from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, template_beside
 from tetrad.data.shards import TOKENIZER
-from tetrad.data.tokenizer import GENERATION_CONFIG, document_prefix, model_eos, run_eos, run_tokenizer
+from tetrad.data.tokenizer import (GENERATION_CONFIG, SAMPLING_KEYS, document_prefix, model_eos, run_eos,
+                                   run_tokenizer)
 from tetrad.model.llama import Transformer
 from tetrad.model.masks import hides_keys
 from tetrad.model.sharding import spec_of
@@ -131,6 +132,8 @@ def to_hf(checkpoint: Path, out: Path) -> bool:
     tokenizer, source = exported_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
     if tokenizer is not None:
         write_hf_tokenizer(tokenizer, out, m.seq_len, template_beside(source) if source else None, source)
+    if source is not None and source.with_name(GENERATION_CONFIG).is_file():  # an imported model's, kept
+        shutil.copyfile(source.with_name(GENERATION_CONFIG), out / GENERATION_CONFIG)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf_config = {**_hf_architecture(m), "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
@@ -320,21 +323,30 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
     for name in (TOKENIZER, CHAT_CONFIG, CHAT_JINJA):  # generate and export find them beside the weights
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, tmp / name)
-    _keep_model_eos(hf_dir, tmp)
+    _keep_generation_config(hf_dir, tmp)
     publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})
 
 
-def _keep_model_eos(hf_dir: Path, out: Path) -> None:
-    """The model's eos_token_id(s) (generation_config.json's, where transformers' generate stops,
-    else config.json's) into a generation_config.json beside the converted weights (model_eos)."""
+def _keep_generation_config(hf_dir: Path, out: Path) -> None:
+    """Into a generation_config.json beside the converted weights: the model's eos_token_id(s)
+    (generation_config.json's, where transformers' generate stops, else config.json's; model_eos)
+    and its generation_config.json's sampling (do_sample, explicit, and the settings `tetrad
+    generate` has; model_sampling). --to-hf writes the file back out."""
+    configs = []
     for name in (GENERATION_CONFIG, "config.json"):
         try:
-            ids = json.loads((hf_dir / name).read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if ids is not None:
-            (out / GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": ids}) + "\n")
-            return
+            config = json.loads((hf_dir / name).read_text())
+        except (OSError, ValueError):
+            config = None
+        configs.append(config if isinstance(config, dict) else None)
+    generation = configs[0]
+    kept = {k: generation[k] for k in SAMPLING_KEYS if k in generation} | \
+        {"do_sample": bool(generation.get("do_sample", False))} if generation is not None else {}
+    ids = next((c["eos_token_id"] for c in configs if c is not None and c.get("eos_token_id") is not None), None)
+    if ids is not None:
+        kept["eos_token_id"] = ids
+    if kept:
+        (out / GENERATION_CONFIG).write_text(json.dumps(kept) + "\n")
 
 
 def convert_command(argv: list[str]) -> int:

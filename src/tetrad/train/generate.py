@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from tetrad.config import ModelConfig
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
-from tetrad.data.tokenizer import document_prefix, model_eos, run_eos
+from tetrad.data.tokenizer import GENERATION_CONFIG, document_prefix, model_eos, model_sampling, run_eos
 from tetrad.model.llama import LayerCache, Transformer
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
@@ -130,19 +130,43 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "the input's end or the model's seq_len")
     parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus: the likeliest tokens of this mass")
+    # Unset sampling flags take an imported model's generation_config.json (model_sampling), else DEFAULT_SAMPLING.
+    parser.add_argument("--temperature", type=float, help="0: greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default 0: all)")
+    parser.add_argument("--top-p", type=float, help="nucleus: the likeliest tokens of this mass (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise ValueError("need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+    _check_sampling(args.max_new_tokens, {k: v for k, v in vars(args).items() if k in DEFAULT_SAMPLING and v is not None})
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat's system message: pass --chat too")
     if not args.checkpoint.exists():
         raise ValueError(f"no checkpoint at {args.checkpoint}; pass a run folder, its checkpoints/ folder, or one "
                          "of its step_N folders")
     return args
+
+
+DEFAULT_SAMPLING = {"temperature": 0.8, "top_k": 0, "top_p": 1.0}
+
+
+def _check_sampling(max_new: int, sampling: dict) -> None:
+    if max_new < 1 or sampling.get("temperature", 0) < 0 or sampling.get("top_k", 0) < 0 \
+            or not 0 < sampling.get("top_p", 1) <= 1:
+        raise ValueError("need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+
+
+def sampling_settings(args: argparse.Namespace, source: Path | None) -> tuple:
+    """(max_new, temperature, top_k, top_p, seed): each flag given, else what an imported model's
+    generation_config.json asks transformers' generate for (model_sampling: Llama 3.1's
+    temperature 0.6 and top_p 0.9, greedy where do_sample is false), else DEFAULT_SAMPLING."""
+    model = model_sampling(source)
+    chosen = {k: getattr(args, k) if getattr(args, k) is not None else model.get(k, default)
+              for k, default in DEFAULT_SAMPLING.items()}
+    try:
+        _check_sampling(args.max_new_tokens, chosen)
+    except ValueError:
+        raise ValueError(f"{source.with_name(GENERATION_CONFIG)} asks for sampling out of range ({model}); "
+                         "pass --temperature, --top-k and --top-p") from None
+    return args.max_new_tokens, chosen["temperature"], chosen["top_k"], chosen["top_p"], args.seed
 
 
 def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | None]:
@@ -272,7 +296,10 @@ def generate_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
         model, tokenizer, source = load_generator(args.checkpoint)
-        sampling = (args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+        sampling = sampling_settings(args, source)
+        if model_sampling(source):
+            print(f"tetrad generate: temperature {sampling[1]}, top-k {sampling[2]}, top-p {sampling[3]}: the model's "
+                  "generation_config.json where no flag says otherwise", file=sys.stderr)
         if args.chat:
             dialogue = _dialogue(model, tokenizer, source, args.system)
             if args.prompt is None:

@@ -225,6 +225,7 @@ def test_an_imported_models_sampling_is_generates_default(tmp_path, written, exp
     import json
     transformers = pytest.importorskip("transformers")
     from tetrad.data.tokenizer import train_bpe
+    from tetrad.data.tokenizer import model_sampling
     from tetrad.train.generate import _arguments, load_generator, sampling_settings
     hf = tmp_path / "hf"
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -237,8 +238,9 @@ def test_an_imported_models_sampling_is_generates_default(tmp_path, written, exp
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
     assert main(["convert", str(hf), "--to-tetrad", str(ckpt)]) == 0
     _, _, source = load_generator(ckpt)
-    assert sampling_settings(_arguments([str(ckpt)]), source)[1:4] == expected
-    assert sampling_settings(_arguments([str(ckpt), "--temperature", "0.3"]), source)[1:4] == (0.3, *expected[1:])
+    asked = model_sampling(source)
+    assert sampling_settings(_arguments([str(ckpt)]), asked)[1:4] == expected
+    assert sampling_settings(_arguments([str(ckpt), "--temperature", "0.3"]), asked)[1:4] == (0.3, *expected[1:])
     assert main(["convert", str(ckpt), "--to-hf", str(back)]) == 0
     if written is not None:
         loaded = transformers.GenerationConfig.from_pretrained(back)

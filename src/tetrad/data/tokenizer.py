@@ -109,8 +109,8 @@ def model_eos(source: Path | None) -> list[int]:
 def model_sampling(source: Path | None) -> dict:
     """The sampling an imported model's generation_config.json asks for, as transformers' generate
     reads it (its defaults where a key is absent: temperature 1, top_k 50, top_p 1; a null top_k
-    none), in `tetrad generate`'s terms: greedy (temperature 0) where do_sample is false. {} where the model had no
-    generation_config.json of its own (convert writes do_sample only from one)."""
+    none), in `tetrad generate`'s terms: greedy (temperature 0) where do_sample is false. {} where
+    the model had no generation_config.json of its own (convert writes do_sample only from one)."""
     config = _generation_config(source)
     if "do_sample" not in config:
         return {}

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from torch.distributed.checkpoint import FileSystemWriter
 
 from tetrad.config import Config, ConfigError, load_config, read_toml
-from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, template_beside
+from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, read_json_object, template_beside
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import (GENERATION_CONFIG, SAMPLING_KEYS, document_prefix, model_eos, run_eos,
                                    run_tokenizer)
@@ -307,8 +307,8 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
         raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder (no config.json); --to-tetrad reads one: "
                               "config.json and *.safetensors" + (" (a tetrad run or checkpoint needs no conversion: "
                               f"train from it with --checkpoint.init_from={hf_dir})" if tetrad else ""))
-    cfg = load_config(overrides={"model": model_config_from_hf(json.loads((hf_dir / "config.json").read_text()),
-                                                                hf_dir / "config.json")})
+    hf = json.loads((hf_dir / "config.json").read_text())
+    cfg = load_config(overrides={"model": model_config_from_hf(hf, hf_dir / "config.json")})
     problems = hf_mismatches(hf_dir, cfg.model)
     if problems:
         raise CheckpointError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems[:20]))
@@ -323,26 +323,22 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
     for name in (TOKENIZER, CHAT_CONFIG, CHAT_JINJA):  # generate and export find them beside the weights
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, tmp / name)
-    _keep_generation_config(hf_dir, tmp)
+    _keep_generation_config(hf_dir, hf, tmp)
     publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})
 
 
-def _keep_generation_config(hf_dir: Path, out: Path) -> None:
+def _keep_generation_config(hf_dir: Path, hf: dict, out: Path) -> None:
     """Into a generation_config.json beside the converted weights: the model's eos_token_id(s)
-    (generation_config.json's, where transformers' generate stops, else config.json's; model_eos)
-    and its generation_config.json's sampling (do_sample, explicit, and the settings `tetrad
-    generate` has; model_sampling). --to-hf writes the file back out."""
-    configs = []
-    for name in (GENERATION_CONFIG, "config.json"):
-        try:
-            config = json.loads((hf_dir / name).read_text())
-        except (OSError, ValueError):
-            config = None
-        configs.append(config if isinstance(config, dict) else None)
-    generation = configs[0]
-    kept = {k: generation[k] for k in SAMPLING_KEYS if k in generation} | \
-        {"do_sample": bool(generation.get("do_sample", False))} if generation is not None else {}
-    ids = next((c["eos_token_id"] for c in configs if c is not None and c.get("eos_token_id") is not None), None)
+    (its generation_config.json's, where transformers' generate stops, else config.json's `hf`;
+    model_eos) and its generation_config.json's sampling (do_sample, explicit, and the settings
+    `tetrad generate` has; model_sampling). --to-hf writes the file back out."""
+    path = hf_dir / GENERATION_CONFIG
+    generation = read_json_object(path, GENERATION_CONFIG) if path.is_file() else None
+    kept = {}
+    if generation is not None:
+        kept = {k: generation[k] for k in SAMPLING_KEYS if k in generation}
+        kept["do_sample"] = bool(generation.get("do_sample", False))
+    ids = next((c["eos_token_id"] for c in (generation or {}, hf) if c.get("eos_token_id") is not None), None)
     if ids is not None:
         kept["eos_token_id"] = ids
     if kept:

@@ -154,17 +154,16 @@ def _check_sampling(max_new: int, sampling: dict) -> None:
         raise ValueError("need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
 
 
-def sampling_settings(args: argparse.Namespace, source: Path | None) -> tuple:
+def sampling_settings(args: argparse.Namespace, model: dict) -> tuple:
     """(max_new, temperature, top_k, top_p, seed): each flag given, else what an imported model's
-    generation_config.json asks transformers' generate for (model_sampling: Llama 3.1's
+    generation_config.json asks transformers' generate for (`model`, model_sampling's: Llama 3.1's
     temperature 0.6 and top_p 0.9, greedy where do_sample is false), else DEFAULT_SAMPLING."""
-    model = model_sampling(source)
     chosen = {k: getattr(args, k) if getattr(args, k) is not None else model.get(k, default)
               for k, default in DEFAULT_SAMPLING.items()}
     try:
         _check_sampling(args.max_new_tokens, chosen)
     except ValueError:
-        raise ValueError(f"{source.with_name(GENERATION_CONFIG)} asks for sampling out of range ({model}); "
+        raise ValueError(f"the model's {GENERATION_CONFIG} asks for sampling out of range ({model}); "
                          "pass --temperature, --top-k and --top-p") from None
     return args.max_new_tokens, chosen["temperature"], chosen["top_k"], chosen["top_p"], args.seed
 
@@ -296,8 +295,9 @@ def generate_command(argv: list[str]) -> int:
     try:
         args = _arguments(argv)
         model, tokenizer, source = load_generator(args.checkpoint)
-        sampling = sampling_settings(args, source)
-        if model_sampling(source):
+        asked = model_sampling(source)
+        sampling = sampling_settings(args, asked)
+        if asked:
             print(f"tetrad generate: temperature {sampling[1]}, top-k {sampling[2]}, top-p {sampling[3]}: the model's "
                   "generation_config.json where no flag says otherwise", file=sys.stderr)
         if args.chat:

@@ -11,6 +11,7 @@ from test_sft_data import _jsonl, _refused, written
 from tetrad.cli import main
 from tetrad.data.shards import read_index
 from tetrad.data.tokenizer import train_bpe
+from tetrad.train.sampling import GREEDY
 
 # Llama 3's structure (a header per message, <|eot_id|> after each, BOS rendered by the template),
 # written here: a role it does not know is refused through raise_exception.
@@ -246,7 +247,7 @@ def test_a_run_on_chat_data_answers_in_its_template_and_exports_it(tmp_path, cap
                                                   bos_token=BOS).apply_chat_template(message, add_generation_prompt=True)
     from tetrad.train.generate import load_generator, reply
     model, run_tokenizer, source = load_generator(run)
-    _, ids, new = reply(model, run_tokenizer, template_beside(source), message, 4, temperature=0)
+    _, ids, new = reply(model, run_tokenizer, template_beside(source), message, 4, GREEDY)
     assert ids == _ids(hf_ids)
     eot = tokenizer.token_to_id("<|eot_id|>")
     assert eot in _stops(run_tokenizer, template_beside(source)) and eot not in new[:-1]

@@ -19,6 +19,7 @@ from test_generate import random_model
 from tetrad.cli import main
 from tetrad.data.chat import template_beside
 from tetrad.train.generate import Dialogue, continuation_loss, converse, load_generator, reply
+from tetrad.train.sampling import GREEDY
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 SYSTEM = "You answer briefly."
@@ -61,9 +62,9 @@ def test_each_turn_reads_the_whole_history_as_transformers_renders_it_and_the_ca
     for question in QUESTIONS:
         history = dialogue.messages + [{"role": "user", "content": question}]
         reused = dialogue.cache.reused
-        text, ids, new = dialogue.answer(question, 6, temperature=0)
+        text, ids, new = dialogue.answer(question, 6, GREEDY)
         assert ids == _oracle(tmp_path / "tokenizer.json", history)
-        assert (text, ids, new) == reply(dialogue.model, tokenizer, dialogue.chat, history, 6, temperature=0)
+        assert (text, ids, new) == reply(dialogue.model, tokenizer, dialogue.chat, history, 6, GREEDY)
         assert dialogue.messages == history + [{"role": "assistant", "content": text}]
         assert dialogue.cache.ids == ids + new[:-1]
         assert (dialogue.cache.reused - reused > 0) == (question != QUESTIONS[0])
@@ -73,8 +74,8 @@ def test_each_turn_reads_the_whole_history_as_transformers_renders_it_and_the_ca
     dialogue.messages[2]["content"] = "Blue."
     history = dialogue.messages + [{"role": "user", "content": "Why?"}]
     reused, first_prompt = dialogue.cache.reused, len(_oracle(tmp_path / "tokenizer.json", dialogue.messages[:2]))
-    assert dialogue.answer("Why?", 6, temperature=0) == reply(dialogue.model, tokenizer, dialogue.chat, history, 6,
-                                                             temperature=0)
+    assert dialogue.answer("Why?", 6, GREEDY) == reply(dialogue.model, tokenizer, dialogue.chat, history, 6,
+                                                             GREEDY)
     assert first_prompt <= dialogue.cache.reused - reused < first_prompt + 6  # it departs inside the first answer
 
 
@@ -83,13 +84,13 @@ def test_the_conversation_ends_at_the_models_seq_len_in_one_line(tmp_path, capsy
     that runs into it, ends the conversation with a line saying so."""
     dialogue = _random_dialogue(tmp_path, seq_len=64)
     lines = io.StringIO("\n".join(QUESTIONS * 3) + "\n")
-    turns = converse(dialogue, (3, 0.0, 0, 1.0, 0), lines)
+    turns = converse(dialogue, 3, GREEDY, 0, lines)
     out, err = capsys.readouterr()
     assert 0 < turns < len(QUESTIONS) and out.count("\n") == turns
     assert err.startswith("tetrad generate: the rendered conversation is ") and err.endswith(
         "tokens and the model reads at most seq_len=64: the conversation ends here\n")
     dialogue = _random_dialogue(tmp_path, seq_len=64)
-    assert converse(dialogue, (200, 0.0, 0, 1.0, 0), io.StringIO("\n".join(QUESTIONS) + "\n")) == 1
+    assert converse(dialogue, 200, GREEDY, 0, io.StringIO("\n".join(QUESTIONS) + "\n")) == 1
     assert capsys.readouterr().err == "tetrad generate: the answer reached the model's seq_len=64: the conversation " \
                                       "ends here\n"
 
@@ -107,7 +108,7 @@ def test_generate_chat_without_a_prompt_converses_over_stdin(chat_run, monkeypat
     history, answers, prompted = [{"role": "system", "content": SYSTEM}], [], 0
     for question in QUESTIONS[:2]:
         history.append({"role": "user", "content": question})
-        text, ids, _ = reply(model, tokenizer, template_beside(source), history, 6, temperature=0)
+        text, ids, _ = reply(model, tokenizer, template_beside(source), history, 6, GREEDY)
         assert ids == _oracle(data / "tokenizer.json", history)
         history.append({"role": "assistant", "content": text})
         answers.append(text)
@@ -131,7 +132,7 @@ def test_an_empty_line_ends_the_conversation_and_a_terminal_gets_a_prompt_marker
     out, err = capsys.readouterr()
     model, tokenizer, source = load_generator(run)
     answer = reply(model, tokenizer, template_beside(source), [{"role": "user", "content": QUESTIONS[0]}], 6,
-                   temperature=0)[0]
+                   GREEDY)[0]
     assert out == f"> {answer}\n> " and "answered 1 message;" in err
     assert stdin.read() == f"{QUESTIONS[1]}\n"  # not read: the conversation ended before it
 
@@ -145,7 +146,7 @@ def test_one_message_with_a_system_message_first(chat_run, capsys):
     out, err = capsys.readouterr()
     model, tokenizer, source = load_generator(run)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
-    text, ids, new = reply(model, tokenizer, template_beside(source), messages, 6, temperature=0)
+    text, ids, new = reply(model, tokenizer, template_beside(source), messages, 6, GREEDY)
     assert out == text + "\n"
     assert f"tetrad generate: {len(new)} tokens; their loss under the model {continuation_loss(model, ids, new):.4f}" in err
 

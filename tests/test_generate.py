@@ -3,6 +3,8 @@ follow the positions given, and so does a cache kept from one chat turn to the n
 loss by the training forward is the one its decoding logits give; a checkpoint trained on `tetrad data` shards decodes with their tokenizer; a run
 folder names its checkpoints through its config.toml; a missing checkpoint is refused in one line."""
 
+from dataclasses import asdict, replace
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from tetrad.model.sharding import init_parameters
 from tetrad.dist.topology import Topology
 from tetrad.train.convert import checkpoint_folder
 from tetrad.train.generate import Cache, continuation_loss, generate
+from tetrad.train.sampling import GREEDY, Sampling
 
 
 def random_model(**model):
@@ -59,18 +62,18 @@ def test_rope_tables_follow_the_positions_tensor():
 def test_a_samples_loss_by_the_training_forward_is_its_decoding_loss():
     net = random_model()
     prompt = list(b"The licence ")
-    new, logits = generate(net, prompt, max_new=12, temperature=1.0, seed=3)
+    new, logits = generate(net, prompt, max_new=12, sampling=Sampling(temperature=1.0), seed=3)
     assert len(new) == 12
     decoding = torch.stack([-torch.log_softmax(lg, -1)[t] for lg, t in zip(logits, new)]).mean()
     assert continuation_loss(net, prompt, new) == pytest.approx(float(decoding), rel=1e-5)
     # Greedy decoding is deterministic and picks each step's likeliest token.
-    greedy, greedy_logits = generate(net, prompt, max_new=5, temperature=0)
+    greedy, greedy_logits = generate(net, prompt, max_new=5, sampling=GREEDY)
     assert greedy == [int(lg.argmax()) for lg in greedy_logits]
 
 
 def test_generation_stops_at_seq_len():
     net = random_model()  # seq_len 32
-    new, _ = generate(net, list(range(30)), max_new=50, temperature=1.0)
+    new, _ = generate(net, list(range(30)), max_new=50, sampling=Sampling(temperature=1.0))
     assert len(new) == 3  # tokens at positions 30, 31 and 32 (read from 32 tokens)
 
 
@@ -81,14 +84,14 @@ def test_a_kept_cache_runs_only_what_a_prompt_adds_and_gives_a_fresh_decodings_l
     token, whose logits are wanted. Every time the tokens and logits are those of a fresh cache."""
     net = random_model()  # seq_len 32
     cache, first = Cache(), list(range(10, 20))
-    new, _ = generate(net, first, max_new=4, temperature=0, cache=cache)
+    new, _ = generate(net, first, max_new=4, sampling=GREEDY, cache=cache)
     assert cache.ids == first + new[:-1]  # the last token drawn is never run
 
     def turn(prompt, kept):
         reused = cache.reused
-        ours, ours_logits = generate(net, prompt, max_new=4, temperature=0, cache=cache)
+        ours, ours_logits = generate(net, prompt, max_new=4, sampling=GREEDY, cache=cache)
         assert cache.reused - reused == kept
-        fresh, fresh_logits = generate(net, prompt, max_new=4, temperature=0)
+        fresh, fresh_logits = generate(net, prompt, max_new=4, sampling=GREEDY)
         assert ours == fresh and cache.ids == prompt + ours[:-1]
         torch.testing.assert_close(torch.stack(ours_logits), torch.stack(fresh_logits), atol=1e-5, rtol=1e-5)
     turn(first + new + [5, 6], len(first) + len(new) - 1)
@@ -169,7 +172,7 @@ def test_the_eos_the_data_recorded_stops_generation_and_is_the_exports(tmp_path,
     assert _stops(run_tokenizer, None, source) == {eot}
     import tetrad.train.generate as module
     seen, decode = [], module.generate
-    monkeypatch.setattr(module, "generate", lambda *args: seen.append(args[7]) or decode(*args))
+    monkeypatch.setattr(module, "generate", lambda *args: seen.append(args[5]) or decode(*args))
     assert main(["generate", str(run), "--prompt", "the", "--max-new-tokens", "2"]) == 0
     assert seen == [{eot}]  # what `tetrad generate` stops on
     assert main(["convert", str(run), "--to-hf", str(hf)]) == 0
@@ -213,11 +216,15 @@ def test_an_imported_models_eos_ends_generation_and_goes_back_out(tmp_path, eos)
 
 
 @pytest.mark.parametrize("written, expected", [
-    ({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, (0.6, 50, 0.9)),  # Llama 3.1's; HF's top_k 50
-    ({"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8}, (0.7, 20, 0.8)),  # Qwen2.5's
-    ({"do_sample": False, "temperature": 0.6}, (0.0, 0, 1.0)),  # transformers decodes greedily
-    ({"temperature": 0.6}, (0.0, 0, 1.0)),  # do_sample absent: false, as transformers reads it
-    (None, (0.8, 0, 1.0))])  # no generation_config.json: tetrad's defaults
+    ({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, Sampling(0.6, 50, 0.9)),  # Llama 3.1's; HF's top_k 50
+    ({"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05},
+     Sampling(0.7, 20, 0.8, repetition_penalty=1.05)),  # Qwen2.5 Instruct's
+    ({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.1, "repetition_penalty": None},
+     Sampling(0.6, 20, 0.95, min_p=0.1)),
+    ({"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.2},
+     Sampling(0.0, repetition_penalty=1.2)),  # transformers decodes greedily, and penalises there too
+    ({"temperature": 0.6}, Sampling(0.0)),  # do_sample absent: false, as transformers reads it
+    (None, Sampling())])  # no generation_config.json: tetrad's defaults
 def test_an_imported_models_sampling_is_generates_default(tmp_path, written, expected):
     """After --to-tetrad, `tetrad generate` samples as transformers' generate would with the
     model's generation_config.json where no flag says otherwise; a flag wins; --to-hf writes the
@@ -239,9 +246,49 @@ def test_an_imported_models_sampling_is_generates_default(tmp_path, written, exp
     assert main(["convert", str(hf), "--to-tetrad", str(ckpt)]) == 0
     _, _, source = load_generator(ckpt)
     asked = model_sampling(source)
-    assert sampling_settings(_arguments([str(ckpt)]), asked)[1:4] == expected
-    assert sampling_settings(_arguments([str(ckpt), "--temperature", "0.3"]), asked)[1:4] == (0.3, *expected[1:])
+    assert sampling_settings(_arguments([str(ckpt)]), asked) == expected
+    flags = ["--temperature", "0.3", "--repetition-penalty", "1.1"]
+    assert sampling_settings(_arguments([str(ckpt), *flags]), asked) == replace(expected, temperature=0.3,
+                                                                                 repetition_penalty=1.1)
     assert main(["convert", str(ckpt), "--to-hf", str(back)]) == 0
     if written is not None:
         loaded = transformers.GenerationConfig.from_pretrained(back)
         assert (loaded.do_sample, loaded.temperature) == (written.get("do_sample", False), written["temperature"])
+        assert loaded.repetition_penalty == written.get("repetition_penalty")
+
+
+def test_sampling_processes_the_logits_as_transformers_generate_does(tmp_path):
+    """Each token of an imported model is drawn from what transformers' generate draws it from
+    with the same settings (its output_scores: the logits after its processors), step by step
+    along the text it generated: the repetition penalty over the prompt and the text so far
+    first, then temperature, top-k, top-p and min-p in that order (another order, or a penalty
+    that skips the prompt, keeps other tokens)."""
+    transformers = pytest.importorskip("transformers")
+    from tetrad.train.convert import read_weights
+    from tetrad.train.generate import single_process_model
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        hf_model.lm_head.weight.mul_(10)  # logits a few units apart, where every filter keeps some and drops some
+    hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    cfg, state = read_weights(tmp_path / "ckpt")
+    model = single_process_model(cfg.model, state)
+    settings = Sampling(temperature=0.7, top_k=40, top_p=0.8, min_p=0.05, repetition_penalty=1.5)
+    prompt = torch.tensor([[7, 21, 7, 150, 33, 21, 260, 7]])
+    torch.manual_seed(1)
+    out = hf_model.generate(prompt, do_sample=True, max_new_tokens=12, output_scores=True,
+                            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0, **asdict(settings))
+    assert len(out.scores) == 12
+    kept = []
+    for step, theirs in enumerate(out.scores):
+        seen = out.sequences[0, :prompt.shape[1] + step]
+        with torch.no_grad():
+            logits = model(seen[None], torch.arange(len(seen)))[0, -1]
+        ours = settings.processed(logits, seen.tolist())
+        assert torch.equal(ours.isinf(), theirs[0].isinf()), step
+        torch.testing.assert_close(ours[ours.isfinite()], theirs[0][ours.isfinite()], atol=1e-4, rtol=1e-4)
+        kept.append(int(ours.isfinite().sum()))
+    assert 1 < min(kept) and max(kept) < 40, kept  # the filters cut in and leave a choice

@@ -26,7 +26,6 @@ from tetrad.data.sources import reads_as_bytes
 LINE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 PROBE = "Hello world.\nThe fox, 42 times:\n  indented\tline\r\nend.\n\nNext one\n"
 GENERATION_CONFIG = "generation_config.json"  # Hugging Face's, beside an imported model's weights
-SAMPLING_KEYS = ("temperature", "top_k", "top_p")  # of its settings, those `tetrad generate` has
 EOS = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, tried in order when none is named.
 KNOWN_EOS = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -108,17 +107,23 @@ def model_eos(source: Path | None) -> list[int]:
 
 def model_sampling(source: Path | None) -> dict:
     """The sampling an imported model's generation_config.json asks for, as transformers' generate
-    reads it (its defaults where a key is absent: temperature 1, top_k 50, top_p 1; a null top_k
-    none), in `tetrad generate`'s terms: greedy (temperature 0) where do_sample is false. {} where
-    the model had no generation_config.json of its own (convert writes do_sample only from one)."""
+    reads it (its defaults where a key is absent: temperature 1, top_k 50, top_p 1, no min_p, no
+    repetition penalty; a null top_k none), as train/sampling.py's Sampling fields: greedy
+    (temperature 0) where do_sample is false, the repetition penalty applying either way. {}
+    where the model had no generation_config.json of its own (convert writes do_sample only
+    from one)."""
     config = _generation_config(source)
     if "do_sample" not in config:
         return {}
+    penalty = config.get("repetition_penalty")
+    settings = {} if penalty is None else {"repetition_penalty": float(penalty)}
     if not config["do_sample"]:
-        return {"temperature": 0.0}
-    temperature, top_k, top_p = config.get("temperature"), config.get("top_k", 50), config.get("top_p")
+        return {"temperature": 0.0, **settings}
+    temperature, top_k, top_p, min_p = (config.get("temperature"), config.get("top_k", 50), config.get("top_p"),
+                                        config.get("min_p"))
     return {"temperature": 1.0 if temperature is None else float(temperature),
-            "top_k": 0 if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p)}
+            "top_k": 0 if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p),
+            "min_p": 0.0 if min_p is None else float(min_p), **settings}
 
 
 def run_eos(tokenizer: Tokenizer, source: Path | None) -> int | None:

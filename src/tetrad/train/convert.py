@@ -29,8 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from tetrad.config import Config, ConfigError, load_config, read_toml
 from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, read_json_object, template_beside
 from tetrad.data.shards import TOKENIZER
-from tetrad.data.tokenizer import (GENERATION_CONFIG, SAMPLING_KEYS, document_prefix, model_eos, run_eos,
-                                   run_tokenizer)
+from tetrad.data.tokenizer import GENERATION_CONFIG, document_prefix, model_eos, run_eos, run_tokenizer
 from tetrad.model.llama import Transformer
 from tetrad.model.masks import hides_keys
 from tetrad.model.sharding import spec_of
@@ -38,6 +37,7 @@ from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
                                      verify)
 from tetrad.train.checkpoint.store import one_process, read_manifest
+from tetrad.train.sampling import SAMPLING_FIELDS
 
 # tetrad name inside layer i -> HF name inside model.layers.i
 LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
@@ -336,7 +336,7 @@ def _keep_generation_config(hf_dir: Path, hf: dict, out: Path) -> None:
     generation = read_json_object(path, GENERATION_CONFIG) if path.is_file() else None
     kept = {}
     if generation is not None:
-        kept = {k: generation[k] for k in SAMPLING_KEYS if k in generation}
+        kept = {k: generation[k] for k in SAMPLING_FIELDS if k in generation}
         kept["do_sample"] = bool(generation.get("do_sample", False))
     ids = next((c["eos_token_id"] for c in (generation or {}, hf) if c.get("eos_token_id") is not None), None)
     if ids is not None:

@@ -28,28 +28,13 @@ from tetrad.model.llama import LayerCache, Transformer
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
 from tetrad.train.convert import checkpoint_folder, exported_tokenizer, read_weights
+from tetrad.train.sampling import SAMPLING_FIELDS, Sampling
 
 
 def single_process_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
     model = Transformer(model_cfg, Topology.single("cpu"))
     model.load_state_dict(state)
     return model.eval()
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator) -> int:
-    """One token id from `logits` [vocab]: greedy at temperature 0, else softmax(logits /
-    temperature) restricted to the top_k largest (0: all) and the smallest set of mass top_p."""
-    if temperature == 0:
-        return int(logits.argmax())
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.numel():
-        logits[logits < logits.topk(top_k).values[-1]] = -float("inf")
-    probs = logits.softmax(-1)
-    if top_p < 1:
-        ordered, order = probs.sort(descending=True)
-        outside = ordered.cumsum(-1) - ordered >= top_p  # mass before a token already reaches top_p
-        probs[order[outside]] = 0
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class Cache:
@@ -85,9 +70,8 @@ class Cache:
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_new: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, stop: frozenset[int] = frozenset(),
-             cache: Cache | None = None) -> tuple[list[int], list[torch.Tensor]]:
+def generate(model: Transformer, prompt: list[int], max_new: int, sampling: Sampling = Sampling(), seed: int = 0,
+             stop: frozenset[int] = frozenset(), cache: Cache | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """The new token ids (at most `max_new`, ending at a `stop` token, e.g. EOS, or at seq_len
     tokens in all) and the logits each was drawn from. `cache`: an earlier call's (a chat's last
     turn), reused where `prompt` starts as its ids do; it ends holding the prompt and the new ids
@@ -98,7 +82,7 @@ def generate(model: Transformer, prompt: list[int], max_new: int, temperature: f
     new, drawn_from = [], []
     end = min(len(prompt) + max_new, model.cfg.seq_len + 1)
     for position in range(len(prompt), end):
-        token = sample(logits, temperature, top_k, top_p, generator)
+        token = sampling.pick(logits, prompt + new, generator)
         new.append(token)
         drawn_from.append(logits)
         if token in stop or position + 1 == end:
@@ -130,13 +114,19 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "the input's end or the model's seq_len")
     parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=200)
-    # Unset sampling flags take an imported model's generation_config.json (model_sampling), else DEFAULT_SAMPLING.
+    # Unset sampling flags take an imported model's generation_config.json (model_sampling), else Sampling's defaults.
     parser.add_argument("--temperature", type=float, help="0: greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default 0: all)")
     parser.add_argument("--top-p", type=float, help="nucleus: the likeliest tokens of this mass (default 1)")
+    parser.add_argument("--min-p", type=float, help="only tokens at least this fraction as likely as the likeliest "
+                        "(default 0)")
+    parser.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens already in the text by "
+                        "this, as transformers does (default 1: none; applies to greedy decoding too)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    _check_sampling(args.max_new_tokens, {k: v for k, v in vars(args).items() if k in DEFAULT_SAMPLING and v is not None})
+    if args.max_new_tokens < 1:
+        raise ValueError("need --max-new-tokens >= 1")
+    Sampling(**_sampling_flags(args))
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat's system message: pass --chat too")
     if not args.checkpoint.exists():
@@ -145,27 +135,21 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-DEFAULT_SAMPLING = {"temperature": 0.8, "top_k": 0, "top_p": 1.0}
+def _sampling_flags(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name) is not None}
 
 
-def _check_sampling(max_new: int, sampling: dict) -> None:
-    if max_new < 1 or sampling.get("temperature", 0) < 0 or sampling.get("top_k", 0) < 0 \
-            or not 0 < sampling.get("top_p", 1) <= 1:
-        raise ValueError("need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
-
-
-def sampling_settings(args: argparse.Namespace, model: dict) -> tuple:
-    """(max_new, temperature, top_k, top_p, seed): each flag given, else what an imported model's
-    generation_config.json asks transformers' generate for (`model`, model_sampling's: Llama 3.1's
-    temperature 0.6 and top_p 0.9, greedy where do_sample is false), else DEFAULT_SAMPLING."""
-    chosen = {k: getattr(args, k) if getattr(args, k) is not None else model.get(k, default)
-              for k, default in DEFAULT_SAMPLING.items()}
+def sampling_settings(args: argparse.Namespace, model: dict) -> Sampling:
+    """Each sampling flag given, else what an imported model's generation_config.json asks
+    transformers' generate for (`model`, model_sampling's: Llama 3.1's temperature 0.6 and top_p
+    0.9, Qwen2.5 Instruct's repetition penalty 1.05, greedy where do_sample is false), else
+    Sampling's defaults."""
     try:
-        _check_sampling(args.max_new_tokens, chosen)
+        Sampling(**model)
     except ValueError:
-        raise ValueError(f"the model's {GENERATION_CONFIG} asks for sampling out of range ({model}); "
-                         "pass --temperature, --top-k and --top-p") from None
-    return args.max_new_tokens, chosen["temperature"], chosen["top_k"], chosen["top_p"], args.seed
+        raise ValueError(f"the model's {GENERATION_CONFIG} asks for sampling out of range ({model}); pass "
+                         "--temperature, --top-k, --top-p, --min-p and --repetition-penalty") from None
+    return Sampling(**{**model, **_sampling_flags(args)})
 
 
 def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | None]:
@@ -180,9 +164,8 @@ def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | Non
     return single_process_model(cfg.model, state), tokenizer, source
 
 
-def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int, temperature: float = 0.8,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             source: Path | None = None) -> tuple[str, list[int], list[int]]:
+def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int, sampling: Sampling = Sampling(),
+             seed: int = 0, source: Path | None = None) -> tuple[str, list[int], list[int]]:
     """`prompt` and its sampled continuation as text (what `tetrad generate` prints), with the
     prompt's and the continuation's token ids, the tokenizer's document prefix (data/tokenizer.py)
     first. An empty prompt starts from that prefix, or from a newline when there is none.
@@ -192,7 +175,7 @@ def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int
     if len(ids) >= model.cfg.seq_len:
         raise ValueError(f"the prompt is {len(ids)} tokens; the model reads at most seq_len={model.cfg.seq_len}, "
                          "so use a shorter one")
-    new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, _stops(tokenizer, None, source))
+    new, _ = generate(model, ids, max_new, sampling, seed, _stops(tokenizer, None, source))
     return prompt + tokenizer.decode(new, skip_special_tokens=False), ids, new
 
 
@@ -212,8 +195,7 @@ class ContextFull(ValueError):
 
 
 def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages: list[dict], max_new: int,
-          temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-          cache: Cache | None = None, source: Path | None = None) -> tuple[str, list[int], list[int]]:
+          sampling: Sampling = Sampling(), seed: int = 0, cache: Cache | None = None, source: Path | None = None) -> tuple[str, list[int], list[int]]:
     """The assistant's sampled answer to `messages` (a conversation ending with the user's turn),
     rendered with the run's chat template (the format its data was: data/chat.py) and its
     generation prompt; with the prompt's and the answer's ids, as `complete` gives them.
@@ -224,7 +206,7 @@ def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages
         raise ContextFull(f"the rendered conversation is {len(ids)} tokens and the model reads at most seq_len="
                           f"{model.cfg.seq_len}")
     stops = _stops(tokenizer, chat, source)
-    new, _ = generate(model, ids, max_new, temperature, top_k, top_p, seed, stops, cache)
+    new, _ = generate(model, ids, max_new, sampling, seed, stops, cache)
     return tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=False), ids, new
 
 
@@ -239,21 +221,20 @@ class Dialogue:
             Conversations(chat, tokenizer, None).render(self.messages + [{"role": "user", "content": "Hi"}], True,
                                                         "--system")
 
-    def answer(self, message: str, max_new: int, temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
+    def answer(self, message: str, max_new: int, sampling: Sampling = Sampling(),
                seed: int = 0) -> tuple[str, list[int], list[int]]:
         """`reply` to the user's next `message`; both join the conversation."""
         asked = self.messages + [{"role": "user", "content": message}]
-        text, ids, new = reply(self.model, self.tokenizer, self.chat, asked, max_new, temperature, top_k, top_p, seed,
-                               self.cache, self.source)
+        text, ids, new = reply(self.model, self.tokenizer, self.chat, asked, max_new, sampling, seed, self.cache,
+                               self.source)
         self.messages = asked + [{"role": "assistant", "content": text}]
         return text, ids, new
 
 
-def converse(dialogue: Dialogue, sampling: tuple, lines: TextIO) -> int:
+def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, lines: TextIO) -> int:
     """Answer each line of `lines` as the user's next message, printing the answers, until an
     empty line, the input's end or the model's seq_len (said in a line); the number of turns. The
     prompt marker is for a terminal: piped, the output is the answers alone."""
-    max_new, temperature, top_k, top_p, seed = sampling
     seq_len = dialogue.model.cfg.seq_len
     for turn in itertools.count():
         if lines.isatty():
@@ -262,7 +243,7 @@ def converse(dialogue: Dialogue, sampling: tuple, lines: TextIO) -> int:
         if not line.strip():
             return turn
         try:
-            text, ids, new = dialogue.answer(line.rstrip("\r\n"), max_new, temperature, top_k, top_p, seed + turn)
+            text, ids, new = dialogue.answer(line.rstrip("\r\n"), max_new, sampling, seed + turn)
         except ContextFull as e:
             print(f"tetrad generate: {e}: the conversation ends here", file=sys.stderr)
             return turn
@@ -298,18 +279,18 @@ def generate_command(argv: list[str]) -> int:
         asked = model_sampling(source)
         sampling = sampling_settings(args, asked)
         if asked:
-            print(f"tetrad generate: temperature {sampling[1]}, top-k {sampling[2]}, top-p {sampling[3]}: the model's "
-                  "generation_config.json where no flag says otherwise", file=sys.stderr)
+            print(f"tetrad generate: {sampling.describe()}: the model's generation_config.json where no flag says "
+                  "otherwise", file=sys.stderr)
         if args.chat:
             dialogue = _dialogue(model, tokenizer, source, args.system)
             if args.prompt is None:
-                turns = converse(dialogue, sampling, sys.stdin)
+                turns = converse(dialogue, args.max_new_tokens, sampling, args.seed, sys.stdin)
                 print(f"tetrad generate: answered {turns} message{'s' * (turns != 1)}; the KV cache held "
                       f"{dialogue.cache.reused} of their {dialogue.cache.prompted} prompt tokens", file=sys.stderr)
                 return 0
-            text, prompt, new = dialogue.answer(args.prompt, *sampling)
+            text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, sampling, args.seed)
         else:
-            text, prompt, new = complete(model, tokenizer, args.prompt or "", *sampling, source=source)
+            text, prompt, new = complete(model, tokenizer, args.prompt or "", args.max_new_tokens, sampling, args.seed, source)
     except (ValueError, CheckpointError) as e:
         print(f"tetrad generate: {e}", file=sys.stderr)
         return 2

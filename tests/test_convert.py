@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -330,3 +331,125 @@ def test_to_tetrad_from_a_folder_that_is_not_hf_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"{source} is not a Hugging Face model folder (no config.json)" in err and hint in err, err
         assert err.count("\n") == 1 and not (tmp_path / "ckpt").exists()
+
+
+def write_hf_phi3(folder: Path, **shape) -> None:
+    """A Phi-3 folder as transformers writes it (Phi3ForCausalLM: q, k and v in one qkv_proj, gate
+    and up in one gate_up_proj; 2 layers, d_model 64, GQA 4:2; `shape` overrides the config's
+    keys), its norms given values: they start at one, where a misplaced one would not show."""
+    cfg = transformers.Phi3Config(**{"vocab_size": 251, "hidden_size": 64, "intermediate_size": 128,
+                                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                     "max_position_embeddings": 32, "pad_token_id": 0, "bos_token_id": 1,
+                                     "eos_token_id": 2, **shape})
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.5)
+    hf.save_pretrained(folder, safe_serialization=True)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_hf_phi3_model_to_tetrad_and_back(tmp_path, window):
+    """A Phi3ForCausalLM written by transformers (without a window, and with one of 5 of its 32
+    tokens) converts to tetrad's Llama, its fused q/k/v and gate/up tensors split, and gives
+    transformers' logits; exported again it is a Phi3ForCausalLM with the same tensors, which
+    transformers loads to the same logits."""
+    from safetensors.torch import load_file
+    from tetrad.train.convert import read_weights
+    from tetrad.train.generate import single_process_model
+    write_hf_phi3(tmp_path / "hf", sliding_window=window, rope_theta=1e6, rms_norm_eps=1e-6)
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    cfg, state = read_weights(tmp_path / "ckpt")
+    m = cfg.model
+    assert (m.hf_model_type, m.sliding_window, m.n_kv_heads, m.rope_theta, m.norm_eps) == ("phi3", window or 0, 2, 1e6, 1e-6)
+    with torch.no_grad():
+        ours = single_process_model(m, state)(TOKENS, torch.arange(TOKENS.shape[1]))
+    theirs = hf_logits(tmp_path / "hf")
+    torch.testing.assert_close(ours, theirs, **TOL)
+
+    assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
+    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (exported["architectures"], exported["sliding_window"]) == (["Phi3ForCausalLM"], window)
+    original, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
+    torch.testing.assert_close(hf_logits(tmp_path / "back"), theirs, **TOL)
+
+
+def test_phi3_weights_that_do_not_fit_config_name_the_fused_tensor(tmp_path, capsys):
+    """Shape checks name HF's own tensors: Phi-3's gate_up_proj, not tetrad's gate and up."""
+    write_hf_phi3(tmp_path / "hf", num_hidden_layers=1)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
+    err = capsys.readouterr().err
+    assert "model.layers.0.mlp.gate_up_proj.weight: (256, 64) in the file, (192, 64) for config.json's model" in err
+
+
+PHI3 = {"model_type": "phi3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "intermediate_size": 128, "vocab_size": 251, "max_position_embeddings": 4096}
+# Phi-3 mini 128k's (and Phi-3.5's) LongRoPE: a factor for each of the 8 frequencies of a head of 16
+LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+
+
+@pytest.mark.parametrize("keys,named", [
+    ({"rope_scaling": LONGROPE}, "{'rope_scaling': {'rope_type': 'longrope'}}"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, **{k: v for k, v in LONGROPE.items() if k != "type"},
+                          "partial_rotary_factor": 1.0}}, "{'rope_scaling': {'rope_type': 'longrope'}}"),
+    ({"partial_rotary_factor": 0.75}, "{'partial_rotary_factor': 0.75}"),  # phi-4-mini's
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "{'partial_rotary_factor': 0.5}"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 16}}, "{'rope_scaling': {'rope_type': 'llama3'"),
+    ({"attention_dropout": 0.1}, "{'attention_dropout': 0.1}"),
+    ({"hidden_act": "gelu"}, "{'hidden_act': 'gelu'}")])
+def test_phi3_keys_that_tetrad_lacks_are_refused_by_name(keys, named):
+    """What would make a Phi-3 another model than tetrad's Llama is refused in one line naming the
+    key: LongRoPE (its factor lists left out of the line), RoPE over part of each head, scaling
+    that transformers' Phi-3 itself has not, dropout on attention probabilities, another activation."""
+    from tetrad.config import ConfigError
+    from tetrad.train.hf_architectures import model_config_from_hf
+    with pytest.raises(ConfigError, match=f"^config.json: tetrad's Llama has no {re.escape(named)}"):
+        model_config_from_hf({**PHI3, **keys}, Path("config.json"))
+
+
+def test_phi3_keys_that_leave_its_math_alone_convert():
+    """Phi-3 mini 4k's window (2047 of 4096) is model.sliding_window; resid_pdrop is model.dropout
+    (the same place: each sublayer's output); transformers 5's Phi-3 reads no embd_pdrop, and
+    original_max_position_embeddings only for LongRoPE."""
+    from tetrad.train.hf_architectures import model_config_from_hf
+    keys = model_config_from_hf({**PHI3, "sliding_window": 2047, "resid_pdrop": 0.1, "embd_pdrop": 0.1,
+                                 "original_max_position_embeddings": 4096, "pad_token_id": 32000,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                     "partial_rotary_factor": 1.0}}, Path("config.json"))
+    assert (keys["sliding_window"], keys["dropout"], keys["rope_scaling"], keys["hf_model_type"]) == (2047, 0.1, {}, "phi3")
+    assert model_config_from_hf({**PHI3, "sliding_window": None}, Path("c"))["sliding_window"] == 0
+
+
+def test_a_refused_phi3_is_one_line_from_convert_and_train(tmp_path, capsys):
+    """The refusal reaches the user as one line, no traceback: convert's (exit 1, as its other
+    errors) and train's from checkpoint.init_from (exit 2, a config error)."""
+    write_hf_phi3(tmp_path / "hf", num_hidden_layers=1)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}))
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "{'rope_scaling': {'rope_type': 'longrope'}}" in err, err
+    assert main(["train", f"--checkpoint.init_from={tmp_path / 'hf'}", "--train.steps=1", "--model.seq_len=32",
+                 f"--run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "{'rope_scaling': {'rope_type': 'longrope'}}" in err, err
+
+
+def test_a_phi3_export_refuses_what_phi3_lacks():
+    """model.hf_model_type = "phi3" on a model with qk-norm (or q, k and v biases, or Llama 3.1's
+    scaling) would write a Phi-3 that transformers computes otherwise: refused, naming the way out."""
+    from tetrad.config import ConfigError
+    from tetrad.train.hf_architectures import check_exportable
+    for variant in ({"qk_norm": True}, {"qkv_bias": True}, LLAMA31_ROPE):
+        with pytest.raises(ConfigError, match="--model.hf_model_type=''"):
+            check_exportable(tiny_config(model={"hf_model_type": "phi3", **variant}).model)
+    check_exportable(tiny_config(model={"hf_model_type": "phi3", "sliding_window": 5}).model)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY, train_layout, write_hf_qwen
+from test_convert import write_hf_phi3
 from test_data import write_docs
 from tetrad.cli import main
 from tetrad.config import load_config
@@ -82,6 +83,49 @@ def test_hf_qwen2_fine_tunes_from_its_folder_under_tp(tmp_path):
     losses, _, _ = train_layout(cfg)
     inputs, labels = split_batches(cfg)[0].global_batch_at(0)
     assert losses[0] == pytest.approx(hf_loss(tmp_path / "hf", inputs, labels), rel=1e-5)
+
+
+@pytest.mark.dist
+def test_hf_phi3_fine_tunes_from_its_folder_under_tp_and_exports_as_phi3(tmp_path):
+    """Phi-3 (q, k and v in one tensor, gate and up in another; a window of 5 of the 32 tokens)
+    straight from its HF folder: every rank reads its rows of the fused tensors, the weights are
+    convert's, and the first step's loss under tp2 is transformers' on the same batch. The run
+    exports as Phi3ForCausalLM (model.hf_model_type came with the weights), which transformers
+    loads to the fine-tuned model's logits."""
+    write_hf_phi3(tmp_path / "hf", sliding_window=5)
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    _, converted = read_weights(tmp_path / "ckpt")
+    read = initial_weights(str(tmp_path / "hf"))
+    assert all(torch.equal(read(name), p) for name, p in converted.items())
+    cfg = config(tmp_path, "run", parallel={"tp": 2}, checkpoint={"init_from": str(tmp_path / "hf"), "every": 1},
+                 model={"seq_len": 32})
+    assert (cfg.model.hf_model_type, cfg.model.sliding_window) == ("phi3", 5)
+    check_init_from(cfg)
+    losses, _, _ = train_layout(cfg)
+    inputs, labels = split_batches(cfg)[0].global_batch_at(0)
+    assert losses[0] == pytest.approx(hf_loss(tmp_path / "hf", inputs, labels), rel=1e-5)
+
+    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(tmp_path / "tuned")]) == 0
+    assert json.loads((tmp_path / "tuned" / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
+    _, state = read_weights(tmp_path / "run")
+    assert not torch.equal(state["layers.0.mlp.w1.weight"], converted["layers.0.mlp.w1.weight"])  # it trained
+    ids = inputs[:1]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(single_process_model(cfg.model, state)(ids, torch.arange(ids.shape[1])),
+                                   hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_phi3_weights_that_do_not_fit_name_the_fused_tensor_before_ranks_start(tmp_path, capsys):
+    write_hf_phi3(tmp_path / "hf", num_hidden_layers=1)
+    config_json = tmp_path / "hf" / "config.json"
+    config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "num_key_value_heads": 4}))
+    capsys.readouterr()
+    assert main(["train", f"--checkpoint.init_from={tmp_path / 'hf'}", "--train.steps=1", "--model.seq_len=32",
+                 f"--run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "model.layers.0.self_attn.qkv_proj.weight: (128, 64) in the file, (192, 64) for config.json's model" in err
 
 
 @pytest.mark.dist

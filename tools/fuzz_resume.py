@@ -193,7 +193,7 @@ def check_export(saved: Path, tmp: Path) -> list[str]:
     """`tetrad convert --to-hf` of A's checkpoint holds its logical model tensors bitwise."""
     from safetensors.torch import load_file
     from tetrad.cli import main
-    from tetrad.train.convert import hf_name
+    from tetrad.train.hf_architectures import hf_name
     out = tmp / "hf"
     if main(["convert", str(saved), "--to-hf", str(out)]) != 0:
         return ["convert --to-hf failed"]

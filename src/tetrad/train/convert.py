@@ -1,10 +1,9 @@
-"""`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors (`LlamaForCausalLM` layout, or
-`Qwen2ForCausalLM`'s, which is Llama's with biases on the q, k and v projections: model.qkv_bias,
-or `Qwen3ForCausalLM`'s, Llama's with an RMSNorm over each head of q and k: model.qk_norm; a
-sliding window, model.sliding_window, as `MistralForCausalLM`'s or Qwen's sliding_window).
+"""`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors of the architectures
+train/hf_architectures.py maps (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM, Phi3ForCausalLM).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
-(unsharded, unpadded) tensors, so conversion is renaming. Reading HF weights goes through
+(unsharded, unpadded) tensors, so conversion is renaming (and Phi-3's fused tensors split or joined). Reading HF weights goes through
 safetensors (no pickle); a converted tetrad checkpoint holds weights only (step 0, no optimizer
 state) and starts a run with `--checkpoint.init_from=CKPT`. The tokenizer travels both ways:
 the run's (its data's, or bytes) is written into the HF folder for `AutoTokenizer`, and an HF
@@ -26,34 +25,19 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from torch.distributed.checkpoint import FileSystemWriter
 
-from tetrad.config import Config, ConfigError, load_config, read_toml
+from tetrad.config import Config, load_config, read_toml
 from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, read_json_object, template_beside
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import GENERATION_CONFIG, document_prefix, model_eos, run_eos, run_tokenizer
 from tetrad.model.llama import Transformer
-from tetrad.model.masks import hides_keys
 from tetrad.model.sharding import spec_of
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
                                      verify)
 from tetrad.train.checkpoint.store import one_process, read_manifest
+from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, hf_architecture, hf_rope_scaling, hf_rows,
+                                            hf_tensor_shapes, hf_tensors, model_config_from_hf)
 from tetrad.train.sampling import SAMPLING_FIELDS
-
-# tetrad name inside layer i -> HF name inside model.layers.i
-LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
-               "attn.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj",
-               "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-               "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
-TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "head.weight": "lm_head.weight"}
-
-
-def hf_name(name: str) -> str:
-    if name in TOP_NAMES:
-        return TOP_NAMES[name]
-    _, index, rest = name.split(".", 2)  # layers.I.attn.wq.weight
-    module, _, leaf = rest.rpartition(".")
-    return f"model.layers.{index}.{LAYER_NAMES[module]}.{leaf}"
 
 
 def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
@@ -61,16 +45,6 @@ def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = Transformer(model_cfg, Topology.single("meta"))
     return {name: spec_of(p)[0].full_shape for name, p in model.named_parameters()}
-
-
-def _check_llama(m) -> None:
-    if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
-        raise ConfigError(f"LlamaForCausalLM has rmsnorm, swiglu and rope; this model has norm={m.norm!r}, "
-                          f"mlp={m.mlp!r}, pos={m.pos!r}")
-    if m.qk_norm and m.qkv_bias:
-        raise ConfigError("no transformers model has qk-norm with biases on q, k and v alone (Qwen3's attention_bias "
-                          "puts one on the output projection too); export a model with one of model.qk_norm and "
-                          "model.qkv_bias")
 
 
 def checkpoint_folder(path: Path) -> Path:
@@ -125,9 +99,9 @@ def to_hf(checkpoint: Path, out: Path) -> bool:
     _refuse_written(out, "--to-hf")
     cfg, state = read_weights(checkpoint)
     m = cfg.model
-    _check_llama(m)
+    check_exportable(m)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({hf_name(k): v for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(hf_tensors(state, m.hf_model_type), out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
     tokenizer, source = exported_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
     if tokenizer is not None:
@@ -135,12 +109,12 @@ def to_hf(checkpoint: Path, out: Path) -> bool:
     if source is not None and source.with_name(GENERATION_CONFIG).is_file():  # an imported model's, kept
         shutil.copyfile(source.with_name(GENERATION_CONFIG), out / GENERATION_CONFIG)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    hf_config = {**_hf_architecture(m), "vocab_size": m.vocab_size,
+    hf_config = {**hf_architecture(m), "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
                  "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
                  "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
                  "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "torch_dtype": dtype,
-                 **_hf_rope_scaling(m.rope_scaling), **(_special_token_ids(tokenizer, source) if tokenizer is not None else {})}
+                 **hf_rope_scaling(m.rope_scaling), **(_special_token_ids(tokenizer, source) if tokenizer is not None else {})}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return tokenizer is not None
 
@@ -152,45 +126,6 @@ def exported_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer | None
     if not (folder / TOKENIZER).is_file() and not read_manifest(folder)["optimizer"]:
         return None, None
     return run_tokenizer(folder, data_source)
-
-
-def _hf_architecture(m) -> dict:
-    """config.json's architecture keys: Qwen3's for qk-norm, Qwen2's for q, k and v biases
-    (transformers' Llama would put one on the output projection too), else Llama's, or Mistral's
-    (Llama's with a sliding window) where model.sliding_window hides keys. Qwen2 and Qwen3 slide
-    in every layer from max_window_layers = 0 on."""
-    window = m.sliding_window if hides_keys(m.sliding_window, m.seq_len) else None
-    qwen = {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
-    if m.qk_norm:
-        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, **qwen}
-    if m.qkv_bias:
-        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **qwen}
-    if window is not None:
-        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": window}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False}
-
-
-def _window_from_hf(hf: dict, kind: str, source: Path) -> int:
-    """model.sliding_window of a config.json: Mistral's `sliding_window` (null: none); Qwen2's and
-    Qwen3's where `use_sliding_window` is true, which transformers applies to the layers from
-    `max_window_layers` on (or as its `layer_types` list says): every layer or none, or refused
-    (tetrad's window is the same in every layer). 0 where the window covers the whole context."""
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind not in ("qwen2", "qwen3")) else None
-    if window is None or window >= hf.get("max_position_embeddings", 2048):
-        return 0
-    if kind in ("qwen2", "qwen3"):
-        layers = hf["num_hidden_layers"]
-        types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else
-                                          "full_attention" for i in range(layers)]
-        sliding = sum(t == "sliding_attention" for t in types)
-        if sliding == 0:
-            return 0
-        if sliding != layers:
-            said = "its layer_types" if hf.get("layer_types") else f"max_window_layers={hf.get('max_window_layers', 28)}"
-            raise ConfigError(f"{source}: sliding_window={window} applies to {sliding} of {layers} layers ({said}); "
-                              "tetrad's window is the same in every layer: only max_window_layers=0 (all) or >= "
-                              "num_hidden_layers (none) converts")
-    return int(window)
 
 
 def _special_token_ids(tokenizer, source: Path | None = None) -> dict:
@@ -228,49 +163,6 @@ def write_hf_tokenizer(tokenizer, out: Path, max_length: int, chat: ChatTemplate
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _hf_rope_scaling(scaling: dict) -> dict:
-    """config.json's `rope_scaling` for model.rope_scaling, in the form every transformers reads."""
-    if not scaling:
-        return {}
-    return {"rope_scaling": {**scaling, "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}}
-
-
-def _rope_from_hf(hf: dict) -> tuple[float, dict]:
-    """(rope_theta, model.rope_scaling) of a config.json: top-level `rope_theta` and `rope_scaling`
-    (transformers 4; its older scaling key `type`), or `rope_parameters` (transformers 5 writes
-    theta there, and no top-level key). ConfigError-worthy scaling comes back as-is: validation
-    names what is wrong with it."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or params)
-    theta = float(hf.get("rope_theta", params.get("rope_theta", scaling.get("rope_theta", 1e4))))
-    scaling.pop("rope_theta", None)
-    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
-    return theta, {} if kind == "default" else {"rope_type": kind, **scaling}
-
-
-def model_config_from_hf(hf: dict, source: Path) -> dict:
-    """[model] keys of an HF Llama (or Mistral, Qwen2 or Qwen3, their sliding windows included)
-    config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k and v biases, whatever its config says (it has
-    no key for them); Qwen3 is Llama with qk-norm and, often, its own head_dim."""
-    theta, scaling = _rope_from_hf(hf)
-    kind = hf.get("model_type")
-    unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias") if hf.get(k)}
-    if scaling and scaling.get("rope_type") != "llama3":
-        unsupported["rope_scaling"] = scaling
-    if hf.get("hidden_act", "silu") != "silu":
-        unsupported["hidden_act"] = hf["hidden_act"]
-    if unsupported:
-        raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
-    return {"n_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"], "n_heads": hf["num_attention_heads"],
-            "n_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
-            "ffn_hidden": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
-            "seq_len": hf.get("max_position_embeddings", 2048), "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope",
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
-            "qk_norm": kind == "qwen3", "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
-            "rope_scaling": scaling, "norm_eps": float(hf.get("rms_norm_eps", 1e-5))}
-
-
 def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
     """Every weight's shape in the folder's *.safetensors files, from their headers (no tensor
     is read); RoPE tables some exports carry are not weights."""
@@ -287,16 +179,16 @@ def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_mismatches(hf_dir: Path, model_cfg) -> list[str]:
-    """How the folder's weights differ from `model_cfg`'s parameters (none: they fit)."""
-    found, shapes = hf_shapes(hf_dir), logical_shapes(model_cfg)
-    expected = {hf_name(name): name for name in shapes}
+def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
+    """How the folder's weights, named as config.json's `model_type` names them, differ from
+    `model_cfg`'s parameters (none: they fit)."""
+    found, expected = hf_shapes(hf_dir), hf_tensor_shapes(logical_shapes(model_cfg), model_type)
     # A tied model's export may hold the head too, the embedding's copy (transformers reads past it)
     extra = {k for k in found if k not in expected} - ({TOP_NAMES["head.weight"]} if model_cfg.tie_embeddings else set())
     problems = [f"{k}: missing" for k in expected if k not in found]
     problems += [f"{k}: not a weight of this model" for k in sorted(extra)]
-    problems += [f"{k}: {found[k]} in the file, {shapes[n]} for config.json's model"
-                 for k, n in expected.items() if k in found and found[k] != shapes[n]]
+    problems += [f"{k}: {found[k]} in the file, {shape} for config.json's model"
+                 for k, shape in expected.items() if k in found and found[k] != shape]
     return problems
 
 
@@ -309,16 +201,16 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
                               f"train from it with --checkpoint.init_from={hf_dir})" if tetrad else ""))
     hf = json.loads((hf_dir / "config.json").read_text())
     cfg = load_config(overrides={"model": model_config_from_hf(hf, hf_dir / "config.json")})
-    problems = hf_mismatches(hf_dir, cfg.model)
+    problems = hf_mismatches(hf_dir, cfg.model, hf.get("model_type", ""))
     if problems:
         raise CheckpointError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems[:20]))
     weights = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
-    expected = {hf_name(name): name for name in logical_shapes(cfg.model)}
+    rows = hf_rows(logical_shapes(cfg.model), hf.get("model_type", ""))
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with one_process():
-        dcp.save({f"model.{n}": weights[k].contiguous() for k, n in expected.items()},
+        dcp.save({f"model.{n}": weights[k][start:stop].contiguous() for n, (k, start, stop) in rows.items()},
                  storage_writer=FileSystemWriter(tmp), no_dist=True)
     for name in (TOKENIZER, CHAT_CONFIG, CHAT_JINJA):  # generate and export find them beside the weights
         if (hf_dir / name).is_file():

@@ -1,7 +1,8 @@
 """`checkpoint.init_from`: a fresh run starts from given weights (fine-tuning, continued
 pre-training): a tetrad checkpoint (any layout; its folder, its checkpoint root or its run
-folder, as `tetrad generate` and `convert` take) or a Hugging Face Llama folder (config.json +
-*.safetensors). Weights only: the optimizer, the step and the data position start afresh.
+folder, as `tetrad generate` and `convert` take) or a Hugging Face model folder (config.json +
+*.safetensors of an architecture train/hf_architectures.py maps: Llama, Mistral, Qwen2, Qwen3,
+Phi-3). Weights only: the optimizer, the step and the data position start afresh.
 
 The model's shape follows the weights (`model_keys`, below the user's own [model] keys), and
 every rank fills its parameters with its shard of each logical tensor, read one at a time, so
@@ -19,13 +20,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
-from tetrad.config import Config, ConfigError, read_toml
+from tetrad.config import Config, ConfigError, ModelConfig, read_toml
 from tetrad.data import shards
 from tetrad.data.blend import primary_source
 from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
 from tetrad.train.checkpoint import MANIFEST, CheckpointError, SafeReader, saved_model, shape_keys, verify
 from tetrad.train.checkpoint.store import one_process
-from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_name, model_config_from_hf
+from tetrad.train.convert import checkpoint_folder, hf_mismatches
+from tetrad.train.hf_architectures import fused_rows, hf_name, model_config_from_hf
 
 HF_CONFIG = "config.json"
 
@@ -34,10 +36,14 @@ def is_hf_folder(path: Path) -> bool:
     return (path / HF_CONFIG).is_file() and not (path / MANIFEST).exists()
 
 
+def _hf_config(path: Path) -> dict:
+    return json.loads((path / HF_CONFIG).read_text())
+
+
 def _source_model(path: Path) -> dict:
     """The [model] keys of the weights at `path` (an HF folder or a tetrad checkpoint)."""
     if is_hf_folder(path):
-        keys = model_config_from_hf(json.loads((path / HF_CONFIG).read_text()), path / HF_CONFIG)
+        keys = model_config_from_hf(_hf_config(path), path / HF_CONFIG)
         del keys["seq_len"]  # the context it was trained to (often 8k-128k), not what fine-tuning needs
         return keys
     return saved_model(json.loads((checkpoint_folder(path) / MANIFEST).read_text()))
@@ -77,7 +83,7 @@ def check_init_from(cfg: Config) -> None:
                           "drop those [model] keys: they follow the weights")
     if is_hf_folder(path):  # config.json fits [model]; the weights the ranks will read must fit it too
         try:
-            problems = hf_mismatches(path, cfg.model)
+            problems = hf_mismatches(path, cfg.model, _hf_config(path).get("model_type", ""))
         except CheckpointError as e:
             raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
         if problems:
@@ -126,17 +132,20 @@ def initial_weights(source: str) -> Callable[[str], torch.Tensor]:
     checked against the model's by sharding.init_parameters)."""
     path = Path(source)
     if is_hf_folder(path):
+        hf = _hf_config(path)
+        model_type = hf.get("model_type", "")
+        rows = fused_rows(ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG)), model_type)
         files = {}
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(file, "pt") as f:
                 files.update(dict.fromkeys(f.keys(), file))
 
         def read(name: str) -> torch.Tensor:
-            key = hf_name(name)
+            key, start, stop = rows.get(name, (hf_name(name, model_type), 0, None))  # a fused one's part: its rows
             if key not in files:
                 raise CheckpointError(f"{path} has no {key}, which model.{name} needs")
             with safe_open(files[key], "pt") as f:
-                return f.get_tensor(key)
+                return f.get_slice(key)[start:stop]
         return read
     found = checkpoint_folder(path)
     stored = SafeReader(found).read_metadata().state_dict_metadata

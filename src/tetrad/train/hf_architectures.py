@@ -1,0 +1,197 @@
+"""Hugging Face's causal-LM architectures as tetrad's one model, the one place that knows their
+config.json keys and tensor names, both ways: Llama's math throughout, with a sliding window
+(MistralForCausalLM), biases on q, k and v (Qwen2ForCausalLM), an RMSNorm over each head of q
+and k (Qwen3ForCausalLM), or q, k and v in one tensor and gate and up in another
+(Phi3ForCausalLM: Phi-3 mini and medium, phi-4).
+
+A tetrad parameter is a run of rows of one HF tensor (hf_rows): all of it, or its part of a
+fused one, so that import, init_from and export split and join Phi-3's tensors alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tetrad.config import ConfigError
+from tetrad.model.masks import hides_keys
+
+# tetrad name inside layer i -> HF name inside model.layers.i
+LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
+               "attn.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj",
+               "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+               "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "head.weight": "lm_head.weight"}
+# model_type -> its fused tensors inside a layer -> the tetrad parameters stacked in its rows, in
+# order (transformers' Phi3Attention slices qkv as [q; k; v], Phi3MLP chunks gate_up as [gate; up]).
+FUSED = {"phi3": {"self_attn.qkv_proj": ("attn.wq", "attn.wk", "attn.wv"), "mlp.gate_up_proj": ("mlp.w1", "mlp.w3")}}
+# model.hf_model_type -> config.json's architecture keys; no special token ids unless the tokenizer
+# gives them (Phi3Config's defaults, bos 1 and eos and pad 32000, are Phi-3 mini's vocabulary's)
+EXPORTED = {"phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "bos_token_id": None,
+                     "eos_token_id": None, "pad_token_id": None, "attention_dropout": 0.0, "embd_pdrop": 0.0}}
+
+
+def hf_name(name: str, model_type: str = "") -> str:
+    """The HF tensor that holds tetrad parameter `name` (a fused one's, for `model_type`'s)."""
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    _, index, rest = name.split(".", 2)  # layers.I.attn.wq.weight
+    module, _, leaf = rest.rpartition(".")
+    fused = {part: tensor for tensor, parts in FUSED.get(model_type, {}).items() for part in parts}
+    return f"model.layers.{index}.{fused.get(module, LAYER_NAMES[module])}.{leaf}"
+
+
+def hf_rows(shapes: dict[str, tuple[int, ...]], model_type: str = "") -> dict[str, tuple[str, int, int]]:
+    """tetrad parameter (by its logical shape) -> (the HF tensor holding it, its first row there,
+    the row after its last): the whole tensor, or its part of a fused one."""
+    order = {part: i for parts in FUSED.get(model_type, {}).values() for i, part in enumerate(parts)}
+    rows, filled = {}, {}
+    for name in sorted(shapes, key=lambda n: order.get(n.split(".", 2)[-1].rpartition(".")[0], 0)):
+        key = hf_name(name, model_type)
+        start = filled.get(key, 0)
+        filled[key] = start + shapes[name][0]
+        rows[name] = (key, start, filled[key])
+    return rows
+
+
+def fused_rows(m, model_type: str) -> dict[str, tuple[str, int, int]]:
+    """hf_rows of the parameters that `model_type`'s fused tensors stack, from the ModelConfig `m`
+    alone: a rank of a running job cannot build a model on the meta device to learn shapes."""
+    heads = {"attn.wq": m.n_heads * m.head_dim, "attn.wk": m.n_kv_heads * m.head_dim,
+             "attn.wv": m.n_kv_heads * m.head_dim, "mlp.w1": m.ffn_hidden, "mlp.w3": m.ffn_hidden}
+    return hf_rows({f"layers.{i}.{part}.weight": (heads[part],) for i in range(m.n_layers)
+                    for parts in FUSED.get(model_type, {}).values() for part in parts}, model_type)
+
+
+def hf_tensor_shapes(shapes: dict[str, tuple[int, ...]], model_type: str = "") -> dict[str, tuple[int, ...]]:
+    """The shape of every HF tensor of a model whose parameters have `shapes`."""
+    found: dict[str, tuple[int, ...]] = {}
+    for name, (key, _, stop) in hf_rows(shapes, model_type).items():
+        if stop > found.get(key, (0,))[0]:
+            found[key] = (stop, *shapes[name][1:])
+    return found
+
+
+def hf_tensors(state: dict[str, torch.Tensor], model_type: str = "") -> dict[str, torch.Tensor]:
+    """The HF tensors of tetrad's logical parameters `state`: each one's, a fused one's parts joined."""
+    rows = hf_rows({name: tuple(p.shape) for name, p in state.items()}, model_type)
+    parts: dict[str, list[torch.Tensor]] = {}
+    for name, (key, _, _) in sorted(rows.items(), key=lambda item: item[1][1]):
+        parts.setdefault(key, []).append(state[name])
+    return {key: torch.cat(tensors) if len(tensors) > 1 else tensors[0] for key, tensors in parts.items()}
+
+
+def check_exportable(m) -> None:
+    """Refuse a model no transformers architecture computes (one line, what to change)."""
+    if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
+        raise ConfigError(f"LlamaForCausalLM has rmsnorm, swiglu and rope; this model has norm={m.norm!r}, "
+                          f"mlp={m.mlp!r}, pos={m.pos!r}")
+    if m.qk_norm and m.qkv_bias:
+        raise ConfigError("no transformers model has qk-norm with biases on q, k and v alone (Qwen3's attention_bias "
+                          "puts one on the output projection too); export a model with one of model.qk_norm and "
+                          "model.qkv_bias")
+    if m.hf_model_type == "phi3" and (m.qk_norm or m.qkv_bias or m.rope_scaling):
+        raise ConfigError("Phi3ForCausalLM has no model.qk_norm, model.qkv_bias or Llama 3.1's model.rope_scaling; "
+                          "export it as another architecture with --model.hf_model_type=''")
+
+
+def hf_architecture(m) -> dict:
+    """config.json's architecture keys: Phi-3's where model.hf_model_type says so (an imported
+    Phi-3's, kept), Qwen3's for qk-norm, Qwen2's for q, k and v biases (transformers' Llama
+    would put one on the output projection too), else Llama's, or Mistral's (Llama's with a
+    sliding window) where model.sliding_window hides keys. Qwen2 and Qwen3 slide in every layer
+    from max_window_layers = 0 on; Phi-3 and Mistral in every layer where sliding_window is set."""
+    window = m.sliding_window if hides_keys(m.sliding_window, m.seq_len) else None
+    qwen = {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
+    if m.hf_model_type:
+        return {**EXPORTED[m.hf_model_type], "sliding_window": window, "resid_pdrop": m.dropout,
+                "original_max_position_embeddings": m.seq_len}
+    if m.qk_norm:
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, **qwen}
+    if m.qkv_bias:
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **qwen}
+    if window is not None:
+        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": window}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False}
+
+
+def hf_rope_scaling(scaling: dict) -> dict:
+    """config.json's `rope_scaling` for model.rope_scaling, in the form every transformers reads."""
+    if not scaling:
+        return {}
+    return {"rope_scaling": {**scaling, "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}}
+
+
+def _window_from_hf(hf: dict, kind: str, source: Path) -> int:
+    """model.sliding_window of a config.json: Mistral's and Phi-3's `sliding_window` (null: none);
+    Qwen2's and Qwen3's where `use_sliding_window` is true, which transformers applies to the
+    layers from `max_window_layers` on (or as its `layer_types` list says): every layer or none,
+    or refused (tetrad's window is the same in every layer). 0 where it covers the whole context."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind not in ("qwen2", "qwen3")) else None
+    if window is None or window >= hf.get("max_position_embeddings", 2048):
+        return 0
+    if kind in ("qwen2", "qwen3"):
+        layers = hf["num_hidden_layers"]
+        types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else
+                                          "full_attention" for i in range(layers)]
+        sliding = sum(t == "sliding_attention" for t in types)
+        if sliding == 0:
+            return 0
+        if sliding != layers:
+            said = "its layer_types" if hf.get("layer_types") else f"max_window_layers={hf.get('max_window_layers', 28)}"
+            raise ConfigError(f"{source}: sliding_window={window} applies to {sliding} of {layers} layers ({said}); "
+                              "tetrad's window is the same in every layer: only max_window_layers=0 (all) or >= "
+                              "num_hidden_layers (none) converts")
+    return int(window)
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, dict, float]:
+    """(rope_theta, model.rope_scaling, partial_rotary_factor) of a config.json: top-level
+    `rope_theta` and `rope_scaling` (transformers 4; its older scaling key `type`), or
+    `rope_parameters` (transformers 5 writes theta there, and no top-level key). ConfigError-worthy
+    scaling comes back as-is: validation names what is wrong with it."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or params)
+    theta = float(hf.get("rope_theta", params.get("rope_theta", scaling.get("rope_theta", 1e4))))
+    partial = float(scaling.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    scaling.pop("rope_theta", None)
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return theta, {} if kind == "default" else {"rope_type": kind, **scaling}, partial
+
+
+def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
+    """The config.json keys whose math tetrad's model lacks, with their values. Phi-3's only
+    scaling is LongRoPE (its `su` and `yarn` too), which tetrad has not; dropout is training's
+    alone (transformers 5's Phi-3 reads no embd_pdrop; resid_pdrop is model.dropout's place)."""
+    unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias", "attention_dropout") if hf.get(k)}
+    if scaling and (kind == "phi3" or scaling.get("rope_type") != "llama3"):
+        long = any(isinstance(v, list) for v in scaling.values())  # LongRoPE's factor lists: named, not listed
+        unsupported["rope_scaling"] = {"rope_type": scaling["rope_type"]} if long else scaling
+    if partial != 1.0:  # RoPE on the first part of each head only
+        unsupported["partial_rotary_factor"] = partial
+    if hf.get("hidden_act", "silu") != "silu":
+        unsupported["hidden_act"] = hf["hidden_act"]
+    return unsupported
+
+
+def model_config_from_hf(hf: dict, source: Path) -> dict:
+    """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3 or Phi-3, their sliding windows
+    included) config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k
+    and v biases, whatever its config says (it has no key for them); Qwen3 is Llama with qk-norm
+    and, often, its own head_dim; Phi-3 is Llama with fused tensors, kept as hf_model_type."""
+    theta, scaling, partial = _rope_from_hf(hf)
+    kind = hf.get("model_type")
+    unsupported = _unsupported(hf, kind, scaling, partial)
+    if unsupported:
+        raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
+    return {"n_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"], "n_heads": hf["num_attention_heads"],
+            "n_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            "ffn_hidden": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+            "seq_len": hf.get("max_position_embeddings", 2048), "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope",
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
+            "qk_norm": kind == "qwen3", "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
+            "rope_scaling": scaling, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+            **({"hf_model_type": kind, "dropout": float(hf.get("resid_pdrop") or 0.0)} if kind in FUSED else {})}

@@ -350,20 +350,21 @@ def write_hf_phi3(folder: Path, **shape) -> None:
     hf.save_pretrained(folder, safe_serialization=True)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_hf_phi3_model_to_tetrad_and_back(tmp_path, window):
-    """A Phi3ForCausalLM written by transformers (without a window, and with one of 5 of its 32
-    tokens) converts to tetrad's Llama, its fused q/k/v and gate/up tensors split, and gives
+@pytest.mark.parametrize("window,tied", [(None, False), (5, True)])
+def test_hf_phi3_model_to_tetrad_and_back(tmp_path, window, tied):
+    """A Phi3ForCausalLM written by transformers (without a window, and tied with one of 5 of its
+    32 tokens) converts to tetrad's Llama, its fused q/k/v and gate/up tensors split, and gives
     transformers' logits; exported again it is a Phi3ForCausalLM with the same tensors, which
     transformers loads to the same logits."""
     from safetensors.torch import load_file
     from tetrad.train.convert import read_weights
     from tetrad.train.generate import single_process_model
-    write_hf_phi3(tmp_path / "hf", sliding_window=window, rope_theta=1e6, rms_norm_eps=1e-6)
+    write_hf_phi3(tmp_path / "hf", sliding_window=window, tie_word_embeddings=tied, rope_theta=1e6, rms_norm_eps=1e-6)
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
     cfg, state = read_weights(tmp_path / "ckpt")
     m = cfg.model
-    assert (m.hf_model_type, m.sliding_window, m.n_kv_heads, m.rope_theta, m.norm_eps) == ("phi3", window or 0, 2, 1e6, 1e-6)
+    assert (m.hf_model_type, m.sliding_window, m.tie_embeddings, m.n_kv_heads, m.rope_theta, m.norm_eps) == (
+        "phi3", window or 0, tied, 2, 1e6, 1e-6)
     with torch.no_grad():
         ours = single_process_model(m, state)(TOKENS, torch.arange(TOKENS.shape[1]))
     theirs = hf_logits(tmp_path / "hf")
@@ -444,12 +445,21 @@ def test_a_refused_phi3_is_one_line_from_convert_and_train(tmp_path, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err and "{'rope_scaling': {'rope_type': 'longrope'}}" in err, err
 
 
-def test_a_phi3_export_refuses_what_phi3_lacks():
-    """model.hf_model_type = "phi3" on a model with qk-norm (or q, k and v biases, or Llama 3.1's
-    scaling) would write a Phi-3 that transformers computes otherwise: refused, naming the way out."""
-    from tetrad.config import ConfigError
-    from tetrad.train.hf_architectures import check_exportable
-    for variant in ({"qk_norm": True}, {"qkv_bias": True}, LLAMA31_ROPE):
-        with pytest.raises(ConfigError, match="--model.hf_model_type=''"):
-            check_exportable(tiny_config(model={"hf_model_type": "phi3", **variant}).model)
-    check_exportable(tiny_config(model={"hf_model_type": "phi3", "sliding_window": 5}).model)
+def test_a_phi3_with_what_phi3_lacks_exports_as_the_architecture_that_has_it(tmp_path):
+    """model.hf_model_type = "phi3" on a model with qk-norm, q, k and v biases or Llama 3.1's
+    scaling (a fine-tune may add the scaling) would be a Phi-3 that transformers computes otherwise:
+    it exports as Qwen3, Qwen2 or Llama, the same math; a window stays Phi-3's."""
+    from tetrad.train.hf_architectures import exported_type, hf_architecture
+    for variant, written in (({"qk_norm": True}, "Qwen3ForCausalLM"), ({"qkv_bias": True}, "Qwen2ForCausalLM"),
+                             (LLAMA31_ROPE, "LlamaForCausalLM"), ({"sliding_window": 5}, "Phi3ForCausalLM")):
+        m = tiny_config(model={"hf_model_type": "phi3", "seq_len": 32, **variant}).model
+        assert hf_architecture(m)["architectures"] == [written], variant
+        assert exported_type(m) == ("phi3" if written == "Phi3ForCausalLM" else ""), variant
+    # End to end, names and config together: a Phi-3 fine-tuned with Llama 3.1's scaling
+    model = {"hf_model_type": "phi3", "vocab_size": 251, **LLAMA31_ROPE}
+    cfg = tiny_config(model=model, train={"steps": 1}, checkpoint={"every": 1}, run={"dir": str(tmp_path / "run")})
+    Trainer(cfg, torch.device("cpu")).fit()
+    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    torch.testing.assert_close(logits(load_single(tmp_path / "run" / "checkpoints" / "step_00000001", model)),
+                               hf_logits(tmp_path / "hf"), **TOL)

@@ -21,7 +21,7 @@ commands:
   plan --model M --cluster C --global-batch N rank every legal layout by predicted step time
   generate CHECKPOINT --prompt TEXT          sample text (KV cache, the run's tokenizer) on one process
   generate RUN --chat [--system TEXT]        answer in the run's chat template: --prompt, or a conversation on stdin
-  convert SRC --to-hf OUT | --to-tetrad CKPT  tetrad checkpoint <-> HF safetensors (Llama, Qwen2, Qwen3)
+  convert SRC --to-hf OUT | --to-tetrad CKPT  tetrad checkpoint <-> HF safetensors (Llama, Mistral, Qwen2, Qwen3, Phi-3)
   bench [comm|gemm] [--out DIR]               measure matmul and collective rates; write a hardware profile
   schedule --pp P --microbatches M --schedule S [--vpp V] [--out x.png]   simulate and draw a pipeline schedule
   report RUN_DIR [--cluster C]                loss, step-time breakdown, comm bytes, timelines as HTML + PNGs

@@ -95,9 +95,10 @@ class ModelConfig:
     # a query at position i sees the keys j with i - sliding_window < j <= i, itself included;
     # 0: every earlier key (model/masks.py). A window of seq_len or more hides nothing.
     sliding_window: int = 0
-    # The Hugging Face architecture `tetrad convert --to-hf` writes where the features above allow
-    # several: "" picks Llama's, Mistral's, Qwen2's or Qwen3's from them; "phi3" Phi3ForCausalLM's
-    # fused q/k/v and gate/up tensors (an imported Phi-3 keeps it, fine-tuned too). Same math.
+    # The Hugging Face architecture `tetrad convert --to-hf` writes where several compute the model:
+    # "" picks Llama's, Mistral's, Qwen2's or Qwen3's from the keys above; "phi3" Phi3ForCausalLM's
+    # fused q/k/v and gate/up tensors where Phi-3 has the features (an imported Phi-3 keeps it,
+    # fine-tuned too). The same math either way.
     hf_model_type: Literal["", "phi3"] = ""
 
     def __post_init__(self):

@@ -3,9 +3,9 @@ train/hf_architectures.py maps (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCa
 Qwen3ForCausalLM, Phi3ForCausalLM).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
-(unsharded, unpadded) tensors, so conversion is renaming (and Phi-3's fused tensors split or joined). Reading HF weights goes through
-safetensors (no pickle); a converted tetrad checkpoint holds weights only (step 0, no optimizer
-state) and starts a run with `--checkpoint.init_from=CKPT`. The tokenizer travels both ways:
+(unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
+too). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
+holds weights only (step 0, no optimizer state) and starts a run with `--checkpoint.init_from=CKPT`. The tokenizer travels both ways:
 the run's (its data's, or bytes) is written into the HF folder for `AutoTokenizer`, and an HF
 folder's tokenizer.json is kept beside the converted weights.
 """
@@ -36,7 +36,8 @@ from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, chec
                                      verify)
 from tetrad.train.checkpoint.store import one_process, read_manifest
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, hf_architecture, hf_rope_scaling, hf_rows,
-                                            hf_tensor_shapes, hf_tensors, model_config_from_hf)
+                                            hf_tensor_shapes, hf_tensors, exported_type,
+                                            model_config_from_hf)
 from tetrad.train.sampling import SAMPLING_FIELDS
 
 
@@ -101,7 +102,7 @@ def to_hf(checkpoint: Path, out: Path) -> bool:
     m = cfg.model
     check_exportable(m)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(hf_tensors(state, m.hf_model_type), out / "model.safetensors", metadata={"format": "pt"})
+    save_file(hf_tensors(state, exported_type(m)), out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
     tokenizer, source = exported_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
     if tokenizer is not None:
@@ -241,7 +242,8 @@ def convert_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tetrad convert", description="Convert between tetrad checkpoints and "
                                      "Hugging Face safetensors (LlamaForCausalLM; Qwen2ForCausalLM for "
                                      "model.qkv_bias, Qwen3ForCausalLM for model.qk_norm, MistralForCausalLM for a Llama with "
-                                     "model.sliding_window), on one CPU process.")
+                                     "model.sliding_window, Phi3ForCausalLM for model.hf_model_type=phi3, which an imported "
+                                     "Phi-3 sets), on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)

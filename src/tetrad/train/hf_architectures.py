@@ -59,9 +59,9 @@ def hf_rows(shapes: dict[str, tuple[int, ...]], model_type: str = "") -> dict[st
 def fused_rows(m, model_type: str) -> dict[str, tuple[str, int, int]]:
     """hf_rows of the parameters that `model_type`'s fused tensors stack, from the ModelConfig `m`
     alone: a rank of a running job cannot build a model on the meta device to learn shapes."""
-    heads = {"attn.wq": m.n_heads * m.head_dim, "attn.wk": m.n_kv_heads * m.head_dim,
-             "attn.wv": m.n_kv_heads * m.head_dim, "mlp.w1": m.ffn_hidden, "mlp.w3": m.ffn_hidden}
-    return hf_rows({f"layers.{i}.{part}.weight": (heads[part],) for i in range(m.n_layers)
+    rows_of = {"attn.wq": m.n_heads * m.head_dim, "attn.wk": m.n_kv_heads * m.head_dim,
+               "attn.wv": m.n_kv_heads * m.head_dim, "mlp.w1": m.ffn_hidden, "mlp.w3": m.ffn_hidden}
+    return hf_rows({f"layers.{i}.{part}.weight": (rows_of[part],) for i in range(m.n_layers)
                     for parts in FUSED.get(model_type, {}).values() for part in parts}, model_type)
 
 
@@ -92,21 +92,27 @@ def check_exportable(m) -> None:
         raise ConfigError("no transformers model has qk-norm with biases on q, k and v alone (Qwen3's attention_bias "
                           "puts one on the output projection too); export a model with one of model.qk_norm and "
                           "model.qkv_bias")
+
+
+def exported_type(m) -> str:
+    """The model_type `--to-hf` writes model `m` as: model.hf_model_type's where that architecture
+    computes `m` (Phi-3 has no qk-norm, no q, k and v biases and no Llama 3.1 scaling, which a
+    fine-tune may have added), else "": the one hf_architecture picks from the model's features."""
     if m.hf_model_type == "phi3" and (m.qk_norm or m.qkv_bias or m.rope_scaling):
-        raise ConfigError("Phi3ForCausalLM has no model.qk_norm, model.qkv_bias or Llama 3.1's model.rope_scaling; "
-                          "export it as another architecture with --model.hf_model_type=''")
+        return ""
+    return m.hf_model_type
 
 
 def hf_architecture(m) -> dict:
-    """config.json's architecture keys: Phi-3's where model.hf_model_type says so (an imported
-    Phi-3's, kept), Qwen3's for qk-norm, Qwen2's for q, k and v biases (transformers' Llama
+    """config.json's architecture keys: Phi-3's where exported_type says so (an imported Phi-3's
+    model.hf_model_type, kept), Qwen3's for qk-norm, Qwen2's for q, k and v biases (transformers' Llama
     would put one on the output projection too), else Llama's, or Mistral's (Llama's with a
     sliding window) where model.sliding_window hides keys. Qwen2 and Qwen3 slide in every layer
     from max_window_layers = 0 on; Phi-3 and Mistral in every layer where sliding_window is set."""
     window = m.sliding_window if hides_keys(m.sliding_window, m.seq_len) else None
     qwen = {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
-    if m.hf_model_type:
-        return {**EXPORTED[m.hf_model_type], "sliding_window": window, "resid_pdrop": m.dropout,
+    if exported_type(m):
+        return {**EXPORTED[exported_type(m)], "sliding_window": window, "resid_pdrop": m.dropout,
                 "original_max_position_embeddings": m.seq_len}
     if m.qk_norm:
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, **qwen}

@@ -5,9 +5,10 @@ Qwen3ForCausalLM, Phi3ForCausalLM).
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
 too). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
-holds weights only (step 0, no optimizer state) and starts a run with `--checkpoint.init_from=CKPT`. The tokenizer travels both ways:
-the run's (its data's, or bytes) is written into the HF folder for `AutoTokenizer`, and an HF
-folder's tokenizer.json is kept beside the converted weights.
+holds weights only (step 0, no optimizer state) and starts a run with
+`--checkpoint.init_from=CKPT`. The tokenizer travels both ways: the run's (its data's, or bytes)
+is written into the HF folder for `AutoTokenizer`, and an HF folder's tokenizer.json is kept
+beside the converted weights.
 """
 
 from __future__ import annotations
@@ -35,9 +36,8 @@ from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
                                      verify)
 from tetrad.train.checkpoint.store import one_process, read_manifest
-from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, hf_architecture, hf_rope_scaling, hf_rows,
-                                            hf_tensor_shapes, hf_tensors, exported_type,
-                                            model_config_from_hf)
+from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
+                                            hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
 from tetrad.train.sampling import SAMPLING_FIELDS
 
 

@@ -426,23 +426,33 @@ def test_phi3_keys_that_leave_its_math_alone_convert():
                                                      "partial_rotary_factor": 1.0}}, Path("config.json"))
     assert (keys["sliding_window"], keys["dropout"], keys["rope_scaling"], keys["hf_model_type"]) == (2047, 0.1, {}, "phi3")
     assert model_config_from_hf({**PHI3, "sliding_window": None}, Path("c"))["sliding_window"] == 0
+    # Phi3Config reads a top-level partial_rotary_factor only where rope_parameters has none
+    model_config_from_hf({**PHI3, "partial_rotary_factor": 0.75, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}}, Path("c"))
 
 
-def test_a_refused_phi3_is_one_line_from_convert_and_train(tmp_path, capsys):
-    """The refusal reaches the user as one line, no traceback: convert's (exit 1, as its other
-    errors) and train's from checkpoint.init_from (exit 2, a config error)."""
+@pytest.mark.parametrize("keys,named", [
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                          "long_factor": [2.0] * 8}}, "{'rope_scaling': {'rope_type': 'longrope'}}"),
+    # phi-4-mini's, at the top as transformers 4 wrote it (transformers 5's rope_parameters, where
+    # this folder has 1.0, would win over it, in transformers' Phi3Config as here)
+    ({"rope_parameters": None, "rope_theta": 1e4, "partial_rotary_factor": 0.75}, "{'partial_rotary_factor': 0.75}"),
+    ({"attention_dropout": 0.1}, "{'attention_dropout': 0.1}")])
+def test_a_refused_phi3_is_one_line_from_convert_and_train(tmp_path, capsys, keys, named):
+    """The refusal reaches the user as one line naming the key, no traceback: convert's (exit 1,
+    as its other errors) and train's from checkpoint.init_from (exit 2, a config error)."""
     write_hf_phi3(tmp_path / "hf", num_hidden_layers=1)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "rope_parameters": {
-        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **keys}))
     capsys.readouterr()
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err and "{'rope_scaling': {'rope_type': 'longrope'}}" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err and named in err, err
     assert main(["train", f"--checkpoint.init_from={tmp_path / 'hf'}", "--train.steps=1", "--model.seq_len=32",
                  f"--run.dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err and "{'rope_scaling': {'rope_type': 'longrope'}}" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err and named in err, err
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "run").exists()
 
 
 def test_a_phi3_with_what_phi3_lacks_exports_as_the_architecture_that_has_it(tmp_path):

@@ -11,7 +11,7 @@ from test_sft_data import _jsonl, _refused, written
 from tetrad.cli import main
 from tetrad.data.shards import read_index
 from tetrad.data.tokenizer import train_bpe
-from tetrad.train.sampling import GREEDY
+from tetrad.model.sampling import GREEDY
 
 # Llama 3's structure (a header per message, <|eot_id|> after each, BOS rendered by the template),
 # written here: a role it does not know is refused through raise_exception.

@@ -19,7 +19,7 @@ from test_generate import random_model
 from tetrad.cli import main
 from tetrad.data.chat import template_beside
 from tetrad.train.generate import Dialogue, continuation_loss, converse, load_generator, reply
-from tetrad.train.sampling import GREEDY
+from tetrad.model.sampling import GREEDY
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 SYSTEM = "You answer briefly."

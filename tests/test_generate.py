@@ -17,7 +17,7 @@ from tetrad.model.sharding import init_parameters
 from tetrad.dist.topology import Topology
 from tetrad.train.convert import checkpoint_folder
 from tetrad.train.generate import Cache, continuation_loss, generate
-from tetrad.train.sampling import GREEDY, Sampling
+from tetrad.model.sampling import GREEDY, Sampling
 
 
 def random_model(**model):
@@ -292,3 +292,38 @@ def test_sampling_processes_the_logits_as_transformers_generate_does(tmp_path):
         torch.testing.assert_close(ours[ours.isfinite()], theirs[0][ours.isfinite()], atol=1e-4, rtol=1e-4)
         kept.append(int(ours.isfinite().sum()))
     assert 1 < min(kept) and max(kept) < 40, kept  # the filters cut in and leave a choice
+
+
+def test_a_run_fine_tuned_on_a_models_tokenizer_keeps_its_eos_and_sampling(tmp_path):
+    """The fine-tuning loop: `tetrad data --tokenizer HF_DIR` keeps the model's generation_config.json
+    (its EOS ids and sampling) beside the tokenizer it copies, so a run trained on that data from
+    the model's weights generates as the model asks, stops at all its EOS ids, and exports the
+    file again (before: only convert --to-tetrad kept it, and a fine-tuned run lost it)."""
+    import json
+    transformers = pytest.importorskip("transformers")
+    from tetrad.data.tokenizer import model_sampling, train_bpe
+    from tetrad.train.generate import _stops, load_generator
+    text = "the licence grants the right to copy the text\n"
+    tokenizer = train_bpe(iter([text] * 4), 300)
+    tokenizer.add_special_tokens(["<|end_of_text|>", "<|eot_id|>"])
+    end, eot = tokenizer.token_to_id("<|end_of_text|>"), tokenizer.token_to_id("<|eot_id|>")
+    hf = tmp_path / "hf"
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(config).save_pretrained(hf, safe_serialization=True)
+    asked = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1, "eos_token_id": [end, eot]}
+    (hf / "generation_config.json").write_text(json.dumps(asked))
+    tokenizer.save(str(hf / "tokenizer.json"))
+    (tmp_path / "text.txt").write_text(text * 200)
+    shards, run, back = tmp_path / "shards", tmp_path / "run", tmp_path / "back"
+    assert main(["data", str(tmp_path / "text.txt"), "--tokenizer", str(hf), "--out", str(shards), "--workers", "1",
+                 "--eos", "<|end_of_text|>"]) == 0
+    assert main(["train", f"--data.source={shards}", f"--checkpoint.init_from={hf}", "--train.steps=1",
+                 "--train.global_batch=2", "--train.micro_batch=1", "--checkpoint.every=1", f"--run.dir={run}"]) == 0
+    _, run_tokenizer, source = load_generator(run)
+    assert model_sampling(source) == {"temperature": 0.6, "top_k": 50, "top_p": 0.9, "min_p": 0.0,
+                                      "repetition_penalty": 1.1}
+    assert _stops(run_tokenizer, None, source) == {end, eot}
+    assert main(["convert", str(run), "--to-hf", str(back)]) == 0
+    loaded = transformers.GenerationConfig.from_pretrained(back)
+    assert (loaded.eos_token_id, loaded.temperature, loaded.repetition_penalty) == ([end, eot], 0.6, 1.1)

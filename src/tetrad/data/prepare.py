@@ -34,8 +34,8 @@ from tetrad.data.chat import ChatTemplate, Conversations, load_template, save_te
 from tetrad.data.documents import (Piece, check_documents, input_files, piece_records, pieces, sample_texts,
                                     text_bytes)
 from tetrad.data.shards import TOKENIZER, dtype_for, mask_name, shard_name, write_index
-from tetrad.data.tokenizer import (EOS, LINE_CUT, cuts_at_lines, document_prefix, eos_id, load_tokenizer, train_bpe,
-                                    vocab_size)
+from tetrad.data.tokenizer import (EOS, LINE_CUT, cuts_at_lines, document_prefix, eos_id, keep_generation_config,
+                                   load_tokenizer, train_bpe, vocab_size)
 
 
 class _Encoder:
@@ -308,6 +308,8 @@ def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partia
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     tokenizer.save(str(partial / TOKENIZER))
+    if args.tokenizer is not None:  # a model's: its EOS ids and sampling, for a run fine-tuned on this data
+        keep_generation_config(args.tokenizer.parent, partial)
     if args.chat is not None:
         save_template(args.chat, partial)
     written = tokenize(files, tokenizer, eos_id(tokenizer, args.eos), partial, args.shard_mb, args.workers,

@@ -8,6 +8,7 @@ decoding gives the exact bytes back.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from tetrad.data.blend import primary_source
 from tetrad.data.chat import read_json_object
 from tetrad.data.shards import TOKENIZER, is_shard_folder, read_index
 from tetrad.data.sources import reads_as_bytes
+from tetrad.model.sampling import SAMPLING_FIELDS
 
 # Where a text may be cut and its parts encoded apart with the ids of the whole: a line end between
 # two characters that are not whitespace, where byte-level BPE's pre-tokenizers (GPT-2's, Llama 3's,
@@ -95,6 +97,28 @@ def _generation_config(source: Path | None) -> dict:
     return read_json_object(path, GENERATION_CONFIG)
 
 
+def keep_generation_config(model_dir: Path, out: Path, config: dict | None = None) -> None:
+    """What `tetrad generate` and `convert --to-hf` take from a model folder, into a
+    generation_config.json in `out` (beside the tokenizer.json copied there): the model's
+    eos_token_id(s) (its generation_config.json's, where transformers' generate stops, else its
+    config.json's, `config` where already read; model_eos) and its generation_config.json's
+    sampling (do_sample, explicit, and Sampling's fields; model_sampling). Nothing where the folder
+    has neither."""
+    path, config_path = model_dir / GENERATION_CONFIG, model_dir / "config.json"
+    generation = read_json_object(path, GENERATION_CONFIG) if path.is_file() else None
+    if config is None:
+        config = read_json_object(config_path, "config.json") if config_path.is_file() else {}
+    kept = {}
+    if generation is not None:
+        kept = {k: generation[k] for k in SAMPLING_FIELDS if k in generation}
+        kept["do_sample"] = bool(generation.get("do_sample", False))
+    ids = next((c["eos_token_id"] for c in (generation or {}, config) if c.get("eos_token_id") is not None), None)
+    if ids is not None:
+        kept["eos_token_id"] = ids
+    if kept:
+        (out / GENERATION_CONFIG).write_text(json.dumps(kept) + "\n")
+
+
 def model_eos(source: Path | None) -> list[int]:
     """The eos_token_id(s) of the generation_config.json beside a tokenizer.json: an imported
     Hugging Face model's own (convert --to-tetrad writes it from the model's generation_config.json
@@ -108,7 +132,7 @@ def model_eos(source: Path | None) -> list[int]:
 def model_sampling(source: Path | None) -> dict:
     """The sampling an imported model's generation_config.json asks for, as transformers' generate
     reads it (its defaults where a key is absent: temperature 1, top_k 50, top_p 1, no min_p, no
-    repetition penalty; a null top_k none), as train/sampling.py's Sampling fields: greedy
+    repetition penalty; a null top_k none), as model/sampling.py's Sampling fields: greedy
     (temperature 0) where do_sample is false, the repetition penalty applying either way. {}
     where the model had no generation_config.json of its own (convert writes do_sample only
     from one)."""

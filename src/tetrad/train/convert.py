@@ -27,9 +27,10 @@ from tokenizers import Tokenizer
 from torch.distributed.checkpoint import FileSystemWriter
 
 from tetrad.config import Config, load_config, read_toml
-from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, read_json_object, template_beside
+from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, template_beside
 from tetrad.data.shards import TOKENIZER
-from tetrad.data.tokenizer import GENERATION_CONFIG, document_prefix, model_eos, run_eos, run_tokenizer
+from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, keep_generation_config, model_eos, run_eos,
+                                   run_tokenizer)
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import spec_of
 from tetrad.dist.topology import Topology
@@ -38,7 +39,6 @@ from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, chec
 from tetrad.train.checkpoint.store import one_process, read_manifest
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
                                             hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
-from tetrad.train.sampling import SAMPLING_FIELDS
 
 
 def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
@@ -216,26 +216,8 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
     for name in (TOKENIZER, CHAT_CONFIG, CHAT_JINJA):  # generate and export find them beside the weights
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, tmp / name)
-    _keep_generation_config(hf_dir, hf, tmp)
+    keep_generation_config(hf_dir, tmp, hf)
     publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})
-
-
-def _keep_generation_config(hf_dir: Path, hf: dict, out: Path) -> None:
-    """Into a generation_config.json beside the converted weights: the model's eos_token_id(s)
-    (its generation_config.json's, where transformers' generate stops, else config.json's `hf`;
-    model_eos) and its generation_config.json's sampling (do_sample, explicit, and the settings
-    `tetrad generate` has; model_sampling). --to-hf writes the file back out."""
-    path = hf_dir / GENERATION_CONFIG
-    generation = read_json_object(path, GENERATION_CONFIG) if path.is_file() else None
-    kept = {}
-    if generation is not None:
-        kept = {k: generation[k] for k in SAMPLING_FIELDS if k in generation}
-        kept["do_sample"] = bool(generation.get("do_sample", False))
-    ids = next((c["eos_token_id"] for c in (generation or {}, hf) if c.get("eos_token_id") is not None), None)
-    if ids is not None:
-        kept["eos_token_id"] = ids
-    if kept:
-        (out / GENERATION_CONFIG).write_text(json.dumps(kept) + "\n")
 
 
 def convert_command(argv: list[str]) -> int:

@@ -25,10 +25,10 @@ from tetrad.config import ModelConfig
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
 from tetrad.data.tokenizer import GENERATION_CONFIG, document_prefix, model_eos, model_sampling, run_eos
 from tetrad.model.llama import LayerCache, Transformer
+from tetrad.model.sampling import SAMPLING_FIELDS, Sampling
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
 from tetrad.train.convert import checkpoint_folder, exported_tokenizer, read_weights
-from tetrad.train.sampling import SAMPLING_FIELDS, Sampling
 
 
 def single_process_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:

@@ -473,3 +473,44 @@ def test_a_phi3_with_what_phi3_lacks_exports_as_the_architecture_that_has_it(tmp
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     torch.testing.assert_close(logits(load_single(tmp_path / "run" / "checkpoints" / "step_00000001", model)),
                                hf_logits(tmp_path / "hf"), **TOL)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "phi3"])
+def test_an_export_is_sharded_as_save_pretrained_and_reads_a_shard_at_a_time(tmp_path, monkeypatch, family):
+    """--max-shard-gb cuts the weights into model-0000i-of-0000N.safetensors of at most that size
+    (a larger tensor alone; Phi-3's fused tensors whole) and model.safetensors.index.json names
+    each tensor's file, as save_pretrained writes them: transformers loads the folder to the
+    source's logits, --to-tetrad reads it back, and the export reads the checkpoint one shard at
+    a time, never more than a shard's bytes (so a model larger than the host's memory exports).
+    --dtype bf16 writes every tensor, and config.json's torch_dtype, as bf16."""
+    from safetensors import safe_open
+    from tetrad.train.convert import StoredWeights, read_weights
+    (write_hf_phi3 if family == "phi3" else write_hf_qwen)(tmp_path / "hf", max_position_embeddings=32)
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    limit = 40 * 2**10  # bytes: the 64 KiB embedding alone, a layer's tensors over a few files
+    reads, read = [], StoredWeights.read
+    monkeypatch.setattr(StoredWeights, "read", lambda self, names: reads.append(read(self, names)) or reads[-1])
+    assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out"),
+                 "--max-shard-gb", str(limit / 2**30)]) == 0
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert len(files) > 3 and set(index["weight_map"].values()) == set(files)
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    stored = {}
+    for file in files:
+        with safe_open(tmp_path / "out" / file, "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        assert all(index["weight_map"][k] == file for k in tensors)
+        assert len(tensors) == 1 or sum(t.nbytes for t in tensors.values()) <= limit
+        stored.update(tensors)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in stored.values())
+    assert len(reads) == len(files) and max(sum(t.nbytes for t in r.values()) for r in reads) <= 64 * 2**10
+    torch.testing.assert_close(hf_logits(tmp_path / "out"), hf_logits(tmp_path / "hf"), **TOL)
+    assert main(["convert", str(tmp_path / "out"), "--to-tetrad", str(tmp_path / "back")]) == 0
+    ours, back = read_weights(tmp_path / "ckpt")[1], read_weights(tmp_path / "back")[1]
+    assert all(torch.equal(back[name], p) for name, p in ours.items())
+
+    assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
+        assert all(torch.equal(f.get_tensor(k), stored[k].bfloat16()) for k in f.keys())

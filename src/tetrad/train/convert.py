@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -65,26 +66,37 @@ def checkpoint_folder(path: Path) -> Path:
     return resolve(path)  # a checkpoint root
 
 
+class StoredWeights:
+    """A checkpoint's logical parameters, read on one process whatever layout wrote them
+    (integrity checked on opening, shapes before any read), all at once or a few at a time (an
+    export holds one shard of a model too large for the host's memory, not the model). `cfg` is
+    the training run's record: what only that run needed (its run.wandb or run.tensorboard
+    package) is not asked of the machine that exports or samples it."""
+
+    def __init__(self, checkpoint: Path):
+        self.path = checkpoint_folder(checkpoint)
+        manifest = verify(self.path)
+        saved = self.path / "config.toml"
+        self.cfg = load_config(saved if saved.is_file() else None, overrides={"model": manifest["model"]}, runtime=False)
+        self.reader = SafeReader(self.path)
+        metadata = self.reader.read_metadata()
+        stored = metadata.state_dict_metadata
+        self.shapes = logical_shapes(self.cfg.model)
+        self.dtypes = {name: stored[f"model.{name}"].properties.dtype if f"model.{name}" in stored else torch.float32
+                       for name in self.shapes}
+        check_shapes(metadata, {f"model.{name}": shape for name, shape in self.shapes.items()}, self.path)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        state = {f"model.{name}": torch.empty(self.shapes[name], dtype=self.dtypes[name]) for name in names}
+        with one_process():
+            dcp.load(state, storage_reader=self.reader, no_dist=True)
+        return {k[len("model."):]: v for k, v in state.items()}
+
+
 def read_weights(checkpoint: Path) -> tuple[Config, dict[str, torch.Tensor]]:
-    """The checkpoint's config (as saved) and its logical parameters by name, read on one
-    process whatever layout wrote them (integrity and shapes checked first). The config is the
-    training run's record: what only that run needed (its run.wandb or run.tensorboard package)
-    is not asked of the machine that exports or samples it."""
-    path = checkpoint_folder(checkpoint)
-    manifest = verify(path)
-    saved = path / "config.toml"
-    cfg = load_config(saved if saved.is_file() else None, overrides={"model": manifest["model"]}, runtime=False)
-    reader = SafeReader(path)
-    metadata = reader.read_metadata()
-    stored = metadata.state_dict_metadata
-    state = {}
-    for name, shape in logical_shapes(cfg.model).items():
-        key = f"model.{name}"
-        state[key] = torch.empty(shape, dtype=stored[key].properties.dtype if key in stored else torch.float32)
-    check_shapes(metadata, {k: tuple(v.shape) for k, v in state.items()}, path)
-    with one_process():
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return cfg, {k[len("model."):]: v for k, v in state.items()}
+    """The checkpoint's config and all its logical parameters by name (StoredWeights)."""
+    weights = StoredWeights(checkpoint)
+    return weights.cfg, weights.read(list(weights.shapes))
 
 
 def _refuse_written(out: Path, flag: str) -> None:
@@ -95,26 +107,70 @@ def _refuse_written(out: Path, flag: str) -> None:
         raise CheckpointError(f"{flag} {out} exists and is not an empty folder; choose a new one, or remove it first")
 
 
-def to_hf(checkpoint: Path, out: Path) -> bool:
-    """Write the HF folder `out`; whether it holds a tokenizer (one is known)."""
+DEFAULT_SHARD_GB = 5.0  # Hugging Face Hub's usual shard size; an export holds one shard at a time
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _shards(sizes: dict[str, int], max_bytes: float) -> list[list[str]]:
+    """HF tensor names (in order) cut into runs of at most `max_bytes` each (a bigger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, size in sizes.items():
+        if shards[-1] and filled + size > max_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += size
+    return shards
+
+
+def _write_safetensors(weights: StoredWeights, model_type: str, out: Path, max_gb: float,
+                       dtype: torch.dtype | None) -> None:
+    """The weights as HF's tensors in `out`: model.safetensors, or shards of at most `max_gb` with
+    model.safetensors.index.json (as transformers' save_pretrained), read and written one shard at
+    a time; in `dtype` (None: as stored)."""
+    rows = hf_rows(weights.shapes, model_type)
+    parts: dict[str, list[str]] = {}
+    for name, (key, _, _) in rows.items():
+        parts.setdefault(key, []).append(name)
+    sizes = {key: sum(math.prod(weights.shapes[n]) * (dtype or weights.dtypes[n]).itemsize for n in names)
+             for key, names in parts.items()}
+    shards = _shards(sizes, max_gb * 2**30)
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for keys, file in zip(shards, files):
+        state = weights.read([n for key in keys for n in parts[key]])
+        tensors = {k: v.to(dtype) if dtype else v for k, v in hf_tensors(state, model_type).items()}
+        save_file(tensors, out / file, metadata={"format": "pt"})
+        (out / file).chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
+        del state, tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {key: file for keys, file in zip(shards, files) for key in keys}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, dtype: str = "") -> bool:
+    """Write the HF folder `out` (weights in `dtype`, one of EXPORT_DTYPES; "": as stored); whether
+    it holds a tokenizer (one is known)."""
     _refuse_written(out, "--to-hf")
-    cfg, state = read_weights(checkpoint)
-    m = cfg.model
+    weights = StoredWeights(checkpoint)
+    m = weights.cfg.model
     check_exportable(m)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(hf_tensors(state, exported_type(m)), out / "model.safetensors", metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
-    tokenizer, source = exported_tokenizer(checkpoint_folder(checkpoint), cfg.data.source)
+    _write_safetensors(weights, exported_type(m), out, max_shard_gb, EXPORT_DTYPES.get(dtype))
+    tokenizer, source = exported_tokenizer(weights.path, weights.cfg.data.source)
     if tokenizer is not None:
         write_hf_tokenizer(tokenizer, out, m.seq_len, template_beside(source) if source else None, source)
     if source is not None and source.with_name(GENERATION_CONFIG).is_file():  # an imported model's, kept
         shutil.copyfile(source.with_name(GENERATION_CONFIG), out / GENERATION_CONFIG)
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    written = EXPORT_DTYPES.get(dtype) or next(iter(weights.dtypes.values()))
     hf_config = {**hf_architecture(m), "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
                  "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
                  "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-                 "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "torch_dtype": dtype,
+                 "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu",
+                 "torch_dtype": str(written).removeprefix("torch."),
                  **hf_rope_scaling(m.rope_scaling), **(_special_token_ids(tokenizer, source) if tokenizer is not None else {})}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return tokenizer is not None
@@ -231,13 +287,22 @@ def convert_command(argv: list[str]) -> int:
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to-hf", type=Path, metavar="OUT_DIR", help="write config.json + model.safetensors")
     direction.add_argument("--to-tetrad", type=Path, metavar="CKPT", help="write a weights-only tetrad checkpoint")
+    parser.add_argument("--max-shard-gb", type=float, default=DEFAULT_SHARD_GB, help="--to-hf: weights in files of at "
+                        "most this many GiB with model.safetensors.index.json, as save_pretrained shards them; "
+                        "the export holds one at a time (default %(default)g)")
+    parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="--to-hf: the weights' type (default: as "
+                        "the checkpoint stores them, fp32 for a run's master weights)")
     args = parser.parse_args(argv)
     try:
+        if args.to_tetrad is not None and (args.dtype or args.max_shard_gb != DEFAULT_SHARD_GB):
+            raise ValueError("--dtype and --max-shard-gb are for --to-hf; --to-tetrad keeps the weights as they are")
+        if args.max_shard_gb <= 0:
+            raise ValueError(f"--max-shard-gb must be above 0, got {args.max_shard_gb}")
         if args.to_hf is not None:
-            if to_hf(args.source, args.to_hf):
-                print(f"tetrad: wrote {args.to_hf}/config.json, model.safetensors and the tokenizer")
+            if to_hf(args.source, args.to_hf, args.max_shard_gb, args.dtype or ""):
+                print(f"tetrad: wrote {args.to_hf}/config.json, the weights (*.safetensors) and the tokenizer")
             else:
-                print(f"tetrad: wrote {args.to_hf}/config.json and model.safetensors; no tokenizer: the weights "
+                print(f"tetrad: wrote {args.to_hf}/config.json and the weights (*.safetensors); no tokenizer: the weights "
                       f"came without a tokenizer.json (copy the model's own into {args.to_hf})")
         else:
             to_tetrad(args.source, args.to_tetrad)

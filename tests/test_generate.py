@@ -327,3 +327,34 @@ def test_a_run_fine_tuned_on_a_models_tokenizer_keeps_its_eos_and_sampling(tmp_p
     assert main(["convert", str(run), "--to-hf", str(back)]) == 0
     loaded = transformers.GenerationConfig.from_pretrained(back)
     assert (loaded.eos_token_id, loaded.temperature, loaded.repetition_penalty) == ([end, eot], 0.6, 1.1)
+
+
+def test_a_hugging_face_folder_generates_as_transformers_without_converting(tmp_path, capsys):
+    """`tetrad generate HF_DIR`: the base model a fine-tune starts from, sampled as it stands: its
+    weights read as init_from reads them, its tokenizer.json, its generation_config.json; greedy
+    decoding gives transformers' greedy tokens (before: 'no checkpoint' until converted)."""
+    import json
+    transformers = pytest.importorskip("transformers")
+    from tetrad.data.tokenizer import train_bpe
+    from tetrad.train.generate import complete, load_generator
+    hf = tmp_path / "hf"
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        hf_model.lm_head.weight.mul_(20)  # greedy picks far apart: no near-tie that rounding could flip
+    hf_model.save_pretrained(hf, safe_serialization=True)
+    (hf / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    train_bpe(iter(["the licence grants the right to copy the text"] * 4), 300).save(str(hf / "tokenizer.json"))
+    model, tokenizer, source = load_generator(hf)
+    assert source == hf / "tokenizer.json"
+    _, prompt, new = complete(model, tokenizer, "the licence", 8, GREEDY, source=source)
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+    assert new == theirs
+    capsys.readouterr()
+    assert main(["generate", str(hf), "--prompt", "the licence", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == "the licence" + tokenizer.decode(theirs, skip_special_tokens=False)  # greedy: do_sample false

@@ -1,6 +1,7 @@
 """`tetrad generate CHECKPOINT --prompt ...`: sample text from a checkpoint on one process.
 
-The checkpoint (any layout) is read as logical weights into a single-process model; decoding
+The checkpoint (any layout), or a Hugging Face model folder (the base a fine-tune starts from), is
+read as logical weights into a single-process model; decoding
 runs the prompt once and then one token per step against a KV cache (llama.LayerCache, which keeps
 every token; a model.sliding_window masks the keys a new token no longer sees), and
 texts go through the run's tokenizer (data/tokenizer.py: bytes for a run on raw text). The
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -21,14 +23,18 @@ from typing import TextIO
 import torch
 from tokenizers import Tokenizer
 
-from tetrad.config import ModelConfig
+from tetrad.config import ModelConfig, load_config
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
-from tetrad.data.tokenizer import GENERATION_CONFIG, document_prefix, model_eos, model_sampling, run_eos
+from tetrad.data.shards import TOKENIZER
+from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, load_tokenizer, model_eos, model_sampling,
+                                   run_eos)
 from tetrad.model.llama import LayerCache, Transformer
 from tetrad.model.sampling import SAMPLING_FIELDS, Sampling
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
-from tetrad.train.convert import checkpoint_folder, exported_tokenizer, read_weights
+from tetrad.train.convert import checkpoint_folder, exported_tokenizer, logical_shapes, read_weights
+from tetrad.train.hf_architectures import model_config_from_hf
+from tetrad.train.init_from import HF_CONFIG, initial_weights, is_hf_folder
 
 
 def single_process_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
@@ -105,7 +111,8 @@ def continuation_loss(model: Transformer, prompt: list[int], continuation: list[
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tetrad generate", description="Sample text from a checkpoint, on one "
                                      "process, with a KV cache and the run's tokenizer.")
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, a checkpoint dir with `latest`, or a run dir")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, a checkpoint dir with `latest`, a run dir, "
+                        "or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
     parser.add_argument("--prompt", metavar="TEXT", help="text to continue (default: nothing but the first token); with --chat, "
                         "the user's one message")
     parser.add_argument("--chat", action="store_true", help="answer as the assistant, in the chat template the run's "
@@ -131,7 +138,7 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
         raise ValueError("--system is a chat's system message: pass --chat too")
     if not args.checkpoint.exists():
         raise ValueError(f"no checkpoint at {args.checkpoint}; pass a run folder, its checkpoints/ folder, or one "
-                         "of its step_N folders")
+                         "of its step_N folders, or a Hugging Face model folder")
     return args
 
 
@@ -153,15 +160,25 @@ def sampling_settings(args: argparse.Namespace, model: dict) -> Sampling:
 
 
 def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | None]:
-    """The checkpoint's single-process model, the run's tokenizer and where that came from (None: bytes)."""
-    cfg, state = read_weights(checkpoint)
-    folder = checkpoint_folder(checkpoint)
-    tokenizer, source = exported_tokenizer(folder, cfg.data.source)
+    """The single-process model of a tetrad checkpoint (any layout) or of a Hugging Face model
+    folder (an architecture train/hf_architectures.py maps: the model a fine-tune starts from,
+    sampled without converting it), the run's or the model's tokenizer, and where that came from
+    (None: bytes)."""
+    if is_hf_folder(checkpoint):
+        model_cfg = load_config(overrides={"model": model_config_from_hf(json.loads((checkpoint / HF_CONFIG).read_text()),
+                                                                         checkpoint / HF_CONFIG)}, runtime=False).model
+        read = initial_weights(str(checkpoint))
+        state = {name: read(name) for name in logical_shapes(model_cfg)}
+        tokenizer, source = (load_tokenizer(checkpoint / TOKENIZER), checkpoint / TOKENIZER) \
+            if (checkpoint / TOKENIZER).is_file() else (None, None)
+    else:
+        cfg, state = read_weights(checkpoint)
+        model_cfg, checkpoint = cfg.model, checkpoint_folder(checkpoint)
+        tokenizer, source = exported_tokenizer(checkpoint, cfg.data.source)
     if tokenizer is None:
-        raise ValueError(f"{folder} holds weights converted from a Hugging Face folder that had no tokenizer.json, "
-                         f"so no tokenizer is known for its {cfg.model.vocab_size} tokens; copy the model's "
-                         f"tokenizer.json into {folder}")
-    return single_process_model(cfg.model, state), tokenizer, source
+        raise ValueError(f"{checkpoint} holds weights without a tokenizer.json, so no tokenizer is known for its "
+                         f"{model_cfg.vocab_size} tokens; copy the model's tokenizer.json into {checkpoint}")
+    return single_process_model(model_cfg, state), tokenizer, source
 
 
 def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int, sampling: Sampling = Sampling(),

@@ -1,5 +1,6 @@
 """The memory check as a GPU rank starts (plan/fit.py): the planner's peak against the device's
-memory, and the one-key changes that would fit, each checked against the planner itself."""
+memory, and the one-key changes that would fit, each checked against the planner itself; and
+the same for CPU ranks against the host's free memory, before they start."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 
 from tetrad.config import load_config
 from tetrad.plan.cost import estimate
-from tetrad.plan.fit import memory_warning, peak_gib
+from tetrad.plan.fit import host_gib, host_memory_warning, memory_warning, peak_gib
 from tetrad.plan.hardware import load_cluster
-from tetrad.plan.memory import GPU_RESERVED_GIB
+from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, memory_by_rank
+from tetrad.plan.stacks import load_stack
 from tetrad.train.preflight import memory_watch
 
 LLAMA3_8B_DP8 = ["--model.preset=llama3-8b", "--model.seq_len=2048", "--train.dtype=bf16", "--parallel.dp=8",
@@ -64,3 +66,26 @@ def test_memory_watch_warns_on_rank_0_and_adds_the_planner_to_an_out_of_memory(c
         with memory_watch(fitting, 80.0):
             raise torch.OutOfMemoryError("CUDA out of memory.")
     assert capsys.readouterr().err == ""
+
+
+def test_cpu_ranks_are_warned_of_the_hosts_free_memory_with_what_fits_there():
+    """CPU ranks share one host: each pipeline rank's planner peak, repeated over its dp*tp*cp
+    ranks, plus a process each, against the memory the host has free (before: nothing said, and a
+    seq_len of 100000 on the tiny model grew to 15 GiB here unannounced). The changes named fit by
+    the same count, and none is moving the optimizer to the host it is already on."""
+    base = ["--model.seq_len=8192", "--parallel.pp=2", "--parallel.dp=2", "--train.global_batch=16"]
+    cfg = load_config(overrides=base)
+    stages = [m.total / GIB for m in memory_by_rank(cfg, load_stack("tetrad"), is_cpu=True)]
+    assert len(stages) == 2 and stages[0] != stages[1]
+    need = host_gib(cfg, 4, 0.25)
+    assert need == pytest.approx(2 * sum(stages) + 4 * 0.25)
+    assert host_memory_warning(cfg, 4, need + 0.1, 0.25) is None
+    free = need * 0.7
+    warning = host_memory_warning(cfg, 4, free, 0.25)
+    assert warning.startswith(f"tetrad: warning: the planner predicts {need:.1f} GiB for this run's 4 CPU rank(s), "
+                              f"above the {free:.1f} GiB this host has free")
+    named = re.findall(r"(--[\w.]+=[\w-]+) \(([\d.]+) GiB\)", warning)
+    assert named and not any("offload" in flag for flag, _ in named), warning
+    for flag, gib in named:
+        changed = host_gib(load_config(overrides=base + [flag]), 4, 0.25)
+        assert f"{changed:.1f}" == gib and changed <= free

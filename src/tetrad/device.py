@@ -342,6 +342,19 @@ def _proc_status_bytes(field: str) -> int:
     return int(text[at:text.index(b"\n", at + 1)].split()[1]) * 1024
 
 
+def host_memory_gib() -> tuple[float, float] | None:
+    """(GiB the host can still give processes, MemAvailable; this process's resident GiB), or None
+    where /proc has neither (not Linux)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            meminfo = f.read()
+        at = meminfo.index(b"MemAvailable:")
+        available = int(meminfo[at:meminfo.index(b"\n", at)].split()[1]) * 1024
+        return available / 2**30, _proc_status_bytes("VmRSS") / 2**30
+    except (OSError, ValueError):
+        return None
+
+
 def threads_per_rank(ranks_on_this_machine: int) -> int:
     """Intra-op threads so that local ranks do not oversubscribe the cores (docs/platform.md: 36x
     slower with 2 threads per rank at 8 ranks on 2 cores); an OMP_NUM_THREADS the user set is

@@ -206,10 +206,23 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
         raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
                           f"{devices.local_device_count(device_type)} {device_type} devices; use torchrun across "
                           "nodes, or a smaller layout")
+    if device_type == "cpu":
+        _warn_of_host_memory(cfg)
     if announce is not None:
         announce(device_type, resume)
     return run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type,
                      timeout_s=timeout_s, pg_timeout_s=p.startup_timeout_s)[0]
+
+
+def _warn_of_host_memory(cfg: Config) -> None:
+    """CPU ranks all start on this host: say so before they start when the planner predicts more
+    than it has free (plan/fit.py; a warning, as on GPUs: the prediction errs high by design)."""
+    from tetrad.plan.fit import host_memory_warning
+    memory = devices.host_memory_gib()
+    if memory is not None:
+        warning = host_memory_warning(cfg, cfg.parallel.world_size, *memory)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -322,7 +335,9 @@ def _describe_failure(procs, tmp: Path) -> str:
             name = f"signal {-code}"
         others = f"\n(other ranks then failed; first traceback, rank {min(errors)[1]}:)\n{min(errors)[2]}" \
             if errors else ""
-        return f"rank {rank} died by {name} (no Python traceback: a crash or a kill){others}"
+        oom = " Linux's out-of-memory killer sends SIGKILL when the host runs out of memory: `dmesg` names it" \
+            if name == "SIGKILL" else ""
+        return f"rank {rank} died by {name} (no Python traceback: a crash or a kill).{oom}{others}"
     if errors:
         _, rank, text = min(errors)
         return f"rank {rank} failed:\n{text}"

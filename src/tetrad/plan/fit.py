@@ -19,15 +19,39 @@ def peak_gib(cfg: Config) -> float:
     return max(m.total for m in memory_by_rank(cfg, load_stack("tetrad"), is_cpu=False)) / GIB
 
 
-def _one_key_changes(cfg: Config) -> list[tuple[str, Config]]:
+def host_gib(cfg: Config, ranks: int, rank_base_gib: float) -> float:
+    """What `ranks` CPU ranks of `cfg` on one host are predicted to hold at their peaks, in GiB:
+    each pipeline rank's planner peak, repeated over its dp*tp*cp ranks, plus `rank_base_gib`
+    each (a process with torch loaded, which the planner does not count)."""
+    stages = [m.total for m in memory_by_rank(cfg, load_stack("tetrad"), is_cpu=True)]
+    return ranks * (sum(stages) / len(stages) / GIB + rank_base_gib)
+
+
+def host_memory_warning(cfg: Config, ranks: int, available_gib: float, rank_base_gib: float) -> str | None:
+    """CPU ranks share the host's memory: a warning (None: it fits) when `ranks` of them are
+    predicted to need more than the `available_gib` free as they start, where Linux's
+    out-of-memory killer would end the run with SIGKILL, with the one-key changes that fit."""
+    need = host_gib(cfg, ranks, rank_base_gib)
+    if need <= available_gib:
+        return None
+    fits = [f"{flag} ({gib:.1f} GiB)" for flag, gib in
+            ((f, host_gib(c, ranks, rank_base_gib)) for f, c in _one_key_changes(cfg, on_host=True))
+            if gib <= available_gib]
+    fix = f"changes of one key that fit: {', '.join(fits)}" if fits else "no change of one key fits"
+    return (f"tetrad: warning: the planner predicts {need:.1f} GiB for this run's {ranks} CPU rank(s), above the "
+            f"{available_gib:.1f} GiB this host has free: it will likely be killed for memory; {fix}")
+
+
+def _one_key_changes(cfg: Config, on_host: bool = False) -> list[tuple[str, Config]]:
     """Changes of one key that lower memory and keep the training the same: more recomputation,
-    a higher ZeRO stage, the optimizer on the host, smaller micro-batches, sequence parallelism."""
+    a higher ZeRO stage, the optimizer on the host (unless it is there already: `on_host`),
+    smaller micro-batches, sequence parallelism."""
     p, t = cfg.parallel, cfg.train
     out = [(f"--train.recompute={mode}", replace(cfg, train=replace(t, recompute=mode)))
            for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:]]
     if p.dp * p.cp > 1:
         out += [(f"--parallel.zero={zero}", replace(cfg, parallel=replace(p, zero=zero))) for zero in range(p.zero + 1, 4)]
-    if not t.offload_optimizer:
+    if not t.offload_optimizer and not on_host:
         out.append(("--train.offload_optimizer=true", replace(cfg, train=replace(t, offload_optimizer=True))))
     if t.micro_batch > 1:
         out.append((f"--train.micro_batch={t.micro_batch // 2}", replace(cfg, train=replace(t, micro_batch=t.micro_batch // 2))))

@@ -242,3 +242,25 @@ def test_ctrl_c_while_the_model_answers_or_loads_ends_the_chat_quietly(chat_run,
     proc = _generate_chat(chat_run[0], code)
     out, err = proc.communicate(f"{QUESTIONS[0]}\n{QUESTIONS[1]}\n", timeout=60)
     assert (proc.returncode, out, err) == (128 + signal.SIGINT, "", "\n")
+
+
+def test_a_hugging_face_folder_chats_in_its_own_template(tmp_path, capsys):
+    """`tetrad generate HF_DIR --chat`: an instruct model's folder as it stands answers in the
+    chat template of its tokenizer_config.json (the message rendered as transformers renders it),
+    stopping at the template's eos_token, with no conversion and no data folder."""
+    transformers = pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tokenizer, _ = _chat_tokenizer(hf)
+    config = transformers.LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                      max_position_embeddings=128)
+    transformers.LlamaForCausalLM(config).save_pretrained(hf, safe_serialization=True)
+    model, run_tokenizer, source = load_generator(hf)
+    message = [{"role": "user", "content": QUESTIONS[0]}]
+    text, ids, new = reply(model, run_tokenizer, template_beside(source), message, 6, GREEDY, source=source)
+    assert ids == _oracle(hf / "tokenizer.json", message)
+    capsys.readouterr()
+    assert main(["generate", str(hf), "--chat", "--prompt", QUESTIONS[0], "--temperature", "0",
+                 "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == text + "\n"

@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
-from tetrad.train.metrics import CONTRACT_FIELDS, PARTS, layout_label
+from tetrad.train.metrics import CONTRACT_FIELDS, PARTS, FlopRate, layout_label
 
 from conftest import tiny_config, train_layout
 
@@ -83,3 +84,19 @@ def test_profiling_writes_traces_annotated_by_group_and_changes_nothing(run):
     # on the group of the pipeline link between ranks 0 and 1).
     groups = {"tp:all_reduce", "pp:0-1:send_recv", "pp:0-1:send_recv wait", "dp_cp:all_reduce"}
     assert groups <= names, groups - names
+
+
+def test_a_cpu_ranks_mfu_is_over_the_cores_its_threads_compute_on():
+    """The CPU profile's peak is one core's: a rank computing on two threads (one rank on a 2-core
+    machine) has twice that peak, and half the MFU (before: 85-96% for the tiny model there)."""
+
+    cfg = tiny_config()
+    before = torch.get_num_threads()
+    try:
+        rates = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            rates.append(FlopRate(cfg, torch.device("cpu"))(1.0, cfg.train.global_batch)["mfu"])
+    finally:
+        torch.set_num_threads(before)
+    assert rates[1] == pytest.approx(rates[0] / 2)

@@ -98,7 +98,7 @@ class FlopRate:
     counted in full, recomputation only in HFU): this rank's share of the model FLOPs of the
     step's global batch (a ramp-up's smaller one included), per second of step time, over the peak
     of `device_profile` (fp32's, or TF32's under train.tf32, for fp32 training, else the 16-bit
-    peak, as `tetrad estimate`)."""
+    peak, as `tetrad estimate`); on a CPU, the profile's core times the rank's intra-op threads."""
 
     def __init__(self, cfg, device: torch.device):
         m, t = cfg.model, cfg.train
@@ -106,7 +106,8 @@ class FlopRate:
         self.model_flops = flops.model_flops_per_token(m) * per_sample
         self.hardware_flops = flops.hardware_flops_per_token(m, t.recompute) * per_sample
         gpu = device_profile(device)
-        self.peak = mfu_peak(gpu, t.dtype, t.tf32) if gpu else None
+        cores = torch.get_num_threads() if device.type == "cpu" else 1  # the CPU profile is one core's
+        self.peak = mfu_peak(gpu, t.dtype, t.tf32) * cores if gpu else None
 
     def __call__(self, step_time_s: float, global_batch: int) -> dict:
         if self.peak is None:

@@ -120,7 +120,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "without it to each line of stdin in turn, keeping the conversation, until an empty line, "
                         "the input's end or the model's seq_len")
     parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens (default 200; "
+                        "fewer at an EOS or the model's seq_len)")
     # Unset sampling flags take an imported model's generation_config.json (model_sampling), else Sampling's defaults.
     parser.add_argument("--temperature", type=float, help="0: greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default 0: all)")
@@ -129,7 +130,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "(default 0)")
     parser.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens already in the text by "
                         "this, as transformers does (default 1: none; applies to greedy decoding too)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the sampler's random seed (default 0): the same "
+                        "seed, settings and prompt give the same text")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise ValueError("need --max-new-tokens >= 1")

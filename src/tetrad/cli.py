@@ -78,13 +78,16 @@ def check_command(argv: list[str]) -> int:
 
 
 def estimate_command(argv: list[str]) -> int:
+    """The model the data and `checkpoint.init_from` decide, as `tetrad train`'s."""
     from tetrad.plan.cli import estimate_command as run
-    return run(argv)
+    from tetrad.train.init_from import model_keys
+    return run(argv, model_from_inputs=model_keys)
 
 
 def plan_command(argv: list[str]) -> int:
     from tetrad.plan.cli import plan_command as run
-    return run(argv)
+    from tetrad.train.init_from import model_keys
+    return run(argv, model_from_inputs=model_keys)
 
 
 def convert_command(argv: list[str]) -> int:

@@ -138,6 +138,10 @@ MIGRATION_MISTAKES = [
     (["--train.lr=.0003"], None, "train.lr must be a number, got '.0003' (str); write it as 0.0003"),
     (["CONFIG"], "[train]\nsteps = 2\n", "config file CONFIG does not exist (did you mean CONFIG.toml?)"),
     (["."], None, "config file . is a folder; give a TOML file"),
+    (["train.steps=10"], None, "'train.steps=10' is neither a config file nor an override (overrides start with two "
+                                "dashes); write --train.steps=10"),
+    (["CONFIG.toml", "parallel.tp=2"], "[train]\nsteps = 2\n", "write --parallel.tp=2"),
+    (["steps=10"], None, "write --train.steps=10"),
     (["CONFIG.yaml"], "train:\n  steps: 2\n", "tetrad's config is TOML, not YAML"),
 ]
 

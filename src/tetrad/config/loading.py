@@ -118,6 +118,12 @@ def split_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
         if arg.startswith("-"):
             check_override(arg, argv[i + 1] if i + 1 < len(argv) else None)
     paths = [a for a in argv if not a.startswith("-")]
+    for arg in paths:
+        if "=" in arg and not Path(arg).exists():  # `tetrad train train.steps=10`
+            name, _, value = arg.partition("=")
+            places = [name] if "." in name else places_of(name)
+            fix = f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2"
+            raise ConfigError(f"{arg!r} is neither a config file nor an override (overrides start with two dashes); {fix}")
     if len(paths) > 1:
         raise ConfigError(f"expected at most one CONFIG file, got {paths}")
     return (paths[0] if paths else None), [a for a in argv if a.startswith("-")]

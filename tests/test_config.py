@@ -1,6 +1,7 @@
 """Config loading and validation: every invalid config gets a message naming the fix, before any
 process starts."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -165,6 +166,19 @@ def test_help_after_a_config_prints_the_usage(capsys):
     from tetrad.cli import main
     assert main(["train", "configs/demo.toml", "--help"]) == 0
     assert "usage: tetrad train [CONFIG]" in capsys.readouterr().out
+
+
+def test_train_help_lists_every_key_with_its_default(capsys):
+    """A Megatron-LM or torchtitan user's first question, what tp and the micro-batch are called
+    here, is answered by --help (before, two lines and no key)."""
+    from tetrad.cli import main
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for section, values in Config().to_dict().items():
+        line = next(line for line in out.splitlines() if line.startswith(f"  [{section}] "))
+        listed = out[out.index(line):].split("\n  [")[0]
+        assert all(re.search(rf"(^|[ ,]){key}=", listed) for key in values), (section, listed)
+    assert "micro_batch=4" in out and max(len(line) for line in out.splitlines()) <= 100
 
 
 def test_an_unknown_command_is_named_with_the_closest(capsys):

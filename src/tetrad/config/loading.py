@@ -100,8 +100,8 @@ def check_override(arg: str, following: str | None = None) -> None:
                           f"e.g. tetrad train {value} --train.steps=100")
     if "." not in name:
         places, switch = places_of(name), FLAG_ALIASES.get(name.replace("-", "_"))
-        fix = f"write --{switch}" if switch and text in ("", "true") else f"write --{places[0]}={value}" if places else \
-            "e.g. --parallel.tp=2"
+        fix = (f"write --{switch}" if switch and text in ("", "true")
+               else f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2")
         raise ConfigError(f"override {arg!r} must look like --section.key=value; {fix}")
     if not eq:
         value = "true" if _hint(*name.split(".", 1)) is bool else value  # Megatron's --sequence-parallel
@@ -124,7 +124,8 @@ def split_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
             name, _, value = arg.partition("=")
             places = [name] if "." in name else places_of(name)
             fix = f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2"
-            raise ConfigError(f"{arg!r} is neither a config file nor an override (overrides start with two dashes); {fix}")
+            raise ConfigError(f"{arg!r} is neither a config file nor an override (overrides start with two "
+                              f"dashes); {fix}")
     if len(paths) > 1:
         raise ConfigError(f"expected at most one CONFIG file, got {paths}")
     return (paths[0] if paths else None), [a for a in argv if a.startswith("-")]

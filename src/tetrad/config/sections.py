@@ -305,8 +305,8 @@ KEY_ALIASES = {
     "dataset": "data.source", "mode": "train.recompute",
 }
 # Megatron-LM's switches (no value) as the override that does what each asks.
-FLAG_ALIASES = {"bf16": "train.dtype=bf16", "fp16": "train.dtype=fp16", "sequence_parallel": "parallel.sequence_parallel=true",
-                "use_distributed_optimizer": "parallel.zero=1", "recompute_activations": "train.recompute=selective",
+FLAG_ALIASES = {"bf16": "train.dtype=bf16", "fp16": "train.dtype=fp16",
+                "sequence_parallel": "parallel.sequence_parallel=true", "use_distributed_optimizer": "parallel.zero=1", "recompute_activations": "train.recompute=selective",
                 "swiglu": "model.mlp=swiglu", "untie_embeddings_and_output_weights": "model.tie_embeddings=false",
                 "add_qkv_bias": "model.qkv_bias=true", "qk_layernorm": "model.qk_norm=true"}
 # torchtitan's tables whose keys live in one of ours.

@@ -270,6 +270,10 @@ def test_estimate_and_plan_cost_the_model_the_data_and_init_from_decide(tmp_path
     preset = memory("estimate", "--model.preset=llama3-8b")
     assert memory("estimate", f"--checkpoint.init_from={llama}") == pytest.approx(preset)
     assert memory("plan", f"--checkpoint.init_from={llama}", "--top", "1") > preset / 10  # all 8 GPUs hold it
+    for command in ("estimate", "plan"):  # a typo in the path was the tiny preset's estimate
+        assert main([command, f"--checkpoint.init_from={tmp_path / 'lama'}", "--cluster", "dgx-h100"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"checkpoint.init_from='{tmp_path / 'lama'}' does not exist" in err, err
     data = tmp_path / "data"
     data.mkdir()
     np.zeros(64, dtype=np.uint16).tofile(data / shard_name(0))

@@ -60,7 +60,7 @@ def estimate_command(argv: list[str], model_from_inputs: Callable[[dict], dict] 
     ap.add_argument("--json", action="store_true", help="print the JSON object of the contract")
     args, overrides = ap.parse_known_args(argv)
     try:
-        cfg = load_config(args.config, overrides, runtime=False, model_from_inputs=model_from_inputs)
+        cfg = _weights_exist(load_config(args.config, overrides, runtime=False, model_from_inputs=model_from_inputs))
         check_config(cfg)
         cluster = load_cluster(args.cluster)
     except (ConfigError, HardwareError) as e:
@@ -80,6 +80,16 @@ def estimate_command(argv: list[str], model_from_inputs: Callable[[dict], dict] 
     return 0 if est.fits else 1
 
 
+def _weights_exist(cfg: Config) -> Config:
+    """The model is the shape of checkpoint.init_from's weights: a path that is not there would
+    cost the preset's model instead, without a word."""
+    source = cfg.checkpoint.init_from
+    if source and not Path(source).exists():
+        raise ConfigError(f"checkpoint.init_from={source!r} does not exist; name a tetrad checkpoint or an HF folder "
+                          "(the model costed is the shape of its weights)")
+    return cfg
+
+
 def _base_config(args, overrides: list[str], model_from_inputs: Callable[[dict], dict] | None) -> Config:
     """The model and training settings to plan for: a preset or a config file, then the flags and
     overrides. The layout in it is irrelevant (the plan chooses one), so it starts at micro_batch=1."""
@@ -89,7 +99,7 @@ def _base_config(args, overrides: list[str], model_from_inputs: Callable[[dict],
     flags += [f"model.seq_len={args.seq_len}"] if args.seq_len is not None else []
     if args.dtype or "train.dtype" not in _user_keys(args, overrides):  # bf16: what clusters run
         flags += [f"train.dtype={args.dtype or 'bf16'}"]
-    cfg = load_config(path, flags + overrides, runtime=False, model_from_inputs=model_from_inputs)
+    cfg = _weights_exist(load_config(path, flags + overrides, runtime=False, model_from_inputs=model_from_inputs))
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1, cp=1, vpp=1,
                                                                  schedule="1f1b"))
 

@@ -50,6 +50,23 @@ def test_too_few_message_sizes_are_refused_before_measuring(capsys, tmp_path):
     assert not (tmp_path / "hardware.json").exists()
 
 
+@pytest.mark.parametrize("args,message", [
+    (["comm", "--ranks", "2,x"], "argument --ranks: expected whole numbers >= 1, comma-separated, got '2,x'"),
+    (["comm", "--ranks", "1"], "argument --ranks: group sizes are 2 ranks or more"),
+    (["comm", "--sizes-kb", "4,64,1k"], "argument --sizes-kb: expected whole numbers >= 1, comma-separated"),
+    (["gemm", "--threads", "0"], "argument --threads: expected a whole number >= 1, got '0'"),
+])
+def test_bad_numbers_are_refused_in_one_line(args, message, capsys, tmp_path):
+    """A typo in a count is argparse's usage and one line, exit 2, before anything is measured
+    (before, a ValueError's traceback, torch's set_num_threads error, or a gloo hang-up at --ranks 1)."""
+    from tetrad.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *args, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "hardware.json").exists()
+
+
 def test_bench_comm_rows_are_sensible(comm_rows):
     assert {r["op"] for r in comm_rows} == set(bench.OPS)
     for r in comm_rows:

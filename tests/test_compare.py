@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tetrad.cli import main
 
 from conftest import tiny_config, train_layout
@@ -75,3 +77,14 @@ def test_an_unset_path_shows_as_empty_quotes(tmp_path):
         (tmp_path / name / "config.toml").write_text(tiny_config(checkpoint={"init_from": init_from}).to_toml())
     execution, training = config_differences(tmp_path / "a", tmp_path / "b")
     assert "checkpoint.init_from: '' -> hf" in training, (execution, training)
+
+
+@pytest.mark.parametrize("argv", [["compare", "A", "B", "--drift", "-0.05"], ["check", "--drift", "nan"],
+                                  ["schedule", "--p2p", "-1"]])
+def test_a_negative_tolerance_or_latency_is_refused_in_one_line(argv, capsys):
+    """--drift -0.05 called every pair of runs different (exit 1, 'DISAGREE' at a 0 difference),
+    --p2p -1 simulated a pipeline faster than with no latency: now argparse's one line, exit 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {argv[-2]}: expected a number >= 0, got '{argv[-1]}'" in err, err

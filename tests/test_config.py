@@ -1,6 +1,7 @@
 """Config loading and validation: every invalid config gets a message naming the fix, before any
 process starts."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -130,6 +131,15 @@ MIGRATION_MISTAKES = [
     (["--steps=2"], None, "write --train.steps=2"),
     (["--tensor-model-parallel-size", "2", "--micro-batch-size", "1"], None, "write --parallel.tp=2"),
     (["--micro-batch-size=1"], None, "write --train.micro_batch=1"),
+    (["--bf16"], None, "write --train.dtype=bf16"),
+    (["--bf16=true"], None, "write --train.dtype=bf16"),
+    (["--sequence-parallel"], None, "write --parallel.sequence_parallel=true"),
+    (["--use-distributed-optimizer"], None, "write --parallel.zero=1"),
+    (["--recompute-activations"], None, "write --train.recompute=selective"),
+    (["--save=ckpt"], None, "write --checkpoint.dir=ckpt"),
+    ([], "[model]\nflavor = \"8B\"\n", "unknown key model.flavor (did you mean 'model.preset'?)"),
+    ([], "[activation_checkpoint]\nmode = \"full\"\n", "unknown section [activation_checkpoint] (did you mean 'train'?)"),
+    ([], "[train]\nmode = \"full\"\n", "unknown key train.mode (did you mean 'train.recompute'?)"),
     (["--train.compile", "CONFIG.toml"], "[train]\nsteps = 2\n", "write --train.compile=true"),
     (["--parallel.pp=2", "--parallel.stage_layers=[2,", "2]"], None,
      "the shell cut --parallel.stage_layers=[2, 2] at a space; quote the whole override"),
@@ -138,6 +148,10 @@ MIGRATION_MISTAKES = [
     (["--train.lr=.0003"], None, "train.lr must be a number, got '.0003' (str); write it as 0.0003"),
     (["CONFIG"], "[train]\nsteps = 2\n", "config file CONFIG does not exist (did you mean CONFIG.toml?)"),
     (["."], None, "config file . is a folder; give a TOML file"),
+    (["train.steps=10"], None, "'train.steps=10' is neither a config file nor an override (overrides start with two "
+                                "dashes); write --train.steps=10"),
+    (["CONFIG.toml", "parallel.tp=2"], "[train]\nsteps = 2\n", "write --parallel.tp=2"),
+    (["steps=10"], None, "write --train.steps=10"),
     (["CONFIG.yaml"], "train:\n  steps: 2\n", "tetrad's config is TOML, not YAML"),
 ]
 
@@ -161,6 +175,19 @@ def test_help_after_a_config_prints_the_usage(capsys):
     from tetrad.cli import main
     assert main(["train", "configs/demo.toml", "--help"]) == 0
     assert "usage: tetrad train [CONFIG]" in capsys.readouterr().out
+
+
+def test_train_help_lists_every_key_with_its_default(capsys):
+    """A Megatron-LM or torchtitan user's first question, what tp and the micro-batch are called
+    here, is answered by --help (before, two lines and no key)."""
+    from tetrad.cli import main
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for section, values in Config().to_dict().items():
+        line = next(line for line in out.splitlines() if line.startswith(f"  [{section}] "))
+        listed = out[out.index(line):].split("\n  [")[0]
+        assert all(re.search(rf"(^|[ ,]){key}=", listed) for key in values), (section, listed)
+    assert "micro_batch=4" in out and max(len(line) for line in out.splitlines()) <= 100
 
 
 def test_an_unknown_command_is_named_with_the_closest(capsys):

@@ -27,6 +27,8 @@ def bad_inputs(tmp):
     (tmp / "odd.bin").write_bytes(b"\x01\x00\x02")
     (tmp / "pickled.npy").write_bytes(b"\x93NUMPY" + pickle.dumps(["not", "an", "array"]))
     ids = np.arange(4000) % 200
+    (ids + 1000).astype(np.int32).tofile(tmp / "megatron_text_document.bin")  # Megatron-LM's, int32 by its .idx
+    (tmp / "megatron_text_document.idx").write_bytes(b"MMIDIDX\x00\x00" + (1).to_bytes(8, "little") + bytes([4]))
     return {
         "missing": ([f"--data.source={tmp / 'nothing.bin'}"], "neither a built-in corpus"),
         "unknown": (["--data.source=shakespeare"], "neither a built-in corpus"),
@@ -43,6 +45,12 @@ def bad_inputs(tmp):
         "too_large": ([f"--data.source={_npy(tmp / 'big.npy', (ids + 100).astype(np.uint16))}"], "token id 299"),
         "negative_tp2": ([f"--data.source={_npy(tmp / 'neg.npy', np.where(ids == 7, -3, ids).astype(np.int32))}",
                           "--parallel.tp=2"], "token id -3"),
+        # each int32 id read as two uint16s, all in range: the run trained on noise
+        "megatron_int32": ([f"--data.source={tmp / 'megatron_text_document.bin'}", "--model.vocab_size=128256",
+                            "--train.steps=1"],
+                           "is a Megatron-LM dataset of int32 tokens (its .idx says), and tetrad reads a .bin as uint16"),
+        "megatron_prefix": ([f"--data.source={tmp / 'megatron_text_document'}"],
+                            f"for Megatron-LM's prefix, give the file: {tmp / 'megatron_text_document.bin'}"),
         "val_too_short": (["--data.val_fraction=0.00001"], "validation tokens hold"),
         "missing_val": ([f"--data.val_source={tmp / 'val.bin'}"], "data.val_source="),
     }
@@ -62,6 +70,8 @@ def test_good_token_files_pass_and_a_bad_id_past_the_sample_stops_the_batches(tm
     check_data(tiny_config(data={"source": str(good), "val_fraction": 0.1}))
     (tmp_path / "ids.bin").write_bytes((np.arange(4000) % 256).astype(np.uint16).tobytes())
     check_data(tiny_config(data={"source": str(tmp_path / "ids.bin")}))
+    (tmp_path / "ids.idx").write_bytes(b"MMIDIDX\x00\x00" + (1).to_bytes(8, "little") + bytes([8]))
+    check_data(tiny_config(data={"source": str(tmp_path / "ids.bin")}))  # a Megatron-LM dataset of uint16: raw
     tokens = np.zeros(100, dtype=np.int64)
     tokens[:] = -1
     with pytest.raises(ValueError, match="token id -1"):

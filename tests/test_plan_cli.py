@@ -7,10 +7,12 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tetrad.cli import main
 from tetrad.config import load_config
+from tetrad.data.shards import shard_name, write_index
 from tetrad.plan.hardware import HardwareError, load_cluster, load_gpu
 from tetrad.plan.reference import CALIBRATION_MAPE
 
@@ -245,3 +247,36 @@ def test_estimate_shows_a_cpus_model_tflops_not_zero(capsys):
     assert main(args) == 0
     shown = re.search(r"model TFLOP/s per GPU (\S+)", capsys.readouterr().out).group(1)
     assert tflops < 0.1 and float(shown) == pytest.approx(tflops, rel=1e-3), shown
+
+
+def test_estimate_and_plan_cost_the_model_the_data_and_init_from_decide(tmp_path, capsys):
+    """`tetrad train` takes the vocabulary from a shard folder's index and the shape from
+    checkpoint.init_from's weights; estimate and plan cost that model, not the preset's (before,
+    fine-tuning a Llama-3-8B folder was estimated as the 4-layer tiny preset)."""
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "tie_word_embeddings": False}))
+    shape = ["--cluster", "dgx-h100", "--model.seq_len=8192", "--parallel.tp=8", "--train.global_batch=8",
+             "--train.micro_batch=1", "--train.dtype=bf16", "--json"]
+
+    def memory(*args):
+        assert main([*args, *shape]) in (0, 1)
+        out = json.loads(capsys.readouterr().out)
+        return (out[0] if isinstance(out, list) else out)["memory_gib"]["weights"]
+
+    preset = memory("estimate", "--model.preset=llama3-8b")
+    assert memory("estimate", f"--checkpoint.init_from={llama}") == pytest.approx(preset)
+    assert memory("plan", f"--checkpoint.init_from={llama}", "--top", "1") > preset / 10  # all 8 GPUs hold it
+    for command in ("estimate", "plan"):  # a typo in the path was the tiny preset's estimate
+        assert main([command, f"--checkpoint.init_from={tmp_path / 'lama'}", "--cluster", "dgx-h100"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"checkpoint.init_from='{tmp_path / 'lama'}' does not exist" in err, err
+    data = tmp_path / "data"
+    data.mkdir()
+    np.zeros(64, dtype=np.uint16).tofile(data / shard_name(0))
+    write_index(data, [{"file": shard_name(0), "tokens": 64, "documents": 1}], 100_000, 0)
+    vocab = memory("estimate", "--model.preset=llama3-8b", "--model.vocab_size=100000")
+    assert vocab < preset and memory("estimate", "--model.preset=llama3-8b", f"--data.source={data}") == pytest.approx(vocab)

@@ -134,3 +134,13 @@ def test_report_of_a_missing_folder_is_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no metrics.jsonl" in err
+
+
+def test_an_unknown_cluster_is_refused_before_the_report(capsys):
+    """--cluster with a typo was a report whose notes said the prediction was skipped, exit 0."""
+    cfg = tiny_config(train={"steps": 1, "device": "cpu"})
+    train_layout(cfg)
+    capsys.readouterr()
+    assert main(["report", cfg.run.dir, "--cluster", "h100x64x", "--samples", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown cluster 'h100x64x'" in err and not (Path(cfg.run.dir) / "report").exists()

@@ -49,7 +49,8 @@ def test_plain_lines_off_a_terminal_then_a_resume_says_where_it_starts(tmp_path)
     out = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 0, out
     assert (f"resumed from {tmp_path / 'checkpoints' / 'step_00000004'} (step 4); continuing at step 5; "
-            "model.sliding_window = 0 in the checkpoint, 8 here") in out
+            "model.sliding_window = 0 in the checkpoint, 8 here; train.steps = 4 before, 6 here (the learning rate "
+            "follows this run's schedule)") in out  # the cosine decay, over by step 4, climbs again: said
     closing = out.splitlines()[-1]
     assert " at step 5 -> " in closing and closing.split(" at step ")[-1].startswith("6;"), closing
     proc = tetrad_train(tmp_path, "--train.steps=6", "--checkpoint.every=4")  # once more: the run is finished

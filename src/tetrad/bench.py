@@ -199,6 +199,30 @@ def write_profile(out: Path, part: dict, name: str, ranks_per_node: int, device:
     return path
 
 
+def _count(text: str) -> int:
+    """argparse type: a whole number >= 1 (--threads; each of --ranks and --sizes-kb)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def _counts(text: str) -> list[int]:
+    """argparse type: comma-separated whole numbers >= 1 (--ranks 2,4,8; --sizes-kb 4,64,1024)."""
+    try:
+        return [_count(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1, comma-separated, got {text!r}") from None
+
+
+def _group_sizes(text: str) -> list[int]:
+    """argparse type of --ranks: a collective needs two ranks or more."""
+    sizes = _counts(text)
+    if min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"group sizes are 2 ranks or more (a collective of one moves nothing), "
+                                         f"got {text!r}")
+    return sizes
+
+
 def bench_command(argv: list[str]) -> int:
     from tetrad import device as devices
     ap = argparse.ArgumentParser(prog="tetrad bench", description=__doc__.split("\n\n")[0])
@@ -206,23 +230,23 @@ def bench_command(argv: list[str]) -> int:
     ap.add_argument("--out", default="bench", help="folder for hardware.json and cluster.toml (default: bench)")
     ap.add_argument("--name", default=f"measured-{os.uname().nodename}")
     ap.add_argument("--device", default="auto", help="cpu, cuda, ... (default auto: the accelerator if any)")
-    ap.add_argument("--ranks", help="comm: group sizes, comma-separated (default 2,4,8 CPU ranks; on an "
-                                    "accelerator the powers of two up to the local device count)")
-    ap.add_argument("--sizes-kb", help="comm: message sizes in KiB, comma-separated (default: 4 KiB-16 MiB on "
-                                       "CPU, 64 KiB-1 GiB on an accelerator)")
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--ranks", type=_group_sizes, help="comm: group sizes, comma-separated (default 2,4,8 CPU ranks; "
+                    "on an accelerator the powers of two up to the local device count)")
+    ap.add_argument("--sizes-kb", type=_counts, help="comm: message sizes in KiB, comma-separated (default: 4 KiB-16 "
+                    "MiB on CPU, 64 KiB-1 GiB on an accelerator)")
+    ap.add_argument("--threads", type=_count, default=1,
                     help="gemm on CPU: intra-op threads, as one training rank gets (default 1: one rank per core)")
     ap.add_argument("--json", action="store_true", help="print the measurements as JSON instead of tables")
     args = ap.parse_args(argv)
     device = devices.resolve_device_type(args.device, "--device")
     devices.configure_allocator(device)
     local = devices.local_device_count(device)
-    ranks = [int(x) for x in args.ranks.split(",")] if args.ranks else \
-        [2, 4, 8] if device == "cpu" else [n for n in (2, 4, 8) if n <= local]
-    sizes = [int(s) << 10 for s in args.sizes_kb.split(",")] if args.sizes_kb else list(_default_sizes(device))
+    ranks = args.ranks or ([2, 4, 8] if device == "cpu" else [n for n in (2, 4, 8) if n <= local])
+    sizes = [s << 10 for s in args.sizes_kb] if args.sizes_kb else list(_default_sizes(device))
     if args.what in ("comm", "all") and (len(set(sizes)) < 3 or max(sizes) < 16 * min(sizes)):
         # two unknowns (latency, bandwidth): fewer sizes, or a narrow span, fit noise (1.25 PB/s seen)
-        print(f"tetrad bench: --sizes-kb needs 3 or more sizes spanning 16x or more (got {args.sizes_kb}), so that "
+        print(f"tetrad bench: --sizes-kb needs 3 or more sizes spanning 16x or more (got "
+              f"{','.join(str(s >> 10) for s in sizes)}), so that "
               "both the link's latency and its bandwidth show in the times; e.g. --sizes-kb 4,64,1024,16384",
               file=sys.stderr)
         return 2

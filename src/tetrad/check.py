@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tetrad.config import Config, ConfigError, load_config, split_config_args, validate
 from tetrad.train.metrics import layout_label
+from tetrad.viz.timeline import non_negative
 
 CHECK_STEPS = 4
 
@@ -64,7 +65,7 @@ def check_command(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="tetrad check", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=CHECK_STEPS, help="steps of each run (step 1 is judged to rounding)")
-    ap.add_argument("--drift", type=float, default=0.05, help="largest relative loss difference at a later step")
+    ap.add_argument("--drift", type=non_negative, default=0.05, help="largest relative loss difference at a later step")
     args, rest = ap.parse_known_args(argv)
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps}: give at least 1")

@@ -6,6 +6,7 @@ import functools
 import os
 import signal
 import sys
+import textwrap
 from pathlib import Path
 
 from tetrad.config import Config, ConfigError, idle_settings, load_config, split_config_args
@@ -35,7 +36,8 @@ def train_command(argv: list[str]) -> int:
 
     if {"-h", "--help"} & set(argv):
         print("usage: tetrad train [CONFIG] [--section.key=value ...]\n"
-              "Without CONFIG the defaults apply: the tiny preset on the built-in corpus, one process.")
+              "Without CONFIG the defaults apply: the tiny preset on the built-in corpus, one process.\n"
+              + _config_keys())
         return 0
     path, overrides = split_config_args(argv)
     cfg = load_config(path, overrides, model_from_inputs=model_keys)
@@ -51,6 +53,19 @@ def train_command(argv: list[str]) -> int:
                 raise  # main's SIGPIPE status
             _drop_stdout()  # torchrun counts any other status than 0 as a failed worker: it restarts the job
     return 1 if history and history[-1].get("diverged") else 0  # a job scheduler sees the stop
+
+
+def _config_keys() -> str:
+    """Every config key with its default, by section: what --help owes a user who would otherwise
+    read sections.py to learn that the tensor-parallel size is parallel.tp."""
+    lines = ["", textwrap.fill("Keys (in a CONFIG's [section] table, or --section.key=value; values are TOML "
+                               "literals), with their defaults; src/tetrad/config/sections.py says what each does:",
+                               width=100)]
+    for table in Config().to_toml().strip().split("\n\n"):
+        header, *keys = table.splitlines()
+        lines.append(textwrap.fill(f"{header} " + ", ".join(k.replace(" = ", "=", 1) for k in keys), width=100,
+                                   initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False))
+    return "\n".join(lines)
 
 
 def _announce(cfg: Config, device_type: str, resume: Path | None) -> None:
@@ -78,13 +93,16 @@ def check_command(argv: list[str]) -> int:
 
 
 def estimate_command(argv: list[str]) -> int:
+    """The model the data and `checkpoint.init_from` decide, as `tetrad train`'s."""
     from tetrad.plan.cli import estimate_command as run
-    return run(argv)
+    from tetrad.train.init_from import model_keys
+    return run(argv, model_from_inputs=model_keys)
 
 
 def plan_command(argv: list[str]) -> int:
     from tetrad.plan.cli import plan_command as run
-    return run(argv)
+    from tetrad.train.init_from import model_keys
+    return run(argv, model_from_inputs=model_keys)
 
 
 def convert_command(argv: list[str]) -> int:

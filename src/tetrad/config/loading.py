@@ -16,8 +16,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from tetrad.config.sections import (SECTIONS, Config, ConfigError, ModelConfig, did_you_mean, places_of, suggest_key,
-                                    suggest_section)
+from tetrad.config.sections import (FLAG_ALIASES, SECTIONS, Config, ConfigError, ModelConfig, did_you_mean, places_of,
+                                    suggest_key, suggest_section)
 from tetrad.config.validation import validate
 from tetrad.presets import PRESETS
 
@@ -99,8 +99,9 @@ def check_override(arg: str, following: str | None = None) -> None:
         raise ConfigError(f"give CONFIG as a plain argument, without {arg.split('=')[0]}: "
                           f"e.g. tetrad train {value} --train.steps=100")
     if "." not in name:
-        places = places_of(name)
-        fix = f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2"
+        places, switch = places_of(name), FLAG_ALIASES.get(name.replace("-", "_"))
+        fix = (f"write --{switch}" if switch and text in ("", "true")
+               else f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2")
         raise ConfigError(f"override {arg!r} must look like --section.key=value; {fix}")
     if not eq:
         value = "true" if _hint(*name.split(".", 1)) is bool else value  # Megatron's --sequence-parallel
@@ -118,6 +119,13 @@ def split_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
         if arg.startswith("-"):
             check_override(arg, argv[i + 1] if i + 1 < len(argv) else None)
     paths = [a for a in argv if not a.startswith("-")]
+    for arg in paths:
+        if "=" in arg and not Path(arg).exists():  # `tetrad train train.steps=10`
+            name, _, value = arg.partition("=")
+            places = [name] if "." in name else places_of(name)
+            fix = f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2"
+            raise ConfigError(f"{arg!r} is neither a config file nor an override (overrides start with two "
+                              f"dashes); {fix}")
     if len(paths) > 1:
         raise ConfigError(f"expected at most one CONFIG file, got {paths}")
     return (paths[0] if paths else None), [a for a in argv if a.startswith("-")]

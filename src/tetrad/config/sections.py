@@ -306,8 +306,14 @@ KEY_ALIASES = {
     "mixed_precision_param": "train.dtype", "eval_interval": "train.eval_every", "eval_iters": "train.eval_steps",
     "data_path": "data.source", "dataset_path": "data.source", "save_interval": "checkpoint.every",
     "interval": "checkpoint.every", "async_mode": "checkpoint.async_save", "log_interval": "run.log_every", "log_freq": "run.log_every",
-    "dump_folder": "run.dir",
+    "dump_folder": "run.dir", "save": "checkpoint.dir", "load": "checkpoint.dir", "flavor": "model.preset",
+    "dataset": "data.source", "mode": "train.recompute",
 }
+# Megatron-LM's switches (no value) as the override that does what each asks.
+FLAG_ALIASES = {"bf16": "train.dtype=bf16", "fp16": "train.dtype=fp16",
+                "sequence_parallel": "parallel.sequence_parallel=true", "use_distributed_optimizer": "parallel.zero=1", "recompute_activations": "train.recompute=selective",
+                "swiglu": "model.mlp=swiglu", "untie_embeddings_and_output_weights": "model.tie_embeddings=false",
+                "add_qkv_bias": "model.qkv_bias=true", "qk_layernorm": "model.qk_norm=true"}
 # torchtitan's tables whose keys live in one of ours.
 SECTION_ALIASES = {"optimizer": "train", "lr_scheduler": "train", "activation_checkpoint": "train",
                    "job": "run", "metrics": "run", "parallelism": "parallel"}

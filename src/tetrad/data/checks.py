@@ -115,7 +115,7 @@ def _check_source(key: str, source: str, vocab_size: int, init_from: str) -> Non
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"{key}={source!r} is neither a built-in corpus ({', '.join(CORPORA)}) nor an existing "
-                          "file or folder" + _blend_hint(source))
+                          "file or folder" + _blend_hint(source) + _prefix_hint(source))
     if is_shard_folder(path):
         return _check_shards(key, path, vocab_size, init_from)
     if path.is_dir():
@@ -130,8 +130,37 @@ def _check_source(key: str, source: str, vocab_size: int, init_from: str) -> Non
                           "token ids (2 bytes each): the file is truncated or not a token file")
     if path.suffix == ".npy":
         return _check_npy(key, path)
-    if path.suffix != ".bin":
+    if path.suffix == ".bin":
+        _check_megatron(key, path)
+    else:
         _check_bytes(key, source, vocab_size)
+
+
+# Megatron-LM's indexed dataset: the .idx beside the .bin starts with this, a version (u64) and the
+# code of the tokens' dtype (u8; 8 is uint16, what vocabularies under 65,500 get, else 4, int32).
+MEGATRON_INDEX = b"MMIDIDX\x00\x00"
+MEGATRON_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"}
+
+
+def _check_megatron(key: str, path: Path) -> None:
+    """A .bin is read as raw uint16, which a Megatron-LM dataset of int32 tokens (Llama 3's
+    vocabulary) is not: every id would read as two, in range, and train on noise."""
+    try:
+        with open(path.with_suffix(".idx"), "rb") as f:
+            head = f.read(18)
+    except OSError:
+        return
+    if len(head) == 18 and head.startswith(MEGATRON_INDEX) and head[17] != 8:
+        dtype = MEGATRON_DTYPES.get(head[17], f"dtype code {head[17]}")
+        raise ConfigError(f"{key}={str(path)!r} is a Megatron-LM dataset of {dtype} tokens (its .idx says), and "
+                          "tetrad reads a .bin as uint16; save the ids as a .npy (np.save('tokens.npy', "
+                          f"np.fromfile('{path}', np.{dtype}).astype(np.uint32))) or tokenize the text with "
+                          "`tetrad data`")
+
+
+def _prefix_hint(source: str) -> str:
+    """Megatron-LM names a dataset by its prefix, without .bin/.idx: the file tetrad would read."""
+    return f"; for Megatron-LM's prefix, give the file: {source}.bin" if Path(source + ".bin").is_file() else ""
 
 
 def _blend_hint(source: str) -> str:

@@ -1,7 +1,8 @@
 """Every source a run reads tokens from, as one `TokenStream`.
 
 `data.source` is a built-in corpus name, a text file or a folder of `.txt` files (tokens are
-bytes, vocabulary 256), a token file (`.bin`: raw uint16, the nanoGPT/Megatron convention;
+bytes, vocabulary 256), a token file (`.bin`: raw uint16, the nanoGPT convention, and
+Megatron-LM's where its .idx says uint16 (data/checks.py refuses its int32 ones);
 `.npy`: uint16/uint32/int32/int64), or a shard folder from `tetrad data` (its index.json); or a
 blend of such sources with weights, written as Megatron-LM writes `--data-path`:
 "0.7 data/web 0.3 data/code".

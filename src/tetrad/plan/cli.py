@@ -12,6 +12,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 try:
     import tomllib
@@ -48,7 +49,9 @@ def _cluster(ref: str, gpus: int | None) -> Cluster:
     return cluster
 
 
-def estimate_command(argv: list[str]) -> int:
+def estimate_command(argv: list[str], model_from_inputs: Callable[[dict], dict] | None = None) -> int:
+    """`model_from_inputs` (load_config's): the [model] keys the config's data and init_from weights
+    decide, as `tetrad train` takes them, so that the model estimated is the one it would train."""
     ap = argparse.ArgumentParser(prog="tetrad estimate", description="The cost model for one layout.",
                                  epilog="Any --section.key=value overrides the config.")
     ap.add_argument("config", nargs="?", help="a config TOML (default: the built-in defaults)")
@@ -57,7 +60,7 @@ def estimate_command(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print the JSON object of the contract")
     args, overrides = ap.parse_known_args(argv)
     try:
-        cfg = load_config(args.config, overrides, runtime=False)
+        cfg = _weights_exist(load_config(args.config, overrides, runtime=False, model_from_inputs=model_from_inputs))
         check_config(cfg)
         cluster = load_cluster(args.cluster)
     except (ConfigError, HardwareError) as e:
@@ -77,7 +80,17 @@ def estimate_command(argv: list[str]) -> int:
     return 0 if est.fits else 1
 
 
-def _base_config(args, overrides: list[str]) -> Config:
+def _weights_exist(cfg: Config) -> Config:
+    """The model is the shape of checkpoint.init_from's weights: a path that is not there would
+    cost the preset's model instead, without a word."""
+    source = cfg.checkpoint.init_from
+    if source and not Path(source).exists():
+        raise ConfigError(f"checkpoint.init_from={source!r} does not exist; name a tetrad checkpoint or an HF folder "
+                          "(the model costed is the shape of its weights)")
+    return cfg
+
+
+def _base_config(args, overrides: list[str], model_from_inputs: Callable[[dict], dict] | None) -> Config:
     """The model and training settings to plan for: a preset or a config file, then the flags and
     overrides. The layout in it is irrelevant (the plan chooses one), so it starts at micro_batch=1."""
     path = args.config or (args.model if args.model.endswith(".toml") else None)
@@ -86,12 +99,13 @@ def _base_config(args, overrides: list[str]) -> Config:
     flags += [f"model.seq_len={args.seq_len}"] if args.seq_len is not None else []
     if args.dtype or "train.dtype" not in _user_keys(args, overrides):  # bf16: what clusters run
         flags += [f"train.dtype={args.dtype or 'bf16'}"]
-    cfg = load_config(path, flags + overrides, runtime=False)
+    cfg = _weights_exist(load_config(path, flags + overrides, runtime=False, model_from_inputs=model_from_inputs))
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1, cp=1, vpp=1,
                                                                  schedule="1f1b"))
 
 
-def plan_command(argv: list[str]) -> int:
+def plan_command(argv: list[str], model_from_inputs: Callable[[dict], dict] | None = None) -> int:
+    """`model_from_inputs` as estimate_command's."""
     ap = argparse.ArgumentParser(prog="tetrad plan", description="Rank every legal layout by predicted step time.",
                                  epilog="Any --section.key=value overrides the model or training settings.")
     ap.add_argument("config", nargs="?", help="a config TOML whose model and training settings to plan for")
@@ -110,7 +124,7 @@ def plan_command(argv: list[str]) -> int:
     ap.add_argument("--plot", help="draw step time vs memory per GPU of the candidates to this PNG")
     args, overrides = ap.parse_known_args(argv)
     try:
-        base = _base_config(args, overrides)
+        base = _base_config(args, overrides, model_from_inputs)
         cluster = _cluster(args.cluster, args.gpus)
         if base.train.offload_optimizer and offload_unknown(cluster):
             raise HardwareError(offload_unknown(cluster))

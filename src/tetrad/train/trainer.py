@@ -33,6 +33,7 @@ from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.data.blend import blend_parts
 from tetrad.train.batches import Batches, DataPosition, split_batches
 from tetrad.train.checkpoint import Checkpointer
+from tetrad.train.checkpoint.recovery import schedule_changes
 from tetrad.train.init_from import initial_weights
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
@@ -305,6 +306,8 @@ class Trainer:
         stateful = self.job_state()
         local = {"grads": self.grads}
         start = ckpt.resume(params, self.optimizer, self.run_dir / "metrics.jsonl", stateful, local)
+        schedule = schedule_changes(self.run_dir / "config.toml", cfg.train) if start else []
+        changes = [*ckpt.behaviour_changes, *schedule]  # said on the resume line
         if is_logger:  # after resume, which reads the config.toml of the run whose metrics are there
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
@@ -314,7 +317,7 @@ class Trainer:
                      "to train; raise train.steps to continue this run, or use a new run.dir")
         elif start:
             log.note(f"tetrad: resumed from {ckpt.resumed_from} (step {start}); continuing at step {start + 1}"
-                     + "".join(f"; {change}" for change in ckpt.behaviour_changes))
+                     + "".join(f"; {change}" for change in changes))
         history = []
         profiler = telemetry.step_profiler(cfg.train.profile, start, self.run_dir / "traces" / f"rank{self.topo.rank}.json",
                                            self.topo.device)

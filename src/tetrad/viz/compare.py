@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tetrad.config import load_config, read_toml
 from tetrad.viz.report import new_figure, style_axes
+from tetrad.viz.timeline import non_negative
 
 # Keys that change how a step is computed, not what: the layout and how it runs.
 EXECUTION_SECTIONS = ("parallel", "run", "checkpoint")
@@ -129,7 +130,7 @@ def compare_command(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="tetrad compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_a")
     ap.add_argument("run_b")
-    ap.add_argument("--drift", type=float, default=0.05,
+    ap.add_argument("--drift", type=non_negative, default=0.05,
                     help="largest relative loss difference at any step before the runs are said to disagree")
     ap.add_argument("--out", help="also draw both loss curves and their difference to this PNG")
     args = ap.parse_args(argv)

@@ -387,8 +387,11 @@ def report_command(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
+        if args.cluster:  # one the user named is checked first: a typo is not a report without the prediction
+            from tetrad.plan.hardware import load_cluster
+            load_cluster(args.cluster)
         page, texts = write_report(args.run_dir, args.cluster, args.samples)
-    except ValueError as e:  # a run with no step yet
+    except ValueError as e:  # a run with no step yet; an unknown cluster (HardwareError)
         print(f"tetrad: {e}", file=sys.stderr)
         return 2
     for k, text in enumerate(texts, 1):

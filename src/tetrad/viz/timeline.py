@@ -8,6 +8,7 @@ coloured by kind, lighter for later model chunks, with the micro-batch number in
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -95,6 +96,18 @@ def _costs(text: str) -> tuple[float, float, float]:
     return values
 
 
+def non_negative(text: str) -> float:
+    """argparse type: a number >= 0 (--p2p's latency; compare's and check's --drift): a negative
+    one would simulate time running back, or call every pair of runs different."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def schedule_command(args: list[str]) -> int:
     """`tetrad schedule`: build a schedule, simulate it, print the numbers, optionally draw it."""
     parser = argparse.ArgumentParser(
@@ -109,7 +122,7 @@ def schedule_command(args: list[str]) -> int:
                         help="seconds per micro-batch for one rank's share of the model, split evenly "
                              "over its vpp chunks: forward, backward-input, backward-weight (a full "
                              "backward costs BI+BW; default 1,1,1)")
-    parser.add_argument("--p2p", type=float, default=0.0, help="latency of one transfer between ranks (s)")
+    parser.add_argument("--p2p", type=non_negative, default=0.0, help="latency of one transfer between ranks (s)")
     parser.add_argument("--out", help="write the Gantt chart here (.png or .svg)")
     opts = parser.parse_args(args)
     vpp = opts.vpp or schedule_spec(opts.schedule).default_vpp()

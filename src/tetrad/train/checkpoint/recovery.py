@@ -156,3 +156,21 @@ def cut_history(metrics: Path, step: int) -> None:
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line from a kill
     replace_text(metrics, "".join(line + "\n" for line in kept))
+
+
+# [train] keys that set the learning rate of each step: a resume continues at its step on this
+# run's schedule, which Megatron-LM refuses to change unless told (--override-opt_param-scheduler).
+SCHEDULE_KEYS = ("steps", "lr", "lr_schedule", "warmup", "min_lr_ratio", "decay_fraction")
+
+
+def schedule_changes(saved_config: Path, train_cfg) -> list[str]:
+    """How this run's learning-rate schedule differs from the one in the config.toml the resumed
+    run wrote (none where there is none): allowed, as extending a run needs, and said."""
+    try:
+        saved = read_toml(saved_config).get("train", {})
+    except ConfigError:
+        return []
+    here = {key: getattr(train_cfg, key) for key in SCHEDULE_KEYS}
+    changed = [f"train.{k} = {saved[k]!r} before, {here[k]!r} here" for k in SCHEDULE_KEYS
+               if saved.get(k, here[k]) != here[k]]
+    return [", ".join(changed) + " (the learning rate follows this run's schedule)"] if changed else []

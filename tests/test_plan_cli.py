@@ -164,7 +164,10 @@ def test_plan_write_sizes_the_training_to_the_model(tmp_path, capsys):
     assert cfg.train.lr == pytest.approx(1.1e-4)  # between GPT-3's 6.7B (1.2e-4) and 13B (1.0e-4)
     assert cfg.train.steps == -(-20 * params // (16 * 8192))  # 20 tokens per parameter
     assert cfg.data.source == "data/tokens" and cfg.train.dtype == "bf16"
-    for stated in ("train.lr = 0.00011: GPT-3's learning rate", "train.steps = ", "train.warmup = ", "data.source = "):
+    step_time = float(re.search(r"# Written by tetrad plan: ([\d.e+-]+) s per step", written).group(1))
+    assert cfg.checkpoint.every == pytest.approx(1800 / step_time, rel=0.01)  # every ~30 minutes, not never
+    for stated in ("train.lr = 0.00011: GPT-3's learning rate", "train.steps = ", "train.warmup = ", "data.source = ",
+                   "checkpoint.every = "):
         assert f"#   {stated}" in written and stated in printed
     assert main(args + ["--train.lr=2e-4", "--data.source=licenses"]) == 0  # what the user set stays
     cfg = load_config(out)

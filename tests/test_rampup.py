@@ -227,9 +227,9 @@ def test_plan_write_counts_the_ramps_smaller_steps_in_token_budgets():
     # (45,952): 310 steps, where the constant batch of 512 takes 90.
     train = {"global_batch": 512, "micro_batch": 1, "batch_rampup": [128, 128, 100_000]}
     cfg = load_config(overrides={"model": {"preset": "llama3-8b"}, "train": train}, runtime=False)
-    sized, notes = sized_training(cfg, set())
+    sized, notes = sized_training(cfg, set(), 1.0)
     assert sized.train.warmup == 310
-    flat, _ = sized_training(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_rampup=[])), set())
+    flat, _ = sized_training(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_rampup=[])), set(), 1.0)
     assert flat.train.warmup == 90
     budget, ramp = 20 * parameter_count(cfg.model) / 8192, BatchRamp.of(cfg.train)  # samples of 20 tokens/parameter
     assert ramp.advance(0, sized.train.steps - 1) < budget <= ramp.advance(0, sized.train.steps)

@@ -166,7 +166,7 @@ def _user_keys(args, overrides: list[str]) -> set[str]:
 def _write(best: Estimate, args, overrides: list[str], out) -> None:
     """Write the best layout as a config, with training settings sized to the model where the user
     set none, each stated in the file's header and printed."""
-    cfg, notes = sized_training(best.cfg, _user_keys(args, overrides))
+    cfg, notes = sized_training(best.cfg, _user_keys(args, overrides), best.step_time_s)
     header = [f"# Written by tetrad plan: {best.step_time_s:.3g} s per step predicted, MFU {100 * best.mfu:.1f}%, "
               f"{best.peak_memory_gib:.1f} GiB per GPU."]
     if notes:

@@ -19,6 +19,7 @@ GPT3_LEARNING_RATES = ((125e6, 6.0e-4), (350e6, 3.0e-4), (760e6, 2.5e-4), (1.3e9
 TOKENS_PER_PARAMETER = 20  # compute-optimal training (Hoffmann et al. 2022, "Chinchilla")
 WARMUP_TOKENS = 375e6  # GPT-3's linear warm-up
 DATA_PLACEHOLDER = "data/tokens"  # where the user's token shards go; the built-in corpus is a demo
+CHECKPOINT_MINUTES = 30  # between checkpoints: what a failure costs at most (the default of 0 saves none)
 
 
 def learning_rate(parameters: float) -> float:
@@ -39,9 +40,10 @@ def _steps_for(cfg: Config, tokens: float) -> int:
     return max(1, BatchRamp.of(cfg.train).steps_for(math.ceil(tokens / cfg.model.seq_len)))
 
 
-def sized_training(cfg: Config, user_keys: set[str]) -> tuple[Config, list[str]]:
-    """`cfg` with lr, steps, warm-up and data source sized to its model, except the keys in
-    `user_keys` ("section.key"); and one line per value set, saying why."""
+def sized_training(cfg: Config, user_keys: set[str], step_time_s: float) -> tuple[Config, list[str]]:
+    """`cfg` with lr, steps, warm-up, data source and checkpoint interval sized to its model (and
+    its predicted `step_time_s`), except the keys in `user_keys` ("section.key"); and one line per
+    value set, saying why."""
     params = flops.parameter_count(cfg.model)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     steps = _steps_for(cfg, TOKENS_PER_PARAMETER * params)
@@ -53,6 +55,9 @@ def sized_training(cfg: Config, user_keys: set[str]) -> tuple[Config, list[str]]
                                f"{tokens_per_step:,} tokens per step{ramped}"),
         "train.warmup": (min(steps, _steps_for(cfg, WARMUP_TOKENS)), "GPT-3's warm-up of 375M tokens"),
         "data.source": (DATA_PLACEHOLDER, "set it to your token shards or text (the built-in corpus is a demo)"),
+        "checkpoint.every": (min(steps, max(1, round(CHECKPOINT_MINUTES * 60 / step_time_s))),
+                             f"about every {CHECKPOINT_MINUTES} minutes at the predicted step time: a failure "
+                             "loses at most that much"),
     }
     notes, sections = [], {}
     for key, (value, why) in chosen.items():

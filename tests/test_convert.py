@@ -244,12 +244,12 @@ def test_hf_weights_that_do_not_fit_config_are_refused(tmp_path, capsys):
     transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
     assert "model.layers.0.mlp.gate_proj.weight: (128, 64) in the file, (96, 64) for config.json's model" in err
     assert not (tmp_path / "ckpt").exists()
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"truncated")  # a broken file: one line, no traceback
-    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 2
     assert "model.safetensors is not a readable safetensors file" in capsys.readouterr().err
 
 
@@ -264,7 +264,7 @@ def test_an_export_refuses_a_folder_that_holds_anything_in_one_line(tmp_path, ca
     out = tmp_path / "hf"
     out.mkdir()
     (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
-    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 1
+    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(out)]) == 2
     assert capsys.readouterr().err == (f"tetrad: --to-hf {out} exists and is not an empty folder; choose a new one, "
                                        "or remove it first\n")
     assert not (out / "model.safetensors").exists()
@@ -276,11 +276,11 @@ def test_an_export_refuses_a_folder_that_holds_anything_in_one_line(tmp_path, ca
         (tmp_path / "base" / name).write_bytes(b"base model's " + name.encode())
     for target in (out, tmp_path / "base"):
         kept = {p.name: p.read_bytes() for p in target.iterdir()}
-        assert main(["convert", str(tmp_path / "run"), "--to-hf", str(target)]) == 1
+        assert main(["convert", str(tmp_path / "run"), "--to-hf", str(target)]) == 2
         assert capsys.readouterr().err.startswith(f"tetrad: --to-hf {target} exists and is not an empty folder")
         assert {p.name: p.read_bytes() for p in target.iterdir()} == kept
     assert (out / "model.safetensors").read_bytes() == exported
-    assert main(["convert", str(out), "--to-tetrad", str(tmp_path / "run")]) == 1
+    assert main(["convert", str(out), "--to-tetrad", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err == (f"tetrad: --to-tetrad {tmp_path / 'run'} exists and is not an empty folder; "
                                        "choose a new one, or remove it first\n")
     (tmp_path / "empty").mkdir()
@@ -327,7 +327,7 @@ def test_to_tetrad_from_a_folder_that_is_not_hf_is_one_line(tmp_path, capsys):
     Trainer(cfg, torch.device("cpu")).fit()
     for source, hint in [(tmp_path / "run", "train from it with --checkpoint.init_from="),
                          (tmp_path / "missing", "config.json and *.safetensors")]:
-        assert main(["convert", str(source), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
+        assert main(["convert", str(source), "--to-tetrad", str(tmp_path / "ckpt")]) == 2
         err = capsys.readouterr().err
         assert f"{source} is not a Hugging Face model folder (no config.json)" in err and hint in err, err
         assert err.count("\n") == 1 and not (tmp_path / "ckpt").exists()
@@ -383,7 +383,7 @@ def test_phi3_weights_that_do_not_fit_config_name_the_fused_tensor(tmp_path, cap
     write_hf_phi3(tmp_path / "hf", num_hidden_layers=1)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
     assert "model.layers.0.mlp.gate_up_proj.weight: (256, 64) in the file, (192, 64) for config.json's model" in err
 
@@ -445,7 +445,7 @@ def test_a_refused_phi3_is_one_line_from_convert_and_train(tmp_path, capsys, key
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **keys}))
     capsys.readouterr()
-    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 1
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and named in err, err
     assert main(["train", f"--checkpoint.init_from={tmp_path / 'hf'}", "--train.steps=1", "--model.seq_len=32",

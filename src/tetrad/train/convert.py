@@ -313,5 +313,5 @@ def convert_command(argv: list[str]) -> int:
                      if tokenizer.is_file() else ""))
     except (CheckpointError, ValueError) as e:
         print(f"tetrad: {e}", file=sys.stderr)
-        return 1
+        return 2  # a user's mistake, as every command answers one
     return 0

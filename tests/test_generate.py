@@ -358,3 +358,8 @@ def test_a_hugging_face_folder_generates_as_transformers_without_converting(tmp_
     assert main(["generate", str(hf), "--prompt", "the licence", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr()
     assert out.out.strip() == "the licence" + tokenizer.decode(theirs, skip_special_tokens=False)  # greedy: do_sample false
+    config_json = hf / "config.json"
+    config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "num_key_value_heads": 4}))
+    assert main(["generate", str(hf), "--prompt", "the"]) == 2  # one line naming the tensor, no traceback
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.layers.0.self_attn.k_proj.weight: (16, 32) in the file" in err, err

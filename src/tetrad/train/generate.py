@@ -32,7 +32,7 @@ from tetrad.model.llama import LayerCache, Transformer
 from tetrad.model.sampling import SAMPLING_FIELDS, Sampling
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
-from tetrad.train.convert import checkpoint_folder, exported_tokenizer, logical_shapes, read_weights
+from tetrad.train.convert import checkpoint_folder, exported_tokenizer, hf_mismatches, logical_shapes, read_weights
 from tetrad.train.hf_architectures import model_config_from_hf
 from tetrad.train.init_from import HF_CONFIG, initial_weights, is_hf_folder
 
@@ -167,8 +167,12 @@ def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | Non
     sampled without converting it), the run's or the model's tokenizer, and where that came from
     (None: bytes)."""
     if is_hf_folder(checkpoint):
-        model_cfg = load_config(overrides={"model": model_config_from_hf(json.loads((checkpoint / HF_CONFIG).read_text()),
-                                                                         checkpoint / HF_CONFIG)}, runtime=False).model
+        hf = json.loads((checkpoint / HF_CONFIG).read_text())
+        model_cfg = load_config(overrides={"model": model_config_from_hf(hf, checkpoint / HF_CONFIG)}, runtime=False).model
+        problems = hf_mismatches(checkpoint, model_cfg, hf.get("model_type", ""))
+        if problems:
+            raise ValueError(f"{checkpoint}'s weights do not match its config.json ({problems[0]}"
+                             f"{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})")
         read = initial_weights(str(checkpoint))
         state = {name: read(name) for name in logical_shapes(model_cfg)}
         tokenizer, source = (load_tokenizer(checkpoint / TOKENIZER), checkpoint / TOKENIZER) \

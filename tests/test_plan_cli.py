@@ -194,7 +194,7 @@ def test_plan_refuses_counts_it_cannot_use(capsys):
     for flag, value in (("--top", "0"), ("--gpus", "0"), ("--gpus", "-8")):
         with pytest.raises(SystemExit) as exit_:
             main(args + [flag, value])
-        assert exit_.value.code == 2 and "is not a whole number >= 1" in capsys.readouterr().err
+        assert exit_.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err
     assert main(args + ["--gpus", "16"]) == 2
     assert "--gpus 16 is more than the cluster's 8 GPUs" in capsys.readouterr().err
     for flag, key in (("--global-batch", "train.global_batch"), ("--seq-len", "model.seq_len")):

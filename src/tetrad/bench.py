@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tetrad.config.arguments import whole_number, whole_numbers
 from tetrad.device import DTYPES
 from tetrad.dist.bench import ACCELERATOR_SIZES, DEFAULT_SIZES, OPS, bench_rank, bus_factor
 from tetrad.launch import run_local
@@ -199,24 +200,9 @@ def write_profile(out: Path, part: dict, name: str, ranks_per_node: int, device:
     return path
 
 
-def _count(text: str) -> int:
-    """argparse type: a whole number >= 1 (--threads; each of --ranks and --sizes-kb)."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(text)
-
-
-def _counts(text: str) -> list[int]:
-    """argparse type: comma-separated whole numbers >= 1 (--ranks 2,4,8; --sizes-kb 4,64,1024)."""
-    try:
-        return [_count(x) for x in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1, comma-separated, got {text!r}") from None
-
-
 def _group_sizes(text: str) -> list[int]:
     """argparse type of --ranks: a collective needs two ranks or more."""
-    sizes = _counts(text)
+    sizes = whole_numbers(text)
     if min(sizes) < 2:
         raise argparse.ArgumentTypeError(f"group sizes are 2 ranks or more (a collective of one moves nothing), "
                                          f"got {text!r}")
@@ -232,9 +218,9 @@ def bench_command(argv: list[str]) -> int:
     ap.add_argument("--device", default="auto", help="cpu, cuda, ... (default auto: the accelerator if any)")
     ap.add_argument("--ranks", type=_group_sizes, help="comm: group sizes, comma-separated (default 2,4,8 CPU ranks; "
                     "on an accelerator the powers of two up to the local device count)")
-    ap.add_argument("--sizes-kb", type=_counts, help="comm: message sizes in KiB, comma-separated (default: 4 KiB-16 "
+    ap.add_argument("--sizes-kb", type=whole_numbers, help="comm: message sizes in KiB, comma-separated (default: 4 KiB-16 "
                     "MiB on CPU, 64 KiB-1 GiB on an accelerator)")
-    ap.add_argument("--threads", type=_count, default=1,
+    ap.add_argument("--threads", type=whole_number, default=1,
                     help="gemm on CPU: intra-op threads, as one training rank gets (default 1: one rank per core)")
     ap.add_argument("--json", action="store_true", help="print the measurements as JSON instead of tables")
     args = ap.parse_args(argv)

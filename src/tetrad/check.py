@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tetrad.config import Config, ConfigError, load_config, split_config_args, validate
 from tetrad.train.metrics import layout_label
-from tetrad.viz.timeline import non_negative
+from tetrad.config.arguments import non_negative
 
 CHECK_STEPS = 4
 

@@ -20,6 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from tetrad.config import Config, ConfigError, load_config
+from tetrad.config.arguments import whole_number
 from tetrad.parallel.pipeline.registry import check_config
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, HardwareError, load_cluster, offload_unknown
@@ -28,13 +29,6 @@ from tetrad.plan.recipe import sized_training
 from tetrad.plan.search import plan
 from tetrad.plan.stacks import STACKS
 from tetrad.plan.text import describe, plan_text, ramp_lines, why_no_layout, why_nothing_fits
-
-
-def _positive(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return int(text)
 
 
 def _cluster(ref: str, gpus: int | None) -> Cluster:
@@ -111,14 +105,14 @@ def plan_command(argv: list[str], model_from_inputs: Callable[[dict], dict] | No
     ap.add_argument("config", nargs="?", help="a config TOML whose model and training settings to plan for")
     ap.add_argument("--model", default="tiny", help="a preset name or a config TOML (default: tiny)")
     ap.add_argument("--cluster", required=True, help="a built-in cluster name or a cluster TOML file")
-    ap.add_argument("--gpus", type=_positive, help="plan for this many of the cluster's GPUs (default: all)")
+    ap.add_argument("--gpus", type=whole_number, help="plan for this many of the cluster's GPUs (default: all)")
     ap.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the config's "
                     "train.global_batch, 16 unless it sets one)")
     ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's seq_len)")
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"],
                     help="training precision (default: the config's train.dtype if it sets one, else bf16)")
     ap.add_argument("--stack", default="tetrad", choices=list(STACKS), help="software stack to model")
-    ap.add_argument("--top", type=_positive, default=10, help="how many layouts to rank (default: 10)")
+    ap.add_argument("--top", type=whole_number, default=10, help="how many layouts to rank (default: 10)")
     ap.add_argument("--json", action="store_true", help="print the ranked estimates as a JSON list")
     ap.add_argument("--out", "--write", dest="out", help="write the best layout as a runnable config TOML")
     ap.add_argument("--plot", help="draw step time vs memory per GPU of the candidates to this PNG")

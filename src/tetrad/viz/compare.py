@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tetrad.config import load_config, read_toml
 from tetrad.viz.report import new_figure, style_axes
-from tetrad.viz.timeline import non_negative
+from tetrad.config.arguments import non_negative
 
 # Keys that change how a step is computed, not what: the layout and how it runs.
 EXECUTION_SECTIONS = ("parallel", "run", "checkpoint")

@@ -8,10 +8,10 @@ coloured by kind, lighter for later model chunks, with the micro-batch number in
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
+from tetrad.config.arguments import non_negative
 from tetrad.parallel.pipeline.registry import SCHEDULES, build_schedule, schedule_spec
 from tetrad.parallel.pipeline.schedules import Action, ScheduleError
 from tetrad.parallel.pipeline.simulate import SimResult, StageCosts, simulate
@@ -94,18 +94,6 @@ def _costs(text: str) -> tuple[float, float, float]:
     if len(values) != 3 or min(values) < 0:
         raise argparse.ArgumentTypeError(f"expected three costs F,BI,BW >= 0 (e.g. 1,1,1), got {text!r}")
     return values
-
-
-def non_negative(text: str) -> float:
-    """argparse type: a number >= 0 (--p2p's latency; compare's and check's --drift): a negative
-    one would simulate time running back, or call every pair of runs different."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
 
 
 def schedule_command(args: list[str]) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -32,9 +31,9 @@ from tetrad.model.llama import LayerCache, Transformer
 from tetrad.model.sampling import SAMPLING_FIELDS, Sampling
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import CheckpointError
-from tetrad.train.convert import checkpoint_folder, exported_tokenizer, hf_mismatches, logical_shapes, read_weights
+from tetrad.train.convert import checkpoint_folder, exported_tokenizer, logical_shapes, read_weights
 from tetrad.train.hf_architectures import model_config_from_hf
-from tetrad.train.init_from import HF_CONFIG, initial_weights, is_hf_folder
+from tetrad.train.init_from import HF_CONFIG, hf_config, hf_weights_problem, initial_weights, is_hf_folder
 
 
 def single_process_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
@@ -167,12 +166,11 @@ def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | Non
     sampled without converting it), the run's or the model's tokenizer, and where that came from
     (None: bytes)."""
     if is_hf_folder(checkpoint):
-        hf = json.loads((checkpoint / HF_CONFIG).read_text())
-        model_cfg = load_config(overrides={"model": model_config_from_hf(hf, checkpoint / HF_CONFIG)}, runtime=False).model
-        problems = hf_mismatches(checkpoint, model_cfg, hf.get("model_type", ""))
-        if problems:
-            raise ValueError(f"{checkpoint}'s weights do not match its config.json ({problems[0]}"
-                             f"{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})")
+        model_cfg = load_config(overrides={"model": model_config_from_hf(hf_config(checkpoint), checkpoint / HF_CONFIG)},
+                                runtime=False).model
+        problem = hf_weights_problem(checkpoint, model_cfg)
+        if problem:
+            raise ValueError(f"{checkpoint}: {problem}")
         read = initial_weights(str(checkpoint))
         state = {name: read(name) for name in logical_shapes(model_cfg)}
         tokenizer, source = (load_tokenizer(checkpoint / TOKENIZER), checkpoint / TOKENIZER) \

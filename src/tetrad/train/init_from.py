@@ -36,14 +36,24 @@ def is_hf_folder(path: Path) -> bool:
     return (path / HF_CONFIG).is_file() and not (path / MANIFEST).exists()
 
 
-def _hf_config(path: Path) -> dict:
+def hf_config(path: Path) -> dict:
     return json.loads((path / HF_CONFIG).read_text())
+
+
+def hf_weights_problem(path: Path, model_cfg: ModelConfig) -> str | None:
+    """How the HF folder's weights differ from the model its config.json describes, in a few
+    words (the first difference, and how many more), or None where they fit."""
+    problems = hf_mismatches(path, model_cfg, hf_config(path).get("model_type", ""))
+    if not problems:
+        return None
+    return f"its weights do not match its config.json ({problems[0]}" + \
+        (f" and {len(problems) - 1} more)" if len(problems) > 1 else ")")
 
 
 def _source_model(path: Path) -> dict:
     """The [model] keys of the weights at `path` (an HF folder or a tetrad checkpoint)."""
     if is_hf_folder(path):
-        keys = model_config_from_hf(_hf_config(path), path / HF_CONFIG)
+        keys = model_config_from_hf(hf_config(path), path / HF_CONFIG)
         del keys["seq_len"]  # the context it was trained to (often 8k-128k), not what fine-tuning needs
         return keys
     return saved_model(json.loads((checkpoint_folder(path) / MANIFEST).read_text()))
@@ -83,13 +93,11 @@ def check_init_from(cfg: Config) -> None:
                           "drop those [model] keys: they follow the weights")
     if is_hf_folder(path):  # config.json fits [model]; the weights the ranks will read must fit it too
         try:
-            problems = hf_mismatches(path, cfg.model, _hf_config(path).get("model_type", ""))
+            problem = hf_weights_problem(path, cfg.model)
         except CheckpointError as e:
             raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
-        if problems:
-            more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
-            raise ConfigError(f"checkpoint.init_from={source!r}: its weights do not match its config.json "
-                              f"({problems[0]}{more}); export the folder again, or name another")
+        if problem:
+            raise ConfigError(f"checkpoint.init_from={source!r}: {problem}; export the folder again, or name another")
     _check_tokenizer(cfg, path)
 
 
@@ -132,7 +140,7 @@ def initial_weights(source: str) -> Callable[[str], torch.Tensor]:
     checked against the model's by sharding.init_parameters)."""
     path = Path(source)
     if is_hf_folder(path):
-        hf = _hf_config(path)
+        hf = hf_config(path)
         model_type = hf.get("model_type", "")
         rows = fused_rows(ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG)), model_type)
         files = {}

@@ -216,7 +216,7 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
 
 def _warn_of_host_memory(cfg: Config) -> None:
     """CPU ranks all start on this host: say so before they start when the planner predicts more
-    than it has free (plan/fit.py; a warning, as on GPUs: the prediction errs high by design)."""
+    than it has free (plan/fit.py; a warning, as on GPUs, not a refusal)."""
     from tetrad.plan.fit import host_memory_warning
     memory = devices.host_memory_gib()
     if memory is not None:

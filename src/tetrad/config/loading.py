@@ -89,6 +89,12 @@ def _check_tables(raw: dict) -> None:
 CONFIG_FLAGS = ("c", "cfg", "config", "config_file", "config-file", "config_path")
 
 
+def _fix_for(name: str, value: str) -> str:
+    """The override a mistyped `name=value` meant: its own section.key, or the key a bare name is."""
+    places = [name] if "." in name else places_of(name)
+    return f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2"
+
+
 def check_override(arg: str, following: str | None = None) -> None:
     """Refuse a command-line argument that is not `--section.key=value`, naming the form meant;
     `following` is the argument after it (the value of `--section.key value`, or a config path)."""
@@ -99,9 +105,8 @@ def check_override(arg: str, following: str | None = None) -> None:
         raise ConfigError(f"give CONFIG as a plain argument, without {arg.split('=')[0]}: "
                           f"e.g. tetrad train {value} --train.steps=100")
     if "." not in name:
-        places, switch = places_of(name), FLAG_ALIASES.get(name.replace("-", "_"))
-        fix = (f"write --{switch}" if switch and text in ("", "true")
-               else f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2")
+        switch = FLAG_ALIASES.get(name.replace("-", "_"))
+        fix = f"write --{switch}" if switch and text in ("", "true") else _fix_for(name, value)
         raise ConfigError(f"override {arg!r} must look like --section.key=value; {fix}")
     if not eq:
         value = "true" if _hint(*name.split(".", 1)) is bool else value  # Megatron's --sequence-parallel
@@ -122,10 +127,8 @@ def split_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
     for arg in paths:
         if "=" in arg and not Path(arg).exists():  # `tetrad train train.steps=10`
             name, _, value = arg.partition("=")
-            places = [name] if "." in name else places_of(name)
-            fix = f"write --{places[0]}={value}" if places else "e.g. --parallel.tp=2"
             raise ConfigError(f"{arg!r} is neither a config file nor an override (overrides start with two "
-                              f"dashes); {fix}")
+                              f"dashes); {_fix_for(name, value)}")
     if len(paths) > 1:
         raise ConfigError(f"expected at most one CONFIG file, got {paths}")
     return (paths[0] if paths else None), [a for a in argv if a.startswith("-")]

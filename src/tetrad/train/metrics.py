@@ -26,13 +26,15 @@ from tetrad.plan.hardware import GPU, GPUS
 # Fields every line carries (docs/design.md, metrics.jsonl contract; tests/test_breakdown.py checks them).
 CONTRACT_FIELDS = ("step", "loss", "lr", "grad_norm", "global_batch", "step_time_s", "tokens_per_s", "mfu",
                    "compute_s", "exposed_comm_s", "bubble_s", "comm_bytes")
-# The parts a step's time is split into; they are measured separately, so their sum against the
-# measured step time checks the accounting (tests/test_breakdown.py).
+# The parts a step's time is split into (StepClock): they tile the step, so they add up to step_time_s.
 PARTS = ("compute_s", "exposed_comm_s", "bubble_s", "optimizer_s", "data_s")
 
 
 class StepClock:
-    """Splits one step's time into parts, each measured rather than left over:
+    """Splits one step's time into parts that tile it: each part runs from the previous one's end
+    mark (the step's start, for the first) to its own, so the host glue between phases belongs
+    to the next phase and the parts add up to the step's time (`elapsed`) exactly. Each is
+    measured, not left over:
 
     - exposed communication per group and the pipeline bubble: tetrad.comm's time blocked in
       collectives (waits on pipeline neighbours, "pp", are the bubble);
@@ -51,19 +53,29 @@ class StepClock:
         self.comm = comm
         # Per part: (start mark, end mark, the slice of comm.spans made inside it).
         self.parts: dict[str, list[tuple]] = defaultdict(list)
+        self._first = self._last = None  # the step's start mark; the last part's end mark
 
     def start(self) -> None:
         self.comm.reset()
         self.parts.clear()
+        self._first = self._last = self.comm.clock.mark()
 
     @contextlib.contextmanager
     def part(self, name: str):
-        """Time a phase of the step and the collective waits (by group) inside it."""
-        first, start = len(self.comm.spans), self.comm.clock.mark()
+        """Time a phase of the step, from the previous part's end, and the collective waits (by
+        group) inside it."""
+        first = len(self.comm.spans)
         try:
             yield
         finally:
-            self.parts[name].append((start, self.comm.clock.mark(), slice(first, len(self.comm.spans))))
+            end = self.comm.clock.mark()
+            self.parts[name].append((self._last, end, slice(first, len(self.comm.spans))))
+            self._last = end
+
+    def elapsed(self) -> float:
+        """The step's time so far: from `start` to the last part's end (read after the step's
+        synchronisation on an accelerator)."""
+        return self.comm.clock.seconds(self._first, self._last)
 
     def _less_waits(self, name: str) -> float:
         """Part `name`'s time less the collective waits inside it."""

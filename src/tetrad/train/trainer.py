@@ -213,7 +213,6 @@ class Trainer:
         self.dropout.at_step(step)
         clock = self.clock
         clock.start()
-        start = topo.comm.clock.mark()
         with clock.part("data"):
             batch = self.batches.size(step)  # train.global_batch, or a ramp-up's smaller one
             micro = self.batches.microbatches(step, topo.coords["dp"], cfg.parallel.dp, cfg.train.micro_batch)
@@ -238,7 +237,7 @@ class Trainer:
             # are the buckets', which GradReducer.zero_grad clears: one of the two, not both.
             (self.optimizer if isinstance(self.optimizer, ShardedAdamW) else self.grads).zero_grad()
         devices.synchronize(topo.device)
-        step_time = topo.comm.clock.seconds(start, topo.comm.clock.mark())
+        step_time = clock.elapsed()
         peak = self.memory.bytes()
         sent = topo.comm.bytes_by_group()
         return {

@@ -90,8 +90,7 @@ class GradReducer:
                              f"{topo.ranks_per_node} ranks")
         layout = lay_out(params, model, self.zero, topo.size(shard), topo.local_rank(shard),
                          INT8_BLOCK if codec == "int8" else 1, bucket_bytes(parallel))
-        self.buckets, self.blocks, self._tied, self._tied_copy = layout.buckets, layout.blocks, layout.tied, \
-            layout.tied_copy
+        self.buckets, self.blocks, self._tied = layout.buckets, layout.blocks, layout.tied
         # Replicas of a shard hold the same reduced gradient: one of them counts it in the norm.
         self._norm_ranges = norm_ranges(self.buckets, topo, layout.tied.params[0] if layout.tied_copy else None) \
             if replica is None or topo.local_rank(replica) == 0 else []

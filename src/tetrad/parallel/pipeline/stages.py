@@ -39,7 +39,7 @@ class PipelineStages(nn.Module):
         # Tied embeddings over several stages: the last stage's head is a copy of the embedding,
         # registered under the same logical name, so it starts equal; the reducer sums the two
         # copies' gradients over the "embed" group (data.py), so they stay equal.
-        tied = self.ties_stages = cfg.model.tie_embeddings and len(split) > 1
+        tied = cfg.model.tie_embeddings and len(split) > 1
         self.holds_tied_weight = False  # a copy of the tied embedding, kept equal over "embed"
         self.holds_tied_copy = False  # that copy is the head's (the norm counts it on the first stage)
         for chunk in self.chunks:

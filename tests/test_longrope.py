@@ -127,3 +127,31 @@ def test_a_model_only_phi3_computes_exports_as_phi3_or_is_refused():
     with pytest.raises(ConfigError, match="^Phi3ForCausalLM, the one transformers architecture with "
                                           "model.partial_rotary_factor, has no model.qk_norm; export"):
         check_exportable(tiny_config(model={"partial_rotary_factor": 0.75, "qk_norm": True}).model)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}, {"cp": 2}])
+def test_a_longrope_phi3_fine_tunes_with_transformers_first_loss(tmp_path, parallel):
+    """phi-4-mini's form (LongRoPE over 0.75 of each head) straight from its HF folder, trained on
+    windows of 32 past the original 16, so on the long factors, as transformers picks them for
+    those positions: the first loss is transformers' on the same batch under tp2, pp2 and cp2 (a
+    cp rank holds 16 of the window's positions, and must pick the window's factors, not its
+    own). The fine-tuned run exports to a Phi-3 that transformers loads to its logits."""
+    from test_init_from import config, hf_loss
+    from conftest import train_layout
+    from tetrad.train.batches import split_batches
+    from tetrad.train.init_from import check_init_from
+    write_phi3(tmp_path / "hf", "longrope-partial")
+    cfg = config(tmp_path, "run", parallel=parallel, checkpoint={"init_from": str(tmp_path / "hf"), "every": 1},
+                 model={"seq_len": 32})
+    assert (cfg.model.rope_scaling["rope_type"], cfg.model.partial_rotary_factor) == ("longrope", 0.75)
+    check_init_from(cfg)
+    losses, _, _ = train_layout(cfg)
+    inputs, labels = split_batches(cfg)[0].global_batch_at(0)
+    assert losses[0] == pytest.approx(hf_loss(tmp_path / "hf", inputs, labels), rel=1e-5)
+
+    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(tmp_path / "tuned")]) == 0
+    _, state = read_weights(tmp_path / "run")
+    with torch.no_grad():
+        torch.testing.assert_close(single_process_model(cfg.model, state)(inputs, torch.arange(32)),
+                                   hf_model(tmp_path / "tuned")(inputs).logits, **TOL)

@@ -28,7 +28,7 @@ from tetrad.model.attention import attention, sequence_mask, uses_varlen
 from tetrad.model.documents import Documents
 from tetrad.model.masks import hides_keys, visibility
 from tetrad.model.replay import RingReplay
-from tetrad.model.rope import apply_rope, rope_tables
+from tetrad.model.rope import apply_rope, rope_frequencies, rope_tables, uses_long_factors
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
 from tetrad.model.layers import (ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
@@ -291,6 +291,7 @@ class Transformer(nn.Module):
                 self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, ex, pad_to=topo.tp_size,
                                                  grad_in_bi=True)
         self._rope: tuple | None = None  # (positions, their version, tables): see `rope`
+        self._inv_freq: dict[tuple[torch.device, bool], torch.Tensor] = {}  # see `_frequencies`
 
     def _shared_mask(self, docs: Documents | None, positions: torch.Tensor, h: torch.Tensor):
         """The mask (documents, sliding window) the chunk's layers take, made once for all of them
@@ -343,17 +344,30 @@ class Transformer(nn.Module):
     def rope(self, positions: torch.Tensor, decoding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope_tables` of `positions`, kept for the next call with the same, unmodified tensor:
         the trainer passes one positions tensor every step; decoding passes new ones. Never under
-        inference mode, whose tensors have no version and cannot be saved for a later backward.
-        The sequence length that picks LongRoPE's factors (rope.longrope_factors) is, decoding,
-        the largest position + 1, the tokens so far, as transformers' generate picks them each
-        step (the cache keeps keys rotated before a step crossed original_max_position_embeddings,
-        as transformers' does); else the whole window: a cp rank's positions are part of it. Where
-        train.reset_positions restarts positions at each document, transformers would pick by the
-        longest document of the batch; tetrad keeps the window's choice, which every layout and
-        micro-batch can make alike without a collective."""
-        length = positions.max() + 1 if decoding else positions.shape[-1] * self.topo.size("cp")
+        inference mode, whose tensors have no version and cannot be saved for a later backward."""
         if torch.is_inference_mode_enabled() or positions.is_inference():
-            return rope_tables(positions, self.cfg, length)
+            return rope_tables(positions, self.cfg, self._frequencies(positions, decoding))
         if self._rope is None or self._rope[0] is not positions or self._rope[1] != positions._version:
-            self._rope = positions, positions._version, rope_tables(positions, self.cfg, length)
+            self._rope = positions, positions._version, rope_tables(positions, self.cfg,
+                                                                     self._frequencies(positions, decoding))
         return self._rope[2]
+
+    def _frequencies(self, positions: torch.Tensor, decoding: bool) -> torch.Tensor:
+        """rope_frequencies for `positions`, each set made once per device (LongRoPE's factors are
+        Python lists, whose copy to a GPU waits for it: else once per micro-batch under
+        train.reset_positions). The length that picks LongRoPE's factors (uses_long_factors) is,
+        decoding, the largest position + 1, the tokens so far, as transformers' generate picks
+        them each step (the cache keeps keys rotated before a step crossed
+        original_max_position_embeddings, as transformers' does); else the whole window, which a
+        cp rank holds part of. Where train.reset_positions restarts positions at each document,
+        transformers would pick by the longest document of the batch; tetrad keeps the window's
+        choice, which every layout and micro-batch makes alike without a collective."""
+        length = positions.max() + 1 if decoding else positions.shape[-1] * self.topo.size("cp")
+        long, device = uses_long_factors(self.cfg, length), positions.device
+
+        def made(which: bool) -> torch.Tensor:
+            if (device, which) not in self._inv_freq:
+                with torch.inference_mode(False):  # kept for later calls, with autograd too
+                    self._inv_freq[device, which] = rope_frequencies(self.cfg, device, which)
+            return self._inv_freq[device, which]
+        return torch.where(long, made(True), made(False)) if isinstance(long, torch.Tensor) else made(long)

@@ -12,30 +12,26 @@ import torch
 from tetrad.config import ModelConfig
 
 
-def longrope_factors(s: dict, length: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """LongRoPE's divisor of each frequency for a sequence of `length` tokens: long_factor's past
-    original_max_position_embeddings, else short_factor's, as transformers 5 picks them
-    (`dynamic_rope_update`: by the largest position id + 1 of each forward call). Which length a
-    call passes is the model's choice (`Transformer.rope`): a window's own length in training and
-    evaluation, so every layout, micro-batch and cp rank picks alike, and a decoding step's
-    tokens so far, a tensor compared on the device (no host read)."""
-    short = torch.tensor(s["short_factor"], dtype=torch.float32, device=device)
-    long = torch.tensor(s["long_factor"], dtype=torch.float32, device=device)
-    if isinstance(length, torch.Tensor):
-        return torch.where(length > s["original_max_position_embeddings"], long, short)
-    return long if length > s["original_max_position_embeddings"] else short
+def uses_long_factors(cfg: ModelConfig, length: int | torch.Tensor) -> bool | torch.Tensor:
+    """Whether a sequence of `length` tokens takes LongRoPE's long_factor: past
+    original_max_position_embeddings, as transformers 5 picks (`dynamic_rope_update`: by the
+    largest position id + 1 of each forward call); a tensor `length` compares on the device. Which
+    length a call passes is the model's choice (`Transformer.rope`)."""
+    s = cfg.rope_scaling
+    return s.get("rope_type") == "longrope" and length > s["original_max_position_embeddings"]
 
 
-def rope_frequencies(cfg: ModelConfig, device: torch.device, length: int | torch.Tensor = 0) -> torch.Tensor:
+def rope_frequencies(cfg: ModelConfig, device: torch.device, long: bool = False) -> torch.Tensor:
     """RoPE's angle per position of each pair of rotated dims: theta^(-2i/d) over d = rotary_dim;
-    under LongRoPE those divided by its factors for a sequence of `length` tokens (longrope_factors);
-    under Llama 3.1's `rope_scaling` remapped by how many turns they make over the context it was
-    first trained on: fewer than low_freq_factor, slowed by `factor` (long context); more than
-    high_freq_factor, kept (local order); in between, a linear blend of the two."""
+    under LongRoPE those divided by its factors, long_factor's where `long` (uses_long_factors),
+    else short_factor's; under Llama 3.1's `rope_scaling` remapped by how many turns they make
+    over the context it was first trained on: fewer than low_freq_factor, slowed by `factor`
+    (long context); more than high_freq_factor, kept (local order); in between, a linear blend."""
     d, s = cfg.rotary_dim, cfg.rope_scaling
     exponents = torch.arange(0, d, 2, device=device, dtype=torch.float32) / d
     if s and s["rope_type"] == "longrope":  # transformers' order of operations, for the same rounding
-        return 1.0 / (longrope_factors(s, length, device) * cfg.rope_theta ** exponents)
+        factors = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        return 1.0 / (factors * cfg.rope_theta ** exponents)
     inv_freq = cfg.rope_theta ** -exponents
     if not s:
         return inv_freq
@@ -44,16 +40,14 @@ def rope_frequencies(cfg: ModelConfig, device: torch.device, length: int | torch
     return kept * inv_freq + (1 - kept) * inv_freq / s["factor"]
 
 
-def rope_tables(positions: torch.Tensor, cfg: ModelConfig,
-                length: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(positions: torch.Tensor, cfg: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each token's true position (positions: [s], or [b, s] per row under
-    train.reset_positions), laid out for `apply_rope`: [1 or b, s, 1, rotary_dim], each half's
-    angles repeated, sin negated on the first half; both times LongRoPE's attention_factor (as
-    transformers scales them: the rotated dims' share of q.k grows by its square). `length`: the
-    sequence's, which picks LongRoPE's factors (None: the positions' count, a window 0..s-1)."""
+    train.reset_positions) at frequencies `inv_freq` (rope_frequencies'), laid out for
+    `apply_rope`: [1 or b, s, 1, rotary_dim], each half's angles repeated, sin negated on the
+    first half; both times LongRoPE's attention_factor, as transformers scales them (the rotated
+    dims' share of q.k grows by its square)."""
     rows = positions.float().reshape(-1, positions.shape[-1])  # [1 or b, s]
-    length = positions.shape[-1] if length is None else length
-    angles = rows[:, :, None, None] * rope_frequencies(cfg, positions.device, length)
+    angles = rows[:, :, None, None] * inv_freq
     cos, sin = angles.cos(), angles.sin()
     if cfg.rope_scaling.get("rope_type") == "longrope":
         cos, sin = cos * cfg.rope_scaling["attention_factor"], sin * cfg.rope_scaling["attention_factor"]

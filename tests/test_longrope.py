@@ -155,3 +155,27 @@ def test_a_longrope_phi3_fine_tunes_with_transformers_first_loss(tmp_path, paral
     with torch.no_grad():
         torch.testing.assert_close(single_process_model(cfg.model, state)(inputs, torch.arange(32)),
                                    hf_model(tmp_path / "tuned")(inputs).logits, **TOL)
+
+
+def test_generate_from_a_longrope_phi3_folder_is_transformers_greedy_generate(tmp_path):
+    """`tetrad generate HF_DIR` of phi-4-mini's form, greedy from a prompt within the original 16
+    tokens to past them: transformers' generate's tokens (before: refused by name). The command's
+    reading of the folder; the factors each step picks are test_decoding_across_...'s to show."""
+    from tetrad.data.tokenizer import train_bpe
+    from tetrad.train.generate import complete, load_generator
+    from tetrad.model.sampling import GREEDY
+    hf = tmp_path / "hf"
+    write_hf_phi3(hf, vocab_size=300, max_position_embeddings=64, original_max_position_embeddings=ORIGINAL,
+                  **VARIANTS["longrope-partial"])
+    theirs = hf_model(hf)
+    with torch.no_grad():
+        theirs.lm_head.weight.mul_(20)  # greedy picks far apart: no near-tie that rounding could flip
+    theirs.save_pretrained(hf, safe_serialization=True)
+    train_bpe(iter(["the licence grants the right to copy the text"] * 4), 300).save(str(hf / "tokenizer.json"))
+    model, tokenizer, source = load_generator(hf)
+    _, prompt, new = complete(model, tokenizer, "the licence grants", 20, GREEDY, source=source)
+    assert len(prompt) < ORIGINAL < len(prompt) + len(new)
+    with torch.no_grad():
+        expected = theirs.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+    assert new == expected

@@ -160,7 +160,8 @@ def test_a_longrope_phi3_fine_tunes_with_transformers_first_loss(tmp_path, paral
 def test_generate_from_a_longrope_phi3_folder_is_transformers_greedy_generate(tmp_path):
     """`tetrad generate HF_DIR` of phi-4-mini's form, greedy from a prompt within the original 16
     tokens to past them: transformers' generate's tokens (before: refused by name). The command's
-    reading of the folder; the factors each step picks are test_decoding_across_...'s to show."""
+    reading of the folder; the factors each step picks are test_decoding_across_...'s to show.
+    Converted and exported, the folder keeps its pad_token_id (before: Phi-3's dropped)."""
     from tetrad.data.tokenizer import train_bpe
     from tetrad.train.generate import complete, load_generator
     from tetrad.model.sampling import GREEDY
@@ -179,3 +180,7 @@ def test_generate_from_a_longrope_phi3_folder_is_transformers_greedy_generate(tm
         expected = theirs.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, eos_token_id=None,
                                    pad_token_id=0)[0, len(prompt):].tolist()
     assert new == expected
+    # the folder's pad_token_id (0) travels with its tokenizer through a conversion and back
+    assert main(["convert", str(hf), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "back").pad_token_id == 0

@@ -184,3 +184,16 @@ def test_generate_from_a_longrope_phi3_folder_is_transformers_greedy_generate(tm
     assert main(["convert", str(hf), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
     assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
     assert transformers.AutoConfig.from_pretrained(tmp_path / "back").pad_token_id == 0
+
+
+def test_a_resume_with_another_partial_rotary_factor_is_said_and_an_older_checkpoint_has_none():
+    """partial_rotary_factor leaves the shapes alone and changes what the weights compute: a resume
+    may change it (as rope_scaling) and the resume line says so; a manifest from before the key
+    is a model that rotates whole heads."""
+    import dataclasses
+    from tetrad.train.checkpoint.store import behaviour_changes
+    saved = dataclasses.asdict(tiny_config().model)
+    assert behaviour_changes({"model": saved}, tiny_config(model={"partial_rotary_factor": 0.5}).model) == [
+        "model.partial_rotary_factor = 1.0 in the checkpoint, 0.5 here"]
+    del saved["partial_rotary_factor"]
+    assert behaviour_changes({"model": saved}, tiny_config().model) == []

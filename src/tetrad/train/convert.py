@@ -282,7 +282,7 @@ def convert_command(argv: list[str]) -> int:
                                      "Hugging Face safetensors (LlamaForCausalLM; Qwen2ForCausalLM for "
                                      "model.qkv_bias, Qwen3ForCausalLM for model.qk_norm, MistralForCausalLM for a Llama with "
                                      "model.sliding_window, Phi3ForCausalLM for model.hf_model_type=phi3, which an imported "
-                                     "Phi-3 sets), on one CPU process.")
+                                     "Phi-3 sets, or for LongRoPE or model.partial_rotary_factor), on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)

@@ -2,7 +2,8 @@
 config.json keys and tensor names, both ways: Llama's math throughout, with a sliding window
 (MistralForCausalLM), biases on q, k and v (Qwen2ForCausalLM), an RMSNorm over each head of q
 and k (Qwen3ForCausalLM), or q, k and v in one tensor and gate and up in another
-(Phi3ForCausalLM: Phi-3 mini and medium, phi-4).
+(Phi3ForCausalLM: Phi-3 mini and medium, phi-4; with LongRoPE, Phi-3 mini 128k and Phi-3.5 mini;
+RoPE on 3/4 of each head too, phi-4-mini).
 
 A tetrad parameter is a run of rows of one HF tensor (hf_rows): all of it, or its part of a
 fused one, so that import, init_from and export split and join Phi-3's tensors alike.
@@ -229,7 +230,8 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
     """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3 or Phi-3, their sliding windows
     included) config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k
     and v biases, whatever its config says (it has no key for them); Qwen3 is Llama with qk-norm
-    and, often, its own head_dim; Phi-3 is Llama with fused tensors, kept as hf_model_type."""
+    and, often, its own head_dim; Phi-3 is Llama with fused tensors, kept as hf_model_type, and
+    maybe LongRoPE (_longrope) and RoPE on part of each head (model.partial_rotary_factor)."""
     theta, scaling, partial = _rope_from_hf(hf)
     kind = hf.get("model_type")
     unsupported = _unsupported(hf, kind, scaling, partial)

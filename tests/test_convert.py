@@ -47,6 +47,11 @@ def hf_logits(hf_dir: Path) -> torch.Tensor:
 LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 16}
 LLAMA31_ROPE = {"rope_theta": 500000.0, "rope_scaling": LLAMA31_SCALING}
+# A model trained in tetrad with phi-4-mini's RoPE: half of each head of 16 rotated (4 pairs), under
+# LongRoPE with an original context of 16, so the 32-token windows use its long factors.
+PARTIAL_LONGROPE = {"partial_rotary_factor": 0.5, "rope_scaling": {
+    "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 4.0, 8.0, 16.0],
+    "original_max_position_embeddings": 16, "attention_factor": 1.2}}
 
 # fp32, the same math in a different order (as in test_model_hf): 1e-4 catches any real mismatch.
 TOL = {"atol": 1e-4, "rtol": 1e-4}
@@ -64,14 +69,16 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
                                             ({"cp": 2}, {"vocab_size": 251, "sliding_window": 5}),
                                             ({"dp": 2}, {"vocab_size": 251, "qkv_bias": True, "sliding_window": 5}),
                                             ({"dp": 2}, {"vocab_size": 251, "qk_norm": True, "head_dim": 24,
-                                                         "sliding_window": 5})])
+                                                         "sliding_window": 5}),
+                                            ({"pp": 2, "tp": 2}, {"vocab_size": 251, **PARTIAL_LONGROPE})])
 def test_checkpoint_to_hf_and_back(tmp_path, parallel, model):
     cfg = tiny_config(parallel=parallel, model=model, train={"steps": 2, "micro_batch": 1}, checkpoint={"every": 2})
     train_layout(cfg)
     root = Path(cfg.run.dir) / "checkpoints"
     assert main(["convert", str(root), "--to-hf", str(tmp_path / "hf")]) == 0
     architecture = ("Qwen3ForCausalLM" if model.get("qk_norm") else "Qwen2ForCausalLM" if model.get("qkv_bias") else
-                    "MistralForCausalLM" if model.get("sliding_window") else "LlamaForCausalLM")
+                    "MistralForCausalLM" if model.get("sliding_window") else
+                    "Phi3ForCausalLM" if model.get("partial_rotary_factor") else "LlamaForCausalLM")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
     ours = load_single(root / "step_00000002", model)
     torch.testing.assert_close(logits(ours), hf_logits(tmp_path / "hf"), **TOL)

@@ -79,7 +79,7 @@ class ModelConfig:
     # puts one on the output projection too, which tetrad has not).
     qkv_bias: bool = False
     rope_theta: float = 10000.0
-    # RoPE frequency scaling (model/llama.py rope_frequencies); empty: none. Llama 3.1's, as HF's
+    # RoPE frequency scaling (model/rope.py rope_frequencies); empty: none. Llama 3.1's, as HF's
     # config.json holds it: {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0,
     # high_freq_factor = 4.0, original_max_position_embeddings = 8192}. Phi-3's LongRoPE (Phi-3
     # mini 128k, Phi-3.5, phi-4-mini): {rope_type = "longrope", short_factor = [...], long_factor =

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from tetrad import launch
 from tetrad.config import load_config
-from tetrad.model.llama import apply_rope, rope_tables
+from tetrad.model.rope import apply_rope, rope_frequencies, rope_tables
 from tetrad.model.sharding import logical_init, spec_of
 from tetrad.parallel.data import GradReducer
 from tetrad.dist.layout import Layout
@@ -95,7 +95,7 @@ class TorchLlama(nn.Module):
         self.layers = nn.ModuleDict({str(i): _Block(m) for i in range(m.n_layers)})
         self.norm = nn.RMSNorm(m.d_model, m.norm_eps)
         self.head = nn.Linear(m.d_model, m.vocab_size, bias=False)
-        self.rope = rope_tables(torch.arange(m.seq_len), m)
+        self.rope = rope_tables(torch.arange(m.seq_len), m, rope_frequencies(m, torch.device("cpu")))
 
     def forward(self, tokens):
         h = self.embed(tokens)

@@ -41,12 +41,32 @@ ERRORS = [
      "original_max_position_embeddings; missing low_freq_factor, high_freq_factor, original_max_position_embeddings"),
     ({"model": {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8192}}}, None,
-     "model.rope_scaling.rope_type='yarn': tetrad has Llama 3.1's 'llama3' scaling only"),
+     "model.rope_scaling.rope_type='yarn': tetrad has Llama 3.1's 'llama3' and Phi-3's 'longrope' scaling only"),
     ({"model": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}}}, None,
      "model.rope_scaling needs factor >= 1, 0 <= low_freq_factor < high_freq_factor"),
     ({"model": {"pos": "learned", "rope_scaling": {"rope_type": "llama3"}}}, None,
      "model.rope_scaling scales RoPE's frequencies, and model.pos='learned' has none; remove it"),
+    ({"model": {"pos": "learned", "partial_rotary_factor": 0.5}}, None,
+     "model.partial_rotary_factor sets the dims RoPE rotates, and model.pos='learned' has none; remove it"),
+    # head_dim 32 (the tiny preset's): 0.75 rotates 24 dims, 12 pairs; 0.1 rotates 3
+    ({"model": {"partial_rotary_factor": 0.1}}, None,
+     "model.partial_rotary_factor=0.1 rotates int(head_dim * partial_rotary_factor) = 3 dims of each head of 32; "
+     "RoPE needs an even number, at least 2"),
+    ({"model": {"partial_rotary_factor": 1.5}}, None, "model.partial_rotary_factor=1.5 is out of range: it must be "
+     "a finite number in (0, 1]"),
+    ({"model": {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+                                 "original_max_position_embeddings": 64}}}, None,
+     "model.rope_scaling needs exactly rope_type, short_factor, long_factor, original_max_position_embeddings, "
+     "attention_factor; missing attention_factor"),
+    ({"model": {"partial_rotary_factor": 0.75, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 12,
+        "original_max_position_embeddings": 64, "attention_factor": 1.2}}}, None,
+     "model.rope_scaling.short_factor must list a number above 0 for each of the rotary_dim / 2 = 12 rotated pairs "
+     "of a head (head_dim 32 * partial_rotary_factor 0.75), got 16 of them"),
+    ({"model": {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+                                 "original_max_position_embeddings": 64, "attention_factor": "big"}}}, None,
+     "model.rope_scaling.attention_factor must be a number above 0, got 'big'"),
 ]
 
 

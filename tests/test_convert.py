@@ -47,6 +47,11 @@ def hf_logits(hf_dir: Path) -> torch.Tensor:
 LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 16}
 LLAMA31_ROPE = {"rope_theta": 500000.0, "rope_scaling": LLAMA31_SCALING}
+# A model trained in tetrad with phi-4-mini's RoPE: half of each head of 16 rotated (4 pairs), under
+# LongRoPE with an original context of 16, so the 32-token windows use its long factors.
+PARTIAL_LONGROPE = {"partial_rotary_factor": 0.5, "rope_scaling": {
+    "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 4.0, 8.0, 16.0],
+    "original_max_position_embeddings": 16, "attention_factor": 1.2}}
 
 # fp32, the same math in a different order (as in test_model_hf): 1e-4 catches any real mismatch.
 TOL = {"atol": 1e-4, "rtol": 1e-4}
@@ -64,14 +69,16 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
                                             ({"cp": 2}, {"vocab_size": 251, "sliding_window": 5}),
                                             ({"dp": 2}, {"vocab_size": 251, "qkv_bias": True, "sliding_window": 5}),
                                             ({"dp": 2}, {"vocab_size": 251, "qk_norm": True, "head_dim": 24,
-                                                         "sliding_window": 5})])
+                                                         "sliding_window": 5}),
+                                            ({"pp": 2, "tp": 2}, {"vocab_size": 251, **PARTIAL_LONGROPE})])
 def test_checkpoint_to_hf_and_back(tmp_path, parallel, model):
     cfg = tiny_config(parallel=parallel, model=model, train={"steps": 2, "micro_batch": 1}, checkpoint={"every": 2})
     train_layout(cfg)
     root = Path(cfg.run.dir) / "checkpoints"
     assert main(["convert", str(root), "--to-hf", str(tmp_path / "hf")]) == 0
     architecture = ("Qwen3ForCausalLM" if model.get("qk_norm") else "Qwen2ForCausalLM" if model.get("qkv_bias") else
-                    "MistralForCausalLM" if model.get("sliding_window") else "LlamaForCausalLM")
+                    "MistralForCausalLM" if model.get("sliding_window") else
+                    "Phi3ForCausalLM" if model.get("partial_rotary_factor") else "LlamaForCausalLM")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
     ours = load_single(root / "step_00000002", model)
     torch.testing.assert_close(logits(ours), hf_logits(tmp_path / "hf"), **TOL)
@@ -395,20 +402,21 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] 
 
 
 @pytest.mark.parametrize("keys,named", [
-    ({"rope_scaling": LONGROPE}, "{'rope_scaling': {'rope_type': 'longrope'}}"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, **{k: v for k, v in LONGROPE.items() if k != "type"},
-                          "partial_rotary_factor": 1.0}}, "{'rope_scaling': {'rope_type': 'longrope'}}"),
-    ({"partial_rotary_factor": 0.75}, "{'partial_rotary_factor': 0.75}"),  # phi-4-mini's
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+    # LongRoPE and RoPE on part of each head are transformers' Phi-3's, not its Llama's
+    ({"model_type": "llama", "rope_scaling": LONGROPE}, "{'rope_scaling': {'rope_type': 'longrope'}}"),
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "{'partial_rotary_factor': 0.5}"),
+    ({"model_type": "llama", "rope_scaling": {**LONGROPE, "type": "yarn"}}, "{'rope_scaling': {'rope_type': 'yarn'}}"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 16}}, "{'rope_scaling': {'rope_type': 'llama3'"),
     ({"attention_dropout": 0.1}, "{'attention_dropout': 0.1}"),
     ({"hidden_act": "gelu"}, "{'hidden_act': 'gelu'}")])
 def test_phi3_keys_that_tetrad_lacks_are_refused_by_name(keys, named):
-    """What would make a Phi-3 another model than tetrad's Llama is refused in one line naming the
-    key: LongRoPE (its factor lists left out of the line), RoPE over part of each head, scaling
-    that transformers' Phi-3 itself has not, dropout on attention probabilities, another activation."""
+    """What would make a model another than tetrad's is refused in one line naming the key:
+    LongRoPE or RoPE over part of each head on an architecture whose transformers class has neither
+    (its factor lists left out of the line; `yarn` is YaRN there, LongRoPE's old name on Phi-3 only),
+    scaling that transformers' Phi-3 itself has not, dropout on attention probabilities, another
+    activation."""
     from tetrad.config import ConfigError
     from tetrad.train.hf_architectures import model_config_from_hf
     with pytest.raises(ConfigError, match=f"^config.json: tetrad's Llama has no {re.escape(named)}"):
@@ -427,20 +435,24 @@ def test_phi3_keys_that_leave_its_math_alone_convert():
     assert (keys["sliding_window"], keys["dropout"], keys["rope_scaling"], keys["hf_model_type"]) == (2047, 0.1, {}, "phi3")
     assert model_config_from_hf({**PHI3, "sliding_window": None}, Path("c"))["sliding_window"] == 0
     # Phi3Config reads a top-level partial_rotary_factor only where rope_parameters has none
-    model_config_from_hf({**PHI3, "partial_rotary_factor": 0.75, "rope_parameters": {
-        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}}, Path("c"))
+    assert model_config_from_hf({**PHI3, "partial_rotary_factor": 0.75, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}}, Path("c"))["partial_rotary_factor"] == 1
 
 
 @pytest.mark.parametrize("keys,named", [
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
-                          "long_factor": [2.0] * 8}}, "{'rope_scaling': {'rope_type': 'longrope'}}"),
-    # phi-4-mini's, at the top as transformers 4 wrote it (transformers 5's rope_parameters, where
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 6,
+                          "long_factor": [2.0] * 8}}, "model.rope_scaling.short_factor must list a number above 0 for "
+                                                      "each of the rotary_dim / 2 = 8 rotated pairs"),
+    # at the top as transformers 4 wrote phi-4-mini's 0.75 (transformers 5's rope_parameters, where
     # this folder has 1.0, would win over it, in transformers' Phi3Config as here)
-    ({"rope_parameters": None, "rope_theta": 1e4, "partial_rotary_factor": 0.75}, "{'partial_rotary_factor': 0.75}"),
+    ({"rope_parameters": None, "rope_theta": 1e4, "partial_rotary_factor": 0.1}, "model.partial_rotary_factor=0.1 "
+     "rotates int(head_dim * partial_rotary_factor) = 1 dims"),
     ({"attention_dropout": 0.1}, "{'attention_dropout': 0.1}")])
 def test_a_refused_phi3_is_one_line_from_convert_and_train(tmp_path, capsys, keys, named):
-    """The refusal reaches the user as one line naming the key, no traceback: convert's (exit 1,
-    as its other errors) and train's from checkpoint.init_from (exit 2, a config error)."""
+    """The refusal reaches the user as one line naming the key, no traceback: convert's and
+    train's from checkpoint.init_from (exit 2, a config error): what tetrad lacks, and RoPE
+    settings it has that do not fit the model (a factor list of the wrong length, an odd number
+    of rotated dims)."""
     write_hf_phi3(tmp_path / "hf", num_hidden_layers=1)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **keys}))

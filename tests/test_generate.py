@@ -296,9 +296,10 @@ def test_sampling_processes_the_logits_as_transformers_generate_does(tmp_path):
 
 def test_a_run_fine_tuned_on_a_models_tokenizer_keeps_its_eos_and_sampling(tmp_path):
     """The fine-tuning loop: `tetrad data --tokenizer HF_DIR` keeps the model's generation_config.json
-    (its EOS ids and sampling) beside the tokenizer it copies, so a run trained on that data from
-    the model's weights generates as the model asks, stops at all its EOS ids, and exports the
-    file again (before: only convert --to-tetrad kept it, and a fine-tuned run lost it)."""
+    (its EOS ids and sampling, and config.json's pad_token_id) beside the tokenizer it copies, so a
+    run trained on that data from the model's weights generates as the model asks, stops at all
+    its EOS ids, and exports the file again (before: only convert --to-tetrad kept it, and a
+    fine-tuned run lost it), its pad_token_id in config.json too (before: dropped)."""
     import json
     transformers = pytest.importorskip("transformers")
     from tetrad.data.tokenizer import model_sampling, train_bpe
@@ -309,7 +310,8 @@ def test_a_run_fine_tuned_on_a_models_tokenizer_keeps_its_eos_and_sampling(tmp_p
     end, eot = tokenizer.token_to_id("<|end_of_text|>"), tokenizer.token_to_id("<|eot_id|>")
     hf = tmp_path / "hf"
     config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                      pad_token_id=end)
     transformers.LlamaForCausalLM(config).save_pretrained(hf, safe_serialization=True)
     asked = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1, "eos_token_id": [end, eot]}
     (hf / "generation_config.json").write_text(json.dumps(asked))
@@ -327,6 +329,7 @@ def test_a_run_fine_tuned_on_a_models_tokenizer_keeps_its_eos_and_sampling(tmp_p
     assert main(["convert", str(run), "--to-hf", str(back)]) == 0
     loaded = transformers.GenerationConfig.from_pretrained(back)
     assert (loaded.eos_token_id, loaded.temperature, loaded.repetition_penalty) == ([end, eot], 0.6, 1.1)
+    assert loaded.pad_token_id == end == transformers.AutoConfig.from_pretrained(back).pad_token_id
 
 
 def test_a_hugging_face_folder_generates_as_transformers_without_converting(tmp_path, capsys):

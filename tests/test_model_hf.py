@@ -128,7 +128,7 @@ def test_llama31_rope_frequencies_are_transformers_own():
     """Llama 3.1's RoPE scaling at its real sizes (head_dim 128, theta 500000, an 8192-token
     original context stretched 8x), against transformers' computation of the same frequencies."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from tetrad.model.llama import rope_frequencies
+    from tetrad.model.rope import rope_frequencies
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
     cfg = load_config(overrides={"model": {"preset": "llama3-8b", "rope_scaling": scaling}}).model

@@ -58,6 +58,7 @@ COMM_OPTIONS = {"high_priority_stream": (bool, None), "cga_cluster_size": (int, 
                 "min_ctas": (int, range(1, 65)), "max_ctas": (int, range(1, 65))}
 
 ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LONGROPE_KEYS = ("rope_type", "short_factor", "long_factor", "original_max_position_embeddings", "attention_factor")
 
 
 @dataclass
@@ -78,10 +79,17 @@ class ModelConfig:
     # puts one on the output projection too, which tetrad has not).
     qkv_bias: bool = False
     rope_theta: float = 10000.0
-    # Llama 3.1's RoPE frequency scaling, as HF's config.json holds it (model/llama.py
-    # rope_frequencies): {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0,
-    # high_freq_factor = 4.0, original_max_position_embeddings = 8192}; empty: none.
-    rope_scaling: dict[str, Union[str, float]] = field(default_factory=dict)
+    # RoPE frequency scaling (model/rope.py rope_frequencies); empty: none. Llama 3.1's, as HF's
+    # config.json holds it: {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0,
+    # high_freq_factor = 4.0, original_max_position_embeddings = 8192}. Phi-3's LongRoPE (Phi-3
+    # mini 128k, Phi-3.5, phi-4-mini): {rope_type = "longrope", short_factor = [...], long_factor =
+    # [...], original_max_position_embeddings = 4096, attention_factor = 1.19}, a factor per
+    # rotated pair (rotary_dim / 2 of them) dividing its frequency, long_factor's for a sequence
+    # longer than original_max_position_embeddings, cos and sin times attention_factor.
+    rope_scaling: dict[str, Union[str, float, list[float]]] = field(default_factory=dict)
+    # RoPE on the first rotary_dim = int(head_dim * partial_rotary_factor) dims of each head
+    # (phi-4-mini: 0.75); the others pass through unrotated.
+    partial_rotary_factor: float = 1.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
     # Width of each attention head; 0: d_model / n_heads. Qwen3 and Mistral NeMo set their own
@@ -104,6 +112,11 @@ class ModelConfig:
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:
             self.head_dim = self.d_model // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates, as transformers counts them."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 @dataclass

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass
 
 from tetrad.config.rampup import BatchRamp
-from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, ROPE_SCALING_KEYS, Config, ConfigError, ModelConfig,
+from tetrad.config.rope import check_rope
+from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, Config, ConfigError,
                                     ParallelConfig, did_you_mean, hierarchical_blocker, zero_shard)
 
 
@@ -55,6 +56,7 @@ RANGES: dict[str, Range] = {
     "model.head_dim": COUNT,  # 0: d_model / n_heads
     "model.sliding_window": COUNT,  # 0: no window
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.dropout": Range(0, 1),
+    "model.partial_rotary_factor": Range(0, 1, low_open=True, high_open=False),
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,
@@ -120,7 +122,7 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
     check_ranges(cfg)
     _check_world(cfg.parallel, world_size)
     _check_heads(cfg)
-    _check_rope_scaling(cfg.model)
+    check_rope(cfg.model)
     _check_pipeline(cfg, runtime)
     _check_sequence(cfg)
     _check_gradients(cfg)
@@ -145,9 +147,6 @@ def _check_heads(cfg: Config) -> None:
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}; "
                           f"use n_kv_heads in {divisors(m.n_heads)}")
-    if m.pos == "rope" and m.head_dim % 2:
-        raise ConfigError(f"RoPE needs an even head_dim, got {m.head_dim}; use a d_model that is a "
-                          f"multiple of 2*n_heads = {2 * m.n_heads}, or model.pos='learned'")
     common = sorted(set(divisors(m.n_heads)) & set(divisors(m.n_kv_heads)))
     if m.n_heads % p.tp:
         raise ConfigError(f"tp={p.tp} does not divide n_heads={m.n_heads}; use tp in {common}")
@@ -156,29 +155,6 @@ def _check_heads(cfg: Config) -> None:
     if m.ffn_hidden % p.tp:
         raise ConfigError(f"tp={p.tp} does not divide ffn_hidden={m.ffn_hidden}; "
                           f"use tp in {sorted(set(common) & set(divisors(m.ffn_hidden)))}")
-
-
-def _check_rope_scaling(m: ModelConfig) -> None:
-    """Llama 3.1's scaling, whole: its five keys (HF's names) with frequencies it can blend."""
-    s = m.rope_scaling
-    if not s:
-        return
-    if m.pos != "rope":
-        raise ConfigError("model.rope_scaling scales RoPE's frequencies, and model.pos='learned' has none; remove it")
-    missing, unknown = [k for k in ROPE_SCALING_KEYS if k not in s], [k for k in s if k not in ROPE_SCALING_KEYS]
-    if missing or unknown:
-        raise ConfigError(f"model.rope_scaling needs exactly {', '.join(ROPE_SCALING_KEYS)}"
-                          + (f"; missing {', '.join(missing)}" if missing else "")
-                          + (f"; unknown {', '.join(unknown)}" if unknown else ""))
-    if s["rope_type"] != "llama3":
-        raise ConfigError(f"model.rope_scaling.rope_type={s['rope_type']!r}: tetrad has Llama 3.1's 'llama3' scaling only")
-    numbers = {k: s[k] for k in ROPE_SCALING_KEYS[1:]}
-    if any(isinstance(v, str) for v in numbers.values()):
-        raise ConfigError(f"model.rope_scaling's {', '.join(numbers)} must be numbers, got {numbers}")
-    if not (s["factor"] >= 1 and 0 <= s["low_freq_factor"] < s["high_freq_factor"]
-            and s["original_max_position_embeddings"] > 0):
-        raise ConfigError(f"model.rope_scaling needs factor >= 1, 0 <= low_freq_factor < high_freq_factor and "
-                          f"original_max_position_embeddings > 0, got {numbers}")
 
 
 def _check_pipeline(cfg: Config, runtime: bool) -> None:

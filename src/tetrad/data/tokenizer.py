@@ -101,9 +101,10 @@ def keep_generation_config(model_dir: Path, out: Path, config: dict | None = Non
     """What `tetrad generate` and `convert --to-hf` take from a model folder, into a
     generation_config.json in `out` (beside the tokenizer.json copied there): the model's
     eos_token_id(s) (its generation_config.json's, where transformers' generate stops, else its
-    config.json's, `config` where already read; model_eos) and its generation_config.json's
-    sampling (do_sample, explicit, and Sampling's fields; model_sampling). Nothing where the folder
-    has neither."""
+    config.json's, `config` where already read; model_eos) and pad_token_id (found alike;
+    model_pad: ids of this vocabulary, so they travel with its tokenizer, not with the weights)
+    and its generation_config.json's sampling (do_sample, explicit, and Sampling's fields;
+    model_sampling). Nothing where the folder has none of them."""
     path, config_path = model_dir / GENERATION_CONFIG, model_dir / "config.json"
     generation = read_json_object(path, GENERATION_CONFIG) if path.is_file() else None
     if config is None:
@@ -112,9 +113,10 @@ def keep_generation_config(model_dir: Path, out: Path, config: dict | None = Non
     if generation is not None:
         kept = {k: generation[k] for k in SAMPLING_FIELDS if k in generation}
         kept["do_sample"] = bool(generation.get("do_sample", False))
-    ids = next((c["eos_token_id"] for c in (generation or {}, config) if c.get("eos_token_id") is not None), None)
-    if ids is not None:
-        kept["eos_token_id"] = ids
+    for key in ("eos_token_id", "pad_token_id"):
+        ids = next((c[key] for c in (generation or {}, config) if c.get(key) is not None), None)
+        if ids is not None:
+            kept[key] = ids
     if kept:
         (out / GENERATION_CONFIG).write_text(json.dumps(kept) + "\n")
 
@@ -127,6 +129,13 @@ def model_eos(source: Path | None) -> list[int]:
     ids = _generation_config(source).get("eos_token_id")
     ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
     return [i for i in ids if isinstance(i, int)]
+
+
+def model_pad(source: Path | None) -> int | None:
+    """The pad_token_id of the generation_config.json beside a tokenizer.json (an imported model's,
+    kept as model_eos's ids are), which `convert --to-hf` writes back into config.json; None for none."""
+    pad = _generation_config(source).get("pad_token_id")
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) else None
 
 
 def model_sampling(source: Path | None) -> dict:

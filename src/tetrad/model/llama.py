@@ -28,6 +28,7 @@ from tetrad.model.attention import attention, sequence_mask, uses_varlen
 from tetrad.model.documents import Documents
 from tetrad.model.masks import hides_keys, visibility
 from tetrad.model.replay import RingReplay
+from tetrad.model.rope import apply_rope, rope_frequencies, rope_tables, uses_long_factors
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
 from tetrad.model.layers import (ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
@@ -50,40 +51,6 @@ class Norm(nn.Module):
         if self.kind == "rmsnorm":
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-
-
-def rope_frequencies(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
-    """RoPE's angle per position of each pair of a head's dimensions: theta^(-2i/d), or under Llama
-    3.1's `rope_scaling` those frequencies remapped by how many turns they make over the context it
-    was first trained on: fewer than low_freq_factor, slowed by `factor` (long context); more than
-    high_freq_factor, kept (local order); in between, a linear blend of the two."""
-    d = cfg.head_dim
-    inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
-    if not cfg.rope_scaling:
-        return inv_freq
-    s = cfg.rope_scaling
-    turns = s["original_max_position_embeddings"] * inv_freq / (2 * math.pi)
-    kept = ((turns - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])).clamp(0, 1)
-    return kept * inv_freq + (1 - kept) * inv_freq / s["factor"]
-
-
-def rope_tables(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each token's true position (positions: [s], or [b, s] per row under
-    train.reset_positions), laid out for `apply_rope`: [1 or b, s, 1, head_dim], each half's angles
-    repeated, sin negated on the first half."""
-    rows = positions.float().reshape(-1, positions.shape[-1])  # [1 or b, s]
-    angles = rows[:, :, None, None] * rope_frequencies(cfg, positions.device)
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + d/2) of each head, the HF Llama convention: (x1 cos - x2 sin, x2 cos +
-    x1 sin), as x cos + (x2, x1) sin with `rope_tables`' signed sin, in fp32. x: [b, s, heads, d].
-    Half the ops of rotating each half apart: this runs on q and k of every layer."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    return (xf * cos + torch.cat([xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
 
 
 @dataclasses.dataclass
@@ -324,6 +291,7 @@ class Transformer(nn.Module):
                 self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, ex, pad_to=topo.tp_size,
                                                  grad_in_bi=True)
         self._rope: tuple | None = None  # (positions, their version, tables): see `rope`
+        self._inv_freq: dict[tuple[torch.device, bool], torch.Tensor] = {}  # see `_frequencies`
 
     def _shared_mask(self, docs: Documents | None, positions: torch.Tensor, h: torch.Tensor):
         """The mask (documents, sliding window) the chunk's layers take, made once for all of them
@@ -359,7 +327,7 @@ class Transformer(nn.Module):
                 h = h + self.pos_embed[sequence_shard(positions, self.topo, self.execution, dim=-1)]  # SP: h is a chunk
         else:
             h = x
-        rope = self.rope(positions) if self.cfg.pos == "rope" else None
+        rope = self.rope(positions, decoding=cache is not None) if self.cfg.pos == "rope" else None
         mask = self._shared_mask(docs, positions, h) if cache is None else None
         docs = docs if mask is None else mask  # once for all the chunk's layers
         for name, block in self.layers.items():
@@ -373,12 +341,33 @@ class Transformer(nn.Module):
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.topo).sum()
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, decoding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope_tables` of `positions`, kept for the next call with the same, unmodified tensor:
         the trainer passes one positions tensor every step; decoding passes new ones. Never under
         inference mode, whose tensors have no version and cannot be saved for a later backward."""
         if torch.is_inference_mode_enabled() or positions.is_inference():
-            return rope_tables(positions, self.cfg)
+            return rope_tables(positions, self.cfg, self._frequencies(positions, decoding))
         if self._rope is None or self._rope[0] is not positions or self._rope[1] != positions._version:
-            self._rope = positions, positions._version, rope_tables(positions, self.cfg)
+            self._rope = positions, positions._version, rope_tables(positions, self.cfg,
+                                                                     self._frequencies(positions, decoding))
         return self._rope[2]
+
+    def _frequencies(self, positions: torch.Tensor, decoding: bool) -> torch.Tensor:
+        """rope_frequencies for `positions`, each set made once per device (LongRoPE's factors are
+        Python lists, whose copy to a GPU waits for it: else once per micro-batch under
+        train.reset_positions). The length that picks LongRoPE's factors (uses_long_factors) is,
+        decoding, the largest position + 1, the tokens so far, as transformers' generate picks
+        them each step (the cache keeps keys rotated before a step crossed
+        original_max_position_embeddings, as transformers' does); else the whole window, which a
+        cp rank holds part of. Where train.reset_positions restarts positions at each document,
+        transformers would pick by the longest document of the batch; tetrad keeps the window's
+        choice, which every layout and micro-batch makes alike without a collective."""
+        length = positions.max() + 1 if decoding else positions.shape[-1] * self.topo.size("cp")
+        long, device = uses_long_factors(self.cfg, length), positions.device
+
+        def made(which: bool) -> torch.Tensor:
+            if (device, which) not in self._inv_freq:
+                with torch.inference_mode(False):  # kept for later calls, with autograd too
+                    self._inv_freq[device, which] = rope_frequencies(self.cfg, device, which)
+            return self._inv_freq[device, which]
+        return torch.where(long, made(True), made(False)) if isinstance(long, torch.Tensor) else made(long)

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from tetrad.config import Config, load_config, read_toml
 from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, template_beside
 from tetrad.data.shards import TOKENIZER
-from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, keep_generation_config, model_eos, run_eos,
-                                   run_tokenizer)
+from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, keep_generation_config, model_eos, model_pad,
+                                   run_eos, run_tokenizer)
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import spec_of
 from tetrad.dist.topology import Topology
@@ -187,10 +187,11 @@ def exported_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer | None
 
 def _special_token_ids(tokenizer, source: Path | None = None) -> dict:
     """config.json's `eos_token_id` (where HF's generate stops: an imported model's list as it
-    came, model_eos) and `bos_token_id` (what the tokenizer starts a text with), for the tokens
-    the tokenizer has."""
+    came, model_eos), `bos_token_id` (what the tokenizer starts a text with), for the tokens the
+    tokenizer has, and an imported model's `pad_token_id` (model_pad), where its tokenizer is the run's."""
     found = {f"{name}_token_id": token for name, token in _special_tokens(tokenizer, source).items()}
-    imported = model_eos(source)
+    imported, pad = model_eos(source), model_pad(source)
+    found.update({} if pad is None else {"pad_token_id": pad})
     return {**found, "eos_token_id": imported} if len(imported) > 1 else found
 
 
@@ -281,7 +282,7 @@ def convert_command(argv: list[str]) -> int:
                                      "Hugging Face safetensors (LlamaForCausalLM; Qwen2ForCausalLM for "
                                      "model.qkv_bias, Qwen3ForCausalLM for model.qk_norm, MistralForCausalLM for a Llama with "
                                      "model.sliding_window, Phi3ForCausalLM for model.hf_model_type=phi3, which an imported "
-                                     "Phi-3 sets), on one CPU process.")
+                                     "Phi-3 sets, or for LongRoPE or model.partial_rotary_factor), on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)

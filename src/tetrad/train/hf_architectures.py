@@ -2,7 +2,8 @@
 config.json keys and tensor names, both ways: Llama's math throughout, with a sliding window
 (MistralForCausalLM), biases on q, k and v (Qwen2ForCausalLM), an RMSNorm over each head of q
 and k (Qwen3ForCausalLM), or q, k and v in one tensor and gate and up in another
-(Phi3ForCausalLM: Phi-3 mini and medium, phi-4).
+(Phi3ForCausalLM: Phi-3 mini and medium, phi-4; with LongRoPE, Phi-3 mini 128k and Phi-3.5 mini;
+RoPE on 3/4 of each head too, phi-4-mini).
 
 A tetrad parameter is a run of rows of one HF tensor (hf_rows): all of it, or its part of a
 fused one, so that import, init_from and export split and join Phi-3's tensors alike.
@@ -10,6 +11,7 @@ fused one, so that import, init_from and export split and join Phi-3's tensors a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -83,11 +85,24 @@ def hf_tensors(state: dict[str, torch.Tensor], model_type: str = "") -> dict[str
     return {key: torch.cat(tensors) if len(tensors) > 1 else tensors[0] for key, tensors in parts.items()}
 
 
+def _phi3_only(m) -> list[str]:
+    """What of model `m` Phi3ForCausalLM alone computes of the architectures here: LongRoPE, RoPE
+    on part of each head (transformers' Llama, Mistral and Qwen rotate whole heads)."""
+    return [name for name, used in (("LongRoPE (model.rope_scaling)", m.rope_scaling.get("rope_type") == "longrope"),
+                                    ("model.partial_rotary_factor", m.partial_rotary_factor != 1)) if used]
+
+
 def check_exportable(m) -> None:
     """Refuse a model no transformers architecture computes (one line, what to change)."""
     if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
         raise ConfigError(f"LlamaForCausalLM has rmsnorm, swiglu and rope; this model has norm={m.norm!r}, "
                           f"mlp={m.mlp!r}, pos={m.pos!r}")
+    lacks = [name for name, used in (("model.qk_norm", m.qk_norm), ("model.qkv_bias", m.qkv_bias),
+                                     ("Llama 3.1's model.rope_scaling", m.rope_scaling.get("rope_type") == "llama3"))
+             if used]
+    if _phi3_only(m) and lacks:
+        raise ConfigError(f"Phi3ForCausalLM, the one transformers architecture with {' and '.join(_phi3_only(m))}, "
+                          f"has no {' or '.join(lacks)}; export a model without one or the other")
     if m.qk_norm and m.qkv_bias:
         raise ConfigError("no transformers model has qk-norm with biases on q, k and v alone (Qwen3's attention_bias "
                           "puts one on the output projection too); export a model with one of model.qk_norm and "
@@ -97,7 +112,10 @@ def check_exportable(m) -> None:
 def exported_type(m) -> str:
     """The model_type `--to-hf` writes model `m` as: model.hf_model_type's where that architecture
     computes `m` (Phi-3 has no qk-norm, no q, k and v biases and no Llama 3.1 scaling, which a
-    fine-tune may have added), else "": the one hf_architecture picks from the model's features."""
+    fine-tune may have added), else "": the one hf_architecture picks from the model's features;
+    Phi-3's for a model only it computes (_phi3_only), whatever model.hf_model_type says."""
+    if _phi3_only(m):
+        return "phi3"
     if m.hf_model_type == "phi3" and (m.qk_norm or m.qkv_bias or m.rope_scaling):
         return ""
     return m.hf_model_type
@@ -112,8 +130,10 @@ def hf_architecture(m) -> dict:
     window = m.sliding_window if hides_keys(m.sliding_window, m.seq_len) else None
     qwen = {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
     if exported_type(m):
+        # Phi3Config's LongRoPE reads the top-level original_max_position_embeddings, not the scaling's
+        original = int(m.rope_scaling.get("original_max_position_embeddings", m.seq_len))
         return {**EXPORTED[exported_type(m)], "sliding_window": window, "resid_pdrop": m.dropout,
-                "original_max_position_embeddings": m.seq_len}
+                "original_max_position_embeddings": original, "partial_rotary_factor": m.partial_rotary_factor}
     if m.qk_norm:
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, **qwen}
     if m.qkv_bias:
@@ -124,7 +144,8 @@ def hf_architecture(m) -> dict:
 
 
 def hf_rope_scaling(scaling: dict) -> dict:
-    """config.json's `rope_scaling` for model.rope_scaling, in the form every transformers reads."""
+    """config.json's `rope_scaling` for model.rope_scaling (Llama 3.1's, or LongRoPE's with its
+    attention_factor, which transformers then takes as given), in the form every transformers reads."""
     if not scaling:
         return {}
     return {"rope_scaling": {**scaling, "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}}
@@ -164,18 +185,41 @@ def _rope_from_hf(hf: dict) -> tuple[float, dict, float]:
     partial = float(scaling.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     scaling.pop("rope_theta", None)
     kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if hf.get("model_type") == "phi3" and kind in ("su", "yarn"):  # Phi3Config's older names of its LongRoPE
+        kind = "longrope"
     return theta, {} if kind == "default" else {"rope_type": kind, **scaling}, partial
+
+
+def _longrope(hf: dict, scaling: dict) -> dict:
+    """model.rope_scaling of Phi-3's LongRoPE as transformers' Phi3 computes it: the original
+    context is config.json's top-level original_max_position_embeddings (Phi3Config's 4096 where
+    absent; it wins over the scaling's own), and attention_factor, where not given, is
+    sqrt(1 + ln(factor) / ln(original)) (1 for factor <= 1), factor, where not given, being
+    max_position_embeddings / original. Resolved here, once: a fine-tune's model.seq_len is not
+    the max_position_embeddings it comes from, so the model keeps the number, not the rule.
+    What does not compute comes back None: validation names it."""
+    original = hf.get("original_max_position_embeddings", 4096)
+    factor, attention = scaling.get("factor"), scaling.get("attention_factor")
+    try:
+        factor = hf.get("max_position_embeddings", 4096) / original if factor is None else factor
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    except (TypeError, ValueError, ZeroDivisionError):
+        pass
+    return {"rope_type": "longrope", "short_factor": scaling.get("short_factor"), "long_factor": scaling.get("long_factor"),
+            "original_max_position_embeddings": original, "attention_factor": attention}
 
 
 def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
     """The config.json keys whose math tetrad's model lacks, with their values. Phi-3's only
-    scaling is LongRoPE (its `su` and `yarn` too), which tetrad has not; dropout is training's
-    alone (transformers 5's Phi-3 reads no embd_pdrop; resid_pdrop is model.dropout's place)."""
+    scaling is LongRoPE (its `su` and `yarn` too), the others' Llama 3.1's; transformers' Phi-3
+    alone rotates part of each head; dropout is training's alone (transformers 5's Phi-3 reads
+    no embd_pdrop; resid_pdrop is model.dropout's place)."""
     unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias", "attention_dropout") if hf.get(k)}
-    if scaling and (kind == "phi3" or scaling.get("rope_type") != "llama3"):
+    if scaling and scaling.get("rope_type") != ("longrope" if kind == "phi3" else "llama3"):
         long = any(isinstance(v, list) for v in scaling.values())  # LongRoPE's factor lists: named, not listed
         unsupported["rope_scaling"] = {"rope_type": scaling["rope_type"]} if long else scaling
-    if partial != 1.0:  # RoPE on the first part of each head only
+    if partial != 1.0 and kind != "phi3":  # RoPE on the first part of each head only
         unsupported["partial_rotary_factor"] = partial
     if hf.get("hidden_act", "silu") != "silu":
         unsupported["hidden_act"] = hf["hidden_act"]
@@ -186,7 +230,8 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
     """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3 or Phi-3, their sliding windows
     included) config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k
     and v biases, whatever its config says (it has no key for them); Qwen3 is Llama with qk-norm
-    and, often, its own head_dim; Phi-3 is Llama with fused tensors, kept as hf_model_type."""
+    and, often, its own head_dim; Phi-3 is Llama with fused tensors, kept as hf_model_type, and
+    maybe LongRoPE (_longrope) and RoPE on part of each head (model.partial_rotary_factor)."""
     theta, scaling, partial = _rope_from_hf(hf)
     kind = hf.get("model_type")
     unsupported = _unsupported(hf, kind, scaling, partial)
@@ -199,5 +244,6 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
             "qk_norm": kind == "qwen3", "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
-            "rope_scaling": scaling, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+            "rope_scaling": _longrope(hf, scaling) if scaling.get("rope_type") == "longrope" else scaling,
+            "partial_rotary_factor": partial, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
             **({"hf_model_type": kind, "dropout": float(hf.get("resid_pdrop") or 0.0)} if kind in FUSED else {})}

@@ -238,7 +238,7 @@ def saved_model(manifest: dict) -> dict:
 
 # Keys of [model] that leave the shapes alone but change what the model computes from the same
 # weights: a resume with another value is allowed (context extension changes rope_theta), and said.
-BEHAVIOUR_KEYS = ("sliding_window", "rope_theta", "rope_scaling", "norm_eps")
+BEHAVIOUR_KEYS = ("sliding_window", "rope_theta", "rope_scaling", "partial_rotary_factor", "norm_eps")
 
 
 def behaviour_changes(manifest: dict, model_cfg) -> list[str]:

@@ -1,0 +1,73 @@
+"""Validation of RoPE's keys: the rotated dims of each head (model.partial_rotary_factor) and the
+frequency scaling (model.rope_scaling: Llama 3.1's or Phi-3's LongRoPE, by HF's names), each
+refusal one line naming what to change."""
+
+from __future__ import annotations
+
+from tetrad.config.sections import LONGROPE_KEYS, ROPE_SCALING_KEYS, ConfigError, ModelConfig
+
+
+def check_rope(m: ModelConfig) -> None:
+    """RoPE rotates pairs of dims: an even number of them, at least one pair; the scaling whole."""
+    if m.pos != "rope":
+        for key, does, unset in (("rope_scaling", "scales RoPE's frequencies", not m.rope_scaling),
+                                 ("partial_rotary_factor", "sets the dims RoPE rotates", m.partial_rotary_factor == 1)):
+            if not unset:
+                raise ConfigError(f"model.{key} {does}, and model.pos='learned' has none; remove it")
+        return
+    if m.partial_rotary_factor == 1 and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head_dim, got {m.head_dim}; use a d_model that is a "
+                          f"multiple of 2*n_heads = {2 * m.n_heads}, or model.pos='learned'")
+    if m.rotary_dim % 2 or m.rotary_dim < 2:
+        raise ConfigError(f"model.partial_rotary_factor={m.partial_rotary_factor:g} rotates int(head_dim * "
+                          f"partial_rotary_factor) = {m.rotary_dim} dims of each head of {m.head_dim}; RoPE needs an "
+                          f"even number, at least 2: choose a factor that makes it one")
+    if not m.rope_scaling:
+        return
+    kind = m.rope_scaling.get("rope_type")
+    if kind not in ("llama3", "longrope") and "rope_type" in m.rope_scaling:
+        raise ConfigError(f"model.rope_scaling.rope_type={kind!r}: tetrad has Llama 3.1's 'llama3' and Phi-3's "
+                          "'longrope' scaling only")
+    _check_keys(m.rope_scaling, LONGROPE_KEYS if kind == "longrope" else ROPE_SCALING_KEYS)
+    (_check_longrope if kind == "longrope" else _check_llama3)(m)
+
+
+def _check_keys(s: dict, keys: tuple[str, ...]) -> None:
+    missing, unknown = [k for k in keys if k not in s], [k for k in s if k not in keys]
+    if missing or unknown:
+        raise ConfigError(f"model.rope_scaling needs exactly {', '.join(keys)}"
+                          + (f"; missing {', '.join(missing)}" if missing else "")
+                          + (f"; unknown {', '.join(unknown)}" if unknown else ""))
+
+
+def _check_llama3(m: ModelConfig) -> None:
+    """Llama 3.1's scaling: its five keys with frequencies it can blend."""
+    s = m.rope_scaling
+    numbers = {k: s[k] for k in ROPE_SCALING_KEYS[1:]}
+    if not all(_number(v) for v in numbers.values()):
+        raise ConfigError(f"model.rope_scaling's {', '.join(numbers)} must be numbers, got {numbers}")
+    if not (s["factor"] >= 1 and 0 <= s["low_freq_factor"] < s["high_freq_factor"]
+            and s["original_max_position_embeddings"] > 0):
+        raise ConfigError(f"model.rope_scaling needs factor >= 1, 0 <= low_freq_factor < high_freq_factor and "
+                          f"original_max_position_embeddings > 0, got {numbers}")
+
+
+def _check_longrope(m: ModelConfig) -> None:
+    """LongRoPE: a positive factor for each rotated pair of dims in both lists, a positive length
+    and cos/sin scale."""
+    s = m.rope_scaling
+    for key in ("original_max_position_embeddings", "attention_factor"):
+        if not _number(s[key]) or s[key] <= 0:
+            raise ConfigError(f"model.rope_scaling.{key} must be a number above 0, got {s[key]!r}")
+    pairs = m.rotary_dim // 2
+    for key in ("short_factor", "long_factor"):
+        factors = s[key]
+        if not isinstance(factors, list) or len(factors) != pairs or not all(_number(f) and f > 0 for f in factors):
+            got = f"{len(factors)} of them" if isinstance(factors, list) else repr(factors)
+            raise ConfigError(f"model.rope_scaling.{key} must list a number above 0 for each of the rotary_dim / 2 = "
+                              f"{pairs} rotated pairs of a head (head_dim {m.head_dim} * partial_rotary_factor "
+                              f"{m.partial_rotary_factor:g}), got {got}")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

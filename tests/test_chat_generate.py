@@ -88,11 +88,11 @@ def test_the_conversation_ends_at_the_models_seq_len_in_one_line(tmp_path, capsy
     out, err = capsys.readouterr()
     assert 0 < turns < len(QUESTIONS) and out.count("\n") == turns
     assert err.startswith("tetrad generate: the rendered conversation is ") and err.endswith(
-        "tokens and the model reads at most seq_len=64: the conversation ends here\n")
+        "tokens and the model reads at most 64 tokens: the conversation ends here\n")
     dialogue = _random_dialogue(tmp_path, seq_len=64)
     assert converse(dialogue, 200, GREEDY, 0, io.StringIO("\n".join(QUESTIONS) + "\n")) == 1
-    assert capsys.readouterr().err == "tetrad generate: the answer reached the model's seq_len=64: the conversation " \
-                                      "ends here\n"
+    assert capsys.readouterr().err == "tetrad generate: the answer reached the end of the model's context (64 " \
+                                      "tokens): the conversation ends here\n"
 
 
 def test_generate_chat_without_a_prompt_converses_over_stdin(chat_run, monkeypatch, capsys):
@@ -183,7 +183,7 @@ def test_a_continuation_the_context_ends_says_so(chat_run, capsys):
     run, _ = chat_run
     assert main(["generate", str(run), "--prompt", "Hi", "--max-new-tokens", "100000", "--top-k", "1"]) == 0
     err = capsys.readouterr().err
-    assert "the model's context (seq_len=128) ended it before --max-new-tokens" in err, err
+    assert "the model's context (128 tokens) ended it before --max-new-tokens" in err, err
     assert main(["generate", str(run), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
     assert "ended it" not in capsys.readouterr().err
 

@@ -47,6 +47,9 @@ ERRORS = [
      "model.rope_scaling needs factor >= 1, 0 <= low_freq_factor < high_freq_factor"),
     ({"model": {"pos": "learned", "rope_scaling": {"rope_type": "llama3"}}}, None,
      "model.rope_scaling scales RoPE's frequencies, and model.pos='learned' has none; remove it"),
+    ({"model": {"pos": "learned", "max_position_embeddings": 256}}, None,
+     "model.pos='learned' has a position embedding of seq_len=128 rows, so it reads no longer sequence than that; "
+     "set model.max_position_embeddings=0 (seq_len)"),
     ({"model": {"pos": "learned", "partial_rotary_factor": 0.5}}, None,
      "model.partial_rotary_factor sets the dims RoPE rotates, and model.pos='learned' has none; remove it"),
     # head_dim 32 (the tiny preset's): 0.75 rotates 24 dims, 12 pairs; 0.1 rotates 3

@@ -71,6 +71,12 @@ class ModelConfig:
     ffn_hidden: int = 384
     vocab_size: int = 256
     seq_len: int = 128
+    # The longest sequence the model is meant for, beyond the seq_len it trains at (Megatron-LM's
+    # --max-position-embeddings, HF's max_position_embeddings): how far `tetrad generate` reads
+    # and what `convert --to-hf` writes, seq_len where that is longer (0: seq_len). An imported
+    # model keeps its own, so a Llama 3.1 fine-tuned at seq_len 4096 still generates and exports
+    # as the 128k model it is, and one trained past its original context exports the longer.
+    max_position_embeddings: int = 0
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     pos: Literal["rope", "learned"] = "rope"
@@ -112,6 +118,12 @@ class ModelConfig:
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:
             self.head_dim = self.d_model // self.n_heads
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens the model reads in one sequence: max_position_embeddings, or seq_len
+        where that is longer."""
+        return max(self.max_position_embeddings, self.seq_len)
 
     @property
     def rotary_dim(self) -> int:

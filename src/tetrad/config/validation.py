@@ -55,6 +55,7 @@ RANGES: dict[str, Range] = {
                                     "seq_len")},
     "model.head_dim": COUNT,  # 0: d_model / n_heads
     "model.sliding_window": COUNT,  # 0: no window
+    "model.max_position_embeddings": COUNT,  # 0: seq_len
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.dropout": Range(0, 1),
     "model.partial_rotary_factor": Range(0, 1, low_open=True, high_open=False),
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
@@ -174,9 +175,12 @@ def _check_pipeline(cfg: Config, runtime: bool) -> None:
 
 
 def _check_sequence(cfg: Config) -> None:
-    """Context parallelism's chunks and sequence parallelism's split. SP with a local sequence
+    """The model's context, context parallelism's chunks and sequence parallelism's split. SP with a local sequence
     tp does not divide is refused: every tp rank must hold the same number of tokens."""
     m, p = cfg.model, cfg.parallel
+    if m.pos == "learned" and m.max_position_embeddings > m.seq_len:
+        raise ConfigError(f"model.pos='learned' has a position embedding of seq_len={m.seq_len} rows, so it reads no "
+                          f"longer sequence than that; set model.max_position_embeddings=0 (seq_len)")
     if p.cp > 1 and m.seq_len % (2 * p.cp):
         ok = [c for c in divisors(m.seq_len) if c > 1 and m.seq_len % (2 * c) == 0][:8]
         raise ConfigError(f"seq_len={m.seq_len} is not divisible by 2*cp = {2 * p.cp} (the sequence is cut "

@@ -161,14 +161,14 @@ def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, d
     _write_safetensors(weights, exported_type(m), out, max_shard_gb, EXPORT_DTYPES.get(dtype))
     tokenizer, source = exported_tokenizer(weights.path, weights.cfg.data.source)
     if tokenizer is not None:
-        write_hf_tokenizer(tokenizer, out, m.seq_len, template_beside(source) if source else None, source)
+        write_hf_tokenizer(tokenizer, out, m.context_length, template_beside(source) if source else None, source)
     if source is not None and source.with_name(GENERATION_CONFIG).is_file():  # an imported model's, kept
         shutil.copyfile(source.with_name(GENERATION_CONFIG), out / GENERATION_CONFIG)
     written = EXPORT_DTYPES.get(dtype) or next(iter(weights.dtypes.values()))
     hf_config = {**hf_architecture(m), "vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
                  "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
-                 "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
+                 "max_position_embeddings": m.context_length, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
                  "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu",
                  "torch_dtype": str(written).removeprefix("torch."),
                  **hf_rope_scaling(m.rope_scaling), **(_special_token_ids(tokenizer, source) if tokenizer is not None else {})}

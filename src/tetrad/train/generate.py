@@ -77,15 +77,15 @@ class Cache:
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new: int, sampling: Sampling = Sampling(), seed: int = 0,
              stop: frozenset[int] = frozenset(), cache: Cache | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """The new token ids (at most `max_new`, ending at a `stop` token, e.g. EOS, or at seq_len
-    tokens in all) and the logits each was drawn from. `cache`: an earlier call's (a chat's last
+    """The new token ids (at most `max_new`, ending at a `stop` token, e.g. EOS, or at the model's
+    context_length tokens in all) and the logits each was drawn from. `cache`: an earlier call's (a chat's last
     turn), reused where `prompt` starts as its ids do; it ends holding the prompt and the new ids
     but the last (never run)."""
     generator = torch.Generator().manual_seed(seed)
     cache = Cache() if cache is None else cache
     logits = cache.feed(model, prompt[cache.reuse(prompt):])
     new, drawn_from = [], []
-    end = min(len(prompt) + max_new, model.cfg.seq_len + 1)
+    end = min(len(prompt) + max_new, model.cfg.context_length + 1)
     for position in range(len(prompt), end):
         token = sampling.pick(logits, prompt + new, generator)
         new.append(token)
@@ -117,10 +117,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--chat", action="store_true", help="answer as the assistant, in the chat template the run's "
                         "data was rendered with (tetrad data --chat-key), printing the answers alone: to --prompt, or "
                         "without it to each line of stdin in turn, keeping the conversation, until an empty line, "
-                        "the input's end or the model's seq_len")
+                        "the input's end or the model's context (model.max_position_embeddings, else seq_len)")
     parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens (default 200; "
-                        "fewer at an EOS or the model's seq_len)")
+                        "fewer at an EOS or the end of the model's context)")
     # Unset sampling flags take an imported model's generation_config.json (model_sampling), else Sampling's defaults.
     parser.add_argument("--temperature", type=float, help="0: greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default 0: all)")
@@ -193,8 +193,8 @@ def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int
     `source`: where the tokenizer came from (load_generator), which may record the EOS (_stops)."""
     prefix = document_prefix(tokenizer)
     ids = prefix + tokenizer.encode(prompt or ("" if prefix else "\n"), add_special_tokens=False).ids
-    if len(ids) >= model.cfg.seq_len:
-        raise ValueError(f"the prompt is {len(ids)} tokens; the model reads at most seq_len={model.cfg.seq_len}, "
+    if len(ids) >= model.cfg.context_length:
+        raise ValueError(f"the prompt is {len(ids)} tokens; the model reads at most {model.cfg.context_length} tokens, "
                          "so use a shorter one")
     new, _ = generate(model, ids, max_new, sampling, seed, _stops(tokenizer, None, source))
     return prompt + tokenizer.decode(new, skip_special_tokens=False), ids, new
@@ -212,7 +212,7 @@ def _stops(tokenizer: Tokenizer, chat: ChatTemplate | None = None, source: Path 
 
 
 class ContextFull(ValueError):
-    """A chat's rendered conversation reaches the model's seq_len: a conversation ends there."""
+    """A chat's rendered conversation reaches the end of the model's context: a conversation ends there."""
 
 
 def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages: list[dict], max_new: int,
@@ -223,9 +223,9 @@ def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages
     `cache`: the conversation's last turn's (generate); `source`: as `complete`'s."""
     text = Conversations(chat, tokenizer, None).render(messages, True, f"message {len(messages)}")
     ids = tokenizer.encode(text, add_special_tokens=False).ids
-    if len(ids) >= model.cfg.seq_len:
-        raise ContextFull(f"the rendered conversation is {len(ids)} tokens and the model reads at most seq_len="
-                          f"{model.cfg.seq_len}")
+    if len(ids) >= model.cfg.context_length:
+        raise ContextFull(f"the rendered conversation is {len(ids)} tokens and the model reads at most "
+                          f"{model.cfg.context_length} tokens")
     stops = _stops(tokenizer, chat, source)
     new, _ = generate(model, ids, max_new, sampling, seed, stops, cache)
     return tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=False), ids, new
@@ -254,9 +254,9 @@ class Dialogue:
 
 def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, lines: TextIO) -> int:
     """Answer each line of `lines` as the user's next message, printing the answers, until an
-    empty line, the input's end or the model's seq_len (said in a line); the number of turns. The
+    empty line, the input's end or the end of the model's context (said in a line); the number of turns. The
     prompt marker is for a terminal: piped, the output is the answers alone."""
-    seq_len = dialogue.model.cfg.seq_len
+    context = dialogue.model.cfg.context_length
     for turn in itertools.count():
         if lines.isatty():
             print("> ", end="", flush=True)
@@ -269,9 +269,9 @@ def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, li
             print(f"tetrad generate: {e}: the conversation ends here", file=sys.stderr)
             return turn
         print(text, flush=True)
-        if len(ids) + len(new) > seq_len:
-            print(f"tetrad generate: the answer reached the model's seq_len={seq_len}: the conversation ends here",
-                  file=sys.stderr)
+        if len(ids) + len(new) > context:
+            print(f"tetrad generate: the answer reached the end of the model's context ({context} tokens): the "
+                  "conversation ends here", file=sys.stderr)
             return turn + 1
 
 
@@ -316,8 +316,8 @@ def generate_command(argv: list[str]) -> int:
         print(f"tetrad generate: {e}", file=sys.stderr)
         return 2
     print(text)
-    capped = (f"; the model's context (seq_len={model.cfg.seq_len}) ended it before --max-new-tokens"
-              if len(prompt) + len(new) > model.cfg.seq_len and len(new) < args.max_new_tokens else "")
+    capped = (f"; the model's context ({model.cfg.context_length} tokens) ended it before --max-new-tokens"
+              if len(prompt) + len(new) > model.cfg.context_length and len(new) < args.max_new_tokens else "")
     print(f"tetrad generate: {len(new)} tokens; their loss under the model {continuation_loss(model, prompt, new):.4f} "
           f"(tokenizer: {source or 'bytes'}){capped}", file=sys.stderr)
     return 0

@@ -22,6 +22,7 @@ commands:
   plan --model M --cluster C --global-batch N rank every legal layout by predicted step time
   generate CHECKPOINT --prompt TEXT          sample text (KV cache, the run's tokenizer) on one process
   generate RUN --chat [--system TEXT]        answer in the run's chat template: --prompt, or a conversation on stdin
+  eval WEIGHTS [CONFIG] [--section.key=value ...]   validation loss of a checkpoint, run or HF model on held-out data
   convert SRC --to-hf OUT | --to-tetrad CKPT  tetrad checkpoint <-> HF safetensors (Llama, Mistral, Qwen2, Qwen3, Phi-3)
   bench [comm|gemm] [--out DIR]               measure matmul and collective rates; write a hardware profile
   schedule --pp P --microbatches M --schedule S [--vpp V] [--out x.png]   simulate and draw a pipeline schedule
@@ -141,13 +142,18 @@ def report_command(argv: list[str]) -> int:
     return run(argv)
 
 
+def eval_command(argv: list[str]) -> int:
+    from tetrad.evaluate import eval_command as run
+    return run(argv)
+
+
 def compare_command(argv: list[str]) -> int:
     from tetrad.viz.compare import compare_command as run
     return run(argv)
 
 
 COMMANDS = {"data": data_command, "train": train_command, "check": check_command, "schedule": schedule_command, "estimate": estimate_command, "plan": plan_command, "convert": convert_command,
-            "generate": generate_command,
+            "generate": generate_command, "eval": eval_command,
             "bench": bench_command, "report": report_command, "compare": compare_command}
 
 

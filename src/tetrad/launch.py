@@ -178,16 +178,19 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
 
 
 def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = None,
-          timeout_s: float | None = None) -> list[dict]:
+          timeout_s: float | None = None, work: Callable | None = None) -> Any:
     """Train `cfg` (from `load_config`) as `tetrad train` does: on this machine's ranks, or on this
-    rank under torchrun. Every check runs first, here, once (under torchrun once per process, as
+    rank under torchrun; or, given `work` (`Trainer.evaluate`: `tetrad eval`), do that with each
+    rank's Trainer instead of `fit`, and return rank 0's result. Every check runs first, here, once (under torchrun once per process, as
     `tetrad train`): a bad config or a missing file is one ConfigError, the text `tetrad train`
     prints, and no rank starts. `announce(device_type, resume)` is called after the checks, before
     the ranks start (under torchrun on rank 0 alone; resume: the checkpoint the run continues from,
     or None). `timeout_s` is
-    run_local's deadline. Returns the per-step records of rank 0 (this rank's under torchrun)."""
+    run_local's deadline. Returns the per-step records (or `work`'s result) of rank 0 (this
+    rank's under torchrun)."""
     from tetrad.train.preflight import preflight  # here: run_local's other users need not load the trainer
-    from tetrad.train.trainer import train_on_this_rank
+    from tetrad.train.trainer import Trainer, train_on_this_rank
+    work = work or Trainer.fit
     if in_torchrun():
         cfg = for_torchrun_job(cfg)
     device_type = devices.resolve_device_type(cfg.train.device)
@@ -199,9 +202,9 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
         if announce is not None and is_job_rank_zero():  # once in the job's log
             announce(device_type, resume)
         if dist.is_initialized():  # the caller holds the job's group (`tetrad check` trains twice in it)
-            return train_on_this_rank(cfg, device_type)
+            return train_on_this_rank(cfg, device_type, work)
         with torchrun_process_group(device_type, p.startup_timeout_s):
-            return train_on_this_rank(cfg, device_type)
+            return train_on_this_rank(cfg, device_type, work)
     if device_type != "cpu" and p.world_size > devices.local_device_count(device_type):
         raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
                           f"{devices.local_device_count(device_type)} {device_type} devices; use torchrun across "
@@ -210,7 +213,7 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
         _warn_of_host_memory(cfg)
     if announce is not None:
         announce(device_type, resume)
-    return run_local(train_on_this_rank, p.world_size, (cfg, device_type), device_type=device_type,
+    return run_local(train_on_this_rank, p.world_size, (cfg, device_type, work), device_type=device_type,
                      timeout_s=timeout_s, pg_timeout_s=p.startup_timeout_s)[0]
 
 

@@ -13,7 +13,9 @@ import functools
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -384,14 +386,15 @@ def _naming_step(step: int):
         raise watchdog.CollectiveTimeout(f"at step {step + 1}: {e}") from None
 
 
-def train_on_this_rank(cfg: Config, device_type: str) -> list[dict]:
-    """Entry point of a rank inside an initialised process group (local or torchrun). The run's
-    memory and groups end with it: `tetrad check` trains again in the same torchrun process."""
+def train_on_this_rank(cfg: Config, device_type: str, work: Callable[[Trainer], Any] = Trainer.fit):
+    """Entry point of a rank inside an initialised process group (local or torchrun): `work` of its
+    Trainer, `fit` (the step records) or `evaluate` (`tetrad eval`). The run's memory and groups
+    end with it: `tetrad check` trains again in the same torchrun process."""
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     devices.set_fp32_matmul(device, cfg.train.tf32)
     with memory_watch(cfg, devices.memory_gib(device)):
         trainer = Trainer(cfg, device)
         with contextlib.closing(trainer.grads):  # its hooks would keep the weights alive past the run
-            history = trainer.fit()
+            result = work(trainer)
     trainer.topo.close()
-    return history
+    return result

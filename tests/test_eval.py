@@ -1,0 +1,73 @@
+"""`tetrad eval`: a checkpoint's validation loss, as training's validation computes it, in any
+layout; and an HF model's on data it never saw, as transformers computes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tetrad.cli import main
+from tetrad.evaluate import eval_config
+from tetrad.train.batches import split_batches
+
+pytestmark = pytest.mark.dist
+
+TINY = ["--model.n_layers=2", "--model.d_model=64", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.ffn_hidden=128", "--model.seq_len=32", "--train.global_batch=8", "--train.micro_batch=2"]
+
+
+def _evaluated(capsys, *argv) -> dict:
+    capsys.readouterr()
+    assert main(["eval", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_runs_checkpoint_evaluates_to_its_last_val_loss_in_any_layout(tmp_path, capsys):
+    """The run's own config (its held-out tenth) is the default: the one-process evaluation is the
+    val_loss its last step logged, and tp2 x pp2 and ZeRO-3 over dp2 give the same loss."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=3", "--train.eval_every=3", "--data.val_fraction=0.1",
+                 "--checkpoint.every=3", f"--run.dir={run}"]) == 0
+    logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
+    assert _evaluated(capsys, str(run))["val_loss"] == pytest.approx(logged, rel=1e-6)
+    for layout in (["--parallel.tp=2", "--parallel.pp=2"], ["--parallel.dp=2", "--parallel.zero=3"]):
+        assert _evaluated(capsys, str(run), *layout)["val_loss"] == pytest.approx(logged, rel=1e-5), layout
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tetrad eval: val_loss ") and f"of {run} on the last 0.1 of licenses" in out, out
+    assert not (run / "checkpoints" / "step_00000004").exists() and len((run / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_hugging_face_model_evaluates_on_the_whole_source_as_transformers_computes(tmp_path, capsys):
+    """With nothing held out, the whole data.source is the evaluation set: the loss is
+    transformers' mean token cross-entropy over the same windows."""
+    transformers = pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(hf, safe_serialization=True)
+    flags = ["--model.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2", "--train.eval_steps=2"]
+    got = _evaluated(capsys, str(hf), *flags)
+    cfg = eval_config(None, flags, hf, str(tmp_path / "unused"))
+    _, val = split_batches(cfg)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(val.eval_batches(cfg.train.eval_steps)):
+            inputs, labels = val.global_batch_at(i)
+            logits = model(inputs).logits
+            total += float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+            tokens += labels.numel()
+    assert got["val_loss"] == pytest.approx(total / tokens, rel=1e-5)
+    assert got["perplexity"] == pytest.approx(torch.tensor(total / tokens).exp().item(), rel=1e-5)
+
+
+def test_weights_that_are_not_there_are_refused_in_one_line(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist; name a tetrad checkpoint or run folder, or an HF model folder" in err

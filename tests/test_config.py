@@ -23,7 +23,8 @@ ERRORS = [
     ({"model": {"seq_len": 36}, "parallel": {"cp": 4}}, None, "use cp in [1, 2, 3, 6, 9, 18]"),
     ({"train": {"global_batch": 12, "micro_batch": 4}, "parallel": {"dp": 2}}, None,
      "global_batch=12 is not divisible by micro_batch*dp = 4*2 = 8"),
-    ({"parallel": {"tpp": 2}}, None, "unknown key parallel.tpp (did you mean 'tp'?)"),
+    ({"parallel": {"tpp": 2}}, None, "unknown key parallel.tpp (did you mean 'parallel.tp'?)"),  # the key as written
+    ({"model": {"n_layer": 2}}, None, "unknown key model.n_layer (did you mean 'model.n_layers'?)"),
     ({"train": {"dtype": "BF16"}}, None, "got 'BF16' (str) (did you mean 'bf16'?)"),
     ({"trian": {"steps": 2}}, None, "unknown section [trian] (did you mean 'train'?)"),
     ({"model": {"preset": "lama3-8b"}}, None, "unknown model.preset 'lama3-8b' (did you mean 'llama3-8b'?)"),

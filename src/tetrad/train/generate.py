@@ -143,21 +143,28 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _sampling_flags(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name) is not None}
+def _sampling_flags(args: argparse.Namespace | None) -> dict:
+    return {} if args is None else {name: getattr(args, name) for name in SAMPLING_FIELDS
+                                    if getattr(args, name) is not None}
 
 
-def sampling_settings(args: argparse.Namespace, model: dict) -> Sampling:
-    """Each sampling flag given, else what an imported model's generation_config.json asks
-    transformers' generate for (`model`, model_sampling's: Llama 3.1's temperature 0.6 and top_p
-    0.9, Qwen2.5 Instruct's repetition penalty 1.05, greedy where do_sample is false), else
-    Sampling's defaults."""
+def sampling_settings(args: argparse.Namespace | None, model: dict) -> Sampling:
+    """Each sampling flag given (`args`: generate's; None for none, as `tetrad report` samples),
+    else what an imported model's generation_config.json asks transformers' generate for (`model`,
+    model_sampling's: Llama 3.1's temperature 0.6 and top_p 0.9, Qwen2.5 Instruct's repetition
+    penalty 1.05, greedy where do_sample is false), else Sampling's defaults."""
     try:
         Sampling(**model)
     except ValueError:
         raise ValueError(f"the model's {GENERATION_CONFIG} asks for sampling out of range ({model}); pass "
                          "--temperature, --top-k, --top-p, --min-p and --repetition-penalty") from None
     return Sampling(**{**model, **_sampling_flags(args)})
+
+
+def run_sampling(source: Path | None) -> Sampling:
+    """How `tetrad generate` samples the model whose tokenizer came from `source` where no flag
+    is given (`tetrad report`'s samples): its generation_config.json's settings, else the defaults."""
+    return sampling_settings(None, model_sampling(source))
 
 
 def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | None]:

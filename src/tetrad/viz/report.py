@@ -243,10 +243,9 @@ def _prediction(cfg, cluster_ref: str | None):
         return None, None, f"the planner could not estimate this layout: {e}"
 
 
-# Sample k (from 0) is what `tetrad generate RUN_DIR --prompt SAMPLE_PROMPTS[k] --seed k
-# --max-new-tokens SAMPLE_TOKENS` prints (its default temperature): short, so that the report stays fast.
-# No prompt ends in a space: byte-level BPE joins a space to the word after it ("Ġword"), so a
-# trailing space would be a token of its own that running text never has there.
+# Sample k (from 0) is what `tetrad generate RUN_DIR --prompt SAMPLE_PROMPTS[k] --seed k --max-new-tokens
+# SAMPLE_TOKENS` prints, in its sampling; short, so that the report stays fast. No prompt ends in a space: byte-level
+# BPE joins a space to the word after it ("Ġword"), so a trailing space would be a token that running text never has.
 SAMPLE_PROMPTS = ("", "The", "This")
 SAMPLE_TOKENS = 48
 
@@ -254,13 +253,14 @@ SAMPLE_TOKENS = 48
 def samples(run_dir: Path, cfg, count: int) -> tuple[list[str], str]:
     """Up to `count` texts sampled from the run's latest checkpoint, and a note saying how."""
     from tetrad.train.checkpoint import CheckpointError
-    from tetrad.train.generate import complete, load_generator
+    from tetrad.train.generate import complete, load_generator, run_sampling
     if count == 0:
         return [], "Samples: not asked for (--samples 0)."
     checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir
     try:
         model, tokenizer, source = load_generator(checkpoints)
-        texts = [complete(model, tokenizer, prompt, SAMPLE_TOKENS, seed=k, source=source)[0]
+        sampling = run_sampling(source)
+        texts = [complete(model, tokenizer, prompt, SAMPLE_TOKENS, sampling, seed=k, source=source)[0]
                  for k, prompt in enumerate(SAMPLE_PROMPTS[:count])]
     except CheckpointError as e:
         return [], f"Samples: no checkpoint: no samples ({e})."
@@ -268,7 +268,7 @@ def samples(run_dir: Path, cfg, count: int) -> tuple[list[str], str]:
         return [], f"Samples: none, {e}."
     return texts, (f"Samples: from the latest checkpoint, tokenizer {source or 'bytes'}; sample k (from 0) is `tetrad "
                    f"generate {checkpoints} --max-new-tokens {SAMPLE_TOKENS} --seed k --prompt P` with the k-th of the "
-                   f"prompts {SAMPLE_PROMPTS[:count]}.")
+                   f"prompts {SAMPLE_PROMPTS[:count]} ({sampling.describe()}).")
 
 
 def write_report(run_dir: str | Path, cluster: str | None = None, sample_count: int = 3) -> tuple[Path, list[str]]:

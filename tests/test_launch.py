@@ -74,8 +74,8 @@ def test_hang_ends_at_deadline():
     assert time.monotonic() - start < 25
 
 
-# A launcher in its own process, as `tetrad train` is: ranks record their pid and whether
-# SIGTERM reached them, then wait to be stopped.
+# A launcher in its own process, as `tetrad train` is: ranks record their pid and which signal
+# reached them, then wait to be stopped.
 LAUNCHER = """
 import os, signal, sys, time
 from pathlib import Path
@@ -84,9 +84,10 @@ from tetrad.launch import Stopped, run_local
 
 def rank(folder):
     def on_term(signum, frame):
-        Path(folder, f"term{dist.get_rank()}").write_text("")
+        Path(folder, f"term{dist.get_rank()}").write_text(signal.Signals(signum).name)
         os._exit(0)
-    signal.signal(signal.SIGTERM, on_term)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_term)
     dist.barrier()
     Path(folder, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
     time.sleep(120)
@@ -128,12 +129,15 @@ def _wait_gone(pids, within_s: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGINT takes the same path
-def test_signal_to_launcher_reaches_every_rank_as_sigterm(tmp_path, sig):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_to_launcher_reaches_every_rank_as_itself(tmp_path, sig):
+    """As torchrun's agent forwards it: a rank's stop line can then say Ctrl-C (SIGINT) from a
+    scheduler's SIGTERM (before: every signal reached the ranks as SIGTERM)."""
     proc, pids = _start_launcher(tmp_path)
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == 128 + sig
-    assert sorted(p.name for p in tmp_path.glob("term*")) == ["term0", "term1", "term2"]
+    assert {p.name: p.read_text() for p in tmp_path.glob("term*")} == dict.fromkeys(("term0", "term1", "term2"),
+                                                                                    sig.name)
     assert _wait_gone(pids, 5) == []
 
 

@@ -226,16 +226,21 @@ def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages
           sampling: Sampling = Sampling(), seed: int = 0, cache: Cache | None = None, source: Path | None = None) -> tuple[str, list[int], list[int]]:
     """The assistant's sampled answer to `messages` (a conversation ending with the user's turn),
     rendered with the run's chat template (the format its data was: data/chat.py) and its
-    generation prompt; with the prompt's and the answer's ids, as `complete` gives them.
-    `cache`: the conversation's last turn's (generate); `source`: as `complete`'s."""
-    text = Conversations(chat, tokenizer, None).render(messages, True, f"message {len(messages)}")
+    generation prompt, without the template's end-of-turn markup the sample ends with (a plain
+    template's newline: the answer is its content, and a chat prints one newline after it); with
+    the prompt's and the answer's ids, as `complete` gives them. `cache`: the conversation's last
+    turn's (generate); `source`: as `complete`'s."""
+    conversations = Conversations(chat, tokenizer, None)
+    text = conversations.render(messages, True, f"message {len(messages)}")
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     if len(ids) >= model.cfg.seq_len:
         raise ContextFull(f"the rendered conversation is {len(ids)} tokens and the model reads at most seq_len="
                           f"{model.cfg.seq_len}")
     stops = _stops(tokenizer, chat, source)
     new, _ = generate(model, ids, max_new, sampling, seed, stops, cache)
-    return tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=False), ids, new
+    answer = tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=False)
+    markup = conversations.turn_end(messages, [tokenizer.id_to_token(t) for t in stops])
+    return answer.removesuffix(markup), ids, new
 
 
 class Dialogue:

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tetrad.config import Config, ConfigError, load_config, split_config_args
+from tetrad.config import Config, ConfigError, counted, load_config, split_config_args
 
 ERRORS = [
     ({"parallel": {"dp": 2, "tp": 2}}, 8, "dp*tp*pp*cp = 2*2*1*1 = 4 but the job has 8 ranks; set parallel.dp=4"),
@@ -78,6 +78,12 @@ def test_resolved_config_round_trips(tmp_path):
     path.write_text(cfg.to_toml())
     assert load_config(path) == cfg
     assert isinstance(cfg, Config)
+
+
+def test_counts_are_said_in_the_singular_for_one():
+    """The one rule every command's count follows (before: "1 steps", "1 file(s) ... are")."""
+    assert [counted(n, "step") for n in (0, 1, 2, 1124)] == ["0 steps", "1 step", "2 steps", "1,124 steps"]
+    assert (counted(1, "process", "processes"), counted(3, "process", "processes")) == ("1 process", "3 processes")
 
 
 def test_bad_override_syntax():

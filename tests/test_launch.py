@@ -178,7 +178,7 @@ def test_torchrun_takes_ranks_per_node_from_local_world_size(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ranks_per_node = 2" in (run_dir / "config.toml").read_text()
     # What `tetrad train` says of the run (layout, data, the closing line), rank 0 alone.
-    for line in ("tetrad: training tiny with dp=2 tp=1 pp=1 cp=1 (2 ranks on cpu), 1 steps",
+    for line in ("tetrad: training tiny with dp=2 tp=1 pp=1 cp=1 (2 ranks on cpu), 1 step,",  # not "1 steps"
                  "tetrad: data: ", f"at step 1; metrics in {run_dir}/metrics.jsonl"):
         assert out.stdout.count(line) == 1, (line, out.stdout)
 

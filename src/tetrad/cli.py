@@ -11,7 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from tetrad.config import Config, ConfigError, idle_settings, load_config, split_config_args
+from tetrad.config import Config, ConfigError, counted, idle_settings, load_config, split_config_args
 from tetrad.config.sections import did_you_mean
 
 USAGE = """usage: tetrad COMMAND [ARGS]
@@ -79,8 +79,8 @@ def _announce(cfg: Config, device_type: str, resume: Path | None) -> None:
         model = (f"the {m.n_layers}-layer, d_model {m.d_model} model "
                  f"{'fine-tuned from' if resume else 'of'} {cfg.checkpoint.init_from}")
     print(f"tetrad: training {model} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
-          f"({p.world_size} rank{'s' if p.world_size > 1 else ''} on {device_type}), "
-          f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
+          f"({counted(p.world_size, 'rank')} on {device_type}), {counted(cfg.train.steps, 'step')}, "
+          f"run dir {cfg.run.dir}", flush=True)
     print(describe_data(cfg, resume), flush=True)
     if cfg.train.warmup > cfg.train.steps:
         print(f"tetrad: note: train.warmup={cfg.train.warmup} > train.steps={cfg.train.steps}: the learning rate "

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad import device as devices
-from tetrad.config import Config, ConfigError, validate
+from tetrad.config import Config, ConfigError, counted, validate
 
 
 class RankFailure(RuntimeError):
@@ -206,8 +206,8 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
             return train_on_this_rank(cfg, device_type)
     if device_type != "cpu" and p.world_size > devices.local_device_count(device_type):
         raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
-                          f"{devices.local_device_count(device_type)} {device_type} devices; use torchrun across "
-                          "nodes, or a smaller layout")
+                          f"{counted(devices.local_device_count(device_type), device_type + ' device')}; use "
+                          "torchrun across nodes, or a smaller layout")
     if device_type == "cpu":
         _warn_of_host_memory(cfg)
     if announce is not None:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tetrad.config import counted
 from tetrad.data.chat import MESSAGES, is_conversation
 from tetrad.data.sources import visible_files
 
@@ -71,7 +72,7 @@ def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path], list[Path]]
         files += found
         left_out += [f for f in inside if f.suffix not in DOCUMENT_SUFFIXES]
     if not any(f.stat().st_size for f in files):
-        raise ValueError(f"the {len(files)} input file(s) are empty")
+        raise ValueError(f"every input file is empty ({counted(len(files), 'file')})")
     once, repeats, named = [], [], set()
     for f in files:
         (repeats if f.resolve() in named else once).append(f)

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from tetrad.config import counted
 from tetrad.data.chat import ChatTemplate, Conversations, load_template, save_template
 from tetrad.data.documents import (Piece, check_documents, input_files, piece_records, pieces, sample_texts,
                                     text_bytes)
@@ -269,18 +270,18 @@ def data_command(argv: list[str]) -> int:
         print(f"tetrad data: {e}", file=sys.stderr)
         return 2
     if left_out:
-        print(f"tetrad data: {len(left_out)} file(s) in the input folders are not .txt, .jsonl or .parquet and are left out, e.g. "
-              f"{left_out[0]}; name them as inputs to include them", flush=True)
+        print(f"tetrad data: {counted(len(left_out), 'file')} in the input folders left out (not .txt, .jsonl or "
+              f".parquet), e.g. {left_out[0]}; name them as inputs to include them", flush=True)
     if legacy:
-        print(f"tetrad data: {len(legacy)} input file(s) are not UTF-8 text, e.g. {legacy[0]}: bytes that are not UTF-8 "
-              "read as U+FFFD ('\ufffd'); convert them first to keep their characters (iconv -f cp1252 -t utf-8)", flush=True)
+        print(f"tetrad data: {counted(len(legacy), 'input file')} not in UTF-8, e.g. {legacy[0]}: bytes that are not "
+              "UTF-8 read as U+FFFD ('\ufffd'); convert them first to keep their characters (iconv -f cp1252 -t utf-8)", flush=True)
     if repeats:
-        print(f"tetrad data: {len(repeats)} input file(s) are a file named before (twice, or through a link) and are "
-              f"read once, e.g. {repeats[0]}", flush=True)
+        print(f"tetrad data: {counted(len(repeats), 'input file')} named before (twice, or through a link), read "
+              f"once, e.g. {repeats[0]}", flush=True)
     # Written beside the final folder and renamed when complete: a crash leaves no half folder.
     partial = args.out.with_name(args.out.name + ".partial")
     try:
-        (index, counted, left_out), (started, trained, done) = _write_shards(args, files, tokenizer, partial)
+        (index, loss_tokens, dropped), (started, trained, done) = _write_shards(args, files, tokenizer, partial)
     except ValueError as e:  # a .jsonl line or .parquet file past the part checked up front that is not a document
         shutil.rmtree(partial, ignore_errors=True)
         print(f"tetrad data: {e}", file=sys.stderr)
@@ -290,12 +291,12 @@ def data_command(argv: list[str]) -> int:
     partial.rename(args.out)
     total = text_bytes(files)
     counted_as = "response" if args.chat is None else "assistant"
-    masked = f"of which {counted / max(index['tokens'], 1):.0%} are {counted_as} tokens the loss counts; " \
+    masked = f"of which {loss_tokens / max(index['tokens'], 1):.0%} are {counted_as} tokens the loss counts; " \
         if index["loss_mask"] else ""
-    print(f"tetrad data: {_documents(args, index['documents'], left_out)}, {index['tokens']:,} tokens ({masked}vocab "
-          f"{index['vocab_size']}, {index['dtype']}) in {len(index['shards'])} shard(s) at {args.out}; tokenized "
-          f"{total / 1e6:.1f} MB in {done - trained:.1f} s = {total / 1e6 / (done - trained):.1f} MB/s with "
-          f"{args.workers} process(es)"
+    print(f"tetrad data: {_documents(args, index['documents'], dropped)}, {counted(index['tokens'], 'token')} "
+          f"({masked}vocab {index['vocab_size']}, {index['dtype']}) in {counted(len(index['shards']), 'shard')} at "
+          f"{args.out}; tokenized {total / 1e6:.1f} MB in {done - trained:.1f} s = "
+          f"{total / 1e6 / (done - trained):.1f} MB/s with {counted(args.workers, 'process', 'processes')}"
           + (f"; tokenizer trained in {trained - started:.1f} s" if args.tokenizer is None else ""))
     print(f"tetrad data: train on it with --data.source={args.out} (model.vocab_size follows: {index['vocab_size']})"
           + ("; with train.document_mask=true packed examples do not attend to each other"
@@ -329,13 +330,13 @@ def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partia
     return written, (started, trained, time.perf_counter())
 
 
-def _documents(args: argparse.Namespace, written: int, left_out: int) -> str:
+def _documents(args: argparse.Namespace, written: int, dropped: int) -> str:
     """What the summary calls the documents written, and those left out (as the other drops, a
     file or a line the command did not read, are said): fine-tuning examples without a response,
     conversations without an assistant turn."""
-    noun, why = ("conversations", "without an assistant turn") if args.chat is not None else \
-        ("examples", "with an empty response") if args.prompt_key is not None else ("documents", "")
-    return f"{written:,} {noun}" + (f" ({left_out:,} more {why} left out)" if left_out else "")
+    noun, why = ("conversation", "without an assistant turn") if args.chat is not None else \
+        ("example", "with an empty response") if args.prompt_key is not None else ("document", "")
+    return counted(written, noun) + (f" ({dropped:,} more {why} left out)" if dropped else "")
 
 
 def _nothing_found(args: argparse.Namespace) -> str:

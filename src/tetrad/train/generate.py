@@ -22,7 +22,7 @@ from typing import TextIO
 import torch
 from tokenizers import Tokenizer
 
-from tetrad.config import ModelConfig, load_config
+from tetrad.config import ModelConfig, counted, load_config
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, load_tokenizer, model_eos, model_sampling,
@@ -318,7 +318,7 @@ def generate_command(argv: list[str]) -> int:
             dialogue = _dialogue(model, tokenizer, source, args.system)
             if args.prompt is None:
                 turns = converse(dialogue, args.max_new_tokens, sampling, args.seed, sys.stdin)
-                print(f"tetrad generate: answered {turns} message{'s' * (turns != 1)}; the KV cache held "
+                print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held "
                       f"{dialogue.cache.reused} of their {dialogue.cache.prompted} prompt tokens", file=sys.stderr)
                 return 0
             text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, sampling, args.seed)
@@ -330,6 +330,7 @@ def generate_command(argv: list[str]) -> int:
     print(text)
     capped = (f"; the model's context (seq_len={model.cfg.seq_len}) ended it before --max-new-tokens"
               if len(prompt) + len(new) > model.cfg.seq_len and len(new) < args.max_new_tokens else "")
-    print(f"tetrad generate: {len(new)} tokens; their loss under the model {continuation_loss(model, prompt, new):.4f} "
+    print(f"tetrad generate: {counted(len(new), 'token')}; their loss under the model "
+          f"{continuation_loss(model, prompt, new):.4f} "
           f"(tokenizer: {source or 'bytes'}){capped}", file=sys.stderr)
     return 0

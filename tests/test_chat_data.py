@@ -103,8 +103,8 @@ def test_conversations_are_the_templates_ids_and_the_loss_counts_each_assistant_
     assert [tokenizer.decode(run, skip_special_tokens=False) for run in _runs(ids, mask)] == answers
     assert mask[-1] == 0 and ids[-1] == eos
     printed = capsys.readouterr().out
-    assert f"3 documents, {len(ids):,} tokens (of which {sum(mask) / len(ids):.0%} are assistant tokens the loss " \
-           "counts; vocab" in printed
+    assert f"3 conversations (1 more without an assistant turn left out), {len(ids):,} tokens (of which " \
+           f"{sum(mask) / len(ids):.0%} are assistant tokens the loss counts; vocab" in printed
 
 
 def test_no_eos_is_added_where_the_template_ends_with_it(tmp_path):

@@ -119,6 +119,26 @@ def test_generate_chat_without_a_prompt_converses_over_stdin(chat_run, monkeypat
     assert held and int(held[1]) > 0  # the second turn read the whole history, the first turn's from the cache
 
 
+# A plain template, its end-of-turn markup a newline (no special token ends a turn).
+PLAIN = ("{% for message in messages %}{{ message['role'] + ': ' + message['content'] | trim + '\\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+def test_a_template_whose_turn_ends_with_a_newline_prints_one_newline_a_turn(tmp_path, monkeypatch, capsys):
+    """The model answers as it learned from such data, its content then the markup (a newline)
+    then the EOS: piped, stdout holds each answer and one newline (before: a blank line after
+    each), and the history holds the content, which the template renders with its newline again."""
+    import tetrad.train.generate as module
+    tokenizer, _ = _chat_tokenizer(tmp_path, template=PLAIN)
+    model = random_model(vocab_size=tokenizer.get_vocab_size(), seq_len=256)
+    dialogue = Dialogue(model, tokenizer, template_beside(tmp_path / "tokenizer.json"))
+    said = tokenizer.encode("Blue.\n", add_special_tokens=False).ids + [tokenizer.token_to_id("<|eot_id|>")]
+    monkeypatch.setattr(module, "generate", lambda *args: (said, []))
+    assert converse(dialogue, 8, GREEDY, 0, io.StringIO("\n".join(QUESTIONS[:2]) + "\n")) == 2
+    assert capsys.readouterr().out == "Blue.\nBlue.\n"
+    assert [m["content"] for m in dialogue.messages if m["role"] == "assistant"] == ["Blue.", "Blue."]
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -21,7 +21,9 @@ def test_comm_options_round_trip_through_the_resolved_config(tmp_path):
 
 @pytest.mark.parametrize("options,message", [
     ({"tensor": {"max_ctas": 8}}, "has no group 'tensor'; groups are tp, cp, dp, pp"),
-    ({"tp": {"max_cta": 8}}, "unknown setting parallel.comm_options.tp.max_cta \\(did you mean 'max_ctas'\\?\\)"),
+    ({"tpp": {"max_ctas": 8}}, "has no group 'tpp' \\(did you mean 'parallel.comm_options.tp'\\?\\)"),
+    ({"tp": {"max_cta": 8}}, "unknown setting parallel.comm_options.tp.max_cta "
+                             "\\(did you mean 'parallel.comm_options.tp.max_ctas'\\?\\)"),
     ({"tp": {"max_ctas": 65}}, "parallel.comm_options.tp.max_ctas must be an integer in 1..64, got 65"),
     ({"tp": {"cga_cluster_size": True}}, "cga_cluster_size must be an integer in 0..8, got True"),
     ({"dp": {"high_priority_stream": 1}}, "high_priority_stream must be true or false, got 1"),

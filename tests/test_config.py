@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tetrad.config import Config, ConfigError, load_config, split_config_args
+from tetrad.config import Config, ConfigError, counted, load_config, split_config_args
 
 ERRORS = [
     ({"parallel": {"dp": 2, "tp": 2}}, 8, "dp*tp*pp*cp = 2*2*1*1 = 4 but the job has 8 ranks; set parallel.dp=4"),
@@ -23,7 +23,8 @@ ERRORS = [
     ({"model": {"seq_len": 36}, "parallel": {"cp": 4}}, None, "use cp in [1, 2, 3, 6, 9, 18]"),
     ({"train": {"global_batch": 12, "micro_batch": 4}, "parallel": {"dp": 2}}, None,
      "global_batch=12 is not divisible by micro_batch*dp = 4*2 = 8"),
-    ({"parallel": {"tpp": 2}}, None, "unknown key parallel.tpp (did you mean 'tp'?)"),
+    ({"parallel": {"tpp": 2}}, None, "unknown key parallel.tpp (did you mean 'parallel.tp'?)"),  # the key as written
+    ({"model": {"n_layer": 2}}, None, "unknown key model.n_layer (did you mean 'model.n_layers'?)"),
     ({"train": {"dtype": "BF16"}}, None, "got 'BF16' (str) (did you mean 'bf16'?)"),
     ({"trian": {"steps": 2}}, None, "unknown section [trian] (did you mean 'train'?)"),
     ({"model": {"preset": "lama3-8b"}}, None, "unknown model.preset 'lama3-8b' (did you mean 'llama3-8b'?)"),
@@ -100,6 +101,12 @@ def test_resolved_config_round_trips(tmp_path):
     path.write_text(cfg.to_toml())
     assert load_config(path) == cfg
     assert isinstance(cfg, Config)
+
+
+def test_counts_are_said_in_the_singular_for_one():
+    """The one rule every command's count follows (before: "1 steps", "1 file(s) ... are")."""
+    assert [counted(n, "step") for n in (0, 1, 2, 1124)] == ["0 steps", "1 step", "2 steps", "1,124 steps"]
+    assert (counted(1, "process", "processes"), counted(3, "process", "processes")) == ("1 process", "3 processes")
 
 
 def test_bad_override_syntax():

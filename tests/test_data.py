@@ -172,8 +172,9 @@ def test_files_a_folder_holds_besides_txt_are_named_as_left_out(tmp_path, capsys
     assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
     out = capsys.readouterr().out
     assert "tetrad data: training a 300-token BPE on the 0.0 MB of text\n" in out  # all of it: under --sample-mb
-    assert f"1 file(s) in the input folders are not .txt, .jsonl or .parquet and are left out, e.g. {tmp_path / 'text' / 'notes.md'}" in out
-    assert "1 documents" in out
+    assert (f"1 file in the input folders left out (not .txt, .jsonl or .parquet), e.g. "
+            f"{tmp_path / 'text' / 'notes.md'}") in out  # one file (before: "1 file(s) ... are")
+    assert "tetrad data: 1 document, " in out  # not "1 documents"
     assert main(["data", str(tmp_path / "text"), str(tmp_path / "text" / "notes.md"), "--out", str(tmp_path / "both"),
                  "--vocab-size", "300"]) == 0
     out = capsys.readouterr().out
@@ -406,7 +407,7 @@ def test_hidden_files_in_a_folder_are_not_documents(tmp_path, capsys):
     (tmp_path / "text" / "._doc0.txt").write_bytes(b"\0\5\26\7\0\2\0\0Mac OS X")
     (tmp_path / "text" / ".notes.jsonl").write_text(json.dumps({"text": "hidden"}) + "\n")
     assert main(["data", str(tmp_path / "text"), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
-    assert "1 documents" in capsys.readouterr().out
+    assert "tetrad data: 1 document, " in capsys.readouterr().out
     stream, tokenizer = load_tokens(str(tmp_path / "shards")), load_tokenizer(tmp_path / "shards" / "tokenizer.json")
     assert tokenizer.decode(stream.window(0, len(stream)).tolist()) == texts[0]
     assert bytes(load_tokens(str(tmp_path / "text")).window(0, 10**6).astype(np.uint8)) == texts[0].encode()
@@ -525,7 +526,7 @@ def test_a_file_named_twice_or_linked_is_read_once(tmp_path, capsys):
     doc0 = tmp_path / "text" / "doc0.txt"
     assert main(["data", str(tmp_path / "text"), str(doc0), "--out", str(tmp_path / "shards"), "--vocab-size", "300"]) == 0
     out = capsys.readouterr().out
-    assert ("tetrad data: 2 input file(s) are a file named before (twice, or through a link) and are read once, "
+    assert ("tetrad data: 2 input files named before (twice, or through a link), read once, "
             f"e.g. {tmp_path / 'text' / 'latest.txt'}\n") in out
     assert "2 documents" in out
     stream, tokenizer = load_tokens(str(tmp_path / "shards")), load_tokenizer(tmp_path / "shards" / "tokenizer.json")
@@ -547,7 +548,7 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
     assert main(["data", str(tmp_path / "new.txt"), str(tmp_path / "old.txt"), "--out", str(tmp_path / "o"),
                  "--vocab-size", "300"]) == 0
     out = capsys.readouterr().out
-    assert (f"tetrad data: 1 input file(s) are not UTF-8 text, e.g. {tmp_path / 'old.txt'}: bytes that are not UTF-8 "
+    assert (f"tetrad data: 1 input file not in UTF-8, e.g. {tmp_path / 'old.txt'}: bytes that are not UTF-8 "
             "read as U+FFFD ('\ufffd'); convert them first to keep their characters (iconv -f cp1252 -t utf-8)\n") in out
 
 

@@ -180,13 +180,14 @@ def test_the_eos_the_data_recorded_stops_generation_and_is_the_exports(tmp_path,
     assert json.loads((hf / "tokenizer_config.json").read_text())["eos_token"] == "<|eot_id|>"
 
 
-@pytest.mark.parametrize("eos", ["one", "list", "none"])
+@pytest.mark.parametrize("eos", ["one", "list", "none", "config-only"])
 def test_an_imported_models_eos_ends_generation_and_goes_back_out(tmp_path, eos):
     """A Hugging Face folder (weights written by transformers) whose config names <|eot_id|> as
-    its EOS ("one"), or whose generation_config.json names <|end_of_text|> and <|eot_id|> as Llama
-    3.1 Instruct's does ("list"): after --to-tetrad, generate stops at them (before: at the first
-    of KNOWN_EOS the tokenizer has), and --to-hf and a second round trip write them back. "none":
-    the search, as before."""
+    its EOS ("one"; "config-only": and its generation_config.json names none), or whose
+    generation_config.json names <|end_of_text|> and <|eot_id|> as Llama 3.1 Instruct's does
+    ("list"): generate stops at them, on the folder as it stands (before: config-only's stopped at
+    the first of KNOWN_EOS the tokenizer has) and after --to-tetrad, and --to-hf and a second round
+    trip write them back. "none": the search, as before."""
     import json
     transformers = pytest.importorskip("transformers")
     from tetrad.data.tokenizer import eos_id, train_bpe
@@ -198,13 +199,17 @@ def test_an_imported_models_eos_ends_generation_and_goes_back_out(tmp_path, eos)
     hf = tmp_path / "hf"
     config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                                      tie_word_embeddings=False, eos_token_id=eot if eos == "one" else None)
+                                      tie_word_embeddings=False,
+                                      eos_token_id=eot if eos in ("one", "config-only") else None)
     transformers.LlamaForCausalLM(config).save_pretrained(hf, safe_serialization=True)
-    if eos == "list":
-        (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, eot]}))
+    if eos in ("list", "config-only"):
+        (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, eot]} if eos == "list" else
+                                                              {"do_sample": False}))
     tokenizer.save(str(hf / "tokenizer.json"))
-    expected = {"one": {eot}, "list": {end, eot}, "none": {eos_id(tokenizer)}}[eos]
-    written = {"one": eot, "list": [end, eot], "none": eos_id(tokenizer)}[eos]
+    expected = {"one": {eot}, "list": {end, eot}, "none": {eos_id(tokenizer)}, "config-only": {eot}}[eos]
+    written = {"one": eot, "list": [end, eot], "none": eos_id(tokenizer), "config-only": eot}[eos]
+    _, hf_tokenizer, source = load_generator(hf)  # `tetrad generate HF_DIR`
+    assert _stops(hf_tokenizer, None, source) == expected
     for round_trip in range(2):
         ckpt, back = tmp_path / f"ckpt{round_trip}", tmp_path / f"back{round_trip}"
         assert main(["convert", str(hf), "--to-tetrad", str(ckpt)]) == 0

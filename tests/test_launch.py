@@ -74,8 +74,8 @@ def test_hang_ends_at_deadline():
     assert time.monotonic() - start < 25
 
 
-# A launcher in its own process, as `tetrad train` is: ranks record their pid and whether
-# SIGTERM reached them, then wait to be stopped.
+# A launcher in its own process, as `tetrad train` is: ranks record their pid and which signal
+# reached them, then wait to be stopped.
 LAUNCHER = """
 import os, signal, sys, time
 from pathlib import Path
@@ -84,9 +84,10 @@ from tetrad.launch import Stopped, run_local
 
 def rank(folder):
     def on_term(signum, frame):
-        Path(folder, f"term{dist.get_rank()}").write_text("")
+        Path(folder, f"term{dist.get_rank()}").write_text(signal.Signals(signum).name)
         os._exit(0)
-    signal.signal(signal.SIGTERM, on_term)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_term)
     dist.barrier()
     Path(folder, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
     time.sleep(120)
@@ -128,12 +129,15 @@ def _wait_gone(pids, within_s: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGINT takes the same path
-def test_signal_to_launcher_reaches_every_rank_as_sigterm(tmp_path, sig):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_to_launcher_reaches_every_rank_as_itself(tmp_path, sig):
+    """As torchrun's agent forwards it: a rank's stop line can then say Ctrl-C (SIGINT) from a
+    scheduler's SIGTERM (before: every signal reached the ranks as SIGTERM)."""
     proc, pids = _start_launcher(tmp_path)
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == 128 + sig
-    assert sorted(p.name for p in tmp_path.glob("term*")) == ["term0", "term1", "term2"]
+    assert {p.name: p.read_text() for p in tmp_path.glob("term*")} == dict.fromkeys(("term0", "term1", "term2"),
+                                                                                    sig.name)
     assert _wait_gone(pids, 5) == []
 
 
@@ -174,14 +178,16 @@ def test_torchrun_takes_ranks_per_node_from_local_world_size(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ranks_per_node = 2" in (run_dir / "config.toml").read_text()
     # What `tetrad train` says of the run (layout, data, the closing line), rank 0 alone.
-    for line in ("tetrad: training tiny with dp=2 tp=1 pp=1 cp=1 (2 ranks on cpu), 1 steps",
+    for line in ("tetrad: training tiny with dp=2 tp=1 pp=1 cp=1 (2 ranks on cpu), 1 step,",  # not "1 steps"
                  "tetrad: data: ", f"at step 1; metrics in {run_dir}/metrics.jsonl"):
         assert out.stdout.count(line) == 1, (line, out.stdout)
 
 
 def test_a_config_error_under_torchrun_is_said_once(tmp_path):
     """Every rank refuses a bad config and exits non-zero without a traceback, but one line says
-    why (global rank 0's), not one per rank."""
+    why (global rank 0's), not one per rank; torchrun's failure summary gives that line as the
+    root cause (the error file torch's @record writes; before: 'To enable traceback see ...')."""
+    import re
     import subprocess
     import sys
     out = subprocess.run(
@@ -189,10 +195,41 @@ def test_a_config_error_under_torchrun_is_said_once(tmp_path):
          "--parallel.tp=3", f"--run.dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode != 0
-    assert out.stderr.count("tetrad: config error: tp=3 does not divide n_heads=4; use tp in [1, 2]") == 1, out.stderr
+    line = "tetrad: config error: tp=3 does not divide n_heads=4; use tp in [1, 2]"
+    assert len(re.findall(f"^{re.escape(line)}$", out.stderr, re.MULTILINE)) == 1, out.stderr
     # torchrun's summary: rank 0 exited 2, rank 1 too (or torchrun stopped it first: rank 0 did not wait)
     assert "exitcode  : 2" in out.stderr and out.stderr.count("exitcode  : ") == 2, out.stderr
+    root_cause = out.stderr.partition("Root Cause (first observed failure):")[2]
+    assert f"traceback : {line}\n" in root_cause and "To enable traceback" not in out.stderr, out.stderr
     assert "tetrad/" not in out.stderr  # no rank's traceback (torchrun's own names no tetrad file)
+
+
+_CRASHES = """
+import sys
+from tetrad.cli import COMMANDS, main
+
+def crash(argv):
+    raise RuntimeError("a bug, not the user's mistake")
+COMMANDS["crash"] = crash  # a command that fails as a bug in tetrad would
+sys.exit(main(["crash"]))
+"""
+
+
+def test_a_crash_under_torchrun_keeps_its_traceback_in_torchruns_summary(tmp_path):
+    """A rank that crashes prints its traceback, and torchrun's summary gives it as the root
+    cause too (before: 'To enable traceback see ...', the traceback only in the rank's output)."""
+    import subprocess
+    import sys
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASHES)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                          str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode != 0
+    rank_output, _, root_cause = out.stderr.partition("Root Cause (first observed failure):")
+    assert "RuntimeError: a bug, not the user's mistake" in rank_output  # the rank's own traceback
+    assert "traceback : Traceback (most recent call last):" in root_cause, out.stderr
+    assert 'in crash\n      raise RuntimeError("a bug, not the user\'s mistake")' in root_cause, out.stderr
 
 
 _RANKS_OWN_REFUSAL = """
@@ -216,9 +253,9 @@ def test_a_refusal_rank_0_does_not_share_is_said_by_its_rank(tmp_path):
          f"--run.dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode != 0
-    for tp in (3, 5):
-        assert out.stderr.count(f"tetrad: config error: tp={tp} does not divide n_heads=4; use tp in [1, 2]") == 1, \
-            out.stderr
+    for tp in (3, 5):  # a line of its own each (torchrun's summary quotes them after "traceback : ")
+        assert out.stderr.count(f"\ntetrad: config error: tp={tp} does not divide n_heads=4; use tp in [1, 2]\n") \
+            + out.stderr.startswith(f"tetrad: config error: tp={tp} ") == 1, out.stderr
     assert "tetrad/" not in out.stderr
 
 

@@ -32,9 +32,17 @@ def test_report_of_a_finished_run():
     assert "no checkpoint: no samples" in page  # the run saved none
 
 
-def test_report_shows_what_generate_prints_from_the_latest_checkpoint(capsys):
+@pytest.mark.parametrize("asked", [None, {"do_sample": False, "repetition_penalty": 1.3}])
+def test_report_shows_what_generate_prints_from_the_latest_checkpoint(capsys, asked):
+    """The samples are `tetrad generate`'s, in its sampling: a generation_config.json beside the
+    run's tokenizer (an imported model's: greedy here, with a penalty) is followed by both (before:
+    the report sampled at tetrad's defaults)."""
     cfg = tiny_config(train={"steps": 2, "device": "cpu"}, checkpoint={"every": 2})
     train_layout(cfg)
+    if asked is not None:
+        latest = Path(cfg.run.dir) / "checkpoints" / "step_00000002"
+        byte_tokenizer().save(str(latest / "tokenizer.json"))
+        (latest / "generation_config.json").write_text(json.dumps(asked))
     capsys.readouterr()
     assert main(["report", cfg.run.dir, "--cluster", "cpu"]) == 0
     printed = capsys.readouterr().out
@@ -47,6 +55,7 @@ def test_report_shows_what_generate_prints_from_the_latest_checkpoint(capsys):
         assert f"--- sample {k + 1}\n{text}\n" in printed
         assert f"<pre>{html.escape(text)}</pre>" in page
     assert "no checkpoint" not in page
+    assert ("(temperature 0.0, top-k 0, top-p 1.0, min-p 0.0, repetition-penalty 1.3)" in page) == (asked is not None)
 
 
 def test_layout_and_group_labels_name_what_is_in_use():

@@ -57,8 +57,9 @@ def test_jsonl_examples_are_prefix_prompt_response_eos_and_the_loss_counts_the_r
     assert index["loss_mask"] is True and index["documents"] == 3 and index["tokens"] == len(ids)
     assert (out / mask_name(index["shards"][0]["file"])).is_file()
     printed = capsys.readouterr().out
-    assert f"3 documents, {len(ids):,} tokens (of which {sum(mask) / len(ids):.0%} are response tokens the loss " \
-           "counts; vocab" in printed
+    # The example with an empty response is counted where it is left out (before: "3 documents", no word of it)
+    assert f"3 examples (1 more with an empty response left out), {len(ids):,} tokens (of which " \
+           f"{sum(mask) / len(ids):.0%} are response tokens the loss counts; vocab" in printed
     assert "train.document_mask=true" in printed
     assert load_tokens(str(out)).counted([0, 3], 5).astype(int).tolist() == [mask[0:5], mask[3:8]]
 
@@ -76,7 +77,8 @@ def test_parquet_examples_match_and_the_bpe_learns_from_the_prompts_too(tmp_path
                  "--json-key", "response"]) == 0
     tokenizer, index = load_tokenizer(out / "tokenizer.json"), read_index(out)
     kept = [r for r in rows if r["response"]]
-    assert index["documents"] == len(kept) == 32 and f"{len(kept)} documents" in capsys.readouterr().out
+    assert index["documents"] == len(kept) == 32  # a null response is left out, and counted:
+    assert "tetrad data: 32 examples (8 more with an empty response left out), " in capsys.readouterr().out
     assert written(out) == expected(tokenizer, [], kept, index["eos_id"], "prompt", "response")
     # The word only the prompts hold was learned as one token: the sample holds prompts.
     assert len(tokenizer.encode(" zyzzyva", add_special_tokens=False).ids) == 1

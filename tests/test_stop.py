@@ -29,12 +29,20 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def tetrad_train(run_dir: Path, *extra: str) -> subprocess.Popen:
-    """`tetrad train` of the TINY config on dp=2, as a user runs it."""
+def tetrad_train(run_dir: Path, *extra: str, session: bool = False) -> subprocess.Popen:
+    """`tetrad train` of the TINY config on dp=2, as a user runs it; `session`: in a process group
+    of its own, as a terminal's foreground job (Ctrl-C reaches the whole group)."""
     args = [f"--{section}.{key}={value}" for section, values in TINY.items() for key, value in values.items()]
     args += [f"--train.steps={STEPS}", "--train.device=cpu", "--parallel.dp=2", f"--run.dir={run_dir}", *extra]
     return subprocess.Popen([sys.executable, "-m", "tetrad", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"},
+                            start_new_session=session)
+
+
+def _after_two_steps(proc: subprocess.Popen, run_dir: Path) -> None:
+    deadline = time.monotonic() + 120
+    while len(metrics(run_dir)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
 
 
 # With a checkpoint written in the background every step, the stop publishes the one of its step.
@@ -42,9 +50,7 @@ def tetrad_train(run_dir: Path, *extra: str) -> subprocess.Popen:
                          ids=["no-checkpoints", "async-every-step"])
 def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path, saving):
     proc = tetrad_train(tmp_path, *saving)
-    deadline = time.monotonic() + 120
-    while len(metrics(tmp_path)) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
+    _after_two_steps(proc, tmp_path)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 128 + signal.SIGTERM, out
@@ -61,6 +67,22 @@ def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path
 
     uninterrupted, _, _ = train_layout(tiny_config(parallel={"dp": 2}, train={"steps": STEPS, "device": "cpu"}))
     assert combined == uninterrupted  # bitwise: a same-layout resume is exact
+
+
+def test_ctrl_c_stops_saves_and_says_the_user_interrupted(tmp_path):
+    """Ctrl-C: SIGINT to the terminal's foreground process group, the launcher and its ranks
+    alike. The ranks finish the step in flight, save it, and the stop line says it was Ctrl-C
+    (before: SIGTERM, which the launcher forwarded in its place); the launcher exits 130."""
+    proc = tetrad_train(tmp_path, session=True)
+    _after_two_steps(proc, tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 128 + signal.SIGINT, out
+    reached = len(metrics(tmp_path))
+    assert 2 <= reached < STEPS, out
+    assert (f"tetrad: stopping on SIGINT (Ctrl-C) after step {reached} of {STEPS}; "
+            f"saved {step_dir(tmp_path / 'checkpoints', reached)}") in out
+    assert "tetrad: stopped by SIGINT; every rank was stopped" in out and "Traceback" not in out
 
 
 def _train_until_rank1_is_signalled(cfg):

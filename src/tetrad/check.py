@@ -24,7 +24,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from tetrad.config import Config, ConfigError, load_config, split_config_args, validate
+from tetrad.config import Config, ConfigError, counted, load_config, split_config_args, validate
 from tetrad.train.metrics import layout_label
 from tetrad.config.arguments import non_negative
 
@@ -84,7 +84,8 @@ def check_command(argv: list[str]) -> int:
     with joined:
         for name, run in (("the layout", layout), ("the reference", reference)):
             if first:
-                print(f"tetrad check: {name}, {layout_label(run.parallel)}, {args.steps} steps in {run.run.dir}", flush=True)
+                print(f"tetrad check: {name}, {layout_label(run.parallel)}, {counted(args.steps, 'step')} in "
+                      f"{run.run.dir}", flush=True)
             launch.train(run)
     if not first:
         return 0

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 
-from tetrad.config import Config, ConfigError, idle_settings, load_config, split_config_args
+from tetrad.config import Config, ConfigError, counted, idle_settings, load_config, split_config_args
 from tetrad.config.sections import did_you_mean
 
 USAGE = """usage: tetrad COMMAND [ARGS]
@@ -78,8 +80,8 @@ def _announce(cfg: Config, device_type: str, resume: Path | None) -> None:
         model = (f"the {m.n_layers}-layer, d_model {m.d_model} model "
                  f"{'fine-tuned from' if resume else 'of'} {cfg.checkpoint.init_from}")
     print(f"tetrad: training {model} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
-          f"({p.world_size} rank{'s' if p.world_size > 1 else ''} on {device_type}), "
-          f"{cfg.train.steps} steps, run dir {cfg.run.dir}", flush=True)
+          f"({counted(p.world_size, 'rank')} on {device_type}), {counted(cfg.train.steps, 'step')}, "
+          f"run dir {cfg.run.dir}", flush=True)
     print(describe_data(cfg, resume), flush=True)
     if cfg.train.warmup > cfg.train.steps:
         print(f"tetrad: note: train.warmup={cfg.train.warmup} > train.steps={cfg.train.steps}: the learning rate "
@@ -166,6 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tetrad: unknown command {argv[0]!r}{did_you_mean(argv[0], COMMANDS)}\n\n{USAGE}", file=sys.stderr)
         return 2
     try:
+        return _run(argv)
+    except Exception as e:  # a crash: its traceback, here and (under torchrun) in torchrun's summary
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+            get_error_handler().record_exception(e)  # what torch's @record writes
+        raise
+
+
+def _run(argv: list[str]) -> int:
+    """The command, each way it ends for the user: its status, a one-line refusal (exit 2), a stop."""
+    try:
         code = COMMANDS[argv[0]](argv[1:])
         sys.stdout.flush()  # here, not at exit: a reader gone by then is a traceback out of reach
         return code
@@ -173,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         _drop_stdout()
         return 128 + signal.SIGPIPE
     except ConfigError as e:
+        _tell_torchrun(f"tetrad: config error: {e}")
         if _says_refusal(f"tetrad: config error: {e}"):  # every rank that refuses exits 2; one says why
             print(f"tetrad: config error: {e}", file=sys.stderr)
         return 2
@@ -191,6 +205,18 @@ def main(argv: list[str] | None = None) -> int:
 def _drop_stdout() -> None:
     """Point stdout, whose reader left, at /dev/null: nothing is left to flush at exit."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, have its failure summary give this rank's refusal as its root cause: the
+    one line, in the error file torch.distributed.elastic reads (`@record`'s format, less the
+    traceback), not 'To enable traceback see ...'. torchrun's own process still
+    prints its ChildFailedError traceback: it raises one for any non-zero exit, and runs no
+    tetrad code that could stop it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        now = str(int(time.time()))
+        Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": {"timestamp": now}}}))
 
 
 def _says_refusal(message: str) -> bool:

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from tetrad.config import Config, ConfigError, load_config, split_config_args, validate
+from tetrad.config import Config, ConfigError, counted, load_config, split_config_args, validate
 
 
 def trained_config(weights: Path) -> Path | None:
@@ -77,6 +77,6 @@ def eval_command(argv: list[str]) -> int:
     held_out = f"the last {d.val_fraction:g} of {d.source}" if d.val_fraction else d.val_source
     by_source = "".join(f"; {name}: {loss:.4f}" for name, loss in result.get("val_loss_by_source", {}).items())
     print(f"tetrad eval: val_loss {result['val_loss']:.4f} (perplexity {result['perplexity']:.2f}) of {args.weights} "
-          f"on {held_out}, at most {cfg.train.eval_steps} batches of {cfg.train.global_batch} x {cfg.model.seq_len} "
-          f"tokens{by_source}")
+          f"on {held_out}, at most {counted(cfg.train.eval_steps, 'batch', 'batches')} of {cfg.train.global_batch} x "
+          f"{cfg.model.seq_len} tokens{by_source}")
     return 0

@@ -7,11 +7,13 @@ first rank that failed, with its traceback (or the signal that killed it). Nothi
 process groups get a finite timeout and `run_local` a wall-clock deadline.
 
 No rank outlives its launcher. SIGTERM, SIGINT or SIGHUP to the launcher (a scheduler, Ctrl-C,
-a closed terminal) reaches every rank as SIGTERM, the one signal a rank acts on (it may save and
-stop); the launcher waits `stop_grace_s` for them, then kills what is left. Ranks ignore SIGINT
-and SIGHUP themselves, since a terminal sends those to the whole process group and the launcher
-decides. A launcher that dies without a word (SIGKILL, a crash) takes its ranks with it: each
-rank asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), and elsewhere
+a closed terminal) reaches every rank as itself, as torchrun's agent forwards a signal, so that a
+rank that saves and stops on it can say which it was (Ctrl-C's SIGINT is the user's, SIGTERM a
+scheduler's); the launcher waits `stop_grace_s` for them, then kills what is left. A terminal
+sends SIGINT and SIGHUP to the whole process group, so a rank may get one twice, directly and
+forwarded: the same stop. A rank that does not handle them (outside a training loop) ends on
+each, as on SIGTERM. A launcher that dies without a word (SIGKILL, a crash) takes its ranks with
+it: each rank asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), and elsewhere
 watches its parent's pid. Signals are blocked while the ranks are forked, so none is lost
 between a fork and the rank setting up its own handling.
 """
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tetrad import device as devices
-from tetrad.config import Config, ConfigError, validate
+from tetrad.config import Config, ConfigError, counted, validate
 
 
 class RankFailure(RuntimeError):
@@ -54,7 +56,7 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-# What a launcher forwards to its ranks (as SIGTERM), and what a rank leaves to its launcher.
+# What a launcher forwards to its ranks, each as itself.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -168,8 +170,8 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
             try:
                 _start(procs, threads)
                 _wait(procs, timeout_s, Path(tmp))
-            except Stopped:
-                _stop(procs, stop_grace_s)
+            except Stopped as e:
+                _stop(procs, e.signum, stop_grace_s)
                 raise
             except BaseException:
                 _kill(procs)
@@ -207,8 +209,8 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
             return train_on_this_rank(cfg, device_type, work)
     if device_type != "cpu" and p.world_size > devices.local_device_count(device_type):
         raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
-                          f"{devices.local_device_count(device_type)} {device_type} devices; use torchrun across "
-                          "nodes, or a smaller layout")
+                          f"{counted(devices.local_device_count(device_type), device_type + ' device')}; use "
+                          "torchrun across nodes, or a smaller layout")
     if device_type == "cpu":
         _warn_of_host_memory(cfg)
     if announce is not None:
@@ -262,9 +264,8 @@ def _start(procs, threads: int) -> None:
 
 def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_timeout_s, tmp, launcher_pid):
     _die_with_parent(launcher_pid)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked rank inherited the launcher's handlers
-    for sig in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)  # the launcher handles them and sends SIGTERM
+    for sig in FORWARDED:  # a forked rank inherited the launcher's handlers; a training loop records them
+        signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -362,13 +363,13 @@ def _kill(procs) -> None:
         p.join()
 
 
-def _stop(procs, grace_s: float) -> None:
-    """SIGTERM every rank, give them `grace_s` to finish (a save), then kill the rest; a second
-    signal to the launcher kills them at once."""
+def _stop(procs, signum: int, grace_s: float) -> None:
+    """Send every rank `signum`, the launcher's, give them `grace_s` to finish (a save), then kill
+    the rest; a second signal to the launcher kills them at once."""
     alive = [p for p in _started(procs) if p.is_alive()]
     for p in alive:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, signal.SIGTERM)
+            os.kill(p.pid, signum)
     try:
         deadline = time.monotonic() + grace_s
         for p in alive:

@@ -7,7 +7,8 @@ from tetrad.config.loading import check_override, load_config, read_toml, split_
 from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, DEFAULT_BUCKET_MB, SECTIONS, CheckpointConfig, Config, ConfigError, DataConfig,
                                     ModelConfig, ParallelConfig, RunConfig, TrainConfig)
 from tetrad.config.validation import RANGES, idle_settings, profile_steps, validate, validate_device
+from tetrad.config.wording import counted
 
 __all__ = ["COMM_GROUPS", "COMM_OPTIONS", "DEFAULT_BUCKET_MB", "RANGES", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "idle_settings",
-           "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig", "check_override", "load_config", "profile_steps",
+           "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig", "check_override", "counted", "load_config", "profile_steps",
            "read_toml", "split_config_args", "validate", "validate_device"]

@@ -297,11 +297,13 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
-def did_you_mean(word: str, choices) -> str:
-    """' (did you mean ...?)' for the choice `word` differs from only in case, or is close to."""
+def did_you_mean(word: str, choices, within: str = "") -> str:
+    """' (did you mean ...?)' for the choice `word` differs from only in case, or is close to;
+    `within`: the table the choices are keys of, named in the hint ('model.n_layers', as a user
+    writes the key), not in the match (a shared prefix would make every key look close)."""
     choices = list(choices)
     close = [c for c in choices if c.lower() == word.lower()] or difflib.get_close_matches(word.lower(), choices, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return f" (did you mean {within + '.' + close[0] if within else close[0]!r}?)" if close else ""
 
 
 # Names users bring from Megatron-LM's arguments and torchtitan's TOML (dashes read as
@@ -358,7 +360,7 @@ def suggest_key(section: str, key: str) -> str:
     """' (did you mean ...?)' for an unknown key of `section`, or ''."""
     places = places_of(key, section)
     known = [f.name for f in dataclasses.fields(SECTIONS[section])]
-    return f" (did you mean {' or '.join(map(repr, places))}?)" if places else did_you_mean(key, known)
+    return f" (did you mean {' or '.join(map(repr, places))}?)" if places else did_you_mean(key, known, section)
 
 
 def suggest_section(section: str) -> str:

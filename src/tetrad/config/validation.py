@@ -272,12 +272,12 @@ def _check_rampup(t, rows: int) -> None:
 def _check_comm_options(groups: dict) -> None:
     for group, options in groups.items():
         if group not in COMM_GROUPS:
-            raise ConfigError(f"parallel.comm_options has no group {group!r}{did_you_mean(group, COMM_GROUPS)}; "
+            raise ConfigError(f"parallel.comm_options has no group {group!r}{did_you_mean(group, COMM_GROUPS, 'parallel.comm_options')}; "
                               f"groups are {', '.join(COMM_GROUPS)}")
         for key, value in options.items():
             name = f"parallel.comm_options.{group}.{key}"
             if key not in COMM_OPTIONS:
-                raise ConfigError(f"unknown setting {name}{did_you_mean(key, COMM_OPTIONS)}; "
+                raise ConfigError(f"unknown setting {name}{did_you_mean(key, COMM_OPTIONS, f'parallel.comm_options.{group}')}; "
                                   f"settings are {', '.join(COMM_OPTIONS)}")
             kind, allowed = COMM_OPTIONS[key]
             if (kind is bool) != isinstance(value, bool) or (allowed is not None and value not in allowed):

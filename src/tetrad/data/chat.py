@@ -159,6 +159,16 @@ class Conversations:
             raise ValueError(f"{where}: the chat template refuses the conversation: "
                              f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
 
+    def turn_end(self, messages: list[dict], stops: list[str]) -> str:
+        """What the template renders after an assistant's answer to `messages` (the end-of-turn
+        markup: a newline in plain templates, Llama 2's " </s>"), up to the first of the `stops`
+        (texts that end a sample, never in an answer: Llama 3's <|eot_id|>): the end of a sampled
+        answer that is markup, not content."""
+        answer = "tetrad-answer"  # no whitespace: a template that trims the content keeps it whole
+        text = self.render(messages + [{"role": "assistant", "content": answer}], False, "the answer")
+        after = text[text.rfind(answer) + len(answer):]
+        return after[:min((after.find(stop) for stop in stops if stop in after), default=len(after))]
+
     def assistant_turns(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and where each assistant turn is in it, [start, end) in
         characters; ValueError when the template renders a turn differently once the

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tetrad.config import Config, ConfigError
+from tetrad.config import Config, ConfigError, counted
 from tetrad.data.shards import (TOKENIZER, end_of_document, is_shard_folder, open_loss_masks, open_shards,
                                  read_index)
 from tetrad.data.blend import blend_parts
@@ -67,7 +67,7 @@ def _too_few(cfg: Config, what: str, name: str, tokens: TokenStream) -> str:
         fixes.append(f"a {'smaller' if what == 'data.source' else 'larger'} data.val_fraction (now {d.val_fraction:g})")
     where = f" ({name})" if name != d.source else ""
     holds = "holds" if what == "data.source" else "hold"
-    return f"{what}{where} {holds} {len(tokens)} tokens, fewer than {needed}; use {', or '.join(fixes)}"
+    return f"{what}{where} {holds} {counted(len(tokens), 'token')}, fewer than {needed}; use {', or '.join(fixes)}"
 
 
 def _check_document_ends(source: str, val_source: str, key: str) -> None:

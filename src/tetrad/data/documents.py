@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tetrad.config import counted
 from tetrad.data.chat import MESSAGES, is_conversation
 from tetrad.data.sources import visible_files
 
@@ -71,7 +72,7 @@ def input_files(inputs: list[Path]) -> tuple[list[Path], list[Path], list[Path]]
         files += found
         left_out += [f for f in inside if f.suffix not in DOCUMENT_SUFFIXES]
     if not any(f.stat().st_size for f in files):
-        raise ValueError(f"the {len(files)} input file(s) are empty")
+        raise ValueError(f"every input file is empty ({counted(len(files), 'file')})")
     once, repeats, named = [], [], set()
     for f in files:
         (repeats if f.resolve() in named else once).append(f)
@@ -175,10 +176,11 @@ def _json_record(line: str, keys: tuple[str, ...], where: str) -> tuple | None:
     return None if keys[-1] in found and found[keys[-1]] is None else tuple(found.get(key) for key in keys)
 
 
-def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> list[tuple]:
-    """The records of a .jsonl piece's lines (blank lines, empty and null texts skipped); a ValueError
-    naming the file and the line's byte offset when a line is not an object with a string (with
-    `chat`, a list of messages) under each of `keys`."""
+def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False, empty: bool = False) -> list:
+    """The records of a .jsonl piece's lines (blank lines, empty and null texts skipped; with
+    `empty`, such a text's line is a None, for the caller to count); a ValueError naming the file
+    and the line's byte offset when a line is not an object with a string (with `chat`, a list of
+    messages) under each of `keys`."""
     records, (data, offset) = [], _piece_bytes(piece)
     # Lines end at b"\n" only: str.splitlines would also cut at U+2028, U+0085 and the like, which
     # JSON writes unescaped inside strings (json.dumps(ensure_ascii=False)).
@@ -190,8 +192,10 @@ def json_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> l
             if wrong is not None:
                 raise ValueError(f"{piece.path}: the line at byte {offset} is not a JSON object with a {wrong!r} "
                                  f"{MESSAGES if chat else 'string'}; {_flag(keys, wrong, 'key', chat)}")
-            if record[-1]:
-                records.append((f"the line at byte {offset}", *record) if chat else record)
+        if record is not None and record[-1]:
+            records.append((f"the line at byte {offset}", *record) if chat else record)
+        elif empty and line.strip():
+            records.append(None)
         offset += len(raw) + 1
     return records
 
@@ -207,8 +211,9 @@ def _column_fits(type_, chat: bool) -> bool:
     return pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_string_view(type_)
 
 
-def parquet_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> list[tuple]:
-    """The records of a .parquet piece's rows (null and empty texts skipped); a ValueError naming
+def parquet_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False, empty: bool = False) -> list:
+    """The records of a .parquet piece's rows (null and empty texts skipped; with `empty`, such a
+    row is a None, as json_documents' lines); a ValueError naming
     the file and its columns when no string (with `chat`, list) column is called one of `keys`,
     or the row whose prompt is null or whose messages are not a list of {role, content} strings."""
     parquet = _parquet_file(Path(piece.path))
@@ -226,19 +231,21 @@ def parquet_documents(piece: Piece, keys: tuple[str, ...], chat: bool = False) -
         if wrong is not None:  # a null row is left out, as a null text is
             raise ValueError(f"{piece.path}: row {first + wrong} is not a {MESSAGES}; "
                              f"{_flag(keys, keys[0], 'column', chat)}")
-        return [(f"row {first + i}", value) for i, value in enumerate(columns[0]) if value]
+        return [(f"row {first + i}", value) if value else None for i, value in enumerate(columns[0])
+                if value or empty]
     for key, column in zip(keys[:-1], columns):
         if None in column:
             raise ValueError(f"{piece.path}: row {first + column.index(None)} has a null {key!r}; "
                              f"{_flag(keys, key, 'column')}")
-    return [record for record in zip(*columns) if record[-1]]
+    return [record if record[-1] else None for record in zip(*columns) if record[-1] or empty]
 
 
-def piece_records(piece: Piece, keys: tuple[str, ...], chat: bool = False) -> list[tuple]:
-    """A .txt piece's text as it is (part of one document), or the records of another piece."""
+def piece_records(piece: Piece, keys: tuple[str, ...], chat: bool = False, empty: bool = False) -> list:
+    """A .txt piece's text as it is (part of one document), or the records of another piece
+    (with `empty`, a None for each left out for an empty or null text: json_documents')."""
     if piece.suffix == ".parquet":
-        return parquet_documents(piece, keys, chat)
-    return json_documents(piece, keys, chat) if piece.suffix == ".jsonl" else [(read_piece(piece),)]
+        return parquet_documents(piece, keys, chat, empty)
+    return json_documents(piece, keys, chat, empty) if piece.suffix == ".jsonl" else [(read_piece(piece),)]
 
 
 def sample_texts(files: list[Path], budget_bytes: int, keys: tuple[str, ...]) -> Iterator[str]:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from tetrad.config import counted
 from tetrad.data.chat import ChatTemplate, Conversations, load_template, save_template
 from tetrad.data.documents import (Piece, check_documents, input_files, piece_records, pieces, sample_texts,
                                     text_bytes)
@@ -53,10 +54,12 @@ class _Encoder:
         # torchtitan read text). A chat template's markup is the model's own: parsed.
         self.tokenizer.encode_special_tokens = chat is None
 
-    def __call__(self, piece: Piece) -> list:
+    def __call__(self, piece: Piece) -> tuple[list, int]:
+        """The piece's documents (ids, or ids and loss mask), and how many examples or
+        conversations it leaves out (an empty response; no assistant turn), which the summary counts."""
         if self.chat is not None:
             return self.conversations(piece)
-        return self.examples(piece) if len(self.keys) > 1 else self.documents(piece)
+        return self.examples(piece) if len(self.keys) > 1 else (self.documents(piece), 0)
 
     def documents(self, piece: Piece) -> list[np.ndarray]:
         """A .txt piece's ids (the tokenizer's document prefix before the file's first, EOS after
@@ -75,11 +78,13 @@ class _Encoder:
         return [np.array((self.prefix if starts else []) + [i for _ in text for i in next(encoded).ids]
                          + ([self.eos] if ends else []), dtype=self.dtype) for text in lines]
 
-    def examples(self, piece: Piece) -> list[tuple[np.ndarray, np.ndarray]]:
+    def examples(self, piece: Piece) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
         """Each fine-tuning example's ids, prefix + prompt + response + EOS, and its loss mask: 1
-        on the response and the EOS. Each text is encoded whole: examples are short, and the ids
-        are then exactly the tokenizer's encode of each."""
-        encoded = self.tokenizer.encode_batch_fast([text for record in piece_records(piece, self.keys)
+        on the response and the EOS; and how many were left out for an empty (or null) response.
+        Each text is encoded whole: examples are short, and the ids are then exactly the
+        tokenizer's encode of each."""
+        records = piece_records(piece, self.keys, empty=True)
+        encoded = self.tokenizer.encode_batch_fast([text for record in records if record is not None
                                                     for text in record], add_special_tokens=False)
         out = []
         for prompt, response in zip(encoded[::2], encoded[1::2]):
@@ -87,17 +92,20 @@ class _Encoder:
             mask = np.zeros(len(ids), dtype=np.uint8)
             mask[len(self.prefix) + len(prompt.ids):] = 1
             out.append((ids, mask))
-        return out
+        return out, records.count(None)
 
-    def conversations(self, piece: Piece) -> list[tuple[np.ndarray, np.ndarray]]:
+    def conversations(self, piece: Piece) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
         """Each conversation's ids and loss mask (chat.py), without the document prefix: templates
-        render their own (Llama 3's {{ bos_token }}). Conversations with no assistant turn are left out."""
-        out = []
-        for where, messages in piece_records(piece, self.keys, chat=True):
-            encoded = self.chat.encode(messages, f"{piece.path}: {where}")
-            if encoded is not None:
+        render their own (Llama 3's {{ bos_token }}); and how many were left out for having no
+        assistant turn (an empty or null list of messages included)."""
+        out, left_out = [], 0
+        for record in piece_records(piece, self.keys, chat=True, empty=True):
+            encoded = None if record is None else self.chat.encode(record[1], f"{piece.path}: {record[0]}")
+            if encoded is None:
+                left_out += 1
+            else:
                 out.append((np.array(encoded[0], dtype=self.dtype), encoded[1]))
-        return out
+        return out, left_out
 
 
 def _start_worker(*args) -> None:
@@ -164,10 +172,11 @@ class ShardWriter:
 
 
 def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float, workers: int,
-             keys: tuple[str, ...], chat: ChatTemplate | None = None) -> tuple[dict, int]:
+             keys: tuple[str, ...], chat: ChatTemplate | None = None) -> tuple[dict, int, int]:
     """Tokenize `files` into shards in `out` with `workers` processes, the records under `keys`
     (a prompt's key before the text's: fine-tuning examples, masked; with `chat`, conversations
-    rendered with it, masked); returns the index and how many tokens the loss counts."""
+    rendered with it, masked); returns the index, how many tokens the loss counts, and how many
+    examples or conversations were left out (_Encoder)."""
     size = vocab_size(tokenizer)
     dtype = dtype_for(size)
     writer = ShardWriter(out, max(1, int(shard_mb * 2**20) // dtype.itemsize), masked=len(keys) > 1 or chat is not None)
@@ -176,8 +185,10 @@ def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float,
             tqdm(total=sum(p.nbytes for p in work), unit="B", unit_scale=True, desc="tokenizing",
                  disable=None) as bar:
         document: list[np.ndarray] = []  # a .txt file's pieces so far
-        for piece, encoded in zip(work, pool.imap(_encode, work)):
+        left_out = 0
+        for piece, (encoded, dropped) in zip(work, pool.imap(_encode, work)):
             bar.update(piece.nbytes)
+            left_out += dropped
             if piece.whole_documents:
                 for result in encoded:  # ids, or (ids, loss mask) for fine-tuning examples
                     ids, mask = result if writer.masked else (result, None)
@@ -187,7 +198,7 @@ def tokenize(files: list[Path], tokenizer, eos: int, out: Path, shard_mb: float,
             if piece.last:
                 writer.add_document(document)
                 document = []
-    return write_index(out, writer.close(), size, eos, loss_mask=writer.masked), writer.counted
+    return write_index(out, writer.close(), size, eos, loss_mask=writer.masked), writer.counted, left_out
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
@@ -259,18 +270,18 @@ def data_command(argv: list[str]) -> int:
         print(f"tetrad data: {e}", file=sys.stderr)
         return 2
     if left_out:
-        print(f"tetrad data: {len(left_out)} file(s) in the input folders are not .txt, .jsonl or .parquet and are left out, e.g. "
-              f"{left_out[0]}; name them as inputs to include them", flush=True)
+        print(f"tetrad data: {counted(len(left_out), 'file')} in the input folders left out (not .txt, .jsonl or "
+              f".parquet), e.g. {left_out[0]}; name them as inputs to include them", flush=True)
     if legacy:
-        print(f"tetrad data: {len(legacy)} input file(s) are not UTF-8 text, e.g. {legacy[0]}: bytes that are not UTF-8 "
-              "read as U+FFFD ('\ufffd'); convert them first to keep their characters (iconv -f cp1252 -t utf-8)", flush=True)
+        print(f"tetrad data: {counted(len(legacy), 'input file')} not in UTF-8, e.g. {legacy[0]}: bytes that are not "
+              "UTF-8 read as U+FFFD ('\ufffd'); convert them first to keep their characters (iconv -f cp1252 -t utf-8)", flush=True)
     if repeats:
-        print(f"tetrad data: {len(repeats)} input file(s) are a file named before (twice, or through a link) and are "
-              f"read once, e.g. {repeats[0]}", flush=True)
+        print(f"tetrad data: {counted(len(repeats), 'input file')} named before (twice, or through a link), read "
+              f"once, e.g. {repeats[0]}", flush=True)
     # Written beside the final folder and renamed when complete: a crash leaves no half folder.
     partial = args.out.with_name(args.out.name + ".partial")
     try:
-        (index, counted), (started, trained, done) = _write_shards(args, files, tokenizer, partial)
+        (index, loss_tokens, dropped), (started, trained, done) = _write_shards(args, files, tokenizer, partial)
     except ValueError as e:  # a .jsonl line or .parquet file past the part checked up front that is not a document
         shutil.rmtree(partial, ignore_errors=True)
         print(f"tetrad data: {e}", file=sys.stderr)
@@ -280,12 +291,12 @@ def data_command(argv: list[str]) -> int:
     partial.rename(args.out)
     total = text_bytes(files)
     counted_as = "response" if args.chat is None else "assistant"
-    masked = f"of which {counted / max(index['tokens'], 1):.0%} are {counted_as} tokens the loss counts; " \
+    masked = f"of which {loss_tokens / max(index['tokens'], 1):.0%} are {counted_as} tokens the loss counts; " \
         if index["loss_mask"] else ""
-    print(f"tetrad data: {index['documents']} documents, {index['tokens']:,} tokens ({masked}vocab "
-          f"{index['vocab_size']}, {index['dtype']}) in {len(index['shards'])} shard(s) at {args.out}; tokenized "
-          f"{total / 1e6:.1f} MB in {done - trained:.1f} s = {total / 1e6 / (done - trained):.1f} MB/s with "
-          f"{args.workers} process(es)"
+    print(f"tetrad data: {_documents(args, index['documents'], dropped)}, {counted(index['tokens'], 'token')} "
+          f"({masked}vocab {index['vocab_size']}, {index['dtype']}) in {counted(len(index['shards']), 'shard')} at "
+          f"{args.out}; tokenized {total / 1e6:.1f} MB in {done - trained:.1f} s = "
+          f"{total / 1e6 / (done - trained):.1f} MB/s with {counted(args.workers, 'process', 'processes')}"
           + (f"; tokenizer trained in {trained - started:.1f} s" if args.tokenizer is None else ""))
     print(f"tetrad data: train on it with --data.source={args.out} (model.vocab_size follows: {index['vocab_size']})"
           + ("; with train.document_mask=true packed examples do not attend to each other"
@@ -317,6 +328,15 @@ def _write_shards(args: argparse.Namespace, files: list[Path], tokenizer, partia
     if not written[0]["documents"]:  # a folder of no shards, which a run could not read
         raise ValueError(_nothing_found(args))
     return written, (started, trained, time.perf_counter())
+
+
+def _documents(args: argparse.Namespace, written: int, dropped: int) -> str:
+    """What the summary calls the documents written, and those left out (as the other drops, a
+    file or a line the command did not read, are said): fine-tuning examples without a response,
+    conversations without an assistant turn."""
+    noun, why = ("conversation", "without an assistant turn") if args.chat is not None else \
+        ("example", "with an empty response") if args.prompt_key is not None else ("document", "")
+    return counted(written, noun) + (f" ({dropped:,} more {why} left out)" if dropped else "")
 
 
 def _nothing_found(args: argparse.Namespace) -> str:

@@ -105,28 +105,42 @@ def keep_generation_config(model_dir: Path, out: Path, config: dict | None = Non
     model_pad: ids of this vocabulary, so they travel with its tokenizer, not with the weights)
     and its generation_config.json's sampling (do_sample, explicit, and Sampling's fields;
     model_sampling). Nothing where the folder has none of them."""
-    path, config_path = model_dir / GENERATION_CONFIG, model_dir / "config.json"
+    path = model_dir / GENERATION_CONFIG
     generation = read_json_object(path, GENERATION_CONFIG) if path.is_file() else None
     if config is None:
-        config = read_json_object(config_path, "config.json") if config_path.is_file() else {}
+        config = _model_config(model_dir / "config.json")
     kept = {}
     if generation is not None:
         kept = {k: generation[k] for k in SAMPLING_FIELDS if k in generation}
         kept["do_sample"] = bool(generation.get("do_sample", False))
     for key in ("eos_token_id", "pad_token_id"):
-        ids = next((c[key] for c in (generation or {}, config) if c.get(key) is not None), None)
+        ids = _token_ids(key, generation or {}, config)
         if ids is not None:
             kept[key] = ids
     if kept:
         (out / GENERATION_CONFIG).write_text(json.dumps(kept) + "\n")
 
 
+def _model_config(path: Path) -> dict:
+    """A model folder's config.json ({} for none)."""
+    return read_json_object(path, "config.json") if path.is_file() else {}
+
+
+def _token_ids(key: str, generation: dict, config: dict):
+    """A model's `key` (eos_token_id, pad_token_id): its generation_config.json's, else its
+    config.json's (None)."""
+    return next((c[key] for c in (generation, config) if c.get(key) is not None), None)
+
+
 def model_eos(source: Path | None) -> list[int]:
-    """The eos_token_id(s) of the generation_config.json beside a tokenizer.json: an imported
-    Hugging Face model's own (convert --to-tetrad writes it from the model's generation_config.json
-    or config.json), where transformers' generate stops: Llama 3.1 Instruct's three, DeepSeek's
-    one, which the KNOWN_EOS search misses. [] for none."""
-    ids = _generation_config(source).get("eos_token_id")
+    """The eos_token_id(s) of the generation_config.json beside a tokenizer.json, else of the
+    config.json beside it (a Hugging Face model folder's, as keep_generation_config reads one; where
+    its generation_config.json names none, transformers 5.25's generate has no EOS at all and runs
+    to its max length): an imported model's own (convert --to-tetrad writes them into
+    generation_config.json), where transformers' generate stops: Llama 3.1 Instruct's three,
+    DeepSeek's one, which the KNOWN_EOS search misses. [] for none."""
+    config = _model_config(source.with_name("config.json")) if source is not None else {}
+    ids = _token_ids("eos_token_id", _generation_config(source), config)
     ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
     return [i for i in ids if isinstance(i, int)]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tetrad.config import Config
+from tetrad.config import Config, counted
 from tetrad.config.rampup import BatchRamp
 from tetrad.config.sections import zero_shard
 from tetrad.model import flops
@@ -93,7 +93,8 @@ def ramp_lines(e: Estimate, cluster: Cluster, stack: str) -> list[str]:
     steps = sum(n for _, n in stages)
     run_s = ramp_s + (t.steps - steps) * e.step_time_s
     seconds = lambda x: f"{x:,.0f} s" if x >= 10 else f"{x:.3g} s"  # noqa: E731
-    return ["", f"  batch ramp-up  {steps} of the {t.steps} steps run global batches {stages[0][0]}..{stages[-1][0]} "
+    return ["", f"  batch ramp-up  {steps} of the {counted(t.steps, 'step')} run global batches "
+                f"{stages[0][0]}..{stages[-1][0]} "
                 f"({sum(b * n for b, n in stages):,} samples) in {seconds(ramp_s)}; all {t.steps} in {seconds(run_s)}",
             f"                 (the figures above are the final batch's, {t.global_batch}: its step time and "
             "peak memory)"]
@@ -172,7 +173,7 @@ def why_no_layout(base: Config, cluster: Cluster) -> str:
     return (f"no legal layout: the global batch ({batch}) must be a multiple of the data-parallel degree times "
             f"the micro-batch, and every layout of {m.preset} on {world} GPUs has dp >= {dps[0]} (tp <= "
             f"{max(x.tp for x in found)}, pp <= {max(x.pp for x in found)}, cp <= {max(x.cp for x in found)} for "
-            f"{m.n_layers} layers and sequence length {m.seq_len}); use {' or '.join(fixes)}")
+            f"{counted(m.n_layers, 'layer')} and sequence length {m.seq_len}); use {' or '.join(fixes)}")
 
 
 def _gpus_for_states(e: Estimate, cluster: Cluster, offloaded: bool) -> int:
@@ -188,8 +189,8 @@ def _gpus_for_states(e: Estimate, cluster: Cluster, offloaded: bool) -> int:
 def plan_text(result: Plan, base: Config, cluster: Cluster) -> str:
     """The ranking and why the best wins; or, when nothing fits, why and the closest layouts."""
     m = base.model
-    lines = [f"{cluster.world} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), {m.preset}: {m.n_layers} "
-             f"layers, d_model {m.d_model}; global batch {base.train.global_batch} x {m.seq_len} tokens, "
+    lines = [f"{cluster.world} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), {m.preset}: "
+             f"{counted(m.n_layers, 'layer')}, d_model {m.d_model}; global batch {base.train.global_batch} x {m.seq_len} tokens, "
              f"{base.train.dtype}", f"{result.considered} legal layouts, {result.estimated} estimated in full", ""]
     fits = bool(result.ranked) and result.ranked[0].fits
     if not fits:

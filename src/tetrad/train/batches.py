@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tetrad.config import counted
 from tetrad.config.rampup import BatchRamp
 from tetrad.data.blend import blend_parts
 from tetrad.data.packing import ExamplePacks, fewest_tokens
@@ -83,8 +84,8 @@ class Windows:
 
     def __init__(self, tokens: TokenStream, seq_len: int, seed: int, shuffle: bool):
         if len(tokens) < fewest_tokens(tokens, seq_len):
-            raise ValueError(f"the data has {len(tokens)} tokens, fewer than the {fewest_tokens(tokens, seq_len)} "
-                             "a window needs")
+            raise ValueError(f"the data has {counted(len(tokens), 'token')}, fewer than the "
+                             f"{fewest_tokens(tokens, seq_len)} a window needs")
         self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
         self.packs = ExamplePacks(tokens, seq_len + 1) if tokens.loss_masks is not None else None
         if self.packs is not None:
@@ -330,14 +331,14 @@ def describe(cfg, resume: Path | None = None) -> str:
     train, val = split_batches(cfg)
     t = cfg.train
     batch = f"{t.batch_rampup[0]}..{t.global_batch} (ramped up)" if t.batch_rampup else t.global_batch
-    span = _resumed(train, resume, f"steps x {batch}", t.steps) or f"{t.steps} steps x {batch}"
+    span = _resumed(train, resume, f"x {batch}", t.steps) or f"{counted(t.steps, 'step')} x {batch}"
     epochs = train.epochs(t.steps)
     if len(epochs) == 1:
-        line = (f"tetrad: data: {train.windows[0].per_epoch:,} windows of {cfg.model.seq_len} tokens an epoch"
+        line = (f"tetrad: data: {counted(train.windows[0].per_epoch, 'window')} of {cfg.model.seq_len} tokens an epoch"
                 f"{_packed(train.windows[0], t.document_mask)}; {span} = {epochs[0]:.2f} epochs")
     else:
         counts = blend_counts(train.first_sample(t.steps), train.weights)
-        parts = ", ".join(f"{100 * float(w):.3g}% {name} ({windows.per_epoch:,} windows an epoch"
+        parts = ", ".join(f"{100 * float(w):.3g}% {name} ({counted(windows.per_epoch, 'window')} an epoch"
                           f"{_packed(windows, t.document_mask)}: {e:.2f} epochs"
                           f"{'' if count else '; no sample in this run: raise its weight or train longer'})"
                           for (w, name), windows, e, count in zip(blend_parts(cfg.data.source), train.windows,
@@ -348,7 +349,7 @@ def describe(cfg, resume: Path | None = None) -> str:
         used = [part.eval_batches(t.eval_steps) for part in parts]
         held_out = [part.windows[0].per_epoch for part in parts]
         read = sum(min(n * t.global_batch, h) for n, h in zip(used, held_out))
-        line += f"; an evaluation reads {read:,} of {sum(held_out):,} held-out windows"
+        line += f"; an evaluation reads {read:,} of {counted(sum(held_out), 'held-out window')}"
         notes = ["each source apart"] if len(parts) > 1 else []
         if min(used) < t.eval_steps:
             notes.append(f"{'/'.join(map(str, used))} batch{'es' if max(used) > 1 else ''}; train.eval_steps="
@@ -372,7 +373,7 @@ def _resumed(batches: Batches, resume: Path | None, per_step: str, steps: int) -
     if samples == batches.first_sample(step):
         return None
     batches.continue_from(step, samples)
-    return f"{samples:,} samples read by step {step}, then {steps - step} {per_step}"
+    return f"{counted(samples, 'sample')} read by step {step}, then {counted(steps - step, 'step')} {per_step}"
 
 
 def _packed(windows: Windows, document_mask: bool) -> str:

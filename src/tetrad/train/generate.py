@@ -22,7 +22,7 @@ from typing import TextIO
 import torch
 from tokenizers import Tokenizer
 
-from tetrad.config import ModelConfig, load_config
+from tetrad.config import ModelConfig, counted, load_config
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, load_tokenizer, model_eos, model_sampling,
@@ -143,21 +143,28 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _sampling_flags(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name) is not None}
+def _sampling_flags(args: argparse.Namespace | None) -> dict:
+    return {} if args is None else {name: getattr(args, name) for name in SAMPLING_FIELDS
+                                    if getattr(args, name) is not None}
 
 
-def sampling_settings(args: argparse.Namespace, model: dict) -> Sampling:
-    """Each sampling flag given, else what an imported model's generation_config.json asks
-    transformers' generate for (`model`, model_sampling's: Llama 3.1's temperature 0.6 and top_p
-    0.9, Qwen2.5 Instruct's repetition penalty 1.05, greedy where do_sample is false), else
-    Sampling's defaults."""
+def sampling_settings(args: argparse.Namespace | None, model: dict) -> Sampling:
+    """Each sampling flag given (`args`: generate's; None for none, as `tetrad report` samples),
+    else what an imported model's generation_config.json asks transformers' generate for (`model`,
+    model_sampling's: Llama 3.1's temperature 0.6 and top_p 0.9, Qwen2.5 Instruct's repetition
+    penalty 1.05, greedy where do_sample is false), else Sampling's defaults."""
     try:
         Sampling(**model)
     except ValueError:
         raise ValueError(f"the model's {GENERATION_CONFIG} asks for sampling out of range ({model}); pass "
                          "--temperature, --top-k, --top-p, --min-p and --repetition-penalty") from None
     return Sampling(**{**model, **_sampling_flags(args)})
+
+
+def run_sampling(source: Path | None) -> Sampling:
+    """How `tetrad generate` samples the model whose tokenizer came from `source` where no flag
+    is given (`tetrad report`'s samples): its generation_config.json's settings, else the defaults."""
+    return sampling_settings(None, model_sampling(source))
 
 
 def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | None]:
@@ -219,16 +226,21 @@ def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages
           sampling: Sampling = Sampling(), seed: int = 0, cache: Cache | None = None, source: Path | None = None) -> tuple[str, list[int], list[int]]:
     """The assistant's sampled answer to `messages` (a conversation ending with the user's turn),
     rendered with the run's chat template (the format its data was: data/chat.py) and its
-    generation prompt; with the prompt's and the answer's ids, as `complete` gives them.
-    `cache`: the conversation's last turn's (generate); `source`: as `complete`'s."""
-    text = Conversations(chat, tokenizer, None).render(messages, True, f"message {len(messages)}")
+    generation prompt, without the template's end-of-turn markup the sample ends with (a plain
+    template's newline: the answer is its content, and a chat prints one newline after it); with
+    the prompt's and the answer's ids, as `complete` gives them. `cache`: the conversation's last
+    turn's (generate); `source`: as `complete`'s."""
+    conversations = Conversations(chat, tokenizer, None)
+    text = conversations.render(messages, True, f"message {len(messages)}")
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     if len(ids) >= model.cfg.context_length:
         raise ContextFull(f"the rendered conversation is {len(ids)} tokens and the model reads at most "
                           f"{model.cfg.context_length} tokens")
     stops = _stops(tokenizer, chat, source)
     new, _ = generate(model, ids, max_new, sampling, seed, stops, cache)
-    return tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=False), ids, new
+    answer = tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=False)
+    markup = conversations.turn_end(messages, [tokenizer.id_to_token(t) for t in stops])
+    return answer.removesuffix(markup), ids, new
 
 
 class Dialogue:
@@ -306,7 +318,7 @@ def generate_command(argv: list[str]) -> int:
             dialogue = _dialogue(model, tokenizer, source, args.system)
             if args.prompt is None:
                 turns = converse(dialogue, args.max_new_tokens, sampling, args.seed, sys.stdin)
-                print(f"tetrad generate: answered {turns} message{'s' * (turns != 1)}; the KV cache held "
+                print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held "
                       f"{dialogue.cache.reused} of their {dialogue.cache.prompted} prompt tokens", file=sys.stderr)
                 return 0
             text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, sampling, args.seed)
@@ -318,6 +330,7 @@ def generate_command(argv: list[str]) -> int:
     print(text)
     capped = (f"; the model's context ({model.cfg.context_length} tokens) ended it before --max-new-tokens"
               if len(prompt) + len(new) > model.cfg.context_length and len(new) < args.max_new_tokens else "")
-    print(f"tetrad generate: {len(new)} tokens; their loss under the model {continuation_loss(model, prompt, new):.4f} "
+    print(f"tetrad generate: {counted(len(new), 'token')}; their loss under the model "
+          f"{continuation_loss(model, prompt, new):.4f} "
           f"(tokenizer: {source or 'bytes'}){capped}", file=sys.stderr)
     return 0

@@ -7,9 +7,9 @@ every rank reads the same `agreed` signal, stops after the same step, saves a ch
 and returns normally. The step in flight finishes first; a signal that comes after its
 all-reduce is read in the next step's, which finishes too. No step is lost.
 
-Under `tetrad train`'s own launcher the ranks get SIGTERM only (the launcher forwards SIGINT and
-SIGHUP as SIGTERM and has its ranks ignore them); under torchrun or srun a rank may get any of
-them directly. A signal a rank ignores stays ignored.
+`tetrad train`'s own launcher forwards each signal to its ranks as itself, as torchrun's agent
+does, so the stop line says which it was: Ctrl-C's SIGINT, the user's, or a scheduler's SIGTERM. A
+signal a rank ignores stays ignored.
 
 A closed stdout (`tetrad train ... | head`: the reader left) stops the run as SIGTERM does, under
 SIGPIPE's name (rank 0's log finds it, `stdout_closed`): it rides on the same all-reduce, so the
@@ -74,8 +74,9 @@ class StopSignals:
 
 
 def stop_name(signum: int) -> str:
-    """What a stop's line calls `agreed`'s signal."""
-    return signal.Signals(signum).name + (" (stdout's reader left)" if signum == signal.SIGPIPE else "")
+    """What a stop's line calls `agreed`'s signal: Ctrl-C by name, the user's own interrupt."""
+    why = {signal.SIGPIPE: " (stdout's reader left)", signal.SIGINT: " (Ctrl-C)"}.get(signum, "")
+    return signal.Signals(signum).name + why
 
 
 def divergence_note(record: dict, checkpoint_root: Path, loss_scaled: bool) -> str:

@@ -19,8 +19,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from tetrad.dist.layout import GRAD_DIMS
-from tetrad.dist.layout import REPORTED as GROUPS  # the comm_bytes keys
+from tetrad.config.wording import counted
+from tetrad.dist.layout import GRAD_DIMS, REPORTED as GROUPS  # REPORTED: the comm_bytes keys
 
 COLOURS = {"compute": "#3b6fb6", "bubble": "#b0b0b0", "tp": "#c8463c", "cp": "#e08a2c", "pp": "#8e5ea2",
            "dp": "#4f9a55", "comm": "#c8463c", "optimizer": "#d4b24c", "data": "#7fc6c0",
@@ -220,7 +220,7 @@ def _timelines(run_dir: Path, cfg, out: Path) -> tuple[list[Path], str]:
     measured_span = max(e for *_, e in rows) - min(s for *_, s, _ in rows)
     paths = [out / "timeline_measured.png", out / "timeline_simulated.png"]
     span = max(measured_span, sim.step_time)  # one time axis for both
-    render_timeline(rows, paths[0], title=f"measured: {p.schedule}, pp={p.pp}, {micro} micro-batches",
+    render_timeline(rows, paths[0], title=f"measured: {p.schedule}, pp={p.pp}, {counted(micro, 'micro-batch', 'micro-batches')}",
                     pp=p.pp, span=span)
     render_timeline(sim, paths[1], title="simulated with the measured mean action costs", pp=p.pp, span=span)
     idle = 1 - sum(e - s for *_, s, e in rows) / (p.pp * measured_span)  # SimResult.bubble_fraction's definition
@@ -243,10 +243,9 @@ def _prediction(cfg, cluster_ref: str | None):
         return None, None, f"the planner could not estimate this layout: {e}"
 
 
-# Sample k (from 0) is what `tetrad generate RUN_DIR --prompt SAMPLE_PROMPTS[k] --seed k
-# --max-new-tokens SAMPLE_TOKENS` prints (its default temperature): short, so that the report stays fast.
-# No prompt ends in a space: byte-level BPE joins a space to the word after it ("Ġword"), so a
-# trailing space would be a token of its own that running text never has there.
+# Sample k (from 0) is what `tetrad generate RUN_DIR --prompt SAMPLE_PROMPTS[k] --seed k --max-new-tokens
+# SAMPLE_TOKENS` prints, in its sampling; short, so that the report stays fast. No prompt ends in a space: byte-level
+# BPE joins a space to the word after it ("Ġword"), so a trailing space would be a token that running text never has.
 SAMPLE_PROMPTS = ("", "The", "This")
 SAMPLE_TOKENS = 48
 
@@ -254,13 +253,14 @@ SAMPLE_TOKENS = 48
 def samples(run_dir: Path, cfg, count: int) -> tuple[list[str], str]:
     """Up to `count` texts sampled from the run's latest checkpoint, and a note saying how."""
     from tetrad.train.checkpoint import CheckpointError
-    from tetrad.train.generate import complete, load_generator
+    from tetrad.train.generate import complete, load_generator, run_sampling
     if count == 0:
         return [], "Samples: not asked for (--samples 0)."
     checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir
     try:
         model, tokenizer, source = load_generator(checkpoints)
-        texts = [complete(model, tokenizer, prompt, SAMPLE_TOKENS, seed=k, source=source)[0]
+        sampling = run_sampling(source)
+        texts = [complete(model, tokenizer, prompt, SAMPLE_TOKENS, sampling, seed=k, source=source)[0]
                  for k, prompt in enumerate(SAMPLE_PROMPTS[:count])]
     except CheckpointError as e:
         return [], f"Samples: no checkpoint: no samples ({e})."
@@ -268,7 +268,7 @@ def samples(run_dir: Path, cfg, count: int) -> tuple[list[str], str]:
         return [], f"Samples: none, {e}."
     return texts, (f"Samples: from the latest checkpoint, tokenizer {source or 'bytes'}; sample k (from 0) is `tetrad "
                    f"generate {checkpoints} --max-new-tokens {SAMPLE_TOKENS} --seed k --prompt P` with the k-th of the "
-                   f"prompts {SAMPLE_PROMPTS[:count]}.")
+                   f"prompts {SAMPLE_PROMPTS[:count]} ({sampling.describe()}).")
 
 
 def write_report(run_dir: str | Path, cluster: str | None = None, sample_count: int = 3) -> tuple[Path, list[str]]:
@@ -341,7 +341,7 @@ def _html(cfg, records, current, images, texts, notes) -> str:
     split = ", ".join(f"{name} {100 * statistics.median(r.get(key) or 0 for r in steady) / step_s:.0f}%"
                       for name, key in (("compute", "compute_s"), ("exposed comm", "exposed_comm_s"),
                                         ("bubble", "bubble_s"), ("optimizer", "optimizer_s"), ("data", "data_s")))
-    facts = [("model", f"{cfg.model.preset}: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}"),
+    facts = [("model", f"{cfg.model.preset}: {counted(cfg.model.n_layers, 'layer')}, d_model {cfg.model.d_model}"),
              ("layout", layout_fact(p)),
              ("steps", f"{last['step']} of {cfg.train.steps}"),
              ("loss", f"{records[0]['loss']:.4f} → {last['loss']:.4f}"),

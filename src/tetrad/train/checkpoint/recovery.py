@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tetrad.config import ConfigError, read_toml
+from tetrad.config import ConfigError, counted, read_toml
 from tetrad.train.checkpoint.store import (MANIFEST, SET_ASIDE, CheckpointError, NotShownEverywhere, check_model,
                                            published, read_latest, replace_text, resolve, step_of, verify)
 
@@ -140,8 +140,8 @@ def refuse_overwriting_history(metrics: Path, own_until: int) -> None:
     published: restarting from 0 is then a resume from step 0."""
     steps = history_steps(metrics)
     if steps and not (own_until and max(steps) <= own_until):
-        raise CheckpointError(f"{metrics} holds {len(steps)} steps of an earlier run and this run starts afresh "
-                              f"(no checkpoint to resume); use a new run.dir, or move {metrics} away")
+        raise CheckpointError(f"{metrics} holds {counted(len(steps), 'step')} of an earlier run and this run starts "
+                              f"afresh (no checkpoint to resume); use a new run.dir, or move {metrics} away")
 
 
 def cut_history(metrics: Path, step: int) -> None:

@@ -197,7 +197,7 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
         cfg = for_torchrun_job(cfg)
     device_type = devices.resolve_device_type(cfg.train.device)
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
-    resume = preflight(cfg, device_type)
+    resume = preflight(cfg, device_type, saves=work is Trainer.fit)  # `tetrad eval` writes nothing
     p = cfg.parallel
     diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
     if in_torchrun():

@@ -71,3 +71,29 @@ def test_weights_that_are_not_there_are_refused_in_one_line(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not exist; name a tetrad checkpoint or run folder, or an HF model folder" in err
+
+
+def test_an_evaluation_needs_no_room_for_a_checkpoint(tmp_path, capsys, monkeypatch):
+    """Nothing is written, so a disk without room for the model's checkpoint (a small /tmp under a
+    large model) is no reason to refuse; before, eval refused with 'choose another run.dir', a
+    key it sets itself."""
+    import shutil
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=1", "--data.val_fraction=0.1", "--checkpoint.every=1",
+                 f"--run.dir={run}"]) == 0
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**40, 2**40, 0))
+    assert _evaluated(capsys, str(run))["val_loss"] > 0
+
+
+def test_a_flag_for_a_key_eval_sets_itself_is_refused_in_one_line(tmp_path, capsys):
+    """--checkpoint.init_from beside WEIGHTS, or --run.dir where nothing is written, would be
+    dropped without a word (before: the run's checkpoint evaluated, exit 0)."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=1", "--data.val_fraction=0.1", "--checkpoint.every=1",
+                 f"--run.dir={run}"]) == 0
+    for flag, key in ((f"--checkpoint.init_from={tmp_path / 'other'}", "checkpoint.init_from"),
+                      (f"--run.dir={tmp_path / 'out'}", "run.dir")):
+        capsys.readouterr()
+        assert main(["eval", str(run), flag]) == 2, flag
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"tetrad eval sets {key} itself" in err and f"remove --{key}" in err, err

@@ -200,6 +200,38 @@ def test_a_model_fine_tuned_at_a_shorter_seq_len_keeps_its_context(tmp_path):
     assert new == theirs
 
 
+def test_a_windowed_model_fine_tuned_within_its_window_exports_the_window(tmp_path):
+    """A Mistral of 64 positions and a window of 16, fine-tuned at seq_len 16 (where the window
+    hides nothing), still has its window past position 16, where its export's context reaches and
+    `tetrad generate` applies it: config.json says sliding_window 16, and greedy decoding to
+    position 49 equals transformers' generate on the export (before: exported with no window, as
+    a Llama that sees every key)."""
+    from tetrad.model.sampling import GREEDY
+    from tetrad.train.generate import generate, load_generator
+    hf_cfg = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        sliding_window=16)
+    torch.manual_seed(0)
+    hf_model = transformers.MistralForCausalLM(hf_cfg)
+    with torch.no_grad():
+        hf_model.lm_head.weight.mul_(20)  # greedy picks far apart: no near-tie that rounding could flip
+    hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert main(["train", f"--checkpoint.init_from={tmp_path / 'hf'}", "--model.seq_len=16", "--train.steps=1",
+                 "--train.global_batch=2", "--train.micro_batch=1", "--checkpoint.every=1",
+                 f"--run.dir={tmp_path / 'run'}"]) == 0
+    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(tmp_path / "back")]) == 0
+    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (exported["sliding_window"], exported["max_position_embeddings"]) == (16, 64), exported
+    model, _, _ = load_generator(tmp_path / "run")
+    prompt = list(range(3, 13))
+    new, _ = generate(model, prompt, 40, GREEDY)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = back.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    assert new == theirs
+
+
 def test_hf_weights_that_do_not_fit_are_a_config_error_before_ranks_start(tmp_path, capsys):
     """config.json fits [model] but the weights the ranks would read do not (an edited config,
     a broken file): one line naming the tensor, not a rank's traceback."""

@@ -29,14 +29,16 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def tetrad_train(run_dir: Path, *extra: str, session: bool = False) -> subprocess.Popen:
+def tetrad_train(run_dir: Path, *extra: str, session: bool = False, nohup: bool = False) -> subprocess.Popen:
     """`tetrad train` of the TINY config on dp=2, as a user runs it; `session`: in a process group
-    of its own, as a terminal's foreground job (Ctrl-C reaches the whole group)."""
+    of its own, as a terminal's foreground job (Ctrl-C reaches the whole group); `nohup`: started
+    with SIGHUP ignored, as `nohup` starts it."""
     args = [f"--{section}.{key}={value}" for section, values in TINY.items() for key, value in values.items()]
     args += [f"--train.steps={STEPS}", "--train.device=cpu", "--parallel.dp=2", f"--run.dir={run_dir}", *extra]
     return subprocess.Popen([sys.executable, "-m", "tetrad", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"},
-                            start_new_session=session)
+                            start_new_session=session,
+                            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
 
 
 def _after_two_steps(proc: subprocess.Popen, run_dir: Path) -> None:
@@ -83,6 +85,18 @@ def test_ctrl_c_stops_saves_and_says_the_user_interrupted(tmp_path):
     assert (f"tetrad: stopping on SIGINT (Ctrl-C) after step {reached} of {STEPS}; "
             f"saved {step_dir(tmp_path / 'checkpoints', reached)}") in out
     assert "tetrad: stopped by SIGINT; every rank was stopped" in out and "Traceback" not in out
+
+
+def test_a_run_started_under_nohup_ignores_the_hangup(tmp_path):
+    """`nohup tetrad train ... &`, then the terminal closes: the shell sends SIGHUP to the job's
+    process group, the launcher and its ranks alike, and the run, started ignoring it, goes on to
+    its last step (before: the launcher and the ranks put their own handling in its place, and
+    the run stopped on SIGHUP, exit 129)."""
+    proc = tetrad_train(tmp_path, session=True, nohup=True)
+    _after_two_steps(proc, tmp_path)
+    os.killpg(proc.pid, signal.SIGHUP)
+    out = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 0 and len(metrics(tmp_path)) == STEPS, out
 
 
 def _train_until_rank1_is_signalled(cfg):

@@ -48,11 +48,21 @@ def eval_config(config: str | None, overrides: list[str], weights: Path, run_dir
     own = [f"--checkpoint.init_from={weights}", "--checkpoint.resume=never", "--checkpoint.every=0",
            "--checkpoint.dir=", "--checkpoint.async_save=false", f"--run.dir={run_dir}", "--run.tensorboard=false",
            "--run.wandb=false", "--train.eval_every=0", "--train.profile="]
+    taken = sorted({_key(o) for o in overrides} & {_key(o) for o in own})
+    if taken:  # else the flag would be dropped without a word
+        raise ConfigError(f"tetrad eval sets {', '.join(taken)} itself (it starts from WEIGHTS and writes nothing); "
+                          f"remove --{taken[0]}" + (" and name the weights as WEIGHTS" if "checkpoint.init_from" in taken
+                                                    else ""))
     cfg = load_config(config or trained_config(weights), [*overrides, *own], model_from_inputs=model_keys)
     if not cfg.data.val_source and not cfg.data.val_fraction:
         cfg = replace(cfg, data=replace(cfg.data, val_source=cfg.data.source))
         validate(cfg)
     return cfg
+
+
+def _key(override: str) -> str:
+    """The dotted key of `--section.key=value`."""
+    return override.lstrip("-").partition("=")[0]
 
 
 def eval_command(argv: list[str]) -> int:

@@ -197,7 +197,7 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
         cfg = for_torchrun_job(cfg)
     device_type = devices.resolve_device_type(cfg.train.device)
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
-    resume = preflight(cfg, device_type)
+    resume = preflight(cfg, device_type, saves=work is Trainer.fit)  # `tetrad eval` writes nothing
     p = cfg.parallel
     diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
     if in_torchrun():
@@ -233,14 +233,15 @@ def _warn_of_host_memory(cfg: Config) -> None:
 @contextlib.contextmanager
 def _stop_on_signals():
     """Turn SIGTERM/SIGINT/SIGHUP into `Stopped` while the ranks run (main thread only: Python
-    delivers signals there), and restore the previous handlers afterwards."""
+    delivers signals there), and restore the previous handlers afterwards. One the process was
+    started ignoring (nohup's SIGHUP) stays ignored, here and in the ranks (`_rank_main`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
         raise Stopped(signum)
-    previous = {sig: signal.signal(sig, handler) for sig in FORWARDED}
+    previous = {sig: signal.signal(sig, handler) for sig in FORWARDED if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         yield
     finally:
@@ -265,7 +266,8 @@ def _start(procs, threads: int) -> None:
 def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_timeout_s, tmp, launcher_pid):
     _die_with_parent(launcher_pid)
     for sig in FORWARDED:  # a forked rank inherited the launcher's handlers; a training loop records them
-        signal.signal(sig, signal.SIG_DFL)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored (stopping.py)
+            signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),

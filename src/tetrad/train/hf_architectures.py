@@ -125,9 +125,10 @@ def hf_architecture(m) -> dict:
     """config.json's architecture keys: Phi-3's where exported_type says so (an imported Phi-3's
     model.hf_model_type, kept), Qwen3's for qk-norm, Qwen2's for q, k and v biases (transformers' Llama
     would put one on the output projection too), else Llama's, or Mistral's (Llama's with a
-    sliding window) where model.sliding_window hides keys. Qwen2 and Qwen3 slide in every layer
-    from max_window_layers = 0 on; Phi-3 and Mistral in every layer where sliding_window is set."""
-    window = m.sliding_window if hides_keys(m.sliding_window, m.seq_len) else None
+    sliding window) where model.sliding_window hides keys within the context the export declares
+    (context_length: a fine-tune at a seq_len within the window keeps it). Qwen2 and Qwen3 slide in
+    every layer from max_window_layers = 0 on; Phi-3 and Mistral in every layer where sliding_window is set."""
+    window = m.sliding_window if hides_keys(m.sliding_window, m.context_length) else None
     qwen = {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
     if exported_type(m):
         # Phi3Config's LongRoPE reads the top-level original_max_position_embeddings, not the scaling's

@@ -19,16 +19,16 @@ from tetrad.train.checkpoint.preflight import check_storage
 from tetrad.train.init_from import check_init_from
 
 
-def preflight(cfg: Config, device_type: str) -> Path | None:
+def preflight(cfg: Config, device_type: str, saves: bool = True) -> Path | None:
     """The rules load_config cannot run (the schedule registry sits above config/), then those of
     the device `train.device` resolved to, the starting weights, the data and the storage, in that
-    order (the cheap ones first; the files are read once, here). Returns the checkpoint the run will
-    resume, None for a fresh start."""
+    order (the cheap ones first; the files are read once, here); `saves`: whether the run writes a
+    checkpoint (check_storage). Returns the checkpoint the run will resume, None for a fresh start."""
     check_pipeline(cfg)
     validate_device(cfg, device_type)
     check_init_from(cfg)
     check_data(cfg)
-    return check_storage(cfg)
+    return check_storage(cfg, saves)
 
 
 @contextlib.contextmanager

@@ -20,15 +20,17 @@ PROBE_BYTES = 1 << 20
 CHECKPOINT_BYTES_PER_PARAM = 12
 
 
-def check_storage(cfg: Config) -> Path | None:
-    """Everything a rank would otherwise find out at its first save, or at resume, with a traceback.
-    Returns the checkpoint the run will resume (None for a fresh start)."""
+def check_storage(cfg: Config, saves: bool = True) -> Path | None:
+    """Everything a rank would otherwise find out at its first save, or at resume, with a traceback;
+    the room for a checkpoint only where the run `saves` one (not `tetrad eval`'s). Returns the
+    checkpoint the run will resume (None for a fresh start)."""
     run_dir = Path(cfg.run.dir)
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     key = "checkpoint.dir" if cfg.checkpoint.dir else "run.dir"
     _writable(run_dir, "run.dir")
     _writable(root, key)
-    _room_for_a_checkpoint(root, key, parameter_count(cfg.model) * CHECKPOINT_BYTES_PER_PARAM)
+    if saves:
+        _room_for_a_checkpoint(root, key, parameter_count(cfg.model) * CHECKPOINT_BYTES_PER_PARAM)
     try:
         return _resume_target(cfg, root, run_dir / "metrics.jsonl")
     except CheckpointError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -225,3 +226,14 @@ def write_hf_qwen(folder: Path, family: str = "qwen2", **shape) -> None:
             if name.endswith("bias") or "_norm" in name:
                 p.normal_(float("_norm" in name), 0.5)
     hf.save_pretrained(folder, safe_serialization=True)
+
+
+def as_a_shell_starts(ignored: tuple = ()):
+    """A subprocess's preexec_fn: the stop signals as an interactive shell leaves them to a command
+    it starts, at their defaults (a test run started in the background, `cmd &` without job
+    control, would pass SIGINT on ignored, and a Ctrl-C test would find nothing to stop), those
+    in `ignored` ignored (`nohup`'s SIGHUP)."""
+    def reset() -> None:
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+    return reset

@@ -16,6 +16,7 @@ import pytest
 
 from test_chat_data import BOS, CONVERSATIONS, TEMPLATE, _chat_data, _chat_tokenizer, _ids
 from test_generate import random_model
+from conftest import as_a_shell_starts
 from tetrad.cli import main
 from tetrad.data.chat import template_beside
 from tetrad.train.generate import Dialogue, continuation_loss, converse, load_generator, reply
@@ -214,7 +215,7 @@ def _generate_chat(run, code: str = "") -> subprocess.Popen:
     script = f"import sys; {code}\nfrom tetrad.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-c", script, "generate", str(run), "--chat", "--temperature", "0",
                              "--max-new-tokens", "6"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_a_shell_starts(),
                             env={**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"})
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import as_a_shell_starts
 from tetrad.device import threads_per_rank
 from tetrad.launch import RankFailure, run_local
 
@@ -113,7 +114,7 @@ def _start_launcher(tmp_path):
     import sys
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], preexec_fn=as_a_shell_starts())
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("pid*"))) < 3:
         assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"

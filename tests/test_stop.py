@@ -18,7 +18,7 @@ import torch
 from tetrad.train.checkpoint import step_dir
 from tetrad.train.trainer import Trainer
 
-from conftest import TINY, run_ranks, tiny_config, train_layout
+from conftest import TINY, as_a_shell_starts, run_ranks, tiny_config, train_layout
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 STEPS = 16
@@ -38,7 +38,7 @@ def tetrad_train(run_dir: Path, *extra: str, session: bool = False, nohup: bool 
     return subprocess.Popen([sys.executable, "-m", "tetrad", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"},
                             start_new_session=session,
-                            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
+                            preexec_fn=as_a_shell_starts((signal.SIGHUP,) if nohup else ()))
 
 
 def _after_two_steps(proc: subprocess.Popen, run_dir: Path) -> None:

@@ -74,9 +74,15 @@ def _closed_groups():
     topo = Topology(Layout(pp=2, dp=2, cp=1, tp=2), torch.device("cpu"), ranks_per_node=2)
     groups = {name: topo.group(name) for name in (*DIMS, "dp_cp", INTER, "embed")}
     made = len(_world.pg_map) - live
+    # Every rank's groups are up before any is torn down, as after a run's last step: gloo's
+    # connectFullMesh on a slow rank fails with 'Connection closed by peer' when a fast one
+    # destroys a group it was still meeting (seen once in a loaded full suite).
+    dist.barrier()
     topo.close()
     closed = {name: _refused(pg) for name, pg in groups.items() if pg is not None}
-    Topology(Layout(dp=8), torch.device("cpu")).close()  # its dp group is the job's own
+    second = Topology(Layout(dp=8), torch.device("cpu"))  # its dp group is the job's own
+    dist.barrier()
+    second.close()
     world = torch.ones(1)
     dist.all_reduce(world)  # the job's own group outlives the topology
     return made, len(_world.pg_map) - live, closed, world.item()

@@ -232,6 +232,16 @@ def test_a_windowed_model_fine_tuned_within_its_window_exports_the_window(tmp_pa
     assert new == theirs
 
 
+def test_a_tetrad_model_fine_tuned_at_a_shorter_seq_len_keeps_its_context(tmp_path):
+    """As an HF import does: a tetrad model trained at seq_len 32 and fine-tuned from its
+    checkpoint at 16 still reads (generate) and exports 32 tokens (before: 16)."""
+    run = tmp_path / "pre"
+    assert main(["train", "--model.seq_len=32", "--train.steps=1", "--train.global_batch=2",
+                 "--train.micro_batch=1", "--checkpoint.every=1", f"--run.dir={run}"]) == 0
+    cfg = config(tmp_path, "ft", checkpoint={"init_from": str(run)}, model={"seq_len": 16})
+    assert (cfg.model.seq_len, cfg.model.context_length) == (16, 32)
+
+
 def test_hf_weights_that_do_not_fit_are_a_config_error_before_ranks_start(tmp_path, capsys):
     """config.json fits [model] but the weights the ranks would read do not (an edited config,
     a broken file): one line naming the tensor, not a rank's traceback."""

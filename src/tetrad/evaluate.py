@@ -79,7 +79,7 @@ def eval_command(argv: list[str]) -> int:
         result = launch.train(cfg, work=Trainer.evaluate)
     if not launch.speaks_for_the_job():
         return 0
-    result["perplexity"] = math.exp(min(result["val_loss"], 700.0))  # exp overflows past ~709
+    result["perplexity"] = math.exp(result["val_loss"]) if result["val_loss"] < 709 else math.inf  # exp's overflow
     if args.json:
         print(json.dumps(result))
         return 0

@@ -323,7 +323,7 @@ def idle_settings(cfg: Config) -> list[str]:
     layouts), one line each, for the run's first lines: a user who set them expects them to act."""
     p, replicas = cfg.parallel, cfg.parallel.dp * cfg.parallel.cp
     notes = []
-    if cfg.model.sliding_window >= cfg.model.seq_len:
+    if cfg.model.sliding_window >= cfg.model.context_length:
         notes.append(f"model.sliding_window={cfg.model.sliding_window} does nothing at seq_len={cfg.model.seq_len} "
                      "(every query already sees at most seq_len keys)")
     if p.sequence_parallel and p.tp == 1:

@@ -51,12 +51,17 @@ def hf_weights_problem(path: Path, model_cfg: ModelConfig) -> str | None:
 
 
 def _source_model(path: Path) -> dict:
-    """The [model] keys of the weights at `path` (an HF folder or a tetrad checkpoint)."""
+    """The [model] keys of the weights at `path` (an HF folder or a tetrad checkpoint). Either
+    way the model keeps its context (max_position_embeddings) when a fine-tune sets a shorter
+    seq_len: a tetrad model's is its own context_length, seq_len where it set none."""
     if is_hf_folder(path):
         keys = model_config_from_hf(hf_config(path), path / HF_CONFIG)
         del keys["seq_len"]  # the context it was trained to (often 8k-128k), not what fine-tuning needs
         return keys
-    return saved_model(json.loads((checkpoint_folder(path) / MANIFEST).read_text()))
+    keys = saved_model(json.loads((checkpoint_folder(path) / MANIFEST).read_text()))
+    if keys["pos"] == "rope":  # a learned position embedding's rows are its seq_len
+        keys["max_position_embeddings"] = max(keys.get("max_position_embeddings", 0), keys["seq_len"])
+    return keys
 
 
 def model_keys(raw: dict) -> dict:

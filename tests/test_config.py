@@ -12,6 +12,7 @@ from tetrad.config import Config, ConfigError, counted, load_config, split_confi
 
 ERRORS = [
     ({"parallel": {"dp": 2, "tp": 2}}, 8, "dp*tp*pp*cp = 2*2*1*1 = 4 but the job has 8 ranks; set parallel.dp=4"),
+    ({"parallel": {"dp": 2}}, 1, "dp*tp*pp*cp = 2*1*1*1 = 2 but the job has 1 rank; set parallel.dp=1"),
     ({"parallel": {"tp": 3}}, None, "tp=3 does not divide n_heads=4; use tp in [1, 2]"),
     ({"model": {"n_heads": 8, "n_kv_heads": 2}, "parallel": {"tp": 4}}, None,
      "tp=4 does not divide n_kv_heads=2; use tp in [1, 2]"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tetrad.config.rampup import BatchRamp
 from tetrad.config.rope import check_rope
+from tetrad.config.wording import counted
 from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, Config, ConfigError,
                                     ParallelConfig, did_you_mean, hierarchical_blocker, zero_shard)
 
@@ -137,7 +138,7 @@ def _check_world(p: ParallelConfig, world_size: int | None) -> None:
         fix = (f"set parallel.dp={world_size // others}" if world_size % others == 0
                else f"choose tp*pp*cp dividing {world_size}")
         raise ConfigError(f"dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {p.world_size} but the job has "
-                          f"{world_size} ranks; {fix}")
+                          f"{counted(world_size, 'rank')}; {fix}")
 
 
 def _check_heads(cfg: Config) -> None:

@@ -168,27 +168,24 @@ def tiny_hf(folder: Path, vocab_size: int = 256) -> None:
     transformers.LlamaForCausalLM(hf_cfg).save_pretrained(folder, safe_serialization=True)
 
 
-def test_a_model_fine_tuned_at_a_shorter_seq_len_keeps_its_context(tmp_path):
-    """An HF model of 64 positions fine-tuned at seq_len 16 is still a 64-position model, as
-    Megatron-LM's --max-position-embeddings keeps it apart from --seq-length: its export says 64
-    (before: 16, which readers such as vLLM take as the limit), and `tetrad generate` decodes
-    past 16 (before: stopped there), the tokens transformers' generate picks from the export."""
+def _fine_tuned_at_16(tmp_path, architecture: str, **hf_config) -> dict:
+    """An HF model of 64 positions (`architecture`: Llama, Mistral), fine-tuned one step at
+    seq_len 16 and exported: tetrad generate's greedy decoding to position 49, past seq_len, must
+    equal transformers' generate on the export. Returns the export's config.json."""
     from tetrad.model.sampling import GREEDY
     from tetrad.train.generate import generate, load_generator
-    hf_cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    hf_cfg = getattr(transformers, f"{architecture}Config")(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, **hf_config)
     torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(hf_cfg)
+    hf_model = getattr(transformers, f"{architecture}ForCausalLM")(hf_cfg)
     with torch.no_grad():
         hf_model.lm_head.weight.mul_(20)  # greedy picks far apart: no near-tie that rounding could flip
     hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    cfg = config(tmp_path, "run", checkpoint={"init_from": str(tmp_path / "hf"), "every": 1}, model={"seq_len": 16})
-    assert (cfg.model.seq_len, cfg.model.max_position_embeddings, cfg.model.context_length) == (16, 64, 64)
     assert main(["train", f"--checkpoint.init_from={tmp_path / 'hf'}", "--model.seq_len=16", "--train.steps=1",
                  "--train.global_batch=2", "--train.micro_batch=1", "--checkpoint.every=1",
                  f"--run.dir={tmp_path / 'run'}"]) == 0
     assert main(["convert", str(tmp_path / "run"), "--to-hf", str(tmp_path / "back")]) == 0
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["max_position_embeddings"] == 64
     model, _, _ = load_generator(tmp_path / "run")
     prompt = list(range(3, 13))
     new, _ = generate(model, prompt, 40, GREEDY)
@@ -198,6 +195,17 @@ def test_a_model_fine_tuned_at_a_shorter_seq_len_keeps_its_context(tmp_path):
         theirs = back.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, eos_token_id=None,
                                pad_token_id=0)[0, len(prompt):].tolist()
     assert new == theirs
+    return json.loads((tmp_path / "back" / "config.json").read_text())
+
+
+def test_a_model_fine_tuned_at_a_shorter_seq_len_keeps_its_context(tmp_path):
+    """An HF model of 64 positions fine-tuned at seq_len 16 is still a 64-position model, as
+    Megatron-LM's --max-position-embeddings keeps it apart from --seq-length: its export says 64
+    (before: 16, which readers such as vLLM take as the limit), and `tetrad generate` decodes
+    past 16 (before: stopped there), the tokens transformers' generate picks from the export."""
+    assert _fine_tuned_at_16(tmp_path, "Llama")["max_position_embeddings"] == 64
+    cfg = config(tmp_path, "cfg", checkpoint={"init_from": str(tmp_path / "hf")}, model={"seq_len": 16})
+    assert (cfg.model.seq_len, cfg.model.max_position_embeddings, cfg.model.context_length) == (16, 64, 64)
 
 
 def test_a_windowed_model_fine_tuned_within_its_window_exports_the_window(tmp_path):
@@ -206,30 +214,8 @@ def test_a_windowed_model_fine_tuned_within_its_window_exports_the_window(tmp_pa
     `tetrad generate` applies it: config.json says sliding_window 16, and greedy decoding to
     position 49 equals transformers' generate on the export (before: exported with no window, as
     a Llama that sees every key)."""
-    from tetrad.model.sampling import GREEDY
-    from tetrad.train.generate import generate, load_generator
-    hf_cfg = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        sliding_window=16)
-    torch.manual_seed(0)
-    hf_model = transformers.MistralForCausalLM(hf_cfg)
-    with torch.no_grad():
-        hf_model.lm_head.weight.mul_(20)  # greedy picks far apart: no near-tie that rounding could flip
-    hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    assert main(["train", f"--checkpoint.init_from={tmp_path / 'hf'}", "--model.seq_len=16", "--train.steps=1",
-                 "--train.global_batch=2", "--train.micro_batch=1", "--checkpoint.every=1",
-                 f"--run.dir={tmp_path / 'run'}"]) == 0
-    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(tmp_path / "back")]) == 0
-    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    exported = _fine_tuned_at_16(tmp_path, "Mistral", sliding_window=16)
     assert (exported["sliding_window"], exported["max_position_embeddings"]) == (16, 64), exported
-    model, _, _ = load_generator(tmp_path / "run")
-    prompt = list(range(3, 13))
-    new, _ = generate(model, prompt, 40, GREEDY)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
-    with torch.no_grad():
-        theirs = back.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-    assert new == theirs
 
 
 def test_a_tetrad_model_fine_tuned_at_a_shorter_seq_len_keeps_its_context(tmp_path):

@@ -261,6 +261,17 @@ def test_settings_the_layout_leaves_idle_are_named_as_the_run_starts(tmp_path, c
     assert "does nothing" not in capsys.readouterr().out
 
 
+def test_a_context_shorter_than_seq_len_is_named_idle():
+    """max_position_embeddings under seq_len: the context is seq_len (ModelConfig.context_length),
+    so the key does nothing; said, not silently dropped (nor refused: an imported model trained past
+    its context sets it)."""
+    from tetrad.config import idle_settings
+    said = "model.max_position_embeddings=64 does nothing at seq_len=128"
+    assert any(said in note for note in idle_settings(load_config(overrides={"model": {"max_position_embeddings": 64}})))
+    for context in (0, 128, 256):
+        assert not idle_settings(load_config(overrides={"model": {"max_position_embeddings": context}}))
+
+
 def test_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 2\n")  # as some Windows editors save

@@ -327,6 +327,10 @@ def idle_settings(cfg: Config) -> list[str]:
     if cfg.model.sliding_window >= cfg.model.context_length:
         notes.append(f"model.sliding_window={cfg.model.sliding_window} does nothing at seq_len={cfg.model.seq_len} "
                      "(every query already sees at most seq_len keys)")
+    if 0 < cfg.model.max_position_embeddings < cfg.model.seq_len:
+        notes.append(f"model.max_position_embeddings={cfg.model.max_position_embeddings} does nothing at seq_len="
+                     f"{cfg.model.seq_len} (the model's context is the longer: seq_len, which generate reads to and "
+                     "--to-hf exports)")
     if p.sequence_parallel and p.tp == 1:
         notes.append("parallel.sequence_parallel=true does nothing at tp=1 (it splits the sequence over tp)")
     if p.zero and replicas == 1:

@@ -98,3 +98,16 @@ def test_a_flag_for_a_key_eval_sets_itself_is_refused_in_one_line(tmp_path, caps
         assert main(["eval", str(run), flag]) == 2, flag
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"tetrad eval sets {key} itself" in err and f"remove --{key}" in err, err
+
+
+def test_a_refusal_names_the_weights_as_the_user_gave_them(tmp_path, capsys):
+    """The checks of the starting weights speak of checkpoint.init_from, which eval sets itself:
+    their refusal names WEIGHTS instead (before: "checkpoint.init_from='...' holds a model of
+    another shape", a key the user never wrote)."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=1", "--checkpoint.every=1", f"--run.dir={run}"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--model.d_model=32"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checkpoint.init_from" not in err, err
+    assert f"{str(run)!r} (WEIGHTS) holds a model of another shape (d_model=64 there, 32 here)" in err, err

@@ -75,8 +75,12 @@ def eval_command(argv: list[str]) -> int:
     args, rest = ap.parse_known_args(argv)
     path, overrides = split_config_args(rest)
     with tempfile.TemporaryDirectory(prefix="tetrad-eval-") as run_dir:
-        cfg = eval_config(path, overrides, args.weights, run_dir)
-        result = launch.train(cfg, work=Trainer.evaluate)
+        try:
+            cfg = eval_config(path, overrides, args.weights, run_dir)
+            result = launch.train(cfg, work=Trainer.evaluate)
+        except ConfigError as e:  # the checks name checkpoint.init_from, which eval set itself from WEIGHTS
+            raise ConfigError(str(e).replace(f"checkpoint.init_from={str(args.weights)!r}",
+                                             f"{str(args.weights)!r} (WEIGHTS)")) from None
     if not launch.speaks_for_the_job():
         return 0
     result["perplexity"] = math.exp(result["val_loss"]) if result["val_loss"] < 709 else math.inf  # exp's overflow

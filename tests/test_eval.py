@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import run_ranks, tiny_config
 from tetrad.cli import main
 from tetrad.evaluate import eval_config
 from tetrad.train.batches import split_batches
+from tetrad.train.trainer import Trainer
 
 pytestmark = pytest.mark.dist
 
@@ -111,3 +113,32 @@ def test_a_refusal_names_the_weights_as_the_user_gave_them(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "checkpoint.init_from" not in err, err
     assert f"{str(run)!r} (WEIGHTS) holds a model of another shape (d_model=64 there, 32 here)" in err, err
+
+
+def _built_for(trains: bool, cfg) -> tuple[float, dict[str, int], int]:
+    trainer = Trainer(cfg, torch.device("cpu"), trains=trains)
+    try:
+        loss = trainer.evaluate()["val_loss"]
+        held = trainer.grads.model_state_bytes(trainer.optimizer)
+        with trainer.grads.gathered():  # a freed ZeRO-3 parameter reads as empty
+            return loss, held, sum(p.numel() for p in trainer.params)
+    finally:
+        trainer.grads.close()
+        trainer.topo.close()
+
+
+@pytest.mark.parametrize("dtype,parallel", [("fp32", {}), ("bf16", {}), ("bf16", {"dp": 2, "zero": 3}),
+                                            ("bf16", {"tp": 2, "pp": 2})])
+def test_an_evaluation_holds_the_weights_alone(dtype, parallel):
+    """eval builds the Trainer forward-only: the weights in the model dtype, laid out as training
+    lays them out (ZeRO-3: this rank's shard), and no fp32 masters, gradient buffers or optimizer
+    (before: fp32 ZeRO-0 held a gradient buffer as large as the weights, bf16 fp32 masters twice
+    their size), with the loss of the training build."""
+    cfg = tiny_config(train={"dtype": dtype, "eval_steps": 2}, data={"val_fraction": 0.1}, parallel=parallel)
+    trained, frozen = (run_ranks(_built_for, cfg.parallel.world_size, trains, cfg) for trains in (True, False))
+    size = 2 if dtype == "bf16" else 4
+    for (train_loss, _, _), (loss, held, numel) in zip(trained, frozen):
+        assert loss == train_loss
+        assert held["grads"] == held["optimizer"] == 0, held
+        shards = parallel.get("dp", 1) if parallel.get("zero") == 3 else 1
+        assert held["params"] == pytest.approx(size * numel / shards, rel=0.05), (held, numel)

@@ -91,7 +91,7 @@ def _without_storage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, device: torch.device):
+    def __init__(self, cfg: Config, device: torch.device, trains: bool = True):
         check_config(cfg)  # the registry's rules, which load_config cannot run: ConfigError, as `tetrad train`
         self.cfg, p = cfg, cfg.parallel
         # Memory is measured from here: on CPU a forked rank starts with its parent's pages.
@@ -121,8 +121,8 @@ class Trainer:
             if p.zero == 3 else None
         # Buckets, ZeRO; casts the parameters to `dtype` behind fp32 master weights.
         self.grads = GradReducer(self.params, self.topo, parallel, self.model, dtype=dtype,
-                                 offload=cfg.train.offload_optimizer, init=shard_init)
-        self.optimizer = self.grads.build_optimizer(cfg.train)
+                                 offload=cfg.train.offload_optimizer, init=shard_init, trains=trains)
+        self.optimizer = self.grads.build_optimizer(cfg.train) if trains else None  # not: weights alone, to evaluate
         self.scaler = LossScaler(enabled=cfg.train.dtype == "fp16")
         # val_parts: empty without held-out tokens (data.val_fraction / val_source); config
         # validation refuses train.eval_every without them.
@@ -393,7 +393,7 @@ def train_on_this_rank(cfg: Config, device_type: str, work: Callable[[Trainer], 
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     devices.set_fp32_matmul(device, cfg.train.tf32)
     with memory_watch(cfg, devices.memory_gib(device)):
-        trainer = Trainer(cfg, device)
+        trainer = Trainer(cfg, device, trains=work is Trainer.fit)
         with contextlib.closing(trainer.grads):  # its hooks would keep the weights alive past the run
             result = work(trainer)
     trainer.topo.close()

@@ -71,11 +71,14 @@ class GradReducer:
     after their fp32 values seeded the master weights; `offload` keeps masters and optimizer
     state on the CPU. `init` (ZeRO-3 start-up): the parameters come without memory and
     `init(name, param)` gives one's initial value; each rank builds its shard from it, one
-    parameter at a time."""
+    parameter at a time. Without `trains` (forward only: `tetrad eval`) only the weights are kept,
+    in `dtype` and laid out as in training (ZeRO-3 shards them), with no masters, gradient
+    buffers or optimizer: what a forward needs of the memory a step does."""
 
     def __init__(self, params: list[nn.Parameter], topo, parallel=None, model: nn.Module | None = None, *,
                  dtype: torch.dtype = torch.float32, offload: bool = False,
-                 init: Callable[[str, nn.Parameter], torch.Tensor] | None = None, prefetch: int = 1):
+                 init: Callable[[str, nn.Parameter], torch.Tensor] | None = None, prefetch: int = 1,
+                 trains: bool = True):
         self.params, self.topo = params, topo
         self.execution = getattr(model, "execution", None) or Execution()
         self._names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
@@ -95,9 +98,9 @@ class GradReducer:
         self._norm_ranges = norm_ranges(self.buckets, topo, layout.tied.params[0] if layout.tied_copy else None) \
             if replica is None or topo.local_rank(replica) == 0 else []
         # Parameters become views of flat buffers under ZeRO, or behind separate fp32 masters.
-        separate = dtype != torch.float32 or offload
+        separate = trains and (dtype != torch.float32 or offload)
         self.weights = None
-        if self.zero >= 1 or separate:
+        if self.zero >= 1 or separate or dtype != torch.float32:  # frozen: the cast alone
             self.weights = MasterWeights(self.buckets, topo, self.zero, dtype, separate, offload, shard)
             initial = None if init is None else \
                 (lambda bucket, lo, hi: initial_shard(bucket, lo, hi, init, self._names, topo.device))
@@ -118,7 +121,7 @@ class GradReducer:
                              # every linear's but the head's, made in BI (ColumnParallelLinear.grad_in_bi)
                              deferred_weights=frozenset(id(m.weight) for m in linears
                                                         if not getattr(m, "grad_in_bi", False)),
-                             groups=(shard, replica))
+                             groups=(shard, replica), trains=trains)
 
     def last_microbatch(self):
         """Backward inside this block is the accumulation's last: buckets reduce as they fill."""
@@ -227,7 +230,7 @@ class GradReducer:
                     seen.add(storage.data_ptr())
                     total += storage.nbytes()
             return total
-        state = optimizer.state.values()
+        state = optimizer.state.values() if optimizer else []
         shards = self.weights.shards if self.weights else []
         masters = self.masters if self.weights and self.weights.separate else []
         # fp32 masters count as optimizer state (the ZeRO paper's K = 12 bytes per parameter).

@@ -49,11 +49,13 @@ from tetrad.parallel.data.buffers import Bucket
 class GradSync:
     """The gradient lifecycle of `buckets` over the gradient group. `on_complete(bucket)` runs
     when a bucket's gradients of a backward are all in, before its reduction starts (ZeRO-3 frees
-    the block's weights there)."""
+    the block's weights there). Without `trains` (a forward-only build: `tetrad eval`) no gradient
+    buffer is kept."""
 
     def __init__(self, buckets: list[Bucket], topo, execution, zero: int, codec, hierarchical_: bool,
                  on_complete=None, linear_weights: frozenset[int] = frozenset(),
-                 deferred_weights: frozenset[int] = frozenset(), groups: tuple[str, str | None] = (GRAD, None)):
+                 deferred_weights: frozenset[int] = frozenset(), groups: tuple[str, str | None] = (GRAD, None),
+                 trains: bool = True):
         self.buckets, self.topo, self.execution = buckets, topo, execution
         self.shard, self.replica = groups
         self.zero, self.codec, self.hierarchical = zero, codec, hierarchical_
@@ -73,7 +75,7 @@ class GradSync:
         # (model/execution.py's GRAD_SINK), so no dW tensor is made and copied; under a split
         # backward that GEMM is BW's. `deferred_weights` (by id): the weights whose gradients a
         # split backward defers to BW (every linear's).
-        self.in_place = zero < 2 and all(p.dtype == torch.float32 for b in buckets for p in b.params)
+        self.in_place = trains and zero < 2 and all(p.dtype == torch.float32 for b in buckets for p in b.params)
         self.deferred = deferred_weights if execution.split_backward else frozenset()
         self.handles = []  # the parameters' hooks, removed by `close`
         for bucket in buckets:

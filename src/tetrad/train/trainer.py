@@ -124,8 +124,7 @@ class Trainer:
                                  offload=cfg.train.offload_optimizer, init=shard_init, trains=trains)
         self.optimizer = self.grads.build_optimizer(cfg.train) if trains else None  # not: weights alone, to evaluate
         self.scaler = LossScaler(enabled=cfg.train.dtype == "fp16")
-        # val_parts: empty without held-out tokens (data.val_fraction / val_source); config
-        # validation refuses train.eval_every without them.
+        # val_parts: empty without held-out tokens (data.val_*); validation refuses eval_every without them.
         self.batches, val = split_batches(cfg)
         self.val_parts = val.split() if val is not None else []  # (weight, batches) of each source
         self.data_position = DataPosition(self.batches)
@@ -388,12 +387,13 @@ def _naming_step(step: int):
 
 def train_on_this_rank(cfg: Config, device_type: str, work: Callable[[Trainer], Any] = Trainer.fit):
     """Entry point of a rank inside an initialised process group (local or torchrun): `work` of its
-    Trainer, `fit` (the step records) or `evaluate` (`tetrad eval`). The run's memory and groups
-    end with it: `tetrad check` trains again in the same torchrun process."""
+    Trainer, `fit` (the step records) or `evaluate` (`tetrad eval`, forward-only). The run's memory
+    and groups end with it: `tetrad check` trains again in the same torchrun process."""
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     devices.set_fp32_matmul(device, cfg.train.tf32)
-    with memory_watch(cfg, devices.memory_gib(device)):
-        trainer = Trainer(cfg, device, trains=work is Trainer.fit)
+    trains = work is Trainer.fit  # the planner's memory figures (memory_watch) are a training step's
+    with memory_watch(cfg, devices.memory_gib(device) if trains else None):
+        trainer = Trainer(cfg, device, trains=trains)
         with contextlib.closing(trainer.grads):  # its hooks would keep the weights alive past the run
             result = work(trainer)
     trainer.topo.close()

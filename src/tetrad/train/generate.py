@@ -1,10 +1,12 @@
-"""`tetrad generate CHECKPOINT --prompt ...`: sample text from a checkpoint on one process.
+"""`tetrad generate`'s decoding (the command, and where it runs: tetrad/sample.py).
 
-The checkpoint (any layout), or a Hugging Face model folder (the base a fine-tune starts from), is
-read as logical weights into a single-process model; decoding
-runs the prompt once and then one token per step against a KV cache (llama.LayerCache, which keeps
-every token; a model.sliding_window masks the keys a new token no longer sees), and
-texts go through the run's tokenizer (data/tokenizer.py: bytes for a run on raw text). The
+The checkpoint (any layout), or a Hugging Face model folder (the base a fine-tune starts from),
+is found and checked (`found_weights`) before any weight is read, then read one logical tensor at
+a time into a model on a device in a dtype, whole or a tensor-parallel rank's shard
+(train/inference.py). Decoding runs the prompt once and then one token per step against a KV
+cache (llama.LayerCache, which keeps every token; a model.sliding_window masks the keys a new
+token no longer sees; under tp each rank holds its heads'), on the model's device, and texts go
+through the run's tokenizer (data/tokenizer.py: bytes for a run on raw text). The
 continuation's loss is computed by the model's training forward (summed token cross-entropy /
 tokens), the number a training step reports for the same tokens. With --chat the model answers
 as the assistant in the run's chat template: one message, or a conversation read from stdin whose

@@ -1,8 +1,9 @@
 """Where `tetrad generate` runs: --dtype puts the weights, the KV cache and the compute in a low
 precision and samples what fp32 samples; --tp N splits the model and its KV cache over N ranks
 (real gloo processes) and samples exactly the one-process tokens, greedy and seeded, with its
-loss, for a tetrad checkpoint and an HF folder, and a chat's turns with their KV cache; a bad
---device, --dtype or --tp is one line before any weight is read."""
+loss, for a tetrad checkpoint and an HF folder, each model variant, and a chat's turns with their
+KV cache, here and under torchrun; a bad --device, --dtype or --tp is one line before any weight
+is read."""
 
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ import torch.distributed as dist
 
 from conftest import run_ranks
 from test_chat_data import _chat_tokenizer
+from test_generate import random_model
 from tetrad.cli import main
 from tetrad.data.chat import template_beside
 from tetrad.dist.layout import Layout
 from tetrad.dist.topology import Topology
 from tetrad.model.sampling import GREEDY, Sampling
 from tetrad.sample import _job, sample_on_this_rank
-from tetrad.train.generate import Dialogue, Weights, complete, continuation_loss, found_weights, load_generator
+from tetrad.train.generate import (Dialogue, Weights, complete, continuation_loss, found_weights, generate,
+                                   load_generator)
 from tetrad.train.inference import inference_model
 
 pytestmark = pytest.mark.dist
@@ -171,3 +174,36 @@ def test_under_torchrun_each_process_is_a_rank_and_rank_0_prints(weights, capsys
     out = subprocess.run([*torchrun, "--tp", "1"], capture_output=True, text=True, timeout=120, env=env)
     line = "tetrad generate: --tp 1 but torchrun started 2 processes; pass --tp 2, or start 1 process"
     assert out.returncode != 0 and out.stdout == "" and out.stderr.count(line) == 1, out.stderr
+
+
+MODELS = {"llama": {}, "gpt": {"preset": "tiny-gpt", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 4,
+                               "ffn_hidden": 128, "seq_len": 32},  # learned positions, LayerNorm, GELU, tied head
+          "window": {"sliding_window": 5}, "biases and qk-norm": {"qkv_bias": True, "qk_norm": True}}
+
+
+def _decoded(cfg, state: dict, sampling: Sampling) -> tuple:
+    """Twelve tokens after a prompt, the logits they were drawn from and their loss, on this rank."""
+    tp = dist.get_world_size() if dist.is_initialized() else 1
+    model = inference_model(cfg, state.__getitem__, Topology(Layout(tp=tp), torch.device("cpu")))
+    prompt = list(range(40, 52))
+    new, logits = generate(model, prompt, 12, sampling, seed=3)
+    return new, torch.stack(logits), continuation_loss(model, prompt, new)
+
+
+@pytest.mark.parametrize("model", MODELS.values(), ids=MODELS.keys())
+def test_tp2_decodes_each_model_variant_as_one_process(model):
+    """The variants' own tp-split weights (q/k/v biases split by head, qk-norm's replicated, the
+    tied head vocabulary-parallel, learned positions replicated) decode to the one-process
+    tokens, greedy and seeded, from the same logits; and the whole vocabulary's."""
+    net = random_model(**model)
+    state = {name: p.detach().clone() for name, p in net.named_parameters()}
+    for name in state:
+        if name.endswith(("wq.bias", "wk.bias", "wv.bias", "q_norm.weight", "k_norm.weight")):  # not 0 or 1
+            state[name] += 0.3 * torch.randn(state[name].shape, generator=torch.Generator().manual_seed(len(name)))
+    for sampling in (GREEDY, Sampling(temperature=1.0)):
+        new, logits, loss = _decoded(net.cfg, state, sampling)
+        assert logits.shape[-1] == net.cfg.vocab_size
+        for got, got_logits, got_loss in run_ranks(_decoded, 2, net.cfg, state, sampling):
+            assert got == new
+            torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5)
+            assert got_loss == pytest.approx(loss, rel=1e-5)

@@ -83,7 +83,8 @@ def test_bf16_samples_what_fp32_samples_at_about_its_loss(weights, capsys):
             _, _, theirs = complete(reference, tokenizer, PROMPT, 16, sampling, seed=3, source=source)
             assert ours == theirs and len(set(ours)) > 3, (dtype, sampling)
             loss = continuation_loss(model, prompt, ours)
-            assert isinstance(loss, float) and loss == pytest.approx(continuation_loss(reference, prompt, ours), rel=1e-2)
+            assert isinstance(loss, float)
+            assert loss == pytest.approx(continuation_loss(reference, prompt, ours), rel=1e-2)
     texts = {}
     for dtype in ("fp32", "bf16"):
         assert main(["generate", str(hf), "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0",
@@ -98,6 +99,9 @@ def test_bf16_samples_what_fp32_samples_at_about_its_loss(weights, capsys):
 @pytest.mark.parametrize("flags, line", [
     (["--prompt", PROMPT, "--device", "tpu"], "--device='tpu' but torch sees no tpu device on this machine; use "
                                               "--device='cpu' or 'auto'"),
+    (["--prompt", PROMPT, "--device", "cuda:1"], "--device cuda:1: pass the device type alone (--device cuda), and "
+                                                 "pick the GPU with CUDA_VISIBLE_DEVICES; under --tp rank i takes local "
+                                                 "device i"),
     (["--prompt", PROMPT, "--dtype", "fp64"], "--dtype 'fp64' is not one of fp32, bf16, fp16; pass one of them"),
     (["--prompt", PROMPT, "--tp", "3"], "--tp: tp=3 does not divide n_heads=4; use --tp in [1, 2]"),
     (["--prompt", PROMPT, "--tp", "0"], "--tp 0: need --tp >= 1"),

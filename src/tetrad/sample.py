@@ -39,8 +39,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                                      "cache and the run's tokenizer: on one device, or split over --tp ranks.")
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, a checkpoint dir with `latest`, a run dir, "
                         "or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
-    parser.add_argument("--prompt", metavar="TEXT", help="text to continue (default: nothing but the first token); with --chat, "
-                        "the user's one message")
+    parser.add_argument("--prompt", metavar="TEXT", help="text to continue (default: nothing but the first token); "
+                        "with --chat, the user's one message")
     parser.add_argument("--chat", action="store_true", help="answer as the assistant, in the chat template the run's "
                         "data was rendered with (tetrad data --chat-key), printing the answers alone: to --prompt, or "
                         "without it to each line of stdin in turn, keeping the conversation, until an empty line, "
@@ -80,14 +80,20 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
 
 def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
     """The device type, dtype name and tp the flags ask for, checked against this machine and job."""
+    if ":" in args.device:
+        raise ValueError(f"--device {args.device}: pass the device type alone (--device "
+                         f"{args.device.partition(':')[0]}), and pick the GPU with CUDA_VISIBLE_DEVICES; under --tp "
+                         "rank i takes local device i")
     device_type = devices.resolve_device_type(args.device, "--device")
+    devices.configure_allocator(device_type)  # before anything starts CUDA's allocator: the KV cache grows each token
     dtype = args.dtype or ("fp32" if device_type == "cpu" else "bf16")
     if dtype not in devices.DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(devices.DTYPES)}; pass one of them")
     problem = devices.dtype_problem(device_type, devices.DTYPES[dtype])
     if problem:
+        other = "fp16 (or fp32)" if dtype == "bf16" and device_type != "cpu" else "fp32"  # a GPU before Ampere
         raise ValueError(f"--dtype {dtype}: this {device_type} device cannot multiply {dtype} matrices ({problem}); "
-                         f"pass --dtype {'bf16' if dtype == 'fp16' else 'fp32'} or fp32")
+                         f"pass --dtype {other}")
     world = int(os.environ["WORLD_SIZE"]) if launch.in_torchrun() else None
     tp = args.tp if args.tp is not None else world or 1
     if tp < 1:
@@ -96,8 +102,8 @@ def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
         raise ValueError(f"--tp {tp} but torchrun started {counted(world, 'process', 'processes')}; pass --tp {world}, "
                          f"or start {counted(tp, 'process', 'processes')}")
     if world is None and device_type != "cpu" and tp > devices.local_device_count(device_type):
-        raise ValueError(f"--tp {tp} but this machine has {counted(devices.local_device_count(device_type), device_type + ' device')}; "
-                         "use torchrun across nodes, or a smaller --tp")
+        have = counted(devices.local_device_count(device_type), f"{device_type} device")
+        raise ValueError(f"--tp {tp} but this machine has {have}; use torchrun across nodes, or a smaller --tp")
     if tp > 1 and args.chat and args.prompt is None:
         raise ValueError(f"a conversation on stdin runs on one process; pass --prompt for one message under --tp {tp}, "
                          "or --tp 1 to converse")

@@ -211,3 +211,12 @@ def test_tp2_decodes_each_model_variant_as_one_process(model):
             assert got == new
             torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5)
             assert got_loss == pytest.approx(loss, rel=1e-5)
+
+
+def test_the_logits_kept_for_each_token_are_the_vocabularys_alone():
+    """generate keeps each step's logits; the first step's were a view of the prompt's logits at
+    every position (prompt x vocabulary floats, gigabytes for a long prompt and a large vocabulary
+    on a GPU), kept alive with it."""
+    net = random_model()
+    _, logits = generate(net, list(range(30)), 2, GREEDY)
+    assert [lg.untyped_storage().nbytes() for lg in logits] == [net.cfg.vocab_size * 4] * 2

@@ -41,11 +41,11 @@ def inference_model(model_cfg: ModelConfig, weights: Callable[[str], torch.Tenso
 def full_logits(model: Transformer, local: torch.Tensor) -> torch.Tensor:
     """The logits [vocab_size] of the whole vocabulary, fp32, from this rank's slice of the padded
     vocabulary (the model's output); gathered over tp, so the same on every rank."""
-    local, topo = local.float().contiguous(), model.topo
-    if topo.tp_size == 1:
-        return local[:model.cfg.vocab_size]
+    local, topo = local.float(), model.topo
+    if topo.tp_size == 1:  # a copy: a view would keep the logits of every prompt position alive
+        return local[:model.cfg.vocab_size].clone()
     gathered = local.new_empty(topo.tp_size * local.shape[0])
-    topo.comm.all_gather(gathered, local, "tp")
+    topo.comm.all_gather(gathered, local.contiguous(), "tp")
     return gathered[:model.cfg.vocab_size]
 
 

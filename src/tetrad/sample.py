@@ -171,8 +171,8 @@ def _job(argv: list[str]) -> Job:
 
 def _conversation(job: Job) -> int:
     """--chat without --prompt: a conversation over stdin, in this process."""
-    model = inference_model(job.weights.model, job.weights.reader(), Topology.single(job.device_type),
-                            devices.DTYPES[job.dtype])
+    device = devices.bind_rank(job.device_type, 0)
+    model = inference_model(job.weights.model, job.weights.reader(), Topology.single(device), devices.DTYPES[job.dtype])
     dialogue = Dialogue(model, job.weights.tokenizer, job.chat, job.args.system, job.weights.source)
     turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, sys.stdin)
     print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held "

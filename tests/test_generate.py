@@ -238,7 +238,8 @@ def test_an_imported_models_sampling_is_generates_default(tmp_path, written, exp
     transformers = pytest.importorskip("transformers")
     from tetrad.data.tokenizer import train_bpe
     from tetrad.data.tokenizer import model_sampling
-    from tetrad.train.generate import _arguments, load_generator, sampling_settings
+    from tetrad.sample import _arguments
+    from tetrad.train.generate import load_generator, sampling_settings
     hf = tmp_path / "hf"
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)

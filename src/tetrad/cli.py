@@ -22,7 +22,7 @@ commands:
   check [CONFIG] [--section.key=value ...]   train a few steps in the layout and in data parallel: do they agree?
   estimate CONFIG --cluster C [--json]        the cost model for one layout
   plan --model M --cluster C --global-batch N rank every legal layout by predicted step time
-  generate CHECKPOINT --prompt TEXT          sample text (KV cache, the run's tokenizer) on one process
+  generate CHECKPOINT --prompt TEXT          sample text (KV cache, the run's tokenizer) on a device, or over --tp ranks
   generate RUN --chat [--system TEXT]        answer in the run's chat template: --prompt, or a conversation on stdin
   eval WEIGHTS [CONFIG] [--section.key=value ...]   validation loss of a checkpoint, run or HF model on held-out data
   convert SRC --to-hf OUT | --to-tetrad CKPT  tetrad checkpoint <-> HF safetensors (Llama, Mistral, Qwen2, Qwen3, Phi-3)
@@ -122,7 +122,7 @@ def generate_command(argv: list[str]) -> int:
     """Ctrl-C (while torch loads, the model reads or a chat waits for a line) ends it as a shell's
     command ends: a newline, so the prompt starts on its own line, and status 130."""
     try:
-        from tetrad.train.generate import generate_command as run
+        from tetrad.sample import generate_command as run
         return run(argv)
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -72,8 +72,9 @@ class LayerCache:
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
     """Causal attention of the newest q.shape[1] tokens over all k.shape[1] cached ones
-    (one process, no parallelism: decoding), within the sliding `window` (0: none). The cache
-    keeps every token's keys and values; the window masks those it has left behind.
+    (decoding: no sequence or context parallelism; under tp this rank's heads), within the sliding
+    `window` (0: none). The cache keeps every token's keys and values; the window masks those it
+    has left behind.
     q: [b, s, heads, d]; k, v: [b, t, kv_heads, d]."""
     s, t = q.shape[1], k.shape[1]
     groups = q.shape[2] // k.shape[2]
@@ -315,12 +316,12 @@ class Transformer(nn.Module):
         """x: tokens [b, s] on the first chunk, else hidden states [b, s, d]; positions: [s], each
         token's true position, or [b, s] (train.reset_positions: each row's own). On the last
         chunk returns the summed token loss (labels given) or this rank's vocabulary slice of the
-        logits; otherwise the hidden states. `cache`
-        (decoding, one process): per layer name, the keys and values of the earlier tokens; x
-        then holds only the new tokens, at `positions`, and the cache grows by them. `docs`
-        (document masking): the `Documents` of the whole window, [b, seq_len], on every rank and
-        stage (not sharded: attention derives each rank's part); the mask bias, documents and
-        sliding window, is made here once for the chunk's layers where they share it (`_shared_mask`)."""
+        logits; otherwise the hidden states. `cache` (decoding; under tp this rank's heads): per
+        layer name, the keys and values of the earlier tokens; x then holds only the new tokens, at
+        `positions`, and the cache grows by them. `docs` (document masking): the `Documents` of the
+        whole window, [b, seq_len], on every rank and stage (not sharded: attention derives each
+        rank's part); the mask bias, documents and sliding window, is made here once for the
+        chunk's layers where they share it (`_shared_mask`)."""
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":

@@ -37,7 +37,7 @@ class Sampling:
         `seen`: the sequence so far, prompt included (the repetition penalty's ids)."""
         logits = logits.float().clone()
         if self.repetition_penalty != 1 and seen:
-            ids = torch.tensor(sorted(set(seen)))
+            ids = torch.tensor(sorted(set(seen)), device=logits.device)
             before = logits[ids]
             logits[ids] = torch.where(before < 0, before * self.repetition_penalty, before / self.repetition_penalty)
         if self.temperature == 0:
@@ -55,11 +55,15 @@ class Sampling:
         return logits
 
     def pick(self, logits: torch.Tensor, seen: list[int], generator: torch.Generator) -> int:
-        """One token id from `logits` [vocab] after `seen` (processed's)."""
+        """One token id from `logits` [vocab] after `seen` (processed's), on any device. The draw is
+        made on the CPU by `generator`, a CPU one: a seed then draws the same token from the same
+        probabilities on every device (torch's CUDA multinomial wants a CUDA generator and draws
+        otherwise), for the copy of one vocabulary of floats, which reading the token back waits
+        for anyway."""
         processed = self.processed(logits, seen)
         if self.temperature == 0:
             return int(processed.argmax())
-        return int(torch.multinomial(processed.softmax(-1), 1, generator=generator))
+        return int(torch.multinomial(processed.softmax(-1).cpu(), 1, generator=generator))
 
 
 GREEDY = Sampling(temperature=0.0)

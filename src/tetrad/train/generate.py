@@ -1,10 +1,12 @@
-"""`tetrad generate CHECKPOINT --prompt ...`: sample text from a checkpoint on one process.
+"""`tetrad generate`'s decoding (the command, and where it runs: tetrad/sample.py).
 
-The checkpoint (any layout), or a Hugging Face model folder (the base a fine-tune starts from), is
-read as logical weights into a single-process model; decoding
-runs the prompt once and then one token per step against a KV cache (llama.LayerCache, which keeps
-every token; a model.sliding_window masks the keys a new token no longer sees), and
-texts go through the run's tokenizer (data/tokenizer.py: bytes for a run on raw text). The
+The checkpoint (any layout), or a Hugging Face model folder (the base a fine-tune starts from),
+is found and checked (`found_weights`) before any weight is read, then read one logical tensor at
+a time into a model on a device in a dtype, whole or a tensor-parallel rank's shard
+(train/inference.py). Decoding runs the prompt once and then one token per step against a KV
+cache (llama.LayerCache, which keeps every token; a model.sliding_window masks the keys a new
+token no longer sees; under tp each rank holds its heads'), on the model's device, and texts go
+through the run's tokenizer (data/tokenizer.py: bytes for a run on raw text). The
 continuation's loss is computed by the model's training forward (summed token cross-entropy /
 tokens), the number a training step reports for the same tokens. With --chat the model answers
 as the assistant in the run's chat template: one message, or a conversation read from stdin whose
@@ -16,13 +18,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import torch
 from tokenizers import Tokenizer
 
-from tetrad.config import ModelConfig, counted, load_config
+from tetrad.config import ModelConfig, load_config
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, load_tokenizer, model_eos, model_sampling,
@@ -30,16 +34,22 @@ from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, load_toke
 from tetrad.model.llama import LayerCache, Transformer
 from tetrad.model.sampling import SAMPLING_FIELDS, Sampling
 from tetrad.dist.topology import Topology
-from tetrad.train.checkpoint import CheckpointError
-from tetrad.train.convert import checkpoint_folder, exported_tokenizer, logical_shapes, read_weights
+from tetrad.train.convert import StoredWeights, exported_tokenizer, logical_shapes
 from tetrad.train.hf_architectures import model_config_from_hf
+from tetrad.train.inference import agreed_token, full_logits, inference_model
 from tetrad.train.init_from import HF_CONFIG, hf_config, hf_weights_problem, initial_weights, is_hf_folder
 
 
-def single_process_model(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
-    model = Transformer(model_cfg, Topology.single("cpu"))
-    model.load_state_dict(state)
-    return model.eval()
+def single_process_model(model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
+                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+    """The whole model on one `device` in `dtype`, from a state dict of every logical parameter (no
+    more) or a reader of one at a time (initial_weights': `tetrad generate`)."""
+    if isinstance(weights, Mapping):
+        extra = sorted(set(weights) - set(logical_shapes(model_cfg)))
+        if extra:
+            raise ValueError(f"the state holds {extra[0]}, which the model has no parameter for")
+        weights = weights.__getitem__
+    return inference_model(model_cfg, weights, Topology.single(device), dtype)
 
 
 class Cache:
@@ -68,26 +78,30 @@ class Cache:
 
     def feed(self, model: Transformer, ids: list[int]) -> torch.Tensor:
         """Run `ids` after the cached ones, which they join; the logits after the last."""
-        start = len(self.ids)
-        logits = model(torch.tensor([ids]), torch.arange(start, start + len(ids)), cache=self.layers)[0, -1]
+        start, device = len(self.ids), model.topo.device
+        logits = model(torch.tensor([ids], device=device), torch.arange(start, start + len(ids), device=device),
+                       cache=self.layers)[0, -1]
         self.ids = self.ids + list(ids)
-        return logits
+        return full_logits(model, logits)
 
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new: int, sampling: Sampling = Sampling(), seed: int = 0,
              stop: frozenset[int] = frozenset(), cache: Cache | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """The new token ids (at most `max_new`, ending at a `stop` token, e.g. EOS, or at the model's
-    context_length tokens in all) and the logits each was drawn from. `cache`: an earlier call's (a chat's last
+    context_length tokens in all) and the logits each was drawn from (the whole vocabulary's, fp32,
+    on the model's device). `cache`: an earlier call's (a chat's last
     turn), reused where `prompt` starts as its ids do; it ends holding the prompt and the new ids
-    but the last (never run)."""
+    but the last (never run). The draws use a CPU generator seeded with `seed` (Sampling.pick), so a
+    seed gives the same text on a device wherever the logits are the same; under tp every rank
+    feeds tp rank 0's token (inference.agreed_token)."""
     generator = torch.Generator().manual_seed(seed)
     cache = Cache() if cache is None else cache
     logits = cache.feed(model, prompt[cache.reuse(prompt):])
     new, drawn_from = [], []
     end = min(len(prompt) + max_new, model.cfg.context_length + 1)
     for position in range(len(prompt), end):
-        token = sampling.pick(logits, prompt + new, generator)
+        token = agreed_token(sampling.pick(logits, prompt + new, generator), model.topo)
         new.append(token)
         drawn_from.append(logits)
         if token in stop or position + 1 == end:
@@ -99,51 +113,18 @@ def generate(model: Transformer, prompt: list[int], max_new: int, sampling: Samp
 @torch.no_grad()
 def continuation_loss(model: Transformer, prompt: list[int], continuation: list[int]) -> float:
     """Mean cross-entropy of `continuation` after `prompt`, by the training loss (summed token
-    losses over the labels): the whole sequence's sum minus the prompt's own."""
-    ids = torch.tensor([prompt + continuation])
+    losses over the labels): the whole sequence's sum minus the prompt's own. Computed on the model's
+    device (fp32 cross-entropy of its logits), the same on every tp rank."""
+    device = model.topo.device
+    ids = torch.tensor([prompt + continuation], device=device)
 
     def summed(n: int) -> float:
-        return float(model(ids[:, :n - 1], torch.arange(n - 1), labels=ids[:, 1:n]))
+        return float(model(ids[:, :n - 1], torch.arange(n - 1, device=device), labels=ids[:, 1:n]))
     return (summed(ids.shape[1]) - (summed(len(prompt)) if len(prompt) > 1 else 0.0)) / len(continuation)
 
 
-def _arguments(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tetrad generate", description="Sample text from a checkpoint, on one "
-                                     "process, with a KV cache and the run's tokenizer.")
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, a checkpoint dir with `latest`, a run dir, "
-                        "or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
-    parser.add_argument("--prompt", metavar="TEXT", help="text to continue (default: nothing but the first token); with --chat, "
-                        "the user's one message")
-    parser.add_argument("--chat", action="store_true", help="answer as the assistant, in the chat template the run's "
-                        "data was rendered with (tetrad data --chat-key), printing the answers alone: to --prompt, or "
-                        "without it to each line of stdin in turn, keeping the conversation, until an empty line, "
-                        "the input's end or the model's context (model.max_position_embeddings, else seq_len)")
-    parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
-    parser.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens (default 200; "
-                        "fewer at an EOS or the end of the model's context)")
-    # Unset sampling flags take an imported model's generation_config.json (model_sampling), else Sampling's defaults.
-    parser.add_argument("--temperature", type=float, help="0: greedy (default 0.8)")
-    parser.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default 0: all)")
-    parser.add_argument("--top-p", type=float, help="nucleus: the likeliest tokens of this mass (default 1)")
-    parser.add_argument("--min-p", type=float, help="only tokens at least this fraction as likely as the likeliest "
-                        "(default 0)")
-    parser.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens already in the text by "
-                        "this, as transformers does (default 1: none; applies to greedy decoding too)")
-    parser.add_argument("--seed", type=int, default=0, help="the sampler's random seed (default 0): the same "
-                        "seed, settings and prompt give the same text")
-    args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise ValueError("need --max-new-tokens >= 1")
-    Sampling(**_sampling_flags(args))
-    if args.system is not None and not args.chat:
-        raise ValueError("--system is a chat's system message: pass --chat too")
-    if not args.checkpoint.exists():
-        raise ValueError(f"no checkpoint at {args.checkpoint}; pass a run folder, its checkpoints/ folder, or one "
-                         "of its step_N folders, or a Hugging Face model folder")
-    return args
-
-
-def _sampling_flags(args: argparse.Namespace | None) -> dict:
+def sampling_flags(args: argparse.Namespace | None) -> dict:
+    """The sampling flags given (`args`: generate's), by Sampling's field names."""
     return {} if args is None else {name: getattr(args, name) for name in SAMPLING_FIELDS
                                     if getattr(args, name) is not None}
 
@@ -158,7 +139,7 @@ def sampling_settings(args: argparse.Namespace | None, model: dict) -> Sampling:
     except ValueError:
         raise ValueError(f"the model's {GENERATION_CONFIG} asks for sampling out of range ({model}); pass "
                          "--temperature, --top-k, --top-p, --min-p and --repetition-penalty") from None
-    return Sampling(**{**model, **_sampling_flags(args)})
+    return Sampling(**{**model, **sampling_flags(args)})
 
 
 def run_sampling(source: Path | None) -> Sampling:
@@ -167,29 +148,49 @@ def run_sampling(source: Path | None) -> Sampling:
     return sampling_settings(None, model_sampling(source))
 
 
-def load_generator(checkpoint: Path) -> tuple[Transformer, Tokenizer, Path | None]:
-    """The single-process model of a tetrad checkpoint (any layout) or of a Hugging Face model
-    folder (an architecture train/hf_architectures.py maps: the model a fine-tune starts from,
-    sampled without converting it), the run's or the model's tokenizer, and where that came from
-    (None: bytes)."""
+@dataclass(frozen=True)
+class Weights:
+    """What `tetrad generate` samples, found and checked before any weight is read (so before any
+    rank starts): the checkpoint or HF folder, its model, the run's or the model's tokenizer and
+    where that came from (None: bytes)."""
+    path: Path
+    model: ModelConfig
+    tokenizer: Tokenizer
+    source: Path | None
+
+    def reader(self) -> Callable[[str], torch.Tensor]:
+        """name -> its logical tensor, read when asked (one at a time), as init_from reads it."""
+        return initial_weights(str(self.path))
+
+
+def found_weights(checkpoint: Path) -> Weights:
+    """The Weights of a tetrad checkpoint (any layout; its files' checksums and shapes checked) or
+    of a Hugging Face model folder (an architecture train/hf_architectures.py maps: the model a
+    fine-tune starts from, sampled without converting it)."""
     if is_hf_folder(checkpoint):
         model_cfg = load_config(overrides={"model": model_config_from_hf(hf_config(checkpoint), checkpoint / HF_CONFIG)},
                                 runtime=False).model
         problem = hf_weights_problem(checkpoint, model_cfg)
         if problem:
             raise ValueError(f"{checkpoint}: {problem}")
-        read = initial_weights(str(checkpoint))
-        state = {name: read(name) for name in logical_shapes(model_cfg)}
         tokenizer, source = (load_tokenizer(checkpoint / TOKENIZER), checkpoint / TOKENIZER) \
             if (checkpoint / TOKENIZER).is_file() else (None, None)
     else:
-        cfg, state = read_weights(checkpoint)
-        model_cfg, checkpoint = cfg.model, checkpoint_folder(checkpoint)
-        tokenizer, source = exported_tokenizer(checkpoint, cfg.data.source)
+        stored = StoredWeights(checkpoint)
+        model_cfg, checkpoint = stored.cfg.model, stored.path
+        tokenizer, source = exported_tokenizer(checkpoint, stored.cfg.data.source)
     if tokenizer is None:
         raise ValueError(f"{checkpoint} holds weights without a tokenizer.json, so no tokenizer is known for its "
                          f"{model_cfg.vocab_size} tokens; copy the model's tokenizer.json into {checkpoint}")
-    return single_process_model(model_cfg, state), tokenizer, source
+    return Weights(checkpoint, model_cfg, tokenizer, source)
+
+
+def load_generator(checkpoint: Path, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer, Path | None]:
+    """The whole model of `checkpoint` (found_weights') on `device` in `dtype`, its tokenizer, and
+    where that came from (None: bytes)."""
+    found = found_weights(checkpoint)
+    return single_process_model(found.model, found.reader(), device, dtype), found.tokenizer, found.source
 
 
 def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int, sampling: Sampling = Sampling(),
@@ -250,9 +251,6 @@ class Dialogue:
                  source: Path | None = None):
         self.model, self.tokenizer, self.chat, self.cache, self.source = model, tokenizer, chat, Cache(), source
         self.messages = [] if system is None else [{"role": "system", "content": system}]
-        if system is not None:  # a template without the role (Gemma's) refuses it before any turn
-            Conversations(chat, tokenizer, None).render(self.messages + [{"role": "user", "content": "Hi"}], True,
-                                                        "--system")
 
     def answer(self, message: str, max_new: int, sampling: Sampling = Sampling(),
                seed: int = 0) -> tuple[str, list[int], list[int]]:
@@ -287,50 +285,18 @@ def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, li
             return turn + 1
 
 
-def _run_template(tokenizer_source: Path | None) -> ChatTemplate:
-    """The chat template beside the run's tokenizer.json; ValueError naming what to do without one."""
-    chat = template_beside(tokenizer_source) if tokenizer_source is not None else None
+def chat_template(tokenizer: Tokenizer, source: Path | None, system: str | None) -> ChatTemplate:
+    """The chat template beside the run's tokenizer.json (`source`), checked before any weight is
+    read: a ValueError naming what to do without one, or where it refuses the `system` message (a
+    template without the role, Gemma's); a note where the answers cannot end at its eos_token."""
+    chat = template_beside(source) if source is not None else None
     if chat is None:
         raise ValueError(f"--chat needs the chat template the run's data was rendered with, and none is beside its "
-                         f"tokenizer ({tokenizer_source or 'bytes'}); make the data with `tetrad data --chat-key`")
-    return chat
-
-
-def _dialogue(model: Transformer, tokenizer: Tokenizer, source: Path | None, system: str | None) -> Dialogue:
-    """A chat in the run's template, noting where the answers cannot end at its eos_token."""
-    chat = _run_template(source)
+                         f"tokenizer ({source or 'bytes'}); make the data with `tetrad data --chat-key`")
+    if system is not None:
+        Conversations(chat, tokenizer, None).render([{"role": "system", "content": system},
+                                                     {"role": "user", "content": "Hi"}], True, "--system")
     if chat.eos and tokenizer.token_to_id(chat.eos) is None:
         print(f"tetrad generate: note: the template's eos_token {chat.eos!r} is not one token of the "
               "tokenizer; the answer runs to the EOS or --max-new-tokens", file=sys.stderr)
-    return Dialogue(model, tokenizer, chat, system, source)
-
-
-def generate_command(argv: list[str]) -> int:
-    try:
-        args = _arguments(argv)
-        model, tokenizer, source = load_generator(args.checkpoint)
-        asked = model_sampling(source)
-        sampling = sampling_settings(args, asked)
-        if asked:
-            print(f"tetrad generate: {sampling.describe()}: the model's generation_config.json where no flag says "
-                  "otherwise", file=sys.stderr)
-        if args.chat:
-            dialogue = _dialogue(model, tokenizer, source, args.system)
-            if args.prompt is None:
-                turns = converse(dialogue, args.max_new_tokens, sampling, args.seed, sys.stdin)
-                print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held "
-                      f"{dialogue.cache.reused} of their {dialogue.cache.prompted} prompt tokens", file=sys.stderr)
-                return 0
-            text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, sampling, args.seed)
-        else:
-            text, prompt, new = complete(model, tokenizer, args.prompt or "", args.max_new_tokens, sampling, args.seed, source)
-    except (ValueError, CheckpointError) as e:
-        print(f"tetrad generate: {e}", file=sys.stderr)
-        return 2
-    print(text)
-    capped = (f"; the model's context ({model.cfg.context_length} tokens) ended it before --max-new-tokens"
-              if len(prompt) + len(new) > model.cfg.context_length and len(new) < args.max_new_tokens else "")
-    print(f"tetrad generate: {counted(len(new), 'token')}; their loss under the model "
-          f"{continuation_loss(model, prompt, new):.4f} "
-          f"(tokenizer: {source or 'bytes'}){capped}", file=sys.stderr)
-    return 0
+    return chat

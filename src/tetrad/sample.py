@@ -1,0 +1,215 @@
+"""`tetrad generate CHECKPOINT --prompt ...`: where the decoding (train/generate.py) runs.
+
+`--tp 1` (the default): in this process, the model on `--device` in `--dtype`; a conversation on
+stdin too. `--tp N`: N ranks, each holding its tensor-parallel shard of the model and its heads'
+share of the KV cache (train/inference.py), started here by launch.run_local (CPU ranks over
+gloo, or one per local accelerator) or, under torchrun, this process one of them (`torchrun
+--nproc-per-node N -m tetrad generate ... --tp N`). Every check runs first, in the process that
+starts the ranks (under torchrun in each, one line said for the job): a bad flag, checkpoint,
+chat template or tp is one line and no rank starts. Rank 0's text and loss are printed, by this
+process from run_local's results, or under torchrun by global rank 0. A conversation on stdin
+stays on one process: a rank started by run_local has no stdin (multiprocessing closes it), and
+under torchrun only some ranks would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from tetrad import device as devices
+from tetrad import launch
+from tetrad.config import Config, ConfigError, counted, validate
+from tetrad.data.chat import ChatTemplate
+from tetrad.data.tokenizer import model_sampling
+from tetrad.dist.layout import Layout
+from tetrad.dist.topology import Topology
+from tetrad.model.sampling import Sampling
+from tetrad.train.checkpoint import CheckpointError
+from tetrad.train.generate import (Dialogue, Weights, sampling_flags, chat_template, complete, continuation_loss,
+                                   converse, found_weights, sampling_settings)
+from tetrad.train.inference import inference_model
+
+
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tetrad generate", description="Sample text from a checkpoint with a KV "
+                                     "cache and the run's tokenizer: on one device, or split over --tp ranks.")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, a checkpoint dir with `latest`, a run dir, "
+                        "or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    parser.add_argument("--prompt", metavar="TEXT", help="text to continue (default: nothing but the first token); "
+                        "with --chat, the user's one message")
+    parser.add_argument("--chat", action="store_true", help="answer as the assistant, in the chat template the run's "
+                        "data was rendered with (tetrad data --chat-key), printing the answers alone: to --prompt, or "
+                        "without it to each line of stdin in turn, keeping the conversation, until an empty line, "
+                        "the input's end or the model's context (model.max_position_embeddings, else seq_len); "
+                        "a conversation on stdin runs with --tp 1")
+    parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens (default 200; "
+                        "fewer at an EOS or the end of the model's context)")
+    # Unset sampling flags take an imported model's generation_config.json (model_sampling), else Sampling's defaults.
+    parser.add_argument("--temperature", type=float, help="0: greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default 0: all)")
+    parser.add_argument("--top-p", type=float, help="nucleus: the likeliest tokens of this mass (default 1)")
+    parser.add_argument("--min-p", type=float, help="only tokens at least this fraction as likely as the likeliest "
+                        "(default 0)")
+    parser.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens already in the text by "
+                        "this, as transformers does (default 1: none; applies to greedy decoding too)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampler's random seed (default 0): the same "
+                        "seed, settings, prompt and device give the same text (drawn by a CPU generator)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, ... or auto (default): the accelerator torch "
+                        "finds, else cpu, as train.device")
+    parser.add_argument("--dtype", help="fp32, bf16 or fp16 for the weights, the KV cache and the compute (default: "
+                        "fp32 on cpu, where bf16 matmuls are often slower; bf16 on an accelerator: half the memory "
+                        "and of the bytes each token reads, with fp32's range)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel ranks, each holding 1/tp of the heads, the MLP, the "
+                        "vocabulary and the KV cache (default 1; under torchrun its world size)")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise ValueError("need --max-new-tokens >= 1")
+    Sampling(**sampling_flags(args))
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat's system message: pass --chat too")
+    if not args.checkpoint.exists():
+        raise ValueError(f"no checkpoint at {args.checkpoint}; pass a run folder, its checkpoints/ folder, or one "
+                         "of its step_N folders, or a Hugging Face model folder")
+    return args
+
+
+def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
+    """The device type, dtype name and tp the flags ask for, checked against this machine and job."""
+    if ":" in args.device:
+        raise ValueError(f"--device {args.device}: pass the device type alone (--device "
+                         f"{args.device.partition(':')[0]}), and pick the GPU with CUDA_VISIBLE_DEVICES; under --tp "
+                         "rank i takes local device i")
+    device_type = devices.resolve_device_type(args.device, "--device")
+    devices.configure_allocator(device_type)  # before anything starts CUDA's allocator: the KV cache grows each token
+    dtype = args.dtype or ("fp32" if device_type == "cpu" else "bf16")
+    if dtype not in devices.DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(devices.DTYPES)}; pass one of them")
+    problem = devices.dtype_problem(device_type, devices.DTYPES[dtype])
+    if problem:
+        other = "fp16 (or fp32)" if dtype == "bf16" and device_type != "cpu" else "fp32"  # a GPU before Ampere
+        raise ValueError(f"--dtype {dtype}: this {device_type} device cannot multiply {dtype} matrices ({problem}); "
+                         f"pass --dtype {other}")
+    world = int(os.environ["WORLD_SIZE"]) if launch.in_torchrun() else None
+    tp = args.tp if args.tp is not None else world or 1
+    if tp < 1:
+        raise ValueError(f"--tp {tp}: need --tp >= 1")
+    if world is not None and tp != world:
+        raise ValueError(f"--tp {tp} but torchrun started {counted(world, 'process', 'processes')}; pass --tp {world}, "
+                         f"or start {counted(tp, 'process', 'processes')}")
+    if world is None and device_type != "cpu" and tp > devices.local_device_count(device_type):
+        have = counted(devices.local_device_count(device_type), f"{device_type} device")
+        raise ValueError(f"--tp {tp} but this machine has {have}; use torchrun across nodes, or a smaller --tp")
+    if tp > 1 and args.chat and args.prompt is None:
+        raise ValueError(f"a conversation on stdin runs on one process; pass --prompt for one message under --tp {tp}, "
+                         "or --tp 1 to converse")
+    return device_type, dtype, tp
+
+
+def _check_tp(weights: Weights, tp: int) -> None:
+    """`tetrad train`'s rule for parallel.tp (it divides the heads, the KV heads and the MLP)."""
+    try:
+        validate(dataclasses.replace(Config(), model=weights.model,
+                                     parallel=dataclasses.replace(Config().parallel, tp=tp)), runtime=False)
+    except ConfigError as e:
+        raise ValueError(f"--tp: {e}".replace("use tp in", "use --tp in")) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One `tetrad generate` sample, checked: what each rank needs (it pickles, for spawned ranks)."""
+    weights: Weights
+    device_type: str
+    dtype: str
+    tp: int
+    sampling: Sampling
+    chat: ChatTemplate | None  # --chat's template, else None
+    args: argparse.Namespace
+
+
+def sample_on_this_rank(job: Job) -> tuple[str, list[int], list[int], float] | str:
+    """This rank's part of one sample (tp ranks in a process group, or this process alone): the
+    text, the prompt's and the new ids and their loss, the same on every rank; or a user error's
+    line (a prompt longer than the model's context), which every rank meets before any collective."""
+    args, weights = job.args, job.weights
+    device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    topo = Topology(Layout(tp=job.tp), device)
+    try:
+        model = inference_model(weights.model, weights.reader(), topo, devices.DTYPES[job.dtype])
+        if job.chat is not None:
+            dialogue = Dialogue(model, weights.tokenizer, job.chat, args.system, weights.source)
+            text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, job.sampling, args.seed)
+        else:
+            text, prompt, new = complete(model, weights.tokenizer, args.prompt or "", args.max_new_tokens,
+                                         job.sampling, args.seed, weights.source)
+        return text, prompt, new, continuation_loss(model, prompt, new)
+    except ValueError as e:
+        return str(e)
+    finally:
+        topo.close()
+
+
+def _job(argv: list[str]) -> Job:
+    """Every check, before any weight is read or rank starts: the flags, the checkpoint, the tp its
+    model takes, the sampling and the chat template."""
+    args = _arguments(argv)
+    device_type, dtype, tp = _placement(args)
+    weights = found_weights(args.checkpoint)
+    _check_tp(weights, tp)
+    asked = model_sampling(weights.source)
+    sampling = sampling_settings(args, asked)
+    if asked and launch.speaks_for_the_job():
+        print(f"tetrad generate: {sampling.describe()}: the model's generation_config.json where no flag says "
+              "otherwise", file=sys.stderr)
+    chat = chat_template(weights.tokenizer, weights.source, args.system) if args.chat else None
+    return Job(weights, device_type, dtype, tp, sampling, chat, args)
+
+
+def _conversation(job: Job) -> int:
+    """--chat without --prompt: a conversation over stdin, in this process."""
+    device = devices.bind_rank(job.device_type, 0)
+    model = inference_model(job.weights.model, job.weights.reader(), Topology.single(device), devices.DTYPES[job.dtype])
+    dialogue = Dialogue(model, job.weights.tokenizer, job.chat, job.args.system, job.weights.source)
+    turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, sys.stdin)
+    print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held "
+          f"{dialogue.cache.reused} of their {dialogue.cache.prompted} prompt tokens", file=sys.stderr)
+    return 0
+
+
+def _sampled(job: Job) -> tuple[str, list[int], list[int], float] | str:
+    """Rank 0's result: here, on this machine's tp ranks, or on this torchrun rank."""
+    if job.tp == 1 and not launch.in_torchrun():
+        return sample_on_this_rank(job)
+    if launch.in_torchrun():
+        with launch.torchrun_process_group(job.device_type):
+            return sample_on_this_rank(job)
+    return launch.run_local(sample_on_this_rank, job.tp, (job,), device_type=job.device_type)[0]
+
+
+def generate_command(argv: list[str]) -> int:
+    try:
+        job = _job(argv)
+        if job.chat is not None and job.args.prompt is None:
+            return _conversation(job)
+        result = _sampled(job)
+        if isinstance(result, str):
+            raise ValueError(result)
+    except (ValueError, CheckpointError, ConfigError) as e:
+        if launch.says_refusal(f"tetrad generate: {e}"):
+            print(f"tetrad generate: {e}", file=sys.stderr)
+        return 2
+    if not launch.speaks_for_the_job():
+        return 0
+    text, prompt, new, loss = result
+    context, args = job.weights.model.context_length, job.args
+    print(text)
+    capped = (f"; the model's context ({context} tokens) ended it before --max-new-tokens"
+              if len(prompt) + len(new) > context and len(new) < args.max_new_tokens else "")
+    where = f"{job.device_type}, {job.dtype}" + (f", tp {job.tp}" if job.tp > 1 else "")
+    print(f"tetrad generate: {counted(len(new), 'token')}; their loss under the model {loss:.4f} "
+          f"(tokenizer: {job.weights.source or 'bytes'}; {where}){capped}", file=sys.stderr)
+    return 0

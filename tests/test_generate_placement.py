@@ -165,7 +165,8 @@ def test_a_chat_under_tp2_answers_as_one_process_with_its_kv_cache(weights, caps
 
 def test_under_torchrun_each_process_is_a_rank_and_rank_0_prints(weights, capsys, tmp_path):
     """`torchrun --nproc-per-node 2 -m tetrad generate ...`: --tp defaults to the world size, the
-    text is the one-process text, printed once; a --tp the job does not have is one line, once."""
+    text is the one-process text, printed once; a --tp the job does not have is one line, once,
+    and torchrun's summary gives it as the root cause (before: 'To enable traceback see ...')."""
     argv = [str(weights["hf"]), "--prompt", PROMPT, "--max-new-tokens", "8", *SAMPLINGS["seeded"]]
     assert main(["generate", *argv]) == 0
     one = capsys.readouterr().out
@@ -177,7 +178,10 @@ def test_under_torchrun_each_process_is_a_rank_and_rank_0_prints(weights, capsys
     assert out.stderr.count("tetrad generate: ") == 1 and "; cpu, fp32, tp 2)" in out.stderr, out.stderr
     out = subprocess.run([*torchrun, "--tp", "1"], capture_output=True, text=True, timeout=120, env=env)
     line = "tetrad generate: --tp 1 but torchrun started 2 processes; pass --tp 2, or start 1 process"
-    assert out.returncode != 0 and out.stdout == "" and out.stderr.count(line) == 1, out.stderr
+    assert out.returncode != 0 and out.stdout == "", out.stderr
+    assert len(re.findall(f"^{re.escape(line)}$", out.stderr, re.MULTILINE)) == 1, out.stderr
+    root_cause = out.stderr.partition("Root Cause (first observed failure):")[2]
+    assert f"traceback : {line}\n" in root_cause and "To enable traceback" not in out.stderr, out.stderr
 
 
 MODELS = {"llama": {}, "gpt": {"preset": "tiny-gpt", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 4,

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from tetrad.config import Config, ConfigError, counted, idle_settings, load_config, split_config_args
@@ -186,7 +184,6 @@ def _run(argv: list[str]) -> int:
         _drop_stdout()
         return 128 + signal.SIGPIPE
     except ConfigError as e:
-        _tell_torchrun(f"tetrad: config error: {e}")
         if _says_refusal(f"tetrad: config error: {e}"):  # every rank that refuses exits 2; one says why
             print(f"tetrad: config error: {e}", file=sys.stderr)
         return 2
@@ -205,18 +202,6 @@ def _run(argv: list[str]) -> int:
 def _drop_stdout() -> None:
     """Point stdout, whose reader left, at /dev/null: nothing is left to flush at exit."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def _tell_torchrun(line: str) -> None:
-    """Under torchrun, have its failure summary give this rank's refusal as its root cause: the
-    one line, in the error file torch.distributed.elastic reads (`@record`'s format, less the
-    traceback), not 'To enable traceback see ...'. torchrun's own process still
-    prints its ChildFailedError traceback: it raises one for any non-zero exit, and runs no
-    tetrad code that could stop it."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        now = str(int(time.time()))
-        Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": {"timestamp": now}}}))
 
 
 def _says_refusal(message: str) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import contextlib
 import datetime
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -82,9 +83,11 @@ def says_refusal(message: str, wait_s: float = 20.0) -> bool:
     """Whether this process prints `message`, the job's refusal: every process outside torchrun;
     under it rank 0, which posts it in torchrun's agent store, and another rank only where rank 0's
     differs or has not come within `wait_s` (rank 0 passed). A refusal every rank meets is one
-    line, not one per rank; one that only some meet (a file missing on one node) is still said."""
+    line, not one per rank; one that only some meet (a file missing on one node) is still said.
+    Under torchrun every refusing rank also writes it to its error file (`_tell_torchrun`)."""
     if not in_torchrun():
         return True
+    _tell_torchrun(message)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no agent store (srun, etcd): no way to
         return True  # know what rank 0 says, and a refusal only some rank meets must not go unsaid
     key = f"tetrad/refusal/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -103,6 +106,17 @@ def says_refusal(message: str, wait_s: float = 20.0) -> bool:
         return store.get(key).decode() != message
     except (KeyError, ValueError, RuntimeError):  # no store to reach (DistError)
         return True
+
+
+def _tell_torchrun(line: str) -> None:
+    """Have torchrun's failure summary give this rank's refusal as its root cause: the one line, in
+    the error file torch.distributed.elastic reads (`@record`'s format, less the traceback), not
+    'To enable traceback see ...'. torchrun's own process still prints its ChildFailedError
+    traceback: it raises one for any non-zero exit, and runs no tetrad code that could stop it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        now = str(int(time.time()))
+        Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": {"timestamp": now}}}))
 
 
 def for_torchrun_job(cfg: Config) -> Config:

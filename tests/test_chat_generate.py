@@ -198,6 +198,22 @@ def test_a_system_message_the_template_refuses_is_refused_in_one_line(chat_run, 
     assert capsys.readouterr().err == "tetrad generate: --system is a chat's system message: pass --chat too\n"
 
 
+def test_a_template_eos_the_tokenizer_lacks_is_noted_once(chat_run, capsys):
+    """A template whose eos_token is no single token of the tokenizer cannot end an answer by it:
+    one note says the answer runs to the EOS or --max-new-tokens, and it still answers."""
+    run, data = chat_run
+    config = data / "tokenizer_config.json"
+    kept = config.read_text()
+    config.write_text(json.dumps({**json.loads(kept), "eos_token": "<|no such token|>"}))
+    try:
+        assert main(["generate", str(run), "--chat", "--prompt", QUESTIONS[0], "--max-new-tokens", "2"]) == 0
+    finally:
+        config.write_text(kept)
+    out, err = capsys.readouterr()
+    note = "tetrad generate: note: the template's eos_token '<|no such token|>' is not one token of the tokenizer"
+    assert out and err.count(note) == 1, err
+
+
 def test_a_continuation_the_context_ends_says_so(chat_run, capsys):
     """--max-new-tokens beyond what seq_len leaves: the continuation stops at the context, and
     the summary line says the context ended it (it used to stop silently)."""

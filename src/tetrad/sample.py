@@ -165,7 +165,9 @@ def _job(argv: list[str]) -> Job:
     if asked and launch.speaks_for_the_job():
         print(f"tetrad generate: {sampling.describe()}: the model's generation_config.json where no flag says "
               "otherwise", file=sys.stderr)
-    chat = chat_template(weights.tokenizer, weights.source, args.system) if args.chat else None
+    chat, note = chat_template(weights.tokenizer, weights.source, args.system) if args.chat else (None, None)
+    if note and launch.speaks_for_the_job():  # once, not once per torchrun process
+        print(note, file=sys.stderr)
     return Job(weights, device_type, dtype, tp, sampling, chat, args)
 
 

@@ -285,10 +285,11 @@ def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, li
             return turn + 1
 
 
-def chat_template(tokenizer: Tokenizer, source: Path | None, system: str | None) -> ChatTemplate:
+def chat_template(tokenizer: Tokenizer, source: Path | None, system: str | None) -> tuple[ChatTemplate, str | None]:
     """The chat template beside the run's tokenizer.json (`source`), checked before any weight is
     read: a ValueError naming what to do without one, or where it refuses the `system` message (a
-    template without the role, Gemma's); a note where the answers cannot end at its eos_token."""
+    template without the role, Gemma's); and a note where the answers cannot end at its eos_token
+    (None: none), for the caller to say once."""
     chat = template_beside(source) if source is not None else None
     if chat is None:
         raise ValueError(f"--chat needs the chat template the run's data was rendered with, and none is beside its "
@@ -297,6 +298,6 @@ def chat_template(tokenizer: Tokenizer, source: Path | None, system: str | None)
         Conversations(chat, tokenizer, None).render([{"role": "system", "content": system},
                                                      {"role": "user", "content": "Hi"}], True, "--system")
     if chat.eos and tokenizer.token_to_id(chat.eos) is None:
-        print(f"tetrad generate: note: the template's eos_token {chat.eos!r} is not one token of the "
-              "tokenizer; the answer runs to the EOS or --max-new-tokens", file=sys.stderr)
-    return chat
+        return chat, (f"tetrad generate: note: the template's eos_token {chat.eos!r} is not one token of the "
+                      "tokenizer; the answer runs to the EOS or --max-new-tokens")
+    return chat, None

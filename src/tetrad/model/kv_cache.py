@@ -12,7 +12,7 @@ from tetrad.model.masks import hides_keys, visibility
 
 
 class LayerCache:
-    """One layer's keys and values of the tokens decoded so far, in buffers [b, kv_heads, room,
+    """One layer's keys and values of the tokens decoded so far, in buffers [b, kv_heads, capacity,
     head_dim] written in place: a token costs its own write, not a copy of the cache (a
     concatenation's O(t) per token, and a fresh allocation each step). `reserve` sizes them for a
     generation at once; beyond that they grow geometrically. Every token is kept; a sliding
@@ -21,27 +21,27 @@ class LayerCache:
     def __init__(self):
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
-        self.length = self.room = 0  # tokens held; tokens to allocate for
+        self.length = self.reserved = 0  # tokens held; tokens to allocate for
 
     def reserve(self, tokens: int) -> None:
         """Allocate for `tokens` in all at the next token that does not fit (a generation's prompt
         and new tokens, known before its first step)."""
-        self.room = max(self.room, tokens)
+        self.reserved = max(self.reserved, tokens)
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the new tokens' k, v ([b, s, kv_heads, head_dim]); the keys and values of all the
         tokens so far, [b, kv_heads, tokens, head_dim] views of the buffers."""
-        end, room = self.length + k.shape[1], 0 if self.k is None else self.k.shape[2]
-        if end > room:
-            self._grow(k, max(end, self.room, 2 * room))
+        end, capacity = self.length + k.shape[1], 0 if self.k is None else self.k.shape[2]
+        if end > capacity:
+            self._grow(k, max(end, self.reserved, 2 * capacity))
         self.k[:, :, self.length:end] = k.transpose(1, 2)
         self.v[:, :, self.length:end] = v.transpose(1, 2)
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
-    def _grow(self, like: torch.Tensor, room: int) -> None:
+    def _grow(self, like: torch.Tensor, capacity: int) -> None:
         b, _, kv_heads, head_dim = like.shape
-        k, v = (like.new_empty(b, kv_heads, room, head_dim) for _ in range(2))
+        k, v = (like.new_empty(b, kv_heads, capacity, head_dim) for _ in range(2))
         if self.k is not None:
             k[:, :, :self.length], v[:, :, :self.length] = self.k[:, :, :self.length], self.v[:, :, :self.length]
         self.k, self.v = k, v

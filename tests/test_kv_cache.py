@@ -3,17 +3,20 @@ the prompt's pass and a sample's loss make no prompt x vocabulary logits (an 8k 
 vocabulary: 4 GiB in fp32); a generation's KV cache is allocated once and written in place, and a
 decoding step copies no part of it (no concatenation, no grouped-query heads repeated); beyond
 what was reserved the cache grows geometrically and still holds every token, as does a chat's
-kept start. That the outputs stay those of the full forward and of transformers' generate is
-tests/test_generate.py's, test_init_from.py's, test_longrope.py's and test_generate_placement.py's."""
+kept start. A windowed model decodes as transformers' generate past its window, a chat's next turn
+too; that the outputs are the full forward's and transformers' elsewhere is tests/test_generate.py's,
+test_init_from.py's, test_longrope.py's and test_generate_placement.py's."""
 
+import pytest
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_generate import random_model
+from tetrad.data.tokenizer import byte_tokenizer
 from tetrad.model.kv_cache import LayerCache
 from tetrad.model.sampling import GREEDY
-from tetrad.train.generate import Cache, continuation_loss, generate
+from tetrad.train.generate import Cache, continuation_loss, generate, load_generator
 
 
 class NewTensors(TorchDispatchMode):
@@ -89,3 +92,31 @@ def test_beyond_what_was_reserved_the_cache_grows_geometrically_and_keeps_every_
     more = torch.randn(1, 3, 2, 16, generator=generator)
     keys, _ = layer.extend(more, more)
     assert torch.equal(keys, torch.cat([expected[:, :, :25], more.transpose(1, 2)], dim=2))
+
+
+def test_a_windowed_model_and_a_chats_next_turn_decode_as_transformers_generate(tmp_path):
+    """A Mistral with a window of 8 and grouped-query heads: a 20-token prompt (its pass masked by
+    the window), 30 greedy tokens (each attending over the window's last keys), then a next turn
+    that keeps the cache and runs 3 new prompt tokens after it (masked against the cached ones),
+    each the tokens transformers' generate picks."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        sliding_window=8)
+    torch.manual_seed(0)
+    theirs = transformers.MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        theirs.lm_head.weight.mul_(20)  # greedy picks far apart: no near-tie that rounding could flip
+    theirs.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    byte_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    ours, _, _ = load_generator(tmp_path / "hf")
+    assert ours.cfg.sliding_window == 8
+    cache, prompt = Cache(), list(range(100, 120))
+    for max_new in (30, 20):
+        new, _ = generate(ours, prompt, max_new, GREEDY, cache=cache)
+        with torch.no_grad():
+            expected = theirs.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new,
+                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert new == expected
+        prompt = prompt + new + [5, 6, 7]
+    assert cache.reused == 20 + 30 - 1

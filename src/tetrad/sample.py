@@ -48,7 +48,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "a conversation on stdin runs with --tp 1")
     parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens (default 200; "
-                        "fewer at an EOS or the end of the model's context)")
+                        "fewer at an EOS or the end of the model's context); the KV cache is allocated for the "
+                        "prompt and these at the start")
     # Unset sampling flags take an imported model's generation_config.json (model_sampling), else Sampling's defaults.
     parser.add_argument("--temperature", type=float, help="0: greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default 0: all)")

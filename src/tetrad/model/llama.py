@@ -15,7 +15,6 @@ torch.compile of each block.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 
 import torch
@@ -26,7 +25,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from tetrad.config import ModelConfig
 from tetrad.model.attention import attention, sequence_mask, uses_varlen
 from tetrad.model.documents import Documents
-from tetrad.model.masks import hides_keys, visibility
+from tetrad.model.kv_cache import LayerCache, cached_attention
+from tetrad.model.masks import hides_keys
 from tetrad.model.replay import RingReplay
 from tetrad.model.rope import apply_rope, rope_frequencies, rope_tables, uses_long_factors
 from tetrad.model.execution import Execution
@@ -51,37 +51,6 @@ class Norm(nn.Module):
         if self.kind == "rmsnorm":
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-
-
-@dataclasses.dataclass
-class LayerCache:
-    """One layer's keys and values of the tokens decoded so far ([b, tokens, kv_heads, head_dim])."""
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
-        return self.k, self.v
-
-    def keep(self, tokens: int) -> None:
-        """Forget all but the first `tokens`: a chat's next turn that reads the same up to there
-        (train/generate.py); each token's keys and values depend on the tokens before it only."""
-        self.k, self.v = self.k[:, :tokens], self.v[:, :tokens]
-
-
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
-    """Causal attention of the newest q.shape[1] tokens over all k.shape[1] cached ones
-    (decoding: no sequence or context parallelism; under tp this rank's heads), within the sliding
-    `window` (0: none). The cache keeps every token's keys and values; the window masks those it
-    has left behind.
-    q: [b, s, heads, d]; k, v: [b, t, kv_heads, d]."""
-    s, t = q.shape[1], k.shape[1]
-    groups = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-    visible = visibility(torch.arange(t - s, t, device=q.device), torch.arange(t, device=q.device), window)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible)
-    return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -312,7 +281,7 @@ class Transformer(nn.Module):
         return sequence_mask(docs, self.cfg.sliding_window, h.shape[0], length, h.dtype, h.device, self.cfg.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: dict[str, LayerCache] | None = None, docs: Documents | None = None) -> torch.Tensor:
+                cache: dict[str, LayerCache] | None = None, docs: Documents | None = None, tail: int = 0) -> torch.Tensor:
         """x: tokens [b, s] on the first chunk, else hidden states [b, s, d]; positions: [s], each
         token's true position, or [b, s] (train.reset_positions: each row's own). On the last
         chunk returns the summed token loss (labels given) or this rank's vocabulary slice of the
@@ -321,7 +290,10 @@ class Transformer(nn.Module):
         `positions`, and the cache grows by them. `docs` (document masking): the `Documents` of the
         whole window, [b, seq_len], on every rank and stage (not sharded: attention derives each
         rank's part); the mask bias, documents and sliding window, is made here once for the
-        chunk's layers where they share it (`_shared_mask`)."""
+        chunk's layers where they share it (`_shared_mask`). `tail` (decoding, a sample's loss): the
+        logits, or the loss with `labels` [b, tail], of the last `tail` positions alone (0: all):
+        the head's output is positions x vocabulary floats (4 GiB in fp32 for an 8k prompt and a
+        128k vocabulary), where sampling reads the last one."""
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":
@@ -335,7 +307,7 @@ class Transformer(nn.Module):
             h = block(h, rope, docs=docs) if cache is None else block(h, rope, cache.setdefault(name, LayerCache()))
         if not self.last:
             return h
-        h = self.norm(h)
+        h = self.norm(h[:, -tail:] if tail else h)
         weight = self.embed.weight if self.head is None else self.head.weight
         logits = column_parallel_linear(h, weight, self.topo, self.execution, in_bi=True)  # as self.head's
         if labels is None:

@@ -4,11 +4,13 @@ The checkpoint (any layout), or a Hugging Face model folder (the base a fine-tun
 is found and checked (`found_weights`) before any weight is read, then read one logical tensor at
 a time into a model on a device in a dtype, whole or a tensor-parallel rank's shard
 (train/inference.py). Decoding runs the prompt once and then one token per step against a KV
-cache (llama.LayerCache, which keeps every token; a model.sliding_window masks the keys a new
-token no longer sees; under tp each rank holds its heads'), on the model's device, and texts go
-through the run's tokenizer (data/tokenizer.py: bytes for a run on raw text). The
-continuation's loss is computed by the model's training forward (summed token cross-entropy /
-tokens), the number a training step reports for the same tokens. With --chat the model answers
+cache (llama.LayerCache: buffers allocated once for the prompt and the new tokens, written in
+place; every token kept, a model.sliding_window attending over its last keys; under tp each rank
+holds its heads'), on the model's device, and texts go through the run's tokenizer
+(data/tokenizer.py: bytes for a run on raw text). The prompt's pass computes the logits of its
+last position alone, the one sampled from. The continuation's loss is computed by the model's
+training forward (summed token cross-entropy / tokens, the head run on the continuation's
+positions alone), the number a training step reports for the same tokens. With --chat the model answers
 as the assistant in the run's chat template: one message, or a conversation read from stdin whose
 turns each render the whole history and reuse the last turn's KV cache where it starts the same.
 """
@@ -31,7 +33,8 @@ from tetrad.data.chat import ChatTemplate, Conversations, template_beside
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, load_tokenizer, model_eos, model_sampling,
                                    run_eos)
-from tetrad.model.llama import LayerCache, Transformer
+from tetrad.model.kv_cache import LayerCache
+from tetrad.model.llama import Transformer
 from tetrad.model.sampling import SAMPLING_FIELDS, Sampling
 from tetrad.dist.topology import Topology
 from tetrad.train.convert import StoredWeights, exported_tokenizer, logical_shapes
@@ -76,11 +79,18 @@ class Cache:
         self.prompted, self.reused = self.prompted + len(prompt), self.reused + kept
         return kept
 
+    def reserve(self, model: Transformer, tokens: int) -> None:
+        """Allocate each layer's keys and values for `tokens` in all (a generation's prompt and new
+        tokens) at its next step, rather than as the cache grows (llama.LayerCache)."""
+        for name in model.layers:
+            self.layers.setdefault(name, LayerCache()).reserve(tokens)
+
     def feed(self, model: Transformer, ids: list[int]) -> torch.Tensor:
-        """Run `ids` after the cached ones, which they join; the logits after the last."""
+        """Run `ids` after the cached ones, which they join; the logits after the last (the head
+        runs on that position alone)."""
         start, device = len(self.ids), model.topo.device
         logits = model(torch.tensor([ids], device=device), torch.arange(start, start + len(ids), device=device),
-                       cache=self.layers)[0, -1]
+                       cache=self.layers, tail=1)[0, -1]
         self.ids = self.ids + list(ids)
         return full_logits(model, logits)
 
@@ -97,9 +107,11 @@ def generate(model: Transformer, prompt: list[int], max_new: int, sampling: Samp
     feeds tp rank 0's token (inference.agreed_token)."""
     generator = torch.Generator().manual_seed(seed)
     cache = Cache() if cache is None else cache
-    logits = cache.feed(model, prompt[cache.reuse(prompt):])
-    new, drawn_from = [], []
     end = min(len(prompt) + max_new, model.cfg.context_length + 1)
+    kept = cache.reuse(prompt)
+    cache.reserve(model, end - 1)  # the last token drawn is never run
+    logits = cache.feed(model, prompt[kept:])
+    new, drawn_from = [], []
     for position in range(len(prompt), end):
         token = agreed_token(sampling.pick(logits, prompt + new, generator), model.topo)
         new.append(token)
@@ -112,15 +124,14 @@ def generate(model: Transformer, prompt: list[int], max_new: int, sampling: Samp
 
 @torch.no_grad()
 def continuation_loss(model: Transformer, prompt: list[int], continuation: list[int]) -> float:
-    """Mean cross-entropy of `continuation` after `prompt`, by the training loss (summed token
-    losses over the labels): the whole sequence's sum minus the prompt's own. Computed on the model's
-    device (fp32 cross-entropy of its logits), the same on every tp rank."""
-    device = model.topo.device
+    """Mean cross-entropy of `continuation` (at least one token) after `prompt` (as many), by the
+    training loss (summed token losses over the labels), the head run on the positions that predict
+    the continuation alone. Computed on the model's device (fp32 cross-entropy of its logits), the
+    same on every tp rank."""
+    device, n = model.topo.device, len(prompt) + len(continuation)
     ids = torch.tensor([prompt + continuation], device=device)
-
-    def summed(n: int) -> float:
-        return float(model(ids[:, :n - 1], torch.arange(n - 1, device=device), labels=ids[:, 1:n]))
-    return (summed(ids.shape[1]) - (summed(len(prompt)) if len(prompt) > 1 else 0.0)) / len(continuation)
+    summed = model(ids[:, :-1], torch.arange(n - 1, device=device), labels=ids[:, len(prompt):], tail=len(continuation))
+    return float(summed) / len(continuation)
 
 
 def sampling_flags(args: argparse.Namespace | None) -> dict:

@@ -42,8 +42,8 @@ def full_logits(model: Transformer, local: torch.Tensor) -> torch.Tensor:
     """The logits [vocab_size] of the whole vocabulary, fp32, from this rank's slice of the padded
     vocabulary (the model's output); gathered over tp, so the same on every rank."""
     local, topo = local.float(), model.topo
-    if topo.tp_size == 1:  # a copy: a view would keep the logits of every prompt position alive
-        return local[:model.cfg.vocab_size].clone()
+    if topo.tp_size == 1:
+        return local[:model.cfg.vocab_size]
     gathered = local.new_empty(topo.tp_size * local.shape[0])
     topo.comm.all_gather(gathered, local.contiguous(), "tp")
     return gathered[:model.cfg.vocab_size]

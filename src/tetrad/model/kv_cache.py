@@ -1,0 +1,72 @@
+"""Decoding's KV cache: each layer's keys and values of the tokens so far (`LayerCache`), and the
+attention of the newest tokens over them (`cached_attention`); model/llama.py's Attention runs them
+when given a cache (train/generate.py decodes with one per layer)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tetrad.model.attention import local_attention
+from tetrad.model.masks import hides_keys, visibility
+
+
+class LayerCache:
+    """One layer's keys and values of the tokens decoded so far, in buffers [b, kv_heads, capacity,
+    head_dim] written in place: a token costs its own write, not a copy of the cache (a
+    concatenation's O(t) per token, and a fresh allocation each step). `reserve` sizes them for a
+    generation at once; beyond that they grow geometrically. Every token is kept; a sliding
+    window attends over the last `window` (cached_attention)."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = self.reserved = 0  # tokens held; tokens to allocate for
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate for `tokens` in all at the next token that does not fit (a generation's prompt
+        and new tokens, known before its first step)."""
+        self.reserved = max(self.reserved, tokens)
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new tokens' k, v ([b, s, kv_heads, head_dim]); the keys and values of all the
+        tokens so far, [b, kv_heads, tokens, head_dim] views of the buffers."""
+        end, capacity = self.length + k.shape[1], 0 if self.k is None else self.k.shape[2]
+        if end > capacity:
+            self._grow(k, max(end, self.reserved, 2 * capacity))
+        self.k[:, :, self.length:end] = k.transpose(1, 2)
+        self.v[:, :, self.length:end] = v.transpose(1, 2)
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def _grow(self, like: torch.Tensor, capacity: int) -> None:
+        b, _, kv_heads, head_dim = like.shape
+        k, v = (like.new_empty(b, kv_heads, capacity, head_dim) for _ in range(2))
+        if self.k is not None:
+            k[:, :, :self.length], v[:, :, :self.length] = self.k[:, :, :self.length], self.v[:, :, :self.length]
+        self.k, self.v = k, v
+
+    def keep(self, tokens: int) -> None:
+        """Forget all but the first `tokens`: a chat's next turn that reads the same up to there
+        (train/generate.py); each token's keys and values depend on the tokens before it only."""
+        self.length = min(self.length, tokens)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """Causal attention of the newest q.shape[1] tokens over all k.shape[2] cached ones
+    (decoding: no sequence or context parallelism; under tp this rank's heads), within the sliding
+    `window` (0: none). Grouped-query heads attend as they are (SDPA's enable_gqa: no copy of the
+    cache per query head). A new token alone needs no mask: it sees every cached key, or the
+    window's last ones, which it attends over alone; a prompt with nothing cached before it is the
+    training forward's attention (flash kernels where the device has them).
+    q: [b, s, heads, d]; k, v: [b, kv_heads, t, d]; returns [b, s, heads, d]."""
+    s, t = q.shape[1], k.shape[2]
+    if s == t:
+        return local_attention(q, k.transpose(1, 2), v.transpose(1, 2), window=window)
+    mask = None
+    if s == 1:
+        k, v = (x[:, :, -window:] if hides_keys(window, t) else x for x in (k, v))
+    else:  # a chat turn's new tokens after its cached start
+        mask = visibility(torch.arange(t - s, t, device=q.device), torch.arange(t, device=q.device), window)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2)

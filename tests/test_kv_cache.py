@@ -1,0 +1,122 @@
+"""What decoding costs (model/kv_cache.py, train/generate.py), measured by the tensors torch makes:
+the prompt's pass and a sample's loss make no prompt x vocabulary logits (an 8k prompt and a 128k
+vocabulary: 4 GiB in fp32); a generation's KV cache is allocated once and written in place, and a
+decoding step copies no part of it (no concatenation, no grouped-query heads repeated); beyond
+what was reserved the cache grows geometrically and still holds every token, as does a chat's
+kept start. A windowed model decodes as transformers' generate past its window, a chat's next turn
+too; that the outputs are the full forward's and transformers' elsewhere is tests/test_generate.py's,
+test_init_from.py's, test_longrope.py's and test_generate_placement.py's."""
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from test_generate import random_model
+from tetrad.data.tokenizer import byte_tokenizer
+from tetrad.model.kv_cache import LayerCache
+from tetrad.model.sampling import GREEDY
+from tetrad.train.generate import Cache, continuation_loss, generate, load_generator
+
+
+class NewTensors(TorchDispatchMode):
+    """Records (bytes, op, dtype) of every tensor an op makes: a storage none of its inputs has
+    (not a view, not an in-place result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[int, str, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.made += [(t.untyped_storage().nbytes(), str(func), t.dtype) for t in pytree.tree_leaves(out)
+                      if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given]
+        return out
+
+
+def test_the_prompts_pass_and_the_loss_make_no_logits_of_the_prompts_positions():
+    """A 30-token prompt, a vocabulary of 4096: the logits of every prompt position would be
+    30 x 4096 floats; sampling reads the last position's, the loss the continuation's."""
+    net = random_model(vocab_size=4096)
+    prompt, vocab = list(range(40, 70)), 4096
+    with NewTensors() as meter:
+        new, _ = generate(net, prompt, 2, GREEDY)
+        continuation_loss(net, prompt, new)
+    largest = max(meter.made)
+    assert largest[0] <= 2 * vocab * 4, largest  # the continuation's two positions at most (was 30)
+
+
+def test_a_generations_cache_is_allocated_once_and_a_step_copies_none_of_it():
+    """Reserved for the prompt and the new tokens (generate reserves them), each layer's keys and
+    values stay in one storage for the whole generation; a step makes no tensor as large as one
+    layer's keys of the tokens so far (a concatenation did, and the grouped-query heads' repeat: 4
+    query heads a key), nor a mask (a new token sees every key)."""
+    net = random_model(n_heads=8, n_kv_heads=2, seq_len=64)
+    cache, prompt = Cache(), list(range(40, 60))
+    cache.reserve(net, 30)
+    with torch.no_grad():
+        cache.feed(net, prompt)
+    storages = {name: (layer.k.untyped_storage().data_ptr(), layer.v.untyped_storage().data_ptr())
+                for name, layer in cache.layers.items()}
+    keys = cache.layers["0"].k[:, :, :len(prompt)]  # one layer's keys of the prompt: [1, 2, 20, 8]
+    with torch.no_grad(), NewTensors() as meter:
+        for token in range(10):
+            cache.feed(net, [token])
+    assert max(meter.made)[0] < keys.numel() * keys.element_size(), max(meter.made)
+    assert not [made for made in meter.made if made[2] == torch.bool]
+    assert {name: (layer.k.untyped_storage().data_ptr(), layer.v.untyped_storage().data_ptr())
+            for name, layer in cache.layers.items()} == storages
+    assert cache.layers["0"].k.untyped_storage().nbytes() == 30 * keys[:, :, 0].numel() * 4  # room for 30 tokens
+    cache = Cache()
+    generate(net, prompt, 10, GREEDY, cache=cache)
+    assert cache.layers["0"].k.shape[2] == len(prompt) + 10 - 1  # the last token drawn is never run
+
+
+def test_beyond_what_was_reserved_the_cache_grows_geometrically_and_keeps_every_token():
+    """Token by token without a reservation the storage is made 7 times in 40 tokens (room for 1,
+    2, 4, ..., 64 tokens), and the keys and values returned are all those given, in order; a
+    chat's kept start holds its tokens, and the next ones follow it."""
+    layer, given, storages = LayerCache(), [], []
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        k = torch.randn(1, 1, 2, 16, generator=generator)
+        given.append(k)
+        keys, values = layer.extend(k, -k)
+        if not storages or storages[-1] != keys.data_ptr():  # a new storage (the old one is alive as it is made)
+            storages.append(keys.data_ptr())
+    expected = torch.cat(given, dim=1).transpose(1, 2)
+    assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    assert len(storages) == 7 and layer.k.shape[2] == 64
+    layer.keep(25)
+    more = torch.randn(1, 3, 2, 16, generator=generator)
+    keys, _ = layer.extend(more, more)
+    assert torch.equal(keys, torch.cat([expected[:, :, :25], more.transpose(1, 2)], dim=2))
+
+
+def test_a_windowed_model_and_a_chats_next_turn_decode_as_transformers_generate(tmp_path):
+    """A Mistral with a window of 8 and grouped-query heads: a 20-token prompt (its pass masked by
+    the window), 30 greedy tokens (each attending over the window's last keys), then a next turn
+    that keeps the cache and runs 3 new prompt tokens after it (masked against the cached ones),
+    each the tokens transformers' generate picks."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        sliding_window=8)
+    torch.manual_seed(0)
+    theirs = transformers.MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        theirs.lm_head.weight.mul_(20)  # greedy picks far apart: no near-tie that rounding could flip
+    theirs.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    byte_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    ours, _, _ = load_generator(tmp_path / "hf")
+    assert ours.cfg.sliding_window == 8
+    cache, prompt = Cache(), list(range(100, 120))
+    for max_new in (30, 20):
+        new, _ = generate(ours, prompt, max_new, GREEDY, cache=cache)
+        with torch.no_grad():
+            expected = theirs.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new,
+                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert new == expected
+        prompt = prompt + new + [5, 6, 7]
+    assert cache.reused == 20 + 30 - 1

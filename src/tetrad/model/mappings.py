@@ -129,9 +129,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ex: Execution, in_bi: bool = F
     gradient goes to a sink (never inside torch.compile: a custom Function there would break its
     graph; a compiled region keeps F.linear)."""
     if ex.split_backward:
-        args = (x, weight, ex.weight_grads, getattr(weight, GRAD_SINK, None), landing(weight), in_bi)
-        # run_eagerly's wrapper only where it breaks a graph (as in `column_parallel_linears`)
-        return run_eagerly(_Linear.apply, *args) if torch.compiler.is_compiling() else _Linear.apply(*args)
+        return run_eagerly(_Linear.apply, x, weight, ex.weight_grads, getattr(weight, GRAD_SINK, None),
+                           landing(weight), in_bi)
     sink = None if torch.compiler.is_compiling() else getattr(weight, GRAD_SINK, None)
     if sink is not None:
         return _Linear.apply(x, weight, ex.weight_grads, sink, None, in_bi)
@@ -191,14 +190,9 @@ def column_parallel_linears(x: torch.Tensor, weights: list[torch.Tensor], topo, 
     """x W_i^T for each weight split by output rows, sharing the input collective (see
     `_ColumnParallelMatmul`). x is [b, s, h], or [b, s/tp, h] under SP; outputs cover the whole
     (local) sequence and this rank's output features."""
-    if topo.tp_size > 1:
-        return run_eagerly(_ColumnParallelMatmul.apply, x, topo, ex, in_bi, *weights)
-    if not _sinks_a_group(weights):
+    if topo.tp_size == 1 and not _sinks_a_group(weights):
         return tuple([linear(x, w, ex, in_bi) for w in weights])  # a list: torch.compile breaks cleanly in it
-    # Never under torch.compile (`_sinks_a_group`), so not through run_eagerly: its
-    # torch.compiler.disable wrapper cost ~60 us a call here, with the caches cold after a GEMM
-    # (0.5 ms of a 25 ms F per micro-batch in bench_pp's 1f1b row, where torch's F runs F.linear).
-    return _ColumnParallelMatmul.apply(x, topo, ex, in_bi, *weights)
+    return run_eagerly(_ColumnParallelMatmul.apply, x, topo, ex, in_bi, *weights)
 
 
 def _sinks_a_group(weights: list[torch.Tensor]) -> bool:

@@ -9,6 +9,8 @@ import torch
 
 import tetrad.parallel.data
 from conftest import assert_parity, first_step_gradients, grad_norms, run_ranks, tiny_config, train_layout
+from tetrad.dist.topology import Topology
+from tetrad.model import execution, mappings
 from tetrad.model.execution import GRAD_SINK
 from tetrad.parallel.data.lifecycle import GradSync
 from tetrad.train.trainer import Trainer
@@ -98,6 +100,26 @@ def test_shared_input_linears_partly_sunk_run_as_one_function_at_tp1(monkeypatch
     grads = first_step_gradients(tiny_config(model=model, parallel={"dp": 2}, train={"micro_batch": 1}))
     for name, ref in reference.items():
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=name)
+
+
+def test_run_eagerly_outside_torch_compile_is_a_plain_call():
+    # torch.compiler.disable's wrapper cost ~60 us a call in a stage's forward (cold caches after
+    # a GEMM), 0.5 ms of bench_pp's 25 ms F: run_eagerly enters it only under torch.compile
+    # (test_compile: its graph breaks). Here a sunk q/k/v-like group and zero-bubble's split linear.
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    weights = [torch.nn.Parameter(torch.randn(5, 4)) for _ in range(2)]
+    sunk = torch.zeros(5, 4)
+    setattr(weights[0], GRAD_SINK, lambda a, b: sunk.add_(a @ b))
+    with mock.patch.object(execution, "_run_eagerly_untraced", wraps=execution._run_eagerly_untraced) as wrapper:
+        group = mappings.column_parallel_linears(x, weights, Topology.single(), execution.Execution())
+        split = mappings.linear(x, weights[1], execution.Execution(split_backward=True))
+    assert [type(y.grad_fn).__name__ for y in (*group, split)] == ["_ColumnParallelMatmulBackward"] * 2 + ["_LinearBackward"]
+    assert wrapper.call_count == 0
+    for y, w in zip((*group, split), (*weights, weights[1])):
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=0, atol=0)
+    sum(y.sum() for y in group).backward()
+    torch.testing.assert_close(sunk, torch.ones(6, 5).t() @ x.detach().reshape(6, 4))
 
 
 class SummingTrainer(Trainer):

@@ -196,13 +196,13 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
 def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = None,
           timeout_s: float | None = None, work: Callable | None = None) -> Any:
     """Train `cfg` (from `load_config`) as `tetrad train` does: on this machine's ranks, or on this
-    rank under torchrun; or, given `work` (`Trainer.evaluate`: `tetrad eval`), do that with each
-    rank's Trainer instead of `fit`, and return rank 0's result. Every check runs first, here, once (under torchrun once per process, as
-    `tetrad train`): a bad config or a missing file is one ConfigError, the text `tetrad train`
-    prints, and no rank starts. `announce(device_type, resume)` is called after the checks, before
-    the ranks start (under torchrun on rank 0 alone; resume: the checkpoint the run continues from,
-    or None). `timeout_s` is
-    run_local's deadline. Returns the per-step records (or `work`'s result) of rank 0 (this
+    rank under torchrun; or, given `work`, do that with each rank's Trainer instead of `fit`, and
+    return rank 0's result (`Trainer.evaluate`, `tetrad eval`'s, gets a forward-only Trainer and
+    writes nothing; any other work a training one). Every check runs first, here, once (under
+    torchrun once per process, as `tetrad train`): a bad config or a missing file is one
+    ConfigError, the text `tetrad train` prints, and no rank starts. `announce(device_type, resume)`
+    is called after the checks, before the ranks start (under torchrun on rank 0 alone; resume: the
+    checkpoint the run continues from, or None). `timeout_s` is run_local's deadline. Returns the per-step records (or `work`'s result) of rank 0 (this
     rank's under torchrun)."""
     from tetrad.train.preflight import preflight  # here: run_local's other users need not load the trainer
     from tetrad.train.trainer import Trainer, train_on_this_rank
@@ -211,7 +211,7 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
         cfg = for_torchrun_job(cfg)
     device_type = devices.resolve_device_type(cfg.train.device)
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
-    resume = preflight(cfg, device_type, saves=work is Trainer.fit)  # `tetrad eval` writes nothing
+    resume = preflight(cfg, device_type, saves=work is not Trainer.evaluate)  # `tetrad eval` writes nothing
     p = cfg.parallel
     diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
     if in_torchrun():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import contextlib
 import datetime
+import gc
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -146,7 +147,8 @@ def diagnose_nccl(device_type: str, trace_dir: Path) -> None:
 @contextlib.contextmanager
 def torchrun_process_group(device_type: str, timeout_s: float = 600.0):
     """Join the process group torchrun set up (env:// rendezvous), bind LOCAL_RANK's device, and
-    destroy the group on the way out, so the backend shuts down cleanly."""
+    destroy the groups on the way out, so the backend shuts down cleanly: freed in the interpreter's
+    exit (reference cycles keep them), a gloo worker taking the GIL there aborted the process."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = devices.bind_rank(device_type, local_rank)
     dist.init_process_group(devices.backend_for(device_type), timeout=datetime.timedelta(seconds=timeout_s),
@@ -155,6 +157,7 @@ def torchrun_process_group(device_type: str, timeout_s: float = 600.0):
         yield device
     finally:
         dist.destroy_process_group()
+        gc.collect()  # the groups' threads end here (their destructors release the GIL to join them)
 
 
 def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, device_type: str = "cpu",

@@ -142,3 +142,17 @@ def test_an_evaluation_holds_the_weights_alone(dtype, parallel):
         assert held["grads"] == held["optimizer"] == 0, held
         shards = parallel.get("dp", 1) if parallel.get("zero") == 3 else 1
         assert held["params"] == pytest.approx(size * numel / shards, rel=0.05), (held, numel)
+
+
+def _fit_loss(trainer: Trainer) -> float:
+    """A script's own work for launch.train: it trains."""
+    return trainer.fit()[-1]["loss"]
+
+
+def test_only_evaluate_gets_a_forward_only_trainer():
+    """launch.train builds the forward-only Trainer for Trainer.evaluate alone: a script's own
+    `work` that trains gets the training build and trains as `fit` does (before: any work but
+    Trainer.fit was built forward-only, and fit failed on the missing optimizer in every rank)."""
+    from tetrad import launch
+    loss = launch.train(tiny_config(train={"steps": 1}, parallel={"dp": 2}), work=_fit_loss)
+    assert loss == launch.train(tiny_config(train={"steps": 1}, parallel={"dp": 2}))[-1]["loss"]

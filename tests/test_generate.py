@@ -1,6 +1,6 @@
 """`tetrad generate`: KV-cache decoding gives the full forward's logits, with RoPE tables that
 follow the positions given, and so does a cache kept from one chat turn to the next; a sample's
-loss by the training forward is the one its decoding logits give; a checkpoint trained on `tetrad data` shards decodes with their tokenizer; a run
+loss by the training forward is the one its decoding logits give, after a long prompt too; a checkpoint trained on `tetrad data` shards decodes with their tokenizer; a run
 folder names its checkpoints through its config.toml; a missing checkpoint is refused in one line."""
 
 from dataclasses import asdict, replace
@@ -17,6 +17,7 @@ from tetrad.model.sharding import init_parameters
 from tetrad.dist.topology import Topology
 from tetrad.train.convert import checkpoint_folder
 from tetrad.train.generate import Cache, continuation_loss, generate
+from tetrad.train.inference import inference_model
 from tetrad.model.sampling import GREEDY, Sampling
 
 
@@ -69,6 +70,22 @@ def test_a_samples_loss_by_the_training_forward_is_its_decoding_loss():
     # Greedy decoding is deterministic and picks each step's likeliest token.
     greedy, greedy_logits = generate(net, prompt, max_new=5, sampling=GREEDY)
     assert greedy == [int(lg.argmax()) for lg in greedy_logits]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_short_continuations_loss_after_a_long_prompt_is_its_own(dtype):
+    """One token after 500: its loss is its cross-entropy under the whole sequence's logits (the
+    number training counts for it), in bf16 too. Before, the whole sequence's summed loss less the
+    prompt's own (two forwards) lost it in the prompt's rounding: 5e-3 off in bf16, 4e-5 in fp32."""
+    net = random_model(seq_len=512)
+    state = {name: p.detach() for name, p in net.named_parameters()}
+    model = inference_model(net.cfg, state.__getitem__, Topology.single(), dtype)
+    ids = torch.randint(0, 256, (500,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), torch.arange(len(ids)))[0].float()
+    for new in (1, 3):
+        expected = torch.nn.functional.cross_entropy(logits[-new - 1:-1], torch.tensor(ids[-new:]))
+        assert continuation_loss(model, ids[:-new], ids[-new:]) == pytest.approx(float(expected), rel=1e-6, abs=0)
 
 
 def test_generation_stops_at_seq_len():

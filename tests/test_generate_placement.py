@@ -114,6 +114,17 @@ def test_a_bad_placement_is_one_line(weights, capsys, flags, line):
     assert (out, err) == ("", f"tetrad generate: {line}\n")
 
 
+def test_a_conversation_refused_under_torchrun_is_told_a_fix_torchrun_takes(weights, capsys, monkeypatch):
+    """Under torchrun --tp is the world size, so `--chat` without --prompt is told to run without
+    torchrun (before: '--tp 1 to converse', which torchrun then refuses as not its world size)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    assert main(["generate", str(weights["hf"]), "--chat"]) == 2
+    assert capsys.readouterr() == ("", "tetrad generate: a conversation on stdin runs on one process; pass --prompt "
+                                       "for one message under --tp 2, or run it without torchrun to converse\n")
+
+
 SAMPLINGS = {"greedy": ["--temperature", "0"], "seeded": ["--temperature", "1", "--top-p", "0.95", "--seed", "5"]}
 
 

@@ -36,7 +36,8 @@ def test_report_of_a_finished_run():
 def test_report_shows_what_generate_prints_from_the_latest_checkpoint(capsys, asked):
     """The samples are `tetrad generate`'s, in its sampling: a generation_config.json beside the
     run's tokenizer (an imported model's: greedy here, with a penalty) is followed by both (before:
-    the report sampled at tetrad's defaults)."""
+    the report sampled at tetrad's defaults); the command the page quotes names the CPU it samples
+    on (before: none, and generate's default is a GPU, in bf16, where there is one)."""
     cfg = tiny_config(train={"steps": 2, "device": "cpu"}, checkpoint={"every": 2})
     train_layout(cfg)
     if asked is not None:
@@ -48,13 +49,15 @@ def test_report_shows_what_generate_prints_from_the_latest_checkpoint(capsys, as
     printed = capsys.readouterr().out
     page = (Path(cfg.run.dir) / "report" / "report.html").read_text()
     for k, prompt in enumerate(SAMPLE_PROMPTS):
-        assert main(["generate", cfg.run.dir, "--prompt", prompt, "--seed", str(k),
+        assert main(["generate", cfg.run.dir, "--prompt", prompt, "--seed", str(k), "--device", "cpu",
                      "--max-new-tokens", str(SAMPLE_TOKENS)]) == 0
         text = capsys.readouterr().out.removesuffix("\n")
         assert len(text) > len(prompt) + 8  # a continuation, not the prompt alone
         assert f"--- sample {k + 1}\n{text}\n" in printed
         assert f"<pre>{html.escape(text)}</pre>" in page
     assert "no checkpoint" not in page
+    # the command the page gives for them samples where the report does: generate's default is a GPU, in bf16
+    assert f"generate {cfg.run.dir} --device cpu --max-new-tokens {SAMPLE_TOKENS} --seed k" in page
     assert ("(temperature 0.0, top-k 0, top-p 1.0, min-p 0.0, repetition-penalty 1.3)" in page) == (asked is not None)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import contextlib
 import datetime
+import gc
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -146,7 +147,8 @@ def diagnose_nccl(device_type: str, trace_dir: Path) -> None:
 @contextlib.contextmanager
 def torchrun_process_group(device_type: str, timeout_s: float = 600.0):
     """Join the process group torchrun set up (env:// rendezvous), bind LOCAL_RANK's device, and
-    destroy the group on the way out, so the backend shuts down cleanly."""
+    destroy the groups on the way out, so the backend shuts down cleanly: freed in the interpreter's
+    exit (reference cycles keep them), a gloo worker taking the GIL there aborted the process."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = devices.bind_rank(device_type, local_rank)
     dist.init_process_group(devices.backend_for(device_type), timeout=datetime.timedelta(seconds=timeout_s),
@@ -155,6 +157,7 @@ def torchrun_process_group(device_type: str, timeout_s: float = 600.0):
         yield device
     finally:
         dist.destroy_process_group()
+        gc.collect()  # the groups' threads end here (their destructors release the GIL to join them)
 
 
 def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, device_type: str = "cpu",
@@ -196,13 +199,13 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
 def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = None,
           timeout_s: float | None = None, work: Callable | None = None) -> Any:
     """Train `cfg` (from `load_config`) as `tetrad train` does: on this machine's ranks, or on this
-    rank under torchrun; or, given `work` (`Trainer.evaluate`: `tetrad eval`), do that with each
-    rank's Trainer instead of `fit`, and return rank 0's result. Every check runs first, here, once (under torchrun once per process, as
-    `tetrad train`): a bad config or a missing file is one ConfigError, the text `tetrad train`
-    prints, and no rank starts. `announce(device_type, resume)` is called after the checks, before
-    the ranks start (under torchrun on rank 0 alone; resume: the checkpoint the run continues from,
-    or None). `timeout_s` is
-    run_local's deadline. Returns the per-step records (or `work`'s result) of rank 0 (this
+    rank under torchrun; or, given `work`, do that with each rank's Trainer instead of `fit`, and
+    return rank 0's result (`Trainer.evaluate`, `tetrad eval`'s, gets a forward-only Trainer and
+    writes nothing; any other work a training one). Every check runs first, here, once (under
+    torchrun once per process, as `tetrad train`): a bad config or a missing file is one
+    ConfigError, the text `tetrad train` prints, and no rank starts. `announce(device_type, resume)`
+    is called after the checks, before the ranks start (under torchrun on rank 0 alone; resume: the
+    checkpoint the run continues from, or None). `timeout_s` is run_local's deadline. Returns the per-step records (or `work`'s result) of rank 0 (this
     rank's under torchrun)."""
     from tetrad.train.preflight import preflight  # here: run_local's other users need not load the trainer
     from tetrad.train.trainer import Trainer, train_on_this_rank
@@ -211,7 +214,7 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
         cfg = for_torchrun_job(cfg)
     device_type = devices.resolve_device_type(cfg.train.device)
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
-    resume = preflight(cfg, device_type, saves=work is Trainer.fit)  # `tetrad eval` writes nothing
+    resume = preflight(cfg, device_type, saves=work is not Trainer.evaluate)  # `tetrad eval` writes nothing
     p = cfg.parallel
     diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
     if in_torchrun():

@@ -106,8 +106,9 @@ def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
         have = counted(devices.local_device_count(device_type), f"{device_type} device")
         raise ValueError(f"--tp {tp} but this machine has {have}; use torchrun across nodes, or a smaller --tp")
     if tp > 1 and args.chat and args.prompt is None:
+        converse = "run it without torchrun" if world is not None else "--tp 1"  # torchrun's --tp is its world
         raise ValueError(f"a conversation on stdin runs on one process; pass --prompt for one message under --tp {tp}, "
-                         "or --tp 1 to converse")
+                         f"or {converse} to converse")
     return device_type, dtype, tp
 
 

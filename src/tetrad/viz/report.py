@@ -267,8 +267,8 @@ def samples(run_dir: Path, cfg, count: int) -> tuple[list[str], str]:
     except ValueError as e:  # the run's tokenizer is not found from here
         return [], f"Samples: none, {e}."
     return texts, (f"Samples: from the latest checkpoint, tokenizer {source or 'bytes'}; sample k (from 0) is `tetrad "
-                   f"generate {checkpoints} --max-new-tokens {SAMPLE_TOKENS} --seed k --prompt P` with the k-th of the "
-                   f"prompts {SAMPLE_PROMPTS[:count]} ({sampling.describe()}).")
+                   f"generate {checkpoints} --device cpu --max-new-tokens {SAMPLE_TOKENS} --seed k --prompt P` with "
+                   f"the k-th of the prompts {SAMPLE_PROMPTS[:count]} ({sampling.describe()}).")
 
 
 def write_report(run_dir: str | Path, cluster: str | None = None, sample_count: int = 3) -> tuple[Path, list[str]]:

@@ -205,8 +205,8 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
     torchrun once per process, as `tetrad train`): a bad config or a missing file is one
     ConfigError, the text `tetrad train` prints, and no rank starts. `announce(device_type, resume)`
     is called after the checks, before the ranks start (under torchrun on rank 0 alone; resume: the
-    checkpoint the run continues from, or None). `timeout_s` is run_local's deadline. Returns the per-step records (or `work`'s result) of rank 0 (this
-    rank's under torchrun)."""
+    checkpoint the run continues from, or None). `timeout_s` is run_local's deadline. Returns the
+    per-step records (or `work`'s result) of rank 0 (this rank's under torchrun)."""
     from tetrad.train.preflight import preflight  # here: run_local's other users need not load the trainer
     from tetrad.train.trainer import Trainer, train_on_this_rank
     work = work or Trainer.fit

@@ -63,12 +63,12 @@ def test_rope_tables_follow_the_positions_tensor():
 def test_a_samples_loss_by_the_training_forward_is_its_decoding_loss():
     net = random_model()
     prompt = list(b"The licence ")
-    new, logits = generate(net, prompt, max_new=12, sampling=Sampling(temperature=1.0), seed=3)
+    new, logits = generate(net, prompt, max_new=12, sampling=Sampling(temperature=1.0), seed=3, keep_logits=True)
     assert len(new) == 12
     decoding = torch.stack([-torch.log_softmax(lg, -1)[t] for lg, t in zip(logits, new)]).mean()
     assert continuation_loss(net, prompt, new) == pytest.approx(float(decoding), rel=1e-5)
     # Greedy decoding is deterministic and picks each step's likeliest token.
-    greedy, greedy_logits = generate(net, prompt, max_new=5, sampling=GREEDY)
+    greedy, greedy_logits = generate(net, prompt, max_new=5, sampling=GREEDY, keep_logits=True)
     assert greedy == [int(lg.argmax()) for lg in greedy_logits]
 
 
@@ -106,9 +106,9 @@ def test_a_kept_cache_runs_only_what_a_prompt_adds_and_gives_a_fresh_decodings_l
 
     def turn(prompt, kept):
         reused = cache.reused
-        ours, ours_logits = generate(net, prompt, max_new=4, sampling=GREEDY, cache=cache)
+        ours, ours_logits = generate(net, prompt, max_new=4, sampling=GREEDY, cache=cache, keep_logits=True)
         assert cache.reused - reused == kept
-        fresh, fresh_logits = generate(net, prompt, max_new=4, sampling=GREEDY)
+        fresh, fresh_logits = generate(net, prompt, max_new=4, sampling=GREEDY, keep_logits=True)
         assert ours == fresh and cache.ids == prompt + ours[:-1]
         torch.testing.assert_close(torch.stack(ours_logits), torch.stack(fresh_logits), atol=1e-5, rtol=1e-5)
     turn(first + new + [5, 6], len(first) + len(new) - 1)

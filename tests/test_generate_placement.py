@@ -205,7 +205,7 @@ def _decoded(cfg, state: dict, sampling: Sampling) -> tuple:
     tp = dist.get_world_size() if dist.is_initialized() else 1
     model = inference_model(cfg, state.__getitem__, Topology(Layout(tp=tp), torch.device("cpu")))
     prompt = list(range(40, 52))
-    new, logits = generate(model, prompt, 12, sampling, seed=3)
+    new, logits = generate(model, prompt, 12, sampling, seed=3, keep_logits=True)
     return new, torch.stack(logits), continuation_loss(model, prompt, new)
 
 
@@ -233,5 +233,5 @@ def test_the_logits_kept_for_each_token_are_the_vocabularys_alone():
     every position (prompt x vocabulary floats, gigabytes for a long prompt and a large vocabulary
     on a GPU), kept alive with it."""
     net = random_model()
-    _, logits = generate(net, list(range(30)), 2, GREEDY)
+    _, logits = generate(net, list(range(30)), 2, GREEDY, keep_logits=True)
     assert [lg.untyped_storage().nbytes() for lg in logits] == [net.cfg.vocab_size * 4] * 2

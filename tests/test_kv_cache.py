@@ -47,6 +47,34 @@ def test_the_prompts_pass_and_the_loss_make_no_logits_of_the_prompts_positions()
     assert largest[0] <= 2 * vocab * 4, largest  # the continuation's two positions at most (was 30)
 
 
+def test_a_generation_keeps_no_steps_logits_unless_asked():
+    """Each step's whole-vocabulary fp32 logits are freed once its token is drawn (kept, they are
+    4 GiB for 8k tokens of a 128k vocabulary on the GPU); `keep_logits` keeps them for a caller
+    that compares them."""
+    import gc
+    import weakref
+    net, vocab = random_model(vocab_size=4096), 4096
+
+    class Logits(TorchDispatchMode):  # a weak reference to every new fp32 tensor of one vocabulary
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.made += [weakref.ref(t) for t in pytree.tree_leaves(out)
+                          if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() == vocab]
+            return out
+
+    for keep, alive in ((False, 0), (True, 6)):
+        with Logits() as meter:
+            new, logits = generate(net, list(range(40, 50)), 6, GREEDY, keep_logits=keep)
+        gc.collect()
+        assert len(new) == 6 and len(logits) == alive
+        held = {ref().untyped_storage().data_ptr() for ref in meter.made if ref() is not None}
+        assert len(held) == alive  # storages: a step's logits may be a view of its head's output
+
+
 def test_a_generations_cache_is_allocated_once_and_a_step_copies_none_of_it():
     """Reserved for the prompt and the new tokens (generate reserves them), each layer's keys and
     values stay in one storage for the whole generation; a step makes no tensor as large as one

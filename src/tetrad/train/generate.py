@@ -97,10 +97,12 @@ class Cache:
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new: int, sampling: Sampling = Sampling(), seed: int = 0,
-             stop: frozenset[int] = frozenset(), cache: Cache | None = None) -> tuple[list[int], list[torch.Tensor]]:
+             stop: frozenset[int] = frozenset(), cache: Cache | None = None,
+             keep_logits: bool = False) -> tuple[list[int], list[torch.Tensor]]:
     """The new token ids (at most `max_new`, ending at a `stop` token, e.g. EOS, or at the model's
-    context_length tokens in all) and the logits each was drawn from (the whole vocabulary's, fp32,
-    on the model's device). `cache`: an earlier call's (a chat's last
+    context_length tokens in all) and, with `keep_logits`, the logits each was drawn from (the whole
+    vocabulary's, fp32, on the model's device: 4 GiB for 8k tokens of a 128k vocabulary, so kept
+    only where asked; else []). `cache`: an earlier call's (a chat's last
     turn), reused where `prompt` starts as its ids do; it ends holding the prompt and the new ids
     but the last (never run). The draws use a CPU generator seeded with `seed` (Sampling.pick), so a
     seed gives the same text on a device wherever the logits are the same; under tp every rank
@@ -115,7 +117,8 @@ def generate(model: Transformer, prompt: list[int], max_new: int, sampling: Samp
     for position in range(len(prompt), end):
         token = agreed_token(sampling.pick(logits, prompt + new, generator), model.topo)
         new.append(token)
-        drawn_from.append(logits)
+        if keep_logits:
+            drawn_from.append(logits)
         if token in stop or position + 1 == end:
             break
         logits = cache.feed(model, [token])

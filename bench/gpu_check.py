@@ -14,7 +14,8 @@
 - ring blocks: the fused block kernels against the fp32 math path at 8k-32k tokens (time, peak
   memory, largest difference), and the kernel choose_kernel picks for head dims the fused ops
   refuse when called directly (100, 200, 288) running a block;
-- the user's commands: `tetrad train` (the demo config on one rank) and `tetrad generate`;
+- the user's commands: `tetrad train` (the demo config on one rank) and `tetrad generate` (on the
+  GPU by default; its greedy fp32 text there against the CPU's);
 - varlen: masked attention (documents with and without a sliding window, bf16, GQA) through
   flash's varlen kernel against the masked SDPA path, outputs and gradients, both times, and that per-op
   recompute keeps its output (bench/varlen_check.py).
@@ -356,10 +357,19 @@ def cli_round_trip(device_type: str = "cuda") -> list[tuple]:
         on_device = f"1 rank on {device_type}" in train.stdout
         generate = subprocess.run([sys.executable, "-m", "tetrad", "generate", f"{tmp}/demo", "--prompt", "The"],
                                   capture_output=True, text=True, timeout=300)
+        greedy = {where: subprocess.run([sys.executable, "-m", "tetrad", "generate", f"{tmp}/demo", "--prompt", "The",
+                                         "--temperature", "0", "--dtype", "fp32", "--device", where,
+                                         "--max-new-tokens", "32"], capture_output=True, text=True, timeout=300)
+                  for where in (device_type, "cpu")}
     summary = (train.stdout.strip().splitlines() or [train.stderr.strip()[-200:]])[-1]
     said = (generate.stdout + generate.stderr).strip().splitlines()
+    here, cpu = greedy[device_type], greedy["cpu"]
+    same = here.returncode == cpu.returncode == 0 and here.stdout == cpu.stdout
     return [("tetrad train (demo, 1 rank, device auto)", train.returncode == 0 and on_device, summary[:200]),
-            ("tetrad generate", generate.returncode == 0, (said[-1] if said else "")[:200])]
+            ("tetrad generate (device auto)", generate.returncode == 0
+             and f"; {device_type}, " in generate.stderr, (said[-1] if said else "")[:200]),
+            (f"tetrad generate greedy fp32: {device_type} text = cpu text", same,
+             f"{here.stdout.strip()[:60]!r} vs {cpu.stdout.strip()[:60]!r}" if not same else "32 tokens alike")]
 
 
 # ----------------------------------------------------------------------------- table

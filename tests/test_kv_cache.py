@@ -148,3 +148,17 @@ def test_a_windowed_model_and_a_chats_next_turn_decode_as_transformers_generate(
         assert new == expected
         prompt = prompt + new + [5, 6, 7]
     assert cache.reused == 20 + 30 - 1
+
+
+def test_a_chats_next_turn_allocates_what_it_reserved_not_twice_the_last_turns():
+    """A next turn's reservation (its prompt and new tokens, within the context) is what its cache
+    grows to: doubling the last turn's room (the growth without one) overshot it, here past the
+    model's 64-token context (78 tokens of keys and values per layer; a long chat on a GPU holds
+    twice its cache, three times while the old one is copied)."""
+    net = random_model(seq_len=64)
+    cache, prompt = Cache(), list(range(40, 70))
+    new, _ = generate(net, prompt, 10, GREEDY, cache=cache)
+    assert cache.layers["0"].k.shape[2] == 39
+    prompt = prompt + new + [5, 6, 7]
+    generate(net, prompt, 5, GREEDY, cache=cache)
+    assert [layer.k.shape[2] for layer in cache.layers.values()] == [len(prompt) + 5 - 1] * len(cache.layers)

@@ -15,8 +15,9 @@ class LayerCache:
     """One layer's keys and values of the tokens decoded so far, in buffers [b, kv_heads, capacity,
     head_dim] written in place: a token costs its own write, not a copy of the cache (a
     concatenation's O(t) per token, and a fresh allocation each step). `reserve` sizes them for a
-    generation at once; beyond that they grow geometrically. Every token is kept; a sliding
-    window attends over the last `window` (cached_attention)."""
+    generation at once (a chat's next turn: its own, not twice the last's); beyond that they grow
+    geometrically. Every token is kept; a sliding window attends over the last `window`
+    (cached_attention)."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None
@@ -32,8 +33,8 @@ class LayerCache:
         """Add the new tokens' k, v ([b, s, kv_heads, head_dim]); the keys and values of all the
         tokens so far, [b, kv_heads, tokens, head_dim] views of the buffers."""
         end, capacity = self.length + k.shape[1], 0 if self.k is None else self.k.shape[2]
-        if end > capacity:
-            self._grow(k, max(end, self.reserved, 2 * capacity))
+        if end > capacity:  # a reservation that holds them is allocated as it is (a chat's next turn)
+            self._grow(k, self.reserved if self.reserved >= end else max(end, 2 * capacity))
         self.k[:, :, self.length:end] = k.transpose(1, 2)
         self.v[:, :, self.length:end] = v.transpose(1, 2)
         self.length = end

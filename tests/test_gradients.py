@@ -11,7 +11,7 @@ import tetrad.parallel.data
 from conftest import assert_parity, first_step_gradients, grad_norms, run_ranks, tiny_config, train_layout
 from tetrad.dist.topology import Topology
 from tetrad.model import execution, mappings
-from tetrad.model.execution import GRAD_SINK
+from tetrad.model.execution import GRAD_SINK, run_eagerly
 from tetrad.parallel.data.lifecycle import GradSync
 from tetrad.train.trainer import Trainer
 
@@ -120,6 +120,18 @@ def test_run_eagerly_outside_torch_compile_is_a_plain_call():
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=0, atol=0)
     sum(y.sum() for y in group).backward()
     torch.testing.assert_close(sunk, torch.ones(6, 5).t() @ x.detach().reshape(6, 4))
+
+
+def test_run_eagerly_under_torch_compile_is_a_graph_break():
+    """The other half: while dynamo traces, run_eagerly's call is a clean graph break (the
+    communicating Functions never enter a graph), with run_eagerly named as its reason."""
+    def f(x):
+        return run_eagerly(torch.sin, x * 2) + 1
+
+    explained = torch._dynamo.explain(f)(torch.randn(3))
+    assert explained.graph_break_count == 1 and explained.graph_count == 2, explained
+    assert any("run_eagerly" in str(b.reason) or "run_eagerly" in str(b.user_stack)
+               for b in explained.break_reasons), explained.break_reasons
 
 
 class SummingTrainer(Trainer):

@@ -156,3 +156,19 @@ def test_only_evaluate_gets_a_forward_only_trainer():
     from tetrad import launch
     loss = launch.train(tiny_config(train={"steps": 1}, parallel={"dp": 2}), work=_fit_loss)
     assert loss == launch.train(tiny_config(train={"steps": 1}, parallel={"dp": 2}))[-1]["loss"]
+
+
+def _own_evaluation(trainer: Trainer) -> tuple[bool, float]:
+    """A script's own work: whether its Trainer has an optimizer, and the validation loss."""
+    return trainer.optimizer is not None, trainer.evaluate()["val_loss"]
+
+
+def test_the_caller_says_forward_only_whatever_the_work():
+    """launch.train's `forward_only` decides the build, not which function `work` is (before, the
+    identity `work is Trainer.evaluate` did: a script's own evaluation got a training build, an
+    optimizer and fp32 masters it never used): the loss is the same either way."""
+    from tetrad import launch
+    cfg = tiny_config(train={"steps": 1}, parallel={"dp": 2}, data={"val_fraction": 0.1})
+    assert launch.train(cfg, work=_own_evaluation, forward_only=True)[0] is False
+    trained, loss = launch.train(cfg, work=_own_evaluation)
+    assert trained is True and launch.train(cfg, work=_own_evaluation, forward_only=True)[1] == pytest.approx(loss)

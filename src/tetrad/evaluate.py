@@ -77,7 +77,7 @@ def eval_command(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="tetrad-eval-") as run_dir:
         try:
             cfg = eval_config(path, overrides, args.weights, run_dir)
-            result = launch.train(cfg, work=Trainer.evaluate)
+            result = launch.train(cfg, work=Trainer.evaluate, forward_only=True)
         except ConfigError as e:  # the checks name checkpoint.init_from, which eval set itself from WEIGHTS
             raise ConfigError(str(e).replace(f"checkpoint.init_from={str(args.weights)!r}",
                                              f"{str(args.weights)!r} (WEIGHTS)")) from None

@@ -197,11 +197,11 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
 
 
 def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = None,
-          timeout_s: float | None = None, work: Callable | None = None) -> Any:
+          timeout_s: float | None = None, work: Callable | None = None, forward_only: bool = False) -> Any:
     """Train `cfg` (from `load_config`) as `tetrad train` does: on this machine's ranks, or on this
     rank under torchrun; or, given `work`, do that with each rank's Trainer instead of `fit`, and
-    return rank 0's result (`Trainer.evaluate`, `tetrad eval`'s, gets a forward-only Trainer and
-    writes nothing; any other work a training one). Every check runs first, here, once (under
+    return rank 0's result (`forward_only`: a Trainer without gradients or optimizer, which writes
+    nothing: `tetrad eval`'s `Trainer.evaluate`). Every check runs first, here, once (under
     torchrun once per process, as `tetrad train`): a bad config or a missing file is one
     ConfigError, the text `tetrad train` prints, and no rank starts. `announce(device_type, resume)`
     is called after the checks, before the ranks start (under torchrun on rank 0 alone; resume: the
@@ -214,16 +214,16 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
         cfg = for_torchrun_job(cfg)
     device_type = devices.resolve_device_type(cfg.train.device)
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
-    resume = preflight(cfg, device_type, saves=work is not Trainer.evaluate)  # `tetrad eval` writes nothing
+    resume = preflight(cfg, device_type, saves=not forward_only)
     p = cfg.parallel
     diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
     if in_torchrun():
         if announce is not None and is_job_rank_zero():  # once in the job's log
             announce(device_type, resume)
         if dist.is_initialized():  # the caller holds the job's group (`tetrad check` trains twice in it)
-            return train_on_this_rank(cfg, device_type, work)
+            return train_on_this_rank(cfg, device_type, work, not forward_only)
         with torchrun_process_group(device_type, p.startup_timeout_s):
-            return train_on_this_rank(cfg, device_type, work)
+            return train_on_this_rank(cfg, device_type, work, not forward_only)
     if device_type != "cpu" and p.world_size > devices.local_device_count(device_type):
         raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
                           f"{counted(devices.local_device_count(device_type), device_type + ' device')}; use "
@@ -232,8 +232,8 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
         _warn_of_host_memory(cfg)
     if announce is not None:
         announce(device_type, resume)
-    return run_local(train_on_this_rank, p.world_size, (cfg, device_type, work), device_type=device_type,
-                     timeout_s=timeout_s, pg_timeout_s=p.startup_timeout_s)[0]
+    return run_local(train_on_this_rank, p.world_size, (cfg, device_type, work, not forward_only),
+                     device_type=device_type, timeout_s=timeout_s, pg_timeout_s=p.startup_timeout_s)[0]
 
 
 def _warn_of_host_memory(cfg: Config) -> None:

@@ -385,13 +385,12 @@ def _naming_step(step: int):
         raise watchdog.CollectiveTimeout(f"at step {step + 1}: {e}") from None
 
 
-def train_on_this_rank(cfg: Config, device_type: str, work: Callable[[Trainer], Any] = Trainer.fit):
+def train_on_this_rank(cfg: Config, device_type: str, work: Callable[[Trainer], Any] = Trainer.fit, trains=True):
     """Entry point of a rank inside an initialised process group (local or torchrun): `work` of its
-    Trainer, `fit` (the step records), `evaluate` (`tetrad eval`: forward-only) or a script's own (a
-    training build). Memory and groups end with it: `tetrad check` trains twice in one torchrun process."""
+    Trainer, `fit` (the step records) or a script's own; `trains=False` builds it forward-only (`tetrad
+    eval`). Memory and groups end with it: `tetrad check` trains twice in one torchrun process."""
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
-    devices.set_fp32_matmul(device, cfg.train.tf32)
-    trains = work is not Trainer.evaluate  # memory_watch's figures are a training step's
+    devices.set_fp32_matmul(device, cfg.train.tf32)  # memory_watch's figures below are a training step's
     with memory_watch(cfg, devices.memory_gib(device) if trains else None):
         trainer = Trainer(cfg, device, trains=trains)
         with contextlib.closing(trainer.grads):  # its hooks would keep the weights alive past the run

@@ -172,3 +172,45 @@ def test_the_caller_says_forward_only_whatever_the_work():
     assert launch.train(cfg, work=_own_evaluation, forward_only=True)[0] is False
     trained, loss = launch.train(cfg, work=_own_evaluation)
     assert trained is True and launch.train(cfg, work=_own_evaluation, forward_only=True)[1] == pytest.approx(loss)
+
+
+def test_nccls_dumps_of_a_failed_evaluation_outlive_the_command(tmp_path, capsys, monkeypatch):
+    """The flight recorder's dumps (NCCL's, which this CPU stands in for by writing one as the ranks
+    start, then failing) go to a folder that outlives `tetrad eval`, and the failure names it and
+    how to read it (before: the eval's temporary run folder, deleted as the command ended)."""
+    from tetrad import launch
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=1", "--checkpoint.every=1", f"--run.dir={run}"]) == 0
+    told = []
+
+    def hang_dumped(device_type, trace_dir):
+        told.append(trace_dir)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        (trace_dir / "rank_0").write_text("dump")
+        raise launch.RankFailure("rank 1 died by SIGABRT (no Python traceback: a crash or a kill).")
+    monkeypatch.setattr(launch, "diagnose_nccl", hang_dumped)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert (told[0] / "rank_0").read_text() == "dump"
+    assert f"fr_trace {told[0]}`" in err, err
+
+
+def test_an_evaluation_that_dumped_nothing_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    """The dump folder, made as on NCCL (diagnose_nccl for cuda), is removed where no rank wrote to
+    it: a successful evaluation leaves nothing behind."""
+    from tetrad import launch
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=1", "--checkpoint.every=1", f"--run.dir={run}"]) == 0
+    for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(key, raising=False)  # what diagnose_nccl sets is undone after the test
+    told = []
+    diagnose = launch.diagnose_nccl
+    monkeypatch.setattr(launch, "diagnose_nccl", lambda _, trace_dir: told.append(diagnose("cuda", trace_dir)))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    _evaluated(capsys, str(run))
+    assert told and not list((tmp_path / "tmp").iterdir())

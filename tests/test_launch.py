@@ -368,3 +368,32 @@ def test_torchruns_groups_and_their_threads_end_with_the_process_group(tmp_path)
         before, during, after = map(int, line.split())
         assert during > before and after == before, line
     assert len(out.stdout.splitlines()) == 2
+
+
+_SHORT_OF_MEMORY = """
+import sys
+from tetrad import device
+from tetrad.cli import main
+device.host_memory_gib = lambda: (0.001, 0.25)  # a host with 1 MiB free: any run is predicted not to fit
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_cpu_ranks_under_torchrun_are_warned_of_the_hosts_memory_once_a_node(tmp_path):
+    """torchrun's CPU ranks get the host-memory warning `tetrad train`'s own launcher gives, once a
+    node (local rank 0, counting LOCAL_WORLD_SIZE ranks), and the run goes on: a warning, not a
+    refusal (before: nothing under torchrun)."""
+    import subprocess
+    import sys
+    script = tmp_path / "short.py"
+    script.write_text(_SHORT_OF_MEMORY)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), "train",
+         "--parallel.dp=2", "--train.steps=1", "--train.global_batch=4", "--train.micro_batch=2",
+         "--model.n_layers=1", "--model.d_model=32", "--model.ffn_hidden=64", "--model.seq_len=16",
+         f"--run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    warning = "tetrad: warning: the planner predicts "
+    assert out.stderr.count(warning) == 1, out.stderr
+    assert "GiB for this run's 2 CPU rank(s), above the 0.0 GiB this host has free" in out.stderr, out.stderr

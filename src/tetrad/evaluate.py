@@ -8,14 +8,17 @@ checkpoint) or a Hugging Face model folder. The config is CONFIG, else the one t
 trained with (its config.toml), else the defaults; flags override it. The evaluation set is the
 data's held-out part (data.val_source, or the last data.val_fraction of data.source) or, where
 the config holds none out, the whole of data.source; at most train.eval_steps global batches.
-Nothing is written: no checkpoint, no metrics.
+Nothing is written: no checkpoint, no metrics. On NCCL, the flight recorder's dumps of a hang
+go to TMPDIR/tetrad-eval-nccl-JOB (`trace_dir`), which outlives the command, and a failure names it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -60,6 +63,32 @@ def eval_config(config: str | None, overrides: list[str], weights: Path, run_dir
     return cfg
 
 
+def trace_dir() -> Path:
+    """Where NCCL's flight recorder dumps an evaluation's hang: not its run folder, a temporary one
+    deleted as the command ends, but a folder that outlives it, one for the job's ranks on this node
+    (torchrun's run id; else this process, whose children they are)."""
+    return Path(tempfile.gettempdir()) / f"tetrad-eval-nccl-{os.environ.get('TORCHELASTIC_RUN_ID') or os.getpid()}"
+
+
+@contextlib.contextmanager
+def kept_traces(traces: Path):
+    """Around an evaluation: a rank's failure names the dumps in `traces` (where there are any) and
+    how to read them; the folder is removed where it holds none, except under torchrun, where a
+    rank still running may yet dump into it."""
+    from tetrad.launch import RankFailure, in_torchrun
+    try:
+        yield traces
+    except RankFailure as e:
+        if traces.is_dir() and any(traces.iterdir()):
+            raise RankFailure(f"{e}\nNCCL's flight-recorder dumps are in {traces}: read them with "
+                              f"`python -m torch.distributed.flight_recorder.fr_trace {traces}`") from None
+        raise
+    finally:
+        with contextlib.suppress(OSError):  # absent (no NCCL), or holding dumps
+            if not in_torchrun():
+                traces.rmdir()
+
+
 def _key(override: str) -> str:
     """The dotted key of `--section.key=value`."""
     return override.lstrip("-").partition("=")[0]
@@ -74,10 +103,10 @@ def eval_command(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object: val_loss, perplexity, by source")
     args, rest = ap.parse_known_args(argv)
     path, overrides = split_config_args(rest)
-    with tempfile.TemporaryDirectory(prefix="tetrad-eval-") as run_dir:
+    with tempfile.TemporaryDirectory(prefix="tetrad-eval-") as run_dir, kept_traces(trace_dir()) as traces:
         try:
             cfg = eval_config(path, overrides, args.weights, run_dir)
-            result = launch.train(cfg, work=Trainer.evaluate, forward_only=True)
+            result = launch.train(cfg, work=Trainer.evaluate, forward_only=True, trace_dir=traces)
         except ConfigError as e:  # the checks name checkpoint.init_from, which eval set itself from WEIGHTS
             raise ConfigError(str(e).replace(f"checkpoint.init_from={str(args.weights)!r}",
                                              f"{str(args.weights)!r} (WEIGHTS)")) from None

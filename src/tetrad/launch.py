@@ -197,7 +197,8 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
 
 
 def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = None,
-          timeout_s: float | None = None, work: Callable | None = None, forward_only: bool = False) -> Any:
+          timeout_s: float | None = None, work: Callable | None = None, forward_only: bool = False,
+          trace_dir: Path | None = None) -> Any:
     """Train `cfg` (from `load_config`) as `tetrad train` does: on this machine's ranks, or on this
     rank under torchrun; or, given `work`, do that with each rank's Trainer instead of `fit`, and
     return rank 0's result (`forward_only`: a Trainer without gradients or optimizer, which writes
@@ -205,9 +206,10 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
     torchrun once per process, as `tetrad train`): a bad config or a missing file is one
     ConfigError, the text `tetrad train` prints, and no rank starts. `announce(device_type, resume)`
     is called after the checks, before the ranks start (under torchrun on rank 0 alone; resume: the
-    checkpoint the run continues from, or None). `timeout_s` is run_local's deadline. Returns the
+    checkpoint the run continues from, or None). `timeout_s` is run_local's deadline; `trace_dir`
+    where NCCL's flight recorder dumps a hang (default RUN_DIR/nccl_trace). Returns the
     per-step records (or `work`'s result) of rank 0 (this rank's under torchrun)."""
-    from tetrad.train.preflight import preflight  # here: run_local's other users need not load the trainer
+    from tetrad.train.preflight import preflight, warn_of_host_memory  # here: run_local's other users need not load the trainer
     from tetrad.train.trainer import Trainer, train_on_this_rank
     work = work or Trainer.fit
     if in_torchrun():
@@ -216,7 +218,9 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator
     resume = preflight(cfg, device_type, saves=not forward_only)
     p = cfg.parallel
-    diagnose_nccl(device_type, Path(cfg.run.dir) / "nccl_trace")
+    diagnose_nccl(device_type, trace_dir or Path(cfg.run.dir) / "nccl_trace")
+    if device_type == "cpu" and os.environ.get("LOCAL_RANK", "0") == "0":  # once a node (torchrun's local rank 0)
+        warn_of_host_memory(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size)))
     if in_torchrun():
         if announce is not None and is_job_rank_zero():  # once in the job's log
             announce(device_type, resume)
@@ -228,23 +232,10 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
         raise ConfigError(f"dp*tp*pp*cp = {p.world_size} ranks but this machine has "
                           f"{counted(devices.local_device_count(device_type), device_type + ' device')}; use "
                           "torchrun across nodes, or a smaller layout")
-    if device_type == "cpu":
-        _warn_of_host_memory(cfg)
     if announce is not None:
         announce(device_type, resume)
     return run_local(train_on_this_rank, p.world_size, (cfg, device_type, work, not forward_only),
                      device_type=device_type, timeout_s=timeout_s, pg_timeout_s=p.startup_timeout_s)[0]
-
-
-def _warn_of_host_memory(cfg: Config) -> None:
-    """CPU ranks all start on this host: say so before they start when the planner predicts more
-    than it has free (plan/fit.py; a warning, as on GPUs, not a refusal)."""
-    from tetrad.plan.fit import host_memory_warning
-    memory = devices.host_memory_gib()
-    if memory is not None:
-        warning = host_memory_warning(cfg, cfg.parallel.world_size, *memory)
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

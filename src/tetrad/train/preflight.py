@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tetrad import device as devices
 from tetrad.config import Config, validate_device
 from tetrad.data.checks import check_data
 from tetrad.parallel.pipeline.registry import check_config as check_pipeline
@@ -29,6 +30,18 @@ def preflight(cfg: Config, device_type: str, saves: bool = True) -> Path | None:
     check_init_from(cfg)
     check_data(cfg)
     return check_storage(cfg, saves)
+
+
+def warn_of_host_memory(cfg: Config, ranks: int) -> None:
+    """CPU ranks share their host: before the `ranks` of this node start (under torchrun, as they
+    start), the planner's warning where it predicts more than the host has free (plan/fit.py; a
+    warning, as on GPUs, not a refusal)."""
+    from tetrad.plan.fit import host_memory_warning
+    memory = devices.host_memory_gib()
+    if memory is not None:
+        warning = host_memory_warning(cfg, ranks, *memory)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

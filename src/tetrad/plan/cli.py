@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -157,14 +158,34 @@ def _user_keys(args, overrides: list[str]) -> set[str]:
     return keys
 
 
+def _own_folders(cfg: Config, flagged: set[str]) -> tuple[Config, list[str]]:
+    """`cfg` with run.dir (and a checkpoint.dir the config set) in a folder of the layout's own,
+    RUN_DIR-dpD-tpT-ppP-cpC, unless set by a flag (`flagged`): the config planned for is often a run's
+    own, and the written one, run, would write its metrics and checkpoints into that run's folder,
+    then resume its checkpoints (a plan of a written config replaces its tag). One note each."""
+    p = cfg.parallel
+    tag = f"-dp{p.dp}-tp{p.tp}-pp{p.pp}-cp{p.cp}"
+    notes, moved = [], {}
+    for key, section, folder in (("run.dir", "run", cfg.run.dir), ("checkpoint.dir", "checkpoint", cfg.checkpoint.dir)):
+        if folder and key not in flagged:
+            moved[section] = re.sub(r"-dp\d+-tp\d+-pp\d+-cp\d+$", "", folder.rstrip("/")) + tag
+            notes.append(f"{key} = {moved[section]!r}: the layout's own folder, apart from {folder!r}'s run "
+                         f"(--{key}=... chooses another)")
+    for section, folder in moved.items():
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), dir=folder)})
+    return cfg, notes
+
+
 def _write(best: Estimate, args, overrides: list[str], out) -> None:
     """Write the best layout as a config, with training settings sized to the model where the user
     set none, each stated in the file's header and printed."""
     cfg, notes = sized_training(best.cfg, _user_keys(args, overrides), best.step_time_s)
+    cfg, moved = _own_folders(cfg, {item.lstrip("-").split("=", 1)[0] for item in overrides})
+    notes += moved
     header = [f"# Written by tetrad plan: {best.step_time_s:.3g} s per step predicted, MFU {100 * best.mfu:.1f}%, "
               f"{best.peak_memory_gib:.1f} GiB per GPU."]
     if notes:
-        header += ["# Set for the model's size (where the plan's inputs did not):"] + [f"#   {n}" for n in notes]
+        header += ["# Set for the model's size and the layout (where the plan's inputs did not):"] + [f"#   {n}" for n in notes]
     if cfg.train.dtype == "fp8":
         header.append("# train.dtype='fp8' is for estimates only: set bf16 to train it")
     Path(args.out).write_text("\n".join(header) + "\n\n" + cfg.to_toml())

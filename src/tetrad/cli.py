@@ -1,4 +1,4 @@
-"""`tetrad` command line: data, train, check, generate, estimate, plan, schedule, bench, report, compare, convert."""
+"""`tetrad` command line: data, train, check, torchrun, generate, estimate, plan, schedule, bench, report, compare, convert."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ commands:
   data TEXT... --out DIR [--vocab-size N | --tokenizer F]   BPE tokenizer + token shards for data.source
   train [CONFIG] [--section.key=value ...]   train (spawns local ranks, or runs under torchrun)
   check [CONFIG] [--section.key=value ...]   train a few steps in the layout and in data parallel: do they agree?
+  torchrun [TORCHRUN OPTIONS] -m tetrad train ...   torchrun, checking the config before any worker starts
   estimate CONFIG --cluster C [--json]        the cost model for one layout
   plan --model M --cluster C --global-batch N rank every legal layout by predicted step time
   generate CHECKPOINT --prompt TEXT          sample text (KV cache, the run's tokenizer) on a device, or over --tp ranks
@@ -147,13 +148,18 @@ def eval_command(argv: list[str]) -> int:
     return run(argv)
 
 
+def torchrun_command(argv: list[str]) -> int:
+    from tetrad.torchrun import torchrun_command as run
+    return run(argv)
+
+
 def compare_command(argv: list[str]) -> int:
     from tetrad.viz.compare import compare_command as run
     return run(argv)
 
 
 COMMANDS = {"data": data_command, "train": train_command, "check": check_command, "schedule": schedule_command, "estimate": estimate_command, "plan": plan_command, "convert": convert_command,
-            "generate": generate_command, "eval": eval_command,
+            "generate": generate_command, "eval": eval_command, "torchrun": torchrun_command,
             "bench": bench_command, "report": report_command, "compare": compare_command}
 
 

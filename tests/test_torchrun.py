@@ -1,0 +1,55 @@
+"""`tetrad torchrun`: torchrun itself, with `tetrad train`'s checks before any worker starts (a
+config mistake is not restarted --max-restarts times) and a failure said in one line."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_launch import _CRASHES  # a command that fails as a bug in tetrad would
+
+pytestmark = pytest.mark.dist
+
+
+def _torchrun(tmp_path, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tetrad", "torchrun", "--standalone", "--nproc-per-node=2", *argv],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+
+
+def test_a_config_mistake_is_refused_before_any_worker_starts(tmp_path):
+    """A layout that does not fill the job (dp=1 on 2 ranks) is one line and exit 2, from the
+    launching process: no worker starts, so --max-restarts=3 does not start the job 4 times to
+    refuse it again (under torchrun every attempt refuses, each a ChildFailedError report, for
+    torchrun restarts on any non-zero exit and lets no worker say 'do not restart')."""
+    out = _torchrun(tmp_path, "--max-restarts=3", "-m", "tetrad", "train", "--parallel.dp=1",
+                    f"--run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == "tetrad: config error: dp*tp*pp*cp = 1*1*1*1 = 1 but the job has 2 ranks; set parallel.dp=2\n"
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_failed_job_ends_in_one_line_naming_its_first_failure(tmp_path):
+    """A rank's crash (after the checks: a bug) is restarted as torchrun restarts it, its traceback
+    printed by the rank; the job then ends with one line naming the first rank that failed and its
+    exception, not torchrun's ChildFailedError traceback of the launching process."""
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASHES)
+    out = _torchrun(tmp_path, "--max-restarts=1", str(script))
+    assert out.returncode == 1
+    assert "RuntimeError: a bug, not the user's mistake\n" in out.stderr  # the rank's own traceback
+    last = out.stderr.splitlines()[-1]
+    assert last.startswith("tetrad torchrun: rank ") and last.endswith(
+        " exited with code 1, the first to fail; the job was stopped: RuntimeError: a bug, not the user's mistake"), last
+    assert "ChildFailedError" not in out.stderr and "torch/distributed/run.py" not in out.stderr, out.stderr
+
+
+def test_a_refusal_only_a_rank_meets_is_its_line(tmp_path):
+    """A refusal the launching process cannot see first (here `tetrad eval`, which it does not
+    check) is each rank's line, said once by rank 0, and the closing line gives it as the cause."""
+    out = _torchrun(tmp_path, "-m", "tetrad", "eval", str(tmp_path / "missing"))
+    assert out.returncode == 2
+    refusal = f"tetrad: config error: {tmp_path / 'missing'} does not exist; name a tetrad checkpoint"
+    lines = out.stderr.splitlines()
+    assert sum(line.startswith(refusal) for line in lines) == 1, out.stderr
+    assert lines[-1].startswith("tetrad torchrun: rank ") and f"the job was stopped: {refusal}" in lines[-1], lines[-1]

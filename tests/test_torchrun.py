@@ -29,6 +29,18 @@ def test_a_config_mistake_is_refused_before_any_worker_starts(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_job_that_passes_the_checks_trains_as_under_torchrun(tmp_path):
+    """The checks before the spawn leave the run as torchrun's workers find it (no folder, file or
+    resume decision of their own): the ranks train and rank 0 says the closing line once."""
+    run = tmp_path / "run"
+    out = _torchrun(tmp_path, "-m", "tetrad", "train", "--parallel.dp=2", "--train.steps=1", "--train.global_batch=4",
+                    "--train.micro_batch=2", "--model.n_layers=1", "--model.d_model=32", "--model.ffn_hidden=64",
+                    "--model.seq_len=16", f"--run.dir={run}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count(f"at step 1; metrics in {run}/metrics.jsonl") == 1, out.stdout
+    assert "ranks_per_node = 2" in (run / "config.toml").read_text()
+
+
 def test_a_failed_job_ends_in_one_line_naming_its_first_failure(tmp_path):
     """A rank's crash (after the checks: a bug) is restarted as torchrun restarts it, its traceback
     printed by the rank; the job then ends with one line naming the first rank that failed and its

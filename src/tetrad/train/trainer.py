@@ -390,8 +390,8 @@ def train_on_this_rank(cfg: Config, device_type: str, work: Callable[[Trainer], 
     Trainer, `fit` (the step records) or a script's own; `trains=False` builds it forward-only (`tetrad
     eval`). Memory and groups end with it: `tetrad check` trains twice in one torchrun process."""
     device = devices.bind_rank(device_type, int(os.environ.get("LOCAL_RANK", "0")))
-    devices.set_fp32_matmul(device, cfg.train.tf32)  # memory_watch's figures below are a training step's
-    with memory_watch(cfg, devices.memory_gib(device) if trains else None):
+    devices.set_fp32_matmul(device, cfg.train.tf32)
+    with memory_watch(cfg, devices.memory_gib(device) if trains else None):  # its figures: a training step's
         trainer = Trainer(cfg, device, trains=trains)
         with contextlib.closing(trainer.grads):  # its hooks would keep the weights alive past the run
             result = work(trainer)

@@ -23,8 +23,10 @@ from dataclasses import replace
 def torchrun_command(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-    args = parse_args(argv)
+    from torch.distributed.run import get_args_parser, run
+    parser = get_args_parser()
+    parser.prog = "tetrad torchrun"  # not __main__.py in its usage and errors
+    args = parser.parse_args(argv)
     if args.module and args.training_script == "tetrad" and args.training_script_args[:1] == ["train"]:
         _check_before_spawn(args, args.training_script_args[1:])
     try:

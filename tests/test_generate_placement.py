@@ -17,14 +17,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_ranks
+from conftest import run_ranks, tiny_config
 from test_chat_data import _chat_tokenizer
 from test_generate import random_model
 from tetrad.cli import main
 from tetrad.data.chat import template_beside
 from tetrad.dist.layout import Layout
 from tetrad.dist.topology import Topology
+from tetrad.model.execution import Execution
+from tetrad.model.llama import Transformer
 from tetrad.model.sampling import GREEDY, Sampling
+from tetrad.model.sharding import init_parameters
 from tetrad.sample import _job, sample_on_this_rank
 from tetrad.train.generate import (Dialogue, Weights, complete, continuation_loss, found_weights, generate,
                                    load_generator)
@@ -235,3 +238,29 @@ def test_the_logits_kept_for_each_token_are_the_vocabularys_alone():
     net = random_model()
     _, logits = generate(net, list(range(30)), 2, GREEDY, keep_logits=True)
     assert [lg.untyped_storage().nbytes() for lg in logits] == [net.cfg.vocab_size * 4] * 2
+
+
+def _tail_under(layout: dict, sequence_parallel: bool) -> str:
+    """The error a tail=1 forward meets on this rank of `layout`, with or without sequence parallelism."""
+    topo = Topology(Layout(**layout), torch.device("cpu"))
+    cfg = tiny_config().model
+    model = Transformer(cfg, topo, execution=Execution(sequence_parallel=sequence_parallel))
+    init_parameters(model, seed=1)
+    ids = torch.arange(8).view(1, 8)
+    try:
+        model(ids, torch.arange(8), tail=1)
+    except ValueError as e:
+        return str(e)
+    finally:
+        topo.close()
+    return "ran"
+
+
+@pytest.mark.parametrize("layout, sequence_parallel", [({"cp": 2}, False), ({"tp": 2}, True)], ids=["cp", "sp"])
+def test_tail_is_refused_where_a_rank_holds_a_shard_of_the_sequence(layout, sequence_parallel):
+    """tail=k reads the last k positions; under cp or sp a rank's positions are a shard of the
+    sequence, whose tail is not the sequence's: refused on every rank, not silently wrong."""
+    line = ("tail=1 takes the sequence's last positions, and under sequence or context parallelism this rank "
+            "holds a shard of it; run the model with neither")
+    assert run_ranks(_tail_under, 2, layout, sequence_parallel) == [line, line]
+    assert run_ranks(_tail_under, 2, {"tp": 2}, False) == ["ran", "ran"]  # tp without sp holds the whole sequence

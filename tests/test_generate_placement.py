@@ -28,7 +28,7 @@ from tetrad.model.execution import Execution
 from tetrad.model.llama import Transformer
 from tetrad.model.sampling import GREEDY, Sampling
 from tetrad.model.sharding import init_parameters
-from tetrad.sample import _job, sample_on_this_rank
+from tetrad.sample import _job, chosen_dtype, sample_on_this_rank
 from tetrad.train.generate import (Dialogue, Weights, complete, continuation_loss, found_weights, generate,
                                    load_generator)
 from tetrad.train.inference import inference_model
@@ -264,3 +264,23 @@ def test_tail_is_refused_where_a_rank_holds_a_shard_of_the_sequence(layout, sequ
             "holds a shard of it; run the model with neither")
     assert run_ranks(_tail_under, 2, layout, sequence_parallel) == [line, line]
     assert run_ranks(_tail_under, 2, {"tp": 2}, False) == ["ran", "ran"]  # tp without sp holds the whole sequence
+
+
+PRE_AMPERE = "bf16 needs compute capability 8.0 (Ampere) or newer; GPU 0 has 7.0"
+
+
+@pytest.mark.parametrize("device_type, flag, problem, chosen", [
+    ("cpu", None, None, "fp32"), ("cuda", None, None, "bf16"),
+    ("cuda", None, PRE_AMPERE, "fp16"),  # the default the device cannot run: fp16, said in a note
+    ("cuda", "bf16", PRE_AMPERE, "bf16"),  # the user's own flag: kept, for _placement's check to refuse
+    ("cuda", "fp32", None, "fp32"), ("cpu", "bf16", None, "bf16")])
+def test_the_default_dtype_is_fp16_where_the_device_has_no_bf16(device_type, flag, problem, chosen):
+    """On a GPU before Ampere the default bf16 was refused naming `--dtype bf16`, a flag the user
+    never passed; unasked, fp16 runs there instead and a note says why."""
+    dtype, note = chosen_dtype(device_type, flag, problem)
+    assert dtype == chosen
+    if chosen == "fp16":
+        assert note == ("tetrad generate: note: fp16, as this cuda device cannot multiply bf16 matrices "
+                        f"({PRE_AMPERE}); --dtype fp32 for fp32's range")
+    else:
+        assert note is None

@@ -64,7 +64,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "finds, else cpu, as train.device")
     parser.add_argument("--dtype", help="fp32, bf16 or fp16 for the weights, the KV cache and the compute (default: "
                         "fp32 on cpu, where bf16 matmuls are often slower; bf16 on an accelerator: half the memory "
-                        "and of the bytes each token reads, with fp32's range)")
+                        "and of the bytes each token reads, with fp32's range; fp16 on a GPU without bf16 matmuls, "
+                        "before Ampere)")
     parser.add_argument("--tp", type=int, help="tensor-parallel ranks, each holding 1/tp of the heads, the MLP, the "
                         "vocabulary and the KV cache (default 1; under torchrun its world size)")
     args = parser.parse_args(argv)
@@ -79,6 +80,18 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def chosen_dtype(device_type: str, flag: str | None, bf16_problem: str | None) -> tuple[str, str | None]:
+    """The dtype --dtype names (`flag`), else the default: fp32 on the CPU, bf16 on an accelerator
+    that multiplies it, else fp16 (a GPU before Ampere: `bf16_problem` says why), with a note
+    saying so (None: none). An explicit --dtype bf16 there is refused by the caller's check."""
+    if flag is not None or device_type == "cpu":
+        return flag or "fp32", None
+    if bf16_problem:
+        return "fp16", (f"tetrad generate: note: fp16, as this {device_type} device cannot multiply bf16 matrices "
+                        f"({bf16_problem}); --dtype fp32 for fp32's range")
+    return "bf16", None
+
+
 def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
     """The device type, dtype name and tp the flags ask for, checked against this machine and job."""
     if ":" in args.device:
@@ -87,7 +100,11 @@ def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
                          "rank i takes local device i")
     device_type = devices.resolve_device_type(args.device, "--device")
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator: the KV cache grows each token
-    dtype = args.dtype or ("fp32" if device_type == "cpu" else "bf16")
+    bf16_problem = devices.dtype_problem(device_type, devices.DTYPES["bf16"]) \
+        if args.dtype is None and device_type != "cpu" else None
+    dtype, note = chosen_dtype(device_type, args.dtype, bf16_problem)
+    if note and launch.speaks_for_the_job():
+        print(note, file=sys.stderr)
     if dtype not in devices.DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(devices.DTYPES)}; pass one of them")
     problem = devices.dtype_problem(device_type, devices.DTYPES[dtype])

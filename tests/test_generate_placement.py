@@ -30,8 +30,9 @@ from tetrad.model.sampling import GREEDY, Sampling
 from tetrad.model.sharding import init_parameters
 from tetrad.sample import _job, chosen_dtype, sample_on_this_rank
 from tetrad.train.generate import (Dialogue, Weights, complete, continuation_loss, found_weights, generate,
-                                   load_generator)
+                                   load_generator, single_process_model)
 from tetrad.train.inference import inference_model
+from tetrad.train.init_from import initial_weights
 
 pytestmark = pytest.mark.dist
 
@@ -64,6 +65,14 @@ def weights(tmp_path_factory):
     assert main(["train", *TINY, "--train.steps=3", "--checkpoint.every=3", f"--run.dir={folder / 'run'}"]) == 0
     _write_hf(folder / "hf")
     return {"tetrad": folder / "run", "hf": folder / "hf"}
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp2(tmp_path_factory):
+    """A run trained at tp 2: its checkpoint stores each sharded tensor as two chunks."""
+    folder = tmp_path_factory.mktemp("tp2")
+    assert main(["train", *TINY, "--parallel.tp=2", "--train.steps=3", "--checkpoint.every=3", f"--run.dir={folder}"]) == 0
+    return folder
 
 
 def _loss_line(err: str) -> float:
@@ -284,3 +293,56 @@ def test_the_default_dtype_is_fp16_where_the_device_has_no_bf16(device_type, fla
                         f"({PRE_AMPERE}); --dtype fp32 for fp32's range")
     else:
         assert note is None
+
+
+class _Counted:
+    """A reader's handle that records how many elements of its tensor each read asked for."""
+
+    def __init__(self, handle, name: str, reads: dict):
+        self.handle, self.name, self.reads = handle, name, reads
+
+    @property
+    def shape(self):
+        return self.handle.shape
+
+    def __getitem__(self, box):
+        part = self.handle[box]
+        self.reads[self.name] = self.reads.get(self.name, 0) + part.numel()
+        return part
+
+
+def _reads_and_tokens(found: Weights) -> tuple[dict[str, int], list[int]]:
+    """Elements read of each tensor to build this rank's model, and its greedy tokens after PROMPT."""
+    tp = dist.get_world_size() if dist.is_initialized() else 1
+    reads, reader = {}, found.reader()
+    model = inference_model(found.model, lambda name: _Counted(reader(name), name, reads),
+                            Topology(Layout(tp=tp), torch.device("cpu")))
+    _, _, new = complete(model, found.tokenizer, PROMPT, 10, GREEDY, source=found.source)
+    return reads, new
+
+
+@pytest.mark.parametrize("which", ["tetrad", "tetrad saved at tp 2", "hf"])
+def test_each_tp_rank_reads_only_its_part_of_each_tensor(weights, saved_at_tp2, which):
+    """Every rank read every whole tensor and cut its shard from it (tp x the reads, and the
+    largest tensor whole on each rank); now a rank asks for its rows or columns alone, the
+    replicated norms whole, the padded vocabulary's zero rows read by none, and samples the
+    one-process tokens (the HF folder's 301-token vocabulary pads to 302). A part read is the
+    part of the tensor init_from reads whole, across a tp 2 checkpoint's two chunks too."""
+    path = saved_at_tp2 if which == "tetrad saved at tp 2" else weights[which.split()[0]]
+    found, whole = found_weights(path), initial_weights(str(path))
+    shapes = {name: p.numel() for name, p in single_process_model(found.model, found.reader()).named_parameters()}
+    for name in shapes:
+        tensor = whole(name)
+        box = (slice(1, tensor.shape[0] - 1), *(slice(0, n) for n in tensor.shape[1:]))
+        assert torch.equal(found.reader()(name)[box], tensor[box]), name
+    alone, tokens = _reads_and_tokens(found)
+    assert alone == shapes and len(tokens) >= 4
+    ranks = run_ranks(_reads_and_tokens, 2, found)
+    assert [new for _, new in ranks] == [tokens, tokens]
+    for name, numel in shapes.items():
+        per_rank = [reads[name] for reads, _ in ranks]
+        replicated = name.endswith("norm.weight")
+        assert per_rank == [numel, numel] if replicated else sum(per_rank) == numel, (name, per_rank)
+    sharded = sum(n for name, n in shapes.items() if not name.endswith("norm.weight"))
+    assert all(sum(reads.values()) - (sum(shapes.values()) - sharded) == pytest.approx(sharded / 2, rel=0.01)
+               for reads, _ in ranks)

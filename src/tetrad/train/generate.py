@@ -39,8 +39,9 @@ from tetrad.model.sampling import SAMPLING_FIELDS, Sampling
 from tetrad.dist.topology import Topology
 from tetrad.train.convert import StoredWeights, exported_tokenizer, logical_shapes
 from tetrad.train.hf_architectures import model_config_from_hf
-from tetrad.train.inference import agreed_token, full_logits, inference_model
-from tetrad.train.init_from import HF_CONFIG, hf_config, hf_weights_problem, initial_weights, is_hf_folder
+from tetrad.train.inference import (CheckpointPart, SafetensorsPart, agreed_token, full_logits, inference_model,
+                                    stored_weights)
+from tetrad.train.init_from import HF_CONFIG, hf_config, hf_weights_problem, is_hf_folder
 
 
 def single_process_model(model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
@@ -172,9 +173,9 @@ class Weights:
     tokenizer: Tokenizer
     source: Path | None
 
-    def reader(self) -> Callable[[str], torch.Tensor]:
-        """name -> its logical tensor, read when asked (one at a time), as init_from reads it."""
-        return initial_weights(str(self.path))
+    def reader(self) -> Callable[[str], SafetensorsPart | CheckpointPart]:
+        """name -> a handle to its logical tensor, read when asked by the part a rank keeps."""
+        return stored_weights(self.path)
 
 
 def found_weights(checkpoint: Path) -> Weights:

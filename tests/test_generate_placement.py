@@ -8,6 +8,7 @@ is read."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import re
 import subprocess
@@ -346,3 +347,51 @@ def test_each_tp_rank_reads_only_its_part_of_each_tensor(weights, saved_at_tp2, 
     sharded = sum(n for name, n in shapes.items() if not name.endswith("norm.weight"))
     assert all(sum(reads.values()) - (sum(shapes.values()) - sharded) == pytest.approx(sharded / 2, rel=0.01)
                for reads, _ in ranks)
+
+
+OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB of which 1.12 GiB "
+       "is free. Of the allocated memory 13.90 GiB is allocated by PyTorch")
+
+
+def _refused(*args, **kwargs):
+    raise torch.OutOfMemoryError(OOM)  # what CUDA's caching allocator raises when a block does not fit
+
+
+@pytest.mark.parametrize("stage, target, flags", [
+    ("filling the model", "inference_model", ["--tp", "1"]),
+    ("filling the model", "inference_model", ["--tp", "2"]),  # on each rank, rank 0's line printed
+    ("decoding", "complete", ["--dtype", "bf16"]),
+    ("decoding", "converse", ["--chat"])])
+def test_running_out_of_device_memory_is_one_line_naming_what_to_change(weights, capsys, monkeypatch, stage, target,
+                                                                        flags):
+    """An allocation the device refuses (torch.OutOfMemoryError) while the model is filled or a
+    sample decoded was a traceback with no hint; now one line names what torch tried to allocate
+    and the flags that need less: more --tp, bf16 weights, fewer tokens for the KV cache."""
+    monkeypatch.setattr(f"tetrad.sample.{target}", _refused)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name a colour.\n"))
+    argv = ["generate", str(weights["hf"]), *(["--prompt", PROMPT] if target != "converse" else []), *flags]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    tp = 2 if "2" in flags else 1
+    dtype = "bf16" if "bf16" in flags else "fp32"
+    fixes = [f"--tp {2 * tp} to split the model and its KV cache over {2 * tp} GPUs"] + \
+        (["--dtype bf16 for half the memory"] if dtype == "fp32" else []) + \
+        (["a shorter --max-new-tokens or prompt (the KV cache is allocated for both)"] if stage == "decoding" else [])
+    assert (out, err) == ("", f"tetrad generate: cpu out of memory while {stage} (tried to allocate 2.00 GiB) at "
+                              f"{dtype}, tp {tp}; pass {', or '.join(fixes)}\n")
+
+
+def test_out_of_memory_exits_non_zero_without_a_traceback(weights, tmp_path):
+    """The command as a user runs it (a process of its own), the model's build refused by the allocator."""
+    script = ("import sys, torch, tetrad.sample as sample\n"
+              "def refused(*args, **kwargs):\n"
+              f"    raise torch.OutOfMemoryError({OOM!r})\n"
+              "sample.inference_model = refused\n"
+              "from tetrad.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    out = subprocess.run([sys.executable, "-c", script, "generate", str(weights["hf"]), "--prompt", PROMPT],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("tetrad generate: cpu out of memory while filling the model (tried to allocate "
+                                 "2.00 GiB) at fp32, tp 1; pass --tp 2"), out.stderr

@@ -17,8 +17,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
+
+import torch
 
 from tetrad import device as devices
 from tetrad import launch
@@ -27,6 +30,7 @@ from tetrad.data.chat import ChatTemplate
 from tetrad.data.tokenizer import model_sampling
 from tetrad.dist.layout import Layout
 from tetrad.dist.topology import Topology
+from tetrad.model.llama import Transformer
 from tetrad.model.sampling import Sampling
 from tetrad.train.checkpoint import CheckpointError
 from tetrad.train.generate import (Dialogue, Weights, sampling_flags, chat_template, complete, continuation_loss,
@@ -158,18 +162,42 @@ def sample_on_this_rank(job: Job) -> tuple[str, list[int], list[int], float] | s
     device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
     topo = Topology(Layout(tp=job.tp), device)
     try:
-        model = inference_model(weights.model, weights.reader(), topo, devices.DTYPES[job.dtype])
-        if job.chat is not None:
-            dialogue = Dialogue(model, weights.tokenizer, job.chat, args.system, weights.source)
-            text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, job.sampling, args.seed)
-        else:
-            text, prompt, new = complete(model, weights.tokenizer, args.prompt or "", args.max_new_tokens,
-                                         job.sampling, args.seed, weights.source)
-        return text, prompt, new, continuation_loss(model, prompt, new)
+        model = _filled(job, topo)
+        try:
+            if job.chat is not None:
+                dialogue = Dialogue(model, weights.tokenizer, job.chat, args.system, weights.source)
+                text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, job.sampling, args.seed)
+            else:
+                text, prompt, new = complete(model, weights.tokenizer, args.prompt or "", args.max_new_tokens,
+                                             job.sampling, args.seed, weights.source)
+            return text, prompt, new, continuation_loss(model, prompt, new)
+        except torch.OutOfMemoryError as e:
+            raise ValueError(out_of_memory(job, "decoding", e)) from None
     except ValueError as e:
         return str(e)
     finally:
         topo.close()
+
+
+def _filled(job: Job, topo: Topology) -> Transformer:
+    """The job's model on this rank, or a ValueError naming what to change where it does not fit."""
+    try:
+        return inference_model(job.weights.model, job.weights.reader(), topo, devices.DTYPES[job.dtype])
+    except torch.OutOfMemoryError as e:
+        raise ValueError(out_of_memory(job, "filling the model", e)) from None
+
+
+def out_of_memory(job: Job, stage: str, error: torch.OutOfMemoryError) -> str:
+    """One line for an allocation the device refused during `stage`: what torch tried to allocate,
+    and the flags that need less (each GPU of --tp N holds 1/N of the weights and KV cache)."""
+    tried = re.search(r"Tried to allocate [\d.]+ \w+", str(error))
+    fixes = [f"--tp {2 * job.tp} to split the model and its KV cache over {2 * job.tp} GPUs"]
+    if job.dtype == "fp32":
+        fixes.append("--dtype bf16 for half the memory")
+    if stage == "decoding":
+        fixes.append("a shorter --max-new-tokens or prompt (the KV cache is allocated for both)")
+    return (f"{job.device_type} out of memory while {stage}" + (f" (t{tried[0][1:]})" if tried else "") +
+            f" at {job.dtype}, tp {job.tp}; pass " + ", or ".join(fixes))
 
 
 def _job(argv: list[str]) -> Job:
@@ -192,10 +220,12 @@ def _job(argv: list[str]) -> Job:
 
 def _conversation(job: Job) -> int:
     """--chat without --prompt: a conversation over stdin, in this process."""
-    device = devices.bind_rank(job.device_type, 0)
-    model = inference_model(job.weights.model, job.weights.reader(), Topology.single(device), devices.DTYPES[job.dtype])
+    model = _filled(job, Topology.single(devices.bind_rank(job.device_type, 0)))
     dialogue = Dialogue(model, job.weights.tokenizer, job.chat, job.args.system, job.weights.source)
-    turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, sys.stdin)
+    try:
+        turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, sys.stdin)
+    except torch.OutOfMemoryError as e:
+        raise ValueError(out_of_memory(job, "decoding", e)) from None
     print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held "
           f"{dialogue.cache.reused} of their {dialogue.cache.prompted} prompt tokens", file=sys.stderr)
     return 0

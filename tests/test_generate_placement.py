@@ -118,8 +118,6 @@ def test_bf16_samples_what_fp32_samples_at_about_its_loss(weights, capsys):
     (["--prompt", PROMPT, "--dtype", "fp64"], "--dtype 'fp64' is not one of fp32, bf16, fp16; pass one of them"),
     (["--prompt", PROMPT, "--tp", "3"], "--tp: tp=3 does not divide n_heads=4; use --tp in [1, 2]"),
     (["--prompt", PROMPT, "--tp", "0"], "--tp 0: need --tp >= 1"),
-    (["--chat", "--tp", "2"], "a conversation on stdin runs on one process; pass --prompt for one message under "
-                              "--tp 2, or --tp 1 to converse"),
 ])
 def test_a_bad_placement_is_one_line(weights, capsys, flags, line):
     assert main(["generate", str(weights["hf"]), *flags]) == 2
@@ -134,8 +132,9 @@ def test_a_conversation_refused_under_torchrun_is_told_a_fix_torchrun_takes(weig
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     assert main(["generate", str(weights["hf"]), "--chat"]) == 2
-    assert capsys.readouterr() == ("", "tetrad generate: a conversation on stdin runs on one process; pass --prompt "
-                                       "for one message under --tp 2, or run it without torchrun to converse\n")
+    assert capsys.readouterr() == ("", "tetrad generate: a conversation on stdin runs without torchrun (tetrad "
+                                       "generate --tp 2 starts its ranks itself); pass --prompt for one message under "
+                                       "torchrun, or run it without torchrun to converse\n")
 
 
 SAMPLINGS = {"greedy": ["--temperature", "0"], "seeded": ["--temperature", "1", "--top-p", "0.95", "--seed", "5"]}
@@ -185,6 +184,24 @@ def test_a_chat_under_tp2_answers_as_one_process_with_its_kv_cache(weights, caps
     one = capsys.readouterr().out
     assert main([*argv, "--tp", "2"]) == 0
     assert capsys.readouterr().out == one == alone[0][0][0] + "\n"
+
+
+def test_a_conversation_on_stdin_under_tp2_answers_as_one_process(weights, tmp_path):
+    """`--chat` without --prompt under --tp 2 was refused (run_local's ranks have no stdin): this
+    process reads stdin and passes each line to tp rank 0, which shares it with the other rank and
+    prints the answers; both turns answer as one process does, the second from the first's KV cache."""
+    found = found_weights(weights["hf"])
+    alone = _two_turns(found)
+    assert all(text for text, _, _ in alone[0]) and alone[1] > 0
+    argv = [sys.executable, "-m", "tetrad", "generate", str(weights["hf"]), "--chat", "--system", "You answer briefly.",
+            "--temperature", "0", "--max-new-tokens", "6"]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    runs = [subprocess.run([*argv, "--tp", tp], input="Name a colour.\nAnd another?\n", capture_output=True, text=True,
+                           timeout=120, env=env) for tp in ("1", "2")]
+    for out in runs:
+        assert (out.returncode, out.stdout) == (0, "".join(text + "\n" for text, _, _ in alone[0])), out.stderr
+        assert out.stderr == (f"tetrad generate: answered 2 messages; the KV cache held {alone[1]} of their "
+                              f"{alone[2]} prompt tokens\n"), out.stderr
 
 
 def test_under_torchrun_each_process_is_a_rank_and_rank_0_prints(weights, capsys, tmp_path):

@@ -8,17 +8,20 @@ gloo, or one per local accelerator) or, under torchrun, this process one of them
 starts the ranks (under torchrun in each, one line said for the job): a bad flag, checkpoint,
 chat template or tp is one line and no rank starts. Rank 0's text and loss are printed, by this
 process from run_local's results, or under torchrun by global rank 0. A conversation on stdin
-stays on one process: a rank started by run_local has no stdin (multiprocessing closes it), and
-under torchrun only some ranks would.
+runs here or on run_local's ranks, which have no stdin (multiprocessing closes it): a thread of
+this process reads it and queues each line for tp rank 0, which shares it with the other ranks
+and prints the answers. Under torchrun, where only some processes would have a stdin, it is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -49,7 +52,7 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "data was rendered with (tetrad data --chat-key), printing the answers alone: to --prompt, or "
                         "without it to each line of stdin in turn, keeping the conversation, until an empty line, "
                         "the input's end or the model's context (model.max_position_embeddings, else seq_len); "
-                        "a conversation on stdin runs with --tp 1")
+                        "a conversation on stdin runs without torchrun")
     parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens (default 200; "
                         "fewer at an EOS or the end of the model's context); the KV cache is allocated for the "
@@ -126,10 +129,10 @@ def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
     if world is None and device_type != "cpu" and tp > devices.local_device_count(device_type):
         have = counted(devices.local_device_count(device_type), f"{device_type} device")
         raise ValueError(f"--tp {tp} but this machine has {have}; use torchrun across nodes, or a smaller --tp")
-    if tp > 1 and args.chat and args.prompt is None:
-        converse = "run it without torchrun" if world is not None else "--tp 1"  # torchrun's --tp is its world
-        raise ValueError(f"a conversation on stdin runs on one process; pass --prompt for one message under --tp {tp}, "
-                         f"or {converse} to converse")
+    if world is not None and args.chat and args.prompt is None:  # some of torchrun's processes have no stdin
+        raise ValueError(f"a conversation on stdin runs without torchrun (tetrad generate --tp {tp} starts its ranks "
+                         f"itself); pass --prompt for one message under torchrun, or run it without torchrun to "
+                         "converse")
     return device_type, dtype, tp
 
 
@@ -218,16 +221,64 @@ def _job(argv: list[str]) -> Job:
     return Job(weights, device_type, dtype, tp, sampling, chat, args)
 
 
-def _conversation(job: Job) -> int:
-    """--chat without --prompt: a conversation over stdin, in this process."""
-    model = _filled(job, Topology.single(devices.bind_rank(job.device_type, 0)))
-    dialogue = Dialogue(model, job.weights.tokenizer, job.chat, job.args.system, job.weights.source)
+class _Queued:
+    """The lines the launching process reads from its stdin, on tp rank 0 of run_local's ranks
+    (which have no stdin): `readline` as a file's, "" at the input's end."""
+
+    def __init__(self, queue, tty: bool):
+        self.queue, self.tty = queue, tty
+
+    def readline(self) -> str:
+        return self.queue.get()
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def converse_on_this_rank(job: Job, queue=None, tty: bool = False) -> tuple[int, int, int] | str:
+    """This rank's part of a conversation (tp ranks in a process group, or this process alone, which
+    reads stdin itself): tp rank 0 reads the user's lines (stdin, or `queue`: _fed's), shares each
+    with the other ranks (inference.agreed_line) and prints the answers. The turns answered and the
+    KV cache's reused and prompted tokens, or a user error's line."""
+    device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    topo = Topology(Layout(tp=job.tp), device)
     try:
-        turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, sys.stdin)
-    except torch.OutOfMemoryError as e:
-        raise ValueError(out_of_memory(job, "decoding", e)) from None
-    print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held "
-          f"{dialogue.cache.reused} of their {dialogue.cache.prompted} prompt tokens", file=sys.stderr)
+        model = _filled(job, topo)
+        dialogue = Dialogue(model, job.weights.tokenizer, job.chat, job.args.system, job.weights.source)
+        lines = None if topo.tp_rank else sys.stdin if queue is None else _Queued(queue, tty)
+        try:
+            turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, lines)
+        except torch.OutOfMemoryError as e:
+            raise ValueError(out_of_memory(job, "decoding", e)) from None
+        return turns, dialogue.cache.reused, dialogue.cache.prompted
+    except ValueError as e:
+        return str(e)
+    finally:
+        topo.close()
+
+
+def _fed(queue, lines) -> None:
+    """Put each line of `lines` (this process's stdin) on `queue` for tp rank 0, then "" at its end."""
+    for line in iter(lines.readline, ""):
+        queue.put(line)
+    queue.put("")
+
+
+def _conversation(job: Job) -> int:
+    """--chat without --prompt: a conversation over stdin, in this process, or on run_local's tp
+    ranks, to whose rank 0 a thread here passes the lines of stdin."""
+    if job.tp == 1:
+        result = converse_on_this_rank(job)
+    else:
+        queue = multiprocessing.get_context("spawn").SimpleQueue()  # passes to forked and spawned ranks alike
+        threading.Thread(target=_fed, args=(queue, sys.stdin), daemon=True).start()
+        result = launch.run_local(converse_on_this_rank, job.tp, (job, queue, sys.stdin.isatty()),
+                                  device_type=job.device_type)[0]
+    if isinstance(result, str):
+        raise ValueError(result)
+    turns, reused, prompted = result
+    print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held {reused} of their {prompted} "
+          "prompt tokens", file=sys.stderr)
     return 0
 
 

@@ -39,8 +39,8 @@ from tetrad.model.sampling import SAMPLING_FIELDS, Sampling
 from tetrad.dist.topology import Topology
 from tetrad.train.convert import StoredWeights, exported_tokenizer, logical_shapes
 from tetrad.train.hf_architectures import model_config_from_hf
-from tetrad.train.inference import (CheckpointPart, SafetensorsPart, agreed_token, full_logits, inference_model,
-                                    stored_weights)
+from tetrad.train.inference import (CheckpointPart, SafetensorsPart, agreed_line, agreed_token, full_logits,
+                                    inference_model, stored_weights)
 from tetrad.train.init_from import HF_CONFIG, hf_config, hf_weights_problem, is_hf_folder
 
 
@@ -277,26 +277,31 @@ class Dialogue:
         return text, ids, new
 
 
-def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, lines: TextIO) -> int:
+def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, lines: TextIO | None) -> int:
     """Answer each line of `lines` as the user's next message, printing the answers, until an
     empty line, the input's end or the end of the model's context (said in a line); the number of turns. The
-    prompt marker is for a terminal: piped, the output is the answers alone."""
-    context = dialogue.model.cfg.context_length
+    prompt marker is for a terminal: piped, the output is the answers alone. Under tp, tp rank 0
+    reads `lines` and speaks; the other ranks (`lines` None) take its lines (inference.agreed_line)."""
+    context, topo = dialogue.model.cfg.context_length, dialogue.model.topo
+    speaks = lines is not None
     for turn in itertools.count():
-        if lines.isatty():
+        if speaks and lines.isatty():
             print("> ", end="", flush=True)
-        line = lines.readline()
+        line = agreed_line(lines.readline() if speaks else None, topo)
         if not line.strip():
             return turn
         try:
             text, ids, new = dialogue.answer(line.rstrip("\r\n"), max_new, sampling, seed + turn)
         except ContextFull as e:
-            print(f"tetrad generate: {e}: the conversation ends here", file=sys.stderr)
+            if speaks:
+                print(f"tetrad generate: {e}: the conversation ends here", file=sys.stderr)
             return turn
-        print(text, flush=True)
+        if speaks:
+            print(text, flush=True)
         if len(ids) + len(new) > context:
-            print(f"tetrad generate: the answer reached the end of the model's context ({context} tokens): the "
-                  "conversation ends here", file=sys.stderr)
+            if speaks:
+                print(f"tetrad generate: the answer reached the end of the model's context ({context} tokens): the "
+                      "conversation ends here", file=sys.stderr)
             return turn + 1
 
 

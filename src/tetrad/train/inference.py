@@ -180,3 +180,19 @@ def agreed_token(token: int, topo: Topology) -> int:
     sent = torch.tensor([token], device=topo.device)
     topo.comm.broadcast(sent, 0, "tp")
     return int(sent)
+
+
+def agreed_line(line: str | None, topo: Topology) -> str:
+    """Tensor-parallel rank 0's `line` (a conversation's next user message, read there alone: the
+    other ranks pass None), on every rank of its tp group: its length, then its UTF-8 bytes."""
+    if topo.tp_size == 1:
+        return line
+    data = line.encode() if topo.tp_rank == 0 else b""
+    size = torch.tensor([len(data)], device=topo.device)
+    topo.comm.broadcast(size, 0, "tp")
+    if not int(size):
+        return ""
+    sent = torch.tensor(list(data), dtype=torch.uint8, device=topo.device) if topo.tp_rank == 0 else \
+        torch.empty(int(size), dtype=torch.uint8, device=topo.device)
+    topo.comm.broadcast(sent, 0, "tp")
+    return bytes(sent.cpu().tolist()).decode()

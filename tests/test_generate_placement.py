@@ -8,6 +8,7 @@ is read."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import re
 import subprocess
@@ -17,18 +18,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_ranks
+from conftest import run_ranks, tiny_config
 from test_chat_data import _chat_tokenizer
 from test_generate import random_model
 from tetrad.cli import main
 from tetrad.data.chat import template_beside
 from tetrad.dist.layout import Layout
 from tetrad.dist.topology import Topology
+from tetrad.model.execution import Execution
+from tetrad.model.llama import Transformer
 from tetrad.model.sampling import GREEDY, Sampling
-from tetrad.sample import _job, sample_on_this_rank
+from tetrad.model.sharding import init_parameters
+from tetrad.sample import _job, chosen_dtype, sample_on_this_rank
 from tetrad.train.generate import (Dialogue, Weights, complete, continuation_loss, found_weights, generate,
-                                   load_generator)
+                                   load_generator, single_process_model)
 from tetrad.train.inference import inference_model
+from tetrad.train.init_from import initial_weights
 
 pytestmark = pytest.mark.dist
 
@@ -61,6 +66,14 @@ def weights(tmp_path_factory):
     assert main(["train", *TINY, "--train.steps=3", "--checkpoint.every=3", f"--run.dir={folder / 'run'}"]) == 0
     _write_hf(folder / "hf")
     return {"tetrad": folder / "run", "hf": folder / "hf"}
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp2(tmp_path_factory):
+    """A run trained at tp 2: its checkpoint stores each sharded tensor as two chunks."""
+    folder = tmp_path_factory.mktemp("tp2")
+    assert main(["train", *TINY, "--parallel.tp=2", "--train.steps=3", "--checkpoint.every=3", f"--run.dir={folder}"]) == 0
+    return folder
 
 
 def _loss_line(err: str) -> float:
@@ -105,8 +118,6 @@ def test_bf16_samples_what_fp32_samples_at_about_its_loss(weights, capsys):
     (["--prompt", PROMPT, "--dtype", "fp64"], "--dtype 'fp64' is not one of fp32, bf16, fp16; pass one of them"),
     (["--prompt", PROMPT, "--tp", "3"], "--tp: tp=3 does not divide n_heads=4; use --tp in [1, 2]"),
     (["--prompt", PROMPT, "--tp", "0"], "--tp 0: need --tp >= 1"),
-    (["--chat", "--tp", "2"], "a conversation on stdin runs on one process; pass --prompt for one message under "
-                              "--tp 2, or --tp 1 to converse"),
 ])
 def test_a_bad_placement_is_one_line(weights, capsys, flags, line):
     assert main(["generate", str(weights["hf"]), *flags]) == 2
@@ -121,8 +132,9 @@ def test_a_conversation_refused_under_torchrun_is_told_a_fix_torchrun_takes(weig
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     assert main(["generate", str(weights["hf"]), "--chat"]) == 2
-    assert capsys.readouterr() == ("", "tetrad generate: a conversation on stdin runs on one process; pass --prompt "
-                                       "for one message under --tp 2, or run it without torchrun to converse\n")
+    assert capsys.readouterr() == ("", "tetrad generate: a conversation on stdin runs without torchrun (tetrad "
+                                       "generate --tp 2 starts its ranks itself); pass --prompt for one message under "
+                                       "torchrun, or run it without torchrun to converse\n")
 
 
 SAMPLINGS = {"greedy": ["--temperature", "0"], "seeded": ["--temperature", "1", "--top-p", "0.95", "--seed", "5"]}
@@ -172,6 +184,24 @@ def test_a_chat_under_tp2_answers_as_one_process_with_its_kv_cache(weights, caps
     one = capsys.readouterr().out
     assert main([*argv, "--tp", "2"]) == 0
     assert capsys.readouterr().out == one == alone[0][0][0] + "\n"
+
+
+def test_a_conversation_on_stdin_under_tp2_answers_as_one_process(weights, tmp_path):
+    """`--chat` without --prompt under --tp 2 was refused (run_local's ranks have no stdin): this
+    process reads stdin and passes each line to tp rank 0, which shares it with the other rank and
+    prints the answers; both turns answer as one process does, the second from the first's KV cache."""
+    found = found_weights(weights["hf"])
+    alone = _two_turns(found)
+    assert all(text for text, _, _ in alone[0]) and alone[1] > 0
+    argv = [sys.executable, "-m", "tetrad", "generate", str(weights["hf"]), "--chat", "--system", "You answer briefly.",
+            "--temperature", "0", "--max-new-tokens", "6"]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    runs = [subprocess.run([*argv, "--tp", tp], input="Name a colour.\nAnd another?\n", capture_output=True, text=True,
+                           timeout=120, env=env) for tp in ("1", "2")]
+    for out in runs:
+        assert (out.returncode, out.stdout) == (0, "".join(text + "\n" for text, _, _ in alone[0])), out.stderr
+        assert out.stderr == (f"tetrad generate: answered 2 messages; the KV cache held {alone[1]} of their "
+                              f"{alone[2]} prompt tokens\n"), out.stderr
 
 
 def test_under_torchrun_each_process_is_a_rank_and_rank_0_prints(weights, capsys, tmp_path):
@@ -235,3 +265,150 @@ def test_the_logits_kept_for_each_token_are_the_vocabularys_alone():
     net = random_model()
     _, logits = generate(net, list(range(30)), 2, GREEDY, keep_logits=True)
     assert [lg.untyped_storage().nbytes() for lg in logits] == [net.cfg.vocab_size * 4] * 2
+
+
+def _tail_under(layout: dict, sequence_parallel: bool) -> str:
+    """The error a tail=1 forward meets on this rank of `layout`, with or without sequence parallelism."""
+    topo = Topology(Layout(**layout), torch.device("cpu"))
+    cfg = tiny_config().model
+    model = Transformer(cfg, topo, execution=Execution(sequence_parallel=sequence_parallel))
+    init_parameters(model, seed=1)
+    ids = torch.arange(8).view(1, 8)
+    try:
+        model(ids, torch.arange(8), tail=1)
+    except ValueError as e:
+        return str(e)
+    finally:
+        topo.close()
+    return "ran"
+
+
+@pytest.mark.parametrize("layout, sequence_parallel", [({"cp": 2}, False), ({"tp": 2}, True)], ids=["cp", "sp"])
+def test_tail_is_refused_where_a_rank_holds_a_shard_of_the_sequence(layout, sequence_parallel):
+    """tail=k reads the last k positions; under cp or sp a rank's positions are a shard of the
+    sequence, whose tail is not the sequence's: refused on every rank, not silently wrong."""
+    line = ("tail=1 takes the sequence's last positions, and under sequence or context parallelism this rank "
+            "holds a shard of it; run the model with neither")
+    assert run_ranks(_tail_under, 2, layout, sequence_parallel) == [line, line]
+    assert run_ranks(_tail_under, 2, {"tp": 2}, False) == ["ran", "ran"]  # tp without sp holds the whole sequence
+
+
+PRE_AMPERE = "bf16 needs compute capability 8.0 (Ampere) or newer; GPU 0 has 7.0"
+
+
+@pytest.mark.parametrize("device_type, flag, problem, chosen", [
+    ("cpu", None, None, "fp32"), ("cuda", None, None, "bf16"),
+    ("cuda", None, PRE_AMPERE, "fp16"),  # the default the device cannot run: fp16, said in a note
+    ("cuda", "bf16", PRE_AMPERE, "bf16"),  # the user's own flag: kept, for _placement's check to refuse
+    ("cuda", "fp32", None, "fp32"), ("cpu", "bf16", None, "bf16")])
+def test_the_default_dtype_is_fp16_where_the_device_has_no_bf16(device_type, flag, problem, chosen):
+    """On a GPU before Ampere the default bf16 was refused naming `--dtype bf16`, a flag the user
+    never passed; unasked, fp16 runs there instead and a note says why."""
+    dtype, note = chosen_dtype(device_type, flag, problem)
+    assert dtype == chosen
+    if chosen == "fp16":
+        assert note == ("tetrad generate: note: fp16, as this cuda device cannot multiply bf16 matrices "
+                        f"({PRE_AMPERE}); --dtype fp32 for fp32's range")
+    else:
+        assert note is None
+
+
+class _Counted:
+    """A reader's handle that records how many elements of its tensor each read asked for."""
+
+    def __init__(self, handle, name: str, reads: dict):
+        self.handle, self.name, self.reads = handle, name, reads
+
+    @property
+    def shape(self):
+        return self.handle.shape
+
+    def __getitem__(self, box):
+        part = self.handle[box]
+        self.reads[self.name] = self.reads.get(self.name, 0) + part.numel()
+        return part
+
+
+def _reads_and_tokens(found: Weights) -> tuple[dict[str, int], list[int]]:
+    """Elements read of each tensor to build this rank's model, and its greedy tokens after PROMPT."""
+    tp = dist.get_world_size() if dist.is_initialized() else 1
+    reads, reader = {}, found.reader()
+    model = inference_model(found.model, lambda name: _Counted(reader(name), name, reads),
+                            Topology(Layout(tp=tp), torch.device("cpu")))
+    _, _, new = complete(model, found.tokenizer, PROMPT, 10, GREEDY, source=found.source)
+    return reads, new
+
+
+@pytest.mark.parametrize("which", ["tetrad", "tetrad saved at tp 2", "hf"])
+def test_each_tp_rank_reads_only_its_part_of_each_tensor(weights, saved_at_tp2, which):
+    """Every rank read every whole tensor and cut its shard from it (tp x the reads, and the
+    largest tensor whole on each rank); now a rank asks for its rows or columns alone, the
+    replicated norms whole, the padded vocabulary's zero rows read by none, and samples the
+    one-process tokens (the HF folder's 301-token vocabulary pads to 302). A part read is the
+    part of the tensor init_from reads whole, across a tp 2 checkpoint's two chunks too."""
+    path = saved_at_tp2 if which == "tetrad saved at tp 2" else weights[which.split()[0]]
+    found, whole = found_weights(path), initial_weights(str(path))
+    shapes = {name: p.numel() for name, p in single_process_model(found.model, found.reader()).named_parameters()}
+    for name in shapes:
+        tensor = whole(name)
+        box = (slice(1, tensor.shape[0] - 1), *(slice(0, n) for n in tensor.shape[1:]))
+        assert torch.equal(found.reader()(name)[box], tensor[box]), name
+    alone, tokens = _reads_and_tokens(found)
+    assert alone == shapes and len(tokens) >= 4
+    ranks = run_ranks(_reads_and_tokens, 2, found)
+    assert [new for _, new in ranks] == [tokens, tokens]
+    for name, numel in shapes.items():
+        per_rank = [reads[name] for reads, _ in ranks]
+        replicated = name.endswith("norm.weight")
+        assert per_rank == [numel, numel] if replicated else sum(per_rank) == numel, (name, per_rank)
+    sharded = sum(n for name, n in shapes.items() if not name.endswith("norm.weight"))
+    assert all(sum(reads.values()) - (sum(shapes.values()) - sharded) == pytest.approx(sharded / 2, rel=0.01)
+               for reads, _ in ranks)
+
+
+OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB of which 1.12 GiB "
+       "is free. Of the allocated memory 13.90 GiB is allocated by PyTorch")
+
+
+def _refused(*args, **kwargs):
+    raise torch.OutOfMemoryError(OOM)  # what CUDA's caching allocator raises when a block does not fit
+
+
+@pytest.mark.parametrize("stage, target, flags", [
+    ("filling the model", "inference_model", ["--tp", "1"]),
+    ("filling the model", "inference_model", ["--tp", "2"]),  # on each rank, rank 0's line printed
+    ("decoding", "complete", ["--dtype", "bf16"]),
+    ("decoding", "converse", ["--chat"])])
+def test_running_out_of_device_memory_is_one_line_naming_what_to_change(weights, capsys, monkeypatch, stage, target,
+                                                                        flags):
+    """An allocation the device refuses (torch.OutOfMemoryError) while the model is filled or a
+    sample decoded was a traceback with no hint; now one line names what torch tried to allocate
+    and the flags that need less: more --tp, bf16 weights, fewer tokens for the KV cache."""
+    monkeypatch.setattr(f"tetrad.sample.{target}", _refused)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name a colour.\n"))
+    argv = ["generate", str(weights["hf"]), *(["--prompt", PROMPT] if target != "converse" else []), *flags]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    tp = 2 if "2" in flags else 1
+    dtype = "bf16" if "bf16" in flags else "fp32"
+    fixes = [f"--tp {2 * tp} to split the model and its KV cache over {2 * tp} GPUs"] + \
+        (["--dtype bf16 for half the memory"] if dtype == "fp32" else []) + \
+        (["a shorter --max-new-tokens or prompt (the KV cache is allocated for both)"] if stage == "decoding" else [])
+    assert (out, err) == ("", f"tetrad generate: cpu out of memory while {stage} (tried to allocate 2.00 GiB) at "
+                              f"{dtype}, tp {tp}; pass {', or '.join(fixes)}\n")
+
+
+def test_out_of_memory_exits_non_zero_without_a_traceback(weights, tmp_path):
+    """The command as a user runs it (a process of its own), the model's build refused by the allocator."""
+    script = ("import sys, torch, tetrad.sample as sample\n"
+              "def refused(*args, **kwargs):\n"
+              f"    raise torch.OutOfMemoryError({OOM!r})\n"
+              "sample.inference_model = refused\n"
+              "from tetrad.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    out = subprocess.run([sys.executable, "-c", script, "generate", str(weights["hf"]), "--prompt", PROMPT],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("tetrad generate: cpu out of memory while filling the model (tried to allocate "
+                                 "2.00 GiB) at fp32, tp 1; pass --tp 2"), out.stderr

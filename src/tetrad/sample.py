@@ -8,17 +8,23 @@ gloo, or one per local accelerator) or, under torchrun, this process one of them
 starts the ranks (under torchrun in each, one line said for the job): a bad flag, checkpoint,
 chat template or tp is one line and no rank starts. Rank 0's text and loss are printed, by this
 process from run_local's results, or under torchrun by global rank 0. A conversation on stdin
-stays on one process: a rank started by run_local has no stdin (multiprocessing closes it), and
-under torchrun only some ranks would.
+runs here or on run_local's ranks, which have no stdin (multiprocessing closes it): a thread of
+this process reads it and queues each line for tp rank 0, which shares it with the other ranks
+and prints the answers. Under torchrun, where only some processes would have a stdin, it is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
 import os
+import re
 import sys
+import threading
 from pathlib import Path
+
+import torch
 
 from tetrad import device as devices
 from tetrad import launch
@@ -27,6 +33,7 @@ from tetrad.data.chat import ChatTemplate
 from tetrad.data.tokenizer import model_sampling
 from tetrad.dist.layout import Layout
 from tetrad.dist.topology import Topology
+from tetrad.model.llama import Transformer
 from tetrad.model.sampling import Sampling
 from tetrad.train.checkpoint import CheckpointError
 from tetrad.train.generate import (Dialogue, Weights, sampling_flags, chat_template, complete, continuation_loss,
@@ -45,7 +52,7 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "data was rendered with (tetrad data --chat-key), printing the answers alone: to --prompt, or "
                         "without it to each line of stdin in turn, keeping the conversation, until an empty line, "
                         "the input's end or the model's context (model.max_position_embeddings, else seq_len); "
-                        "a conversation on stdin runs with --tp 1")
+                        "a conversation on stdin runs without torchrun")
     parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens (default 200; "
                         "fewer at an EOS or the end of the model's context); the KV cache is allocated for the "
@@ -64,7 +71,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "finds, else cpu, as train.device")
     parser.add_argument("--dtype", help="fp32, bf16 or fp16 for the weights, the KV cache and the compute (default: "
                         "fp32 on cpu, where bf16 matmuls are often slower; bf16 on an accelerator: half the memory "
-                        "and of the bytes each token reads, with fp32's range)")
+                        "and of the bytes each token reads, with fp32's range; fp16 on a GPU without bf16 matmuls, "
+                        "before Ampere)")
     parser.add_argument("--tp", type=int, help="tensor-parallel ranks, each holding 1/tp of the heads, the MLP, the "
                         "vocabulary and the KV cache (default 1; under torchrun its world size)")
     args = parser.parse_args(argv)
@@ -79,6 +87,18 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def chosen_dtype(device_type: str, flag: str | None, bf16_problem: str | None) -> tuple[str, str | None]:
+    """The dtype --dtype names (`flag`), else the default: fp32 on the CPU, bf16 on an accelerator
+    that multiplies it, else fp16 (a GPU before Ampere: `bf16_problem` says why), with a note
+    saying so (None: none). An explicit --dtype bf16 there is refused by the caller's check."""
+    if flag is not None or device_type == "cpu":
+        return flag or "fp32", None
+    if bf16_problem:
+        return "fp16", (f"tetrad generate: note: fp16, as this {device_type} device cannot multiply bf16 matrices "
+                        f"({bf16_problem}); --dtype fp32 for fp32's range")
+    return "bf16", None
+
+
 def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
     """The device type, dtype name and tp the flags ask for, checked against this machine and job."""
     if ":" in args.device:
@@ -87,7 +107,11 @@ def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
                          "rank i takes local device i")
     device_type = devices.resolve_device_type(args.device, "--device")
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator: the KV cache grows each token
-    dtype = args.dtype or ("fp32" if device_type == "cpu" else "bf16")
+    bf16_problem = devices.dtype_problem(device_type, devices.DTYPES["bf16"]) \
+        if args.dtype is None and device_type != "cpu" else None
+    dtype, note = chosen_dtype(device_type, args.dtype, bf16_problem)
+    if note and launch.speaks_for_the_job():
+        print(note, file=sys.stderr)
     if dtype not in devices.DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(devices.DTYPES)}; pass one of them")
     problem = devices.dtype_problem(device_type, devices.DTYPES[dtype])
@@ -105,10 +129,10 @@ def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
     if world is None and device_type != "cpu" and tp > devices.local_device_count(device_type):
         have = counted(devices.local_device_count(device_type), f"{device_type} device")
         raise ValueError(f"--tp {tp} but this machine has {have}; use torchrun across nodes, or a smaller --tp")
-    if tp > 1 and args.chat and args.prompt is None:
-        converse = "run it without torchrun" if world is not None else "--tp 1"  # torchrun's --tp is its world
-        raise ValueError(f"a conversation on stdin runs on one process; pass --prompt for one message under --tp {tp}, "
-                         f"or {converse} to converse")
+    if world is not None and args.chat and args.prompt is None:  # some of torchrun's processes have no stdin
+        raise ValueError(f"a conversation on stdin runs without torchrun (tetrad generate --tp {tp} starts its ranks "
+                         f"itself); pass --prompt for one message under torchrun, or run it without torchrun to "
+                         "converse")
     return device_type, dtype, tp
 
 
@@ -141,18 +165,42 @@ def sample_on_this_rank(job: Job) -> tuple[str, list[int], list[int], float] | s
     device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
     topo = Topology(Layout(tp=job.tp), device)
     try:
-        model = inference_model(weights.model, weights.reader(), topo, devices.DTYPES[job.dtype])
-        if job.chat is not None:
-            dialogue = Dialogue(model, weights.tokenizer, job.chat, args.system, weights.source)
-            text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, job.sampling, args.seed)
-        else:
-            text, prompt, new = complete(model, weights.tokenizer, args.prompt or "", args.max_new_tokens,
-                                         job.sampling, args.seed, weights.source)
-        return text, prompt, new, continuation_loss(model, prompt, new)
+        model = _filled(job, topo)
+        try:
+            if job.chat is not None:
+                dialogue = Dialogue(model, weights.tokenizer, job.chat, args.system, weights.source)
+                text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, job.sampling, args.seed)
+            else:
+                text, prompt, new = complete(model, weights.tokenizer, args.prompt or "", args.max_new_tokens,
+                                             job.sampling, args.seed, weights.source)
+            return text, prompt, new, continuation_loss(model, prompt, new)
+        except torch.OutOfMemoryError as e:
+            raise ValueError(out_of_memory(job, "decoding", e)) from None
     except ValueError as e:
         return str(e)
     finally:
         topo.close()
+
+
+def _filled(job: Job, topo: Topology) -> Transformer:
+    """The job's model on this rank, or a ValueError naming what to change where it does not fit."""
+    try:
+        return inference_model(job.weights.model, job.weights.reader(), topo, devices.DTYPES[job.dtype])
+    except torch.OutOfMemoryError as e:
+        raise ValueError(out_of_memory(job, "filling the model", e)) from None
+
+
+def out_of_memory(job: Job, stage: str, error: torch.OutOfMemoryError) -> str:
+    """One line for an allocation the device refused during `stage`: what torch tried to allocate,
+    and the flags that need less (each GPU of --tp N holds 1/N of the weights and KV cache)."""
+    tried = re.search(r"Tried to allocate [\d.]+ \w+", str(error))
+    fixes = [f"--tp {2 * job.tp} to split the model and its KV cache over {2 * job.tp} GPUs"]
+    if job.dtype == "fp32":
+        fixes.append("--dtype bf16 for half the memory")
+    if stage == "decoding":
+        fixes.append("a shorter --max-new-tokens or prompt (the KV cache is allocated for both)")
+    return (f"{job.device_type} out of memory while {stage}" + (f" (t{tried[0][1:]})" if tried else "") +
+            f" at {job.dtype}, tp {job.tp}; pass " + ", or ".join(fixes))
 
 
 def _job(argv: list[str]) -> Job:
@@ -173,14 +221,64 @@ def _job(argv: list[str]) -> Job:
     return Job(weights, device_type, dtype, tp, sampling, chat, args)
 
 
+class _Queued:
+    """The lines the launching process reads from its stdin, on tp rank 0 of run_local's ranks
+    (which have no stdin): `readline` as a file's, "" at the input's end."""
+
+    def __init__(self, queue, tty: bool):
+        self.queue, self.tty = queue, tty
+
+    def readline(self) -> str:
+        return self.queue.get()
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def converse_on_this_rank(job: Job, queue=None, tty: bool = False) -> tuple[int, int, int] | str:
+    """This rank's part of a conversation (tp ranks in a process group, or this process alone, which
+    reads stdin itself): tp rank 0 reads the user's lines (stdin, or `queue`: _fed's), shares each
+    with the other ranks (inference.agreed_line) and prints the answers. The turns answered and the
+    KV cache's reused and prompted tokens, or a user error's line."""
+    device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    topo = Topology(Layout(tp=job.tp), device)
+    try:
+        model = _filled(job, topo)
+        dialogue = Dialogue(model, job.weights.tokenizer, job.chat, job.args.system, job.weights.source)
+        lines = None if topo.tp_rank else sys.stdin if queue is None else _Queued(queue, tty)
+        try:
+            turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, lines)
+        except torch.OutOfMemoryError as e:
+            raise ValueError(out_of_memory(job, "decoding", e)) from None
+        return turns, dialogue.cache.reused, dialogue.cache.prompted
+    except ValueError as e:
+        return str(e)
+    finally:
+        topo.close()
+
+
+def _fed(queue, lines) -> None:
+    """Put each line of `lines` (this process's stdin) on `queue` for tp rank 0, then "" at its end."""
+    for line in iter(lines.readline, ""):
+        queue.put(line)
+    queue.put("")
+
+
 def _conversation(job: Job) -> int:
-    """--chat without --prompt: a conversation over stdin, in this process."""
-    device = devices.bind_rank(job.device_type, 0)
-    model = inference_model(job.weights.model, job.weights.reader(), Topology.single(device), devices.DTYPES[job.dtype])
-    dialogue = Dialogue(model, job.weights.tokenizer, job.chat, job.args.system, job.weights.source)
-    turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, sys.stdin)
-    print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held "
-          f"{dialogue.cache.reused} of their {dialogue.cache.prompted} prompt tokens", file=sys.stderr)
+    """--chat without --prompt: a conversation over stdin, in this process, or on run_local's tp
+    ranks, to whose rank 0 a thread here passes the lines of stdin."""
+    if job.tp == 1:
+        result = converse_on_this_rank(job)
+    else:
+        queue = multiprocessing.get_context("spawn").SimpleQueue()  # passes to forked and spawned ranks alike
+        threading.Thread(target=_fed, args=(queue, sys.stdin), daemon=True).start()
+        result = launch.run_local(converse_on_this_rank, job.tp, (job, queue, sys.stdin.isatty()),
+                                  device_type=job.device_type)[0]
+    if isinstance(result, str):
+        raise ValueError(result)
+    turns, reused, prompted = result
+    print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held {reused} of their {prompted} "
+          "prompt tokens", file=sys.stderr)
     return 0
 
 

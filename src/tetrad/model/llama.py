@@ -294,6 +294,9 @@ class Transformer(nn.Module):
         logits, or the loss with `labels` [b, tail], of the last `tail` positions alone (0: all):
         the head's output is positions x vocabulary floats (4 GiB in fp32 for an 8k prompt and a
         128k vocabulary), where sampling reads the last one."""
+        if tail and (self.topo.size("cp") > 1 or (self.execution.sequence_parallel and self.topo.tp_size > 1)):
+            raise ValueError(f"tail={tail} takes the sequence's last positions, and under sequence or context "
+                             "parallelism this rank holds a shard of it; run the model with neither")
         if self.first:
             h = self.embed(x)
             if self.cfg.pos == "learned":

@@ -39,8 +39,9 @@ from tetrad.model.sampling import SAMPLING_FIELDS, Sampling
 from tetrad.dist.topology import Topology
 from tetrad.train.convert import StoredWeights, exported_tokenizer, logical_shapes
 from tetrad.train.hf_architectures import model_config_from_hf
-from tetrad.train.inference import agreed_token, full_logits, inference_model
-from tetrad.train.init_from import HF_CONFIG, hf_config, hf_weights_problem, initial_weights, is_hf_folder
+from tetrad.train.inference import (CheckpointPart, SafetensorsPart, agreed_line, agreed_token, full_logits,
+                                    inference_model, stored_weights)
+from tetrad.train.init_from import HF_CONFIG, hf_config, hf_weights_problem, is_hf_folder
 
 
 def single_process_model(model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
@@ -172,9 +173,9 @@ class Weights:
     tokenizer: Tokenizer
     source: Path | None
 
-    def reader(self) -> Callable[[str], torch.Tensor]:
-        """name -> its logical tensor, read when asked (one at a time), as init_from reads it."""
-        return initial_weights(str(self.path))
+    def reader(self) -> Callable[[str], SafetensorsPart | CheckpointPart]:
+        """name -> a handle to its logical tensor, read when asked by the part a rank keeps."""
+        return stored_weights(self.path)
 
 
 def found_weights(checkpoint: Path) -> Weights:
@@ -276,26 +277,31 @@ class Dialogue:
         return text, ids, new
 
 
-def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, lines: TextIO) -> int:
+def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, lines: TextIO | None) -> int:
     """Answer each line of `lines` as the user's next message, printing the answers, until an
     empty line, the input's end or the end of the model's context (said in a line); the number of turns. The
-    prompt marker is for a terminal: piped, the output is the answers alone."""
-    context = dialogue.model.cfg.context_length
+    prompt marker is for a terminal: piped, the output is the answers alone. Under tp, tp rank 0
+    reads `lines` and speaks; the other ranks (`lines` None) take its lines (inference.agreed_line)."""
+    context, topo = dialogue.model.cfg.context_length, dialogue.model.topo
+    speaks = lines is not None
     for turn in itertools.count():
-        if lines.isatty():
+        if speaks and lines.isatty():
             print("> ", end="", flush=True)
-        line = lines.readline()
+        line = agreed_line(lines.readline() if speaks else None, topo)
         if not line.strip():
             return turn
         try:
             text, ids, new = dialogue.answer(line.rstrip("\r\n"), max_new, sampling, seed + turn)
         except ContextFull as e:
-            print(f"tetrad generate: {e}: the conversation ends here", file=sys.stderr)
+            if speaks:
+                print(f"tetrad generate: {e}: the conversation ends here", file=sys.stderr)
             return turn
-        print(text, flush=True)
+        if speaks:
+            print(text, flush=True)
         if len(ids) + len(new) > context:
-            print(f"tetrad generate: the answer reached the end of the model's context ({context} tokens): the "
-                  "conversation ends here", file=sys.stderr)
+            if speaks:
+                print(f"tetrad generate: the answer reached the end of the model's context ({context} tokens): the "
+                      "conversation ends here", file=sys.stderr)
             return turn + 1
 
 

@@ -29,6 +29,17 @@ def test_a_config_mistake_is_refused_before_any_worker_starts(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_the_console_script_without_python_is_checked_too(tmp_path):
+    """`--no-python tetrad train` (torchrun running the `tetrad` console script, by name or path) is
+    `-m tetrad train`, checked before any worker starts (before: only `-m tetrad` was, and the
+    workers met the mistake, --max-restarts times)."""
+    for script in ("tetrad", "/an/env/bin/tetrad"):
+        out = _torchrun(tmp_path, "--max-restarts=3", "--no-python", script, "train", "--parallel.dp=1",
+                        f"--run.dir={tmp_path / 'run'}")
+        assert out.returncode == 2, out.stderr
+        assert out.stderr == "tetrad: config error: dp*tp*pp*cp = 1*1*1*1 = 1 but the job has 2 ranks; set parallel.dp=2\n"
+
+
 def test_a_job_that_passes_the_checks_trains_as_under_torchrun(tmp_path):
     """The checks before the spawn leave the run as torchrun's workers find it (no folder, file or
     resume decision of their own): the ranks train and rank 0 says the closing line once."""

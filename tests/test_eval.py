@@ -214,3 +214,43 @@ def test_an_evaluation_that_dumped_nothing_leaves_no_folder(tmp_path, capsys, mo
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
     _evaluated(capsys, str(run))
     assert told and not list((tmp_path / "tmp").iterdir())
+
+
+def test_a_failed_evaluation_names_no_other_evaluations_dumps(tmp_path, capsys, monkeypatch):
+    """An earlier evaluation's dumps (here in the folder the pid would have named: pids recur, as
+    torchrun's default run id "none" and a reused job id do) are not this failure's: it names no
+    folder where it dumped nothing, and leaves the earlier dumps alone."""
+    import os
+    from tetrad import launch
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=1", "--checkpoint.every=1", f"--run.dir={run}"]) == 0
+    earlier = tmp_path / "tmp" / f"tetrad-eval-nccl-{os.getpid()}"
+    earlier.mkdir(parents=True)
+    (earlier / "rank_0").write_text("an earlier evaluation's dump")
+
+    def failed(device_type, trace_dir):
+        raise launch.RankFailure("rank 1 died by SIGABRT (no Python traceback: a crash or a kill).")
+    monkeypatch.setattr(launch, "diagnose_nccl", failed)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 1
+    assert "fr_trace" not in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "tmp").iterdir()] == [earlier.name] and (earlier / "rank_0").exists()
+
+
+_TRACE_DIR = "from tetrad.evaluate import trace_dir; print(trace_dir())"
+
+
+def test_torchrun_evaluations_on_one_node_dump_apart_and_a_jobs_ranks_together(tmp_path):
+    """Under torchrun the ranks of one job on a node share the dump folder (their agent is their
+    parent), and two jobs with one run id (torchrun's default "none", or a job id several
+    evaluations reuse) do not (before: tetrad-eval-nccl-RUNID for both)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "none", "RANK": "0", "WORLD_SIZE": "2", "TMPDIR": str(tmp_path)}
+    rank = f"{sys.executable} -c '{_TRACE_DIR}'"
+    jobs = [subprocess.run(["sh", "-c", f"{rank} & {rank}; wait"], env=env, capture_output=True, text=True,
+                           check=True).stdout.split() for _ in range(2)]
+    assert all(len(set(ranks)) == 1 for ranks in jobs), jobs
+    assert jobs[0][0] != jobs[1][0] and all(path.startswith(str(tmp_path)) for path, _ in jobs), jobs

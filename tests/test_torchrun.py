@@ -76,3 +76,26 @@ def test_a_refusal_only_a_rank_meets_is_its_line(tmp_path):
     lines = out.stderr.splitlines()
     assert sum(line.startswith(refusal) for line in lines) == 1, out.stderr
     assert lines[-1].startswith("tetrad torchrun: rank ") and f"the job was stopped: {refusal}" in lines[-1], lines[-1]
+
+
+def test_a_signal_to_it_stops_the_ranks_and_is_its_exit_status(tmp_path):
+    """SLURM's SIGTERM to `tetrad torchrun` (its agent) reaches the ranks as torchrun forwards it:
+    they stop after the step in flight and save, and the command ends with one line and 128 + 15
+    (torchrun's own: a SignalException traceback and exit 1)."""
+    import signal
+    import time
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tetrad", "torchrun", "--standalone", "--nproc-per-node=2", "-m", "tetrad", "train",
+         "--parallel.dp=2", "--train.steps=100000", "--train.global_batch=4", "--train.micro_batch=2",
+         "--model.n_layers=1", "--model.d_model=32", "--model.ffn_hidden=64", "--model.seq_len=16", f"--run.dir={run}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    deadline = time.monotonic() + 90
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no step within 90 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert err.splitlines()[-1] == "tetrad torchrun: stopped by SIGTERM, forwarded to this node's ranks", err[-2000:]
+    assert list((run / "checkpoints").glob("step_*")), err[-2000:]  # the ranks saved where they stopped

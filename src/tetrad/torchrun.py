@@ -37,7 +37,7 @@ def torchrun_command(argv: list[str]) -> int:
         print(f"tetrad torchrun: {_root_cause(rank, failure)}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as e:  # torchrun's agent stopped its workers on this signal
-        print(f"tetrad torchrun: stopped by {signal.Signals(e.sigval).name}; every rank was stopped", file=sys.stderr)
+        print(f"tetrad torchrun: stopped by {signal.Signals(e.sigval).name}, forwarded to this node's ranks", file=sys.stderr)
         return 128 + e.sigval
     return 0
 

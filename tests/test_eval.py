@@ -149,10 +149,10 @@ def _fit_loss(trainer: Trainer) -> float:
     return trainer.fit()[-1]["loss"]
 
 
-def test_only_evaluate_gets_a_forward_only_trainer():
-    """launch.train builds the forward-only Trainer for Trainer.evaluate alone: a script's own
-    `work` that trains gets the training build and trains as `fit` does (before: any work but
-    Trainer.fit was built forward-only, and fit failed on the missing optimizer in every rank)."""
+def test_a_scripts_own_work_gets_a_training_build_by_default():
+    """launch.train builds a training Trainer unless the caller says forward_only: a script's own
+    `work` that trains trains as `fit` does (before: any work but Trainer.fit was built
+    forward-only, and fit failed on the missing optimizer in every rank)."""
     from tetrad import launch
     loss = launch.train(tiny_config(train={"steps": 1}, parallel={"dp": 2}), work=_fit_loss)
     assert loss == launch.train(tiny_config(train={"steps": 1}, parallel={"dp": 2}))[-1]["loss"]

@@ -149,13 +149,18 @@ def plan_command(argv: list[str], model_from_inputs: Callable[[dict], dict] | No
 
 def _user_keys(args, overrides: list[str]) -> set[str]:
     """The "section.key"s the user set: in the config file, as overrides, or by a flag."""
-    keys = {item.lstrip("-").split("=", 1)[0] for item in overrides}
+    keys = _flagged(overrides)
     keys |= {"train.global_batch"} if args.global_batch is not None else set()
     path = args.config or (args.model if args.model.endswith(".toml") else None)
     if path:
         raw = tomllib.loads(Path(path).read_text())
         keys |= {f"{section}.{key}" for section, table in raw.items() if isinstance(table, dict) for key in table}
     return keys
+
+
+def _flagged(overrides: list[str]) -> set[str]:
+    """The "section.key"s of `--section.key=value` flags."""
+    return {item.lstrip("-").split("=", 1)[0] for item in overrides}
 
 
 def _own_folders(cfg: Config, flagged: set[str]) -> tuple[Config, list[str]]:
@@ -187,7 +192,7 @@ def _write(best: Estimate, args, overrides: list[str], out) -> None:
     """Write the best layout as a config, with training settings sized to the model where the user
     set none, each stated in the file's header and printed."""
     cfg, notes = sized_training(best.cfg, _user_keys(args, overrides), best.step_time_s)
-    cfg, moved = _own_folders(cfg, {item.lstrip("-").split("=", 1)[0] for item in overrides})
+    cfg, moved = _own_folders(cfg, _flagged(overrides))
     notes += moved
     header = [f"# Written by tetrad plan: {best.step_time_s:.3g} s per step predicted, MFU {100 * best.mfu:.1f}%, "
               f"{best.peak_memory_gib:.1f} GiB per GPU."]

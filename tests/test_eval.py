@@ -238,7 +238,7 @@ def test_a_failed_evaluation_names_no_other_evaluations_dumps(tmp_path, capsys, 
     assert [p.name for p in (tmp_path / "tmp").iterdir()] == [earlier.name] and (earlier / "rank_0").exists()
 
 
-_TRACE_DIR = "from tetrad.evaluate import trace_dir; print(trace_dir())"
+_TRACE_DIR = "import os; from tetrad.evaluate import trace_dir; os.write(1, f\"{trace_dir()}\\n\".encode())"  # one write
 
 
 def test_torchrun_evaluations_on_one_node_dump_apart_and_a_jobs_ranks_together(tmp_path):
@@ -250,7 +250,8 @@ def test_torchrun_evaluations_on_one_node_dump_apart_and_a_jobs_ranks_together(t
     import sys
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "none", "RANK": "0", "WORLD_SIZE": "2", "TMPDIR": str(tmp_path)}
     rank = f"{sys.executable} -c '{_TRACE_DIR}'"
-    jobs = [subprocess.run(["sh", "-c", f"{rank} & {rank}; wait"], env=env, capture_output=True, text=True,
-                           check=True).stdout.split() for _ in range(2)]
-    assert all(len(set(ranks)) == 1 for ranks in jobs), jobs
+    outs = [subprocess.run(["sh", "-c", f"{rank} & {rank}; wait"], env=env, capture_output=True, text=True)
+            for _ in range(2)]
+    jobs = [out.stdout.split() for out in outs]
+    assert all(len(ranks) == 2 and len(set(ranks)) == 1 for ranks in jobs), (jobs, [out.stderr for out in outs])
     assert jobs[0][0] != jobs[1][0] and all(path.startswith(str(tmp_path)) for path, _ in jobs), jobs

@@ -149,10 +149,10 @@ def _fit_loss(trainer: Trainer) -> float:
     return trainer.fit()[-1]["loss"]
 
 
-def test_only_evaluate_gets_a_forward_only_trainer():
-    """launch.train builds the forward-only Trainer for Trainer.evaluate alone: a script's own
-    `work` that trains gets the training build and trains as `fit` does (before: any work but
-    Trainer.fit was built forward-only, and fit failed on the missing optimizer in every rank)."""
+def test_a_scripts_own_work_gets_a_training_build_by_default():
+    """launch.train builds a training Trainer unless the caller says forward_only: a script's own
+    `work` that trains trains as `fit` does (before: any work but Trainer.fit was built
+    forward-only, and fit failed on the missing optimizer in every rank)."""
     from tetrad import launch
     loss = launch.train(tiny_config(train={"steps": 1}, parallel={"dp": 2}), work=_fit_loss)
     assert loss == launch.train(tiny_config(train={"steps": 1}, parallel={"dp": 2}))[-1]["loss"]
@@ -214,3 +214,44 @@ def test_an_evaluation_that_dumped_nothing_leaves_no_folder(tmp_path, capsys, mo
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
     _evaluated(capsys, str(run))
     assert told and not list((tmp_path / "tmp").iterdir())
+
+
+def test_a_failed_evaluation_names_no_other_evaluations_dumps(tmp_path, capsys, monkeypatch):
+    """An earlier evaluation's dumps (here in the folder the pid would have named: pids recur, as
+    torchrun's default run id "none" and a reused job id do) are not this failure's: it names no
+    folder where it dumped nothing, and leaves the earlier dumps alone."""
+    import os
+    from tetrad import launch
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=1", "--checkpoint.every=1", f"--run.dir={run}"]) == 0
+    earlier = tmp_path / "tmp" / f"tetrad-eval-nccl-{os.getpid()}"
+    earlier.mkdir(parents=True)
+    (earlier / "rank_0").write_text("an earlier evaluation's dump")
+
+    def failed(device_type, trace_dir):
+        raise launch.RankFailure("rank 1 died by SIGABRT (no Python traceback: a crash or a kill).")
+    monkeypatch.setattr(launch, "diagnose_nccl", failed)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 1
+    assert "fr_trace" not in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "tmp").iterdir()] == [earlier.name] and (earlier / "rank_0").exists()
+
+
+_TRACE_DIR = "import os; from tetrad.evaluate import trace_dir; os.write(1, f\"{trace_dir()}\\n\".encode())"  # one write
+
+
+def test_torchrun_evaluations_on_one_node_dump_apart_and_a_jobs_ranks_together(tmp_path):
+    """Under torchrun the ranks of one job on a node share the dump folder (their agent is their
+    parent), and two jobs with one run id (torchrun's default "none", or a job id several
+    evaluations reuse) do not (before: tetrad-eval-nccl-RUNID for both)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "none", "RANK": "0", "WORLD_SIZE": "2", "TMPDIR": str(tmp_path)}
+    rank = f"{sys.executable} -c '{_TRACE_DIR}'"
+    outs = [subprocess.run(["sh", "-c", f"{rank} & {rank}; wait"], env=env, capture_output=True, text=True)
+            for _ in range(2)]
+    jobs = [out.stdout.split() for out in outs]
+    assert all(len(ranks) == 2 and len(set(ranks)) == 1 for ranks in jobs), (jobs, [out.stderr for out in outs])
+    assert jobs[0][0] != jobs[1][0] and all(path.startswith(str(tmp_path)) for path, _ in jobs), jobs

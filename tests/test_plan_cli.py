@@ -289,7 +289,8 @@ def test_plan_write_runs_in_a_folder_of_the_layouts_own(tmp_path, capsys):
     """The written config does not write into the run folder of the config it was planned from
     (before: run.dir and checkpoint.dir were kept, and `tetrad train best.toml` wrote its metrics
     and checkpoints into that run's folder, and resumed its checkpoints): it gets
-    RUN_DIR-dpD-tpT-ppP-cpC, a plan of the written config keeps that name, and a flag decides."""
+    RUN_DIR-dpD-tpT-ppP-cpC (a checkpoint.dir inside RUN_DIR with it), a plan of the written config keeps
+    that name, and a flag decides."""
     run = tmp_path / "runs" / "mine"
     config = tmp_path / "mine.toml"
     config.write_text(f'[model]\npreset = "llama3-8b"\n[run]\ndir = "{run}"\n[checkpoint]\ndir = "{run}/ckpt"\n')
@@ -299,12 +300,21 @@ def test_plan_write_runs_in_a_folder_of_the_layouts_own(tmp_path, capsys):
     cfg, printed = load_config(out), capsys.readouterr().out
     p = cfg.parallel
     tag = f"-dp{p.dp}-tp{p.tp}-pp{p.pp}-cp{p.cp}"
-    assert (cfg.run.dir, cfg.checkpoint.dir) == (f"{run}{tag}", f"{run}/ckpt{tag}")
+    assert (cfg.run.dir, cfg.checkpoint.dir) == (f"{run}{tag}", f"{run}{tag}/ckpt")  # not in the old run's folder
     assert f"run.dir = '{run}{tag}': the layout's own folder, apart from '{run}''s run" in printed
     again = tmp_path / "again.toml"
     assert main(["plan", str(out), "--cluster", "dgx-h100", "--global-batch", "16", "--top", "1",
                  "--write", str(again)]) == 0
     assert load_config(again).run.dir == f"{run}{tag}"  # not ...-dp8-tp1-pp1-cp1-dp8-tp1-pp1-cp1
+    assert load_config(again).checkpoint.dir == f"{run}{tag}/ckpt"
+    elsewhere = tmp_path / "ckpts" / "mine"
+    assert main(["plan", str(config), "--cluster", "dgx-h100", "--global-batch", "16", "--top", "1",
+                 "--write", str(again), f"--checkpoint.dir={elsewhere}/"]) == 0
+    assert load_config(again).checkpoint.dir == f"{elsewhere}/"  # a flag is the user's word
+    config.write_text(f'[model]\npreset = "llama3-8b"\n[run]\ndir = "{run}/"\n[checkpoint]\ndir = "{elsewhere}/"\n')
+    assert main(["plan", str(config), "--cluster", "dgx-h100", "--global-batch", "16", "--top", "1",
+                 "--write", str(again)]) == 0
+    assert (load_config(again).run.dir, load_config(again).checkpoint.dir) == (f"{run}{tag}", f"{elsewhere}{tag}")
     assert main(["plan", str(config), "--cluster", "dgx-h100", "--global-batch", "16", "--top", "1",
                  "--write", str(out), f"--run.dir={tmp_path / 'chosen'}"]) == 0
     assert load_config(out).run.dir == str(tmp_path / "chosen")

@@ -29,6 +29,17 @@ def test_a_config_mistake_is_refused_before_any_worker_starts(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_the_console_script_without_python_is_checked_too(tmp_path):
+    """`--no-python tetrad train` (torchrun running the `tetrad` console script, by name or path) is
+    `-m tetrad train`, checked before any worker starts (before: only `-m tetrad` was, and the
+    workers met the mistake, --max-restarts times)."""
+    for script in ("tetrad", "/an/env/bin/tetrad"):
+        out = _torchrun(tmp_path, "--max-restarts=3", "--no-python", script, "train", "--parallel.dp=1",
+                        f"--run.dir={tmp_path / 'run'}")
+        assert out.returncode == 2, out.stderr
+        assert out.stderr == "tetrad: config error: dp*tp*pp*cp = 1*1*1*1 = 1 but the job has 2 ranks; set parallel.dp=2\n"
+
+
 def test_a_job_that_passes_the_checks_trains_as_under_torchrun(tmp_path):
     """The checks before the spawn leave the run as torchrun's workers find it (no folder, file or
     resume decision of their own): the ranks train and rank 0 says the closing line once."""
@@ -65,3 +76,26 @@ def test_a_refusal_only_a_rank_meets_is_its_line(tmp_path):
     lines = out.stderr.splitlines()
     assert sum(line.startswith(refusal) for line in lines) == 1, out.stderr
     assert lines[-1].startswith("tetrad torchrun: rank ") and f"the job was stopped: {refusal}" in lines[-1], lines[-1]
+
+
+def test_a_signal_to_it_stops_the_ranks_and_is_its_exit_status(tmp_path):
+    """SLURM's SIGTERM to `tetrad torchrun` (its agent) reaches the ranks as torchrun forwards it:
+    they stop after the step in flight and save, and the command ends with one line and 128 + 15
+    (torchrun's own: a SignalException traceback and exit 1)."""
+    import signal
+    import time
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tetrad", "torchrun", "--standalone", "--nproc-per-node=2", "-m", "tetrad", "train",
+         "--parallel.dp=2", "--train.steps=100000", "--train.global_batch=4", "--train.micro_batch=2",
+         "--model.n_layers=1", "--model.d_model=32", "--model.ffn_hidden=64", "--model.seq_len=16", f"--run.dir={run}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    deadline = time.monotonic() + 90
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no step within 90 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert err.splitlines()[-1] == "tetrad torchrun: stopped by SIGTERM, forwarded to this node's ranks", err[-2000:]
+    assert list((run / "checkpoints").glob("step_*")), err[-2000:]  # the ranks saved where they stopped

@@ -9,7 +9,8 @@ trained with (its config.toml), else the defaults; flags override it. The evalua
 data's held-out part (data.val_source, or the last data.val_fraction of data.source) or, where
 the config holds none out, the whole of data.source; at most train.eval_steps global batches.
 Nothing is written: no checkpoint, no metrics. On NCCL, the flight recorder's dumps of a hang
-go to TMPDIR/tetrad-eval-nccl-JOB (`trace_dir`), which outlives the command, and a failure names it.
+go to a TMPDIR/tetrad-eval-nccl-* folder of its own (`trace_dir`), which outlives the command, and
+a failure of the ranks it starts names it.
 """
 
 from __future__ import annotations
@@ -65,9 +66,15 @@ def eval_config(config: str | None, overrides: list[str], weights: Path, run_dir
 
 def trace_dir() -> Path:
     """Where NCCL's flight recorder dumps an evaluation's hang: not its run folder, a temporary one
-    deleted as the command ends, but a folder that outlives it, one for the job's ranks on this node
-    (torchrun's run id; else this process, whose children they are)."""
-    return Path(tempfile.gettempdir()) / f"tetrad-eval-nccl-{os.environ.get('TORCHELASTIC_RUN_ID') or os.getpid()}"
+    deleted as the command ends, but a folder that outlives it and no other evaluation shares (else
+    a failure would name an earlier one's dumps): a fresh one for the ranks this command starts;
+    under torchrun one for the job's ranks on this node, named by its run id ("none" unless given,
+    or a job id several evaluations reuse) and its agent, their parent."""
+    from tetrad.launch import in_torchrun
+    if not in_torchrun():
+        return Path(tempfile.mkdtemp(prefix="tetrad-eval-nccl-"))
+    job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.getppid()}"
+    return Path(tempfile.gettempdir()) / f"tetrad-eval-nccl-{job}"
 
 
 @contextlib.contextmanager

@@ -220,7 +220,7 @@ def train(cfg: Config, *, announce: Callable[[str, Path | None], None] | None = 
     p = cfg.parallel
     diagnose_nccl(device_type, trace_dir or Path(cfg.run.dir) / "nccl_trace")
     if device_type == "cpu" and os.environ.get("LOCAL_RANK", "0") == "0":  # once a node (torchrun's local rank 0)
-        warn_of_host_memory(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size)))
+        warn_of_host_memory(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size)), running=in_torchrun())
     if in_torchrun():
         if announce is not None and is_job_rank_zero():  # once in the job's log
             announce(device_type, resume)

@@ -1,9 +1,9 @@
 """`tetrad torchrun ...`: torchrun itself (torch.distributed.run, in this process, every option as
 torchrun takes it: replace `torchrun` with `tetrad torchrun`), with two things torchrun cannot do.
 
-- `-m tetrad train ...` is checked here before any worker starts, as each rank would check it
-  (the config, the world size nnodes x nproc-per-node where nnodes is not a range, the device, the
-  data and the storage): a mistake is one line and exit 2, and `--max-restarts N` does not start
+- `-m tetrad train ...` (or `--no-python tetrad train ...`) is checked here before any worker
+  starts, as each rank would check it (the config, the world size nnodes x nproc-per-node where
+  nnodes is not a range, the device, the data and the storage): a mistake is one line and exit 2, and `--max-restarts N` does not start
   the job N + 1 times to meet it again. torchrun restarts the workers after any non-zero exit while
   restarts remain, and its elastic agent gives a worker no way to say "do not restart"
   (torch/distributed/elastic/agent/server/api.py, `_invoke_run`); only exit 0, which tells the
@@ -15,6 +15,7 @@ torchrun takes it: replace `torchrun` with `tetrad torchrun`), with two things t
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -27,7 +28,7 @@ def torchrun_command(argv: list[str]) -> int:
     parser = get_args_parser()
     parser.prog = "tetrad torchrun"  # not __main__.py in its usage and errors
     args = parser.parse_args(argv)
-    if args.module and args.training_script == "tetrad" and args.training_script_args[:1] == ["train"]:
+    if _runs_tetrad(args) and args.training_script_args[:1] == ["train"]:
         _check_before_spawn(args, args.training_script_args[1:])
     try:
         run(args)
@@ -36,9 +37,17 @@ def torchrun_command(argv: list[str]) -> int:
         print(f"tetrad torchrun: {_root_cause(rank, failure)}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as e:  # torchrun's agent stopped its workers on this signal
-        print(f"tetrad torchrun: stopped by {signal.Signals(e.sigval).name}; every rank was stopped", file=sys.stderr)
+        print(f"tetrad torchrun: stopped by {signal.Signals(e.sigval).name}, forwarded to this node's ranks", file=sys.stderr)
         return 128 + e.sigval
     return 0
+
+
+def _runs_tetrad(args) -> bool:
+    """Whether the workers run tetrad's command line: `-m tetrad`, or `--no-python tetrad` (the
+    console script, by name or path)."""
+    if args.module:
+        return args.training_script == "tetrad"
+    return args.no_python and os.path.basename(args.training_script) == "tetrad"
 
 
 def _check_before_spawn(args, train_args: list[str]) -> None:

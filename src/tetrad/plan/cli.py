@@ -149,7 +149,7 @@ def plan_command(argv: list[str], model_from_inputs: Callable[[dict], dict] | No
 
 def _user_keys(args, overrides: list[str]) -> set[str]:
     """The "section.key"s the user set: in the config file, as overrides, or by a flag."""
-    keys = {item.lstrip("-").split("=", 1)[0] for item in overrides}
+    keys = _flagged(overrides)
     keys |= {"train.global_batch"} if args.global_batch is not None else set()
     path = args.config or (args.model if args.model.endswith(".toml") else None)
     if path:
@@ -158,29 +158,41 @@ def _user_keys(args, overrides: list[str]) -> set[str]:
     return keys
 
 
+def _flagged(overrides: list[str]) -> set[str]:
+    """The "section.key"s of `--section.key=value` flags."""
+    return {item.lstrip("-").split("=", 1)[0] for item in overrides}
+
+
 def _own_folders(cfg: Config, flagged: set[str]) -> tuple[Config, list[str]]:
     """`cfg` with run.dir (and a checkpoint.dir the config set) in a folder of the layout's own,
     RUN_DIR-dpD-tpT-ppP-cpC, unless set by a flag (`flagged`): the config planned for is often a run's
     own, and the written one, run, would write its metrics and checkpoints into that run's folder,
-    then resume its checkpoints (a plan of a written config replaces its tag). One note each."""
-    p = cfg.parallel
-    tag = f"-dp{p.dp}-tp{p.tp}-pp{p.pp}-cp{p.cp}"
-    notes, moved = [], {}
-    for key, section, folder in (("run.dir", "run", cfg.run.dir), ("checkpoint.dir", "checkpoint", cfg.checkpoint.dir)):
-        if folder and key not in flagged:
-            moved[section] = re.sub(r"-dp\d+-tp\d+-pp\d+-cp\d+$", "", folder.rstrip("/")) + tag
-            notes.append(f"{key} = {moved[section]!r}: the layout's own folder, apart from {folder!r}'s run "
-                         f"(--{key}=... chooses another)")
-    for section, folder in moved.items():
-        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), dir=folder)})
-    return cfg, notes
+    then resume its checkpoints (a plan of a written config replaces its tag). A checkpoint.dir inside
+    run.dir moves with it: left in the old run's folder, deleting that run would delete the new one's
+    checkpoints. One note each."""
+    tag = "-dp{p.dp}-tp{p.tp}-pp{p.pp}-cp{p.cp}".format(p=cfg.parallel)
+    run, ckpt = cfg.run.dir, cfg.checkpoint.dir
+    new_run = _tagged(run, tag) if run and "run.dir" not in flagged else run
+    new_ckpt = ckpt
+    if ckpt and "checkpoint.dir" not in flagged:
+        inside = run and Path(ckpt).is_relative_to(run)
+        new_ckpt = str(Path(new_run) / Path(ckpt).relative_to(run)) if inside else _tagged(ckpt, tag)
+    notes = [f"{key} = {new!r}: the layout's own folder, apart from {old!r}'s run (--{key}=... chooses another)"
+             for key, old, new in (("run.dir", run, new_run), ("checkpoint.dir", ckpt, new_ckpt)) if new != old]
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=new_run),
+                               checkpoint=dataclasses.replace(cfg.checkpoint, dir=new_ckpt)), notes
+
+
+def _tagged(folder: str, tag: str) -> str:
+    """`folder` with the layout's `tag` in place of one a plan gave it before."""
+    return re.sub(r"-dp\d+-tp\d+-pp\d+-cp\d+$", "", folder.rstrip("/")) + tag
 
 
 def _write(best: Estimate, args, overrides: list[str], out) -> None:
     """Write the best layout as a config, with training settings sized to the model where the user
     set none, each stated in the file's header and printed."""
     cfg, notes = sized_training(best.cfg, _user_keys(args, overrides), best.step_time_s)
-    cfg, moved = _own_folders(cfg, {item.lstrip("-").split("=", 1)[0] for item in overrides})
+    cfg, moved = _own_folders(cfg, _flagged(overrides))
     notes += moved
     header = [f"# Written by tetrad plan: {best.step_time_s:.3g} s per step predicted, MFU {100 * best.mfu:.1f}%, "
               f"{best.peak_memory_gib:.1f} GiB per GPU."]

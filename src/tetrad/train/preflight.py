@@ -32,14 +32,16 @@ def preflight(cfg: Config, device_type: str, saves: bool = True) -> Path | None:
     return check_storage(cfg, saves)
 
 
-def warn_of_host_memory(cfg: Config, ranks: int) -> None:
-    """CPU ranks share their host: before the `ranks` of this node start (under torchrun, as they
-    start), the planner's warning where it predicts more than the host has free (plan/fit.py; a
-    warning, as on GPUs, not a refusal)."""
+def warn_of_host_memory(cfg: Config, ranks: int, running: bool = False) -> None:
+    """CPU ranks share their host: before the `ranks` of this node start, or as they do (`running`:
+    under torchrun, where their processes, torch loaded, already hold what the host no longer has
+    free, not to be counted twice), the planner's warning where it predicts more than the host has
+    free (plan/fit.py; a warning, as on GPUs, not a refusal)."""
     from tetrad.plan.fit import host_memory_warning
     memory = devices.host_memory_gib()
     if memory is not None:
-        warning = host_memory_warning(cfg, ranks, *memory)
+        available, rank_base = memory
+        warning = host_memory_warning(cfg, ranks, available, 0.0 if running else rank_base)
         if warning:
             print(warning, file=sys.stderr, flush=True)
 

@@ -385,7 +385,7 @@ def _naming_step(step: int):
         raise watchdog.CollectiveTimeout(f"at step {step + 1}: {e}") from None
 
 
-def train_on_this_rank(cfg: Config, device_type: str, work: Callable[[Trainer], Any] = Trainer.fit, trains=True):
+def train_on_this_rank(cfg: Config, device_type: str, work: Callable[[Trainer], Any] = Trainer.fit, trains: bool = True):
     """Entry point of a rank inside an initialised process group (local or torchrun): `work` of its
     Trainer, `fit` (the step records) or a script's own; `trains=False` builds it forward-only (`tetrad
     eval`). Memory and groups end with it: `tetrad check` trains twice in one torchrun process."""

@@ -147,8 +147,13 @@ def gemma_architecture(m) -> dict:
     types = m.layer_types or ["sliding_attention" if m.sliding_window else "full_attention"] * m.n_layers
     rope = _rope_parameters(m)
     return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim, "sliding_window": window,
+            "query_pre_attn_scalar": _whole(m.query_pre_attn_scalar or m.head_dim), "sliding_window": window,
             "layer_types": types, "rope_parameters": rope, "rope_local_base_freq": rope["sliding_attention"]["rope_theta"],
             "rope_scaling": {"rope_type": "linear", "factor": m.rope_scaling["factor"]} if m.rope_scaling else None,
             "attn_logit_softcapping": None, "final_logit_softcapping": None, "attention_bias": False,
             "use_bidirectional_attention": False}
+
+
+def _whole(x: float) -> int | float:
+    """x as an int where it is one (Gemma3TextConfig types query_pre_attn_scalar int, strictly)."""
+    return int(x) if float(x).is_integer() else x

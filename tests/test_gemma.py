@@ -207,3 +207,45 @@ def test_layer_types_and_local_rope_are_checked_before_start():
                          ({"rope_scaling": {"rope_type": "linear"}}, "missing factor")):
         with pytest.raises(ConfigError, match=named):
             tiny_config(model=model)
+
+
+def _saved_per_layer():
+    """Bytes autograd saves for one forward of a 1-layer Gemma 3 with and without sandwich norms,
+    and the planner's bytes a layer keeps for each."""
+    from tetrad.plan.memory import activation_bytes_per_layer, as_run
+    from tetrad.plan.stacks import STACKS
+    from tetrad.train.memory import ActivationMeter
+    out = {}
+    for sandwich in (False, True):
+        cfg = tiny_config(model={**GEMMA3_TETRAD, "n_layers": 1, "layer_types": [], "sliding_window": 0, "seq_len": 64,
+                                 "rope_local_base_freq": 0.0, "sandwich_norm": sandwich, "qk_norm": sandwich})
+        model = build_model(cfg, Topology.single())
+        x = torch.randint(1, cfg.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(4))
+        meter = ActivationMeter()
+        with meter.measuring():
+            model(x, torch.arange(64))
+        planned = activation_bytes_per_layer(cfg.model, 128, 1, False, "none", 4, as_run(cfg, STACKS["tetrad"], True))
+        out[sandwich] = meter.peak, planned
+    return out
+
+
+def test_the_planner_counts_what_the_sandwich_norms_and_qk_norm_keep():
+    """The difference a Gemma 3 layer's sandwich norms and qk-norm make to the bytes it keeps for
+    backward, measured by autograd's hooks, is the planner's (its four norms' fp32 inputs and outputs)."""
+    from conftest import run_ranks
+    saved = run_ranks(_saved_per_layer, 1)[0]
+    measured, planned = saved[True][0] - saved[False][0], saved[True][1] - saved[False][1]
+    assert planned == pytest.approx(measured, rel=0.05), (measured, planned)
+
+
+def test_gemma_3_1bs_parameter_count_is_transformers():
+    """gemma-3-1b's shape (26 layers of 4 heads of 256 over 1152, one KV head, a 262144 vocabulary,
+    tied): the planner counts transformers' parameters (999,885,952), built on the meta device."""
+    shape = {"vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256}
+    with torch.device("meta"):
+        hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**shape))
+    keys = model_config_from_hf({**shape, "model_type": "gemma3_text"}, Path("config.json"))
+    m = load_config(overrides={"model": {**keys, "seq_len": 4096}}, runtime=False).model
+    assert flops.parameter_count(m) == sum(p.numel() for p in hf.parameters()) == 999_885_952
+    assert m.layer_types.count("full_attention") == 4 and m.sliding_window == 4096 and m.rope_local_base_freq == 1e4  # defaults

@@ -208,8 +208,13 @@ def rank_params(cfg: Config) -> list[float]:
 
 def norm_saved_bytes(m: ModelConfig, tokens: int, e: int, stack: Stack) -> float:
     """Bytes one norm keeps for backward over `tokens` tokens: its input, or under the composite
-    RMSNorm (Stack.fused_rms_norm) two fp32 tensors."""
-    return tokens * m.d_model * (e if m.norm == "layernorm" or stack.fused_rms_norm else 8)
+    RMSNorm (Stack.fused_rms_norm) two fp32 tensors, as Gemma's always keeps (its fp32 output and
+    the fp32 input, fused or not)."""
+    return tokens * m.d_model * (8 if m.norm == "gemma_rmsnorm" else _norm_bytes(m, e, stack))
+
+
+def _norm_bytes(m: ModelConfig, e: int, stack: Stack) -> int:
+    return e if m.norm == "layernorm" or (stack.fused_rms_norm and m.norm == "rmsnorm") else 8
 
 
 def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, recompute: str, e: int,
@@ -239,7 +244,7 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     mlp = stack.swiglu_saved if m.gated_mlp else 2  # GELU: its input and the fc2 input
     split = tokens * e * (q + 2 * kv + stack.attn_out_copies * q + mlp * f)
     if m.qk_norm:  # q's and k's norms keep their inputs, as the layer's norms do theirs
-        split += tokens * (q + kv) * (e if m.norm == "layernorm" or stack.fused_rms_norm else 8)
+        split += tokens * (q + kv) * _norm_bytes(m, e, stack)
     core = 0.0
     if recompute != "selective":
         heads = m.n_heads / tp

@@ -263,7 +263,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "seq_len": hf.get("max_position_embeddings", 2048),
             "max_position_embeddings": hf.get("max_position_embeddings", 2048), "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope",
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
-            "qk_norm": kind == "qwen3", "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            "qk_norm": kind == "qwen3", "sandwich_norm": False, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
             "rope_scaling": _longrope(hf, scaling) if scaling.get("rope_type") == "longrope" else scaling,
             "partial_rotary_factor": partial, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),

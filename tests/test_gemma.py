@@ -155,13 +155,41 @@ def test_gemma3_decodes_with_a_kv_cache_as_the_full_forward(tmp_path):
     assert cache.reused == 20 + 30 - 1
 
 
+def test_a_multimodal_gemma3s_text_tower_imports_and_exports_as_gemma3_for_causal_lm(tmp_path):
+    """Gemma3ForConditionalGeneration (the 4B+ checkpoints' architecture: its text_config, its text
+    tower under language_model. beside a vision tower and a projector) imports its text tower, the
+    vision weights left unread, with the logits transformers' multimodal model gives a text; its
+    export is a Gemma3ForCausalLM with them."""
+    from tetrad.train.init_from import hf_weights_problem
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}
+    text = {k: v for k, v in GEMMA3_HF.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")}
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                                                               mm_tokens_per_image=4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0.0, 0.5 if "norm" in name else 0.05)
+    hf.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
+    with torch.no_grad():
+        theirs = hf(input_ids=TOKENS).logits
+    assert theirs.abs().max() > 0.3  # a non-trivial comparison
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    cfg, state = read_weights(tmp_path / "ckpt")
+    assert cfg.model.sandwich_norm and cfg.model.layer_types == GEMMA3_HF["layer_types"]
+    assert hf_weights_problem(tmp_path / "hf", cfg.model) is None  # init_from's check: the vision tower is no problem
+    torch.testing.assert_close(ours(cfg.model, state), theirs, **TOL)
+    assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "text")]) == 0
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+    torch.testing.assert_close(hf_logits(tmp_path / "text"), theirs, **TOL)
+
+
 BASE = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
         "vocab_size": 256}
 
 
 @pytest.mark.parametrize("keys,named", [
     ({"model_type": "gemma2"}, "Gemma 2 .*attn_logit_softcapping.* not importable"),
-    ({"model_type": "gemma3", "text_config": {}}, "Gemma3ForConditionalGeneration .* save the text tower"),
     ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "no logit softcapping .*final_logit_softcapping"),
     ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"model_type": "gemma3_text", "hidden_activation": "silu"}, "gelu's tanh form .* not 'silu'"),

@@ -40,6 +40,7 @@ from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, chec
 from tetrad.train.checkpoint.store import one_process, read_manifest
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
                                             hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
+from tetrad.train.hf_gemma import TEXT_TOWER
 
 
 def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
@@ -240,9 +241,11 @@ def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
 def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
     """How the folder's weights, named as config.json's `model_type` names them, differ from
     `model_cfg`'s parameters (none: they fit)."""
-    found, expected = hf_shapes(hf_dir), hf_tensor_shapes(logical_shapes(model_cfg), model_type)
+    tower = TEXT_TOWER.get(model_type, "")  # a multimodal model's vision tower is not this model's
+    found = {k: shape for k, shape in hf_shapes(hf_dir).items() if k.startswith(tower)}
+    expected = hf_tensor_shapes(logical_shapes(model_cfg), model_type)
     # A tied model's export may hold the head too, the embedding's copy (transformers reads past it)
-    extra = {k for k in found if k not in expected} - ({TOP_NAMES["head.weight"]} if model_cfg.tie_embeddings else set())
+    extra = {k for k in found if k not in expected} - ({tower + TOP_NAMES["head.weight"]} if model_cfg.tie_embeddings else set())
     problems = [f"{k}: missing" for k in expected if k not in found]
     problems += [f"{k}: not a weight of this model" for k in sorted(extra)]
     problems += [f"{k}: {found[k]} in the file, {shape} for config.json's model"

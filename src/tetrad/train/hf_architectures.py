@@ -19,7 +19,7 @@ import torch
 
 from tetrad.config import ConfigError
 from tetrad.model.masks import hides_keys
-from tetrad.train.hf_gemma import (GEMMA_TYPES, RENAMED, gemma3_rope, gemma_architecture, gemma_config,
+from tetrad.train.hf_gemma import (GEMMA_TYPES, RENAMED, TEXT_TOWER, gemma3_rope, gemma_architecture, gemma_config,
                                    gemma_export_problem, gemma_keys, gemma_type)
 
 # tetrad name inside layer i -> HF name inside model.layers.i
@@ -40,13 +40,14 @@ EXPORTED = {"phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
 
 def hf_name(name: str, model_type: str = "") -> str:
     """The HF tensor that holds tetrad parameter `name` (a fused one's, for `model_type`'s)."""
+    tower = TEXT_TOWER.get(model_type, "")  # a multimodal model's text tower's prefix
     if name in TOP_NAMES:
-        return TOP_NAMES[name]
+        return tower + TOP_NAMES[name]
     _, index, rest = name.split(".", 2)  # layers.I.attn.wq.weight
     module, _, leaf = rest.rpartition(".")
     fused = {part: tensor for tensor, parts in FUSED.get(model_type, {}).items() for part in parts}
     names = {**LAYER_NAMES, **RENAMED.get(model_type, {})}
-    return f"model.layers.{index}.{fused.get(module, names[module])}.{leaf}"
+    return f"{tower}model.layers.{index}.{fused.get(module, names[module])}.{leaf}"
 
 
 def hf_rows(shapes: dict[str, tuple[int, ...]], model_type: str = "") -> dict[str, tuple[str, int, int]]:
@@ -249,6 +250,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
     kind, local_theta = hf.get("model_type"), 0.0
     if kind is not None and kind.startswith("gemma"):
         hf = gemma_config(hf, source)
+        kind = hf["model_type"]  # a multimodal Gemma 3's text tower: gemma3_text
     if kind == "gemma3_text":
         theta, scaling, local_theta = gemma3_rope(hf, source)
         partial = 1.0

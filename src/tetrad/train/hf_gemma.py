@@ -1,6 +1,8 @@
 """Google's Gemma family in Hugging Face's format, the part train/hf_architectures.py hands over:
 GemmaForCausalLM (Gemma 1) and Gemma3ForCausalLM (Gemma 3's text models, gemma-3-1b), their
-config.json keys both ways and what of the family tetrad refuses.
+config.json keys both ways and what of the family tetrad refuses; Gemma3ForConditionalGeneration's
+text tower (the multimodal 4B+ checkpoints: its text_config, its tensors under "language_model."),
+imported, and exported as a Gemma3ForCausalLM.
 
 Both are Llama with Gemma's RMSNorm (fp32, times 1 + weight), GeGLU (gelu's tanh form), the
 embedding times sqrt(hidden_size) and tied embeddings; Gemma 3 adds qk-norm, sandwich norms (HF's
@@ -22,6 +24,10 @@ GEMMA_TYPES = ("gemma", "gemma3_text")
 # model_type -> tetrad layer names whose HF tensor differs from Llama's (hf_architectures.LAYER_NAMES)
 RENAMED = {"gemma3_text": {"mlp_norm": "pre_feedforward_layernorm", "attn_out_norm": "post_attention_layernorm",
                            "mlp_out_norm": "post_feedforward_layernorm"}}
+RENAMED["gemma3"] = RENAMED["gemma3_text"]
+# model_type -> the prefix of its text tower's tensors (the Hub's and transformers 5's save_pretrained's);
+# its vision tower and projector are not read
+TEXT_TOWER = {"gemma3": "language_model."}
 # GemmaConfig's and Gemma3TextConfig's defaults for what tetrad reads
 DEFAULTS = {
     "gemma": {"num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
@@ -33,9 +39,6 @@ DEFAULTS = {
 REFUSED = {
     "gemma2": "Gemma 2 (Gemma2ForCausalLM) caps its attention logits with tanh (attn_logit_softcapping), which "
               "tetrad's attention kernels do not; it is not importable",
-    "gemma3": "Gemma3ForConditionalGeneration (the multimodal 4B+ checkpoints) keeps its text tower under its own "
-              "tensor names beside a vision tower; tetrad imports Gemma3ForCausalLM: save the text tower as one "
-              "with transformers (Gemma3ForCausalLM's weights are model.language_model's and lm_head)",
     "gemma3n": "Gemma 3n (per-layer embeddings, AltUp) is not tetrad's model; it is not importable"}
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_new")
 
@@ -47,6 +50,9 @@ def gemma_config(hf: dict, source: Path) -> dict:
     kind = hf.get("model_type")
     if kind in REFUSED:
         raise ConfigError(f"{source}: {REFUSED[kind]}")
+    if kind == "gemma3":  # the text tower's config; the embedding tied as the whole model says
+        kind, hf = "gemma3_text", {**hf.get("text_config", {}), "model_type": "gemma3_text",
+                                   "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
     hf = {**DEFAULTS[kind], **hf}
     caps = {k: hf[k] for k in ("attn_logit_softcapping", "final_logit_softcapping") if hf.get(k) is not None}
     if caps:

@@ -277,3 +277,24 @@ def test_gemma_3_1bs_parameter_count_is_transformers():
     m = load_config(overrides={"model": {**keys, "seq_len": 4096}}, runtime=False).model
     assert flops.parameter_count(m) == sum(p.numel() for p in hf.parameters()) == 999_885_952
     assert m.layer_types.count("full_attention") == 4 and m.sliding_window == 4096 and m.rope_local_base_freq == 1e4  # defaults
+
+
+def test_a_chunk_makes_one_mask_per_window_and_one_rope_table_per_kind(monkeypatch):
+    """Four layers, two sliding and two global: one window bias (the global layers need none) and
+    two RoPE tables per forward, under inference mode too (decoding keeps no tables between calls),
+    not one per layer."""
+    import tetrad.model.llama as llama
+    made = {"masks": 0, "tables": 0}
+
+    def counted(name, function):
+        def run(*args, **kwargs):
+            made[name] += 1
+            return function(*args, **kwargs)
+        return run
+    monkeypatch.setattr(llama, "sequence_mask", counted("masks", llama.sequence_mask))
+    monkeypatch.setattr(llama, "rope_tables", counted("tables", llama.rope_tables))
+    cfg = tiny_config(model={**GEMMA3_TETRAD, "n_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2})
+    model = build_model(cfg, Topology.single())
+    with torch.inference_mode():
+        model(TOKENS, torch.arange(TOKENS.shape[1]))
+    assert made == {"masks": 1, "tables": 2}

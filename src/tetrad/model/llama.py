@@ -322,9 +322,9 @@ class Transformer(nn.Module):
         else:
             h = x
         blocks = self.layers.values()
-        ropes = {b.local_rope: self.rope(positions, cache is not None, b.local_rope) for b in blocks
+        ropes = {local: self.rope(positions, cache is not None, local) for local in {b.local_rope for b in blocks}
                  if self.cfg.pos == "rope"}  # the global layers' RoPE, and the sliding layers' where it differs
-        masks = {b.attn.window: self._shared_mask(docs, positions, h, b.attn.window) for b in blocks} \
+        masks = {w: self._shared_mask(docs, positions, h, w) for w in {b.attn.window for b in blocks}} \
             if cache is None else {}  # once for all the chunk's layers of a window
         for name, block in self.layers.items():
             rope, mask = ropes.get(block.local_rope), masks.get(block.attn.window)

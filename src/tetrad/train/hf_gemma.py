@@ -146,9 +146,12 @@ def gemma_architecture(m) -> dict:
     type (a window covering the context where the model has none, so that HF's sliding layers
     keep their own RoPE and hide nothing), its RoPE per layer type both as transformers 5 writes it
     and as older versions read it, and no softcapping."""
+    # no special token ids unless the tokenizer gives them (the config classes' defaults, pad 0, eos 1
+    # and bos 2, are Gemma's vocabulary's), as for Phi-3
+    common = {"hidden_act": "gelu_pytorch_tanh", "attention_bias": False, "bos_token_id": None, "eos_token_id": None,
+              "pad_token_id": None}
     if gemma_type(m) == "gemma":
-        return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu_pytorch_tanh",
-                "attention_bias": False}
+        return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", **common}
     window = m.sliding_window if hides_keys(m.sliding_window, m.context_length) else m.context_length
     types = m.layer_types or ["sliding_attention" if m.sliding_window else "full_attention"] * m.n_layers
     rope = _rope_parameters(m)
@@ -156,8 +159,8 @@ def gemma_architecture(m) -> dict:
             "query_pre_attn_scalar": _whole(m.query_pre_attn_scalar or m.head_dim), "sliding_window": window,
             "layer_types": types, "rope_parameters": rope, "rope_local_base_freq": rope["sliding_attention"]["rope_theta"],
             "rope_scaling": {"rope_type": "linear", "factor": m.rope_scaling["factor"]} if m.rope_scaling else None,
-            "attn_logit_softcapping": None, "final_logit_softcapping": None, "attention_bias": False,
-            "use_bidirectional_attention": False}
+            "attn_logit_softcapping": None, "final_logit_softcapping": None, "use_bidirectional_attention": False,
+            **common}
 
 
 def _whole(x: float) -> int | float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import GEMMA3_HF, TINY, tiny_config, train_layout, write_hf_gemma
+from conftest import GEMMA3_HF, TINY, doc_shards, run_ranks, tiny_config, train_layout, write_hf_gemma
 from tetrad.cli import main
 from tetrad.config import ConfigError, load_config
 from tetrad.data.tokenizer import byte_tokenizer
@@ -260,7 +260,6 @@ def _saved_per_layer():
 def test_the_planner_counts_what_the_sandwich_norms_and_qk_norm_keep():
     """The difference a Gemma 3 layer's sandwich norms and qk-norm make to the bytes it keeps for
     backward, measured by autograd's hooks, is the planner's (its four norms' fp32 inputs and outputs)."""
-    from conftest import run_ranks
     saved = run_ranks(_saved_per_layer, 1)[0]
     measured, planned = saved[True][0] - saved[False][0], saved[True][1] - saved[False][1]
     assert planned == pytest.approx(measured, rel=0.05), (measured, planned)
@@ -298,3 +297,34 @@ def test_a_chunk_makes_one_mask_per_window_and_one_rope_table_per_kind(monkeypat
     with torch.inference_mode():
         model(TOKENS, torch.arange(TOKENS.shape[1]))
     assert made == {"masks": 1, "tables": 2}
+
+
+def _saved_with_documents():
+    """Bytes autograd saves for one document-masked forward of a sliding and a global layer, and of
+    two global ones (a bias per window: two, then one), and the planner's mask bytes of each."""
+    from tetrad.model.documents import Documents
+    from tetrad.plan.memory import mask_bias_bytes
+    from tetrad.train.memory import ActivationMeter
+    out = {}
+    for types in (["sliding_attention", "full_attention"], ["full_attention", "full_attention"]):
+        # one RoPE for both layers: the sliding layer's own tables would be 12 KiB more to tell apart
+        cfg = tiny_config(model={**GEMMA3_TETRAD, "seq_len": 64, "layer_types": types, "rope_local_base_freq": 0.0},
+                          train={"document_mask": True, "micro_batch": 2}, data={"source": doc_shards()})
+        model = build_model(cfg, Topology.single())
+        x = torch.randint(1, cfg.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(4))
+        x[:, 20] = 0  # an EOS: two documents a row
+        meter = ActivationMeter()
+        with meter.measuring():
+            model(x, torch.arange(64), docs=Documents.of_windows(x, 0, torch.device("cpu")))
+        out[types[0]] = meter.peak, mask_bias_bytes(cfg, is_cpu=True)
+    return out
+
+
+def test_document_masking_keeps_a_bias_per_window_that_the_planner_counts():
+    """Documents with a sliding and a global layer: each window's bias [micro_batch, 1, S, S] is
+    made once and kept by its layers (the sliding one with the window in it, the global one of
+    documents alone): one bias more than two global layers keep, as the planner counts."""
+    saved = run_ranks(_saved_with_documents, 1)[0]
+    bias = 2 * 64 * 64 * 4
+    assert saved["sliding_attention"][1] == 2 * bias and saved["full_attention"][1] == bias
+    assert saved["sliding_attention"][0] - saved["full_attention"][0] == bias

@@ -205,7 +205,10 @@ def test_a_gemma_that_no_architecture_computes_is_refused_before_export():
     from tetrad.train.hf_architectures import check_exportable
     for change, named in (({"qk_norm": False}, "both model.sandwich_norm and model.qk_norm"),
                           ({"mlp": "swiglu"}, "mlp='geglu'"), ({"norm": "rmsnorm"}, "are Gemma's"),
-                          ({"sandwich_norm": False, "qk_norm": False}, "GemmaForCausalLM .* no sliding window")):
+                          ({"sandwich_norm": False, "qk_norm": False}, "GemmaForCausalLM .* no sliding window"),
+                          ({"norm": "rmsnorm", "mlp": "swiglu", "scale_embeddings": False, "sandwich_norm": False,
+                            "qk_norm": False, "query_pre_attn_scalar": 0.0, "rope_local_base_freq": 0.0,
+                            "layer_types": ["full_attention"] * 2}, "model.layer_types are Gemma's")):
         with pytest.raises(ConfigError, match=named):
             check_exportable(tiny_config(model={**GEMMA3_TETRAD, **change}).model)
 

@@ -115,7 +115,8 @@ def gemma_export_problem(m) -> str | None:
         used = [k for k, on in (("sandwich_norm", m.sandwich_norm), ("scale_embeddings", m.scale_embeddings),
                                 ("rope_local_base_freq", m.rope_local_base_freq),
                                 ("query_pre_attn_scalar", m.query_pre_attn_scalar not in (0, m.head_dim)),
-                                ("layer_types", len(set(m.layer_types)) > 1)) if on]
+                                ("layer_types", any(m.window_of(i) != m.sliding_window for i in range(m.n_layers))))
+                if on]
         return (f"model.{', model.'.join(used)} are Gemma's, whose norm is model.norm='gemma_rmsnorm'; export a model "
                 "without them" if used else None)
     if (m.mlp, m.pos, m.scale_embeddings, m.qkv_bias) != ("geglu", "rope", True, False):

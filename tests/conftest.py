@@ -228,6 +228,35 @@ def write_hf_qwen(folder: Path, family: str = "qwen2", **shape) -> None:
     hf.save_pretrained(folder, safe_serialization=True)
 
 
+# Gemma 3's shape at test size: heads of 24 (not d_model / n_heads), a softmax scale of its own, a
+# sliding layer (window 5 of the 32 tokens, RoPE theta 100) and a global one (theta 10000, linear x 8)
+GEMMA3_HF = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "query_pre_attn_scalar": 20,
+             "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+             "max_position_embeddings": 4096, "rope_theta": 10000.0, "rope_local_base_freq": 100.0,
+             "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+
+
+def write_hf_gemma(folder: Path, family: str = "gemma3_text", **shape) -> None:
+    """A Gemma3ForCausalLM (GEMMA3_HF, `shape` overriding it) or GemmaForCausalLM folder as
+    transformers writes it, fp32, every norm's weight given a value: they start at zero (HF's
+    offsets from one), where a misplaced one would not show."""
+    import transformers
+    if family == "gemma3_text":
+        hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{**GEMMA3_HF, **shape}))
+    else:
+        keys = {k: GEMMA3_HF[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                          "num_attention_heads", "num_key_value_heads", "head_dim")}
+        hf = transformers.GemmaForCausalLM(transformers.GemmaConfig(**{**keys, **shape}))
+    torch.manual_seed(0)
+    hf.apply(hf._init_weights)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.5)
+    hf.save_pretrained(folder, safe_serialization=True)
+
+
 def as_a_shell_starts(ignored: tuple = ()):
     """A subprocess's preexec_fn: the stop signals as an interactive shell leaves them to a command
     it starts, at their defaults (a test run started in the background, `cmd &` without job

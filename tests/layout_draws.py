@@ -128,6 +128,12 @@ def draw(seed: int, extended: bool = False) -> dict:
         model["sliding_window"] = rng.choice([1, 3, 8, 20])
     if extended and "source" in data and rng.random() < 0.5:  # shards whose index names the EOS: position reset
         train["reset_positions"] = True
+    if extended and model.get("pos") != "learned" and rng.random() < 0.15:  # Gemma 3's block: a sliding layer
+        # with its own RoPE, then global ones
+        model.update(norm="gemma_rmsnorm", mlp="geglu", scale_embeddings=True, sandwich_norm=True, qk_norm=True,
+                     query_pre_attn_scalar=rng.choice([0.0, 20.0]), sliding_window=model.get("sliding_window") or 5,
+                     layer_types=["sliding_attention"] + ["full_attention"] * (model["n_layers"] - 1),
+                     rope_local_base_freq=100.0)
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 

@@ -30,7 +30,11 @@ def random_model(**model):
 
 @pytest.mark.parametrize("model", [{}, {"preset": "tiny-gpt", "n_layers": 2, "d_model": 64, "n_heads": 4,
                                         "n_kv_heads": 4, "ffn_hidden": 128, "seq_len": 32},
-                                   {"sliding_window": 5}])  # the cache keeps every token, the window masks
+                                   {"sliding_window": 5},  # the cache keeps every token, the window masks
+                                   {"norm": "gemma_rmsnorm", "mlp": "geglu", "scale_embeddings": True,  # Gemma 3
+                                    "sandwich_norm": True, "qk_norm": True, "query_pre_attn_scalar": 20.0,
+                                    "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+                                    "rope_local_base_freq": 100.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}])
 def test_kv_cache_decoding_gives_the_full_forward_logits(model):
     net = random_model(**model)
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))

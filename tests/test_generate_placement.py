@@ -227,7 +227,11 @@ def test_under_torchrun_each_process_is_a_rank_and_rank_0_prints(weights, capsys
 
 MODELS = {"llama": {}, "gpt": {"preset": "tiny-gpt", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 4,
                                "ffn_hidden": 128, "seq_len": 32},  # learned positions, LayerNorm, GELU, tied head
-          "window": {"sliding_window": 5}, "biases and qk-norm": {"qkv_bias": True, "qk_norm": True}}
+          "window": {"sliding_window": 5}, "biases and qk-norm": {"qkv_bias": True, "qk_norm": True},
+          "gemma3": {"norm": "gemma_rmsnorm", "mlp": "geglu", "scale_embeddings": True, "sandwich_norm": True,
+                     "qk_norm": True, "head_dim": 24, "query_pre_attn_scalar": 20.0, "sliding_window": 5,
+                     "layer_types": ["sliding_attention", "full_attention"], "rope_local_base_freq": 100.0,
+                     "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "tie_embeddings": True}}
 
 
 def _decoded(cfg, state: dict, sampling: Sampling) -> tuple:
@@ -247,7 +251,7 @@ def test_tp2_decodes_each_model_variant_as_one_process(model):
     net = random_model(**model)
     state = {name: p.detach().clone() for name, p in net.named_parameters()}
     for name in state:
-        if name.endswith(("wq.bias", "wk.bias", "wv.bias", "q_norm.weight", "k_norm.weight")):  # not 0 or 1
+        if name.endswith(("wq.bias", "wk.bias", "wv.bias", "norm.weight")):  # not 0 or 1
             state[name] += 0.3 * torch.randn(state[name].shape, generator=torch.Generator().manual_seed(len(name)))
     for sampling in (GREEDY, Sampling(temperature=1.0)):
         new, logits, loss = _decoded(net.cfg, state, sampling)

@@ -24,6 +24,14 @@ LAYOUTS = {  # name -> (parallel, train, model), every one under document maskin
     # Positions reset at document starts: each micro-batch's, cut on the host like the ids.
     "cp2-ring-reset": ({"cp": 2, "cp_algo": "ring"}, {"reset_positions": True}, {}),
     "tp2-sp-reset-learned": ({"tp": 2, "sequence_parallel": True}, {"reset_positions": True}, {"pos": "learned"}),
+    # Gemma 3: the scaled embedding, a mask and a RoPE per kind of layer
+    "cp2-ring-gemma3": ({"cp": 2, "cp_algo": "ring"}, {}, {
+        "norm": "gemma_rmsnorm", "mlp": "geglu", "scale_embeddings": True, "sandwich_norm": True, "qk_norm": True,
+        "query_pre_attn_scalar": 20.0, "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_local_base_freq": 100.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+    "tp2-sp-gemma3": ({"tp": 2, "sequence_parallel": True}, {}, {
+        "norm": "gemma_rmsnorm", "mlp": "geglu", "scale_embeddings": True, "sandwich_norm": True, "qk_norm": True,
+        "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "rope_local_base_freq": 100.0}),
 }
 
 

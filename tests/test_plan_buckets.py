@@ -26,7 +26,10 @@ CASES = [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"qk_norm": Tru
          ({"dp": 4, "zero": 0, "grad_codec": "powersgd", "grad_bucket_mb": 0.002}, {"vocab_size": 257}),
          ({"tp": 2, "cp": 2, "zero": 2}, {"qkv_bias": True, "vocab_size": 257, "pos": "learned"}),
          ({"tp": 2, "cp": 2, "zero": 1, "grad_codec": "int8"}, {"norm": "layernorm", "tie_embeddings": True}),
-         ({"pp": 2, "dp": 2, "zero": 3, "stage_layers": [1, 1]}, {"tie_embeddings": True})]
+         ({"pp": 2, "dp": 2, "zero": 3, "stage_layers": [1, 1]}, {"tie_embeddings": True}),
+         ({"tp": 2, "pp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01},  # Gemma 3: qk-norm and sandwich norms
+          {"norm": "gemma_rmsnorm", "mlp": "geglu", "sandwich_norm": True, "qk_norm": True, "head_dim": 24,
+           "tie_embeddings": True, "scale_embeddings": True})]
 
 
 def _runtime(cfg, rank: int) -> list[PlannedBucket]:

@@ -18,6 +18,9 @@ from conftest import rank_histories, run_ranks, tiny_config, train_layout
 # collectives inside the attention core; hierarchical reduction within a node (ranks_per_node 2:
 # intra 2, inter 1) and across two (dp 4: intra 2, inter 2); a vocabulary padded to tp rows;
 # recompute under residual dropout repeating the layer's last tp reduction (the mask follows it).
+GEMMA3 = {"norm": "gemma_rmsnorm", "mlp": "geglu", "scale_embeddings": True, "sandwich_norm": True, "qk_norm": True,
+          "head_dim": 24, "query_pre_attn_scalar": 20.0, "sliding_window": 5,
+          "layer_types": ["sliding_attention", "full_attention"], "rope_local_base_freq": 100.0, "tie_embeddings": True}
 LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}, {}, {}), ({"cp": 2}, {}, {}),
            ({"cp": 2, "cp_algo": "alltoall"}, {}, {}), ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}, {}),
            ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {}, {}),
@@ -47,7 +50,10 @@ LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}
            # buckets cut at parameters: PowerSGD's factors and int8's padding per bucket as laid out
            # (fuzz_estimate 4835)
            ({"dp": 2, "zero": 1, "grad_codec": "powersgd", "grad_bucket_mb": 0.002}, {}, {}),
-           ({"dp": 2, "zero": 1, "grad_codec": "int8", "grad_bucket_mb": 0.01}, {}, {})]
+           ({"dp": 2, "zero": 1, "grad_codec": "int8", "grad_bucket_mb": 0.01}, {}, {}),
+           # Gemma 3: sandwich norms (replicated, summed over tp under SP) and qk-norm, per-layer windows
+           ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}, GEMMA3),
+           ({"pp": 2, "dp": 2, "zero": 3}, {}, GEMMA3)]
 
 
 def _name(parallel: dict) -> str:
@@ -114,6 +120,11 @@ COUNTED_LAYOUTS += [({"pp": 2, "vpp": 2, "schedule": "interleaved", "stage_layer
 COUNTED_LAYOUTS += [({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {})]
 # qk-norm keeps q's and k's inputs; heads of 48 over d_model 256 (q 384 wide).
 COUNTED_LAYOUTS += [({"tp": 2}, {}, {"qk_norm": True, "head_dim": 48})]
+# Gemma 3: four norms a layer keep their inputs, qk-norm q's and k's, GeGLU as SwiGLU; one window bias
+# (the sliding layers', 16 of 128) kept for every layer that has it, none for the global one.
+GEMMA3_WIDE = {**{k: v for k, v in GEMMA3.items() if k not in ("head_dim", "query_pre_attn_scalar")},
+               "sliding_window": 16, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+COUNTED_LAYOUTS += [({"tp": 2, "sequence_parallel": True}, {}, GEMMA3_WIDE), ({"pp": 2}, {}, GEMMA3_WIDE)]
 
 
 @pytest.mark.parametrize("parallel,train,model", COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")

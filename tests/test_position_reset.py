@@ -2,6 +2,7 @@
 each token's position is its offset within its document. Proven against running each document on
 its own (with document masking), then every layout family against one process with the key on."""
 
+import json
 from functools import lru_cache
 
 import pytest
@@ -129,6 +130,9 @@ def test_without_the_key_every_micro_batch_shares_one_positions_tensor():
 # RoPE without the mask (Megatron-LM allows --reset-position-ids alone): tokens attend across
 # documents, so the reset changes what they see (under the mask RoPE's offsets within a document
 # would not change; learned positions below take the mask).
+GEMMA3 = {"norm": "gemma_rmsnorm", "mlp": "geglu", "scale_embeddings": True, "sandwich_norm": True, "qk_norm": True,
+          "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "rope_local_base_freq": 100.0,
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
 LAYOUTS = {  # name -> (parallel, model, document_mask, train)
     "dp2-zero3-selective": ({"dp": 2, "zero": 3}, {}, False, {"recompute": "selective"}),
     "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}, False, {}),
@@ -145,6 +149,10 @@ LAYOUTS = {  # name -> (parallel, model, document_mask, train)
     # the window exactly (off-diagonal pairs seen wholly or not at all, none in part)
     "cp2-alltoall-window-masked": ({"cp": 2, "cp_algo": "alltoall"}, {"sliding_window": 5}, True, {}),
     "cp3-ring-window-of-a-chunk-masked": ({"cp": 3, "cp_algo": "ring"}, {"seq_len": 48, "sliding_window": 8}, True, {}),
+    # Gemma 3: each row's positions through both RoPEs (the sliding layer's own theta, the global
+    # one's linear scaling), a cp rank's chunks holding their true offsets
+    "cp2-ring-gemma3": ({"cp": 2, "cp_algo": "ring"}, GEMMA3, False, {}),
+    "tp2-sp-gemma3-masked": ({"tp": 2, "sequence_parallel": True}, GEMMA3, True, {}),
 }
 
 
@@ -154,14 +162,15 @@ def _config(parallel: dict, model: dict, mask: bool, reset: bool = True, **train
 
 
 @lru_cache(maxsize=None)
-def _train(name: str | None, reset: bool = True, model: tuple = (), mask: bool = False):
-    parallel, model, mask, train = LAYOUTS[name] if name else ({}, dict(model), mask, {})
+def _train(name: str | None, reset: bool = True, model: str = "{}", mask: bool = False):
+    """`model`: the one-process run's [model] keys as JSON (hashable, lists and tables too)."""
+    parallel, model, mask, train = LAYOUTS[name] if name else ({}, json.loads(model), mask, {})
     return train_layout(_config(parallel, model, mask, reset, **train))
 
 
 def _reference(name: str):
     _, model, mask, _ = LAYOUTS[name]
-    return _train(None, model=tuple(model.items()), mask=mask)
+    return _train(None, model=json.dumps(model, sort_keys=True), mask=mask)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +181,7 @@ def references():
 
 
 def test_the_reset_changes_training(references):
-    for model, mask in (((), False), ((("pos", "learned"),), True)):
+    for model, mask in (("{}", False), ('{"pos": "learned"}', True)):
         running, reset = _train(None, reset=False, model=model, mask=mask), _train(None, model=model, mask=mask)
         assert abs(running[0][-1] - reset[0][-1]) > 1e-3, (running[0], reset[0])
 

@@ -1,16 +1,32 @@
-"""Validation of RoPE's keys: the rotated dims of each head (model.partial_rotary_factor) and the
-frequency scaling (model.rope_scaling: Llama 3.1's or Phi-3's LongRoPE, by HF's names), each
-refusal one line naming what to change."""
+"""Validation of RoPE's keys: the rotated dims of each head (model.partial_rotary_factor), the
+frequency scaling (model.rope_scaling: Llama 3.1's, linear or Phi-3's LongRoPE, by HF's names) and
+the per-layer attention of model.layer_types (Gemma 3: windows and RoPE per layer), each refusal
+one line naming what to change."""
 
 from __future__ import annotations
 
 from tetrad.config.sections import LONGROPE_KEYS, ROPE_SCALING_KEYS, ConfigError, ModelConfig
 
 
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def check_layer_types(m: ModelConfig) -> None:
+    """model.layer_types names each layer's attention, or none; rope_local_base_freq needs them."""
+    if m.layer_types and (len(m.layer_types) != m.n_layers or set(m.layer_types) - set(LAYER_TYPES)):
+        raise ConfigError(f"model.layer_types must name one of {', '.join(LAYER_TYPES)} for each of the n_layers="
+                          f"{m.n_layers} layers, got {m.layer_types}; or leave it empty (every layer alike)")
+    if m.rope_local_base_freq and not m.layer_types:
+        raise ConfigError("model.rope_local_base_freq is the RoPE theta of model.layer_types' sliding_attention "
+                          "layers, and layer_types is empty; set layer_types, or rope_local_base_freq=0")
+
+
 def check_rope(m: ModelConfig) -> None:
     """RoPE rotates pairs of dims: an even number of them, at least one pair; the scaling whole."""
+    check_layer_types(m)
     if m.pos != "rope":
         for key, does, unset in (("rope_scaling", "scales RoPE's frequencies", not m.rope_scaling),
+                                 ("rope_local_base_freq", "sets local layers' RoPE", not m.rope_local_base_freq),
                                  ("partial_rotary_factor", "sets the dims RoPE rotates", m.partial_rotary_factor == 1)):
             if not unset:
                 raise ConfigError(f"model.{key} {does}, and model.pos='learned' has none; remove it")
@@ -25,9 +41,14 @@ def check_rope(m: ModelConfig) -> None:
     if not m.rope_scaling:
         return
     kind = m.rope_scaling.get("rope_type")
-    if kind not in ("llama3", "longrope") and "rope_type" in m.rope_scaling:
-        raise ConfigError(f"model.rope_scaling.rope_type={kind!r}: tetrad has Llama 3.1's 'llama3' and Phi-3's "
-                          "'longrope' scaling only")
+    if kind not in ("llama3", "longrope", "linear") and "rope_type" in m.rope_scaling:
+        raise ConfigError(f"model.rope_scaling.rope_type={kind!r}: tetrad has Llama 3.1's 'llama3', 'linear' (Gemma "
+                          "3's) and Phi-3's 'longrope' scaling only")
+    if kind == "linear":
+        _check_keys(m.rope_scaling, ("rope_type", "factor"))
+        if not _number(m.rope_scaling["factor"]) or m.rope_scaling["factor"] <= 0:
+            raise ConfigError(f"model.rope_scaling.factor must be a number above 0, got {m.rope_scaling['factor']!r}")
+        return
     _check_keys(m.rope_scaling, LONGROPE_KEYS if kind == "longrope" else ROPE_SCALING_KEYS)
     (_check_longrope if kind == "longrope" else _check_llama3)(m)
 

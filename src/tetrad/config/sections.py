@@ -77,8 +77,10 @@ class ModelConfig:
     # model keeps its own, so a Llama 3.1 fine-tuned at seq_len 4096 still generates and exports
     # as the 128k model it is, and one trained past its original context exports the longer.
     max_position_embeddings: int = 0
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    # "gemma_rmsnorm": Gemma's, in fp32, times (1 + weight): weights stored as offsets from one.
+    norm: Literal["rmsnorm", "layernorm", "gemma_rmsnorm"] = "rmsnorm"
+    # "geglu": Gemma's gated MLP, gelu (tanh form) of the gate times up, where SwiGLU takes silu.
+    mlp: Literal["swiglu", "gelu", "geglu"] = "swiglu"
     pos: Literal["rope", "learned"] = "rope"
     tie_embeddings: bool = False
     # Biases on the q, k and v projections, as Qwen2 / Qwen2.5 have (HF's Llama `attention_bias`
@@ -109,6 +111,17 @@ class ModelConfig:
     # a query at position i sees the keys j with i - sliding_window < j <= i, itself included;
     # 0: every earlier key (model/masks.py). A window of seq_len or more hides nothing.
     sliding_window: int = 0
+    # HF's layer_types: "sliding_attention" or "full_attention" per layer (Gemma 3); empty: all alike.
+    layer_types: list[str] = field(default_factory=list)
+    # RoPE theta of layer_types' sliding layers, unscaled (Gemma 3's rope_local_base_freq, 10000):
+    # rope_theta and rope_scaling are then the full layers' alone. 0: every layer takes those.
+    rope_local_base_freq: float = 0.0
+    # The attention's softmax scale is query_pre_attn_scalar ** -0.5 (HF Gemma's); 0: head_dim's.
+    query_pre_attn_scalar: float = 0.0
+    # Gemma 3's sandwich norms on the attention's and the MLP's outputs before the residual add.
+    sandwich_norm: bool = False
+    # The token embedding times sqrt(d_model), rounded to the activations' dtype (Gemma's).
+    scale_embeddings: bool = False
     # The Hugging Face architecture `tetrad convert --to-hf` writes where several compute the model:
     # "" picks Llama's, Mistral's, Qwen2's or Qwen3's from the keys above; "phi3" Phi3ForCausalLM's
     # fused q/k/v and gate/up tensors where Phi-3 has the features (an imported Phi-3 keeps it,
@@ -118,6 +131,18 @@ class ModelConfig:
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:
             self.head_dim = self.d_model // self.n_heads
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.mlp in ("swiglu", "geglu")  # gate, up and down: three matrices
+
+    def window_of(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: none): sliding_window, but in layer_types' full layers."""
+        return 0 if self.layer_types and self.layer_types[layer] == "full_attention" else self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` takes the sliding layers' RoPE (rope_local_base_freq, unscaled)."""
+        return bool(self.rope_local_base_freq and self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     @property
     def context_length(self) -> int:

@@ -59,6 +59,7 @@ RANGES: dict[str, Range] = {
     "model.max_position_embeddings": COUNT,  # 0: seq_len
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.dropout": Range(0, 1),
     "model.partial_rotary_factor": Range(0, 1, low_open=True, high_open=False),
+    "model.rope_local_base_freq": Range(0), "model.query_pre_attn_scalar": Range(0),  # 0: as the others, head_dim
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,

@@ -25,7 +25,7 @@ def layer_matrix_params(m: ModelConfig) -> int:
     """Weights of one layer's linears (split over tp)."""
     hd = m.head_dim
     attn = m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads)
-    return attn + m.d_model * m.ffn_hidden * (3 if m.mlp == "swiglu" else 2)
+    return attn + m.d_model * m.ffn_hidden * (3 if m.gated_mlp else 2)
 
 
 def layer_bias_params(m: ModelConfig) -> int:
@@ -44,7 +44,7 @@ def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, bool]]:
     row-parallel): q, k, v, the output projection, then gate, up and down (SwiGLU) or fc1 and fc2.
     Row-parallel ones split their input over tp and give the whole hidden state."""
     h, q, kv, f = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_hidden
-    mlp = [(h, f, False), (h, f, False), (f, h, True)] if m.mlp == "swiglu" else [(h, f, False), (f, h, True)]
+    mlp = [(h, f, False), (h, f, False), (f, h, True)] if m.gated_mlp else [(h, f, False), (f, h, True)]
     return [(h, q, False), (h, kv, False), (h, kv, False), (q, h, True), *mlp]
 
 
@@ -55,22 +55,29 @@ def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, bool]]:
 
 
 def layer_norm_params(m: ModelConfig) -> int:
-    """Weights of one layer's norms, replicated over tp: the two before attention and the MLP,
-    and qk-norm's (`layer_qk_norm_params`)."""
-    return 2 * m.d_model * (1 if m.norm == "rmsnorm" else 2) + layer_qk_norm_params(m)
+    """Weights of one layer's norms, replicated over tp: the two before attention and the MLP (and
+    the sandwich norms after them: Gemma 3), and qk-norm's (`layer_qk_norm_params`)."""
+    return (4 if m.sandwich_norm else 2) * m.d_model * (2 if m.norm == "layernorm" else 1) + layer_qk_norm_params(m)
 
 
 def layer_qk_norm_params(m: ModelConfig) -> int:
     """Weights of one layer's q and k norms (one head wide each), whose gradients each tp rank
     makes from its own heads."""
-    return 2 * m.head_dim * (1 if m.norm == "rmsnorm" else 2) if m.qk_norm else 0
+    return 2 * m.head_dim * (2 if m.norm == "layernorm" else 1) if m.qk_norm else 0
 
 
 def attention_core_flops(m: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of QK^T and AV over the keys a query may see, counted in full: the
-    whole sequence, or model.sliding_window keys where that is shorter."""
-    keys = min(seq_len, m.sliding_window) if m.sliding_window else seq_len
+    """Forward FLOPs per token of one layer's QK^T and AV over the keys a query may see, counted in
+    full: the whole sequence, or the layer's sliding window where that is shorter; the mean over
+    the layers where model.layer_types gives them different windows."""
+    windows = layer_windows(m)
+    keys = sum(min(seq_len, w) if w else seq_len for w in windows) / len(windows)
     return 2 * 2 * keys * m.n_heads * m.head_dim
+
+
+def layer_windows(m: ModelConfig) -> list[int]:
+    """Each layer's sliding window (0: none): model.sliding_window, but in layer_types' full layers."""
+    return [m.window_of(i) for i in range(m.n_layers)]
 
 
 def head_flops(m: ModelConfig) -> float:
@@ -106,7 +113,7 @@ def embedding_params(m: ModelConfig) -> int:
 
 def head_params(m: ModelConfig, separate: bool) -> int:
     """The last stage's final norm and, unless it shares the embedding's weight, its head."""
-    norm = m.d_model * (1 if m.norm == "rmsnorm" else 2)
+    norm = m.d_model * (2 if m.norm == "layernorm" else 1)
     return norm + (m.vocab_size * m.d_model if separate else 0)
 
 

@@ -37,27 +37,36 @@ from tetrad.model.mappings import column_parallel_linear, column_parallel_linear
 
 
 class Norm(nn.Module):
-    """RMSNorm or LayerNorm (with bias) over the last dimension (d_model, or `width`); replicated
-    over tp. `per_head`: qk-norm's, over each head, its gradient split over tp (ParamSpec)."""
+    """RMSNorm, LayerNorm (with bias) or Gemma's RMSNorm (fp32, times 1 + weight: its weight an
+    offset, zero at init) over the last dimension (d_model, or `width`); replicated over tp.
+    `per_head`: qk-norm's, over each head, its gradient split over tp (ParamSpec)."""
 
     def __init__(self, cfg: ModelConfig, width: int | None = None, per_head: bool = False):
         super().__init__()
         width = width or cfg.d_model
         self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.weight = new_param((width,), init="ones", grad_split_over_tp=per_head)
+        init = "zeros" if cfg.norm == "gemma_rmsnorm" else "ones"
+        self.weight = new_param((width,), init=init, grad_split_over_tp=per_head)
         self.bias = new_param((width,), init="zeros", grad_split_over_tp=per_head) if cfg.norm == "layernorm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if self.kind == "gemma_rmsnorm":  # HF's Gemma3RMSNorm: (x * w) rounded once, not x rounded, then * w
+            return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * (1.0 + self.weight.float())).type_as(x)
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, topo, ex: Execution, out_std: float):
+    """`window`: this layer's sliding window (ModelConfig.window_of; 0: none)."""
+
+    def __init__(self, cfg: ModelConfig, topo, ex: Execution, out_std: float, window: int = 0):
         super().__init__()
-        self.cfg, self.topo, self.ex = cfg, topo, ex
+        self.cfg, self.topo, self.ex, self.window = cfg, topo, ex, window
         hd = cfg.head_dim
+        # Gemma's softmax scale, query_pre_attn_scalar ** -0.5, as q times this under every kernel's
+        # head_dim ** -0.5 (RoPE is linear: before or after it alike)
+        self.q_scale = (hd / cfg.query_pre_attn_scalar) ** 0.5 if cfg.query_pre_attn_scalar else 1.0
         self.heads = cfg.n_heads // topo.tp_size
         self.kv_heads = cfg.n_kv_heads // topo.tp_size
         self.wq = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, topo, ex, bias=cfg.qkv_bias)
@@ -81,10 +90,12 @@ class Attention(nn.Module):
         q, k, v = q.view(b, s, self.heads, hd), k.view(b, s, self.kv_heads, hd), v.view(b, s, self.kv_heads, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         if cache is not None:
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            out = cached_attention(q, *cache.extend(k, v), self.cfg.sliding_window)
+            out = cached_attention(q, *cache.extend(k, v), self.window)
         elif self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, rope, docs, use_reentrant=False)
         else:
@@ -97,23 +108,25 @@ class Attention(nn.Module):
         and log-sum-exp); the rotated q and k, elementwise and cheap to redo, are the bulk."""
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return attention(q, k, v, self.topo, self.ex.cp_algo, self.ring_replay, docs, self.cfg.sliding_window)
+        return attention(q, k, v, self.topo, self.ex.cp_algo, self.ring_replay, docs, self.window)
 
 
 class MLP(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x)) or GELU (w2(gelu(w1 x))); column then row parallel."""
+    """SwiGLU (w2(silu(w1 x) * w3 x)), GeGLU (Gemma's: gelu's tanh form for silu) or GELU
+    (w2(gelu(w1 x))); column then row parallel."""
 
     def __init__(self, cfg: ModelConfig, topo, ex: Execution, out_std: float):
         super().__init__()
-        self.swiglu = cfg.mlp == "swiglu"
+        self.kind = cfg.mlp
         self.w1 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo, ex)
-        self.w3 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo, ex) if self.swiglu else None
+        self.w3 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo, ex) if cfg.gated_mlp else None
         self.w2 = RowParallelLinear(cfg.ffn_hidden, cfg.d_model, topo, ex, std=out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
+        if self.w3 is not None:
             gate, up = column_parallel_linears(x, [self.w1.weight, self.w3.weight], self.w1.topo, self.w1.ex)
-            return self.w2(F.silu(gate) * up)
+            gate = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")
+            return self.w2(gate * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
@@ -153,26 +166,32 @@ def _save_attention_and_every_other_matmul(ring: RingReplay, hold=None):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, topo, ex: Execution):
+    """Layer `index`: pre-norm attention and MLP; under model.sandwich_norm (Gemma 2/3) each
+    output normed again (attn_out_norm, mlp_out_norm) before it joins the residual stream."""
+
+    def __init__(self, cfg: ModelConfig, topo, ex: Execution, index: int = 0):
         super().__init__()
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2/Megatron scaling of residual outputs
+        self.local_rope = cfg.local_rope(index)  # the sliding layers' RoPE (model.rope_local_base_freq)
         self.attn_norm = Norm(cfg)
-        self.attn = Attention(cfg, topo, ex, out_std)
+        self.attn = Attention(cfg, topo, ex, out_std, cfg.window_of(index))
         self.mlp_norm = Norm(cfg)
         self.mlp = MLP(cfg, topo, ex, out_std)
+        self.attn_out_norm = Norm(cfg) if cfg.sandwich_norm else nn.Identity()
+        self.mlp_out_norm = Norm(cfg) if cfg.sandwich_norm else nn.Identity()
         self.dropout = ResidualDropout(cfg.dropout, topo, ex) if cfg.dropout else nn.Identity()
         self.recompute = "none"  # "full" or "selective-op": the block runs under a checkpoint
         self.compiled_body = None  # torch.compile's version of `body`, when compiling
 
     def body(self, x: torch.Tensor, rope, docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope, docs=docs))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        x = x + self.dropout(self.attn_out_norm(self.attn(self.attn_norm(x), rope, docs=docs)))
+        return x + self.dropout(self.mlp_out_norm(self.mlp(self.mlp_norm(x))))
 
     def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None,
                 docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
         if cache is not None:  # decoding: no recompute, no compile
-            x = x + self.attn(self.attn_norm(x), rope, cache)
-            return x + self.mlp(self.mlp_norm(x))
+            x = x + self.attn_out_norm(self.attn(self.attn_norm(x), rope, cache))
+            return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
         # The checkpoint sits inside the module call, so module hooks (ZeRO-3's gathers) run once
         # per forward and never during the recompute.
         body = self.compiled_body or self.body
@@ -249,7 +268,7 @@ class Transformer(nn.Module):
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, topo, ex)
             if cfg.pos == "learned":
                 self.pos_embed = new_param((cfg.seq_len, cfg.d_model), std=0.01)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, topo, ex) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, topo, ex, i) for i in layers})
         if last:
             self.norm = Norm(cfg)
             if cfg.tie_embeddings and first:
@@ -260,25 +279,25 @@ class Transformer(nn.Module):
                 # micro-batch 2; test_plan_runtime).
                 self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, ex, pad_to=topo.tp_size,
                                                  grad_in_bi=True)
-        self._rope: tuple | None = None  # (positions, their version, tables): see `rope`
-        self._inv_freq: dict[tuple[torch.device, bool], torch.Tensor] = {}  # see `_frequencies`
+        self._rope: dict[bool, tuple] = {}  # local -> (positions, their version, tables): see `rope`
+        self._inv_freq: dict[tuple[torch.device, bool, bool], torch.Tensor] = {}  # see `_frequencies`
 
-    def _shared_mask(self, docs: Documents | None, positions: torch.Tensor, h: torch.Tensor):
-        """The mask (documents, sliding window) the chunk's layers take, made once for all of them
-        on the paths that attend over the whole sequence (the ring builds per-block masks): the
-        varlen kernel's segments always (a few integers), the bias where no layer recomputes its
-        attention (a recompute rebuilds the bias instead of keeping one; model/masks.py). None
-        where the layers make their own, or need none."""
+    def _shared_mask(self, docs: Documents | None, positions: torch.Tensor, h: torch.Tensor, window: int):
+        """The mask (documents, a sliding `window`) the chunk's layers of that window take, made
+        once for all of them on the paths that attend over the whole sequence (the ring builds
+        per-block masks): the varlen kernel's segments always (a few integers), the bias where no
+        layer recomputes its attention (a recompute rebuilds the bias instead of keeping one;
+        model/masks.py). None where the layers make their own, or need none."""
         cp = self.topo.size("cp")
         length = positions.shape[-1] * cp  # positions: [s], or [b, s] under train.reset_positions
-        if docs is None and not hides_keys(self.cfg.sliding_window, length):
+        if docs is None and not hides_keys(window, length):
             return None
         if cp > 1 and self.execution.cp_algo != "alltoall":
             return None
         recomputes = any(b.recompute != "none" or b.attn.recompute_core for b in self.layers.values())
         if recomputes and not uses_varlen(h.device, h.dtype, self.cfg.head_dim):
             return None
-        return sequence_mask(docs, self.cfg.sliding_window, h.shape[0], length, h.dtype, h.device, self.cfg.head_dim)
+        return sequence_mask(docs, window, h.shape[0], length, h.dtype, h.device, self.cfg.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: dict[str, LayerCache] | None = None, docs: Documents | None = None, tail: int = 0) -> torch.Tensor:
@@ -299,15 +318,21 @@ class Transformer(nn.Module):
                              "parallelism this rank holds a shard of it; run the model with neither")
         if self.first:
             h = self.embed(x)
+            if self.cfg.scale_embeddings:  # sqrt(d_model) in h's dtype first, as HF's Gemma rounds it
+                h = h * h.new_full((), self.cfg.d_model ** 0.5)
             if self.cfg.pos == "learned":
                 h = h + self.pos_embed[sequence_shard(positions, self.topo, self.execution, dim=-1)]  # SP: h is a chunk
         else:
             h = x
-        rope = self.rope(positions, decoding=cache is not None) if self.cfg.pos == "rope" else None
-        mask = self._shared_mask(docs, positions, h) if cache is None else None
-        docs = docs if mask is None else mask  # once for all the chunk's layers
+        blocks = self.layers.values()
+        ropes = {local: self.rope(positions, cache is not None, local) for local in {b.local_rope for b in blocks}
+                 if self.cfg.pos == "rope"}  # the global layers' RoPE, and the sliding layers' where it differs
+        masks = {w: self._shared_mask(docs, positions, h, w) for w in {b.attn.window for b in blocks}} \
+            if cache is None else {}  # once for all the chunk's layers of a window
         for name, block in self.layers.items():
-            h = block(h, rope, docs=docs) if cache is None else block(h, rope, cache.setdefault(name, LayerCache()))
+            rope, mask = ropes.get(block.local_rope), masks.get(block.attn.window)
+            h = block(h, rope, docs=docs if mask is None else mask) if cache is None else \
+                block(h, rope, cache.setdefault(name, LayerCache()))
         if not self.last:
             return h
         h = self.norm(h[:, -tail:] if tail else h)
@@ -317,18 +342,20 @@ class Transformer(nn.Module):
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.topo).sum()
 
-    def rope(self, positions: torch.Tensor, decoding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rope_tables` of `positions`, kept for the next call with the same, unmodified tensor:
-        the trainer passes one positions tensor every step; decoding passes new ones. Never under
-        inference mode, whose tensors have no version and cannot be saved for a later backward."""
+    def rope(self, positions: torch.Tensor, decoding: bool = False, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_tables` of `positions` (`local`: the sliding layers' own, Block.local_rope), kept
+        for the next call with the same, unmodified tensor: the trainer passes one positions tensor
+        every step; decoding passes new ones. Never under inference mode, whose tensors have no
+        version and cannot be saved for a later backward."""
         if torch.is_inference_mode_enabled() or positions.is_inference():
-            return rope_tables(positions, self.cfg, self._frequencies(positions, decoding))
-        if self._rope is None or self._rope[0] is not positions or self._rope[1] != positions._version:
-            self._rope = positions, positions._version, rope_tables(positions, self.cfg,
-                                                                     self._frequencies(positions, decoding))
-        return self._rope[2]
+            return rope_tables(positions, self.cfg, self._frequencies(positions, decoding, local), local)
+        kept = self._rope.get(local)
+        if kept is None or kept[0] is not positions or kept[1] != positions._version:
+            kept = self._rope[local] = positions, positions._version, rope_tables(
+                positions, self.cfg, self._frequencies(positions, decoding, local), local)
+        return kept[2]
 
-    def _frequencies(self, positions: torch.Tensor, decoding: bool) -> torch.Tensor:
+    def _frequencies(self, positions: torch.Tensor, decoding: bool, local: bool = False) -> torch.Tensor:
         """rope_frequencies for `positions`, each set made once per device (LongRoPE's factors are
         Python lists, whose copy to a GPU waits for it: else once per micro-batch under
         train.reset_positions). The length that picks LongRoPE's factors (uses_long_factors) is,
@@ -342,8 +369,8 @@ class Transformer(nn.Module):
         long, device = uses_long_factors(self.cfg, length), positions.device
 
         def made(which: bool) -> torch.Tensor:
-            if (device, which) not in self._inv_freq:
+            if (device, which, local) not in self._inv_freq:
                 with torch.inference_mode(False):  # kept for later calls, with autograd too
-                    self._inv_freq[device, which] = rope_frequencies(self.cfg, device, which)
-            return self._inv_freq[device, which]
+                    self._inv_freq[device, which, local] = rope_frequencies(self.cfg, device, which, local)
+            return self._inv_freq[device, which, local]
         return torch.where(long, made(True), made(False)) if isinstance(long, torch.Tensor) else made(long)

@@ -37,7 +37,7 @@ class PlannedBucket(NamedTuple):
 
 
 def _norm(m: ModelConfig, width: int, kind: int) -> list[tuple[int, int]]:
-    return [(width, kind)] * (1 if m.norm == "rmsnorm" else 2)  # weight, and LayerNorm's bias
+    return [(width, kind)] * (2 if m.norm == "layernorm" else 1)  # weight, and LayerNorm's bias
 
 
 def _local(rows: int, tp: int) -> int:
@@ -48,7 +48,7 @@ def _local(rows: int, tp: int) -> int:
 def layer_parameters(m: ModelConfig, tp: int) -> list[tuple[int, int]]:
     """(elements on a tp rank, kind) of one transformer block's parameters, in the order Block
     registers them: attention norm, q, k, v (each with its bias), output projection, q and k
-    norms; MLP norm, w1, w3 (SwiGLU), w2."""
+    norms; MLP norm, w1, w3 (SwiGLU, GeGLU), w2; the sandwich norms (Gemma 3)."""
     d, hd = m.d_model, m.head_dim
     out = _norm(m, d, REPLICATED)
     for heads in (m.n_heads, m.n_kv_heads, m.n_kv_heads):
@@ -58,7 +58,8 @@ def layer_parameters(m: ModelConfig, tp: int) -> list[tuple[int, int]]:
     out += _norm(m, hd, HEADS) * 2 if m.qk_norm else []
     out += _norm(m, d, REPLICATED)
     ffn = _local(m.ffn_hidden, tp) * d
-    return out + [(ffn, SPLIT)] * (3 if m.mlp == "swiglu" else 2)
+    out += [(ffn, SPLIT)] * (3 if m.gated_mlp else 2)
+    return out + (_norm(m, d, REPLICATED) * 2 if m.sandwich_norm else [])
 
 
 class Shapes(NamedTuple):

@@ -9,6 +9,7 @@ import torch
 from tetrad.config import Config
 from tetrad.device import DTYPES
 from tetrad.model.attention import uses_varlen
+from tetrad.model.flops import layer_windows
 from tetrad.model.masks import hides_keys
 
 
@@ -18,7 +19,7 @@ def masked_attention(cfg: Config, is_cpu: bool = False) -> str | None:
     a head dim flash takes) or "square" (an additive bias, the whole square computed: the
     memory-efficient kernel in fp32 or at other head dims, the CPU's kernel on a CPU)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not t.document_mask and not hides_keys(m.sliding_window, m.seq_len):
+    if not t.document_mask and not any(hides_keys(w, m.seq_len) for w in layer_windows(m)):
         return None
     if p.cp > 1 and p.cp_algo == "ring":
         return "ring"

@@ -109,7 +109,7 @@ def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, floa
     m, t = cfg.model, cfg.train
     h = m.d_model
     q, kv, f = _widths(cfg)
-    shapes = [(h, q + 2 * kv), (q, h), (h, f * (2 if m.mlp == "swiglu" else 1)), (f, h)]
+    shapes = [(h, q + 2 * kv), (q, h), (h, f * (2 if m.gated_mlp else 1)), (f, h)]
     peak = gpu.matmul_peak(t.dtype, t.tf32)
     gemm = [2 * tokens * k * n / (peak * gemm_efficiency(gpu, tokens, k, n)) for k, n in shapes]
     if t.dtype != "fp8":
@@ -166,12 +166,12 @@ def _attention_keys(cfg: Config, stack: Stack, is_cpu: bool) -> tuple[float, boo
     m, t = cfg.model, cfg.train
     fused = stack.attention_kernel == "fused" and t.dtype != "fp32"
     kernel = masked_attention(cfg, is_cpu) if stack.tetrad_attention else None
-    if kernel == "varlen":
-        w = m.sliding_window if hides_keys(m.sliding_window, m.seq_len) else m.seq_len
-        return w - w * w / (2 * m.seq_len), False
-    if kernel == "square":
-        return float(m.seq_len), False
-    return m.seq_len / 2, fused
+    s, windows = m.seq_len, [w if hides_keys(w, m.seq_len) else 0 for w in flops.layer_windows(m)]
+    if kernel == "varlen":  # the mean over the layers (model.layer_types: some windowed, some not)
+        return sum(w - w * w / (2 * s) if w else s / 2 for w in windows) / len(windows), False
+    if kernel == "square":  # a layer neither windowed nor in documents runs the causal kernel
+        return sum(s if w or t.document_mask else s / 2 for w in windows) / len(windows), False
+    return s / 2, fused
 
 
 def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[float, float]:
@@ -182,8 +182,9 @@ def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[floa
     e, hbm = activation_bytes(cfg.train.dtype), gpu.hbm_bytes_per_s
     q, kv, f = _widths(cfg)
     div = p.tp if p.sequence_parallel else 1
-    act = 3 if m.mlp == "swiglu" else 2
-    elem_bytes = tokens * e * (10 * m.d_model / div + act * f + (2 * (q + kv) if m.pos == "rope" else 0))
+    act = 3 if m.gated_mlp else 2
+    norms = 14 if m.sandwich_norm else 10  # each sandwich norm one more read and write of h
+    elem_bytes = tokens * e * (norms * m.d_model / div + act * f + (2 * (q + kv) if m.pos == "rope" else 0))
     forward = stack.elementwise_factor * elem_bytes / hbm
     merge_f, merge_b = _ring_merges(cfg, gpu, tokens)
     return forward + merge_f, 2 * forward + merge_b

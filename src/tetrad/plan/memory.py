@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes, shard_ranks
 from tetrad.model import flops
+from tetrad.model.masks import hides_keys
 from tetrad.plan.kernels import masked_attention
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
@@ -207,8 +208,13 @@ def rank_params(cfg: Config) -> list[float]:
 
 def norm_saved_bytes(m: ModelConfig, tokens: int, e: int, stack: Stack) -> float:
     """Bytes one norm keeps for backward over `tokens` tokens: its input, or under the composite
-    RMSNorm (Stack.fused_rms_norm) two fp32 tensors."""
-    return tokens * m.d_model * (e if m.norm == "layernorm" or stack.fused_rms_norm else 8)
+    RMSNorm (Stack.fused_rms_norm) two fp32 tensors, as Gemma's always keeps (its fp32 output and
+    the fp32 input, fused or not)."""
+    return tokens * m.d_model * (8 if m.norm == "gemma_rmsnorm" else _norm_bytes(m, e, stack))
+
+
+def _norm_bytes(m: ModelConfig, e: int, stack: Stack) -> int:
+    return e if m.norm == "layernorm" or (stack.fused_rms_norm and m.norm == "rmsnorm") else 8
 
 
 def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, recompute: str, e: int,
@@ -231,14 +237,14 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after
     # attention and MLP; the attention and MLP inputs (norm outputs) too, unless the stack keeps
     # them all-gathered under SP.
-    norms = 2 * norm_input + (2 * tokens * m.d_model if dropout else 0)
+    norms = (4 if m.sandwich_norm else 2) * norm_input + (2 * tokens * m.d_model if dropout else 0)
     inputs = 2 * hidden / (1 if sp and stack.sp_saves_gathered_input else div)
     replicated = norms / div + inputs
     # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
-    mlp = stack.swiglu_saved if m.mlp == "swiglu" else 2  # GELU: its input and the fc2 input
+    mlp = stack.swiglu_saved if m.gated_mlp else 2  # GELU: its input and the fc2 input
     split = tokens * e * (q + 2 * kv + stack.attn_out_copies * q + mlp * f)
     if m.qk_norm:  # q's and k's norms keep their inputs, as the layer's norms do theirs
-        split += tokens * (q + kv) * (e if m.norm == "layernorm" or stack.fused_rms_norm else 8)
+        split += tokens * (q + kv) * _norm_bytes(m, e, stack)
     core = 0.0
     if recompute != "selective":
         heads = m.n_heads / tp
@@ -263,7 +269,9 @@ def mask_bias_bytes(cfg: Config, is_cpu: bool = False) -> float:
     if masked_attention(cfg, is_cpu) != "square":
         return 0.0
     rows = t.micro_batch if t.document_mask else 1
-    return rows * m.seq_len ** 2 * activation_bytes(t.dtype)
+    # one per window the layers mask with (model.layer_types: a sliding and a full layer's differ)
+    biases = {w for w in flops.layer_windows(m) if t.document_mask or hides_keys(w, m.seq_len)}
+    return len(biases) * rows * m.seq_len ** 2 * activation_bytes(t.dtype)
 
 
 def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e: int) -> float:
@@ -273,7 +281,7 @@ def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e
     row-parallel ones (output, down) take 1/tp inputs and give the whole hidden state."""
     h = m.d_model
     q, kv, f = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, m.ffn_hidden / tp
-    up = 2 * f if m.mlp == "swiglu" else f
+    up = 2 * f if m.gated_mlp else f
     inputs = 2 * h + q + f  # qkv and gate/up inputs, the output and down projections' inputs
     grads = (q + 2 * kv) + h + up + h
     return tokens * e * (inputs + grads)

@@ -1,6 +1,6 @@
 """`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors of the architectures
 train/hf_architectures.py maps (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, Phi3ForCausalLM).
+Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, Gemma3ForCausalLM).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
@@ -40,6 +40,7 @@ from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, chec
 from tetrad.train.checkpoint.store import one_process, read_manifest
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
                                             hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
+from tetrad.train.hf_gemma import TEXT_TOWER
 
 
 def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
@@ -165,12 +166,12 @@ def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, d
     if source is not None and source.with_name(GENERATION_CONFIG).is_file():  # an imported model's, kept
         shutil.copyfile(source.with_name(GENERATION_CONFIG), out / GENERATION_CONFIG)
     written = EXPORT_DTYPES.get(dtype) or next(iter(weights.dtypes.values()))
-    hf_config = {**hf_architecture(m), "vocab_size": m.vocab_size,
+    hf_config = {"vocab_size": m.vocab_size,
                  "hidden_size": m.d_model, "intermediate_size": m.ffn_hidden, "num_hidden_layers": m.n_layers,
                  "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
                  "max_position_embeddings": m.context_length, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
                  "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu",
-                 "torch_dtype": str(written).removeprefix("torch."),
+                 "torch_dtype": str(written).removeprefix("torch."), **hf_architecture(m),  # Gemma's activation its own
                  **hf_rope_scaling(m.rope_scaling), **(_special_token_ids(tokenizer, source) if tokenizer is not None else {})}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return tokenizer is not None
@@ -240,9 +241,11 @@ def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
 def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
     """How the folder's weights, named as config.json's `model_type` names them, differ from
     `model_cfg`'s parameters (none: they fit)."""
-    found, expected = hf_shapes(hf_dir), hf_tensor_shapes(logical_shapes(model_cfg), model_type)
+    tower = TEXT_TOWER.get(model_type, "")  # a multimodal model's vision tower is not this model's
+    found = {k: shape for k, shape in hf_shapes(hf_dir).items() if k.startswith(tower)}
+    expected = hf_tensor_shapes(logical_shapes(model_cfg), model_type)
     # A tied model's export may hold the head too, the embedding's copy (transformers reads past it)
-    extra = {k for k in found if k not in expected} - ({TOP_NAMES["head.weight"]} if model_cfg.tie_embeddings else set())
+    extra = {k for k in found if k not in expected} - ({tower + TOP_NAMES["head.weight"]} if model_cfg.tie_embeddings else set())
     problems = [f"{k}: missing" for k in expected if k not in found]
     problems += [f"{k}: not a weight of this model" for k in sorted(extra)]
     problems += [f"{k}: {found[k]} in the file, {shape} for config.json's model"
@@ -282,7 +285,9 @@ def convert_command(argv: list[str]) -> int:
                                      "Hugging Face safetensors (LlamaForCausalLM; Qwen2ForCausalLM for "
                                      "model.qkv_bias, Qwen3ForCausalLM for model.qk_norm, MistralForCausalLM for a Llama with "
                                      "model.sliding_window, Phi3ForCausalLM for model.hf_model_type=phi3, which an imported "
-                                     "Phi-3 sets, or for LongRoPE or model.partial_rotary_factor), on one CPU process.")
+                                     "Phi-3 sets, or for LongRoPE or model.partial_rotary_factor; Gemma3ForCausalLM for "
+                                     "model.norm=gemma_rmsnorm with sandwich norms, GemmaForCausalLM without), on one CPU "
+                                     "process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)

@@ -3,7 +3,8 @@ config.json keys and tensor names, both ways: Llama's math throughout, with a sl
 (MistralForCausalLM), biases on q, k and v (Qwen2ForCausalLM), an RMSNorm over each head of q
 and k (Qwen3ForCausalLM), or q, k and v in one tensor and gate and up in another
 (Phi3ForCausalLM: Phi-3 mini and medium, phi-4; with LongRoPE, Phi-3 mini 128k and Phi-3.5 mini;
-RoPE on 3/4 of each head too, phi-4-mini).
+RoPE on 3/4 of each head too, phi-4-mini); Gemma's (GemmaForCausalLM, Gemma3ForCausalLM) config
+keys are train/hf_gemma.py's.
 
 A tetrad parameter is a run of rows of one HF tensor (hf_rows): all of it, or its part of a
 fused one, so that import, init_from and export split and join Phi-3's tensors alike.
@@ -18,6 +19,8 @@ import torch
 
 from tetrad.config import ConfigError
 from tetrad.model.masks import hides_keys
+from tetrad.train.hf_gemma import (GEMMA_TYPES, RENAMED, TEXT_TOWER, gemma3_rope, gemma_architecture, gemma_config,
+                                   gemma_export_problem, gemma_keys, gemma_type)
 
 # tetrad name inside layer i -> HF name inside model.layers.i
 LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
@@ -37,12 +40,14 @@ EXPORTED = {"phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
 
 def hf_name(name: str, model_type: str = "") -> str:
     """The HF tensor that holds tetrad parameter `name` (a fused one's, for `model_type`'s)."""
+    tower = TEXT_TOWER.get(model_type, "")  # a multimodal model's text tower's prefix
     if name in TOP_NAMES:
-        return TOP_NAMES[name]
+        return tower + TOP_NAMES[name]
     _, index, rest = name.split(".", 2)  # layers.I.attn.wq.weight
     module, _, leaf = rest.rpartition(".")
     fused = {part: tensor for tensor, parts in FUSED.get(model_type, {}).items() for part in parts}
-    return f"model.layers.{index}.{fused.get(module, LAYER_NAMES[module])}.{leaf}"
+    names = {**LAYER_NAMES, **RENAMED.get(model_type, {})}
+    return f"{tower}model.layers.{index}.{fused.get(module, names[module])}.{leaf}"
 
 
 def hf_rows(shapes: dict[str, tuple[int, ...]], model_type: str = "") -> dict[str, tuple[str, int, int]]:
@@ -94,6 +99,11 @@ def _phi3_only(m) -> list[str]:
 
 def check_exportable(m) -> None:
     """Refuse a model no transformers architecture computes (one line, what to change)."""
+    problem = gemma_export_problem(m)
+    if problem:
+        raise ConfigError(problem)
+    if m.norm == "gemma_rmsnorm":
+        return
     if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
         raise ConfigError(f"LlamaForCausalLM has rmsnorm, swiglu and rope; this model has norm={m.norm!r}, "
                           f"mlp={m.mlp!r}, pos={m.pos!r}")
@@ -114,6 +124,8 @@ def exported_type(m) -> str:
     computes `m` (Phi-3 has no qk-norm, no q, k and v biases and no Llama 3.1 scaling, which a
     fine-tune may have added), else "": the one hf_architecture picks from the model's features;
     Phi-3's for a model only it computes (_phi3_only), whatever model.hf_model_type says."""
+    if m.norm == "gemma_rmsnorm":
+        return gemma_type(m)
     if _phi3_only(m):
         return "phi3"
     if m.hf_model_type == "phi3" and (m.qk_norm or m.qkv_bias or m.rope_scaling):
@@ -128,6 +140,8 @@ def hf_architecture(m) -> dict:
     sliding window) where model.sliding_window hides keys within the context the export declares
     (context_length: a fine-tune at a seq_len within the window keeps it). Qwen2 and Qwen3 slide in
     every layer from max_window_layers = 0 on; Phi-3 and Mistral in every layer where sliding_window is set."""
+    if exported_type(m) in GEMMA_TYPES:
+        return gemma_architecture(m)
     window = m.sliding_window if hides_keys(m.sliding_window, m.context_length) else None
     qwen = {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
     if exported_type(m):
@@ -147,7 +161,7 @@ def hf_architecture(m) -> dict:
 def hf_rope_scaling(scaling: dict) -> dict:
     """config.json's `rope_scaling` for model.rope_scaling (Llama 3.1's, or LongRoPE's with its
     attention_factor, which transformers then takes as given), in the form every transformers reads."""
-    if not scaling:
+    if not scaling or scaling.get("rope_type") == "linear":  # Gemma 3's: hf_gemma.gemma_architecture's keys
         return {}
     return {"rope_scaling": {**scaling, "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}}
 
@@ -217,12 +231,12 @@ def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
     alone rotates part of each head; dropout is training's alone (transformers 5's Phi-3 reads
     no embd_pdrop; resid_pdrop is model.dropout's place)."""
     unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias", "attention_dropout") if hf.get(k)}
-    if scaling and scaling.get("rope_type") != ("longrope" if kind == "phi3" else "llama3"):
+    if scaling and scaling.get("rope_type") != {"phi3": "longrope", "gemma3_text": "linear"}.get(kind, "llama3"):
         long = any(isinstance(v, list) for v in scaling.values())  # LongRoPE's factor lists: named, not listed
         unsupported["rope_scaling"] = {"rope_type": scaling["rope_type"]} if long else scaling
     if partial != 1.0 and kind != "phi3":  # RoPE on the first part of each head only
         unsupported["partial_rotary_factor"] = partial
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("hidden_act", "silu") != "silu" and kind not in GEMMA_TYPES:  # gemma_config checks Gemma's
         unsupported["hidden_act"] = hf["hidden_act"]
     return unsupported
 
@@ -233,8 +247,15 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
     and v biases, whatever its config says (it has no key for them); Qwen3 is Llama with qk-norm
     and, often, its own head_dim; Phi-3 is Llama with fused tensors, kept as hf_model_type, and
     maybe LongRoPE (_longrope) and RoPE on part of each head (model.partial_rotary_factor)."""
-    theta, scaling, partial = _rope_from_hf(hf)
-    kind = hf.get("model_type")
+    kind, local_theta = hf.get("model_type"), 0.0
+    if kind is not None and kind.startswith("gemma"):
+        hf = gemma_config(hf, source)
+        kind = hf["model_type"]  # a multimodal Gemma 3's text tower: gemma3_text
+    if kind == "gemma3_text":
+        theta, scaling, local_theta = gemma3_rope(hf, source)
+        partial = 1.0
+    else:
+        theta, scaling, partial = _rope_from_hf(hf)
     unsupported = _unsupported(hf, kind, scaling, partial)
     if unsupported:
         raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
@@ -244,8 +265,9 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "seq_len": hf.get("max_position_embeddings", 2048),
             "max_position_embeddings": hf.get("max_position_embeddings", 2048), "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope",
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
-            "qk_norm": kind == "qwen3", "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            "qk_norm": kind == "qwen3", "sandwich_norm": False, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
             "rope_scaling": _longrope(hf, scaling) if scaling.get("rope_type") == "longrope" else scaling,
             "partial_rotary_factor": partial, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
-            **({"hf_model_type": kind, "dropout": float(hf.get("resid_pdrop") or 0.0)} if kind in FUSED else {})}
+            **({"hf_model_type": kind, "dropout": float(hf.get("resid_pdrop") or 0.0)} if kind in FUSED else {}),
+            **(gemma_keys(hf, local_theta) if kind in GEMMA_TYPES else {})}

@@ -412,3 +412,32 @@ def test_out_of_memory_exits_non_zero_without_a_traceback(weights, tmp_path):
     assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith("tetrad generate: cpu out of memory while filling the model (tried to allocate "
                                  "2.00 GiB) at fp32, tp 1; pass --tp 2"), out.stderr
+
+
+def test_out_of_memory_on_one_rank_ends_every_rank_at_once(weights, tmp_path):
+    """Rank 1 runs out of memory filling the model (another process on its GPU) while rank 0 goes
+    on into the decoding's logits all-gather, which on NCCL waits for rank 1 until the group's
+    timeout (600 s): rank 1 returned its line and left, rank 0 waited, and the command hung. Now
+    the refusal ends every rank at once: one line, exit 2. Rank 0 waits as NCCL's collective
+    would, on a key nobody sets (gloo's all-gather would fail as soon as rank 1 left)."""
+    script = ("import datetime, os, sys, torch, torch.distributed as dist, tetrad.sample as sample\n"
+              "filled = sample.inference_model\n"
+              "def one_refused(*args, **kwargs):\n"
+              "    if os.environ['RANK'] == '1':\n"
+              f"        raise torch.OutOfMemoryError({OOM!r})\n"
+              "    return filled(*args, **kwargs)\n"
+              "def waits(*args, **kwargs):\n"
+              f"    dist.FileStore({str(tmp_path / 'never')!r}, 1).wait(['never'], datetime.timedelta(seconds=600))\n"
+              "sample.inference_model, sample.complete = one_refused, waits\n"
+              "from tetrad.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    argv = ["generate", str(weights["hf"]), "--prompt", PROMPT, "--tp", "2"]
+    try:
+        out = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 0 still waited in its collective 60 s after rank 1 refused")
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr == ("tetrad generate: cpu out of memory while filling the model (tried to allocate 2.00 GiB) "
+                          "at fp32, tp 2; pass --tp 4 to split the model and its KV cache over 4 GPUs, or --dtype "
+                          "bf16 for half the memory\n"), out.stderr

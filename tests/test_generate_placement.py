@@ -21,6 +21,7 @@ import torch.distributed as dist
 from conftest import run_ranks, tiny_config
 from test_chat_data import _chat_tokenizer
 from test_generate import random_model
+from test_init_from import Counted, whole
 from tetrad.cli import main
 from tetrad.data.chat import template_beside
 from tetrad.dist.layout import Layout
@@ -317,27 +318,11 @@ def test_the_default_dtype_is_fp16_where_the_device_has_no_bf16(device_type, fla
         assert note is None
 
 
-class _Counted:
-    """A reader's handle that records how many elements of its tensor each read asked for."""
-
-    def __init__(self, handle, name: str, reads: dict):
-        self.handle, self.name, self.reads = handle, name, reads
-
-    @property
-    def shape(self):
-        return self.handle.shape
-
-    def __getitem__(self, box):
-        part = self.handle[box]
-        self.reads[self.name] = self.reads.get(self.name, 0) + part.numel()
-        return part
-
-
 def _reads_and_tokens(found: Weights) -> tuple[dict[str, int], list[int]]:
     """Elements read of each tensor to build this rank's model, and its greedy tokens after PROMPT."""
     tp = dist.get_world_size() if dist.is_initialized() else 1
     reads, reader = {}, found.reader()
-    model = inference_model(found.model, lambda name: _Counted(reader(name), name, reads),
+    model = inference_model(found.model, lambda name: Counted(reader(name), name, reads),
                             Topology(Layout(tp=tp), torch.device("cpu")))
     _, _, new = complete(model, found.tokenizer, PROMPT, 10, GREEDY, source=found.source)
     return reads, new
@@ -348,13 +333,13 @@ def test_each_tp_rank_reads_only_its_part_of_each_tensor(weights, saved_at_tp2, 
     """Every rank read every whole tensor and cut its shard from it (tp x the reads, and the
     largest tensor whole on each rank); now a rank asks for its rows or columns alone, the
     replicated norms whole, the padded vocabulary's zero rows read by none, and samples the
-    one-process tokens (the HF folder's 301-token vocabulary pads to 302). A part read is the
-    part of the tensor init_from reads whole, across a tp 2 checkpoint's two chunks too."""
+    one-process tokens (the HF folder's 301-token vocabulary pads to 302). A part read is that
+    part of the whole tensor, across a tp 2 checkpoint's two chunks too."""
     path = saved_at_tp2 if which == "tetrad saved at tp 2" else weights[which.split()[0]]
-    found, whole = found_weights(path), initial_weights(str(path))
+    found, stored = found_weights(path), initial_weights(str(path))
     shapes = {name: p.numel() for name, p in single_process_model(found.model, found.reader()).named_parameters()}
     for name in shapes:
-        tensor = whole(name)
+        tensor = whole(stored(name))
         box = (slice(1, tensor.shape[0] - 1), *(slice(0, n) for n in tensor.shape[1:]))
         assert torch.equal(found.reader()(name)[box], tensor[box]), name
     alone, tokens = _reads_and_tokens(found)
@@ -416,3 +401,32 @@ def test_out_of_memory_exits_non_zero_without_a_traceback(weights, tmp_path):
     assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith("tetrad generate: cpu out of memory while filling the model (tried to allocate "
                                  "2.00 GiB) at fp32, tp 1; pass --tp 2"), out.stderr
+
+
+def test_out_of_memory_on_one_rank_ends_every_rank_at_once(weights, tmp_path):
+    """Rank 1 runs out of memory filling the model (another process on its GPU) while rank 0 goes
+    on into the decoding's logits all-gather, which on NCCL waits for rank 1 until the group's
+    timeout (600 s): rank 1 returned its line and left, rank 0 waited, and the command hung. Now
+    the refusal ends every rank at once: one line, exit 2. Rank 0 waits as NCCL's collective
+    would, on a key nobody sets (gloo's all-gather would fail as soon as rank 1 left)."""
+    script = ("import datetime, os, sys, torch, torch.distributed as dist, tetrad.sample as sample\n"
+              "filled = sample.inference_model\n"
+              "def one_refused(*args, **kwargs):\n"
+              "    if os.environ['RANK'] == '1':\n"
+              f"        raise torch.OutOfMemoryError({OOM!r})\n"
+              "    return filled(*args, **kwargs)\n"
+              "def waits(*args, **kwargs):\n"
+              f"    dist.FileStore({str(tmp_path / 'never')!r}, 1).wait(['never'], datetime.timedelta(seconds=600))\n"
+              "sample.inference_model, sample.complete = one_refused, waits\n"
+              "from tetrad.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    argv = ["generate", str(weights["hf"]), "--prompt", PROMPT, "--tp", "2"]
+    try:
+        out = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 0 still waited in its collective 60 s after rank 1 refused")
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr == ("tetrad generate: cpu out of memory while filling the model (tried to allocate 2.00 GiB) "
+                          "at fp32, tp 2; pass --tp 4 to split the model and its KV cache over 4 GPUs, or --dtype "
+                          "bf16 for half the memory\n"), out.stderr

@@ -12,14 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY, train_layout, write_hf_qwen
+from conftest import TINY, run_ranks, train_layout, write_hf_qwen
 from test_convert import write_hf_phi3
 from test_data import write_docs
 from tetrad.cli import main
 from tetrad.config import load_config
 from tetrad.data.tokenizer import load_tokenizer
 from tetrad.train.batches import split_batches
-from tetrad.train.convert import read_weights
+from tetrad.train import trainer
+from tetrad.train.convert import logical_shapes, read_weights
 from tetrad.train.generate import single_process_model
 from tetrad.train.init_from import check_init_from, initial_weights, model_keys
 
@@ -29,6 +30,11 @@ transformers = pytest.importorskip("transformers")
 def config(tmp_path, name, **sections):
     raw = {"train": {**TINY["train"], "steps": 1}, "run": {"dir": str(tmp_path / name)}, **sections}
     return load_config(overrides=raw, model_from_inputs=model_keys)
+
+
+def whole(handle) -> torch.Tensor:
+    """The whole logical tensor of a stored_weights handle."""
+    return handle[tuple(slice(0, n) for n in handle.shape)]
 
 
 def hf_loss(hf_dir: Path, inputs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -85,6 +91,66 @@ def test_hf_qwen2_fine_tunes_from_its_folder_under_tp(tmp_path):
     assert losses[0] == pytest.approx(hf_loss(tmp_path / "hf", inputs, labels), rel=1e-5)
 
 
+class Counted:
+    """A stored_weights handle that records the elements each read of its tensor asks for."""
+
+    def __init__(self, handle, name: str, reads: dict):
+        self.handle, self.name, self.reads = handle, name, reads
+
+    @property
+    def shape(self):
+        return self.handle.shape
+
+    def __getitem__(self, box):
+        part = self.handle[box]
+        self.reads[self.name] = self.reads.get(self.name, 0) + part.numel()
+        return part
+
+
+def _counting(read, reads: dict):
+    def counted(name: str):
+        stored = read(name)
+        if isinstance(stored, torch.Tensor):  # what a reader gave before handles: read whole
+            reads[name] = reads.get(name, 0) + stored.numel()
+            return stored
+        return Counted(stored, name, reads)
+    return counted
+
+
+def _reads_starting(cfg) -> dict[str, int]:
+    """The elements of each tensor of checkpoint.init_from this rank reads as its Trainer starts."""
+    reads, stored = {}, trainer.initial_weights
+    trainer.initial_weights = lambda source: _counting(stored(source), reads)  # in this forked rank alone
+    trainer.Trainer(cfg, torch.device("cpu"))
+    return reads
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}, {"tp": 2, "zero": 3, "dp": 2}])
+def test_each_rank_reads_only_its_part_of_the_weights_it_starts_from(tmp_path, parallel):
+    """A tp rank read every tensor whole and cut its rows or columns from it (tp x the reads, the
+    largest tensor whole on each rank); now each reads its shard alone (the norms, replicated,
+    whole). Under ZeRO-3 a rank reads the tp shards of the tensors its flat shard overlaps; a pp
+    rank its stages' tensors alone."""
+    hf_cfg = transformers.LlamaConfig(vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    cfg = config(tmp_path, "run", parallel=parallel, checkpoint={"init_from": str(tmp_path / "hf")},
+                 model={"seq_len": 32})
+    shapes = {name: torch.Size(shape).numel() for name, shape in logical_shapes(cfg.model).items()}
+    ranks = run_ranks(_reads_starting, cfg.parallel.world_size, cfg)
+    tp = parallel.get("tp", 1)
+    for reads in ranks:
+        for name, read in reads.items():
+            part = shapes[name] if name.endswith("norm.weight") else shapes[name] / tp  # 255 rows: 128, 127
+            assert read == pytest.approx(part, rel=0.01), (name, read, part)
+    assert set().union(*ranks) == set(shapes)
+    if parallel == {"tp": 2}:
+        assert all(set(reads) == set(shapes) for reads in ranks)
+    if "pp" in parallel:  # each stage's tensors on its rank alone
+        assert sum(map(len, ranks)) == len(shapes)
+
+
 @pytest.mark.dist
 def test_hf_phi3_fine_tunes_from_its_folder_under_tp_and_exports_as_phi3(tmp_path):
     """Phi-3 (q, k and v in one tensor, gate and up in another; a window of 5 of the 32 tokens)
@@ -96,7 +162,7 @@ def test_hf_phi3_fine_tunes_from_its_folder_under_tp_and_exports_as_phi3(tmp_pat
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
     _, converted = read_weights(tmp_path / "ckpt")
     read = initial_weights(str(tmp_path / "hf"))
-    assert all(torch.equal(read(name), p) for name, p in converted.items())
+    assert all(torch.equal(whole(read(name)), p) for name, p in converted.items())
     cfg = config(tmp_path, "run", parallel={"tp": 2}, checkpoint={"init_from": str(tmp_path / "hf"), "every": 1},
                  model={"seq_len": 32})
     assert (cfg.model.hf_model_type, cfg.model.sliding_window) == ("phi3", 5)
@@ -260,7 +326,7 @@ def test_init_from_takes_a_run_folder_as_generate_and_convert_do(tmp_path):
     check_init_from(cfg)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        embed = initial_weights(str(tmp_path / "run"))("embed.weight")
+        embed = whole(initial_weights(str(tmp_path / "run"))("embed.weight"))
     assert not caught, [str(w.message) for w in caught]
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(embed, hf.model.embed_tokens.weight.detach())

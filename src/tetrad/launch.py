@@ -3,7 +3,8 @@ torchrun gives. The same `run_local` serves `tetrad train` on a laptop and the m
 `train` is `tetrad train` from Python (the checks, then the ranks).
 
 A rank that raises or dies ends the whole job: the others are killed and the error names the
-first rank that failed, with its traceback (or the signal that killed it). Nothing hangs:
+first rank that failed, with its traceback (or the signal that killed it), or is its refusal (a
+ConfigError: one line, what to change) raised here as itself. Nothing hangs:
 process groups get a finite timeout and `run_local` a wall-clock deadline.
 
 No rank outlives its launcher. SIGTERM, SIGINT or SIGHUP to the launcher (a scheduler, Ctrl-C,
@@ -294,7 +295,9 @@ def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_
         result = fn(*args)
         Path(tmp, f"rank{rank}.out").write_bytes(pickle.dumps(result))
         dist.destroy_process_group()
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, ConfigError):  # a refusal, maybe this rank's alone (out of memory): said in one line
+            Path(tmp, f"rank{rank}.refusal").write_text(str(e))  # before .err, which says the rank failed
         Path(tmp, f"rank{rank}.err").write_text(f"{time.time()!r}\n{traceback.format_exc()}")
         os._exit(1)
     os._exit(0)
@@ -329,11 +332,12 @@ def _wait(procs, timeout_s: float | None, tmp: Path) -> None:
             proc.join()
             if proc.exitcode != 0:
                 time.sleep(0.5)  # let the ranks that failed first write their errors
-                raise RankFailure(_describe_failure(procs, tmp))
+                raise _failure(procs, tmp)
 
 
-def _describe_failure(procs, tmp: Path) -> str:
-    """Name the rank that failed first: the earliest traceback, else a rank killed by a signal."""
+def _failure(procs, tmp: Path) -> RankFailure | ConfigError:
+    """Name the rank that failed first: the earliest traceback, else a rank killed by a signal; or
+    give that rank's refusal, its line alone (no traceback)."""
     errors = []
     for rank, p in enumerate(procs):
         err = tmp / f"rank{rank}.err"
@@ -351,12 +355,13 @@ def _describe_failure(procs, tmp: Path) -> str:
             if errors else ""
         oom = " Linux's out-of-memory killer sends SIGKILL when the host runs out of memory: `dmesg` names it" \
             if name == "SIGKILL" else ""
-        return f"rank {rank} died by {name} (no Python traceback: a crash or a kill).{oom}{others}"
+        return RankFailure(f"rank {rank} died by {name} (no Python traceback: a crash or a kill).{oom}{others}")
     if errors:
         _, rank, text = min(errors)
-        return f"rank {rank} failed:\n{text}"
+        refused = tmp / f"rank{rank}.refusal"
+        return ConfigError(refused.read_text()) if refused.exists() else RankFailure(f"rank {rank} failed:\n{text}")
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-    return f"ranks exited with codes {bad} and left no traceback"
+    return RankFailure(f"ranks exited with codes {bad} and left no traceback")
 
 
 def _started(procs) -> list:

@@ -157,10 +157,11 @@ class Job:
     args: argparse.Namespace
 
 
-def sample_on_this_rank(job: Job) -> tuple[str, list[int], list[int], float] | str:
+def sample_on_this_rank(job: Job) -> tuple[str, list[int], list[int], float]:
     """This rank's part of one sample (tp ranks in a process group, or this process alone): the
-    text, the prompt's and the new ids and their loss, the same on every rank; or a user error's
-    line (a prompt longer than the model's context), which every rank meets before any collective."""
+    text, the prompt's and the new ids and their loss, the same on every rank. A user error (a
+    prompt longer than the model's context; the device out of memory, maybe on this rank alone) is
+    a ConfigError, its line, on which run_local ends every rank at once, as torchrun does."""
     args, weights = job.args, job.weights
     device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
     topo = Topology(Layout(tp=job.tp), device)
@@ -176,8 +177,8 @@ def sample_on_this_rank(job: Job) -> tuple[str, list[int], list[int], float] | s
             return text, prompt, new, continuation_loss(model, prompt, new)
         except torch.OutOfMemoryError as e:
             raise ValueError(out_of_memory(job, "decoding", e)) from None
-    except ValueError as e:
-        return str(e)
+    except ValueError as e:  # not returned: the other ranks may be waiting in a collective for this one
+        raise ConfigError(str(e)) from None
     finally:
         topo.close()
 
@@ -235,11 +236,11 @@ class _Queued:
         return self.tty
 
 
-def converse_on_this_rank(job: Job, queue=None, tty: bool = False) -> tuple[int, int, int] | str:
+def converse_on_this_rank(job: Job, queue=None, tty: bool = False) -> tuple[int, int, int]:
     """This rank's part of a conversation (tp ranks in a process group, or this process alone, which
     reads stdin itself): tp rank 0 reads the user's lines (stdin, or `queue`: _fed's), shares each
     with the other ranks (inference.agreed_line) and prints the answers. The turns answered and the
-    KV cache's reused and prompted tokens, or a user error's line."""
+    KV cache's reused and prompted tokens; a user error is a ConfigError, as sample_on_this_rank's."""
     device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
     topo = Topology(Layout(tp=job.tp), device)
     try:
@@ -252,7 +253,7 @@ def converse_on_this_rank(job: Job, queue=None, tty: bool = False) -> tuple[int,
             raise ValueError(out_of_memory(job, "decoding", e)) from None
         return turns, dialogue.cache.reused, dialogue.cache.prompted
     except ValueError as e:
-        return str(e)
+        raise ConfigError(str(e)) from None
     finally:
         topo.close()
 
@@ -274,15 +275,13 @@ def _conversation(job: Job) -> int:
         threading.Thread(target=_fed, args=(queue, sys.stdin), daemon=True).start()
         result = launch.run_local(converse_on_this_rank, job.tp, (job, queue, sys.stdin.isatty()),
                                   device_type=job.device_type)[0]
-    if isinstance(result, str):
-        raise ValueError(result)
     turns, reused, prompted = result
     print(f"tetrad generate: answered {counted(turns, 'message')}; the KV cache held {reused} of their {prompted} "
           "prompt tokens", file=sys.stderr)
     return 0
 
 
-def _sampled(job: Job) -> tuple[str, list[int], list[int], float] | str:
+def _sampled(job: Job) -> tuple[str, list[int], list[int], float]:
     """Rank 0's result: here, on this machine's tp ranks, or on this torchrun rank."""
     if job.tp == 1 and not launch.in_torchrun():
         return sample_on_this_rank(job)
@@ -298,8 +297,6 @@ def generate_command(argv: list[str]) -> int:
         if job.chat is not None and job.args.prompt is None:
             return _conversation(job)
         result = _sampled(job)
-        if isinstance(result, str):
-            raise ValueError(result)
     except (ValueError, CheckpointError, ConfigError) as e:
         if launch.says_refusal(f"tetrad generate: {e}"):
             print(f"tetrad generate: {e}", file=sys.stderr)

@@ -64,17 +64,25 @@ def spec_of(param: torch.Tensor) -> tuple[ParamSpec, int, int]:
     return found if found is not None else (ParamSpec(tuple(param.shape)), 0, 1)
 
 
-def shard_of(full: torch.Tensor, spec: ParamSpec, index: int, parts: int) -> torch.Tensor:
-    """This shard of a logical tensor (padding with zeros where the spec pads)."""
+def local_part(name: str, param: torch.Tensor, stored) -> torch.Tensor:
+    """This rank's shard of parameter `name` (`param`: its local tensor, storage or not) from
+    `stored`: the logical tensor, or a handle to it with its `shape`, of which `stored[box]` reads
+    that part alone (init_from.stored_weights'). The vocabulary's padding rows are zero."""
+    spec, index, _ = spec_of(param)
+    if tuple(stored.shape) != tuple(spec.full_shape):
+        raise ValueError(f"the starting weights' {name} is {tuple(stored.shape)}, the model's {spec.full_shape}")
+    box = [slice(0, size) for size in spec.full_shape]
     if spec.shard_dim is None:
-        return full
-    padded = spec.padded_size or full.shape[spec.shard_dim]
-    extra = padded - full.shape[spec.shard_dim]
-    if extra:
-        pad_shape = list(full.shape)
-        pad_shape[spec.shard_dim] = extra
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=spec.shard_dim)
-    return full.chunk(parts, dim=spec.shard_dim)[index]
+        return stored[tuple(box)]
+    dim, local = spec.shard_dim, param.shape[spec.shard_dim]
+    start = min(index * local, spec.full_shape[dim])
+    box[dim] = slice(start, min(start + local, spec.full_shape[dim]))
+    part = stored[tuple(box)]
+    if part.shape[dim] < local:  # the padded vocabulary's last rows
+        pad = list(part.shape)
+        pad[dim] = local - part.shape[dim]
+        part = torch.cat([part, part.new_zeros(pad)], dim=dim)
+    return part
 
 
 def unpad(full_padded: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
@@ -98,8 +106,8 @@ def logical_init(name: str, spec: ParamSpec, seed: int) -> torch.Tensor:
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, weights: Callable[[str], torch.Tensor] | None = None) -> None:
     """Fill every local parameter with its shard of the logical initial tensor (or of
-    `weights(name)`, weights a run starts from), one parameter at a time, so a model too large
-    for one device is never materialised whole."""
+    `weights(name)`, weights a run starts from, read by that shard alone), one parameter at a time,
+    so a model too large for one device is never materialised whole, nor read whole by a rank."""
     for name, param in model.named_parameters():
         param.copy_(initial_value(name, param, seed, weights))
 
@@ -107,12 +115,9 @@ def init_parameters(model: nn.Module, seed: int, weights: Callable[[str], torch.
 def initial_value(name: str, param: torch.Tensor, seed: int,
                   weights: Callable[[str], torch.Tensor] | None = None) -> torch.Tensor:
     """This rank's (tp) shard of parameter `name`'s logical initial tensor, or of `weights(name)`
-    (weights a run starts from), on the CPU."""
-    spec, index, parts = spec_of(param)
-    full = logical_init(name, spec, seed) if weights is None else weights(name)
-    if tuple(full.shape) != tuple(spec.full_shape):
-        raise ValueError(f"the starting weights' {name} is {tuple(full.shape)}, the model's {spec.full_shape}")
-    return shard_of(full, spec, index, parts)
+    (weights a run starts from: a tensor, or a handle of which that shard alone is read), on the CPU."""
+    spec = spec_of(param)[0]
+    return local_part(name, param, logical_init(name, spec, seed) if weights is None else weights(name))
 
 
 @torch.no_grad()

@@ -39,15 +39,15 @@ from tetrad.model.sampling import SAMPLING_FIELDS, Sampling
 from tetrad.dist.topology import Topology
 from tetrad.train.convert import StoredWeights, exported_tokenizer, logical_shapes
 from tetrad.train.hf_architectures import model_config_from_hf
-from tetrad.train.inference import (CheckpointPart, SafetensorsPart, agreed_line, agreed_token, full_logits,
-                                    inference_model, stored_weights)
-from tetrad.train.init_from import HF_CONFIG, hf_config, hf_weights_problem, is_hf_folder
+from tetrad.train.inference import agreed_line, agreed_token, full_logits, inference_model
+from tetrad.train.init_from import (HF_CONFIG, CheckpointPart, SafetensorsPart, hf_config, hf_weights_problem,
+                                    is_hf_folder, stored_weights)
 
 
 def single_process_model(model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
                          device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
     """The whole model on one `device` in `dtype`, from a state dict of every logical parameter (no
-    more) or a reader of one at a time (initial_weights': `tetrad generate`)."""
+    more) or a reader of one at a time (stored_weights': `tetrad generate`)."""
     if isinstance(weights, Mapping):
         extra = sorted(set(weights) - set(logical_shapes(model_cfg)))
         if extra:

@@ -5,8 +5,9 @@ folder, as `tetrad generate` and `convert` take) or a Hugging Face model folder 
 Phi-3). Weights only: the optimizer, the step and the data position start afresh.
 
 The model's shape follows the weights (`model_keys`, below the user's own [model] keys), and
-every rank fills its parameters with its shard of each logical tensor, read one at a time, so
-any layout can start from any source.
+every rank fills its parameters with its shard of each logical tensor, one at a time, reading that
+shard alone (`stored_weights`, which `tetrad generate` reads by too), so any layout can start from
+any source and no rank reads a tensor whole that it keeps a part of.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from tetrad.config import Config, ConfigError, ModelConfig, read_toml
 from tetrad.data import shards
@@ -30,6 +36,7 @@ from tetrad.train.convert import checkpoint_folder, hf_mismatches
 from tetrad.train.hf_architectures import fused_rows, hf_name, model_config_from_hf
 
 HF_CONFIG = "config.json"
+Box = tuple[slice, ...]  # one slice per dimension of a logical tensor
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -140,35 +147,93 @@ def _check_tokenizer(cfg: Config, path: Path) -> None:
                           f"TEXT --tokenizer {theirs} --out DATA`")
 
 
-def initial_weights(source: str) -> Callable[[str], torch.Tensor]:
-    """name -> the logical tensor of that parameter in `source`, read when asked (its shape is
-    checked against the model's by sharding.init_parameters)."""
-    path = Path(source)
-    if is_hf_folder(path):
-        hf = hf_config(path)
-        model_type = hf.get("model_type", "")
-        rows = fused_rows(ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG)), model_type)
-        files = {}
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(file, "pt") as f:
-                files.update(dict.fromkeys(f.keys(), file))
+def initial_weights(source: str) -> Callable[[str], SafetensorsPart | CheckpointPart]:
+    """name -> a handle to that parameter's logical tensor in `source` (checkpoint.init_from), of
+    which each rank reads its shard alone (sharding.init_parameters; its shape checked there)."""
+    return stored_weights(Path(source))
 
-        def read(name: str) -> torch.Tensor:
-            key, start, stop = rows.get(name, (hf_name(name, model_type), 0, None))  # a fused one's part: its rows
-            if key not in files:
-                raise CheckpointError(f"{path} has no {key}, which model.{name} needs")
-            with safe_open(files[key], "pt") as f:
-                return f.get_slice(key)[start:stop]
-        return read
-    found = checkpoint_folder(path)
-    stored = SafeReader(found).read_metadata().state_dict_metadata
 
-    def read_dcp(name: str) -> torch.Tensor:
-        key = f"model.{name}"
-        if key not in stored:
-            raise CheckpointError(f"{found} has no {key}")
-        state = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)}
+def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | CheckpointPart]:
+    """name -> a handle to that parameter's logical tensor in a tetrad checkpoint or an HF folder
+    at `path`: its `shape`, and `handle[box]` reads that part alone (a rank's shard: training's
+    init_parameters, tetrad generate's inference_model)."""
+    if not is_hf_folder(path):
+        found = checkpoint_folder(path)
+        stored = SafeReader(found).read_metadata().state_dict_metadata
+
+        def in_checkpoint(name: str) -> CheckpointPart:
+            if f"model.{name}" not in stored:
+                raise CheckpointError(f"{found} has no model.{name}")
+            meta = stored[f"model.{name}"]
+            return CheckpointPart(found, f"model.{name}", tuple(meta.size), meta.properties.dtype)
+        return in_checkpoint
+    hf = hf_config(path)
+    model_type = hf.get("model_type", "")
+    rows = fused_rows(ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG)), model_type)
+    files = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            files.update({key: (file, tuple(f.get_slice(key).get_shape())) for key in f.keys()})
+
+    def in_folder(name: str) -> SafetensorsPart:
+        key, start, stop = rows.get(name, (hf_name(name, model_type), 0, None))  # a fused one's part: its rows
+        if key not in files:
+            raise CheckpointError(f"{path} has no {key}, which model.{name} needs")
+        file, shape = files[key]
+        return SafetensorsPart(file, key, start, (shape[0] if stop is None else stop) - start, shape[1:])
+    return in_folder
+
+
+@dataclass(frozen=True)
+class SafetensorsPart:
+    """Rows [start, start + rows) of tensor `key` of a safetensors file (a fused tensor's part, or
+    all of it), read by the box indexed (safetensors reads that slice alone)."""
+    file: Path
+    key: str
+    start: int
+    rows: int
+    rest: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.rest)
+
+    def __getitem__(self, box: Box) -> torch.Tensor:
+        first = slice(self.start + box[0].start, self.start + box[0].stop)
+        with safe_open(self.file, "pt") as f:
+            return f.get_slice(self.key)[(first, *box[1:])]
+
+
+@dataclass(frozen=True)
+class CheckpointPart:
+    """Tensor `key` of the tetrad checkpoint (DCP) at `folder`, read by the box indexed: DCP reads
+    the stored chunks that overlap it, each whole (a torch.save record), and copies their overlap."""
+    folder: Path
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __getitem__(self, box: Box) -> torch.Tensor:
+        offsets, sizes = [b.start for b in box], [b.stop - b.start for b in box]
+        part = torch.empty(sizes, dtype=self.dtype)
         with one_process():
-            dcp.load(state, storage_reader=SafeReader(found), no_dist=True)
-        return state[key]
-    return read_dcp
+            dcp.load({self.key: part}, storage_reader=SafeReader(self.folder),
+                     planner=_BoxPlanner(self.key, ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))),
+                     no_dist=True)
+        return part
+
+
+class _BoxPlanner(DefaultLoadPlanner):
+    """Loads one box (`chunk`: offsets and sizes in the logical tensor) of tensor `key` into the
+    state's tensor of the box's shape, where the default planner loads the whole tensor."""
+
+    def __init__(self, key: str, chunk: ChunkStorageMetadata):
+        super().__init__()
+        self.key, self.chunk = key, chunk
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata[self.key]
+        return LoadPlan(create_read_items_for_chunk_list(self.key, stored, [self.chunk]))
+
+    def lookup_tensor(self, index) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # the box itself, not a shard of it found by offset

@@ -26,6 +26,18 @@ from tetrad.train.trainer import Trainer
 PG_TIMEOUT_S = 60
 DEADLINE_S = 300
 
+@pytest.fixture(autouse=True)
+def environment_unchanged():
+    """A test leaves os.environ as it found it: a setting leaked into the process reaches every
+    later test and the ranks they start (an NCCL setting once made torch warn on later commands'
+    stderr, failing tests that read it, only in the full suite's order)."""
+    before = dict(os.environ)
+    yield
+    changed = sorted(k for k in before.keys() | os.environ.keys()
+                     if before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST")  # pytest's own
+    assert not changed, f"the test changed the environment: {changed}"
+
+
 # Tiny shapes: the whole suite must stay within minutes on 2 cores (docs/design.md, Testing).
 TINY = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
                   "seq_len": 32},

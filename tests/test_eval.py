@@ -206,7 +206,8 @@ def test_an_evaluation_that_dumped_nothing_leaves_no_folder(tmp_path, capsys, mo
     assert main(["train", *TINY, "--train.steps=1", "--checkpoint.every=1", f"--run.dir={run}"]) == 0
     for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
-        monkeypatch.delenv(key, raising=False)  # what diagnose_nccl sets is undone after the test
+        monkeypatch.setenv(key, "")  # recorded as unset before the test, so undone however diagnose_nccl sets it
+        monkeypatch.delenv(key)  # (a delenv of an unset key records nothing: the setting leaked into later tests)
     told = []
     diagnose = launch.diagnose_nccl
     monkeypatch.setattr(launch, "diagnose_nccl", lambda _, trace_dir: told.append(diagnose("cuda", trace_dir)))

@@ -11,6 +11,7 @@ import dataclasses
 import io
 import os
 import re
+import select
 import subprocess
 import sys
 
@@ -30,7 +31,7 @@ from tetrad.model.execution import Execution
 from tetrad.model.llama import Transformer
 from tetrad.model.sampling import GREEDY, Sampling
 from tetrad.model.sharding import init_parameters
-from tetrad.sample import _job, chosen_dtype, sample_on_this_rank
+from tetrad.sample import _job, chosen_dtype, out_of_memory, sample_on_this_rank
 from tetrad.train.generate import (Dialogue, Weights, complete, continuation_loss, found_weights, generate,
                                    load_generator, single_process_model)
 from tetrad.train.inference import inference_model
@@ -203,6 +204,53 @@ def test_a_conversation_on_stdin_under_tp2_answers_as_one_process(weights, tmp_p
         assert (out.returncode, out.stdout) == (0, "".join(text + "\n" for text, _, _ in alone[0])), out.stderr
         assert out.stderr == (f"tetrad generate: answered 2 messages; the KV cache held {alone[1]} of their "
                               f"{alone[2]} prompt tokens\n"), out.stderr
+
+
+def test_a_tp2_conversation_forks_its_cpu_ranks_while_stdin_waits_for_the_next_line(weights, tmp_path):
+    """A person types as the ranks start: the thread reading stdin was blocked in its readline when
+    run_local forked them, and each forked rank, which closes its copy of sys.stdin first thing,
+    waited forever for the buffer's lock that the blocked read held in the copy: the command hung
+    before its first answer (input piped whole was read to its end before the fork, and passed).
+    Here the first line comes at once and the next only after the first answer."""
+    found = found_weights(weights["hf"])
+    first = _two_turns(found)[0][0][0]
+    argv = [sys.executable, "-m", "tetrad", "generate", str(weights["hf"]), "--chat", "--system", "You answer briefly.",
+            "--temperature", "0", "--max-new-tokens", "6", "--tp", "2"]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        proc.stdin.write("Name a colour.\n")
+        proc.stdin.flush()
+        answered, _, _ = select.select([proc.stdout], [], [], 60)
+        assert answered, "no answer 60 s after the first line: the ranks hung as they started"
+        assert proc.stdout.readline() == first + "\n"
+        out, err = proc.communicate(timeout=60)  # the input's end
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (proc.returncode, out) == (0, ""), err
+    assert err.startswith("tetrad generate: answered 1 message;"), err
+
+
+def test_stdin_that_is_not_utf8_ends_a_tp2_conversation_as_it_ends_one_process(weights, tmp_path):
+    """The thread that reads stdin for tp rank 0 died on bytes that are not UTF-8 and put nothing
+    on the queue: rank 0 waited for a line forever, the other rank in the line's broadcast for the
+    group's timeout (600 s). Now rank 0 raises what reading raised, as one process does: that one
+    line and exit 2, at once."""
+    argv = [sys.executable, "-m", "tetrad", "generate", str(weights["hf"]), "--chat", "--temperature", "0",
+            "--max-new-tokens", "4"]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8:strict"}
+    runs = []
+    for tp in ("1", "2"):
+        try:
+            runs.append(subprocess.run([*argv, "--tp", tp], input=b"Name a colour.\n\xff\n", capture_output=True,
+                                       timeout=60, env=env))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"--tp {tp} still waited for a line 60 s after stdin's bad byte")
+    assert runs[0].returncode == 2 and runs[0].stderr.count(b"\n") == 1, runs[0].stderr
+    assert runs[0].stderr.startswith(b"tetrad generate: 'utf-8' codec can't decode byte 0xff in position "), runs[0]
+    assert (runs[1].returncode, runs[1].stdout, runs[1].stderr) == (2, runs[0].stdout, runs[0].stderr), runs[1].stderr
 
 
 def test_under_torchrun_each_process_is_a_rank_and_rank_0_prints(weights, capsys, tmp_path):
@@ -380,7 +428,8 @@ def test_running_out_of_device_memory_is_one_line_naming_what_to_change(weights,
     out, err = capsys.readouterr()
     tp = 2 if "2" in flags else 1
     dtype = "bf16" if "bf16" in flags else "fp32"
-    fixes = [f"--tp {2 * tp} to split the model and its KV cache over {2 * tp} GPUs"] + \
+    # tp 2 is the most its 4 heads and 2 KV heads take: no --tp is suggested there (--tp 4 was, refused)
+    fixes = (["--tp 2 to split the model and its KV cache over 2 GPUs"] if tp == 1 else []) + \
         (["--dtype bf16 for half the memory"] if dtype == "fp32" else []) + \
         (["a shorter --max-new-tokens or prompt (the KV cache is allocated for both)"] if stage == "decoding" else [])
     assert (out, err) == ("", f"tetrad generate: cpu out of memory while {stage} (tried to allocate 2.00 GiB) at "
@@ -428,5 +477,22 @@ def test_out_of_memory_on_one_rank_ends_every_rank_at_once(weights, tmp_path):
         pytest.fail("rank 0 still waited in its collective 60 s after rank 1 refused")
     assert out.returncode == 2 and out.stdout == "", out.stderr
     assert out.stderr == ("tetrad generate: cpu out of memory while filling the model (tried to allocate 2.00 GiB) "
-                          "at fp32, tp 2; pass --tp 4 to split the model and its KV cache over 4 GPUs, or --dtype "
-                          "bf16 for half the memory\n"), out.stderr
+                          "at fp32, tp 2; pass --dtype bf16 for half the memory\n"), out.stderr
+
+
+@pytest.mark.parametrize("device_type, tp, dtype, line", [
+    ("cpu", 1, "fp32", "pass --tp 2 to split the model and its KV cache over 2 GPUs, or --dtype bf16 for half the "
+                       "memory"),
+    ("cuda", 1, "fp32", "pass --dtype bf16 for half the memory"),  # this machine has no second GPU (none at all)
+    ("cpu", 2, "bf16", "no larger --tp fits the model's heads or this machine's devices: free memory on the device, "
+                       "or use one with more")])
+def test_out_of_memory_suggests_only_a_tp_the_model_and_machine_take(weights, device_type, tp, dtype, line):
+    """--tp 2N was suggested whatever the model's heads (4 and 2 KV heads here: tp 4 is refused) or
+    the GPUs this machine has; now the next tp `tetrad generate` would run, or none, and with
+    nothing left to suggest the line still says what to change."""
+    if device_type == "cuda" and torch.accelerator.device_count() > 1:
+        pytest.skip("a machine with two GPUs takes --tp 2")
+    job = dataclasses.replace(_job([str(weights["hf"]), "--prompt", PROMPT, "--tp", str(tp), "--dtype", dtype]),
+                              device_type=device_type)
+    assert out_of_memory(job, "filling the model", torch.OutOfMemoryError(OOM)) == \
+        f"{device_type} out of memory while filling the model (tried to allocate 2.00 GiB) at {dtype}, tp {tp}; {line}"

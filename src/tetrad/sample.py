@@ -195,13 +195,32 @@ def out_of_memory(job: Job, stage: str, error: torch.OutOfMemoryError) -> str:
     """One line for an allocation the device refused during `stage`: what torch tried to allocate,
     and the flags that need less (each GPU of --tp N holds 1/N of the weights and KV cache)."""
     tried = re.search(r"Tried to allocate [\d.]+ \w+", str(error))
-    fixes = [f"--tp {2 * job.tp} to split the model and its KV cache over {2 * job.tp} GPUs"]
+    tp = _larger_tp(job)
+    fixes = [f"--tp {tp} to split the model and its KV cache over {tp} GPUs"] if tp else []
     if job.dtype == "fp32":
         fixes.append("--dtype bf16 for half the memory")
     if stage == "decoding":
         fixes.append("a shorter --max-new-tokens or prompt (the KV cache is allocated for both)")
+    fix = f"pass {', or '.join(fixes)}" if fixes else ("no larger --tp fits the model's heads or this machine's "
+                                                        "devices: free memory on the device, or use one with more")
     return (f"{job.device_type} out of memory while {stage}" + (f" (t{tried[0][1:]})" if tried else "") +
-            f" at {job.dtype}, tp {job.tp}; pass " + ", or ".join(fixes))
+            f" at {job.dtype}, tp {job.tp}; {fix}")
+
+
+def _larger_tp(job: Job) -> int | None:
+    """The smallest tp above the job's that its model takes (`_check_tp`) and, outside torchrun
+    (which may start more nodes), this machine has devices for: a --tp the OOM line suggests must
+    run, not be refused by the next command. None: there is none."""
+    most = job.weights.model.n_heads
+    if not launch.in_torchrun() and job.device_type != "cpu":
+        most = min(most, devices.local_device_count(job.device_type))
+    for tp in range(job.tp + 1, most + 1):
+        try:
+            _check_tp(job.weights, tp)
+        except ValueError:
+            continue
+        return tp
+    return None
 
 
 def _job(argv: list[str]) -> Job:
@@ -224,13 +243,17 @@ def _job(argv: list[str]) -> Job:
 
 class _Queued:
     """The lines the launching process reads from its stdin, on tp rank 0 of run_local's ranks
-    (which have no stdin): `readline` as a file's, "" at the input's end."""
+    (which have no stdin): `readline` as a file's, "" at the input's end, raising what reading
+    stdin raised there (bytes that are not UTF-8), as stdin's own readline would."""
 
     def __init__(self, queue, tty: bool):
         self.queue, self.tty = queue, tty
 
     def readline(self) -> str:
-        return self.queue.get()
+        line = self.queue.get()
+        if isinstance(line, Exception):
+            raise line
+        return line
 
     def isatty(self) -> bool:
         return self.tty
@@ -259,9 +282,14 @@ def converse_on_this_rank(job: Job, queue=None, tty: bool = False) -> tuple[int,
 
 
 def _fed(queue, lines) -> None:
-    """Put each line of `lines` (this process's stdin) on `queue` for tp rank 0, then "" at its end."""
-    for line in iter(lines.readline, ""):
-        queue.put(line)
+    """Put each line of `lines` (this process's stdin) on `queue` for tp rank 0, then "" at its end,
+    or what reading it raised: a thread that just died would leave rank 0 waiting for a line."""
+    try:
+        for line in iter(lines.readline, ""):
+            queue.put(line)
+    except Exception as e:  # passed on: raised on rank 0 (_Queued), as reading stdin there would
+        queue.put(e)
+        return
     queue.put("")
 
 
@@ -272,7 +300,10 @@ def _conversation(job: Job) -> int:
         result = converse_on_this_rank(job)
     else:
         queue = multiprocessing.get_context("spawn").SimpleQueue()  # passes to forked and spawned ranks alike
-        threading.Thread(target=_fed, args=(queue, sys.stdin), daemon=True).start()
+        # Read through a file of its own: a forked rank first closes its copy of sys.stdin, which waits
+        # for the buffer's lock, held (in the copy, forever) by this thread blocked reading the terminal.
+        lines = open(os.dup(sys.stdin.fileno()), encoding=sys.stdin.encoding, errors=sys.stdin.errors, newline="\n")
+        threading.Thread(target=_fed, args=(queue, lines), daemon=True).start()
         result = launch.run_local(converse_on_this_rank, job.tp, (job, queue, sys.stdin.isatty()),
                                   device_type=job.device_type)[0]
     turns, reused, prompted = result

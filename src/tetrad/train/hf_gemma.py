@@ -124,10 +124,16 @@ def gemma_export_problem(m) -> str | None:
                 f"has mlp={m.mlp!r}, pos={m.pos!r}, scale_embeddings={m.scale_embeddings}, qkv_bias={m.qkv_bias}")
     if m.sandwich_norm != m.qk_norm:
         return "Gemma 3 has both model.sandwich_norm and model.qk_norm, Gemma 1 neither; set both alike"
-    if not m.sandwich_norm and (m.layer_types or m.sliding_window or m.rope_local_base_freq
+    if not m.sandwich_norm and (m.layer_types or m.sliding_window or m.rope_local_base_freq or m.rope_scaling
                                 or m.query_pre_attn_scalar not in (0, m.head_dim)):
-        return ("GemmaForCausalLM (no sandwich norms) has no sliding window, layer_types, rope_local_base_freq or "
-                "query_pre_attn_scalar of its own; drop them, or make the model a Gemma 3")
+        return ("GemmaForCausalLM (no sandwich norms) has no sliding window, layer_types, rope_local_base_freq, "
+                "rope_scaling or query_pre_attn_scalar of its own; drop them, or make the model a Gemma 3")
+    if m.partial_rotary_factor != 1:
+        return "Gemma's architectures rotate every dim of a head; set model.partial_rotary_factor = 1"
+    sliding = "sliding_attention" in m.layer_types if m.layer_types else bool(m.sliding_window)
+    if m.rope_scaling and sliding and not m.rope_local_base_freq:  # transformers 4's rope_scaling: global layers'
+        return ("Gemma 3 scales the global layers' RoPE alone, its sliding layers take model.rope_local_base_freq "
+                "unscaled; set it, or drop model.rope_scaling")
     if m.rope_scaling.get("rope_type", "linear") != "linear":
         return f"Gemma's architectures scale RoPE linearly, not {m.rope_scaling.get('rope_type')!r}"
     return None

@@ -160,12 +160,13 @@ class Job:
 def sample_on_this_rank(job: Job) -> tuple[str, list[int], list[int], float]:
     """This rank's part of one sample (tp ranks in a process group, or this process alone): the
     text, the prompt's and the new ids and their loss, the same on every rank. A user error (a
-    prompt longer than the model's context; the device out of memory, maybe on this rank alone) is
-    a ConfigError, its line, on which run_local ends every rank at once, as torchrun does."""
+    prompt longer than the model's context, a message the chat template refuses; the device out of
+    memory, maybe on this rank alone) is raised as a ConfigError, its line, on which run_local ends
+    every rank at once, as torchrun does; anything else (a bug) as itself, with its traceback."""
     args, weights = job.args, job.weights
     device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
     topo = Topology(Layout(tp=job.tp), device)
-    try:
+    try:  # a refusal is raised, not returned: the other ranks may be waiting in a collective for this one
         model = _filled(job, topo)
         try:
             if job.chat is not None:
@@ -176,19 +177,17 @@ def sample_on_this_rank(job: Job) -> tuple[str, list[int], list[int], float]:
                                              job.sampling, args.seed, weights.source)
             return text, prompt, new, continuation_loss(model, prompt, new)
         except torch.OutOfMemoryError as e:
-            raise ValueError(out_of_memory(job, "decoding", e)) from None
-    except ValueError as e:  # not returned: the other ranks may be waiting in a collective for this one
-        raise ConfigError(str(e)) from None
+            raise ConfigError(out_of_memory(job, "decoding", e)) from None
     finally:
         topo.close()
 
 
 def _filled(job: Job, topo: Topology) -> Transformer:
-    """The job's model on this rank, or a ValueError naming what to change where it does not fit."""
+    """The job's model on this rank, or a ConfigError naming what to change where it does not fit."""
     try:
         return inference_model(job.weights.model, job.weights.reader(), topo, devices.DTYPES[job.dtype])
     except torch.OutOfMemoryError as e:
-        raise ValueError(out_of_memory(job, "filling the model", e)) from None
+        raise ConfigError(out_of_memory(job, "filling the model", e)) from None
 
 
 def out_of_memory(job: Job, stage: str, error: torch.OutOfMemoryError) -> str:
@@ -263,7 +262,8 @@ def converse_on_this_rank(job: Job, queue=None, tty: bool = False) -> tuple[int,
     """This rank's part of a conversation (tp ranks in a process group, or this process alone, which
     reads stdin itself): tp rank 0 reads the user's lines (stdin, or `queue`: _fed's), shares each
     with the other ranks (inference.agreed_line) and prints the answers. The turns answered and the
-    KV cache's reused and prompted tokens; a user error is a ConfigError, as sample_on_this_rank's."""
+    KV cache's reused and prompted tokens; a user error is raised as a ConfigError, as
+    sample_on_this_rank's (stdin's bytes that are not UTF-8 too)."""
     device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
     topo = Topology(Layout(tp=job.tp), device)
     try:
@@ -273,10 +273,8 @@ def converse_on_this_rank(job: Job, queue=None, tty: bool = False) -> tuple[int,
         try:
             turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, lines)
         except torch.OutOfMemoryError as e:
-            raise ValueError(out_of_memory(job, "decoding", e)) from None
+            raise ConfigError(out_of_memory(job, "decoding", e)) from None
         return turns, dialogue.cache.reused, dialogue.cache.prompted
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     finally:
         topo.close()
 
@@ -322,16 +320,27 @@ def _sampled(job: Job) -> tuple[str, list[int], list[int], float]:
     return launch.run_local(sample_on_this_rank, job.tp, (job,), device_type=job.device_type)[0]
 
 
+def _refused(error: Exception) -> int:
+    """Say the job's refusal once (launch.says_refusal): exit 2."""
+    if launch.says_refusal(f"tetrad generate: {error}"):
+        print(f"tetrad generate: {error}", file=sys.stderr)
+    return 2
+
+
 def generate_command(argv: list[str]) -> int:
+    """The sample or conversation; a refusal is one line and exit 2. The checks' ValueErrors are
+    the user's (they parse the flags and the user's files: config.json, tokenizer, template);
+    the generation's are refusals only as ConfigError, so that a bug there keeps its traceback."""
     try:
         job = _job(argv)
+    except (ValueError, CheckpointError) as e:
+        return _refused(e)
+    try:
         if job.chat is not None and job.args.prompt is None:
             return _conversation(job)
         result = _sampled(job)
-    except (ValueError, CheckpointError, ConfigError) as e:
-        if launch.says_refusal(f"tetrad generate: {e}"):
-            print(f"tetrad generate: {e}", file=sys.stderr)
-        return 2
+    except (CheckpointError, ConfigError) as e:
+        return _refused(e)
     if not launch.speaks_for_the_job():
         return 0
     text, prompt, new, loss = result

@@ -23,6 +23,8 @@ import jinja2
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tetrad.config import ConfigError
+
 MESSAGES = "list of {role, content} strings"
 CONFIG = "tokenizer_config.json"  # Hugging Face's, beside tokenizer.json
 JINJA = "chat_template.jinja"  # where newer Hugging Face models keep the template instead
@@ -156,8 +158,8 @@ class Conversations:
             return self.template.render(messages=messages, add_generation_prompt=generation_prompt,
                                         bos_token=self.chat.bos, eos_token=self.chat.eos, tools=None, documents=None)
         except (jinja2.TemplateError, ValueError, TypeError) as e:  # the template's own errors too
-            raise ValueError(f"{where}: the chat template refuses the conversation: "
-                             f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
+            raise ConfigError(f"{where}: the chat template refuses the conversation: "  # the user's to change
+                              f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
 
     def turn_end(self, messages: list[dict], stops: list[str]) -> str:
         """What the template renders after an assistant's answer to `messages` (the end-of-turn

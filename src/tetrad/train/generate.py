@@ -28,7 +28,7 @@ from typing import TextIO
 import torch
 from tokenizers import Tokenizer
 
-from tetrad.config import ModelConfig, load_config
+from tetrad.config import ConfigError, ModelConfig, load_config
 from tetrad.data.chat import ChatTemplate, Conversations, template_beside
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, load_tokenizer, model_eos, model_sampling,
@@ -217,8 +217,8 @@ def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int
     prefix = document_prefix(tokenizer)
     ids = prefix + tokenizer.encode(prompt or ("" if prefix else "\n"), add_special_tokens=False).ids
     if len(ids) >= model.cfg.context_length:
-        raise ValueError(f"the prompt is {len(ids)} tokens; the model reads at most {model.cfg.context_length} tokens, "
-                         "so use a shorter one")
+        raise ContextFull(f"the prompt is {len(ids)} tokens; the model reads at most {model.cfg.context_length} "
+                          "tokens, so use a shorter one")
     new, _ = generate(model, ids, max_new, sampling, seed, _stops(tokenizer, None, source))
     return prompt + tokenizer.decode(new, skip_special_tokens=False), ids, new
 
@@ -234,8 +234,9 @@ def _stops(tokenizer: Tokenizer, chat: ChatTemplate | None = None, source: Path 
     return frozenset(stops | ({turn_end} if turn_end is not None else set()))
 
 
-class ContextFull(ValueError):
-    """A chat's rendered conversation reaches the end of the model's context: a conversation ends there."""
+class ContextFull(ConfigError):
+    """A prompt, or a chat's rendered conversation, reaches the end of the model's context: the
+    user's to shorten (a refusal, one line), and where a conversation ends."""
 
 
 def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages: list[dict], max_new: int,
@@ -287,7 +288,7 @@ def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, li
     for turn in itertools.count():
         if speaks and lines.isatty():
             print("> ", end="", flush=True)
-        line = agreed_line(lines.readline() if speaks else None, topo)
+        line = agreed_line(_user_line(lines) if speaks else None, topo)
         if not line.strip():
             return turn
         try:
@@ -303,6 +304,15 @@ def converse(dialogue: Dialogue, max_new: int, sampling: Sampling, seed: int, li
                 print(f"tetrad generate: the answer reached the end of the model's context ({context} tokens): the "
                       "conversation ends here", file=sys.stderr)
             return turn + 1
+
+
+def _user_line(lines: TextIO) -> str:
+    """The user's next line; bytes that are not UTF-8 (stdin's encoding) are the user's to fix: a
+    refusal (ConfigError), not a crash, though UnicodeDecodeError is a ValueError like a bug's."""
+    try:
+        return lines.readline()
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(e)) from None
 
 
 def chat_template(tokenizer: Tokenizer, source: Path | None, system: str | None) -> tuple[ChatTemplate, str | None]:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -158,14 +158,14 @@ def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | CheckpointPa
     at `path`: its `shape`, and `handle[box]` reads that part alone (a rank's shard: training's
     init_parameters, tetrad generate's inference_model)."""
     if not is_hf_folder(path):
-        found = checkpoint_folder(path)
-        stored = SafeReader(found).read_metadata().state_dict_metadata
+        reader = MetadataOnce(checkpoint_folder(path))
+        stored = reader.read_metadata().state_dict_metadata
 
         def in_checkpoint(name: str) -> CheckpointPart:
             if f"model.{name}" not in stored:
-                raise CheckpointError(f"{found} has no model.{name}")
+                raise CheckpointError(f"{reader.path} has no model.{name}")
             meta = stored[f"model.{name}"]
-            return CheckpointPart(found, f"model.{name}", tuple(meta.size), meta.properties.dtype)
+            return CheckpointPart(reader, f"model.{name}", tuple(meta.size), meta.properties.dtype)
         return in_checkpoint
     hf = hf_config(path)
     model_type = hf.get("model_type", "")
@@ -204,11 +204,26 @@ class SafetensorsPart:
             return f.get_slice(self.key)[(first, *box[1:])]
 
 
+class MetadataOnce(SafeReader):
+    """A SafeReader of one checkpoint folder that reads (and unpickles) its .metadata once: each
+    CheckpointPart's box is a DCP load of its own, which asks the reader for it again, and a
+    large model's metadata (every chunk of every tensor) would be read once per tensor."""
+
+    def __init__(self, folder: Path):
+        super().__init__(folder)
+        self.metadata: Metadata | None = None
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self.metadata is None:
+            self.metadata = super().read_metadata(*args, **kwargs)
+        return self.metadata
+
+
 @dataclass(frozen=True)
 class CheckpointPart:
-    """Tensor `key` of the tetrad checkpoint (DCP) at `folder`, read by the box indexed: DCP reads
+    """Tensor `key` of the tetrad checkpoint (DCP) `reader` reads, read by the box indexed: DCP reads
     the stored chunks that overlap it, each whole (a torch.save record), and copies their overlap."""
-    folder: Path
+    reader: MetadataOnce
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -217,7 +232,7 @@ class CheckpointPart:
         offsets, sizes = [b.start for b in box], [b.stop - b.start for b in box]
         part = torch.empty(sizes, dtype=self.dtype)
         with one_process():
-            dcp.load({self.key: part}, storage_reader=SafeReader(self.folder),
+            dcp.load({self.key: part}, storage_reader=self.reader,
                      planner=_BoxPlanner(self.key, ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))),
                      no_dist=True)
         return part

@@ -2,7 +2,8 @@
 
 Exit codes: 0 the layout (the plan's winner) fits; 1 it does not fit in memory (the estimate is
 still printed, with its per-part breakdown); 2 bad input (unknown GPU, cluster or config key, or
-a global batch no layout of the model on those GPUs can split).
+a global batch no layout of the model on those GPUs can split), or a --write whose run folder
+holds an earlier run's checkpoints.
 """
 
 from __future__ import annotations
@@ -138,7 +139,11 @@ def plan_command(argv: list[str], model_from_inputs: Callable[[dict], dict] | No
     if best is None and result.ranked and args.json:
         print(f"tetrad plan: {why_nothing_fits(result.ranked[0], cluster)}", file=sys.stderr)
     if args.out and best is not None:
-        _write(best, args, overrides, sys.stderr if args.json else sys.stdout)
+        try:
+            _write(best, args, overrides, sys.stderr if args.json else sys.stdout)
+        except ConfigError as e:
+            print(f"tetrad plan: {e}", file=sys.stderr)
+            return 2
     if args.plot:
         m = base.model
         title = (f"tetrad plan: {m.preset} on {cluster.world} x {cluster.gpu.name}, global batch "
@@ -183,6 +188,22 @@ def _own_folders(cfg: Config, flagged: set[str]) -> tuple[Config, list[str]]:
                                checkpoint=dataclasses.replace(cfg.checkpoint, dir=new_ckpt)), notes
 
 
+def _refuse_trained(cfg: Config, flagged: set[str]) -> None:
+    """A ConfigError where the checkpoint folder the written config would train in (chosen here,
+    not by a flag) already holds a checkpoint: the layout's folder of an earlier plan, trained
+    since. `tetrad train` resumes what it finds there (checkpoint.resume = "auto"), so the written
+    config would continue that run, or fail to reshard it, rather than start the one planned."""
+    root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
+    if ("checkpoint.dir" if cfg.checkpoint.dir else "run.dir") in flagged or not root.is_dir():
+        return
+    steps = [p.name for p in root.glob("step_*") if p.is_dir() and p.name.removeprefix("step_").isdigit()]
+    if steps:
+        key, folder = ("checkpoint.dir", cfg.checkpoint.dir) if cfg.checkpoint.dir else ("run.dir", cfg.run.dir)
+        raise ConfigError(f"{key} = {folder!r}, the layout's own folder, already holds checkpoints of a run ({root}/"
+                          f"{max(steps, key=lambda n: int(n[5:]))}), which `tetrad train` would resume; give "
+                          f"the plan --{key}=NEW for a fresh run, or --{key}={folder} to resume it")
+
+
 def _tagged(folder: str, tag: str) -> str:
     """`folder` with the layout's `tag` in place of one a plan gave it before."""
     return re.sub(r"-dp\d+-tp\d+-pp\d+-cp\d+$", "", folder.rstrip("/")) + tag
@@ -190,9 +211,11 @@ def _tagged(folder: str, tag: str) -> str:
 
 def _write(best: Estimate, args, overrides: list[str], out) -> None:
     """Write the best layout as a config, with training settings sized to the model where the user
-    set none, each stated in the file's header and printed."""
+    set none, each stated in the file's header and printed; a ConfigError (nothing written) where
+    its folder holds an earlier run's checkpoints."""
     cfg, notes = sized_training(best.cfg, _user_keys(args, overrides), best.step_time_s)
     cfg, moved = _own_folders(cfg, _flagged(overrides))
+    _refuse_trained(cfg, _flagged(overrides))
     notes += moved
     header = [f"# Written by tetrad plan: {best.step_time_s:.3g} s per step predicted, MFU {100 * best.mfu:.1f}%, "
               f"{best.peak_memory_gib:.1f} GiB per GPU."]

@@ -1,0 +1,38 @@
+"""`tetrad plan --write` never writes a config whose run folder (the layout's own, chosen by the
+plan) already holds an earlier run's checkpoints, which `tetrad train` would resume instead of
+starting the planned run: one line says so and what to pass; a flag naming that folder resumes it."""
+
+from __future__ import annotations
+
+from tetrad.cli import main
+from tetrad.config import load_config
+
+PLAN = ["--cluster", "dgx-h100", "--global-batch", "16", "--top", "1"]
+
+
+def test_plan_write_refuses_a_layout_folder_that_holds_checkpoints(tmp_path, capsys):
+    run = tmp_path / "runs" / "mine"
+    config = tmp_path / "mine.toml"
+    config.write_text(f'[model]\npreset = "llama3-8b"\n[run]\ndir = "{run}"\n')
+    best, again = tmp_path / "best.toml", tmp_path / "again.toml"
+    assert main(["plan", str(config), *PLAN, "--write", str(best)]) == 0
+    written = load_config(best).run.dir
+    capsys.readouterr()
+    # `tetrad train best.toml` ran and saved (step_N and the `latest` pointer, as the checkpointer does)
+    (tmp_path / written / "checkpoints" / "step_40").mkdir(parents=True)
+    (tmp_path / written / "checkpoints" / "latest").write_text("step_40\n")
+    for planned in (config, best):  # the same layout planned again, from the run's config or the written one
+        assert main(["plan", str(planned), *PLAN, "--write", str(again)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"tetrad plan: run.dir = '{written}', the layout's own folder, already holds checkpoints of a "
+                       f"run ({written}/checkpoints/step_40), which `tetrad train` would resume; give the plan "
+                       f"--run.dir=NEW for a fresh run, or --run.dir={written} to resume it\n"), err
+        assert not again.exists()
+    assert main(["plan", str(config), *PLAN, "--write", str(again), f"--run.dir={written}"]) == 0  # the user's word
+    assert load_config(again).run.dir == written
+    elsewhere = tmp_path / "ckpts"
+    config.write_text(f'[model]\npreset = "llama3-8b"\n[run]\ndir = "{run}"\n[checkpoint]\ndir = "{elsewhere}"\n')
+    assert main(["plan", str(config), *PLAN, "--write", str(best)]) == 0
+    (tmp_path / load_config(best).checkpoint.dir / "step_7").mkdir(parents=True)
+    assert main(["plan", str(config), *PLAN, "--write", str(best)]) == 2
+    assert "tetrad plan: checkpoint.dir = " in capsys.readouterr().err

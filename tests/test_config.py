@@ -121,7 +121,7 @@ def test_cli_rejects_invalid_config_without_starting_a_process(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tetrad", "train", "--parallel.tp=3", f"--run.dir={run_dir}"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert "tp=3 does not divide n_heads=4; use tp in [1, 2]" in out.stderr
+    assert out.stderr == "tetrad: config error: tp=3 does not divide n_heads=4; use tp in [1, 2]\n", out.stderr
     assert "training" not in out.stdout and not run_dir.exists()
 
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tetrad.cli import main
 from test_launch import _CRASHES  # a command that fails as a bug in tetrad would
 
 pytestmark = pytest.mark.dist
@@ -29,27 +30,32 @@ def test_a_config_mistake_is_refused_before_any_worker_starts(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_the_console_script_without_python_is_checked_too(tmp_path):
+def test_the_console_script_without_python_is_checked_too(tmp_path, capsys):
     """`--no-python tetrad train` (torchrun running the `tetrad` console script, by name or path) is
     `-m tetrad train`, checked before any worker starts (before: only `-m tetrad` was, and the
-    workers met the mistake, --max-restarts times)."""
+    workers met the mistake, --max-restarts times). In this process: the check is the launching
+    process's own, and the test above runs that process whole."""
     for script in ("tetrad", "/an/env/bin/tetrad"):
-        out = _torchrun(tmp_path, "--max-restarts=3", "--no-python", script, "train", "--parallel.dp=1",
-                        f"--run.dir={tmp_path / 'run'}")
-        assert out.returncode == 2, out.stderr
-        assert out.stderr == "tetrad: config error: dp*tp*pp*cp = 1*1*1*1 = 1 but the job has 2 ranks; set parallel.dp=2\n"
+        assert main(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "--no-python", script,
+                     "train", "--parallel.dp=1", f"--run.dir={tmp_path / 'run'}"]) == 2
+        assert capsys.readouterr().err == \
+            "tetrad: config error: dp*tp*pp*cp = 1*1*1*1 = 1 but the job has 2 ranks; set parallel.dp=2\n"
 
 
 def test_a_job_that_passes_the_checks_trains_as_under_torchrun(tmp_path):
     """The checks before the spawn leave the run as torchrun's workers find it (no folder, file or
-    resume decision of their own): the ranks train and rank 0 says the closing line once."""
+    resume decision of their own): the ranks train, take ranks_per_node from torchrun's
+    LOCAL_WORLD_SIZE (not the config's 8), and rank 0 alone says what `tetrad train` says of the run
+    (layout, data, the closing line)."""
     run = tmp_path / "run"
-    out = _torchrun(tmp_path, "-m", "tetrad", "train", "--parallel.dp=2", "--train.steps=1", "--train.global_batch=4",
-                    "--train.micro_batch=2", "--model.n_layers=1", "--model.d_model=32", "--model.ffn_hidden=64",
-                    "--model.seq_len=16", f"--run.dir={run}")
+    out = _torchrun(tmp_path, "-m", "tetrad", "train", "--parallel.dp=2", "--parallel.ranks_per_node=8",
+                    "--train.steps=1", "--train.global_batch=4", "--train.micro_batch=2", "--model.n_layers=1",
+                    "--model.d_model=32", "--model.ffn_hidden=64", "--model.seq_len=16", f"--run.dir={run}")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.count(f"at step 1; metrics in {run}/metrics.jsonl") == 1, out.stdout
     assert "ranks_per_node = 2" in (run / "config.toml").read_text()
+    for line in ("tetrad: training tiny with dp=2 tp=1 pp=1 cp=1 (2 ranks on cpu), 1 step,",  # not "1 steps"
+                 "tetrad: data: ", f"at step 1; metrics in {run}/metrics.jsonl"):
+        assert out.stdout.count(line) == 1, (line, out.stdout)
 
 
 def test_a_failed_job_ends_in_one_line_naming_its_first_failure(tmp_path):

@@ -172,6 +172,9 @@ def _check_experts(cfg: Config) -> None:
     if m.n_experts and m.expert_hidden % tp:
         raise ConfigError(f"tp={tp} does not divide the experts' hidden width {m.expert_hidden} "
                           f"(model.expert_ffn_hidden, or ffn_hidden where 0); use tp in {divisors(m.expert_hidden)}")
+    if m.n_experts and cfg.train.compile:
+        raise ConfigError(f"train.compile does not take mixture-of-experts layers yet (model.n_experts={m.n_experts}: "
+                          "each expert's token count changes every step); set train.compile=false")
 
 
 def _check_pipeline(cfg: Config, runtime: bool) -> None:

@@ -15,7 +15,8 @@ router's input gradient with the experts'.
 Cost of this cut: one Python loop over the experts with the tokens sorted by expert, so E small
 GEMMs each way, and one host read per layer and micro-batch (the experts' token counts: torch's
 slices need them on the host), which stalls an accelerator's queue there; grouped GEMM kernels and
-expert parallelism are not here. The experts' weight gradients come from autograd in one
+expert parallelism are not here; nor torch.compile (config validation refuses it: the counts
+change every call). The experts' weight gradients come from autograd in one
 backward (under zero-bubble's split backward, in BI; no gradient accumulation fusion).
 """
 
@@ -26,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tetrad.config import ModelConfig
-from tetrad.model.execution import Execution, RouterLoss, run_eagerly
+from tetrad.model.execution import Execution, RouterLoss
 from tetrad.model.mappings import reduce_tp_output, tp_input
 from tetrad.model.sharding import new_param
 
@@ -148,10 +149,6 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, topo, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Eager under torch.compile: the experts' token counts change every call.
-        return run_eagerly(self._forward, x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         total = tp_input(x, self.topo, self.ex)  # [b, s, d]: the whole local sequence
         b, s, d = total.shape
         flat = total.reshape(b * s, d)

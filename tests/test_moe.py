@@ -3,19 +3,23 @@ load-balancing loss included (its gradient injected on every pipeline stage, its
 over cp, 1/tp of it on each tp rank); its value is the spec's formula; checkpoints reshard the
 experts' 3-D weights over tp; KV-cache decoding runs them token by token."""
 
+import dataclasses
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_parity, tiny_config, train_layout
+from conftest import assert_parity, run_ranks, tiny_config, train_layout
 from tetrad.config import ConfigError, load_config
 from tetrad.dist.topology import Topology
 from tetrad.model.llama import Transformer
-from tetrad.model.sharding import init_parameters
-from tetrad.train.generate import generate
 from tetrad.model.sampling import GREEDY
+from tetrad.model.sharding import init_parameters
+from tetrad.sample import _job, sample_on_this_rank
+from tetrad.train.generate import generate
+from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
+from tetrad.train.trainer import Trainer
 
 MOE = {"n_experts": 4, "experts_per_token": 2}
 AUX = {**MOE, "router_aux_loss": 1.0}  # a gradient that shows: dropped or doubled, parity fails
@@ -162,10 +166,33 @@ def test_bad_expert_settings_are_refused_in_one_line(model, parallel, message):
 def test_hf_import_and_export_of_a_mixture_of_experts_are_refused_in_one_line():
     """Not supported yet: a Mixtral config.json is refused, not read as a dense Llama; --to-hf
     refuses an MoE model, which no dense architecture computes."""
-    from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
     mixtral = {"model_type": "mixtral", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                "intermediate_size": 128, "vocab_size": 256, "num_local_experts": 8, "num_experts_per_tok": 2}
     with pytest.raises(ConfigError, match=r"a mixture of experts \(mixtral, 8 experts\) cannot be imported yet"):
         model_config_from_hf(mixtral, Path("config.json"))
     with pytest.raises(ConfigError, match=r"this one has model\.n_experts=4"):
         check_exportable(tiny_config(model=MOE).model)
+
+
+@pytest.mark.dist
+def test_generate_under_tp2_samples_the_one_process_tokens():
+    """`tetrad generate` of the one-process run's checkpoint: each of two ranks reads its slice of
+    the experts (w1/w3's rows, w2's columns) and gives the one-process greedy tokens and loss."""
+    _, step3 = _one_process("moe")
+    job = _job([str(step3), "--prompt", "the licence", "--max-new-tokens", "8", "--temperature", "0"])
+    text, prompt, new, loss = sample_on_this_rank(job)
+    assert len(new) == 8
+    for rank in run_ranks(sample_on_this_rank, 2, dataclasses.replace(job, tp=2)):
+        assert rank[:3] == (text, prompt, new)
+        assert rank[3] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+
+
+def test_validation_loss_leaves_the_load_balancing_loss_out():
+    """The same weights evaluate to the same val_loss whatever router_aux_loss is: validation runs
+    no backward, where the loss joins."""
+    losses = []
+    for coefficient in (0.0, 10.0):
+        cfg = tiny_config(model={**MOE, "router_aux_loss": coefficient}, data={"val_fraction": 0.1},
+                          train={"eval_steps": 1})
+        losses.append(Trainer(cfg, torch.device("cpu")).evaluate()["val_loss"])
+    assert losses[0] == losses[1] and 4 < losses[0] < 7

@@ -276,5 +276,6 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
             "rope_scaling": _longrope(hf, scaling) if scaling.get("rope_type") == "longrope" else scaling,
             "partial_rotary_factor": partial, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+            "n_experts": 0, "expert_ffn_hidden": 0,  # dense: a mixture of experts is refused above
             **({"hf_model_type": kind, "dropout": float(hf.get("resid_pdrop") or 0.0)} if kind in FUSED else {}),
             **(gemma_keys(hf, local_theta) if kind in GEMMA_TYPES else {})}

@@ -23,7 +23,8 @@ from tetrad.train.trainer import Trainer
 
 MOE = {"n_experts": 4, "experts_per_token": 2}
 AUX = {**MOE, "router_aux_loss": 1.0}  # a gradient that shows: dropped or doubled, parity fails
-FAMILIES = {"moe": MOE, "aux": AUX, "gelu": {**MOE, "mlp": "gelu", "expert_ffn_hidden": 96}}
+FAMILIES = {"moe": MOE, "aux": AUX, "gelu": {**MOE, "mlp": "gelu", "expert_ffn_hidden": 96},
+            "deep": {**AUX, "n_layers": 4}}
 LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "moe-tp2": ({"tp": 2}, {}),
     "moe-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
@@ -42,6 +43,7 @@ LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "aux-pp2-zb": ({"pp": 2, "schedule": "zb"}, {}),
     "aux-dp2-zero3": ({"dp": 2, "zero": 3}, {}),
     "gelu-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
+    "deep-pp2-vpp2-interleaved": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}),
 }
 
 

@@ -19,7 +19,7 @@ from tetrad.cli import main
 from tetrad.config import load_config
 from tetrad.data.tokenizer import load_tokenizer
 from tetrad.train.batches import split_batches
-from tetrad.train import trainer
+from tetrad.train import building, trainer
 from tetrad.train.convert import logical_shapes, read_weights
 from tetrad.train.generate import single_process_model
 from tetrad.train.init_from import check_init_from, initial_weights, model_keys
@@ -119,8 +119,8 @@ def _counting(read, reads: dict):
 
 def _reads_starting(cfg) -> dict[str, int]:
     """The elements of each tensor of checkpoint.init_from this rank reads as its Trainer starts."""
-    reads, stored = {}, trainer.initial_weights
-    trainer.initial_weights = lambda source: _counting(stored(source), reads)  # in this forked rank alone
+    reads, stored = {}, building.initial_weights
+    building.initial_weights = lambda source: _counting(stored(source), reads)  # in this forked rank alone
     trainer.Trainer(cfg, torch.device("cpu"))
     return reads
 

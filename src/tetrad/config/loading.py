@@ -16,8 +16,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from tetrad.config.sections import (FLAG_ALIASES, SECTIONS, Config, ConfigError, ModelConfig, did_you_mean, places_of,
-                                    suggest_key, suggest_section)
+from tetrad.config.aliases import FLAG_ALIASES, places_of, suggest_key, suggest_section
+from tetrad.config.sections import SECTIONS, Config, ConfigError, ModelConfig, did_you_mean
 from tetrad.config.validation import validate
 from tetrad.presets import PRESETS
 

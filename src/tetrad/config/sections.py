@@ -127,6 +127,16 @@ class ModelConfig:
     # fused q/k/v and gate/up tensors where Phi-3 has the features (an imported Phi-3 keeps it,
     # fine-tuned too). The same math either way.
     hf_model_type: Literal["", "phi3"] = ""
+    # Mixture of experts (Mixtral, Qwen3-MoE; model/moe.py): every layer's MLP is n_experts
+    # experts of the model's `mlp` kind and a router sending each token to experts_per_token of
+    # them (top-k of the router's softmax, the k weights renormalised to sum to one), dropless;
+    # 0: a dense MLP in every layer. expert_ffn_hidden: each expert's hidden width (Qwen3-MoE's
+    # moe_intermediate_size; 0: ffn_hidden, Mixtral's). router_aux_loss: the coefficient of the
+    # sequence-wise load-balancing loss added to the training loss (0: none; not in val_loss).
+    n_experts: int = 0
+    experts_per_token: int = 2
+    expert_ffn_hidden: int = 0
+    router_aux_loss: float = 0.01
 
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:
@@ -143,6 +153,11 @@ class ModelConfig:
     def local_rope(self, layer: int) -> bool:
         """Whether layer `layer` takes the sliding layers' RoPE (rope_local_base_freq, unscaled)."""
         return bool(self.rope_local_base_freq and self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def expert_hidden(self) -> int:
+        """Each expert's hidden width: expert_ffn_hidden, or ffn_hidden where that is 0."""
+        return self.expert_ffn_hidden or self.ffn_hidden
 
     @property
     def context_length(self) -> int:
@@ -329,66 +344,3 @@ def did_you_mean(word: str, choices, within: str = "") -> str:
     choices = list(choices)
     close = [c for c in choices if c.lower() == word.lower()] or difflib.get_close_matches(word.lower(), choices, n=1)
     return f" (did you mean {within + '.' + close[0] if within else close[0]!r}?)" if close else ""
-
-
-# Names users bring from Megatron-LM's arguments and torchtitan's TOML (dashes read as
-# underscores): an unknown one is answered with ours (or several, a tuple). torchtitan's
-# data_parallel_shard_degree is FSDP's shard size: all of dp without a replicate degree, else
-# zero_shard (dp = replicate x shard). Megatron-LM's num_distributed_optimizer_instances counts
-# the replicas, dp*cp / zero_shard.
-KEY_ALIASES = {
-    **dict.fromkeys(("tensor_model_parallel_size", "tensor_parallel_degree", "tp_size"), "parallel.tp"),
-    **dict.fromkeys(("pipeline_model_parallel_size", "pipeline_parallel_degree", "pp_size"), "parallel.pp"),
-    **dict.fromkeys(("context_parallel_size", "context_parallel_degree", "cp_size"), "parallel.cp"),
-    **dict.fromkeys(("data_parallel_size", "data_parallel_replicate_degree", "dp_size"), "parallel.dp"),
-    "data_parallel_shard_degree": ("parallel.dp", "parallel.zero_shard"),
-    "num_distributed_optimizer_instances": "parallel.zero_shard",
-    "virtual_pipeline_model_parallel_size": "parallel.vpp", "pipeline_parallel_schedule": "parallel.schedule",
-    "use_distributed_optimizer": "parallel.zero", "num_layers": "model.n_layers", "hidden_size": "model.d_model",
-    "dim": "model.d_model", "num_attention_heads": "model.n_heads", "num_query_groups": "model.n_kv_heads",
-    "ffn_hidden_size": "model.ffn_hidden", "seq_length": "model.seq_len", "learning_rate": "train.lr",
-    "train_iters": "train.steps", "lr_warmup_iters": "train.warmup", "warmup_steps": "train.warmup",
-    "global_batch_size": "train.global_batch", "micro_batch_size": "train.micro_batch",
-    "rampup_batch_size": "train.batch_rampup",
-    "local_batch_size": "train.micro_batch", "clip_grad": "train.grad_clip", "max_norm": "train.grad_clip",
-    "lr_decay_style": "train.lr_schedule", "beta1": "train.adam_beta1", "beta2": "train.adam_beta2",
-    "eps": "train.adam_eps", "recompute_granularity": "train.recompute",
-    "reset_attention_mask": "train.document_mask", "attn_mask_type": "train.document_mask",
-    "reset_position_ids": "train.reset_positions",
-    "mixed_precision_param": "train.dtype", "eval_interval": "train.eval_every", "eval_iters": "train.eval_steps",
-    "data_path": "data.source", "dataset_path": "data.source", "save_interval": "checkpoint.every",
-    "interval": "checkpoint.every", "async_mode": "checkpoint.async_save", "log_interval": "run.log_every", "log_freq": "run.log_every",
-    "dump_folder": "run.dir", "save": "checkpoint.dir", "load": "checkpoint.dir", "flavor": "model.preset",
-    "dataset": "data.source", "mode": "train.recompute",
-}
-# Megatron-LM's switches (no value) as the override that does what each asks.
-FLAG_ALIASES = {"bf16": "train.dtype=bf16", "fp16": "train.dtype=fp16",
-                "sequence_parallel": "parallel.sequence_parallel=true", "use_distributed_optimizer": "parallel.zero=1", "recompute_activations": "train.recompute=selective",
-                "swiglu": "model.mlp=swiglu", "untie_embeddings_and_output_weights": "model.tie_embeddings=false",
-                "add_qkv_bias": "model.qkv_bias=true", "qk_layernorm": "model.qk_norm=true"}
-# torchtitan's tables whose keys live in one of ours.
-SECTION_ALIASES = {"optimizer": "train", "lr_scheduler": "train", "activation_checkpoint": "train",
-                   "job": "run", "metrics": "run", "parallelism": "parallel"}
-
-
-def places_of(key: str, section: str | None = None) -> list[str]:
-    """Where `key` (unknown in `section`) is a config key, as 'section.key': in other sections, or
-    ours for a Megatron-LM/torchtitan name."""
-    key = key.replace("-", "_")
-    homes = [f"{name}.{key}" for name, cls in SECTIONS.items()
-             if name != section and key in {f.name for f in dataclasses.fields(cls)}]
-    alias = KEY_ALIASES.get(key, ())
-    return homes or (list(alias) if isinstance(alias, tuple) else [alias])
-
-
-def suggest_key(section: str, key: str) -> str:
-    """' (did you mean ...?)' for an unknown key of `section`, or ''."""
-    places = places_of(key, section)
-    known = [f.name for f in dataclasses.fields(SECTIONS[section])]
-    return f" (did you mean {' or '.join(map(repr, places))}?)" if places else did_you_mean(key, known, section)
-
-
-def suggest_section(section: str) -> str:
-    """' (did you mean ...?)' for an unknown section, or ''."""
-    return f" (did you mean {SECTION_ALIASES[section]!r}?)" if section in SECTION_ALIASES else \
-        did_you_mean(section, SECTIONS)

@@ -60,6 +60,8 @@ RANGES: dict[str, Range] = {
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.dropout": Range(0, 1),
     "model.partial_rotary_factor": Range(0, 1, low_open=True, high_open=False),
     "model.rope_local_base_freq": Range(0), "model.query_pre_attn_scalar": Range(0),  # 0: as the others, head_dim
+    "model.n_experts": COUNT, "model.experts_per_token": SIZE, "model.expert_ffn_hidden": COUNT,  # 0: dense; ffn_hidden
+    "model.router_aux_loss": Range(0),
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,
@@ -125,6 +127,7 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -
     check_ranges(cfg)
     _check_world(cfg.parallel, world_size)
     _check_heads(cfg)
+    _check_experts(cfg)
     check_rope(cfg.model)
     _check_pipeline(cfg, runtime)
     _check_sequence(cfg)
@@ -158,6 +161,20 @@ def _check_heads(cfg: Config) -> None:
     if m.ffn_hidden % p.tp:
         raise ConfigError(f"tp={p.tp} does not divide ffn_hidden={m.ffn_hidden}; "
                           f"use tp in {sorted(set(common) & set(divisors(m.ffn_hidden)))}")
+
+
+def _check_experts(cfg: Config) -> None:
+    """Mixture of experts: top-k within the experts, each expert's hidden width split over tp."""
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.n_experts and m.experts_per_token > m.n_experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} is more than n_experts={m.n_experts}; "
+                          f"use experts_per_token in 1..{m.n_experts}")
+    if m.n_experts and m.expert_hidden % tp:
+        raise ConfigError(f"tp={tp} does not divide the experts' hidden width {m.expert_hidden} "
+                          f"(model.expert_ffn_hidden, or ffn_hidden where 0); use tp in {divisors(m.expert_hidden)}")
+    if m.n_experts and cfg.train.compile:
+        raise ConfigError(f"train.compile does not take mixture-of-experts layers yet (model.n_experts={m.n_experts}: "
+                          "each expert's token count changes every step); set train.compile=false")
 
 
 def _check_pipeline(cfg: Config, runtime: bool) -> None:

@@ -130,6 +130,27 @@ def _run_eagerly_untraced(fn: Callable, *args):
     return fn(*args)
 
 
+class RouterLoss:
+    """The mixture-of-experts load-balancing loss of one model's steps (model/moe.py). No layer
+    returns it: each injects its gradient in backward (Megatron-Core's MoEAuxLossAutoScaler), so
+    it joins the training loss on every pipeline stage, none of which but the last has a loss.
+    `grad_scale`: what the trainer scales a layer's summed per-sequence loss by for backward,
+    router_aux_loss / (layers x the global batch's sequences), times fp16's loss scale, set each
+    step; `seen`: those sums as backward met them (once per micro-batch and layer, recompute or
+    not; evaluation, without backward, adds none) until `take()`."""
+
+    def __init__(self):
+        self.grad_scale = 0.0
+        self.seen: torch.Tensor | None = None
+
+    def add(self, aux: torch.Tensor) -> None:
+        self.seen = aux if self.seen is None else self.seen + aux
+
+    def take(self) -> torch.Tensor | None:
+        seen, self.seen = self.seen, None
+        return seen
+
+
 @dataclass
 class Execution:
     """cp_algo: "ring" or "alltoall" (model/attention.py). sequence_parallel: tp also splits
@@ -137,10 +158,12 @@ class Execution:
     sp_regather: its column-parallel linears gather their input again in backward instead of
     keeping it gathered.
     split_backward: linear layers route their weight gradients through `weight_grads`, which
-    the pipeline executor opens (BI) and applies (BW)."""
+    the pipeline executor opens (BI) and applies (BW). router_loss: mixture-of-experts layers'
+    load-balancing loss (RouterLoss)."""
 
     cp_algo: str = "ring"
     sequence_parallel: bool = False
     sp_regather: bool = False
     split_backward: bool = False
     weight_grads: DeferredWeightGrads = field(default_factory=DeferredWeightGrads)
+    router_loss: RouterLoss = field(default_factory=RouterLoss)

@@ -27,6 +27,7 @@ from tetrad.model.attention import attention, sequence_mask, uses_varlen
 from tetrad.model.documents import Documents
 from tetrad.model.kv_cache import LayerCache, cached_attention
 from tetrad.model.masks import hides_keys
+from tetrad.model.moe import MoE
 from tetrad.model.replay import RingReplay
 from tetrad.model.rope import apply_rope, rope_frequencies, rope_tables, uses_long_factors
 from tetrad.model.execution import Execution
@@ -176,7 +177,7 @@ class Block(nn.Module):
         self.attn_norm = Norm(cfg)
         self.attn = Attention(cfg, topo, ex, out_std, cfg.window_of(index))
         self.mlp_norm = Norm(cfg)
-        self.mlp = MLP(cfg, topo, ex, out_std)
+        self.mlp = MoE(cfg, topo, ex, out_std) if cfg.n_experts else MLP(cfg, topo, ex, out_std)
         self.attn_out_norm = Norm(cfg) if cfg.sandwich_norm else nn.Identity()
         self.mlp_out_norm = Norm(cfg) if cfg.sandwich_norm else nn.Identity()
         self.dropout = ResidualDropout(cfg.dropout, topo, ex) if cfg.dropout else nn.Identity()

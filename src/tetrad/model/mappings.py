@@ -103,6 +103,35 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return gather_sequence(grad, ctx.topo), None
 
 
+class _CopyToTP(torch.autograd.Function):
+    """f alone: identity forward, all-reduce of the gradient backward (an input every tp rank reads
+    whole, whose gradient each rank makes in part)."""
+
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.topo.comm.all_reduce(grad, "tp")
+        return grad, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """f under SP alone: all-gather along the sequence forward, reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return gather_sequence(x, topo)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return scatter_sequence(grad, ctx.topo), None
+
+
 class _Linear(torch.autograd.Function):
     """y = x W^T whose weight gradient dy^T x goes through `weight_grads` (model/execution.py's
     DeferredWeightGrads): computed now, or queued for a zero-bubble schedule's BW, and in both
@@ -220,3 +249,12 @@ def reduce_tp_output(x: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
     if ex.sequence_parallel:
         return run_eagerly(_ReduceScatterToSequence.apply, x, topo)
     return run_eagerly(_ReduceFromTP.apply, x, topo)
+
+
+def tp_input(x: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
+    """The whole (local) sequence every tp rank reads, from the residual stream [b, s, h] (under SP
+    [b, s/tp, h]: all-gathered); in backward the tp ranks' partial gradients are summed (f). For
+    layers whose input feeds more than linears (model/moe.py's router and experts)."""
+    if topo.tp_size == 1:
+        return x
+    return run_eagerly(_GatherFromSequence.apply if ex.sequence_parallel else _CopyToTP.apply, x, topo)

@@ -102,6 +102,9 @@ def check_exportable(m) -> None:
     problem = gemma_export_problem(m)
     if problem:
         raise ConfigError(problem)
+    if m.n_experts:
+        raise ConfigError(f"--to-hf writes dense models only; this one has model.n_experts={m.n_experts} "
+                          "(mixture-of-experts export is not supported yet)")
     if m.norm == "gemma_rmsnorm":
         return
     if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
@@ -256,6 +259,10 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
         partial = 1.0
     else:
         theta, scaling, partial = _rope_from_hf(hf)
+    experts = hf.get("num_local_experts") or hf.get("num_experts")  # Mixtral's, Qwen3-MoE's
+    if experts:
+        raise ConfigError(f"{source}: a mixture of experts ({kind}, {experts} experts) cannot be imported yet; "
+                          "tetrad trains one from its own initialisation (model.n_experts)")
     unsupported = _unsupported(hf, kind, scaling, partial)
     if unsupported:
         raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
@@ -269,5 +276,6 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
             "rope_scaling": _longrope(hf, scaling) if scaling.get("rope_type") == "longrope" else scaling,
             "partial_rotary_factor": partial, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+            "n_experts": 0, "expert_ffn_hidden": 0,  # dense: a mixture of experts is refused above
             **({"hf_model_type": kind, "dropout": float(hf.get("resid_pdrop") or 0.0)} if kind in FUSED else {}),
             **(gemma_keys(hf, local_theta) if kind in GEMMA_TYPES else {})}

@@ -25,18 +25,16 @@ from tetrad.config.sections import zero_shard
 from tetrad.dist import autotune, watchdog
 from tetrad.dist.layout import GRAD, REPORTED, WEIGHT_SPLIT_DIMS, Layout, shard_sequence
 from tetrad.dist.topology import Topology
-from tetrad.model.execution import DeferredWeightGrads, Execution
 from tetrad.model.llama import set_execution
-from tetrad.model.sharding import full_state_dict, init_parameters, initial_value, set_spec, spec_of
+from tetrad.model.sharding import full_state_dict, initial_value
 from tetrad.model.layers import DropoutSeeds
 from tetrad.parallel.data import GradReducer, ShardedAdamW
-from tetrad.parallel.pipeline.registry import check_config, schedule_spec
-from tetrad.parallel.pipeline.stages import PipelineStages
+from tetrad.parallel.pipeline.registry import check_config
 from tetrad.data.blend import blend_parts
 from tetrad.train.batches import Batches, DataPosition, split_batches
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.checkpoint.recovery import schedule_changes
-from tetrad.train.init_from import initial_weights
+from tetrad.train.building import build_model, execution_for, starting_weights
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
 from tetrad.train import telemetry
@@ -45,49 +43,6 @@ from tetrad.train.pipelines import StepPipelines, pipeline_links
 from tetrad.train.precision import LossScaler
 from tetrad.train.preflight import memory_watch
 from tetrad.train.stopping import StopSignals, divergence_note, stop_name
-
-
-def execution_for(cfg: Config, hold=None) -> Execution:
-    """How the model runs under `cfg` (model/execution.py); `hold` counts zero-bubble's deferred
-    tensors (an ActivationMeter's)."""
-    p = cfg.parallel
-    return Execution(cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel and p.tp > 1, sp_regather=p.sp_regather,
-                     split_backward=p.pp > 1 and schedule_spec(p.schedule).splits_backward,
-                     weight_grads=DeferredWeightGrads(hold))
-
-
-def build_model(cfg: Config, topo: Topology, execution: Execution | None = None,
-                materialise: bool = True) -> PipelineStages:
-    """This rank's model chunks, built on the meta device, then given device memory and their
-    shard of the initial weights (the logical init, or `checkpoint.init_from`'s weights), one
-    parameter at a time. Without `materialise` (ZeRO-3's start-up) parameters get no memory and
-    no values here: GradReducer's `init` builds only this rank's ZeRO shard of the same weights,
-    so the whole local model never exists at once."""
-    with torch.device("meta"):
-        model = PipelineStages(cfg, topo, execution or execution_for(cfg))
-    specs = {name: spec_of(p) for name, p in model.named_parameters()}
-    if materialise:
-        model.to_empty(device=topo.device)  # makes new Parameter objects: re-attach their specs
-    else:
-        model._apply(lambda t: _without_storage(t, topo.device))  # to_empty, one tensor alive at a time
-    for name, p in model.named_parameters():
-        set_spec(p, *specs[name])
-    if materialise:
-        init_parameters(model, cfg.train.seed, starting_weights(cfg))
-    return model
-
-
-def starting_weights(cfg: Config):
-    """`weights(name)` of `checkpoint.init_from`, or None: the logical init."""
-    return initial_weights(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
-
-
-def _without_storage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor of t's shape and dtype on `device` whose memory is already released (ZeRO-3
-    points it into its gathered buffer later)."""
-    out = torch.empty_like(t, device=device)
-    out.untyped_storage().resize_(0)
-    return out
 
 
 class Trainer:
@@ -150,6 +105,10 @@ class Trainer:
         Batches.loss_tokens) accumulate in the reducer's buckets. Every dp rank runs as many."""
         local = self._sequence_shards(microbatches)
         self.pipeline = self.pipelines(len(microbatches))
+        # Mixture of experts: the load-balancing loss's mean over layers and the global batch's sequences
+        sequences = len(microbatches) * self.cfg.train.micro_batch * self.cfg.parallel.dp
+        self.model.execution.router_loss.grad_scale = grad_scale * self.cfg.model.router_aux_loss / \
+            (self.cfg.model.n_layers * sequences)
         return self.pipeline.run(local, grad_scale / loss_tokens)
 
     def _sequence_shards(self, microbatches) -> list[tuple]:
@@ -225,7 +184,7 @@ class Trainer:
         with clock.part("optimizer"), devices.phase("grad_reduce", topo.device):
             self.grads.reduce()  # dp x cp (and, under SP, tp for tp-replicated parameters)
         with clock.part("optimizer"), devices.phase("optimizer", topo.device):
-            grad_norm, loss, self.stop_signal = self._step_sums(loss_sum, scale, loss_tokens)
+            grad_norm, loss, self.stop_signal, aux = self._step_sums(loss_sum, scale, loss_tokens)
             self.grads.clip(grad_norm, cfg.train.grad_clip, loss_scale=scale)
             # The norm is reduced over the whole job: every rank steps, or every rank skips.
             finite = math.isfinite(grad_norm)
@@ -256,24 +215,30 @@ class Trainer:
             # Model states counted from this rank's tensors; activations: the peak of what autograd
             # saved for backward (train/memory.py); peak: device.peak_memory_bytes.
             "memory_bytes": {"peak": peak, **model_states, "activations": self.activations.peak},
+            **({"moe_aux_loss": aux / (cfg.model.n_layers * batch)} if cfg.model.n_experts else {}),
             **devices.accelerator_fields(topo.device),
             **(self.telemetry.take() if self.telemetry else {}),
         }
 
-    def _step_sums(self, loss_sum: torch.Tensor, loss_scale: float, loss_tokens: int) -> tuple[float, float, int]:
+    def _step_sums(self, loss_sum: torch.Tensor, loss_scale: float, loss_tokens: int) -> tuple[float, float, int, float]:
         """The step's numbers that need the whole job, in one all-reduce (over dp x cp, tp, pp)
         and one read: the global gradient norm (unscaled: the same on every rank, non-finite on
         all when any rank's gradient overflowed), the mean token loss (summed from the last
-        pipeline stage of each dp x cp replica, once per tp group, over `loss_tokens`) and the stop
-        signal any rank received (stopping.py)."""
+        pipeline stage of each dp x cp replica, once per tp group, over `loss_tokens`), the stop
+        signal any rank received (stopping.py) and the MoE layers' summed load-balancing loss
+        (every layer's, each sequence's: model/execution.py RouterLoss; once per tp group)."""
         topo = self.topo
+        aux = self.model.execution.router_loss.take()  # None: no MoE layer here (or a pipeline stage without)
+        moe = self.cfg.model.n_experts > 0  # a dense model's all-reduce has no place for it (plan/comm_bytes.py)
+        aux = torch.zeros_like(loss_sum) if aux is None or topo.tp_rank else aux.to(loss_sum)
         loss = loss_sum if topo.tp_rank == 0 else torch.zeros_like(loss_sum)
         flags = torch.tensor(self.signals.flags(), device=topo.device)
-        sums = torch.cat([self.grads.norm_sq().view(1), loss.view(1), flags])
+        sums = torch.cat([self.grads.norm_sq().view(1), loss.view(1), *([aux.view(1)] if moe else []), flags])
         for group in (GRAD, *WEIGHT_SPLIT_DIMS):
             topo.comm.all_reduce(sums, group)
         norm_sq, loss, *signals = sums.tolist()
-        return math.sqrt(norm_sq) / loss_scale, loss / loss_tokens, self.signals.agreed(signals)
+        aux = signals.pop(0) if moe else 0.0
+        return math.sqrt(norm_sq) / loss_scale, loss / loss_tokens, self.signals.agreed(signals), aux
 
     def _activation_meter(self, step: int, microbatches: int):
         """Count saved activations (train/memory.py) on the first step this trainer runs and of each

@@ -1,0 +1,183 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router and `n_experts` experts of the
+model's `mlp` kind; each token goes to its `experts_per_token` (k) experts, top-k of the router's
+softmax (fp32), the k weights renormalised to sum to one; dropless (no capacity, no token dropped).
+
+Tensor parallelism splits every expert as the dense MLP is split: w1 and w3 [E, H, d] by their
+rows (dim 1, column-parallel), w2 [E, d, H] by its columns (dim 2, row-parallel), so each tp rank
+computes every expert on its slice of H and the partial outputs are summed (g: all-reduce, or
+reduce-scatter under SP). The router's weight is replicated: each rank routes the whole (local)
+sequence (`tp_input`: the residual stream, all-gathered under SP) identically. Its gradient is a
+per-rank partial (the routing weights' gradient comes from each rank's partial expert outputs), so
+it is summed over tp (ParamSpec.grad_split_over_tp, as qk-norm's); the load-balancing loss, which
+every tp rank computes whole, injects 1/tp of its gradient on each, and f's all-reduce sums the
+router's input gradient with the experts'.
+
+Cost of this cut: one Python loop over the experts with the tokens sorted by expert, so E small
+GEMMs each way, and one host read per layer and micro-batch (the experts' token counts: torch's
+slices need them on the host), which stalls an accelerator's queue there; grouped GEMM kernels and
+expert parallelism are not here; nor torch.compile (config validation refuses it: the counts
+change every call). The experts' weight gradients come from autograd in one
+backward (under zero-bubble's split backward, in BI; no gradient accumulation fusion).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tetrad.config import ModelConfig
+from tetrad.model.execution import Execution, RouterLoss
+from tetrad.model.mappings import reduce_tp_output, tp_input
+from tetrad.model.sharding import new_param
+
+
+class Router(nn.Module):
+    """logits = x W^T, W [n_experts, d_model], replicated over tp, its gradient summed over tp."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = new_param((cfg.n_experts, cfg.d_model), grad_split_over_tp=True)
+
+
+class Experts(nn.Module):
+    """Every expert's weights as one 3-D tensor each (no biases), split over tp like the dense MLP's."""
+
+    def __init__(self, cfg: ModelConfig, topo, out_std: float):
+        super().__init__()
+        e, h, d, tp, rank = cfg.n_experts, cfg.expert_hidden, cfg.d_model, topo.tp_size, topo.tp_rank
+        self.kind = cfg.mlp
+        self.w1 = new_param((e, h, d), shard_dim=1, parts=tp, index=rank)
+        self.w3 = new_param((e, h, d), shard_dim=1, parts=tp, index=rank) if cfg.gated_mlp else None
+        self.w2 = new_param((e, d, h), shard_dim=2, parts=tp, index=rank, std=out_std)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [n, d]: the tokens sorted by expert, `counts[e]` of them for expert e; this rank's
+        partial outputs [n, d]."""
+        return _ExpertsFunction.apply(x, counts, self.kind, self.w1, self.w3, self.w2)
+
+
+def _act(kind: str, a: torch.Tensor) -> torch.Tensor:
+    return F.silu(a) if kind == "swiglu" else F.gelu(a, approximate="tanh")
+
+
+def _act_backward(kind: str, grad: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    if kind == "swiglu":
+        return torch.ops.aten.silu_backward(grad, a)
+    return torch.ops.aten.gelu_backward(grad, a, approximate="tanh")
+
+
+def _spans(counts: list[int]):
+    """(expert, first row, end row) of each expert that got tokens."""
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, start, start + n
+        start += n
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    """Each expert's MLP on its rows. One Function, so that the weight gradients are one [E, ...]
+    tensor each, filled expert by expert: indexing a Parameter per expert under autograd would
+    make a whole-sized zero gradient per expert and sum them (E times the weights' bytes)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, kind, w1, w3, w2):
+        ctx.counts, ctx.kind = counts, kind
+        hidden = w1.shape[1]
+        up = x.new_empty((x.shape[0], hidden))
+        gate = x.new_empty((x.shape[0], hidden)) if w3 is not None else None
+        out = x.new_empty((x.shape[0], w2.shape[1]))
+        for e, lo, hi in _spans(counts):
+            xe = x[lo:hi]
+            up[lo:hi] = xe @ w1[e].t()
+            h = _act(kind, up[lo:hi])
+            if w3 is not None:
+                gate[lo:hi] = xe @ w3[e].t()
+                h = h * gate[lo:hi]
+            out[lo:hi] = h @ w2[e].t()
+        ctx.save_for_backward(x, up, gate, w1, w3, w2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, up, gate, w1, w3, w2 = ctx.saved_tensors
+        grad_x = torch.zeros_like(x)
+        g1, g2 = torch.zeros_like(w1), torch.zeros_like(w2)
+        g3 = torch.zeros_like(w3) if w3 is not None else None
+        for e, lo, hi in _spans(ctx.counts):
+            xe, gy, a = x[lo:hi], grad[lo:hi], up[lo:hi]
+            act = _act(ctx.kind, a)
+            h = act * gate[lo:hi] if w3 is not None else act
+            g2[e] = gy.t() @ h
+            gh = gy @ w2[e]
+            if w3 is not None:
+                gb = gh * act
+                g3[e] = gb.t() @ xe
+                grad_x[lo:hi] = gb @ w3[e]
+                gh = gh * gate[lo:hi]
+            ga = _act_backward(ctx.kind, gh, a)
+            g1[e] = ga.t() @ xe
+            grad_x[lo:hi] += ga @ w1[e]
+        return grad_x, None, None, g1, g3, g2
+
+
+class _RouterLossGradient(torch.autograd.Function):
+    """Passes `y` through; in backward gives `aux` (this rank's part of a layer's summed
+    per-sequence load-balancing loss) the gradient `router_loss.grad_scale / tp` and tells
+    `router_loss` the value (RouterLoss: model/execution.py)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, router_loss: RouterLoss, tp: int):
+        ctx.router_loss, ctx.tp, ctx.aux = router_loss, tp, aux.detach()
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.router_loss.add(ctx.aux)
+        return grad, ctx.aux.new_full((), ctx.router_loss.grad_scale / ctx.tp), None, None
+
+
+class MoE(nn.Module):
+    """The MoE MLP of a block (Block picks it where model.n_experts > 0)."""
+
+    def __init__(self, cfg: ModelConfig, topo, ex: Execution, out_std: float):
+        super().__init__()
+        self.topo, self.ex = topo, ex
+        self.k, self.aux_coefficient = cfg.experts_per_token, cfg.router_aux_loss
+        self.router = Router(cfg)
+        self.experts = Experts(cfg, topo, out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = tp_input(x, self.topo, self.ex)  # [b, s, d]: the whole local sequence
+        b, s, d = total.shape
+        flat = total.reshape(b * s, d)
+        probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
+        weights, chosen = probs.topk(self.k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        chosen = chosen.reshape(-1)  # [b*s*k]: token t's choices at t*k..t*k+k-1
+        order = chosen.argsort(stable=True)
+        counts = torch.bincount(chosen, minlength=probs.shape[-1])
+        rows = order // self.k  # the token of each assignment, in expert order
+        out = self.experts(flat[rows], counts.tolist()) * weights.reshape(-1)[order].unsqueeze(-1)
+        y = torch.zeros_like(flat).index_add(0, rows, out).view(b, s, d)
+        if torch.is_grad_enabled():
+            aux = self._balance_loss(probs.view(b, s, -1), chosen.view(b, s * self.k))
+            y = _RouterLossGradient.apply(y, aux if self.aux_coefficient else aux.detach(), self.ex.router_loss,
+                                          self.topo.tp_size)
+        return reduce_tp_output(y, self.topo, self.ex)
+
+    def _balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the micro-batch's summed per-sequence loss E * sum_e f_e * P_e (f_e:
+        the share of the sequence's T*k assignments expert e got; P_e: the mean of its probability
+        over the sequence's T tokens). Under cp a sequence is split over the cp ranks: its counts
+        are summed over them, and each rank adds E / (k T^2) * sum_e count_e * (its own sum of
+        probs[e]), the sum over ranks being the sequence's loss, gradient included."""
+        b, s, n_experts = probs.shape
+        counts = torch.zeros((b, n_experts), dtype=probs.dtype, device=probs.device)
+        counts.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=probs.dtype))
+        cp = self.topo.size("cp")
+        if cp > 1:
+            self.topo.comm.all_reduce(counts, "cp")
+        tokens = s * cp
+        return (counts * probs.sum(dim=1)).sum() * (n_experts / (self.k * tokens * tokens))

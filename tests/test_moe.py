@@ -1,0 +1,200 @@
+"""Mixture-of-experts layers (model/moe.py): every layout trains them as one process does, the
+load-balancing loss included (its gradient injected on every pipeline stage, its counts summed
+over cp, 1/tp of it on each tp rank); its value is the spec's formula; checkpoints reshard the
+experts' 3-D weights over tp; KV-cache decoding runs them token by token."""
+
+import dataclasses
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_parity, run_ranks, tiny_config, train_layout
+from tetrad.config import ConfigError, load_config
+from tetrad.dist.topology import Topology
+from tetrad.model.llama import Transformer
+from tetrad.model.sampling import GREEDY
+from tetrad.model.sharding import init_parameters
+from tetrad.sample import _job, sample_on_this_rank
+from tetrad.train.generate import generate
+from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
+from tetrad.train.trainer import Trainer
+
+MOE = {"n_experts": 4, "experts_per_token": 2}
+AUX = {**MOE, "router_aux_loss": 1.0}  # a gradient that shows: dropped or doubled, parity fails
+FAMILIES = {"moe": MOE, "aux": AUX, "gelu": {**MOE, "mlp": "gelu", "expert_ffn_hidden": 96},
+            "deep": {**AUX, "n_layers": 4}}
+LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
+    "moe-tp2": ({"tp": 2}, {}),
+    "moe-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
+    "moe-dp2-zero1": ({"dp": 2, "zero": 1}, {}),
+    "moe-dp2-zero3": ({"dp": 2, "zero": 3}, {}),
+    "moe-pp2-1f1b": ({"pp": 2}, {}),
+    "moe-pp2-zb": ({"pp": 2, "schedule": "zb"}, {}),
+    "moe-cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {}),
+    "moe-cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}),
+    "moe-dp2-tp2-sp-zero2": ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 2}, {}),
+    "moe-tp2-full": ({"tp": 2}, {"recompute": "full"}),
+    "moe-cp2-ring-selective-op": ({"cp": 2}, {"recompute": "selective-op"}),
+    "aux-tp2": ({"tp": 2}, {}),
+    "aux-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
+    "aux-cp2-ring": ({"cp": 2}, {}),
+    "aux-pp2-zb": ({"pp": 2, "schedule": "zb"}, {}),
+    "aux-dp2-zero3": ({"dp": 2, "zero": 3}, {}),
+    "gelu-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
+    "deep-pp2-vpp2-interleaved": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}),
+}
+
+
+def _config(family: str, parallel: dict, train: dict, **sections):
+    return tiny_config(parallel=parallel, model=FAMILIES[family], train=train, **sections)
+
+
+@lru_cache(maxsize=None)
+def _one_process(family: str):
+    cfg = _config(family, {}, {}, checkpoint={"every": 3})
+    return train_layout(cfg), Path(cfg.run.dir) / "checkpoints" / "step_00000003"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_single_process(name):
+    family = name.split("-")[0]
+    parallel, train = LAYOUTS[name]
+    got = train_layout(_config(family, parallel, train))
+    ref, _ = _one_process(family)
+    # tp's bound (tests/test_tp.py), doubled: Adam's 5 steps move a weight whose gradient is near zero
+    # (a gelu expert's unit, w1[1, 57] of layer 1 under gelu-tp2-sp) by the order of sums alone: 1.1e-4
+    assert_parity(got, ref, atol=2e-4)
+    aux, ref_aux = ([r["moe_aux_loss"] for r in result[2]] for result in (got, ref))
+    torch.testing.assert_close(torch.tensor(aux), torch.tensor(ref_aux), rtol=1e-5, atol=0)
+
+
+def test_the_load_balancing_loss_changes_the_training():
+    """Its coefficient moves the router's weights (so the parity above can see its gradient) and the
+    metric is reported, near its balanced value 1 at initialisation."""
+    (_, weak, history), _ = _one_process("moe")
+    (_, strong, strong_history), _ = _one_process("aux")
+    assert 0.9 < history[0]["moe_aux_loss"] < 1.5
+    assert strong_history[0]["moe_aux_loss"] == history[0]["moe_aux_loss"]  # the same first forward
+    router = "layers.0.mlp.router.weight"
+    assert (weak[router] - strong[router]).abs().max() > 1e-3
+
+
+def _layer(**model) -> tuple:
+    cfg = tiny_config(model={**MOE, **model})
+    net = Transformer(cfg.model, Topology.single())
+    init_parameters(net, seed=3)
+    return net, net.layers["0"].mlp
+
+
+def test_the_loss_is_the_formula_and_its_gradient_the_formulas():
+    """One layer on two sequences of 16 tokens: the value backward reports is sum over sequences of
+    E * sum_e f_e P_e, computed here directly, and the gradient it gives the router's weight (at
+    scale 1, the output's own gradient zero) is the formula's, f_e held constant."""
+    net, moe = _layer()
+    net.execution.router_loss.grad_scale = 1.0
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    (moe(x) * 0).sum().backward()
+    value = net.execution.router_loss.take()
+    weight = moe.router.weight.detach().requires_grad_()
+    probs = torch.softmax(x @ weight.t(), dim=-1)  # [2, 16, 4]
+    chosen = probs.topk(2, dim=-1).indices
+    expected = 0
+    for s in range(2):
+        f = torch.stack([(chosen[s] == e).sum() for e in range(4)]).float() / (16 * 2)
+        expected = expected + 4 * (f * probs[s].mean(dim=0)).sum()
+    torch.testing.assert_close(value, expected.detach())
+    expected.backward()
+    torch.testing.assert_close(moe.router.weight.grad, weight.grad)
+    assert weight.grad.abs().max() > 0
+
+
+def test_the_output_is_the_weighted_sum_of_the_chosen_experts():
+    """y = sum over a token's top-2 experts of its renormalised weight times the expert's SwiGLU."""
+    _, moe = _layer()
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        y = moe(x)[0]
+        probs = torch.softmax(x[0] @ moe.router.weight.t(), dim=-1)
+        weights, chosen = probs.topk(2, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        w1, w3, w2 = moe.experts.w1, moe.experts.w3, moe.experts.w2
+        for t in range(5):
+            want = sum(weights[t, j] * (w2[e] @ (torch.nn.functional.silu(w1[e] @ x[0, t]) * (w3[e] @ x[0, t])))
+                       for j, e in enumerate(chosen[t].tolist()))
+            torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.dist
+def test_a_checkpoint_reshards_from_tp1_to_tp2():
+    """Resumed at tp2 from the one-process run's step 3, the run continues as it did (the experts'
+    w1/w3 split by rows, w2 by columns, the router whole)."""
+    (ref_losses, ref_state, _), step3 = _one_process("moe")
+    tgt = _config("moe", {"tp": 2}, {}, checkpoint={"resume": str(step3)})
+    losses, state, _ = train_layout(tgt)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
+    for name in ref_state:
+        torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_greedy_decoding_gives_the_full_forwards_argmax():
+    net, _ = _layer()
+    net.eval()
+    prompt = [5, 17, 99, 3]
+    new, _ = generate(net, prompt, 10, GREEDY)
+    with torch.no_grad():
+        logits = net(torch.tensor([prompt + new[:-1]]), torch.arange(len(prompt) + len(new) - 1))
+    assert new == logits[0, len(prompt) - 1:].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("model,parallel,message", [
+    ({"n_experts": 4, "experts_per_token": 5}, {}, r"experts_per_token=5 is more than n_experts=4; use experts_per_token in 1\.\.4"),
+    ({"n_experts": -1}, {}, r"model\.n_experts=-1 is out of range"),
+    ({"n_experts": 4, "router_aux_loss": -0.1}, {}, r"model\.router_aux_loss=-0\.1 is out of range"),
+    ({"n_experts": 4, "expert_ffn_hidden": 50}, {"tp": 4, "dp": 1}, r"tp=4 does not divide the experts' hidden width 50"),
+    ({"n_experts": 4, "compile": True}, {}, r"train\.compile does not take mixture-of-experts layers yet .*set train\.compile=false"),
+])
+def test_bad_expert_settings_are_refused_in_one_line(model, parallel, message):
+    model = dict(model)
+    train = {"compile": model.pop("compile")} if "compile" in model else {}
+    with pytest.raises(ConfigError, match=message) as refused:
+        load_config(overrides={"model": {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 128, **model},
+                               "parallel": parallel, "train": train})
+    assert "\n" not in str(refused.value)
+
+
+def test_hf_import_and_export_of_a_mixture_of_experts_are_refused_in_one_line():
+    """Not supported yet: a Mixtral config.json is refused, not read as a dense Llama; --to-hf
+    refuses an MoE model, which no dense architecture computes."""
+    mixtral = {"model_type": "mixtral", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+               "intermediate_size": 128, "vocab_size": 256, "num_local_experts": 8, "num_experts_per_tok": 2}
+    with pytest.raises(ConfigError, match=r"a mixture of experts \(mixtral, 8 experts\) cannot be imported yet"):
+        model_config_from_hf(mixtral, Path("config.json"))
+    with pytest.raises(ConfigError, match=r"this one has model\.n_experts=4"):
+        check_exportable(tiny_config(model=MOE).model)
+
+
+@pytest.mark.dist
+def test_generate_under_tp2_samples_the_one_process_tokens():
+    """`tetrad generate` of the one-process run's checkpoint: each of two ranks reads its slice of
+    the experts (w1/w3's rows, w2's columns) and gives the one-process greedy tokens and loss."""
+    _, step3 = _one_process("moe")
+    job = _job([str(step3), "--prompt", "the licence", "--max-new-tokens", "8", "--temperature", "0"])
+    text, prompt, new, loss = sample_on_this_rank(job)
+    assert len(new) == 8
+    for rank in run_ranks(sample_on_this_rank, 2, dataclasses.replace(job, tp=2)):
+        assert rank[:3] == (text, prompt, new)
+        assert rank[3] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+
+
+def test_validation_loss_leaves_the_load_balancing_loss_out():
+    """The same weights evaluate to the same val_loss whatever router_aux_loss is: validation runs
+    no backward, where the loss joins."""
+    losses = []
+    for coefficient in (0.0, 10.0):
+        cfg = tiny_config(model={**MOE, "router_aux_loss": coefficient}, data={"val_fraction": 0.1},
+                          train={"eval_steps": 1})
+        losses.append(Trainer(cfg, torch.device("cpu")).evaluate()["val_loss"])
+    assert losses[0] == losses[1] and 4 < losses[0] < 7

@@ -127,6 +127,12 @@ class ModelConfig:
     # fused q/k/v and gate/up tensors where Phi-3 has the features (an imported Phi-3 keeps it,
     # fine-tuned too). The same math either way.
     hf_model_type: Literal["", "phi3"] = ""
+    # Mixture of experts (model/moe.py): experts per MLP layer (0: a dense MLP), each token's top-k,
+    # each expert's hidden width (0: ffn_hidden) and the load-balancing loss's coefficient.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    expert_ffn_hidden: int = 0
+    router_aux_loss: float = 0.01
 
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:
@@ -135,6 +141,10 @@ class ModelConfig:
     @property
     def gated_mlp(self) -> bool:
         return self.mlp in ("swiglu", "geglu")  # gate, up and down: three matrices
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.expert_ffn_hidden or self.ffn_hidden
 
     def window_of(self, layer: int) -> int:
         """Layer `layer`'s sliding window (0: none): sliding_window, but in layer_types' full layers."""

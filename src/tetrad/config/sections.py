@@ -127,8 +127,12 @@ class ModelConfig:
     # fused q/k/v and gate/up tensors where Phi-3 has the features (an imported Phi-3 keeps it,
     # fine-tuned too). The same math either way.
     hf_model_type: Literal["", "phi3"] = ""
-    # Mixture of experts (model/moe.py): experts per MLP layer (0: a dense MLP), each token's top-k,
-    # each expert's hidden width (0: ffn_hidden) and the load-balancing loss's coefficient.
+    # Mixture of experts (Mixtral, Qwen3-MoE; model/moe.py): every layer's MLP is n_experts
+    # experts of the model's `mlp` kind and a router sending each token to experts_per_token of
+    # them (top-k of the router's softmax, the k weights renormalised to sum to one), dropless;
+    # 0: a dense MLP in every layer. expert_ffn_hidden: each expert's hidden width (Qwen3-MoE's
+    # moe_intermediate_size; 0: ffn_hidden, Mixtral's). router_aux_loss: the coefficient of the
+    # sequence-wise load-balancing loss added to the training loss (0: none; not in val_loss).
     n_experts: int = 0
     experts_per_token: int = 2
     expert_ffn_hidden: int = 0
@@ -142,10 +146,6 @@ class ModelConfig:
     def gated_mlp(self) -> bool:
         return self.mlp in ("swiglu", "geglu")  # gate, up and down: three matrices
 
-    @property
-    def expert_hidden(self) -> int:
-        return self.expert_ffn_hidden or self.ffn_hidden
-
     def window_of(self, layer: int) -> int:
         """Layer `layer`'s sliding window (0: none): sliding_window, but in layer_types' full layers."""
         return 0 if self.layer_types and self.layer_types[layer] == "full_attention" else self.sliding_window
@@ -153,6 +153,11 @@ class ModelConfig:
     def local_rope(self, layer: int) -> bool:
         """Whether layer `layer` takes the sliding layers' RoPE (rope_local_base_freq, unscaled)."""
         return bool(self.rope_local_base_freq and self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def expert_hidden(self) -> int:
+        """Each expert's hidden width: expert_ffn_hidden, or ffn_hidden where that is 0."""
+        return self.expert_ffn_hidden or self.ffn_hidden
 
     @property
     def context_length(self) -> int:

@@ -22,7 +22,7 @@ from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.kernels import masked_attention
 from tetrad.plan.links import group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
-from tetrad.plan.moe import routing_bytes_per_token
+from tetrad.plan.moe import expert_grad_bytes, routing_bytes_per_token
 from tetrad.plan.stacks import Stack
 
 GEMM_HALF_DIM = 128  # a GEMM dimension this small reaches half the large-GEMM efficiency (tile quantisation)
@@ -77,6 +77,8 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     if not stack.fused_grad_accumulation and cfg.microbatches > 1 and not fsdp:
         params = flops.layer_params(m, p.tp)
         compute_bw += params * 12 / cluster.gpu.hbm_bytes_per_s  # fp32 accumulator: read it and the new gradient, write it
+    # MoE: the experts' backward zero-fills each whole [E, ...] weight gradient before filling it (model/moe.py)
+    compute_bw += expert_grad_bytes(m, p.tp, activation_bytes(t.dtype)) / cluster.gpu.hbm_bytes_per_s
     e = activation_bytes(t.dtype)
     tp_f, tp_b = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
     cp_f, cp_b = _cp_exposed(cfg, cluster, tokens, e, attn_f, attn_b)

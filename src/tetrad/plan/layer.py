@@ -67,8 +67,12 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     attn_f, attn_b = _attention_core(cfg, cluster.gpu, stack, tokens)
     elem_f, elem_b = _elementwise(cfg, cluster.gpu, stack, tokens)
     compute_f = sum(gemm) + cast_f + attn_f + elem_f
-    compute_bi = sum(gemm) + cast_b / 2 + attn_b + elem_b
-    compute_bw = sum(gemm) + cast_b / 2
+    # MoE: the experts' (and the router's) weight gradients are made in the input-gradient pass
+    # (model/moe.py's one autograd Function), zero-filled there first: BI's under a split backward
+    in_bi = gemm[2] + gemm[3] + expert_grad_bytes(m, p.tp, activation_bytes(t.dtype)) / cluster.gpu.hbm_bytes_per_s \
+        if m.n_experts else 0.0
+    compute_bi = sum(gemm) + cast_b / 2 + attn_b + elem_b + in_bi
+    compute_bw = sum(gemm) + cast_b / 2 - (gemm[2] + gemm[3] if m.n_experts else 0.0)
     copy_f, copy_bi, copy_bw = _zero3_copies(cfg, cluster.gpu, stack)
     compute_f, compute_bi, compute_bw = compute_f + copy_f, compute_bi + copy_bi, compute_bw + copy_bw
     # Without fused accumulation each micro-batch's gradient is added to the full fp32 buffer, except
@@ -77,8 +81,6 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     if not stack.fused_grad_accumulation and cfg.microbatches > 1 and not fsdp:
         params = flops.layer_params(m, p.tp)
         compute_bw += params * 12 / cluster.gpu.hbm_bytes_per_s  # fp32 accumulator: read it and the new gradient, write it
-    # MoE: the experts' backward zero-fills each whole [E, ...] weight gradient before filling it (model/moe.py)
-    compute_bw += expert_grad_bytes(m, p.tp, activation_bytes(t.dtype)) / cluster.gpu.hbm_bytes_per_s
     e = activation_bytes(t.dtype)
     tp_f, tp_b = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
     cp_f, cp_b = _cp_exposed(cfg, cluster, tokens, e, attn_f, attn_b)
@@ -108,8 +110,8 @@ def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, floa
     """Seconds of each weight GEMM (K, N): qkv, out-projection, fc1 (gate and up for SwiGLU),
     fc2; the two backward GEMMs have the same FLOPs and dimensions as the forward one. With fp8
     also the dynamic-scaling casts, (forward, backward): inputs and weights forward,
-    grad-outputs and both again backward. Under MoE fc1 and fc2 are the experts' (`_expert_gemms`),
-    fc1 with the router's."""
+    grad-outputs and both again backward. Under MoE fc1 and fc2 are the experts' (E GEMMs each,
+    `_gemm_time`), fc1 with the router's."""
     m, t = cfg.model, cfg.train
     h = m.d_model
     q, kv, f = _widths(cfg)

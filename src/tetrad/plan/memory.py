@@ -32,8 +32,7 @@ from tetrad.plan.kernels import masked_attention
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets, shard_params
-from tetrad.plan.moe import (deferred_routing_elements, expert_grad_bytes, expert_hidden_saved,
-                             routing_saved_bytes_per_token)
+from tetrad.plan.moe import expert_grad_bytes, expert_hidden_saved, routing_saved_bytes_per_token
 from tetrad.plan.pipeline import inflight
 from tetrad.plan.stacks import STACKS, Stack
 
@@ -283,13 +282,15 @@ def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e
     """What one layer still holds between its input-gradient and weight-gradient passes
     (zero-bubble's BI and BW): each linear's input and output gradient. Column-parallel linears
     (qkv, gate/up) take the whole hidden state (gathered under SP) and give 1/tp outputs;
-    row-parallel ones (output, down) take 1/tp inputs and give the whole hidden state."""
+    row-parallel ones (output, down) take 1/tp inputs and give the whole hidden state. MoE's
+    experts and router hold nothing: their weight gradients are made in BI (model/moe.py)."""
     h = m.d_model
-    q, kv, f = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, flops.mlp_hidden(m, active=True) / tp
+    q, kv, f = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, m.ffn_hidden / tp
     up = 2 * f if m.gated_mlp else f
-    inputs = 2 * h + q + f  # qkv and gate/up inputs, the output and down projections' inputs
-    grads = (q + 2 * kv) + h + up + h
-    return tokens * e * (inputs + grads + deferred_routing_elements(m))
+    mlp_inputs, mlp_grads = (0, 0) if m.n_experts else (h + f, up + h)  # gate/up's and down's
+    inputs = h + q + mlp_inputs  # qkv's and the output projection's inputs
+    grads = (q + 2 * kv) + h + mlp_grads
+    return tokens * e * (inputs + grads)
 
 
 def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:

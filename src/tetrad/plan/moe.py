@@ -52,12 +52,3 @@ def routing_bytes_per_token(m: ModelConfig, e: int) -> float:
         return 0.0
     k = m.experts_per_token
     return 3 * 4 * m.n_experts + m.d_model * e * (2 * k + k + 1)
-
-
-def deferred_routing_elements(m: ModelConfig) -> float:
-    """Elements per token an MoE layer holds beyond the dense count between zero-bubble's BI and BW
-    (0 for a dense MLP): the experts' inputs and output gradients run over k rows a token, k - 1
-    more than a dense MLP's, and the router's input (the MLP's) and output gradient [E]."""
-    if not m.n_experts:
-        return 0.0
-    return 2 * (m.experts_per_token - 1) * m.d_model + m.d_model + m.n_experts

@@ -131,7 +131,9 @@ COUNTED_LAYOUTS += [({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}
 COUNTED_LAYOUTS += [pytest.param(*layout, marks=NO_MOE) for layout in [
     ({"tp": 2, "sequence_parallel": True}, {}, {"n_experts": 4}), ({"pp": 2}, {}, {"n_experts": 4, "mlp": "gelu"}),
     ({"dp": 2, "zero": 1}, {}, {"n_experts": 8, "experts_per_token": 1, "expert_ffn_hidden": 256}),
-    ({"pp": 2, "schedule": "zb"}, {}, {"n_experts": 4})]]  # the experts' weight gradients made in BI: none deferred
+    ({"pp": 2, "schedule": "zb"}, {}, {"n_experts": 4}),
+    ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective-op"}, {"n_experts": 4}),
+    ({"tp": 2}, {"recompute": "full"}, {"n_experts": 4})]]  # the experts' weight gradients made in BI: none deferred
 # qk-norm keeps q's and k's inputs; heads of 48 over d_model 256 (q 384 wide).
 COUNTED_LAYOUTS += [({"tp": 2}, {}, {"qk_norm": True, "head_dim": 48})]
 # Gemma 3: four norms a layer keep their inputs, qk-norm q's and k's, GeGLU as SwiGLU; one window bias

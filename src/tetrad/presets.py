@@ -1,6 +1,7 @@
 """Model presets: named shapes that fill the `[model]` section before the user's own keys apply.
 
-Shapes follow the published model cards (Llama 3 paper, Table 3; GPT-3 paper, Table 2.1).
+Shapes follow the published model cards (Llama 3 paper, Table 3; GPT-3 paper, Table 2.1; Mixtral's
+config.json).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ PRESETS: dict[str, dict] = {
     "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, **_LLAMA3),
     "llama3-70b": dict(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_hidden=28672, **_LLAMA3),
     "llama3-405b": dict(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8, ffn_hidden=53248, **_LLAMA3),
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts"; its config.json): Mistral 7B's
+    # shape with 8 SwiGLU experts of 14336, top-2, in every layer; trained at a 32k context.
+    "mixtral-8x7b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=32000,
+                         seq_len=32768, norm="rmsnorm", mlp="swiglu", pos="rope", tie_embeddings=False,
+                         rope_theta=1000000.0, norm_eps=1e-5, n_experts=8, experts_per_token=2),
     "gpt3-175b": dict(n_layers=96, d_model=12288, n_heads=96, n_kv_heads=96, ffn_hidden=49152, vocab_size=50257,
                       seq_len=2048, norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True,
                       rope_theta=10000.0, norm_eps=1e-5),

@@ -1,4 +1,5 @@
-"""FLOP and parameter counts of the model family (GQA, SwiGLU or GELU, tied or untied embeddings).
+"""FLOP and parameter counts of the model family (GQA, SwiGLU or GELU, tied or untied embeddings,
+dense or mixture-of-experts MLPs).
 
 The convention, used for MFU everywhere in tetrad: a multiply-add is 2 FLOPs; a training step
 costs 3x the forward (forward, backward for inputs, backward for weights); causal attention's
@@ -9,6 +10,11 @@ sequence's (the band a sliding-window kernel computes; as the window grows to th
 is the causal count); the embedding lookup is free and the output head counts. Hardware FLOPs (HFU) add what activation
 recomputation repeats. What kernels actually execute (a causal kernel skips about half of the
 attention core) is the time model's business (plan/layer.py), not this convention's.
+
+Mixture of experts (model.n_experts = E > 0, top-k, each expert H = expert_hidden wide): the
+parameters count all E experts and the router (memory, ZeRO, the optimizer hold them all); the
+FLOPs count what a token runs, its router (2·d·E) and its k experts (the active compute), so MFU
+is the active FLOPs' share of the peak, as Mixtral's and DeepSeek's reports count it.
 """
 
 from __future__ import annotations
@@ -17,15 +23,37 @@ from tetrad.config import ModelConfig
 
 
 def layer_matmul_flops(m: ModelConfig) -> float:
-    """Forward FLOPs per token of one layer's weight matmuls (q, k, v, o projections and the MLP)."""
-    return 2 * layer_matrix_params(m)
+    """Forward FLOPs per token of one layer's weight matmuls (q, k, v, o projections and the MLP:
+    under MoE the router and the token's k experts alone)."""
+    return 2 * (attention_matrix_params(m) + mlp_matrix_params(m, active=True) + router_params(m))
+
+
+def attention_matrix_params(m: ModelConfig) -> int:
+    return m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+
+
+def mlp_hidden(m: ModelConfig, active: bool = False) -> int:
+    """The MLP's hidden width summed over its matrices' sets: ffn_hidden (dense); under MoE every
+    expert's, E·H, or (`active`) a token's k experts', k·H."""
+    if not m.n_experts:
+        return m.ffn_hidden
+    return (m.experts_per_token if active else m.n_experts) * m.expert_hidden
+
+
+def mlp_matrix_params(m: ModelConfig, active: bool = False) -> int:
+    """Weights of one layer's MLP matrices (split over tp): the dense MLP's, all E experts', or
+    (`active`) a token's k experts'."""
+    return m.d_model * mlp_hidden(m, active) * (3 if m.gated_mlp else 2)
+
+
+def router_params(m: ModelConfig) -> int:
+    """The MoE router's weight [E, d_model], replicated over tp (0 for a dense MLP)."""
+    return m.n_experts * m.d_model
 
 
 def layer_matrix_params(m: ModelConfig) -> int:
-    """Weights of one layer's linears (split over tp)."""
-    hd = m.head_dim
-    attn = m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads)
-    return attn + m.d_model * m.ffn_hidden * (3 if m.gated_mlp else 2)
+    """Weights of one layer's linears split over tp (every expert's: the router is replicated)."""
+    return attention_matrix_params(m) + mlp_matrix_params(m)
 
 
 def layer_bias_params(m: ModelConfig) -> int:
@@ -36,19 +64,22 @@ def layer_bias_params(m: ModelConfig) -> int:
 def layer_params(m: ModelConfig, tp: int) -> float:
     """Parameters of one layer on a tp rank: its share of the linears' weights and biases, and
     the norms, which every rank holds whole."""
-    return (layer_matrix_params(m) + layer_bias_params(m)) / tp + layer_norm_params(m)
+    return (layer_matrix_params(m) + layer_bias_params(m)) / tp + layer_norm_params(m) + router_params(m)
 
 
-def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, bool]]:
+def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
     """One layer's matmuls in the order its forward runs them, as (input width, output width,
-    row-parallel): q, k, v, the output projection, then gate, up and down (SwiGLU) or fc1 and fc2.
-    Row-parallel ones split their input over tp and give the whole hidden state."""
-    h, q, kv, f = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.ffn_hidden
-    mlp = [(h, f, False), (h, f, False), (f, h, True)] if m.gated_mlp else [(h, f, False), (f, h, True)]
-    return [(h, q, False), (h, kv, False), (h, kv, False), (q, h, True), *mlp]
+    row-parallel, rows per token): q, k, v, the output projection, then gate, up and down (SwiGLU)
+    or fc1 and fc2, under MoE the experts' (k rows a token, H wide; the router, small and
+    replicated, left out: recomputed). Row-parallel ones split their input over tp and give the
+    whole hidden state."""
+    h, q, kv = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    f, k = (m.expert_hidden, m.experts_per_token) if m.n_experts else (m.ffn_hidden, 1)
+    mlp = [(h, f, False, k), (h, f, False, k), (f, h, True, k)] if m.gated_mlp else [(h, f, False, k), (f, h, True, k)]
+    return [(h, q, False, 1), (h, kv, False, 1), (h, kv, False, 1), (q, h, True, 1), *mlp]
 
 
-def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, bool]]:
+def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
     """The matmuls whose outputs `selective-op` keeps (every other one, from the first); the
     rest it recomputes (model/llama.py's policy)."""
     return layer_matmuls(m)[0::2]
@@ -99,7 +130,7 @@ def hardware_flops_per_token(m: ModelConfig, recompute: str, seq_len: int | None
     attention core ("selective") or the matmuls per-op checkpointing does not keep
     ("selective-op"); the numerator of HFU."""
     s = seq_len or m.seq_len
-    saved = sum(2 * k * n for k, n, _ in op_checkpoint_saved_matmuls(m))
+    saved = sum(2 * k * n * rows for k, n, _, rows in op_checkpoint_saved_matmuls(m))
     extra = {"none": 0.0, "selective": m.n_layers * attention_core_flops(m, s),
              "selective-op": m.n_layers * (layer_matmul_flops(m) - saved),
              "full": m.n_layers * (layer_matmul_flops(m) + attention_core_flops(m, s))}[recompute]
@@ -117,8 +148,11 @@ def head_params(m: ModelConfig, separate: bool) -> int:
     return norm + (m.vocab_size * m.d_model if separate else 0)
 
 
-def parameter_count(m: ModelConfig) -> int:
-    return (m.n_layers * layer_params(m, 1) + embedding_params(m)
+def parameter_count(m: ModelConfig, active: bool = False) -> int:
+    """The model's parameters (all experts': what memory holds), or (`active`) those one token
+    uses: under MoE only its k experts of each layer's E (Mixtral 8x7B: 46.7B and 12.9B)."""
+    idle = mlp_matrix_params(m) - mlp_matrix_params(m, active=True) if active else 0
+    return (m.n_layers * (layer_params(m, 1) - idle) + embedding_params(m)
             + head_params(m, separate=not m.tie_embeddings))
 
 

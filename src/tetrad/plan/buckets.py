@@ -48,7 +48,9 @@ def _local(rows: int, tp: int) -> int:
 def layer_parameters(m: ModelConfig, tp: int) -> list[tuple[int, int]]:
     """(elements on a tp rank, kind) of one transformer block's parameters, in the order Block
     registers them: attention norm, q, k, v (each with its bias), output projection, q and k
-    norms; MLP norm, w1, w3 (SwiGLU, GeGLU), w2; the sandwich norms (Gemma 3)."""
+    norms; MLP norm, w1, w3 (SwiGLU, GeGLU), w2 (under MoE the router's weight, replicated over
+    tp, its gradient summed over tp as qk-norm's, then the experts' w1, w3, w2, each one [E, H, d] tensor split on H); the
+    sandwich norms (Gemma 3)."""
     d, hd = m.d_model, m.head_dim
     out = _norm(m, d, REPLICATED)
     for heads in (m.n_heads, m.n_kv_heads, m.n_kv_heads):
@@ -58,6 +60,9 @@ def layer_parameters(m: ModelConfig, tp: int) -> list[tuple[int, int]]:
     out += _norm(m, hd, HEADS) * 2 if m.qk_norm else []
     out += _norm(m, d, REPLICATED)
     ffn = _local(m.ffn_hidden, tp) * d
+    if m.n_experts:
+        out.append((m.n_experts * d, HEADS))  # each tp rank's router gradient a partial: summed
+        ffn = m.n_experts * _local(m.expert_hidden, tp) * d
     out += [(ffn, SPLIT)] * (3 if m.gated_mlp else 2)
     return out + (_norm(m, d, REPLICATED) * 2 if m.sandwich_norm else [])
 

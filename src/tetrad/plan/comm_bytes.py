@@ -14,8 +14,13 @@ from tetrad.plan.memory import activation_bytes, state_bytes_per_param, vocab_sh
 
 # The step's numbers that need the whole job: one all-reduce of 6 fp32 (squared gradient norm,
 # loss, a flag per stop signal and one for a closed stdout) over dp, tp and pp (train/trainer.py's
-# _step_sums).
+# _step_sums); under MoE a 7th, the layers' summed load-balancing loss (`step_sums`).
 STEP_SUMS = 6 * 4
+
+
+def step_sums(cfg: Config) -> int:
+    """Bytes of the step's sums in each group they are all-reduced over (STEP_SUMS; MoE: 4 more)."""
+    return STEP_SUMS + (4 if cfg.model.n_experts else 0)
 
 
 def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
@@ -23,7 +28,7 @@ def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
     optimizer step, by group, under tetrad.comm's convention: all-reduce the tensor, all-gather
     the gathered output, reduce-scatter the unscattered input, all-to-all the input,
     point-to-point what it sends. The dp x cp gradient group counts as "dp". Each group also
-    carries STEP_SUMS. Gradient traffic is summed over rank 0's buckets as the runtime lays them
+    carries the step's sums (`step_sums`). Gradient traffic is summed over rank 0's buckets as the runtime lays them
     out (plan/buckets.py), padding included."""
     p = cfg.parallel
     out = {"tp": _tp_bytes(cfg) if p.tp > 1 else 0, "cp": _cp_bytes(cfg) if p.cp > 1 else 0,
@@ -67,7 +72,7 @@ def _tp_bytes(cfg: Config) -> float:
     averaged = not make_codec(p.grad_codec, p.dp * p.cp).ELEMENTWISE
     buckets = rank_buckets(cfg)[0]
     summed = buckets.heads + (buckets.replicated if sp or averaged else 0)  # qk-norm: always
-    return cfg.microbatches * per_micro + 4 * summed + STEP_SUMS
+    return cfg.microbatches * per_micro + 4 * summed + step_sums(cfg)
 
 
 def _pp_bytes(cfg: Config) -> float:
@@ -76,7 +81,7 @@ def _pp_bytes(cfg: Config) -> float:
     embeddings: the embedding's fp32 gradient summed with its head copy's (its shard under ZeRO-2)."""
     m, p = cfg.model, cfg.parallel
     sent = _hidden(cfg) / (p.tp if p.sequence_parallel else 1)
-    out = cfg.microbatches * (2 * p.vpp - 1) * sent + STEP_SUMS
+    out = cfg.microbatches * (2 * p.vpp - 1) * sent + step_sums(cfg)
     if m.tie_embeddings:  # rank 0's shard of the embedding's bucket, its padding left out (GradReducer.reduce)
         size = vocab_shard(m, p.tp) * m.d_model
         out += 4 * (padded_size(size, shard_ranks(p), 1) // shard_ranks(p) if p.zero >= 2 else size)
@@ -114,7 +119,7 @@ def _dp_bytes(cfg: Config) -> float:
     buckets = rank_buckets(cfg)[0]
     padded = buckets.padded
     if zero_shard(p):
-        return _hybrid_dp_bytes(cfg, buckets, w) + STEP_SUMS
+        return _hybrid_dp_bytes(cfg, buckets, w) + step_sums(cfg)
     if p.zero == 0:
         grads = _all_reduce_bytes(cfg, buckets)
     elif p.zero == 1:  # the updated shards gathered over whole (padded) buckets
@@ -123,7 +128,7 @@ def _dp_bytes(cfg: Config) -> float:
         grads = padded * (micro * scatter_bytes(cfg) + w)
     else:
         grads = (2 * micro * buckets.blocks + padded - buckets.blocks) * w + micro * padded * scatter_bytes(cfg)
-    return grads + STEP_SUMS
+    return grads + step_sums(cfg)
 
 
 def _hybrid_dp_bytes(cfg: Config, buckets: RankBuckets, w: int) -> float:

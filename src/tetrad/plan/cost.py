@@ -91,7 +91,7 @@ class Estimate:
         return self.peak_memory_gib <= self.usable_gib and self.host_fits is not False
 
     def to_json(self) -> dict:
-        p, t = self.cfg.parallel, self.cfg.train
+        m, p, t = self.cfg.model, self.cfg.parallel, self.cfg.train
         b = self.breakdown
         exposed = sum(v for k, v in b.items() if k.endswith("_comm"))
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -102,6 +102,7 @@ class Estimate:
                 "memory_gib_by_pp_rank": [m.total / GIB for m in self.memory_by_rank],
                 "compute_s": b["compute"] + b["recompute"], "exposed_comm_s": exposed, "bubble_s": b["pipeline_bubble"],
                 "time_s": dict(b), "parallel": dict(vars(p)),
+                "params": flops.parameter_count(m), "active_params": flops.parameter_count(m, active=True),
                 "host_memory_gib": self.host_memory.gib(), "peak_host_memory_gib": self.host_memory.total / GIB,
                 "node_host_memory_gib": self.node_host_memory_gib, "node_ram_gib": self.node_ram_gib,
                 "host_fits": self.host_fits,

@@ -22,6 +22,7 @@ from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.kernels import masked_attention
 from tetrad.plan.links import group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
+from tetrad.plan.moe import expert_grad_bytes, routing_bytes_per_token
 from tetrad.plan.stacks import Stack
 
 GEMM_HALF_DIM = 128  # a GEMM dimension this small reaches half the large-GEMM efficiency (tile quantisation)
@@ -66,8 +67,12 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     attn_f, attn_b = _attention_core(cfg, cluster.gpu, stack, tokens)
     elem_f, elem_b = _elementwise(cfg, cluster.gpu, stack, tokens)
     compute_f = sum(gemm) + cast_f + attn_f + elem_f
-    compute_bi = sum(gemm) + cast_b / 2 + attn_b + elem_b
-    compute_bw = sum(gemm) + cast_b / 2
+    # MoE: the experts' (and the router's) weight gradients are made in the input-gradient pass
+    # (model/moe.py's one autograd Function), zero-filled there first: BI's under a split backward
+    in_bi = gemm[2] + gemm[3] + expert_grad_bytes(m, p.tp, activation_bytes(t.dtype)) / cluster.gpu.hbm_bytes_per_s \
+        if m.n_experts else 0.0
+    compute_bi = sum(gemm) + cast_b / 2 + attn_b + elem_b + in_bi
+    compute_bw = sum(gemm) + cast_b / 2 - (gemm[2] + gemm[3] if m.n_experts else 0.0)
     copy_f, copy_bi, copy_bw = _zero3_copies(cfg, cluster.gpu, stack)
     compute_f, compute_bi, compute_bw = compute_f + copy_f, compute_bi + copy_bi, compute_bw + copy_bw
     # Without fused accumulation each micro-batch's gradient is added to the full fp32 buffer, except
@@ -96,36 +101,58 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
 
 
 def _widths(cfg: Config) -> tuple[float, float, float]:
-    """(q, kv, ffn) widths of one layer on one tp rank."""
+    """(q, kv, ffn) widths of one layer on one tp rank; under MoE ffn is a token's k experts' k·H."""
     m, tp = cfg.model, cfg.parallel.tp
-    return m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, m.ffn_hidden / tp
+    return m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, flops.mlp_hidden(m, active=True) / tp
 
 
 def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, float]:
     """Seconds of each weight GEMM (K, N): qkv, out-projection, fc1 (gate and up for SwiGLU),
     fc2; the two backward GEMMs have the same FLOPs and dimensions as the forward one. With fp8
     also the dynamic-scaling casts, (forward, backward): inputs and weights forward,
-    grad-outputs and both again backward."""
+    grad-outputs and both again backward. Under MoE fc1 and fc2 are the experts' (E GEMMs each,
+    `_gemm_time`), fc1 with the router's."""
     m, t = cfg.model, cfg.train
     h = m.d_model
     q, kv, f = _widths(cfg)
-    shapes = [(h, q + 2 * kv), (q, h), (h, f * (2 if m.gated_mlp else 1)), (f, h)]
+    # (rows, K, N, matrices): a dense layer's GEMMs each one matrix over the micro-batch's tokens
+    shapes = [(tokens, h, q + 2 * kv, 1), (tokens, q, h, 1)]
+    if m.n_experts:  # each expert's rows: the balanced share of the k·tokens assignments
+        e, rows, width = m.n_experts, tokens * m.experts_per_token / m.n_experts, m.expert_hidden / cfg.parallel.tp
+        shapes += [(rows, h, width * (2 if m.gated_mlp else 1), e), (rows, width, h, e)]
+    else:
+        shapes += [(tokens, h, f * (2 if m.gated_mlp else 1), 1), (tokens, f, h, 1)]
     peak = gpu.matmul_peak(t.dtype, t.tf32)
-    gemm = [2 * tokens * k * n / (peak * gemm_efficiency(gpu, tokens, k, n)) for k, n in shapes]
+    gemm = [_gemm_time(gpu, peak, t.dtype, *shape) for shape in shapes]
+    if m.n_experts:
+        gemm[2] += _gemm_time(gpu, peak, t.dtype, tokens, h, m.n_experts, 1)  # the router, replicated over tp
     if t.dtype != "fp8":
         return gemm, 0.0, 0.0
     hbm = gpu.hbm_bytes_per_s
-    cast_f = sum(FP8_CAST_BYTES * (tokens * k + k * n) for k, n in shapes) / hbm
-    cast_b = sum(FP8_CAST_BYTES * (tokens * (k + n) + k * n) for k, n in shapes) / hbm
+    cast_f = sum(FP8_CAST_BYTES * c * (r * k + k * n) for r, k, n, c in shapes) / hbm
+    cast_b = sum(FP8_CAST_BYTES * c * (r * (k + n) + k * n) for r, k, n, c in shapes) / hbm
     return gemm, cast_f, cast_b
 
 
+def _gemm_time(gpu: GPU, peak: float, dtype: str, rows: float, k: float, n: float, matrices: int) -> float:
+    """Seconds of `matrices` GEMMs of `rows` x K x N each (one per expert under MoE): at the
+    efficiency of that shape (a few rows per expert leave tiles empty), and never less than
+    reading their weights from HBM once (an expert GEMM of few rows is bound by its weights)."""
+    compute = matrices * 2 * rows * k * n / (peak * gemm_efficiency(gpu, rows, k, n))
+    return max(compute, matrices * k * n * activation_bytes(dtype) / gpu.hbm_bytes_per_s) if matrices > 1 else compute
+
+
 def _op_recomputed_gemms(cfg: Config, gpu: GPU, tokens: int) -> float:
-    """Seconds of the matmuls `selective-op` recomputes (every other one, from the second)."""
-    m, tp = cfg.model, cfg.parallel.tp
-    peak = gpu.matmul_peak(cfg.train.dtype, cfg.train.tf32)
-    shapes = [(k / tp, n) if row else (k, n / tp) for k, n, row in flops.layer_matmuls(m)[1::2]]
-    return sum(2 * tokens * k * n / (peak * gemm_efficiency(gpu, tokens, k, n)) for k, n in shapes)
+    """Seconds of the matmuls `selective-op` recomputes (every other one, from the second; an
+    MLP's under MoE over each expert's balanced share of the k·tokens rows, as `_gemms`)."""
+    m, tp, dtype = cfg.model, cfg.parallel.tp, cfg.train.dtype
+    peak = gpu.matmul_peak(dtype, cfg.train.tf32)
+    out = 0.0
+    for i, (k, n, row, rows) in enumerate(flops.layer_matmuls(m)):
+        matrices = (m.n_experts or 1) if i >= 4 else 1  # q, k, v, o, then the MLP's
+        k, n = (k / tp, n) if row else (k, n / tp)
+        out += _gemm_time(gpu, peak, dtype, tokens * rows / matrices, k, n, matrices) if i % 2 else 0.0
+    return out
 
 
 def _attention_core(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[float, float]:
@@ -185,6 +212,7 @@ def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[floa
     act = 3 if m.gated_mlp else 2
     norms = 14 if m.sandwich_norm else 10  # each sandwich norm one more read and write of h
     elem_bytes = tokens * e * (norms * m.d_model / div + act * f + (2 * (q + kv) if m.pos == "rope" else 0))
+    elem_bytes += tokens * routing_bytes_per_token(m, e)
     forward = stack.elementwise_factor * elem_bytes / hbm
     merge_f, merge_b = _ring_merges(cfg, gpu, tokens)
     return forward + merge_f, 2 * forward + merge_b

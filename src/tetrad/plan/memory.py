@@ -32,6 +32,7 @@ from tetrad.plan.kernels import masked_attention
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets, shard_params
+from tetrad.plan.moe import expert_grad_bytes, expert_hidden_saved, routing_saved_bytes_per_token
 from tetrad.plan.pipeline import inflight
 from tetrad.plan.stacks import STACKS, Stack
 
@@ -230,19 +231,22 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     if recompute == "selective-op":  # the input, the kept matmul outputs (a row-parallel one whole,
         # before its all-reduce or reduce-scatter), the attention's output and fp32 log-sum-exp (under
         # ring cp the ring's merged ones, once: model/replay.py RingReplay)
-        kept = sum(n if row else n / tp for _, n, row in flops.op_checkpoint_saved_matmuls(m))
+        kept = sum(n * rows if row else n * rows / tp for _, n, row, rows in flops.op_checkpoint_saved_matmuls(m))
         return hidden / div + tokens * e * (kept + q) + 4 * m.n_heads / tp * tokens
-    f = m.ffn_hidden / tp
+    f = flops.mlp_hidden(m, active=True) / tp  # MoE: each token's k experts' hidden tensors, k·H
     dropout = m.dropout > 0
     # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after
     # attention and MLP; the attention and MLP inputs (norm outputs) too, unless the stack keeps
     # them all-gathered under SP.
     norms = (4 if m.sandwich_norm else 2) * norm_input + (2 * tokens * m.d_model if dropout else 0)
-    inputs = 2 * hidden / (1 if sp and stack.sp_saves_gathered_input else div)
+    moe = bool(m.n_experts)  # the router keeps the MLP's input whole (gathered under SP)
+    inputs = (2 - moe) * hidden / (1 if sp and stack.sp_saves_gathered_input else div) + moe * hidden
     replicated = norms / div + inputs
     # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
     mlp = stack.swiglu_saved if m.gated_mlp else 2  # GELU: its input and the fc2 input
+    mlp = expert_hidden_saved(m) if m.n_experts else mlp
     split = tokens * e * (q + 2 * kv + stack.attn_out_copies * q + mlp * f)
+    replicated += tokens * routing_saved_bytes_per_token(m, e)
     if m.qk_norm:  # q's and k's norms keep their inputs, as the layer's norms do theirs
         split += tokens * (q + kv) * _norm_bytes(m, e, stack)
     core = 0.0
@@ -278,12 +282,14 @@ def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e
     """What one layer still holds between its input-gradient and weight-gradient passes
     (zero-bubble's BI and BW): each linear's input and output gradient. Column-parallel linears
     (qkv, gate/up) take the whole hidden state (gathered under SP) and give 1/tp outputs;
-    row-parallel ones (output, down) take 1/tp inputs and give the whole hidden state."""
+    row-parallel ones (output, down) take 1/tp inputs and give the whole hidden state. MoE's
+    experts and router hold nothing: their weight gradients are made in BI (model/moe.py)."""
     h = m.d_model
     q, kv, f = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, m.ffn_hidden / tp
     up = 2 * f if m.gated_mlp else f
-    inputs = 2 * h + q + f  # qkv and gate/up inputs, the output and down projections' inputs
-    grads = (q + 2 * kv) + h + up + h
+    mlp_inputs, mlp_grads = (0, 0) if m.n_experts else (h + f, up + h)  # gate/up's and down's
+    inputs = h + q + mlp_inputs  # qkv's and the output projection's inputs
+    grads = (q + 2 * kv) + h + mlp_grads
     return tokens * e * (inputs + grads)
 
 
@@ -320,6 +326,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
             counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
         rebuilt = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
                    + mask_bias_bytes(cfg, is_cpu) - counted)
+    rebuilt += expert_grad_bytes(m, p.tp, e)  # MoE: one layer's whole expert gradients, in backward
     # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered unless
     # the stack gathers it again in backward, as every column-parallel input); the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
@@ -375,7 +382,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, padded: int, rank: 
         # only where they are, the layers' largest matrix anywhere
         vocab = 4 * m.d_model * vocab_shard(m, p.tp)
         head = rank == p.pp - 1 and (not m.tie_embeddings or p.pp * p.vpp > 1)
-        largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * m.ffn_hidden / p.tp] * 2
+        largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * flops.mlp_hidden(m) / p.tp] * 2  # MoE: [E, H, d]
         out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * padded)
     if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket
         out += 4 * padded

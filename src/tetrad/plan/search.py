@@ -74,7 +74,7 @@ def layouts(base: Config, world: int, per_node: int):
     fixed = len(base.parallel.stage_layers)
     heads = math.gcd(m.n_heads, m.n_kv_heads)
     for tp in _divisors(min(world, per_node)):
-        if heads % tp or m.ffn_hidden % tp:
+        if heads % tp or m.ffn_hidden % tp or m.expert_hidden % tp:
             continue
         for pp in _divisors(world // tp):
             if pp > m.n_layers:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tetrad.config import Config, counted
+from tetrad.config import Config, ModelConfig, counted
 from tetrad.config.rampup import BatchRamp
 from tetrad.config.sections import zero_shard
 from tetrad.model import flops
@@ -59,7 +59,7 @@ def _exposed_comm(e: Estimate) -> float:
 def describe(e: Estimate) -> str:
     """The readable report of one estimate: time, memory and utilisation broken down."""
     d = decimals(e.step_time_s) + 1
-    lines = [layout_label(e), "",
+    lines = [layout_label(e), model_line(e.cfg.model), "",
              f"  step time      {e.step_time_s:.{d}f} s    tokens/s {e.tokens_per_s:,.0f} "
              f"({e.tokens_per_s / e.cfg.parallel.world_size:,.0f} per GPU)",
              f"  MFU / HFU      {100 * e.mfu:.1f}% / {100 * e.hfu:.1f}%    model TFLOP/s per GPU "
@@ -79,6 +79,15 @@ def describe(e: Estimate) -> str:
         lines.append("  to fit the host: a higher ZeRO stage or more GPUs (fewer parameters updated per rank), "
                      "or checkpoint.async_save = false")
     return "\n".join(lines)
+
+
+def model_line(m: ModelConfig) -> str:
+    """The model's parameters, and under MoE the share a token uses (what its FLOPs count)."""
+    line = f"  model          {flops.parameter_count(m) / 1e9:.4g}B parameters"
+    if m.n_experts:
+        line += (f", {flops.parameter_count(m, active=True) / 1e9:.4g}B active per token ({m.n_experts} experts "
+                 f"of {m.expert_hidden}, top-{m.experts_per_token}; FLOPs and MFU count the active ones)")
+    return line
 
 
 def ramp_lines(e: Estimate, cluster: Cluster, stack: str) -> list[str]:
@@ -191,7 +200,7 @@ def plan_text(result: Plan, base: Config, cluster: Cluster) -> str:
     m = base.model
     lines = [f"{cluster.world} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), {m.preset}: "
              f"{counted(m.n_layers, 'layer')}, d_model {m.d_model}; global batch {base.train.global_batch} x {m.seq_len} tokens, "
-             f"{base.train.dtype}", f"{result.considered} legal layouts, {result.estimated} estimated in full", ""]
+             f"{base.train.dtype}", model_line(m).strip(), f"{result.considered} legal layouts, {result.estimated} estimated in full", ""]
     fits = bool(result.ranked) and result.ranked[0].fits
     if not fits:
         lines += ["NO LAYOUT FITS IN MEMORY."]

@@ -220,6 +220,13 @@ class MetadataOnce(SafeReader):
         super().__init__(folder)
         self.metadata: Metadata | None = None
 
+    def reset(self, checkpoint_id=None) -> None:
+        """DCP's reset before each load; a `checkpoint_id` points the reader at another folder,
+        whose metadata is not the one kept."""
+        if checkpoint_id and Path(checkpoint_id) != Path(self.path):
+            self.metadata = None
+        super().reset(checkpoint_id)
+
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if self.metadata is None:
             self.metadata = super().read_metadata(*args, **kwargs)

@@ -39,3 +39,20 @@ def test_a_checkpoints_metadata_is_read_once_for_all_its_tensors(tmp_path, monke
     assert len(reads) == 1, f".metadata read {len(reads)} times for {len(names)} tensors"
     for name, (top, bottom, whole) in parts.items():
         assert torch.equal(torch.cat([top, bottom]), whole) and whole.abs().sum() > 0, name
+
+
+def test_a_reader_pointed_at_another_checkpoint_reads_that_ones_metadata(tmp_path):
+    """MetadataOnce keeps one folder's metadata: a DCP load given another checkpoint_id (reset)
+    must not answer with the first folder's. Before: the first's, stale."""
+    import torch.distributed.checkpoint as dcp
+    from tetrad.train.checkpoint.store import one_process
+    from tetrad.train.init_from import MetadataOnce
+    for name, size in (("a", 2), ("b", 3)):
+        with one_process():
+            dcp.save({"x": torch.ones(size)}, checkpoint_id=tmp_path / name, no_dist=True)
+    reader = MetadataOnce(tmp_path / "a")
+    assert tuple(reader.read_metadata().state_dict_metadata["x"].size) == (2,)
+    loaded = {"x": torch.zeros(3)}
+    with one_process():
+        dcp.load(loaded, storage_reader=reader, checkpoint_id=tmp_path / "b", no_dist=True)
+    assert torch.equal(loaded["x"], torch.ones(3)) and tuple(reader.read_metadata().state_dict_metadata["x"].size) == (3,)

@@ -80,3 +80,36 @@ def test_a_bug_on_one_tp_rank_ends_every_rank_with_its_traceback(hf, tmp_path):
     assert out.returncode == 1 and out.stdout == "", out.stderr
     assert out.stderr.startswith("tetrad: rank 1 failed:\nTraceback") and \
         "ValueError: an internal bug on rank 1" in out.stderr, out.stderr
+
+
+def _spoiled(hf, tmp_path, name: str, text: str):
+    """A copy of the HF folder whose file `name` holds `text` (a user's broken file)."""
+    import shutil
+    folder = tmp_path / "spoiled"
+    shutil.copytree(hf, folder)
+    (folder / name).write_text(text)
+    return folder
+
+
+@pytest.mark.parametrize("name, text, flags, line", [
+    ("config.json", "{not json", [], "is not a readable config.json"),
+    ("tokenizer.json", "{}", [], "is not a tokenizer.json that HF tokenizers reads"),
+    ("generation_config.json", '{"do_sample": true, "temperature": "hot"}', [], "holds a sampling setting"),
+    ("generation_config.json", "[1]", [], "is not a generation_config.json"),
+    ("tokenizer_config.json", "{not json", ["--chat"], "is not a readable tokenizer_config.json"),
+    ("tokenizer_config.json", '{"chat_template": "{% if %}"}', ["--chat"], "the chat template is not valid Jinja"),
+    ("config.json", "{}", ["--prompt", "\udcff"], "--prompt holds bytes that are not UTF-8")])
+def test_a_users_broken_file_or_flag_before_generation_is_one_line(hf, tmp_path, capsys, name, text, flags, line):
+    """The checks before any rank starts raise ConfigError themselves (generate_command no longer
+    turns every ValueError into a refusal): each user mistake is still one line and exit 2."""
+    folder = hf if "--prompt" in flags else _spoiled(hf, tmp_path, name, text)
+    assert main(["generate", str(folder), "--max-new-tokens", "2", *(flags or ["--prompt", "hi"])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tetrad generate: ") and line in err and err.count("\n") == 1, err
+
+
+def test_a_valueerror_from_a_bug_in_the_checks_keeps_its_traceback(hf, monkeypatch):
+    """Before: generate_command turned every ValueError of the checks (_job) into a refusal."""
+    monkeypatch.setattr("tetrad.sample.model_sampling", _bug)
+    with pytest.raises(ValueError, match="an internal bug"):
+        main(["generate", str(hf), "--max-new-tokens", "2", "--prompt", "hi"])

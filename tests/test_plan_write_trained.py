@@ -36,3 +36,15 @@ def test_plan_write_refuses_a_layout_folder_that_holds_checkpoints(tmp_path, cap
     (tmp_path / load_config(best).checkpoint.dir / "step_7").mkdir(parents=True)
     assert main(["plan", str(config), *PLAN, "--write", str(best)]) == 2
     assert "tetrad plan: checkpoint.dir = " in capsys.readouterr().err
+
+
+def test_plan_write_keeps_a_flagged_run_dir_whose_checkpoint_dir_is_inside_it(tmp_path, capsys):
+    """checkpoint.dir inside run.dir (the config file's) moves with run.dir: --run.dir=THE_RUN is
+    the user's word to resume it, as where checkpoint.dir is unset. Before: refused, naming
+    checkpoint.dir as 'the layout's own folder' though the user's run chose it."""
+    run = tmp_path / "runs" / "mine"
+    config, out = tmp_path / "mine.toml", tmp_path / "again.toml"
+    config.write_text(f'[model]\npreset = "llama3-8b"\n[run]\ndir = "{run}"\n[checkpoint]\ndir = "{run}/ckpt"\n')
+    (run / "ckpt" / "step_00000040").mkdir(parents=True)
+    assert main(["plan", str(config), *PLAN, "--write", str(out), f"--run.dir={run}"]) == 0, capsys.readouterr().err
+    assert load_config(out).run.dir == str(run) and load_config(out).checkpoint.dir == f"{run}/ckpt"

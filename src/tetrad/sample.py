@@ -77,13 +77,22 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "vocabulary and the KV cache (default 1; under torchrun its world size)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
-        raise ValueError("need --max-new-tokens >= 1")
-    Sampling(**sampling_flags(args))
+        raise ConfigError("need --max-new-tokens >= 1")
+    try:
+        Sampling(**sampling_flags(args))
+    except ValueError as e:  # model/sampling.py's range check of the flags
+        raise ConfigError(str(e)) from None
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
+        if text is not None and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # bytes the locale could not decode (surrogateescape): no tokenizer takes them
+                raise ConfigError(f"{flag} holds bytes that are not UTF-8 text; pass it in UTF-8") from None
     if args.system is not None and not args.chat:
-        raise ValueError("--system is a chat's system message: pass --chat too")
+        raise ConfigError("--system is a chat's system message: pass --chat too")
     if not args.checkpoint.exists():
-        raise ValueError(f"no checkpoint at {args.checkpoint}; pass a run folder, its checkpoints/ folder, or one "
-                         "of its step_N folders, or a Hugging Face model folder")
+        raise ConfigError(f"no checkpoint at {args.checkpoint}; pass a run folder, its checkpoints/ folder, or one "
+                          "of its step_N folders, or a Hugging Face model folder")
     return args
 
 
@@ -102,9 +111,9 @@ def chosen_dtype(device_type: str, flag: str | None, bf16_problem: str | None) -
 def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
     """The device type, dtype name and tp the flags ask for, checked against this machine and job."""
     if ":" in args.device:
-        raise ValueError(f"--device {args.device}: pass the device type alone (--device "
-                         f"{args.device.partition(':')[0]}), and pick the GPU with CUDA_VISIBLE_DEVICES; under --tp "
-                         "rank i takes local device i")
+        raise ConfigError(f"--device {args.device}: pass the device type alone (--device "
+                          f"{args.device.partition(':')[0]}), and pick the GPU with CUDA_VISIBLE_DEVICES; under --tp "
+                          "rank i takes local device i")
     device_type = devices.resolve_device_type(args.device, "--device")
     devices.configure_allocator(device_type)  # before anything starts CUDA's allocator: the KV cache grows each token
     bf16_problem = devices.dtype_problem(device_type, devices.DTYPES["bf16"]) \
@@ -113,26 +122,26 @@ def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
     if note and launch.speaks_for_the_job():
         print(note, file=sys.stderr)
     if dtype not in devices.DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(devices.DTYPES)}; pass one of them")
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(devices.DTYPES)}; pass one of them")
     problem = devices.dtype_problem(device_type, devices.DTYPES[dtype])
     if problem:
         other = "fp16 (or fp32)" if dtype == "bf16" and device_type != "cpu" else "fp32"  # a GPU before Ampere
-        raise ValueError(f"--dtype {dtype}: this {device_type} device cannot multiply {dtype} matrices ({problem}); "
-                         f"pass --dtype {other}")
+        raise ConfigError(f"--dtype {dtype}: this {device_type} device cannot multiply {dtype} matrices ({problem}); "
+                          f"pass --dtype {other}")
     world = int(os.environ["WORLD_SIZE"]) if launch.in_torchrun() else None
     tp = args.tp if args.tp is not None else world or 1
     if tp < 1:
-        raise ValueError(f"--tp {tp}: need --tp >= 1")
+        raise ConfigError(f"--tp {tp}: need --tp >= 1")
     if world is not None and tp != world:
-        raise ValueError(f"--tp {tp} but torchrun started {counted(world, 'process', 'processes')}; pass --tp {world}, "
-                         f"or start {counted(tp, 'process', 'processes')}")
+        raise ConfigError(f"--tp {tp} but torchrun started {counted(world, 'process', 'processes')}; pass --tp {world}, "
+                          f"or start {counted(tp, 'process', 'processes')}")
     if world is None and device_type != "cpu" and tp > devices.local_device_count(device_type):
         have = counted(devices.local_device_count(device_type), f"{device_type} device")
-        raise ValueError(f"--tp {tp} but this machine has {have}; use torchrun across nodes, or a smaller --tp")
+        raise ConfigError(f"--tp {tp} but this machine has {have}; use torchrun across nodes, or a smaller --tp")
     if world is not None and args.chat and args.prompt is None:  # some of torchrun's processes have no stdin
-        raise ValueError(f"a conversation on stdin runs without torchrun (tetrad generate --tp {tp} starts its ranks "
-                         f"itself); pass --prompt for one message under torchrun, or run it without torchrun to "
-                         "converse")
+        raise ConfigError(f"a conversation on stdin runs without torchrun (tetrad generate --tp {tp} starts its ranks "
+                          f"itself); pass --prompt for one message under torchrun, or run it without torchrun to "
+                          "converse")
     return device_type, dtype, tp
 
 
@@ -142,7 +151,7 @@ def _check_tp(weights: Weights, tp: int) -> None:
         validate(dataclasses.replace(Config(), model=weights.model,
                                      parallel=dataclasses.replace(Config().parallel, tp=tp)), runtime=False)
     except ConfigError as e:
-        raise ValueError(f"--tp: {e}".replace("use tp in", "use --tp in")) from None
+        raise ConfigError(f"--tp: {e}".replace("use tp in", "use --tp in")) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +225,7 @@ def _larger_tp(job: Job) -> int | None:
     for tp in range(job.tp + 1, most + 1):
         try:
             _check_tp(job.weights, tp)
-        except ValueError:
+        except ConfigError:
             continue
         return tp
     return None
@@ -328,14 +337,10 @@ def _refused(error: Exception) -> int:
 
 
 def generate_command(argv: list[str]) -> int:
-    """The sample or conversation; a refusal is one line and exit 2. The checks' ValueErrors are
-    the user's (they parse the flags and the user's files: config.json, tokenizer, template);
-    the generation's are refusals only as ConfigError, so that a bug there keeps its traceback."""
+    """The sample or conversation; a refusal (a ConfigError or CheckpointError, in the checks or
+    on a rank) is one line and exit 2; anything else, a ValueError too, is a bug: its traceback."""
     try:
         job = _job(argv)
-    except (ValueError, CheckpointError) as e:
-        return _refused(e)
-    try:
         if job.chat is not None and job.args.prompt is None:
             return _conversation(job)
         result = _sampled(job)

@@ -57,9 +57,9 @@ def read_json_object(path: Path, what: str = "tokenizer_config.json") -> dict:
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable {what} ({e})") from None
+        raise ConfigError(f"{path} is not a readable {what} ({e})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path} is not a {what} (a JSON object)")
+        raise ConfigError(f"{path} is not a {what} (a JSON object)")
     return config
 
 
@@ -69,8 +69,8 @@ def _configured_template(config: dict, path: Path) -> str | None:
     if isinstance(found, list):
         named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
         if "default" not in named:
-            raise ValueError(f"{path} names chat templates {', '.join(map(str, named))} but no \"default\"; "
-                             "pass the one to use as a .jinja file with --chat-template")
+            raise ConfigError(f"{path} names chat templates {', '.join(map(str, named))} but no \"default\"; "
+                              "pass the one to use as a .jinja file with --chat-template")
         found = named["default"]
     return found if isinstance(found, str) else None
 
@@ -89,15 +89,15 @@ def load_template(template: Path | None, tokenizer: Path) -> ChatTemplate:
         try:
             text = template.read_text()
         except OSError as e:
-            raise ValueError(f"--chat-template {template} cannot be read ({e.strerror})") from None
+            raise ConfigError(f"--chat-template {template} cannot be read ({e.strerror})") from None
     else:
         text = _configured_template(config, beside)
         if text is None and tokenizer.with_name(JINJA).is_file():
             text = tokenizer.with_name(JINJA).read_text()
     if text is None:
         where = template if template is not None else f"{beside} (or {JINJA} beside {tokenizer})"
-        raise ValueError(f"no chat template in {where}; pass --chat-template with the model's {CONFIG} "
-                         "or a .jinja file")
+        raise ConfigError(f"no chat template in {where}; pass --chat-template with the model's {CONFIG} "
+                          "or a .jinja file")
     chat = ChatTemplate(text, _token(config.get("bos_token")), _token(config.get("eos_token")))
     compile_template(chat)
     return chat
@@ -122,7 +122,7 @@ def template_beside(tokenizer: Path) -> ChatTemplate | None:
 
 def _raise_exception(message: str):
     """The templates' way to refuse a conversation (e.g. roles that do not alternate)."""
-    raise ValueError(message)
+    raise ConfigError(message)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
@@ -141,7 +141,7 @@ def compile_template(chat: ChatTemplate):
     try:
         return environment.from_string(chat.text)
     except jinja2.TemplateError as e:
-        raise ValueError(f"the chat template is not valid Jinja: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"the chat template is not valid Jinja: {str(e).splitlines()[0]}") from None
 
 
 class Conversations:
@@ -181,9 +181,9 @@ class Conversations:
             if message["role"] == "assistant":
                 prompt, answered = self.render(messages[:i], True, where), self.render(messages[:i + 1], False, where)
                 if not (answered.startswith(prompt) and text.startswith(answered)):
-                    raise ValueError(f"{where}: the chat template is not incremental: the conversation up to message "
-                                     f"{i} does not render as the start of the rest, so its assistant turns cannot be "
-                                     "found in the text (does it drop earlier turns' reasoning?)")
+                    raise ConfigError(f"{where}: the chat template is not incremental: the conversation up to message "
+                                      f"{i} does not render as the start of the rest, so its assistant turns cannot be "
+                                      "found in the text (does it drop earlier turns' reasoning?)")
                 turns.append((len(prompt), len(answered)))
         return text, turns
 
@@ -202,9 +202,9 @@ class Conversations:
         for start, end in turns:
             mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
         if self.eos in ids[:-1]:
-            raise ValueError(f"{where}: the conversation holds the folder's EOS {self.tokenizer.id_to_token(self.eos)!r} "
-                             "before its end (the template renders it inside, as Llama 2's after each answer); training "
-                             "packs and masks examples at each EOS, so it would be cut there: pass another --eos")
+            raise ConfigError(f"{where}: the conversation holds the folder's EOS {self.tokenizer.id_to_token(self.eos)!r} "
+                              "before its end (the template renders it inside, as Llama 2's after each answer); training "
+                              "packs and masks examples at each EOS, so it would be cut there: pass another --eos")
         if not ids or ids[-1] != self.eos:
             ids, mask = ids + [self.eos], np.append(mask, np.uint8(turns[-1][1] == len(text)))
         return ids, mask

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tetrad.config import ConfigError
 from tetrad.data.blend import primary_source
 from tetrad.data.chat import read_json_object
 from tetrad.data.shards import TOKENIZER, is_shard_folder, read_index
@@ -62,7 +63,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises its own Exception type for a bad file
-        raise ValueError(f"{path} is not a tokenizer.json that HF tokenizers reads: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{path} is not a tokenizer.json that HF tokenizers reads: {str(e).splitlines()[0]}") from None
 
 
 def special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
@@ -163,14 +164,18 @@ def model_sampling(source: Path | None) -> dict:
     if "do_sample" not in config:
         return {}
     penalty = config.get("repetition_penalty")
-    settings = {} if penalty is None else {"repetition_penalty": float(penalty)}
-    if not config["do_sample"]:
-        return {"temperature": 0.0, **settings}
     temperature, top_k, top_p, min_p = (config.get("temperature"), config.get("top_k", 50), config.get("top_p"),
                                         config.get("min_p"))
-    return {"temperature": 1.0 if temperature is None else float(temperature),
-            "top_k": 0 if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p),
-            "min_p": 0.0 if min_p is None else float(min_p), **settings}
+    try:
+        settings = {} if penalty is None else {"repetition_penalty": float(penalty)}
+        if not config["do_sample"]:
+            return {"temperature": 0.0, **settings}
+        return {"temperature": 1.0 if temperature is None else float(temperature),
+                "top_k": 0 if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p),
+                "min_p": 0.0 if min_p is None else float(min_p), **settings}
+    except (TypeError, ValueError) as e:  # the model's file, not a bug
+        raise ConfigError(f"{source.with_name(GENERATION_CONFIG)} holds a sampling setting that is not a number "
+                          f"({e}); fix the file, or pass --temperature, --top-k, --top-p, --min-p and --repetition-penalty") from None
 
 
 def run_eos(tokenizer: Tokenizer, source: Path | None) -> int | None:
@@ -235,5 +240,5 @@ def run_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer, Path | Non
     if reads_as_bytes(data_source):
         return byte_tokenizer(), None
     why = "is not found from here" if not path.exists() else "holds token ids but no tokenizer.json"
-    raise ValueError(f"the run's data.source={data_source!r} {why}, so its tokenizer is unknown; run from where "
-                     f"it trained, or copy the run's tokenizer.json into {folder}")
+    raise ConfigError(f"the run's data.source={data_source!r} {why}, so its tokenizer is unknown; run from where "
+                      f"it trained, or copy the run's tokenizer.json into {folder}")

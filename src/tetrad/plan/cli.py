@@ -190,11 +190,13 @@ def _own_folders(cfg: Config, flagged: set[str]) -> tuple[Config, list[str]]:
 
 def _refuse_trained(cfg: Config, flagged: set[str]) -> None:
     """A ConfigError where the checkpoint folder the written config would train in (chosen here,
-    not by a flag) already holds a checkpoint: the layout's folder of an earlier plan, trained
+    not by a flag: a checkpoint.dir inside run.dir is --run.dir's) already holds a checkpoint: the layout's folder of an earlier plan, trained
     since. `tetrad train` resumes what it finds there (checkpoint.resume = "auto"), so the written
     config would continue that run, or fail to reshard it, rather than start the one planned."""
-    root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
-    if ("checkpoint.dir" if cfg.checkpoint.dir else "run.dir") in flagged or not root.is_dir():
+    ckpt, run = cfg.checkpoint.dir, cfg.run.dir
+    root = Path(ckpt or Path(run) / "checkpoints")
+    follows_run = not ckpt or bool(run) and Path(ckpt).is_relative_to(run)  # moved with run.dir (_own_folders)
+    if "checkpoint.dir" in flagged or ("run.dir" in flagged and follows_run) or not root.is_dir():
         return
     steps = [p.name for p in root.glob("step_*") if p.is_dir() and p.name.removeprefix("step_").isdigit()]
     if steps:

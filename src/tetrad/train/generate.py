@@ -152,8 +152,8 @@ def sampling_settings(args: argparse.Namespace | None, model: dict) -> Sampling:
     try:
         Sampling(**model)
     except ValueError:
-        raise ValueError(f"the model's {GENERATION_CONFIG} asks for sampling out of range ({model}); pass "
-                         "--temperature, --top-k, --top-p, --min-p and --repetition-penalty") from None
+        raise ConfigError(f"the model's {GENERATION_CONFIG} asks for sampling out of range ({model}); pass "
+                          "--temperature, --top-k, --top-p, --min-p and --repetition-penalty") from None
     return Sampling(**{**model, **sampling_flags(args)})
 
 
@@ -183,11 +183,17 @@ def found_weights(checkpoint: Path) -> Weights:
     of a Hugging Face model folder (an architecture train/hf_architectures.py maps: the model a
     fine-tune starts from, sampled without converting it)."""
     if is_hf_folder(checkpoint):
-        model_cfg = load_config(overrides={"model": model_config_from_hf(hf_config(checkpoint), checkpoint / HF_CONFIG)},
-                                runtime=False).model
+        hf = hf_config(checkpoint)
+        try:  # hf_architectures' refusals are still ValueErrors (being converted elsewhere): the user's config.json
+            hf_model = model_config_from_hf(hf, checkpoint / HF_CONFIG)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        model_cfg = load_config(overrides={"model": hf_model}, runtime=False).model
         problem = hf_weights_problem(checkpoint, model_cfg)
         if problem:
-            raise ValueError(f"{checkpoint}: {problem}")
+            raise ConfigError(f"{checkpoint}: {problem}")
         tokenizer, source = (load_tokenizer(checkpoint / TOKENIZER), checkpoint / TOKENIZER) \
             if (checkpoint / TOKENIZER).is_file() else (None, None)
     else:
@@ -195,8 +201,8 @@ def found_weights(checkpoint: Path) -> Weights:
         model_cfg, checkpoint = stored.cfg.model, stored.path
         tokenizer, source = exported_tokenizer(checkpoint, stored.cfg.data.source)
     if tokenizer is None:
-        raise ValueError(f"{checkpoint} holds weights without a tokenizer.json, so no tokenizer is known for its "
-                         f"{model_cfg.vocab_size} tokens; copy the model's tokenizer.json into {checkpoint}")
+        raise ConfigError(f"{checkpoint} holds weights without a tokenizer.json, so no tokenizer is known for its "
+                          f"{model_cfg.vocab_size} tokens; copy the model's tokenizer.json into {checkpoint}")
     return Weights(checkpoint, model_cfg, tokenizer, source)
 
 
@@ -317,13 +323,13 @@ def _user_line(lines: TextIO) -> str:
 
 def chat_template(tokenizer: Tokenizer, source: Path | None, system: str | None) -> tuple[ChatTemplate, str | None]:
     """The chat template beside the run's tokenizer.json (`source`), checked before any weight is
-    read: a ValueError naming what to do without one, or where it refuses the `system` message (a
+    read: a ConfigError naming what to do without one, or where it refuses the `system` message (a
     template without the role, Gemma's); and a note where the answers cannot end at its eos_token
     (None: none), for the caller to say once."""
     chat = template_beside(source) if source is not None else None
     if chat is None:
-        raise ValueError(f"--chat needs the chat template the run's data was rendered with, and none is beside its "
-                         f"tokenizer ({source or 'bytes'}); make the data with `tetrad data --chat-key`")
+        raise ConfigError(f"--chat needs the chat template the run's data was rendered with, and none is beside its "
+                          f"tokenizer ({source or 'bytes'}); make the data with `tetrad data --chat-key`")
     if system is not None:
         Conversations(chat, tokenizer, None).render([{"role": "system", "content": system},
                                                      {"role": "user", "content": "Hi"}], True, "--system")

@@ -44,7 +44,14 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def hf_config(path: Path) -> dict:
-    return json.loads((path / HF_CONFIG).read_text())
+    """The folder's config.json: a ConfigError (the user's file) where it is not a JSON object."""
+    try:
+        config = json.loads((path / HF_CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path / HF_CONFIG} is not a readable config.json ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path / HF_CONFIG} is not a config.json (a JSON object)")
+    return config
 
 
 def hf_weights_problem(path: Path, model_cfg: ModelConfig) -> str | None:
@@ -212,6 +219,13 @@ class MetadataOnce(SafeReader):
     def __init__(self, folder: Path):
         super().__init__(folder)
         self.metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id=None) -> None:
+        """DCP's reset before each load; a `checkpoint_id` points the reader at another folder,
+        whose metadata is not the one kept."""
+        if checkpoint_id and Path(checkpoint_id) != Path(self.path):
+            self.metadata = None
+        super().reset(checkpoint_id)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if self.metadata is None:

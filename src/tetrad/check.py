@@ -60,7 +60,7 @@ def check_runs(cfg: Config, steps: int, world_size: int | None) -> tuple[Config,
 
 def check_command(argv: list[str]) -> int:
     from tetrad import device as devices, launch
-    from tetrad.train.init_from import model_keys
+    from tetrad.train.inputs import model_keys
     from tetrad.viz.compare import compare
 
     ap = argparse.ArgumentParser(prog="tetrad check", description=__doc__.split("\n\n")[0], allow_abbrev=False)

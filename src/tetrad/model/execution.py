@@ -125,8 +125,9 @@ def run_eagerly(fn: Callable, *args):
     return _run_eagerly_untraced(fn, *args) if torch.compiler.is_compiling() else fn(*args)
 
 
+@torch.compiler.disable
 def _run_eagerly_untraced(fn: Callable, *args):
-    return torch.compiler.disable(fn)(*args)  # not a decorator: that loads torch._dynamo (0.6 s) at start-up
+    return fn(*args)
 
 
 @dataclass

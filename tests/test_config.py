@@ -116,13 +116,23 @@ def test_bad_override_syntax():
 
 
 def test_cli_rejects_invalid_config_without_starting_a_process(tmp_path):
+    """Nor loading torch (1.3 s, and 1.5 s more of its checkpoint stack and torch._dynamo): a
+    one-line refusal comes back at once."""
     # Any rank would write RUN_DIR/config.toml first; its absence shows no rank ran.
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "tetrad", "train", "--parallel.tp=3", f"--run.dir={run_dir}"],
-                         capture_output=True, text=True, timeout=120)
+    script = textwrap.dedent(f"""
+        import sys
+        from tetrad.cli import main
+        code = main(["train", "--parallel.tp=3", "--run.dir={run_dir}"])
+        assert main(["check", "--parallel.tp=3", "--run.dir={run_dir}"]) == code
+        heavy = ["torch", "torch.distributed.checkpoint", "torch._dynamo"]
+        print("loaded by the refusal:", [m for m in heavy if m in sys.modules])
+        sys.exit(code)""")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert out.stderr == "tetrad: config error: tp=3 does not divide n_heads=4; use tp in [1, 2]\n", out.stderr
+    assert out.stderr == "tetrad: config error: tp=3 does not divide n_heads=4; use tp in [1, 2]\n" * 2, out.stderr
     assert "training" not in out.stdout and not run_dir.exists()
+    assert out.stdout == "loaded by the refusal: []\n"  # tetrad train's and tetrad check's
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

@@ -25,7 +25,7 @@ from tetrad.train.batches import split_batches
 from tetrad.train.convert import read_weights
 from tetrad.train.generate import Cache, generate, load_generator, single_process_model
 from tetrad.train.hf_architectures import model_config_from_hf
-from tetrad.train.init_from import model_keys
+from tetrad.train.inputs import model_keys
 from tetrad.train.trainer import build_model
 
 transformers = pytest.importorskip("transformers")

@@ -22,7 +22,8 @@ from tetrad.train.batches import split_batches
 from tetrad.train import building, trainer
 from tetrad.train.convert import logical_shapes, read_weights
 from tetrad.train.generate import single_process_model
-from tetrad.train.init_from import check_init_from, initial_weights, model_keys
+from tetrad.train.init_from import check_init_from, initial_weights
+from tetrad.train.inputs import model_keys
 
 transformers = pytest.importorskip("transformers")
 

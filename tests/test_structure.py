@@ -149,6 +149,6 @@ def test_known_violations_are_still_real():
 def test_the_checks_see_what_they_claim():
     """The readers themselves: a known import, a known package-relative import, the floors."""
     assert "tetrad.presets" in GRAPH["tetrad.config.loading"]
-    assert "tetrad.train.init_from" in GRAPH["tetrad.cli"]  # imported inside a function
+    assert "tetrad.train.inputs" in GRAPH["tetrad.cli"]  # imported inside a function
     assert _floor("tetrad.config") < _floor("tetrad.model") < _floor("tetrad.parallel.pipeline.executor")
     assert _floor("tetrad.cli") == TOP

@@ -25,7 +25,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from tetrad.config import Config, ConfigError, counted, load_config, split_config_args, validate
-from tetrad.train.metrics import layout_label
 from tetrad.config.arguments import non_negative
 
 CHECK_STEPS = 4
@@ -59,9 +58,7 @@ def check_runs(cfg: Config, steps: int, world_size: int | None) -> tuple[Config,
 
 
 def check_command(argv: list[str]) -> int:
-    from tetrad import device as devices, launch
-    from tetrad.train.init_from import model_keys
-    from tetrad.viz.compare import compare
+    from tetrad.train.inputs import model_keys
 
     ap = argparse.ArgumentParser(prog="tetrad check", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=CHECK_STEPS, help="steps of each run (step 1 is judged to rounding)")
@@ -71,6 +68,10 @@ def check_command(argv: list[str]) -> int:
         raise ConfigError(f"--steps={args.steps}: give at least 1")
     path, overrides = split_config_args(rest)
     cfg = load_config(path, overrides, model_from_inputs=model_keys)
+    # after the config's checks: a refusal there needs no torch (start-up time)
+    from tetrad import device as devices, launch
+    from tetrad.train.metrics import layout_label
+    from tetrad.viz.compare import compare
     torchrun = launch.in_torchrun()
     layout, reference = check_runs(cfg, args.steps, int(os.environ["WORLD_SIZE"]) if torchrun else None)
     first = not torchrun or os.environ["RANK"] == "0"

@@ -33,8 +33,7 @@ commands:
 
 
 def train_command(argv: list[str]) -> int:
-    from tetrad import launch
-    from tetrad.train.init_from import model_keys
+    from tetrad.train.inputs import model_keys
 
     if {"-h", "--help"} & set(argv):
         print("usage: tetrad train [CONFIG] [--section.key=value ...]\n"
@@ -43,6 +42,7 @@ def train_command(argv: list[str]) -> int:
         return 0
     path, overrides = split_config_args(argv)
     cfg = load_config(path, overrides, model_from_inputs=model_keys)
+    from tetrad import launch  # after the config's checks: a refusal there needs no torch (start-up time)
     history = launch.train(cfg, announce=functools.partial(_announce, cfg))
     if history and launch.speaks_for_the_job():
         evaluated = [r for r in history if "val_loss" in r]
@@ -97,13 +97,13 @@ def check_command(argv: list[str]) -> int:
 def estimate_command(argv: list[str]) -> int:
     """The model the data and `checkpoint.init_from` decide, as `tetrad train`'s."""
     from tetrad.plan.cli import estimate_command as run
-    from tetrad.train.init_from import model_keys
+    from tetrad.train.inputs import model_keys
     return run(argv, model_from_inputs=model_keys)
 
 
 def plan_command(argv: list[str]) -> int:
     from tetrad.plan.cli import plan_command as run
-    from tetrad.train.init_from import model_keys
+    from tetrad.train.inputs import model_keys
     return run(argv, model_from_inputs=model_keys)
 
 

@@ -48,7 +48,7 @@ def eval_config(config: str | None, overrides: list[str], weights: Path, run_dir
     """The config an evaluation runs: CONFIG's (else the training run's) with the user's flags,
     starting from `weights` and writing nothing outside `run_dir`; the whole data.source is the
     evaluation set where nothing is held out."""
-    from tetrad.train.init_from import model_keys
+    from tetrad.train.inputs import model_keys
     own = [f"--checkpoint.init_from={weights}", "--checkpoint.resume=never", "--checkpoint.every=0",
            "--checkpoint.dir=", "--checkpoint.async_save=false", f"--run.dir={run_dir}", "--run.tensorboard=false",
            "--run.wandb=false", "--train.eval_every=0", "--train.profile="]

@@ -57,7 +57,7 @@ def _check_before_spawn(args, train_args: list[str]) -> None:
 
     from tetrad import device as devices
     from tetrad.config import load_config, split_config_args, validate
-    from tetrad.train.init_from import model_keys
+    from tetrad.train.inputs import model_keys
     from tetrad.train.preflight import preflight
     if {"-h", "--help"} & set(train_args):
         return

@@ -4,7 +4,7 @@ folder, as `tetrad generate` and `convert` take) or a Hugging Face model folder 
 *.safetensors of an architecture train/hf_architectures.py maps: Llama, Mistral, Qwen2, Qwen3,
 Phi-3). Weights only: the optimizer, the step and the data position start afresh.
 
-The model's shape follows the weights (`model_keys`, below the user's own [model] keys), and
+The model's shape follows the weights (`weights_model_keys`, below the user's own [model] keys), and
 every rank fills its parameters with its shard of each logical tensor, one at a time, reading that
 shard alone (`stored_weights`, which `tetrad generate` reads by too), so any layout can start from
 any source and no rank reads a tensor whole that it keeps a part of.
@@ -78,17 +78,13 @@ def _source_model(path: Path) -> dict:
     return keys
 
 
-def model_keys(raw: dict) -> dict:
-    """[model] keys a raw config's inputs decide: the data's vocabulary, then the shape of the
-    weights `checkpoint.init_from` names (what a load needs, whatever the data says)."""
-    keys = shards.model_keys(raw)
-    source = raw.get("checkpoint", {}).get("init_from")
-    if isinstance(source, str) and source:
-        try:
-            keys.update(_source_model(Path(source)))
-        except (OSError, ValueError, KeyError, CheckpointError, ConfigError):
-            pass  # check_init_from names the problem
-    return keys
+def weights_model_keys(source: str) -> dict:
+    """The [model] keys of the weights `checkpoint.init_from` names (train/inputs.py's model_keys,
+    below the user's own), or none where they cannot be read: check_init_from names the problem."""
+    try:
+        return _source_model(Path(source))
+    except (OSError, ValueError, KeyError, CheckpointError, ConfigError):
+        return {}
 
 
 def check_init_from(cfg: Config) -> None:

@@ -19,7 +19,7 @@ from tetrad.cli import main
 from tetrad.config import ConfigError, load_config
 from tetrad.data.tokenizer import byte_tokenizer
 from tetrad.model.sampling import GREEDY
-from tetrad.train import building, init_from, trainer
+from tetrad.train import init_from, trainer
 from tetrad.train.batches import split_batches
 from tetrad.train.convert import read_weights
 from tetrad.train.generate import Cache, generate, load_generator, single_process_model
@@ -109,8 +109,8 @@ def test_a_moe_trained_in_tetrad_exports_with_its_logits(tmp_path, model):
     torch.testing.assert_close(hf_logits(tmp_path / "hf"), ours(cfg.model, state), **TOL)
 
 
-def config(tmp_path, name, **sections):
-    raw = {"train": {**TINY["train"], "steps": 1}, "run": {"dir": str(tmp_path / name)}, "model": {"seq_len": 32},
+def config(tmp_path, name, steps=1, **sections):
+    raw = {"train": {**TINY["train"], "steps": steps}, "run": {"dir": str(tmp_path / name)}, "model": {"seq_len": 32},
            **sections}
     return load_config(overrides=raw, model_from_inputs=model_keys)
 
@@ -119,17 +119,19 @@ def config(tmp_path, name, **sections):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_an_hf_moe_fine_tunes_from_its_folder_under_tp_as_on_one_process(tmp_path, family):
     """init_from the HF folder: the first loss is transformers' on the same batch, and tp2 with SP
-    (every expert split by its rows and columns) takes the step one process takes."""
+    (every expert split by its rows and columns) takes the steps one process takes."""
     write_hf_moe(tmp_path / "hf", family)
     runs = []
     for parallel in ({}, {"tp": 2, "sequence_parallel": True}):
-        cfg = config(tmp_path, f"run{len(runs)}", parallel=parallel, checkpoint={"init_from": str(tmp_path / "hf")})
+        cfg = config(tmp_path, f"run{len(runs)}", 2, parallel=parallel, checkpoint={"init_from": str(tmp_path / "hf")})
         assert cfg.model.n_experts == 4
         runs.append(train_layout(cfg))
     inputs, labels = split_batches(cfg)[0].global_batch_at(0)
     logits = hf_logits(tmp_path / "hf", inputs)
     assert runs[0][0][0] == pytest.approx(float(F.cross_entropy(logits.flatten(0, 1), labels.flatten())), rel=1e-5)
-    assert_parity(runs[1], runs[0])
+    # tp's bound (tests/test_tp.py): Adam's step moves a weight whose gradient is near zero by the
+    # order of sums alone (1.1e-5 on a Mixtral expert's w3 here)
+    assert_parity(runs[1], runs[0], atol=1e-4)
 
 
 def _expert_reads(cfg) -> dict[str, int]:
@@ -141,7 +143,6 @@ def _expert_reads(cfg) -> dict[str, int]:
         reads[self.key] = reads.get(self.key, 0) + got.numel()
         return got
     init_from.SafetensorsPart.__getitem__ = counted
-    building.initial_weights = init_from.initial_weights
     trainer.Trainer(cfg, torch.device("cpu"))
     return reads
 

@@ -1,10 +1,11 @@
 """`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors of the architectures
 train/hf_architectures.py maps (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, Gemma3ForCausalLM).
+Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM,
+Qwen3MoeForCausalLM).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
-too). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
+too, a mixture of experts' per-expert tensors stacked or unstacked). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
 holds weights only (step 0, no optimizer state) and starts a run with
 `--checkpoint.init_from=CKPT`. The tokenizer travels both ways: the run's (its data's, or bytes)
 is written into the HF folder for `AutoTokenizer`, and an HF folder's tokenizer.json is kept
@@ -288,8 +289,9 @@ def convert_command(argv: list[str]) -> int:
                                      "model.qkv_bias, Qwen3ForCausalLM for model.qk_norm, MistralForCausalLM for a Llama with "
                                      "model.sliding_window, Phi3ForCausalLM for model.hf_model_type=phi3, which an imported "
                                      "Phi-3 sets, or for LongRoPE or model.partial_rotary_factor; Gemma3ForCausalLM for "
-                                     "model.norm=gemma_rmsnorm with sandwich norms, GemmaForCausalLM without), on one CPU "
-                                     "process.")
+                                     "model.norm=gemma_rmsnorm with sandwich norms, GemmaForCausalLM without; for "
+                                     "model.n_experts, Qwen3MoeForCausalLM with model.qk_norm, MixtralForCausalLM "
+                                     "without), on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)

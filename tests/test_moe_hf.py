@@ -24,7 +24,7 @@ from tetrad.train.batches import split_batches
 from tetrad.train.convert import read_weights
 from tetrad.train.generate import Cache, generate, load_generator, single_process_model
 from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
-from tetrad.train.init_from import model_keys
+from tetrad.train.init_from import check_init_from, model_keys
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,6 +125,7 @@ def test_an_hf_moe_fine_tunes_from_its_folder_under_tp_as_on_one_process(tmp_pat
     for parallel in ({}, {"tp": 2, "sequence_parallel": True}):
         cfg = config(tmp_path, f"run{len(runs)}", 2, parallel=parallel, checkpoint={"init_from": str(tmp_path / "hf")})
         assert cfg.model.n_experts == 4
+        check_init_from(cfg)  # the folder's per-expert tensors fit config.json's model
         runs.append(train_layout(cfg))
     inputs, labels = split_batches(cfg)[0].global_batch_at(0)
     logits = hf_logits(tmp_path / "hf", inputs)

@@ -30,6 +30,10 @@ EXPERT = {"mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"},
 EXPERT_PARAM = re.compile(r"layers\.(\d+)\.mlp\.experts\.(w[123])$")
 EXPERT_PIECE = re.compile(r"mlp\.experts\.(\d+)\.(w[123])$")  # inside a layer
 # config.json keys of the MoE families whose layers tetrad's MoE is not (their model_type, or the key)
+# MixtralConfig's and Qwen3MoeConfig's defaults (transformers 5.25) for the keys a config.json may leave out
+DEFAULTS = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
+            "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                          "router_aux_loss_coef": 0.001}}
 SHARED = {"qwen2_moe": "Qwen2-MoE adds a shared expert to every layer (shared_expert_intermediate_size)",
           "deepseek_v2": "DeepSeek-V2 has shared experts and multi-head latent attention",
           "deepseek_v3": "DeepSeek-V3 has shared experts, multi-head latent attention and grouped routing"}
@@ -126,10 +130,11 @@ def moe_keys(hf: dict, kind: str, source: Path) -> dict:
     if hf.get("router_jitter_noise"):
         raise ConfigError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} (noise on the router's input "
                           "in training) is not tetrad's; set it to 0 to fine-tune without it")
-    return {"n_experts": int(hf.get("num_local_experts") or hf.get("num_experts") or 8),
-            "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
+    hf = {**DEFAULTS[kind], **hf}
+    return {"n_experts": int(hf.get("num_local_experts") or hf.get("num_experts")),
+            "experts_per_token": int(hf["num_experts_per_tok"]),
             "expert_ffn_hidden": int(hf["moe_intermediate_size"]) if kind == "qwen3_moe" else 0,
-            "router_aux_loss": float(hf.get("router_aux_loss_coef", 0.001))}
+            "router_aux_loss": float(hf["router_aux_loss_coef"])}
 
 
 def moe_type(m) -> str:

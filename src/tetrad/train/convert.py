@@ -1,10 +1,11 @@
 """`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors of the architectures
 train/hf_architectures.py maps (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, Gemma3ForCausalLM).
+Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM,
+Qwen3MoeForCausalLM).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
-too). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
+too, a mixture of experts' per-expert tensors stacked or unstacked). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
 holds weights only (step 0, no optimizer state) and starts a run with
 `--checkpoint.init_from=CKPT`. The tokenizer travels both ways: the run's (its data's, or bytes)
 is written into the HF folder for `AutoTokenizer`, and an HF folder's tokenizer.json is kept
@@ -41,6 +42,7 @@ from tetrad.train.checkpoint.store import one_process, read_manifest
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
                                             hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
 from tetrad.train.hf_gemma import TEXT_TOWER
+from tetrad.train.hf_moe import expert_param, split_experts, stack_experts
 
 
 def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
@@ -129,19 +131,20 @@ def _write_safetensors(weights: StoredWeights, model_type: str, out: Path, max_g
                        dtype: torch.dtype | None) -> None:
     """The weights as HF's tensors in `out`: model.safetensors, or shards of at most `max_gb` with
     model.safetensors.index.json (as transformers' save_pretrained), read and written one shard at
-    a time; in `dtype` (None: as stored)."""
-    rows = hf_rows(weights.shapes, model_type)
+    a time; in `dtype` (None: as stored). An expert parameter is its experts' tensors (its pieces),
+    read again where a shard boundary falls among them."""
+    rows, shapes = hf_rows(weights.shapes, model_type), split_experts(weights.shapes)
     parts: dict[str, list[str]] = {}
     for name, (key, _, _) in rows.items():
         parts.setdefault(key, []).append(name)
-    sizes = {key: sum(math.prod(weights.shapes[n]) * (dtype or weights.dtypes[n]).itemsize for n in names)
+    sizes = {key: sum(math.prod(shapes[n]) * (dtype or weights.dtypes[expert_param(n)]).itemsize for n in names)
              for key, names in parts.items()}
     shards = _shards(sizes, max_gb * 2**30)
     files = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for keys, file in zip(shards, files):
-        state = weights.read([n for key in keys for n in parts[key]])
-        tensors = {k: v.to(dtype) if dtype else v for k, v in hf_tensors(state, model_type).items()}
+        state = weights.read(sorted({expert_param(n) for key in keys for n in parts[key]}))
+        tensors = {k: v.to(dtype) if dtype else v for k, v in hf_tensors(state, model_type).items() if k in keys}
         save_file(tensors, out / file, metadata={"format": "pt"})
         (out / file).chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
         del state, tensors
@@ -271,8 +274,8 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with one_process():
-        dcp.save({f"model.{n}": weights[k][start:stop].contiguous() for n, (k, start, stop) in rows.items()},
-                 storage_writer=FileSystemWriter(tmp), no_dist=True)
+        state = stack_experts({n: weights[k][start:stop].contiguous() for n, (k, start, stop) in rows.items()})
+        dcp.save({f"model.{n}": tensor for n, tensor in state.items()}, storage_writer=FileSystemWriter(tmp), no_dist=True)
     for name in (TOKENIZER, CHAT_CONFIG, CHAT_JINJA):  # generate and export find them beside the weights
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, tmp / name)
@@ -286,8 +289,9 @@ def convert_command(argv: list[str]) -> int:
                                      "model.qkv_bias, Qwen3ForCausalLM for model.qk_norm, MistralForCausalLM for a Llama with "
                                      "model.sliding_window, Phi3ForCausalLM for model.hf_model_type=phi3, which an imported "
                                      "Phi-3 sets, or for LongRoPE or model.partial_rotary_factor; Gemma3ForCausalLM for "
-                                     "model.norm=gemma_rmsnorm with sandwich norms, GemmaForCausalLM without), on one CPU "
-                                     "process.")
+                                     "model.norm=gemma_rmsnorm with sandwich norms, GemmaForCausalLM without; for "
+                                     "model.n_experts, Qwen3MoeForCausalLM with model.qk_norm, MixtralForCausalLM "
+                                     "without), on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)

@@ -4,10 +4,12 @@ config.json keys and tensor names, both ways: Llama's math throughout, with a sl
 and k (Qwen3ForCausalLM), or q, k and v in one tensor and gate and up in another
 (Phi3ForCausalLM: Phi-3 mini and medium, phi-4; with LongRoPE, Phi-3 mini 128k and Phi-3.5 mini;
 RoPE on 3/4 of each head too, phi-4-mini); Gemma's (GemmaForCausalLM, Gemma3ForCausalLM) config
-keys are train/hf_gemma.py's.
+keys are train/hf_gemma.py's; the mixtures of experts' (MixtralForCausalLM, Qwen3MoeForCausalLM)
+train/hf_moe.py's.
 
 A tetrad parameter is a run of rows of one HF tensor (hf_rows): all of it, or its part of a
-fused one, so that import, init_from and export split and join Phi-3's tensors alike.
+fused one, so that import, init_from and export split and join Phi-3's tensors alike; an expert
+parameter [E, ...] is E HF tensors, one per expert (hf_moe.split_experts: its pieces, each one's).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tetrad.config import ConfigError
 from tetrad.model.masks import hides_keys
 from tetrad.train.hf_gemma import (GEMMA_TYPES, RENAMED, TEXT_TOWER, gemma3_rope, gemma_architecture, gemma_config,
                                    gemma_export_problem, gemma_keys, gemma_type)
+from tetrad.train.hf_moe import moe_architecture, moe_export_problem, moe_hf_name, moe_keys, moe_type, split_experts
 
 # tetrad name inside layer i -> HF name inside model.layers.i
 LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
@@ -44,6 +47,8 @@ def hf_name(name: str, model_type: str = "") -> str:
     if name in TOP_NAMES:
         return tower + TOP_NAMES[name]
     _, index, rest = name.split(".", 2)  # layers.I.attn.wq.weight
+    if moe_hf_name(rest, model_type):  # the router, an expert's piece
+        return f"{tower}model.layers.{index}.{moe_hf_name(rest, model_type)}"
     module, _, leaf = rest.rpartition(".")
     fused = {part: tensor for tensor, parts in FUSED.get(model_type, {}).items() for part in parts}
     names = {**LAYER_NAMES, **RENAMED.get(model_type, {})}
@@ -52,7 +57,9 @@ def hf_name(name: str, model_type: str = "") -> str:
 
 def hf_rows(shapes: dict[str, tuple[int, ...]], model_type: str = "") -> dict[str, tuple[str, int, int]]:
     """tetrad parameter (by its logical shape) -> (the HF tensor holding it, its first row there,
-    the row after its last): the whole tensor, or its part of a fused one."""
+    the row after its last): the whole tensor, or its part of a fused one; an expert parameter's
+    pieces (split_experts) by their own names."""
+    shapes = split_experts(shapes)
     order = {part: i for parts in FUSED.get(model_type, {}).values() for i, part in enumerate(parts)}
     rows, filled = {}, {}
     for name in sorted(shapes, key=lambda n: order.get(n.split(".", 2)[-1].rpartition(".")[0], 0)):
@@ -75,6 +82,7 @@ def fused_rows(m, model_type: str) -> dict[str, tuple[str, int, int]]:
 def hf_tensor_shapes(shapes: dict[str, tuple[int, ...]], model_type: str = "") -> dict[str, tuple[int, ...]]:
     """The shape of every HF tensor of a model whose parameters have `shapes`."""
     found: dict[str, tuple[int, ...]] = {}
+    shapes = split_experts(shapes)
     for name, (key, _, stop) in hf_rows(shapes, model_type).items():
         if stop > found.get(key, (0,))[0]:
             found[key] = (stop, *shapes[name][1:])
@@ -83,6 +91,7 @@ def hf_tensor_shapes(shapes: dict[str, tuple[int, ...]], model_type: str = "") -
 
 def hf_tensors(state: dict[str, torch.Tensor], model_type: str = "") -> dict[str, torch.Tensor]:
     """The HF tensors of tetrad's logical parameters `state`: each one's, a fused one's parts joined."""
+    state = split_experts(state)
     rows = hf_rows({name: tuple(p.shape) for name, p in state.items()}, model_type)
     parts: dict[str, list[torch.Tensor]] = {}
     for name, (key, _, _) in sorted(rows.items(), key=lambda item: item[1][1]):
@@ -102,9 +111,9 @@ def check_exportable(m) -> None:
     problem = gemma_export_problem(m)
     if problem:
         raise ConfigError(problem)
-    if m.n_experts:
-        raise ConfigError(f"--to-hf writes dense models only; this one has model.n_experts={m.n_experts} "
-                          "(mixture-of-experts export is not supported yet)")
+    if m.n_experts and (m.norm == "gemma_rmsnorm" or moe_export_problem(m)):
+        raise ConfigError(moe_export_problem(m) or "no transformers architecture has Gemma's norms with a mixture "
+                          "of experts; export a model with model.norm='rmsnorm'")
     if m.norm == "gemma_rmsnorm":
         return
     if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
@@ -129,6 +138,8 @@ def exported_type(m) -> str:
     Phi-3's for a model only it computes (_phi3_only), whatever model.hf_model_type says."""
     if m.norm == "gemma_rmsnorm":
         return gemma_type(m)
+    if m.n_experts:
+        return moe_type(m)
     if _phi3_only(m):
         return "phi3"
     if m.hf_model_type == "phi3" and (m.qk_norm or m.qkv_bias or m.rope_scaling):
@@ -147,6 +158,8 @@ def hf_architecture(m) -> dict:
         return gemma_architecture(m)
     window = m.sliding_window if hides_keys(m.sliding_window, m.context_length) else None
     qwen = {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
+    if m.n_experts:
+        return moe_architecture(m, window)
     if exported_type(m):
         # Phi3Config's LongRoPE reads the top-level original_max_position_embeddings, not the scaling's
         original = int(m.rope_scaling.get("original_max_position_embeddings", m.seq_len))
@@ -173,8 +186,9 @@ def _window_from_hf(hf: dict, kind: str, source: Path) -> int:
     """model.sliding_window of a config.json: Mistral's and Phi-3's `sliding_window` (null: none);
     Qwen2's and Qwen3's where `use_sliding_window` is true, which transformers applies to the
     layers from `max_window_layers` on (or as its `layer_types` list says): every layer or none,
-    or refused (tetrad's window is the same in every layer). 0 where it covers the whole context."""
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind not in ("qwen2", "qwen3")) else None
+    or refused (tetrad's window is the same in every layer); Qwen3-MoE's to every layer (transformers 5
+    reads no max_window_layers there). 0 where it covers the whole context."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind not in ("qwen2", "qwen3", "qwen3_moe")) else None
     if window is None or window >= hf.get("max_position_embeddings", 2048):
         return 0
     if kind in ("qwen2", "qwen3"):
@@ -245,8 +259,8 @@ def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
 
 
 def model_config_from_hf(hf: dict, source: Path) -> dict:
-    """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3 or Phi-3, their sliding windows
-    included) config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k
+    """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3, Phi-3, Mixtral or Qwen3-MoE, their
+    sliding windows included) config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k
     and v biases, whatever its config says (it has no key for them); Qwen3 is Llama with qk-norm
     and, often, its own head_dim; Phi-3 is Llama with fused tensors, kept as hf_model_type, and
     maybe LongRoPE (_longrope) and RoPE on part of each head (model.partial_rotary_factor)."""
@@ -259,10 +273,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
         partial = 1.0
     else:
         theta, scaling, partial = _rope_from_hf(hf)
-    experts = hf.get("num_local_experts") or hf.get("num_experts")  # Mixtral's, Qwen3-MoE's
-    if experts:
-        raise ConfigError(f"{source}: a mixture of experts ({kind}, {experts} experts) cannot be imported yet; "
-                          "tetrad trains one from its own initialisation (model.n_experts)")
+    experts = moe_keys(hf, kind, source)  # Mixtral's, Qwen3-MoE's; other mixtures refused
     unsupported = _unsupported(hf, kind, scaling, partial)
     if unsupported:
         raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
@@ -272,10 +283,10 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "seq_len": hf.get("max_position_embeddings", 2048),
             "max_position_embeddings": hf.get("max_position_embeddings", 2048), "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope",
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
-            "qk_norm": kind == "qwen3", "sandwich_norm": False, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            "qk_norm": kind in ("qwen3", "qwen3_moe"), "sandwich_norm": False, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
             "rope_scaling": _longrope(hf, scaling) if scaling.get("rope_type") == "longrope" else scaling,
             "partial_rotary_factor": partial, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
-            "n_experts": 0, "expert_ffn_hidden": 0,  # dense: a mixture of experts is refused above
+            **experts,
             **({"hf_model_type": kind, "dropout": float(hf.get("resid_pdrop") or 0.0)} if kind in FUSED else {}),
             **(gemma_keys(hf, local_theta) if kind in GEMMA_TYPES else {})}

@@ -2,7 +2,7 @@
 pre-training): a tetrad checkpoint (any layout; its folder, its checkpoint root or its run
 folder, as `tetrad generate` and `convert` take) or a Hugging Face model folder (config.json +
 *.safetensors of an architecture train/hf_architectures.py maps: Llama, Mistral, Qwen2, Qwen3,
-Phi-3). Weights only: the optimizer, the step and the data position start afresh.
+Phi-3, Gemma, Mixtral, Qwen3-MoE). Weights only: the optimizer, the step and the data position start afresh.
 
 The model's shape follows the weights (`weights_model_keys`, below the user's own [model] keys), and
 every rank fills its parameters with its shard of each logical tensor, one at a time, reading that
@@ -34,6 +34,7 @@ from tetrad.train.checkpoint import MANIFEST, CheckpointError, SafeReader, saved
 from tetrad.train.checkpoint.store import one_process
 from tetrad.train.convert import checkpoint_folder, hf_mismatches
 from tetrad.train.hf_architectures import fused_rows, hf_name, model_config_from_hf
+from tetrad.train.hf_moe import expert_pieces
 
 HF_CONFIG = "config.json"
 Box = tuple[slice, ...]  # one slice per dimension of a logical tensor
@@ -150,13 +151,13 @@ def _check_tokenizer(cfg: Config, path: Path) -> None:
                           f"TEXT --tokenizer {theirs} --out DATA`")
 
 
-def initial_weights(source: str) -> Callable[[str], SafetensorsPart | CheckpointPart]:
+def initial_weights(source: str) -> Callable[[str], SafetensorsPart | ExpertParts | CheckpointPart]:
     """name -> a handle to that parameter's logical tensor in `source` (checkpoint.init_from), of
     which each rank reads its shard alone (sharding.init_parameters; its shape checked there)."""
     return stored_weights(Path(source))
 
 
-def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | CheckpointPart]:
+def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts | CheckpointPart]:
     """name -> a handle to that parameter's logical tensor in a tetrad checkpoint or an HF folder
     at `path`: its `shape`, and `handle[box]` reads that part alone (a rank's shard: training's
     init_parameters, tetrad generate's inference_model)."""
@@ -172,13 +173,18 @@ def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | CheckpointPa
         return in_checkpoint
     hf = hf_config(path)
     model_type = hf.get("model_type", "")
-    rows = fused_rows(ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG)), model_type)
+    model_cfg = ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG))
+    rows = fused_rows(model_cfg, model_type)
     files = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
             files.update({key: (file, tuple(f.get_slice(key).get_shape())) for key in f.keys()})
 
-    def in_folder(name: str) -> SafetensorsPart:
+    def in_folder(name: str) -> SafetensorsPart | ExpertParts:
+        pieces = expert_pieces(name, model_cfg.n_experts)  # [E, ...]: one HF tensor per expert
+        return ExpertParts(tuple(map(in_file, pieces))) if pieces else in_file(name)
+
+    def in_file(name: str) -> SafetensorsPart:
         key, start, stop = rows.get(name, (hf_name(name, model_type), 0, None))  # a fused one's part: its rows
         if key not in files:
             raise CheckpointError(f"{path} has no {key}, which model.{name} needs")
@@ -205,6 +211,21 @@ class SafetensorsPart:
         first = slice(self.start + box[0].start, self.start + box[0].stop)
         with safe_open(self.file, "pt") as f:
             return f.get_slice(self.key)[(first, *box[1:])]
+
+
+@dataclass(frozen=True)
+class ExpertParts:
+    """An expert parameter [E, ...] that an HF folder stores as E tensors, one per expert: the
+    box's first slice picks the experts, the rest is read from each one's tensor alone (a tp
+    rank's rows or columns of every expert)."""
+    experts: tuple[SafetensorsPart, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.experts), *self.experts[0].shape)
+
+    def __getitem__(self, box: Box) -> torch.Tensor:
+        return torch.stack([self.experts[e][box[1:]] for e in range(box[0].start, box[0].stop)])
 
 
 class MetadataOnce(SafeReader):

@@ -1,0 +1,203 @@
+"""Mixtures of experts in and out (train/hf_moe.py): a MixtralForCausalLM and a Qwen3MoeForCausalLM
+built here by transformers (fp32, random weights, norms and routers given values), saved as the
+Hub stores them (each expert's tensors apart), import with transformers' logits, export back to
+the same tensors and logits, start a run under tp2 whose first loss is transformers' and whose
+step is tp1's, each rank reading its part of each expert's tensors, and decode greedily as
+transformers' full forward; a model trained in tetrad exports with its logits; the MoE variants
+tetrad lacks are refused in one line."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from conftest import TINY, assert_parity, run_ranks, tiny_config, train_layout
+from tetrad.cli import main
+from tetrad.config import ConfigError, load_config
+from tetrad.data.tokenizer import byte_tokenizer
+from tetrad.model.sampling import GREEDY
+from tetrad.train import init_from, trainer
+from tetrad.train.batches import split_batches
+from tetrad.train.convert import read_weights
+from tetrad.train.generate import Cache, generate, load_generator, single_process_model
+from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
+from tetrad.train.init_from import check_init_from, model_keys
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+TOL = {"atol": 1e-5, "rtol": 1e-5}  # fp32, the same math in another order
+SHAPE = {"vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 4096, "num_experts_per_tok": 2}
+FAMILIES = {
+    "mixtral": lambda **k: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **{**SHAPE, "intermediate_size": 48, "num_local_experts": 4, **k})),
+    "qwen3_moe": lambda **k: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **{**SHAPE, "intermediate_size": 40, "moe_intermediate_size": 24, "num_experts": 4, "head_dim": 12,
+           "norm_topk_prob": True, **k}))}
+
+
+def write_hf_moe(folder: Path, family: str, **shape) -> None:
+    """The family's model as save_pretrained writes it; norms near one and routers at std 1 (HF's
+    0.02 leaves the router's top-k near ties, where a summation order could flip a choice)."""
+    torch.manual_seed(0)
+    hf = FAMILIES[family](**shape)
+    hf.apply(hf._init_weights)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.5)
+            elif name.endswith("gate.weight"):
+                p.normal_(0.0, 1.0)
+    hf.save_pretrained(folder, safe_serialization=True)
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf(tokens).logits
+
+
+def ours(m, state) -> torch.Tensor:
+    with torch.no_grad():
+        return single_process_model(m, state)(TOKENS, torch.arange(TOKENS.shape[1]))
+
+
+def tensor_names(folder: Path) -> set[str]:
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("family,shape", [("mixtral", {}), ("mixtral", {"sliding_window": 5}),
+                                          ("qwen3_moe", {}), ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 5})])
+def test_an_hf_moe_imports_with_transformers_logits_and_exports_as_itself(tmp_path, family, shape):
+    write_hf_moe(tmp_path / "hf", family, **shape)
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    cfg, state = read_weights(tmp_path / "ckpt")
+    m = cfg.model
+    assert (m.n_experts, m.experts_per_token, m.expert_hidden, m.qk_norm) == \
+        (4, 2, 24 if family == "qwen3_moe" else 48, family == "qwen3_moe")
+    assert m.sliding_window == shape.get("sliding_window", 0) and m.router_aux_loss == 0.001
+    theirs = hf_logits(tmp_path / "hf")
+    got = ours(m, state)
+    torch.testing.assert_close(got, theirs, **TOL)
+    assert theirs.abs().max() > 0.3  # a non-trivial comparison
+    print(f"{family} {shape}: max |logit difference| {(got - theirs).abs().max():.2e}")
+
+    assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
+    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert exported["model_type"] == family
+    assert tensor_names(tmp_path / "back") == tensor_names(tmp_path / "hf")  # the Hub's per-expert names
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    assert type(hf).__name__ == exported["architectures"][0]
+    torch.testing.assert_close(hf_logits(tmp_path / "back"), theirs, **TOL)
+
+
+@pytest.mark.parametrize("model", [{"expert_ffn_hidden": 48}, {"qk_norm": True, "head_dim": 24}])
+def test_a_moe_trained_in_tetrad_exports_with_its_logits(tmp_path, model):
+    """Mixtral's experts (no qk-norm) are intermediate_size wide, whatever ffn_hidden says;
+    Qwen3-MoE's (qk-norm) moe_intermediate_size."""
+    moe = {"n_experts": 4, "experts_per_token": 2, "vocab_size": 256, **model}
+    cfg = tiny_config(model=moe, train={"steps": 2}, checkpoint={"every": 2}, run={"dir": str(tmp_path / "run")})
+    _, state, _ = train_layout(cfg)
+    assert main(["convert", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf")]) == 0
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["model_type"] == ("qwen3_moe" if model.get("qk_norm") else "mixtral")
+    torch.testing.assert_close(hf_logits(tmp_path / "hf"), ours(cfg.model, state), **TOL)
+
+
+def config(tmp_path, name, steps=1, **sections):
+    raw = {"train": {**TINY["train"], "steps": steps}, "run": {"dir": str(tmp_path / name)}, "model": {"seq_len": 32},
+           **sections}
+    return load_config(overrides=raw, model_from_inputs=model_keys)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_an_hf_moe_fine_tunes_from_its_folder_under_tp_as_on_one_process(tmp_path, family):
+    """init_from the HF folder: the first loss is transformers' on the same batch, and tp2 with SP
+    (every expert split by its rows and columns) takes the steps one process takes."""
+    write_hf_moe(tmp_path / "hf", family)
+    runs = []
+    for parallel in ({}, {"tp": 2, "sequence_parallel": True}):
+        cfg = config(tmp_path, f"run{len(runs)}", 2, parallel=parallel, checkpoint={"init_from": str(tmp_path / "hf")})
+        assert cfg.model.n_experts == 4
+        check_init_from(cfg)  # the folder's per-expert tensors fit config.json's model
+        runs.append(train_layout(cfg))
+    inputs, labels = split_batches(cfg)[0].global_batch_at(0)
+    logits = hf_logits(tmp_path / "hf", inputs)
+    assert runs[0][0][0] == pytest.approx(float(F.cross_entropy(logits.flatten(0, 1), labels.flatten())), rel=1e-5)
+    # tp's bound (tests/test_tp.py): Adam's step moves a weight whose gradient is near zero by the
+    # order of sums alone (1.1e-5 on a Mixtral expert's w3 here)
+    assert_parity(runs[1], runs[0], atol=1e-4)
+
+
+def _expert_reads(cfg) -> dict[str, int]:
+    """The elements this rank reads of each HF tensor as its Trainer starts (in this forked rank alone)."""
+    reads, part = {}, init_from.SafetensorsPart.__getitem__
+
+    def counted(self, box):
+        got = part(self, box)
+        reads[self.key] = reads.get(self.key, 0) + got.numel()
+        return got
+    init_from.SafetensorsPart.__getitem__ = counted
+    trainer.Trainer(cfg, torch.device("cpu"))
+    return reads
+
+
+@pytest.mark.dist
+def test_each_tp_rank_reads_its_part_of_every_experts_tensors(tmp_path):
+    write_hf_moe(tmp_path / "hf", "qwen3_moe", num_hidden_layers=1)
+    cfg = config(tmp_path, "run", parallel={"tp": 2}, checkpoint={"init_from": str(tmp_path / "hf")})
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        sizes = {k: torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys()}
+    for reads in run_ranks(_expert_reads, 2, cfg):
+        experts = {k: n for k, n in reads.items() if ".experts." in k}
+        assert len(experts) == 4 * 3
+        assert all(n == sizes[k] // 2 for k, n in experts.items()), experts
+        assert reads["model.layers.0.mlp.gate.weight"] == sizes["model.layers.0.mlp.gate.weight"]  # replicated
+
+
+def test_an_hf_moe_decodes_from_its_folder_as_transformers_full_forward(tmp_path):
+    write_hf_moe(tmp_path / "hf", "mixtral")
+    byte_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    net, _, _ = load_generator(tmp_path / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    tokens = list(range(100, 110))
+    new, _ = generate(net, tokens, 8, GREEDY, cache=Cache())
+    with torch.no_grad():
+        for _ in range(8):
+            tokens.append(int(theirs(torch.tensor([tokens])).logits[0, -1].argmax()))
+    assert new == tokens[10:]
+
+
+MIXTRAL = {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, **SHAPE, "intermediate_size": 48}
+QWEN3_MOE = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+             "norm_topk_prob": True, **SHAPE, "intermediate_size": 48}
+
+
+@pytest.mark.parametrize("hf,named", [
+    ({**QWEN3_MOE, "norm_topk_prob": False}, "norm_topk_prob=false"),
+    ({k: v for k, v in QWEN3_MOE.items() if k != "norm_topk_prob"}, "norm_topk_prob=false"),  # Qwen3MoeConfig's default
+    ({**QWEN3_MOE, "mlp_only_layers": [1]}, "dense layers mixed in"),
+    ({**QWEN3_MOE, "decoder_sparse_step": 2}, "dense layers mixed in"),
+    ({**QWEN3_MOE, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 64}, "shared expert"),
+    ({**SHAPE, "model_type": "deepseek_v3", "n_routed_experts": 8, "n_shared_experts": 1}, "shared experts"),
+    ({**MIXTRAL, "model_type": "olmoe"}, "olmoe is a mixture of experts"),
+    ({**MIXTRAL, "router_jitter_noise": 0.1}, "router_jitter_noise=0.1")])
+def test_moe_variants_tetrad_lacks_are_refused_in_one_line(hf, named):
+    with pytest.raises(ConfigError, match=named) as e:
+        model_config_from_hf(hf, Path("config.json"))
+    assert "\n" not in str(e.value)
+
+
+def test_a_moe_no_architecture_computes_is_refused_before_export(tmp_path, capsys):
+    m = load_config(overrides={"model": {"n_experts": 4, "mlp": "gelu"}}).model
+    with pytest.raises(ConfigError, match="swiglu experts"):
+        check_exportable(m)
+    with pytest.raises(ConfigError, match="biases on q, k and v"):
+        check_exportable(load_config(overrides={"model": {"n_experts": 4, "qkv_bias": True}}).model)
+    check_exportable(load_config(overrides={"model": {"n_experts": 4}}).model)

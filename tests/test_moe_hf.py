@@ -24,7 +24,8 @@ from tetrad.train.batches import split_batches
 from tetrad.train.convert import read_weights
 from tetrad.train.generate import Cache, generate, load_generator, single_process_model
 from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
-from tetrad.train.init_from import check_init_from, model_keys
+from tetrad.train.init_from import check_init_from
+from tetrad.train.inputs import model_keys
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,13 +4,16 @@ over cp, 1/tp of it on each tp rank); its value is the spec's formula; checkpoin
 experts' 3-D weights over tp; KV-cache decoding runs them token by token."""
 
 import dataclasses
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import assert_parity, run_ranks, tiny_config, train_layout
+from layout_draws import parity_atol
+from nccl_collectives import NcclTrainer
+from nccl_semantics import NcclSemantics
 from tetrad.config import ConfigError, load_config
 from tetrad.dist.topology import Topology
 from tetrad.model.llama import Transformer
@@ -45,6 +48,11 @@ LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "gelu-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
     "deep-pp2-vpp2-interleaved": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}),
 }
+# The one layout past its bound (tests/layout_draws.py parity_atol, tp's 1e-4), and why it is no bug:
+# on the first step layer 1's experts.w1 gradient matches one process's to 2e-7 of its largest (no
+# reduction is missing), but its element [1, 57, 5] is 4.7e-9 there and 4.1e-9 here, below Adam's eps
+# (1e-8), and that step moves it by lr * g / (|g| + eps): 3% of lr apart, 1.1e-4 after 5 steps.
+WIDER = {"gelu-tp2-sp": 2e-4}
 
 
 def _config(family: str, parallel: dict, train: dict, **sections):
@@ -64,9 +72,32 @@ def test_layout_matches_single_process(name):
     parallel, train = LAYOUTS[name]
     got = train_layout(_config(family, parallel, train))
     ref, _ = _one_process(family)
-    # tp's bound (tests/test_tp.py), doubled: Adam's 5 steps move a weight whose gradient is near zero
-    # (a gelu expert's unit, w1[1, 57] of layer 1 under gelu-tp2-sp) by the order of sums alone: 1.1e-4
-    assert_parity(got, ref, atol=2e-4)
+    assert_parity(got, ref, atol=WIDER.get(name, parity_atol({"tp": 1, "cp": 1, **parallel})))
+    aux, ref_aux = ([r["moe_aux_loss"] for r in result[2]] for result in (got, ref))
+    torch.testing.assert_close(torch.tensor(aux), torch.tensor(ref_aux), rtol=1e-5, atol=0)
+
+
+NCCL_LAYOUTS = {  # name -> (parallel, train)
+    "aux-cp2-ring-full": ({"cp": 2, "cp_algo": "ring"}, {"recompute": "full"}),
+    "aux-pp2-zb": ({"pp": 2, "schedule": "zb"}, {}),
+    "aux-dp2-zero3": ({"dp": 2, "zero": 3}, {}),
+    "aux-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", NCCL_LAYOUTS)
+def test_layout_under_nccl_semantics_matches_single_process(name):
+    """Under NCCL's ordering of point-to-point (tests/nccl_semantics.py) and its timing of
+    collectives (tests/nccl_collectives.py): the counts' cp all-reduce between the ring's transfers,
+    again in the recompute inside backward; the pipeline's transfers; ZeRO-3's prefetched gathers
+    of the 3-D expert weights; tp's overlapped collectives around the router's input."""
+    parallel, train = NCCL_LAYOUTS[name]
+    got = train_layout(_config("aux", parallel, train), transport=partial(NcclSemantics, timeout_s=20),
+                       trainer_class=NcclTrainer)
+    got[2][-1].pop("posted")
+    ref, _ = _one_process("aux")
+    assert_parity(got, ref, atol=parity_atol({"tp": 1, "cp": 1, **parallel}))
     aux, ref_aux = ([r["moe_aux_loss"] for r in result[2]] for result in (got, ref))
     torch.testing.assert_close(torch.tensor(aux), torch.tensor(ref_aux), rtol=1e-5, atol=0)
 

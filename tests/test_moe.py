@@ -20,6 +20,8 @@ from tetrad.model.llama import Transformer
 from tetrad.model.sampling import GREEDY
 from tetrad.model.sharding import init_parameters
 from tetrad.sample import _job, sample_on_this_rank
+from tetrad.train.checkpoint import CheckpointError
+from tetrad.train.checkpoint.store import check_model
 from tetrad.train.generate import generate
 from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
 from tetrad.train.trainer import Trainer
@@ -168,6 +170,16 @@ def test_a_checkpoint_reshards_from_tp1_to_tp2():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_a_checkpoint_compares_the_experts_effective_width():
+    """expert_ffn_hidden 0 means ffn_hidden: a checkpoint written with 0 resumes with the same
+    width named (and back), and another width is refused by name."""
+    saved = {"model": dataclasses.asdict(tiny_config(model=MOE).model)}
+    check_model(saved, tiny_config(model={**MOE, "expert_ffn_hidden": 128}).model, Path("ckpt"))
+    check_model({"model": {**saved["model"], "expert_ffn_hidden": 128}}, tiny_config(model=MOE).model, Path("ckpt"))
+    with pytest.raises(CheckpointError, match=r"model\.expert_ffn_hidden = 0 in the checkpoint, 96 here"):
+        check_model(saved, tiny_config(model={**MOE, "expert_ffn_hidden": 96}).model, Path("ckpt"))
 
 
 def test_greedy_decoding_gives_the_full_forwards_argmax():

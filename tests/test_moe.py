@@ -115,6 +115,20 @@ def test_the_load_balancing_loss_changes_the_training():
     assert (weak[router] - strong[router]).abs().max() > 1e-3
 
 
+def test_fp16s_loss_scale_scales_the_load_balancing_gradient_too():
+    """A backward at loss scale 1024 gives 1024 times the gradients of one at scale 1, the router's
+    included (its load-balancing part at coefficient 1): exactly, a power of two."""
+    grads = []
+    for scale in (1.0, 1024.0):
+        trainer = Trainer(_config("aux", {}, {}), torch.device("cpu"))
+        micro = trainer.batches.microbatches(0, 0, 1, trainer.cfg.train.micro_batch)
+        trainer.forward_backward(micro, trainer.batches.loss_tokens(0), grad_scale=scale)
+        trainer.grads.reduce()
+        grads.append(dict(trainer.model.named_parameters())["layers.0.mlp.router.weight"].grad.clone())
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0] * 1024, rtol=1e-6, atol=0)
+
+
 def _layer(**model) -> tuple:
     cfg = tiny_config(model={**MOE, **model})
     net = Transformer(cfg.model, Topology.single())

@@ -246,6 +246,15 @@ def test_bad_expert_settings_are_refused_in_one_line(model, parallel, message):
     assert "\n" not in str(refused.value)
 
 
+def test_the_dense_width_need_not_split_where_the_experts_have_their_own():
+    """ffn_hidden builds nothing in an MoE model whose experts have expert_ffn_hidden: tp need not
+    divide it (the experts' width is checked; where 0 it is ffn_hidden, checked as that)."""
+    model = {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 102, "n_experts": 4}
+    assert load_config(overrides={"model": {**model, "expert_ffn_hidden": 64}, "parallel": {"tp": 4}}).model.expert_hidden == 64
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide the experts' hidden width 102"):
+        load_config(overrides={"model": model, "parallel": {"tp": 4}})
+
+
 def test_hf_import_and_export_of_a_mixture_of_experts_are_refused_in_one_line():
     """Not supported yet: a Mixtral config.json is refused, not read as a dense Llama; --to-hf
     refuses an MoE model, which no dense architecture computes."""

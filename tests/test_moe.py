@@ -1,22 +1,30 @@
 """Mixture-of-experts layers (model/moe.py): every layout trains them as one process does, the
 load-balancing loss included (its gradient injected on every pipeline stage, its counts summed
 over cp, 1/tp of it on each tp rank); its value is the spec's formula; checkpoints reshard the
-experts' 3-D weights over tp; KV-cache decoding runs them token by token."""
+experts' 3-D weights over tp; KV-cache decoding runs them token by token.
+Each layout is held to tetrad's parity bound for it (one exception, WIDER): a top-k near-tie that
+flipped between layouts (their router logits differ by the order of sums) would send a token to
+other experts and fail those bounds loudly, not hide under them; these runs have none."""
 
 import dataclasses
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import assert_parity, run_ranks, tiny_config, train_layout
+from layout_draws import parity_atol
+from nccl_collectives import NcclTrainer
+from nccl_semantics import NcclSemantics
 from tetrad.config import ConfigError, load_config
 from tetrad.dist.topology import Topology
 from tetrad.model.llama import Transformer
 from tetrad.model.sampling import GREEDY
 from tetrad.model.sharding import init_parameters
 from tetrad.sample import _job, sample_on_this_rank
+from tetrad.train.checkpoint import CheckpointError
+from tetrad.train.checkpoint.store import check_model
 from tetrad.train.generate import generate
 from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
 from tetrad.train.trainer import Trainer
@@ -45,6 +53,11 @@ LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "gelu-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
     "deep-pp2-vpp2-interleaved": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}),
 }
+# The one layout past its bound (tests/layout_draws.py parity_atol, tp's 1e-4), and why it is no bug:
+# on the first step layer 1's experts.w1 gradient matches one process's to 2e-7 of its largest (no
+# reduction is missing), but its element [1, 57, 5] is 4.7e-9 there and 4.1e-9 here, below Adam's eps
+# (1e-8), and that step moves it by lr * g / (|g| + eps): 3% of lr apart, 1.1e-4 after 5 steps.
+WIDER = {"gelu-tp2-sp": 2e-4}
 
 
 def _config(family: str, parallel: dict, train: dict, **sections):
@@ -64,9 +77,32 @@ def test_layout_matches_single_process(name):
     parallel, train = LAYOUTS[name]
     got = train_layout(_config(family, parallel, train))
     ref, _ = _one_process(family)
-    # tp's bound (tests/test_tp.py), doubled: Adam's 5 steps move a weight whose gradient is near zero
-    # (a gelu expert's unit, w1[1, 57] of layer 1 under gelu-tp2-sp) by the order of sums alone: 1.1e-4
-    assert_parity(got, ref, atol=2e-4)
+    assert_parity(got, ref, atol=WIDER.get(name, parity_atol({"tp": 1, "cp": 1, **parallel})))
+    aux, ref_aux = ([r["moe_aux_loss"] for r in result[2]] for result in (got, ref))
+    torch.testing.assert_close(torch.tensor(aux), torch.tensor(ref_aux), rtol=1e-5, atol=0)
+
+
+NCCL_LAYOUTS = {  # name -> (parallel, train)
+    "aux-cp2-ring-full": ({"cp": 2, "cp_algo": "ring"}, {"recompute": "full"}),
+    "aux-pp2-zb": ({"pp": 2, "schedule": "zb"}, {}),
+    "aux-dp2-zero3": ({"dp": 2, "zero": 3}, {}),
+    "aux-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", NCCL_LAYOUTS)
+def test_layout_under_nccl_semantics_matches_single_process(name):
+    """Under NCCL's ordering of point-to-point (tests/nccl_semantics.py) and its timing of
+    collectives (tests/nccl_collectives.py): the counts' cp all-reduce between the ring's transfers,
+    again in the recompute inside backward; the pipeline's transfers; ZeRO-3's prefetched gathers
+    of the 3-D expert weights; tp's overlapped collectives around the router's input."""
+    parallel, train = NCCL_LAYOUTS[name]
+    got = train_layout(_config("aux", parallel, train), transport=partial(NcclSemantics, timeout_s=20),
+                       trainer_class=NcclTrainer)
+    got[2][-1].pop("posted")
+    ref, _ = _one_process("aux")
+    assert_parity(got, ref, atol=parity_atol({"tp": 1, "cp": 1, **parallel}))
     aux, ref_aux = ([r["moe_aux_loss"] for r in result[2]] for result in (got, ref))
     torch.testing.assert_close(torch.tensor(aux), torch.tensor(ref_aux), rtol=1e-5, atol=0)
 
@@ -80,6 +116,20 @@ def test_the_load_balancing_loss_changes_the_training():
     assert strong_history[0]["moe_aux_loss"] == history[0]["moe_aux_loss"]  # the same first forward
     router = "layers.0.mlp.router.weight"
     assert (weak[router] - strong[router]).abs().max() > 1e-3
+
+
+def test_fp16s_loss_scale_scales_the_load_balancing_gradient_too():
+    """A backward at loss scale 1024 gives 1024 times the gradients of one at scale 1, the router's
+    included (its load-balancing part at coefficient 1): exactly, a power of two."""
+    grads = []
+    for scale in (1.0, 1024.0):
+        trainer = Trainer(_config("aux", {}, {}), torch.device("cpu"))
+        micro = trainer.batches.microbatches(0, 0, 1, trainer.cfg.train.micro_batch)
+        trainer.forward_backward(micro, trainer.batches.loss_tokens(0), grad_scale=scale)
+        trainer.grads.reduce()
+        grads.append(dict(trainer.model.named_parameters())["layers.0.mlp.router.weight"].grad.clone())
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0] * 1024, rtol=1e-6, atol=0)
 
 
 def _layer(**model) -> tuple:
@@ -127,6 +177,27 @@ def test_the_output_is_the_weighted_sum_of_the_chosen_experts():
             torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mlp", ["swiglu", "geglu", "gelu"])
+def test_the_experts_backward_is_autograds(mlp):
+    """The experts' hand-written backward (one Function over all experts) gives the gradients
+    autograd gives the same MLPs written out, for every kind: parity between layouts cannot see
+    a wrong one, every layout running the same backward."""
+    _, moe = _layer(mlp=mlp)
+    experts, g = moe.experts, torch.Generator().manual_seed(2)
+    x, counts = torch.randn(9, 64, generator=g, requires_grad=True), [3, 0, 4, 2]  # expert 1 gets none
+    grad = torch.randn(9, 64, generator=g)
+    weights = [w for w in (experts.w1, experts.w3, experts.w2) if w is not None]
+    got = torch.autograd.grad(experts(x, counts), [x, *weights], grad)
+    act = torch.nn.functional.silu if mlp == "swiglu" else partial(torch.nn.functional.gelu, approximate="tanh")
+    rows, outs = torch.repeat_interleave(torch.arange(4), torch.tensor(counts)), []
+    for t, e in enumerate(rows.tolist()):
+        h = act(experts.w1[e] @ x[t]) * (experts.w3[e] @ x[t] if experts.w3 is not None else 1)
+        outs.append(experts.w2[e] @ h)
+    want = torch.autograd.grad(torch.stack(outs), [x, *weights], grad)
+    for name, a, b in zip(["x", "w1", "w3", "w2"] if experts.w3 is not None else ["x", "w1", "w2"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.dist
 def test_a_checkpoint_reshards_from_tp1_to_tp2():
     """Resumed at tp2 from the one-process run's step 3, the run continues as it did (the experts'
@@ -137,6 +208,16 @@ def test_a_checkpoint_reshards_from_tp1_to_tp2():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_a_checkpoint_compares_the_experts_effective_width():
+    """expert_ffn_hidden 0 means ffn_hidden: a checkpoint written with 0 resumes with the same
+    width named (and back), and another width is refused by name."""
+    saved = {"model": dataclasses.asdict(tiny_config(model=MOE).model)}
+    check_model(saved, tiny_config(model={**MOE, "expert_ffn_hidden": 128}).model, Path("ckpt"))
+    check_model({"model": {**saved["model"], "expert_ffn_hidden": 128}}, tiny_config(model=MOE).model, Path("ckpt"))
+    with pytest.raises(CheckpointError, match=r"model\.expert_ffn_hidden = 0 in the checkpoint, 96 here"):
+        check_model(saved, tiny_config(model={**MOE, "expert_ffn_hidden": 96}).model, Path("ckpt"))
 
 
 def test_greedy_decoding_gives_the_full_forwards_argmax():
@@ -163,6 +244,15 @@ def test_bad_expert_settings_are_refused_in_one_line(model, parallel, message):
         load_config(overrides={"model": {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 128, **model},
                                "parallel": parallel, "train": train})
     assert "\n" not in str(refused.value)
+
+
+def test_the_dense_width_need_not_split_where_the_experts_have_their_own():
+    """ffn_hidden builds nothing in an MoE model whose experts have expert_ffn_hidden: tp need not
+    divide it (the experts' width is checked; where 0 it is ffn_hidden, checked as that)."""
+    model = {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 102, "n_experts": 4}
+    assert load_config(overrides={"model": {**model, "expert_ffn_hidden": 64}, "parallel": {"tp": 4}}).model.expert_hidden == 64
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide the experts' hidden width 102"):
+        load_config(overrides={"model": model, "parallel": {"tp": 4}})
 
 
 def test_hf_import_and_export_of_a_mixture_of_experts_are_refused_in_one_line():

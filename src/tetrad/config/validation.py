@@ -158,7 +158,7 @@ def _check_heads(cfg: Config) -> None:
         raise ConfigError(f"tp={p.tp} does not divide n_heads={m.n_heads}; use tp in {common}")
     if m.n_kv_heads % p.tp:
         raise ConfigError(f"tp={p.tp} does not divide n_kv_heads={m.n_kv_heads}; use tp in {common}")
-    if m.ffn_hidden % p.tp:
+    if m.ffn_hidden % p.tp and not m.n_experts:  # an MoE model's experts are _check_experts'
         raise ConfigError(f"tp={p.tp} does not divide ffn_hidden={m.ffn_hidden}; "
                           f"use tp in {sorted(set(common) & set(divisors(m.ffn_hidden)))}")
 

@@ -26,7 +26,7 @@ from tetrad.sample import _job, sample_on_this_rank
 from tetrad.train.checkpoint import CheckpointError
 from tetrad.train.checkpoint.store import check_model
 from tetrad.train.generate import generate
-from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
+from tetrad.train.init_from import check_init_from
 from tetrad.train.trainer import Trainer
 
 MOE = {"n_experts": 4, "experts_per_token": 2}
@@ -220,6 +220,17 @@ def test_a_checkpoint_compares_the_experts_effective_width():
         check_model(saved, tiny_config(model={**MOE, "expert_ffn_hidden": 96}).model, Path("ckpt"))
 
 
+@pytest.mark.dist
+def test_init_from_compares_the_experts_effective_width():
+    """init_from checks the same width: weights saved with expert_ffn_hidden 0 start a run that
+    names their width (ffn_hidden), and another width is refused in one line."""
+    _, step3 = _one_process("moe")
+    width = tiny_config(model=MOE).model.ffn_hidden
+    check_init_from(tiny_config(checkpoint={"init_from": str(step3)}, model={**MOE, "expert_ffn_hidden": width}))
+    with pytest.raises(ConfigError, match=r"another shape \(expert_ffn_hidden="):
+        check_init_from(tiny_config(checkpoint={"init_from": str(step3)}, model={**MOE, "expert_ffn_hidden": 96}))
+
+
 def test_greedy_decoding_gives_the_full_forwards_argmax():
     net, _ = _layer()
     net.eval()
@@ -253,17 +264,6 @@ def test_the_dense_width_need_not_split_where_the_experts_have_their_own():
     assert load_config(overrides={"model": {**model, "expert_ffn_hidden": 64}, "parallel": {"tp": 4}}).model.expert_hidden == 64
     with pytest.raises(ConfigError, match=r"tp=4 does not divide the experts' hidden width 102"):
         load_config(overrides={"model": model, "parallel": {"tp": 4}})
-
-
-def test_hf_import_and_export_of_a_mixture_of_experts_are_refused_in_one_line():
-    """Not supported yet: a Mixtral config.json is refused, not read as a dense Llama; --to-hf
-    refuses an MoE model, which no dense architecture computes."""
-    mixtral = {"model_type": "mixtral", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-               "intermediate_size": 128, "vocab_size": 256, "num_local_experts": 8, "num_experts_per_tok": 2}
-    with pytest.raises(ConfigError, match=r"a mixture of experts \(mixtral, 8 experts\) cannot be imported yet"):
-        model_config_from_hf(mixtral, Path("config.json"))
-    with pytest.raises(ConfigError, match=r"this one has model\.n_experts=4"):
-        check_exportable(tiny_config(model=MOE).model)
 
 
 @pytest.mark.dist

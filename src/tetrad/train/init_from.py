@@ -31,7 +31,7 @@ from tetrad.data import shards
 from tetrad.data.blend import primary_source
 from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
 from tetrad.train.checkpoint import MANIFEST, CheckpointError, SafeReader, saved_model, shape_keys, verify
-from tetrad.train.checkpoint.store import one_process
+from tetrad.train.checkpoint.store import as_built, one_process
 from tetrad.train.convert import checkpoint_folder, hf_mismatches
 from tetrad.train.hf_architectures import fused_rows, hf_name, model_config_from_hf
 from tetrad.train.hf_moe import expert_pieces
@@ -100,7 +100,7 @@ def check_init_from(cfg: Config) -> None:
     try:
         if not is_hf_folder(path):
             verify(checkpoint_folder(path))
-        saved, here = _source_model(path), dataclasses.asdict(cfg.model)
+        saved, here = as_built(_source_model(path)), as_built(dataclasses.asdict(cfg.model))
     except (CheckpointError, OSError, ValueError, KeyError) as e:
         raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
     differ = [f"{k}={saved.get(k)!r} there, {here[k]!r} here" for k in shape_keys(cfg.model) if saved.get(k) != here[k]]

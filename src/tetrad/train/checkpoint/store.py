@@ -251,7 +251,7 @@ def behaviour_changes(manifest: dict, model_cfg) -> list[str]:
 def check_model(manifest: dict, model_cfg, path: Path) -> None:
     """Refuse a checkpoint written for another model shape, naming every key that differs."""
     here, saved = dataclasses.asdict(model_cfg), saved_model(manifest)
-    width, saved_width = _shapes(here), _shapes(saved)
+    width, saved_width = as_built(here), as_built(saved)
     diffs = [f"model.{k} = {saved[k]!r} in the checkpoint, {here[k]!r} here"
              for k in shape_keys(model_cfg) if saved_width[k] != width[k]]
     if diffs:
@@ -260,10 +260,10 @@ def check_model(manifest: dict, model_cfg, path: Path) -> None:
                               "(or checkpoint.dir)")
 
 
-def _shapes(model: dict) -> dict:
+def as_built(model: dict) -> dict:
     """`model` with expert_ffn_hidden as the width it gives (0 means ffn_hidden; a dense model has
     no experts), so a checkpoint written with 0 resumes with that width named, and back."""
-    width = (model["expert_ffn_hidden"] or model["ffn_hidden"]) if model["n_experts"] else 0
+    width = (model.get("expert_ffn_hidden") or model.get("ffn_hidden")) if model.get("n_experts") else 0
     return {**model, "expert_ffn_hidden": width}
 
 

@@ -249,7 +249,9 @@ def test_stdin_that_is_not_utf8_ends_a_tp2_conversation_as_it_ends_one_process(w
         except subprocess.TimeoutExpired:
             pytest.fail(f"--tp {tp} still waited for a line 60 s after stdin's bad byte")
     assert runs[0].returncode == 2 and runs[0].stderr.count(b"\n") == 1, runs[0].stderr
-    assert runs[0].stderr.startswith(b"tetrad generate: 'utf-8' codec can't decode byte 0xff in position "), runs[0]
+    assert runs[0].stderr == (b"tetrad generate: stdin is not utf-8 text (byte 0xff: invalid start byte); convert the "
+                              b"input to utf-8 first, e.g. `iconv -f latin1 -t utf-8 FILE | tetrad generate ...` "
+                              b"(after -f, the encoding it is in)\n"), runs[0].stderr
     assert (runs[1].returncode, runs[1].stdout, runs[1].stderr) == (2, runs[0].stdout, runs[0].stderr), runs[1].stderr
 
 

@@ -42,7 +42,8 @@ def _bug(*args, **kwargs):
     (["--prompt", "the " * 300], "the prompt is "),
     (["--chat", "--prompt", "the " * 300], "the rendered conversation is "),
     (["--chat", "--prompt", "refuse me"], "message 1: the chat template refuses the conversation: no such message"),
-    (["--chat"], "'utf-8' codec can't decode byte 0xff")])
+    (["--chat"], "stdin is not utf-8 text (byte 0xff: invalid start byte); convert the input to utf-8 first, e.g. "
+                 "`iconv -f latin1 -t utf-8 FILE | tetrad generate ...`")])
 def test_a_users_error_during_generation_is_one_line(hf, monkeypatch, capsys, flags, line):
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\n"), encoding="utf-8"))
     assert main(["generate", str(hf), "--max-new-tokens", "2", *flags]) == 2

@@ -23,6 +23,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from tetrad.config import Config, ConfigError, load_config
 from tetrad.config.arguments import whole_number
+from tetrad.config.checkpoints import complete
 from tetrad.parallel.pipeline.registry import check_config
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, HardwareError, load_cluster, offload_unknown
@@ -190,20 +191,25 @@ def _own_folders(cfg: Config, flagged: set[str]) -> tuple[Config, list[str]]:
 
 def _refuse_trained(cfg: Config, flagged: set[str]) -> None:
     """A ConfigError where the checkpoint folder the written config would train in (chosen here,
-    not by a flag: a checkpoint.dir inside run.dir is --run.dir's) already holds a checkpoint: the layout's folder of an earlier plan, trained
-    since. `tetrad train` resumes what it finds there (checkpoint.resume = "auto"), so the written
-    config would continue that run, or fail to reshard it, rather than start the one planned."""
+    not by a flag: a checkpoint.dir inside run.dir is --run.dir's) already holds a complete
+    checkpoint (`complete`, the rule `tetrad train` resumes by): the layout's folder of an earlier
+    plan, trained since. There `tetrad train` resumes it (checkpoint.resume = "auto") or refuses to
+    start over it, so the written config would not start the run planned."""
     ckpt, run = cfg.checkpoint.dir, cfg.run.dir
     root = Path(ckpt or Path(run) / "checkpoints")
     follows_run = not ckpt or bool(run) and Path(ckpt).is_relative_to(run)  # moved with run.dir (_own_folders)
-    if "checkpoint.dir" in flagged or ("run.dir" in flagged and follows_run) or not root.is_dir():
+    if "checkpoint.dir" in flagged or ("run.dir" in flagged and follows_run) or not complete(root):
         return
-    steps = [p.name for p in root.glob("step_*") if p.is_dir() and p.name.removeprefix("step_").isdigit()]
-    if steps:
-        key, folder = ("checkpoint.dir", cfg.checkpoint.dir) if cfg.checkpoint.dir else ("run.dir", cfg.run.dir)
-        raise ConfigError(f"{key} = {folder!r}, the layout's own folder, already holds checkpoints of a run ({root}/"
-                          f"{max(steps, key=lambda n: int(n[5:]))}), which `tetrad train` would resume; give "
-                          f"the plan --{key}=NEW for a fresh run, or --{key}={folder} to resume it")
+    key, folder = ("checkpoint.dir", cfg.checkpoint.dir) if cfg.checkpoint.dir else ("run.dir", cfg.run.dir)
+    resume = cfg.checkpoint.resume
+    # as train/checkpoint/preflight.py: "never" refuses a root holding checkpoints, a path one
+    # holding checkpoints later than the path's (recovery.refuse_later)
+    older = "" if resume == "never" else " from an older checkpoint"
+    does, also = ("would resume", "") if resume == "auto" else (
+        f"refuses to train over{older} (checkpoint.resume = {resume!r})", " --checkpoint.resume=auto")
+    raise ConfigError(f"{key} = {folder!r}, the layout's own folder, already holds checkpoints of a run "
+                      f"({complete(root)[0]}), which `tetrad train` {does}; give the plan --{key}=NEW for a "
+                      f"fresh run, or --{key}={folder}{also} to resume it")
 
 
 def _tagged(folder: str, tag: str) -> str:

@@ -318,7 +318,9 @@ def _user_line(lines: TextIO) -> str:
     try:
         return lines.readline()
     except UnicodeDecodeError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"stdin is not {e.encoding} text (byte 0x{e.object[e.start]:02x}: {e.reason}); convert "
+                          f"the input to {e.encoding} first, e.g. `iconv -f latin1 -t {e.encoding} FILE | tetrad "
+                          "generate ...` (after -f, the encoding it is in)") from None
 
 
 def chat_template(tokenizer: Tokenizer, source: Path | None, system: str | None) -> tuple[ChatTemplate, str | None]:

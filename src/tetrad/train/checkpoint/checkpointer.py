@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tetrad import device as devices
 from tetrad.config import ParallelConfig
+from tetrad.config.checkpoints import complete
 from tetrad.config.sections import zero_shard
 from tetrad.dist import autotune
 from tetrad.model.sharding import spec_of
@@ -26,8 +27,8 @@ from tetrad.parallel.data import ShardedAdamW, zero_loaded
 from tetrad.train.checkpoint import recovery
 from tetrad.train.checkpoint.background import BackgroundWrites, cause
 from tetrad.train.checkpoint.logical import Piece, check_optimizer_covered, chunks, logical, mesh_on, pieces
-from tetrad.train.checkpoint.store import (LATEST, MANIFEST, PARTIAL, CheckpointError, SafeReader, behaviour_changes,
-                                           check_model, check_shapes, digest_files, optimizer_entries, published,
+from tetrad.train.checkpoint.store import (LATEST, PARTIAL, CheckpointError, SafeReader, behaviour_changes,
+                                           check_model, check_shapes, digest_files, optimizer_entries,
                                            publish, replace_text, resolve, step_dir, verify)
 
 
@@ -183,7 +184,7 @@ class Checkpointer:
             self._prune()
 
     def _failed(self, step: int, tmp: Path, reason: str) -> CheckpointError:
-        kept = [p.name for p in published(self.root) if (p / MANIFEST).exists()]
+        kept = [p.name for p in complete(self.root)]
         return CheckpointError(f"saving step {step} to {tmp} failed ({reason}); the earlier checkpoints "
                                f"{kept or '(none)'} are untouched. Free space or fix the permissions of "
                                f"{self.root}, or set checkpoint.dir elsewhere")
@@ -246,9 +247,8 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Keep the newest `checkpoint.keep` complete checkpoints; drop crashed partial saves."""
-        complete = [p for p in published(self.root) if (p / MANIFEST).exists()]
         debris = [p for p in self.root.glob("step_*") if p.name.endswith((PARTIAL, ".old"))]
-        for old in complete[self.cfg.checkpoint.keep:] + debris:
+        for old in complete(self.root)[self.cfg.checkpoint.keep:] + debris:
             _clear(old)
 
     def load(self, path: Path, params: dict[str, nn.Parameter], optimizer, stateful: dict | None = None,

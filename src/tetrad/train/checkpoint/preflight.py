@@ -11,9 +11,10 @@ import tempfile
 from pathlib import Path
 
 from tetrad.config import Config, ConfigError
+from tetrad.config.checkpoints import complete
 from tetrad.model.flops import parameter_count
 from tetrad.train.checkpoint.recovery import first_publish_by, refuse_later, refuse_overwriting_history
-from tetrad.train.checkpoint.store import MANIFEST, CheckpointError, check_model, published, read_manifest, resolve
+from tetrad.train.checkpoint.store import CheckpointError, check_model, read_manifest, resolve
 
 PROBE_BYTES = 1 << 20
 # fp32 weights and AdamW's two moments: what a checkpoint holds per parameter, at least.
@@ -54,7 +55,7 @@ def _resume_target(cfg: Config, root: Path, metrics: Path) -> Path | None:
         return resolve(resume)
     if resume == "never":
         refuse_later(root, 0, "checkpoint.resume='never'")
-    if resume == "never" or not any((p / MANIFEST).exists() for p in published(root)):
+    if resume == "never" or not complete(root):
         refuse_overwriting_history(metrics, first_publish_by(cfg, metrics.parent))
         return None
     _same_model(cfg, resolve(root))

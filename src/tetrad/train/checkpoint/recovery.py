@@ -14,8 +14,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tetrad.config import ConfigError, counted, read_toml
-from tetrad.train.checkpoint.store import (MANIFEST, SET_ASIDE, CheckpointError, NotShownEverywhere, check_model,
-                                           published, read_latest, replace_text, resolve, step_of, verify)
+from tetrad.config.checkpoints import complete, published, step_of
+from tetrad.train.checkpoint.store import (SET_ASIDE, CheckpointError, NotShownEverywhere, check_model,
+                                           read_latest, replace_text, resolve, verify)
 
 
 def say(message: str) -> None:
@@ -99,7 +100,7 @@ def explicit(path: str, root: Path, model_cfg, rank: int, world: int) -> tuple[P
 
 def refuse_later(root: Path, step: int, why: str) -> None:
     """Refuse a run that starts at `step` in a root holding a complete checkpoint after it."""
-    later = [p for p in published(root) if step_of(p) > step and (p / MANIFEST).exists()]
+    later = [p for p in complete(root) if step_of(p) > step]
     if later:
         raise CheckpointError(f"{root} already holds {later[0].name} from an earlier run, later than the step "
                               f"{step} this run starts from ({why}); use a new checkpoint.dir (or run.dir), or "

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from tetrad.config import ModelConfig
+from tetrad.config.checkpoints import MANIFEST, complete
 
 FORMAT = 1
-MANIFEST = "tetrad.json"
 LATEST = "latest"
 PARTIAL = ".partial"  # a save in progress, or one that crashed: never loaded
 SET_ASIDE = ".bad"  # a published checkpoint that failed its integrity check on resume
@@ -55,21 +55,6 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def step_of(path: Path) -> int:
-    """The step a checkpoint folder holds, from its name (step_00000010 -> 10)."""
-    return int(path.name.removeprefix("step_"))
-
-
-def published(root: Path) -> list[Path]:
-    """Folders named like a published checkpoint (step_ and digits only), newest first; whether
-    they are complete and intact is for `verify` to say."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step_*") if p.is_dir() and p.name.removeprefix("step_").isdigit()]
-    return sorted(found, key=step_of, reverse=True)
-
-
 def read_latest(root: Path) -> tuple[str | None, str | None]:
     """(the name `ROOT/latest` holds, or None; a problem with the pointer to report, or None)."""
     pointer = Path(root) / LATEST
@@ -89,11 +74,11 @@ def resolve(path: str | Path) -> Path:
     path = Path(path)
     if (path / MANIFEST).exists():
         return path
-    complete = [p for p in published(path) if (p / MANIFEST).exists()]
-    if not complete:
+    found = complete(path)
+    if not found:
         raise CheckpointError(f"{path} is not a tetrad checkpoint: no {path / MANIFEST}"
                               + (" (an interrupted save?)" if path.name.endswith(PARTIAL) else ""))
-    return complete[0]
+    return found[0]
 
 
 # ---------------------------------------------------------------------------------------- publishing

@@ -3,7 +3,7 @@ dp/tp/pp/cp (2, 4 or 8 ranks) with ZeRO 0-3, the four schedules and virtual stag
 parallelism and its regather, both cp algorithms, codecs, bucket sizes, hierarchical reduction
 ("auto" included), the tiny model's shapes varied (GQA, odd vocabularies, tied, GPT-style,
 uneven stage splits), micro/global batches and their ramp-up, clipping, dtypes, recompute, offload,
-validation and document masking, and (the fuzzers') hybrid ZeRO's blocks.
+validation and document masking, and (the fuzzers') hybrid ZeRO's blocks and mixtures of experts.
 Each draw is a pure function of its seed; a few are invalid on purpose (validation must refuse
 them with one line that names the fix)."""
 
@@ -134,7 +134,22 @@ def draw(seed: int, extended: bool = False) -> dict:
                      query_pre_attn_scalar=rng.choice([0.0, 20.0]), sliding_window=model.get("sliding_window") or 5,
                      layer_types=["sliding_attention"] + ["full_attention"] * (model["n_layers"] - 1),
                      rope_local_base_freq=100.0)
+    if extended and rng.random() < 0.15:  # a mixture of experts in every layer (model/moe.py)
+        model.update(moe_model(rng))
     return {"model": model, "parallel": par, "train": train, "data": data}
+
+
+def moe_model(rng: random.Random) -> dict:
+    """[model] keys of a mixture of experts: 2 or 4 experts, top-k of any k; a third of the time
+    experts of their own width (multiples of 8: every drawn tp splits them, as validation needs;
+    the dense widths, 96 to 192, too); no load-balancing loss, the default, or one whose gradient
+    shows (1.0). No draw compiles (validation refuses compile with experts)."""
+    experts = rng.choice([2, 4])
+    keys = {"n_experts": experts, "experts_per_token": rng.randint(1, experts),
+            "router_aux_loss": rng.choice([0.0, 0.01, 1.0])}
+    if rng.random() < 0.33:
+        keys["expert_ffn_hidden"] = rng.choice([24, 40, 64])
+    return keys
 
 
 def reference_of(overrides: dict) -> dict:

@@ -62,7 +62,10 @@ NO_MOE = pytest.mark.skipif(importlib.util.find_spec("tetrad.model.moe") is None
 MOE = {"n_experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96}
 LAYOUTS += [pytest.param(*layout, marks=NO_MOE) for layout in [
     ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}, MOE), ({"tp": 2}, {}, MOE),
-    ({"dp": 2, "zero": 3}, {}, {**MOE, "mlp": "gelu"}), ({"pp": 2, "dp": 2, "zero": 2}, {"recompute": "full"}, MOE)]]
+    ({"dp": 2, "zero": 3}, {}, {**MOE, "mlp": "gelu"}), ({"pp": 2, "dp": 2, "zero": 2}, {"recompute": "full"}, MOE),
+    # the counts summed over cp (again under full and per-op recompute); SP's regather gathers no MoE input again
+    ({"tp": 2, "cp": 2, "sequence_parallel": True, "sp_regather": True}, {}, MOE),
+    ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "full"}, MOE), ({"cp": 2}, {"recompute": "selective-op"}, MOE)]]
 
 
 def _name(parallel: dict) -> str:

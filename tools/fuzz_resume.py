@@ -10,10 +10,11 @@ checkpoint exactly):
 - otherwise (bf16/fp16, lossy codecs): B's losses within a loose band of that one process;
 - every `--export-every`th pair: a fresh run under B from A's weights (checkpoint.init_from)
   follows one process doing the same, and `tetrad convert --to-hf` of A's checkpoint holds its
-  logical tensors bitwise.
+  logical tensors bitwise (where a transformers architecture computes the model).
 
 A fifth of the pairs train on fine-tuning data (tests/conftest.py sft_shards: packs of whole
-examples under a loss mask), both layouts and the one-process runs alike.
+examples under a loss mask), both layouts and the one-process runs alike; about one in seven
+has a mixture of experts in every layer (tests/layout_draws.py moe_model).
 
 A FAIL is a lead, not a verdict: fp32 runs that near-cancel amplify the order of sums (see
 tests/conftest.py assert_parity); rerun the case with other micro-batch sizes before blaming.
@@ -35,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import grad_norms, run_ranks, sft_shards, tiny_config, train_layout  # noqa: E402
+from layout_draws import moe_model  # noqa: E402
 from test_checkpoint import read_logical  # noqa: E402
 from tetrad.config import ConfigError  # noqa: E402
 from tetrad.parallel.pipeline import registry  # noqa: E402
@@ -105,6 +107,8 @@ def draw_pair(rng: random.Random) -> tuple[dict, dict, dict]:
     if rng.random() < 0.2:  # fine-tuning data: packs of whole examples, a loss mask (the same for both)
         model["vocab_size"] = 256
         a, b = ({**layout, "data": {"source": sft_shards()}} for layout in (a, b))
+    if rng.random() < 0.15:  # a mixture of experts (drawn last: the cases before it draw as they did)
+        model.update(moe_model(rng))
     return model, a, b
 
 
@@ -189,16 +193,20 @@ def slice_steps(run, first: int):
     return losses[first:], state, history[first:]
 
 
-def check_export(saved: Path, tmp: Path) -> list[str]:
-    """`tetrad convert --to-hf` of A's checkpoint holds its logical model tensors bitwise."""
+def check_export(model: dict, saved: Path, tmp: Path) -> list[str]:
+    """`tetrad convert --to-hf` of A's checkpoint holds its logical model tensors bitwise, by the
+    names of the architecture it exports as (a mixture of experts': one tensor per expert)."""
     from safetensors.torch import load_file
     from tetrad.cli import main
-    from tetrad.train.hf_architectures import hf_name
+    from tetrad.train.hf_architectures import exported_type, hf_name
+    from tetrad.train.hf_moe import split_experts
     out = tmp / "hf"
     if main(["convert", str(saved), "--to-hf", str(out)]) != 0:
         return ["convert --to-hf failed"]
     exported = load_file(out / "model.safetensors")
-    logical = {hf_name(k[len("model."):]): v for k, v in read_logical(saved).items() if k.startswith("model.")}
+    kind = exported_type(tiny_config(model=model).model)
+    state = split_experts({k[len("model."):]: v for k, v in read_logical(saved).items() if k.startswith("model.")})
+    logical = {hf_name(k, kind): v for k, v in state.items()}
     if exported.keys() != logical.keys():
         return [f"export keys differ: {sorted(set(exported) ^ set(logical))[:6]}"]
     return [f"export of {k} differs" for k in logical if not torch.equal(exported[k], logical[k].to(exported[k].dtype))
@@ -230,8 +238,8 @@ def run_pair(model: dict, a: dict, b: dict, tmp: Path, export: bool) -> list[str
         problems += [f"skipped steps differ: B {skipped[0]}, one process {skipped[1]}"] if skipped[0] != skipped[1] else []
     if export:
         problems += check_init_from(model, b, saved, tmp)
-        if (model["pos"], model["norm"], model["mlp"]) == ("rope", "rmsnorm", "swiglu"):  # Llama's: exportable
-            problems += check_export(saved, tmp)
+        if exportable(model):
+            problems += check_export(model, saved, tmp)
     return problems
 
 
@@ -246,6 +254,16 @@ def check_init_from(model: dict, b: dict, saved: Path, tmp: Path) -> list[str]:
         # 30057), and its step-4 grad norm from 1.91 to 2.08 (case 60015).
         return [f"init_from: {p}" for p in compare(run, ref, wide, param_atol=2e-3, norm_rtol=0.1)]
     return close("init_from first loss (loose)", torch.tensor(run[0][:1]), torch.tensor(ref[0][:1]), 1e-2, 0)
+
+
+def exportable(model: dict) -> bool:
+    """Whether `--to-hf` takes the model: some transformers architecture computes it."""
+    from tetrad.train.hf_architectures import check_exportable
+    try:
+        check_exportable(tiny_config(model=model).model)
+    except ConfigError:
+        return False
+    return True
 
 
 def refusal(model: dict, layout: dict) -> str | None:

@@ -68,7 +68,8 @@ def _tp_bytes(cfg: Config) -> float:
     if p.pp == 1:
         per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4
     if sp and p.sp_regather:  # each column-parallel input gathered again in backward: qkv, fc1, the head
-        per_micro += hidden * (2 * layers + (p.pp == 1))
+        # (an MoE layer's input is gathered once, by tp_input, and kept: no fc1 regather)
+        per_micro += hidden * ((1 if m.n_experts else 2) * layers + (p.pp == 1))
     averaged = not make_codec(p.grad_codec, p.dp * p.cp).ELEMENTWISE
     buckets = rank_buckets(cfg)[0]
     summed = buckets.heads + (buckets.replicated if sp or averaged else 0)  # qk-norm: always
@@ -94,18 +95,20 @@ def _cp_bytes(cfg: Config) -> float:
     K/V cp-1 times and the fp32 dK/dV cp times.
     All-to-all: q, k, v to heads and the output back, each way; full and per-op recompute repeat
     all four, selective q, k and v (its recompute stops at the attention kernel's saved outputs,
-    before the output's all-to-all)."""
+    before the output's all-to-all). MoE: each layer's fp32 expert counts per sequence, summed
+    for the load-balancing loss (model/moe.py _balance_loss), again under full and per-op recompute."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e, tokens = activation_bytes(t.dtype), _tokens(cfg)
     per_micro = cfg.microbatches * rank_layers(cfg)[0]
     kv = 2 * tokens * m.n_kv_heads // p.tp * m.head_dim
+    counts = m.n_experts * t.micro_batch * 4 * (2 if t.recompute in ("full", "selective-op") else 1)
     if p.cp_algo == "ring":
         forwards = 2 if t.recompute in ("selective", "full") else 1
-        return per_micro * ((p.cp - 1) * kv * e * forwards + (p.cp - 1) * kv * e + p.cp * kv * 4)
+        return per_micro * ((p.cp - 1) * kv * e * forwards + (p.cp - 1) * kv * e + p.cp * kv * 4 + counts)
     qkv = tokens * (m.n_heads + 2 * m.n_kv_heads) // p.tp * m.head_dim * e
     out = tokens * m.n_heads // p.tp * m.head_dim * e
     recomputed = {"none": 0, "selective": qkv, "full": qkv + out, "selective-op": qkv + out}[t.recompute]
-    return per_micro * (2 * (qkv + out) + recomputed)
+    return per_micro * (2 * (qkv + out) + recomputed + counts)
 
 
 def _dp_bytes(cfg: Config) -> float:

@@ -1,6 +1,6 @@
 """Mixture-of-experts layers (model/moe.py): every layout trains them as one process does, the
 load-balancing loss included (its gradient injected on every pipeline stage, its counts summed
-over cp, 1/tp of it on each tp rank); its value is the spec's formula; checkpoints reshard the
+over cp, 1/tp of it on each tp rank); its value is docs/design.md's formula; checkpoints reshard the
 experts' 3-D weights over tp; KV-cache decoding runs them token by token.
 Each layout is held to tetrad's parity bound for it (one exception, WIDER): a top-k near-tie that
 flipped between layouts (their router logits differ by the order of sums) would send a token to

@@ -4,7 +4,6 @@ elements in rank 0's part, bucket by bucket, on every pipeline rank. One process
 
 from __future__ import annotations
 
-import importlib.util
 import types
 
 import pytest
@@ -32,11 +31,8 @@ CASES = [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"qk_norm": Tru
           {"norm": "gemma_rmsnorm", "mlp": "geglu", "sandwich_norm": True, "qk_norm": True, "head_dim": 24,
            "tie_embeddings": True, "scale_embeddings": True})]
 # MoE: the router (replicated, its gradient summed over tp as qk-norm's) and each [E, H, d] expert tensor
-NO_MOE = pytest.mark.skipif(importlib.util.find_spec("tetrad.model.moe") is None, reason="the model has no MoE here")
-CASES += [pytest.param({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"n_experts": 4, "expert_ffn_hidden": 96},
-                       marks=NO_MOE),
-          pytest.param({"tp": 2, "pp": 2, "dp": 2, "zero": 3}, {"n_experts": 3, "experts_per_token": 1, "mlp": "gelu"},
-                       marks=NO_MOE)]
+CASES += [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"n_experts": 4, "expert_ffn_hidden": 96}),
+          ({"tp": 2, "pp": 2, "dp": 2, "zero": 3}, {"n_experts": 3, "experts_per_token": 1, "mlp": "gelu"})]
 
 
 def _runtime(cfg, rank: int) -> list[PlannedBucket]:

@@ -3,8 +3,6 @@ rank on CPU (a rank's resident-set growth) within 15%."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -58,14 +56,13 @@ LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}
            ({"pp": 2, "dp": 2, "zero": 3}, {}, GEMMA3)]
 # MoE (model/moe.py): the dense MLP's tp collectives, the router's gradient summed over tp (as qk-norm's),
 # every expert's gradients over dp; ZeRO-3 gathers [E, H, d] tensors
-NO_MOE = pytest.mark.skipif(importlib.util.find_spec("tetrad.model.moe") is None, reason="the model has no MoE here")
 MOE = {"n_experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96}
-LAYOUTS += [pytest.param(*layout, marks=NO_MOE) for layout in [
+LAYOUTS += [
     ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}, MOE), ({"tp": 2}, {}, MOE),
     ({"dp": 2, "zero": 3}, {}, {**MOE, "mlp": "gelu"}), ({"pp": 2, "dp": 2, "zero": 2}, {"recompute": "full"}, MOE),
     # the counts summed over cp (again under full and per-op recompute); SP's regather gathers no MoE input again
     ({"tp": 2, "cp": 2, "sequence_parallel": True, "sp_regather": True}, {}, MOE),
-    ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "full"}, MOE), ({"cp": 2}, {"recompute": "selective-op"}, MOE)]]
+    ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "full"}, MOE), ({"cp": 2}, {"recompute": "selective-op"}, MOE)]
 
 
 def _name(parallel: dict) -> str:
@@ -131,12 +128,12 @@ COUNTED_LAYOUTS += [({"pp": 2, "vpp": 2, "schedule": "interleaved", "stage_layer
 # SP with full recompute: the final norm's input is a sequence chunk, a large share of little.
 COUNTED_LAYOUTS += [({"tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {})]
 # MoE: each token's k experts' hidden tensors, the routed copies, the router's probabilities and indices
-COUNTED_LAYOUTS += [pytest.param(*layout, marks=NO_MOE) for layout in [
+COUNTED_LAYOUTS += [
     ({"tp": 2, "sequence_parallel": True}, {}, {"n_experts": 4}), ({"pp": 2}, {}, {"n_experts": 4, "mlp": "gelu"}),
     ({"dp": 2, "zero": 1}, {}, {"n_experts": 8, "experts_per_token": 1, "expert_ffn_hidden": 256}),
     ({"pp": 2, "schedule": "zb"}, {}, {"n_experts": 4}),
     ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective-op"}, {"n_experts": 4}),
-    ({"tp": 2}, {"recompute": "full"}, {"n_experts": 4})]]  # the experts' weight gradients made in BI: none deferred
+    ({"tp": 2}, {"recompute": "full"}, {"n_experts": 4})]  # the experts' weight gradients made in BI: none deferred
 # qk-norm keeps q's and k's inputs; heads of 48 over d_model 256 (q 384 wide).
 COUNTED_LAYOUTS += [({"tp": 2}, {}, {"qk_norm": True, "head_dim": 48})]
 # Gemma 3: four norms a layer keep their inputs, qk-norm q's and k's, GeGLU as SwiGLU; one window bias

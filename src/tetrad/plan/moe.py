@@ -1,7 +1,7 @@
 """What a mixture-of-experts layer adds to the planner's time and memory beyond its GEMMs (those
 are layer.py's, over each expert's balanced share of the rows) and its parameters (model/flops.py).
 
-Routing is dropless top-k (docs/moe_spec): every token's hidden state goes to k experts whatever
+Routing is dropless top-k (model/moe.py): every token's hidden state goes to k experts whatever
 the balance, so the k·tokens rows a layer keeps for backward do not depend on it and need no
 imbalance margin. Imbalance changes only how those rows split over the E experts' GEMMs: the
 time model takes the balanced split (tokens·k/E rows each), the best case for the GEMMs' shapes.

@@ -37,6 +37,7 @@ KEY_ALIASES = {
     "dump_folder": "run.dir", "save": "checkpoint.dir", "load": "checkpoint.dir", "flavor": "model.preset",
     "dataset": "data.source", "mode": "train.recompute",
     **dict.fromkeys(("num_experts", "num_local_experts"), "model.n_experts"),
+    **dict.fromkeys(("expert_model_parallel_size", "expert_parallel_size", "ep_size"), "parallel.ep"),
     **dict.fromkeys(("moe_router_topk", "num_experts_per_tok", "top_k"), "model.experts_per_token"),
     **dict.fromkeys(("moe_ffn_hidden_size", "moe_intermediate_size"), "model.expert_ffn_hidden"),
     **dict.fromkeys(("moe_aux_loss_coeff", "router_aux_loss_coef", "load_balance_coeff"), "model.router_aux_loss"),

@@ -177,6 +177,10 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # Expert parallelism: each mixture-of-experts layer's experts split over consecutive blocks of
+    # this many dp ranks (tokens travel to their experts by all-to-all); must divide dp. Megatron's
+    # --expert-model-parallel-size, within dp as there.
+    ep: int = 1
     vpp: int = 1
     schedule: str = "1f1b"  # a name in parallel/pipeline/registry.py, whose check_config validates it
     # Layers of each of the pp*vpp pipeline stages, e.g. [7, 8, 8, 7]; empty: balanced by FLOPs.

@@ -62,7 +62,7 @@ RANGES: dict[str, Range] = {
     "model.rope_local_base_freq": Range(0), "model.query_pre_attn_scalar": Range(0),  # 0: as the others, head_dim
     "model.n_experts": COUNT, "model.experts_per_token": SIZE, "model.expert_ffn_hidden": COUNT,  # 0: dense; ffn_hidden
     "model.router_aux_loss": Range(0),
-    **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "vpp", "ranks_per_node")},
+    **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "ep", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,
     "train.steps": SIZE, "train.global_batch": SIZE, "train.micro_batch": SIZE, "train.batch_rampup": SIZE,
@@ -172,9 +172,26 @@ def _check_experts(cfg: Config) -> None:
     if m.n_experts and m.expert_hidden % tp:
         raise ConfigError(f"tp={tp} does not divide the experts' hidden width {m.expert_hidden} "
                           f"(model.expert_ffn_hidden, or ffn_hidden where 0); use tp in {divisors(m.expert_hidden)}")
+    _check_expert_parallel(cfg)
     if m.n_experts and cfg.train.compile:
         raise ConfigError(f"train.compile does not take mixture-of-experts layers yet (model.n_experts={m.n_experts}: "
                           "each expert's token count changes every step); set train.compile=false")
+
+
+def _check_expert_parallel(cfg: Config) -> None:
+    """parallel.ep: whole experts per rank, over blocks of dp ranks."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep == 1:
+        return
+    if not m.n_experts:
+        raise ConfigError(f"parallel.ep={p.ep} splits mixture-of-experts layers' experts, and this model has none "
+                          f"(model.n_experts=0); set parallel.ep=1, or model.n_experts")
+    if m.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.n_experts={m.n_experts} (each rank holds whole "
+                          f"experts); use ep in {[e for e in divisors(m.n_experts) if not p.dp % e]}")
+    if p.dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide dp={p.dp} (the experts split over blocks of dp ranks); "
+                          f"use ep in {[e for e in divisors(p.dp) if not m.n_experts % e]}")
 
 
 def _check_pipeline(cfg: Config, runtime: bool) -> None:

@@ -22,8 +22,16 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 def parity_atol(parallel: dict) -> float:
     """assert_parity's parameter bound for a layout: tests/test_cp.py's and tests/test_tp.py's,
-    for the reasons written there."""
-    return 2e-4 if parallel["cp"] > 1 else 1e-4 if parallel["tp"] > 1 else 1e-5
+    for the reasons written there. ZeRO-2/3 reduce-scatter each micro-batch's gradient and add
+    the shards, another order of sums than ZeRO-0/1's one all-reduce of the accumulated gradient,
+    which AdamW's g/sqrt(v) amplifies on a near-zero gradient: seed 1051 (dp2, ZeRO-3, three
+    micro-batches a rank) moves one element of 4096 in layers.1.attn.wo.weight by 1.35e-5 on an
+    AMD EPYC's BLAS (ZeRO-0: 4.5e-6 on the same element; every other within 1e-6)."""
+    if parallel["cp"] > 1:
+        return 2e-4
+    if parallel["tp"] > 1:
+        return 1e-4
+    return 2e-5 if parallel.get("zero", 0) >= 2 else 1e-5
 
 
 def factor(world: int, rng: random.Random) -> dict:

@@ -22,7 +22,7 @@ from tetrad.dist.layout import Layout
 from tetrad.dist.topology import Topology
 from tetrad.model.sampling import GREEDY, Sampling
 from tetrad.train.batched import generate_batch
-from tetrad.train.generate import generate
+from tetrad.train.generate import found_weights, generate, prompt_ids
 from tetrad.train.inference import inference_model
 
 MODELS = {"llama": {}, "gpt": {"preset": "tiny-gpt", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 4,
@@ -33,7 +33,7 @@ SAMPLINGS = {"greedy": GREEDY, "seeded": Sampling(temperature=1.0, top_p=0.95)}
 PROMPTS = [list(range(40, 49)), [7], list(range(100, 127)), list(range(60, 64)), list(range(200, 214))]
 
 
-def _stop_reason(prompt: list[int], new: list[int], max_new: int, stop: frozenset[int]) -> str:
+def _stop_reason(new: list[int], max_new: int, stop: frozenset[int]) -> str:
     return "eos" if new[-1] in stop else "length" if len(new) == max_new else "context"
 
 
@@ -42,7 +42,7 @@ def _alone(model, prompts, max_new, sampling, stop) -> list[tuple[list[int], str
     out = []
     for prompt in prompts:
         new, _ = generate(model, prompt, max_new, sampling, seed=3, stop=stop)
-        out.append((new, _stop_reason(prompt, new, max_new, stop)))
+        out.append((new, _stop_reason(new, max_new, stop)))
     return out
 
 
@@ -102,6 +102,7 @@ def hf(tmp_path_factory):
 
 
 LINES = ["the licence", "Permission", "to deal in the Software without restriction, including", "a"]
+LONG = "the licence " * 300
 FLAGS = ["--max-new-tokens", "8", "--temperature", "1", "--seed", "5"]
 
 
@@ -112,7 +113,8 @@ def _alone_out(hf, capsys, flags: list[str]) -> str:
 
 def test_the_command_writes_each_prompts_own_text_in_input_order(hf, tmp_path, capsys):
     """Plain lines (a blank one skipped) in batches of 3: each object's prompt and completion are
-    `--prompt`'s text with the same seed; the output is in input order, one object a line."""
+    `--prompt`'s text with the same seed; the output is in input order, one object a line; and
+    the same under --tp 2."""
     prompts, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
     prompts.write_text(LINES[0] + "\n\n" + "\n".join(LINES[1:]) + "\n")
     assert main(["generate", str(hf), "--prompts", str(prompts), "--output", str(out), "--batch-size", "3",
@@ -124,6 +126,10 @@ def test_the_command_writes_each_prompts_own_text_in_input_order(hf, tmp_path, c
     for row in rows:
         assert row["prompt"] + row["completion"] + "\n" == _alone_out(hf, capsys, ["--prompt", row["prompt"]])
         assert row["stop"] in ("eos", "length") and 0 < row["new_tokens"] <= 8
+    two = tmp_path / "two.jsonl"  # on two forked ranks, each holding half the model and the cache
+    assert main(["generate", str(hf), "--prompts", str(prompts), "--output", str(two), "--batch-size", "3",
+                 "--tp", "2", *FLAGS]) == 0
+    assert two.read_text() == out.read_text() and "(cpu, fp32, tp 2)" in capsys.readouterr().err
 
 
 def test_jsonl_on_stdin_keeps_each_objects_fields_and_chat_answers_each_message(hf, monkeypatch, capsys):
@@ -145,8 +151,8 @@ def test_jsonl_on_stdin_keeps_each_objects_fields_and_chat_answers_each_message(
     ("hi\n", ["--batch-size", "0"], "--batch-size 0: need --batch-size >= 1"),
     ("\n  \n", [], "--prompts {file} holds no prompt; write one prompt a line, or a JSON object with a \"prompt\" a "
                    "line"),
-    ("hi\n" + "the licence " * 100 + "\n", [], "--prompts {file} line 2: the prompt is 201 tokens; the model reads at "
-                                               "most 256 tokens, so use a shorter one; shorten it or leave it out"),
+    ("hi\n" + LONG + "\n", [], "--prompts {file} line 2: the prompt is {tokens} tokens; the model reads at most 256 "
+                               "tokens, so use a shorter one; shorten it or leave it out"),
     ('{"prompt": "hi"}\n{"text": "x"}\n', [], "--prompts {file} line 2: the first line is a JSON object, so every "
                                               "line must be one with a string \"prompt\"; fix the line, or make the "
                                               "file plain text"),
@@ -155,4 +161,6 @@ def test_a_bad_prompts_file_or_flag_is_one_line(hf, tmp_path, capsys, text, flag
     file = tmp_path / "prompts.txt"
     file.write_text(text)
     assert main(["generate", str(hf), "--prompts", str(file), *flags]) == 2
-    assert capsys.readouterr() == ("", f"tetrad generate: {line.format(file=file)}\n")
+    tokens = len(prompt_ids(found_weights(hf).tokenizer, LONG, 10 ** 6))
+    assert tokens > 256
+    assert capsys.readouterr() == ("", f"tetrad generate: {line.format(file=file, tokens=tokens)}\n")

@@ -44,7 +44,7 @@ from tetrad.train.generate import (Dialogue, Weights, sampling_flags, chat_templ
 from tetrad.train.inference import inference_model
 
 
-def _arguments(argv: list[str]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tetrad generate", description="Sample text from a checkpoint with a KV "
                                      "cache and the run's tokenizer: on one device, or split over --tp ranks.")
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, a checkpoint dir with `latest`, a run dir, "
@@ -56,13 +56,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "without it to each line of stdin in turn, keeping the conversation, until an empty line, "
                         "the input's end or the model's context (model.max_position_embeddings, else seq_len); "
                         "a conversation on stdin runs without torchrun")
-    parser.add_argument("--prompts", metavar="FILE", help="decode every prompt of FILE ('-': stdin), --batch-size at "
-                        "a time, to --output as JSONL: one prompt a line, or JSONL (the first non-blank line a JSON "
-                        "object) with a \"prompt\" a line; blank lines skipped; with --chat each the user's message")
-    parser.add_argument("--output", type=Path, metavar="OUT", help="with --prompts, the JSONL file to write "
-                        "(default: stdout): a line a prompt, in input order")
-    parser.add_argument("--batch-size", type=int, default=8, help="with --prompts, the prompts decoded at once, "
-                        "one forward a step (default 8)")
+    parser.add_argument("--prompts", metavar="FILE", help="decode each line of FILE ('-': stdin) as a --prompt (or "
+                        "JSONL: objects with a \"prompt\"), --batch-size at a time, to --output as JSONL (README)")
+    parser.add_argument("--output", type=Path, metavar="OUT", help="with --prompts, the JSONL file (default: stdout)")
+    parser.add_argument("--batch-size", type=int, default=8, help="with --prompts, prompts decoded at once (default 8)")
     parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens (default 200; "
                         "fewer at an EOS or the end of the model's context); the KV cache is allocated for the "
@@ -85,7 +82,11 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "before Ampere)")
     parser.add_argument("--tp", type=int, help="tensor-parallel ranks, each holding 1/tp of the heads, the MLP, the "
                         "vocabulary and the KV cache (default 1; under torchrun its world size)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise ConfigError("need --max-new-tokens >= 1")
     try:

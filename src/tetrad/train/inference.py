@@ -49,9 +49,9 @@ def full_logits(model: Transformer, local: torch.Tensor) -> torch.Tensor:
     local, topo = local.float(), model.topo
     if topo.tp_size == 1:
         return local[..., :model.cfg.vocab_size]
-    gathered = local.new_empty(topo.tp_size, *local.shape)
+    gathered = local.new_empty(topo.tp_size * local.shape[0], *local.shape[1:])  # the ranks' along dim 0
     topo.comm.all_gather(gathered, local.contiguous(), "tp")
-    return gathered.movedim(0, -2).flatten(-2)[..., :model.cfg.vocab_size]
+    return gathered.view(topo.tp_size, *local.shape).movedim(0, -2).flatten(-2)[..., :model.cfg.vocab_size]
 
 
 def agreed_token(token: int, topo: Topology) -> int:

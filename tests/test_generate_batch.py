@@ -156,7 +156,9 @@ def test_jsonl_on_stdin_keeps_each_objects_fields_and_chat_answers_each_message(
     ('{"prompt": "hi"}\n{"text": "x"}\n', [], "--prompts {file} line 2: the first line is a JSON object, so every "
                                               "line must be one with a string \"prompt\"; fix the line, or make the "
                                               "file plain text"),
-], ids=["with --prompt", "batch size 0", "empty", "too long", "jsonl without prompt"])
+    ("hi\n", ["--output", "/no/such/folder/out.jsonl"], "--output /no/such/folder/out.jsonl: pass it with --prompts, "
+                                                        "in a folder that exists"),
+], ids=["with --prompt", "batch size 0", "empty", "too long", "jsonl without prompt", "output folder missing"])
 def test_a_bad_prompts_file_or_flag_is_one_line(hf, tmp_path, capsys, text, flags, line):
     file = tmp_path / "prompts.txt"
     file.write_text(text)

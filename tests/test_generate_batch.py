@@ -2,9 +2,8 @@
 KV cache, gives each prompt the tokens it gets decoded alone (`generate`), greedy and seeded (each
 row its own generator seeded with --seed), prompts of different lengths, a row that stops at its
 EOS while the others run on, one the context ends, learned positions, sliding windows (Gemma 3's
-sliding and global layers too) and tp 2;
-the command writes one JSON object a prompt in input order, plain or JSONL input, --chat too;
-its user errors are one line."""
+sliding and global layers too) and tp 2; the command writes one JSON object a prompt in input
+order, plain or JSONL input, --chat too; its user errors are one line."""
 
 from __future__ import annotations
 

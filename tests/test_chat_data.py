@@ -233,7 +233,7 @@ def test_a_run_on_chat_data_answers_in_its_template_and_exports_it(tmp_path, cap
     the template, so transformers' apply_chat_template gives the same ids there."""
     transformers = pytest.importorskip("transformers")
     from tetrad.data.chat import template_beside
-    from tetrad.train.generate import _stops
+    from tetrad.train.generate import stop_tokens
     tokenizer, _ = _chat_tokenizer(tmp_path)
     out = _chat_data(tmp_path, [{"messages": c} for c in CONVERSATIONS] * 10)
     assert template_beside(out / "tokenizer.json").text == TEMPLATE
@@ -250,7 +250,7 @@ def test_a_run_on_chat_data_answers_in_its_template_and_exports_it(tmp_path, cap
     _, ids, new = reply(model, run_tokenizer, template_beside(source), message, 4, GREEDY)
     assert ids == _ids(hf_ids)
     eot = tokenizer.token_to_id("<|eot_id|>")
-    assert eot in _stops(run_tokenizer, template_beside(source)) and eot not in new[:-1]
+    assert eot in stop_tokens(run_tokenizer, template_beside(source)) and eot not in new[:-1]
     assert main(["convert", str(run), "--to-hf", str(hf)]) == 0
     exported = transformers.AutoTokenizer.from_pretrained(hf)
     assert _ids(exported.apply_chat_template(message, add_generation_prompt=True, tokenize=True)) == ids

@@ -177,7 +177,7 @@ def test_the_eos_the_data_recorded_stops_generation_and_is_the_exports(tmp_path,
     tokenizer_config.json name it, not the first of KNOWN_EOS the tokenizer has (as before)."""
     import json
     from tetrad.data.tokenizer import eos_id, train_bpe
-    from tetrad.train.generate import _stops, load_generator
+    from tetrad.train.generate import stop_tokens, load_generator
     tokenizer = train_bpe(iter(["the licence grants the right to copy the text"] * 4), 300)
     tokenizer.add_special_tokens(["<|end_of_text|>", "<|eot_id|>"])
     tokenizer.save(str(tmp_path / "tokenizer.json"))
@@ -190,7 +190,7 @@ def test_the_eos_the_data_recorded_stops_generation_and_is_the_exports(tmp_path,
     assert main(["train", f"--data.source={data}", "--train.steps=1", "--model.seq_len=32", "--train.global_batch=2",
                  "--train.micro_batch=1", "--checkpoint.every=1", f"--run.dir={run}"]) == 0
     _, run_tokenizer, source = load_generator(run)
-    assert _stops(run_tokenizer, None, source) == {eot}
+    assert stop_tokens(run_tokenizer, None, source) == {eot}
     import tetrad.train.generate as module
     seen, decode = [], module.generate
     monkeypatch.setattr(module, "generate", lambda *args: seen.append(args[5]) or decode(*args))
@@ -212,7 +212,7 @@ def test_an_imported_models_eos_ends_generation_and_goes_back_out(tmp_path, eos)
     import json
     transformers = pytest.importorskip("transformers")
     from tetrad.data.tokenizer import eos_id, train_bpe
-    from tetrad.train.generate import _stops, load_generator
+    from tetrad.train.generate import stop_tokens, load_generator
     tokenizer = train_bpe(iter(["the licence grants the right to copy the text"] * 4), 300)
     tokenizer.add_special_tokens(["<|end_of_text|>", "<|eot_id|>"])
     end, eot = tokenizer.token_to_id("<|end_of_text|>"), tokenizer.token_to_id("<|eot_id|>")
@@ -230,12 +230,12 @@ def test_an_imported_models_eos_ends_generation_and_goes_back_out(tmp_path, eos)
     expected = {"one": {eot}, "list": {end, eot}, "none": {eos_id(tokenizer)}, "config-only": {eot}}[eos]
     written = {"one": eot, "list": [end, eot], "none": eos_id(tokenizer), "config-only": eot}[eos]
     _, hf_tokenizer, source = load_generator(hf)  # `tetrad generate HF_DIR`
-    assert _stops(hf_tokenizer, None, source) == expected
+    assert stop_tokens(hf_tokenizer, None, source) == expected
     for round_trip in range(2):
         ckpt, back = tmp_path / f"ckpt{round_trip}", tmp_path / f"back{round_trip}"
         assert main(["convert", str(hf), "--to-tetrad", str(ckpt)]) == 0
         _, run_tokenizer, source = load_generator(ckpt)
-        assert _stops(run_tokenizer, None, source) == expected
+        assert stop_tokens(run_tokenizer, None, source) == expected
         assert main(["convert", str(ckpt), "--to-hf", str(back)]) == 0
         assert json.loads((back / "config.json").read_text())["eos_token_id"] == written
         hf = back
@@ -330,7 +330,7 @@ def test_a_run_fine_tuned_on_a_models_tokenizer_keeps_its_eos_and_sampling(tmp_p
     import json
     transformers = pytest.importorskip("transformers")
     from tetrad.data.tokenizer import model_sampling, train_bpe
-    from tetrad.train.generate import _stops, load_generator
+    from tetrad.train.generate import stop_tokens, load_generator
     text = "the licence grants the right to copy the text\n"
     tokenizer = train_bpe(iter([text] * 4), 300)
     tokenizer.add_special_tokens(["<|end_of_text|>", "<|eot_id|>"])
@@ -352,7 +352,7 @@ def test_a_run_fine_tuned_on_a_models_tokenizer_keeps_its_eos_and_sampling(tmp_p
     _, run_tokenizer, source = load_generator(run)
     assert model_sampling(source) == {"temperature": 0.6, "top_k": 50, "top_p": 0.9, "min_p": 0.0,
                                       "repetition_penalty": 1.1}
-    assert _stops(run_tokenizer, None, source) == {end, eot}
+    assert stop_tokens(run_tokenizer, None, source) == {end, eot}
     assert main(["convert", str(run), "--to-hf", str(back)]) == 0
     loaded = transformers.GenerationConfig.from_pretrained(back)
     assert (loaded.eos_token_id, loaded.temperature, loaded.repetition_penalty) == ([end, eot], 0.6, 1.1)

@@ -22,7 +22,9 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,12 +38,13 @@ from tetrad.dist.topology import Topology
 from tetrad.model.llama import Transformer
 from tetrad.model.sampling import Sampling
 from tetrad.train.checkpoint import CheckpointError
+from tetrad.train.batched import Prompt, decode_prompts, tokenized, write_outputs
 from tetrad.train.generate import (Dialogue, Weights, sampling_flags, chat_template, complete, continuation_loss,
-                                   converse, found_weights, sampling_settings)
+                                   converse, found_weights, sampling_settings, stop_tokens)
 from tetrad.train.inference import inference_model
 
 
-def _arguments(argv: list[str]) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tetrad generate", description="Sample text from a checkpoint with a KV "
                                      "cache and the run's tokenizer: on one device, or split over --tp ranks.")
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, a checkpoint dir with `latest`, a run dir, "
@@ -53,6 +56,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "without it to each line of stdin in turn, keeping the conversation, until an empty line, "
                         "the input's end or the model's context (model.max_position_embeddings, else seq_len); "
                         "a conversation on stdin runs without torchrun")
+    parser.add_argument("--prompts", metavar="FILE", help="decode each line of FILE ('-': stdin) as a --prompt (or "
+                        "JSONL: objects with a \"prompt\"), --batch-size at a time, to --output as JSONL (README)")
+    parser.add_argument("--output", type=Path, metavar="OUT", help="with --prompts, the JSONL file (default: stdout)")
+    parser.add_argument("--batch-size", type=int, default=8, help="with --prompts, prompts decoded at once (default 8)")
     parser.add_argument("--system", metavar="TEXT", help="with --chat, a system message first in the conversation")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="at most this many tokens (default 200; "
                         "fewer at an EOS or the end of the model's context); the KV cache is allocated for the "
@@ -75,7 +82,11 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                         "before Ampere)")
     parser.add_argument("--tp", type=int, help="tensor-parallel ranks, each holding 1/tp of the heads, the MLP, the "
                         "vocabulary and the KV cache (default 1; under torchrun its world size)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise ConfigError("need --max-new-tokens >= 1")
     try:
@@ -88,6 +99,12 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                 text.encode("utf-8")
             except UnicodeEncodeError:  # bytes the locale could not decode (surrogateescape): no tokenizer takes them
                 raise ConfigError(f"{flag} holds bytes that are not UTF-8 text; pass it in UTF-8") from None
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size}: need --batch-size >= 1")
+    if args.prompts is not None and args.prompt is not None:
+        raise ConfigError("--prompts reads the prompts from its file; drop --prompt (or add it to the file)")
+    if args.output is not None and (args.prompts is None or not args.output.parent.is_dir()):
+        raise ConfigError(f"--output {args.output}: pass it with --prompts, in a folder that exists")
     if args.system is not None and not args.chat:
         raise ConfigError("--system is a chat's system message: pass --chat too")
     if not args.checkpoint.exists():
@@ -138,7 +155,9 @@ def _placement(args: argparse.Namespace) -> tuple[str, str, int]:
     if world is None and device_type != "cpu" and tp > devices.local_device_count(device_type):
         have = counted(devices.local_device_count(device_type), f"{device_type} device")
         raise ConfigError(f"--tp {tp} but this machine has {have}; use torchrun across nodes, or a smaller --tp")
-    if world is not None and args.chat and args.prompt is None:  # some of torchrun's processes have no stdin
+    if world is not None and args.prompts == "-":
+        raise ConfigError("--prompts - reads stdin, which only some of torchrun's processes have; pass a file")
+    if world is not None and args.chat and args.prompt is None and args.prompts is None:  # some have no stdin
         raise ConfigError(f"a conversation on stdin runs without torchrun (tetrad generate --tp {tp} starts its ranks "
                           f"itself); pass --prompt for one message under torchrun, or run it without torchrun to "
                           "converse")
@@ -164,6 +183,7 @@ class Job:
     sampling: Sampling
     chat: ChatTemplate | None  # --chat's template, else None
     args: argparse.Namespace
+    prompts: tuple[Prompt, ...] | None = None  # --prompts' (batched.tokenized), else None
 
 
 def sample_on_this_rank(job: Job) -> tuple[str, list[int], list[int], float]:
@@ -172,19 +192,38 @@ def sample_on_this_rank(job: Job) -> tuple[str, list[int], list[int], float]:
     prompt longer than the model's context, a message the chat template refuses; the device out of
     memory, maybe on this rank alone) is raised as a ConfigError, its line, on which run_local ends
     every rank at once, as torchrun does; anything else (a bug) as itself, with its traceback."""
-    args, weights = job.args, job.weights
+    def sample(model: Transformer) -> tuple[str, list[int], list[int], float]:
+        args, weights = job.args, job.weights
+        if job.chat is not None:
+            dialogue = Dialogue(model, weights.tokenizer, job.chat, args.system, weights.source)
+            text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, job.sampling, args.seed)
+        else:
+            text, prompt, new = complete(model, weights.tokenizer, args.prompt or "", args.max_new_tokens,
+                                         job.sampling, args.seed, weights.source)
+        return text, prompt, new, continuation_loss(model, prompt, new)
+    return _decoded_on_this_rank(job, sample)
+
+
+def prompts_on_this_rank(job: Job) -> list[dict]:
+    """This rank's part of --prompts: each prompt's output object (batched.decode_prompts), the
+    same on every rank, tp rank 0 saying the progress; errors as sample_on_this_rank's."""
+    def decode(model: Transformer) -> list[dict]:
+        tokenizer, args = job.weights.tokenizer, job.args
+        return decode_prompts(model, tokenizer, job.prompts, args.batch_size, args.max_new_tokens, job.sampling,
+                              args.seed, stop_tokens(tokenizer, job.chat, job.weights.source), job.chat,
+                              says_progress=model.topo.tp_rank == 0)
+    return _decoded_on_this_rank(job, decode)
+
+
+def _decoded_on_this_rank(job: Job, decode: Callable[[Transformer], Any]) -> Any:
+    """`decode` of the job's model on this rank (its tp rank's part), a device out of memory the
+    ConfigError naming what to change."""
     device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
     topo = Topology(Layout(tp=job.tp), device)
     try:  # a refusal is raised, not returned: the other ranks may be waiting in a collective for this one
         model = _filled(job, topo)
         try:
-            if job.chat is not None:
-                dialogue = Dialogue(model, weights.tokenizer, job.chat, args.system, weights.source)
-                text, prompt, new = dialogue.answer(args.prompt, args.max_new_tokens, job.sampling, args.seed)
-            else:
-                text, prompt, new = complete(model, weights.tokenizer, args.prompt or "", args.max_new_tokens,
-                                             job.sampling, args.seed, weights.source)
-            return text, prompt, new, continuation_loss(model, prompt, new)
+            return decode(model)
         except torch.OutOfMemoryError as e:
             raise ConfigError(out_of_memory(job, "decoding", e)) from None
     finally:
@@ -246,7 +285,9 @@ def _job(argv: list[str]) -> Job:
     chat, note = chat_template(weights.tokenizer, weights.source, args.system) if args.chat else (None, None)
     if note and launch.speaks_for_the_job():  # once, not once per torchrun process
         print(note, file=sys.stderr)
-    return Job(weights, device_type, dtype, tp, sampling, chat, args)
+    prompts = None if args.prompts is None else tokenized(args.prompts, weights.tokenizer,
+                                                          weights.model.context_length, chat, args.system)
+    return Job(weights, device_type, dtype, tp, sampling, chat, args, prompts)
 
 
 class _Queued:
@@ -273,19 +314,12 @@ def converse_on_this_rank(job: Job, queue=None, tty: bool = False) -> tuple[int,
     with the other ranks (inference.agreed_line) and prints the answers. The turns answered and the
     KV cache's reused and prompted tokens; a user error is raised as a ConfigError, as
     sample_on_this_rank's (stdin's bytes that are not UTF-8 too)."""
-    device = devices.bind_rank(job.device_type, int(os.environ.get("LOCAL_RANK", "0")))
-    topo = Topology(Layout(tp=job.tp), device)
-    try:
-        model = _filled(job, topo)
+    def converse_here(model: Transformer) -> tuple[int, int, int]:
         dialogue = Dialogue(model, job.weights.tokenizer, job.chat, job.args.system, job.weights.source)
-        lines = None if topo.tp_rank else sys.stdin if queue is None else _Queued(queue, tty)
-        try:
-            turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, lines)
-        except torch.OutOfMemoryError as e:
-            raise ConfigError(out_of_memory(job, "decoding", e)) from None
+        lines = None if model.topo.tp_rank else sys.stdin if queue is None else _Queued(queue, tty)
+        turns = converse(dialogue, job.args.max_new_tokens, job.sampling, job.args.seed, lines)
         return turns, dialogue.cache.reused, dialogue.cache.prompted
-    finally:
-        topo.close()
+    return _decoded_on_this_rank(job, converse_here)
 
 
 def _fed(queue, lines) -> None:
@@ -319,14 +353,15 @@ def _conversation(job: Job) -> int:
     return 0
 
 
-def _sampled(job: Job) -> tuple[str, list[int], list[int], float]:
-    """Rank 0's result: here, on this machine's tp ranks, or on this torchrun rank."""
+def _on_ranks(job: Job, on_this_rank: Callable[[Job], Any]) -> Any:
+    """Rank 0's result of `on_this_rank` (sample_on_this_rank, prompts_on_this_rank): here, on this
+    machine's tp ranks, or on this torchrun rank."""
     if job.tp == 1 and not launch.in_torchrun():
-        return sample_on_this_rank(job)
+        return on_this_rank(job)
     if launch.in_torchrun():
         with launch.torchrun_process_group(job.device_type):
-            return sample_on_this_rank(job)
-    return launch.run_local(sample_on_this_rank, job.tp, (job,), device_type=job.device_type)[0]
+            return on_this_rank(job)
+    return launch.run_local(on_this_rank, job.tp, (job,), device_type=job.device_type)[0]
 
 
 def _refused(error: Exception) -> int:
@@ -341,19 +376,25 @@ def generate_command(argv: list[str]) -> int:
     on a rank) is one line and exit 2; anything else, a ValueError too, is a bug: its traceback."""
     try:
         job = _job(argv)
-        if job.chat is not None and job.args.prompt is None:
+        if job.prompts is not None:
+            outputs = _on_ranks(job, prompts_on_this_rank)
+        elif job.chat is not None and job.args.prompt is None:
             return _conversation(job)
-        result = _sampled(job)
+        else:
+            result = _on_ranks(job, sample_on_this_rank)
     except (CheckpointError, ConfigError) as e:
         return _refused(e)
     if not launch.speaks_for_the_job():
+        return 0
+    where = f"{job.device_type}, {job.dtype}" + (f", tp {job.tp}" if job.tp > 1 else "")
+    if job.prompts is not None:
+        write_outputs(outputs, job.args.output, where)
         return 0
     text, prompt, new, loss = result
     context, args = job.weights.model.context_length, job.args
     print(text)
     capped = (f"; the model's context ({context} tokens) ended it before --max-new-tokens"
               if len(prompt) + len(new) > context and len(new) < args.max_new_tokens else "")
-    where = f"{job.device_type}, {job.dtype}" + (f", tp {job.tp}" if job.tp > 1 else "")
     print(f"tetrad generate: {counted(len(new), 'token')}; their loss under the model {loss:.4f} "
           f"(tokenizer: {job.weights.source or 'bytes'}; {where}){capped}", file=sys.stderr)
     return 0

@@ -1,6 +1,8 @@
 """Decoding's KV cache: each layer's keys and values of the tokens so far (`LayerCache`), and the
 attention of the newest tokens over them (`cached_attention`); model/llama.py's Attention runs them
-when given a cache (train/generate.py decodes with one per layer)."""
+when given a cache (train/generate.py decodes with one per layer). A batch of prompts of different
+lengths (train/batched.py) is left-padded: each row's tokens fill the cache's last columns, and
+`padded_visibility` hides the pads' columns from its queries."""
 
 from __future__ import annotations
 
@@ -47,21 +49,47 @@ class LayerCache:
             k[:, :, :self.length], v[:, :, :self.length] = self.k[:, :, :self.length], self.v[:, :, :self.length]
         self.k, self.v = k, v
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep the batch rows `rows` alone (a batch whose other rows finished): a copy of theirs,
+        after which the finished rows cost no more compute."""
+        self.k, self.v = self.k[rows], self.v[rows]
+
     def keep(self, tokens: int) -> None:
         """Forget all but the first `tokens`: a chat's next turn that reads the same up to there
         (train/generate.py); each token's keys and values depend on the tokens before it only."""
         self.length = min(self.length, tokens)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+def padded_visibility(positions: torch.Tensor, keys: int, window: int = 0) -> torch.Tensor:
+    """[b, 1, s, keys] bool: which of the cache's `keys` columns each of a left-padded batch's newest
+    s tokens sees. positions [b, s]: each row's true positions, its last column its newest token,
+    which takes the cache's last column, so that column c of row i holds position
+    positions[i, -1] - (keys - 1 - c), a pad where that is negative. Causal and within the sliding
+    `window` (0: none) by those positions, as one row alone sees its own tokens; a pad's query,
+    which sees no key, sees them all instead (SDPA gives a query without keys NaN; a pad's output
+    is never read, and its keys are hidden)."""
+    held = positions[:, -1:] - (keys - 1) + torch.arange(keys, device=positions.device)  # [b, keys]
+    delta = positions[:, :, None] - held[:, None, :]
+    visible = (held[:, None, :] >= 0) & (delta >= 0)
+    if window:
+        visible &= delta < window
+    return (visible | ~visible.any(-1, keepdim=True))[:, None]
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the newest q.shape[1] tokens over all k.shape[2] cached ones
     (decoding: no sequence or context parallelism; under tp this rank's heads), within the sliding
     `window` (0: none). Grouped-query heads attend as they are (SDPA's enable_gqa: no copy of the
     cache per query head). A new token alone needs no mask: it sees every cached key, or the
     window's last ones, which it attends over alone; a prompt with nothing cached before it is the
     training forward's attention (flash kernels where the device has them).
+    `visible`: a left-padded batch's mask (padded_visibility: the window is in it).
     q: [b, s, heads, d]; k, v: [b, kv_heads, t, d]; returns [b, s, heads, d]."""
     s, t = q.shape[1], k.shape[2]
+    if visible is not None:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible, enable_gqa=True)
+        return out.transpose(1, 2)
     if s == t:
         return local_attention(q, k.transpose(1, 2), v.transpose(1, 2), window=window)
     mask = None

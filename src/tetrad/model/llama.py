@@ -25,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from tetrad.config import ModelConfig
 from tetrad.model.attention import attention, sequence_mask, uses_varlen
 from tetrad.model.documents import Documents
-from tetrad.model.kv_cache import LayerCache, cached_attention
+from tetrad.model.kv_cache import LayerCache, cached_attention, padded_visibility
 from tetrad.model.masks import hides_keys
 from tetrad.model.moe import MoE
 from tetrad.model.replay import RingReplay
@@ -82,7 +82,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: LayerCache | None = None, docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
         """`cache` (decoding): x holds the newest tokens only; their keys and values join the cache.
-        `docs`: the sequence's `Documents`, or the mask bias the chunk's layers share (model/masks.py)."""
+        `docs`: the sequence's `Documents`, or the mask bias the chunk's layers share (model/masks.py);
+        with a cache, a left-padded batch's visibility (kv_cache.padded_visibility) or None."""
         # q, k, v share one input collective; under SP x is a sequence chunk, q/k/v the whole sequence.
         q, k, v = column_parallel_linears(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.topo, self.ex)
         q, k, v = self.wq.add_bias(q), self.wk.add_bias(k), self.wv.add_bias(v)
@@ -96,7 +97,7 @@ class Attention(nn.Module):
         if cache is not None:
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            out = cached_attention(q, *cache.extend(k, v), self.window)
+            out = cached_attention(q, *cache.extend(k, v), self.window, docs)
         elif self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, rope, docs, use_reentrant=False)
         else:
@@ -191,7 +192,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope, cache: LayerCache | None = None,
                 docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
         if cache is not None:  # decoding: no recompute, no compile
-            x = x + self.attn_out_norm(self.attn(self.attn_norm(x), rope, cache))
+            x = x + self.attn_out_norm(self.attn(self.attn_norm(x), rope, cache, docs))
             return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
         # The checkpoint sits inside the module call, so module hooks (ZeRO-3's gathers) run once
         # per forward and never during the recompute.
@@ -307,7 +308,8 @@ class Transformer(nn.Module):
         chunk returns the summed token loss (labels given) or this rank's vocabulary slice of the
         logits; otherwise the hidden states. `cache` (decoding; under tp this rank's heads): per
         layer name, the keys and values of the earlier tokens; x then holds only the new tokens, at
-        `positions`, and the cache grows by them. `docs` (document masking): the `Documents` of the
+        `positions`, and the cache grows by them; positions [b, s] there: a left-padded batch, each
+        row's own (kv_cache.padded_visibility). `docs` (document masking): the `Documents` of the
         whole window, [b, seq_len], on every rank and stage (not sharded: attention derives each
         rank's part); the mask bias, documents and sliding window, is made here once for the
         chunk's layers where they share it (`_shared_mask`). `tail` (decoding, a sample's loss): the
@@ -328,12 +330,18 @@ class Transformer(nn.Module):
         blocks = self.layers.values()
         ropes = {local: self.rope(positions, cache is not None, local) for local in {b.local_rope for b in blocks}
                  if self.cfg.pos == "rope"}  # the global layers' RoPE, and the sliding layers' where it differs
-        masks = {w: self._shared_mask(docs, positions, h, w) for w in {b.attn.window for b in blocks}} \
-            if cache is None else {}  # once for all the chunk's layers of a window
+        windows = {b.attn.window for b in blocks}
+        if cache is None:  # once for all the chunk's layers of a window
+            masks = {w: self._shared_mask(docs, positions, h, w) for w in windows}
+        elif positions.dim() == 2:  # a left-padded batch: x's tokens join the cache's columns so far
+            keys = x.shape[1] + next((c.length for c in cache.values()), 0)
+            masks = {w: padded_visibility(positions, keys, w) for w in windows}
+        else:
+            masks = {}
         for name, block in self.layers.items():
             rope, mask = ropes.get(block.local_rope), masks.get(block.attn.window)
             h = block(h, rope, docs=docs if mask is None else mask) if cache is None else \
-                block(h, rope, cache.setdefault(name, LayerCache()))
+                block(h, rope, cache.setdefault(name, LayerCache()), mask)
         if not self.last:
             return h
         h = self.norm(h[:, -tail:] if tail else h)

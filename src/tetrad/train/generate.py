@@ -219,17 +219,23 @@ def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int
     """`prompt` and its sampled continuation as text (what `tetrad generate` prints), with the
     prompt's and the continuation's token ids, the tokenizer's document prefix (data/tokenizer.py)
     first. An empty prompt starts from that prefix, or from a newline when there is none.
-    `source`: where the tokenizer came from (load_generator), which may record the EOS (_stops)."""
-    prefix = document_prefix(tokenizer)
-    ids = prefix + tokenizer.encode(prompt or ("" if prefix else "\n"), add_special_tokens=False).ids
-    if len(ids) >= model.cfg.context_length:
-        raise ContextFull(f"the prompt is {len(ids)} tokens; the model reads at most {model.cfg.context_length} "
-                          "tokens, so use a shorter one")
-    new, _ = generate(model, ids, max_new, sampling, seed, _stops(tokenizer, None, source))
+    `source`: where the tokenizer came from (load_generator), which may record the EOS (stop_tokens)."""
+    ids = prompt_ids(tokenizer, prompt, model.cfg.context_length)
+    new, _ = generate(model, ids, max_new, sampling, seed, stop_tokens(tokenizer, None, source))
     return prompt + tokenizer.decode(new, skip_special_tokens=False), ids, new
 
 
-def _stops(tokenizer: Tokenizer, chat: ChatTemplate | None = None, source: Path | None = None) -> frozenset[int]:
+def prompt_ids(tokenizer: Tokenizer, prompt: str, context: int) -> list[int]:
+    """`complete`'s ids of `prompt`, refused (ContextFull) where they fill the model's `context`."""
+    prefix = document_prefix(tokenizer)
+    ids = prefix + tokenizer.encode(prompt or ("" if prefix else "\n"), add_special_tokens=False).ids
+    if len(ids) >= context:
+        raise ContextFull(f"the prompt is {len(ids)} tokens; the model reads at most {context} tokens, so use a "
+                          "shorter one")
+    return ids
+
+
+def stop_tokens(tokenizer: Tokenizer, chat: ChatTemplate | None = None, source: Path | None = None) -> frozenset[int]:
     """The tokens that end a sample: the run's EOS (run_eos: the one its data recorded beside the
     tokenizer's `source`; none for bytes: generation runs to max_new tokens), an imported model's
     own (model_eos, as transformers' generate stops: all of Llama 3.1 Instruct's), and in a chat the
@@ -254,16 +260,30 @@ def reply(model: Transformer, tokenizer: Tokenizer, chat: ChatTemplate, messages
     the prompt's and the answer's ids, as `complete` gives them. `cache`: the conversation's last
     turn's (generate); `source`: as `complete`'s."""
     conversations = Conversations(chat, tokenizer, None)
-    text = conversations.render(messages, True, f"message {len(messages)}")
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
-    if len(ids) >= model.cfg.context_length:
-        raise ContextFull(f"the rendered conversation is {len(ids)} tokens and the model reads at most "
-                          f"{model.cfg.context_length} tokens")
-    stops = _stops(tokenizer, chat, source)
+    ids = chat_ids(conversations, messages, model.cfg.context_length)
+    stops = stop_tokens(tokenizer, chat, source)
     new, _ = generate(model, ids, max_new, sampling, seed, stops, cache)
+    return chat_answer(conversations, messages, new, stops), ids, new
+
+
+def chat_ids(conversations: Conversations, messages: list[dict], context: int) -> list[int]:
+    """`reply`'s prompt: `messages` rendered with the generation prompt, refused (ContextFull)
+    where it fills the model's `context`."""
+    text = conversations.render(messages, True, f"message {len(messages)}")
+    ids = conversations.tokenizer.encode(text, add_special_tokens=False).ids
+    if len(ids) >= context:
+        raise ContextFull(f"the rendered conversation is {len(ids)} tokens and the model reads at most {context} "
+                          "tokens")
+    return ids
+
+
+def chat_answer(conversations: Conversations, messages: list[dict], new: list[int], stops: frozenset[int]) -> str:
+    """`reply`'s answer: the `new` ids after `messages` as text, without the stop tokens and the
+    template's end-of-turn markup."""
+    tokenizer = conversations.tokenizer
     answer = tokenizer.decode([t for t in new if t not in stops], skip_special_tokens=False)
     markup = conversations.turn_end(messages, [tokenizer.id_to_token(t) for t in stops])
-    return answer.removesuffix(markup), ids, new
+    return answer.removesuffix(markup)
 
 
 class Dialogue:

@@ -43,23 +43,29 @@ def inference_model(model_cfg: ModelConfig, weights: Callable[[str], torch.Tenso
 
 
 def full_logits(model: Transformer, local: torch.Tensor) -> torch.Tensor:
-    """The logits [vocab_size] of the whole vocabulary, fp32, from this rank's slice of the padded
-    vocabulary (the model's output); gathered over tp, so the same on every rank."""
+    """The logits [..., vocab_size] of the whole vocabulary, fp32, from this rank's slice of the
+    padded vocabulary (the model's output, [..., local vocabulary]: one token's, or a batch's);
+    gathered over tp, so the same on every rank."""
     local, topo = local.float(), model.topo
     if topo.tp_size == 1:
-        return local[:model.cfg.vocab_size]
-    gathered = local.new_empty(topo.tp_size * local.shape[0])
+        return local[..., :model.cfg.vocab_size]
+    gathered = local.new_empty(topo.tp_size * local.shape[0], *local.shape[1:])  # the ranks' along dim 0
     topo.comm.all_gather(gathered, local.contiguous(), "tp")
-    return gathered[:model.cfg.vocab_size]
+    return gathered.view(topo.tp_size, *local.shape).movedim(0, -2).flatten(-2)[..., :model.cfg.vocab_size]
 
 
 def agreed_token(token: int, topo: Topology) -> int:
     """Tensor-parallel rank 0's `token`, on every rank of its tp group."""
+    return agreed_tokens([token], topo)[0]
+
+
+def agreed_tokens(tokens: list[int], topo: Topology) -> list[int]:
+    """Tensor-parallel rank 0's `tokens` (a batch's, one a row), on every rank of its tp group."""
     if topo.tp_size == 1:
-        return token
-    sent = torch.tensor([token], device=topo.device)
+        return tokens
+    sent = torch.tensor(tokens, device=topo.device)
     topo.comm.broadcast(sent, 0, "tp")
-    return int(sent)
+    return sent.tolist()
 
 
 def agreed_line(line: str | None, topo: Topology) -> str:

@@ -4,27 +4,46 @@ gradient groups over every factorisation; every layout trains an MoE model as on
 over ep; the "ep" bytes are the spec's formula; what this cut does not take is refused."""
 
 import dataclasses
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_parity, tiny_config, train_layout
+from conftest import assert_parity, rank_histories, tiny_config, train_layout
 from layout_draws import parity_atol
+from nccl_collectives import NcclTrainer
+from nccl_semantics import NcclSemantics
+from tetrad.config import ConfigError, load_config
 from tetrad.dist.layout import GRAD_DIMS, Layout, factorisations
 
 MOE = {"n_experts": 4, "experts_per_token": 2, "router_aux_loss": 1.0}
+# Every run also evaluates at its last step (forward only: the dispatch without autograd).
+EVAL = {"data": {"val_fraction": 0.1}, "checkpoint": {"every": 3}}
 
 
 def _config(parallel: dict, train: dict | None = None, **sections):
-    return tiny_config(parallel=parallel, model=MOE, train=train or {}, **sections)
+    return tiny_config(parallel=parallel, model=MOE, train={"eval_every": 5, **(train or {})}, **{**EVAL, **sections})
+
+
+def _step3(cfg) -> Path:
+    return Path(cfg.run.dir) / "checkpoints" / "step_00000003"
 
 
 @lru_cache(maxsize=None)
-def _one_process():
-    cfg = _config({}, checkpoint={"every": 3})
-    return train_layout(cfg), Path(cfg.run.dir) / "checkpoints" / "step_00000003"
+def _trained(parallel: tuple, train: tuple):
+    """(train_layout's result, its step-3 checkpoint), once per layout."""
+    cfg = _config(dict(parallel), dict(train))
+    return train_layout(cfg), _step3(cfg)
+
+
+def _assert_matches_one_process(got, parallel: dict):
+    ref, _ = _trained((), ())
+    assert_parity(got, ref, atol=parity_atol({"tp": 1, "cp": 1, **parallel}))
+    for key in ("moe_aux_loss", "val_loss"):
+        values, ref_values = ([r[key] for r in result[2] if key in r] for result in (got, ref))
+        assert len(values) == len(ref_values) > 0, key
+        torch.testing.assert_close(torch.tensor(values), torch.tensor(ref_values), rtol=1e-5, atol=0, msg=key)
 
 
 @pytest.mark.parametrize("world", [4, 8, 16])
@@ -58,15 +77,74 @@ def test_ep1_has_no_groups_of_its_own():
 
 LAYOUTS = {  # name -> (parallel, train)
     "dp2-ep2": ({"dp": 2, "ep": 2}, {}),
+    "dp4-ep2-zero1": ({"dp": 4, "ep": 2, "zero": 1}, {}),
+    "dp2-ep2-tp2-sp-zero2": ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True, "zero": 2}, {}),
+    "dp2-ep2-pp2-1f1b": ({"dp": 2, "ep": 2, "pp": 2}, {}),
+    "dp2-ep2-cp2-selective": ({"dp": 2, "ep": 2, "cp": 2}, {"recompute": "selective-op"}),
 }
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_single_process(name):
+    """Losses, gradient norms, the load-balancing loss, the validation loss and the logical weights
+    (the experts gathered over ep) after 5 steps are one process's."""
     parallel, train = LAYOUTS[name]
-    got = train_layout(_config(parallel, train))
-    ref, _ = _one_process()
-    assert_parity(got, ref, atol=parity_atol({"tp": 1, "cp": 1, **parallel}))
-    aux, ref_aux = ([r["moe_aux_loss"] for r in result[2]] for result in (got, ref))
-    torch.testing.assert_close(torch.tensor(aux), torch.tensor(ref_aux), rtol=1e-5, atol=0)
+    got, _ = _trained(tuple(parallel.items()), tuple(train.items()))
+    _assert_matches_one_process(got, parallel)
+
+
+@pytest.mark.dist
+def test_under_nccl_semantics_matches_single_process():
+    """Under NCCL's timing of collectives (tests/nccl_collectives.py): ZeRO-2's reduce-scatters of
+    the expert buckets over their own group beside the dense ones, and the dispatch's all-to-alls
+    again inside backward (full recompute)."""
+    parallel = {"dp": 4, "ep": 2, "zero": 2}
+    got = train_layout(_config(parallel, {"recompute": "full"}), transport=partial(NcclSemantics, timeout_s=20),
+                       trainer_class=NcclTrainer)
+    got[2][-1].pop("posted")
+    _assert_matches_one_process(got, parallel)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("saved,resumed", [({"dp": 2, "ep": 2}, {"dp": 2}), ((), {"dp": 2, "ep": 2, "zero": 1})],
+                         ids=["ep2-to-ep1", "ep1-to-ep2"])
+def test_a_checkpoint_resumes_at_another_ep(saved, resumed):
+    """The step-3 checkpoint of a run at ep2 resumes at ep1, and one process's at ep2 (ZeRO-1: the
+    optimizer state sharded over the expert group), continuing one process's losses."""
+    (ref_losses, ref_state, _), _ = _trained((), ())
+    _, step3 = _trained(tuple(dict(saved).items()), ())
+    losses, state, _ = train_layout(_config(resumed, checkpoint={"resume": str(step3)}))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
+    for name in ref_state:
+        torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.dist
+def test_ep_bytes_over_an_ep_group_are_the_formula():
+    """Summed over an EP group, each step's "ep" bytes are per MoE layer and micro-batch: forward
+    E*8 + n*k*d*b + recv*d*b, backward n*k*d*b + recv*d*b, the forward again under full recompute,
+    with sum(recv) = sum(n*k) whatever the routing; and 0 without expert parallelism."""
+    cfg = _config({"dp": 2, "ep": 2}, {"steps": 2, "recompute": "full", "eval_every": 0})
+    m, t = cfg.model, cfg.train
+    n, micro_batches = t.micro_batch * m.seq_len, t.global_batch // (t.micro_batch * cfg.parallel.dp)
+    rows = n * m.experts_per_token * m.d_model * 4  # fp32 activations
+    per_rank = m.n_layers * micro_batches * (2 * (m.n_experts * 8 + 2 * rows) + 2 * rows)
+    histories = rank_histories(cfg)
+    for step in range(t.steps):
+        assert sum(history[step]["comm_bytes"]["ep"] for _, history in histories) == 2 * per_rank
+    (_, _, one_process), _ = _trained((), ())
+    assert {r["comm_bytes"]["ep"] for r in one_process} == {0}
+
+
+@pytest.mark.parametrize("parallel,message", [
+    ({"zero": 3}, r"parallel\.ep=2 does not take zero=3 yet .*; use zero<=2, or ep=1"),
+    ({"zero": 1, "zero_shard": 2}, r"does not take zero_shard=2 yet .*; set zero_shard=0, or ep=1"),
+    ({"grad_codec": "bf16"}, r"does not take grad_codec='bf16' yet .*; set grad_codec='none', or ep=1"),
+    ({"hierarchical": True}, r"does not take hierarchical=true yet .*; set hierarchical=false, or ep=1"),
+])
+def test_what_this_cut_does_not_take_is_refused_in_one_line(parallel, message):
+    with pytest.raises(ConfigError, match=message) as refused:
+        load_config(overrides={"model": {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 128, **MOE},
+                               "parallel": {"dp": 4, "ep": 2, **parallel}})
+    assert "\n" not in str(refused.value)

@@ -23,7 +23,7 @@ from tetrad.config.wording import counted
 from tetrad.dist.layout import GRAD_DIMS, REPORTED as GROUPS  # REPORTED: the comm_bytes keys
 
 COLOURS = {"compute": "#3b6fb6", "bubble": "#b0b0b0", "tp": "#c8463c", "cp": "#e08a2c", "pp": "#8e5ea2",
-           "dp": "#4f9a55", "comm": "#c8463c", "optimizer": "#d4b24c", "data": "#7fc6c0",
+           "dp": "#4f9a55", "ep": "#a0522d", "comm": "#c8463c", "optimizer": "#d4b24c", "data": "#7fc6c0",
            "predicted": "#9ab8e0", "measured": "#3b6fb6"}
 
 

@@ -319,7 +319,7 @@ def write_report(run_dir: str | Path, cluster: str | None = None, sample_count: 
 def layout_fact(p) -> str:
     """The [parallel] section as the page states it: the options of the dimensions in use only
     (a schedule without a pipeline, or sequence parallelism without tp, would mislead)."""
-    words = [f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}", f"zero={p.zero}"]
+    words = [f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}" + (f" ep={p.ep}" if p.ep > 1 else ""), f"zero={p.zero}"]
     if p.tp > 1 and p.sequence_parallel:
         words.append("sequence parallel")
     if p.pp > 1:

@@ -4,6 +4,7 @@ gradient groups over every factorisation; every layout trains an MoE model as on
 over ep; the "ep" bytes are the spec's formula; what this cut does not take is refused."""
 
 import dataclasses
+import json
 from functools import lru_cache, partial
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from conftest import assert_parity, first_step_gradients, grad_norms, rank_histo
 from layout_draws import parity_atol
 from nccl_collectives import NcclTrainer
 from nccl_semantics import NcclSemantics
+from tetrad.cli import main
 from tetrad.config import ConfigError, load_config
 from tetrad.dist.layout import GRAD_DIMS, Layout, factorisations
 
@@ -125,6 +127,23 @@ def test_under_nccl_semantics_matches_single_process():
                        trainer_class=NcclTrainer)
     got[2][-1].pop("posted")
     _assert_matches_one_process(got, parallel)
+
+
+@pytest.mark.dist
+def test_tetrad_eval_at_ep2_gives_one_process_s_validation_loss(capsys):
+    """`tetrad eval` (a forward-only build: no gradient buffers, no optimizer) of one process's
+    first-step checkpoint at dp2 ep2 gives the validation loss it gives in one process. (From step
+    3 on, lr 1e-2 has the tiny model route every token of a layer to the same two experts: a
+    dispatch that mixed up rows of equal counts would go unseen there.)"""
+    cfg = _config({}, {"steps": 1}, checkpoint={"every": 1})
+    train_layout(cfg)
+    step1 = str(Path(cfg.run.dir) / "checkpoints" / "step_00000001")
+    losses = []
+    for layout in ([], ["--parallel.dp=2", "--parallel.ep=2"]):
+        capsys.readouterr()
+        assert main(["eval", step1, *layout, "--json"]) == 0
+        losses.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
 @pytest.mark.dist

@@ -167,11 +167,11 @@ class NcclCollectives:
         work = TorchCollectives.reduce_scatter(result, tensor.clone(), op, pg, True, group)
         return self._post("reduce_scatter", group, work, result, output, [tensor])
 
-    def all_to_all(self, output, tensor, pg, async_op: bool, group: str):
+    def all_to_all(self, output, tensor, pg, async_op: bool, group: str, output_splits=None, input_splits=None):
         if not async_op:
-            return TorchCollectives.all_to_all(output, tensor, pg, False, group)
+            return TorchCollectives.all_to_all(output, tensor, pg, False, group, output_splits, input_splits)
         result = torch.empty_like(output)
-        work = TorchCollectives.all_to_all(result, tensor.clone(), pg, True, group)
+        work = TorchCollectives.all_to_all(result, tensor.clone(), pg, True, group, output_splits, input_splits)
         return self._post("all_to_all", group, work, result, output, [tensor])
 
     def broadcast(self, tensor, src: int, pg, async_op: bool, group: str):

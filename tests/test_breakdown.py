@@ -33,7 +33,7 @@ def test_breakdown_adds_up_to_step_time(run):
     up to the step time exactly, however loaded the machine: no glue between phases goes untimed."""
     _, (_, _, history) = run
     for r in history:
-        assert set(CONTRACT_FIELDS) <= r.keys() and set(r["comm_bytes"]) == {"tp", "cp", "pp", "dp"}
+        assert set(CONTRACT_FIELDS) <= r.keys() and set(r["comm_bytes"]) == {"tp", "cp", "pp", "dp", "ep"}
         assert sum(r[k] for k in PARTS) == pytest.approx(r["step_time_s"], rel=1e-9), r
         assert all(r[k] >= 0 for k in PARTS) and r["compute_s"] > 0 and r["bubble_s"] > 0
         groups = r["exposed_comm_s_by_group"]

@@ -69,7 +69,9 @@ def test_layout_and_group_labels_name_what_is_in_use():
     assert fact(tp=2, sequence_parallel=True) == "dp=1 tp=2 pp=1 cp=1, zero=0, sequence parallel"
     assert fact(pp=2, vpp=2, schedule="interleaved") == "dp=1 tp=1 pp=2 cp=1, zero=0, schedule interleaved (vpp=2)"
     assert fact(cp=2) == "dp=1 tp=1 pp=1 cp=2, zero=0, cp_algo ring"
-    assert [group_label(g) for g in GROUPS] == ["tp", "cp", "dp (dp×cp grads)", "pp"]
+    assert layout_fact(tiny_config(parallel={"dp": 2, "ep": 2}, model={"n_experts": 4}).parallel) == \
+        "dp=2 tp=1 pp=1 cp=1 ep=2, zero=0"
+    assert [group_label(g) for g in GROUPS] == ["tp", "cp", "dp (dp×cp grads)", "pp", "ep"]
 
 
 def test_a_run_of_one_step_draws_its_step(tmp_path):

@@ -24,6 +24,26 @@ def hierarchical_blocker(parallel) -> str | None:
                 f"grad_codec={parallel.grad_codec!r}")
     if zero_shard(parallel):
         return f"hybrid ZeRO (zero_shard={parallel.zero_shard}) reduces within its shard groups instead"
+    if parallel.ep > 1:
+        return f"expert parallelism (ep={parallel.ep}) reduces the experts' gradients over a group of their own"
+    return None
+
+
+def expert_parallel_blocker(parallel) -> str | None:
+    """What this cut of expert parallelism (parallel.ep > 1) does not take, in one line naming the
+    fix, or None: what reduces or shards every gradient over all of dp x cp alike, where the experts'
+    reduce over a group of their own (docs/design.md "Expert parallelism"). Config validation
+    refuses it; the planner skips it."""
+    if parallel.ep == 1:
+        return None
+    for setting, used, fix in ((f"zero={parallel.zero}", parallel.zero == 3, "use zero<=2"),
+                               (f"zero_shard={parallel.zero_shard}", zero_shard(parallel) > 0, "set zero_shard=0"),
+                               (f"grad_codec={parallel.grad_codec!r}", parallel.grad_codec != "none",
+                                "set grad_codec='none'"),
+                               ("hierarchical=true", parallel.hierarchical is True, "set hierarchical=false")):
+        if used:
+            return (f"parallel.ep={parallel.ep} does not take {setting} yet (the experts' gradients reduce over "
+                    f"their own group); {fix}, or ep=1")
     return None
 
 

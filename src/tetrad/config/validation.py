@@ -13,7 +13,8 @@ from tetrad.config.rampup import BatchRamp
 from tetrad.config.rope import check_rope
 from tetrad.config.wording import counted
 from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, Config, ConfigError,
-                                    ParallelConfig, did_you_mean, hierarchical_blocker, zero_shard)
+                                    ParallelConfig, did_you_mean, expert_parallel_blocker, hierarchical_blocker,
+                                    zero_shard)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ def _check_experts(cfg: Config) -> None:
 
 
 def _check_expert_parallel(cfg: Config) -> None:
-    """parallel.ep: whole experts per rank, over blocks of dp ranks."""
+    """parallel.ep: whole experts per rank, over blocks of dp ranks; not yet with what reduces or
+    shards every gradient over all of dp x cp alike (docs/design.md "Expert parallelism")."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
@@ -192,6 +194,9 @@ def _check_expert_parallel(cfg: Config) -> None:
     if p.dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide dp={p.dp} (the experts split over blocks of dp ranks); "
                           f"use ep in {[e for e in divisors(p.dp) if not m.n_experts % e]}")
+    blocker = expert_parallel_blocker(p)
+    if blocker:
+        raise ConfigError(blocker)
 
 
 def _check_pipeline(cfg: Config, runtime: bool) -> None:

@@ -169,14 +169,18 @@ class Comm:
                          lambda: self.collectives.reduce_scatter(output, tensor, op, pg, async_op, group),
                          async_op)
 
-    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False):
-        """Equal dim-0 splits of `tensor` to each rank of the group, received into `output`."""
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, group: str, async_op: bool = False,
+                   output_splits: list[int] | None = None, input_splits: list[int] | None = None):
+        """Dim-0 splits of `tensor` to each rank of the group, received into `output`: equal ones,
+        or `input_splits[r]` rows to rank r and `output_splits[r]` rows from it (uneven: the
+        experts' tokens, model/moe.py)."""
         pg = self.groups.group(group)
         if pg is None:
             output.copy_(tensor)
             return DONE
         return self._run("all_to_all", group, _nbytes(tensor),
-                         lambda: self.collectives.all_to_all(output, tensor, pg, async_op, group), async_op)
+                         lambda: self.collectives.all_to_all(output, tensor, pg, async_op, group, output_splits,
+                                                             input_splits), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_local: int, group: str, async_op: bool = False):
         """Broadcast from the group's local rank `src_local`."""
@@ -223,8 +227,8 @@ class TorchCollectives:
         return reduce_scatter_single(output, tensor, op=op, group=pg, async_op=async_op)
 
     @staticmethod
-    def all_to_all(output, tensor, pg, async_op: bool, group: str):
-        return dist.all_to_all_single(output, tensor, group=pg, async_op=async_op)
+    def all_to_all(output, tensor, pg, async_op: bool, group: str, output_splits=None, input_splits=None):
+        return dist.all_to_all_single(output, tensor, output_splits, input_splits, group=pg, async_op=async_op)
 
     @staticmethod
     def broadcast(tensor, src: int, pg, async_op: bool, group: str):

@@ -2,9 +2,9 @@
 
 The dimensions are data (DIMENSIONS): each says whether the ranks along it hold the same weights
 (then gradients are summed over it: the gradient group is the flattened product of those) and
-which comm_bytes key its traffic is reported under. Adding one (experts, say) is a field of
-`Layout` and an entry here; the topology's groups, the gradient group, the clipping norm's groups
-and the metrics follow from it.
+which comm_bytes key its traffic is reported under. Adding one is a field of `Layout` and an
+entry here; the topology's groups, the gradient group, the clipping norm's groups and the metrics
+follow from it. Expert parallelism is not one: it splits dp (`Layout.ep`, EP and EXPERT_GRAD).
 
 Pure arithmetic, no process groups (tested over every factorisation). world = pp x dp x cp x tp
 with tp fastest, then cp, then dp, pp slowest (Megatron's order), so tensor-parallel groups are
@@ -39,8 +39,14 @@ GRAD = "_".join(GRAD_DIMS)
 # Groups a global sum over distinct weights runs over (the clipping norm): the dimensions that
 # split the weights, fastest first.
 WEIGHT_SPLIT_DIMS = tuple(d.name for d in reversed(DIMENSIONS) if not d.replicated)
-# The comm_bytes keys, one per dimension, fastest first.
-REPORTED = tuple(dict.fromkeys(d.reported_as for d in reversed(DIMENSIONS)))
+# Expert parallelism (parallel.ep) splits dp, not the mesh: its "ep" groups are blocks of ep
+# consecutive dp ranks, each holding 1/ep of every MoE layer's experts, and EXPERT_GRAD groups the
+# ranks that hold the same experts (the same dp % ep, every dp // ep and every cp): expert
+# gradients are summed over it as dense ones over GRAD.
+EP = "ep"
+EXPERT_GRAD = f"e{GRAD}"
+# The comm_bytes keys, one per dimension, fastest first, then the experts' all-to-alls.
+REPORTED = tuple(dict.fromkeys(d.reported_as for d in reversed(DIMENSIONS))) + (EP,)
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class Layout:
     dp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallelism: a split of dp, not a dimension of the mesh (`expert_groups`)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -88,7 +95,7 @@ class Layout:
     @classmethod
     def of(cls, parallel) -> "Layout":
         """The layout a config's [parallel] section asks for (a key per dimension)."""
-        return cls(**{d: getattr(parallel, d) for d in DIMS})
+        return cls(**{d: getattr(parallel, d) for d in DIMS}, ep=parallel.ep)
 
     def group_of(self, rank: int, dims: tuple[str, ...]) -> list[int]:
         return next(g for g in self.groups(dims) if rank in g)
@@ -100,6 +107,15 @@ class Layout:
         shard = [group[i:i + size] for group in self.groups(dims) for i in range(0, len(group), size)]
         replica = [group[i::size] for group in self.groups(dims) for i in range(size)]
         return shard, replica
+
+    def expert_groups(self) -> tuple[list, list]:
+        """(ep, EXPERT_GRAD): every dp group cut into blocks of `ep` consecutive ranks (a rank's
+        place in its block is its ep rank, dp % ep), and, for each (pp, tp), the ranks of one ep
+        rank over every block and every cp coordinate (who hold the same experts)."""
+        ep = self.split_in_blocks(("dp",), self.ep)[0]
+        grad = [[r for r in group if self.coords(r)["dp"] % self.ep == e]
+                for group in self.groups(GRAD_DIMS) for e in range(self.ep)]
+        return ep, grad
 
     def split_by_node(self, dims: tuple[str, ...], ranks_per_node: int) -> tuple[list, list] | None:
         """(intra, inter): every `dims` group cut into its ranks on one node (node = rank //

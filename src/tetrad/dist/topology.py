@@ -10,7 +10,10 @@ Names: one per dimension ("pp", "dp", "cp", "tp": one DeviceMesh, dist/layout.py
 GRAD ("dp_cp"), the flattened replicated dimensions gradients are reduced over (cp ranks hold
 the same weights as dp ranks); INTRA and INTER, its per-node halves for hierarchical reduction
 (when it spans nodes evenly); SHARD and REPLICA, hybrid ZeRO's consecutive blocks of
-`zero_shard` ranks of it and the ranks at one position in every block (`zero_groups`); "embed", the first and last rank of each pipeline, which both hold
+`zero_shard` ranks of it and the ranks at one position in every block (`zero_groups`); under
+expert parallelism (layout.ep > 1) EP ("ep"), the blocks of ep dp ranks an MoE layer's all-to-alls
+run over, and EXPERT_GRAD ("edp_cp"), the ranks holding the same experts, whose gradients are summed
+over it (dist/layout.py `expert_groups`); "embed", the first and last rank of each pipeline, which both hold
 the tied embedding; "pp:a-b" (`link_name`), the ranks at pipeline positions a and b of each
 pipeline, one per link the schedule sends over (parallel/pipeline/executor.py: on NCCL a link
 needs a communicator of its own). Each group's traffic is reported under one comm_bytes key
@@ -29,7 +32,7 @@ import torch.distributed as dist
 
 from tetrad import device as devices
 from tetrad.dist.comm import Comm
-from tetrad.dist.layout import DIMENSIONS, DIMS, GRAD, GRAD_DIMS, Layout
+from tetrad.dist.layout import DIMENSIONS, DIMS, EP, EXPERT_GRAD, GRAD, GRAD_DIMS, Layout
 
 INTRA, INTER = f"{GRAD}_intra", f"{GRAD}_inter"
 SHARD, REPLICA = f"{GRAD}_shard", f"{GRAD}_replica"
@@ -60,7 +63,8 @@ class Topology:
         # comm_bytes key of each group: a dimension's own; the gradient group's (and its halves')
         # its first dimension's; the tied-embedding pairs' the pipeline's.
         self._reported = {d.name: d.reported_as for d in DIMENSIONS}
-        self._reported.update(dict.fromkeys((GRAD, INTRA, INTER, SHARD, REPLICA), self._reported[GRAD_DIMS[0]]), embed="pp")
+        self._reported.update(dict.fromkeys((GRAD, INTRA, INTER, SHARD, REPLICA, EXPERT_GRAD), self._reported[GRAD_DIMS[0]]),
+                              embed="pp", **{EP: EP})
         self._reported.update(dict.fromkeys((link_name(a, b) for a, b in self.pipeline_links), "pp"))
         self.mesh = None
         if self.distributed:
@@ -89,6 +93,9 @@ class Topology:
                 self._new_groups(name, groups)
         if self.zero_shard:
             for name, groups in zip((SHARD, REPLICA), self.layout.split_in_blocks(GRAD_DIMS, self.zero_shard)):
+                self._new_groups(name, groups)
+        if self.layout.ep > 1:
+            for name, groups in zip((EP, EXPERT_GRAD), self.layout.expert_groups()):
                 self._new_groups(name, groups)
         if self.layout.pp > 1:
             self._new_groups("embed", [[ranks[0], ranks[-1]] for ranks in self.layout.groups(("pp",))])
@@ -163,6 +170,20 @@ class Topology:
     @cached_property
     def tp_rank(self) -> int:
         return self.coords["tp"]
+
+    @cached_property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @cached_property
+    def ep_rank(self) -> int:
+        """This rank's block of every MoE layer's experts (its place in its EP group)."""
+        return self.coords["dp"] % self.layout.ep
+
+    def expert_grad_group(self) -> str:
+        """The group expert gradients are summed over: EXPERT_GRAD, or GRAD without expert
+        parallelism (then the experts are dense parameters like any other)."""
+        return EXPERT_GRAD if self.layout.ep > 1 else GRAD
 
 
 def link_name(a: int, b: int) -> str:

@@ -258,3 +258,32 @@ def tp_input(x: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
     if topo.tp_size == 1:
         return x
     return run_eagerly(_GatherFromSequence.apply if ex.sequence_parallel else _CopyToTP.apply, x, topo)
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+class _AllToAll(torch.autograd.Function):
+    """Rows [n, ...] to the ranks of `group`, `sent[r]` of them to rank r, `received[r]` coming
+    from it; backward sends the gradient the reverse way (received and sent swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, sent, received, topo, group):
+        ctx.sent, ctx.received, ctx.topo, ctx.group = sent, received, topo, group
+        return _exchange(x, sent, received, topo, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.received, ctx.sent, ctx.topo, ctx.group), None, None, None, None
+
+
+def _exchange(x: torch.Tensor, sent: list[int], received: list[int], topo, group: str) -> torch.Tensor:
+    out = x.new_empty((sum(received), *x.shape[1:]))
+    topo.comm.all_to_all(out, x.contiguous(), group, output_splits=received, input_splits=sent)
+    return out
+
+
+def all_to_all(x: torch.Tensor, sent: list[int], received: list[int], topo, group: str) -> torch.Tensor:
+    """Rows of x (grouped by destination, `sent[r]` to rank r of `group`) exchanged over `group`:
+    the rows every rank sent this one, `received[r]` from rank r, in rank order. Differentiable
+    (MoE's dispatch and combine over "ep", model/moe.py)."""
+    return _AllToAll.apply(x, sent, received, topo, group)

@@ -12,10 +12,18 @@ it is summed over tp (ParamSpec.grad_split_over_tp, as qk-norm's); the load-bala
 every tp rank computes whole, injects 1/tp of its gradient on each, and f's all-reduce sums the
 router's input gradient with the experts'.
 
+Expert parallelism (parallel.ep, docs/design.md "Expert parallelism"): ep rank r of an EP group
+(ep consecutive dp ranks) holds experts [r E/ep, (r+1) E/ep) whole (ParamSpec.ep_block), still
+split over tp. Each rank routes its own tokens, sends each assignment row to the rank holding its
+expert (an all-to-all of the per-expert counts, then one of the rows, uneven), runs its experts on
+the rows it received and sends the outputs back the same way (mappings.all_to_all, differentiable:
+backward reverses both). The expert gradients are summed over the ranks holding the same experts
+(EXPERT_GRAD), by expert buckets of their own (parallel/data/buffers.py).
+
 Cost of this cut: one Python loop over the experts with the tokens sorted by expert, so E small
 GEMMs each way, and one host read per layer and micro-batch (the experts' token counts: torch's
-slices need them on the host), which stalls an accelerator's queue there; grouped GEMM kernels and
-expert parallelism are not here; nor torch.compile (config validation refuses it: the counts
+slices and the all-to-all's splits need them on the host), which stalls an accelerator's queue
+there; grouped GEMM kernels are not here; nor torch.compile (config validation refuses it: the counts
 change every call). The experts' weight gradients come from autograd in one
 backward (under zero-bubble's split backward, in BI; no gradient accumulation fusion).
 """
@@ -28,7 +36,8 @@ import torch.nn.functional as F
 
 from tetrad.config import ModelConfig
 from tetrad.model.execution import Execution, RouterLoss
-from tetrad.model.mappings import reduce_tp_output, tp_input
+from tetrad.dist.layout import EP
+from tetrad.model.mappings import all_to_all, reduce_tp_output, tp_input
 from tetrad.model.sharding import new_param
 
 
@@ -41,15 +50,18 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Every expert's weights as one 3-D tensor each (no biases), split over tp like the dense MLP's."""
+    """This ep rank's experts' weights as one 3-D tensor each (no biases), split over tp like the
+    dense MLP's."""
 
     def __init__(self, cfg: ModelConfig, topo, out_std: float):
         super().__init__()
         e, h, d, tp, rank = cfg.n_experts, cfg.expert_hidden, cfg.d_model, topo.tp_size, topo.tp_rank
+        # A stand-in topology without expert parallelism (the planner's meta-device models) holds them all.
+        block = (topo.ep_rank, topo.ep_size) if getattr(topo, "ep_size", 1) > 1 else (0, 1)
         self.kind = cfg.mlp
-        self.w1 = new_param((e, h, d), shard_dim=1, parts=tp, index=rank)
-        self.w3 = new_param((e, h, d), shard_dim=1, parts=tp, index=rank) if cfg.gated_mlp else None
-        self.w2 = new_param((e, d, h), shard_dim=2, parts=tp, index=rank, std=out_std)
+        self.w1 = new_param((e, h, d), shard_dim=1, parts=tp, index=rank, ep_block=block)
+        self.w3 = new_param((e, h, d), shard_dim=1, parts=tp, index=rank, ep_block=block) if cfg.gated_mlp else None
+        self.w2 = new_param((e, d, h), shard_dim=2, parts=tp, index=rank, std=out_std, ep_block=block)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [n, d]: the tokens sorted by expert, `counts[e]` of them for expert e; this rank's
@@ -159,13 +171,34 @@ class MoE(nn.Module):
         order = chosen.argsort(stable=True)
         counts = torch.bincount(chosen, minlength=probs.shape[-1])
         rows = order // self.k  # the token of each assignment, in expert order
-        out = self.experts(flat[rows], counts.tolist()) * weights.reshape(-1)[order].unsqueeze(-1)
+        if self.topo.size(EP) > 1:
+            out = self._over_ep(flat[rows], counts)
+        else:
+            out = self.experts(flat[rows], counts.tolist())
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
         y = torch.zeros_like(flat).index_add(0, rows, out).view(b, s, d)
         if torch.is_grad_enabled():
             aux = self._balance_loss(probs.view(b, s, -1), chosen.view(b, s * self.k))
             y = _RouterLossGradient.apply(y, aux if self.aux_coefficient else aux.detach(), self.ex.router_loss,
                                           self.topo.tp_size)
         return reduce_tp_output(y, self.topo, self.ex)
+
+    def _over_ep(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for `routed` [n*k, d] (the assignment rows in expert order,
+        `counts` [E] per expert) when the experts are spread over the EP group: the counts
+        exchanged (each rank learns how many rows of each of its experts every rank sends), the
+        rows dispatched to their experts' ranks, run there expert-major, and combined back."""
+        topo, ep = self.topo, self.topo.size(EP)
+        local = counts.numel() // ep
+        incoming = torch.empty_like(counts)  # [ep * local]: from each rank, its counts of my experts
+        topo.comm.all_to_all(incoming, counts, EP)
+        mine, theirs = torch.stack([counts, incoming]).view(2, ep, local).tolist()  # the layer's host read
+        sent, received = [sum(c) for c in mine], [sum(c) for c in theirs]
+        x = all_to_all(routed, sent, received, topo, EP)  # source-major, then expert
+        expert = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(incoming, output_size=x.shape[0])
+        order = expert.argsort(stable=True)  # expert-major, sources in rank order within each
+        y = self.experts(x[order], [sum(c[j] for c in theirs) for j in range(local)])
+        return all_to_all(y[order.argsort()], received, sent, topo, EP)
 
     def _balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """This rank's part of the micro-batch's summed per-sequence loss E * sum_e f_e * P_e (f_e:

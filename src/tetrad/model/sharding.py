@@ -1,9 +1,11 @@
 """The logical (unsharded) parameter space, and how each local parameter maps into it.
 
 Every parameter carries a `ParamSpec`: its logical shape, which dimension (if any) is split over
-which group, the padding that makes that dimension divisible, and how it is initialised. From
+which group, the padding that makes that dimension divisible, which block of its dim 0 it holds
+under expert parallelism (an MoE layer's experts: whole ones per ep rank, as well as their tp
+split), and how it is initialised. From
 that one record follow: layout-independent initialisation (the same seed gives the same logical
-weights at any dp/tp/pp/cp), gathering the full tensor for parity tests and HF export, and
+weights at any dp/tp/pp/cp/ep), gathering the full tensor for parity tests and HF export, and
 slicing a full tensor into any layout's shard (checkpoint resharding).
 """
 
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from tetrad.dist.layout import EP
 
 _SPEC_ATTR = "_tetrad_spec"
 
@@ -31,18 +35,28 @@ class ParamSpec:
     # Replicated over tp, but each tp rank's gradient covers only its own heads (qk-norm's
     # weights): summed over tp even without sequence parallelism (parallel/data/finalize.py).
     grad_split_over_tp: bool = False
+    # (this rank's block, blocks) of dim 0 split into equal contiguous blocks over "ep": an MoE
+    # layer's experts under expert parallelism; (0, 1): whole.
+    ep_block: tuple[int, int] = (0, 1)
+
+    @property
+    def expert_split(self) -> bool:
+        """Split over "ep": its gradient is summed over the expert gradient group, not GRAD."""
+        return self.ep_block[1] > 1
 
 
 def new_param(full_shape: tuple[int, ...], *, shard_dim: int | None = None, parts: int = 1, index: int = 0,
               pad_to: int | None = None, init: str = "normal", std: float = 0.02, group: str = "tp",
-              grad_split_over_tp: bool = False) -> nn.Parameter:
+              grad_split_over_tp: bool = False, ep_block: tuple[int, int] = (0, 1)) -> nn.Parameter:
     """An uninitialised local parameter holding shard `index` of `parts` of a logical tensor.
 
     `pad_to` rounds the sharded dimension up (vocabulary padding); the pad rows are zero and are
-    not part of the logical tensor. Values are filled later by `init_parameters`.
+    not part of the logical tensor. `ep_block`: ParamSpec's. Values are filled later by
+    `init_parameters`.
     """
     padded = None
     local = list(full_shape)
+    local[0] //= ep_block[1]
     if shard_dim is not None:
         size = full_shape[shard_dim]
         padded = math.ceil(size / (pad_to or parts)) * (pad_to or parts)
@@ -50,7 +64,8 @@ def new_param(full_shape: tuple[int, ...], *, shard_dim: int | None = None, part
             raise ValueError(f"padded size {padded} of dim {shard_dim} does not split into {parts} parts")
         local[shard_dim] = padded // parts
     param = nn.Parameter(torch.empty(local))
-    set_spec(param, ParamSpec(tuple(full_shape), shard_dim, group, padded, init, std, grad_split_over_tp), index, parts)
+    set_spec(param, ParamSpec(tuple(full_shape), shard_dim, group, padded, init, std, grad_split_over_tp,
+                                       tuple(ep_block)), index, parts)
     return param
 
 
@@ -72,6 +87,10 @@ def local_part(name: str, param: torch.Tensor, stored) -> torch.Tensor:
     if tuple(stored.shape) != tuple(spec.full_shape):
         raise ValueError(f"the starting weights' {name} is {tuple(stored.shape)}, the model's {spec.full_shape}")
     box = [slice(0, size) for size in spec.full_shape]
+    block, blocks = spec.ep_block
+    if blocks > 1:  # this ep rank's experts
+        size = spec.full_shape[0] // blocks
+        box[0] = slice(block * size, (block + 1) * size)
     if spec.shard_dim is None:
         return stored[tuple(box)]
     dim, local = spec.shard_dim, param.shape[spec.shard_dim]
@@ -122,14 +141,20 @@ def initial_value(name: str, param: torch.Tensor, seed: int,
 
 @torch.no_grad()
 def gather_full(param: torch.Tensor, topo) -> torch.Tensor:
-    """The logical tensor of a (possibly tp-sharded) parameter, on every rank of its group."""
+    """The logical tensor of a (possibly tp- and ep-sharded) parameter, on every rank of its groups."""
     spec, _, parts = spec_of(param)
-    if parts == 1:
-        return unpad(param.detach(), spec)
-    local = param.detach().movedim(spec.shard_dim, 0).contiguous()
-    out = local.new_empty((parts * local.shape[0], *local.shape[1:]))
-    topo.comm.all_gather(out, local, spec.group)
-    return unpad(out.movedim(0, spec.shard_dim), spec)
+    full = param.detach()
+    if parts > 1:
+        local = full.movedim(spec.shard_dim, 0).contiguous()
+        out = local.new_empty((parts * local.shape[0], *local.shape[1:]))
+        topo.comm.all_gather(out, local, spec.group)
+        full = out.movedim(0, spec.shard_dim)
+    full = unpad(full, spec)
+    if spec.expert_split:
+        out = full.new_empty((spec.full_shape[0], *full.shape[1:]))
+        topo.comm.all_gather(out, full.contiguous(), EP)
+        full = out
+    return full
 
 
 def full_state_dict(model: nn.Module, topo) -> dict[str, torch.Tensor]:

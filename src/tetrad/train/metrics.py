@@ -219,8 +219,9 @@ def _clock(seconds: float) -> str:
 
 def layout_label(p) -> str:
     """A [parallel] section in a few words, e.g. "dp2 tp2 pp2 cp1 zero1 sp" ("zero3 shard8": hybrid
-    ZeRO's blocks): what sets a step's communication."""
+    ZeRO's blocks; "ep2": expert parallelism): what sets a step's communication."""
     words = [f"dp{p.dp}", f"tp{p.tp}", f"pp{p.pp}", f"cp{p.cp}"] + ([f"vpp{p.vpp}"] if p.vpp > 1 else [])
+    words += [f"ep{p.ep}"] if p.ep > 1 else []
     words += [f"zero{p.zero}"] + ([f"shard{zero_shard(p)}"] if zero_shard(p) else [])
     return " ".join(words + (["sp"] if p.sequence_parallel and p.tp > 1 else []))
 

@@ -23,7 +23,7 @@ from tetrad.config.wording import counted
 from tetrad.dist.layout import GRAD_DIMS, REPORTED as GROUPS  # REPORTED: the comm_bytes keys
 
 COLOURS = {"compute": "#3b6fb6", "bubble": "#b0b0b0", "tp": "#c8463c", "cp": "#e08a2c", "pp": "#8e5ea2",
-           "dp": "#4f9a55", "comm": "#c8463c", "optimizer": "#d4b24c", "data": "#7fc6c0",
+           "dp": "#4f9a55", "ep": "#a0522d", "comm": "#c8463c", "optimizer": "#d4b24c", "data": "#7fc6c0",
            "predicted": "#9ab8e0", "measured": "#3b6fb6"}
 
 
@@ -319,7 +319,7 @@ def write_report(run_dir: str | Path, cluster: str | None = None, sample_count: 
 def layout_fact(p) -> str:
     """The [parallel] section as the page states it: the options of the dimensions in use only
     (a schedule without a pipeline, or sequence parallelism without tp, would mislead)."""
-    words = [f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}", f"zero={p.zero}"]
+    words = [f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}" + (f" ep={p.ep}" if p.ep > 1 else ""), f"zero={p.zero}"]
     if p.tp > 1 and p.sequence_parallel:
         words.append("sequence parallel")
     if p.pp > 1:

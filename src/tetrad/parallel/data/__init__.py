@@ -10,7 +10,8 @@ and ZeRO 0-3, split along Megatron-Core's seams:
 - codec_state.py: the gradient codec's state in a checkpoint.
 
 CP ranks hold the same weights as their DP peers, so both dimensions reduce (and shard)
-together. Each micro-batch's loss is already divided by the global batch's count of labels the
+together. Under expert parallelism the experts' weights are held by fewer of them (EXPERT_GRAD):
+their buckets are reduced and sharded over that group instead, each bucket over its own `group`. Each micro-batch's loss is already divided by the global batch's count of labels the
 loss counts (every token's without a loss mask), so a SUM of the gradients gives exactly the
 single-device gradient.
 
@@ -91,8 +92,10 @@ class GradReducer:
         if hierarchical and topo.layout.split_by_node(GRAD_DIMS, topo.ranks_per_node) is None:
             raise ValueError(f"hierarchical reduction needs the dp x cp groups spread evenly over nodes of "
                              f"{topo.ranks_per_node} ranks")
+        experts = topo.expert_grad_group()
         layout = lay_out(params, model, self.zero, topo.size(shard), topo.local_rank(shard),
-                         INT8_BLOCK if codec == "int8" else 1, bucket_bytes(parallel))
+                         INT8_BLOCK if codec == "int8" else 1, bucket_bytes(parallel), shard,
+                         (experts, topo.size(experts), topo.local_rank(experts)) if experts != GRAD else None)
         self.buckets, self.blocks, self._tied = layout.buckets, layout.blocks, layout.tied
         # Replicas of a shard hold the same reduced gradient: one of them counts it in the norm.
         self._norm_ranges = norm_ranges(self.buckets, topo, layout.tied.params[0] if layout.tied_copy else None) \

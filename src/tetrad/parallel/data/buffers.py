@@ -5,8 +5,10 @@ shards cover it (N = the gradient group's size); rank i owns the i-th shard. Buc
 backward order, so each fills at one time; one never spans two pipeline chunks (their backwards
 run at different times); an embedding tied across pipeline stages gets a bucket of its own, laid
 out alike on both stages. Under ZeRO-3 there is one bucket per transformer block, plus one for
-the rest, as the block is the unit that is gathered. The rule itself is parallel/bucketing.py's,
-which the planner follows too (plan/buckets.py).
+the rest, as the block is the unit that is gathered. Under expert parallelism the experts' weights
+(ParamSpec.expert_split) get buckets of their own, after the dense ones, laid out by the same rule
+and sharded over the expert gradient group (docs/design.md "Expert parallelism"). The rule itself
+is parallel/bucketing.py's, which the planner follows too (plan/buckets.py).
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from tetrad.dist.layout import GRAD
+from tetrad.model.sharding import spec_of
 from tetrad.parallel.bucketing import bucket_contents, padded_size
 
 
 class Bucket:
     """A run of parameters laid out in one flat buffer, padded so N equal shards cover it. The
     gradient fields are the bucket lifecycle's (lifecycle.py). `shapes`: the parameters' shapes
-    as laid out, read instead of the parameters' own (ZeRO-3 empties those while freed, zero3.py)."""
+    as laid out, read instead of the parameters' own (ZeRO-3 empties those while freed, zero3.py).
+    `group`: the one it is reduced (and sharded) over, of n ranks, rank `rank` among them."""
 
-    def __init__(self, params: list[nn.Parameter], n: int, rank: int, align: int, index: int):
-        self.params, self.index = params, index
+    def __init__(self, params: list[nn.Parameter], n: int, rank: int, align: int, index: int, group: str = GRAD):
+        self.params, self.index, self.group = params, index, group
         self.shapes = [p.shape for p in params]
         self.offsets, self.numels, size = [], [p.numel() for p in params], 0
         for numel in self.numels:
@@ -71,12 +76,15 @@ class BucketLayout:
 
 
 def lay_out(params: list[nn.Parameter], model: nn.Module | None, zero: int, n: int, rank: int, align: int,
-            bucket_bytes: float) -> BucketLayout:
-    """The buckets of `params` for ZeRO stage `zero` over a gradient group of n ranks, by
+            bucket_bytes: float, group: str = GRAD, experts: tuple[str, int, int] | None = None) -> BucketLayout:
+    """The buckets of `params` for ZeRO stage `zero` over `group`, a gradient group of n ranks, by
     `bucket_contents`' rule. An embedding tied across pipeline stages gets a bucket of its own on
-    both stages, so that the two copies' gradient shards line up for their sum (finalize.sum_tied)."""
+    both stages, so that the two copies' gradient shards line up for their sum (finalize.sum_tied).
+    `experts` (expert parallelism: the expert gradient group, its size and this rank's place in
+    it): the experts' weights are laid out apart, by the same rule, after the rest."""
     tied = model.tied_weight() if hasattr(model, "tied_weight") else None
-    wanted = {id(p) for p in params if p is not tied}
+    apart = {id(p) for p in params if spec_of(p)[0].expert_split} if experts else set()
+    wanted = {id(p) for p in params if p is not tied and id(p) not in apart}
     blocks, block = [], None
     if zero == 3:
         blocks = list(model.layers.values())
@@ -88,10 +96,15 @@ def lay_out(params: list[nn.Parameter], model: nn.Module | None, zero: int, n: i
         chunks = [[p for p in chunk if id(p) in wanted] for chunk in chunks]
     contents = bucket_contents(chunks, lambda p: p.numel(), bucket_bytes, len(blocks),
                                None if block is None else lambda p: block(id(p)), tied)
-    buckets = [Bucket(unit, n, rank, align, k) for k, unit in enumerate(contents)]
+    buckets = [Bucket(unit, n, rank, align, k, group) for k, unit in enumerate(contents)]
     roots = buckets[len(blocks):] if zero == 3 else []
-    return BucketLayout(buckets, blocks, roots, buckets[-1] if tied is not None else None,
-                        tied is not None and model.holds_tied_copy)
+    tied_bucket = buckets[-1] if tied is not None else None
+    if apart:  # ZeRO 0-2 (config validation): chunks as above
+        expert_chunks = [[p for p in chunk if id(p) in apart] for chunk in model.chunk_parameters()]
+        name, size, at = experts
+        buckets += [Bucket(unit, size, at, align, len(buckets) + k, name)
+                    for k, unit in enumerate(bucket_contents(expert_chunks, lambda p: p.numel(), bucket_bytes))]
+    return BucketLayout(buckets, blocks, roots, tied_bucket, tied is not None and model.holds_tied_copy)
 
 
 def flatten(buckets: list[Bucket], dtype: torch.dtype, device: torch.device, owned_range, initial=None):

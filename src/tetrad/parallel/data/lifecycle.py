@@ -209,7 +209,7 @@ class GradSync:
             wire = self.codec.SCATTER_DTYPE
             full = bucket.grad if wire is None else bucket.grad.to(wire)
             bucket.pending, bucket.incoming = collectives.start_reduce(self.topo, full, bucket.shard_size,
-                                                                       self.scratch_free, self.shard)
+                                                                       self.scratch_free, bucket.group)
             bucket.closing = self.sync  # then summed over the replicas as it ends (finish)
             self.in_flight.append(bucket)
             while len(self.in_flight) > 1:  # double buffering: one reducing while the next fills
@@ -217,7 +217,7 @@ class GradSync:
         elif self.hierarchical:
             bucket.pending = hierarchical.all_reduce(bucket.grad, self.topo)
         else:
-            bucket.pending = self.codec.all_reduce(bucket.grad, comm, GRAD, bucket.index)
+            bucket.pending = self.codec.all_reduce(bucket.grad, comm, bucket.group, bucket.index)
 
     def finish(self, bucket: Bucket) -> None:
         """reducing -> reduced (ZeRO 0/1: the bucket's gradient is the sum) or, under ZeRO >= 2,

@@ -53,8 +53,9 @@ def owned_grad(bucket: Bucket, zero: int) -> torch.Tensor | None:
 
 class MasterWeights:
     """The weights each bucket's optimizer updates: fp32 masters of the owned range (`separate`:
-    a low-precision model or offload), or the parameters' own storage there. `group`: the one the
-    owned shards are gathered over (hybrid ZeRO's shard group)."""
+    a low-precision model or offload), or the parameters' own storage there. Each bucket's owned
+    shards are gathered over its own group (Bucket.group); `group`, the dense buckets' (hybrid
+    ZeRO's shard group), tells which backend runs them (`scratch_free`)."""
 
     def __init__(self, buckets: list[Bucket], topo, zero: int, dtype: torch.dtype, separate: bool, offload: bool,
                  group: str = GRAD):
@@ -110,7 +111,7 @@ class MasterWeights:
                 self.owned_params(k).copy_(master, non_blocking=True)
         if self.zero in (0, 3):
             return
-        pending = [collectives.start_gather(self.topo, f, b.shard_size, self.scratch_free, self.group)
+        pending = [collectives.start_gather(self.topo, f, b.shard_size, self.scratch_free, b.group)
                    for b, f in zip(self.buckets, self.flat)]
         for work in pending:
             work.wait()

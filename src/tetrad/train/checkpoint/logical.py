@@ -2,8 +2,8 @@
 rank holds, as views of its own parameters or ZeRO shard slices, wrapped for DCP.
 
 A rank holds whole local parameters, or under ZeRO only its dp x cp shard's contiguous slice of
-each flattened parameter; a tp shard sits at its offset in the logical tensor and vocabulary
-padding is cut off. `_logical` turns the boxes into a DTensor DCP can read and write by offset.
+each flattened parameter; a tp shard sits at its offset in the logical tensor (an ep rank's
+experts at theirs along dim 0) and vocabulary padding is cut off. `_logical` turns the boxes into a DTensor DCP can read and write by offset.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def chunks(piece: Piece, flat: torch.Tensor) -> list[tuple[tuple[int, ...], torc
         at = sum(o * s for o, s in zip(offsets, strides)) - piece.start
         box = flat[at:at + math.prod(sizes)].view(sizes)
         offsets = list(offsets)
+        offsets[0] += spec.ep_block[0] * shape[0] if spec.expert_split else 0  # this ep rank's experts
         if spec.shard_dim is not None:
             dim = spec.shard_dim
             offsets[dim] += index * shape[dim]

@@ -5,8 +5,9 @@ tetrad's test suite holds every layout to one process on tiny models on CPUs; a 
 runs other kernels, another backend and other shapes. The check trains a few steps of the user's
 config twice from the same seed, as `tetrad train` would: once in its own layout, once in the
 simplest layout over the same ranks (data parallelism with ZeRO-3, every layer recomputed, so
-it holds the fewest bytes a rank can), then judges the two runs as `tetrad compare` does (step
-1's loss and gradient norm to the precision's rounding, later steps' drift). Neither run keeps
+it holds the fewest bytes a rank can; every rank runs every expert: ep = 1), then judges the two
+runs as `tetrad compare` does (step 1's loss and gradient norm to the precision's rounding, later
+steps' drift). Neither run keeps
 a checkpoint or validates, and both run `train.global_batch` from the first step (a batch ramp-up
 runs the same arithmetic on fewer samples); both write their metrics under RUN_DIR/check/.
 
@@ -51,8 +52,9 @@ def check_runs(cfg: Config, steps: int, world_size: int | None) -> tuple[Config,
     reference = replace(
         layout, run=replace(run, dir=str(root / "reference")),
         train=replace(layout.train, recompute="full", micro_batch=math.gcd(t.micro_batch, t.global_batch // dp)),
-        parallel=replace(p, dp=dp, tp=1, pp=1, cp=1, vpp=1, schedule="1f1b", stage_layers=[], zero=3 if dp > 1 else 0,
-                         zero_shard=0, sequence_parallel=False, sp_regather=False, hierarchical=False))
+        parallel=replace(p, dp=dp, tp=1, pp=1, cp=1, ep=1, vpp=1, schedule="1f1b", stage_layers=[],
+                         zero=3 if dp > 1 else 0, zero_shard=0, sequence_parallel=False, sp_regather=False,
+                         hierarchical=False))
     validate(reference, world_size)
     return layout, reference
 

@@ -18,6 +18,7 @@ from nccl_semantics import NcclSemantics
 from tetrad.cli import main
 from tetrad.config import ConfigError, load_config
 from tetrad.dist.layout import GRAD_DIMS, Layout, factorisations
+from tetrad.train.trainer import Trainer
 
 MOE = {"n_experts": 4, "experts_per_token": 2, "router_aux_loss": 1.0}
 # Every run also evaluates at its last step (forward only: the dispatch without autograd).
@@ -145,6 +146,30 @@ def test_tetrad_eval_at_ep2_gives_one_process_s_validation_loss(capsys):
         losses.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"])
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
+
+
+class _UniformRouter(Trainer):
+    """Every router weight zero: uniform probabilities, whose top-k ties pick experts 2 and 3 for
+    every token on the first step, so ep rank 0 of an EP group of two receives no row at all."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name.endswith("router.weight"):
+                    p.zero_()
+
+
+@pytest.mark.dist
+def test_a_rank_that_receives_no_token_still_takes_part():
+    """A rank whose experts get no row runs its (empty) experts, both all-to-alls each way and
+    its expert buckets' reduction like the others (else its EP group hangs), and the steps are
+    one process's: the same first-step loss and gradient norms."""
+    train = {"steps": 2, "micro_batch": 4}
+    got = train_layout(_config({"dp": 2, "ep": 2}, train), trainer_class=_UniformRouter)
+    ref = train_layout(_config({}, train), trainer_class=_UniformRouter)
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_norms(got[2]), grad_norms(ref[2]), rtol=1e-5, atol=0)
 
 @pytest.mark.dist
 def test_bf16_tracks_one_process_in_bf16():

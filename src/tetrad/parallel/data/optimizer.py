@@ -59,7 +59,7 @@ class MasterWeights:
 
     def __init__(self, buckets: list[Bucket], topo, zero: int, dtype: torch.dtype, separate: bool, offload: bool,
                  group: str = GRAD):
-        self.buckets, self.topo, self.zero, self.dtype, self.group = buckets, topo, zero, dtype, group
+        self.buckets, self.topo, self.zero, self.dtype = buckets, topo, zero, dtype
         self.separate, self.offload = separate, offload
         self.flat: list[torch.Tensor] = []  # flat parameter buffer (model dtype) of each bucket
         self.shards: list[torch.Tensor] = []  # ZeRO-3: the persistent parameter shard of each bucket

@@ -25,14 +25,14 @@ import math
 from dataclasses import dataclass, replace
 
 from tetrad.config import Config, ModelConfig
-from tetrad.config.sections import bucket_bytes, shard_ranks
+from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
 from tetrad.model.masks import hides_keys
 from tetrad.plan.kernels import masked_attention
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets, shard_params
-from tetrad.plan.moe import expert_grad_bytes, expert_hidden_saved, routing_saved_bytes_per_token
+from tetrad.plan.moe import expert_grad_bytes, expert_hidden_saved, rank_layer_params, routing_saved_bytes_per_token
 from tetrad.plan.pipeline import inflight
 from tetrad.plan.stacks import STACKS, Stack
 
@@ -125,8 +125,9 @@ def _model_states(cfg: Config, params: float, buckets: RankBuckets, shard: int) 
     """`rank_model_states` of a pipeline rank holding `params` parameters in `buckets`."""
     p, t = cfg.parallel, cfg.train
     w, g, _ = state_bytes_per_param(t.dtype)
-    n, separate = shard_ranks(p), t.dtype != "fp32" or t.offload_optimizer
-    weights, grads, _ = model_state_bytes(buckets.padded, p.zero, n, (w, g, 0.0))
+    separate = t.dtype != "fp32" or t.offload_optimizer
+    # ZeRO's shards: of each bucket over its group (dp x cp or its block; the experts' over dp x cp / ep)
+    weights, grads = ((buckets.sharded if p.zero >= z else buckets.padded) * b for z, b in ((3, w), (2, g)))
     if p.zero == 0 and not separate:  # AdamW on the parameters themselves: no flat buffer
         weights = params * w
     owned, updated = _updated_elements(cfg, params, buckets, shard)
@@ -139,7 +140,7 @@ def _updated_elements(cfg: Config, params: float, buckets: RankBuckets, shard: i
     fp32 ZeRO-0 without separate masters): what the device or, offloaded, the host keeps."""
     p, separate = cfg.parallel, cfg.train.dtype != "fp32" or cfg.train.offload_optimizer
     owned = params if p.zero == 0 else buckets.first_shard if shard == 0 else shard_params(buckets.buckets, shard)
-    updated = buckets.padded / shard_ranks(p) if p.zero >= 1 else buckets.padded if separate else params
+    updated = buckets.sharded if p.zero >= 1 else buckets.padded if separate else params
     return owned, updated
 
 
@@ -199,7 +200,7 @@ def rank_params(cfg: Config) -> list[float]:
     their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
     the head on the last (its own head unless tied on a single stage), both padded to tp rows."""
     m, p = cfg.model, cfg.parallel
-    per_layer = flops.layer_params(m, p.tp)
+    per_layer = rank_layer_params(m, p.tp, p.ep)  # MoE: E/ep experts
     params = [n * per_layer for n in rank_layers(cfg)]
     params[0] += vocab_shard(m, p.tp) * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
     separate = not m.tie_embeddings or p.pp * p.vpp > 1
@@ -326,7 +327,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
             counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
         rebuilt = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
                    + mask_bias_bytes(cfg, is_cpu) - counted)
-    rebuilt += expert_grad_bytes(m, p.tp, e)  # MoE: one layer's whole expert gradients, in backward
+    rebuilt += expert_grad_bytes(m, p.tp, p.ep, e)  # MoE: one layer's whole expert gradients, in backward
     # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered unless
     # the stack gathers it again in backward, as every column-parallel input); the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
@@ -347,7 +348,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     params, buckets = rank_params(cfg), rank_buckets(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
-    layer_params = flops.layer_params(m, p.tp)
+    layer_params = rank_layer_params(m, p.tp, p.ep)
     for r, layers in enumerate(rank_layers(cfg)):
         weights, grads, optimizer = _model_states(cfg, params[r], buckets[r], 0)
         if t.offload_optimizer:  # on the host (host_memory_by_rank)
@@ -382,7 +383,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, padded: int, rank: 
         # only where they are, the layers' largest matrix anywhere
         vocab = 4 * m.d_model * vocab_shard(m, p.tp)
         head = rank == p.pp - 1 and (not m.tie_embeddings or p.pp * p.vpp > 1)
-        largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * flops.mlp_hidden(m) / p.tp] * 2  # MoE: [E, H, d]
+        largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * flops.mlp_hidden(m) / p.tp / p.ep] * 2  # MoE: [E/ep, H, d]
         out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * padded)
     if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket
         out += 4 * padded

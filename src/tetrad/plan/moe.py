@@ -5,7 +5,14 @@ Routing is dropless top-k (model/moe.py): every token's hidden state goes to k e
 the balance, so the k·tokens rows a layer keeps for backward do not depend on it and need no
 imbalance margin. Imbalance changes only how those rows split over the E experts' GEMMs: the
 time model takes the balanced split (tokens·k/E rows each), the best case for the GEMMs' shapes.
-No expert parallelism: every rank holds all E experts (split over tp like the dense MLP).
+
+Expert parallelism (parallel.ep, docs/design.md "Expert parallelism"): each block of ep consecutive
+dp ranks (the EP group, cp·tp ranks apart) splits every MoE layer's experts, E/ep whole experts a
+rank (still split over tp), and sends each routed row to the rank holding its expert by
+all-to-all. The expert weights are replicated over, and their gradients summed over, the expert
+gradient group: the dp·cp/ep ranks with the same place in their EP group. Under balanced routing
+(the planner's assumption) a rank receives as many rows as it sends, k·tokens, so its activations
+are those without ep; only the EP group's sum of its all-to-all bytes is exact whatever the routing.
 """
 
 from __future__ import annotations
@@ -14,6 +21,44 @@ from tetrad.config import ModelConfig
 from tetrad.model import flops
 
 INDEX_BYTES = 8  # int64 indices: torch.topk's, and the dispatch order's
+# What the runtime's first cut of expert parallelism refuses beside ep > 1 (docs/design.md "Expert
+# parallelism"): the planner's estimate refuses it too and its search skips it. (setting, the fix)
+EP_REFUSED = (("zero=3", lambda p: p.zero == 3, "zero <= 2"),
+              ("zero_shard>0", lambda p: p.zero_shard > 0, "zero_shard=0"),
+              ("a gradient codec", lambda p: p.grad_codec != "none", "grad_codec='none'"),
+              ("hierarchical=true", lambda p: p.hierarchical is True, "hierarchical=false"))
+
+
+def ep_refusal(parallel) -> str | None:
+    """What to change where `parallel` has ep > 1 with a setting expert parallelism refuses, or None."""
+    for setting, refused, fix in EP_REFUSED if parallel.ep > 1 else ():
+        if refused(parallel):
+            return f"parallel.ep={parallel.ep} does not run with {setting} yet; set parallel.{fix}, or parallel.ep=1"
+    return None
+
+
+def expert_grad_ranks(parallel) -> int:
+    """Ranks of the expert gradient group, dp·cp/ep, which the experts' own buckets are padded
+    for and sharded over; 0 at ep = 1, where the experts sit in the dense buckets."""
+    return parallel.dp * parallel.cp // parallel.ep if parallel.ep > 1 else 0
+
+
+def rank_layer_params(m: ModelConfig, tp: int, ep: int) -> float:
+    """Parameters of one layer on a rank (flops.layer_params), of its experts E/ep."""
+    return flops.layer_params(m, tp) - (flops.mlp_matrix_params(m) / tp * (ep - 1) / ep if ep > 1 else 0.0)
+
+
+def ep_all_to_alls(m: ModelConfig, tokens: int, ep: int, e: int) -> tuple[list[float], list[float]]:
+    """The payloads (bytes, tetrad.comm's count: the input, the part the rank keeps included) of one
+    MoE layer's all-to-alls over the EP group per micro-batch of `tokens` tokens on the rank, `e`
+    bytes an activation, (forward, backward), under balanced routing: forward the int64 expert
+    counts [E], the dispatch of its k·tokens rows and the combine of the rows it received (as many);
+    backward both token all-to-alls reversed. Empty without ep. Recompute repeats the forward's.
+    Per rank this is the balanced figure; the EP group's sum is exact whatever the routing."""
+    if ep == 1:
+        return [], []
+    rows = tokens * m.experts_per_token * m.d_model * e
+    return [m.n_experts * INDEX_BYTES, rows, rows], [rows, rows]
 
 
 def routing_saved_bytes_per_token(m: ModelConfig, e: int) -> float:
@@ -36,11 +81,11 @@ def expert_hidden_saved(m: ModelConfig) -> int:
     return 2 if m.gated_mlp else 1
 
 
-def expert_grad_bytes(m: ModelConfig, tp: int, e: int) -> float:
-    """Bytes of one layer's expert weight gradients as the experts' backward makes them, whole [E,
+def expert_grad_bytes(m: ModelConfig, tp: int, ep: int, e: int) -> float:
+    """Bytes of one layer's expert weight gradients as the experts' backward makes them, whole [E/ep,
     ...] tensors in the activations' dtype, before they join the fp32 gradient buffer: alive at the
     peak of a layer's backward (0 for a dense MLP, whose per-linear gradients are not counted)."""
-    return (flops.mlp_matrix_params(m) / tp * e) if m.n_experts else 0.0
+    return (flops.mlp_matrix_params(m) / tp / ep * e) if m.n_experts else 0.0
 
 
 def routing_bytes_per_token(m: ModelConfig, e: int) -> float:

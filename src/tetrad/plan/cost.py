@@ -34,7 +34,7 @@ from tetrad.plan.memory import (
     state_bytes_per_param,
 )
 from tetrad.plan.buckets import rank_buckets
-from tetrad.plan.comm_bytes import gradient_reduce_bytes
+from tetrad.plan.comm_bytes import comm_bytes_per_step, gradient_reduce_bytes
 from tetrad.plan.moe import expert_grad_ranks
 from tetrad.plan.pipeline import pipeline
 from tetrad.plan.stacks import Stack, load_stack
@@ -102,7 +102,7 @@ class Estimate:
                 "usable_memory_gib": self.usable_gib,
                 "memory_gib_by_pp_rank": [m.total / GIB for m in self.memory_by_rank],
                 "compute_s": b["compute"] + b["recompute"], "exposed_comm_s": exposed, "bubble_s": b["pipeline_bubble"],
-                "time_s": dict(b), "parallel": dict(vars(p)),
+                "time_s": dict(b), "parallel": dict(vars(p)), "comm_bytes": comm_bytes_per_step(self.cfg),
                 "params": flops.parameter_count(m), "active_params": flops.parameter_count(m, active=True),
                 "host_memory_gib": self.host_memory.gib(), "peak_host_memory_gib": self.host_memory.total / GIB,
                 "node_host_memory_gib": self.node_host_memory_gib, "node_ram_gib": self.node_ram_gib,

@@ -216,7 +216,7 @@ def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[floa
     act = 3 if m.gated_mlp else 2
     norms = 14 if m.sandwich_norm else 10  # each sandwich norm one more read and write of h
     elem_bytes = tokens * e * (norms * m.d_model / div + act * f + (2 * (q + kv) if m.pos == "rope" else 0))
-    elem_bytes += tokens * routing_bytes_per_token(m, e)
+    elem_bytes += tokens * routing_bytes_per_token(m, e, p.ep)
     forward = stack.elementwise_factor * elem_bytes / hbm
     merge_f, merge_b = _ring_merges(cfg, gpu, tokens)
     return forward + merge_f, 2 * forward + merge_b

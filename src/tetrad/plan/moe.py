@@ -18,22 +18,27 @@ are those without ep; only the EP group's sum of its all-to-all bytes is exact w
 from __future__ import annotations
 
 from tetrad.config import ModelConfig
+from tetrad.config.sections import zero_shard
 from tetrad.model import flops
 
 INDEX_BYTES = 8  # int64 indices: torch.topk's, and the dispatch order's
-# What the runtime's first cut of expert parallelism refuses beside ep > 1 (docs/design.md "Expert
-# parallelism"): the planner's estimate refuses it too and its search skips it. (setting, the fix)
-EP_REFUSED = (("zero=3", lambda p: p.zero == 3, "zero <= 2"),
-              ("zero_shard>0", lambda p: p.zero_shard > 0, "zero_shard=0"),
-              ("a gradient codec", lambda p: p.grad_codec != "none", "grad_codec='none'"),
-              ("hierarchical=true", lambda p: p.hierarchical is True, "hierarchical=false"))
 
 
 def ep_refusal(parallel) -> str | None:
-    """What to change where `parallel` has ep > 1 with a setting expert parallelism refuses, or None."""
-    for setting, refused, fix in EP_REFUSED if parallel.ep > 1 else ():
-        if refused(parallel):
-            return f"parallel.ep={parallel.ep} does not run with {setting} yet; set parallel.{fix}, or parallel.ep=1"
+    """What the runtime's first cut of expert parallelism (parallel.ep > 1) does not take, in one
+    line naming the fix, or None (docs/design.md "Expert parallelism": what reduces or shards every
+    gradient over all of dp x cp alike, where the experts' reduce over a group of their own). The
+    estimate refuses it and the search skips it, as config validation does for a run."""
+    if parallel.ep == 1:
+        return None
+    for setting, used, fix in ((f"zero={parallel.zero}", parallel.zero == 3, "use zero<=2"),
+                               (f"zero_shard={parallel.zero_shard}", zero_shard(parallel) > 0, "set zero_shard=0"),
+                               (f"grad_codec={parallel.grad_codec!r}", parallel.grad_codec != "none",
+                                "set grad_codec='none'"),
+                               ("hierarchical=true", parallel.hierarchical is True, "set hierarchical=false")):
+        if used:
+            return (f"parallel.ep={parallel.ep} does not take {setting} yet (the experts' gradients reduce over "
+                    f"their own group); {fix}, or ep=1")
     return None
 
 
@@ -88,12 +93,14 @@ def expert_grad_bytes(m: ModelConfig, tp: int, ep: int, e: int) -> float:
     return (flops.mlp_matrix_params(m) / tp / ep * e) if m.n_experts else 0.0
 
 
-def routing_bytes_per_token(m: ModelConfig, e: int) -> float:
+def routing_bytes_per_token(m: ModelConfig, e: int, ep: int = 1) -> float:
     """HBM bytes per token of an MoE layer's routing, forward (0 for a dense MLP): the router's
     fp32 softmax (read the logits, write the probabilities), top-k over them, the token's hidden
     state copied to each of its k experts (read, write) and their outputs weighed and summed back
-    (read k, write one): what a gather/scatter dispatch moves at HBM bandwidth."""
+    (read k, write one): what a gather/scatter dispatch moves at HBM bandwidth. Under ep the rows
+    received are reordered expert-major and their outputs back (model/moe.py _over_ep): k rows a
+    token read and written twice more (balanced routing)."""
     if not m.n_experts:
         return 0.0
     k = m.experts_per_token
-    return 3 * 4 * m.n_experts + m.d_model * e * (2 * k + k + 1)
+    return 3 * 4 * m.n_experts + m.d_model * e * (2 * k + k + 1 + (4 * k if ep > 1 else 0))

@@ -201,8 +201,10 @@ def _layout(s: Shapes, stages: tuple, ties: bool, n: int, zero: int, codec: str,
                        sum(b.size for b in out if b.expert))
 
 
-def shard_params(buckets: Iterable[PlannedBucket], k: int) -> int:
-    """Parameter elements (padding left out) in shard k of every bucket: what AdamW's moments
-    cover on the rank at index k of the group ZeRO shards over (optimizer.ShardedAdamW's pieces
-    end where the parameters do). The padding is at a bucket's end, so shard 0 holds the most."""
-    return sum(max(0, min(b.size, (k + 1) * b.shard) - k * b.shard) for b in buckets)
+def shard_params(buckets: Iterable[PlannedBucket], k: int, k_expert: int | None = None) -> int:
+    """Parameter elements (padding left out) in shard k of every bucket (k_expert of the experts'
+    own, ep > 1): what AdamW's moments cover on the rank at index k of the group ZeRO shards over
+    (optimizer.ShardedAdamW's pieces end where the parameters do). The padding is at a bucket's
+    end, so shard 0 holds the most."""
+    at = [k, k if k_expert is None else k_expert]
+    return sum(max(0, min(b.size, (at[b.expert] + 1) * b.shard) - at[b.expert] * b.shard) for b in buckets)

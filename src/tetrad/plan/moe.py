@@ -48,6 +48,13 @@ def expert_grad_ranks(parallel) -> int:
     return parallel.dp * parallel.cp // parallel.ep if parallel.ep > 1 else 0
 
 
+def expert_shard(parallel, shard: int) -> int:
+    """The place in its expert gradient group of the rank at place `shard` of its dp x cp group
+    (dp major, cp minor; dist/layout.py): the experts' buckets' shard it owns."""
+    dp, cp = divmod(shard, parallel.cp)
+    return dp // parallel.ep * parallel.cp + cp
+
+
 def rank_layer_params(m: ModelConfig, tp: int, ep: int) -> float:
     """Parameters of one layer on a rank (flops.layer_params), of its experts E/ep."""
     return flops.layer_params(m, tp) - (flops.mlp_matrix_params(m) / tp * (ep - 1) / ep if ep > 1 else 0.0)

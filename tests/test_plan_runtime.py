@@ -77,12 +77,9 @@ EP_LAYOUTS = [({"dp": 2, "ep": 2}, {}, MOE), ({"dp": 4, "ep": 2, "zero": 1}, {"m
               ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True, "zero": 2}, {}, MOE),
               ({"dp": 2, "ep": 2, "pp": 2}, {"recompute": "full"}, MOE),
               ({"dp": 2, "ep": 2, "cp": 2}, {"recompute": "selective-op"}, {**MOE, "mlp": "gelu"})]
-# The runtime's expert parallelism comes with branch `ep`: once merged, EP_RUNTIME = EP_LAYOUTS (and
-# EP_COUNTED = EP_COUNTED_LAYOUTS, EP_STATES = EP_TINY_BUCKETS below; tests/test_plan_buckets.py EP_CASES).
-EP_RUNTIME: list = []
 
 
-@pytest.mark.parametrize("parallel,train,model", EP_RUNTIME, ids=lambda p: _name(p) or "-")
+@pytest.mark.parametrize("parallel,train,model", EP_LAYOUTS, ids=lambda p: _name(p) or "-")
 def test_ep_comm_bytes_equal_the_runtime_count(parallel, train, model):
     """Every group's bytes on rank 0 as counted, "ep" but summed over rank 0's EP group: the
     planner's balanced figure times ep (the sum of the rows received is the sum of those sent)."""
@@ -173,10 +170,9 @@ COUNTED_LAYOUTS += [({"tp": 2, "sequence_parallel": True}, {}, GEMMA3_WIDE), ({"
 # Expert parallelism: a rank's E/ep experts, its activations at the balanced k*tokens rows received.
 EP_COUNTED_LAYOUTS = [({"dp": 2, "ep": 2, "zero": 1}, {}, {"n_experts": 4}),
                       ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"n_experts": 4})]
-EP_COUNTED: list = []  # = EP_COUNTED_LAYOUTS once the runtime has expert parallelism (EP_RUNTIME above)
 
 
-@pytest.mark.parametrize("parallel,train,model", COUNTED_LAYOUTS + EP_COUNTED, ids=lambda p: _name(p) or "-")
+@pytest.mark.parametrize("parallel,train,model", COUNTED_LAYOUTS + EP_COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")
 def test_counted_memory_matches_the_estimate_within_15_percent(parallel, train, model):
     cfg = tiny_config(model={"d_model": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 768, "seq_len": 128,
                              "n_layers": 4, **model},
@@ -219,10 +215,9 @@ TINY_BUCKETS = [({"dp": 2, "zero": 1, "grad_codec": "int8", "grad_bucket_mb": 0.
 # Expert parallelism: the experts' buckets padded for dp*cp/ep, each rank's moments at its place in that group.
 EP_TINY_BUCKETS = [({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1}),
                    ({"dp": 2, "cp": 2, "ep": 2, "zero": 2, "grad_bucket_mb": 0.002}, {"micro_batch": 1})]
-EP_STATES: list = []  # = EP_TINY_BUCKETS once the runtime has expert parallelism (EP_RUNTIME above)
 
 
-@pytest.mark.parametrize("parallel,train", TINY_BUCKETS + EP_STATES, ids=lambda p: _name(p) or "-")
+@pytest.mark.parametrize("parallel,train", TINY_BUCKETS + EP_TINY_BUCKETS, ids=lambda p: _name(p) or "-")
 def test_model_states_are_the_runtimes_padded_buckets_to_the_byte(parallel, train):
     """Weights, gradients and optimizer state are what the runtime allocates, byte for byte, on
     every rank: buckets with their padding, AdamW's moments without it (rank_model_states); the

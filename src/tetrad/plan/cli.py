@@ -27,7 +27,6 @@ from tetrad.config.checkpoints import complete
 from tetrad.parallel.pipeline.registry import check_config
 from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, HardwareError, load_cluster, offload_unknown
-from tetrad.plan.moe import ep_refusal
 from tetrad.plan.plot import plan_figure
 from tetrad.plan.recipe import sized_training
 from tetrad.plan.search import plan
@@ -60,8 +59,6 @@ def estimate_command(argv: list[str], model_from_inputs: Callable[[dict], dict] 
     try:
         cfg = _weights_exist(load_config(args.config, overrides, runtime=False, model_from_inputs=model_from_inputs))
         check_config(cfg)
-        if ep_refusal(cfg.parallel):
-            raise ConfigError(ep_refusal(cfg.parallel))
         cluster = load_cluster(args.cluster)
     except (ConfigError, HardwareError) as e:
         print(f"tetrad estimate: {e}", file=sys.stderr)

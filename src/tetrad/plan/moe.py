@@ -18,28 +18,9 @@ are those without ep; only the EP group's sum of its all-to-all bytes is exact w
 from __future__ import annotations
 
 from tetrad.config import ModelConfig
-from tetrad.config.sections import zero_shard
 from tetrad.model import flops
 
 INDEX_BYTES = 8  # int64 indices: torch.topk's, and the dispatch order's
-
-
-def ep_refusal(parallel) -> str | None:
-    """What the runtime's first cut of expert parallelism (parallel.ep > 1) does not take, in one
-    line naming the fix, or None (docs/design.md "Expert parallelism": what reduces or shards every
-    gradient over all of dp x cp alike, where the experts' reduce over a group of their own). The
-    estimate refuses it and the search skips it, as config validation does for a run."""
-    if parallel.ep == 1:
-        return None
-    for setting, used, fix in ((f"zero={parallel.zero}", parallel.zero == 3, "use zero<=2"),
-                               (f"zero_shard={parallel.zero_shard}", zero_shard(parallel) > 0, "set zero_shard=0"),
-                               (f"grad_codec={parallel.grad_codec!r}", parallel.grad_codec != "none",
-                                "set grad_codec='none'"),
-                               ("hierarchical=true", parallel.hierarchical is True, "set hierarchical=false")):
-        if used:
-            return (f"parallel.ep={parallel.ep} does not take {setting} yet (the experts' gradients reduce over "
-                    f"their own group); {fix}, or ep=1")
-    return None
 
 
 def expert_grad_ranks(parallel) -> int:

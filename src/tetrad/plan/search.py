@@ -32,7 +32,7 @@ from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, offload_unknown
 from tetrad.plan.layer import layer_cost
 from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, host_memory_by_rank, memory_by_rank
-from tetrad.plan.moe import ep_refusal
+from tetrad.config.sections import expert_parallel_blocker
 from tetrad.plan.stacks import Stack, load_stack
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -97,9 +97,9 @@ def layouts(base: Config, world: int, per_node: int):
 
 def _expert_parallel(base: Config, dp: int) -> list[int]:
     """The ep degrees worth trying at `dp`: the divisors of dp that divide the experts (MoE models),
-    where base's settings are not among those expert parallelism refuses (moe.ep_refusal); else 1."""
+    where base's settings are not among those expert parallelism refuses (config.sections.expert_parallel_blocker); else 1."""
     m = base.model
-    ok = m.n_experts and ep_refusal(dataclasses.replace(base.parallel, ep=2, zero=0, zero_shard=0)) is None
+    ok = m.n_experts and expert_parallel_blocker(dataclasses.replace(base.parallel, ep=2, zero=0, zero_shard=0)) is None
     return [ep for ep in _divisors(dp) if m.n_experts % ep == 0] if ok else [1]
 
 

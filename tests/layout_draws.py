@@ -3,7 +3,8 @@ dp/tp/pp/cp (2, 4 or 8 ranks) with ZeRO 0-3, the four schedules and virtual stag
 parallelism and its regather, both cp algorithms, codecs, bucket sizes, hierarchical reduction
 ("auto" included), the tiny model's shapes varied (GQA, odd vocabularies, tied, GPT-style,
 uneven stage splits), micro/global batches and their ramp-up, clipping, dtypes, recompute, offload,
-validation and document masking, and (the fuzzers') hybrid ZeRO's blocks and mixtures of experts.
+validation and document masking, and (the fuzzers') hybrid ZeRO's blocks and mixtures of experts
+(with expert parallelism half the time dp allows it).
 Each draw is a pure function of its seed; a few are invalid on purpose (validation must refuse
 them with one line that names the fix)."""
 
@@ -144,6 +145,9 @@ def draw(seed: int, extended: bool = False) -> dict:
                      rope_local_base_freq=100.0)
     if extended and rng.random() < 0.15:  # a mixture of experts in every layer (model/moe.py)
         model.update(moe_model(rng))
+        ep = [e for e in (2, 4) if par["dp"] % e == 0 and model["n_experts"] % e == 0]
+        if ep and rng.random() < 0.5:  # its experts over blocks of dp ranks (refused with ZeRO-3, codecs, ...)
+            par["ep"] = rng.choice(ep)
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 

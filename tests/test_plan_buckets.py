@@ -33,16 +33,23 @@ CASES = [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"qk_norm": Tru
 # MoE: the router (replicated, its gradient summed over tp as qk-norm's) and each [E, H, d] expert tensor
 CASES += [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"n_experts": 4, "expert_ffn_hidden": 96}),
           ({"tp": 2, "pp": 2, "dp": 2, "zero": 3}, {"n_experts": 3, "experts_per_token": 1, "mlp": "gelu"})]
+# Expert parallelism: the experts' buckets after the dense ones, padded for dp*cp/ep.
+CASES += [({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"n_experts": 4, "expert_ffn_hidden": 96}),
+            ({"tp": 2, "pp": 2, "vpp": 2, "dp": 2, "cp": 2, "ep": 2, "zero": 2, "grad_bucket_mb": 0.01},
+             {"n_experts": 4, "n_layers": 4, "tie_embeddings": True, "qk_norm": True})]
 
 
 def _runtime(cfg, rank: int) -> list[PlannedBucket]:
-    """lay_out of pipeline rank `rank`'s model (tp rank 0), summarised as rank_buckets does."""
+    """lay_out of pipeline rank `rank`'s model (tp rank 0, ep rank 0), summarised as rank_buckets does."""
     p = cfg.parallel
-    topo = types.SimpleNamespace(tp_size=p.tp, tp_rank=0, coords={"pp": rank}, device=torch.device("cpu"))
+    topo = types.SimpleNamespace(tp_size=p.tp, tp_rank=0, ep_size=p.ep, ep_rank=0, coords={"pp": rank},
+                                 device=torch.device("cpu"))
     with torch.device("meta"):
         model = PipelineStages(cfg, topo, Execution())
+    experts = {"experts": ("experts", p.dp * p.cp // p.ep, 0)} if p.ep > 1 else {}
     layout = lay_out(list(model.parameters()), model, p.zero, p.dp * p.cp, 0,
-                     INT8_BLOCK if p.grad_codec == "int8" else 1, bucket_bytes(p))
+                     INT8_BLOCK if p.grad_codec == "int8" else 1, bucket_bytes(p), **experts)
+    expert = {id(q) for name, q in model.named_parameters() if ".experts." in name and p.ep > 1}
     out = []
     for b in layout.buckets:
         counts = [0, 0]  # replicated, of them qk-norm's
@@ -51,7 +58,7 @@ def _runtime(cfg, rank: int) -> list[PlannedBucket]:
             if spec.shard_dim is None:
                 counts[spec.grad_split_over_tp] += hi - lo
         out.append(PlannedBucket(b.padded, b.shard_size, *counts, p.zero == 3 and b not in layout.roots,
-                                 b is layout.tied, b.size))
+                                 b is layout.tied, b.size, id(b.params[0]) in expert))
     return out
 
 

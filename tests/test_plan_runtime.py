@@ -69,6 +69,30 @@ def _name(parallel: dict) -> str:
     return "-".join(f"{k}{v}" for k, v in parallel.items())
 
 
+# Expert parallelism (parallel.ep): the experts' buckets over dp*cp/ep (ZeRO 0-2; a group of one rank,
+# ep = dp, moves nothing), the EP group's all-to-alls (again under full and per-op recompute), with tp+SP,
+# pp and cp. Per rank "ep" follows the routing: the EP group's sum is exact (docs/planner.md).
+EP_LAYOUTS = [({"dp": 2, "ep": 2}, {}, MOE), ({"dp": 4, "ep": 2, "zero": 1}, {"micro_batch": 1, "global_batch": 8}, MOE),
+              ({"dp": 4, "ep": 4, "zero": 1}, {"micro_batch": 1, "global_batch": 8}, MOE),
+              ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True, "zero": 2}, {}, MOE),
+              ({"dp": 2, "ep": 2, "pp": 2}, {"recompute": "full"}, MOE),
+              ({"dp": 2, "ep": 2, "cp": 2}, {"recompute": "selective-op"}, {**MOE, "mlp": "gelu"})]
+
+
+@pytest.mark.parametrize("parallel,train,model", EP_LAYOUTS, ids=lambda p: _name(p) or "-")
+def test_ep_comm_bytes_equal_the_runtime_count(parallel, train, model):
+    """Every group's bytes on rank 0 as counted, "ep" but summed over rank 0's EP group: the
+    planner's balanced figure times ep (the sum of the rows received is the sum of those sent)."""
+    cfg = tiny_config(parallel=parallel, train={"steps": 2, "device": "cpu", **train}, model=model)
+    want, ep = comm_bytes_per_step(cfg), cfg.parallel.ep
+    runs = rank_histories(cfg)
+    first = next(h for c, h in runs if not any(c.values()))
+    group = [h for c, h in runs if c["dp"] < ep and not (c["tp"] or c["pp"] or c["cp"])]
+    for step, r in enumerate(first):
+        assert {**r["comm_bytes"], "ep": want["ep"]} == want, step
+        assert sum(h[step]["comm_bytes"]["ep"] for h in group) == ep * want["ep"], step
+
+
 @pytest.mark.parametrize("parallel,train,model", LAYOUTS, ids=lambda p: _name(p) or "-")
 def test_comm_bytes_equal_the_runtime_count(parallel, train, model):
     cfg = tiny_config(parallel=parallel, train={"steps": 2, "device": "cpu", **train}, model=model)
@@ -143,7 +167,12 @@ GEMMA3_WIDE = {**{k: v for k, v in GEMMA3.items() if k not in ("head_dim", "quer
 COUNTED_LAYOUTS += [({"tp": 2, "sequence_parallel": True}, {}, GEMMA3_WIDE), ({"pp": 2}, {}, GEMMA3_WIDE)]
 
 
-@pytest.mark.parametrize("parallel,train,model", COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")
+# Expert parallelism: a rank's E/ep experts, its activations at the balanced k*tokens rows received.
+EP_COUNTED_LAYOUTS = [({"dp": 2, "ep": 2, "zero": 1}, {}, {"n_experts": 4}),
+                      ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"n_experts": 4})]
+
+
+@pytest.mark.parametrize("parallel,train,model", COUNTED_LAYOUTS + EP_COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")
 def test_counted_memory_matches_the_estimate_within_15_percent(parallel, train, model):
     cfg = tiny_config(model={"d_model": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 768, "seq_len": 128,
                              "n_layers": 4, **model},
@@ -183,13 +212,19 @@ TINY_BUCKETS = [({"dp": 2, "zero": 1, "grad_codec": "int8", "grad_bucket_mb": 0.
                 ({"dp": 4, "zero": 3, "zero_shard": 2, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1})]
 
 
-@pytest.mark.parametrize("parallel,train", TINY_BUCKETS, ids=lambda p: _name(p) or "-")
+# Expert parallelism: the experts' buckets padded for dp*cp/ep, each rank's moments at its place in that group.
+EP_TINY_BUCKETS = [({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1}),
+                   ({"dp": 2, "cp": 2, "ep": 2, "zero": 2, "grad_bucket_mb": 0.002}, {"micro_batch": 1})]
+
+
+@pytest.mark.parametrize("parallel,train", TINY_BUCKETS + EP_TINY_BUCKETS, ids=lambda p: _name(p) or "-")
 def test_model_states_are_the_runtimes_padded_buckets_to_the_byte(parallel, train):
     """Weights, gradients and optimizer state are what the runtime allocates, byte for byte, on
     every rank: buckets with their padding, AdamW's moments without it (rank_model_states); the
     estimate's are shard 0's, the most. Before, the planner counted the parameters unpadded and
     evenly sharded: 2.0-4.1% under the runtime with these buckets."""
-    cfg = tiny_config(parallel=parallel, train={"steps": 2, "device": "cpu", **train})
+    model = {"n_experts": 4, "expert_ffn_hidden": 96} if parallel.get("ep", 1) > 1 else {}
+    cfg = tiny_config(parallel=parallel, train={"steps": 2, "device": "cpu", **train}, model=model)
     est = estimate(cfg, load_cluster("cpu"))
     for shard, pp, got in run_ranks(_states_by_shard, cfg.parallel.world_size, cfg):
         assert got == list(rank_model_states(cfg, shard)[pp]), (shard, pp, got)

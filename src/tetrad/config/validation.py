@@ -4,7 +4,6 @@ rules that tie keys together (divisibility, schedules, codecs, devices)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -79,6 +78,7 @@ RANGES: dict[str, Range] = {
 }
 
 
+RANGED_KEYS = tuple((name, tuple(name.split("."))) for name in RANGES)  # (name, (section, key))
 PARALLEL_SIZES = tuple(f"parallel.{k}" for k in ("dp", "tp", "pp", "cp", "vpp"))
 # What a key means, where its range alone does not say what to set instead.
 RANGE_HINTS = {"model.sliding_window": "; it is how many keys each query sees, itself included (HF's sliding_window, "
@@ -86,21 +86,19 @@ RANGE_HINTS = {"model.sliding_window": "; it is how many keys each query sees, i
 
 
 def check_ranges(cfg: Config) -> None:
-    """Every numeric key (list items included) within its RANGES entry."""
-    for section in dataclasses.fields(cfg):
-        obj = getattr(cfg, section.name)
-        for f in dataclasses.fields(obj):
-            name, value = f"{section.name}.{f.name}", getattr(obj, f.name)
-            for i, v in enumerate(value) if isinstance(value, list) else [(None, value)]:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or name not in RANGES:
-                    continue
-                if not RANGES[name].holds(v):
-                    where = name if i is None else f"{name}[{i}]"
-                    kind = "a finite number" if isinstance(v, float) else "an integer"
-                    infer = ("; tetrad does not infer a size from -1 (torchtitan does): give each of dp, tp, pp, "
-                             "cp, whose product is the number of ranks" if v == -1 and name in PARALLEL_SIZES else "")
-                    raise ConfigError(f"{where}={v!r} is out of range: it must be {kind} {RANGES[name]}{infer}"
-                                      f"{RANGE_HINTS.get(name, '')}")
+    """Every numeric key (list items included) within its RANGES entry, in RANGES' order. Only the
+    ranged keys are read: `tetrad plan` validates every candidate layout (tens of thousands)."""
+    for name, (section, key) in RANGED_KEYS:
+        value = getattr(getattr(cfg, section), key)
+        for i, v in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or RANGES[name].holds(v):
+                continue
+            where = name if i is None else f"{name}[{i}]"
+            kind = "a finite number" if isinstance(v, float) else "an integer"
+            infer = ("; tetrad does not infer a size from -1 (torchtitan does): give each of dp, tp, pp, "
+                     "cp, whose product is the number of ranks" if v == -1 and name in PARALLEL_SIZES else "")
+            raise ConfigError(f"{where}={v!r} is out of range: it must be {kind} {RANGES[name]}{infer}"
+                              f"{RANGE_HINTS.get(name, '')}")
 
 
 def divisors(n: int) -> list[int]:

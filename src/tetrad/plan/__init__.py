@@ -2,7 +2,7 @@
 
     estimate(cfg, cluster, stack="tetrad") -> Estimate     one layout: time, memory, MFU/HFU
     plan(base, cluster, top=10) -> Plan                     every legal layout, fastest that fit first
-    comm_bytes_per_step(cfg) -> {"tp", "cp", "pp", "dp"}    what tetrad.comm counts on rank 0
+    comm_bytes_per_step(cfg) -> {"tp", "cp", "pp", "dp", "ep"}    what tetrad.comm counts on rank 0
     load_cluster(name_or_path) -> Cluster                   built-in, TOML, or measured profile
 
 No torch here: it runs in a plain Python process.

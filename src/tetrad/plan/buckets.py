@@ -4,7 +4,10 @@ parallel/pipeline/stages.py; tests/test_plan_buckets.py holds the two equal), pu
 runtime's own rule (parallel/bucketing.py, as parallel/data/buffers.py's lay_out). The exact
 communication counts (plan/comm_bytes.py) are sums over them: each bucket's padding, the matrix
 shape PowerSGD gives it, and which tp-replicated gradients fall into the rank's ZeRO shard,
-which an even split over dp x cp misses by up to a whole norm.
+which an even split over dp x cp misses by up to a whole norm. Under expert parallelism
+(parallel.ep > 1) a rank holds E/ep of each layer's experts, laid out by the same rule in buckets
+of their own after the dense ones, padded for and sharded over the expert gradient group
+(plan/moe.py `expert_grad_ranks`); at ep = 1 they are dense parameters like any other.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from tetrad.config.sections import bucket_bytes, shard_ranks
 from tetrad.dist.codecs import INT8_BLOCK, powersgd_shape
 from tetrad.parallel.bucketing import bucket_contents, padded_size
 from tetrad.parallel.pipeline.split import rank_stages, stage_layers
+from tetrad.plan.moe import expert_grad_ranks
 
 # A parameter's kind: split over tp; replicated over tp (norms, learned positions: their gradients
 # summed over tp under SP or after a codec that mixes elements); replicated, but each tp rank's
 # gradient made from its own heads (qk-norm's: summed over tp always). finalize.reduce_replicated.
-SPLIT, REPLICATED, HEADS = 0, 1, 2
+# An MoE layer's experts: split over tp (and ep), in buckets of their own under ep > 1.
+SPLIT, REPLICATED, HEADS, EXPERTS = 0, 1, 2, 3
 
 
 class PlannedBucket(NamedTuple):
@@ -34,6 +39,7 @@ class PlannedBucket(NamedTuple):
     block: bool  # ZeRO-3: a transformer block's, gathered for each use (otherwise once a step)
     tied: bool  # the embedding tied across pipeline stages
     size: int  # elements of its parameters (padding left out)
+    expert: bool = False  # experts' (ep > 1): padded for and sharded over the expert gradient group
 
 
 def _norm(m: ModelConfig, width: int, kind: int) -> list[tuple[int, int]]:
@@ -45,11 +51,11 @@ def _local(rows: int, tp: int) -> int:
     return -(-rows // tp)
 
 
-def layer_parameters(m: ModelConfig, tp: int) -> list[tuple[int, int]]:
+def layer_parameters(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, int]]:
     """(elements on a tp rank, kind) of one transformer block's parameters, in the order Block
     registers them: attention norm, q, k, v (each with its bias), output projection, q and k
     norms; MLP norm, w1, w3 (SwiGLU, GeGLU), w2 (under MoE the router's weight, replicated over
-    tp, its gradient summed over tp as qk-norm's, then the experts' w1, w3, w2, each one [E, H, d] tensor split on H); the
+    tp, its gradient summed over tp as qk-norm's, then the experts' w1, w3, w2, each one [E/ep, H, d] tensor split on H); the
     sandwich norms (Gemma 3)."""
     d, hd = m.d_model, m.head_dim
     out = _norm(m, d, REPLICATED)
@@ -62,8 +68,8 @@ def layer_parameters(m: ModelConfig, tp: int) -> list[tuple[int, int]]:
     ffn = _local(m.ffn_hidden, tp) * d
     if m.n_experts:
         out.append((m.n_experts * d, HEADS))  # each tp rank's router gradient a partial: summed
-        ffn = m.n_experts * _local(m.expert_hidden, tp) * d
-    out += [(ffn, SPLIT)] * (3 if m.gated_mlp else 2)
+        ffn = m.n_experts // ep * _local(m.expert_hidden, tp) * d
+    out += [(ffn, EXPERTS if m.n_experts else SPLIT)] * (3 if m.gated_mlp else 2)
     return out + (_norm(m, d, REPLICATED) * 2 if m.sandwich_norm else [])
 
 
@@ -78,7 +84,7 @@ class Shapes(NamedTuple):
 
 def shapes(cfg: Config) -> Shapes:
     m, tp = cfg.model, cfg.parallel.tp
-    return Shapes(tuple(layer_parameters(m, tp)), _local(m.vocab_size, tp) * m.d_model,
+    return Shapes(tuple(layer_parameters(m, tp, cfg.parallel.ep)), _local(m.vocab_size, tp) * m.d_model,
                   m.seq_len * m.d_model if m.pos == "learned" else 0, tuple(_norm(m, m.d_model, REPLICATED)),
                   m.tie_embeddings)
 
@@ -115,23 +121,26 @@ class RankBuckets(NamedTuple):
     heads: int  # ... and HEADS elements
     factors: int  # PowerSGD: each bucket's matrix's rows + cols, summed (0 under another codec)
     first_shard: int  # parameter elements in the buckets' first shards (`shard_params` 0: the most)
+    sharded: int  # elements of one shard of every bucket, padding included (ZeRO's part of `padded`)
+    expert_padded: int  # elements of the experts' own buckets (ep > 1), padding included
+    expert_size: int  # ... their parameters' elements
 
 
 def rank_buckets(cfg: Config) -> tuple[RankBuckets, ...]:
     """Each pipeline rank's buckets, at dp x cp coordinate 0, laid out over the ranks ZeRO shards
-    over (hybrid ZeRO's block, or all of dp x cp)."""
+    over (hybrid ZeRO's block, or all of dp x cp; the experts' over the expert gradient group)."""
     p = cfg.parallel
     return _pipeline(shapes(cfg), tuple(stage_layers(cfg)), p.pp, p.vpp, shard_ranks(p), p.zero, p.grad_codec,
-                     bucket_bytes(p))
+                     bucket_bytes(p), expert_grad_ranks(p))
 
 
 # Cached, as the functions below: the search estimates many layouts with the same parameters on a rank.
 @lru_cache(maxsize=4096)
 def _pipeline(s: Shapes, counts: tuple[int, ...], pp: int, vpp: int, n: int, zero: int, codec: str,
-              limit: float) -> tuple[RankBuckets, ...]:
+              limit: float, experts: int) -> tuple[RankBuckets, ...]:
     ties, last = s.tie and len(counts) > 1, len(counts) - 1
     return tuple(_layout(s, tuple((counts[g], g == 0, g == last) for g in rank_stages(pp, vpp, r)), ties, n, zero,
-                         codec, limit) for r in range(pp))
+                         codec, limit, experts) for r in range(pp))
 
 
 class _Content(NamedTuple):
@@ -140,44 +149,62 @@ class _Content(NamedTuple):
     spans: tuple[tuple[int, int, int], ...]  # (start, end, kind) of its REPLICATED and HEADS parameters
     block: bool
     tied: bool
+    expert: bool
 
 
 @lru_cache(maxsize=1024)
-def _contents(s: Shapes, stages: tuple, ties: bool, zero3: bool, limit: float) -> tuple[_Content, ...]:
+def _contents(s: Shapes, stages: tuple, ties: bool, zero3: bool, limit: float, apart: bool) -> tuple[_Content, ...]:
+    """The buckets' contents in layout order; `apart` (ep > 1): the experts' after the rest, by the same rule."""
     chunks, tied = stage_parameters(s, stages, ties)
+    if apart:
+        experts = [[item for item in chunk if item[1] == EXPERTS] for chunk in chunks]
+        chunks = [[item for item in chunk if item[1] != EXPERTS] for chunk in chunks]
     items = [item for chunk in chunks for item in chunk]
     blocks = 1 + max((k for _, _, k in items if k is not None), default=-1)
     chunks = [items] if zero3 else chunks  # ZeRO-3's rest in the parameters' order, as lay_out's
     contents = bucket_contents(chunks, itemgetter(0), limit, blocks, itemgetter(2) if zero3 else None, tied)
-    out = []
-    for k, bucket in enumerate(contents):
-        spans, offset = [], 0
-        for numel, kind, _ in bucket:
-            spans += [(offset, offset + numel, kind)] if kind != SPLIT else []
-            offset += numel
-        out.append(_Content(offset, tuple(spans), zero3 and k < blocks, tied is not None and k == len(contents) - 1))
-    return tuple(out)
+    out = [_content(b, zero3 and k < blocks, tied is not None and k == len(contents) - 1, False)
+           for k, b in enumerate(contents)]
+    return tuple(out + ([_content(b, False, False, True) for b in bucket_contents(experts, itemgetter(0), limit)]
+                        if apart else []))
+
+
+def _content(bucket: list, block: bool, tied: bool, expert: bool) -> _Content:
+    spans, offset = [], 0
+    for numel, kind, _ in bucket:
+        spans += [(offset, offset + numel, kind)] if kind in (REPLICATED, HEADS) else []
+        offset += numel
+    return _Content(offset, tuple(spans), block, tied, expert)
 
 
 @lru_cache(maxsize=4096)
-def _layout(s: Shapes, stages: tuple, ties: bool, n: int, zero: int, codec: str, limit: float) -> RankBuckets:
+def _layout(s: Shapes, stages: tuple, ties: bool, n: int, zero: int, codec: str, limit: float,
+            experts: int) -> RankBuckets:
+    """`experts`: the expert gradient group's ranks, which the experts' buckets are padded for and
+    sharded over, or 0 (ep = 1: no buckets of their own)."""
     align = INT8_BLOCK if codec == "int8" else 1
-    contents, planned = _contents(s, stages, ties, zero == 3, limit), {}
+    contents, planned = _contents(s, stages, ties, zero == 3, limit, experts > 0), {}
     for b in set(contents):  # each layer's alike: a few distinct ones
-        padded = padded_size(b.size, n, align)
-        summed = padded if zero == 0 else padded // n  # finalize sums the whole bucket under ZeRO-0
+        group = experts if b.expert else n
+        padded = padded_size(b.size, group, align)
+        summed = padded if zero == 0 else padded // group  # finalize sums the whole bucket under ZeRO-0
         kinds = [0, 0, 0]
         for lo, hi, kind in b.spans:
             kinds[kind] += max(0, min(hi, summed) - lo)
-        planned[b] = PlannedBucket(padded, padded // n, kinds[REPLICATED], kinds[HEADS], b.block, b.tied, b.size)
+        planned[b] = PlannedBucket(padded, padded // group, kinds[REPLICATED], kinds[HEADS], b.block, b.tied, b.size,
+                                   b.expert)
     out = [planned[b] for b in contents]
     factors = sum(sum(powersgd_shape(b.padded)) for b in out) if codec == "powersgd" else 0
     return RankBuckets(tuple(out), sum(b.padded for b in out), sum(b.padded for b in out if b.block),
-                       sum(b.replicated for b in out), sum(b.heads for b in out), factors, shard_params(out, 0))
+                       sum(b.replicated for b in out), sum(b.heads for b in out), factors, shard_params(out, 0),
+                       sum(b.shard for b in out), sum(b.padded for b in out if b.expert),
+                       sum(b.size for b in out if b.expert))
 
 
-def shard_params(buckets: Iterable[PlannedBucket], k: int) -> int:
-    """Parameter elements (padding left out) in shard k of every bucket: what AdamW's moments
-    cover on the rank at index k of the group ZeRO shards over (optimizer.ShardedAdamW's pieces
-    end where the parameters do). The padding is at a bucket's end, so shard 0 holds the most."""
-    return sum(max(0, min(b.size, (k + 1) * b.shard) - k * b.shard) for b in buckets)
+def shard_params(buckets: Iterable[PlannedBucket], k: int, k_expert: int | None = None) -> int:
+    """Parameter elements (padding left out) in shard k of every bucket (k_expert of the experts'
+    own, ep > 1): what AdamW's moments cover on the rank at index k of the group ZeRO shards over
+    (optimizer.ShardedAdamW's pieces end where the parameters do). The padding is at a bucket's
+    end, so shard 0 holds the most."""
+    at = [k, k if k_expert is None else k_expert]
+    return sum(max(0, min(b.size, (at[b.expert] + 1) * b.shard) - at[b.expert] * b.shard) for b in buckets)

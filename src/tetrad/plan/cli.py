@@ -97,7 +97,7 @@ def _base_config(args, overrides: list[str], model_from_inputs: Callable[[dict],
     if args.dtype or "train.dtype" not in _user_keys(args, overrides):  # bf16: what clusters run
         flags += [f"train.dtype={args.dtype or 'bf16'}"]
     cfg = _weights_exist(load_config(path, flags + overrides, runtime=False, model_from_inputs=model_from_inputs))
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1, cp=1, vpp=1,
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1, cp=1, ep=1, vpp=1,
                                                                  schedule="1f1b"))
 
 
@@ -171,12 +171,13 @@ def _flagged(overrides: list[str]) -> set[str]:
 
 def _own_folders(cfg: Config, flagged: set[str]) -> tuple[Config, list[str]]:
     """`cfg` with run.dir (and a checkpoint.dir the config set) in a folder of the layout's own,
-    RUN_DIR-dpD-tpT-ppP-cpC, unless set by a flag (`flagged`): the config planned for is often a run's
+    RUN_DIR-dpD-tpT-ppP-cpC (-epE under expert parallelism), unless set by a flag (`flagged`): the config planned for is often a run's
     own, and the written one, run, would write its metrics and checkpoints into that run's folder,
     then resume its checkpoints (a plan of a written config replaces its tag). A checkpoint.dir inside
     run.dir moves with it: left in the old run's folder, deleting that run would delete the new one's
     checkpoints. One note each."""
-    tag = "-dp{p.dp}-tp{p.tp}-pp{p.pp}-cp{p.cp}".format(p=cfg.parallel)
+    p = cfg.parallel
+    tag = f"-dp{p.dp}-tp{p.tp}-pp{p.pp}-cp{p.cp}" + (f"-ep{p.ep}" if p.ep > 1 else "")
     run, ckpt = cfg.run.dir, cfg.checkpoint.dir
     new_run = _tagged(run, tag) if run and "run.dir" not in flagged else run
     new_ckpt = ckpt
@@ -214,7 +215,7 @@ def _refuse_trained(cfg: Config, flagged: set[str]) -> None:
 
 def _tagged(folder: str, tag: str) -> str:
     """`folder` with the layout's `tag` in place of one a plan gave it before."""
-    return re.sub(r"-dp\d+-tp\d+-pp\d+-cp\d+$", "", folder.rstrip("/")) + tag
+    return re.sub(r"-dp\d+-tp\d+-pp\d+-cp\d+(-ep\d+)?$", "", folder.rstrip("/")) + tag
 
 
 def _write(best: Estimate, args, overrides: list[str], out) -> None:

@@ -11,6 +11,7 @@ from tetrad.parallel.bucketing import padded_size
 from tetrad.parallel.pipeline.split import rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param, vocab_shard
+from tetrad.plan.moe import ep_all_to_alls, expert_grad_ranks
 
 # The step's numbers that need the whole job: one all-reduce of 6 fp32 (squared gradient norm,
 # loss, a flag per stop signal and one for a closed stdout) over dp, tp and pp (train/trainer.py's
@@ -27,12 +28,14 @@ def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
     """Bytes rank 0 (first pipeline stage, first tp/cp/dp coordinate) hands to collectives in one
     optimizer step, by group, under tetrad.comm's convention: all-reduce the tensor, all-gather
     the gathered output, reduce-scatter the unscattered input, all-to-all the input,
-    point-to-point what it sends. The dp x cp gradient group counts as "dp". Each group also
+    point-to-point what it sends. The dp x cp gradient group counts as "dp" (and the experts'
+    gradient group under ep); the EP group's all-to-alls as "ep". Each of tp, cp, pp and dp also
     carries the step's sums (`step_sums`). Gradient traffic is summed over rank 0's buckets as the runtime lays them
     out (plan/buckets.py), padding included."""
     p = cfg.parallel
     out = {"tp": _tp_bytes(cfg) if p.tp > 1 else 0, "cp": _cp_bytes(cfg) if p.cp > 1 else 0,
-           "pp": _pp_bytes(cfg) if p.pp > 1 else 0, "dp": _dp_bytes(cfg) if p.dp * p.cp > 1 else 0}
+           "pp": _pp_bytes(cfg) if p.pp > 1 else 0, "dp": _dp_bytes(cfg) if p.dp * p.cp > 1 else 0,
+           "ep": _ep_bytes(cfg)}
     return {k: int(v) for k, v in out.items()}
 
 
@@ -111,22 +114,33 @@ def _cp_bytes(cfg: Config) -> float:
     return per_micro * (2 * (qkv + out) + recomputed + counts)
 
 
+def _ep_bytes(cfg: Config) -> float:
+    """Each MoE layer's all-to-alls over the EP group (moe.ep_all_to_alls: balanced routing), forward
+    and backward, the forward's again under full and per-op recompute (they rerun the MoE layer)."""
+    t = cfg.train
+    forward, backward = ep_all_to_alls(cfg.model, _tokens(cfg), cfg.parallel.ep, activation_bytes(t.dtype))
+    again = t.recompute in ("full", "selective-op")
+    return cfg.microbatches * rank_layers(cfg)[0] * (sum(forward) * (1 + again) + sum(backward))
+
+
 def _dp_bytes(cfg: Config) -> float:
     """Over rank 0's buckets, padded (rank_buckets): ZeRO-0: one all-reduce of the fp32 gradient
     buckets; ZeRO-1: that, then the updated shards all-gathered; ZeRO-2: a reduce-scatter every
     micro-batch, then the shards all-gathered; ZeRO-3: each block's bucket gathered for forward
     and for backward every micro-batch, the rest once, and a reduce-scatter every micro-batch.
-    The step's sums."""
+    Under ep the experts' buckets likewise over their group, unless it is one rank (ep = dp, cp = 1):
+    a group of one moves nothing. The step's sums."""
     p, micro = cfg.parallel, cfg.microbatches
     w = state_bytes_per_param(cfg.train.dtype)[0]
     buckets = rank_buckets(cfg)[0]
-    padded = buckets.padded
+    alone = buckets.expert_padded if expert_grad_ranks(p) == 1 else 0  # ep refuses codecs: 4 bytes each
+    padded = buckets.padded - alone
     if zero_shard(p):
         return _hybrid_dp_bytes(cfg, buckets, w) + step_sums(cfg)
     if p.zero == 0:
-        grads = _all_reduce_bytes(cfg, buckets)
+        grads = _all_reduce_bytes(cfg, buckets) - 4 * alone
     elif p.zero == 1:  # the updated shards gathered over whole (padded) buckets
-        grads = _all_reduce_bytes(cfg, buckets) + padded * w
+        grads = _all_reduce_bytes(cfg, buckets) - 4 * alone + padded * w
     elif p.zero == 2:
         grads = padded * (micro * scatter_bytes(cfg) + w)
     else:

@@ -19,8 +19,8 @@ from tetrad.model import flops
 from tetrad.parallel.pipeline.split import rank_layers, rank_stages, stage_layers
 from tetrad.plan.hardware import GPU, Cluster, HardwareError, offload_unknown
 from tetrad.plan.layer import end_costs, layer_cost
-from tetrad.plan.links import (LINK_EFFICIENCY, group_link, hybrid_reduction_time, overlap_slowdown, reduction_time,
-                               ring_time)
+from tetrad.plan.links import (LINK_EFFICIENCY, expert_grad_stride, group_link, hybrid_reduction_time,
+                               overlap_slowdown, reduction_time, ring_time)
 from tetrad.plan.memory import (
     GIB,
     GPU_RESERVED_GIB,
@@ -34,7 +34,8 @@ from tetrad.plan.memory import (
     state_bytes_per_param,
 )
 from tetrad.plan.buckets import rank_buckets
-from tetrad.plan.comm_bytes import gradient_reduce_bytes
+from tetrad.plan.comm_bytes import comm_bytes_per_step, gradient_reduce_bytes
+from tetrad.plan.moe import expert_grad_ranks
 from tetrad.plan.pipeline import pipeline
 from tetrad.plan.stacks import Stack, load_stack
 
@@ -101,7 +102,7 @@ class Estimate:
                 "usable_memory_gib": self.usable_gib,
                 "memory_gib_by_pp_rank": [m.total / GIB for m in self.memory_by_rank],
                 "compute_s": b["compute"] + b["recompute"], "exposed_comm_s": exposed, "bubble_s": b["pipeline_bubble"],
-                "time_s": dict(b), "parallel": dict(vars(p)),
+                "time_s": dict(b), "parallel": dict(vars(p)), "comm_bytes": comm_bytes_per_step(self.cfg),
                 "params": flops.parameter_count(m), "active_params": flops.parameter_count(m, active=True),
                 "host_memory_gib": self.host_memory.gib(), "peak_host_memory_gib": self.host_memory.total / GIB,
                 "node_host_memory_gib": self.node_host_memory_gib, "node_ram_gib": self.node_ram_gib,
@@ -145,6 +146,7 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
     ends = (sum(embed) if busiest == 0 else 0.0) + (sum(head) if busiest == p.pp - 1 else 0.0)
     breakdown = {"compute": micro * (layers * layer.compute + ends), "recompute": micro * layers * layer.recompute,
                  "tp_comm": micro * layers * layer.tp_comm, "cp_comm": micro * layers * layer.cp_comm,
+                 "ep_comm": micro * layers * layer.ep_comm,
                  "zero3_comm": micro * layers * layer.zero3_comm,
                  "pipeline_bubble": pipe - micro * st.busy[busiest], "dp_comm": dp_exposed, "optimizer": opt}
     if t.offload_optimizer:
@@ -235,14 +237,18 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
     exposed, opt, copies, gather = 0.0, 0.0, 0.0, 0.0
     n, sharded = p.dp * p.cp, shard_ranks(p)  # hybrid ZeRO: gathers inside blocks of `sharded`
     alpha, link = group_link(cluster, p.tp, sharded)
+    n_e = expert_grad_ranks(p) or 1  # ep: the experts' buckets over their own group, after the rest
+    stride_e = expert_grad_stride(cluster.gpus_per_node, p.tp, p.cp, p.dp, p.ep)
     for r, (params, buckets) in enumerate(zip(rank_params(cfg), rank_buckets(cfg))):
-        shard = params / (sharded if p.zero >= 1 else 1)
+        experts = buckets.expert_size  # their parameters, 0 at ep = 1
+        shard = (params - experts) / (sharded if p.zero >= 1 else 1) + experts / (n_e if p.zero >= 1 else 1)
         rank_opt, rank_copies = _optimizer_time(cfg, cluster, shard)
         opt, copies = max(opt, rank_opt), max(copies, rank_copies)
         if n == 1:
             continue
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
-        grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes)
+        expert_bytes = buckets.expert_padded * stack.grad_reduce_bytes  # ep refuses codecs
+        grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes) - expert_bytes
         # Hybrid ZeRO: the block's reduce-scatter each time; the replicas' all-reduce once, on the last, each
         # bucket's started as that ends (GradSync._sum_over_replicas): under the last backward as the rest is.
         if zero_shard(p):
@@ -250,7 +256,9 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
             summed = buckets.padded * stack.grad_reduce_bytes if p.zero >= 2 else None  # the step's sum, uncoded
             grads = hybrid_reduction_time(grad_bytes, n, sharded, cluster, p.tp, summed)
         else:
-            grads = each = reduction_time("reduce_scatter" if scatter else "all_reduce", grad_bytes, n, cluster, p.tp)
+            op = "reduce_scatter" if scatter else "all_reduce"
+            grads = each = (reduction_time(op, grad_bytes, n, cluster, p.tp)
+                            + reduction_time(op, expert_bytes, n_e, cluster, stride_e))
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
         if stack.dp_overlap:  # (and slowing the work it runs beside)
             window = sum(st.bi[g] + st.bw[g] for g in st.held_by[r])
@@ -263,8 +271,10 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
             earlier = (micro - 1) * each
         exposed = max(exposed, earlier + max(0.0, grads - tail[r]))  # the idle tail hides only the last
         if p.zero in (1, 2):  # updated 16-bit (fp32) weights all-gathered after the optimizer step
-            weights = params * state_bytes_per_param(cfg.train.dtype)[0]
-            weights_gather = ring_time("all_gather", weights, sharded, alpha, link)
+            w = state_bytes_per_param(cfg.train.dtype)[0]
+            weights = params * w
+            weights_gather = (ring_time("all_gather", (params - experts) * w, sharded, alpha, link)
+                              + ring_time("all_gather", experts * w, n_e, *group_link(cluster, stride_e, n_e)))
             if stack.param_gather_overlap:  # or under the next step's first forward, bucket by bucket
                 first_bucket = weights_gather * min(1.0, bucket_bytes(cfg.parallel) / weights)
                 forward = sum(st.f[g] for g in st.held_by[r])

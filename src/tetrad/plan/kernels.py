@@ -19,7 +19,10 @@ def masked_attention(cfg: Config, is_cpu: bool = False) -> str | None:
     a head dim flash takes) or "square" (an additive bias, the whole square computed: the
     memory-efficient kernel in fp32 or at other head dims, the CPU's kernel on a CPU)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not t.document_mask and not any(hides_keys(w, m.seq_len) for w in layer_windows(m)):
+    # A layer's window is sliding_window or none: only then are the layers worth reading (the
+    # planner asks this of every candidate layout, and a 126-layer model's list is slow to build).
+    if not t.document_mask and not (hides_keys(m.sliding_window, m.seq_len)
+                                    and any(hides_keys(w, m.seq_len) for w in layer_windows(m))):
         return None
     if p.cp > 1 and p.cp_algo == "ring":
         return "ring"

@@ -22,7 +22,7 @@ from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.kernels import masked_attention
 from tetrad.plan.links import group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
-from tetrad.plan.moe import expert_grad_bytes, routing_bytes_per_token
+from tetrad.plan.moe import ep_all_to_alls, expert_grad_bytes, rank_layer_params, routing_bytes_per_token
 from tetrad.plan.stacks import Stack
 
 GEMM_HALF_DIM = 128  # a GEMM dimension this small reaches half the large-GEMM efficiency (tile quantisation)
@@ -57,6 +57,7 @@ class LayerCost:
     tp_comm: float  # exposed per micro-batch (forward + backward, recompute's included)
     cp_comm: float
     zero3_comm: float
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls, exposed
 
 
 def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
@@ -69,7 +70,7 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     compute_f = sum(gemm) + cast_f + attn_f + elem_f
     # MoE: the experts' (and the router's) weight gradients are made in the input-gradient pass
     # (model/moe.py's one autograd Function), zero-filled there first: BI's under a split backward
-    in_bi = gemm[2] + gemm[3] + expert_grad_bytes(m, p.tp, activation_bytes(t.dtype)) / cluster.gpu.hbm_bytes_per_s \
+    in_bi = gemm[2] + gemm[3] + expert_grad_bytes(m, p.tp, p.ep, activation_bytes(t.dtype)) / cluster.gpu.hbm_bytes_per_s \
         if m.n_experts else 0.0
     compute_bi = sum(gemm) + cast_b / 2 + attn_b + elem_b + in_bi
     compute_bw = sum(gemm) + cast_b / 2 - (gemm[2] + gemm[3] if m.n_experts else 0.0)
@@ -79,11 +80,12 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     # under FSDP's ZeRO-3, which reduce-scatters every micro-batch and accumulates only its shard.
     fsdp = p.zero == 3 and stack.zero3_impl != "buckets"
     if not stack.fused_grad_accumulation and cfg.microbatches > 1 and not fsdp:
-        params = flops.layer_params(m, p.tp)
+        params = rank_layer_params(m, p.tp, p.ep)
         compute_bw += params * 12 / cluster.gpu.hbm_bytes_per_s  # fp32 accumulator: read it and the new gradient, write it
     e = activation_bytes(t.dtype)
     tp_f, tp_b = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
     cp_f, cp_b = _cp_exposed(cfg, cluster, tokens, e, attn_f, attn_b)
+    ep_f, ep_b = _ep_exposed(cfg, cluster, tokens, e)
     z_f, z_b = _zero3_exposed(cfg, cluster, compute_f, compute_bi + compute_bw)
     # Recomputation runs at the start of the backward: the attention core (selective; cp's
     # collectives inside it again, in cp_b), the whole forward with its collectives (full), or
@@ -93,11 +95,12 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     recompute = {"none": 0.0, "selective": attn_f, "full": compute_f,
                  "selective-op": _op_recomputed_gemms(cfg, cluster.gpu, tokens) + elem_f - ring_merge_f + cast_f
                  }[t.recompute]
-    if t.recompute in ("full", "selective-op"):
-        tp_b = tp_b + tp_f
-    return LayerCost(forward=compute_f + tp_f + cp_f + z_f, backward_input=compute_bi + tp_b + cp_b + z_b,
+    if t.recompute in ("full", "selective-op"):  # (the MoE layer's all-to-alls with the rest)
+        tp_b, ep_b = tp_b + tp_f, ep_b + ep_f
+    return LayerCost(forward=compute_f + tp_f + cp_f + ep_f + z_f,
+                     backward_input=compute_bi + tp_b + cp_b + ep_b + z_b,
                      backward_weight=compute_bw, recompute=recompute, compute=compute_f + compute_bi + compute_bw,
-                     tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b, zero3_comm=z_f + z_b)
+                     tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b, zero3_comm=z_f + z_b, ep_comm=ep_f + ep_b)
 
 
 def _widths(cfg: Config) -> tuple[float, float, float]:
@@ -117,8 +120,9 @@ def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, floa
     q, kv, f = _widths(cfg)
     # (rows, K, N, matrices): a dense layer's GEMMs each one matrix over the micro-batch's tokens
     shapes = [(tokens, h, q + 2 * kv, 1), (tokens, q, h, 1)]
-    if m.n_experts:  # each expert's rows: the balanced share of the k·tokens assignments
-        e, rows, width = m.n_experts, tokens * m.experts_per_token / m.n_experts, m.expert_hidden / cfg.parallel.tp
+    if m.n_experts:  # each local expert's rows (E/ep of them): the balanced share of the k·tokens assignments
+        e = m.n_experts // cfg.parallel.ep
+        rows, width = tokens * m.experts_per_token / e, m.expert_hidden / cfg.parallel.tp
         shapes += [(rows, h, width * (2 if m.gated_mlp else 1), e), (rows, width, h, e)]
     else:
         shapes += [(tokens, h, f * (2 if m.gated_mlp else 1), 1), (tokens, f, h, 1)]
@@ -149,7 +153,7 @@ def _op_recomputed_gemms(cfg: Config, gpu: GPU, tokens: int) -> float:
     peak = gpu.matmul_peak(dtype, cfg.train.tf32)
     out = 0.0
     for i, (k, n, row, rows) in enumerate(flops.layer_matmuls(m)):
-        matrices = (m.n_experts or 1) if i >= 4 else 1  # q, k, v, o, then the MLP's
+        matrices = (m.n_experts // cfg.parallel.ep or 1) if i >= 4 else 1  # q, k, v, o, then the MLP's (local experts)
         k, n = (k / tp, n) if row else (k, n / tp)
         out += _gemm_time(gpu, peak, dtype, tokens * rows / matrices, k, n, matrices) if i % 2 else 0.0
     return out
@@ -212,7 +216,7 @@ def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[floa
     act = 3 if m.gated_mlp else 2
     norms = 14 if m.sandwich_norm else 10  # each sandwich norm one more read and write of h
     elem_bytes = tokens * e * (norms * m.d_model / div + act * f + (2 * (q + kv) if m.pos == "rope" else 0))
-    elem_bytes += tokens * routing_bytes_per_token(m, e)
+    elem_bytes += tokens * routing_bytes_per_token(m, e, p.ep)
     forward = stack.elementwise_factor * elem_bytes / hbm
     merge_f, merge_b = _ring_merges(cfg, gpu, tokens)
     return forward + merge_f, 2 * forward + merge_b
@@ -281,6 +285,17 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
     one_way = 2 * q + 2 * k
     recomputed = {"none": 0.0, "selective": q + 2 * k}.get(cfg.train.recompute, one_way)
     return one_way, one_way + recomputed
+
+
+def _ep_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int) -> tuple[float, float]:
+    """Exposed EP time per MoE layer per micro-batch, (forward, backward): the counts' all-to-all,
+    the dispatch and the combine forward, the two token all-to-alls reversed backward (moe.ep_all_to_alls,
+    balanced routing), over the EP group's link (ep dp neighbours, cp x tp ranks apart: across nodes
+    where ep x cp x tp exceeds a node). Nothing overlaps them: the experts wait for their rows."""
+    m, p = cfg.model, cfg.parallel
+    alpha, bw = group_link(cluster, p.cp * p.tp, p.ep)
+    forward, backward = ep_all_to_alls(m, tokens, p.ep, e)
+    return tuple(sum(ring_time("all_to_all", x, p.ep, alpha, bw) for x in xs) for xs in (forward, backward))
 
 
 def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: float) -> tuple[float, float]:

@@ -50,6 +50,19 @@ def group_link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
     return g.inter_alpha_s, min(g.intra_gbps, members * g.inter_gbps) * 1e9 * LINK_EFFICIENCY
 
 
+def expert_grad_stride(per_node: int, tp: int, cp: int, dp: int, ep: int) -> int:
+    """The stride of the evenly strided group `group_link` and `reduction_time` cost like the expert
+    gradient group (ep > 1: the dp·cp/ep ranks with the same dp coordinate modulo ep, over every cp;
+    ranks tp fastest, then cp, then dp): its cp ranks are neighbours tp apart and its dp ranks ep
+    blocks of cp·tp apart, so on each node it has as many members, and spans as many nodes. At ep = 1
+    it is the dp x cp group itself (stride tp)."""
+    span = tp * cp * (dp if dp > ep else 1)
+    if span <= per_node:
+        return tp
+    members = max(per_node // (tp * ep), min(cp, per_node // tp), 1)
+    return per_node // members
+
+
 def reduction_time(op: str, nbytes: float, n: int, cluster: Cluster, stride: int) -> float:
     """A data-parallel reduction (`op`: all_reduce or reduce_scatter) of `nbytes` over `n` ranks
     `stride` apart.

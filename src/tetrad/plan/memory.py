@@ -6,11 +6,11 @@ weights, fp32 gradients and Adam's two moments, 4 + 4 + 8. Mixed precision (bf16
 linears) keeps 16-bit weights, fp32 gradients (tetrad, like Megatron-LM, accumulates and reduces
 them in fp32) and fp32 master weights plus both moments, 2 + 4 + 12 = 18. The ZeRO paper's
 convention, 2 + 2 + 12 = 16 with K = 12, is `ZERO_PAPER_BYTES`. ZeRO-1 shards the optimizer over
-the dp x cp group (hybrid ZeRO: over its blocks of parallel.zero_shard ranks), ZeRO-2 also the
-gradients, ZeRO-3 also the weights. A rank holds them as the runtime allocates them
-(`rank_model_states`): flat buffers of whole buckets, padded (plan/buckets.py), and AdamW's
-moments over the parameters alone. Optimizer offload moves the
-optimizer's part to host memory, which is counted apart (`host_memory_by_rank`).
+the dp x cp group (hybrid ZeRO: over its blocks of parallel.zero_shard ranks; an MoE's E/ep experts
+under ep over dp x cp / ep), ZeRO-2 also the gradients, ZeRO-3 also the weights. A rank holds them
+as the runtime allocates them (`rank_model_states`): flat buffers of whole buckets, padded
+(plan/buckets.py), and AdamW's moments over the parameters alone. Optimizer offload moves the
+optimizer's part to host memory, counted apart (`host_memory_by_rank`).
 
 Activations follow Korthikanti et al. 2022, written per saved tensor so that they generalise to
 GQA, SwiGLU, fp32, flash attention (no s^2 scores kept, a log-sum-exp instead), TP with or
@@ -25,14 +25,14 @@ import math
 from dataclasses import dataclass, replace
 
 from tetrad.config import Config, ModelConfig
-from tetrad.config.sections import bucket_bytes, shard_ranks
+from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
 from tetrad.model.masks import hides_keys
 from tetrad.plan.kernels import masked_attention
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets, shard_params
-from tetrad.plan.moe import expert_grad_bytes, expert_hidden_saved, routing_saved_bytes_per_token
+from tetrad.plan import moe
 from tetrad.plan.pipeline import inflight
 from tetrad.plan.stacks import STACKS, Stack
 
@@ -125,8 +125,8 @@ def _model_states(cfg: Config, params: float, buckets: RankBuckets, shard: int) 
     """`rank_model_states` of a pipeline rank holding `params` parameters in `buckets`."""
     p, t = cfg.parallel, cfg.train
     w, g, _ = state_bytes_per_param(t.dtype)
-    n, separate = shard_ranks(p), t.dtype != "fp32" or t.offload_optimizer
-    weights, grads, _ = model_state_bytes(buckets.padded, p.zero, n, (w, g, 0.0))
+    separate = t.dtype != "fp32" or t.offload_optimizer
+    weights, grads = ((buckets.sharded if p.zero >= z else buckets.padded) * b for z, b in ((3, w), (2, g)))
     if p.zero == 0 and not separate:  # AdamW on the parameters themselves: no flat buffer
         weights = params * w
     owned, updated = _updated_elements(cfg, params, buckets, shard)
@@ -138,8 +138,9 @@ def _updated_elements(cfg: Config, params: float, buckets: RankBuckets, shard: i
     parameters' elements in its owned range, and that range padding included (all parameters for
     fp32 ZeRO-0 without separate masters): what the device or, offloaded, the host keeps."""
     p, separate = cfg.parallel, cfg.train.dtype != "fp32" or cfg.train.offload_optimizer
-    owned = params if p.zero == 0 else buckets.first_shard if shard == 0 else shard_params(buckets.buckets, shard)
-    updated = buckets.padded / shard_ranks(p) if p.zero >= 1 else buckets.padded if separate else params
+    owned = params if p.zero == 0 else shard_params(buckets.buckets, shard, moe.expert_shard(p, shard)) if shard else \
+        buckets.first_shard
+    updated = buckets.sharded if p.zero >= 1 else buckets.padded if separate else params
     return owned, updated
 
 
@@ -199,7 +200,7 @@ def rank_params(cfg: Config) -> list[float]:
     their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
     the head on the last (its own head unless tied on a single stage), both padded to tp rows."""
     m, p = cfg.model, cfg.parallel
-    per_layer = flops.layer_params(m, p.tp)
+    per_layer = moe.rank_layer_params(m, p.tp, p.ep)  # MoE: E/ep experts
     params = [n * per_layer for n in rank_layers(cfg)]
     params[0] += vocab_shard(m, p.tp) * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
     separate = not m.tie_embeddings or p.pp * p.vpp > 1
@@ -239,14 +240,14 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     # attention and MLP; the attention and MLP inputs (norm outputs) too, unless the stack keeps
     # them all-gathered under SP.
     norms = (4 if m.sandwich_norm else 2) * norm_input + (2 * tokens * m.d_model if dropout else 0)
-    moe = bool(m.n_experts)  # the router keeps the MLP's input whole (gathered under SP)
-    inputs = (2 - moe) * hidden / (1 if sp and stack.sp_saves_gathered_input else div) + moe * hidden
+    routed = bool(m.n_experts)  # the router keeps the MLP's input whole (gathered under SP)
+    inputs = (2 - routed) * hidden / (1 if sp and stack.sp_saves_gathered_input else div) + routed * hidden
     replicated = norms / div + inputs
     # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
     mlp = stack.swiglu_saved if m.gated_mlp else 2  # GELU: its input and the fc2 input
-    mlp = expert_hidden_saved(m) if m.n_experts else mlp
+    mlp = moe.expert_hidden_saved(m) if m.n_experts else mlp
     split = tokens * e * (q + 2 * kv + stack.attn_out_copies * q + mlp * f)
-    replicated += tokens * routing_saved_bytes_per_token(m, e)
+    replicated += tokens * moe.routing_saved_bytes_per_token(m, e)
     if m.qk_norm:  # q's and k's norms keep their inputs, as the layer's norms do theirs
         split += tokens * (q + kv) * _norm_bytes(m, e, stack)
     core = 0.0
@@ -326,7 +327,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
             counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
         rebuilt = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
                    + mask_bias_bytes(cfg, is_cpu) - counted)
-    rebuilt += expert_grad_bytes(m, p.tp, e)  # MoE: one layer's whole expert gradients, in backward
+    rebuilt += moe.expert_grad_bytes(m, p.tp, p.ep, e)  # MoE: one layer's whole expert gradients, in backward
     # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered unless
     # the stack gathers it again in backward, as every column-parallel input); the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
@@ -347,7 +348,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     params, buckets = rank_params(cfg), rank_buckets(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
-    layer_params = flops.layer_params(m, p.tp)
+    layer_params = moe.rank_layer_params(m, p.tp, p.ep)
     for r, layers in enumerate(rank_layers(cfg)):
         weights, grads, optimizer = _model_states(cfg, params[r], buckets[r], 0)
         if t.offload_optimizer:  # on the host (host_memory_by_rank)
@@ -382,7 +383,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, padded: int, rank: 
         # only where they are, the layers' largest matrix anywhere
         vocab = 4 * m.d_model * vocab_shard(m, p.tp)
         head = rank == p.pp - 1 and (not m.tie_embeddings or p.pp * p.vpp > 1)
-        largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * flops.mlp_hidden(m) / p.tp] * 2  # MoE: [E, H, d]
+        largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * flops.mlp_hidden(m) / p.tp / p.ep] * 2  # MoE: [E/ep, H, d]
         out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * padded)
     if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket
         out += 4 * padded

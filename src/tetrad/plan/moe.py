@@ -5,7 +5,14 @@ Routing is dropless top-k (model/moe.py): every token's hidden state goes to k e
 the balance, so the k·tokens rows a layer keeps for backward do not depend on it and need no
 imbalance margin. Imbalance changes only how those rows split over the E experts' GEMMs: the
 time model takes the balanced split (tokens·k/E rows each), the best case for the GEMMs' shapes.
-No expert parallelism: every rank holds all E experts (split over tp like the dense MLP).
+
+Expert parallelism (parallel.ep, docs/design.md "Expert parallelism"): each block of ep consecutive
+dp ranks (the EP group, cp·tp ranks apart) splits every MoE layer's experts, E/ep whole experts a
+rank (still split over tp), and sends each routed row to the rank holding its expert by
+all-to-all. The expert weights are replicated over, and their gradients summed over, the expert
+gradient group: the dp·cp/ep ranks with the same place in their EP group. Under balanced routing
+(the planner's assumption) a rank receives as many rows as it sends, k·tokens, so its activations
+are those without ep; only the EP group's sum of its all-to-all bytes is exact whatever the routing.
 """
 
 from __future__ import annotations
@@ -14,6 +21,37 @@ from tetrad.config import ModelConfig
 from tetrad.model import flops
 
 INDEX_BYTES = 8  # int64 indices: torch.topk's, and the dispatch order's
+
+
+def expert_grad_ranks(parallel) -> int:
+    """Ranks of the expert gradient group, dp·cp/ep, which the experts' own buckets are padded
+    for and sharded over; 0 at ep = 1, where the experts sit in the dense buckets."""
+    return parallel.dp * parallel.cp // parallel.ep if parallel.ep > 1 else 0
+
+
+def expert_shard(parallel, shard: int) -> int:
+    """The place in its expert gradient group of the rank at place `shard` of its dp x cp group
+    (dp major, cp minor; dist/layout.py): the experts' buckets' shard it owns."""
+    dp, cp = divmod(shard, parallel.cp)
+    return dp // parallel.ep * parallel.cp + cp
+
+
+def rank_layer_params(m: ModelConfig, tp: int, ep: int) -> float:
+    """Parameters of one layer on a rank (flops.layer_params), of its experts E/ep."""
+    return flops.layer_params(m, tp) - (flops.mlp_matrix_params(m) / tp * (ep - 1) / ep if ep > 1 else 0.0)
+
+
+def ep_all_to_alls(m: ModelConfig, tokens: int, ep: int, e: int) -> tuple[list[float], list[float]]:
+    """The payloads (bytes, tetrad.comm's count: the input, the part the rank keeps included) of one
+    MoE layer's all-to-alls over the EP group per micro-batch of `tokens` tokens on the rank, `e`
+    bytes an activation, (forward, backward), under balanced routing: forward the int64 expert
+    counts [E], the dispatch of its k·tokens rows and the combine of the rows it received (as many);
+    backward both token all-to-alls reversed. Empty without ep. Recompute repeats the forward's.
+    Per rank this is the balanced figure; the EP group's sum is exact whatever the routing."""
+    if ep == 1:
+        return [], []
+    rows = tokens * m.experts_per_token * m.d_model * e
+    return [m.n_experts * INDEX_BYTES, rows, rows], [rows, rows]
 
 
 def routing_saved_bytes_per_token(m: ModelConfig, e: int) -> float:
@@ -36,19 +74,21 @@ def expert_hidden_saved(m: ModelConfig) -> int:
     return 2 if m.gated_mlp else 1
 
 
-def expert_grad_bytes(m: ModelConfig, tp: int, e: int) -> float:
-    """Bytes of one layer's expert weight gradients as the experts' backward makes them, whole [E,
+def expert_grad_bytes(m: ModelConfig, tp: int, ep: int, e: int) -> float:
+    """Bytes of one layer's expert weight gradients as the experts' backward makes them, whole [E/ep,
     ...] tensors in the activations' dtype, before they join the fp32 gradient buffer: alive at the
     peak of a layer's backward (0 for a dense MLP, whose per-linear gradients are not counted)."""
-    return (flops.mlp_matrix_params(m) / tp * e) if m.n_experts else 0.0
+    return (flops.mlp_matrix_params(m) / tp / ep * e) if m.n_experts else 0.0
 
 
-def routing_bytes_per_token(m: ModelConfig, e: int) -> float:
+def routing_bytes_per_token(m: ModelConfig, e: int, ep: int = 1) -> float:
     """HBM bytes per token of an MoE layer's routing, forward (0 for a dense MLP): the router's
     fp32 softmax (read the logits, write the probabilities), top-k over them, the token's hidden
     state copied to each of its k experts (read, write) and their outputs weighed and summed back
-    (read k, write one): what a gather/scatter dispatch moves at HBM bandwidth."""
+    (read k, write one): what a gather/scatter dispatch moves at HBM bandwidth. Under ep the rows
+    received are reordered expert-major and their outputs back (model/moe.py _over_ep): k rows a
+    token read and written twice more (balanced routing)."""
     if not m.n_experts:
         return 0.0
     k = m.experts_per_token
-    return 3 * 4 * m.n_experts + m.d_model * e * (2 * k + k + 1)
+    return 3 * 4 * m.n_experts + m.d_model * e * (2 * k + k + 1 + (4 * k if ep > 1 else 0))

@@ -1,6 +1,6 @@
 """`tetrad plan`: every legal layout of a model on a cluster, ranked by predicted step time.
 
-Enumerates (tp, pp, cp, dp, cp_algo, micro_batch, recompute, schedule, vpp, zero, zero_shard) under
+Enumerates (tp, pp, cp, dp, ep, cp_algo, micro_batch, recompute, schedule, vpp, zero, zero_shard) under
 config.validate's rules (mirrored here as a cheap pre-filter; validate has the last word), and
 optimizer offload for a ZeRO stage that fits on the GPU only with it (offload only adds time).
 Sequence parallelism is on whenever tp > 1 (it only saves memory); schedules come from the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -31,6 +32,7 @@ from tetrad.plan.cost import Estimate, estimate
 from tetrad.plan.hardware import Cluster, offload_unknown
 from tetrad.plan.layer import layer_cost
 from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, host_memory_by_rank, memory_by_rank
+from tetrad.config.sections import expert_parallel_blocker
 from tetrad.plan.stacks import Stack, load_stack
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -43,6 +45,7 @@ class Layout(NamedTuple):
     pp: int
     cp: int
     dp: int
+    ep: int  # expert parallelism: a divisor of dp and of the experts (1 for a dense model)
     cp_algo: str
     micro_batch: int
     schedule: str
@@ -84,13 +87,20 @@ def layouts(base: Config, world: int, per_node: int):
                     continue
                 dp = world // (tp * pp * cp)
                 algos = ("ring", "alltoall") if cp > 1 and heads % (tp * cp) == 0 else ("ring",)
-                for algo in algos:
-                    for mb in MICRO_BATCHES:
-                        if ramp.indivisible(mb * dp) is not None:
-                            continue
-                        for schedule, vpp in _schedules(pp, ramp.start // (mb * dp), m.n_layers, fixed):
-                            for recompute in RECOMPUTE:
-                                yield Layout(tp, pp, cp, dp, algo, mb, schedule, vpp, recompute)
+                for ep, algo, mb in itertools.product(_expert_parallel(base, dp), algos, MICRO_BATCHES):
+                    if ramp.indivisible(mb * dp) is not None:
+                        continue
+                    for schedule, vpp in _schedules(pp, ramp.start // (mb * dp), m.n_layers, fixed):
+                        for recompute in RECOMPUTE:
+                            yield Layout(tp, pp, cp, dp, ep, algo, mb, schedule, vpp, recompute)
+
+
+def _expert_parallel(base: Config, dp: int) -> list[int]:
+    """The ep degrees worth trying at `dp`: the divisors of dp that divide the experts (MoE models),
+    where base's settings are not among those expert parallelism refuses (config.sections.expert_parallel_blocker); else 1."""
+    m = base.model
+    ok = m.n_experts and expert_parallel_blocker(dataclasses.replace(base.parallel, ep=2, zero=0, zero_shard=0)) is None
+    return [ep for ep in _divisors(dp) if m.n_experts % ep == 0] if ok else [1]
 
 
 def _schedules(pp: int, micro: int, layers: int, stages: int):
@@ -111,7 +121,7 @@ def _schedules(pp: int, micro: int, layers: int, stages: int):
 
 def config_of(base: Config, layout: Layout, zero: int = 0, zero_shard: int = 0) -> Config:
     """`base` with `layout`, ZeRO stage `zero` and hybrid ZeRO's block `zero_shard` (validated)."""
-    par = dataclasses.replace(base.parallel, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp,
+    par = dataclasses.replace(base.parallel, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp, ep=layout.ep,
                               cp_algo=layout.cp_algo, vpp=layout.vpp, schedule=layout.schedule, zero=zero,
                               zero_shard=zero_shard, sequence_parallel=layout.tp > 1)
     train = dataclasses.replace(base.train, micro_batch=layout.micro_batch, recompute=layout.recompute)
@@ -166,7 +176,7 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
 
 class _LayoutBound:
     """A lower bound on a layout's step time from layer costs shared by every layout with the
-    same tp, cp, micro-batch and recompute: the busiest pipeline rank's work after the hops its
+    same tp, cp, ep, micro-batch and recompute: the busiest pipeline rank's work after the hops its
     first and last micro-batch must wait for. No data-parallel time."""
 
     def __init__(self, base: Config, cluster: Cluster, stack: Stack):
@@ -177,7 +187,7 @@ class _LayoutBound:
     def __call__(self, layout: Layout) -> float:
         base = self.base
         micro = base.train.global_batch // (layout.micro_batch * layout.dp)
-        key = (layout.tp, layout.cp, layout.cp_algo, layout.micro_batch, layout.recompute, micro > 1)
+        key = (layout.tp, layout.cp, layout.ep, layout.cp_algo, layout.micro_batch, layout.recompute, micro > 1)
         if key not in self.layer_costs:
             self.layer_costs[key] = layer_cost(config_of(base, layout), self.cluster, self.stack)
         lc = self.layer_costs[key]
@@ -200,8 +210,10 @@ def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, u
     with offload (where `offload`, the cluster can cost it and `base` does not offload already)."""
     n = layout.dp * layout.cp
     zeros = (0, 1, 2, 3) if n > 1 else (0,)
+    zeros = zeros[:3] if layout.ep > 1 else zeros  # expert parallelism refuses ZeRO-3 and hybrid ZeRO
     node = cluster.gpus_per_node // layout.tp if cluster.gpus_per_node % layout.tp == 0 else 0  # tp innermost
     composes = base.parallel.grad_codec in ("none", "bf16") and base.parallel.hierarchical is not True
+    composes = composes and layout.ep == 1
     blocks = (0, node) if composes and 1 < node < n and n % node == 0 else (0,)
     offload = offload and not base.train.offload_optimizer and offload_unknown(cluster) is None
     candidates = []

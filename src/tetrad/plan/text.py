@@ -24,7 +24,8 @@ def layout_label(e: Estimate) -> str:
     cp = f" cp={p.cp}{'' if p.cp == 1 else '/' + p.cp_algo}"
     sched = p.schedule + (f" vpp={p.vpp}" if p.vpp > 1 else "")
     shard = f" zero_shard={zero_shard(p)}" if zero_shard(p) else ""
-    return (f"tp={p.tp} pp={p.pp}{cp} dp={p.dp} zero={p.zero}{shard} {sched} mb={t.micro_batch} "
+    ep = f" ep={p.ep}" if p.ep > 1 else ""
+    return (f"tp={p.tp} pp={p.pp}{cp} dp={p.dp}{ep} zero={p.zero}{shard} {sched} mb={t.micro_batch} "
             f"recompute={t.recompute}" + (" offload" if t.offload_optimizer else ""))
 
 

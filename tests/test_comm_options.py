@@ -35,6 +35,17 @@ def test_bad_comm_options_are_refused_with_the_fix(options, message):
         load_config(overrides={"parallel": {"comm_options": options}})
 
 
+def test_every_group_the_topology_names_takes_settings():
+    """Each process group the topology can build (dist/topology.py; hybrid ZeRO's blocks and expert
+    parallelism's groups included) is a name comm_options accepts, and no other name is."""
+    from tetrad.config import COMM_GROUPS
+    from tetrad.dist.layout import DIMS, EP, EXPERT_GRAD, GRAD
+    from tetrad.dist.topology import INTER, INTRA, REPLICA, SHARD
+    assert set(COMM_GROUPS) == {*DIMS, GRAD, INTRA, INTER, SHARD, REPLICA, EP, EXPERT_GRAD, "embed"}
+    options = {name: {"max_ctas": 8} for name in COMM_GROUPS}
+    assert load_config(overrides={"parallel": {"comm_options": options}}).parallel.comm_options == options
+
+
 def _topology_with_settings():
     import torch
 

@@ -78,7 +78,7 @@ def _announce(cfg: Config, device_type: str, resume: Path | None) -> None:
     if cfg.checkpoint.init_from:
         model = (f"the {m.n_layers}-layer, d_model {m.d_model} model "
                  f"{'fine-tuned from' if resume else 'of'} {cfg.checkpoint.init_from}")
-    print(f"tetrad: training {model} with dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} "
+    print(f"tetrad: training {model} with dp={p.dp}{f' (ep={p.ep})' if p.ep > 1 else ''} tp={p.tp} pp={p.pp} cp={p.cp} "
           f"({counted(p.world_size, 'rank')} on {device_type}), {counted(cfg.train.steps, 'step')}, "
           f"run dir {cfg.run.dir}", flush=True)
     print(describe_data(cfg, resume), flush=True)

@@ -73,7 +73,8 @@ class ConfigError(ValueError):
 
 # parallel.comm_options: the groups that take settings (a pipeline link's take "pp"'s) and each
 # setting's type and range: ProcessGroupNCCL.Options' high-priority stream, NCCL's config.
-COMM_GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "dp_cp_intra", "dp_cp_inter", "embed")
+COMM_GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "dp_cp_intra", "dp_cp_inter", "dp_cp_shard", "dp_cp_replica", "ep",
+               "edp_cp", "embed")
 COMM_OPTIONS = {"high_priority_stream": (bool, None), "cga_cluster_size": (int, range(0, 9)),
                 "min_ctas": (int, range(1, 65)), "max_ctas": (int, range(1, 65))}
 

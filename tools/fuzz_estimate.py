@@ -11,7 +11,8 @@ trainer counts:
   STATE_RTOL each;
 - activations (autograd's saved tensors, train/memory.py) against the same less what the plan
   counts alive but not saved (Memory.transient): within ACT_RTOL;
-- rank 0's comm_bytes per group, every step, against plan.comm_bytes.comm_bytes_per_step: equal.
+- rank 0's comm_bytes per group, every step, against plan.comm_bytes.comm_bytes_per_step: equal
+  ("ep", which follows a rank's routing, summed over rank 0's EP group: ep times the plan's).
 
 A draw that validation refuses counts as refused; one whose last step fp16's loss scaler
 skipped, as skipped (no optimizer state to compare). Each draw is a pure function of its seed;
@@ -103,8 +104,12 @@ def compare(cfg, results) -> tuple[list[str], dict]:
     if any(history[-1]["skipped"] for _, history in results):
         return None, ranks
     want = comm_bytes_per_step(cfg)
-    for record in results[0][1]:
-        got = record["comm_bytes"]
+    # One rank's "ep" follows its routing; the EP group's sum is exact (docs/planner.md): rank 0's group's.
+    ep = cfg.parallel.ep
+    ep_group = [h for c, h in results if c["dp"] < ep and c["tp"] == c["pp"] == c["cp"] == 0]
+    want = {**want, "ep": want.get("ep", 0) * ep}
+    for step, record in enumerate(results[0][1]):
+        got = {**record["comm_bytes"], "ep": sum(h[step]["comm_bytes"].get("ep", 0) for h in ep_group)}
         for group in sorted(set(got) | set(want)):
             if got.get(group, 0) != want.get(group, 0):
                 misses.append(f"step {record['step']} comm {group}: runtime {got.get(group, 0)} "

@@ -21,7 +21,7 @@ from tetrad.cli import main
 from tetrad.dist.layout import Layout
 from tetrad.dist.topology import Topology
 from tetrad.model.sampling import GREEDY, Sampling
-from tetrad.train.batched import generate_batch
+from tetrad.train.batched import generate_batch, read_prompts
 from tetrad.train.generate import found_weights, generate, prompt_ids
 from tetrad.train.inference import inference_model
 
@@ -80,6 +80,21 @@ def test_each_row_of_a_batch_decodes_as_its_prompt_alone(model, name):
     # and in batches of another make-up: one row, and the rows in another order
     assert generate_batch(net, [PROMPTS[2]], 12, sampling, seed=3, stop=stop) == [alone[2]]
     assert generate_batch(net, PROMPTS[::-1], 12, sampling, seed=3, stop=stop) == alone[::-1]
+
+
+def test_longrope_picks_each_rows_factors_by_its_own_positions():
+    """LongRoPE's long factors start past original_max_position_embeddings (12 here): a short
+    prompt left-padded beside one past it keeps its short factors, its logits those it gets alone."""
+    scaling = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0 + 2 * i for i in range(8)],
+               "original_max_position_embeddings": 12, "attention_factor": 1.0}
+    net, short = random_model(rope_scaling=scaling), [40, 41, 42]
+    with torch.no_grad():
+        alone = net(torch.tensor([short]), torch.arange(3), cache={}, tail=1)[0, -1]
+        positions = (torch.arange(20) - torch.tensor([[17], [0]])).clamp(min=0)
+        batch = net(torch.tensor([[0] * 17 + short, list(range(100, 120))]), positions, cache={}, tail=1)[:, -1]
+    torch.testing.assert_close(batch[0], alone, atol=1e-5, rtol=1e-5)
+    assert generate_batch(_sharp({"rope_scaling": scaling}), [short, list(range(100, 120))], 6, GREEDY, seed=3) == \
+        _alone(_sharp({"rope_scaling": scaling}), [short, list(range(100, 120))], 6, GREEDY, frozenset())
 
 
 def _batch_on_this_rank(cfg, state: dict, sampling: Sampling, stop: frozenset[int]) -> list:
@@ -151,6 +166,15 @@ def test_jsonl_on_stdin_keeps_each_objects_fields_and_chat_answers_each_message(
             assert text == (row["completion"] if chat else row["prompt"] + row["completion"]) + "\n"
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_prompt(tmp_path):
+    """A file that starts with a UTF-8 byte order mark reads as the same file without it: JSONL
+    stays JSONL (not each line a prompt of JSON text), a plain first line has no mark."""
+    for text, prompts in (('{"prompt": "hi"}\n{"prompt": "yo"}\n', [{"prompt": "hi"}, {"prompt": "yo"}]),
+                          ("hi\nyo\n", [{"prompt": "hi"}, {"prompt": "yo"}])):
+        (tmp_path / "p.txt").write_text("\ufeff" + text, encoding="utf-8")
+        assert read_prompts(str(tmp_path / "p.txt")) == [(1, prompts[0]), (2, prompts[1])]
+
+
 @pytest.mark.parametrize("text, flags, line", [
     ("hi\n", ["--prompt", "hi"], "--prompts reads the prompts from its file; drop --prompt (or add it to the file)"),
     ("hi\n", ["--batch-size", "0"], "--batch-size 0: need --batch-size >= 1"),
@@ -162,8 +186,10 @@ def test_jsonl_on_stdin_keeps_each_objects_fields_and_chat_answers_each_message(
                                               "line must be one with a string \"prompt\"; fix the line, or make the "
                                               "file plain text"),
     ("hi\n", ["--output", "/no/such/folder/out.jsonl"], "--output /no/such/folder/out.jsonl: pass it with --prompts, "
-                                                        "in a folder that exists"),
-], ids=["with --prompt", "batch size 0", "empty", "too long", "jsonl without prompt", "output folder missing"])
+                                                        "a file in a folder that exists"),
+    ("hi\n", ["--output", "/tmp"], "--output /tmp: pass it with --prompts, a file in a folder that exists"),
+], ids=["with --prompt", "batch size 0", "empty", "too long", "jsonl without prompt", "output folder missing",
+        "output a folder"])
 def test_a_bad_prompts_file_or_flag_is_one_line(hf, tmp_path, capsys, text, flags, line):
     file = tmp_path / "prompts.txt"
     file.write_text(text)

@@ -103,8 +103,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--batch-size {args.batch_size}: need --batch-size >= 1")
     if args.prompts is not None and args.prompt is not None:
         raise ConfigError("--prompts reads the prompts from its file; drop --prompt (or add it to the file)")
-    if args.output is not None and (args.prompts is None or not args.output.parent.is_dir()):
-        raise ConfigError(f"--output {args.output}: pass it with --prompts, in a folder that exists")
+    if args.output is not None and (args.prompts is None or not args.output.parent.is_dir() or args.output.is_dir()):
+        raise ConfigError(f"--output {args.output}: pass it with --prompts, a file in a folder that exists")
     if args.system is not None and not args.chat:
         raise ConfigError("--system is a chat's system message: pass --chat too")
     if not args.checkpoint.exists():

@@ -369,12 +369,13 @@ class Transformer(nn.Module):
         Python lists, whose copy to a GPU waits for it: else once per micro-batch under
         train.reset_positions). The length that picks LongRoPE's factors (uses_long_factors) is,
         decoding, the largest position + 1, the tokens so far, as transformers' generate picks
-        them each step (the cache keeps keys rotated before a step crossed
+        them each step (a left-padded batch's rows each by their own, as each prompt alone: then
+        [b, 1, 1, rotary_dim / 2], train/batched.py) (the cache keeps keys rotated before a step crossed
         original_max_position_embeddings, as transformers' does); else the whole window, which a
         cp rank holds part of. Where train.reset_positions restarts positions at each document,
         transformers would pick by the longest document of the batch; tetrad keeps the window's
         choice, which every layout and micro-batch makes alike without a collective."""
-        length = positions.max() + 1 if decoding else positions.shape[-1] * self.topo.size("cp")
+        length = positions.amax(-1) + 1 if decoding else positions.shape[-1] * self.topo.size("cp")
         long, device = uses_long_factors(self.cfg, length), positions.device
 
         def made(which: bool) -> torch.Tensor:
@@ -382,4 +383,5 @@ class Transformer(nn.Module):
                 with torch.inference_mode(False):  # kept for later calls, with autograd too
                     self._inv_freq[device, which, local] = rope_frequencies(self.cfg, device, which, local)
             return self._inv_freq[device, which, local]
-        return torch.where(long, made(True), made(False)) if isinstance(long, torch.Tensor) else made(long)
+        return torch.where(long[..., None, None, None], made(True), made(False)) if isinstance(long, torch.Tensor) \
+            else made(long)

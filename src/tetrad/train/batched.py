@@ -46,11 +46,13 @@ class Prompt:
 def read_prompts(file: str) -> list[tuple[int, dict]]:
     """The prompts of `file` ("-": stdin), each line's number and object: JSONL where the first
     non-blank line is a JSON object (every line then one with a string "prompt"), else one prompt
-    a line, the line as it is (without its newline). Blank lines are skipped."""
+    a line, the line as it is (without its newline). Blank lines are skipped, and a UTF-8 byte order
+    mark (what some Windows tools write first) is no part of the text."""
     try:
         text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--prompts {file}: {e}; pass a UTF-8 text file, one prompt a line") from None
+    text = text.removeprefix("\ufeff")
     lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not lines:
         raise ConfigError(f"--prompts {file} holds no prompt; write one prompt a line, or a JSON object with a "

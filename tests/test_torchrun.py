@@ -1,7 +1,9 @@
 """`tetrad torchrun`: torchrun itself, with `tetrad train`'s checks before any worker starts (a
 config mistake is not restarted --max-restarts times) and a failure said in one line."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -82,6 +84,30 @@ def test_a_refusal_only_a_rank_meets_is_its_line(tmp_path):
     lines = out.stderr.splitlines()
     assert sum(line.startswith(refusal) for line in lines) == 1, out.stderr
     assert lines[-1].startswith("tetrad torchrun: rank ") and f"the job was stopped: {refusal}" in lines[-1], lines[-1]
+
+
+def _failure(tmp_path, rank: int, exitcode: int, refusal_at: int | None):
+    """torchrun's record of a rank that ended with `exitcode`, having written tetrad's refusal to its
+    error file at `refusal_at` (seconds; None: no error file)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    error_file = tmp_path / f"error{rank}.json"
+    if refusal_at is not None:
+        error_file.write_text(json.dumps({"message": {"message": "tetrad: config error: refused",
+                                                      "extraInfo": {"timestamp": str(refusal_at)}}}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+def test_a_rank_the_agent_stopped_is_not_the_first_failure(tmp_path):
+    """Every rank of a refusal writes it to its error file; rank 1 wrote first, rank 0 then refused
+    and exited, and torchrun's agent stopped rank 1 with SIGTERM: the job's cause is rank 0's
+    refusal, not rank 1's signal (torchrun's own first failure is rank 1's, the earlier file)."""
+    from tetrad.torchrun import first_failure
+    failures = {0: _failure(tmp_path, 0, 2, 1001), 1: _failure(tmp_path, 1, -signal.SIGTERM, 1000)}
+    assert first_failure(failures) == (0, failures[0])
+    alone = {1: _failure(tmp_path, 1, -signal.SIGTERM, None)}  # a SIGTERM with no other failure is the cause
+    assert first_failure(alone) == (1, alone[1])
+    killed = {0: _failure(tmp_path, 0, 1, 1002), 1: _failure(tmp_path, 1, -signal.SIGKILL, 1000)}
+    assert first_failure(killed) == (1, killed[1])  # another signal (the OOM killer's) is the rank's own failure
 
 
 def test_a_signal_to_it_stops_the_ranks_and_is_its_exit_status(tmp_path):

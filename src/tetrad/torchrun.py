@@ -33,7 +33,7 @@ def torchrun_command(argv: list[str]) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = first_failure(e.failures)
         print(f"tetrad torchrun: {_root_cause(rank, failure)}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as e:  # torchrun's agent stopped its workers on this signal
@@ -69,6 +69,17 @@ def _check_before_spawn(args, train_args: list[str]) -> None:
     if min_nodes == max_nodes:  # an elastic range: the world size is known at the rendezvous alone
         validate(cfg, min_nodes * per_node)
     preflight(cfg, devices.resolve_device_type(cfg.train.device))
+
+
+def first_failure(failures: dict) -> tuple:
+    """(rank, ProcessFailure) of the rank that failed first, torchrun's choice (the earliest
+    timestamp: the error file's, else when the agent saw the exit, to the second), leaving aside
+    the ranks that ended on SIGTERM while another failed otherwise: the agent stops a failed job's
+    other ranks with it, and a rank stopped that way has its error file's time, which can be the
+    earlier one (every rank of a refusal writes it; seen under load: 'rank 1 died by SIGTERM' where
+    rank 0 refused and exited with 2)."""
+    own = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM}
+    return min((own or failures).items(), key=lambda item: (item[1].timestamp, item[0]))
 
 
 def _root_cause(rank: int, failure) -> str:

@@ -61,10 +61,10 @@ def config(sections: dict, run_dir: str, **train):
 
 
 def train_run(cfg, device_type: str) -> list[dict]:
-    """The metrics records of `cfg` trained on one fresh spawned rank of `device_type`."""
+    """The metrics records of `cfg` trained on one fresh rank of `device_type` (spawned on an
+    accelerator, forked on the CPU: the suite's CPU run of a part)."""
     from tetrad.train.trainer import train_on_this_rank
-    return launch.run_local(train_on_this_rank, 1, (cfg, device_type), device_type=device_type, spawn=True,
-                            timeout_s=600)[0]
+    return launch.run_local(train_on_this_rank, 1, (cfg, device_type), device_type=device_type, timeout_s=600)[0]
 
 
 # ----------------------------------------------------------------------------- parts

@@ -255,6 +255,7 @@ def test_greedy_decoding_gives_the_full_forwards_argmax(model):
     ({"n_experts": 4, "shared_expert_ffn_hidden": 50}, {"tp": 4, "dp": 1}, r"tp=4 does not divide model\.shared_expert_ffn_hidden=50"),
     ({"n_experts": 4, "dense_layers": [0, 4]}, {}, r"model\.dense_layers=\[0, 4\] must name distinct layers in 0\.\.3"),
     ({"n_experts": 4, "dense_layers": [1, 1]}, {}, r"must name distinct layers"),
+    ({"n_experts": 4, "dense_layers": [3, 0, 1, 2]}, {}, r"model\.dense_layers names every layer \(n_layers=4\).*set model\.n_experts=0"),
 ])
 def test_bad_expert_settings_are_refused_in_one_line(model, parallel, message):
     model = dict(model)

@@ -33,6 +33,9 @@ def check_experts(cfg: Config) -> None:
     if outside or len(set(m.dense_layers)) != len(m.dense_layers):
         raise ConfigError(f"model.dense_layers={m.dense_layers} must name distinct layers in 0..{m.n_layers - 1} "
                           f"(n_layers={m.n_layers}), each once")
+    if m.n_experts and len(m.dense_layers) == m.n_layers:
+        raise ConfigError(f"model.dense_layers names every layer (n_layers={m.n_layers}): no layer has the "
+                          f"{m.n_experts} experts; leave one out, or set model.n_experts=0 for a dense model")
     if m.dense_layers and m.ffn_hidden % tp:
         raise ConfigError(f"tp={tp} does not divide ffn_hidden={m.ffn_hidden}, the dense layers' MLP width "
                           f"(model.dense_layers); use tp in {divisors(m.ffn_hidden)}")

@@ -160,7 +160,8 @@ class ModelConfig:
     # shared_expert_intermediate_size, DeepSeek-MoE's n_shared_experts x moe_intermediate_size);
     # 0: none. shared_expert_gate: its output scaled per token by sigmoid(x . w) (Qwen2-MoE's).
     # dense_layers: the layers (0-based) whose MLP is a dense ffn_hidden-wide one in an MoE model
-    # (Qwen2-MoE's mlp_only_layers and decoder_sparse_step, DeepSeek's first_k_dense_replace).
+    # (Qwen2-MoE's mlp_only_layers and decoder_sparse_step, DeepSeek's first_k_dense_replace); not
+    # every layer (that model is a dense one: n_experts=0).
     n_experts: int = 0
     experts_per_token: int = 2
     expert_ffn_hidden: int = 0

@@ -109,3 +109,8 @@ def test_a_checkpoint_of_another_moe_shape_is_refused_by_name(key, value):
     saved = {"model": dataclasses.asdict(tiny_config(model=SHARED).model)}
     with pytest.raises(CheckpointError, match=rf"model\.{key} = "):
         check_model(saved, tiny_config(model={**SHARED, key: value}).model, Path("ckpt"))
+
+
+def test_a_checkpoint_resumes_with_its_dense_layers_listed_in_another_order():
+    saved = {"model": dataclasses.asdict(tiny_config(model={**SHARED, "n_layers": 3, "dense_layers": [0, 2]}).model)}
+    check_model(saved, tiny_config(model={**SHARED, "n_layers": 3, "dense_layers": [2, 0]}).model, Path("ckpt"))

@@ -249,9 +249,10 @@ def check_model(manifest: dict, model_cfg, path: Path) -> None:
 
 def as_built(model: dict) -> dict:
     """`model` with expert_ffn_hidden as the width it gives (0 means ffn_hidden; a dense model has
-    no experts), so a checkpoint written with 0 resumes with that width named, and back."""
+    no experts), so a checkpoint written with 0 resumes with that width named, and back; and
+    dense_layers as a set of layers (the order it is listed in builds the same model)."""
     width = (model.get("expert_ffn_hidden") or model.get("ffn_hidden")) if model.get("n_experts") else 0
-    return {**model, "expert_ffn_hidden": width}
+    return {**model, "expert_ffn_hidden": width, "dense_layers": sorted(model.get("dense_layers") or [])}
 
 
 # ---------------------------------------------------------------------------------------- metadata

@@ -1,6 +1,6 @@
 """Qwen2-MoE's and DeepSeek-MoE's layers (model/moe.py): a shared expert beside the routed ones,
 its sigmoid gate, dense layers among the MoE ones, top-k weights left unnormalised. One model
-with all four trains under tp2 (with SP and without), dp2 ep2 and pp2 as one process does (the shared expert
+with all four trains under tp2 (with SP and without), dp2 ep2, pp2 and pp2 zb as one process does (the shared expert
 split over tp like the dense MLP, dense over ep; the gate's gradient summed over tp; a pipeline
 stage without an MoE layer); a layer's output is the formula's; the metric and the load-balancing
 gradient average over the MoE layers alone; checkpoints tell the shapes apart."""
@@ -28,7 +28,7 @@ SHARED = {"n_experts": 4, "experts_per_token": 2, "shared_expert_ffn_hidden": 32
           "dense_layers": [0], "normalize_expert_weights": False, "router_aux_loss": 1.0}
 # tp2 without SP: there alone a replicated weight's gradient is not summed over tp unless it says so (the gate's)
 LAYOUTS = {"tp2": {"tp": 2}, "tp2-sp": {"tp": 2, "sequence_parallel": True}, "dp2-ep2": {"dp": 2, "ep": 2},
-           "pp2": {"pp": 2}}
+           "pp2": {"pp": 2}, "pp2-zb": {"pp": 2, "schedule": "zb"}}
 
 
 @lru_cache(maxsize=None)

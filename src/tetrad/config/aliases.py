@@ -41,6 +41,9 @@ KEY_ALIASES = {
     **dict.fromkeys(("moe_router_topk", "num_experts_per_tok", "top_k"), "model.experts_per_token"),
     **dict.fromkeys(("moe_ffn_hidden_size", "moe_intermediate_size"), "model.expert_ffn_hidden"),
     **dict.fromkeys(("moe_aux_loss_coeff", "router_aux_loss_coef", "load_balance_coeff"), "model.router_aux_loss"),
+    **dict.fromkeys(("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
+                    "model.shared_expert_ffn_hidden"),
+    "norm_topk_prob": "model.normalize_expert_weights", "mlp_only_layers": "model.dense_layers",
 }
 # Megatron-LM's switches (no value) as the override that does what each asks.
 FLAG_ALIASES = {"bf16": "train.dtype=bf16", "fp16": "train.dtype=fp16",

@@ -148,16 +148,28 @@ class ModelConfig:
     # fused q/k/v and gate/up tensors where Phi-3 has the features (an imported Phi-3 keeps it,
     # fine-tuned too). The same math either way.
     hf_model_type: Literal["", "phi3"] = ""
-    # Mixture of experts (Mixtral, Qwen3-MoE; model/moe.py): every layer's MLP is n_experts
-    # experts of the model's `mlp` kind and a router sending each token to experts_per_token of
-    # them (top-k of the router's softmax, the k weights renormalised to sum to one), dropless;
-    # 0: a dense MLP in every layer. expert_ffn_hidden: each expert's hidden width (Qwen3-MoE's
-    # moe_intermediate_size; 0: ffn_hidden, Mixtral's). router_aux_loss: the coefficient of the
-    # sequence-wise load-balancing loss added to the training loss (0: none; not in val_loss).
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; model/moe.py): every layer's MLP, but
+    # dense_layers', is n_experts experts of the model's `mlp` kind and a router sending each token
+    # to experts_per_token of them (top-k of the router's softmax), dropless; 0: a dense MLP in every
+    # layer. expert_ffn_hidden: each expert's hidden width (Qwen3-MoE's moe_intermediate_size; 0:
+    # ffn_hidden, Mixtral's). router_aux_loss: the coefficient of the sequence-wise load-balancing
+    # loss added to the training loss (0: none; not in val_loss). normalize_expert_weights: the k
+    # weights renormalised to sum to one (Mixtral, Qwen3-MoE; Qwen2-MoE's norm_topk_prob=false
+    # keeps the softmax's). shared_expert_ffn_hidden: the hidden width of a shared expert every MoE
+    # layer adds, a dense MLP every token goes through beside its k (Qwen2-MoE's
+    # shared_expert_intermediate_size, DeepSeek-MoE's n_shared_experts x moe_intermediate_size);
+    # 0: none. shared_expert_gate: its output scaled per token by sigmoid(x . w) (Qwen2-MoE's).
+    # dense_layers: the layers (0-based) whose MLP is a dense ffn_hidden-wide one in an MoE model
+    # (Qwen2-MoE's mlp_only_layers and decoder_sparse_step, DeepSeek's first_k_dense_replace); not
+    # every layer (that model is a dense one: n_experts=0).
     n_experts: int = 0
     experts_per_token: int = 2
     expert_ffn_hidden: int = 0
     router_aux_loss: float = 0.01
+    normalize_expert_weights: bool = True
+    shared_expert_ffn_hidden: int = 0
+    shared_expert_gate: bool = False
+    dense_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:
@@ -174,6 +186,15 @@ class ModelConfig:
     def local_rope(self, layer: int) -> bool:
         """Whether layer `layer` takes the sliding layers' RoPE (rope_local_base_freq, unscaled)."""
         return bool(self.rope_local_base_freq and self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (n_experts, and not in dense_layers)."""
+        return bool(self.n_experts) and layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers' MLP is a mixture of experts (moe_layer)."""
+        return sum(map(self.moe_layer, range(self.n_layers)))
 
     @property
     def expert_hidden(self) -> int:

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from tetrad.config.rampup import BatchRamp
 from tetrad.config.rope import check_rope
-from tetrad.config.wording import counted
+from tetrad.config.experts import check_experts
+from tetrad.config.wording import counted, divisors
 from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, Config, ConfigError,
-                                    ParallelConfig, did_you_mean, expert_parallel_blocker, hierarchical_blocker,
+                                    ParallelConfig, did_you_mean, hierarchical_blocker,
                                     zero_shard)
 
 
@@ -61,6 +62,7 @@ RANGES: dict[str, Range] = {
     "model.partial_rotary_factor": Range(0, 1, low_open=True, high_open=False),
     "model.rope_local_base_freq": Range(0), "model.query_pre_attn_scalar": Range(0),  # 0: as the others, head_dim
     "model.n_experts": COUNT, "model.experts_per_token": SIZE, "model.expert_ffn_hidden": COUNT,  # 0: dense; ffn_hidden
+    "model.shared_expert_ffn_hidden": COUNT, "model.dense_layers": COUNT,  # 0: no shared expert
     "model.router_aux_loss": Range(0),
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "ep", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
@@ -101,11 +103,6 @@ def check_ranges(cfg: Config) -> None:
                               f"{RANGE_HINTS.get(name, '')}")
 
 
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
 def profile_steps(spec: str) -> range:
     """The 1-based steps `train.profile` names ("3-5", "4"; "" for none)."""
     if not spec:
@@ -127,7 +124,7 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True, r
         check_ranges(cfg)
     _check_world(cfg.parallel, world_size)
     _check_heads(cfg)
-    _check_experts(cfg)
+    check_experts(cfg)
     check_rope(cfg.model)
     _check_pipeline(cfg, runtime)
     _check_sequence(cfg)
@@ -163,41 +160,6 @@ def _check_heads(cfg: Config) -> None:
 
 def _head_divisors(m) -> list[int]:  # for a refusal only: the planner validates thousands of layouts
     return sorted(set(divisors(m.n_heads)) & set(divisors(m.n_kv_heads)))
-
-
-def _check_experts(cfg: Config) -> None:
-    """Mixture of experts: top-k within the experts, each expert's hidden width split over tp."""
-    m, tp = cfg.model, cfg.parallel.tp
-    if m.n_experts and m.experts_per_token > m.n_experts:
-        raise ConfigError(f"model.experts_per_token={m.experts_per_token} is more than n_experts={m.n_experts}; "
-                          f"use experts_per_token in 1..{m.n_experts}")
-    if m.n_experts and m.expert_hidden % tp:
-        raise ConfigError(f"tp={tp} does not divide the experts' hidden width {m.expert_hidden} "
-                          f"(model.expert_ffn_hidden, or ffn_hidden where 0); use tp in {divisors(m.expert_hidden)}")
-    _check_expert_parallel(cfg)
-    if m.n_experts and cfg.train.compile:
-        raise ConfigError(f"train.compile does not take mixture-of-experts layers yet (model.n_experts={m.n_experts}: "
-                          "each expert's token count changes every step); set train.compile=false")
-
-
-def _check_expert_parallel(cfg: Config) -> None:
-    """parallel.ep: whole experts per rank, over blocks of dp ranks; not yet with what reduces or
-    shards every gradient over all of dp x cp alike (docs/design.md "Expert parallelism")."""
-    m, p = cfg.model, cfg.parallel
-    if p.ep == 1:
-        return
-    if not m.n_experts:
-        raise ConfigError(f"parallel.ep={p.ep} splits mixture-of-experts layers' experts, and this model has none "
-                          f"(model.n_experts=0); set parallel.ep=1, or model.n_experts")
-    if m.n_experts % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} must divide model.n_experts={m.n_experts} (each rank holds whole "
-                          f"experts); use ep in {[e for e in divisors(m.n_experts) if not p.dp % e]}")
-    if p.dp % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} must divide dp={p.dp} (the experts split over blocks of dp ranks); "
-                          f"use ep in {[e for e in divisors(p.dp) if not m.n_experts % e]}")
-    blocker = expert_parallel_blocker(p)
-    if blocker:
-        raise ConfigError(blocker)
 
 
 def _check_pipeline(cfg: Config, runtime: bool) -> None:

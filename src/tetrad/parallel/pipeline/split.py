@@ -62,6 +62,13 @@ def chunk_layers(cfg: Config) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(map(counts.__getitem__, rank_stages(p.pp, p.vpp, r))) for r in range(p.pp))
 
 
+def rank_chunk_layers(cfg: Config) -> list[list[range]]:
+    """The global layer indices of each pipeline rank's chunks, in local chunk order: what a rank
+    holds where layers differ (model.dense_layers)."""
+    p, split = cfg.parallel, layer_split(cfg)
+    return [[split[g] for g in rank_stages(p.pp, p.vpp, r)] for r in range(p.pp)]
+
+
 def rank_layers(cfg: Config) -> list[int]:
     """Layers each pipeline rank holds (its vpp chunks together)."""
     return [sum(chunks) for chunks in chunk_layers(cfg)]

@@ -231,8 +231,10 @@ def test_init_from_compares_the_experts_effective_width():
         check_init_from(tiny_config(checkpoint={"init_from": str(step3)}, model={**MOE, "expert_ffn_hidden": 96}))
 
 
-def test_greedy_decoding_gives_the_full_forwards_argmax():
-    net, _ = _layer()
+@pytest.mark.parametrize("model", [{}, {"shared_expert_ffn_hidden": 32, "shared_expert_gate": True, "dense_layers": [0],
+                                       "normalize_expert_weights": False}])  # Qwen2-MoE's layers (test_moe_shared.py)
+def test_greedy_decoding_gives_the_full_forwards_argmax(model):
+    net, _ = _layer(**model)
     net.eval()
     prompt = [5, 17, 99, 3]
     new, _ = generate(net, prompt, 10, GREEDY)
@@ -247,6 +249,12 @@ def test_greedy_decoding_gives_the_full_forwards_argmax():
     ({"n_experts": 4, "router_aux_loss": -0.1}, {}, r"model\.router_aux_loss=-0\.1 is out of range"),
     ({"n_experts": 4, "expert_ffn_hidden": 50}, {"tp": 4, "dp": 1}, r"tp=4 does not divide the experts' hidden width 50"),
     ({"n_experts": 4, "compile": True}, {}, r"train\.compile does not take mixture-of-experts layers yet .*set train\.compile=false"),
+    ({"shared_expert_ffn_hidden": 32}, {}, r"model\.shared_expert_ffn_hidden shapes mixture-of-experts layers, .*n_experts=0"),
+    ({"dense_layers": [0]}, {}, r"model\.dense_layers shapes mixture-of-experts layers"),
+    ({"n_experts": 4, "shared_expert_gate": True}, {}, r"shared_expert_gate scales the shared expert's output, and there is none"),
+    ({"n_experts": 4, "shared_expert_ffn_hidden": 50}, {"tp": 4, "dp": 1}, r"tp=4 does not divide model\.shared_expert_ffn_hidden=50"),
+    ({"n_experts": 4, "dense_layers": [0, 4]}, {}, r"model\.dense_layers=\[0, 4\] must name distinct layers in 0\.\.3"),
+    ({"n_experts": 4, "dense_layers": [1, 1]}, {}, r"must name distinct layers"),
 ])
 def test_bad_expert_settings_are_refused_in_one_line(model, parallel, message):
     model = dict(model)

@@ -1,5 +1,5 @@
-"""Mixtures of experts in and out (train/hf_moe.py): a MixtralForCausalLM and a Qwen3MoeForCausalLM
-built here by transformers (fp32, random weights, norms and routers given values), saved as the
+"""Mixtures of experts in and out (train/hf_moe.py): a MixtralForCausalLM, a Qwen2MoeForCausalLM
+(a gated shared expert, q, k and v biases) and a Qwen3MoeForCausalLM built here by transformers (fp32, random weights, norms and routers given values), saved as the
 Hub stores them (each expert's tensors apart), import with transformers' logits, export back to
 the same tensors and logits, start a run under tp2 whose first loss is transformers' and whose
 step is tp1's, each rank reading its part of each expert's tensors, and decode greedily as
@@ -38,12 +38,16 @@ FAMILIES = {
         **{**SHAPE, "intermediate_size": 48, "num_local_experts": 4, **k})),
     "qwen3_moe": lambda **k: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **{**SHAPE, "intermediate_size": 40, "moe_intermediate_size": 24, "num_experts": 4, "head_dim": 12,
-           "norm_topk_prob": True, **k}))}
+           "norm_topk_prob": True, **k})),
+    "qwen2_moe": lambda **k: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **{**SHAPE, "intermediate_size": 40, "moe_intermediate_size": 24, "num_experts": 4,
+           "shared_expert_intermediate_size": 36, **k}))}
 
 
 def write_hf_moe(folder: Path, family: str, **shape) -> None:
-    """The family's model as save_pretrained writes it; norms near one and routers at std 1 (HF's
-    0.02 leaves the router's top-k near ties, where a summation order could flip a choice)."""
+    """The family's model as save_pretrained writes it; norms near one, routers and the shared
+    expert's gate at std 1 (HF's 0.02 leaves the router's top-k near ties, where a summation order
+    could flip a choice), biases (HF's zeros) at std 0.1."""
     torch.manual_seed(0)
     hf = FAMILIES[family](**shape)
     hf.apply(hf._init_weights)
@@ -53,6 +57,8 @@ def write_hf_moe(folder: Path, family: str, **shape) -> None:
                 p.normal_(1.0, 0.5)
             elif name.endswith("gate.weight"):
                 p.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
     hf.save_pretrained(folder, safe_serialization=True)
 
 
@@ -72,21 +78,37 @@ def tensor_names(folder: Path) -> set[str]:
         return set(f.keys())
 
 
-@pytest.mark.parametrize("family,shape", [("mixtral", {}), ("mixtral", {"sliding_window": 5}),
-                                          ("qwen3_moe", {}), ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 5})])
-def test_an_hf_moe_imports_with_transformers_logits_and_exports_as_itself(tmp_path, family, shape):
+ALL_SLIDE = {"use_sliding_window": True, "sliding_window": 5, "layer_types": ["sliding_attention"] * 3}
+CASES = {  # name -> (family, config keys, the layers tetrad makes dense)
+    "mixtral": ("mixtral", {}, []), "mixtral-window": ("mixtral", {"sliding_window": 5}, []),
+    "qwen3_moe": ("qwen3_moe", {}, []),
+    "qwen3_moe-window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 5}, []),
+    "qwen3_moe-dense-unnormalised": ("qwen3_moe", {"mlp_only_layers": [1], "norm_topk_prob": False}, [1]),
+    "qwen2_moe": ("qwen2_moe", {}, []),  # norm_topk_prob false: Qwen2MoeConfig's default
+    "qwen2_moe-mlp-only": ("qwen2_moe", {"mlp_only_layers": [0], "num_hidden_layers": 3}, [0]),
+    "qwen2_moe-sparse-step-2": ("qwen2_moe", {"decoder_sparse_step": 2, "norm_topk_prob": True, "num_hidden_layers": 3,
+                                              **ALL_SLIDE}, [0, 2]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_hf_moe_imports_with_transformers_logits_and_exports_as_itself(tmp_path, case):
+    family, shape, dense = CASES[case]
     write_hf_moe(tmp_path / "hf", family, **shape)
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
     cfg, state = read_weights(tmp_path / "ckpt")
     m = cfg.model
     assert (m.n_experts, m.experts_per_token, m.expert_hidden, m.qk_norm) == \
-        (4, 2, 24 if family == "qwen3_moe" else 48, family == "qwen3_moe")
+        (4, 2, 48 if family == "mixtral" else 24, family == "qwen3_moe")
     assert m.sliding_window == shape.get("sliding_window", 0) and m.router_aux_loss == 0.001
+    assert m.dense_layers == dense and m.normalize_expert_weights == shape.get("norm_topk_prob", family != "qwen2_moe")
+    assert (m.shared_expert_ffn_hidden, m.shared_expert_gate, m.qkv_bias) == \
+        ((36, True, True) if family == "qwen2_moe" else (0, False, False))
     theirs = hf_logits(tmp_path / "hf")
     got = ours(m, state)
     torch.testing.assert_close(got, theirs, **TOL)
     assert theirs.abs().max() > 0.3  # a non-trivial comparison
-    print(f"{family} {shape}: max |logit difference| {(got - theirs).abs().max():.2e}")
+    print(f"{case}: max |logit difference| {(got - theirs).abs().max():.2e}")
 
     assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
     exported = json.loads((tmp_path / "back" / "config.json").read_text())
@@ -97,16 +119,22 @@ def test_an_hf_moe_imports_with_transformers_logits_and_exports_as_itself(tmp_pa
     torch.testing.assert_close(hf_logits(tmp_path / "back"), theirs, **TOL)
 
 
-@pytest.mark.parametrize("model", [{"expert_ffn_hidden": 48}, {"qk_norm": True, "head_dim": 24}])
+QWEN2_MOE_LAYERS = {"shared_expert_ffn_hidden": 32, "shared_expert_gate": True, "qkv_bias": True, "dense_layers": [0],
+                    "normalize_expert_weights": False}
+
+
+@pytest.mark.parametrize("model", [{"expert_ffn_hidden": 48}, {"qk_norm": True, "head_dim": 24}, QWEN2_MOE_LAYERS])
 def test_a_moe_trained_in_tetrad_exports_with_its_logits(tmp_path, model):
     """Mixtral's experts (no qk-norm) are intermediate_size wide, whatever ffn_hidden says;
-    Qwen3-MoE's (qk-norm) moe_intermediate_size."""
+    Qwen3-MoE's (qk-norm) moe_intermediate_size; a gated shared expert is Qwen2-MoE's, its dense
+    layer intermediate_size wide."""
     moe = {"n_experts": 4, "experts_per_token": 2, "vocab_size": 256, **model}
     cfg = tiny_config(model=moe, train={"steps": 2}, checkpoint={"every": 2}, run={"dir": str(tmp_path / "run")})
     _, state, _ = train_layout(cfg)
     assert main(["convert", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf")]) == 0
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert exported["model_type"] == ("qwen3_moe" if model.get("qk_norm") else "mixtral")
+    assert exported["model_type"] == ("qwen3_moe" if model.get("qk_norm") else
+                                      "qwen2_moe" if model.get("shared_expert_gate") else "mixtral")
     torch.testing.assert_close(hf_logits(tmp_path / "hf"), ours(cfg.model, state), **TOL)
 
 
@@ -117,7 +145,7 @@ def config(tmp_path, name, steps=1, **sections):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_an_hf_moe_fine_tunes_from_its_folder_under_tp_as_on_one_process(tmp_path, family):
     """init_from the HF folder: the first loss is transformers' on the same batch, and tp2 with SP
     (every expert split by its rows and columns) takes the steps one process takes."""
@@ -176,17 +204,18 @@ def test_an_hf_moe_decodes_from_its_folder_as_transformers_full_forward(tmp_path
 
 
 MIXTRAL = {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, **SHAPE, "intermediate_size": 48}
-QWEN3_MOE = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-             "norm_topk_prob": True, **SHAPE, "intermediate_size": 48}
+QWEN2_MOE = {"model_type": "qwen2_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+             "shared_expert_intermediate_size": 32, **SHAPE, "intermediate_size": 48}
 
 
 @pytest.mark.parametrize("hf,named", [
-    ({**QWEN3_MOE, "norm_topk_prob": False}, "norm_topk_prob=false"),
-    ({k: v for k, v in QWEN3_MOE.items() if k != "norm_topk_prob"}, "norm_topk_prob=false"),  # Qwen3MoeConfig's default
-    ({**QWEN3_MOE, "mlp_only_layers": [1]}, "dense layers mixed in"),
-    ({**QWEN3_MOE, "decoder_sparse_step": 2}, "dense layers mixed in"),
-    ({**QWEN3_MOE, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 64}, "shared expert"),
-    ({**SHAPE, "model_type": "deepseek_v3", "n_routed_experts": 8, "n_shared_experts": 1}, "shared experts"),
+    ({**QWEN2_MOE, "shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0"),
+    ({**QWEN2_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step=0 is no layer step"),
+    ({**QWEN2_MOE, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2},  # layer 0 of 2 slides
+     r"sliding_window=5 applies to 1 of 2 layers"),
+    ({**SHAPE, "model_type": "deepseek_v3", "n_routed_experts": 8, "n_shared_experts": 1}, "multi-head latent attention"),
+    ({**SHAPE, "model_type": "deepseek_v2", "n_routed_experts": 8, "n_shared_experts": 2}, "multi-head latent attention"),
+    ({**SHAPE, "model_type": "deepseek", "n_routed_experts": 8, "n_shared_experts": 2}, "deepseek is a mixture of experts"),
     ({**MIXTRAL, "model_type": "olmoe"}, "olmoe is a mixture of experts"),
     ({**MIXTRAL, "router_jitter_noise": 0.1}, "router_jitter_noise=0.1")])
 def test_moe_variants_tetrad_lacks_are_refused_in_one_line(hf, named):
@@ -195,10 +224,23 @@ def test_moe_variants_tetrad_lacks_are_refused_in_one_line(hf, named):
     assert "\n" not in str(e.value)
 
 
-def test_a_moe_no_architecture_computes_is_refused_before_export(tmp_path, capsys):
-    m = load_config(overrides={"model": {"n_experts": 4, "mlp": "gelu"}}).model
-    with pytest.raises(ConfigError, match="swiglu experts"):
-        check_exportable(m)
-    with pytest.raises(ConfigError, match="biases on q, k and v"):
-        check_exportable(load_config(overrides={"model": {"n_experts": 4, "qkv_bias": True}}).model)
-    check_exportable(load_config(overrides={"model": {"n_experts": 4}}).model)
+SHARED_EXPERT = {"shared_expert_ffn_hidden": 32, "shared_expert_gate": True}
+
+
+@pytest.mark.parametrize("model,named", [
+    ({"mlp": "gelu"}, "swiglu experts"),
+    ({"qkv_bias": True}, "biases on q, k and v is Qwen2-MoE's"),
+    ({"shared_expert_ffn_hidden": 32}, "shared_expert_gate=true"),
+    ({**SHARED_EXPERT, "qk_norm": True}, "Qwen2MoeForCausalLM .* has no qk-norm"),
+    ({"normalize_expert_weights": False}, "MixtralForCausalLM renormalises"),
+    ({"dense_layers": [0]}, "MixtralForCausalLM renormalises")])
+def test_a_moe_no_architecture_computes_is_refused_before_export(model, named):
+    with pytest.raises(ConfigError, match=named) as e:
+        check_exportable(load_config(overrides={"model": {"n_experts": 4, **model}}).model)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("model", [{}, {**SHARED_EXPERT, "qkv_bias": True, "normalize_expert_weights": False},
+                                   {"qk_norm": True, "dense_layers": [0], "normalize_expert_weights": False}])
+def test_a_moe_an_architecture_computes_exports(model):
+    check_exportable(load_config(overrides={"model": {"n_experts": 4, **model}}).model)

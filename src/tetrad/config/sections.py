@@ -191,6 +191,11 @@ class ModelConfig:
         return bool(self.n_experts) and layer not in self.dense_layers
 
     @property
+    def moe_layers(self) -> int:
+        """How many layers' MLP is a mixture of experts (moe_layer)."""
+        return sum(map(self.moe_layer, range(self.n_layers)))
+
+    @property
     def expert_hidden(self) -> int:
         """Each expert's hidden width: expert_ffn_hidden, or ffn_hidden where that is 0."""
         return self.expert_ffn_hidden or self.ffn_hidden

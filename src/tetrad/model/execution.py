@@ -135,7 +135,7 @@ class RouterLoss:
     returns it: each injects its gradient in backward (Megatron-Core's MoEAuxLossAutoScaler), so
     it joins the training loss on every pipeline stage, none of which but the last has a loss.
     `grad_scale`: what the trainer scales a layer's summed per-sequence loss by for backward,
-    router_aux_loss / (layers x the global batch's sequences), times fp16's loss scale, set each
+    router_aux_loss / (MoE layers x the global batch's sequences), times fp16's loss scale, set each
     step; `seen`: those sums as backward met them (once per micro-batch and layer, recompute or
     not; evaluation, without backward, adds none) until `take()`."""
 

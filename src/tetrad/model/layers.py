@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tetrad.model.execution import Execution, run_eagerly
-from tetrad.model.mappings import column_parallel_linear, linear, reduce_tp_output
+from tetrad.model.mappings import column_parallel_linear, column_parallel_linears, linear, reduce_tp_output
 from tetrad.model.sharding import new_param
 
 IGNORED_LABEL = -100  # a label the loss leaves out (torch's cross_entropy default ignore_index)
@@ -52,6 +52,40 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_tp_output(linear(x, self.weight, self.ex), self.topo, self.ex)
+
+
+class MLP(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x)), GeGLU (Gemma's: gelu's tanh form for silu) or GELU
+    (w2(gelu(w1 x))); column then row parallel. `width`: its hidden width (ffn_hidden where
+    None; an MoE layer's shared expert has its own, model/moe.py)."""
+
+    def __init__(self, cfg, topo, ex: Execution, out_std: float, width: int | None = None):
+        super().__init__()
+        width = width or cfg.ffn_hidden
+        self.kind = cfg.mlp
+        self.w1 = ColumnParallelLinear(cfg.d_model, width, topo, ex)
+        self.w3 = ColumnParallelLinear(cfg.d_model, width, topo, ex) if cfg.gated_mlp else None
+        self.w2 = RowParallelLinear(width, cfg.d_model, topo, ex, std=out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            gate, up = column_parallel_linears(x, [self.w1.weight, self.w3.weight], self.w1.topo, self.w1.ex)
+            return self.w2(activation(self.kind, gate) * up)
+        return self.w2(activation(self.kind, self.w1(x)))
+
+    def partial(self, total: torch.Tensor) -> torch.Tensor:
+        """This tp rank's partial output from `total`, the whole local sequence (mappings.tp_input's),
+        with no collective: the caller sums it with others before its one reduce_tp_output."""
+        ex = self.w1.ex
+        hidden = activation(self.kind, linear(total, self.w1.weight, ex))
+        if self.w3 is not None:
+            hidden = hidden * linear(total, self.w3.weight, ex)
+        return linear(hidden, self.w2.weight, ex)
+
+
+def activation(kind: str, a: torch.Tensor) -> torch.Tensor:
+    """The MLP's nonlinearity (model.mlp): silu for swiglu, gelu's tanh form for geglu and gelu."""
+    return F.silu(a) if kind == "swiglu" else F.gelu(a, approximate="tanh")
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -32,7 +32,7 @@ from tetrad.model.replay import RingReplay
 from tetrad.model.rope import apply_rope, rope_frequencies, rope_tables, uses_long_factors
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
-from tetrad.model.layers import (ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
+from tetrad.model.layers import (MLP, ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
                                  vocab_parallel_cross_entropy)
 from tetrad.model.mappings import column_parallel_linear, column_parallel_linears, sequence_shard
 
@@ -113,25 +113,6 @@ class Attention(nn.Module):
         return attention(q, k, v, self.topo, self.ex.cp_algo, self.ring_replay, docs, self.window)
 
 
-class MLP(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x)), GeGLU (Gemma's: gelu's tanh form for silu) or GELU
-    (w2(gelu(w1 x))); column then row parallel."""
-
-    def __init__(self, cfg: ModelConfig, topo, ex: Execution, out_std: float):
-        super().__init__()
-        self.kind = cfg.mlp
-        self.w1 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo, ex)
-        self.w3 = ColumnParallelLinear(cfg.d_model, cfg.ffn_hidden, topo, ex) if cfg.gated_mlp else None
-        self.w2 = RowParallelLinear(cfg.ffn_hidden, cfg.d_model, topo, ex, std=out_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w3 is not None:
-            gate, up = column_parallel_linears(x, [self.w1.weight, self.w3.weight], self.w1.topo, self.w1.ex)
-            gate = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")
-            return self.w2(gate * up)
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-
-
 aten = torch.ops.aten
 # Attention kernels whose outputs (output and log-sum-exp) `selective-op` keeps.
 _ATTENTION_OPS = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
@@ -178,7 +159,7 @@ class Block(nn.Module):
         self.attn_norm = Norm(cfg)
         self.attn = Attention(cfg, topo, ex, out_std, cfg.window_of(index))
         self.mlp_norm = Norm(cfg)
-        self.mlp = MoE(cfg, topo, ex, out_std) if cfg.n_experts else MLP(cfg, topo, ex, out_std)
+        self.mlp = MoE(cfg, topo, ex, out_std) if cfg.moe_layer(index) else MLP(cfg, topo, ex, out_std)
         self.attn_out_norm = Norm(cfg) if cfg.sandwich_norm else nn.Identity()
         self.mlp_out_norm = Norm(cfg) if cfg.sandwich_norm else nn.Identity()
         self.dropout = ResidualDropout(cfg.dropout, topo, ex) if cfg.dropout else nn.Identity()

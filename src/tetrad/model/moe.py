@@ -1,6 +1,10 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router and `n_experts` experts of the
-model's `mlp` kind; each token goes to its `experts_per_token` (k) experts, top-k of the router's
-softmax (fp32), the k weights renormalised to sum to one; dropless (no capacity, no token dropped).
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-MoE's layers): a router and
+`n_experts` experts of the model's `mlp` kind; each token goes to its `experts_per_token` (k)
+experts, top-k of the router's softmax (fp32), the k weights renormalised to sum to one
+(normalize_expert_weights; else the softmax's own); dropless (no capacity, no token dropped).
+Optionally a shared expert (shared_expert_ffn_hidden: a dense MLP every token goes through, its
+output added to the routed experts'), scaled per token by sigmoid(x w_g) (shared_expert_gate,
+Qwen2-MoE's).
 
 Tensor parallelism splits every expert as the dense MLP is split: w1 and w3 [E, H, d] by their
 rows (dim 1, column-parallel), w2 [E, d, H] by its columns (dim 2, row-parallel), so each tp rank
@@ -10,7 +14,10 @@ sequence (`tp_input`: the residual stream, all-gathered under SP) identically. I
 per-rank partial (the routing weights' gradient comes from each rank's partial expert outputs), so
 it is summed over tp (ParamSpec.grad_split_over_tp, as qk-norm's); the load-balancing loss, which
 every tp rank computes whole, injects 1/tp of its gradient on each, and f's all-reduce sums the
-router's input gradient with the experts'.
+router's input gradient with the experts'. The shared expert is split as the dense MLP is and runs
+on the same tp_input'd sequence (layers.MLP.partial); its partial output joins the experts' before
+the one reduce_tp_output, so it costs no collective of its own; its gate's weight is replicated,
+its gradient summed over tp as the router's. Neither is split over ep: dense parameters.
 
 Expert parallelism (parallel.ep, docs/design.md "Expert parallelism"): ep rank r of an EP group
 (ep consecutive dp ranks) holds experts [r E/ep, (r+1) E/ep) whole (ParamSpec.ep_block), still
@@ -37,16 +44,18 @@ import torch.nn.functional as F
 from tetrad.config import ModelConfig
 from tetrad.model.execution import Execution, RouterLoss
 from tetrad.dist.layout import EP
+from tetrad.model.layers import MLP, activation
 from tetrad.model.mappings import all_to_all, reduce_tp_output, tp_input
 from tetrad.model.sharding import new_param
 
 
 class Router(nn.Module):
-    """logits = x W^T, W [n_experts, d_model], replicated over tp, its gradient summed over tp."""
+    """logits = x W^T, W [outputs, d_model], replicated over tp, its gradient summed over tp: the
+    router's (an output per expert), and the shared expert's gate (one)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, outputs: int):
         super().__init__()
-        self.weight = new_param((cfg.n_experts, cfg.d_model), grad_split_over_tp=True)
+        self.weight = new_param((outputs, cfg.d_model), grad_split_over_tp=True)
 
 
 class Experts(nn.Module):
@@ -67,10 +76,6 @@ class Experts(nn.Module):
         """x [n, d]: the tokens sorted by expert, `counts[e]` of them for expert e; this rank's
         partial outputs [n, d]."""
         return _ExpertsFunction.apply(x, counts, self.kind, self.w1, self.w3, self.w2)
-
-
-def _act(kind: str, a: torch.Tensor) -> torch.Tensor:
-    return F.silu(a) if kind == "swiglu" else F.gelu(a, approximate="tanh")
 
 
 def _act_backward(kind: str, grad: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -103,7 +108,7 @@ class _ExpertsFunction(torch.autograd.Function):
         for e, lo, hi in _spans(counts):
             xe = x[lo:hi]
             up[lo:hi] = xe @ w1[e].t()
-            h = _act(kind, up[lo:hi])
+            h = activation(kind, up[lo:hi])
             if w3 is not None:
                 gate[lo:hi] = xe @ w3[e].t()
                 h = h * gate[lo:hi]
@@ -119,7 +124,7 @@ class _ExpertsFunction(torch.autograd.Function):
         g3 = torch.zeros_like(w3) if w3 is not None else None
         for e, lo, hi in _spans(ctx.counts):
             xe, gy, a = x[lo:hi], grad[lo:hi], up[lo:hi]
-            act = _act(ctx.kind, a)
+            act = activation(ctx.kind, a)
             h = act * gate[lo:hi] if w3 is not None else act
             g2[e] = gy.t() @ h
             gh = gy @ w2[e]
@@ -151,14 +156,18 @@ class _RouterLossGradient(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """The MoE MLP of a block (Block picks it where model.n_experts > 0)."""
+    """The MoE MLP of a block (Block picks it where ModelConfig.moe_layer)."""
 
     def __init__(self, cfg: ModelConfig, topo, ex: Execution, out_std: float):
         super().__init__()
         self.topo, self.ex = topo, ex
         self.k, self.aux_coefficient = cfg.experts_per_token, cfg.router_aux_loss
-        self.router = Router(cfg)
+        self.normalize = cfg.normalize_expert_weights
+        self.router = Router(cfg, cfg.n_experts)
         self.experts = Experts(cfg, topo, out_std)
+        width = cfg.shared_expert_ffn_hidden
+        self.shared = MLP(cfg, topo, ex, out_std, width) if width else None
+        self.shared_gate = Router(cfg, 1) if cfg.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         total = tp_input(x, self.topo, self.ex)  # [b, s, d]: the whole local sequence
@@ -166,7 +175,9 @@ class MoE(nn.Module):
         flat = total.reshape(b * s, d)
         probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
         weights, chosen = probs.topk(self.k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
         chosen = chosen.reshape(-1)  # [b*s*k]: token t's choices at t*k..t*k+k-1
         order = chosen.argsort(stable=True)
         counts = torch.bincount(chosen, minlength=probs.shape[-1])
@@ -177,11 +188,21 @@ class MoE(nn.Module):
             out = self.experts(flat[rows], counts.tolist())
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         y = torch.zeros_like(flat).index_add(0, rows, out).view(b, s, d)
+        if self.shared is not None:
+            y = y + self._shared(total)
         if torch.is_grad_enabled():
             aux = self._balance_loss(probs.view(b, s, -1), chosen.view(b, s * self.k))
             y = _RouterLossGradient.apply(y, aux if self.aux_coefficient else aux.detach(), self.ex.router_loss,
                                           self.topo.tp_size)
         return reduce_tp_output(y, self.topo, self.ex)
+
+    def _shared(self, total: torch.Tensor) -> torch.Tensor:
+        """The shared expert's partial output on `total` (the whole local sequence), times its
+        gate's sigmoid where it has one (every tp rank computes the gate whole)."""
+        out = self.shared.partial(total)
+        if self.shared_gate is None:
+            return out
+        return out * torch.sigmoid(F.linear(total, self.shared_gate.weight))
 
     def _over_ep(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for `routed` [n*k, d] (the assignment rows in expert order,

@@ -1,7 +1,7 @@
 """`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors of the architectures
 train/hf_architectures.py maps (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM,
-Qwen3MoeForCausalLM).
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
@@ -290,8 +290,8 @@ def convert_command(argv: list[str]) -> int:
                                      "model.sliding_window, Phi3ForCausalLM for model.hf_model_type=phi3, which an imported "
                                      "Phi-3 sets, or for LongRoPE or model.partial_rotary_factor; Gemma3ForCausalLM for "
                                      "model.norm=gemma_rmsnorm with sandwich norms, GemmaForCausalLM without; for "
-                                     "model.n_experts, Qwen3MoeForCausalLM with model.qk_norm, MixtralForCausalLM "
-                                     "without), on one CPU process.")
+                                     "model.n_experts, Qwen2MoeForCausalLM with a shared expert, Qwen3MoeForCausalLM "
+                                     "with model.qk_norm, MixtralForCausalLM without), on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)

@@ -4,8 +4,8 @@ config.json keys and tensor names, both ways: Llama's math throughout, with a sl
 and k (Qwen3ForCausalLM), or q, k and v in one tensor and gate and up in another
 (Phi3ForCausalLM: Phi-3 mini and medium, phi-4; with LongRoPE, Phi-3 mini 128k and Phi-3.5 mini;
 RoPE on 3/4 of each head too, phi-4-mini); Gemma's (GemmaForCausalLM, Gemma3ForCausalLM) config
-keys are train/hf_gemma.py's; the mixtures of experts' (MixtralForCausalLM, Qwen3MoeForCausalLM)
-train/hf_moe.py's.
+keys are train/hf_gemma.py's; the mixtures of experts' (MixtralForCausalLM, Qwen2MoeForCausalLM,
+Qwen3MoeForCausalLM) train/hf_moe.py's.
 
 A tetrad parameter is a run of rows of one HF tensor (hf_rows): all of it, or its part of a
 fused one, so that import, init_from and export split and join Phi-3's tensors alike; an expert
@@ -25,6 +25,7 @@ from tetrad.train.hf_gemma import (GEMMA_TYPES, RENAMED, TEXT_TOWER, gemma3_rope
                                    gemma_export_problem, gemma_keys, gemma_type)
 from tetrad.train.hf_moe import moe_architecture, moe_export_problem, moe_hf_name, moe_keys, moe_type, split_experts
 
+QWENS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a window only where use_sliding_window says so
 # tetrad name inside layer i -> HF name inside model.layers.i
 LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
                "attn.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj",
@@ -186,23 +187,24 @@ def _window_from_hf(hf: dict, kind: str, source: Path) -> int:
     """model.sliding_window of a config.json: Mistral's and Phi-3's `sliding_window` (null: none);
     Qwen2's and Qwen3's where `use_sliding_window` is true, which transformers applies to the
     layers from `max_window_layers` on (or as its `layer_types` list says): every layer or none,
-    or refused (tetrad's window is the same in every layer); Qwen3-MoE's to every layer (transformers 5
+    or refused (tetrad's window is the same in every layer); Qwen2-MoE's to the even layers below
+    max_window_layers, unless its layer_types say otherwise; Qwen3-MoE's to every layer (transformers 5
     reads no max_window_layers there). 0 where it covers the whole context."""
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind not in ("qwen2", "qwen3", "qwen3_moe")) else None
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind not in QWENS) else None
     if window is None or window >= hf.get("max_position_embeddings", 2048):
         return 0
-    if kind in ("qwen2", "qwen3"):
-        layers = hf["num_hidden_layers"]
-        types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else
-                                          "full_attention" for i in range(layers)]
+    if kind in ("qwen2", "qwen3", "qwen2_moe"):
+        layers, below = hf["num_hidden_layers"], hf.get("max_window_layers", 28)
+        slides = (lambda i: i % 2 == 0 and i < below) if kind == "qwen2_moe" else (lambda i: i >= below)
+        types = hf.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention" for i in range(layers)]
         sliding = sum(t == "sliding_attention" for t in types)
         if sliding == 0:
             return 0
         if sliding != layers:
-            said = "its layer_types" if hf.get("layer_types") else f"max_window_layers={hf.get('max_window_layers', 28)}"
+            said = "its layer_types" if hf.get("layer_types") else f"max_window_layers={below}"
             raise ConfigError(f"{source}: sliding_window={window} applies to {sliding} of {layers} layers ({said}); "
-                              "tetrad's window is the same in every layer: only max_window_layers=0 (all) or >= "
-                              "num_hidden_layers (none) converts")
+                              "tetrad's window is the same in every layer: only layer_types all alike (Qwen2 and "
+                              "Qwen3: max_window_layers=0, all, or >= num_hidden_layers, none) converts")
     return int(window)
 
 
@@ -259,7 +261,7 @@ def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
 
 
 def model_config_from_hf(hf: dict, source: Path) -> dict:
-    """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3, Phi-3, Mixtral or Qwen3-MoE, their
+    """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen2-MoE or Qwen3-MoE, their
     sliding windows included) config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k
     and v biases, whatever its config says (it has no key for them); Qwen3 is Llama with qk-norm
     and, often, its own head_dim; Phi-3 is Llama with fused tensors, kept as hf_model_type, and
@@ -273,7 +275,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
         partial = 1.0
     else:
         theta, scaling, partial = _rope_from_hf(hf)
-    experts = moe_keys(hf, kind, source)  # Mixtral's, Qwen3-MoE's; other mixtures refused
+    experts = moe_keys(hf, kind, source)  # Mixtral's, the Qwens'; other mixtures refused
     unsupported = _unsupported(hf, kind, scaling, partial)
     if unsupported:
         raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")

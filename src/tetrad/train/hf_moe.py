@@ -1,12 +1,13 @@
 """Hugging Face's mixtures of experts, the part train/hf_architectures.py hands over:
 MixtralForCausalLM (Mistral's attention, a sliding window or none, every layer's MLP Mixtral's
-experts) and Qwen3MoeForCausalLM (Qwen3's attention with qk-norm, every layer's MLP top-k of
-moe_intermediate_size-wide experts, norm_topk_prob = true): their config.json keys both ways,
-their tensor names, and what of the MoE families tetrad refuses (shared experts, dense layers
-between MoE ones, unnormalised top-k weights).
+experts), Qwen3MoeForCausalLM (Qwen3's attention with qk-norm, top-k of moe_intermediate_size-wide
+experts, renormalised or not, dense layers among them: mlp_only_layers, decoder_sparse_step) and
+Qwen2MoeForCausalLM (Qwen2's attention, biases on q, k and v; Qwen3-MoE's layers plus a shared
+expert scaled by a sigmoid gate): their config.json keys both ways, their tensor names, and what
+of the MoE families tetrad refuses (DeepSeek's multi-head latent attention, other families).
 
 The Hub stores each expert's matrices separately (model.layers.i.block_sparse_moe.experts.j.w1.weight
-[H, d], Qwen3-MoE's mlp.experts.j.gate_proj.weight; transformers 5 fuses them in memory but its
+[H, d], the Qwens' mlp.experts.j.gate_proj.weight; transformers 5 fuses them in memory but its
 save_pretrained writes these names), where tetrad keeps one [E, H, d] tensor: an expert parameter
 is E HF tensors stacked. `split_experts` names expert j's part of `layers.i.mlp.experts.w1`
 `layers.i.mlp.experts.j.w1` (a piece), which hf_name maps to the Hub's name, so that import,
@@ -22,21 +23,28 @@ import torch
 
 from tetrad.config import ConfigError
 
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # top-k renormalised or not, dense layers among the MoE ones
+GATED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # the Qwens' MLP tensors
 # model_type -> the MoE block's name in a layer, and each expert's tensors by tetrad's name
-BLOCK = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
-EXPERT = {"mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"},
-          "qwen3_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}}
+BLOCK = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp"}
+EXPERT = {"mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"}, "qwen2_moe": GATED, "qwen3_moe": GATED}
 EXPERT_PARAM = re.compile(r"layers\.(\d+)\.mlp\.experts\.(w[123])$")
 EXPERT_PIECE = re.compile(r"mlp\.experts\.(\d+)\.(w[123])$")  # inside a layer
-# config.json keys of the MoE families whose layers tetrad's MoE is not (their model_type, or the key)
-# MixtralConfig's and Qwen3MoeConfig's defaults (transformers 5.25) for the keys a config.json may leave out
+SHARED_PIECE = re.compile(r"mlp\.shared\.(w[123])\.weight$")  # inside a layer: Qwen2-MoE's shared expert
+# MixtralConfig's, Qwen2MoeConfig's and Qwen3MoeConfig's defaults (transformers 5.25) for the keys a
+# config.json may leave out
+_QWEN = {"norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001}
 DEFAULTS = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
-            "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                          "router_aux_loss_coef": 0.001}}
-SHARED = {"qwen2_moe": "Qwen2-MoE adds a shared expert to every layer (shared_expert_intermediate_size)",
-          "deepseek_v2": "DeepSeek-V2 has shared experts and multi-head latent attention",
-          "deepseek_v3": "DeepSeek-V3 has shared experts, multi-head latent attention and grouped routing"}
+            "qwen2_moe": {**_QWEN, "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                          "shared_expert_intermediate_size": 5632, "qkv_bias": True},
+            "qwen3_moe": {**_QWEN, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}}
+# the MoE families whose attention tetrad's is not
+LATENT = {"deepseek_v2": "DeepSeek-V2 has multi-head latent attention (kv_lora_rank)",
+          "deepseek_v3": "DeepSeek-V3 has multi-head latent attention (kv_lora_rank) and grouped routing"}
+# [model] keys of a model without a mixture of experts (or without what its family lacks)
+DENSE = {"n_experts": 0, "expert_ffn_hidden": 0, "normalize_expert_weights": True, "shared_expert_ffn_hidden": 0,
+         "shared_expert_gate": False, "dense_layers": []}
 
 
 def split_experts(tensors: dict) -> dict:
@@ -83,12 +91,17 @@ def stack_experts(pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def moe_hf_name(rest: str, model_type: str) -> str | None:
-    """The HF name inside model.layers.i of `rest` (a layer's MoE tensor: mlp.router.weight or an
-    expert's piece), None for another tensor."""
+    """The HF name inside model.layers.i of `rest` (a layer's MoE tensor: mlp.router.weight, an
+    expert's piece, Qwen2-MoE's shared expert and its gate), None for another tensor."""
     if model_type not in MOE_TYPES:
         return None
     if rest == "mlp.router.weight":
         return f"{BLOCK[model_type]}.gate.weight"
+    if rest == "mlp.shared_gate.weight":
+        return "mlp.shared_expert_gate.weight"
+    shared = SHARED_PIECE.match(rest)
+    if shared:
+        return f"mlp.shared_expert.{GATED[shared.group(1)]}.weight"
     found = EXPERT_PIECE.match(rest)
     if not found:
         return None
@@ -99,73 +112,100 @@ def moe_hf_name(rest: str, model_type: str) -> str | None:
 def moe_refusal(hf: dict, kind: str) -> str | None:
     """Why tetrad cannot import the mixture of experts config.json `hf` describes, in a few
     words (None: a dense model, or one of MOE_TYPES tetrad computes)."""
-    if kind in SHARED or hf.get("n_shared_experts") or hf.get("shared_expert_intermediate_size"):
-        why = SHARED.get(kind, f"{kind} has shared experts")
-        return f"{why}; tetrad's mixture of experts has routed experts alone (Mixtral's, Qwen3-MoE's)"
+    if kind in LATENT:
+        return f"{LATENT[kind]}; tetrad's attention is Llama's (it imports Mixtral, Qwen2-MoE and Qwen3-MoE)"
     experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
-    if experts and kind not in MOE_TYPES:
+    if (experts or hf.get("n_shared_experts")) and kind not in MOE_TYPES:
         return (f"{kind} is a mixture of experts ({experts} experts) tetrad does not map; it imports "
-                "MixtralForCausalLM and Qwen3MoeForCausalLM")
-    if kind != "qwen3_moe":
-        return None
-    if not hf.get("norm_topk_prob", False):
-        return ("norm_topk_prob=false weights each token's experts by their softmax probabilities unnormalised; "
-                "tetrad's router renormalises the top-k weights to sum to one (norm_topk_prob=true, Qwen3-MoE's releases)")
-    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-        return (f"dense layers mixed in (decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, mlp_only_layers="
-                f"{hf.get('mlp_only_layers')}); tetrad's mixture of experts is in every layer")
+                "MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM")
+    hf = {**DEFAULTS.get(kind, {}), **hf}
+    if kind == "qwen2_moe" and not hf["shared_expert_intermediate_size"]:
+        return ("shared_expert_intermediate_size=0 leaves Qwen2-MoE's shared expert and its gate weights of "
+                "nothing; tetrad's model has no such gate without a shared expert")
+    if kind in QWEN_MOE and (not isinstance(hf["decoder_sparse_step"], int) or hf["decoder_sparse_step"] < 1):
+        return f"decoder_sparse_step={hf['decoder_sparse_step']!r} is no layer step; a positive integer is"
     return None
 
 
 def moe_keys(hf: dict, kind: str, source: Path) -> dict:
-    """The [model] keys of a Mixtral's or Qwen3-MoE's experts (n_experts 0 for another model):
-    Mixtral's experts are intermediate_size wide (expert_ffn_hidden 0: ffn_hidden), Qwen3-MoE's
-    moe_intermediate_size (its intermediate_size, its dense layers' width, kept for the export).
-    Mixtral's router_jitter_noise (training's noise on the router's input) tetrad has not."""
+    """The [model] keys of a Mixtral's, Qwen2-MoE's or Qwen3-MoE's experts (DENSE's for another
+    model): Mixtral's experts are intermediate_size wide (expert_ffn_hidden 0: ffn_hidden), the
+    Qwens' moe_intermediate_size (their intermediate_size is their dense layers' width). A Qwen's
+    layer i is dense where i is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (as
+    transformers builds it). Mixtral's router_jitter_noise (training's noise on the router's
+    input) tetrad has not."""
     problem = moe_refusal(hf, kind)
     if problem:
         raise ConfigError(f"{source}: {problem}")
     if kind not in MOE_TYPES:
-        return {"n_experts": 0, "expert_ffn_hidden": 0}
+        return dict(DENSE)
     if hf.get("router_jitter_noise"):
         raise ConfigError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} (noise on the router's input "
                           "in training) is not tetrad's; set it to 0 to fine-tune without it")
     hf = {**DEFAULTS[kind], **hf}
-    return {"n_experts": int(hf.get("num_local_experts") or hf.get("num_experts")),
-            "experts_per_token": int(hf["num_experts_per_tok"]),
-            "expert_ffn_hidden": int(hf["moe_intermediate_size"]) if kind == "qwen3_moe" else 0,
-            "router_aux_loss": float(hf["router_aux_loss_coef"])}
+    keys = {**DENSE, "n_experts": int(hf.get("num_local_experts") or hf.get("num_experts")),
+            "experts_per_token": int(hf["num_experts_per_tok"]), "router_aux_loss": float(hf["router_aux_loss_coef"])}
+    if kind not in QWEN_MOE:
+        return keys
+    dense = [i for i in range(hf["num_hidden_layers"])
+             if i in (hf["mlp_only_layers"] or []) or (i + 1) % hf["decoder_sparse_step"]]
+    keys.update(expert_ffn_hidden=int(hf["moe_intermediate_size"]), normalize_expert_weights=bool(hf["norm_topk_prob"]),
+                dense_layers=dense)
+    if kind == "qwen2_moe":
+        keys.update(shared_expert_ffn_hidden=int(hf["shared_expert_intermediate_size"]), shared_expert_gate=True,
+                    qkv_bias=bool(hf["qkv_bias"]))
+    return keys
 
 
 def moe_type(m) -> str:
-    """The MoE architecture that computes model `m` (m.n_experts > 0): Qwen3-MoE's with qk-norm."""
+    """The MoE architecture that computes model `m` (m.n_experts > 0): Qwen2-MoE's with a shared
+    expert, Qwen3-MoE's with qk-norm, else Mixtral's."""
+    if m.shared_expert_ffn_hidden:
+        return "qwen2_moe"
     return "qwen3_moe" if m.qk_norm else "mixtral"
 
 
 def moe_export_problem(m) -> str | None:
-    """Why neither MoE architecture computes model `m`, in one line (None: one does)."""
+    """Why no MoE architecture computes model `m`, in one line (None: moe_type's does)."""
     if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
-        return (f"MixtralForCausalLM and Qwen3MoeForCausalLM have rmsnorm, swiglu experts and rope; this model has "
-                f"norm={m.norm!r}, mlp={m.mlp!r}, pos={m.pos!r}")
-    if m.qkv_bias:
-        return ("no transformers mixture of experts has biases on q, k and v alone (Qwen2-MoE's shared experts are not "
-                "tetrad's); export a model without model.qkv_bias")
+        return (f"MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM have rmsnorm, swiglu experts and "
+                f"rope; this model has norm={m.norm!r}, mlp={m.mlp!r}, pos={m.pos!r}")
     if m.rope_scaling.get("rope_type") == "longrope" or m.partial_rotary_factor != 1:
-        return "LongRoPE and model.partial_rotary_factor are Phi-3's; MixtralForCausalLM and Qwen3MoeForCausalLM have neither"
+        return "LongRoPE and model.partial_rotary_factor are Phi-3's; no transformers mixture of experts has either"
+    if m.shared_expert_ffn_hidden:
+        if not m.shared_expert_gate:
+            return ("Qwen2MoeForCausalLM, the one transformers mixture of experts with a shared expert here, scales it "
+                    "by a sigmoid gate; export a model with model.shared_expert_gate=true")
+        if m.qk_norm:
+            return "Qwen2MoeForCausalLM (a shared expert) has no qk-norm; export a model without model.qk_norm"
+        return None
+    if m.qkv_bias:
+        return ("a mixture of experts with biases on q, k and v is Qwen2-MoE's, which has a shared expert; export a "
+                "model without model.qkv_bias, or with model.shared_expert_ffn_hidden and shared_expert_gate")
+    if not m.qk_norm and (m.dense_layers or not m.normalize_expert_weights):
+        return ("MixtralForCausalLM renormalises every layer's top-k weights; model.dense_layers and "
+                "normalize_expert_weights=false export as Qwen3-MoE's (with model.qk_norm) or Qwen2-MoE's (with a "
+                "gated shared expert)")
     return None
 
 
 def moe_architecture(m, window: int | None) -> dict:
-    """config.json's architecture keys of MoE model `m`: Qwen3-MoE's for qk-norm (every layer MoE,
-    top-k renormalised, `window` in every layer where set), else Mixtral's (its experts'
-    width is its intermediate_size)."""
+    """config.json's architecture keys of MoE model `m` (moe_type's): Mixtral's (its experts'
+    width is its intermediate_size; no dense layers, top-k renormalised), or a Qwen's (dense layers
+    by mlp_only_layers, ffn_hidden wide: the exported intermediate_size; `window` in every layer
+    where set: Qwen2-MoE's layer_types all sliding)."""
     common = {"num_experts_per_tok": m.experts_per_token, "router_aux_loss_coef": m.router_aux_loss,
               "output_router_logits": False}
-    if moe_type(m) == "mixtral":
+    kind = moe_type(m)
+    if kind == "mixtral":
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": m.n_experts,
                 "intermediate_size": m.expert_hidden, "sliding_window": window, "router_jitter_noise": 0.0,
                 "bos_token_id": None, "eos_token_id": None, **common}
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": m.n_experts,
-            "moe_intermediate_size": m.expert_hidden, "norm_topk_prob": True, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "attention_bias": False, "use_sliding_window": window is not None,
-            "sliding_window": window, "max_window_layers": 0, **common}
+    qwen = {"num_experts": m.n_experts, "moe_intermediate_size": m.expert_hidden,
+            "norm_topk_prob": m.normalize_expert_weights, "decoder_sparse_step": 1, "mlp_only_layers": sorted(m.dense_layers),
+            "use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0, **common}
+    if kind == "qwen3_moe":
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False, **qwen}
+    return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **qwen, "qkv_bias": m.qkv_bias,
+            "shared_expert_intermediate_size": m.shared_expert_ffn_hidden,
+            "layer_types": ["sliding_attention" if window else "full_attention"] * m.n_layers}

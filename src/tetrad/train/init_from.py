@@ -2,7 +2,7 @@
 pre-training): a tetrad checkpoint (any layout; its folder, its checkpoint root or its run
 folder, as `tetrad generate` and `convert` take) or a Hugging Face model folder (config.json +
 *.safetensors of an architecture train/hf_architectures.py maps: Llama, Mistral, Qwen2, Qwen3,
-Phi-3, Gemma, Mixtral, Qwen3-MoE). Weights only: the optimizer, the step and the data position start afresh.
+Phi-3, Gemma, Mixtral, Qwen2-MoE, Qwen3-MoE). Weights only: the optimizer, the step and the data position start afresh.
 
 The model's shape follows the weights (`weights_model_keys`, below the user's own [model] keys), and
 every rank fills its parameters with its shard of each logical tensor, one at a time, reading that

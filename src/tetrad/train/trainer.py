@@ -105,10 +105,10 @@ class Trainer:
         Batches.loss_tokens) accumulate in the reducer's buckets. Every dp rank runs as many."""
         local = self._sequence_shards(microbatches)
         self.pipeline = self.pipelines(len(microbatches))
-        # Mixture of experts: the load-balancing loss's mean over layers and the global batch's sequences
+        # Mixture of experts: the load-balancing loss's mean over MoE layers and the global batch's sequences
         sequences = len(microbatches) * self.cfg.train.micro_batch * self.cfg.parallel.dp
         self.model.execution.router_loss.grad_scale = grad_scale * self.cfg.model.router_aux_loss / \
-            (self.cfg.model.n_layers * sequences)
+            (max(self.cfg.model.moe_layers, 1) * sequences)
         return self.pipeline.run(local, grad_scale / loss_tokens)
 
     def _sequence_shards(self, microbatches) -> list[tuple]:
@@ -215,7 +215,7 @@ class Trainer:
             # Model states counted from this rank's tensors; activations: the peak of what autograd
             # saved for backward (train/memory.py); peak: device.peak_memory_bytes.
             "memory_bytes": {"peak": peak, **model_states, "activations": self.activations.peak},
-            **({"moe_aux_loss": aux / (cfg.model.n_layers * batch)} if cfg.model.n_experts else {}),
+            **({"moe_aux_loss": aux / (max(cfg.model.moe_layers, 1) * batch)} if cfg.model.n_experts else {}),
             **devices.accelerator_fields(topo.device),
             **(self.telemetry.take() if self.telemetry else {}),
         }

@@ -33,7 +33,8 @@ PARTIAL = ".partial"  # a save in progress, or one that crashed: never loaded
 SET_ASIDE = ".bad"  # a published checkpoint that failed its integrity check on resume
 # Keys of [model] that decide tensor shapes; the others (dropout, ...) may change on resume.
 SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "norm", "mlp", "pos",
-              "tie_embeddings", "qkv_bias", "head_dim", "qk_norm", "sandwich_norm", "n_experts", "expert_ffn_hidden")
+              "tie_embeddings", "qkv_bias", "head_dim", "qk_norm", "sandwich_norm", "n_experts", "expert_ffn_hidden",
+              "shared_expert_ffn_hidden", "shared_expert_gate", "dense_layers")
 
 
 def shape_keys(model_cfg) -> tuple[str, ...]:
@@ -224,7 +225,8 @@ def saved_model(manifest: dict) -> dict:
 # Keys of [model] that leave the shapes alone but change what the model computes from the same
 # weights: a resume with another value is allowed (context extension changes rope_theta), and said.
 BEHAVIOUR_KEYS = ("sliding_window", "rope_theta", "rope_scaling", "partial_rotary_factor", "norm_eps", "layer_types",
-                  "rope_local_base_freq", "query_pre_attn_scalar", "scale_embeddings", "experts_per_token")
+                  "rope_local_base_freq", "query_pre_attn_scalar", "scale_embeddings", "experts_per_token",
+                  "normalize_expert_weights")
 
 
 def behaviour_changes(manifest: dict, model_cfg) -> list[str]:

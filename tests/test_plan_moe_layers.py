@@ -142,6 +142,18 @@ def test_shared_expert_and_gate_activations():
         assert got[0] - got[1] == tokens * e * (64 + 1)
 
 
+def test_shared_expert_linears_hold_their_inputs_and_grads_until_bw():
+    """Zero-bubble: the experts, router and gate make their weight gradients in BI, but the shared
+    expert's linears (mappings.linear) defer theirs to BW as a dense MLP's: w1/w3's input (the
+    whole d) and output gradients (2·S/tp), w2's input (S/tp) and output gradient (d)."""
+    from tetrad.plan.activations import deferred_weight_grad_bytes_per_layer
+
+    m, without = _cfg(TINY).model, _cfg({**TINY, "shared_expert_ffn_hidden": 0, "shared_expert_gate": False}).model
+    tokens, tp, e = 64, 2, 2
+    got = [deferred_weight_grad_bytes_per_layer(x, tokens, tp, e) for x in (m, without)]
+    assert got[0] - got[1] == tokens * e * (64 + 48 / tp + 2 * 48 / tp + 64)
+
+
 def test_unnormalized_expert_weights_keep_no_fp32_weights_or_sum():
     """normalize_expert_weights = false: no division, so neither the fp32 top-k weights nor their
     sum is kept (model/moe.py): 4 bytes per assignment and 4 per token fewer."""

@@ -179,7 +179,9 @@ COUNTED_LAYOUTS += [({"tp": 2, "sequence_parallel": True}, {}, GEMMA3_WIDE), ({"
 # output it scales; the dense first layer's set on pp rank 0 beside an MoE layer's, rank 1's two MoE layers
 SHARED_COUNTED = {"n_experts": 4, "shared_expert_ffn_hidden": 256, "shared_expert_gate": True, "dense_layers": [0]}
 COUNTED_LAYOUTS += [({"pp": 2}, {}, SHARED_COUNTED),
-                    ({"tp": 2, "sequence_parallel": True}, {}, {**SHARED_COUNTED, "normalize_expert_weights": False})]
+                    ({"tp": 2, "sequence_parallel": True}, {}, {**SHARED_COUNTED, "normalize_expert_weights": False}),
+                    ({"pp": 2, "schedule": "zb"}, {}, SHARED_COUNTED),  # the shared expert's linears defer to BW
+                    ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}, {**SHARED_COUNTED, "dense_layers": [0, 1]})]
 
 
 # Expert parallelism: a rank's E/ep experts, its activations at the balanced k*tokens rows received.

@@ -24,6 +24,7 @@ from tetrad.train.batches import split_batches
 from tetrad.train.convert import read_weights
 from tetrad.train.generate import Cache, generate, load_generator, single_process_model
 from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
+from tetrad.train.hf_moe import DEFAULTS
 from tetrad.train.init_from import check_init_from
 from tetrad.train.inputs import model_keys
 
@@ -244,3 +245,15 @@ def test_a_moe_no_architecture_computes_is_refused_before_export(model, named):
                                    {"qk_norm": True, "dense_layers": [0], "normalize_expert_weights": False}])
 def test_a_moe_an_architecture_computes_exports(model):
     check_exportable(load_config(overrides={"model": {"n_experts": 4, **model}}).model)
+
+
+@pytest.mark.parametrize("family,config_class", [("mixtral", "MixtralConfig"), ("qwen2_moe", "Qwen2MoeConfig"),
+                                                 ("qwen3_moe", "Qwen3MoeConfig")])
+def test_keys_a_config_json_leaves_out_are_the_config_classes_defaults(family, config_class):
+    """hf_moe.DEFAULTS are transformers' own; a Qwen2-MoE config.json without norm_topk_prob and
+    qkv_bias imports unnormalised, with biases."""
+    defaults = getattr(transformers, config_class)()
+    assert {key: getattr(defaults, key) for key in DEFAULTS[family]} == DEFAULTS[family]
+    if family == "qwen2_moe":
+        keys = model_config_from_hf(QWEN2_MOE, Path("config.json"))
+        assert (keys["normalize_expert_weights"], keys["qkv_bias"], keys["shared_expert_gate"]) == (False, True, True)

@@ -202,9 +202,10 @@ def _window_from_hf(hf: dict, kind: str, source: Path) -> int:
             return 0
         if sliding != layers:
             said = "its layer_types" if hf.get("layer_types") else f"max_window_layers={below}"
+            alike = "layer_types all sliding or none" if kind == "qwen2_moe" else \
+                "max_window_layers=0 (all) or >= num_hidden_layers (none)"
             raise ConfigError(f"{source}: sliding_window={window} applies to {sliding} of {layers} layers ({said}); "
-                              "tetrad's window is the same in every layer: only layer_types all alike (Qwen2 and "
-                              "Qwen3: max_window_layers=0, all, or >= num_hidden_layers, none) converts")
+                              f"tetrad's window is the same in every layer: only {alike} converts")
     return int(window)
 
 

@@ -26,6 +26,11 @@ from tetrad.train.trainer import Trainer
 PG_TIMEOUT_S = 60
 DEADLINE_S = 300
 
+# What pytest sets for each test, and what torch's inductor sets at its first compile in a process
+# (its default cache folder, exported for its compile workers), whichever test compiles first.
+SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
 @pytest.fixture(autouse=True)
 def environment_unchanged():
     """A test leaves os.environ as it found it: a setting leaked into the process reaches every
@@ -34,7 +39,7 @@ def environment_unchanged():
     before = dict(os.environ)
     yield
     changed = sorted(k for k in before.keys() | os.environ.keys()
-                     if before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST")  # pytest's own
+                     if before.get(k) != os.environ.get(k) and k not in SET_BY_OTHERS)
     assert not changed, f"the test changed the environment: {changed}"
 
 

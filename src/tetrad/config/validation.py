@@ -117,10 +117,11 @@ def profile_steps(spec: str) -> range:
     return steps
 
 
-def validate(cfg: Config, world_size: int | None = None, runtime: bool = True) -> None:
-    """Raise ConfigError for the first problem found, naming the fix."""
+def validate(cfg: Config, world_size: int | None = None, runtime: bool = True, ranges: bool = True) -> None:
+    """Raise ConfigError for the first problem found, naming the fix (ranges=False: the planner's candidates)."""
     profile_steps(cfg.train.profile)
-    check_ranges(cfg)
+    if ranges:
+        check_ranges(cfg)
     _check_world(cfg.parallel, world_size)
     _check_heads(cfg)
     check_experts(cfg)
@@ -149,14 +150,16 @@ def _check_heads(cfg: Config) -> None:
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}; "
                           f"use n_kv_heads in {divisors(m.n_heads)}")
-    common = sorted(set(divisors(m.n_heads)) & set(divisors(m.n_kv_heads)))
-    if m.n_heads % p.tp:
-        raise ConfigError(f"tp={p.tp} does not divide n_heads={m.n_heads}; use tp in {common}")
-    if m.n_kv_heads % p.tp:
-        raise ConfigError(f"tp={p.tp} does not divide n_kv_heads={m.n_kv_heads}; use tp in {common}")
+    for name, heads in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads)):
+        if heads % p.tp:
+            raise ConfigError(f"tp={p.tp} does not divide {name}={heads}; use tp in {_head_divisors(m)}")
     if m.ffn_hidden % p.tp and not m.n_experts:  # an MoE model's experts are _check_experts'
         raise ConfigError(f"tp={p.tp} does not divide ffn_hidden={m.ffn_hidden}; "
-                          f"use tp in {sorted(set(common) & set(divisors(m.ffn_hidden)))}")
+                          f"use tp in {sorted(set(_head_divisors(m)) & set(divisors(m.ffn_hidden)))}")
+
+
+def _head_divisors(m) -> list[int]:  # for a refusal only: the planner validates thousands of layouts
+    return sorted(set(divisors(m.n_heads)) & set(divisors(m.n_kv_heads)))
 
 
 def _check_pipeline(cfg: Config, runtime: bool) -> None:

@@ -125,7 +125,9 @@ def run_eagerly(fn: Callable, *args):
     return _run_eagerly_untraced(fn, *args) if torch.compiler.is_compiling() else fn(*args)
 
 
-@torch.compiler.disable
+# torch's own lazy form of torch.compiler.disable (it loads torch._dynamo at the first compiled
+# call): the decorator itself would load it here, 2.6 s of every process's start, compiled or not.
+@torch._disable_dynamo
 def _run_eagerly_untraced(fn: Callable, *args):
     return fn(*args)
 

@@ -117,8 +117,9 @@ aten = torch.ops.aten
 # Attention kernels whose outputs (output and log-sum-exp) `selective-op` keeps.
 _ATTENTION_OPS = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
                   aten._scaled_dot_product_cudnn_attention.default,
-                  aten._scaled_dot_product_flash_attention_for_cpu.default,
-                  torch.ops.torch_attn._varlen_attn.default}  # model/varlen.py's (its module registers it)
+                  aten._scaled_dot_product_flash_attention_for_cpu.default}
+# model/varlen.py's kernel, by name: its module registers it at varlen's first call, not here.
+_VARLEN_OP = "torch_attn::_varlen_attn"
 
 
 def _save_attention_and_every_other_matmul(ring: RingReplay, hold=None):
@@ -138,7 +139,7 @@ def _save_attention_and_every_other_matmul(ring: RingReplay, hold=None):
         if ring.running:
             return CheckpointPolicy.PREFER_RECOMPUTE
         matmuls += op is aten.mm.default
-        keep = op in _ATTENTION_OPS or (op is aten.mm.default and matmuls % 2 == 1)
+        keep = op in _ATTENTION_OPS or op.name() == _VARLEN_OP or (op is aten.mm.default and matmuls % 2 == 1)
         if keep and hold is not None:
             outputs = ctx.op_output if isinstance(ctx.op_output, tuple) else (ctx.op_output,)
             held.extend(hold(t) for t in outputs if isinstance(t, torch.Tensor))

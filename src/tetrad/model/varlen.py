@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn.attention.varlen import varlen_attn
 
 from tetrad import device as devices
 from tetrad.model.documents import Documents
@@ -29,6 +28,13 @@ from tetrad.model.masks import hides_keys
 MAX_SEGMENTS = 65535
 
 
+def flash_varlen(*args, **kwargs) -> torch.Tensor:
+    """torch.nn.attention.varlen's varlen_attn, imported at its first call: its module loads
+    torch._dynamo, 1.5 s of every process's start here, where most runs never take this path."""
+    from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class Packing:
     """What the varlen kernel attends within, for one micro-batch (built on the host once and
@@ -38,7 +44,7 @@ class Packing:
     cu_seqlens: torch.Tensor
     longest: int
     window: tuple[int, int]
-    kernel: Callable = varlen_attn
+    kernel: Callable = flash_varlen
 
 
 def segment_bounds(host_ids: np.ndarray | None, rows: int, length: int) -> tuple[np.ndarray, int]:
@@ -66,7 +72,7 @@ def flash_window(window: int, length: int) -> tuple[int, int]:
 
 
 def sequence_packing(docs: Documents | None, window: int, rows: int, length: int, device: torch.device,
-                     kernel: Callable = varlen_attn) -> Packing:
+                     kernel: Callable = flash_varlen) -> Packing:
     """The `Packing` of a micro-batch of `rows` whole sequences of `length` tokens, its documents
     from the host ids, the bounds copied to `device` without the host waiting."""
     bounds, longest = segment_bounds(docs.host if docs is not None else None, rows, length)

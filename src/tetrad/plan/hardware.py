@@ -33,7 +33,9 @@ class GPU:
     hbm_gib: float  # capacity the driver reports
     hbm_gbps: float
     intra_gbps: float  # NVLink/xGMI per GPU per direction
-    inter_gbps: float  # network per GPU per direction
+    # The network per GPU per direction: a node's NIC bandwidth over its GPUs (one NIC's in every
+    # built-in profile, one NIC a GPU); an all-to-all across nodes gets this much per GPU.
+    inter_gbps: float
     intra_alpha_s: float = 3e-6  # latency of one collective ring step inside a node
     inter_alpha_s: float = 10e-6  # ... across nodes
     gemm_efficiency: float = 0.80  # share of peak a large, well-shaped GEMM reaches

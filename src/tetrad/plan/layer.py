@@ -20,7 +20,7 @@ from tetrad.model.masks import hides_keys
 from tetrad.plan.comm_bytes import scatter_bytes
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.kernels import masked_attention
-from tetrad.plan.links import group_link, overlap_slowdown, ring_time
+from tetrad.plan.links import all_to_all_time, group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
 from tetrad.plan.moe import ep_all_to_alls, expert_grad_bytes, rank_layer_params, routing_bytes_per_token
 from tetrad.plan.stacks import Stack
@@ -271,23 +271,24 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
     """Exposed CP time per layer per micro-batch, (forward, backward). Ring: each of cp-1 steps
     sends the K/V block while the previous one is attended (backward: K/V and the fp32 dK/dV
     accumulator), and the last dK/dV hand-off waits. All-to-all: q, k, v and the output re-shard
-    each way, exposed. Backward also repeats what the recompute does again: the forward's
-    collectives, all of them under full recompute, under per-op recompute the all-to-alls (the
-    ring is replayed: model/replay.py RingReplay), under selective the attention core's (the
-    ring's sends; the all-to-alls of q, k and v, not the output's)."""
+    each way, exposed (`all_to_all_time`: across nodes at one NIC a GPU). Backward also repeats
+    what the recompute does again: the forward's collectives, all of them under full recompute,
+    under per-op recompute the all-to-alls (the ring is replayed: model/replay.py RingReplay),
+    under selective the attention core's (the ring's sends; the all-to-alls of q, k and v, not
+    the output's)."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return 0.0, 0.0
-    alpha, bw = group_link(cluster, p.tp, p.cp)
     kv = 2 * tokens * m.n_kv_heads * m.head_dim / p.tp
     if p.cp_algo == "ring":
+        alpha, bw = group_link(cluster, p.tp, p.cp)
         send_f = ring_time("p2p", kv * e, 2, alpha, bw)
         send_b = ring_time("p2p", kv * (e + 4), 2, alpha, bw)
         forward = (p.cp - 1) * max(0.0, send_f - attn_f / p.cp)
         backward = (p.cp - 1) * max(0.0, send_b - attn_b / p.cp) + ring_time("p2p", kv * 4, 2, alpha, bw)
         return forward, backward + (forward if cfg.train.recompute in ("selective", "full") else 0.0)
-    q = ring_time("all_to_all", tokens * m.n_heads * m.head_dim / p.tp * e, p.cp, alpha, bw)  # q or the output
-    k = ring_time("all_to_all", kv / 2 * e, p.cp, alpha, bw)  # k or v
+    q = all_to_all_time(tokens * m.n_heads * m.head_dim / p.tp * e, p.cp, cluster, p.tp)  # q or the output
+    k = all_to_all_time(kv / 2 * e, p.cp, cluster, p.tp)  # k or v
     one_way = 2 * q + 2 * k
     recomputed = {"none": 0.0, "selective": q + 2 * k}.get(cfg.train.recompute, one_way)
     return one_way, one_way + recomputed
@@ -296,12 +297,12 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
 def _ep_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int) -> tuple[float, float]:
     """Exposed EP time per MoE layer per micro-batch, (forward, backward): the counts' all-to-all,
     the dispatch and the combine forward, the two token all-to-alls reversed backward (moe.ep_all_to_alls,
-    balanced routing), over the EP group's link (ep dp neighbours, cp x tp ranks apart: across nodes
-    where ep x cp x tp exceeds a node). Nothing overlaps them: the experts wait for their rows."""
+    balanced routing), over the EP group (ep dp neighbours, cp x tp ranks apart: across nodes where
+    ep x cp x tp exceeds a node, then at one NIC a GPU: `all_to_all_time`). Nothing overlaps them:
+    the experts wait for their rows."""
     m, p = cfg.model, cfg.parallel
-    alpha, bw = group_link(cluster, p.cp * p.tp, p.ep)
     forward, backward = ep_all_to_alls(m, tokens, p.ep, e)
-    return tuple(sum(ring_time("all_to_all", x, p.ep, alpha, bw) for x in xs) for xs in (forward, backward))
+    return tuple(sum(all_to_all_time(x, p.ep, cluster, p.cp * p.tp) for x in xs) for xs in (forward, backward))
 
 
 def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: float) -> tuple[float, float]:

@@ -2,7 +2,7 @@
 
 Alpha-beta per link class: NVLink inside a node, the network across nodes, each at
 LINK_EFFICIENCY of its bandwidth (what large NCCL ring collectives achieve), over ring volumes of
-the payload tetrad.comm counts.
+the payload tetrad.comm counts; an all-to-all across nodes by its direct sends (`all_to_all_time`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,34 @@ def group_link(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
         return g.intra_alpha_s, g.intra_gbps * 1e9 * LINK_EFFICIENCY
     members = max(1, min(size, per_node // stride))
     return g.inter_alpha_s, min(g.intra_gbps, members * g.inter_gbps) * 1e9 * LINK_EFFICIENCY
+
+
+def all_to_all_time(nbytes: float, n: int, cluster: Cluster, stride: int) -> float:
+    """An all-to-all of `nbytes` (tetrad.comm's count: the input, the rank's own chunk included)
+    over `n` ranks `stride` apart.
+
+    Inside one node: the ring model over NVLink, (n-1)/n of the payload and n-1 latencies. Across
+    nodes every rank sends 1/n of its payload straight to each other rank, not round a rail ring:
+    the chunks for its k-1 node-mates (k = the group's members per node) go over NVLink while the
+    n-k chunks for other nodes leave through the network, together, and a node's k GPUs have k
+    NICs between them, so per GPU one NIC's bandwidth (`GPU.inter_gbps`), however NCCL's PXN routes
+    a chunk to its rail (NVIDIA, "Doubling all2all performance with NCCL 2.12", 2022). The time is
+    the slower of the two shares, max((k-1)/n x nbytes / NVLink, (n-k)/n x nbytes / NIC). DeepEP
+    measured its internode dispatch and combine at 43-58 GB/s per H800 with one 400 Gb/s CX7 NIC
+    (~50 GB/s) each, ep 16 to 64, against 153-158 GB/s over NVLink at ep 8 (github.com/deepseek-ai/
+    DeepEP, docs/legacy.md, "Normal kernels"): one NIC's bandwidth, at about LINK_EFFICIENCY.
+    Latency: NCCL posts the n-1 sends at once, so one network latency plus n-1 per-peer setups at
+    the NVLink step's latency (alpha inter + (n-1) alpha intra).
+    """
+    g, per_node = cluster.gpu, cluster.gpus_per_node
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    if stride * n <= per_node:
+        return ring_time("all_to_all", nbytes, n, g.intra_alpha_s, g.intra_gbps * 1e9 * LINK_EFFICIENCY)
+    members = max(1, per_node // stride)  # on a node (the group spans nodes: n x stride > per_node)
+    on_node = (members - 1) / n * nbytes / (g.intra_gbps * 1e9 * LINK_EFFICIENCY)
+    off_node = (n - members) / n * nbytes / (g.inter_gbps * 1e9 * LINK_EFFICIENCY)
+    return g.inter_alpha_s + (n - 1) * g.intra_alpha_s + max(on_node, off_node)
 
 
 def expert_grad_stride(per_node: int, tp: int, cp: int, dp: int, ep: int) -> int:

@@ -11,13 +11,24 @@ from functools import lru_cache
 
 from tetrad.parallel.pipeline.registry import build_schedule, schedule_spec
 from tetrad.parallel.pipeline.schedules import replay
-from tetrad.parallel.pipeline.simulate import StageCosts, peak_held
+from tetrad.parallel.pipeline.simulate import StageCosts, held_terms, peak_held
 from tetrad.parallel.pipeline.split import rank_stages
 
 
 @lru_cache(maxsize=256)
 def _schedule(schedule: str, pp: int, m: int, vpp: int):
     return build_schedule(schedule, pp, m, vpp)  # built (and validated) once per shape
+
+
+def _held(schedule: str, pp: int, m: int, vpp: int, *weighing) -> list[float]:
+    """simulate.peak_held of one schedule shape (`weighing`: its after_bi, weights, loss and
+    per_set), the shape's arrays built once."""
+    return peak_held(_schedule(schedule, pp, m, vpp), *weighing, terms=_terms(schedule, pp, m, vpp))
+
+
+@lru_cache(maxsize=256)
+def _terms(schedule: str, pp: int, m: int, vpp: int):
+    return held_terms(_schedule(schedule, pp, m, vpp))
 
 
 def _steady(schedule: str, pp: int, m: int) -> int:
@@ -37,7 +48,7 @@ def _simulate(schedule: str, pp: int, m: int, vpp: int, f: tuple, bi: tuple, bw:
     return step, tuple(step - x for x in last)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=65536)
 def inflight(schedule: str, pp: int, m: int, vpp: int, after_bi: float = 1.0,
              chunk_layers: tuple | None = None, loss: float = 0.0, per_set: float = 0.0) -> tuple[float, ...]:
     """Peak (micro-batch, chunk) activation sets alive per rank, from the schedule's order
@@ -50,8 +61,8 @@ def inflight(schedule: str, pp: int, m: int, vpp: int, after_bi: float = 1.0,
     two steady lengths and extended."""
     m0 = _steady(schedule, pp, m)
     if m <= m0 + pp:
-        return tuple(peak_held(_schedule(schedule, pp, m, vpp), after_bi, chunk_layers, loss, per_set))
-    h0, h1 = (peak_held(_schedule(schedule, pp, n, vpp), after_bi, chunk_layers, loss, per_set) for n in (m0, m0 + pp))
+        return tuple(_held(schedule, pp, m, vpp, after_bi, chunk_layers, loss, per_set))
+    h0, h1 = (_held(schedule, pp, n, vpp, after_bi, chunk_layers, loss, per_set) for n in (m0, m0 + pp))
     return tuple(a + (m - m0) / pp * (b - a) for a, b in zip(h0, h1))
 
 

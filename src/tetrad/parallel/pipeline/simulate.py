@@ -9,10 +9,11 @@ floats or Fractions; the arithmetic keeps their type, so closed forms can be che
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
+from typing import NamedTuple
+
+import numpy as np
 
 from tetrad.parallel.pipeline.schedules import Action, Schedule, ScheduleError, place_of, replay
-
 
 
 @dataclass
@@ -54,8 +55,36 @@ def peak_inflight(s: Schedule) -> list[int]:
     return [round(x) for x in peak_held(s)]
 
 
+class HeldTerms(NamedTuple):
+    """A schedule's actions as arrays [rank, action] (ranks padded with no-ops): what each adds to
+    the activations held, for peak_held's arithmetic in numpy (the planner calls it thousands of
+    times per search). `sets`: +1 for F, -1 for B and BI (the set's whole-until-backward part),
+    0 for BW; `after_bi`: +1 for BI and -1 for BW (the remainder BI leaves until BW); `chunk`: the
+    action's local chunk; `last`: whether it runs on the last global stage, where the loss waits."""
+
+    sets: np.ndarray
+    after_bi: np.ndarray
+    chunk: np.ndarray
+    last: np.ndarray
+
+
+SETS = {"F": 1.0, "B": -1.0, "BI": -1.0, "BW": 0.0}
+AFTER_BI = {"F": 0.0, "B": 0.0, "BI": 1.0, "BW": -1.0}
+
+
+def held_terms(s: Schedule) -> HeldTerms:
+    width = max(map(len, s.actions), default=0)
+    last = place_of(s.stages - 1, s.pp)
+
+    def table(value) -> np.ndarray:
+        rows = [[value(r, a) for a in actions] + [0] * (width - len(actions)) for r, actions in enumerate(s.actions)]
+        return np.array(rows, dtype=np.float64).reshape(len(s.actions), width)
+    return HeldTerms(table(lambda r, a: SETS[a.kind]), table(lambda r, a: AFTER_BI[a.kind]),
+                     table(lambda r, a: a.chunk).astype(np.intp), table(lambda r, a: (r, a.chunk) == last))
+
+
 def peak_held(s: Schedule, after_bi: float = 1.0, weights: tuple | None = None, loss: float = 0.0,
-              per_set: float = 0.0) -> list[float]:
+              per_set: float = 0.0, terms: HeldTerms | None = None) -> list[float]:
     """Per rank, the most activation memory held at once, in (mb, chunk) activation sets: a set
     is whole from its F until its B or BI; between BI and BW (zero-bubble) what the weight
     gradients still need (the linears' inputs and output gradients) weighs `after_bi` sets.
@@ -64,16 +93,13 @@ def peak_held(s: Schedule, after_bi: float = 1.0, weights: tuple | None = None, 
     logits, from the last stage's F until its B or BI) weighs in the same units: counted where it is held, so that a
     peak of sets that comes when no loss waits (zero-bubble's, after BI) does not take it too.
     `per_set`: what every set carries beside its layers (document masking's bias, one per
-    micro-batch and chunk), from its F until its B or BI, in the same units."""
-    change = {"F": 1.0, "B": -1.0, "BI": after_bi - 1.0, "BW": -after_bi}
-    carried = {"F": per_set, "B": -per_set, "BI": -per_set, "BW": 0.0}
-    weights = weights or [[1.0] * s.vpp] * s.pp
-    last = place_of(s.stages - 1, s.pp)
-    waits = {"F": loss, "B": -loss, "BI": -loss, "BW": 0.0}
-
-    def held(r: int, a: Action) -> float:
-        return change[a.kind] * weights[r][a.chunk] + carried[a.kind] + (waits[a.kind] if (r, a.chunk) == last else 0.0)
-    return [max(accumulate((held(r, a) for a in actions), initial=0.0)) for r, actions in enumerate(s.actions)]
+    micro-batch and chunk), from its F until its B or BI, in the same units. `terms`: held_terms(s),
+    where the caller keeps it."""
+    t = terms or held_terms(s)
+    weight = np.asarray(weights or [[1.0] * s.vpp] * s.pp, dtype=np.float64)
+    w = np.take_along_axis(weight, t.chunk, axis=1)
+    held = (t.sets + t.after_bi * after_bi) * w + t.sets * per_set + t.sets * t.last * loss
+    return np.cumsum(held, axis=1).max(axis=1, initial=0.0).tolist()
 
 
 def simulate(s: Schedule, costs: StageCosts, timeline: bool = True) -> SimResult:

@@ -22,7 +22,7 @@ and the model's counts sum over its layers' kinds (`layer_kinds`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import replace
 
 from tetrad.config import ModelConfig
@@ -37,16 +37,26 @@ def layer_model(m: ModelConfig, moe: bool) -> ModelConfig:
     return replace(m, n_experts=0, shared_expert_ffn_hidden=0, shared_expert_gate=False, dense_layers=[])
 
 
-def layer_kinds(m: ModelConfig, layers: Iterable[int] | None = None) -> list[tuple[ModelConfig, int]]:
-    """(layer_model of a kind, how many of `layers` (default: all) are of it), each kind present."""
-    layers = range(m.n_layers) if layers is None else list(layers)
-    moe = sum(m.moe_layer(i) for i in layers)
-    return [(layer_model(m, kind), n) for kind, n in ((True, moe), (False, len(layers) - moe)) if n]
+def kind_counts(m: ModelConfig, chunks: Sequence[range] | None = None) -> dict[bool, int]:
+    """How many layers of `chunks` (ranges of global indices, a pipeline rank's; default: all) are
+    of each kind present, keyed by ModelConfig.moe_layer. Counted per range, never per layer: the
+    planner asks this of every layout it weighs, and a dense model's answer is the ranges' lengths."""
+    chunks = [range(m.n_layers)] if chunks is None else chunks
+    total = sum(map(len, chunks))
+    if not (m.n_experts and m.dense_layers):  # one kind
+        return {bool(m.n_experts): total}
+    moe = total - sum(i in c for c in chunks for i in set(m.dense_layers))
+    return {kind: n for kind, n in ((True, moe), (False, total - moe)) if n}
 
 
-def over_layers(m: ModelConfig, per_layer, layers: Iterable[int] | None = None) -> float:
-    """The sum of `per_layer`(layer_model) over `layers` (default: all) of `m`."""
-    return sum(n * per_layer(kind) for kind, n in layer_kinds(m, layers))
+def layer_kinds(m: ModelConfig, chunks: Sequence[range] | None = None) -> list[tuple[ModelConfig, int]]:
+    """(layer_model of a kind, how many layers of `chunks` (kind_counts) are of it), each kind present."""
+    return [(layer_model(m, kind), n) for kind, n in kind_counts(m, chunks).items()]
+
+
+def over_layers(m: ModelConfig, per_layer, chunks: Sequence[range] | None = None) -> float:
+    """The sum of `per_layer`(layer_model) over the layers of `chunks` (default: all) of `m`."""
+    return sum(n * per_layer(kind) for kind, n in layer_kinds(m, chunks))
 
 
 def layer_matmul_flops(m: ModelConfig) -> float:

@@ -13,7 +13,6 @@ masking adds its bias (`mask_bias_bytes`, a sliding window's too). Where layers 
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import chain
 
 from tetrad.config import Config, ModelConfig
 from tetrad.model import flops
@@ -154,12 +153,12 @@ def chunk_weights(cfg: Config, stack: Stack, tokens: int, e: int) -> tuple[float
     """(the unit: an MoE layer's activation set, every layer's in a dense model; what each pipeline
     rank's chunks' sets weigh in it, their layers' sets summed): the simulator's `chunk_layers`."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-
-    def per_layer(kind: ModelConfig) -> float:
-        return activation_bytes_per_layer(kind, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
-    unit = per_layer(flops.layer_model(m, True))
-    return unit, tuple(tuple(sum(n * (per_layer(k) / unit) for k, n in flops.layer_kinds(m, layers)) for layers in rank)
-                       for rank in rank_chunk_layers(cfg))
+    sets = {kind: activation_bytes_per_layer(flops.layer_model(m, kind), tokens, p.tp, p.sequence_parallel,
+                                             t.recompute, e, stack)
+            for kind in flops.kind_counts(m)}  # each kind's once: the planner weighs many layouts
+    unit = sets.get(True, sets.get(False))
+    return unit, tuple(tuple(sum(n * (sets[k] / unit) for k, n in flops.kind_counts(m, [layers]).items())
+                             for layers in rank) for rank in rank_chunk_layers(cfg))
 
 
 def rebuilt_bytes(cfg: Config, stack: Stack, tokens: int, e: int, is_cpu: bool) -> list[float]:
@@ -179,6 +178,7 @@ def rebuilt_bytes(cfg: Config, stack: Stack, tokens: int, e: int, is_cpu: bool) 
             out += (activation_bytes_per_layer(k, tokens, p.tp, p.sequence_parallel, "none", e, stack)
                     + mask_bias_bytes(cfg, is_cpu) - counted)
         return out
-    return [max(rebuilt(k) for k, _ in flops.layer_kinds(m, chain(*rank))) for rank in rank_chunk_layers(cfg)]
+    per_kind = {kind: rebuilt(flops.layer_model(m, kind)) for kind in flops.kind_counts(m)}
+    return [max(map(per_kind.__getitem__, flops.kind_counts(m, rank))) for rank in rank_chunk_layers(cfg)]
 
 

@@ -7,6 +7,7 @@ from tetrad.config import Config
 from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec
 from tetrad.config.sections import shard_ranks, zero_shard
 from tetrad.dist.layout import GRAD_DIMS, Layout
+from tetrad.model import flops
 from tetrad.parallel.bucketing import padded_size
 from tetrad.parallel.pipeline.split import rank_chunk_layers, rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets
@@ -51,7 +52,7 @@ def _hidden(cfg: Config) -> float:
 
 def _moe_layers(cfg: Config) -> int:
     """How many of rank 0's layers are MoE layers (ModelConfig.moe_layer; model.dense_layers' are not)."""
-    return sum(cfg.model.moe_layer(i) for chunk in rank_chunk_layers(cfg)[0] for i in chunk)
+    return flops.kind_counts(cfg.model, rank_chunk_layers(cfg)[0]).get(True, 0)
 
 
 def _tp_bytes(cfg: Config) -> float:

@@ -142,8 +142,8 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
 
     memory = memory_by_rank(cfg, stack, gpu.is_cpu)
     busiest = max(range(p.pp), key=lambda r: st.busy[r])
-    held = [i for chunk in rank_chunk_layers(cfg)[busiest] for i in chunk]
-    per_step = {k: micro * sum(getattr(layers[m.moe_layer(i)], k) for i in held)
+    held = flops.kind_counts(m, rank_chunk_layers(cfg)[busiest])
+    per_step = {k: micro * sum(n * getattr(layers[kind], k) for kind, n in held.items())
                 for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm")}
     ends = (sum(embed) if busiest == 0 else 0.0) + (sum(head) if busiest == p.pp - 1 else 0.0)
     breakdown = {**per_step, "compute": per_step["compute"] + micro * ends,
@@ -180,8 +180,7 @@ def layer_costs(cfg: Config, cluster: Cluster, stack: Stack) -> dict[bool, Layer
     """Each kind of layer's costs (layer.layer_cost), keyed by ModelConfig.moe_layer: an MoE
     model's MoE and dense layers (model.dense_layers) differ; a dense model's are all False."""
     m = cfg.model
-    kinds = {m.moe_layer(i) for i in range(m.n_layers)}
-    return {k: layer_cost(replace(cfg, model=flops.layer_model(m, k)), cluster, stack) for k in kinds}
+    return {k: layer_cost(replace(cfg, model=flops.layer_model(m, k)), cluster, stack) for k in flops.kind_counts(m)}
 
 
 def _stage_costs(cfg: Config, cluster: Cluster, stack: Stack, layers: dict[bool, LayerCost], embed: tuple,
@@ -190,10 +189,10 @@ def _stage_costs(cfg: Config, cluster: Cluster, stack: Stack, layers: dict[bool,
     head on the last. A transfer between neighbouring stages is a latency the schedule can hide, or,
     where the stack blocks on it, part of the sending action (and so of the bubble)."""
     p, m = cfg.parallel, cfg.model
-    stages = [[layers[m.moe_layer(i)] for i in split] for split in layer_split(cfg)]
-    f = [sum(c.forward for c in stage) for stage in stages]
-    bi = [sum(c.backward_input + c.recompute for c in stage) for stage in stages]
-    bw = [sum(c.backward_weight for c in stage) for stage in stages]
+    stages = [[(n, layers[kind]) for kind, n in flops.kind_counts(m, [split]).items()] for split in layer_split(cfg)]
+    f = [sum(n * c.forward for n, c in stage) for stage in stages]
+    bi = [sum(n * (c.backward_input + c.recompute) for n, c in stage) for stage in stages]
+    bw = [sum(n * c.backward_weight for n, c in stage) for stage in stages]
     for costs, k in ((f, 0), (bi, 1), (bw, 2)):
         costs[0] += embed[k]
         costs[-1] += head[k]

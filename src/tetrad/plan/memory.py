@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import chain
 
 from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes
@@ -179,7 +178,7 @@ def rank_params(cfg: Config) -> list[float]:
     """Parameters each pipeline rank holds on one tp rank: its layers' linears split over tp,
     their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
     the head on the last (its own head unless tied on a single stage), both padded to tp rows."""
-    params = [rank_layer_params(cfg, chain(*chunks)) for chunks in rank_chunk_layers(cfg)]
+    params = rank_layer_params(cfg)
     m, p = cfg.model, cfg.parallel
     params[0] += vocab_shard(m, p.tp) * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
     separate = not m.tie_embeddings or p.pp * p.vpp > 1
@@ -187,10 +186,13 @@ def rank_params(cfg: Config) -> list[float]:
     return params
 
 
-def rank_layer_params(cfg: Config, layers) -> float:
-    """Parameters of `layers` (global indices) on one rank, each of its kind (MoE: E/ep experts)."""
-    p = cfg.parallel
-    return flops.over_layers(cfg.model, lambda k: moe.rank_layer_params(k, p.tp, p.ep), layers)
+def rank_layer_params(cfg: Config) -> list[float]:
+    """Parameters of each pipeline rank's layers on one tp rank, each of its kind (MoE: E/ep experts);
+    each kind's counted once, the ranks' kinds counted by range: the planner weighs many layouts."""
+    m, p = cfg.model, cfg.parallel
+    per_layer = {kind: moe.rank_layer_params(flops.layer_model(m, kind), p.tp, p.ep) for kind in flops.kind_counts(m)}
+    return [sum(n * per_layer[kind] for kind, n in flops.kind_counts(m, chunks).items())
+            for chunks in rank_chunk_layers(cfg)]
 
 
 def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
@@ -225,7 +227,8 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     params, buckets = rank_params(cfg), rank_buckets(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
-    for r, layers in enumerate(rank_chunk_layers(cfg)):
+    layer_params = rank_layer_params(cfg) if p.zero >= 3 else None
+    for r in range(p.pp):
         weights, grads, optimizer = _model_states(cfg, params[r], buckets[r], 0)
         if t.offload_optimizer:  # on the host (host_memory_by_rank)
             optimizer = 0.0
@@ -233,7 +236,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
         root = 0.0
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
-            root = (params[r] - rank_layer_params(cfg, chain(*layers))) * (per_param[0] + 4)
+            root = (params[r] - layer_params[r]) * (per_param[0] + 4)
         acts = per_layer * whole[r] + rebuilt[r]
         # Communication buffers are transient, not activations kept for backward: with the
         # allocator's fragmentation they make up `other`.

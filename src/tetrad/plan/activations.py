@@ -157,6 +157,8 @@ def chunk_weights(cfg: Config, stack: Stack, tokens: int, e: int) -> tuple[float
                                              t.recompute, e, stack)
             for kind in flops.kind_counts(m)}  # each kind's once: the planner weighs many layouts
     unit = sets.get(True, sets.get(False))
+    if len(sets) == 1:  # one kind: a chunk weighs its layer count, counted without a call per chunk
+        return unit, tuple(tuple(map(len, rank)) for rank in rank_chunk_layers(cfg))
     return unit, tuple(tuple(sum(n * (sets[k] / unit) for k, n in flops.kind_counts(m, [layers]).items())
                              for layers in rank) for rank in rank_chunk_layers(cfg))
 

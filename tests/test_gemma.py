@@ -243,7 +243,7 @@ def test_layer_types_and_local_rope_are_checked_before_start():
 def _saved_per_layer():
     """Bytes autograd saves for one forward of a 1-layer Gemma 3 with and without sandwich norms,
     and the planner's bytes a layer keeps for each."""
-    from tetrad.plan.memory import activation_bytes_per_layer, as_run
+    from tetrad.plan.activations import activation_bytes_per_layer, as_run
     from tetrad.plan.stacks import STACKS
     from tetrad.train.memory import ActivationMeter
     out = {}

@@ -37,6 +37,13 @@ CASES += [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"n_experts": 
 CASES += [({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"n_experts": 4, "expert_ffn_hidden": 96}),
             ({"tp": 2, "pp": 2, "vpp": 2, "dp": 2, "cp": 2, "ep": 2, "zero": 2, "grad_bucket_mb": 0.01},
              {"n_experts": 4, "n_layers": 4, "tie_embeddings": True, "qk_norm": True})]
+# A shared expert (dense, split over tp) and its gate (replicated, summed over tp as the router's), a dense
+# first layer: each pipeline rank's buckets follow the kinds of the layers it holds.
+SHARED = {"n_experts": 4, "expert_ffn_hidden": 32, "shared_expert_ffn_hidden": 64, "shared_expert_gate": True,
+          "dense_layers": [0], "n_layers": 4}
+CASES += [({"tp": 2, "pp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, SHARED),
+          ({"pp": 2, "vpp": 2, "dp": 2, "zero": 3}, {**SHARED, "dense_layers": [0, 3]}),
+          ({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.01}, SHARED)]
 
 
 def _runtime(cfg, rank: int) -> list[PlannedBucket]:

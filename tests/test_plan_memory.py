@@ -11,7 +11,8 @@ from tetrad.config import load_config
 from tetrad.model import flops
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
-from tetrad.plan.memory import ZERO_PAPER_BYTES, activation_bytes_per_layer, model_state_bytes
+from tetrad.plan.activations import activation_bytes_per_layer
+from tetrad.plan.memory import ZERO_PAPER_BYTES, model_state_bytes
 from tetrad.plan.search import config_of, layouts
 from tetrad.plan.stacks import STACKS
 

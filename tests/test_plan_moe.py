@@ -18,7 +18,7 @@ from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import cluster_of, load_cluster
 from tetrad.plan.layer import _gemms
-from tetrad.plan.memory import activation_bytes_per_layer
+from tetrad.plan.activations import activation_bytes_per_layer
 from tetrad.plan.search import layouts, plan
 from tetrad.plan.stacks import STACKS
 

@@ -63,6 +63,13 @@ LAYOUTS += [
     # the counts summed over cp (again under full and per-op recompute); SP's regather gathers no MoE input again
     ({"tp": 2, "cp": 2, "sequence_parallel": True, "sp_regather": True}, {}, MOE),
     ({"cp": 2, "cp_algo": "alltoall"}, {"recompute": "full"}, MOE), ({"cp": 2}, {"recompute": "selective-op"}, MOE)]
+# Qwen2-MoE / DeepSeek-MoE layers: a gated shared expert (dense buckets; its gate's gradient summed over tp
+# as the router's) and a dense first layer, whose stage differs (its fc1 gathered again under sp_regather;
+# the cp counts and the ep all-to-alls in the MoE layers alone)
+SHARED = {**MOE, "shared_expert_ffn_hidden": 64, "shared_expert_gate": True, "dense_layers": [0], "n_layers": 4}
+LAYOUTS += [({"pp": 2, "dp": 2, "zero": 1}, {}, SHARED),
+            ({"tp": 2, "sequence_parallel": True, "sp_regather": True}, {}, SHARED),
+            ({"cp": 2}, {"recompute": "full"}, {**SHARED, "normalize_expert_weights": False})]
 
 
 def _name(parallel: dict) -> str:
@@ -76,7 +83,8 @@ EP_LAYOUTS = [({"dp": 2, "ep": 2}, {}, MOE), ({"dp": 4, "ep": 2, "zero": 1}, {"m
               ({"dp": 4, "ep": 4, "zero": 1}, {"micro_batch": 1, "global_batch": 8}, MOE),
               ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True, "zero": 2}, {}, MOE),
               ({"dp": 2, "ep": 2, "pp": 2}, {"recompute": "full"}, MOE),
-              ({"dp": 2, "ep": 2, "cp": 2}, {"recompute": "selective-op"}, {**MOE, "mlp": "gelu"})]
+              ({"dp": 2, "ep": 2, "cp": 2}, {"recompute": "selective-op"}, {**MOE, "mlp": "gelu"}),
+              ({"dp": 2, "ep": 2, "zero": 1}, {}, SHARED)]
 
 
 @pytest.mark.parametrize("parallel,train,model", EP_LAYOUTS, ids=lambda p: _name(p) or "-")
@@ -167,9 +175,19 @@ GEMMA3_WIDE = {**{k: v for k, v in GEMMA3.items() if k not in ("head_dim", "quer
 COUNTED_LAYOUTS += [({"tp": 2, "sequence_parallel": True}, {}, GEMMA3_WIDE), ({"pp": 2}, {}, GEMMA3_WIDE)]
 
 
+# Qwen2-MoE / DeepSeek-MoE layers: the shared expert's hidden tensors, its gate's output and the partial
+# output it scales; the dense first layer's set on pp rank 0 beside an MoE layer's, rank 1's two MoE layers
+SHARED_COUNTED = {"n_experts": 4, "shared_expert_ffn_hidden": 256, "shared_expert_gate": True, "dense_layers": [0]}
+COUNTED_LAYOUTS += [({"pp": 2}, {}, SHARED_COUNTED),
+                    ({"tp": 2, "sequence_parallel": True}, {}, {**SHARED_COUNTED, "normalize_expert_weights": False}),
+                    ({"pp": 2, "schedule": "zb"}, {}, SHARED_COUNTED),  # the shared expert's linears defer to BW
+                    ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}, {**SHARED_COUNTED, "dense_layers": [0, 1]})]
+
+
 # Expert parallelism: a rank's E/ep experts, its activations at the balanced k*tokens rows received.
 EP_COUNTED_LAYOUTS = [({"dp": 2, "ep": 2, "zero": 1}, {}, {"n_experts": 4}),
-                      ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"n_experts": 4})]
+                      ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"n_experts": 4}),
+                      ({"dp": 2, "ep": 2, "zero": 1}, {}, SHARED_COUNTED)]
 
 
 @pytest.mark.parametrize("parallel,train,model", COUNTED_LAYOUTS + EP_COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")

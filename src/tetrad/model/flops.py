@@ -14,18 +14,56 @@ attention core) is the time model's business (plan/layer.py), not this conventio
 Mixture of experts (model.n_experts = E > 0, top-k, each expert H = expert_hidden wide): the
 parameters count all E experts and the router (memory, ZeRO, the optimizer hold them all); the
 FLOPs count what a token runs, its router (2·d·E) and its k experts (the active compute), so MFU
-is the active FLOPs' share of the peak, as Mixtral's and DeepSeek's reports count it.
+is the active FLOPs' share of the peak, as Mixtral's and DeepSeek's reports count it. A shared
+expert (model.shared_expert_ffn_hidden, and its gate) is a dense MLP every token runs: active.
+Layers differ where model.dense_layers names some: each is a dense model's layer (`layer_model`),
+and the model's counts sum over its layers' kinds (`layer_kinds`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 from tetrad.config import ModelConfig
+
+
+def layer_model(m: ModelConfig, moe: bool) -> ModelConfig:
+    """The model as one of its layers of that kind sees it: an MoE model's dense layer (`moe`
+    False; model.dense_layers) is a dense model's layer, with neither experts nor shared expert.
+    Every per-layer count here and in the planner takes it."""
+    if moe or not m.n_experts:
+        return m
+    return replace(m, n_experts=0, shared_expert_ffn_hidden=0, shared_expert_gate=False, dense_layers=[])
+
+
+def kind_counts(m: ModelConfig, chunks: Sequence[range] | None = None) -> dict[bool, int]:
+    """How many layers of `chunks` (ranges of global indices, a pipeline rank's; default: all) are
+    of each kind present, keyed by ModelConfig.moe_layer. Counted per range, never per layer: the
+    planner asks this of every layout it weighs, and a dense model's answer is the ranges' lengths."""
+    chunks = [range(m.n_layers)] if chunks is None else chunks
+    total = sum(map(len, chunks))
+    if not (m.n_experts and m.dense_layers):  # one kind
+        return {bool(m.n_experts): total}
+    moe = total - sum(i in c for c in chunks for i in set(m.dense_layers))
+    return {kind: n for kind, n in ((True, moe), (False, total - moe)) if n}
+
+
+def layer_kinds(m: ModelConfig, chunks: Sequence[range] | None = None) -> list[tuple[ModelConfig, int]]:
+    """(layer_model of a kind, how many layers of `chunks` (kind_counts) are of it), each kind present."""
+    return [(layer_model(m, kind), n) for kind, n in kind_counts(m, chunks).items()]
+
+
+def over_layers(m: ModelConfig, per_layer, chunks: Sequence[range] | None = None) -> float:
+    """The sum of `per_layer`(layer_model) over the layers of `chunks` (default: all) of `m`."""
+    return sum(n * per_layer(kind) for kind, n in layer_kinds(m, chunks))
 
 
 def layer_matmul_flops(m: ModelConfig) -> float:
     """Forward FLOPs per token of one layer's weight matmuls (q, k, v, o projections and the MLP:
-    under MoE the router and the token's k experts alone)."""
-    return 2 * (attention_matrix_params(m) + mlp_matrix_params(m, active=True) + router_params(m))
+    under MoE the router and the token's k experts alone, the shared expert and its gate)."""
+    return 2 * (attention_matrix_params(m) + mlp_matrix_params(m, active=True) + router_params(m)
+                + shared_expert_matrix_params(m) + shared_gate_params(m))
 
 
 def attention_matrix_params(m: ModelConfig) -> int:
@@ -51,9 +89,20 @@ def router_params(m: ModelConfig) -> int:
     return m.n_experts * m.d_model
 
 
+def shared_expert_matrix_params(m: ModelConfig) -> int:
+    """Weights of an MoE layer's shared expert (split over tp as the dense MLP's; 0 without one)."""
+    return m.d_model * m.shared_expert_ffn_hidden * (3 if m.gated_mlp else 2) if m.n_experts else 0
+
+
+def shared_gate_params(m: ModelConfig) -> int:
+    """The shared expert's gate [1, d_model], replicated over tp (0 without one)."""
+    return m.d_model if m.n_experts and m.shared_expert_gate else 0
+
+
 def layer_matrix_params(m: ModelConfig) -> int:
-    """Weights of one layer's linears split over tp (every expert's: the router is replicated)."""
-    return attention_matrix_params(m) + mlp_matrix_params(m)
+    """Weights of one layer's linears split over tp (every expert's and the shared expert's: the
+    router and the shared expert's gate are replicated)."""
+    return attention_matrix_params(m) + mlp_matrix_params(m) + shared_expert_matrix_params(m)
 
 
 def layer_bias_params(m: ModelConfig) -> int:
@@ -64,7 +113,8 @@ def layer_bias_params(m: ModelConfig) -> int:
 def layer_params(m: ModelConfig, tp: int) -> float:
     """Parameters of one layer on a tp rank: its share of the linears' weights and biases, and
     the norms, which every rank holds whole."""
-    return (layer_matrix_params(m) + layer_bias_params(m)) / tp + layer_norm_params(m) + router_params(m)
+    return ((layer_matrix_params(m) + layer_bias_params(m)) / tp + layer_norm_params(m) + router_params(m)
+            + shared_gate_params(m))
 
 
 def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
@@ -117,7 +167,7 @@ def head_flops(m: ModelConfig) -> float:
 
 def forward_flops_per_token(m: ModelConfig, seq_len: int | None = None) -> float:
     s = seq_len or m.seq_len
-    return m.n_layers * (layer_matmul_flops(m) + attention_core_flops(m, s)) + head_flops(m)
+    return over_layers(m, layer_matmul_flops) + m.n_layers * attention_core_flops(m, s) + head_flops(m)
 
 
 def model_flops_per_token(m: ModelConfig, seq_len: int | None = None) -> float:
@@ -130,10 +180,10 @@ def hardware_flops_per_token(m: ModelConfig, recompute: str, seq_len: int | None
     attention core ("selective") or the matmuls per-op checkpointing does not keep
     ("selective-op"); the numerator of HFU."""
     s = seq_len or m.seq_len
-    saved = sum(2 * k * n * rows for k, n, _, rows in op_checkpoint_saved_matmuls(m))
-    extra = {"none": 0.0, "selective": m.n_layers * attention_core_flops(m, s),
-             "selective-op": m.n_layers * (layer_matmul_flops(m) - saved),
-             "full": m.n_layers * (layer_matmul_flops(m) + attention_core_flops(m, s))}[recompute]
+    core = m.n_layers * attention_core_flops(m, s)
+    extra = {"none": 0.0, "selective": core, "full": over_layers(m, layer_matmul_flops) + core,
+             "selective-op": over_layers(m, lambda k: layer_matmul_flops(k) - sum(
+                 2 * a * b * rows for a, b, _, rows in op_checkpoint_saved_matmuls(k)))}[recompute]
     return model_flops_per_token(m, s) + extra
 
 
@@ -150,10 +200,11 @@ def head_params(m: ModelConfig, separate: bool) -> int:
 
 def parameter_count(m: ModelConfig, active: bool = False) -> int:
     """The model's parameters (all experts': what memory holds), or (`active`) those one token
-    uses: under MoE only its k experts of each layer's E (Mixtral 8x7B: 46.7B and 12.9B)."""
-    idle = mlp_matrix_params(m) - mlp_matrix_params(m, active=True) if active else 0
-    return (m.n_layers * (layer_params(m, 1) - idle) + embedding_params(m)
-            + head_params(m, separate=not m.tie_embeddings))
+    uses: under MoE only its k experts of each MoE layer's E (Mixtral 8x7B: 46.7B and 12.9B;
+    Qwen1.5-MoE-A2.7B: 14.3B and 2.7B, its shared expert active)."""
+    def per_layer(k: ModelConfig) -> float:
+        return layer_params(k, 1) - (mlp_matrix_params(k) - mlp_matrix_params(k, active=True) if active else 0)
+    return int(over_layers(m, per_layer)) + embedding_params(m) + head_params(m, separate=not m.tie_embeddings)
 
 
 def narayanan_eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:

@@ -20,8 +20,9 @@ from typing import NamedTuple
 from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes, shard_ranks
 from tetrad.dist.codecs import INT8_BLOCK, powersgd_shape
+from tetrad.model.flops import layer_model
 from tetrad.parallel.bucketing import bucket_contents, padded_size
-from tetrad.parallel.pipeline.split import rank_stages, stage_layers
+from tetrad.parallel.pipeline.split import layer_split, rank_stages
 from tetrad.plan.moe import expert_grad_ranks
 
 # A parameter's kind: split over tp; replicated over tp (norms, learned positions: their gradients
@@ -55,8 +56,10 @@ def layer_parameters(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, in
     """(elements on a tp rank, kind) of one transformer block's parameters, in the order Block
     registers them: attention norm, q, k, v (each with its bias), output projection, q and k
     norms; MLP norm, w1, w3 (SwiGLU, GeGLU), w2 (under MoE the router's weight, replicated over
-    tp, its gradient summed over tp as qk-norm's, then the experts' w1, w3, w2, each one [E/ep, H, d] tensor split on H); the
-    sandwich norms (Gemma 3)."""
+    tp, its gradient summed over tp as qk-norm's, then the experts' w1, w3, w2, each one [E/ep, H,
+    d] tensor split on H, then the shared expert's w1, w3, w2, dense, and its gate's [1, d] weight,
+    summed over tp as the router's); the sandwich norms (Gemma 3). `m`: the layer's kind
+    (flops.layer_model)."""
     d, hd = m.d_model, m.head_dim
     out = _norm(m, d, REPLICATED)
     for heads in (m.n_heads, m.n_kv_heads, m.n_kv_heads):
@@ -65,17 +68,22 @@ def layer_parameters(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, in
     out.append((d * _local(m.n_heads * hd, tp), SPLIT))
     out += _norm(m, hd, HEADS) * 2 if m.qk_norm else []
     out += _norm(m, d, REPLICATED)
-    ffn = _local(m.ffn_hidden, tp) * d
+    matrices = 3 if m.gated_mlp else 2
     if m.n_experts:
         out.append((m.n_experts * d, HEADS))  # each tp rank's router gradient a partial: summed
-        ffn = m.n_experts // ep * _local(m.expert_hidden, tp) * d
-    out += [(ffn, EXPERTS if m.n_experts else SPLIT)] * (3 if m.gated_mlp else 2)
+        out += [(m.n_experts // ep * _local(m.expert_hidden, tp) * d, EXPERTS)] * matrices
+        out += [(_local(m.shared_expert_ffn_hidden, tp) * d, SPLIT)] * matrices if m.shared_expert_ffn_hidden else []
+        out += [(d, HEADS)] if m.shared_expert_gate else []
+    else:
+        out += [(_local(m.ffn_hidden, tp) * d, SPLIT)] * matrices
     return out + (_norm(m, d, REPLICATED) * 2 if m.sandwich_norm else [])
 
 
 class Shapes(NamedTuple):
     """What a rank's parameter list depends on, hashable (the layout is cached by it)."""
-    layer: tuple[tuple[int, int], ...]  # layer_parameters
+    layer: tuple[tuple[int, int], ...]  # layer_parameters of an MoE layer (of every layer in a dense model)
+    dense: tuple[tuple[int, int], ...]  # ... of a dense layer of an MoE model (model.dense_layers)
+    dense_layers: frozenset[int]
     vocab: int  # the embedding's (and the head's) elements on a tp rank
     positions: int  # learned positions' elements (0 under RoPE)
     norm: tuple[tuple[int, int], ...]  # the final norm's
@@ -84,16 +92,17 @@ class Shapes(NamedTuple):
 
 def shapes(cfg: Config) -> Shapes:
     m, tp = cfg.model, cfg.parallel.tp
-    return Shapes(tuple(layer_parameters(m, tp, cfg.parallel.ep)), _local(m.vocab_size, tp) * m.d_model,
+    moe, dense = (tuple(layer_parameters(layer_model(m, kind), tp, cfg.parallel.ep)) for kind in (True, False))
+    return Shapes(moe, dense, frozenset(m.dense_layers) if m.n_experts else frozenset(), _local(m.vocab_size, tp) * m.d_model,
                   m.seq_len * m.d_model if m.pos == "learned" else 0, tuple(_norm(m, m.d_model, REPLICATED)),
                   m.tie_embeddings)
 
 
-def stage_parameters(s: Shapes, stages: tuple[tuple[int, bool, bool], ...], ties: bool):
+def stage_parameters(s: Shapes, stages: tuple[tuple[range, bool, bool], ...], ties: bool):
     """(each chunk's parameters as (elements, kind, index of their block on this rank or None),
     the embedding tied across stages if this rank holds a copy) of a pipeline rank whose chunks
-    hold `stages` (layers, first stage, last stage), in the order its PipelineStages' chunks
-    register them. `ties`: the embedding is tied across stages."""
+    hold `stages` (their layers' global indices, first stage, last stage), in the order its
+    PipelineStages' chunks register them. `ties`: the embedding is tied across stages."""
     vocab = (s.vocab, SPLIT, None)
     chunks, tied, blocks = [], None, 0
     for layers, first, last in stages:
@@ -102,9 +111,9 @@ def stage_parameters(s: Shapes, stages: tuple[tuple[int, bool, bool], ...], ties
             chunk += [(s.positions, REPLICATED, None)] if s.positions else []
             chunk += [] if ties else [vocab]
             tied = vocab if ties else tied
-        for k in range(blocks, blocks + layers):
-            chunk += [(n, kind, k) for n, kind in s.layer]
-        blocks += layers
+        for k, i in enumerate(layers, blocks):
+            chunk += [(n, kind, k) for n, kind in (s.dense if i in s.dense_layers else s.layer)]
+        blocks += len(layers)
         if last:
             chunk += [(n, kind, None) for n, kind in s.norm]
             chunk += [] if s.tie else [vocab]  # tied on one stage: the embedding's weight
@@ -130,16 +139,18 @@ def rank_buckets(cfg: Config) -> tuple[RankBuckets, ...]:
     """Each pipeline rank's buckets, at dp x cp coordinate 0, laid out over the ranks ZeRO shards
     over (hybrid ZeRO's block, or all of dp x cp; the experts' over the expert gradient group)."""
     p = cfg.parallel
-    return _pipeline(shapes(cfg), tuple(stage_layers(cfg)), p.pp, p.vpp, shard_ranks(p), p.zero, p.grad_codec,
+    return _pipeline(shapes(cfg), tuple(layer_split(cfg)), p.pp, p.vpp, shard_ranks(p), p.zero, p.grad_codec,
                      bucket_bytes(p), expert_grad_ranks(p))
 
 
 # Cached, as the functions below: the search estimates many layouts with the same parameters on a rank.
 @lru_cache(maxsize=4096)
-def _pipeline(s: Shapes, counts: tuple[int, ...], pp: int, vpp: int, n: int, zero: int, codec: str,
+def _pipeline(s: Shapes, split: tuple[range, ...], pp: int, vpp: int, n: int, zero: int, codec: str,
               limit: float, experts: int) -> tuple[RankBuckets, ...]:
-    ties, last = s.tie and len(counts) > 1, len(counts) - 1
-    return tuple(_layout(s, tuple((counts[g], g == 0, g == last) for g in rank_stages(pp, vpp, r)), ties, n, zero,
+    ties, last = s.tie and len(split) > 1, len(split) - 1
+    # where every layer is alike only a stage's count matters: stages of one size share a layout
+    split = split if s.dense_layers else tuple(range(len(layers)) for layers in split)
+    return tuple(_layout(s, tuple((split[g], g == 0, g == last) for g in rank_stages(pp, vpp, r)), ties, n, zero,
                          codec, limit, experts) for r in range(pp))
 
 
@@ -184,7 +195,7 @@ def _layout(s: Shapes, stages: tuple, ties: bool, n: int, zero: int, codec: str,
     sharded over, or 0 (ep = 1: no buckets of their own)."""
     align = INT8_BLOCK if codec == "int8" else 1
     contents, planned = _contents(s, stages, ties, zero == 3, limit, experts > 0), {}
-    for b in set(contents):  # each layer's alike: a few distinct ones
+    for b in set(contents):  # each kind of layer's alike: a few distinct ones
         group = experts if b.expert else n
         padded = padded_size(b.size, group, align)
         summed = padded if zero == 0 else padded // group  # finalize sums the whole bucket under ZeRO-0

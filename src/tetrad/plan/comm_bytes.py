@@ -7,8 +7,9 @@ from tetrad.config import Config
 from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec
 from tetrad.config.sections import shard_ranks, zero_shard
 from tetrad.dist.layout import GRAD_DIMS, Layout
+from tetrad.model import flops
 from tetrad.parallel.bucketing import padded_size
-from tetrad.parallel.pipeline.split import rank_layers
+from tetrad.parallel.pipeline.split import rank_chunk_layers, rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param, vocab_shard
 from tetrad.plan.moe import ep_all_to_alls, expert_grad_ranks
@@ -49,6 +50,11 @@ def _hidden(cfg: Config) -> float:
     return _tokens(cfg) * cfg.model.d_model * activation_bytes(cfg.train.dtype)
 
 
+def _moe_layers(cfg: Config) -> int:
+    """How many of rank 0's layers are MoE layers (ModelConfig.moe_layer; model.dense_layers' are not)."""
+    return flops.kind_counts(cfg.model, rank_chunk_layers(cfg)[0]).get(True, 0)
+
+
 def _tp_bytes(cfg: Config) -> float:
     """Per layer and direction: two all-reduces of the hidden states, or under SP two
     all-gathers and two reduce-scatters, each counted at the full size. The embedding's
@@ -71,8 +77,9 @@ def _tp_bytes(cfg: Config) -> float:
     if p.pp == 1:
         per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4
     if sp and p.sp_regather:  # each column-parallel input gathered again in backward: qkv, fc1, the head
-        # (an MoE layer's input is gathered once, by tp_input, and kept: no fc1 regather)
-        per_micro += hidden * ((1 if m.n_experts else 2) * layers + (p.pp == 1))
+        # (an MoE layer's input is gathered once, by tp_input, and kept: no fc1 regather; a shared
+        # expert reads that one too)
+        per_micro += hidden * (2 * layers - _moe_layers(cfg) + (p.pp == 1))
     averaged = not make_codec(p.grad_codec, p.dp * p.cp).ELEMENTWISE
     buckets = rank_buckets(cfg)[0]
     summed = buckets.heads + (buckets.replicated if sp or averaged else 0)  # qk-norm: always
@@ -104,14 +111,15 @@ def _cp_bytes(cfg: Config) -> float:
     e, tokens = activation_bytes(t.dtype), _tokens(cfg)
     per_micro = cfg.microbatches * rank_layers(cfg)[0]
     kv = 2 * tokens * m.n_kv_heads // p.tp * m.head_dim
-    counts = m.n_experts * t.micro_batch * 4 * (2 if t.recompute in ("full", "selective-op") else 1)
+    counts = cfg.microbatches * _moe_layers(cfg) * m.n_experts * t.micro_batch * 4 \
+        * (2 if t.recompute in ("full", "selective-op") else 1)  # MoE layers' alone
     if p.cp_algo == "ring":
         forwards = 2 if t.recompute in ("selective", "full") else 1
-        return per_micro * ((p.cp - 1) * kv * e * forwards + (p.cp - 1) * kv * e + p.cp * kv * 4 + counts)
+        return per_micro * ((p.cp - 1) * kv * e * forwards + (p.cp - 1) * kv * e + p.cp * kv * 4) + counts
     qkv = tokens * (m.n_heads + 2 * m.n_kv_heads) // p.tp * m.head_dim * e
     out = tokens * m.n_heads // p.tp * m.head_dim * e
     recomputed = {"none": 0, "selective": qkv, "full": qkv + out, "selective-op": qkv + out}[t.recompute]
-    return per_micro * (2 * (qkv + out) + recomputed + counts)
+    return per_micro * (2 * (qkv + out) + recomputed) + counts
 
 
 def _ep_bytes(cfg: Config) -> float:
@@ -120,7 +128,7 @@ def _ep_bytes(cfg: Config) -> float:
     t = cfg.train
     forward, backward = ep_all_to_alls(cfg.model, _tokens(cfg), cfg.parallel.ep, activation_bytes(t.dtype))
     again = t.recompute in ("full", "selective-op")
-    return cfg.microbatches * rank_layers(cfg)[0] * (sum(forward) * (1 + again) + sum(backward))
+    return cfg.microbatches * _moe_layers(cfg) * (sum(forward) * (1 + again) + sum(backward))
 
 
 def _dp_bytes(cfg: Config) -> float:

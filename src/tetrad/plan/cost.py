@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 from tetrad.config import Config
 from tetrad.config.sections import bucket_bytes, shard_ranks, zero_shard
 from tetrad.model import flops
-from tetrad.parallel.pipeline.split import rank_layers, rank_stages, stage_layers
+from tetrad.parallel.pipeline.split import layer_split, rank_chunk_layers, rank_stages
 from tetrad.plan.hardware import GPU, Cluster, HardwareError, offload_unknown
-from tetrad.plan.layer import end_costs, layer_cost
+from tetrad.plan.layer import LayerCost, end_costs, layer_cost
 from tetrad.plan.links import (LINK_EFFICIENCY, expert_grad_stride, group_link, hybrid_reduction_time,
                                overlap_slowdown, reduction_time, ring_time)
 from tetrad.plan.memory import (
@@ -130,11 +130,11 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
         cfg = replace(cfg, parallel=replace(cfg.parallel, zero=1))
     m, p, t = cfg.model, cfg.parallel, cfg.train
     gpu, micro = cluster.gpu, cfg.microbatches
-    layer = layer_cost(cfg, cluster, stack)
+    layers = layer_costs(cfg, cluster, stack)
     embed, head = end_costs(cfg, cluster)
     if stack.head_weight_grad_in_bi:
         head = (head[0], head[1] + head[2], 0.0)
-    st = _stage_costs(cfg, cluster, stack, layer, embed, head)
+    st = _stage_costs(cfg, cluster, stack, layers, embed, head)
     pipe, tail = _pipeline_time(cfg, st, simulate_pipeline)
     dp_exposed, opt, host_copies = _data_parallel_time(cfg, cluster, stack, st, tail)
     step = pipe + dp_exposed + opt + host_copies
@@ -142,12 +142,11 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
 
     memory = memory_by_rank(cfg, stack, gpu.is_cpu)
     busiest = max(range(p.pp), key=lambda r: st.busy[r])
-    layers = rank_layers(cfg)[busiest]
+    held = flops.kind_counts(m, rank_chunk_layers(cfg)[busiest])
+    per_step = {k: micro * sum(n * getattr(layers[kind], k) for kind, n in held.items())
+                for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm")}
     ends = (sum(embed) if busiest == 0 else 0.0) + (sum(head) if busiest == p.pp - 1 else 0.0)
-    breakdown = {"compute": micro * (layers * layer.compute + ends), "recompute": micro * layers * layer.recompute,
-                 "tp_comm": micro * layers * layer.tp_comm, "cp_comm": micro * layers * layer.cp_comm,
-                 "ep_comm": micro * layers * layer.ep_comm,
-                 "zero3_comm": micro * layers * layer.zero3_comm,
+    breakdown = {**per_step, "compute": per_step["compute"] + micro * ends,
                  "pipeline_bubble": pipe - micro * st.busy[busiest], "dp_comm": dp_exposed, "optimizer": opt}
     if t.offload_optimizer:
         breakdown["host_copies"] = host_copies
@@ -177,15 +176,23 @@ class _StageCosts:
     work: list[float]
 
 
-def _stage_costs(cfg: Config, cluster: Cluster, stack: Stack, layer, embed: tuple, head: tuple) -> _StageCosts:
-    """Each stage's layers at the layer's cost, the embedding on the first and the head on the
-    last. A transfer between neighbouring stages is a latency the schedule can hide, or, where
-    the stack blocks on it, part of the sending action (and so of the bubble)."""
-    p = cfg.parallel
-    counts = stage_layers(cfg)
-    f = [c * layer.forward for c in counts]
-    bi = [c * (layer.backward_input + layer.recompute) for c in counts]
-    bw = [c * layer.backward_weight for c in counts]
+def layer_costs(cfg: Config, cluster: Cluster, stack: Stack) -> dict[bool, LayerCost]:
+    """Each kind of layer's costs (layer.layer_cost), keyed by ModelConfig.moe_layer: an MoE
+    model's MoE and dense layers (model.dense_layers) differ; a dense model's are all False."""
+    m = cfg.model
+    return {k: layer_cost(replace(cfg, model=flops.layer_model(m, k)), cluster, stack) for k in flops.kind_counts(m)}
+
+
+def _stage_costs(cfg: Config, cluster: Cluster, stack: Stack, layers: dict[bool, LayerCost], embed: tuple,
+                 head: tuple) -> _StageCosts:
+    """Each stage's layers at their kind's cost (`layer_costs`), the embedding on the first and the
+    head on the last. A transfer between neighbouring stages is a latency the schedule can hide, or,
+    where the stack blocks on it, part of the sending action (and so of the bubble)."""
+    p, m = cfg.parallel, cfg.model
+    stages = [[(n, layers[kind]) for kind, n in flops.kind_counts(m, [split]).items()] for split in layer_split(cfg)]
+    f = [sum(n * c.forward for n, c in stage) for stage in stages]
+    bi = [sum(n * (c.backward_input + c.recompute) for n, c in stage) for stage in stages]
+    bw = [sum(n * c.backward_weight for n, c in stage) for stage in stages]
     for costs, k in ((f, 0), (bi, 1), (bw, 2)):
         costs[0] += embed[k]
         costs[-1] += head[k]

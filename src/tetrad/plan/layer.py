@@ -61,7 +61,8 @@ class LayerCost:
 
 
 def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
-    """One transformer layer's costs under `cfg`'s layout (what every layer of the model costs)."""
+    """One transformer layer's costs under `cfg`'s layout, `cfg.model` the layer's kind
+    (flops.layer_model: cost.layer_costs gives each kind's)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * m.seq_len // p.cp
     gemm, cast_f, cast_b = _gemms(cfg, cluster.gpu, tokens)
@@ -85,7 +86,7 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     e = activation_bytes(t.dtype)
     tp_f, tp_b = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
     cp_f, cp_b = _cp_exposed(cfg, cluster, tokens, e, attn_f, attn_b)
-    ep_f, ep_b = _ep_exposed(cfg, cluster, tokens, e)
+    ep_f, ep_b = _ep_exposed(cfg, cluster, tokens, e) if m.n_experts else (0.0, 0.0)  # a dense layer has none
     z_f, z_b = _zero3_exposed(cfg, cluster, compute_f, compute_bi + compute_bw)
     # Recomputation runs at the start of the backward: the attention core (selective; cp's
     # collectives inside it again, in cp_b), the whole forward with its collectives (full), or
@@ -114,7 +115,8 @@ def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, floa
     fc2; the two backward GEMMs have the same FLOPs and dimensions as the forward one. With fp8
     also the dynamic-scaling casts, (forward, backward): inputs and weights forward,
     grad-outputs and both again backward. Under MoE fc1 and fc2 are the experts' (E GEMMs each,
-    `_gemm_time`), fc1 with the router's."""
+    `_gemm_time`), fc1 with the router's (and the shared expert gate's); a shared expert's fc1 and
+    fc2 follow, dense GEMMs over every token (their weight gradients in BW, as a dense MLP's)."""
     m, t = cfg.model, cfg.train
     h = m.d_model
     q, kv, f = _widths(cfg)
@@ -124,12 +126,15 @@ def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, floa
         e = m.n_experts // cfg.parallel.ep
         rows, width = tokens * m.experts_per_token / e, m.expert_hidden / cfg.parallel.tp
         shapes += [(rows, h, width * (2 if m.gated_mlp else 1), e), (rows, width, h, e)]
+        shared = m.shared_expert_ffn_hidden / cfg.parallel.tp
+        shapes += [(tokens, h, shared * (2 if m.gated_mlp else 1), 1), (tokens, shared, h, 1)] if shared else []
     else:
         shapes += [(tokens, h, f * (2 if m.gated_mlp else 1), 1), (tokens, f, h, 1)]
     peak = gpu.matmul_peak(t.dtype, t.tf32)
     gemm = [_gemm_time(gpu, peak, t.dtype, *shape) for shape in shapes]
     if m.n_experts:
-        gemm[2] += _gemm_time(gpu, peak, t.dtype, tokens, h, m.n_experts, 1)  # the router, replicated over tp
+        gemm[2] += _gemm_time(gpu, peak, t.dtype, tokens, h, m.n_experts + m.shared_expert_gate, 1)  # the router
+        # (and the shared expert's gate), replicated over tp
     if t.dtype != "fp8":
         return gemm, 0.0, 0.0
     hbm = gpu.hbm_bytes_per_s
@@ -215,6 +220,7 @@ def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[floa
     div = p.tp if p.sequence_parallel else 1
     act = 3 if m.gated_mlp else 2
     norms = 14 if m.sandwich_norm else 10  # each sandwich norm one more read and write of h
+    f += m.shared_expert_ffn_hidden / p.tp if m.n_experts else 0.0  # an MoE layer's shared expert too
     elem_bytes = tokens * e * (norms * m.d_model / div + act * f + (2 * (q + kv) if m.pos == "rope" else 0))
     elem_bytes += tokens * routing_bytes_per_token(m, e, p.ep)
     forward = stack.elementwise_factor * elem_bytes / hbm

@@ -12,29 +12,27 @@ as the runtime allocates them (`rank_model_states`): flat buffers of whole bucke
 (plan/buckets.py), and AdamW's moments over the parameters alone. Optimizer offload moves the
 optimizer's part to host memory, counted apart (`host_memory_by_rank`).
 
-Activations follow Korthikanti et al. 2022, written per saved tensor so that they generalise to
-GQA, SwiGLU, fp32, flash attention (no s^2 scores kept, a log-sum-exp instead), TP with or
-without SP, CP (a rank holds seq_len/cp tokens) and recomputation: with 16-bit activations,
-dropout, GELU and materialised scores they are exactly sbh(34 + 5as/h) per layer. Document
-masking adds its bias (`mask_bias_bytes`, a sliding window's too).
+Activations per layer are plan/activations.py's; here the schedule's peak of them (the pipeline
+simulator's count of held sets) and what a rank's backward holds beside them. Where layers differ
+(model.dense_layers) a rank holds its own layers' parameters and activation sets
+(split.rank_chunk_layers).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
-from tetrad.model.masks import hides_keys
-from tetrad.plan.kernels import masked_attention
-from tetrad.parallel.pipeline.registry import schedule_spec
-from tetrad.parallel.pipeline.split import chunk_layers, rank_layers
+from tetrad.parallel.pipeline.split import rank_chunk_layers
+from tetrad.plan.activations import (activation_bytes, after_bi_weight, as_run,
+                                     chunk_weights, mask_bias_bytes, norm_saved_bytes, rebuilt_bytes)
 from tetrad.plan.buckets import RankBuckets, rank_buckets, shard_params
 from tetrad.plan import moe
 from tetrad.plan.pipeline import inflight
-from tetrad.plan.stacks import STACKS, Stack
+from tetrad.plan.stacks import Stack
 
 GIB = 1024**3
 
@@ -56,28 +54,9 @@ GPU_RESERVED_GIB = 1.0
 CPU_RANK_BASELINE_BYTES = 60 * 1024**2
 
 
-def as_run(cfg: Config, stack: Stack, is_cpu: bool = False) -> Stack:
-    """`stack` as `cfg` runs it: tetrad with `train.compile` is the `tetrad-compiled` stack, and
-    tetrad's own stacks keep sequence parallelism's gathered input for backward unless
-    `parallel.sp_regather` (model/mappings.py); other stacks do as they do. On CPU torch has no
-    fused RMSNorm: the composite runs (measured with autograd's saved-tensor hooks, torch 2.13)."""
-    if cfg.train.compile and stack.name == "tetrad":
-        stack = STACKS["tetrad-compiled"]
-    if is_cpu:
-        stack = replace(stack, fused_rms_norm=False)
-    if cfg.parallel.sp_regather and stack.name.startswith("tetrad"):
-        return replace(stack, sp_saves_gathered_input=False)
-    return stack
-
-
 def state_bytes_per_param(dtype: str) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter for training in `dtype`."""
     return FP32_BYTES if dtype == "fp32" else MIXED_BYTES
-
-
-def activation_bytes(dtype: str) -> int:
-    """Bytes per activation element: fp32 training keeps fp32 activations, all else 16-bit."""
-    return 4 if dtype == "fp32" else 2
 
 
 @dataclass
@@ -199,112 +178,21 @@ def rank_params(cfg: Config) -> list[float]:
     """Parameters each pipeline rank holds on one tp rank: its layers' linears split over tp,
     their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
     the head on the last (its own head unless tied on a single stage), both padded to tp rows."""
+    params = rank_layer_params(cfg)
     m, p = cfg.model, cfg.parallel
-    per_layer = moe.rank_layer_params(m, p.tp, p.ep)  # MoE: E/ep experts
-    params = [n * per_layer for n in rank_layers(cfg)]
     params[0] += vocab_shard(m, p.tp) * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
     separate = not m.tie_embeddings or p.pp * p.vpp > 1
     params[-1] += flops.head_params(m, separate=False) + (vocab_shard(m, p.tp) * m.d_model if separate else 0)
     return params
 
 
-def norm_saved_bytes(m: ModelConfig, tokens: int, e: int, stack: Stack) -> float:
-    """Bytes one norm keeps for backward over `tokens` tokens: its input, or under the composite
-    RMSNorm (Stack.fused_rms_norm) two fp32 tensors, as Gemma's always keeps (its fp32 output and
-    the fp32 input, fused or not)."""
-    return tokens * m.d_model * (8 if m.norm == "gemma_rmsnorm" else _norm_bytes(m, e, stack))
-
-
-def _norm_bytes(m: ModelConfig, e: int, stack: Stack) -> int:
-    return e if m.norm == "layernorm" or (stack.fused_rms_norm and m.norm == "rmsnorm") else 8
-
-
-def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, recompute: str, e: int,
-                               stack: Stack) -> float:
-    """Bytes one layer keeps for its backward, for one micro-batch of `tokens` tokens on this
-    rank (micro_batch x seq_len / cp), `e` bytes per activation element."""
-    div = tp if sp else 1
-    hidden = tokens * m.d_model * e
-    norm_input = norm_saved_bytes(m, tokens, e, stack)
-    if recompute == "full":
-        return hidden / div  # only the layer's input (Korthikanti: 2sbh in 16 bit)
-    q, kv = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp
-    if recompute == "selective-op":  # the input, the kept matmul outputs (a row-parallel one whole,
-        # before its all-reduce or reduce-scatter), the attention's output and fp32 log-sum-exp (under
-        # ring cp the ring's merged ones, once: model/replay.py RingReplay)
-        kept = sum(n * rows if row else n * rows / tp for _, n, row, rows in flops.op_checkpoint_saved_matmuls(m))
-        return hidden / div + tokens * e * (kept + q) + 4 * m.n_heads / tp * tokens
-    f = flops.mlp_hidden(m, active=True) / tp  # MoE: each token's k experts' hidden tensors, k·H
-    dropout = m.dropout > 0
-    # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after
-    # attention and MLP; the attention and MLP inputs (norm outputs) too, unless the stack keeps
-    # them all-gathered under SP.
-    norms = (4 if m.sandwich_norm else 2) * norm_input + (2 * tokens * m.d_model if dropout else 0)
-    routed = bool(m.n_experts)  # the router keeps the MLP's input whole (gathered under SP)
-    inputs = (2 - routed) * hidden / (1 if sp and stack.sp_saves_gathered_input else div) + routed * hidden
-    replicated = norms / div + inputs
-    # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
-    mlp = stack.swiglu_saved if m.gated_mlp else 2  # GELU: its input and the fc2 input
-    mlp = moe.expert_hidden_saved(m) if m.n_experts else mlp
-    split = tokens * e * (q + 2 * kv + stack.attn_out_copies * q + mlp * f)
-    replicated += tokens * moe.routing_saved_bytes_per_token(m, e)
-    if m.qk_norm:  # q's and k's norms keep their inputs, as the layer's norms do theirs
-        split += tokens * (q + kv) * _norm_bytes(m, e, stack)
-    core = 0.0
-    if recompute != "selective":
-        heads = m.n_heads / tp
-        if stack.flash_attention:
-            core = 4 * heads * tokens  # fp32 log-sum-exp per query and head
-        else:  # softmax output, and with dropout its mask and output: Korthikanti's 5as^2b
-            core = (e + (e + 1 if dropout else 0)) * heads * tokens * m.seq_len
-    return replicated + split + core
-
-
-def mask_bias_bytes(cfg: Config, is_cpu: bool = False) -> float:
-    """Bytes of the mask bias (train.document_mask, a model.sliding_window shorter than seq_len) on
-    the local and all-to-all paths, whose kernel takes the whole sequence: [micro_batch, 1,
-    seq_len, seq_len] in the activations' dtype with documents, [1, 1, seq_len, seq_len] with a
-    window alone (model/masks.py). Without recompute it is built once per micro-batch and model
-    chunk and kept by every layer's attention: one per activation set in flight (`memory_by_rank`
-    passes it to the simulator as what each set carries). Under recompute each layer builds it in
-    the recomputed region and keeps none: the layer rebuilt during backward holds one. The ring
-    keeps none: its backward builds each block's mask again from the window's ids. Nor does flash's
-    varlen kernel (CUDA, 16-bit: plan/kernels.py), which takes the segments' bounds instead."""
-    m, t = cfg.model, cfg.train
-    if masked_attention(cfg, is_cpu) != "square":
-        return 0.0
-    rows = t.micro_batch if t.document_mask else 1
-    # one per window the layers mask with (model.layer_types: a sliding and a full layer's differ)
-    biases = {w for w in flops.layer_windows(m) if t.document_mask or hides_keys(w, m.seq_len)}
-    return len(biases) * rows * m.seq_len ** 2 * activation_bytes(t.dtype)
-
-
-def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e: int) -> float:
-    """What one layer still holds between its input-gradient and weight-gradient passes
-    (zero-bubble's BI and BW): each linear's input and output gradient. Column-parallel linears
-    (qkv, gate/up) take the whole hidden state (gathered under SP) and give 1/tp outputs;
-    row-parallel ones (output, down) take 1/tp inputs and give the whole hidden state. MoE's
-    experts and router hold nothing: their weight gradients are made in BI (model/moe.py)."""
-    h = m.d_model
-    q, kv, f = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, m.ffn_hidden / tp
-    up = 2 * f if m.gated_mlp else f
-    mlp_inputs, mlp_grads = (0, 0) if m.n_experts else (h + f, up + h)  # gate/up's and down's
-    inputs = h + q + mlp_inputs  # qkv's and the output projection's inputs
-    grads = (q + 2 * kv) + h + mlp_grads
-    return tokens * e * (inputs + grads)
-
-
-def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
-    """Under zero-bubble, a layer's held memory between BI and BW in units of its activation set
-    (what `peak_held` weighs); 1.0 for schedules without a split backward."""
-    if not schedule_spec(cfg.parallel.schedule).splits_backward:
-        return 1.0
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    tokens = t.micro_batch * m.seq_len // p.cp
-    e = activation_bytes(t.dtype)
-    stack = as_run(cfg, stack, is_cpu)
-    full = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
-    return round(deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e) / full, 2)
+def rank_layer_params(cfg: Config) -> list[float]:
+    """Parameters of each pipeline rank's layers on one tp rank, each of its kind (MoE: E/ep experts);
+    each kind's counted once, the ranks' kinds counted by range: the planner weighs many layouts."""
+    m, p = cfg.model, cfg.parallel
+    per_layer = {kind: moe.rank_layer_params(flops.layer_model(m, kind), p.tp, p.ep) for kind in flops.kind_counts(m)}
+    return [sum(n * per_layer[kind] for kind, n in flops.kind_counts(m, chunks).items())
+            for chunks in rank_chunk_layers(cfg)]
 
 
 def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
@@ -317,17 +205,8 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     tokens = t.micro_batch * m.seq_len // p.cp
     hidden = tokens * m.d_model * e
     stack = as_run(cfg, stack, is_cpu)
-    per_layer = activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
-    rebuilt = 0.0
-    if t.recompute in ("full", "selective-op"):  # one layer's activations rebuilt during its backward,
-        # beyond what the held sets already count for that layer: what it keeps, or under a split
-        # backward the larger of that and what it keeps from its BI to its BW (`after_bi_weight`)
-        counted = per_layer
-        if schedule_spec(p.schedule).splits_backward:
-            counted = max(per_layer, deferred_weight_grad_bytes_per_layer(m, tokens, p.tp, e))
-        rebuilt = (activation_bytes_per_layer(m, tokens, p.tp, p.sequence_parallel, "none", e, stack)
-                   + mask_bias_bytes(cfg, is_cpu) - counted)
-    rebuilt += moe.expert_grad_bytes(m, p.tp, p.ep, e)  # MoE: one layer's whole expert gradients, in backward
+    per_layer, chunks = chunk_weights(cfg, stack, tokens, e)  # sets counted in MoE layers' (a dense model's layers')
+    rebuilt = rebuilt_bytes(cfg, stack, tokens, e, is_cpu)
     # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered unless
     # the stack gathers it again in backward, as every column-parallel input); the fp32 softmax of the vocab-parallel cross-entropy and the
     # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
@@ -343,13 +222,13 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     saved_head = final_norm + head_input + 4 * logits
     shared_bias = mask_bias_bytes(cfg, is_cpu) if t.recompute == "none" else 0.0
     whole, saved = (inflight(p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu),
-                             chunk_layers(cfg), h / per_layer, shared_bias / per_layer)
+                             chunks, h / per_layer, shared_bias / per_layer)
                     for h in (saved_head + (logit_bytes - 4) * logits, saved_head))
     params, buckets = rank_params(cfg), rank_buckets(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
-    layer_params = moe.rank_layer_params(m, p.tp, p.ep)
-    for r, layers in enumerate(rank_layers(cfg)):
+    layer_params = rank_layer_params(cfg) if p.zero >= 3 else None
+    for r in range(p.pp):
         weights, grads, optimizer = _model_states(cfg, params[r], buckets[r], 0)
         if t.offload_optimizer:  # on the host (host_memory_by_rank)
             optimizer = 0.0
@@ -357,12 +236,12 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
         root = 0.0
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
-            root = (params[r] - layers * layer_params) * (per_param[0] + 4)
-        acts = per_layer * whole[r] + rebuilt
+            root = (params[r] - layer_params[r]) * (per_param[0] + 4)
+        acts = per_layer * whole[r] + rebuilt[r]
         # Communication buffers are transient, not activations kept for backward: with the
         # allocator's fragmentation they make up `other`.
         other = buffers + root + FRAGMENTATION * (acts + buffers + root) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)
-        transient = rebuilt + per_layer * (whole[r] - saved[r])
+        transient = rebuilt[r] + per_layer * (whole[r] - saved[r])
         out.append(Memory(weights, grads, optimizer, acts, other, transient))
     return out
 
@@ -383,12 +262,14 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, padded: int, rank: 
         # only where they are, the layers' largest matrix anywhere
         vocab = 4 * m.d_model * vocab_shard(m, p.tp)
         head = rank == p.pp - 1 and (not m.tie_embeddings or p.pp * p.vpp > 1)
-        largest = [vocab] * ((rank == 0) + head) + [4 * m.d_model * flops.mlp_hidden(m) / p.tp / p.ep] * 2  # MoE: [E/ep, H, d]
+        matrices = [4 * m.d_model * flops.mlp_hidden(k) / p.tp / (p.ep if k.n_experts else 1)  # MoE: [E/ep, H, d]
+                    for k, _ in flops.layer_kinds(m)]
+        largest = [vocab] * ((rank == 0) + head) + [max(matrices)] * 2
         out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * padded)
     if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket
         out += 4 * padded
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)
-        layer = flops.layer_params(m, p.tp)
+        layer = max(flops.layer_params(k, p.tp) for k, _ in flops.layer_kinds(m))  # the larger kind's
         out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)
     if p.tp > 1 and p.sequence_parallel and not stack.sp_saves_gathered_input:  # gathered again in backward
         out += 2 * hidden

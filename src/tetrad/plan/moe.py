@@ -60,12 +60,23 @@ def routing_saved_bytes_per_token(m: ModelConfig, e: int) -> float:
     keeps them: the token's hidden state copied to each of its k experts (the experts' input) and
     the k experts' outputs (kept by their weighing), the router's fp32 probabilities [E] (the
     softmax's output), three int64 indices per assignment (the top-k's, the dispatch order, each
-    assignment's token), the fp32 top-k weights and their sum, and the weights cast to the
-    activations' dtype (`e` bytes an element) in dispatch order."""
+    assignment's token), the fp32 top-k weights and their sum (their division's; none where
+    model.normalize_expert_weights is false: the top-k's own weights are cast and kept no more),
+    and the weights cast to the activations' dtype (`e` bytes an element) in dispatch order."""
     if not m.n_experts:
         return 0.0
-    k = m.experts_per_token
-    return 2 * k * m.d_model * e + 4 * m.n_experts + k * (3 * INDEX_BYTES + 4 + e) + 4
+    k, normalized = m.experts_per_token, 4 if m.normalize_expert_weights else 0
+    return 2 * k * m.d_model * e + 4 * m.n_experts + k * (3 * INDEX_BYTES + normalized + e) + normalized
+
+
+def shared_expert_saved_bytes_per_token(m: ModelConfig, tp: int, e: int, hidden_saved: int) -> float:
+    """Bytes per token an MoE layer's shared expert keeps for backward (0 without one): its hidden
+    tensors as a dense MLP of its width (`hidden_saved` of them, the dense MLP's count), over tp; its
+    input is the routing's, kept already. Its gate (model.shared_expert_gate): the sigmoid's output
+    and the shared expert's partial output it scales, whole d on each tp rank (model/moe.py _shared)."""
+    if not (m.n_experts and m.shared_expert_ffn_hidden):
+        return 0.0
+    return e * (hidden_saved * m.shared_expert_ffn_hidden / tp + (m.d_model + 1 if m.shared_expert_gate else 0))
 
 
 def expert_hidden_saved(m: ModelConfig) -> int:

@@ -28,9 +28,8 @@ from tetrad.config import Config, validate
 from tetrad.config.rampup import BatchRamp
 from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
 from tetrad.parallel.pipeline.split import rank_layers, stage_layers
-from tetrad.plan.cost import Estimate, estimate
+from tetrad.plan.cost import Estimate, estimate, layer_costs
 from tetrad.plan.hardware import Cluster, offload_unknown
-from tetrad.plan.layer import layer_cost
 from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, host_memory_by_rank, memory_by_rank
 from tetrad.config.sections import expert_parallel_blocker
 from tetrad.plan.stacks import Stack, load_stack
@@ -177,7 +176,8 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
 class _LayoutBound:
     """A lower bound on a layout's step time from layer costs shared by every layout with the
     same tp, cp, ep, micro-batch and recompute: the busiest pipeline rank's work after the hops its
-    first and last micro-batch must wait for. No data-parallel time."""
+    first and last micro-batch must wait for, every layer at the cheaper kind's cost where layers
+    differ (model.dense_layers). No data-parallel time."""
 
     def __init__(self, base: Config, cluster: Cluster, stack: Stack):
         self.base, self.cluster, self.stack = base, cluster, stack
@@ -189,17 +189,18 @@ class _LayoutBound:
         micro = base.train.global_batch // (layout.micro_batch * layout.dp)
         key = (layout.tp, layout.cp, layout.ep, layout.cp_algo, layout.micro_batch, layout.recompute, micro > 1)
         if key not in self.layer_costs:
-            self.layer_costs[key] = layer_cost(config_of(base, layout), self.cluster, self.stack)
-        lc = self.layer_costs[key]
+            kinds = layer_costs(config_of(base, layout), self.cluster, self.stack).values()
+            self.layer_costs[key] = (min(c.forward + c.backward_input + c.recompute + c.backward_weight for c in kinds),
+                                     min(c.forward + c.backward_input + c.recompute for c in kinds))
+        per_layer, hop = self.layer_costs[key]
         shape = (layout.pp, layout.vpp)
         if shape not in self.rank_layers:
             split = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, pp=layout.pp, vpp=layout.vpp))
             self.rank_layers[shape] = rank_layers(split), min(stage_layers(split))
         layers, least = self.rank_layers[shape]
-        per_layer = lc.forward + lc.backward_input + lc.recompute + lc.backward_weight
         # Rank r starts only after micro-batch 0 crossed r stages forward, and its last gradient
         # still has r stages to cross backward: a critical path any schedule must respect.
-        hops = least * (lc.forward + lc.backward_input + lc.recompute)
+        hops = least * hop
         return max(r * hops + micro * per_layer * n for r, n in enumerate(layers))
 
 

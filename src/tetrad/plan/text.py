@@ -83,11 +83,16 @@ def describe(e: Estimate) -> str:
 
 
 def model_line(m: ModelConfig) -> str:
-    """The model's parameters, and under MoE the share a token uses (what its FLOPs count)."""
+    """The model's parameters, and under MoE the share a token uses (what its FLOPs count), the
+    shared expert and the dense layers named where the model has them."""
     line = f"  model          {flops.parameter_count(m) / 1e9:.4g}B parameters"
     if m.n_experts:
+        shared = (f" + a shared expert of {m.shared_expert_ffn_hidden}{' (gated)' if m.shared_expert_gate else ''}"
+                  if m.shared_expert_ffn_hidden else "")
+        dense = (f"; {counted(len(m.dense_layers), 'dense layer')} {sorted(m.dense_layers)} of {m.ffn_hidden}"
+                 if m.dense_layers else "")
         line += (f", {flops.parameter_count(m, active=True) / 1e9:.4g}B active per token ({m.n_experts} experts "
-                 f"of {m.expert_hidden}, top-{m.experts_per_token}; FLOPs and MFU count the active ones)")
+                 f"of {m.expert_hidden}, top-{m.experts_per_token}{shared}{dense}; FLOPs and MFU count the active ones)")
     return line
 
 

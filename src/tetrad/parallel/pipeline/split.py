@@ -62,6 +62,19 @@ def chunk_layers(cfg: Config) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(map(counts.__getitem__, rank_stages(p.pp, p.vpp, r))) for r in range(p.pp))
 
 
+def rank_chunk_layers(cfg: Config) -> tuple[tuple[range, ...], ...]:
+    """The global layer indices of each pipeline rank's chunks, in local chunk order: what a rank
+    holds where layers differ (model.dense_layers)."""
+    p = cfg.parallel
+    return _rank_chunk_layers(tuple(stage_layers(cfg)), p.pp, p.vpp)
+
+
+@lru_cache(maxsize=4096)  # the planner asks it several times of each layout it weighs
+def _rank_chunk_layers(counts: tuple[int, ...], pp: int, vpp: int) -> tuple[tuple[range, ...], ...]:
+    bounds = [0, *accumulate(counts)]
+    return tuple(tuple(range(bounds[g], bounds[g + 1]) for g in rank_stages(pp, vpp, r)) for r in range(pp))
+
+
 def rank_layers(cfg: Config) -> list[int]:
     """Layers each pipeline rank holds (its vpp chunks together)."""
     return [sum(chunks) for chunks in chunk_layers(cfg)]

@@ -1,0 +1,186 @@
+"""Activation memory: what one layer keeps for its backward, per saved tensor, and what a
+pipeline rank's layers weigh in the schedule simulator's count of held sets.
+
+Activations follow Korthikanti et al. 2022, written per saved tensor so that they generalise to
+GQA, SwiGLU, fp32, flash attention (no s^2 scores kept, a log-sum-exp instead), TP with or
+without SP, CP (a rank holds seq_len/cp tokens) and recomputation: with 16-bit activations,
+dropout, GELU and materialised scores they are exactly sbh(34 + 5as/h) per layer. Document
+masking adds its bias (`mask_bias_bytes`, a sliding window's too). Where layers differ
+(model.dense_layers: an MoE model's dense layers) each is counted as its kind
+(flops.layer_model), and a pipeline chunk's set weighs its own layers (`chunk_weights`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tetrad.config import Config, ModelConfig
+from tetrad.model import flops
+from tetrad.model.masks import hides_keys
+from tetrad.parallel.pipeline.registry import schedule_spec
+from tetrad.parallel.pipeline.split import rank_chunk_layers
+from tetrad.plan import moe
+from tetrad.plan.kernels import masked_attention
+from tetrad.plan.stacks import STACKS, Stack
+
+
+def as_run(cfg: Config, stack: Stack, is_cpu: bool = False) -> Stack:
+    """`stack` as `cfg` runs it: tetrad with `train.compile` is the `tetrad-compiled` stack, and
+    tetrad's own stacks keep sequence parallelism's gathered input for backward unless
+    `parallel.sp_regather` (model/mappings.py); other stacks do as they do. On CPU torch has no
+    fused RMSNorm: the composite runs (measured with autograd's saved-tensor hooks, torch 2.13)."""
+    if cfg.train.compile and stack.name == "tetrad":
+        stack = STACKS["tetrad-compiled"]
+    if is_cpu:
+        stack = replace(stack, fused_rms_norm=False)
+    if cfg.parallel.sp_regather and stack.name.startswith("tetrad"):
+        return replace(stack, sp_saves_gathered_input=False)
+    return stack
+
+
+def activation_bytes(dtype: str) -> int:
+    """Bytes per activation element: fp32 training keeps fp32 activations, all else 16-bit."""
+    return 4 if dtype == "fp32" else 2
+
+
+def norm_saved_bytes(m: ModelConfig, tokens: int, e: int, stack: Stack) -> float:
+    """Bytes one norm keeps for backward over `tokens` tokens: its input, or under the composite
+    RMSNorm (Stack.fused_rms_norm) two fp32 tensors, as Gemma's always keeps (its fp32 output and
+    the fp32 input, fused or not)."""
+    return tokens * m.d_model * (8 if m.norm == "gemma_rmsnorm" else _norm_bytes(m, e, stack))
+
+
+def _norm_bytes(m: ModelConfig, e: int, stack: Stack) -> int:
+    return e if m.norm == "layernorm" or (stack.fused_rms_norm and m.norm == "rmsnorm") else 8
+
+
+def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, recompute: str, e: int,
+                               stack: Stack) -> float:
+    """Bytes one layer keeps for its backward, for one micro-batch of `tokens` tokens on this
+    rank (micro_batch x seq_len / cp), `e` bytes per activation element; `m`: the layer's kind
+    (flops.layer_model)."""
+    div = tp if sp else 1
+    hidden = tokens * m.d_model * e
+    norm_input = norm_saved_bytes(m, tokens, e, stack)
+    if recompute == "full":
+        return hidden / div  # only the layer's input (Korthikanti: 2sbh in 16 bit)
+    q, kv = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp
+    if recompute == "selective-op":  # the input, the kept matmul outputs (a row-parallel one whole,
+        # before its all-reduce or reduce-scatter), the attention's output and fp32 log-sum-exp (under
+        # ring cp the ring's merged ones, once: model/replay.py RingReplay)
+        kept = sum(n * rows if row else n * rows / tp for _, n, row, rows in flops.op_checkpoint_saved_matmuls(m))
+        return hidden / div + tokens * e * (kept + q) + 4 * m.n_heads / tp * tokens
+    f = flops.mlp_hidden(m, active=True) / tp  # MoE: each token's k experts' hidden tensors, k·H
+    dropout = m.dropout > 0
+    # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after
+    # attention and MLP; the attention and MLP inputs (norm outputs) too, unless the stack keeps
+    # them all-gathered under SP.
+    norms = (4 if m.sandwich_norm else 2) * norm_input + (2 * tokens * m.d_model if dropout else 0)
+    routed = bool(m.n_experts)  # the router keeps the MLP's input whole (gathered under SP)
+    inputs = (2 - routed) * hidden / (1 if sp and stack.sp_saves_gathered_input else div) + routed * hidden
+    replicated = norms / div + inputs
+    # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
+    mlp = stack.swiglu_saved if m.gated_mlp else 2  # GELU: its input and the fc2 input
+    mlp = moe.expert_hidden_saved(m) if m.n_experts else mlp
+    split = tokens * e * (q + 2 * kv + stack.attn_out_copies * q + mlp * f)
+    # MoE: the routing's tensors; a shared expert's as a dense MLP of its width, and its gate's
+    replicated += tokens * moe.routing_saved_bytes_per_token(m, e)
+    replicated += tokens * moe.shared_expert_saved_bytes_per_token(m, tp, e, stack.swiglu_saved if m.gated_mlp else 2)
+    if m.qk_norm:  # q's and k's norms keep their inputs, as the layer's norms do theirs
+        split += tokens * (q + kv) * _norm_bytes(m, e, stack)
+    core = 0.0
+    if recompute != "selective":
+        heads = m.n_heads / tp
+        if stack.flash_attention:
+            core = 4 * heads * tokens  # fp32 log-sum-exp per query and head
+        else:  # softmax output, and with dropout its mask and output: Korthikanti's 5as^2b
+            core = (e + (e + 1 if dropout else 0)) * heads * tokens * m.seq_len
+    return replicated + split + core
+
+
+def mask_bias_bytes(cfg: Config, is_cpu: bool = False) -> float:
+    """Bytes of the mask bias (train.document_mask, a model.sliding_window shorter than seq_len) on
+    the local and all-to-all paths, whose kernel takes the whole sequence: [micro_batch, 1,
+    seq_len, seq_len] in the activations' dtype with documents, [1, 1, seq_len, seq_len] with a
+    window alone (model/masks.py). Without recompute it is built once per micro-batch and model
+    chunk and kept by every layer's attention: one per activation set in flight (`memory_by_rank`
+    passes it to the simulator as what each set carries). Under recompute each layer builds it in
+    the recomputed region and keeps none: the layer rebuilt during backward holds one. The ring
+    keeps none: its backward builds each block's mask again from the window's ids. Nor does flash's
+    varlen kernel (CUDA, 16-bit: plan/kernels.py), which takes the segments' bounds instead."""
+    m, t = cfg.model, cfg.train
+    if masked_attention(cfg, is_cpu) != "square":
+        return 0.0
+    rows = t.micro_batch if t.document_mask else 1
+    # one per window the layers mask with (model.layer_types: a sliding and a full layer's differ)
+    biases = {w for w in flops.layer_windows(m) if t.document_mask or hides_keys(w, m.seq_len)}
+    return len(biases) * rows * m.seq_len ** 2 * activation_bytes(t.dtype)
+
+
+def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e: int) -> float:
+    """What one layer still holds between its input-gradient and weight-gradient passes
+    (zero-bubble's BI and BW): each linear's input and output gradient. Column-parallel linears
+    (qkv, gate/up) take the whole hidden state (gathered under SP) and give 1/tp outputs;
+    row-parallel ones (output, down) take 1/tp inputs and give the whole hidden state. MoE's
+    experts, router and shared expert gate hold nothing: their weight gradients are made in BI
+    (model/moe.py); its shared expert's linears hold what a dense MLP's do."""
+    h = m.d_model
+    width = m.shared_expert_ffn_hidden if m.n_experts else m.ffn_hidden
+    q, kv, f = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, width / tp
+    up = 2 * f if m.gated_mlp else f
+    mlp_inputs, mlp_grads = (h + f, up + h) if width else (0, 0)  # gate/up's and down's
+    inputs = h + q + mlp_inputs  # qkv's and the output projection's inputs
+    grads = (q + 2 * kv) + h + mlp_grads
+    return tokens * e * (inputs + grads)
+
+
+def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
+    """Under zero-bubble, a layer's held memory between BI and BW in units of its activation set
+    (what `peak_held` weighs); 1.0 for schedules without a split backward. Where layers differ
+    (model.dense_layers) the model's layers' together: one ratio for every set (the simulator's)."""
+    if not schedule_spec(cfg.parallel.schedule).splits_backward:
+        return 1.0
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tokens = t.micro_batch * m.seq_len // p.cp
+    e = activation_bytes(t.dtype)
+    stack = as_run(cfg, stack, is_cpu)
+    full = flops.over_layers(m, lambda k: activation_bytes_per_layer(k, tokens, p.tp, p.sequence_parallel,
+                                                                     t.recompute, e, stack))
+    return round(flops.over_layers(m, lambda k: deferred_weight_grad_bytes_per_layer(k, tokens, p.tp, e)) / full, 2)
+
+
+def chunk_weights(cfg: Config, stack: Stack, tokens: int, e: int) -> tuple[float, tuple[tuple[float, ...], ...]]:
+    """(the unit: an MoE layer's activation set, every layer's in a dense model; what each pipeline
+    rank's chunks' sets weigh in it, their layers' sets summed): the simulator's `chunk_layers`."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    sets = {kind: activation_bytes_per_layer(flops.layer_model(m, kind), tokens, p.tp, p.sequence_parallel,
+                                             t.recompute, e, stack)
+            for kind in flops.kind_counts(m)}  # each kind's once: the planner weighs many layouts
+    unit = sets.get(True, sets.get(False))
+    if len(sets) == 1:  # one kind: a chunk weighs its layer count, counted without a call per chunk
+        return unit, tuple(tuple(map(len, rank)) for rank in rank_chunk_layers(cfg))
+    return unit, tuple(tuple(sum(n * (sets[k] / unit) for k, n in flops.kind_counts(m, [layers]).items())
+                             for layers in rank) for rank in rank_chunk_layers(cfg))
+
+
+def rebuilt_bytes(cfg: Config, stack: Stack, tokens: int, e: int, is_cpu: bool) -> list[float]:
+    """Per pipeline rank, what its backward holds at once beyond the held sets, the most over its
+    kinds of layer: under full and per-op recompute the layer rebuilt during its backward, beyond
+    what the held sets already count for it (what it keeps, or under a split backward the larger
+    of that and what it keeps from its BI to its BW, `after_bi_weight`); an MoE layer's whole
+    expert gradients (moe.expert_grad_bytes)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+
+    def rebuilt(k: ModelConfig) -> float:
+        out = moe.expert_grad_bytes(k, p.tp, p.ep, e)
+        if t.recompute in ("full", "selective-op"):
+            counted = activation_bytes_per_layer(k, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
+            if schedule_spec(p.schedule).splits_backward:
+                counted = max(counted, deferred_weight_grad_bytes_per_layer(k, tokens, p.tp, e))
+            out += (activation_bytes_per_layer(k, tokens, p.tp, p.sequence_parallel, "none", e, stack)
+                    + mask_bias_bytes(cfg, is_cpu) - counted)
+        return out
+    per_kind = {kind: rebuilt(flops.layer_model(m, kind)) for kind in flops.kind_counts(m)}
+    return [max(map(per_kind.__getitem__, flops.kind_counts(m, rank))) for rank in rank_chunk_layers(cfg)]
+
+

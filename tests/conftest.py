@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing.util
 import os
 import signal
 import tempfile
@@ -212,7 +213,10 @@ def model_state_after_reduce(cfg):
 
 @pytest.fixture(autouse=True, scope="session")
 def _scratch_tmpdir():
-    """Keep torch's and the launcher's temporary files in one scratch folder (docs/platform.md)."""
+    """Keep torch's and the launcher's temporary files in one scratch folder (docs/platform.md).
+    multiprocessing's own folder (the launcher's fork server listens there) stays outside it: that
+    module removes it at exit, after the scratch is gone."""
+    multiprocessing.util.get_temp_dir()
     with tempfile.TemporaryDirectory(prefix="tetrad-tests-") as tmp:
         old = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = tmp

@@ -93,10 +93,11 @@ def rank(folder):
     Path(folder, f"pid{dist.get_rank()}").write_text(str(os.getpid()))
     time.sleep(120)
 
-try:
-    run_local(rank, 3, (sys.argv[1],), timeout_s=200, stop_grace_s=20)
-except Stopped as e:
-    sys.exit(128 + e.signum)
+if __name__ == "__main__":  # spawned ranks (the fork server's) load this file as a module
+    try:
+        run_local(rank, 3, (sys.argv[1],), timeout_s=200, stop_grace_s=20, spawn=sys.argv[2] == "spawn")
+    except Stopped as e:
+        sys.exit(128 + e.signum)
 """
 
 
@@ -109,12 +110,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start_launcher(tmp_path):
+def _start_launcher(tmp_path, start: str = "fork"):
     import subprocess
     import sys
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], preexec_fn=as_a_shell_starts())
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), start], preexec_fn=as_a_shell_starts())
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("pid*"))) < 3:
         assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
@@ -130,11 +131,13 @@ def _wait_gone(pids, within_s: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_signal_to_launcher_reaches_every_rank_as_itself(tmp_path, sig):
+@pytest.mark.parametrize("sig,start", [(signal.SIGTERM, "fork"), (signal.SIGINT, "fork"), (signal.SIGHUP, "fork"),
+                                       (signal.SIGTERM, "spawn")])
+def test_signal_to_launcher_reaches_every_rank_as_itself(tmp_path, sig, start):
     """As torchrun's agent forwards it: a rank's stop line can then say Ctrl-C (SIGINT) from a
-    scheduler's SIGTERM (before: every signal reached the ranks as SIGTERM)."""
-    proc, pids = _start_launcher(tmp_path)
+    scheduler's SIGTERM (before: every signal reached the ranks as SIGTERM). Spawned CPU ranks
+    come from a fork server, whose children the launcher signals as its own."""
+    proc, pids = _start_launcher(tmp_path, start)
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == 128 + sig
     assert {p.name: p.read_text() for p in tmp_path.glob("term*")} == dict.fromkeys(("term0", "term1", "term2"),
@@ -142,8 +145,11 @@ def test_signal_to_launcher_reaches_every_rank_as_itself(tmp_path, sig):
     assert _wait_gone(pids, 5) == []
 
 
-def test_killed_launcher_takes_its_ranks(tmp_path):
-    proc, pids = _start_launcher(tmp_path)
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_killed_launcher_takes_its_ranks(tmp_path, start):
+    """A fork server's ranks too: the server exits with the launcher, and their parent-death signal
+    fires then."""
+    proc, pids = _start_launcher(tmp_path, start)
     proc.kill()
     proc.wait(timeout=10)
     assert _wait_gone(pids, 10) == []  # Linux's parent-death signal, not the 120 s sleep

@@ -14,24 +14,24 @@ scheduler's); the launcher waits `stop_grace_s` for them, then kills what is lef
 sends SIGINT and SIGHUP to the whole process group, so a rank may get one twice, directly and
 forwarded: the same stop. A rank that does not handle them (outside a training loop) ends on
 each, as on SIGTERM. A launcher that dies without a word (SIGKILL, a crash) takes its ranks with
-it: each rank asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), and elsewhere
-watches its parent's pid. Signals are blocked while the ranks are forked, so none is lost
-between a fork and the rank setting up its own handling.
+it: each rank asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), or, where its
+parent is not the launcher (the fork server's ranks) or off Linux, watches the launcher's pid
+(rank_lifetime.py). Signals are blocked while the ranks are forked, so none is lost between a
+fork and the rank setting up its own handling.
 """
 
 from __future__ import annotations
 
-import ctypes
 import contextlib
 import datetime
 import gc
+import importlib
 import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from tetrad import device as devices
 from tetrad.config import Config, ConfigError, counted, validate
+from tetrad.rank_lifetime import die_with_launcher
 
 
 class RankFailure(RuntimeError):
@@ -169,20 +170,27 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
 
     CPU ranks are forked (90x faster to start than spawn, docs/platform.md) unless `spawn`: a forked
     rank inherits its parent's heap, whose free blocks it reuses without growing, so a measurement
-    of the resident set wants spawned ranks. Accelerator ranks are always spawned, since a forked
-    child cannot use a CUDA context. A signal to this process stops the ranks (module docstring)
-    and raises `Stopped`; they get `stop_grace_s` to finish before they are killed.
+    of the resident set wants a fresh heap. CPU ranks with `spawn` come from multiprocessing's fork
+    server, which loads torch and the trainer once and forks each rank from that clean state: a
+    spawned rank's heap, without each rank's ~6 s of CPU loading them. Accelerator ranks are always
+    spawned, since a forked child cannot use a CUDA context. A signal to this process stops the
+    ranks (module docstring) and raises `Stopped`; they get `stop_grace_s` to finish before they
+    are killed.
     """
-    method = "spawn" if spawn or device_type != "cpu" else "fork"
+    method = "spawn" if device_type != "cpu" else "forkserver" if spawn else "fork"
+    ctx = multiprocessing.get_context(method)
+    if method == "fork":  # torch.optim's constructor loads torch._dynamo (~1.8 s of CPU): once here, not per rank
+        importlib.import_module("torch._dynamo")
+    elif method == "forkserver":
+        ctx.set_forkserver_preload(["torch._dynamo", "tetrad.train.trainer"])
     # Accelerator ranks too: train.offload_optimizer's AdamW runs on the host, and the planner gives it
     # the rank's share of the node's memory bandwidth, which one thread (a core) cannot draw.
     threads = devices.threads_per_rank(world_size)
-    ctx = multiprocessing.get_context(method)
     with tempfile.TemporaryDirectory(prefix="tetrad-rdzv-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main, name=f"tetrad-rank{rank}",
                              args=(fn, args, rank, world_size, store_path, device_type, threads, pg_timeout_s, tmp,
-                                   os.getpid()))
+                                   os.getpid(), dict(os.environ)))
                  for rank in range(world_size)]
         with _stop_on_signals():
             try:
@@ -272,8 +280,11 @@ def _start(procs, threads: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
 
 
-def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_timeout_s, tmp, launcher_pid):
-    _die_with_parent(launcher_pid)
+def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_timeout_s, tmp, launcher_pid,
+               environ):
+    die_with_launcher(launcher_pid)
+    os.environ.clear()  # the launcher's environment now, not the fork server's when it started
+    os.environ.update(environ)
     for sig in FORWARDED:  # a forked rank inherited the launcher's handlers; a training loop records them
         if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored (stopping.py)
             signal.signal(sig, signal.SIG_DFL)
@@ -301,21 +312,6 @@ def _rank_main(fn, args, rank, world_size, store_path, device_type, threads, pg_
         Path(tmp, f"rank{rank}.err").write_text(f"{time.time()!r}\n{traceback.format_exc()}")
         os._exit(1)
     os._exit(0)
-
-
-def _die_with_parent(launcher_pid: int) -> None:
-    """Have this rank killed when its launcher dies, however it dies."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    else:
-        def watch():
-            while os.getppid() == launcher_pid:
-                time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGKILL)
-        threading.Thread(target=watch, name="tetrad-parent-watch", daemon=True).start()
-    if os.getppid() != launcher_pid:  # it died before we asked
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _wait(procs, timeout_s: float | None, tmp: Path) -> None:

@@ -1,5 +1,6 @@
 """torch.compile against eager, per layout: the training step time of `train.compile = true` over
-`false`, on two CPU ranks with inductor (C++ kernels), for dp2, tp2, cp2 (ring) and pp2 (1F1B).
+`false`, on two CPU ranks with inductor (C++ kernels), for dp2, tp2, cp2 (ring), pp2 (1F1B) and
+an MoE model's dp2 ep2.
 
 Each rank builds two Trainers of the same config, one compiled; each takes WARMUP steps first
 (the compiled one compiles then: that time is reported on its own, not in the ratio). Then in
@@ -10,7 +11,7 @@ seconds of each way, and how many frames dynamo compiled after the warm-up (0: n
 The inductor cache (/tmp/torchinductor_$USER unless TORCHINDUCTOR_CACHE_DIR says otherwise)
 shortens a second run's warm-up, not its steps.
 
-    .venv/bin/python bench/bench_compile.py [--layouts dp2 tp2 cp2 pp2] [--rounds 5] [--steps 5]
+    .venv/bin/python bench/bench_compile.py [--layouts dp2 tp2 cp2 pp2 moe-ep2] [--rounds 5] [--steps 5]
 """
 
 from __future__ import annotations
@@ -34,14 +35,18 @@ from tetrad.train.trainer import Trainer
 # issue's comparison model (d 256, GQA 8:4, vocab 4096, seq 256) at 4 layers instead of 8.
 MODEL = {"n_layers": 4, "d_model": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 688, "vocab_size": 4096,
          "seq_len": 256}
-LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "cp2": {"cp": 2, "cp_algo": "ring"}, "pp2": {"pp": 2}}
+# layout -> (parallel, model keys over MODEL): moe-ep2 makes every layer's MLP 4 experts, top-2,
+# spread over dp2 (its routing runs eagerly between the compiled regions: model/moe.py).
+LAYOUTS = {"dp2": ({"dp": 2}, {}), "tp2": ({"tp": 2}, {}), "cp2": ({"cp": 2, "cp_algo": "ring"}, {}),
+           "pp2": ({"pp": 2}, {}),
+           "moe-ep2": ({"dp": 2, "ep": 2}, {"n_experts": 4, "experts_per_token": 2, "router_aux_loss": 0.01})}
 WAYS = ("eager", "compiled")
 WARMUP = 2  # the compiled trainer compiles in its first step (forward and backward graphs)
 
 
 def _cfg(layout: str, compile: bool, run_dir: str):
     return load_config(overrides={
-        "model": MODEL, "parallel": LAYOUTS[layout],
+        "model": {**MODEL, **LAYOUTS[layout][1]}, "parallel": LAYOUTS[layout][0],
         "train": {"global_batch": 4, "micro_batch": 1, "steps": 10_000, "warmup": 2, "compile": compile},
         "run": {"dir": run_dir}})
 

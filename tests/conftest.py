@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing.util
 import os
@@ -53,6 +54,15 @@ TINY = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "
 def run_ranks(fn, world_size: int, *args, timeout_s: float = DEADLINE_S, spawn: bool = False):
     """Run fn(*args) on `world_size` forked (or spawned) gloo ranks and return every rank's result."""
     return launch.run_local(fn, world_size, args, timeout_s=timeout_s, pg_timeout_s=PG_TIMEOUT_S, spawn=spawn)
+
+
+def fix_mmap_threshold(nbytes: int = 128 << 10) -> None:
+    """Fix glibc's mmap threshold (its default, 128 KiB) in this rank: the dynamic threshold keeps
+    freed multi-MiB blocks in the heap, so the resident set would count memory already freed. Set
+    in the rank, not as MALLOC_MMAP_THRESHOLD_: the fork server that starts spawned CPU ranks read
+    its environment once."""
+    M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+    ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, nbytes)
 
 
 DOC_EOS = 0  # byte 0 never occurs in the built-in corpus

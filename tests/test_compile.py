@@ -1,9 +1,12 @@
 """torch.compile of each transformer block in every layout: tp's f/g (with and without sequence
-parallelism), cp's ring and all-to-all and zero-bubble's split linear run eagerly between
-compiled regions (model/execution.py's `run_eagerly`), the compiled runs train the one-process
+parallelism), cp's ring and all-to-all, zero-bubble's split linear and a mixture-of-experts
+layer's routing (expert parallelism's all-to-alls in it) run eagerly between compiled regions (model/execution.py's `run_eagerly`), the compiled runs train the one-process
 model, and nothing recompiles after the first step."""
 
+from functools import lru_cache
+
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from conftest import assert_parity, tiny_config, train_layout
@@ -27,9 +30,14 @@ class CountingTrainer(Trainer):
         return record
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return train_layout(tiny_config())
+# Mixture-of-experts layers: the routing and the load-balancing loss run eagerly between the
+# compiled regions (model/moe.py); the loss's gradient shows if it is dropped or doubled.
+MOE = {"n_experts": 4, "experts_per_token": 2, "router_aux_loss": 1.0}
+
+
+@lru_cache(maxsize=None)
+def _one_process(moe: bool):
+    return train_layout(tiny_config(model=MOE if moe else {}))
 
 
 # (parallel, recompute, parity bounds): the bounds of the same layout's eager parity test
@@ -50,18 +58,28 @@ LAYOUTS = {
     # compiled dp2 drifts 1.1e-5 past rtol after 5 steps with or without ZeRO-3 (measured): the
     # tp cases' 5e-5.
     "dp2-zero3-full": ({"dp": 2, "zero": 3}, "full", {"atol": 5e-5}),
+    # Expert parallelism's all-to-alls inside the eager routing, under full recompute (the
+    # load-balancing loss counted once a micro-batch and layer all the same); tp with SP around it.
+    # The bound: test_ep.py's for the experts' weights.
+    "moe-dp2-ep2-full": ({"dp": 2, "ep": 2}, "full", {"atol": 1e-4}),
+    "moe-tp2-sp": ({"tp": 2, "sequence_parallel": True}, "none", {"atol": 1e-4}),
 }
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_compiled_layout_matches_single_process(reference, name):
+def test_compiled_layout_matches_single_process(name):
     parallel, recompute, bounds = LAYOUTS[name]
+    moe = name.startswith("moe")
     # Inductor compiles C++ kernels on first use (the session's cache is shared by the tests).
-    cfg = tiny_config(parallel=parallel, train={"compile": True, "recompute": recompute})
+    cfg = tiny_config(parallel=parallel, train={"compile": True, "recompute": recompute}, model=MOE if moe else {})
     got = train_layout(cfg, trainer_class=CountingTrainer, timeout_s=900)
     history = got[2]
     frames = [record["frames_compiled"] for record in history]
     # Compiled, and only in the first step: later steps reuse its graphs (no recompiles).
     assert frames[0] > 0 and frames == frames[:1] * len(frames), frames
     assert history[-1]["other_breaks"] == [], history[-1]["other_breaks"]
+    reference = _one_process(moe)
     assert_parity(got, reference, **bounds)
+    if moe:
+        aux, ref_aux = ([r["moe_aux_loss"] for r in result[2]] for result in (got, reference))
+        torch.testing.assert_close(torch.tensor(aux), torch.tensor(ref_aux), rtol=1e-5, atol=0)

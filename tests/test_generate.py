@@ -30,7 +30,7 @@ def random_model(**model):
 
 @pytest.mark.parametrize("model", [{}, {"preset": "tiny-gpt", "n_layers": 2, "d_model": 64, "n_heads": 4,
                                         "n_kv_heads": 4, "ffn_hidden": 128, "seq_len": 32},
-                                   {"sliding_window": 5},  # the cache keeps every token, the window masks
+                                   {"sliding_window": 5},  # the cache keeps two windows: moves its keys as it fills
                                    {"norm": "gemma_rmsnorm", "mlp": "geglu", "scale_embeddings": True,  # Gemma 3
                                     "sandwich_norm": True, "qk_norm": True, "query_pre_attn_scalar": 20.0,
                                     "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],

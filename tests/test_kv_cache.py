@@ -3,8 +3,9 @@ the prompt's pass and a sample's loss make no prompt x vocabulary logits (an 8k 
 vocabulary: 4 GiB in fp32); a generation's KV cache is allocated once and written in place, and a
 decoding step copies no part of it (no concatenation, no grouped-query heads repeated); beyond
 what was reserved the cache grows geometrically and still holds every token, as does a chat's
-kept start. A windowed model decodes as transformers' generate past its window, a chat's next turn
-too; that the outputs are the full forward's and transformers' elsewhere is tests/test_generate.py's,
+kept start. A windowed layer holds two windows however long the generation, and a windowed model
+decodes as transformers' generate and as its full forward past its window, a chat's next turn too
+(one going back past what the window kept runs again); that the outputs are the full forward's and transformers' elsewhere is tests/test_generate.py's,
 test_init_from.py's, test_longrope.py's and test_generate_placement.py's."""
 
 import pytest
@@ -162,3 +163,56 @@ def test_a_chats_next_turn_allocates_what_it_reserved_not_twice_the_last_turns()
     prompt = prompt + new + [5, 6, 7]
     generate(net, prompt, 5, GREEDY, cache=cache)
     assert [layer.k.shape[2] for layer in cache.layers.values()] == [len(prompt) + 5 - 1] * len(cache.layers)
+
+
+def test_a_window_layer_holds_two_windows_and_returns_the_keys_its_queries_see():
+    """Token by token, a window of 8: the buffers never hold more than 16 tokens, each step returns
+    the last 7 keys before the new token and the new one, in order, and a chat's next turn can go
+    back a quarter window (2 tokens) at any point, not a whole window once tokens were forgotten."""
+    layer, given = LayerCache(window=8), []
+    generator = torch.Generator().manual_seed(0)
+    for t in range(40):
+        k = torch.randn(1, 1, 2, 16, generator=generator)
+        given.append(k)
+        keys, values = layer.extend(k, -k)
+        expected = torch.cat(given[max(0, t - 7):], dim=1).transpose(1, 2)
+        assert torch.equal(keys, expected) and torch.equal(values, -expected)
+        assert layer.k.shape[2] <= 16 and layer.can_keep(t + 1 - 2)
+    assert layer.start > 0 and not layer.can_keep(40 - 8)
+    layer.keep(38)  # back two tokens: the next one sees the 7 before it
+    more = torch.randn(1, 3, 2, 16, generator=generator)
+    keys, _ = layer.extend(more, more)
+    assert torch.equal(keys, torch.cat(given[31:38] + [more], dim=1).transpose(1, 2))
+    layer.keep(0)
+    keys, _ = layer.extend(more, more)
+    assert torch.equal(keys, more.transpose(1, 2)) and layer.start == 0
+
+
+def _full_forward_greedy(net, prompt: list[int], max_new: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            ids.append(int(net(torch.tensor([ids]), torch.arange(len(ids)))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_a_long_generation_holds_two_windows_in_each_local_layer_and_decodes_as_the_full_forward():
+    """Gemma 3's layout, local (window 8) and global layers in turn: 60 tokens after a 12-token
+    prompt are the full forward's greedy picks; the local layers' buffers hold 16 tokens, the global
+    ones every token run (71). A next turn going back past what the local layers kept runs the
+    conversation again (nothing reused) and decodes as a fresh cache; one going back a token reuses
+    the rest."""
+    net = random_model(n_layers=4, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                       seq_len=128)
+    with torch.no_grad():
+        (net.embed.weight if net.head is None else net.head.weight).mul_(20)  # greedy picks far apart: no near-tie
+    cache, prompt = Cache(), list(range(40, 52))
+    new, _ = generate(net, prompt, 60, GREEDY, cache=cache)
+    assert new == _full_forward_greedy(net, prompt, 60)
+    assert [layer.k.shape[2] for layer in cache.layers.values()] == [16, 71, 16, 71]
+    back = prompt + new[:30] + [5, 6, 7]
+    again, _ = generate(net, back, 10, GREEDY, cache=cache)
+    assert cache.reused == 0 and again == generate(net, back, 10, GREEDY)[0] == _full_forward_greedy(net, back, 10)
+    one_back = back + again[:-2] + [9]
+    generate(net, one_back, 5, GREEDY, cache=cache)
+    assert cache.reused == len(back) + len(again) - 2

@@ -248,7 +248,6 @@ def test_greedy_decoding_gives_the_full_forwards_argmax(model):
     ({"n_experts": -1}, {}, r"model\.n_experts=-1 is out of range"),
     ({"n_experts": 4, "router_aux_loss": -0.1}, {}, r"model\.router_aux_loss=-0\.1 is out of range"),
     ({"n_experts": 4, "expert_ffn_hidden": 50}, {"tp": 4, "dp": 1}, r"tp=4 does not divide the experts' hidden width 50"),
-    ({"n_experts": 4, "compile": True}, {}, r"train\.compile does not take mixture-of-experts layers yet .*set train\.compile=false"),
     ({"shared_expert_ffn_hidden": 32}, {}, r"model\.shared_expert_ffn_hidden shapes mixture-of-experts layers, .*n_experts=0"),
     ({"dense_layers": [0]}, {}, r"model\.dense_layers shapes mixture-of-experts layers"),
     ({"n_experts": 4, "shared_expert_gate": True}, {}, r"shared_expert_gate scales the shared expert's output, and there is none"),
@@ -258,11 +257,9 @@ def test_greedy_decoding_gives_the_full_forwards_argmax(model):
     ({"n_experts": 4, "dense_layers": [3, 0, 1, 2]}, {}, r"model\.dense_layers names every layer \(n_layers=4\).*set model\.n_experts=0"),
 ])
 def test_bad_expert_settings_are_refused_in_one_line(model, parallel, message):
-    model = dict(model)
-    train = {"compile": model.pop("compile")} if "compile" in model else {}
     with pytest.raises(ConfigError, match=message) as refused:
         load_config(overrides={"model": {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 128, **model},
-                               "parallel": parallel, "train": train})
+                               "parallel": parallel})
     assert "\n" not in str(refused.value)
 
 

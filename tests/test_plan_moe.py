@@ -6,6 +6,7 @@ the last test, which counts the model's own parameters where the model has MoE l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,10 +18,11 @@ from tetrad.plan.buckets import layer_parameters
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import cluster_of, load_cluster
-from tetrad.plan.layer import _gemms
+from tetrad.plan.layer import _elementwise, _gemms
+from tetrad.plan.moe import routing_bytes_per_token
 from tetrad.plan.activations import activation_bytes_per_layer
 from tetrad.plan.search import layouts, plan
-from tetrad.plan.stacks import STACKS
+from tetrad.plan.stacks import EAGER_ELEMENTWISE, STACKS
 
 MID = {"preset": "tiny", "n_layers": 8, "d_model": 1024, "n_heads": 16, "n_kv_heads": 4, "ffn_hidden": 2816,
        "vocab_size": 32000, "seq_len": 2048}
@@ -127,6 +129,21 @@ def test_expert_gemms_run_at_k_over_e_of_their_rows():
     # with a few rows an expert's GEMMs cost at least reading its weights
     weights = 8 * 3 * 2816 / 2 * 1024 * 2  # bytes of the experts on a tp rank, bf16
     assert sum(_gemms(moe.cfg, gpu, 8)[0][2:]) >= weights / gpu.hbm_bytes_per_s
+
+
+@pytest.mark.parametrize("model", [{**MID, **MOE}, MID], ids=["moe", "dense"])
+def test_compiled_tetrad_costs_an_moe_layers_routing_as_eager_kernels(model):
+    """Under train.compile tetrad runs an MoE layer's routing eagerly (model/moe.py): its
+    element-wise bytes, the routed experts' activation and the dispatch and combine, cost the
+    eager factor, the rest of the layer's the fused one; a dense model's are all fused."""
+    cfg, gpu = _cfg(model), load_cluster("dgx-h100").gpu
+    compiled = STACKS["tetrad-compiled"]
+    fused_routing = dataclasses.replace(compiled, eager_routing=False)
+    (got, _), (fused, _) = (_elementwise(cfg, gpu, stack, 2048) for stack in (compiled, fused_routing))
+    m = cfg.model
+    routed = 2048 * (2 * 3 * flops.mlp_hidden(m, active=True) + routing_bytes_per_token(m, 2)) if m.n_experts else 0.0
+    assert got - fused == pytest.approx((EAGER_ELEMENTWISE - compiled.elementwise_factor) * routed / gpu.hbm_bytes_per_s)
+    assert (got > fused) == bool(m.n_experts)
 
 
 def test_collectives_carry_every_expert_and_the_dense_activations():

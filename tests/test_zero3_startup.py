@@ -3,12 +3,11 @@ while the model is built and sharded is its shard plus one layer, never the whol
 (which is what a model that fits only sharded needs). Parity with the old start-up, bit for
 bit, is tests/test_zero.py's ZeRO-3 cases, which train through this start-up."""
 
-import ctypes
 import functools
 
 import torch
 
-from conftest import run_ranks, tiny_config
+from conftest import fix_mmap_threshold, run_ranks, tiny_config
 from tetrad import device as devices
 from tetrad.model.sharding import initial_value
 from tetrad.parallel.data import GradReducer
@@ -17,13 +16,12 @@ from tetrad.dist.topology import Topology
 from tetrad.train.trainer import build_model
 
 MIB = 2**20
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def _startup_peak(cfg):
     """(peak resident growth while building and sharding, this rank's shard bytes, the largest
     layer's bytes, the whole local model's bytes), as the trainer starts ZeRO-3."""
-    ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 << 10)  # as MALLOC_MMAP_THRESHOLD_ at start-up
+    fix_mmap_threshold()
     topo = Topology(Layout(dp=cfg.parallel.dp), torch.device("cpu"))
     base = devices.start_memory_tracking(topo.device)
     model = build_model(cfg, topo, materialise=False)
@@ -39,9 +37,7 @@ def test_zero3_startup_peak_is_a_shard_plus_one_layer_at_dp4():
     cfg = tiny_config(model={"d_model": 512, "n_heads": 8, "n_kv_heads": 2, "ffn_hidden": 1536, "n_layers": 8,
                              "vocab_size": 256},
                       parallel={"dp": 4, "zero": 3}, train={"global_batch": 16})
-    # glibc's dynamic mmap threshold keeps freed multi-MiB blocks in the heap, so the resident set
-    # would also count memory already freed; a fixed threshold (set in each rank: the fork server
-    # that starts spawned CPU ranks read its environment once) makes it count live memory. (The
+    # Each rank fixes glibc's mmap threshold so that its resident set counts live memory. (The
     # old start-up peaked at 107 MiB here either way: the whole local model, 93 MiB.)
     # Spawned: a forked rank would reuse the pytest process's freed heap and seem to grow less.
     for peak, shard, layer, whole in run_ranks(_startup_peak, 4, cfg, spawn=True):

@@ -19,7 +19,6 @@ with gloo's own collectives on today's runtime, 483/359/318/187: ZeRO-1 above it
 
 from __future__ import annotations
 
-import ctypes
 import platform
 
 import pytest
@@ -29,10 +28,8 @@ from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
 from tetrad.train.trainer import Trainer
 
-from conftest import run_ranks, tiny_config
+from conftest import fix_mmap_threshold, run_ranks, tiny_config
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-DEFAULT_MMAP_THRESHOLD = 128 * 1024
 
 # 16 layers of d_model 384 at 32 tokens a micro-batch: 110 MiB of fp32 weights, 16 MiB of activations.
 MODEL = {"n_layers": 16, "d_model": 384, "n_heads": 6, "n_kv_heads": 6, "ffn_hidden": 1024, "seq_len": 32,
@@ -42,7 +39,7 @@ MODEL = {"n_layers": 16, "d_model": 384, "n_heads": 6, "n_kv_heads": 6, "ffn_hid
 def _peak(cfg) -> float:
     """This rank's peak resident-set growth over two steps (the second holds the optimizer state
     from the start), with a fixed mmap threshold."""
-    ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, DEFAULT_MMAP_THRESHOLD)
+    fix_mmap_threshold()
     return Trainer(cfg, torch.device("cpu")).fit()[-1]["peak_memory_gib"]
 
 

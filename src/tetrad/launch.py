@@ -172,10 +172,11 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, devi
     rank inherits its parent's heap, whose free blocks it reuses without growing, so a measurement
     of the resident set wants a fresh heap. CPU ranks with `spawn` come from multiprocessing's fork
     server, which loads torch and the trainer once and forks each rank from that clean state: a
-    spawned rank's heap, without each rank's ~6 s of CPU loading them. Accelerator ranks are always
-    spawned, since a forked child cannot use a CUDA context. A signal to this process stops the
-    ranks (module docstring) and raises `Stopped`; they get `stop_grace_s` to finish before they
-    are killed.
+    spawned rank's heap, without each rank's ~6 s of CPU loading them; each rank takes this process's
+    environment as it is now, but what a library read at its load (glibc's MALLOC_* variables) is
+    the server's, fixed when it started. Accelerator ranks are always spawned, since a forked child
+    cannot use a CUDA context. A signal to this process stops the ranks (module docstring) and
+    raises `Stopped`; they get `stop_grace_s` to finish before they are killed.
     """
     method = "spawn" if device_type != "cpu" else "forkserver" if spawn else "fork"
     ctx = multiprocessing.get_context(method)

@@ -40,9 +40,6 @@ def check_experts(cfg: Config) -> None:
         raise ConfigError(f"tp={tp} does not divide ffn_hidden={m.ffn_hidden}, the dense layers' MLP width "
                           f"(model.dense_layers); use tp in {divisors(m.ffn_hidden)}")
     _check_expert_parallel(cfg)
-    if m.n_experts and cfg.train.compile:
-        raise ConfigError(f"train.compile does not take mixture-of-experts layers yet (model.n_experts={m.n_experts}: "
-                          "each expert's token count changes every step); set train.compile=false")
 
 
 def _check_expert_parallel(cfg: Config) -> None:

@@ -315,15 +315,15 @@ class Transformer(nn.Module):
         windows = {b.attn.window for b in blocks}
         if cache is None:  # once for all the chunk's layers of a window
             masks = {w: self._shared_mask(docs, positions, h, w) for w in windows}
-        elif positions.dim() == 2:  # a left-padded batch: x's tokens join the cache's columns so far
-            keys = x.shape[1] + next((c.length for c in cache.values()), 0)
-            masks = {w: padded_visibility(positions, keys, w) for w in windows}
         else:
-            masks = {}
+            layers = {name: cache.setdefault(name, LayerCache(block.attn.window)) for name, block in self.layers.items()}
+            # a left-padded batch: x's tokens join the keys each window's layers hold
+            keys = {block.attn.window: layers[name].keys_with(x.shape[1]) for name, block in self.layers.items()}
+            masks = {w: padded_visibility(positions, n, w) for w, n in keys.items()} if positions.dim() == 2 else {}
         for name, block in self.layers.items():
             rope, mask = ropes.get(block.local_rope), masks.get(block.attn.window)
             h = block(h, rope, docs=docs if mask is None else mask) if cache is None else \
-                block(h, rope, cache.setdefault(name, LayerCache()), mask)
+                block(h, rope, layers[name], mask)
         if not self.last:
             return h
         h = self.norm(h[:, -tail:] if tail else h)

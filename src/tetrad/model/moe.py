@@ -30,9 +30,10 @@ backward reverses both). The expert gradients are summed over the ranks holding 
 Cost of this cut: one Python loop over the experts with the tokens sorted by expert, so E small
 GEMMs each way, and one host read per layer and micro-batch (the experts' token counts: torch's
 slices and the all-to-all's splits need them on the host), which stalls an accelerator's queue
-there; grouped GEMM kernels are not here; nor torch.compile (config validation refuses it: the counts
-change every call). The experts' weight gradients come from autograd in one
-backward (under zero-bubble's split backward, in BI; no gradient accumulation fusion).
+there; grouped GEMM kernels are not here. Under torch.compile (train.compile) the routing runs
+eagerly between the block's compiled regions, as tp's and cp's collectives do (MoE.forward). The
+experts' weight gradients come from autograd in one backward (under zero-bubble's split
+backward, in BI; no gradient accumulation fusion).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tetrad.config import ModelConfig
-from tetrad.model.execution import Execution, RouterLoss
+from tetrad.model.execution import Execution, RouterLoss, run_eagerly
 from tetrad.dist.layout import EP
 from tetrad.model.layers import MLP, activation
 from tetrad.model.mappings import all_to_all, reduce_tp_output, tp_input
@@ -170,6 +171,9 @@ class MoE(nn.Module):
         self.shared_gate = Router(cfg, 1) if cfg.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Under torch.compile the routing and the load-balancing loss run eagerly (`run_eagerly`):
+        the experts' token counts change every call, and the loss's gradient reaches RouterLoss
+        from backward; the router's and the shared expert's projections are compiled."""
         total = tp_input(x, self.topo, self.ex)  # [b, s, d]: the whole local sequence
         b, s, d = total.shape
         flat = total.reshape(b * s, d)
@@ -177,24 +181,32 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(self.k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        chosen = chosen.reshape(-1)  # [b*s*k]: token t's choices at t*k..t*k+k-1
+        y = run_eagerly(self._routed, flat, weights.to(x.dtype), chosen.reshape(-1)).view(b, s, d)
+        if self.shared is not None:
+            y = y + self._shared(total)
+        if torch.is_grad_enabled():
+            y = run_eagerly(self._with_balance_loss, y, probs.view(b, s, -1), chosen.view(b, s * self.k))
+        return reduce_tp_output(y, self.topo, self.ex)
+
+    def _routed(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for each token of `flat` [n, d]: `chosen` [n*k] (token
+        t's experts at t*k..t*k+k-1) and their `weights` [n, k]; the rows sorted by expert, each
+        expert's run (over the EP group where it spreads them), the outputs summed back per token."""
         order = chosen.argsort(stable=True)
-        counts = torch.bincount(chosen, minlength=probs.shape[-1])
+        counts = torch.bincount(chosen, minlength=self.router.weight.shape[0])
         rows = order // self.k  # the token of each assignment, in expert order
         if self.topo.size(EP) > 1:
             out = self._over_ep(flat[rows], counts)
         else:
             out = self.experts(flat[rows], counts.tolist())
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
-        y = torch.zeros_like(flat).index_add(0, rows, out).view(b, s, d)
-        if self.shared is not None:
-            y = y + self._shared(total)
-        if torch.is_grad_enabled():
-            aux = self._balance_loss(probs.view(b, s, -1), chosen.view(b, s * self.k))
-            y = _RouterLossGradient.apply(y, aux if self.aux_coefficient else aux.detach(), self.ex.router_loss,
-                                          self.topo.tp_size)
-        return reduce_tp_output(y, self.topo, self.ex)
+        return torch.zeros_like(flat).index_add(0, rows, out)
+
+    def _with_balance_loss(self, y: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """`y`, through the Function that gives the load-balancing loss its gradient in backward."""
+        aux = self._balance_loss(probs, chosen)
+        return _RouterLossGradient.apply(y, aux if self.aux_coefficient else aux.detach(), self.ex.router_loss,
+                                         self.topo.tp_size)
 
     def _shared(self, total: torch.Tensor) -> torch.Tensor:
         """The shared expert's partial output on `total` (the whole local sequence), times its

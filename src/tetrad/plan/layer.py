@@ -23,7 +23,7 @@ from tetrad.plan.kernels import masked_attention
 from tetrad.plan.links import all_to_all_time, group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
 from tetrad.plan.moe import ep_all_to_alls, expert_grad_bytes, rank_layer_params, routing_bytes_per_token
-from tetrad.plan.stacks import Stack
+from tetrad.plan.stacks import EAGER_ELEMENTWISE, Stack
 
 GEMM_HALF_DIM = 128  # a GEMM dimension this small reaches half the large-GEMM efficiency (tile quantisation)
 FLASH_BACKWARD_FACTOR = 2.5  # flash backward: 5 matmuls of the forward's 2 (it recomputes the scores)
@@ -220,10 +220,12 @@ def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[floa
     div = p.tp if p.sequence_parallel else 1
     act = 3 if m.gated_mlp else 2
     norms = 14 if m.sandwich_norm else 10  # each sandwich norm one more read and write of h
-    f += m.shared_expert_ffn_hidden / p.tp if m.n_experts else 0.0  # an MoE layer's shared expert too
-    elem_bytes = tokens * e * (norms * m.d_model / div + act * f + (2 * (q + kv) if m.pos == "rope" else 0))
-    elem_bytes += tokens * routing_bytes_per_token(m, e, p.ep)
-    forward = stack.elementwise_factor * elem_bytes / hbm
+    shared = m.shared_expert_ffn_hidden / p.tp if m.n_experts else 0.0  # an MoE layer's shared expert
+    elem_bytes = tokens * e * (norms * m.d_model / div + act * shared + (2 * (q + kv) if m.pos == "rope" else 0))
+    # a dense MLP's activation, or the routed experts' and their dispatch and combine
+    mlp_bytes = tokens * (e * act * f + routing_bytes_per_token(m, e, p.ep))
+    mlp_factor = EAGER_ELEMENTWISE if m.n_experts and stack.eager_routing else stack.elementwise_factor
+    forward = (stack.elementwise_factor * elem_bytes + mlp_factor * mlp_bytes) / hbm
     merge_f, merge_b = _ring_merges(cfg, gpu, tokens)
     return forward + merge_f, 2 * forward + merge_b
 

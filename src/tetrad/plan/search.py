@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from tetrad.config import Config, validate
 from tetrad.config.rampup import BatchRamp
+from tetrad.config.wording import divisors
 from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
 from tetrad.parallel.pipeline.split import rank_layers, stage_layers
 from tetrad.plan.cost import Estimate, estimate, layer_costs
@@ -63,10 +64,6 @@ class Plan:
     points: list = field(default_factory=list)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def layouts(base: Config, world: int, per_node: int):
     """Every legal layout of `base`'s model and global batch on `world` ranks (ZeRO aside); with
     `parallel.stage_layers` set, only those with its number of pipeline stages; with a batch
@@ -75,13 +72,13 @@ def layouts(base: Config, world: int, per_node: int):
     m, ramp = base.model, BatchRamp.of(base.train)
     fixed = len(base.parallel.stage_layers)
     heads = math.gcd(m.n_heads, m.n_kv_heads)
-    for tp in _divisors(min(world, per_node)):
+    for tp in divisors(min(world, per_node)):
         if heads % tp or m.ffn_hidden % tp or m.expert_hidden % tp:
             continue
-        for pp in _divisors(world // tp):
+        for pp in divisors(world // tp):
             if pp > m.n_layers:
                 continue
-            for cp in _divisors(world // (tp * pp)):
+            for cp in divisors(world // (tp * pp)):
                 if cp > 1 and m.seq_len % (2 * cp) or (m.seq_len // cp) % tp:  # load balance; SP's split
                     continue
                 dp = world // (tp * pp * cp)
@@ -99,7 +96,7 @@ def _expert_parallel(base: Config, dp: int) -> list[int]:
     where base's settings are not among those expert parallelism refuses (config.sections.expert_parallel_blocker); else 1."""
     m = base.model
     ok = m.n_experts and expert_parallel_blocker(dataclasses.replace(base.parallel, ep=2, zero=0, zero_shard=0)) is None
-    return [ep for ep in _divisors(dp) if m.n_experts % ep == 0] if ok else [1]
+    return [ep for ep in divisors(dp) if m.n_experts % ep == 0] if ok else [1]
 
 
 def _schedules(pp: int, micro: int, layers: int, stages: int):

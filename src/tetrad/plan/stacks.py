@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# elementwise_factor of an eager PyTorch stack (below).
+EAGER_ELEMENTWISE = 2.0
+
+
 @dataclass(frozen=True)
 class Stack:
     name: str
@@ -19,6 +23,10 @@ class Stack:
     # HBM traffic of the element-wise ops (norms, residuals, activation, RoPE) relative to fully
     # fused kernels; eager PyTorch runs each as separate kernels with fp32 up-casts.
     elementwise_factor: float = 1.0
+    # Mixture-of-experts layers' routing (the dispatch, the routed experts' activation, the
+    # weighted combine) runs eagerly between compiled regions (tetrad's model/moe.py under
+    # train.compile): its element-wise traffic costs EAGER_ELEMENTWISE whatever the rest costs.
+    eager_routing: bool = False
     # Hidden-sized tensors the SwiGLU keeps for backward: gate, up and product when fused;
     # eager autograd also keeps silu(gate).
     swiglu_saved: int = 3
@@ -81,7 +89,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # tetrad's attention is torch's SDPA (model/attention.py): with a current torch (2.11 seen) it
     # runs cuDNN's fused kernel in bf16/fp16 where torch prefers it (Hopper, Blackwell: seen on an
     # H200 by bench/gpu_check.py) and FlashAttention-2 elsewhere (a GPU with no fused efficiency).
-    Stack("tetrad", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
+    Stack("tetrad", elementwise_factor=EAGER_ELEMENTWISE, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
           sp_saves_gathered_input=True, zero1_reduce_scatter=False, attention_kernel="fused",
           head_weight_grad_in_bi=True, tetrad_attention=True),
     # tetrad with train.compile: inductor fuses each block's element-wise chains (norms, RoPE,
@@ -90,8 +98,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # AOT autograd's partitioner saves one SwiGLU tensor and one attention output copy fewer:
     # measured by tetrad's saved-tensor count (2 layers, d 64, ffn 256, 128 tokens, fp32, tp 1):
     # 1,946,132 -> 1,552,916 bytes, per layer one SwiGLU tensor (131,072), one attention output
-    # (32,768) and 32,768 more, not counted here. Collectives and the optimizer stay tetrad's.
-    Stack("tetrad-compiled", fused_grad_accumulation=False, sp_saves_gathered_input=True, zero1_reduce_scatter=False,
+    # (32,768) and 32,768 more, not counted here. Collectives, the optimizer and an MoE layer's
+    # routing stay tetrad's eager ones.
+    Stack("tetrad-compiled", eager_routing=True, fused_grad_accumulation=False, sp_saves_gathered_input=True, zero1_reduce_scatter=False,
           attention_kernel="fused", head_weight_grad_in_bi=True, tetrad_attention=True),
     # torch.compile'd PyTorch (torchtitan), Megatron-Core with Transformer Engine.
     Stack("compiled", zero3_held_under_pp=True, sp_saves_gathered_input=True, zero3_impl="fsdp2"),
@@ -107,14 +116,14 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # wrapped block) as backward produces them, in fp32 (MixedPrecision reduce_dtype); TP, where
     # used, is DTensor's, with no asynchronous overlap. Source: Zhao et al. 2023, "PyTorch FSDP"
     # (arXiv 2304.11277), sections 3.3-3.4 (backward prefetch, rate limiter, reduce-scatter per unit).
-    Stack("fsdp", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
+    Stack("fsdp", elementwise_factor=EAGER_ELEMENTWISE, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
           sp_saves_gathered_input=True, tp_overlap="none", zero3_impl="fsdp2"),
     # DeepSpeed ZeRO 1-3 over an eager model (Megatron-DeepSpeed, HF + DeepSpeed): eager kernels;
     # gradients reduced in the model's 16-bit dtype (`communication_data_type` defaults to it) and
     # reduce-scattered (`reduce_scatter: true`); its pipeline engine blocks on each send/receive.
     # Sources: DeepSpeed config documentation (deepspeed.ai/docs/config-json, ZeRO section);
     # Rajbhandari et al. 2020 (arXiv 1910.02054) section 7 for ZeRO-3's per-layer gathers.
-    Stack("deepspeed", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
+    Stack("deepspeed", elementwise_factor=EAGER_ELEMENTWISE, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
           tp_overlap="none", pp_blocking_p2p=True, grad_reduce_bytes=2),
     # Megatron-Core with Transformer Engine (Megatron-LM's core since 2024, NeMo): the distributed
     # optimizer reduce-scatters gradient buckets in the last micro-batch's backward and all-gathers
@@ -129,7 +138,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     # mixed precision gathers 16-bit weights and reduces fp32 gradients (composer/distributed/
     # mosaic_parallelism.py, get_mixed_precision), every micro-batch (Composer's ddp_sync_context
     # enters no_sync only for DDP).
-    Stack("llm-foundry", elementwise_factor=2.0, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
+    Stack("llm-foundry", elementwise_factor=EAGER_ELEMENTWISE, swiglu_saved=4, attn_out_copies=2, fused_grad_accumulation=False,
           sp_saves_gathered_input=True, tp_overlap="none", attention_kernel="triton", zero3_impl="fsdp1"),
 ]}
 STACKS["torchtitan"] = STACKS["compiled"]  # the name users know it by

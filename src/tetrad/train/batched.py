@@ -107,7 +107,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new: int, s
     device, context = model.topo.device, model.cfg.context_length
     longest = max(map(len, prompts))
     ends = [min(len(p) + max_new, context + 1) for p in prompts]
-    cache = {name: LayerCache() for name in model.layers}
+    cache = {name: LayerCache(block.attn.window) for name, block in model.layers.items()}
     for layer in cache.values():  # the longest prompt, then the most new tokens a row may draw but its last
         layer.reserve(longest + max(end - len(p) for p, end in zip(prompts, ends)) - 1)
     generators = [torch.Generator().manual_seed(seed) for _ in prompts]

@@ -74,6 +74,8 @@ class Cache:
         kept = 0
         while kept < min(len(self.ids), len(prompt) - 1) and self.ids[kept] == prompt[kept]:
             kept += 1
+        if not all(layer.can_keep(kept) for layer in self.layers.values()):
+            kept = 0  # a window's layer forgot keys the next token sees: the conversation runs again
         for layer in self.layers.values():
             layer.keep(kept)
         self.ids = self.ids[:kept]
@@ -83,8 +85,8 @@ class Cache:
     def reserve(self, model: Transformer, tokens: int) -> None:
         """Allocate each layer's keys and values for `tokens` in all (a generation's prompt and new
         tokens) at its next step, rather than as the cache grows (llama.LayerCache)."""
-        for name in model.layers:
-            self.layers.setdefault(name, LayerCache()).reserve(tokens)
+        for name, block in model.layers.items():
+            self.layers.setdefault(name, LayerCache(block.attn.window)).reserve(tokens)
 
     def feed(self, model: Transformer, ids: list[int]) -> torch.Tensor:
         """Run `ids` after the cached ones, which they join; the logits after the last (the head

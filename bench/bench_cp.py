@@ -23,7 +23,8 @@ from tetrad import launch
 from tetrad.config import load_config
 from tetrad.model.attention import _pass_on
 from tetrad.parallel.data import GradReducer
-from tetrad.dist.layout import Layout, shard_sequence
+from tetrad.dist.layout import Layout
+from tetrad.dist.sequence import shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.train.trainer import build_model
 

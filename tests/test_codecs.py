@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import assert_parity, run_ranks, tiny_config, train_layout
-from tetrad.dist.codecs import powersgd_shape
+from tetrad.dist.codec_shapes import powersgd_shape
 from tetrad.model.sharding import spec_of
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.train.trainer import Trainer

@@ -9,7 +9,8 @@ import torch
 from conftest import assert_all_within, assert_parity, run_ranks, tiny_config, train_layout
 from tetrad.config import ConfigError
 from tetrad.model import attention as attn
-from tetrad.dist.layout import Layout, load_balanced_order, shard_sequence
+from tetrad.dist.layout import Layout
+from tetrad.dist.sequence import load_balanced_order, shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model.execution import Execution
 from tetrad.train.trainer import build_model

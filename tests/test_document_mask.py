@@ -13,7 +13,8 @@ from conftest import DOC_EOS as EOS, assert_all_within, assert_parity, doc_shard
 from tetrad.config import ConfigError
 from tetrad.data.checks import check_data
 from tetrad.data.sources import load_tokens
-from tetrad.dist.layout import Layout, shard_sequence
+from tetrad.dist.layout import Layout
+from tetrad.dist.sequence import shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model import attention as attn
 from tetrad.model.documents import Documents, document_ids

@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_config
 from tetrad.config.sections import bucket_bytes
-from tetrad.dist.codecs import INT8_BLOCK
+from tetrad.dist.codec_shapes import INT8_BLOCK
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import spec_of
 from tetrad.parallel.data.buffers import lay_out

@@ -318,3 +318,22 @@ def test_plan_write_runs_in_a_folder_of_the_layouts_own(tmp_path, capsys):
     assert main(["plan", str(config), "--cluster", "dgx-h100", "--global-batch", "16", "--top", "1",
                  "--write", str(out), f"--run.dir={tmp_path / 'chosen'}"]) == 0
     assert load_config(out).run.dir == str(tmp_path / "chosen")
+
+
+def test_estimate_and_plan_load_no_torch_unless_a_mask_asks_the_runtimes_kernel():
+    """torch takes ~1.7 s to load, most of a `tetrad estimate`: the planner's commands load it only
+    to ask the runtime's attention kernel for a masked model (plan/kernels.py)."""
+    import subprocess
+    import sys
+    commands = {False: [["estimate", "--cluster", "dgx-h100", "--model.preset=llama3-8b", "--json"],
+                        ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "64", "--top", "2"]],
+                True: [["estimate", "--cluster", "dgx-h100", "--model.preset=llama3-8b", "--model.sliding_window=1024",
+                        "--train.dtype=bf16"]]}
+    for loads, runs in commands.items():
+        for args in runs:
+            code = ("import contextlib, io, sys\nfrom tetrad.cli import main\n"
+                    f"with contextlib.redirect_stdout(io.StringIO()):\n    rc = main({args!r})\n"
+                    "print(rc, 'torch' in sys.modules)")
+            rc, loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                        check=True).stdout.split()
+            assert rc in ("0", "1") and loaded == str(loads), (args, rc, loaded)

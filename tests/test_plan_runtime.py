@@ -53,7 +53,11 @@ LAYOUTS = [({"tp": 2, "sequence_parallel": True}, {}, {}), ({"dp": 2, "zero": 3}
            ({"dp": 2, "zero": 1, "grad_codec": "int8", "grad_bucket_mb": 0.01}, {}, {}),
            # Gemma 3: sandwich norms (replicated, summed over tp under SP) and qk-norm, per-layer windows
            ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}, GEMMA3),
-           ({"pp": 2, "dp": 2, "zero": 3}, {}, GEMMA3)]
+           ({"pp": 2, "dp": 2, "zero": 3}, {}, GEMMA3),
+           # under recompute the MLP's last tp reduction runs again: its output is the saved input of
+           # the sandwich norm after it (fuzz_estimate 41058, 41085, 41089)
+           ({"tp": 2}, {"recompute": "full"}, GEMMA3),
+           ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective-op"}, GEMMA3)]
 # MoE (model/moe.py): the dense MLP's tp collectives, the router's gradient summed over tp (as qk-norm's),
 # every expert's gradients over dp; ZeRO-3 gathers [E, H, d] tensors
 MOE = {"n_experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96}

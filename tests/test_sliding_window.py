@@ -14,7 +14,7 @@ from conftest import assert_all_within, assert_parity, doc_shards, run_ranks, ti
     train_layout
 from test_document_mask import _documents, _ring_rank, _ring_reference
 from tetrad.config import ConfigError, idle_settings
-from tetrad.dist.layout import shard_sequence
+from tetrad.dist.sequence import shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model import attention as attn, flops
 from tetrad.model.masks import ring_blocks, visibility

@@ -22,7 +22,7 @@ def test_layout_properties(layout):
     # every rank has exactly one coordinate and every coordinate one rank
     assert len({tuple(c.values()) for c in coords}) == world
     for r, c in enumerate(coords):
-        assert int(layout.grid()[c["pp"], c["dp"], c["cp"], c["tp"]]) == r
+        assert layout.grid()[c["pp"]][c["dp"]][c["cp"]][c["tp"]] == r
         assert layout.rank_at(c) == r
     for dims in [("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp")]:
         groups = layout.groups(dims)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from conftest import run_ranks
 from host_reads import HostReads
-from tetrad.dist.layout import Layout, shard_sequence
+from tetrad.dist.layout import Layout
+from tetrad.dist.sequence import shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model import attention as attn
 from tetrad.model.documents import Documents

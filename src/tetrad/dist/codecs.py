@@ -8,13 +8,10 @@ this step is added back before compressing the next, so the error does not accum
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-INT8_BLOCK = 256  # elements sharing one scale
-POWERSGD_RANK = 4
+from tetrad.dist.codec_shapes import INT8_BLOCK, POWERSGD_RANK, powersgd_shape
 
 
 class Then:
@@ -35,10 +32,6 @@ class Plain:
     the checkpoint as {"KIND.BUCKET": tensor} (KIND one of STATE)."""
 
     STATE: tuple[str, ...] = ()
-    # Each element's sum depends on that element's values alone. int8's block scales and
-    # PowerSGD's low rank mix a bucket's elements, so tp ranks, whose buckets differ, get
-    # different sums of a tp-replicated parameter's identical gradients (GradReducer.reduce).
-    ELEMENTWISE = True
     # The dtype ZeRO >= 2's reduce-scatter sums in under this codec (None: the gradients', fp32).
     # Only an elementwise cast can: int8's shared block scales and PowerSGD's factors need the
     # whole bucket on every rank (config.validate refuses them with ZeRO >= 2).
@@ -75,7 +68,6 @@ class Int8(Plain):
     the N-rank sum inside int8. About 4x fewer bytes than fp32 (1 byte + 4/INT8_BLOCK per value)."""
 
     STATE = ("residual",)
-    ELEMENTWISE = False
 
     def __init__(self, group_size: int):
         self.levels = 127 // group_size
@@ -105,7 +97,6 @@ class PowerSGD(Plain):
     (error feedback)."""
 
     STATE = ("residual", "q")
-    ELEMENTWISE = False
 
     def __init__(self, group_size: int, rank: int = POWERSGD_RANK):
         self.n, self.rank = group_size, rank
@@ -133,19 +124,6 @@ class PowerSGD(Plain):
             err.copy_(m.view(-1)[:n] - approx / self.n)
             flat.copy_(approx)
         return Then(comm.all_reduce(q, group, async_op=True), finish)
-
-
-def powersgd_shape(n: int, rank: int = POWERSGD_RANK) -> tuple[int, int]:
-    """(rows, cols) of the matrix PowerSGD sees a bucket of n values as: the factorisation of n
-    nearest a square below it, or, where that would not compress (a prime n gives [n, 1], and P
-    alone would send `rank` times the bucket), a near-square one, zero-padded."""
-    cols = max(1, math.isqrt(n))
-    while n % cols:
-        cols -= 1
-    if (n // cols + cols) * rank < n:
-        return n // cols, cols
-    cols = math.isqrt(n - 1) + 1 if n > 1 else 1  # ceil(sqrt(n))
-    return -(-n // cols), cols
 
 
 def make_codec(name: str, group_size: int):

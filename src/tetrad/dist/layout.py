@@ -1,4 +1,5 @@
-"""The parallel dimensions, where every rank sits in their grid, and which tokens a cp rank holds.
+"""The parallel dimensions and where every rank sits in their grid (dist/sequence.py: which tokens
+a cp rank holds).
 
 The dimensions are data (DIMENSIONS): each says whether the ranks along it hold the same weights
 (then gradients are summed over it: the gradient group is the flattened product of those) and
@@ -6,7 +7,7 @@ which comm_bytes key its traffic is reported under. Adding one is a field of `La
 entry here; the topology's groups, the gradient group, the clipping norm's groups and the metrics
 follow from it. Expert parallelism is not one: it splits dp (`Layout.ep`, EP and EXPERT_GRAD).
 
-Pure arithmetic, no process groups (tested over every factorisation). world = pp x dp x cp x tp
+Pure arithmetic, no process groups and no torch (tested over every factorisation). world = pp x dp x cp x tp
 with tp fastest, then cp, then dp, pp slowest (Megatron's order), so tensor-parallel groups are
 consecutive ranks inside one node and pipeline stages are the outermost dimension. Nothing else
 in tetrad computes ranks by hand.
@@ -17,8 +18,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-
-import torch
 
 
 
@@ -65,9 +64,13 @@ class Layout:
     def world_size(self) -> int:
         return math.prod(self.sizes)
 
-    def grid(self) -> torch.Tensor:
-        """Rank of every coordinate, indexed in DIMS order; the DeviceMesh is built from this."""
-        return torch.arange(self.world_size).reshape(self.sizes)
+    def grid(self) -> list:
+        """Rank of every coordinate, as lists nested in DIMS order (grid[pp][dp][cp][tp]); the
+        DeviceMesh is built from this."""
+        ranks: list = list(range(self.world_size))
+        for size in reversed(self.sizes[1:]):  # tp's runs first, then cp's, then dp's
+            ranks = [ranks[i:i + size] for i in range(0, len(ranks), size)]
+        return ranks
 
     def coords(self, rank: int) -> dict[str, int]:
         """The coordinate of `rank` along every dimension."""
@@ -86,11 +89,13 @@ class Layout:
         return rank
 
     def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
-        """Every group spanning `dims` (the other coordinates fixed), each as a sorted rank list."""
-        keep = [DIMS.index(d) for d in dims]
-        fixed = [i for i in range(len(DIMS)) if i not in keep]
-        size = math.prod(self.sizes[i] for i in keep)
-        return [row.tolist() for row in self.grid().permute(fixed + sorted(keep)).reshape(-1, size)]
+        """Every group spanning `dims` (the other coordinates fixed), each as a sorted rank list;
+        the groups in the order of their fixed coordinates."""
+        fixed, kept = [d for d in DIMS if d not in dims], [d for d in DIMS if d in dims]
+
+        def every(names):
+            return [dict(zip(names, at)) for at in itertools.product(*(range(getattr(self, d)) for d in names))]
+        return [[self.rank_at({**outer, **inner}) for inner in every(kept)] for outer in every(fixed)]
 
     @classmethod
     def of(cls, parallel) -> "Layout":
@@ -138,24 +143,3 @@ def factorisations(world: int) -> list[Layout]:
     divs = [d for d in range(1, world + 1) if world % d == 0]
     return [Layout(**dict(zip(DIMS, sizes))) for sizes in itertools.product(divs, repeat=len(DIMS))
             if math.prod(sizes) == world]
-
-
-# ----------------------------------------------------------------------------- sequence under cp
-# The sequence is cut into 2·cp chunks and cp rank i keeps chunks i and 2cp−1−i: under a causal
-# mask an early chunk attends to little and a late one to much, so pairing them gives every rank
-# the same attention work. Tokens, labels and positions are sharded alike, so RoPE, learned
-# positions and the loss all see each token's true position.
-
-def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = -1) -> torch.Tensor:
-    """cp rank `rank`'s two chunks of `x` along `dim`, concatenated (x itself when cp == 1)."""
-    if cp == 1:
-        return x
-    parts = x.chunk(2 * cp, dim)
-    return torch.cat([parts[rank], parts[2 * cp - 1 - rank]], dim)
-
-
-def load_balanced_order(seq_len: int, cp: int, device=None) -> torch.Tensor:
-    """True position of each token when the ranks' shards are laid end to end in rank order
-    (the sequence an all-to-all gathers)."""
-    positions = torch.arange(seq_len, device=device)
-    return torch.cat([shard_sequence(positions, cp, r) for r in range(cp)])

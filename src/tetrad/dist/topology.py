@@ -80,7 +80,7 @@ class Topology:
         """Every group of the job; collective over all ranks, in one fixed order."""
         from torch.distributed.device_mesh import DeviceMesh
         per_dim = tuple((None, self._options(name)) for name in DIMS)
-        self.mesh = DeviceMesh(self.device.type, self.layout.grid(), mesh_dim_names=DIMS,
+        self.mesh = DeviceMesh(self.device.type, torch.tensor(self.layout.grid()), mesh_dim_names=DIMS,
                                backend_override=None if all(o is None for _, o in per_dim) else per_dim)
         for name in DIMS:
             self._add(name, self.layout.group_of(self.rank, (name,)), self.mesh.get_group(name))

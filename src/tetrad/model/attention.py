@@ -39,10 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from tetrad import device as devices
-from tetrad.dist.layout import load_balanced_order
+from tetrad.dist.sequence import load_balanced_order
 from tetrad.model.execution import run_eagerly
 from tetrad.model.documents import Documents
-from tetrad.model.masks import RingMasks, additive_bias, block_visibility, hides_keys, ring_blocks, sequence_bias
+from tetrad.model.flops import hides_keys
+from tetrad.model.masks import RingMasks, additive_bias, block_visibility, ring_blocks, sequence_bias
 from tetrad.model.replay import RingReplay
 from tetrad.model.varlen import Packing, sequence_packing, varlen_attention
 
@@ -112,8 +113,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q: [b, s, heads, d]; k, v: [b, s, kv_heads, d] (grouped-query when kv_heads < heads); docs:
     the sequence's mask as `sequence_mask` makes it (shared by the layers: the window is in it), a
     bias [b or 1, 1, s, s] or a `Packing`, or its `Documents` (or None) to make it here.
-    Returns [b, s, heads, d].
-    """
+    Returns [b, s, heads, d]."""
     mask = docs if isinstance(docs, (torch.Tensor, Packing)) else \
         sequence_mask(docs, window, q.shape[0], q.shape[1], q.dtype, q.device, q.shape[-1])
     if isinstance(mask, Packing):  # eager: the segments change every micro-batch (no recompile)

@@ -156,6 +156,12 @@ def attention_core_flops(m: ModelConfig, seq_len: int) -> float:
     return 2 * 2 * keys * m.n_heads * m.head_dim
 
 
+def hides_keys(window: int, length: int) -> bool:
+    """Whether a sliding window of `window` keys hides any causal key in a sequence of `length`
+    tokens: 0 is no window, and one of `length` or more lets every query see all it would."""
+    return 0 < window < length
+
+
 def layer_windows(m: ModelConfig) -> list[int]:
     """Each layer's sliding window (0: none): model.sliding_window, but in layer_types' full layers."""
     return [m.window_of(i) for i in range(m.n_layers)]

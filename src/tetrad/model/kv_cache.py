@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tetrad.model.attention import local_attention
-from tetrad.model.masks import hides_keys, visibility
+from tetrad.model.flops import hides_keys
+from tetrad.model.masks import visibility
 
 
 class LayerCache:

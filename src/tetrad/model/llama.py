@@ -26,7 +26,7 @@ from tetrad.config import ModelConfig
 from tetrad.model.attention import attention, sequence_mask, uses_varlen
 from tetrad.model.documents import Documents
 from tetrad.model.kv_cache import LayerCache, cached_attention, padded_visibility
-from tetrad.model.masks import hides_keys
+from tetrad.model.flops import hides_keys
 from tetrad.model.moe import MoE
 from tetrad.model.replay import RingReplay
 from tetrad.model.rope import apply_rope, rope_frequencies, rope_tables, uses_long_factors

@@ -17,14 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tetrad.dist.layout import shard_sequence
+from tetrad.dist.sequence import shard_sequence
+from tetrad.model.flops import hides_keys
 from tetrad.model.documents import Documents
-
-
-def hides_keys(window: int, length: int) -> bool:
-    """Whether a sliding window of `window` keys hides any causal key in a sequence of `length`
-    tokens: 0 is no window, and one of `length` or more lets every query see all it would."""
-    return 0 < window < length
 
 
 def visibility(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int = 0, ids_q: torch.Tensor | None = None,

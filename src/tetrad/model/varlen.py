@@ -20,7 +20,7 @@ import torch
 
 from tetrad import device as devices
 from tetrad.model.documents import Documents
-from tetrad.model.masks import hides_keys
+from tetrad.model.flops import hides_keys
 
 
 # flash_api.cpp launches its kernels on a grid (query blocks, segments, heads), and CUDA caps a

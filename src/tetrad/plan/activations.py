@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from tetrad.config import Config, ModelConfig
 from tetrad.model import flops
-from tetrad.model.masks import hides_keys
+from tetrad.model.flops import hides_keys
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_chunk_layers
 from tetrad.plan import moe

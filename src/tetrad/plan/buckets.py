@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes, shard_ranks
-from tetrad.dist.codecs import INT8_BLOCK, powersgd_shape
+from tetrad.dist.codec_shapes import INT8_BLOCK, powersgd_shape
 from tetrad.model.flops import layer_model
 from tetrad.parallel.bucketing import bucket_contents, padded_size
 from tetrad.parallel.pipeline.split import layer_split, rank_stages

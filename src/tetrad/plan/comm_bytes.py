@@ -4,7 +4,7 @@ must equal for the same layout (tests/test_plan_runtime.py, tests/test_breakdown
 from __future__ import annotations
 
 from tetrad.config import Config
-from tetrad.dist.codecs import INT8_BLOCK, POWERSGD_RANK, make_codec
+from tetrad.dist.codec_shapes import INT8_BLOCK, POWERSGD_RANK, sums_elementwise
 from tetrad.config.sections import shard_ranks, zero_shard
 from tetrad.dist.layout import GRAD_DIMS, Layout
 from tetrad.model import flops
@@ -70,8 +70,9 @@ def _tp_bytes(cfg: Config) -> float:
     per_layer = 2 * hidden * (2 if sp else 1)
     # Full and per-op recompute repeat the layer's forward up to its last saved tensor: torch's
     # non-reentrant checkpoint stops there. That is the MLP's output projection input, before the
-    # final row-parallel all-reduce / reduce-scatter, or with residual dropout its mask, after it.
-    last = 0 if m.dropout > 0 else hidden
+    # final row-parallel all-reduce / reduce-scatter, or after it with residual dropout (its mask)
+    # or a sandwich norm (its input, the reduction's output).
+    last = 0 if m.dropout > 0 or m.sandwich_norm else hidden
     recomputed = per_layer - last if t.recompute in ("full", "selective-op") else 0
     per_micro = layers * (2 * per_layer + recomputed) + hidden * (2 if sp else 1)
     if p.pp == 1:
@@ -80,7 +81,7 @@ def _tp_bytes(cfg: Config) -> float:
         # (an MoE layer's input is gathered once, by tp_input, and kept: no fc1 regather; a shared
         # expert reads that one too)
         per_micro += hidden * (2 * layers - _moe_layers(cfg) + (p.pp == 1))
-    averaged = not make_codec(p.grad_codec, p.dp * p.cp).ELEMENTWISE
+    averaged = not sums_elementwise(p.grad_codec, p.dp * p.cp)
     buckets = rank_buckets(cfg)[0]
     summed = buckets.heads + (buckets.replicated if sp or averaged else 0)  # qk-norm: always
     return cfg.microbatches * per_micro + 4 * summed + step_sums(cfg)

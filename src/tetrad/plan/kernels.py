@@ -1,16 +1,12 @@
 """Which kernel runs a tetrad run's masked attention (documents, a sliding window), for the time
 (layer.py) and memory (memory.py) models: the runtime's own choice (model/attention.py
-choose_kernel, through `uses_varlen`), asked here rather than written again."""
+choose_kernel, through `uses_varlen`), asked here rather than written again. Asking loads torch
+(1.7 s of a `tetrad estimate`), so it is imported where a model has masked attention alone."""
 
 from __future__ import annotations
 
-import torch
-
 from tetrad.config import Config
-from tetrad.device import DTYPES
-from tetrad.model.attention import uses_varlen
-from tetrad.model.flops import layer_windows
-from tetrad.model.masks import hides_keys
+from tetrad.model.flops import hides_keys, layer_windows
 
 
 def masked_attention(cfg: Config, is_cpu: bool = False) -> str | None:
@@ -26,5 +22,8 @@ def masked_attention(cfg: Config, is_cpu: bool = False) -> str | None:
         return None
     if p.cp > 1 and p.cp_algo == "ring":
         return "ring"
+    import torch
+    from tetrad.device import DTYPES
+    from tetrad.model.attention import uses_varlen
     dtype = DTYPES.get(t.dtype, torch.bfloat16)  # fp8 (the planner's alone): 16-bit activations
     return "varlen" if uses_varlen("cpu" if is_cpu else "cuda", dtype, m.head_dim) else "square"

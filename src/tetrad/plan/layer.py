@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tetrad.config import Config
 from tetrad.config.sections import shard_ranks
 from tetrad.model import flops
-from tetrad.model.masks import hides_keys
+from tetrad.model.flops import hides_keys
 from tetrad.plan.comm_bytes import scatter_bytes
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.kernels import masked_attention

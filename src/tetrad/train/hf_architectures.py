@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tetrad.config import ConfigError
-from tetrad.model.masks import hides_keys
+from tetrad.model.flops import hides_keys
 from tetrad.train.hf_gemma import (GEMMA_TYPES, RENAMED, TEXT_TOWER, gemma3_rope, gemma_architecture, gemma_config,
                                    gemma_export_problem, gemma_keys, gemma_type)
 from tetrad.train.hf_moe import moe_architecture, moe_export_problem, moe_hf_name, moe_keys, moe_type, split_experts

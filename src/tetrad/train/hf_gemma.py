@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tetrad.config import ConfigError
-from tetrad.model.masks import hides_keys
+from tetrad.model.flops import hides_keys
 
 GEMMA_TYPES = ("gemma", "gemma3_text")
 # model_type -> tetrad layer names whose HF tensor differs from Llama's (hf_architectures.LAYER_NAMES)

@@ -23,7 +23,8 @@ from tetrad import device as devices
 from tetrad.config import Config
 from tetrad.config.sections import zero_shard
 from tetrad.dist import autotune, watchdog
-from tetrad.dist.layout import GRAD, REPORTED, WEIGHT_SPLIT_DIMS, Layout, shard_sequence
+from tetrad.dist.layout import GRAD, REPORTED, WEIGHT_SPLIT_DIMS, Layout
+from tetrad.dist.sequence import shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model.llama import set_execution
 from tetrad.model.sharding import full_state_dict, initial_value

@@ -40,7 +40,8 @@ import torch
 import torch.nn as nn
 
 from tetrad.config.sections import bucket_bytes
-from tetrad.dist.codecs import INT8_BLOCK, make_codec
+from tetrad.dist.codec_shapes import INT8_BLOCK, sums_elementwise
+from tetrad.dist.codecs import make_codec
 from tetrad.dist.layout import GRAD, GRAD_DIMS
 from tetrad.model.execution import Execution
 from tetrad.model.layers import ColumnParallelLinear, RowParallelLinear
@@ -86,7 +87,7 @@ class GradReducer:
         self.zero = parallel.zero if parallel else 0
         shard, replica = topo.zero_groups() if self.zero >= 1 else (GRAD, None)
         n = topo.size(GRAD)
-        codec = parallel.grad_codec if parallel else "none"
+        codec = self.codec_name = parallel.grad_codec if parallel else "none"
         self.codec = make_codec(codec, n)
         hierarchical = bool(parallel and parallel.hierarchical is True and n > 1)
         if hierarchical and topo.layout.split_by_node(GRAD_DIMS, topo.ranks_per_node) is None:
@@ -168,7 +169,7 @@ class GradReducer:
         elif tp > 1:
             slices = self._replicated_slices()
             reduce_replicated(split_over_tp(slices, True), self.topo.comm)  # qk-norm: each rank's heads
-            if not self.codec.ELEMENTWISE:  # the tp replicas' sums differ
+            if not sums_elementwise(self.codec_name, self.topo.size(GRAD)):  # the tp replicas' sums differ
                 reduce_replicated(split_over_tp(slices, False), self.topo.comm, average_over=tp)
         if self.zero3:
             self.zero3.free_all()

@@ -22,6 +22,7 @@ from tetrad.dist.topology import Topology
 from tetrad.model.llama import Transformer
 from tetrad.model.sampling import GREEDY
 from tetrad.model.sharding import init_parameters
+from tetrad.plan.moe import expert_hidden_saved, routing_saved_bytes_per_token
 from tetrad.sample import _job, sample_on_this_rank
 from tetrad.train.checkpoint import CheckpointError
 from tetrad.train.checkpoint.store import check_model
@@ -175,6 +176,29 @@ def test_the_output_is_the_weighted_sum_of_the_chosen_experts():
             want = sum(weights[t, j] * (w2[e] @ (torch.nn.functional.silu(w1[e] @ x[0, t]) * (w3[e] @ x[0, t])))
                        for j, e in enumerate(chosen[t].tolist()))
             torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model", [{}, {"mlp": "gelu", "experts_per_token": 4, "expert_ffn_hidden": 64}])
+def test_the_layer_keeps_for_backward_what_the_planner_counts(model):
+    """Autograd's saved tensors of one MoE MLP's forward (its weights aside) are the planner's count
+    for the layer (plan/moe.py): the MLP's input, the routing's tensors and the experts' hidden ones,
+    to the load-balancing loss's [b, E] counts. Summing the experts' outputs back by index_add kept a
+    second [tokens x k, d] copy of them (its source, for its shape): 29% more here at top-4."""
+    net, moe = _layer(**model)
+    weights = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    saved = {}
+
+    def keep(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    x = torch.randn(2, 32, 64, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        moe(x)
+    m, tokens = net.cfg, 64
+    counted = tokens * (m.d_model * 4 + routing_saved_bytes_per_token(m, 4) +
+                        expert_hidden_saved(m) * m.experts_per_token * m.expert_hidden * 4)
+    assert sum(saved.values()) == counted + 2 * m.n_experts * 4  # + the [b, E] counts
 
 
 @pytest.mark.parametrize("mlp", ["swiglu", "geglu", "gelu"])

@@ -12,7 +12,7 @@ from conftest import DOC_EOS as EOS, assert_all_within, assert_parity, doc_shard
     train_layout
 from tetrad.config import ConfigError
 from tetrad.data.checks import check_data
-from tetrad.dist.layout import shard_sequence
+from tetrad.dist.sequence import shard_sequence
 from tetrad.dist.topology import Topology
 from tetrad.model.documents import Documents, document_positions
 from tetrad.train.batches import split_batches

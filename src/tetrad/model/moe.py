@@ -191,7 +191,9 @@ class MoE(nn.Module):
     def _routed(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for each token of `flat` [n, d]: `chosen` [n*k] (token
         t's experts at t*k..t*k+k-1) and their `weights` [n, k]; the rows sorted by expert, each
-        expert's run (over the EP group where it spreads them), the outputs summed back per token."""
+        expert's run (over the EP group where it spreads them), the outputs put back in token order
+        and summed. Not index_add into the tokens: autograd would keep its [n*k, d] source (for
+        its shape alone), another copy of the experts' outputs beside the one the weighing keeps."""
         order = chosen.argsort(stable=True)
         counts = torch.bincount(chosen, minlength=self.router.weight.shape[0])
         rows = order // self.k  # the token of each assignment, in expert order
@@ -199,8 +201,8 @@ class MoE(nn.Module):
             out = self._over_ep(flat[rows], counts)
         else:
             out = self.experts(flat[rows], counts.tolist())
-        out = out * weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(flat).index_add(0, rows, out)
+        by_token = out[order.argsort()].view(-1, self.k, out.shape[-1])  # [n, k, d]
+        return (by_token * weights.unsqueeze(-1)).sum(dim=1)
 
     def _with_balance_loss(self, y: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """`y`, through the Function that gives the load-balancing loss its gradient in backward."""

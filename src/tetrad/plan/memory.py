@@ -195,11 +195,12 @@ def rank_layer_params(cfg: Config) -> list[float]:
             for chunks in rank_chunk_layers(cfg)]
 
 
-def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
-    """Peak bytes of one GPU of each pipeline rank. Its activations are the most its schedule
+def activations_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[tuple[float, float]]:
+    """(activations, transient) bytes at the peak of each pipeline rank: the most its schedule
     holds at once (the pipeline simulator's count of layers' activation sets, zero-bubble's
     BI-to-BW remainders weighed by `after_bi_weight`, and on the last stage the head outputs of
-    the micro-batches whose loss waits for backward, counted when they are held)."""
+    the micro-batches whose loss waits for backward, counted when they are held). The same for
+    every ZeRO stage and optimizer offload of a layout: the planner counts it once for them."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e = activation_bytes(t.dtype)
     tokens = t.micro_batch * m.seq_len // p.cp
@@ -224,6 +225,18 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
     whole, saved = (inflight(p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu),
                              chunks, h / per_layer, shared_bias / per_layer)
                     for h in (saved_head + (logit_bytes - 4) * logits, saved_head))
+    return [(per_layer * whole[r] + rebuilt[r], rebuilt[r] + per_layer * (whole[r] - saved[r])) for r in range(p.pp)]
+
+
+def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool,
+                   activations: list[tuple[float, float]] | None = None) -> list[Memory]:
+    """Peak bytes of one GPU of each pipeline rank: model states, `activations_by_rank` (given, the
+    layout's, or counted here), communication buffers and the rest."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    e = activation_bytes(t.dtype)
+    tokens = t.micro_batch * m.seq_len // p.cp
+    activations = activations or activations_by_rank(cfg, stack, is_cpu)
+    stack = as_run(cfg, stack, is_cpu)
     params, buckets = rank_params(cfg), rank_buckets(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
@@ -237,11 +250,10 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[Memory]:
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
             root = (params[r] - layer_params[r]) * (per_param[0] + 4)
-        acts = per_layer * whole[r] + rebuilt[r]
+        acts, transient = activations[r]
         # Communication buffers are transient, not activations kept for backward: with the
         # allocator's fragmentation they make up `other`.
         other = buffers + root + FRAGMENTATION * (acts + buffers + root) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)
-        transient = rebuilt[r] + per_layer * (whole[r] - saved[r])
         out.append(Memory(weights, grads, optimizer, acts, other, transient))
     return out
 

@@ -4,9 +4,9 @@ The checkpoint (any layout), or a Hugging Face model folder (the base a fine-tun
 is found and checked (`found_weights`) before any weight is read, then read one logical tensor at
 a time into a model on a device in a dtype, whole or a tensor-parallel rank's shard
 (train/inference.py). Decoding runs the prompt once and then one token per step against a KV
-cache (llama.LayerCache: buffers allocated once for the prompt and the new tokens, written in
-place; every token kept, a model.sliding_window attending over its last keys; under tp each rank
-holds its heads'), on the model's device, and texts go through the run's tokenizer
+cache (kv_cache.LayerCache: buffers allocated once for the prompt and the new tokens, written in
+place; a sliding-window layer's holding two windows at most, a global layer's every token; under
+tp each rank holds its heads'), on the model's device, and texts go through the run's tokenizer
 (data/tokenizer.py: bytes for a run on raw text). The prompt's pass computes the logits of its
 last position alone, the one sampled from. The continuation's loss is computed by the model's
 training forward (summed token cross-entropy / tokens, the head run on the continuation's
@@ -57,7 +57,7 @@ def single_process_model(model_cfg: ModelConfig, weights: Mapping[str, torch.Ten
 
 
 class Cache:
-    """The model's KV cache (llama.LayerCache by layer name) and the ids it holds, kept from one
+    """The model's KV cache (kv_cache.LayerCache by layer name) and the ids it holds, kept from one
     chat turn to the next: a turn's prompt starts with the last one's prompt and answer (the
     templates tetrad chats in are incremental: data/chat.py), so only what it adds is run."""
 
@@ -84,7 +84,7 @@ class Cache:
 
     def reserve(self, model: Transformer, tokens: int) -> None:
         """Allocate each layer's keys and values for `tokens` in all (a generation's prompt and new
-        tokens) at its next step, rather than as the cache grows (llama.LayerCache)."""
+        tokens) at its next step, rather than as the cache grows (kv_cache.LayerCache)."""
         for name, block in model.layers.items():
             self.layers.setdefault(name, LayerCache(block.attn.window)).reserve(tokens)
 

@@ -215,6 +215,24 @@ def test_counted_memory_matches_the_estimate_within_15_percent(parallel, train, 
         assert want.activations - want.transient == pytest.approx(got["activations"], rel=0.15), (pp_rank, want, got)
 
 
+@pytest.mark.parametrize("model", [{"experts_per_token": 1, "mlp": "gelu", "expert_ffn_hidden": 64},
+                                   {"experts_per_token": 2, "expert_ffn_hidden": 96}], ids=["top1-gelu", "top2"])
+def test_per_op_recompute_keeps_none_of_an_moe_layers_routing(model):
+    """Under selective-op an MoE layer's routing is recomputed whole: its experts' matmuls, whose
+    number changes with the routing, are not counted among the "every other" ones the policy keeps
+    (model/llama.py), so what autograd saves is what the planner counts (flops.op_checkpoint_matmuls).
+    Counting them kept 21% more at top-1 and 14% less at top-2 than predicted (fuzz_estimate 42296);
+    within 1% now. Only the saved part is compared: the routing rebuilt in backward, which the
+    planner counts as transient, is no saved tensor."""
+    cfg = tiny_config(model={"d_model": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 768, "seq_len": 128,
+                             "n_layers": 4, "n_experts": 4, **model},
+                      parallel={"tp": 2}, train={"steps": 2, "device": "cpu", "warmup": 1, "micro_batch": 2,
+                                                 "global_batch": 8, "recompute": "selective-op"})
+    want = estimate(cfg, load_cluster("cpu")).memory_by_rank[0]
+    for _, history in rank_histories(cfg):
+        assert want.activations - want.transient == pytest.approx(history[-1]["memory_bytes"]["activations"], rel=0.03)
+
+
 def _states_by_shard(cfg):
     """(this rank's index in the group ZeRO shards over, its pipeline rank, its model states
     after two steps: GradReducer.model_state_bytes)."""

@@ -121,18 +121,33 @@ def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
     """One layer's matmuls in the order its forward runs them, as (input width, output width,
     row-parallel, rows per token): q, k, v, the output projection, then gate, up and down (SwiGLU)
     or fc1 and fc2, under MoE the experts' (k rows a token, H wide; the router, small and
-    replicated, left out: recomputed). Row-parallel ones split their input over tp and give the
-    whole hidden state."""
+    replicated, left out). Row-parallel ones split their input over tp and give the whole
+    hidden state."""
     h, q, kv = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     f, k = (m.expert_hidden, m.experts_per_token) if m.n_experts else (m.ffn_hidden, 1)
-    mlp = [(h, f, False, k), (h, f, False, k), (f, h, True, k)] if m.gated_mlp else [(h, f, False, k), (f, h, True, k)]
-    return [(h, q, False, 1), (h, kv, False, 1), (h, kv, False, 1), (q, h, True, 1), *mlp]
+    return [(h, q, False, 1), (h, kv, False, 1), (h, kv, False, 1), (q, h, True, 1), *_mlp_matmuls(m, f, k)]
+
+
+def _mlp_matmuls(m: ModelConfig, f: int, rows: int) -> list[tuple[int, int, bool, int]]:
+    h = m.d_model
+    return [(h, f, False, rows), (h, f, False, rows), (f, h, True, rows)] if m.gated_mlp else \
+        [(h, f, False, rows), (f, h, True, rows)]
+
+
+def op_checkpoint_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
+    """The matmuls `selective-op`'s policy counts, in forward order (model/llama.py): the
+    attention's and the MLP's; under MoE the shared expert's as a dense MLP of its width, the
+    routing (router, routed experts, the shared expert's gate) left out: recomputed whole."""
+    if not m.n_experts:
+        return layer_matmuls(m)
+    shared = _mlp_matmuls(m, m.shared_expert_ffn_hidden, 1) if m.shared_expert_ffn_hidden else []
+    return layer_matmuls(m)[:4] + shared
 
 
 def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
-    """The matmuls whose outputs `selective-op` keeps (every other one, from the first); the
-    rest it recomputes (model/llama.py's policy)."""
-    return layer_matmuls(m)[0::2]
+    """The matmuls whose outputs `selective-op` keeps (every other one it counts, from the first);
+    the rest it recomputes."""
+    return op_checkpoint_matmuls(m)[0::2]
 
 
 def layer_norm_params(m: ModelConfig) -> int:

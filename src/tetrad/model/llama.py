@@ -122,7 +122,7 @@ _ATTENTION_OPS = {aten._scaled_dot_product_flash_attention.default, aten._scaled
 _VARLEN_OP = "torch_attn::_varlen_attn"
 
 
-def _save_attention_and_every_other_matmul(ring: RingReplay, hold=None):
+def _save_attention_and_every_other_matmul(ring: RingReplay, hold=None, mlp: nn.Module | None = None):
     """Per-op selective checkpointing as torchtitan's "op" mode runs it (its `_save_list` and
     policy): the block is recomputed in backward except the attention kernels' outputs and every
     other matmul's (the 1st, 3rd, ... in forward order: q, v, gate and down for a SwiGLU layer),
@@ -131,12 +131,14 @@ def _save_attention_and_every_other_matmul(ring: RingReplay, hold=None):
     Under ring cp the ring keeps its merged output and log-sum-exp itself, and the recompute
     replays them without running the ring (`ring`, the layer's RingReplay): the policy keeps
     nothing from inside it. (torch's recompute finds a kept output by its op and that op's call
-    count; the ring calls no matmul, so skipping it leaves the later matmuls' counts as they were.)"""
+    count; the ring calls no matmul, so skipping it leaves the later matmuls' counts as they were.)
+    An MoE layer's routing (`mlp.routing`: router, experts, gate; their matmuls change in number with
+    the routing) is recomputed whole and not counted; its shared expert's matmuls are."""
     matmuls, held, kept = 0, [], []
 
     def policy(ctx, op, *args, **kwargs):
         nonlocal matmuls
-        if ring.running:
+        if ring.running or getattr(mlp, "routing", False):
             return CheckpointPolicy.PREFER_RECOMPUTE
         matmuls += op is aten.mm.default
         keep = op in _ATTENTION_OPS or op.name() == _VARLEN_OP or (op is aten.mm.default and matmuls % 2 == 1)
@@ -189,7 +191,7 @@ class Block(nn.Module):
         forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
         if self.recompute == "selective-op":
             forward, recompute = _save_attention_and_every_other_matmul(self.attn.ring_replay,
-                                                                         self.attn.ex.weight_grads.hold)
+                                                                         self.attn.ex.weight_grads.hold, self.mlp)
         return forward, _both(recompute, self._replay_dropout())
 
     def _replay_dropout(self):

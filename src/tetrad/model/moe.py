@@ -169,54 +169,58 @@ class MoE(nn.Module):
         width = cfg.shared_expert_ffn_hidden
         self.shared = MLP(cfg, topo, ex, out_std, width) if width else None
         self.shared_gate = Router(cfg, 1) if cfg.shared_expert_gate else None
+        self.routing = False  # inside `_routed` (per-op recompute keeps nothing there: llama.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Under torch.compile the routing and the load-balancing loss run eagerly (`run_eagerly`):
-        the experts' token counts change every call, and the loss's gradient reaches RouterLoss
-        from backward; the router's and the shared expert's projections are compiled."""
+        """The routing (router, top-k, dispatch, experts, combine; the shared expert's gate) and the
+        load-balancing loss run eagerly under torch.compile (`run_eagerly`): the experts' token
+        counts change every call, and the loss's gradient reaches RouterLoss from backward; the
+        shared expert is compiled. Per-op recompute (llama.py) keeps nothing of the routing
+        (`routing`): the number of its matmuls changes with the counts, so it is recomputed whole."""
         total = tp_input(x, self.topo, self.ex)  # [b, s, d]: the whole local sequence
         b, s, d = total.shape
-        flat = total.reshape(b * s, d)
-        probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
-        weights, chosen = probs.topk(self.k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        y = run_eagerly(self._routed, flat, weights.to(x.dtype), chosen.reshape(-1)).view(b, s, d)
-        if self.shared is not None:
-            y = y + self._shared(total)
+        y, gate, probs, chosen = run_eagerly(self._routed, total.reshape(b * s, d))
+        y = y.view(b, s, d)
+        if self.shared is not None:  # its partial output (every tp rank computes the gate whole)
+            shared = self.shared.partial(total)
+            y = y + (shared if gate is None else shared * gate.view(b, s, 1))
         if torch.is_grad_enabled():
             y = run_eagerly(self._with_balance_loss, y, probs.view(b, s, -1), chosen.view(b, s * self.k))
         return reduce_tp_output(y, self.topo, self.ex)
 
-    def _routed(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum for each token of `flat` [n, d]: `chosen` [n*k] (token
-        t's experts at t*k..t*k+k-1) and their `weights` [n, k]; the rows sorted by expert, each
-        expert's run (over the EP group where it spreads them), the outputs put back in token order
-        and summed. Not index_add into the tokens: autograd would keep its [n*k, d] source (for
-        its shape alone), another copy of the experts' outputs beside the one the weighing keeps."""
-        order = chosen.argsort(stable=True)
-        counts = torch.bincount(chosen, minlength=self.router.weight.shape[0])
-        rows = order // self.k  # the token of each assignment, in expert order
-        if self.topo.size(EP) > 1:
-            out = self._over_ep(flat[rows], counts)
-        else:
-            out = self.experts(flat[rows], counts.tolist())
-        by_token = out[order.argsort()].view(-1, self.k, out.shape[-1])  # [n, k, d]
-        return (by_token * weights.unsqueeze(-1)).sum(dim=1)
+    def _routed(self, flat: torch.Tensor):
+        """(the routed experts' weighted sum for each token of `flat` [n, d], the shared expert's
+        gate sigmoid(x w_g) [n, 1] or None, the router's fp32 probabilities [n, E], each token's
+        chosen experts [n*k]: token t's at t*k..t*k+k-1). The rows are sorted by expert, each
+        expert runs on its own (over the EP group where it spreads them), and the outputs go back
+        to token order to be summed: not by index_add into the tokens, whose backward would keep
+        its [n*k, d] source (for its shape alone), a second copy of the experts' outputs."""
+        self.routing = True
+        try:
+            probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
+            weights, chosen = probs.topk(self.k, dim=-1)
+            if self.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            chosen = chosen.reshape(-1)
+            order = chosen.argsort(stable=True)
+            counts = torch.bincount(chosen, minlength=probs.shape[-1])
+            rows = order // self.k  # the token of each assignment, in expert order
+            if self.topo.size(EP) > 1:
+                out = self._over_ep(flat[rows], counts)
+            else:
+                out = self.experts(flat[rows], counts.tolist())
+            by_token = out[order.argsort()].view(-1, self.k, out.shape[-1])  # [n, k, d]
+            y = (by_token * weights.to(flat.dtype).unsqueeze(-1)).sum(dim=1)
+            gate = None if self.shared_gate is None else torch.sigmoid(F.linear(flat, self.shared_gate.weight))
+            return y, gate, probs, chosen
+        finally:
+            self.routing = False
 
     def _with_balance_loss(self, y: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """`y`, through the Function that gives the load-balancing loss its gradient in backward."""
         aux = self._balance_loss(probs, chosen)
         return _RouterLossGradient.apply(y, aux if self.aux_coefficient else aux.detach(), self.ex.router_loss,
                                          self.topo.tp_size)
-
-    def _shared(self, total: torch.Tensor) -> torch.Tensor:
-        """The shared expert's partial output on `total` (the whole local sequence), times its
-        gate's sigmoid where it has one (every tp rank computes the gate whole)."""
-        out = self.shared.partial(total)
-        if self.shared_gate is None:
-            return out
-        return out * torch.sigmoid(F.linear(total, self.shared_gate.weight))
 
     def _over_ep(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for `routed` [n*k, d] (the assignment rows in expert order,

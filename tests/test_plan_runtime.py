@@ -323,20 +323,21 @@ def test_zero_bubble_last_stage_peak_counts_the_head_only_while_a_loss_waits(rec
 
 
 def test_zero_bubble_full_recompute_peak_has_none_of_the_heads_transient():
-    """Full recompute, a layer's set no more than its input: the last stage peaks in a BI, beside
+    """Full recompute, a layer's set no more than its input: each stage peaks as a BI ends, beside
     the earlier micro-batch's remainder, when no loss waits, so none of the head's transient (the
     logits' gradient) is at the peak. Subtracting the most waiting losses' transient put this draw
-    (fuzz_estimate seed 4045) 17% under the count. Left: the BI also holds its layer's
-    checkpointed input until that layer's backward ends (here 3.4% of the count; not modelled,
-    which keeps full <= selective-op <= none per rank: tests/test_plan_memory.py)."""
+    (fuzz_estimate seed 4045) 17% under the count; leaving out the checkpointed input the BI holds
+    until its first layer's backward ends (simulate.peak_held's `bi_end`), 3.4% under on the last
+    stage and 9.7% on the first (fuzz_estimate 42217, an MoE model's first stage: 16%)."""
     cfg = tiny_config(model={"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 128,
                              "vocab_size": 251, "seq_len": 32},
                       parallel={"pp": 2, "schedule": "zb"}, train={"steps": 2, "device": "cpu", "warmup": 1,
                                                                     "micro_batch": 1, "global_batch": 2,
                                                                     "recompute": "full"})
-    want = estimate(cfg, load_cluster("cpu")).memory_by_rank[-1]
-    last = [history[-1]["memory_bytes"] for coords, history in rank_histories(cfg) if coords["pp"] == 1][0]
-    assert want.activations - want.transient == pytest.approx(last["activations"], rel=0.05), (want, last)
+    want = estimate(cfg, load_cluster("cpu")).memory_by_rank
+    for coords, history in rank_histories(cfg):
+        got, plan = history[-1]["memory_bytes"], want[coords["pp"]]
+        assert plan.activations - plan.transient == pytest.approx(got["activations"], rel=0.02), (coords, plan, got)
 
 
 def test_tied_embedding_sum_moves_the_embedding_not_its_buckets_padding():

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
+from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_chunk_layers
 from tetrad.plan.activations import (activation_bytes, after_bi_weight, as_run,
                                      chunk_weights, mask_bias_bytes, norm_saved_bytes, rebuilt_bytes)
@@ -222,10 +224,24 @@ def activations_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[tuple[f
     head_input = hidden / (p.tp if p.sequence_parallel and not stack.sp_saves_gathered_input else 1)
     saved_head = final_norm + head_input + 4 * logits
     shared_bias = mask_bias_bytes(cfg, is_cpu) if t.recompute == "none" else 0.0
-    whole, saved = (inflight(p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu),
-                             chunks, h / per_layer, shared_bias / per_layer)
-                    for h in (saved_head + (logit_bytes - 4) * logits, saved_head))
-    return [(per_layer * whole[r] + rebuilt[r], rebuilt[r] + per_layer * (whole[r] - saved[r])) for r in range(p.pp)]
+    held = partial(inflight, p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu), chunks)
+    whole, saved = (held(h / per_layer, shared_bias / per_layer) for h in (saved_head + (logit_bytes - 4) * logits,
+                                                                            saved_head))
+    if not schedule_spec(p.schedule).splits_backward:
+        return [(per_layer * whole[r] + rebuilt[r], rebuilt[r] + per_layer * (whole[r] - saved[r])) for r in range(p.pp)]
+    # A BI ends holding its chunk's first layer's input beside the remainder it made for BW (its
+    # checkpointed input under recompute, its first norm's otherwise), after the layer it rebuilt
+    # is gone: the saved peak may come there (fuzz_estimate 42217: the count 16% over the estimate, with
+    # full recompute), the whole peak there or while a layer is rebuilt.
+    first_input = (hidden if t.recompute in ("full", "selective-op") else norm_saved_bytes(m, tokens, e, stack)) \
+        / (p.tp if p.sequence_parallel else 1)
+    whole_end, saved_end = (held(h / per_layer, shared_bias / per_layer, first_input / per_layer)
+                            for h in (saved_head + (logit_bytes - 4) * logits, saved_head))
+    out = []
+    for r in range(p.pp):
+        peak = max(per_layer * whole[r] + rebuilt[r], per_layer * whole_end[r])
+        out.append((peak, peak - per_layer * saved_end[r]))
+    return out
 
 
 def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool,

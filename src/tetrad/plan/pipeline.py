@@ -20,10 +20,10 @@ def _schedule(schedule: str, pp: int, m: int, vpp: int):
     return build_schedule(schedule, pp, m, vpp)  # built (and validated) once per shape
 
 
-def _held(schedule: str, pp: int, m: int, vpp: int, *weighing) -> list[float]:
+def _held(schedule: str, pp: int, m: int, vpp: int, *weighing, bi_end: float = 0.0) -> list[float]:
     """simulate.peak_held of one schedule shape (`weighing`: its after_bi, weights, loss and
-    per_set), the shape's arrays built once."""
-    return peak_held(_schedule(schedule, pp, m, vpp), *weighing, terms=_terms(schedule, pp, m, vpp))
+    per_set; `bi_end`), the shape's arrays built once."""
+    return peak_held(_schedule(schedule, pp, m, vpp), *weighing, terms=_terms(schedule, pp, m, vpp), bi_end=bi_end)
 
 
 @lru_cache(maxsize=256)
@@ -50,19 +50,20 @@ def _simulate(schedule: str, pp: int, m: int, vpp: int, f: tuple, bi: tuple, bw:
 
 @lru_cache(maxsize=65536)
 def inflight(schedule: str, pp: int, m: int, vpp: int, after_bi: float = 1.0,
-             chunk_layers: tuple | None = None, loss: float = 0.0, per_set: float = 0.0) -> tuple[float, ...]:
+             chunk_layers: tuple | None = None, loss: float = 0.0, per_set: float = 0.0,
+             bi_end: float = 0.0) -> tuple[float, ...]:
     """Peak (micro-batch, chunk) activation sets alive per rank, from the schedule's order
     (zero-bubble's BI-to-BW remainders weighing `after_bi` sets: memory.after_bi_weight); with
     `chunk_layers` (split.chunk_layers) each set weighs its chunk's layers: the peak in layers'
     sets, right for chunks of unequal size; with `loss`, the last stage's waiting losses too, each
-    weighing that many sets, and with `per_set` what every set carries beside its layers
-    (simulate.peak_held). Past the warm-up the peak grows by the same
+    weighing that many sets, with `per_set` what every set carries beside its layers and with
+    `bi_end` what a BI holds of its set as it ends (simulate.peak_held). Past the warm-up the peak grows by the same
     amount every pp micro-batches (nothing for 1F1B, pp for GPipe), so a long schedule is read at
     two steady lengths and extended."""
     m0 = _steady(schedule, pp, m)
     if m <= m0 + pp:
-        return tuple(_held(schedule, pp, m, vpp, after_bi, chunk_layers, loss, per_set))
-    h0, h1 = (_held(schedule, pp, n, vpp, after_bi, chunk_layers, loss, per_set) for n in (m0, m0 + pp))
+        return tuple(_held(schedule, pp, m, vpp, after_bi, chunk_layers, loss, per_set, bi_end=bi_end))
+    h0, h1 = (_held(schedule, pp, n, vpp, after_bi, chunk_layers, loss, per_set, bi_end=bi_end) for n in (m0, m0 + pp))
     return tuple(a + (m - m0) / pp * (b - a) for a, b in zip(h0, h1))
 
 

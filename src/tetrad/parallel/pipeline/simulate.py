@@ -84,7 +84,7 @@ def held_terms(s: Schedule) -> HeldTerms:
 
 
 def peak_held(s: Schedule, after_bi: float = 1.0, weights: tuple | None = None, loss: float = 0.0,
-              per_set: float = 0.0, terms: HeldTerms | None = None) -> list[float]:
+              per_set: float = 0.0, terms: HeldTerms | None = None, bi_end: float = 0.0) -> list[float]:
     """Per rank, the most activation memory held at once, in (mb, chunk) activation sets: a set
     is whole from its F until its B or BI; between BI and BW (zero-bubble) what the weight
     gradients still need (the linears' inputs and output gradients) weighs `after_bi` sets.
@@ -94,12 +94,14 @@ def peak_held(s: Schedule, after_bi: float = 1.0, weights: tuple | None = None, 
     peak of sets that comes when no loss waits (zero-bubble's, after BI) does not take it too.
     `per_set`: what every set carries beside its layers (document masking's bias, one per
     micro-batch and chunk), from its F until its B or BI, in the same units. `terms`: held_terms(s),
-    where the caller keeps it."""
+    where the caller keeps it. `bi_end`: what a BI still holds of its set as it ends, beside the
+    remainder it has made (the chunk's first layer's input, freed by that layer's last backward
+    op), in the same units."""
     t = terms or held_terms(s)
     weight = np.asarray(weights or [[1.0] * s.vpp] * s.pp, dtype=np.float64)
     w = np.take_along_axis(weight, t.chunk, axis=1)
     held = (t.sets + t.after_bi * after_bi) * w + t.sets * per_set + t.sets * t.last * loss
-    return np.cumsum(held, axis=1).max(axis=1, initial=0.0).tolist()
+    return (np.cumsum(held, axis=1) + (t.after_bi > 0) * bi_end).max(axis=1, initial=0.0).tolist()
 
 
 def simulate(s: Schedule, costs: StageCosts, timeline: bool = True) -> SimResult:

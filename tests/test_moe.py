@@ -234,6 +234,25 @@ def test_a_checkpoint_reshards_from_tp1_to_tp2():
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-4, msg=name)
 
 
+def test_a_checkpoint_saved_under_zero_resumes_in_one_process():
+    """Saved under ZeRO-1 over dp2 with a bucket a parameter, each rank's shard of a 3-D expert
+    weight [3, H, d] and its moments is several boxes (a flat range ending inside an expert's rows),
+    which torch's LocalShardsWrapper took for 1-D and 2-D boxes only: the save failed ("No support
+    for view on tensors ndim > 2"; fuzz_layouts --resume seed 46020). Resumed in one process from
+    it, and in the same layout (loading into such boxes), the run continues as the uninterrupted
+    one-process run does."""
+    model, sharded = {"n_experts": 3, "experts_per_token": 2}, {"dp": 2, "zero": 1, "grad_bucket_mb": 0.01}
+    ref_losses, ref_state, _ = train_layout(tiny_config(model=model))
+    src = tiny_config(model=model, parallel=sharded, checkpoint={"every": 3})
+    train_layout(src)
+    step3 = str(Path(src.run.dir) / "checkpoints" / "step_00000003")
+    for parallel in ({}, sharded):
+        losses, state, _ = train_layout(tiny_config(model=model, parallel=parallel, checkpoint={"resume": step3}))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-5)
+        for name in ref_state:
+            torch.testing.assert_close(state[name], ref_state[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_a_checkpoint_compares_the_experts_effective_width():
     """expert_ffn_hidden 0 means ffn_hidden: a checkpoint written with 0 resumes with the same
     width named (and back), and another width is refused by name."""

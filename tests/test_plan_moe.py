@@ -75,13 +75,13 @@ def test_flops_are_the_active_ones():
     router = 3 * MID["n_layers"] * 2 * MID["d_model"] * 8
     assert flops.model_flops_per_token(moe) == flops.model_flops_per_token(active) + router
     assert flops.model_flops_per_token(moe) < 0.5 * flops.model_flops_per_token(total)
-    # selective-op keeps a dense MLP's gate and down projections; an MoE layer's routing it recomputes whole
-    kept_mlp = MID["n_layers"] * 2 * 2 * MID["d_model"] * 2 * 2816
-    for recompute in ("selective", "selective-op", "full"):  # HFU: what recompute repeats, of the active ones
+    # selective-op recomputes a dense MLP's up projection; an MoE layer's routing keeps all its matmuls
+    up = MID["n_layers"] * 2 * MID["d_model"] * 2 * 2816
+    extra_of = {"selective": 0, "selective-op": -up, "full": router / 3}
+    for recompute, more in extra_of.items():  # HFU: what recompute repeats, of the active ones
         extra = flops.hardware_flops_per_token(moe, recompute) - flops.model_flops_per_token(moe)
         dense = flops.hardware_flops_per_token(active, recompute) - flops.model_flops_per_token(active)
-        assert extra == dense + (router / 3 if recompute != "selective" else 0) + \
-            (kept_mlp if recompute == "selective-op" else 0), recompute
+        assert extra == dense + more, recompute
 
 
 def _three(parallel: dict | None = None, train: dict | None = None):

@@ -217,13 +217,13 @@ def test_counted_memory_matches_the_estimate_within_15_percent(parallel, train, 
 
 @pytest.mark.parametrize("model", [{"experts_per_token": 1, "mlp": "gelu", "expert_ffn_hidden": 64},
                                    {"experts_per_token": 2, "expert_ffn_hidden": 96}], ids=["top1-gelu", "top2"])
-def test_per_op_recompute_keeps_none_of_an_moe_layers_routing(model):
-    """Under selective-op an MoE layer's routing is recomputed whole: its experts' matmuls, whose
-    number changes with the routing, are not counted among the "every other" ones the policy keeps
-    (model/llama.py), so what autograd saves is what the planner counts (flops.op_checkpoint_matmuls).
-    Counting them kept 21% more at top-1 and 14% less at top-2 than predicted (fuzz_estimate 42296);
-    within 1% now. Only the saved part is compared: the routing rebuilt in backward, which the
-    planner counts as transient, is no saved tensor."""
+def test_per_op_recompute_keeps_all_of_an_moe_layers_routing_matmuls(model):
+    """Under selective-op an MoE layer's routing keeps every matmul's output (as torchtitan's keeps
+    its grouped GEMMs') outside the "every other" count (model/llama.py): counted, the experts'
+    matmuls, whose number changes with the routing, kept another set each call, 21% more at top-1
+    and 14% less at top-2 than predicted (fuzz_estimate 42296). What autograd saves is now what the
+    planner counts (flops.op_checkpoint_saved_matmuls), within 1%. Only the saved part is compared:
+    the layer rebuilt in backward, which the planner counts as transient, is no saved tensor."""
     cfg = tiny_config(model={"d_model": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 768, "seq_len": 128,
                              "n_layers": 4, "n_experts": 4, **model},
                       parallel={"tp": 2}, train={"steps": 2, "device": "cpu", "warmup": 1, "micro_batch": 2,

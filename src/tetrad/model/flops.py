@@ -137,7 +137,7 @@ def _mlp_matmuls(m: ModelConfig, f: int, rows: int) -> list[tuple[int, int, bool
 def op_checkpoint_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
     """The matmuls `selective-op`'s policy counts, in forward order (model/llama.py): the
     attention's and the MLP's; under MoE the shared expert's as a dense MLP of its width, the
-    routing (router, routed experts, the shared expert's gate) left out: recomputed whole."""
+    routing's (router, routed experts, the shared expert's gate) left out: all kept."""
     if not m.n_experts:
         return layer_matmuls(m)
     shared = _mlp_matmuls(m, m.shared_expert_ffn_hidden, 1) if m.shared_expert_ffn_hidden else []
@@ -145,9 +145,14 @@ def op_checkpoint_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
 
 
 def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
-    """The matmuls whose outputs `selective-op` keeps (every other one it counts, from the first);
-    the rest it recomputes."""
-    return op_checkpoint_matmuls(m)[0::2]
+    """The matmuls whose outputs `selective-op` keeps: every other one it counts, from the first,
+    and under MoE every one of the routing: the router's and the shared expert's gate's (whole on
+    every tp rank, as a row-parallel output), each of a token's k experts'; the rest it recomputes."""
+    kept = op_checkpoint_matmuls(m)[0::2]
+    if m.n_experts:
+        kept += [(m.d_model, m.n_experts + m.shared_expert_gate, True, 1),
+                 *_mlp_matmuls(m, m.expert_hidden, m.experts_per_token)]
+    return kept
 
 
 def layer_norm_params(m: ModelConfig) -> int:

@@ -132,16 +132,19 @@ def _save_attention_and_every_other_matmul(ring: RingReplay, hold=None, mlp: nn.
     replays them without running the ring (`ring`, the layer's RingReplay): the policy keeps
     nothing from inside it. (torch's recompute finds a kept output by its op and that op's call
     count; the ring calls no matmul, so skipping it leaves the later matmuls' counts as they were.)
-    An MoE layer's routing (`mlp.routing`: router, experts, gate; their matmuls change in number with
-    the routing) is recomputed whole and not counted; its shared expert's matmuls are."""
+    An MoE layer's routing (`mlp.routing`: router, experts, the shared expert's gate) keeps every
+    matmul's output, as torchtitan's keeps its grouped GEMMs', outside the count (their number
+    changes with the routing: counted, "every other" would keep another set each call); its
+    shared expert's matmuls are counted."""
     matmuls, held, kept = 0, [], []
 
     def policy(ctx, op, *args, **kwargs):
         nonlocal matmuls
-        if ring.running or getattr(mlp, "routing", False):
+        if ring.running:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        matmuls += op is aten.mm.default
-        keep = op in _ATTENTION_OPS or op.name() == _VARLEN_OP or (op is aten.mm.default and matmuls % 2 == 1)
+        routing = getattr(mlp, "routing", False)
+        matmuls += op is aten.mm.default and not routing
+        keep = op in _ATTENTION_OPS or op.name() == _VARLEN_OP or (op is aten.mm.default and (routing or matmuls % 2 == 1))
         if keep and hold is not None:
             outputs = ctx.op_output if isinstance(ctx.op_output, tuple) else (ctx.op_output,)
             held.extend(hold(t) for t in outputs if isinstance(t, torch.Tensor))

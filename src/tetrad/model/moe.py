@@ -169,14 +169,14 @@ class MoE(nn.Module):
         width = cfg.shared_expert_ffn_hidden
         self.shared = MLP(cfg, topo, ex, out_std, width) if width else None
         self.shared_gate = Router(cfg, 1) if cfg.shared_expert_gate else None
-        self.routing = False  # inside `_routed` (per-op recompute keeps nothing there: llama.py)
+        self.routing = False  # inside `_routed` (per-op recompute keeps its matmuls' outputs: llama.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The routing (router, top-k, dispatch, experts, combine; the shared expert's gate) and the
         load-balancing loss run eagerly under torch.compile (`run_eagerly`): the experts' token
         counts change every call, and the loss's gradient reaches RouterLoss from backward; the
-        shared expert is compiled. Per-op recompute (llama.py) keeps nothing of the routing
-        (`routing`): the number of its matmuls changes with the counts, so it is recomputed whole."""
+        shared expert is compiled. Per-op recompute (llama.py) keeps every matmul output of the
+        routing (`routing`) outside its count: their number changes with the token counts."""
         total = tp_input(x, self.topo, self.ex)  # [b, s, d]: the whole local sequence
         b, s, d = total.shape
         y, gate, probs, chosen = run_eagerly(self._routed, total.reshape(b * s, d))

@@ -153,11 +153,10 @@ def _gemm_time(gpu: GPU, peak: float, dtype: str, rows: float, k: float, n: floa
 
 def _op_recomputed_gemms(cfg: Config, gpu: GPU, tokens: int) -> float:
     """Seconds of the matmuls `selective-op` recomputes: every other one it counts, from the second
-    (flops.op_checkpoint_matmuls), and under MoE the whole routing, the router and the experts
-    over their balanced shares of the k·tokens rows (`_gemms`' fc1 and fc2)."""
+    (flops.op_checkpoint_matmuls; an MoE layer's routing keeps all of its own)."""
     m, tp, dtype = cfg.model, cfg.parallel.tp, cfg.train.dtype
     peak = gpu.matmul_peak(dtype, cfg.train.tf32)
-    out = sum(_gemms(cfg, gpu, tokens)[0][2:4]) if m.n_experts else 0.0
+    out = 0.0
     for k, n, row, rows in flops.op_checkpoint_matmuls(m)[1::2]:
         k, n = (k / tp, n) if row else (k, n / tp)
         out += _gemm_time(gpu, peak, dtype, tokens * rows, k, n, 1)

@@ -96,6 +96,21 @@ def mesh_on(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
     return DeviceMesh(device_type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names, _init_backend=False)
 
 
+class _Boxes(LocalShardsWrapper):
+    """torch's LocalShardsWrapper for boxes of any rank. DTensor.from_local views the wrapper as its
+    own shape, which torch's takes for several 1-D or 2-D boxes only: a 3-D tensor's ZeRO shard (an
+    MoE layer's expert weights and their moments) can be several boxes on a rank. That view is
+    each box as it is, as torch's own gives for 1-D and 2-D boxes."""
+
+    @staticmethod
+    def handle_view(args, kwargs) -> LocalShardsWrapper:
+        wrapper, shape = args[0], args[1]
+        boxes = wrapper.local_shards()
+        if len(boxes) > 1 and boxes[0].ndim > 2 and list(shape) == list(wrapper.shape):
+            return _Boxes([torch.ops.aten.view.default(b, b.shape, **kwargs) for b in boxes], wrapper.local_offsets())
+        return LocalShardsWrapper.handle_view(args, kwargs)
+
+
 def logical(chunks: list[tuple[tuple[int, ...], torch.Tensor]], full_shape: tuple[int, ...], mesh) -> torch.Tensor:
     """The logical tensor of which this rank holds `chunks`, as DCP saves and loads it: a DTensor
     of the chunks (any boxes; DCP reads and writes them by offset), or the tensor in one process."""
@@ -104,7 +119,7 @@ def logical(chunks: list[tuple[tuple[int, ...], torch.Tensor]], full_shape: tupl
         if tuple(tensor.shape) != tuple(full_shape):
             raise CheckpointError(f"one process holds {tuple(tensor.shape)} of a {full_shape} tensor")
         return tensor
-    wrapper = LocalShardsWrapper([t for _, t in chunks], [o for o, _ in chunks])
+    wrapper = _Boxes([t for _, t in chunks], [o for o, _ in chunks])
     stride = [math.prod(full_shape[d + 1:]) for d in range(len(full_shape))]
     return DTensor.from_local(wrapper, mesh, [Replicate()] * mesh.ndim, run_check=False,
                               shape=torch.Size(full_shape), stride=tuple(stride))

@@ -38,13 +38,16 @@ def _run(recompute, world=1, **sections):
     {},  # one process
     {"model": {"dropout": 0.1}, "parallel": {"tp": 2}},  # tp ranks draw one mask from a shared generator
     {"model": {"dropout": 0.1}, "parallel": {"tp": 2, "sequence_parallel": True}},  # the default generator
+    # Gemma's sandwich norms: the recompute runs past the row linear's all-reduce, whose partial sums
+    # selective-op may keep (reduced in place, they were summed twice: mappings._ReduceFromTP)
+    {"model": {"sandwich_norm": True}, "parallel": {"tp": 2}},
     {"parallel": {"dp": 2, "zero": 3}},  # ZeRO-3 gathers around every block
     {"parallel": {"cp": 2}},  # ring cp: selective-op's recompute replays the ring (RingReplay)
     {"model": {"dropout": 0.1}, "parallel": {"cp": 4}},
     # zero-bubble: the replay runs inside BI's recompute, micro-batches interleaved on each stage
     {"model": {"n_layers": 4}, "parallel": {"pp": 2, "cp": 2, "schedule": "zb"},
      "train": {"micro_batch": 1, "global_batch": 4}},
-], ids=["single", "tp2-dropout", "tp2-sp-dropout", "dp2-zero3", "cp2-ring", "cp4-ring-dropout", "pp2-cp2-zb"])
+], ids=["single", "tp2-dropout", "tp2-sp-dropout", "tp2-sandwich", "dp2-zero3", "cp2-ring", "cp4-ring-dropout", "pp2-cp2-zb"])
 def test_recompute_gives_the_same_losses_and_gradients(case):
     parallel = case.get("parallel", {})
     world = parallel.get("tp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("pp", 1)

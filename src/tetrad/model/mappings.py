@@ -77,11 +77,15 @@ def sequence_shard(t: torch.Tensor, topo, ex: Execution, dim: int = 0) -> torch.
 # ----------------------------------------------------------------------------- autograd Functions
 
 class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward, identity backward (a row linear's partial sums, no SP)."""
+    """g: all-reduce forward, identity backward (a row linear's partial sums, no SP). Into a copy:
+    per-op recompute may keep the partial sums (the row linear's output, llama.py) and hand that
+    very tensor back to its recompute, which reduces it again where the layer's recompute runs past
+    this reduction (a sandwich norm or dropout after it); reduced in place, it was summed twice
+    (Gemma-style blocks at tp2 0.05 off one process's loss in 4 steps)."""
 
     @staticmethod
     def forward(ctx, x, topo):
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)
         topo.comm.all_reduce(x, "tp")
         return x
 

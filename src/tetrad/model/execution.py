@@ -161,11 +161,14 @@ class Execution:
     keeping it gathered.
     split_backward: linear layers route their weight gradients through `weight_grads`, which
     the pipeline executor opens (BI) and applies (BW). router_loss: mixture-of-experts layers'
-    load-balancing loss (RouterLoss)."""
+    load-balancing loss (RouterLoss). op_recompute: blocks run under per-op recompute
+    (`selective-op`, set by llama.set_execution), which may keep a row linear's output: tp's
+    all-reduce of it then runs into a copy (mappings._ReduceFromTP)."""
 
     cp_algo: str = "ring"
     sequence_parallel: bool = False
     sp_regather: bool = False
     split_backward: bool = False
+    op_recompute: bool = False
     weight_grads: DeferredWeightGrads = field(default_factory=DeferredWeightGrads)
     router_loss: RouterLoss = field(default_factory=RouterLoss)

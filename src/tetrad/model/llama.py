@@ -238,6 +238,7 @@ def set_execution(model: nn.Module, recompute: str = "none", compile: bool = Fal
     for block in model.modules():
         if isinstance(block, Block):
             block.recompute = recompute if recompute in ("full", "selective-op") else "none"
+            block.attn.ex.op_recompute = recompute == "selective-op"  # every block's, shared
             block.attn.recompute_core = recompute == "selective"
             block.compiled_body = torch.compile(block.body) if compile else None
 

@@ -77,21 +77,21 @@ def sequence_shard(t: torch.Tensor, topo, ex: Execution, dim: int = 0) -> torch.
 # ----------------------------------------------------------------------------- autograd Functions
 
 class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward, identity backward (a row linear's partial sums, no SP). Into a copy:
-    per-op recompute may keep the partial sums (the row linear's output, llama.py) and hand that
-    very tensor back to its recompute, which reduces it again where the layer's recompute runs past
-    this reduction (a sandwich norm or dropout after it); reduced in place, it was summed twice
-    (Gemma-style blocks at tp2 0.05 off one process's loss in 4 steps)."""
+    """g: all-reduce forward, identity backward (a row linear's partial sums, no SP). In place, but
+    into a copy under per-op recompute (`into_copy`): it may keep the partial sums (the row linear's
+    output, llama.py) and hand that very tensor back to its recompute, which reduces it again where
+    the layer's recompute runs past this reduction (a sandwich norm after it); reduced in place, it
+    was summed twice (Gemma-style blocks at tp2 0.05 off one process's loss in 4 steps)."""
 
     @staticmethod
-    def forward(ctx, x, topo):
-        x = x.clone(memory_format=torch.contiguous_format)
+    def forward(ctx, x, topo, into_copy):
+        x = x.clone(memory_format=torch.contiguous_format) if into_copy else x.contiguous()
         topo.comm.all_reduce(x, "tp")
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -252,7 +252,7 @@ def reduce_tp_output(x: torch.Tensor, topo, ex: Execution) -> torch.Tensor:
         return x
     if ex.sequence_parallel:
         return run_eagerly(_ReduceScatterToSequence.apply, x, topo)
-    return run_eagerly(_ReduceFromTP.apply, x, topo)
+    return run_eagerly(_ReduceFromTP.apply, x, topo, ex.op_recompute)
 
 
 def tp_input(x: torch.Tensor, topo, ex: Execution) -> torch.Tensor:

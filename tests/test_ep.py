@@ -93,6 +93,11 @@ LAYOUTS = {  # name -> (parallel, train)
     "dp2-ep2-tp2-sp-zero2": ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True, "zero": 2}, {}),
     "dp2-ep2-pp2-1f1b": ({"dp": 2, "ep": 2, "pp": 2}, {}),
     "dp2-ep2-cp2-selective": ({"dp": 2, "ep": 2, "cp": 2}, {"recompute": "selective-op"}),
+    # ZeRO-3: each block's experts a bucket gathered over the expert gradient group (of two
+    # ranks; of one at dp2 ep2, whose gathers move nothing) beside the block's over dp x cp
+    "dp4-ep2-zero3": ({"dp": 4, "ep": 2, "zero": 3}, {}),
+    "dp2-ep2-pp2-zb-zero3": ({"dp": 2, "ep": 2, "pp": 2, "schedule": "zb", "zero": 3}, {}),
+    "dp2-ep2-cp2-zero3-full": ({"dp": 2, "ep": 2, "cp": 2, "zero": 3}, {"recompute": "full"}),
 }
 
 
@@ -119,11 +124,13 @@ def test_first_step_gradients_are_one_process_s():
 
 
 @pytest.mark.dist
-def test_under_nccl_semantics_matches_single_process():
+@pytest.mark.parametrize("zero", [2, 3])
+def test_under_nccl_semantics_matches_single_process(zero):
     """Under NCCL's timing of collectives (tests/nccl_collectives.py): ZeRO-2's reduce-scatters of
-    the expert buckets over their own group beside the dense ones, and the dispatch's all-to-alls
+    the expert buckets over their own group beside the dense ones (ZeRO-3: and each block's two
+    gathers, the next block's prefetched, forward and backward), and the dispatch's all-to-alls
     again inside backward (full recompute)."""
-    parallel = {"dp": 4, "ep": 2, "zero": 2}
+    parallel = {"dp": 4, "ep": 2, "zero": zero}
     got = train_layout(_config(parallel, {"recompute": "full"}), transport=partial(NcclSemantics, timeout_s=20),
                        trainer_class=NcclTrainer)
     got[2][-1].pop("posted")
@@ -184,11 +191,14 @@ def test_bf16_tracks_one_process_in_bf16():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("saved,resumed", [({"dp": 2, "ep": 2}, {"dp": 2}), ((), {"dp": 2, "ep": 2, "zero": 1})],
-                         ids=["ep2-to-ep1", "ep1-to-ep2"])
+@pytest.mark.parametrize("saved,resumed", [({"dp": 2, "ep": 2}, {"dp": 2}), ((), {"dp": 2, "ep": 2, "zero": 1}),
+                                           ({"dp": 4, "ep": 2, "zero": 3}, {"dp": 2}),
+                                           ((), {"dp": 4, "ep": 2, "zero": 3})],
+                         ids=["ep2-to-ep1", "ep1-to-ep2", "ep2-zero3-to-ep1", "ep1-to-ep2-zero3"])
 def test_a_checkpoint_resumes_at_another_ep(saved, resumed):
     """The step-3 checkpoint of a run at ep2 resumes at ep1, and one process's at ep2 (ZeRO-1: the
-    optimizer state sharded over the expert group), continuing one process's losses."""
+    optimizer state sharded over the expert group; ZeRO-3: the weights too), continuing one
+    process's losses."""
     (ref_losses, ref_state, _), _ = _trained((), ())
     _, step3 = _trained(tuple(dict(saved).items()), ())
     losses, state, _ = train_layout(_config(resumed, checkpoint={"resume": str(step3)}))
@@ -215,7 +225,6 @@ def test_ep_bytes_over_an_ep_group_are_the_formula():
 
 
 @pytest.mark.parametrize("parallel,message", [
-    ({"zero": 3}, r"parallel\.ep=2 does not take zero=3 yet .*; use zero<=2, or ep=1"),
     ({"zero": 1, "zero_shard": 2}, r"does not take zero_shard=2 yet .*; set zero_shard=0, or ep=1"),
     ({"grad_codec": "bf16"}, r"does not take grad_codec='bf16' yet .*; set grad_codec='none', or ep=1"),
     ({"hierarchical": True}, r"does not take hierarchical=true yet .*; set hierarchical=false, or ep=1"),

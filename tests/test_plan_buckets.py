@@ -33,8 +33,10 @@ CASES = [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"qk_norm": Tru
 # MoE: the router (replicated, its gradient summed over tp as qk-norm's) and each [E, H, d] expert tensor
 CASES += [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"n_experts": 4, "expert_ffn_hidden": 96}),
           ({"tp": 2, "pp": 2, "dp": 2, "zero": 3}, {"n_experts": 3, "experts_per_token": 1, "mlp": "gelu"})]
-# Expert parallelism: the experts' buckets after the dense ones, padded for dp*cp/ep.
+# Expert parallelism: the experts' buckets after the dense ones, padded for dp*cp/ep (ZeRO-3: a bucket
+# of each block's experts, gathered with it).
 CASES += [({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"n_experts": 4, "expert_ffn_hidden": 96}),
+          ({"pp": 2, "dp": 4, "ep": 2, "zero": 3}, {"n_experts": 4, "expert_ffn_hidden": 96, "dense_layers": [1]}),
             ({"tp": 2, "pp": 2, "vpp": 2, "dp": 2, "cp": 2, "ep": 2, "zero": 2, "grad_bucket_mb": 0.01},
              {"n_experts": 4, "n_layers": 4, "tie_embeddings": True, "qk_norm": True})]
 # A shared expert (dense, split over tp) and its gate (replicated, summed over tp as the router's), a dense

@@ -40,10 +40,11 @@ def _mixtral(ep: int, zero: int, **train):
     return _cfg(MIXTRAL, {"tp": 2, "pp": 4, "dp": 8, "ep": ep, "zero": zero, "sequence_parallel": True}, train)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_expert_states_fall_with_ep_as_sharded(zero):
-    """Weights: the rank's E/ep experts. Gradients: E/ep experts' whole (ZeRO 0/1), or their shard
-    over dp/ep ranks (ZeRO-2: the same 1/dp share of all experts at every ep). Optimizer (ZeRO 1/2):
+    """Weights: the rank's E/ep experts (ZeRO-3: their shard over dp/ep ranks, the same 1/dp share
+    of all experts at every ep). Gradients: E/ep experts' whole (ZeRO 0/1), or their shard
+    over dp/ep ranks (ZeRO 2/3: the same 1/dp share of all experts at every ep). Optimizer (ZeRO 1-3):
     the experts' shard over dp/ep ranks of E/ep experts, 1/dp of them at every ep; ZeRO-0 E/ep of
     them. Activations kept for backward are those without ep (balanced routing); the transient
     expert gradients of one layer fall to E/ep."""
@@ -53,8 +54,8 @@ def test_expert_states_fall_with_ep_as_sharded(zero):
     for ep in (2, 4, 8):
         got = estimate(_mixtral(ep, zero), cluster).memory_by_rank[0]
         gone = experts * (1 - 1 / ep)
-        assert got.weights == pytest.approx(base.weights - 2 * gone, rel=1e-6), ep
-        grads = base.grads if zero == 2 else base.grads - 4 * gone
+        assert got.weights == pytest.approx(base.weights - (0 if zero == 3 else 2 * gone), rel=1e-6), ep
+        grads = base.grads if zero >= 2 else base.grads - 4 * gone
         assert got.grads == pytest.approx(grads, rel=1e-6), ep
         optimizer = base.optimizer - (12 * gone if zero == 0 else 0)
         assert got.optimizer == pytest.approx(optimizer, rel=1e-6), ep
@@ -77,6 +78,21 @@ def test_experts_have_buckets_of_their_own_over_their_group():
     assert all(b.padded % 4 == 0 and b.shard == b.padded // 4 for b in two.buckets if b.expert)
     assert all(b.padded % 8 == 0 and b.shard == b.padded // 8 for b in two.buckets if not b.expert)
     assert sum(b.size for b in two.buckets if not b.expert) == sum(b.size for b in one.buckets) - 2 * local
+
+
+def test_under_zero3_each_blocks_experts_are_a_bucket_gathered_with_it():
+    """ZeRO-3 at ep 2 of dp 4: after the blocks' and the rest's buckets, one of each block's two
+    experts, a block bucket (gathered for each use), padded for and sharded over dp/ep = 2 ranks;
+    the dense blocks' buckets hold what they held less the experts."""
+    model = {"preset": "tiny", "n_experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96}
+    parallel = {"dp": 4, "zero": 3}
+    one, two = (rank_buckets(_cfg(model, {**parallel, "ep": ep}))[0] for ep in (1, 2))
+    m = _cfg(model, parallel).model
+    experts = [b for b in two.buckets if b.expert]
+    assert [b.expert for b in two.buckets] == [False] * (m.n_layers + 1) + [True] * m.n_layers
+    assert all(b.block and b.size == 2 * 96 * m.d_model * 3 and b.shard == b.padded // 2 for b in experts)
+    assert [b.size for b in two.buckets[:m.n_layers]] == [b.size - 4 * 96 * m.d_model * 3 for b in one.buckets[:m.n_layers]]
+    assert two.blocks == sum(b.padded for b in two.buckets if b.block)
 
 
 @pytest.mark.parametrize("recompute,again", [("none", 0), ("selective", 0), ("full", 1), ("selective-op", 1)])
@@ -159,7 +175,7 @@ def test_search_tries_every_ep_that_divides_dp_and_the_experts():
 
 
 def test_search_skips_what_ep_refuses():
-    """ZeRO-3 and hybrid ZeRO are never tried with ep > 1; with ep 1 they are."""
+    """Hybrid ZeRO is never tried with ep > 1 (ZeRO-3 is); with ep 1 it is."""
     base = _cfg(MIXTRAL, {}, {"global_batch": 256})
     cluster = load_cluster("h100x64")
     tried = {}
@@ -167,24 +183,30 @@ def test_search_skips_what_ep_refuses():
         layout = Candidate(1, 2, 1, 32, ep, "ring", 1, "1f1b", 1, "full")
         tried[ep] = {(c.parallel.zero, c.parallel.zero_shard)
                      for c, _, _ in _zero_stages(base, layout, cluster, STACKS["tetrad"], 1e9, False)}
-    assert tried[2] == {(0, 0), (1, 0), (2, 0)}
+    assert tried[2] == {(0, 0), (1, 0), (2, 0), (3, 0)}
     assert {(3, 0), (1, 8), (3, 8)} <= tried[1]
 
 
 def test_plan_spreads_experts_where_they_dominate_memory():
     """The fine-grained MoE on one 8-GPU node of 80 GB: the experts' states are most of the memory,
     and the plan spreads them over ep ranks; the same layout with every expert on each rank is
-    slower or does not fit."""
+    slower or does not fit, and holds more (under ZeRO-3 its states are as sharded, but a
+    gathered layer holds every expert); at ZeRO-1 more than twice the weights and gradients."""
     base = _cfg(FINE, {}, {"global_batch": 32})
     cluster = cluster_of("H100-SXM", 8)
     best = plan(base, cluster, top=1).ranked[0]
     assert best.fits and best.cfg.parallel.ep > 1, best.cfg.parallel
-    alone = estimate(dataclasses.replace(best.cfg, parallel=dataclasses.replace(best.cfg.parallel, ep=1)), cluster)
+
+    def at(cfg, **parallel):
+        return estimate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel)), cluster)
+    alone = at(best.cfg, ep=1)
     assert not alone.fits or alone.step_time_s > best.step_time_s
-    assert alone.memory.weights + alone.memory.grads > 2 * (best.memory.weights + best.memory.grads)
+    assert alone.memory.total > best.memory.total
+    spread, alone = at(best.cfg, zero=1), at(best.cfg, zero=1, ep=1)
+    assert alone.memory.weights + alone.memory.grads > 2 * (spread.memory.weights + spread.memory.grads)
 
 
-@pytest.mark.parametrize("setting", ["--parallel.zero=3", "--parallel.zero_shard=2", "--parallel.grad_codec=bf16",
+@pytest.mark.parametrize("setting", ["--parallel.zero_shard=2", "--parallel.grad_codec=bf16",
                                      "--parallel.hierarchical=true"])
 def test_estimate_refuses_what_ep_refuses(setting, capsys):
     argv = ["estimate", "--cluster", "dgx-h100", "--model.preset=tiny", "--model.n_experts=4", "--parallel.dp=4",

@@ -80,15 +80,18 @@ def _name(parallel: dict) -> str:
     return "-".join(f"{k}{v}" for k, v in parallel.items())
 
 
-# Expert parallelism (parallel.ep): the experts' buckets over dp*cp/ep (ZeRO 0-2; a group of one rank,
-# ep = dp, moves nothing), the EP group's all-to-alls (again under full and per-op recompute), with tp+SP,
-# pp and cp. Per rank "ep" follows the routing: the EP group's sum is exact (docs/planner.md).
+# Expert parallelism (parallel.ep): the experts' buckets over dp*cp/ep (ZeRO 0-3, under ZeRO-3 one
+# per block, gathered with it; a group of one rank, ep = dp, moves nothing), the EP group's
+# all-to-alls (again under full and per-op recompute), with tp+SP, pp and cp. Per rank "ep" follows
+# the routing: the EP group's sum is exact (docs/planner.md).
 EP_LAYOUTS = [({"dp": 2, "ep": 2}, {}, MOE), ({"dp": 4, "ep": 2, "zero": 1}, {"micro_batch": 1, "global_batch": 8}, MOE),
               ({"dp": 4, "ep": 4, "zero": 1}, {"micro_batch": 1, "global_batch": 8}, MOE),
               ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True, "zero": 2}, {}, MOE),
               ({"dp": 2, "ep": 2, "pp": 2}, {"recompute": "full"}, MOE),
               ({"dp": 2, "ep": 2, "cp": 2}, {"recompute": "selective-op"}, {**MOE, "mlp": "gelu"}),
-              ({"dp": 2, "ep": 2, "zero": 1}, {}, SHARED)]
+              ({"dp": 2, "ep": 2, "zero": 1}, {}, SHARED),
+              ({"dp": 4, "ep": 2, "zero": 3}, {"micro_batch": 1, "global_batch": 8}, MOE),
+              ({"dp": 2, "ep": 2, "zero": 3}, {}, SHARED)]
 
 
 @pytest.mark.parametrize("parallel,train,model", EP_LAYOUTS, ids=lambda p: _name(p) or "-")
@@ -191,7 +194,8 @@ COUNTED_LAYOUTS += [({"pp": 2}, {}, SHARED_COUNTED),
 # Expert parallelism: a rank's E/ep experts, its activations at the balanced k*tokens rows received.
 EP_COUNTED_LAYOUTS = [({"dp": 2, "ep": 2, "zero": 1}, {}, {"n_experts": 4}),
                       ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"n_experts": 4}),
-                      ({"dp": 2, "ep": 2, "zero": 1}, {}, SHARED_COUNTED)]
+                      ({"dp": 2, "ep": 2, "zero": 1}, {}, SHARED_COUNTED),
+                      ({"dp": 4, "ep": 2, "zero": 3}, {}, {"n_experts": 4})]
 
 
 @pytest.mark.parametrize("parallel,train,model", COUNTED_LAYOUTS + EP_COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")
@@ -252,9 +256,11 @@ TINY_BUCKETS = [({"dp": 2, "zero": 1, "grad_codec": "int8", "grad_bucket_mb": 0.
                 ({"dp": 4, "zero": 3, "zero_shard": 2, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1})]
 
 
-# Expert parallelism: the experts' buckets padded for dp*cp/ep, each rank's moments at its place in that group.
+# Expert parallelism: the experts' buckets padded for dp*cp/ep, each rank's moments at its place in that group
+# (ZeRO-3: its weights' shard too).
 EP_TINY_BUCKETS = [({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1}),
-                   ({"dp": 2, "cp": 2, "ep": 2, "zero": 2, "grad_bucket_mb": 0.002}, {"micro_batch": 1})]
+                   ({"dp": 2, "cp": 2, "ep": 2, "zero": 2, "grad_bucket_mb": 0.002}, {"micro_batch": 1}),
+                   ({"dp": 4, "ep": 2, "zero": 3}, {"dtype": "bf16", "micro_batch": 1})]
 
 
 @pytest.mark.parametrize("parallel,train", TINY_BUCKETS + EP_TINY_BUCKETS, ids=lambda p: _name(p) or "-")

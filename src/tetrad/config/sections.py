@@ -36,8 +36,7 @@ def expert_parallel_blocker(parallel) -> str | None:
     refuses it; the planner skips it."""
     if parallel.ep == 1:
         return None
-    for setting, used, fix in ((f"zero={parallel.zero}", parallel.zero == 3, "use zero<=2"),
-                               (f"zero_shard={parallel.zero_shard}", zero_shard(parallel) > 0, "set zero_shard=0"),
+    for setting, used, fix in ((f"zero_shard={parallel.zero_shard}", zero_shard(parallel) > 0, "set zero_shard=0"),
                                (f"grad_codec={parallel.grad_codec!r}", parallel.grad_codec != "none",
                                 "set grad_codec='none'"),
                                ("hierarchical=true", parallel.hierarchical is True, "set hierarchical=false")):

@@ -6,8 +6,9 @@ communication counts (plan/comm_bytes.py) are sums over them: each bucket's padd
 shape PowerSGD gives it, and which tp-replicated gradients fall into the rank's ZeRO shard,
 which an even split over dp x cp misses by up to a whole norm. Under expert parallelism
 (parallel.ep > 1) a rank holds E/ep of each layer's experts, laid out by the same rule in buckets
-of their own after the dense ones, padded for and sharded over the expert gradient group
-(plan/moe.py `expert_grad_ranks`); at ep = 1 they are dense parameters like any other.
+of their own after the dense ones (ZeRO-3: one per block, gathered with the block's), padded for
+and sharded over the expert gradient group (plan/moe.py `expert_grad_ranks`); at ep = 1 they are
+dense parameters like any other.
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ class _Content(NamedTuple):
 
 @lru_cache(maxsize=1024)
 def _contents(s: Shapes, stages: tuple, ties: bool, zero3: bool, limit: float, apart: bool) -> tuple[_Content, ...]:
-    """The buckets' contents in layout order; `apart` (ep > 1): the experts' after the rest, by the same rule."""
+    """The buckets' contents in layout order; `apart` (ep > 1): the experts' after the rest, by the same
+    rule (ZeRO-3: a bucket of each block's experts)."""
     chunks, tied = stage_parameters(s, stages, ties)
     if apart:
         experts = [[item for item in chunk if item[1] == EXPERTS] for chunk in chunks]
@@ -176,8 +178,12 @@ def _contents(s: Shapes, stages: tuple, ties: bool, zero3: bool, limit: float, a
     contents = bucket_contents(chunks, itemgetter(0), limit, blocks, itemgetter(2) if zero3 else None, tied)
     out = [_content(b, zero3 and k < blocks, tied is not None and k == len(contents) - 1, False)
            for k, b in enumerate(contents)]
-    return tuple(out + ([_content(b, False, False, True) for b in bucket_contents(experts, itemgetter(0), limit)]
-                        if apart else []))
+    if apart and zero3:  # each block's experts a bucket of their own, gathered with the block's
+        out += [_content(b, True, False, True) for b in bucket_contents([[i for c in experts for i in c]], itemgetter(0),
+                                                                        limit, blocks, itemgetter(2)) if b]
+    elif apart:
+        out += [_content(b, False, False, True) for b in bucket_contents(experts, itemgetter(0), limit)]
+    return tuple(out)
 
 
 def _content(bucket: list, block: bool, tied: bool, expert: bool) -> _Content:

@@ -55,6 +55,14 @@ def _moe_layers(cfg: Config) -> int:
     return flops.kind_counts(cfg.model, rank_chunk_layers(cfg)[0]).get(True, 0)
 
 
+def recompute_reduces_output(m) -> bool:
+    """Whether full and per-op recompute run a layer's final row-parallel all-reduce (reduce-scatter
+    under SP) again. They repeat the layer's forward up to its last saved tensor, where torch's
+    non-reentrant checkpoint stops: the MLP's output projection input, before that reduction, or
+    after it with residual dropout (its mask) or a sandwich norm (its input, the reduction's output)."""
+    return m.dropout > 0 or m.sandwich_norm
+
+
 def _tp_bytes(cfg: Config) -> float:
     """Per layer and direction: two all-reduces of the hidden states, or under SP two
     all-gathers and two reduce-scatters, each counted at the full size. The embedding's
@@ -68,12 +76,8 @@ def _tp_bytes(cfg: Config) -> float:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
     per_layer = 2 * hidden * (2 if sp else 1)
-    # Full and per-op recompute repeat the layer's forward up to its last saved tensor: torch's
-    # non-reentrant checkpoint stops there. That is the MLP's output projection input, before the
-    # final row-parallel all-reduce / reduce-scatter, or after it with residual dropout (its mask)
-    # or a sandwich norm (its input, the reduction's output).
-    last = 0 if m.dropout > 0 or m.sandwich_norm else hidden
-    recomputed = per_layer - last if t.recompute in ("full", "selective-op") else 0
+    last = hidden if recompute_reduces_output(m) else 0
+    recomputed = per_layer - hidden + last if t.recompute in ("full", "selective-op") else 0
     per_micro = layers * (2 * per_layer + recomputed) + hidden * (2 if sp else 1)
     if p.pp == 1:
         per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4
@@ -152,8 +156,9 @@ def _dp_bytes(cfg: Config) -> float:
         grads = _all_reduce_bytes(cfg, buckets) - 4 * alone + padded * w
     elif p.zero == 2:
         grads = padded * (micro * scatter_bytes(cfg) + w)
-    else:
-        grads = (2 * micro * buckets.blocks + padded - buckets.blocks) * w + micro * padded * scatter_bytes(cfg)
+    else:  # (ZeRO-3: the experts' buckets are all blocks')
+        blocks = buckets.blocks - alone
+        grads = (2 * micro * blocks + padded - blocks) * w + micro * padded * scatter_bytes(cfg)
     return grads + step_sums(cfg)
 
 

@@ -17,12 +17,13 @@ from tetrad.config import Config
 from tetrad.config.sections import shard_ranks
 from tetrad.model import flops
 from tetrad.model.flops import hides_keys
-from tetrad.plan.comm_bytes import scatter_bytes
+from tetrad.plan.comm_bytes import recompute_reduces_output, scatter_bytes
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.kernels import masked_attention
-from tetrad.plan.links import all_to_all_time, group_link, overlap_slowdown, ring_time
+from tetrad.plan.links import all_to_all_time, expert_grad_stride, group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
-from tetrad.plan.moe import ep_all_to_alls, expert_grad_bytes, rank_layer_params, routing_bytes_per_token
+from tetrad.plan.moe import (ep_all_to_alls, expert_grad_bytes, expert_grad_ranks, rank_layer_params,
+                             routing_bytes_per_token)
 from tetrad.plan.stacks import EAGER_ELEMENTWISE, Stack
 
 GEMM_HALF_DIM = 128  # a GEMM dimension this small reaches half the large-GEMM efficiency (tile quantisation)
@@ -84,7 +85,7 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
         params = rank_layer_params(m, p.tp, p.ep)
         compute_bw += params * 12 / cluster.gpu.hbm_bytes_per_s  # fp32 accumulator: read it and the new gradient, write it
     e = activation_bytes(t.dtype)
-    tp_f, tp_b = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
+    tp_f, tp_b, tp_again = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
     cp_f, cp_b = _cp_exposed(cfg, cluster, tokens, e, attn_f, attn_b)
     ep_f, ep_b = _ep_exposed(cfg, cluster, tokens, e) if m.n_experts else (0.0, 0.0)  # a dense layer has none
     z_f, z_b = _zero3_exposed(cfg, cluster, compute_f, compute_bi + compute_bw)
@@ -97,7 +98,7 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
                  "selective-op": _op_recomputed_gemms(cfg, cluster.gpu, tokens) + elem_f - ring_merge_f + cast_f
                  }[t.recompute]
     if t.recompute in ("full", "selective-op"):  # (the MoE layer's all-to-alls with the rest)
-        tp_b, ep_b = tp_b + tp_f, ep_b + ep_f
+        tp_b, ep_b = tp_b + tp_again, ep_b + ep_f
     return LayerCost(forward=compute_f + tp_f + cp_f + ep_f + z_f,
                      backward_input=compute_bi + tp_b + cp_b + ep_b + z_b,
                      backward_weight=compute_bw, recompute=recompute, compute=compute_f + compute_bi + compute_bw,
@@ -244,27 +245,33 @@ def _shape(d: float) -> float:
     return d / (d + GEMM_HALF_DIM)
 
 
-def _tp_exposed(cfg: Config, cluster: Cluster, stack: Stack, tokens: int, e: int, gemm: list) -> tuple[float, float]:
-    """Exposed TP time per layer per micro-batch, (forward, backward): two all-reduces of the hidden
-    states each way (with SP an all-gather and a reduce-scatter each, the same ring time)."""
+def _tp_exposed(cfg: Config, cluster: Cluster, stack: Stack, tokens: int, e: int,
+                gemm: list) -> tuple[float, float, float]:
+    """Exposed TP time per layer per micro-batch, (forward, backward, the forward's again under full
+    and per-op recompute): two all-reduces of the hidden states each way (with SP an all-gather and
+    a reduce-scatter each, the same ring time); a recompute runs the output's reduction (SP: its
+    reduce-scatter, half the MLP's pair) again only where it reaches it
+    (comm_bytes.recompute_reduces_output), as `comm_bytes` counts."""
     p = cfg.parallel
     if p.tp == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     alpha, bw = group_link(cluster, 1, p.tp)
     one = ring_time("all_reduce", tokens * cfg.model.d_model * e, p.tp, alpha, bw)
+    skipped = 0.0 if recompute_reduces_output(cfg.model) else 0.5 if p.sequence_parallel else 1.0  # of the MLP's
     # Under SP a stack that does not keep the gathered input gathers the qkv and fc1 inputs again
     # in backward, started before (and hidden behind) those linears' input-gradient GEMMs.
     regather = ring_time("all_gather", tokens * cfg.model.d_model * e, p.tp, alpha, bw) \
         if p.sequence_parallel and not stack.sp_saves_gathered_input else 0.0
     if stack.tp_overlap == "none":
-        return 2 * one, 2 * one + 2 * regather
+        return 2 * one, 2 * one + 2 * regather, (2 - skipped) * one
     # The qkv and fc1 input gradients' all-reduces hide behind those linears' weight-gradient GEMMs.
     backward = max(0.0, one - gemm[0]) + max(0.0, one - gemm[2])
     backward += max(0.0, regather - gemm[0]) + max(0.0, regather - gemm[2])
     if stack.tp_overlap == "bwd":
-        return 2 * one, backward
+        return 2 * one, backward, (2 - skipped) * one
     # Async TP also hides the forward's reductions behind the row-parallel GEMMs they follow.
-    return max(0.0, one - gemm[1]) + max(0.0, one - gemm[3]), backward
+    attention, mlp = max(0.0, one - gemm[1]), max(0.0, one - gemm[3])
+    return attention + mlp, backward, attention + (1 - skipped) * mlp
 
 
 def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: float,
@@ -312,15 +319,20 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
     backward also beside the layer's fp32 gradient reduce-scatter. (Its exposed time is counted
     once per step, as ZeRO-2's: `estimate`.) Hybrid ZeRO gathers and reduce-scatters inside its
     blocks; its sum across the replicas runs once a step, in the last backward (the data-parallel
-    reduction's time), not beside every micro-batch's layers."""
+    reduction's time), not beside every micro-batch's layers. Under ep an MoE layer's E/ep experts
+    are gathered and reduce-scattered over the expert gradient group, after the rest."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     n, sharded = p.dp * p.cp, shard_ranks(p)
     if p.zero < 3 or n == 1:
         return 0.0, 0.0
-    alpha, bw = group_link(cluster, p.tp, sharded)
-    params = flops.layer_params(m, p.tp)
-    gather = ring_time("all_gather", params * state_bytes_per_param(t.dtype)[0], sharded, alpha, bw)
-    scatter = ring_time("reduce_scatter", params * scatter_bytes(cfg), sharded, alpha, bw)
+    experts = flops.mlp_matrix_params(m) / p.tp / p.ep if p.ep > 1 and m.n_experts else 0.0
+    n_e = expert_grad_ranks(p)
+    groups = [(rank_layer_params(m, p.tp, p.ep) - experts, sharded, group_link(cluster, p.tp, sharded)),
+              (experts, n_e, group_link(cluster, expert_grad_stride(cluster.gpus_per_node, p.tp, p.cp, p.dp, p.ep),
+                                        n_e))]
+    gather, scatter = (sum(ring_time(op, params * nbytes, ranks, *link) for params, ranks, link in groups if params)
+                       for op, nbytes in (("all_gather", state_bytes_per_param(t.dtype)[0]),
+                                          ("reduce_scatter", scatter_bytes(cfg))))
     gpu = cluster.gpu
     return (max(0.0, gather - forward) + overlap_slowdown(gather, forward, gpu),
             max(0.0, gather - backward) + overlap_slowdown(gather + scatter, backward, gpu))
@@ -343,7 +355,7 @@ def _zero3_copies(cfg: Config, gpu: GPU, stack: Stack) -> tuple[float, float, fl
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.zero < 3 or p.dp * p.cp == 1 or stack.zero3_impl == "buckets":
         return 0.0, 0.0, 0.0
-    params = flops.layer_params(m, p.tp)
+    params = rank_layer_params(m, p.tp, p.ep)
     e, r = state_bytes_per_param(t.dtype)[0], stack.grad_reduce_bytes
     per_byte = params / gpu.hbm_bytes_per_s
     if stack.zero3_impl == "fsdp1":

@@ -297,7 +297,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, padded: int, rank: 
     if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket
         out += 4 * padded
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)
-        layer = max(flops.layer_params(k, p.tp) for k, _ in flops.layer_kinds(m))  # the larger kind's
+        layer = max(moe.rank_layer_params(k, p.tp, p.ep) for k, _ in flops.layer_kinds(m))  # the larger kind's
         out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)
     if p.tp > 1 and p.sequence_parallel and not stack.sp_saves_gathered_input:  # gathered again in backward
         out += 2 * hidden

@@ -208,10 +208,9 @@ def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, u
     with offload (where `offload`, the cluster can cost it and `base` does not offload already)."""
     n = layout.dp * layout.cp
     zeros = (0, 1, 2, 3) if n > 1 else (0,)
-    zeros = zeros[:3] if layout.ep > 1 else zeros  # expert parallelism refuses ZeRO-3 and hybrid ZeRO
     node = cluster.gpus_per_node // layout.tp if cluster.gpus_per_node % layout.tp == 0 else 0  # tp innermost
     composes = base.parallel.grad_codec in ("none", "bf16") and base.parallel.hierarchical is not True
-    composes = composes and layout.ep == 1
+    composes = composes and layout.ep == 1  # expert parallelism refuses hybrid ZeRO
     blocks = (0, node) if composes and 1 < node < n and n % node == 0 else (0,)
     offload = offload and not base.train.offload_optimizer and offload_unknown(cluster) is None
     candidates, activations = [], None

@@ -115,7 +115,7 @@ class GradReducer:
         self.zero3 = None
         if self.zero == 3:
             self.zero3 = ParamGather(self.buckets, self.flat, self.weights.shards, topo, self.execution,
-                                     layout.roots, prefetch, shard)
+                                     layout.block_buckets, layout.roots, prefetch, shard)
             self.zero3.install(model, layout.blocks)
         linears = [m for m in model.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] if model is not None else []

@@ -7,8 +7,9 @@ run at different times); an embedding tied across pipeline stages gets a bucket 
 out alike on both stages. Under ZeRO-3 there is one bucket per transformer block, plus one for
 the rest, as the block is the unit that is gathered. Under expert parallelism the experts' weights
 (ParamSpec.expert_split) get buckets of their own, after the dense ones, laid out by the same rule
-and sharded over the expert gradient group (docs/design.md "Expert parallelism"). The rule itself
-is parallel/bucketing.py's, which the planner follows too (plan/buckets.py).
+(under ZeRO-3 one per block, gathered with the block's) and sharded over the expert gradient group
+(docs/design.md "Expert parallelism"). The rule itself is parallel/bucketing.py's, which the
+planner follows too (plan/buckets.py).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Bucket:
 class BucketLayout:
     buckets: list[Bucket]
     blocks: list[nn.Module]  # ZeRO-3: the blocks whose buckets come first, in order
+    block_buckets: list[list[Bucket]]  # ZeRO-3: each block's buckets, gathered for its use (ep: its experts' too)
     roots: list[Bucket]  # ZeRO-3: the buckets gathered for the whole step (all outside the blocks)
     tied: Bucket | None  # the embedding tied across pipeline stages
     tied_copy: bool  # ... and this rank's is the head's copy
@@ -81,7 +83,8 @@ def lay_out(params: list[nn.Parameter], model: nn.Module | None, zero: int, n: i
     `bucket_contents`' rule. An embedding tied across pipeline stages gets a bucket of its own on
     both stages, so that the two copies' gradient shards line up for their sum (finalize.sum_tied).
     `experts` (expert parallelism: the expert gradient group, its size and this rank's place in
-    it): the experts' weights are laid out apart, by the same rule, after the rest."""
+    it): the experts' weights are laid out apart, by the same rule, after the rest (ZeRO-3: a
+    bucket of each block's experts, in `block_buckets` beside the block's own)."""
     tied = model.tied_weight() if hasattr(model, "tied_weight") else None
     apart = {id(p) for p in params if spec_of(p)[0].expert_split} if experts else set()
     wanted = {id(p) for p in params if p is not tied and id(p) not in apart}
@@ -99,12 +102,20 @@ def lay_out(params: list[nn.Parameter], model: nn.Module | None, zero: int, n: i
     buckets = [Bucket(unit, n, rank, align, k, group) for k, unit in enumerate(contents)]
     roots = buckets[len(blocks):] if zero == 3 else []
     tied_bucket = buckets[-1] if tied is not None else None
-    if apart:  # ZeRO 0-2 (config validation): chunks as above
-        expert_chunks = [[p for p in chunk if id(p) in apart] for chunk in model.chunk_parameters()]
+    block_buckets = [[bucket] for bucket in buckets[:len(blocks)]]
+    if apart:
         name, size, at = experts
-        buckets += [Bucket(unit, size, at, align, len(buckets) + k, name)
-                    for k, unit in enumerate(bucket_contents(expert_chunks, lambda p: p.numel(), bucket_bytes))]
-    return BucketLayout(buckets, blocks, roots, tied_bucket, tied is not None and model.holds_tied_copy)
+        if zero == 3:  # each block's experts a bucket of their own, gathered with the block's
+            units = [unit for unit in bucket_contents([[p for p in params if id(p) in apart]], lambda p: p.numel(),
+                                                      bucket_bytes, len(blocks), lambda p: block(id(p))) if unit]
+        else:  # chunks as above
+            units = bucket_contents([[p for p in chunk if id(p) in apart] for chunk in model.chunk_parameters()],
+                                    lambda p: p.numel(), bucket_bytes)
+        for unit in units:
+            buckets.append(Bucket(unit, size, at, align, len(buckets), name))
+            if zero == 3:
+                block_buckets[block(id(unit[0]))].append(buckets[-1])
+    return BucketLayout(buckets, blocks, block_buckets, roots, tied_bucket, tied is not None and model.holds_tied_copy)
 
 
 def flatten(buckets: list[Bucket], dtype: torch.dtype, device: torch.device, owned_range, initial=None):

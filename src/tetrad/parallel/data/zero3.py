@@ -35,14 +35,19 @@ from tetrad.parallel.data.buffers import Bucket
 
 class ParamGather:
     """Gathers and frees the flat parameter buffers `flat` (one per bucket, freed while not in use)
-    from the persistent shards `shards`; block k owns bucket k, and `roots` come after the
-    blocks'. `prefetch`: how many blocks ahead (behind, in backward) to start gathering. `group`:
-    the shards' group (hybrid ZeRO's shard group: gathers never cross it)."""
+    from the persistent shards `shards`, each bucket over its own group (Bucket.group: hybrid
+    ZeRO's shard group, or the expert gradient group: gathers never cross it). Block k's use
+    gathers `block_buckets[k]` (its bucket, and under expert parallelism its experts'); `roots`
+    are gathered for the whole step. `prefetch`: how many blocks ahead (behind, in backward) to
+    start gathering. `group`, the dense buckets' (hybrid ZeRO's shard group), tells which backend
+    runs the gathers (`scratch_free`), as in MasterWeights."""
 
     def __init__(self, buckets: list[Bucket], flat: list[torch.Tensor], shards: list[torch.Tensor], topo,
-                 execution, roots: list[Bucket], prefetch: int = 1, group: str = GRAD):
-        self.buckets, self.flat, self.shards, self.topo, self.group = buckets, flat, shards, topo, group
+                 execution, block_buckets: list[list[Bucket]], roots: list[Bucket], prefetch: int = 1,
+                 group: str = GRAD):
+        self.buckets, self.flat, self.shards, self.topo = buckets, flat, shards, topo
         self.execution, self.roots, self.prefetch = execution, roots, prefetch
+        self.block_buckets = [[bucket.index for bucket in own] for own in block_buckets]
         self.gathering: dict[int, object] = {}  # bucket index -> its all-gather in flight
         self.scratch_free = collectives.scratch_free(topo, group)  # gloo: gather by in-place broadcasts (collectives.py)
         self.views = [[p.data for p in bucket.params] for bucket in buckets]  # buffers.flatten's views
@@ -62,8 +67,8 @@ class ParamGather:
             bucket = self.buckets[k]
             flat.untyped_storage().resize_(bucket.padded * flat.element_size())
             flat[bucket.lo:bucket.hi].copy_(self.shards[k])
-            self.gathering[k] = collectives.start_gather(self.topo, flat, bucket.shard_size, self.scratch_free,
-                                                              self.group)
+            self.gathering[k] = collectives.start_gather(self.topo, flat, bucket.shard_size,
+                                                         self.scratch_free, bucket.group)
 
     def gather(self, k: int) -> None:
         self.start(k)
@@ -120,24 +125,31 @@ class ParamGather:
         for root in self.roots:
             self.gather(root.index)
 
+    def _gather_block(self, k: int, then: range) -> None:
+        """Block k's buckets gathered, and the gathers of blocks `then` started."""
+        for i in self.block_buckets[k]:
+            self.gather(i)
+        for i in (i for j in then for i in self.block_buckets[j]):
+            self.start(i)
+
+    def _free_block(self, k: int) -> None:
+        for i in self.block_buckets[k]:
+            self.free(i)
+
     def _before_block(self, k: int, n_blocks: int):
         def hook(module, args):
-            self.gather(k)
-            for j in range(k + 1, min(k + 1 + self.prefetch, n_blocks)):
-                self.start(j)
+            self._gather_block(k, range(k + 1, min(k + 1 + self.prefetch, n_blocks)))
             x = args[0]
             if self.execution.split_backward and torch.is_grad_enabled() and x.requires_grad:
-                x.register_hook(lambda grad: self.free(k))
+                x.register_hook(lambda grad: self._free_block(k))
         return hook
 
     def _after_block(self, k: int):
         def hook(module, args, output):
-            self.free(k)
+            self._free_block(k)
             if output.requires_grad:
                 output.register_hook(lambda grad: self._before_backward(k))
         return hook
 
     def _before_backward(self, k: int) -> None:
-        self.gather(k)
-        for j in range(k - 1, max(k - 1 - self.prefetch, -1), -1):
-            self.start(j)
+        self._gather_block(k, range(k - 1, max(k - 1 - self.prefetch, -1), -1))

@@ -33,7 +33,7 @@ from tetrad.train.trainer import Trainer
 MOE = {"n_experts": 4, "experts_per_token": 2}
 AUX = {**MOE, "router_aux_loss": 1.0}  # a gradient that shows: dropped or doubled, parity fails
 FAMILIES = {"moe": MOE, "aux": AUX, "gelu": {**MOE, "mlp": "gelu", "expert_ffn_hidden": 96},
-            "deep": {**AUX, "n_layers": 4}}
+            "deep": {**AUX, "n_layers": 4}, "top1": {"n_experts": 2, "experts_per_token": 1}}
 LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "moe-tp2": ({"tp": 2}, {}),
     "moe-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
@@ -53,6 +53,8 @@ LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "aux-dp2-zero3": ({"dp": 2, "zero": 3}, {}),
     "gelu-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
     "deep-pp2-vpp2-interleaved": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}),
+    # top-1, normalized, no load-balancing loss: the router's gradient is zero (fuzz_layouts 43172, 53945)
+    "top1-cp2-alltoall-zero3": ({"dp": 2, "cp": 2, "cp_algo": "alltoall", "zero": 3}, {}),
 }
 # The one layout past its bound (tests/layout_draws.py parity_atol, tp's 1e-4), and why it is no bug:
 # on the first step layer 1's experts.w1 gradient matches one process's to 2e-7 of its largest (no
@@ -133,6 +135,19 @@ def test_fp16s_loss_scale_scales_the_load_balancing_gradient_too():
     torch.testing.assert_close(grads[1], grads[0] * 1024, rtol=1e-6, atol=0)
 
 
+def test_top1_s_router_gets_an_exact_zero_gradient_without_the_balancing_loss():
+    """Top-1 with normalized weights weighs each token's expert by w / w = 1, so at coefficient 0
+    the router's gradient is zero: exactly, and there (every parameter's gradient arrives in every
+    backward, as the buckets count on). Through the quotient it was rounding noise (up to 1e-9
+    here), which AdamW turned into steps of the router of up to a tenth of lr that differed by
+    layout: after three steps losses 4e-4 apart (fuzz_layouts 53945)."""
+    net, moe = _layer(n_experts=2, experts_per_token=1)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    moe(x).square().sum().backward()
+    assert moe.router.weight.grad is not None and not moe.router.weight.grad.any()
+    assert moe.experts.w1.grad.abs().max() > 0
+
+
 def _layer(**model) -> tuple:
     cfg = tiny_config(model={**MOE, **model})
     net = Transformer(cfg.model, Topology.single())
@@ -178,12 +193,14 @@ def test_the_output_is_the_weighted_sum_of_the_chosen_experts():
             torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("model", [{}, {"mlp": "gelu", "experts_per_token": 4, "expert_ffn_hidden": 64}])
+@pytest.mark.parametrize("model", [{}, {"mlp": "gelu", "experts_per_token": 4, "expert_ffn_hidden": 64},
+                                   {"experts_per_token": 1}, {"experts_per_token": 1, "normalize_expert_weights": False}])
 def test_the_layer_keeps_for_backward_what_the_planner_counts(model):
     """Autograd's saved tensors of one MoE MLP's forward (its weights aside) are the planner's count
     for the layer (plan/moe.py): the MLP's input, the routing's tensors and the experts' hidden ones,
     to the load-balancing loss's [b, E] counts. Summing the experts' outputs back by index_add kept a
-    second [tokens x k, d] copy of them (its source, for its shape): 29% more here at top-4."""
+    second [tokens x k, d] copy of them (its source, for its shape): 29% more here at top-4. Top-1
+    with normalized weights (each 1) keeps neither the expert's output nor any weight."""
     net, moe = _layer(**model)
     weights = {p.untyped_storage().data_ptr() for p in net.parameters()}
     saved = {}

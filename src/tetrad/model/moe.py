@@ -198,9 +198,14 @@ class MoE(nn.Module):
         self.routing = True
         try:
             probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
-            weights, chosen = probs.topk(self.k, dim=-1)
-            if self.normalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            if self.normalize and self.k == 1:  # one expert, weighed w / w = 1: nothing to weigh, and no
+                # gradient to the router through it (the quotient's, zero in exact arithmetic, was
+                # rounding noise, which AdamW turns into steps of the router that differ by layout)
+                weights, chosen = None, probs.detach().topk(1, dim=-1)[1]
+            else:
+                weights, chosen = probs.topk(self.k, dim=-1)
+                if self.normalize:
+                    weights = weights / weights.sum(dim=-1, keepdim=True)
             chosen = chosen.reshape(-1)
             order = chosen.argsort(stable=True)
             counts = torch.bincount(chosen, minlength=probs.shape[-1])
@@ -210,17 +215,20 @@ class MoE(nn.Module):
             else:
                 out = self.experts(flat[rows], counts.tolist())
             by_token = out[order.argsort()].view(-1, self.k, out.shape[-1])  # [n, k, d]
-            y = (by_token * weights.to(flat.dtype).unsqueeze(-1)).sum(dim=1)
+            y = by_token[:, 0] if weights is None else (by_token * weights.to(flat.dtype).unsqueeze(-1)).sum(dim=1)
             gate = None if self.shared_gate is None else torch.sigmoid(F.linear(flat, self.shared_gate.weight))
             return y, gate, probs, chosen
         finally:
             self.routing = False
 
     def _with_balance_loss(self, y: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """`y`, through the Function that gives the load-balancing loss its gradient in backward."""
+        """`y`, through the Function that gives the load-balancing loss its gradient in backward.
+        Top-1 with normalized weights reaches the router through that loss alone: there it stays
+        in the graph at coefficient 0 too, so that the router gets its gradient (zeros) in every
+        backward, as the gradient buckets count on (parallel/data/lifecycle.py)."""
         aux = self._balance_loss(probs, chosen)
-        return _RouterLossGradient.apply(y, aux if self.aux_coefficient else aux.detach(), self.ex.router_loss,
-                                         self.topo.tp_size)
+        attached = self.aux_coefficient or (self.normalize and self.k == 1)
+        return _RouterLossGradient.apply(y, aux if attached else aux.detach(), self.ex.router_loss, self.topo.tp_size)
 
     def _over_ep(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for `routed` [n*k, d] (the assignment rows in expert order,

@@ -62,11 +62,15 @@ def routing_saved_bytes_per_token(m: ModelConfig, e: int) -> float:
     softmax's output), three int64 indices per assignment (the top-k's, the dispatch order, each
     assignment's token), the fp32 top-k weights and their sum (their division's; none where
     model.normalize_expert_weights is false: the top-k's own weights are cast and kept no more),
-    and the weights cast to the activations' dtype (`e` bytes an element) in dispatch order."""
+    and the weights cast to the activations' dtype (`e` bytes an element) in dispatch order. Top-1
+    with normalized weights weighs nothing (each weight is 1): its expert's output, the top-k's
+    indices and the weights are not kept."""
     if not m.n_experts:
         return 0.0
-    k, normalized = m.experts_per_token, 4 if m.normalize_expert_weights else 0
-    return 2 * k * m.d_model * e + 4 * m.n_experts + k * (3 * INDEX_BYTES + normalized + e) + normalized
+    k, weighed = m.experts_per_token, not (m.normalize_expert_weights and m.experts_per_token == 1)
+    normalized = 4 if m.normalize_expert_weights and weighed else 0
+    return ((1 + weighed) * k * m.d_model * e + 4 * m.n_experts
+            + k * ((2 + weighed) * INDEX_BYTES + normalized + weighed * e) + normalized)
 
 
 def shared_expert_saved_bytes_per_token(m: ModelConfig, tp: int, e: int, hidden_saved: int) -> float:

@@ -149,7 +149,8 @@ def test_zero3_gathers_each_block_and_prefetches_the_next(prefetch):
     weights = MasterWeights(layout.buckets, topo, 3, torch.float32, separate=False, offload=False)
     for flat, owned in flatten(layout.buckets, torch.float32, topo.device, weights.owned_range):
         weights.add(flat, owned)
-    gather = ParamGather(layout.buckets, weights.flat, weights.shards, topo, Execution(), layout.roots, prefetch)
+    gather = ParamGather(layout.buckets, weights.flat, weights.shards, topo, Execution(), layout.block_buckets,
+                         layout.roots, prefetch)
     gather.install(model, layout.blocks)
     held = []
     for block in layout.blocks:

@@ -55,8 +55,8 @@ def test_reference_is_data_parallel_over_the_same_ranks(tmp_path):
 
 
 def test_an_expert_parallel_layout_has_a_reference_without_it(tmp_path):
-    """The reference's ZeRO-3 over dp is refused with parallel.ep > 1 (and its dp need not be a
-    multiple of ep): it holds every expert, ep = 1; the layout keeps its ep."""
+    """The reference (its dp need not be a multiple of ep) holds every expert, ep = 1; the layout
+    keeps its ep."""
     layout, reference = check_runs(_config(tmp_path, "--model.n_experts=4", "--parallel.dp=4", "--parallel.ep=2",
                                            "--train.global_batch=8", "--train.micro_batch=2"), 3, None)
     assert layout.parallel.ep == 2

@@ -282,6 +282,16 @@ def test_a_context_shorter_than_seq_len_is_named_idle():
         assert not idle_settings(load_config(overrides={"model": {"max_position_embeddings": context}}))
 
 
+def test_a_router_left_untrained_is_named():
+    """Top-1 with normalized weights (each 1) and no load-balancing loss: nothing trains the router,
+    said before the run starts; with either changed, nothing is said."""
+    from tetrad.config import idle_settings
+    model = {"n_experts": 4, "experts_per_token": 1, "router_aux_loss": 0.0}
+    assert any("leaves the router as initialised" in note for note in idle_settings(load_config(overrides={"model": model})))
+    for change in ({"router_aux_loss": 0.01}, {"normalize_expert_weights": False}, {"experts_per_token": 2}):
+        assert not idle_settings(load_config(overrides={"model": {**model, **change}}))
+
+
 def test_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 2\n")  # as some Windows editors save

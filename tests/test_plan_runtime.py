@@ -250,26 +250,30 @@ def _states_by_shard(cfg):
 # 2 KB bucket. ZeRO-1 fp32 (moments over the parameters in the owned shard only: the last holds
 # the padding), ZeRO-0 bf16 (padded weights and masters); ZeRO-2 over 3 ranks, which divide no
 # bucket; hybrid ZeRO-3 bf16 (a shard of each bucket, the moments by the rank's place in its block).
-TINY_BUCKETS = [({"dp": 2, "zero": 1, "grad_codec": "int8", "grad_bucket_mb": 0.002}, {}),
-                ({"dp": 2, "pp": 2, "zero": 0, "grad_codec": "int8", "grad_bucket_mb": 0.002}, {"dtype": "bf16"}),
-                ({"dp": 3, "zero": 2, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1, "global_batch": 6}),
-                ({"dp": 4, "zero": 3, "zero_shard": 2, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1})]
+TINY_BUCKETS = [({"dp": 2, "zero": 1, "grad_codec": "int8", "grad_bucket_mb": 0.002}, {}, {}),
+                ({"dp": 2, "pp": 2, "zero": 0, "grad_codec": "int8", "grad_bucket_mb": 0.002}, {"dtype": "bf16"}, {}),
+                ({"dp": 3, "zero": 2, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1, "global_batch": 6},
+                 {}),
+                ({"dp": 4, "zero": 3, "zero_shard": 2, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1},
+                 {})]
 
 
 # Expert parallelism: the experts' buckets padded for dp*cp/ep, each rank's moments at its place in that group
-# (ZeRO-3: its weights' shard too).
-EP_TINY_BUCKETS = [({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1}),
-                   ({"dp": 2, "cp": 2, "ep": 2, "zero": 2, "grad_bucket_mb": 0.002}, {"micro_batch": 1}),
-                   ({"dp": 4, "ep": 2, "zero": 3}, {"dtype": "bf16", "micro_batch": 1})]
+# (ZeRO-3: its weights' shard too); a dense layer of an MoE model holds its whole MLP at every ep.
+EXPERTS = {"n_experts": 4, "expert_ffn_hidden": 96}
+EP_TINY_BUCKETS = [({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.002}, {"dtype": "bf16", "micro_batch": 1},
+                    EXPERTS),
+                   ({"dp": 2, "cp": 2, "ep": 2, "zero": 2, "grad_bucket_mb": 0.002}, {"micro_batch": 1}, EXPERTS),
+                   ({"dp": 4, "ep": 2, "zero": 3}, {"dtype": "bf16", "micro_batch": 1}, EXPERTS),
+                   ({"dp": 2, "ep": 2}, {}, {**EXPERTS, "dense_layers": [1]})]
 
 
-@pytest.mark.parametrize("parallel,train", TINY_BUCKETS + EP_TINY_BUCKETS, ids=lambda p: _name(p) or "-")
-def test_model_states_are_the_runtimes_padded_buckets_to_the_byte(parallel, train):
+@pytest.mark.parametrize("parallel,train,model", TINY_BUCKETS + EP_TINY_BUCKETS, ids=lambda p: _name(p) or "-")
+def test_model_states_are_the_runtimes_padded_buckets_to_the_byte(parallel, train, model):
     """Weights, gradients and optimizer state are what the runtime allocates, byte for byte, on
     every rank: buckets with their padding, AdamW's moments without it (rank_model_states); the
     estimate's are shard 0's, the most. Before, the planner counted the parameters unpadded and
     evenly sharded: 2.0-4.1% under the runtime with these buckets."""
-    model = {"n_experts": 4, "expert_ffn_hidden": 96} if parallel.get("ep", 1) > 1 else {}
     cfg = tiny_config(parallel=parallel, train={"steps": 2, "device": "cpu", **train}, model=model)
     est = estimate(cfg, load_cluster("cpu"))
     for shard, pp, got in run_ranks(_states_by_shard, cfg.parallel.world_size, cfg):

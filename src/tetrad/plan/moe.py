@@ -38,7 +38,7 @@ def expert_shard(parallel, shard: int) -> int:
 
 def rank_layer_params(m: ModelConfig, tp: int, ep: int) -> float:
     """Parameters of one layer on a rank (flops.layer_params), of its experts E/ep."""
-    return flops.layer_params(m, tp) - (flops.mlp_matrix_params(m) / tp * (ep - 1) / ep if ep > 1 else 0.0)
+    return flops.layer_params(m, tp) - (flops.mlp_matrix_params(m) / tp * (ep - 1) / ep if ep > 1 and m.n_experts else 0.0)
 
 
 def ep_all_to_alls(m: ModelConfig, tokens: int, ep: int, e: int) -> tuple[list[float], list[float]]:
@@ -100,10 +100,12 @@ def routing_bytes_per_token(m: ModelConfig, e: int, ep: int = 1) -> float:
     """HBM bytes per token of an MoE layer's routing, forward (0 for a dense MLP): the router's
     fp32 softmax (read the logits, write the probabilities), top-k over them, the token's hidden
     state copied to each of its k experts (read, write) and their outputs weighed and summed back
-    (read k, write one): what a gather/scatter dispatch moves at HBM bandwidth. Under ep the rows
-    received are reordered expert-major and their outputs back (model/moe.py _over_ep): k rows a
-    token read and written twice more (balanced routing)."""
+    (read k, write one; none at top-1 with normalized weights, each 1: the output as it is): what a
+    gather/scatter dispatch moves at HBM bandwidth. Under ep the rows received are reordered
+    expert-major and their outputs back (model/moe.py _over_ep): k rows a token read and written
+    twice more (balanced routing)."""
     if not m.n_experts:
         return 0.0
     k = m.experts_per_token
-    return 3 * 4 * m.n_experts + m.d_model * e * (2 * k + k + 1 + (4 * k if ep > 1 else 0))
+    weighed = 0 if m.normalize_expert_weights and k == 1 else k + 1
+    return 3 * 4 * m.n_experts + m.d_model * e * (2 * k + weighed + (4 * k if ep > 1 else 0))

@@ -3,9 +3,10 @@ all-gathered just before it runs and freed after.
 
 Forward: the block is gathered (waiting for a gather already started), the next `prefetch`
 blocks' gathers are started, the block runs and is freed. Backward: a block is gathered again
-when its output gradient arrives (prefetching the `prefetch` blocks before it) and freed when its
-gradients are in (lifecycle.py's `on_complete`); under a zero-bubble split backward once its
-input gradient is out, as BW needs no weights. The buckets of everything outside the blocks (the
+when its output gradient arrives (prefetching the `prefetch` blocks before it) and each of its
+buckets (under expert parallelism its experts' are a bucket apart) is freed when that bucket's
+gradients are in (lifecycle.py's `on_complete`); under a zero-bubble split backward the block's
+once its input gradient is out, as BW needs no weights. The buckets of everything outside the blocks (the
 roots: embedding, final norm, head, and an embedding tied across pipeline stages, which has a
 bucket of its own) are gathered for the whole step. Full recompute runs inside
 the block's forward, so these hooks never see it.
@@ -98,8 +99,8 @@ class ParamGather:
             self.free(k)
 
     def on_complete(self, bucket: Bucket) -> None:
-        """A block's gradients are all in: its weights are done with, unless backward is split
-        (its BI may still need them while an earlier BW completes the count)."""
+        """A block bucket's gradients are all in: its weights are done with, unless backward is
+        split (its BI may still need them while an earlier BW completes the count)."""
         if all(bucket is not root for root in self.roots) and not self.execution.split_backward:
             self.free(bucket.index)
 

@@ -18,6 +18,7 @@ from nccl_semantics import NcclSemantics
 from tetrad.cli import main
 from tetrad.config import ConfigError, load_config
 from tetrad.dist.layout import GRAD_DIMS, Layout, factorisations
+from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.train.trainer import Trainer
 
 MOE = {"n_experts": 4, "experts_per_token": 2, "router_aux_loss": 1.0}
@@ -191,6 +192,22 @@ def test_bf16_tracks_one_process_in_bf16():
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_bf16_codec_tracks_the_uncompressed_run(zero):
+    """grad_codec='bf16' at dp4 ep2: the experts' buckets too are summed in bf16, over their group
+    of two (tests/test_codecs.py's bound on the losses), and send half the bytes (the planner's
+    count); at dp2 ep2 their group is one rank, which sends nothing and rounds nothing."""
+    parallel = {"dp": 4, "ep": 2, "zero": zero}
+    (losses, _, history), _ = _trained(tuple({**parallel, "grad_codec": "bf16"}.items()), ())
+    (ref_losses, _, ref_history), _ = _trained(tuple(parallel.items()), ())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=0.02)
+    torch.testing.assert_close(grad_norms(history)[0], grad_norms(ref_history)[0], rtol=1e-2, atol=0)
+    cfg = _config({**parallel, "grad_codec": "bf16"})
+    assert [r["comm_bytes"]["dp"] for r in history] == [comm_bytes_per_step(cfg)["dp"]] * len(history)
+    assert history[0]["comm_bytes"]["dp"] < ref_history[0]["comm_bytes"]["dp"]
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("saved,resumed", [({"dp": 2, "ep": 2}, {"dp": 2}), ((), {"dp": 2, "ep": 2, "zero": 1}),
                                            ({"dp": 4, "ep": 2, "zero": 3}, {"dp": 2}),
                                            ((), {"dp": 4, "ep": 2, "zero": 3})],
@@ -226,7 +243,7 @@ def test_ep_bytes_over_an_ep_group_are_the_formula():
 
 @pytest.mark.parametrize("parallel,message", [
     ({"zero": 1, "zero_shard": 2}, r"does not take zero_shard=2 yet .*; set zero_shard=0, or ep=1"),
-    ({"grad_codec": "bf16"}, r"does not take grad_codec='bf16' yet .*; set grad_codec='none', or ep=1"),
+    ({"grad_codec": "int8"}, r"does not take grad_codec='int8' yet .*; set grad_codec='none' or 'bf16', or ep=1"),
     ({"hierarchical": True}, r"does not take hierarchical=true yet .*; set hierarchical=false, or ep=1"),
 ])
 def test_what_this_cut_does_not_take_is_refused_in_one_line(parallel, message):

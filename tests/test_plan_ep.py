@@ -170,7 +170,7 @@ def test_search_tries_every_ep_that_divides_dp_and_the_experts():
     for dp in {x.dp for x in found}:
         assert {ep for d, ep in pairs if d == dp} == {e for e in (1, 2, 4, 8) if dp % e == 0}, dp
     assert {x.ep for x in layouts(_cfg({"preset": "tiny"}, {}), 8, 8)} == {1}  # dense
-    coded = _cfg(MIXTRAL, {"grad_codec": "bf16"}, {"global_batch": 256})
+    coded = _cfg(MIXTRAL, {"grad_codec": "int8"}, {"global_batch": 256})
     assert {x.ep for x in layouts(coded, 64, 8)} == {1}  # a codec ep refuses
 
 
@@ -206,7 +206,7 @@ def test_plan_spreads_experts_where_they_dominate_memory():
     assert alone.memory.weights + alone.memory.grads > 2 * (spread.memory.weights + spread.memory.grads)
 
 
-@pytest.mark.parametrize("setting", ["--parallel.zero_shard=2", "--parallel.grad_codec=bf16",
+@pytest.mark.parametrize("setting", ["--parallel.zero_shard=2", "--parallel.grad_codec=int8",
                                      "--parallel.hierarchical=true"])
 def test_estimate_refuses_what_ep_refuses(setting, capsys):
     argv = ["estimate", "--cluster", "dgx-h100", "--model.preset=tiny", "--model.n_experts=4", "--parallel.dp=4",

@@ -91,7 +91,9 @@ EP_LAYOUTS = [({"dp": 2, "ep": 2}, {}, MOE), ({"dp": 4, "ep": 2, "zero": 1}, {"m
               ({"dp": 2, "ep": 2, "cp": 2}, {"recompute": "selective-op"}, {**MOE, "mlp": "gelu"}),
               ({"dp": 2, "ep": 2, "zero": 1}, {}, SHARED),
               ({"dp": 4, "ep": 2, "zero": 3}, {"micro_batch": 1, "global_batch": 8}, MOE),
-              ({"dp": 2, "ep": 2, "zero": 3}, {}, SHARED)]
+              ({"dp": 2, "ep": 2, "zero": 3}, {}, SHARED),
+              ({"dp": 4, "ep": 2, "zero": 1, "grad_codec": "bf16"}, {"micro_batch": 1, "global_batch": 8}, MOE),
+              ({"dp": 2, "ep": 2, "grad_codec": "bf16"}, {}, MOE)]
 
 
 @pytest.mark.parametrize("parallel,train,model", EP_LAYOUTS, ids=lambda p: _name(p) or "-")

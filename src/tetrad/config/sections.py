@@ -37,8 +37,8 @@ def expert_parallel_blocker(parallel) -> str | None:
     if parallel.ep == 1:
         return None
     for setting, used, fix in ((f"zero_shard={parallel.zero_shard}", zero_shard(parallel) > 0, "set zero_shard=0"),
-                               (f"grad_codec={parallel.grad_codec!r}", parallel.grad_codec != "none",
-                                "set grad_codec='none'"),
+                               (f"grad_codec={parallel.grad_codec!r}", parallel.grad_codec not in ("none", "bf16"),
+                                "set grad_codec='none' or 'bf16'"),
                                ("hierarchical=true", parallel.hierarchical is True, "set hierarchical=false")):
         if used:
             return (f"parallel.ep={parallel.ep} does not take {setting} yet (the experts' gradients reduce over "

@@ -146,14 +146,15 @@ def _dp_bytes(cfg: Config) -> float:
     p, micro = cfg.parallel, cfg.microbatches
     w = state_bytes_per_param(cfg.train.dtype)[0]
     buckets = rank_buckets(cfg)[0]
-    alone = buckets.expert_padded if expert_grad_ranks(p) == 1 else 0  # ep refuses codecs: 4 bytes each
+    alone = buckets.expert_padded if expert_grad_ranks(p) == 1 else 0
     padded = buckets.padded - alone
+    summed = scatter_bytes(cfg)  # bytes a gradient of theirs would have sent: ep takes no codec but bf16
     if zero_shard(p):
         return _hybrid_dp_bytes(cfg, buckets, w) + step_sums(cfg)
     if p.zero == 0:
-        grads = _all_reduce_bytes(cfg, buckets) - 4 * alone
+        grads = _all_reduce_bytes(cfg, buckets) - summed * alone
     elif p.zero == 1:  # the updated shards gathered over whole (padded) buckets
-        grads = _all_reduce_bytes(cfg, buckets) - 4 * alone + padded * w
+        grads = _all_reduce_bytes(cfg, buckets) - summed * alone + padded * w
     elif p.zero == 2:
         grads = padded * (micro * scatter_bytes(cfg) + w)
     else:  # (ZeRO-3: the experts' buckets are all blocks')

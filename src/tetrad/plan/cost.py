@@ -254,7 +254,7 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
         if n == 1:
             continue
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
-        expert_bytes = buckets.expert_padded * stack.grad_reduce_bytes  # ep refuses codecs
+        expert_bytes = buckets.expert_padded * (2 if p.grad_codec == "bf16" else stack.grad_reduce_bytes)  # ep: bf16 alone
         grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes) - expert_bytes
         # Hybrid ZeRO: the block's reduce-scatter each time; the replicas' all-reduce once, on the last, each
         # bucket's started as that ends (GradSync._sum_over_replicas): under the last backward as the rest is.

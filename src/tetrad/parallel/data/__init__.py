@@ -119,7 +119,11 @@ class GradReducer:
             self.zero3.install(model, layout.blocks)
         linears = [m for m in model.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] if model is not None else []
-        self.sync = GradSync(self.buckets, topo, self.execution, self.zero, self.codec, hierarchical,
+        # The experts' buckets reduce over their own group: its codec (none where it is one rank, which
+        # sends nothing; config validation allows bf16 alone under ep, which keeps no state).
+        codecs = {b.group: self.codec if b.group == shard else make_codec(codec, topo.size(b.group))
+                  for b in self.buckets}
+        self.sync = GradSync(self.buckets, topo, self.execution, self.zero, codecs, hierarchical,
                              on_complete=self.zero3.on_complete if self.zero3 else None,
                              linear_weights=frozenset(id(m.weight) for m in linears if m.weight.numel() >= SINK_MIN_NUMEL),
                              # every linear's but the head's, made in BI (ColumnParallelLinear.grad_in_bi)

@@ -49,16 +49,16 @@ from tetrad.parallel.data.buffers import Bucket
 class GradSync:
     """The gradient lifecycle of `buckets` over the gradient group. `on_complete(bucket)` runs
     when a bucket's gradients of a backward are all in, before its reduction starts (ZeRO-3 frees
-    the block's weights there). Without `trains` (a forward-only build: `tetrad eval`) no gradient
-    buffer is kept."""
+    the block's weights there). `codecs`: each bucket group's gradient codec, by the group's name.
+    Without `trains` (a forward-only build: `tetrad eval`) no gradient buffer is kept."""
 
-    def __init__(self, buckets: list[Bucket], topo, execution, zero: int, codec, hierarchical_: bool,
+    def __init__(self, buckets: list[Bucket], topo, execution, zero: int, codecs: dict, hierarchical_: bool,
                  on_complete=None, linear_weights: frozenset[int] = frozenset(),
                  deferred_weights: frozenset[int] = frozenset(), groups: tuple[str, str | None] = (GRAD, None),
                  trains: bool = True):
         self.buckets, self.topo, self.execution = buckets, topo, execution
         self.shard, self.replica = groups
-        self.zero, self.codec, self.hierarchical = zero, codec, hierarchical_
+        self.zero, self.codecs, self.hierarchical = zero, codecs, hierarchical_  # codecs: each bucket group's
         self.on_complete = on_complete or (lambda bucket: None)
         self.sync = False  # inside `last_microbatch`
         self.in_flight: list[Bucket] = []  # ZeRO >= 2 and hybrid ZeRO: reduce-scatters started, oldest first
@@ -206,7 +206,7 @@ class GradSync:
         bucket.state = "reducing"
         comm = self.topo.comm
         if self.zero >= 2 or self.replica is not None:
-            wire = self.codec.SCATTER_DTYPE
+            wire = self.codecs[bucket.group].SCATTER_DTYPE
             full = bucket.grad if wire is None else bucket.grad.to(wire)
             bucket.pending, bucket.incoming = collectives.start_reduce(self.topo, full, bucket.shard_size,
                                                                        self.scratch_free, bucket.group)
@@ -217,7 +217,7 @@ class GradSync:
         elif self.hierarchical:
             bucket.pending = hierarchical.all_reduce(bucket.grad, self.topo)
         else:
-            bucket.pending = self.codec.all_reduce(bucket.grad, comm, bucket.group, bucket.index)
+            bucket.pending = self.codecs[bucket.group].all_reduce(bucket.grad, comm, bucket.group, bucket.index)
 
     def finish(self, bucket: Bucket) -> None:
         """reducing -> reduced (ZeRO 0/1: the bucket's gradient is the sum) or, under ZeRO >= 2,

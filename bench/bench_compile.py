@@ -82,7 +82,9 @@ def _report(layout: str, result: dict) -> str:
         return f"{1e3 * statistics.median(xs):7.1f} ms/step [{1e3 * min(xs):.1f}-{1e3 * max(xs):.1f}]"
     ratios = [c / e for c, e in zip(times["compiled"], times["eager"])]
     warm = result["warmup_s"]
-    return (f"{layout}: eager {ms(times['eager'])}  compiled {ms(times['compiled'])}  "
+    extra = LAYOUTS[layout][1]
+    return (f"{layout}{f' (model {extra} over the above)' if extra else ''}: eager {ms(times['eager'])}  "
+            f"compiled {ms(times['compiled'])}  "
             f"compiled/eager {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]\n"
             f"     warm-up ({WARMUP} steps, excluded): eager {warm['eager']:.1f} s, compiled {warm['compiled']:.1f} s; "
             f"dynamo frames compiled {result['frames']}, after warm-up {result['recompiled']}")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import run_ranks
 from tetrad.dist.codecs import make_codec
-from tetrad.dist.layout import Layout
+from tetrad.dist.layout import GRAD, Layout
 from tetrad.dist.topology import Topology
 from tetrad.model.execution import GRAD_SINK, Execution
 from tetrad.model.mappings import linear
@@ -24,7 +24,7 @@ def _setup(zero: int, topo, n_params: int = 4, bucket_bytes: float = 2 * 4 * 6):
     """Parameters of 6 elements, two to a bucket (bucket_bytes of fp32 gradient each)."""
     params = [nn.Parameter(torch.zeros(6)) for _ in range(n_params)]
     layout = lay_out(params, None, zero, topo.size("dp_cp"), topo.local_rank("dp_cp"), 1, bucket_bytes)
-    sync = GradSync(layout.buckets, topo, Execution(), zero, make_codec("none", 1), False)
+    sync = GradSync(layout.buckets, topo, Execution(), zero, {GRAD: make_codec("none", 1)}, False)
     return params, layout.buckets, sync
 
 
@@ -74,7 +74,7 @@ def test_zero0_linear_weight_gradients_are_written_into_the_bucket_by_their_gemm
     weights = [nn.Parameter(torch.randn(3, 4)) for _ in range(2)]
     reference = [nn.Parameter(w.detach().clone()) for w in weights]
     layout = lay_out(weights, None, 0, 1, 0, 1, 1e6)
-    sync = GradSync(layout.buckets, Topology.single(), Execution(), 0, make_codec("none", 1), False,
+    sync = GradSync(layout.buckets, Topology.single(), Execution(), 0, {GRAD: make_codec("none", 1)}, False,
                     linear_weights=frozenset(id(w) for w in weights))
     bucket, ex = layout.buckets[0], Execution()
     assert all(hasattr(w, GRAD_SINK) for w in weights)

@@ -3,8 +3,10 @@ combine with them, trains each for a few steps and compares it with one process.
 
 Each draw is a pure function of its seed. A draw that validation refuses is recorded with its
 message; one that runs is compared with the one-process run of the same model and train config
-(fp32 without a codec: assert_parity; codecs and bf16/fp16: loosely). Each draw prints a line,
-and with --log appends a JSON line to that file. Run from the repository root:
+(fp32 without a codec: assert_parity; codecs and bf16/fp16: loosely). A low-precision mixture
+of experts past its bound that passes with every expert chosen and in fp32 is recorded as
+"routing-flip", not "mismatch" (`routing_flip`). Each draw prints a line, and with --log appends
+a JSON line to that file. Run from the repository root:
 
     PYTHONPATH=$PWD/src:$PWD/tests OMP_NUM_THREADS=1 python tools/fuzz_layouts.py --seed 0 --count 20
 """
@@ -200,8 +202,30 @@ def run_one(seed: int, refs: dict, timeout_s: float, resume: bool, dropout: bool
     try:
         note = check_same(got, ref) if dropout else check(got, ref, compared, other_order)
     except AssertionError as e:
-        return {**record, "result": "mismatch", "message": str(e)[-1500:], "s": elapsed()}
+        why = None if resume or dropout else routing_flip(compared, trained)
+        return {**record, "result": "routing-flip" if why else "mismatch",
+                "message": (f"{why}: " if why else "") + str(e)[-1500:], "s": elapsed()}
     return {**record, "result": "ok", "note": note, "s": elapsed()}
+
+
+def routing_flip(overrides: dict, trained) -> str | None:
+    """Why a low-precision mixture-of-experts draw that missed its bound is discrete routing, not a
+    reduction: it passes with every expert chosen (no top-k to flip) and in fp32 (rounding too
+    small to flip one); None where either fails or the draw is none such. In bf16 or fp16 the
+    router's logits round differently by layout, which moves a near-tied token to another expert:
+    seeds 47169 and 47426 missed the first gradient norm's bound by 0.6% and 1.0% and were 0.03% and
+    0.01% off with every expert chosen."""
+    m, t = overrides["model"], overrides["train"]
+    if not m.get("n_experts") or m.get("experts_per_token", 2) >= m["n_experts"] or t["dtype"] == "fp32":
+        return None
+    variants = ({**overrides, "model": {**m, "experts_per_token": m["n_experts"]}},
+                {**overrides, "train": {**t, "dtype": "fp32"}})
+    try:
+        for variant in variants:
+            check(trained(variant, cache=False), trained(reference_of(variant)), variant, lambda: None)
+    except (AssertionError, ConfigError):
+        return None
+    return "top-k flipped by rounding (the draw passes with every expert chosen, and in fp32)"
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ trainer counts:
   the last shards of a bucket hold its padding, which AdamW's moments leave out): within
   STATE_RTOL each;
 - activations (autograd's saved tensors, train/memory.py) against the same less what the plan
-  counts alive but not saved (Memory.transient): within ACT_RTOL;
+  counts alive but not saved (Memory.transient): within ACT_RTOL (under ep the mean of the rank's
+  EP group: one rank keeps the rows its routing sends it, the plan the balanced figure);
 - rank 0's comm_bytes per group, every step, against plan.comm_bytes.comm_bytes_per_step: equal
   ("ep", which follows a rank's routing, summed over rank 0's EP group: ep times the plan's).
 
@@ -29,6 +30,7 @@ import contextlib
 import json
 import math
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -87,11 +89,19 @@ def compare(cfg, results) -> tuple[list[str], dict]:
     step was skipped (fp16's loss scale): its model states hold no optimizer state to compare."""
     est, layout = estimate(cfg, load_cluster("cpu")), Layout.of(cfg.parallel)
     misses, ranks = [], {}
+    # Under ep a rank keeps the rows its routing sends it; the planner's balanced figure is its EP
+    # group's mean (docs/planner.md): each rank's activations are compared as that mean.
+    ep = cfg.parallel.ep
+    block = lambda c: (c["dp"] // ep, c["tp"], c["pp"], c["cp"])  # noqa: E731
+    groups = collections.defaultdict(list)
+    for coords, history in results:
+        groups[block(coords)].append(history[-1]["memory_bytes"]["activations"])
     for coords, history in results:
         name = "r" + "".join(f"{k}{coords[k]}" for k in ("dp", "tp", "pp", "cp"))
         rank = layout.rank_at(coords)
         shard = layout.group_of(rank, GRAD_DIMS).index(rank) % shard_ranks(cfg.parallel)
-        got, plan = history[-1]["memory_bytes"], est.memory_by_rank[coords["pp"]]
+        plan = est.memory_by_rank[coords["pp"]]
+        got = {**history[-1]["memory_bytes"], "activations": statistics.mean(groups[block(coords)])}
         want = {**dict(zip(STATES, rank_model_states(cfg, shard)[coords["pp"]])),
                 "activations": plan.activations - plan.transient}
         figures = {}

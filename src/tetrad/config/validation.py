@@ -324,7 +324,8 @@ def _check_training(cfg: Config, runtime: bool) -> None:
 
 def idle_settings(cfg: Config) -> list[str]:
     """Settings this layout leaves without effect (not errors: a config may be shared between
-    layouts), one line each, for the run's first lines: a user who set them expects them to act."""
+    layouts), and a router they leave untrained, one line each, for the run's first lines: a user
+    who set them expects them to act."""
     p, replicas = cfg.parallel, cfg.parallel.dp * cfg.parallel.cp
     notes = []
     if cfg.model.sliding_window >= cfg.model.context_length:

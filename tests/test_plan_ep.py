@@ -172,6 +172,8 @@ def test_search_tries_every_ep_that_divides_dp_and_the_experts():
     assert {x.ep for x in layouts(_cfg({"preset": "tiny"}, {}), 8, 8)} == {1}  # dense
     coded = _cfg(MIXTRAL, {"grad_codec": "int8"}, {"global_batch": 256})
     assert {x.ep for x in layouts(coded, 64, 8)} == {1}  # a codec ep refuses
+    coded = _cfg(MIXTRAL, {"grad_codec": "bf16"}, {"global_batch": 256})
+    assert {x.ep for x in layouts(coded, 64, 8)} == {1, 2, 4, 8}  # one it takes
 
 
 def test_search_skips_what_ep_refuses():

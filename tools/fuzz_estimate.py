@@ -110,6 +110,8 @@ def compare(cfg, results) -> tuple[list[str], dict]:
             figures[part] = [got[part], round(predicted), round(diff, 4)]
             if diff > (ACT_RTOL if part == "activations" else STATE_RTOL):
                 misses.append(f"{name} {part}: counted {got[part]} predicted {predicted:.0f} ({diff:+.1%})")
+        if ep > 1:  # the rank's own count beside its EP group's mean
+            figures["own_activations"] = history[-1]["memory_bytes"]["activations"]
         ranks[name] = figures
     if any(history[-1]["skipped"] for _, history in results):
         return None, ranks

@@ -202,30 +202,43 @@ def run_one(seed: int, refs: dict, timeout_s: float, resume: bool, dropout: bool
     try:
         note = check_same(got, ref) if dropout else check(got, ref, compared, other_order)
     except AssertionError as e:
-        why = None if resume or dropout else routing_flip(compared, trained)
+        why = None if resume or dropout else routing_flip(compared, trained, got, ref)
         return {**record, "result": "routing-flip" if why else "mismatch",
                 "message": (f"{why}: " if why else "") + str(e)[-1500:], "s": elapsed()}
     return {**record, "result": "ok", "note": note, "s": elapsed()}
 
 
-def routing_flip(overrides: dict, trained) -> str | None:
-    """Why a low-precision mixture-of-experts draw that missed its bound is discrete routing, not a
-    reduction: it passes with every expert chosen (no top-k to flip) and in fp32 (rounding too
-    small to flip one); None where either fails or the draw is none such. In bf16 or fp16 the
-    router's logits round differently by layout, which moves a near-tied token to another expert:
-    seeds 47169 and 47426 missed the first gradient norm's bound by 0.6% and 1.0% and were 0.03% and
-    0.01% off with every expert chosen."""
+# How far past its bound a low-precision MoE draw may be and still count as a routing flip: the
+# first gradient norm's relative difference, FLIP_NORM_RTOL times DTYPE_NORM_RTOL, and finite.
+FLIP_NORM_RTOL = 5
+
+
+def routing_flip(overrides: dict, trained, got, ref) -> str | None:
+    """Why a low-precision mixture-of-experts draw that missed its bound (`got` against `ref`) is
+    discrete routing, not a reduction: its losses are finite and its first gradient norm within
+    FLIP_NORM_RTOL times the bound, and it passes with every expert chosen (no top-k to flip) and
+    in fp32 (rounding too small to flip one); None where any of that fails, a variant crashes or
+    the draw is none such. In bf16 or fp16 the router's logits round differently by layout, which
+    moves a near-tied token to another expert: seeds 47169 and 47426 missed the first gradient
+    norm's bound by 0.6% and 1.0% and were 0.03% and 0.01% off with every expert chosen."""
     m, t = overrides["model"], overrides["train"]
     if not m.get("n_experts") or m.get("experts_per_token", 2) >= m["n_experts"] or t["dtype"] == "fp32":
+        return None
+    first, ref_first = grad_norms(got[2])[0], grad_norms(ref[2])[0]
+    drift = float((first - ref_first).abs() / ref_first.abs())
+    if not all(math.isfinite(x) for x in got[0]) or not drift <= FLIP_NORM_RTOL * DTYPE_NORM_RTOL[t["dtype"]]:
         return None
     variants = ({**overrides, "model": {**m, "experts_per_token": m["n_experts"]}},
                 {**overrides, "train": {**t, "dtype": "fp32"}})
     try:
         for variant in variants:
-            check(trained(variant, cache=False), trained(reference_of(variant)), variant, lambda: None)
-    except (AssertionError, ConfigError):
+            if check(trained(variant, cache=False), trained(reference_of(variant)), variant,
+                     lambda: None).startswith("vacuous"):
+                return None
+    except Exception:  # a miss, a refusal or a crash of a variant: nothing shown
         return None
-    return "top-k flipped by rounding (the draw passes with every expert chosen, and in fp32)"
+    return (f"top-k flipped by rounding (first grad_norm {drift:.2%} off; the draw passes with every expert "
+            "chosen, and in fp32)")
 
 
 def main() -> None:

@@ -119,8 +119,9 @@ class GradReducer:
             self.zero3.install(model, layout.blocks)
         linears = [m for m in model.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] if model is not None else []
-        # The experts' buckets reduce over their own group: its codec (none where it is one rank, which
-        # sends nothing; config validation allows bf16 alone under ep, which keeps no state).
+        # The dense buckets' codec is sized by the gradient group (under hybrid ZeRO too: its scatter
+        # dtype also sets the replicas' sum); the experts' buckets reduce over their own group, with
+        # its codec (none where it is one rank, which sends nothing; ep takes bf16 alone, stateless).
         codecs = {b.group: self.codec if b.group == shard else make_codec(codec, topo.size(b.group))
                   for b in self.buckets}
         self.sync = GradSync(self.buckets, topo, self.execution, self.zero, codecs, hierarchical,

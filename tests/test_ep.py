@@ -192,13 +192,19 @@ def test_bf16_tracks_one_process_in_bf16():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("zero", [1, 3])
-def test_a_bf16_codec_tracks_the_uncompressed_run(zero):
+@pytest.mark.parametrize("zero,nccl", [(1, False), (3, False), (2, True)], ids=["zero1", "zero3", "zero2-nccl"])
+def test_a_bf16_codec_tracks_the_uncompressed_run(zero, nccl):
     """grad_codec='bf16' at dp4 ep2: the experts' buckets too are summed in bf16, over their group
-    of two (tests/test_codecs.py's bound on the losses), and send half the bytes (the planner's
-    count); at dp2 ep2 their group is one rank, which sends nothing and rounds nothing."""
+    of two (tests/test_codecs.py's bound on the losses), and send the planner's bytes, fewer than
+    uncompressed; ZeRO-2's bf16 reduce-scatters of both groups' buckets also under NCCL's timing of
+    collectives (tests/nccl_collectives.py)."""
     parallel = {"dp": 4, "ep": 2, "zero": zero}
-    (losses, _, history), _ = _trained(tuple({**parallel, "grad_codec": "bf16"}.items()), ())
+    if nccl:
+        losses, _, history = train_layout(_config({**parallel, "grad_codec": "bf16"}),
+                                          transport=partial(NcclSemantics, timeout_s=20), trainer_class=NcclTrainer)
+        history[-1].pop("posted")
+    else:
+        (losses, _, history), _ = _trained(tuple({**parallel, "grad_codec": "bf16"}.items()), ())
     (ref_losses, _, ref_history), _ = _trained(tuple(parallel.items()), ())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=0.02)
     torch.testing.assert_close(grad_norms(history)[0], grad_norms(ref_history)[0], rtol=1e-2, atol=0)

@@ -196,6 +196,13 @@ class ModelConfig:
         return sum(map(self.moe_layer, range(self.n_layers)))
 
     @property
+    def weighs_experts(self) -> bool:
+        """Whether a token's experts' outputs are weighed by the router: not at top-1 with normalized
+        weights, each w / w = 1 (model/moe.py takes the one output as it is; the router then learns
+        through the load-balancing loss alone)."""
+        return not (self.normalize_expert_weights and self.experts_per_token == 1)
+
+    @property
     def expert_hidden(self) -> int:
         """Each expert's hidden width: expert_ffn_hidden, or ffn_hidden where that is 0."""
         return self.expert_ffn_hidden or self.ffn_hidden

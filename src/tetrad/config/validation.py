@@ -345,7 +345,7 @@ def idle_settings(cfg: Config) -> list[str]:
     elif p.zero_shard and p.zero_shard == replicas and replicas > 1:
         notes.append(f"parallel.zero_shard={p.zero_shard} = dp*cp shards over all of them, as zero_shard=0 does")
     m = cfg.model
-    if m.n_experts and m.experts_per_token == 1 and m.normalize_expert_weights and not m.router_aux_loss:
+    if m.n_experts and not m.weighs_experts and not m.router_aux_loss:
         notes.append("model.router_aux_loss=0 leaves the router as initialised at experts_per_token=1 with "
                      "normalize_expert_weights=true (each token's one weight is 1: no gradient reaches the router "
                      "but the load-balancing loss's); set router_aux_loss > 0 or normalize_expert_weights=false")

@@ -163,7 +163,7 @@ class MoE(nn.Module):
         super().__init__()
         self.topo, self.ex = topo, ex
         self.k, self.aux_coefficient = cfg.experts_per_token, cfg.router_aux_loss
-        self.normalize = cfg.normalize_expert_weights
+        self.normalize, self.weighs = cfg.normalize_expert_weights, cfg.weighs_experts
         self.router = Router(cfg, cfg.n_experts)
         self.experts = Experts(cfg, topo, out_std)
         width = cfg.shared_expert_ffn_hidden
@@ -198,9 +198,9 @@ class MoE(nn.Module):
         self.routing = True
         try:
             probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
-            if self.normalize and self.k == 1:  # one expert, weighed w / w = 1: nothing to weigh, and no
-                # gradient to the router through it (the quotient's, zero in exact arithmetic, was
-                # rounding noise, which AdamW turns into steps of the router that differ by layout)
+            if not self.weighs:  # top-1's w / w = 1: no gradient to the router through it (the
+                # quotient's, zero in exact arithmetic, was rounding noise, which AdamW turns into
+                # steps of the router that differ by layout)
                 weights, chosen = None, probs.detach().topk(1, dim=-1)[1]
             else:
                 weights, chosen = probs.topk(self.k, dim=-1)
@@ -227,7 +227,7 @@ class MoE(nn.Module):
         in the graph at coefficient 0 too, so that the router gets its gradient (zeros) in every
         backward, as the gradient buckets count on (parallel/data/lifecycle.py)."""
         aux = self._balance_loss(probs, chosen)
-        attached = self.aux_coefficient or (self.normalize and self.k == 1)
+        attached = self.aux_coefficient or not self.weighs
         return _RouterLossGradient.apply(y, aux if attached else aux.detach(), self.ex.router_loss, self.topo.tp_size)
 
     def _over_ep(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ def routing_saved_bytes_per_token(m: ModelConfig, e: int) -> float:
     indices and the weights are not kept."""
     if not m.n_experts:
         return 0.0
-    k, weighed = m.experts_per_token, not (m.normalize_expert_weights and m.experts_per_token == 1)
+    k, weighed = m.experts_per_token, m.weighs_experts
     normalized = 4 if m.normalize_expert_weights and weighed else 0
     return ((1 + weighed) * k * m.d_model * e + 4 * m.n_experts
             + k * ((2 + weighed) * INDEX_BYTES + normalized + weighed * e) + normalized)
@@ -107,5 +107,5 @@ def routing_bytes_per_token(m: ModelConfig, e: int, ep: int = 1) -> float:
     if not m.n_experts:
         return 0.0
     k = m.experts_per_token
-    weighed = 0 if m.normalize_expert_weights and k == 1 else k + 1
+    weighed = k + 1 if m.weighs_experts else 0
     return 3 * 4 * m.n_experts + m.d_model * e * (2 * k + weighed + (4 * k if ep > 1 else 0))

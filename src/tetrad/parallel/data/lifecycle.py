@@ -58,7 +58,7 @@ class GradSync:
                  trains: bool = True):
         self.buckets, self.topo, self.execution = buckets, topo, execution
         self.shard, self.replica = groups
-        self.zero, self.codecs, self.hierarchical = zero, codecs, hierarchical_  # codecs: each bucket group's
+        self.zero, self.codecs, self.hierarchical = zero, codecs, hierarchical_
         self.on_complete = on_complete or (lambda bucket: None)
         self.sync = False  # inside `last_microbatch`
         self.in_flight: list[Bucket] = []  # ZeRO >= 2 and hybrid ZeRO: reduce-scatters started, oldest first

@@ -13,12 +13,16 @@ import pytest
 from tetrad.cli import main
 from tetrad.config import load_config
 from tetrad.dist.layout import GRAD_DIMS, Layout
+from tetrad.config.sections import ParallelConfig
+from tetrad.parallel.bucketing import padded_size
 from tetrad.plan.buckets import rank_buckets
 from tetrad.plan.comm_bytes import comm_bytes_per_step
-from tetrad.plan.cost import estimate
+from tetrad.plan.cost import OPTIMIZER_BYTES_PER_PARAM, estimate
 from tetrad.plan.hardware import cluster_of, load_cluster
-from tetrad.plan.links import all_to_all_time, expert_grad_stride, group_link, ring_time
+from tetrad.plan.links import all_to_all_time, expert_grad_stride, expert_shard_stride, group_link, ring_time
 from tetrad.plan.layer import layer_cost
+from tetrad.plan.memory import rank_model_states, rank_params
+from tetrad.plan.moe import expert_shard, expert_shard_ranks
 from tetrad.plan.search import Layout as Candidate, _zero_stages, layouts, plan
 from tetrad.plan.stacks import STACKS
 
@@ -161,6 +165,103 @@ def test_expert_group_link_is_the_runtimes_group(per_node):
         if len(nodes) > 1:
             members = max(sum(r // per_node == k for r in group) for k in nodes)
             assert min(n, per_node // stride) == members and -(-n * stride // per_node) == len(nodes), case
+
+
+# Hybrid ZeRO under ep: dp 12, blocks of 6 (2 replicas), ep 2: the experts' buckets over 3 ranks of
+# each block, which their 2 x 97 x 128 elements a tensor (ZeRO-3: two a block) do not divide, so
+# padded; the dense ones over the block's 6.
+HYBRID_MODEL = {"preset": "tiny", "n_layers": 2, "n_experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 97,
+                "mlp": "gelu", "vocab_size": 257}
+
+
+def _hybrid(model: dict, parallel: dict, zero_shard: int, train: dict | None = None):
+    cfg = _cfg(model, parallel, train)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_shard=zero_shard))
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_hybrid_zero_shards_the_experts_over_their_share_of_the_block(zero):
+    """The same buckets as without hybrid ZeRO, the dense ones padded for and sharded over the
+    block's 6 ranks, the experts' over its 3 = zero_shard/ep (EXPERT_SHARD); model states per rank
+    a shard of each (ZeRO-3 weights, ZeRO 2/3 gradients), moments over the parameters in the shard
+    the rank owns: the dense ones' by its place in the block, the experts' by its place in its
+    expert gradient group modulo 3."""
+    parallel, train = {"dp": 12, "ep": 2, "zero": zero, "grad_bucket_mb": 0.01}, {"global_batch": 48}
+    cfg = _hybrid(HYBRID_MODEL, parallel, 6, train)
+    flat, hybrid = rank_buckets(_cfg(HYBRID_MODEL, parallel, train))[0], rank_buckets(cfg)[0]
+    assert [(b.size, b.expert) for b in hybrid.buckets] == [(b.size, b.expert) for b in flat.buckets]
+    for b in hybrid.buckets:
+        ranks = 3 if b.expert else 6
+        assert b.padded == padded_size(b.size, ranks, 1) and b.shard == b.padded // ranks, b
+    assert any(b.padded > b.size for b in hybrid.buckets if b.expert)  # the padding for 3 shows
+    for place in range(6):  # dp rank `place` of the first block: its expert gradient group's place dp // 2
+        weights, grads, optimizer = rank_model_states(cfg, place)[0]
+        shards = [(b, place // 2 if b.expert else place) for b in hybrid.buckets]
+        assert grads == 4 * sum(b.shard if zero >= 2 else b.padded for b, _ in shards), place
+        assert weights == 2 * sum(b.shard if zero == 3 else b.padded for b, _ in shards), place
+        owned = sum(max(0, min(b.size, (k + 1) * b.shard) - k * b.shard) for b, k in shards)
+        assert optimizer == 8 * owned + 4 * sum(b.shard for b, _ in shards), place
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("dp,zero_shard", [(12, 6), (4, 2)])
+def test_hybrid_zero_bytes_reduce_the_experts_as_dense_buckets(zero, dp, zero_shard):
+    """Each bucket over its own shard group (dense: the block; experts: zero_shard/ep ranks of it,
+    one at dp 4 zero_shard 2): a reduce-scatter (every micro-batch at ZeRO 2/3, once at ZeRO-1) and
+    its shard's all-reduce over the dp/zero_shard replicas once a step (ZeRO 2/3: the fp32 sum;
+    ZeRO-1 in the wire dtype, bf16 here), then ZeRO 1/2's all-gather of the updated shards, ZeRO-3's
+    of each block's buckets for forward and backward every micro-batch. A group of one rank sends
+    nothing: at dp 4 the experts' buckets go whole over the replicas and are never gathered."""
+    parallel = {"dp": dp, "ep": 2, "zero": zero, "grad_codec": "bf16", "grad_bucket_mb": 0.01}
+    cfg = _hybrid(HYBRID_MODEL, parallel, zero_shard, {"global_batch": 4 * dp, "micro_batch": 2})
+    micro, want = 2, 24 + 4  # the step's sums (MoE: 7 fp32)
+    for b in rank_buckets(cfg)[0].buckets:
+        ranks = zero_shard // 2 if b.expert else zero_shard
+        wire = b.padded * 2 * (micro if zero >= 2 else 1)
+        summed = b.padded // ranks * (4 if zero >= 2 else 2)
+        gathers = b.padded * 2 * (2 * micro if b.block else 1)
+        want += summed + (wire + gathers if ranks > 1 else 0)
+    assert comm_bytes_per_step(cfg)["dp"] == want
+
+
+@pytest.mark.parametrize("per_node", [2, 4, 8, 16])
+def test_expert_shard_groups_are_the_runtimes(per_node):
+    """Under hybrid ZeRO (zero_shard a multiple of ep x cp) each expert gradient group cut into
+    consecutive chunks of zero_shard/ep ranks: rank 0's chunk lies in its block of zero_shard dp x cp
+    ranks, each member's place in it is moe.expert_shard of its place in the block, its members per
+    node and nodes are expert_shard_stride's strided group's; the ranks at its place in every chunk
+    (the experts' replicas) are as many as the blocks and as far apart as the dense replicas."""
+    for tp, cp, dp, ep in ((t, c, d, e) for t in (1, 2) for c in (1, 2) for d in (2, 4, 8, 16) for e in (1, 2, 4, 8)
+                           if d % e == 0 and e > 1):
+        for block in range(ep * cp, dp * cp, ep * cp):
+            if dp * cp % block:
+                continue
+            p = ParallelConfig(dp=dp, cp=cp, tp=tp, ep=ep, zero=1, zero_shard=block)
+            layout, size = Layout(pp=1, dp=dp, cp=cp, tp=tp, ep=ep), expert_shard_ranks(p)
+            group = next(g for g in layout.expert_groups()[1] if 0 in g)
+            chunk, block_ranks = group[:size], layout.group_of(0, GRAD_DIMS)[:block]
+            case = (tp, cp, dp, ep, block)
+            assert size == block // ep and set(chunk) <= set(block_ranks), case
+            assert [expert_shard(p, block_ranks.index(r)) for r in chunk] == list(range(size)), case
+            nodes, stride = {r // per_node for r in chunk}, expert_shard_stride(per_node, p)
+            assert (stride * size <= per_node) == (len(nodes) == 1), case
+            if len(nodes) > 1:
+                members = max(sum(r // per_node == k for r in chunk) for k in nodes)
+                assert min(size, per_node // stride) == members and -(-size * stride // per_node) == len(nodes), case
+            replicas = group[::size]
+            assert len(replicas) == dp * cp // block
+            assert all(b - a == tp * block for a, b in zip(replicas, replicas[1:])), case
+
+
+def test_hybrid_zero_updates_the_experts_shard_of_the_block():
+    """The optimizer step's parameters on a rank: the dense ones over the block, its E/ep experts
+    over zero_shard/ep ranks (Mixtral, dp 16 ep 8 in blocks of 8 dp ranks: each block holds every
+    expert once, a rank updates its experts whole)."""
+    cluster = load_cluster("h100x64")
+    cfg = _hybrid(MIXTRAL, {"pp": 4, "dp": 16, "ep": 8, "zero": 1}, 8, {"global_batch": 256})
+    shards = [(params - b.expert_size) / 8 + b.expert_size for params, b in zip(rank_params(cfg), rank_buckets(cfg))]
+    opt = max(shards) * OPTIMIZER_BYTES_PER_PARAM / cluster.gpu.hbm_bytes_per_s
+    assert estimate(cfg, cluster).breakdown["optimizer"] == pytest.approx(opt)
 
 
 def test_search_tries_every_ep_that_divides_dp_and_the_experts():

@@ -7,8 +7,8 @@ shape PowerSGD gives it, and which tp-replicated gradients fall into the rank's 
 which an even split over dp x cp misses by up to a whole norm. Under expert parallelism
 (parallel.ep > 1) a rank holds E/ep of each layer's experts, laid out by the same rule in buckets
 of their own after the dense ones (ZeRO-3: one per block, gathered with the block's), padded for
-and sharded over the expert gradient group (plan/moe.py `expert_grad_ranks`); at ep = 1 they are
-dense parameters like any other.
+and sharded over the expert gradient group, or under hybrid ZeRO its zero_shard/ep ranks inside the
+block (plan/moe.py `expert_shard_ranks`); at ep = 1 they are dense parameters like any other.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tetrad.dist.codec_shapes import INT8_BLOCK, powersgd_shape
 from tetrad.model.flops import layer_model
 from tetrad.parallel.bucketing import bucket_contents, padded_size
 from tetrad.parallel.pipeline.split import layer_split, rank_stages
-from tetrad.plan.moe import expert_grad_ranks
+from tetrad.plan.moe import expert_shard_ranks
 
 # A parameter's kind: split over tp; replicated over tp (norms, learned positions: their gradients
 # summed over tp under SP or after a codec that mixes elements); replicated, but each tp rank's
@@ -41,7 +41,7 @@ class PlannedBucket(NamedTuple):
     block: bool  # ZeRO-3: a transformer block's, gathered for each use (otherwise once a step)
     tied: bool  # the embedding tied across pipeline stages
     size: int  # elements of its parameters (padding left out)
-    expert: bool = False  # experts' (ep > 1): padded for and sharded over the expert gradient group
+    expert: bool = False  # experts' (ep > 1): padded for and sharded over moe.expert_shard_ranks
 
 
 def _norm(m: ModelConfig, width: int, kind: int) -> list[tuple[int, int]]:
@@ -138,10 +138,10 @@ class RankBuckets(NamedTuple):
 
 def rank_buckets(cfg: Config) -> tuple[RankBuckets, ...]:
     """Each pipeline rank's buckets, at dp x cp coordinate 0, laid out over the ranks ZeRO shards
-    over (hybrid ZeRO's block, or all of dp x cp; the experts' over the expert gradient group)."""
+    over (hybrid ZeRO's block, or all of dp x cp; the experts' over `expert_shard_ranks`)."""
     p = cfg.parallel
     return _pipeline(shapes(cfg), tuple(layer_split(cfg)), p.pp, p.vpp, shard_ranks(p), p.zero, p.grad_codec,
-                     bucket_bytes(p), expert_grad_ranks(p))
+                     bucket_bytes(p), expert_shard_ranks(p))
 
 
 # Cached, as the functions below: the search estimates many layouts with the same parameters on a rank.
@@ -197,8 +197,8 @@ def _content(bucket: list, block: bool, tied: bool, expert: bool) -> _Content:
 @lru_cache(maxsize=4096)
 def _layout(s: Shapes, stages: tuple, ties: bool, n: int, zero: int, codec: str, limit: float,
             experts: int) -> RankBuckets:
-    """`experts`: the expert gradient group's ranks, which the experts' buckets are padded for and
-    sharded over, or 0 (ep = 1: no buckets of their own)."""
+    """`experts`: the ranks the experts' buckets are padded for and sharded over (moe.expert_shard_ranks),
+    or 0 (ep = 1: no buckets of their own)."""
     align = INT8_BLOCK if codec == "int8" else 1
     contents, planned = _contents(s, stages, ties, zero == 3, limit, experts > 0), {}
     for b in set(contents):  # each kind of layer's alike: a few distinct ones

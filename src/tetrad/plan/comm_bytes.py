@@ -12,7 +12,7 @@ from tetrad.parallel.bucketing import padded_size
 from tetrad.parallel.pipeline.split import rank_chunk_layers, rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param, vocab_shard
-from tetrad.plan.moe import ep_all_to_alls, expert_grad_ranks
+from tetrad.plan.moe import ep_all_to_alls, expert_grad_ranks, expert_shard_ranks
 
 # The step's numbers that need the whole job: one all-reduce of 6 fp32 (squared gradient norm,
 # loss, a flag per stop signal and one for a closed stdout) over dp, tp and pp (train/trainer.py's
@@ -142,15 +142,15 @@ def _dp_bytes(cfg: Config) -> float:
     micro-batch, then the shards all-gathered; ZeRO-3: each block's bucket gathered for forward
     and for backward every micro-batch, the rest once, and a reduce-scatter every micro-batch.
     Under ep the experts' buckets likewise over their group, unless it is one rank (ep = dp, cp = 1):
-    a group of one moves nothing. The step's sums."""
+    a group of one moves nothing. Hybrid ZeRO: `_hybrid_dp_bytes`. The step's sums."""
     p, micro = cfg.parallel, cfg.microbatches
     w = state_bytes_per_param(cfg.train.dtype)[0]
     buckets = rank_buckets(cfg)[0]
+    if zero_shard(p):
+        return _hybrid_dp_bytes(cfg, buckets, w) + step_sums(cfg)
     alone = buckets.expert_padded if expert_grad_ranks(p) == 1 else 0
     padded = buckets.padded - alone
     summed = scatter_bytes(cfg)  # bytes a gradient of theirs would have sent: ep takes no codec but bf16
-    if zero_shard(p):
-        return _hybrid_dp_bytes(cfg, buckets, w) + step_sums(cfg)
     if p.zero == 0:
         grads = _all_reduce_bytes(cfg, buckets) - summed * alone
     elif p.zero == 1:  # the updated shards gathered over whole (padded) buckets
@@ -167,13 +167,21 @@ def _hybrid_dp_bytes(cfg: Config, buckets: RankBuckets, w: int) -> float:
     """Hybrid ZeRO (parallel.zero_shard): each reduction a reduce-scatter inside the block of s
     ranks, and its 1/s shard all-reduced over the replicas once a step (ZeRO-1: the last
     micro-batch's reduced shard; ZeRO 2/3: the step's fp32 sum of every micro-batch's); the
-    gathers as ZeRO's, inside the block. A group of one rank (s = 1, or one replica) moves nothing."""
-    p, micro, padded = cfg.parallel, cfg.microbatches, buckets.padded
-    s = shard_ranks(p)
-    inside, across = s > 1, p.dp * p.cp > s
+    gathers as ZeRO's, inside the block. Under ep the experts' buckets alike over their s/ep ranks
+    of the block (moe.expert_shard_ranks) and the same replicas; at ZeRO-3 all of them blocks'."""
+    p, expert = cfg.parallel, buckets.expert_padded
+    dense = _hybrid_part(cfg, buckets.padded - expert, buckets.blocks - expert * (p.zero == 3), shard_ranks(p), w)
+    return dense + (_hybrid_part(cfg, expert, expert * (p.zero == 3), expert_shard_ranks(p), w) if expert else 0)
+
+
+def _hybrid_part(cfg: Config, padded: int, blocks: int, s: int, w: int) -> float:
+    """`_hybrid_dp_bytes` of `padded` elements of buckets (`blocks` of them ZeRO-3's block buckets)
+    sharded over s ranks. A group of one rank (s = 1) moves nothing; the replicas are always more."""
+    p, micro = cfg.parallel, cfg.microbatches
+    inside = s > 1
     scatters = (micro if p.zero >= 2 else 1) * padded * scatter_bytes(cfg) * inside
-    replicas = padded / s * (4 if p.zero >= 2 else scatter_bytes(cfg)) * across
-    gathers = (2 * micro * buckets.blocks + padded - buckets.blocks) if p.zero == 3 else padded
+    replicas = padded / s * (4 if p.zero >= 2 else scatter_bytes(cfg))
+    gathers = (2 * micro * blocks + padded - blocks) if p.zero == 3 else padded
     return scatters + replicas + inside * w * gathers
 
 

@@ -19,7 +19,7 @@ from tetrad.model import flops
 from tetrad.parallel.pipeline.split import layer_split, rank_chunk_layers, rank_stages
 from tetrad.plan.hardware import GPU, Cluster, HardwareError, offload_unknown
 from tetrad.plan.layer import LayerCost, end_costs, layer_cost
-from tetrad.plan.links import (LINK_EFFICIENCY, expert_grad_stride, group_link, hybrid_reduction_time,
+from tetrad.plan.links import (LINK_EFFICIENCY, expert_shard_stride, group_link, hybrid_reduction_time,
                                overlap_slowdown, reduction_time, ring_time)
 from tetrad.plan.memory import (
     GIB,
@@ -33,9 +33,9 @@ from tetrad.plan.memory import (
     rank_params,
     state_bytes_per_param,
 )
-from tetrad.plan.buckets import rank_buckets
+from tetrad.plan.buckets import RankBuckets, rank_buckets
 from tetrad.plan.comm_bytes import comm_bytes_per_step, gradient_reduce_bytes
-from tetrad.plan.moe import expert_grad_ranks
+from tetrad.plan.moe import expert_shard_ranks
 from tetrad.plan.pipeline import pipeline
 from tetrad.plan.stacks import Stack, load_stack
 
@@ -244,8 +244,8 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
     exposed, opt, copies, gather = 0.0, 0.0, 0.0, 0.0
     n, sharded = p.dp * p.cp, shard_ranks(p)  # hybrid ZeRO: gathers inside blocks of `sharded`
     alpha, link = group_link(cluster, p.tp, sharded)
-    n_e = expert_grad_ranks(p) or 1  # ep: the experts' buckets over their own group, after the rest
-    stride_e = expert_grad_stride(cluster.gpus_per_node, p.tp, p.cp, p.dp, p.ep)
+    n_e = expert_shard_ranks(p) or 1  # ep: the experts' buckets over their own group, after the rest
+    stride_e = expert_shard_stride(cluster.gpus_per_node, p)
     for r, (params, buckets) in enumerate(zip(rank_params(cfg), rank_buckets(cfg))):
         experts = buckets.expert_size  # their parameters, 0 at ep = 1
         shard = (params - experts) / (sharded if p.zero >= 1 else 1) + experts / (n_e if p.zero >= 1 else 1)
@@ -253,19 +253,7 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
         opt, copies = max(opt, rank_opt), max(copies, rank_copies)
         if n == 1:
             continue
-        scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
-        expert_bytes = buckets.expert_padded * (2 if p.grad_codec == "bf16" else stack.grad_reduce_bytes)  # ep: bf16 alone
-        grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes) - expert_bytes
-        # Hybrid ZeRO: the block's reduce-scatter each time; the replicas' all-reduce once, on the last, each
-        # bucket's started as that ends (GradSync._sum_over_replicas): under the last backward as the rest is.
-        if zero_shard(p):
-            each = reduction_time("reduce_scatter", grad_bytes, sharded, cluster, p.tp)
-            summed = buckets.padded * stack.grad_reduce_bytes if p.zero >= 2 else None  # the step's sum, uncoded
-            grads = hybrid_reduction_time(grad_bytes, n, sharded, cluster, p.tp, summed)
-        else:
-            op = "reduce_scatter" if scatter else "all_reduce"
-            grads = each = (reduction_time(op, grad_bytes, n, cluster, p.tp)
-                            + reduction_time(op, expert_bytes, n_e, cluster, stride_e))
+        each, grads = _reduction_time(cfg, cluster, stack, buckets)
         earlier = 0.0  # ZeRO >= 2 reduce-scatters every micro-batch, hidden behind the next one's work
         if stack.dp_overlap:  # (and slowing the work it runs beside)
             window = sum(st.bi[g] + st.bw[g] for g in st.held_by[r])
@@ -289,6 +277,32 @@ def _data_parallel_time(cfg: Config, cluster: Cluster, stack: Stack, st: _StageC
                                   + overlap_slowdown(weights_gather, forward, cluster.gpu))
             gather = max(gather, weights_gather)
     return max(0.0, exposed) + gather, opt, copies
+
+
+def _reduction_time(cfg: Config, cluster: Cluster, stack: Stack, buckets: RankBuckets) -> tuple[float, float]:
+    """(seconds of one gradient reduction, of the step's last) of a pipeline rank's `buckets`: the
+    dense ones over dp x cp, the experts' (ep) over their own group after them (moe.expert_shard_ranks,
+    links.expert_shard_stride). Hybrid ZeRO: each reduction a reduce-scatter inside the block
+    (the experts' share of it); the last adds the replicas' all-reduce, each bucket's started as
+    that ends (GradSync._sum_over_replicas): under the last backward as the rest is."""
+    p = cfg.parallel
+    n, sharded = p.dp * p.cp, shard_ranks(p)
+    n_e, stride_e = expert_shard_ranks(p) or 1, expert_shard_stride(cluster.gpus_per_node, p)
+    expert_bytes = buckets.expert_padded * (2 if p.grad_codec == "bf16" else stack.grad_reduce_bytes)  # ep: bf16 alone
+    grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes) - expert_bytes
+    if not zero_shard(p):
+        scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
+        op = "reduce_scatter" if scatter else "all_reduce"
+        each = reduction_time(op, grad_bytes, n, cluster, p.tp) + reduction_time(op, expert_bytes, n_e, cluster, stride_e)
+        return each, each
+    each = (reduction_time("reduce_scatter", grad_bytes, sharded, cluster, p.tp)
+            + reduction_time("reduce_scatter", expert_bytes, n_e, cluster, stride_e))
+    # ZeRO 2/3 sum the step's accumulated shard over the replicas, uncoded
+    summed = [x * stack.grad_reduce_bytes if p.zero >= 2 else None
+              for x in (buckets.padded - buckets.expert_padded, buckets.expert_padded)]
+    replicas, apart = n // sharded, p.tp * sharded  # the experts' as many, as far apart
+    return each, (hybrid_reduction_time(grad_bytes, sharded, p.tp, replicas, apart, cluster, summed[0])
+                  + hybrid_reduction_time(expert_bytes, n_e, stride_e, replicas, apart, cluster, summed[1]))
 
 
 def _p2p_time(cfg: Config, cluster: Cluster, stack: Stack, tokens: int, e: int) -> float:

@@ -20,9 +20,9 @@ from tetrad.model.flops import hides_keys
 from tetrad.plan.comm_bytes import recompute_reduces_output, scatter_bytes
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.kernels import masked_attention
-from tetrad.plan.links import all_to_all_time, expert_grad_stride, group_link, overlap_slowdown, ring_time
+from tetrad.plan.links import all_to_all_time, expert_shard_stride, group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
-from tetrad.plan.moe import (ep_all_to_alls, expert_grad_bytes, expert_grad_ranks, rank_layer_params,
+from tetrad.plan.moe import (ep_all_to_alls, expert_grad_bytes, expert_shard_ranks, rank_layer_params,
                              routing_bytes_per_token)
 from tetrad.plan.stacks import EAGER_ELEMENTWISE, Stack
 
@@ -320,16 +320,16 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
     once per step, as ZeRO-2's: `estimate`.) Hybrid ZeRO gathers and reduce-scatters inside its
     blocks; its sum across the replicas runs once a step, in the last backward (the data-parallel
     reduction's time), not beside every micro-batch's layers. Under ep an MoE layer's E/ep experts
-    are gathered and reduce-scattered over the expert gradient group, after the rest."""
+    are gathered and reduce-scattered over their own group (the expert gradient group, or its share
+    of the block: moe.expert_shard_ranks), after the rest."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     n, sharded = p.dp * p.cp, shard_ranks(p)
     if p.zero < 3 or n == 1:
         return 0.0, 0.0
     experts = flops.mlp_matrix_params(m) / p.tp / p.ep if p.ep > 1 and m.n_experts else 0.0
-    n_e = expert_grad_ranks(p)
+    n_e = expert_shard_ranks(p)
     groups = [(rank_layer_params(m, p.tp, p.ep) - experts, sharded, group_link(cluster, p.tp, sharded)),
-              (experts, n_e, group_link(cluster, expert_grad_stride(cluster.gpus_per_node, p.tp, p.cp, p.dp, p.ep),
-                                        n_e))]
+              (experts, n_e, group_link(cluster, expert_shard_stride(cluster.gpus_per_node, p), n_e))]
     gather, scatter = (sum(ring_time(op, params * nbytes, ranks, *link) for params, ranks, link in groups if params)
                        for op, nbytes in (("all_gather", state_bytes_per_param(t.dtype)[0]),
                                           ("reduce_scatter", scatter_bytes(cfg))))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from tetrad.config.sections import shard_ranks
 from tetrad.plan.hardware import GPU, Cluster
 
 LINK_EFFICIENCY = 0.8  # achieved share of a link's bandwidth by large ring collectives (NCCL bus bandwidth)
@@ -91,6 +92,13 @@ def expert_grad_stride(per_node: int, tp: int, cp: int, dp: int, ep: int) -> int
     return per_node // members
 
 
+def expert_shard_stride(per_node: int, parallel) -> int:
+    """`expert_grad_stride` of the group the experts' buckets are sharded over (moe.expert_shard_ranks):
+    the expert gradient group, or under hybrid ZeRO its share of a block of zero_shard dp x cp
+    ranks, as the expert gradient group of the block's zero_shard/cp dp ranks."""
+    return expert_grad_stride(per_node, parallel.tp, parallel.cp, shard_ranks(parallel) // parallel.cp, parallel.ep)
+
+
 def reduction_time(op: str, nbytes: float, n: int, cluster: Cluster, stride: int) -> float:
     """A data-parallel reduction (`op`: all_reduce or reduce_scatter) of `nbytes` over `n` ranks
     `stride` apart.
@@ -111,13 +119,14 @@ def reduction_time(op: str, nbytes: float, n: int, cluster: Cluster, stride: int
     return ring
 
 
-def hybrid_reduction_time(nbytes: float, n: int, shard: int, cluster: Cluster, stride: int,
-                          summed: float | None = None) -> float:
-    """Hybrid ZeRO's reduction of `nbytes` of gradient over `n` ranks `stride` apart, sharded over
-    consecutive blocks of `shard` (parallel.zero_shard): a reduce-scatter inside the block (one
-    node's links where the block fits one), then an all-reduce of its 1/shard over the n/shard
-    replicas, `shard` x `stride` apart (across nodes), of `summed` bytes for the whole gradient
-    (ZeRO 2/3: the accumulated fp32 shard, whatever the codec sent inside the block; else `nbytes`)."""
-    replicas, summed = n // shard, nbytes if summed is None else summed
-    across = reduction_time("all_reduce", summed / shard, replicas, cluster, stride * shard) if replicas > 1 else 0.0
+def hybrid_reduction_time(nbytes: float, shard: int, stride: int, replicas: int, replica_stride: int,
+                          cluster: Cluster, summed: float | None = None) -> float:
+    """Hybrid ZeRO's reduction of `nbytes` of gradient sharded over `shard` ranks `stride` apart
+    (parallel.zero_shard's block, or the experts' share of it): a reduce-scatter inside the block
+    (one node's links where the block fits one), then an all-reduce of its 1/shard over the
+    `replicas`, `replica_stride` apart (the block's span: across nodes), of `summed` bytes for the
+    whole gradient (ZeRO 2/3: the accumulated fp32 shard, whatever the codec sent inside the
+    block; else `nbytes`)."""
+    summed = nbytes if summed is None else summed
+    across = reduction_time("all_reduce", summed / shard, replicas, cluster, replica_stride) if replicas > 1 else 0.0
     return reduction_time("reduce_scatter", nbytes, shard, cluster, stride) + across

@@ -10,14 +10,17 @@ Expert parallelism (parallel.ep, docs/design.md "Expert parallelism"): each bloc
 dp ranks (the EP group, cp·tp ranks apart) splits every MoE layer's experts, E/ep whole experts a
 rank (still split over tp), and sends each routed row to the rank holding its expert by
 all-to-all. The expert weights are replicated over, and their gradients summed over, the expert
-gradient group: the dp·cp/ep ranks with the same place in their EP group. Under balanced routing
-(the planner's assumption) a rank receives as many rows as it sends, k·tokens, so its activations
-are those without ep; only the EP group's sum of its all-to-all bytes is exact whatever the routing.
+gradient group: the dp·cp/ep ranks with the same place in their EP group (under hybrid ZeRO sharded
+over zero_shard/ep of them inside the block and summed over the replicas as the dense buckets are:
+`expert_shard_ranks`). Under balanced routing (the planner's assumption) a rank receives as many
+rows as it sends, k·tokens, so its activations are those without ep; only the EP group's sum of
+its all-to-all bytes is exact whatever the routing.
 """
 
 from __future__ import annotations
 
 from tetrad.config import ModelConfig
+from tetrad.config.sections import zero_shard
 from tetrad.model import flops
 
 INDEX_BYTES = 8  # int64 indices: torch.topk's, and the dispatch order's
@@ -29,9 +32,20 @@ def expert_grad_ranks(parallel) -> int:
     return parallel.dp * parallel.cp // parallel.ep if parallel.ep > 1 else 0
 
 
+def expert_shard_ranks(parallel) -> int:
+    """Ranks the experts' own buckets are padded for and sharded over: the expert gradient group,
+    or under hybrid ZeRO its share of a block, zero_shard/ep consecutive ranks of it (EXPERT_SHARD,
+    which a multiple of ep·cp keeps inside the block; the same dp·cp/zero_shard replicas as the
+    dense buckets'); 0 at ep = 1."""
+    block = zero_shard(parallel)
+    return block // parallel.ep if block and parallel.ep > 1 else expert_grad_ranks(parallel)
+
+
 def expert_shard(parallel, shard: int) -> int:
     """The place in its expert gradient group of the rank at place `shard` of its dp x cp group
-    (dp major, cp minor; dist/layout.py): the experts' buckets' shard it owns."""
+    (dp major, cp minor; dist/layout.py): the experts' buckets' shard it owns. Under hybrid ZeRO,
+    `shard` its place in its block, it is the place in its EXPERT_SHARD chunk (the block starts an
+    EP group: its dp ranks are whole EP groups)."""
     dp, cp = divmod(shard, parallel.cp)
     return dp // parallel.ep * parallel.cp + cp
 

@@ -203,14 +203,16 @@ class _LayoutBound:
 
 def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, usable: float, offload: bool):
     """(config, peak GiB per GPU, whether it is the last) of each ZeRO stage `layout` can run,
-    ZeRO 1-3 also hybrid (sharded over the dp x cp ranks of one node, where dp x cp spans several),
-    each followed, where it exceeds `usable` GiB and would fit with optimizer offload, by the same
-    with offload (where `offload`, the cluster can cost it and `base` does not offload already)."""
+    ZeRO 1-3 also hybrid (sharded over the dp x cp ranks of one node, where dp x cp spans several
+    and, under ep, expert parallelism takes that block), each followed, where it exceeds `usable`
+    GiB and would fit with optimizer offload, by the same with offload (where `offload`, the
+    cluster can cost it and `base` does not offload already)."""
     n = layout.dp * layout.cp
     zeros = (0, 1, 2, 3) if n > 1 else (0,)
     node = cluster.gpus_per_node // layout.tp if cluster.gpus_per_node % layout.tp == 0 else 0  # tp innermost
     composes = base.parallel.grad_codec in ("none", "bf16") and base.parallel.hierarchical is not True
-    composes = composes and layout.ep == 1  # expert parallelism refuses hybrid ZeRO
+    hybrid = dataclasses.replace(base.parallel, dp=layout.dp, cp=layout.cp, ep=layout.ep, zero=1, zero_shard=node)
+    composes = composes and expert_parallel_blocker(hybrid) is None  # ep: a block of whole EP groups over cp
     blocks = (0, node) if composes and 1 < node < n and n % node == 0 else (0,)
     offload = offload and not base.train.offload_optimizer and offload_unknown(cluster) is None
     candidates, activations = [], None

@@ -126,8 +126,10 @@ LAYOUTS = {  # name -> (parallel, train)
     # holds its experts whole, summed over the replicas alone) and are summed over the replicas
     "dp4-ep2-zero1-hybrid": ({"dp": 4, "ep": 2, "zero": 1, "zero_shard": 2}, {}),
     "dp4-ep2-zero3-hybrid": ({"dp": 4, "ep": 2, "zero": 3, "zero_shard": 2}, {}),
-    # ... over two ranks (8 ranks: the smallest where the experts' chunk has two)
+    # ... over two ranks (8 ranks: the fewest where the experts' chunk has two): two dp ranks, or
+    # one dp rank's two cp ranks
     "dp8-ep2-zero2-hybrid4": ({"dp": 8, "ep": 2, "zero": 2, "zero_shard": 4}, {"micro_batch": 1}),
+    "dp4-ep2-cp2-zero3-hybrid4": ({"dp": 4, "ep": 2, "cp": 2, "zero": 3, "zero_shard": 4}, {"recompute": "full"}),
 }
 
 

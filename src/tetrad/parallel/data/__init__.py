@@ -11,7 +11,9 @@ and ZeRO 0-3, split along Megatron-Core's seams:
 
 CP ranks hold the same weights as their DP peers, so both dimensions reduce (and shard)
 together. Under expert parallelism the experts' weights are held by fewer of them (EXPERT_GRAD):
-their buckets are reduced and sharded over that group instead, each bucket over its own `group`. Each micro-batch's loss is already divided by the global batch's count of labels the
+their buckets are reduced and sharded over that group instead, each bucket over its own `group`
+(under hybrid ZeRO its chunk inside each shard block, EXPERT_SHARD, the shards then summed over
+EXPERT_REPLICA as the dense ones over REPLICA). Each micro-batch's loss is already divided by the global batch's count of labels the
 loss counts (every token's without a loss mask), so a SUM of the gradients gives exactly the
 single-device gradient.
 

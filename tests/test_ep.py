@@ -82,6 +82,29 @@ def test_expert_groups_partition_the_gradient_groups(world):
                 assert all(len(set(e) & set(g)) == 1 for e in ep_groups if set(e) <= set(grad))
 
 
+@pytest.mark.parametrize("world", [8, 16])
+def test_expert_blocks_cut_each_expert_group_inside_the_shard_blocks(world):
+    """Hybrid ZeRO with ep (zero_shard a multiple of ep x cp): EXPERT_SHARD chunks partition each
+    EXPERT_GRAD group into zero_shard/ep ranks of one shard block; EXPERT_REPLICA holds one rank of
+    every chunk; a rank's place among the expert replicas is its place among the dense ones (the
+    norm counts replica 0 of both alike)."""
+    for base in factorisations(world):
+        n = base.dp * base.cp
+        for ep in (e for e in range(2, base.dp + 1) if base.dp % e == 0):
+            for shard in (s for s in range(ep * base.cp, n, ep * base.cp) if n % s == 0):
+                layout = dataclasses.replace(base, ep=ep)
+                dense_shard, dense_replica = layout.split_in_blocks(GRAD_DIMS, shard)
+                chunks, replicas = layout.expert_blocks(shard)
+                assert sorted(r for g in chunks for r in g) == sorted(r for g in replicas for r in g) == list(range(world))
+                assert {len(g) for g in chunks} == {shard // ep} and {len(g) for g in replicas} == {n // shard}
+                expert_grad = layout.expert_groups()[1]
+                assert all(any(set(c) <= set(g) for g in expert_grad) for c in chunks)
+                assert all(any(set(c) <= set(b) for b in dense_shard) for c in chunks)
+                for r in range(world):
+                    index = [g.index(r) for g in replicas if r in g] + [g.index(r) for g in dense_replica if r in g]
+                    assert index[0] == index[1]
+
+
 def test_ep1_has_no_groups_of_its_own():
     ep_groups, expert_grad = Layout(dp=4, cp=2).expert_groups()
     assert all(len(g) == 1 for g in ep_groups)
@@ -99,6 +122,14 @@ LAYOUTS = {  # name -> (parallel, train)
     "dp4-ep2-zero3": ({"dp": 4, "ep": 2, "zero": 3}, {}),
     "dp2-ep2-pp2-zb-zero3": ({"dp": 2, "ep": 2, "pp": 2, "schedule": "zb", "zero": 3}, {}),
     "dp2-ep2-cp2-zero3-full": ({"dp": 2, "ep": 2, "cp": 2, "zero": 3}, {"recompute": "full"}),
+    # hybrid ZeRO: the experts shard over zero_shard/ep ranks of their group (one here: every rank
+    # holds its experts whole, summed over the replicas alone) and are summed over the replicas
+    "dp4-ep2-zero1-hybrid": ({"dp": 4, "ep": 2, "zero": 1, "zero_shard": 2}, {}),
+    "dp4-ep2-zero3-hybrid": ({"dp": 4, "ep": 2, "zero": 3, "zero_shard": 2}, {}),
+    # ... over two ranks (8 ranks: the fewest where the experts' chunk has two): two dp ranks, or
+    # one dp rank's two cp ranks
+    "dp8-ep2-zero2-hybrid4": ({"dp": 8, "ep": 2, "zero": 2, "zero_shard": 4}, {"micro_batch": 1}),
+    "dp4-ep2-cp2-zero3-hybrid4": ({"dp": 4, "ep": 2, "cp": 2, "zero": 3, "zero_shard": 4}, {"recompute": "full"}),
 }
 
 
@@ -125,13 +156,14 @@ def test_first_step_gradients_are_one_process_s():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("zero", [2, 3])
-def test_under_nccl_semantics_matches_single_process(zero):
+@pytest.mark.parametrize("zero,shard", [(2, 0), (3, 0), (2, 2)], ids=["zero2", "zero3", "zero2-hybrid"])
+def test_under_nccl_semantics_matches_single_process(zero, shard):
     """Under NCCL's timing of collectives (tests/nccl_collectives.py): ZeRO-2's reduce-scatters of
     the expert buckets over their own group beside the dense ones (ZeRO-3: and each block's two
-    gathers, the next block's prefetched, forward and backward), and the dispatch's all-to-alls
-    again inside backward (full recompute)."""
-    parallel = {"dp": 4, "ep": 2, "zero": zero}
+    gathers, the next block's prefetched, forward and backward; hybrid ZeRO: and both groups' sums
+    over their replicas, started during the last backward), and the dispatch's all-to-alls again
+    inside backward (full recompute)."""
+    parallel = {"dp": 4, "ep": 2, "zero": zero, "zero_shard": shard}
     got = train_layout(_config(parallel, {"recompute": "full"}), transport=partial(NcclSemantics, timeout_s=20),
                        trainer_class=NcclTrainer)
     got[2][-1].pop("posted")
@@ -192,13 +224,15 @@ def test_bf16_tracks_one_process_in_bf16():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("zero,nccl", [(1, False), (3, False), (2, True)], ids=["zero1", "zero3", "zero2-nccl"])
-def test_a_bf16_codec_tracks_the_uncompressed_run(zero, nccl):
+@pytest.mark.parametrize("zero,nccl,shard", [(1, False, 0), (3, False, 0), (2, True, 0), (1, False, 2)],
+                         ids=["zero1", "zero3", "zero2-nccl", "zero1-hybrid"])
+def test_a_bf16_codec_tracks_the_uncompressed_run(zero, nccl, shard):
     """grad_codec='bf16' at dp4 ep2: the experts' buckets too are summed in bf16, over their group
     of two (tests/test_codecs.py's bound on the losses), and send the planner's bytes, fewer than
     uncompressed; ZeRO-2's bf16 reduce-scatters of both groups' buckets also under NCCL's timing of
-    collectives (tests/nccl_collectives.py)."""
-    parallel = {"dp": 4, "ep": 2, "zero": zero}
+    collectives (tests/nccl_collectives.py); under hybrid ZeRO-1 the shards' sums over their
+    replicas in bf16 too (the experts' chunk is one rank: the replicas' sum is all they send)."""
+    parallel = {"dp": 4, "ep": 2, "zero": zero, "zero_shard": shard}
     if nccl:
         losses, _, history = train_layout(_config({**parallel, "grad_codec": "bf16"}),
                                           transport=partial(NcclSemantics, timeout_s=20), trainer_class=NcclTrainer)
@@ -216,12 +250,15 @@ def test_a_bf16_codec_tracks_the_uncompressed_run(zero, nccl):
 @pytest.mark.dist
 @pytest.mark.parametrize("saved,resumed", [({"dp": 2, "ep": 2}, {"dp": 2}), ((), {"dp": 2, "ep": 2, "zero": 1}),
                                            ({"dp": 4, "ep": 2, "zero": 3}, {"dp": 2}),
-                                           ((), {"dp": 4, "ep": 2, "zero": 3})],
-                         ids=["ep2-to-ep1", "ep1-to-ep2", "ep2-zero3-to-ep1", "ep1-to-ep2-zero3"])
+                                           ((), {"dp": 4, "ep": 2, "zero": 3}),
+                                           ({"dp": 4, "ep": 2, "zero": 3, "zero_shard": 2}, {"dp": 2}),
+                                           ((), {"dp": 4, "ep": 2, "zero": 1, "zero_shard": 2})],
+                         ids=["ep2-to-ep1", "ep1-to-ep2", "ep2-zero3-to-ep1", "ep1-to-ep2-zero3",
+                              "ep2-hybrid-zero3-to-ep1", "ep1-to-ep2-hybrid-zero1"])
 def test_a_checkpoint_resumes_at_another_ep(saved, resumed):
     """The step-3 checkpoint of a run at ep2 resumes at ep1, and one process's at ep2 (ZeRO-1: the
-    optimizer state sharded over the expert group; ZeRO-3: the weights too), continuing one
-    process's losses."""
+    optimizer state sharded over the expert group; ZeRO-3: the weights too; hybrid ZeRO: each
+    replica of a shard saves and loads the same piece), continuing one process's losses."""
     (ref_losses, ref_state, _), _ = _trained((), ())
     _, step3 = _trained(tuple(dict(saved).items()), ())
     losses, state, _ = train_layout(_config(resumed, checkpoint={"resume": str(step3)}))
@@ -248,7 +285,7 @@ def test_ep_bytes_over_an_ep_group_are_the_formula():
 
 
 @pytest.mark.parametrize("parallel,message", [
-    ({"zero": 1, "zero_shard": 2}, r"does not take zero_shard=2 yet .*; set zero_shard=0, or ep=1"),
+    ({"ep": 4, "zero": 1, "zero_shard": 2}, r"zero_shard=2 must be a multiple of ep\*cp = 4 .*; use zero_shard in \[0\]"),
     ({"grad_codec": "int8"}, r"does not take grad_codec='int8' yet .*; set grad_codec='none' or 'bf16', or ep=1"),
     ({"hierarchical": True}, r"does not take hierarchical=true yet .*; set hierarchical=false, or ep=1"),
 ])

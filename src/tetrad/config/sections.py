@@ -31,18 +31,24 @@ def hierarchical_blocker(parallel) -> str | None:
 
 def expert_parallel_blocker(parallel) -> str | None:
     """What this cut of expert parallelism (parallel.ep > 1) does not take, in one line naming the
-    fix, or None: what reduces or shards every gradient over all of dp x cp alike, where the experts'
-    reduce over a group of their own (docs/design.md "Expert parallelism"). Config validation
-    refuses it; the planner skips it."""
+    fix, or None: the codecs and the hierarchical reduction that are set for the dense gradient
+    group alone, and a hybrid ZeRO block that splits an EP group (the experts' own blocks must hold
+    whole EP groups: docs/design.md "Expert parallelism"). Config validation refuses it; the planner
+    skips it."""
     if parallel.ep == 1:
         return None
-    for setting, used, fix in ((f"zero_shard={parallel.zero_shard}", zero_shard(parallel) > 0, "set zero_shard=0"),
-                               (f"grad_codec={parallel.grad_codec!r}", parallel.grad_codec not in ("none", "bf16"),
+    for setting, used, fix in ((f"grad_codec={parallel.grad_codec!r}", parallel.grad_codec not in ("none", "bf16"),
                                 "set grad_codec='none' or 'bf16'"),
                                ("hierarchical=true", parallel.hierarchical is True, "set hierarchical=false")):
         if used:
             return (f"parallel.ep={parallel.ep} does not take {setting} yet (the experts' gradients reduce over "
                     f"their own group); {fix}, or ep=1")
+    whole = parallel.ep * parallel.cp  # dp x cp ranks of one EP group's dp span
+    if zero_shard(parallel) % whole:
+        fits = [s for s in range(whole, parallel.dp * parallel.cp, whole) if not parallel.dp * parallel.cp % s]
+        return (f"parallel.zero_shard={parallel.zero_shard} must be a multiple of ep*cp = {whole} under expert "
+                f"parallelism (each ZeRO shard block holds whole EP groups, so that the experts shard inside it "
+                f"too); use zero_shard in {fits + [0]}")
     return None
 
 
@@ -73,7 +79,7 @@ class ConfigError(ValueError):
 # parallel.comm_options: the groups that take settings (a pipeline link's take "pp"'s) and each
 # setting's type and range: ProcessGroupNCCL.Options' high-priority stream, NCCL's config.
 COMM_GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "dp_cp_intra", "dp_cp_inter", "dp_cp_shard", "dp_cp_replica", "ep",
-               "edp_cp", "embed")
+               "edp_cp", "edp_cp_shard", "edp_cp_replica", "embed")
 COMM_OPTIONS = {"high_priority_stream": (bool, None), "cga_cluster_size": (int, range(0, 9)),
                 "min_ctas": (int, range(1, 65)), "max_ctas": (int, range(1, 65))}
 

@@ -109,9 +109,7 @@ class Layout:
         """(shard, replica): every `dims` group cut into consecutive blocks of `size` ranks (hybrid
         ZeRO's shard groups: a block fits a node when `size` divides its ranks) and into the ranks
         at the same position in every block (the replicas of one shard)."""
-        shard = [group[i:i + size] for group in self.groups(dims) for i in range(0, len(group), size)]
-        replica = [group[i::size] for group in self.groups(dims) for i in range(size)]
-        return shard, replica
+        return _blocks(self.groups(dims), size)
 
     def expert_groups(self) -> tuple[list, list]:
         """(ep, EXPERT_GRAD): every dp group cut into blocks of `ep` consecutive ranks (a rank's
@@ -121,6 +119,14 @@ class Layout:
         grad = [[r for r in group if self.coords(r)["dp"] % self.ep == e]
                 for group in self.groups(GRAD_DIMS) for e in range(self.ep)]
         return ep, grad
+
+    def expert_blocks(self, zero_shard: int) -> tuple[list, list]:
+        """(EXPERT_SHARD, EXPERT_REPLICA) under hybrid ZeRO with blocks of `zero_shard` dp x cp
+        ranks, a multiple of ep x cp: every EXPERT_GRAD group cut into consecutive chunks of
+        zero_shard/ep ranks (those of its ranks inside one shard block, since the block holds whole
+        EP groups) and into the ranks at the same position in every chunk. A rank's chunk is its
+        block, so its place among the expert replicas is its place among the dense ones."""
+        return _blocks(self.expert_groups()[1], zero_shard // self.ep)
 
     def split_by_node(self, dims: tuple[str, ...], ranks_per_node: int) -> tuple[list, list] | None:
         """(intra, inter): every `dims` group cut into its ranks on one node (node = rank //
@@ -136,6 +142,13 @@ class Layout:
             intra.append(list(nodes.values()))
         inter = [list(ranks) for per_group in intra for ranks in zip(*per_group)]
         return [g for per_group in intra for g in per_group], inter
+
+
+def _blocks(groups: list[list[int]], size: int) -> tuple[list, list]:
+    """Each group cut into consecutive blocks of `size` ranks, and into the ranks at one position
+    in every block."""
+    return ([group[i:i + size] for group in groups for i in range(0, len(group), size)],
+            [group[i::size] for group in groups for i in range(size)])
 
 
 def factorisations(world: int) -> list[Layout]:

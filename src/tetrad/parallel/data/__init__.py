@@ -11,7 +11,9 @@ and ZeRO 0-3, split along Megatron-Core's seams:
 
 CP ranks hold the same weights as their DP peers, so both dimensions reduce (and shard)
 together. Under expert parallelism the experts' weights are held by fewer of them (EXPERT_GRAD):
-their buckets are reduced and sharded over that group instead, each bucket over its own `group`. Each micro-batch's loss is already divided by the global batch's count of labels the
+their buckets are reduced and sharded over that group instead, each bucket over its own `group`
+(under hybrid ZeRO its chunk inside each shard block, EXPERT_SHARD, the shards then summed over
+EXPERT_REPLICA as the dense ones over REPLICA). Each micro-batch's loss is already divided by the global batch's count of labels the
 loss counts (every token's without a loss mask), so a SUM of the gradients gives exactly the
 single-device gradient.
 
@@ -85,7 +87,8 @@ class GradReducer:
         self.execution = getattr(model, "execution", None) or Execution()
         self._names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
         self.zero = parallel.zero if parallel else 0
-        shard, replica = topo.zero_groups() if self.zero >= 1 else (GRAD, None)
+        shard, replica = topo.zero_groups()  # the topology's hybrid block is the config's: none at ZeRO-0
+        experts, expert_replica = topo.zero_groups(experts=True)
         n = topo.size(GRAD)
         codec = self.codec_name = parallel.grad_codec if parallel else "none"
         self.codec = make_codec(codec, n)
@@ -93,10 +96,9 @@ class GradReducer:
         if hierarchical and topo.layout.split_by_node(GRAD_DIMS, topo.ranks_per_node) is None:
             raise ValueError(f"hierarchical reduction needs the dp x cp groups spread evenly over nodes of "
                              f"{topo.ranks_per_node} ranks")
-        experts = topo.expert_grad_group()
         layout = lay_out(params, model, self.zero, topo.size(shard), topo.local_rank(shard),
                          INT8_BLOCK if codec == "int8" else 1, bucket_bytes(parallel), shard,
-                         (experts, topo.size(experts), topo.local_rank(experts)) if experts != GRAD else None)
+                         (experts, topo.size(experts), topo.local_rank(experts)) if experts != shard else None)
         self.buckets, self.blocks, self._tied = layout.buckets, layout.blocks, layout.tied
         # Replicas of a shard hold the same reduced gradient: one of them counts it in the norm.
         self._norm_ranges = norm_ranges(self.buckets, topo, layout.tied.params[0] if layout.tied_copy else None) \
@@ -121,16 +123,19 @@ class GradReducer:
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] if model is not None else []
         # The dense buckets' codec is sized by the gradient group (under hybrid ZeRO too: its scatter
         # dtype also sets the replicas' sum); the experts' buckets reduce over their own group, with
-        # its codec (none where it is one rank, which sends nothing; ep takes bf16 alone, stateless).
-        codecs = {b.group: self.codec if b.group == shard else make_codec(codec, topo.size(b.group))
-                  for b in self.buckets}
+        # a codec sized by all who hold the same experts (none where that is one rank, which sends
+        # nothing; ep takes bf16 alone, stateless).
+        codecs = {shard: self.codec}
+        if experts != shard:
+            codecs[experts] = make_codec(codec, topo.size(experts) * topo.size(expert_replica))
         self.sync = GradSync(self.buckets, topo, self.execution, self.zero, codecs, hierarchical,
                              on_complete=self.zero3.on_complete if self.zero3 else None,
                              linear_weights=frozenset(id(m.weight) for m in linears if m.weight.numel() >= SINK_MIN_NUMEL),
                              # every linear's but the head's, made in BI (ColumnParallelLinear.grad_in_bi)
                              deferred_weights=frozenset(id(m.weight) for m in linears
                                                         if not getattr(m, "grad_in_bi", False)),
-                             groups=(shard, replica), trains=trains)
+                             shard=shard, replicas={shard: replica, experts: expert_replica} if replica else {},
+                             trains=trains)
 
     def last_microbatch(self):
         """Backward inside this block is the accumulation's last: buckets reduce as they fill."""

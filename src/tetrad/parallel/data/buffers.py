@@ -8,7 +8,7 @@ out alike on both stages. Under ZeRO-3 there is one bucket per transformer block
 the rest, as the block is the unit that is gathered. Under expert parallelism the experts' weights
 (ParamSpec.expert_split) get buckets of their own, after the dense ones, laid out by the same rule
 (under ZeRO-3 one per block, gathered with the block's) and sharded over the expert gradient group
-(docs/design.md "Expert parallelism"). The rule itself is parallel/bucketing.py's, which the
+(under hybrid ZeRO, over its chunk inside the shard block; docs/design.md "Expert parallelism"). The rule itself is parallel/bucketing.py's, which the
 planner follows too (plan/buckets.py).
 """
 

@@ -20,8 +20,8 @@ delivered all of its linears' (a later micro-batch's BI may come first: it joins
 reduction), so no bucket is held full from BI to BW; a bucket of no linear (the embedding's and
 learned positions') completes when BI has delivered all of its gradients, once a micro-batch.
 
-Hybrid ZeRO (`groups` = the shard and replica groups): the reduce-scatter runs over the shard
-group, and the bucket's reduced shard is then summed over the replicas once a step, started as
+Hybrid ZeRO (`replicas`: each shard group's replica group): the reduce-scatter runs over the
+bucket's shard group, and its reduced shard is then summed over that group's replicas once a step, started as
 the step's last reduce-scatter of the bucket ends (`_sum_over_replicas`), so that it overlaps
 the rest of the last backward: ZeRO-1 sums its one reduction's shard (the last micro-batch's),
 written back into its full bucket at the end of backward; ZeRO 2/3 the step's accumulated shard,
@@ -50,20 +50,22 @@ class GradSync:
     """The gradient lifecycle of `buckets` over the gradient group. `on_complete(bucket)` runs
     when a bucket's gradients of a backward are all in, before its reduction starts (ZeRO-3 frees
     the block's weights there). `codecs`: each bucket group's gradient codec, by the group's name.
+    `shard`: the dense buckets' group (its backend picks the flat collectives, collectives.py);
+    `replicas` (hybrid ZeRO): each bucket group's replica group, by the group's name.
     Without `trains` (a forward-only build: `tetrad eval`) no gradient buffer is kept."""
 
     def __init__(self, buckets: list[Bucket], topo, execution, zero: int, codecs: dict, hierarchical_: bool,
                  on_complete=None, linear_weights: frozenset[int] = frozenset(),
-                 deferred_weights: frozenset[int] = frozenset(), groups: tuple[str, str | None] = (GRAD, None),
+                 deferred_weights: frozenset[int] = frozenset(), shard: str = GRAD, replicas: dict | None = None,
                  trains: bool = True):
         self.buckets, self.topo, self.execution = buckets, topo, execution
-        self.shard, self.replica = groups
+        self.replicas = replicas or {}
         self.zero, self.codecs, self.hierarchical = zero, codecs, hierarchical_
         self.on_complete = on_complete or (lambda bucket: None)
         self.sync = False  # inside `last_microbatch`
         self.in_flight: list[Bucket] = []  # ZeRO >= 2 and hybrid ZeRO: reduce-scatters started, oldest first
         self.replica_sums: dict[int, object] = {}  # hybrid ZeRO: this step's all-reduces over the replicas
-        self.scratch_free = collectives.scratch_free(topo, self.shard)  # gloo: all-reduce in place instead (collectives.py)
+        self.scratch_free = collectives.scratch_free(topo, shard)  # gloo: all-reduce in place instead (collectives.py)
         # fp32 ZeRO 0/1 without zero-bubble's split backward: each bucket's flat gradient persists
         # and each p.grad becomes its view. `clear` drops p.grad rather than zeroing the buckets,
         # so a step's first gradient is copied over its view (one pass over it, where zeroing and
@@ -205,7 +207,7 @@ class GradSync:
             raise RuntimeError(f"bucket {bucket.index} starts reducing from {bucket.state}")
         bucket.state = "reducing"
         comm = self.topo.comm
-        if self.zero >= 2 or self.replica is not None:
+        if self.zero >= 2 or self.replicas:
             wire = self.codecs[bucket.group].SCATTER_DTYPE
             full = bucket.grad if wire is None else bucket.grad.to(wire)
             bucket.pending, bucket.incoming = collectives.start_reduce(self.topo, full, bucket.shard_size,
@@ -248,9 +250,9 @@ class GradSync:
         """Hybrid ZeRO: start summing the bucket's reduced shard over its replicas, once a step
         (nothing without replicas)."""
         bucket.closing = False
-        if self.replica is not None and bucket.index not in self.replica_sums:
-            self.replica_sums[bucket.index] = self.topo.comm.all_reduce(self._reduced_shard(bucket), self.replica,
-                                                                        async_op=True)
+        if self.replicas and bucket.index not in self.replica_sums:
+            self.replica_sums[bucket.index] = self.topo.comm.all_reduce(self._reduced_shard(bucket),
+                                                                        self.replicas[bucket.group], async_op=True)
 
     def _reduced_shard(self, bucket: Bucket) -> torch.Tensor | None:
         """This step's reduced shard of the bucket, if any: ZeRO-1's (hybrid) last reduction's,

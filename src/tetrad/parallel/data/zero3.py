@@ -37,7 +37,8 @@ from tetrad.parallel.data.buffers import Bucket
 class ParamGather:
     """Gathers and frees the flat parameter buffers `flat` (one per bucket, freed while not in use)
     from the persistent shards `shards`, each bucket over its own group (Bucket.group: hybrid
-    ZeRO's shard group, or the expert gradient group: gathers never cross it). Block k's use
+    ZeRO's shard group, or the expert gradient group, or under both its chunk inside the shard
+    block: gathers never cross it). Block k's use
     gathers `block_buckets[k]` (its bucket, and under expert parallelism its experts'); `roots`
     are gathered for the whole step. `prefetch`: how many blocks ahead (behind, in backward) to
     start gathering. `group`, the dense buckets' (hybrid ZeRO's shard group), tells which backend

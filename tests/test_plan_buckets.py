@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from tetrad.config.sections import bucket_bytes
+from tetrad.config.sections import bucket_bytes, shard_ranks
 from tetrad.dist.codec_shapes import INT8_BLOCK
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import spec_of
@@ -46,6 +46,11 @@ SHARED = {"n_experts": 4, "expert_ffn_hidden": 32, "shared_expert_ffn_hidden": 6
 CASES += [({"tp": 2, "pp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, SHARED),
           ({"pp": 2, "vpp": 2, "dp": 2, "zero": 3}, {**SHARED, "dense_layers": [0, 3]}),
           ({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.01}, SHARED)]
+# Hybrid ZeRO with ep: the dense buckets over the block, the experts' over its zero_shard/ep ranks (one
+# rank; two, a dp rank's cp pair; three, which pad the experts' tensors of 2 x 97 x 64 elements).
+CASES += [({"dp": 4, "ep": 2, "zero": 2, "zero_shard": 2, "grad_bucket_mb": 0.01}, {"n_experts": 4, "expert_ffn_hidden": 96}),
+          ({"dp": 4, "cp": 2, "ep": 2, "zero": 3, "zero_shard": 4}, {"n_experts": 4, "expert_ffn_hidden": 96}),
+          ({"dp": 12, "ep": 2, "zero": 1, "zero_shard": 6, "grad_bucket_mb": 0.01}, {"n_experts": 4, "expert_ffn_hidden": 97})]
 
 
 def _runtime(cfg, rank: int) -> list[PlannedBucket]:
@@ -55,8 +60,9 @@ def _runtime(cfg, rank: int) -> list[PlannedBucket]:
                                  device=torch.device("cpu"))
     with torch.device("meta"):
         model = PipelineStages(cfg, topo, Execution())
-    experts = {"experts": ("experts", p.dp * p.cp // p.ep, 0)} if p.ep > 1 else {}
-    layout = lay_out(list(model.parameters()), model, p.zero, p.dp * p.cp, 0,
+    n = shard_ranks(p)  # hybrid ZeRO's block, its EP groups' chunk of the experts' group
+    experts = {"experts": ("experts", n // p.ep, 0)} if p.ep > 1 else {}
+    layout = lay_out(list(model.parameters()), model, p.zero, n, 0,
                      INT8_BLOCK if p.grad_codec == "int8" else 1, bucket_bytes(p), **experts)
     expert = {id(q) for name, q in model.named_parameters() if ".experts." in name and p.ep > 1}
     out = []
@@ -73,6 +79,6 @@ def _runtime(cfg, rank: int) -> list[PlannedBucket]:
 
 @pytest.mark.parametrize("parallel,model", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_planned_buckets_are_the_runtime_layout(parallel, model):
-    cfg = tiny_config(parallel=parallel, model=model)
+    cfg = tiny_config(parallel=parallel, model=model, train={"global_batch": 8 * parallel.get("dp", 1)})
     for rank in range(cfg.parallel.pp):
         assert list(rank_buckets(cfg)[rank].buckets) == _runtime(cfg, rank), rank

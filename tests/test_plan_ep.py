@@ -1,6 +1,6 @@
 """The planner under expert parallelism (parallel.ep, docs/design.md "Expert parallelism"): a rank
 holds E/ep experts, their buckets apart and sharded over dp*cp/ep, the "ep" all-to-all bytes under
-balanced routing, their time on the EP group's link, the search over ep, the runtime's refusals,
+balanced routing, their time on the EP group's link, the search over ep, hybrid ZeRO under ep, the runtime's refusals,
 the JSON contract. Pure Python, no ranks (the runtime comparisons: tests/test_plan_runtime.py)."""
 
 from __future__ import annotations
@@ -175,8 +175,7 @@ HYBRID_MODEL = {"preset": "tiny", "n_layers": 2, "n_experts": 4, "experts_per_to
 
 
 def _hybrid(model: dict, parallel: dict, zero_shard: int, train: dict | None = None):
-    cfg = _cfg(model, parallel, train)
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_shard=zero_shard))
+    return _cfg(model, {**parallel, "zero_shard": zero_shard}, train)
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -277,17 +276,30 @@ def test_search_tries_every_ep_that_divides_dp_and_the_experts():
     assert {x.ep for x in layouts(coded, 64, 8)} == {1, 2, 4, 8}  # one it takes
 
 
-def test_search_skips_what_ep_refuses():
-    """Hybrid ZeRO is never tried with ep > 1 (ZeRO-3 is); with ep 1 it is."""
+def test_search_tries_hybrid_zero_where_ep_takes_the_block():
+    """Hybrid ZeRO over one node's dp x cp ranks (8 / tp) is tried with ep where that block holds
+    whole EP groups over cp (ep x cp divides it), never where it splits one; ZeRO-3 at every ep."""
     base = _cfg(MIXTRAL, {}, {"global_batch": 256})
     cluster = load_cluster("h100x64")
-    tried = {}
-    for ep in (1, 2):
-        layout = Candidate(1, 2, 1, 32, ep, "ring", 1, "1f1b", 1, "full")
-        tried[ep] = {(c.parallel.zero, c.parallel.zero_shard)
+    hybrid = {(1, 1): {1, 2, 4, 8}, (2, 1): {1, 2, 4}, (1, 2): {1, 2, 4}}  # (tp, cp): the ep it is tried with
+    for (tp, cp), eps in hybrid.items():
+        node, dp = 8 // tp, 32 // (tp * cp)
+        for ep in (1, 2, 4, 8):
+            layout = Candidate(tp, 2, cp, dp, ep, "ring", 1, "1f1b", 1, "full")
+            tried = {(c.parallel.zero, c.parallel.zero_shard)
                      for c, _, _ in _zero_stages(base, layout, cluster, STACKS["tetrad"], 1e9, False)}
-    assert tried[2] == {(0, 0), (1, 0), (2, 0), (3, 0)}
-    assert {(3, 0), (1, 8), (3, 8)} <= tried[1]
+            flat = {(0, 0), (1, 0), (2, 0), (3, 0)}
+            assert tried == flat | ({(1, node), (2, node), (3, node)} if ep in eps else set()), (tp, cp, ep)
+
+
+def test_plan_proposes_hybrid_zero_with_ep():
+    """Mixtral on 64 H100s: among the layouts `plan` ranks, some shard over one node's ranks with
+    ep > 1, and `estimate` takes them as ranked."""
+    cluster = load_cluster("h100x64")
+    ranked = plan(_cfg(MIXTRAL, {}, {"global_batch": 256}), cluster, top=200).ranked
+    hybrid = [e for e in ranked if e.cfg.parallel.ep > 1 and e.cfg.parallel.zero_shard]
+    assert hybrid, {(e.cfg.parallel.ep, e.cfg.parallel.zero, e.cfg.parallel.zero_shard) for e in ranked}
+    assert estimate(hybrid[0].cfg, cluster).step_time_s == pytest.approx(hybrid[0].step_time_s)
 
 
 def test_plan_spreads_experts_where_they_dominate_memory():
@@ -309,15 +321,18 @@ def test_plan_spreads_experts_where_they_dominate_memory():
     assert alone.memory.weights + alone.memory.grads > 2 * (spread.memory.weights + spread.memory.grads)
 
 
-@pytest.mark.parametrize("setting", ["--parallel.zero_shard=2", "--parallel.grad_codec=int8",
-                                     "--parallel.hierarchical=true"])
-def test_estimate_refuses_what_ep_refuses(setting, capsys):
+@pytest.mark.parametrize("setting,fix", [("--parallel.zero_shard=1", "zero_shard in [2, 0]"),
+                                         ("--parallel.grad_codec=int8", "ep=1"), ("--parallel.hierarchical=true", "ep=1")])
+def test_estimate_refuses_what_ep_refuses(setting, fix, capsys):
+    """In one line naming the fix: a hybrid ZeRO block that splits an EP group (one that holds
+    whole ones runs), a codec or reduction set for the dense group alone."""
     argv = ["estimate", "--cluster", "dgx-h100", "--model.preset=tiny", "--model.n_experts=4", "--parallel.dp=4",
             "--parallel.ep=2", "--parallel.zero=1", setting]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "parallel.ep=2" in err and "ep=1" in err and len(err.strip().splitlines()) == 1, err
+    assert "ep" in err and fix in err and len(err.strip().splitlines()) == 1, err
     assert main(argv[:-1]) == 0 and capsys.readouterr()
+    assert main(argv[:-1] + ["--parallel.zero_shard=2"]) == 0 and capsys.readouterr()
 
 
 def test_json_and_text_carry_ep(tmp_path, capsys):

@@ -95,6 +95,12 @@ EP_LAYOUTS = [({"dp": 2, "ep": 2}, {}, MOE), ({"dp": 4, "ep": 2, "zero": 1}, {"m
               ({"dp": 4, "ep": 2, "zero": 1, "grad_codec": "bf16"}, {"micro_batch": 1, "global_batch": 8}, MOE),
               ({"dp": 2, "ep": 2, "grad_codec": "bf16"}, {}, MOE),
               ({"dp": 2, "ep": 2, "zero": 3, "grad_codec": "bf16"}, {}, MOE)]  # experts alone: no bytes
+# Hybrid ZeRO with ep: the experts' buckets over zero_shard/ep ranks of the block, summed over the same
+# replicas as the dense ones: one rank (no reduce-scatter or gather bytes, the whole bucket over the
+# replicas: fp32 under ZeRO 2/3, the wire dtype under ZeRO-1), or a dp rank's cp pair.
+EP_LAYOUTS += [({"dp": 4, "ep": 2, "zero": zero, "zero_shard": 2, **codec}, {"micro_batch": 1, "global_batch": 8}, MOE)
+               for zero, codec in ((1, {}), (2, {}), (3, {}), (1, {"grad_codec": "bf16"}))]
+EP_LAYOUTS += [({"dp": 4, "cp": 2, "ep": 2, "zero": 2, "zero_shard": 4}, {"micro_batch": 1, "global_batch": 8}, MOE)]
 
 
 @pytest.mark.parametrize("parallel,train,model", EP_LAYOUTS, ids=lambda p: _name(p) or "-")
@@ -198,7 +204,8 @@ COUNTED_LAYOUTS += [({"pp": 2}, {}, SHARED_COUNTED),
 EP_COUNTED_LAYOUTS = [({"dp": 2, "ep": 2, "zero": 1}, {}, {"n_experts": 4}),
                       ({"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, {"recompute": "full"}, {"n_experts": 4}),
                       ({"dp": 2, "ep": 2, "zero": 1}, {}, SHARED_COUNTED),
-                      ({"dp": 4, "ep": 2, "zero": 3}, {}, {"n_experts": 4})]
+                      ({"dp": 4, "ep": 2, "zero": 3}, {}, {"n_experts": 4}),
+                      ({"dp": 4, "ep": 2, "zero": 3, "zero_shard": 2}, {}, {"n_experts": 4})]
 
 
 @pytest.mark.parametrize("parallel,train,model", COUNTED_LAYOUTS + EP_COUNTED_LAYOUTS, ids=lambda p: _name(p) or "-")
@@ -268,7 +275,12 @@ EP_TINY_BUCKETS = [({"dp": 4, "ep": 2, "zero": 1, "grad_bucket_mb": 0.002}, {"dt
                     EXPERTS),
                    ({"dp": 2, "cp": 2, "ep": 2, "zero": 2, "grad_bucket_mb": 0.002}, {"micro_batch": 1}, EXPERTS),
                    ({"dp": 4, "ep": 2, "zero": 3}, {"dtype": "bf16", "micro_batch": 1}, EXPERTS),
-                   ({"dp": 2, "ep": 2}, {}, {**EXPERTS, "dense_layers": [1]})]
+                   ({"dp": 2, "ep": 2}, {}, {**EXPERTS, "dense_layers": [1]}),
+                   # hybrid ZeRO: the experts' shards over zero_shard/ep ranks (one; a dp rank's cp pair)
+                   ({"dp": 4, "ep": 2, "zero": 3, "zero_shard": 2, "grad_bucket_mb": 0.002},
+                    {"dtype": "bf16", "micro_batch": 1}, EXPERTS),
+                   ({"dp": 4, "cp": 2, "ep": 2, "zero": 1, "zero_shard": 4, "grad_bucket_mb": 0.002}, {"micro_batch": 1},
+                    EXPERTS)]
 
 
 @pytest.mark.parametrize("parallel,train,model", TINY_BUCKETS + EP_TINY_BUCKETS, ids=lambda p: _name(p) or "-")

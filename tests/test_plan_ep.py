@@ -225,29 +225,29 @@ def test_hybrid_zero_bytes_reduce_the_experts_as_dense_buckets(zero, dp, zero_sh
 
 @pytest.mark.parametrize("per_node", [2, 4, 8, 16])
 def test_expert_shard_groups_are_the_runtimes(per_node):
-    """Under hybrid ZeRO (zero_shard a multiple of ep x cp) each expert gradient group cut into
-    consecutive chunks of zero_shard/ep ranks: rank 0's chunk lies in its block of zero_shard dp x cp
-    ranks, each member's place in it is moe.expert_shard of its place in the block, its members per
-    node and nodes are expert_shard_stride's strided group's; the ranks at its place in every chunk
-    (the experts' replicas) are as many as the blocks and as far apart as the dense replicas."""
-    for tp, cp, dp, ep in ((t, c, d, e) for t in (1, 2) for c in (1, 2) for d in (2, 4, 8, 16) for e in (1, 2, 4, 8)
-                           if d % e == 0 and e > 1):
-        for block in range(ep * cp, dp * cp, ep * cp):
-            if dp * cp % block:
-                continue
+    """Under hybrid ZeRO (zero_shard a multiple of ep x cp) the runtime's EXPERT_SHARD groups
+    (Layout.expert_blocks) have expert_shard_ranks members, each inside a dense shard block, where a
+    member's place is moe.expert_shard of its place in the block; rank 0's has the members per node
+    and nodes of expert_shard_stride's strided group; its replicas are as many as the blocks and as
+    far apart as the dense replicas (tp x zero_shard)."""
+    for tp, cp, dp, ep in ((t, c, d, e) for t in (1, 2) for c in (1, 2) for d in (2, 4, 8, 16) for e in (2, 4, 8)
+                           if d % e == 0):
+        for block in (b for b in range(ep * cp, dp * cp, ep * cp) if dp * cp % b == 0):
             p = ParallelConfig(dp=dp, cp=cp, tp=tp, ep=ep, zero=1, zero_shard=block)
-            layout, size = Layout(pp=1, dp=dp, cp=cp, tp=tp, ep=ep), expert_shard_ranks(p)
-            group = next(g for g in layout.expert_groups()[1] if 0 in g)
-            chunk, block_ranks = group[:size], layout.group_of(0, GRAD_DIMS)[:block]
-            case = (tp, cp, dp, ep, block)
-            assert size == block // ep and set(chunk) <= set(block_ranks), case
-            assert [expert_shard(p, block_ranks.index(r)) for r in chunk] == list(range(size)), case
+            layout, size, case = Layout(pp=1, dp=dp, cp=cp, tp=tp, ep=ep), expert_shard_ranks(p), (tp, cp, dp, ep, block)
+            chunks, replica_groups = layout.expert_blocks(block)
+            blocks = layout.split_in_blocks(GRAD_DIMS, block)[0]
+            for chunk in chunks:
+                dense = next(b for b in blocks if chunk[0] in b)
+                assert len(chunk) == size == block // ep and set(chunk) <= set(dense), case
+                assert [expert_shard(p, dense.index(r)) for r in chunk] == list(range(size)), case
+            chunk = next(c for c in chunks if 0 in c)
             nodes, stride = {r // per_node for r in chunk}, expert_shard_stride(per_node, p)
             assert (stride * size <= per_node) == (len(nodes) == 1), case
             if len(nodes) > 1:
                 members = max(sum(r // per_node == k for r in chunk) for k in nodes)
                 assert min(size, per_node // stride) == members and -(-size * stride // per_node) == len(nodes), case
-            replicas = group[::size]
+            replicas = next(g for g in replica_groups if 0 in g)
             assert len(replicas) == dp * cp // block
             assert all(b - a == tp * block for a, b in zip(replicas, replicas[1:])), case
 

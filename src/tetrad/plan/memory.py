@@ -8,10 +8,10 @@ them in fp32) and fp32 master weights plus both moments, 2 + 4 + 12 = 18. The Ze
 convention, 2 + 2 + 12 = 16 with K = 12, is `ZERO_PAPER_BYTES`. ZeRO-1 shards the optimizer over
 the dp x cp group (hybrid ZeRO: over its blocks of parallel.zero_shard ranks; an MoE's E/ep experts
 under ep over dp x cp / ep, or zero_shard / ep: moe.expert_shard_ranks), ZeRO-2 also the gradients,
-ZeRO-3 also the weights. A rank holds them
-as the runtime allocates them (`rank_model_states`): flat buffers of whole buckets, padded
-(plan/buckets.py), and AdamW's moments over the parameters alone. Optimizer offload moves the
-optimizer's part to host memory, counted apart (`host_memory_by_rank`).
+ZeRO-3 also the weights. A rank holds them as the runtime allocates them (`rank_model_states`):
+flat buffers of whole buckets, padded (plan/buckets.py), and AdamW's moments over the parameters
+alone. Optimizer offload moves the optimizer's part to host memory, counted apart
+(`host_memory_by_rank`).
 
 Activations per layer are plan/activations.py's; here the schedule's peak of them (the pipeline
 simulator's count of held sets) and what a rank's backward holds beside them. Where layers differ

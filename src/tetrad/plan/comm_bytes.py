@@ -12,7 +12,7 @@ from tetrad.parallel.bucketing import padded_size
 from tetrad.parallel.pipeline.split import rank_chunk_layers, rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param, vocab_shard
-from tetrad.plan.moe import ep_all_to_alls, expert_grad_ranks, expert_shard_ranks
+from tetrad.plan.moe import ep_all_to_alls, expert_shard_ranks
 
 # The step's numbers that need the whole job: one all-reduce of 6 fp32 (squared gradient norm,
 # loss, a flag per stop signal and one for a closed stdout) over dp, tp and pp (train/trainer.py's
@@ -148,7 +148,7 @@ def _dp_bytes(cfg: Config) -> float:
     buckets = rank_buckets(cfg)[0]
     if zero_shard(p):
         return _hybrid_dp_bytes(cfg, buckets, w) + step_sums(cfg)
-    alone = buckets.expert_padded if expert_grad_ranks(p) == 1 else 0
+    alone = buckets.expert_padded if expert_shard_ranks(p) == 1 else 0
     padded = buckets.padded - alone
     summed = scatter_bytes(cfg)  # bytes a gradient of theirs would have sent: ep takes no codec but bf16
     if p.zero == 0:

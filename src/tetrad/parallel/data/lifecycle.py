@@ -216,7 +216,7 @@ class GradSync:
             self.in_flight.append(bucket)
             while len(self.in_flight) > 1:  # double buffering: one reducing while the next fills
                 self.finish(self.in_flight[0])
-        elif self.hierarchical:
+        elif self.hierarchical and bucket.group == GRAD:  # the experts' smaller group reduces flat
             bucket.pending = hierarchical.all_reduce(bucket.grad, self.topo)
         else:
             bucket.pending = self.codecs[bucket.group].all_reduce(bucket.grad, comm, bucket.group, bucket.index)

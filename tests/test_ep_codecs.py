@@ -3,10 +3,14 @@ buckets are compressed over their own group by a codec of that group's size (int
 PowerSGD's scaling), with state of its own (resumed bitwise: tests/test_checkpoint.py); under
 `hierarchical` the dense buckets reduce by node and the experts' flat over their group."""
 
+from functools import partial
+
 import pytest
 import torch
 
 from conftest import assert_parity, tiny_config, train_layout
+from nccl_collectives import NcclTrainer
+from nccl_semantics import NcclSemantics
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 
 pytestmark = pytest.mark.dist
@@ -51,3 +55,13 @@ def test_hierarchical_reduction_equals_flat_and_sends_the_planners_bytes(zero):
     assert_parity(hier, _run(zero=zero))
     cfg = _config(zero=zero, hierarchical=True, ranks_per_node=2)
     assert [r["comm_bytes"]["dp"] for r in hier[2]] == [comm_bytes_per_step(cfg)["dp"]] * len(hier[2])
+
+
+def test_int8_under_nccl_semantics_is_the_gloo_runs():
+    """int8's blocking scale all-reduce and its payload's, over both groups in the buckets' order
+    inside backward, under NCCL's timing of collectives (tests/nccl_collectives.py): the same sums
+    as on gloo, so the same losses and weights."""
+    got = train_layout(_config(grad_codec="int8", zero=1), transport=partial(NcclSemantics, timeout_s=20),
+                       trainer_class=NcclTrainer)
+    got[2][-1].pop("posted")
+    assert_parity(got, _run(grad_codec="int8", zero=1))

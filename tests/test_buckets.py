@@ -159,3 +159,14 @@ def test_zero3_gathers_each_block_and_prefetches_the_next(prefetch):
     model(torch.ones(2, 4))
     assert held == [list(range(k, min(k + 1 + prefetch, 4))) for k in range(4)]
     assert all(f.untyped_storage().nbytes() == 0 for f in weights.flat)  # freed after each block
+
+
+def test_a_bucket_group_without_its_codec_is_refused_at_construction():
+    """Not a KeyError at the first reduction, mid-backward: GradSync names the groups it lacks."""
+    params = [nn.Parameter(torch.zeros(6)) for _ in range(2)]
+    buckets = lay_out(params, None, 0, 1, 0, 1, 48).buckets
+    with pytest.raises(ValueError, match=r"codec .* for every bucket group \['dp_cp'\]; got codecs for \[\]"):
+        GradSync(buckets, Topology.single(), Execution(), 0, {}, False)
+    with pytest.raises(ValueError, match=r"replicas for \['other'\]"):
+        GradSync(buckets, Topology.single(), Execution(), 1, {GRAD: make_codec("none", 1)}, False,
+                 replicas={"other": "other_replica"})

@@ -91,8 +91,12 @@ def test_killed_rank_resumes_bitwise(layout, reference):
 # Q). It comes back when the layout is the same, even if the resume changes [parallel] keys no
 # such state depends on (the timeouts, say after a collective timed out, and the communicators'
 # settings). The tp-shared dropout generators (tp > 1 without SP) need none: seeded from the step.
+# Under expert parallelism the experts' buckets have a codec of their own, over their group.
+MOE = {"n_experts": 4, "experts_per_token": 2, "router_aux_loss": 1.0}
 PER_RANK_RUNS = {"int8": ({"dp": 2, "grad_codec": "int8"}, {}), "powersgd": ({"dp": 2, "grad_codec": "powersgd"}, {}),
-                 "tp-dropout": ({"tp": 2}, {"dropout": 0.1})}
+                 "tp-dropout": ({"tp": 2}, {"dropout": 0.1}),
+                 "ep-int8": ({"dp": 4, "ep": 2, "grad_codec": "int8"}, MOE),
+                 "ep-powersgd": ({"dp": 4, "ep": 2, "grad_codec": "powersgd"}, MOE)}
 NEW_TIMEOUTS = {"collective_timeout_s": 90.0, "startup_timeout_s": 300.0, "comm_options": {"dp": {"max_ctas": 8}}}
 
 
@@ -104,7 +108,7 @@ def test_per_rank_state_resumes_bitwise(name, resumed_with):
     expected = train_layout(tiny_config(parallel=layout, model=model, train=train, checkpoint={"every": 1}))[0]
     cfg = tiny_config(parallel=layout, model=model, train=train, checkpoint={"every": 2})
     with pytest.raises(RankFailure):
-        run_ranks(_train_until_killed, 2, cfg, 1, 3)
+        run_ranks(_train_until_killed, cfg.parallel.world_size, cfg, 1, 3)
     resumed = train_layout(tiny_config(parallel={**layout, **resumed_with}, model=model, train=train,
                                        checkpoint={"every": 2}, run={"dir": cfg.run.dir}))[0]
     assert resumed == expected[2:]

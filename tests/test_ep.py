@@ -1,7 +1,8 @@
 """Expert parallelism (parallel.ep, docs/design.md "Expert parallelism"): the EP and expert
 gradient groups over every factorisation; every layout trains an MoE model as one process does
 (losses, gradient norms, the logical weights gathered over ep); checkpoints reshard the experts
-over ep; the "ep" bytes are the spec's formula; what this cut does not take is refused."""
+over ep; the "ep" bytes are the spec's formula; a hybrid ZeRO block that splits an EP group is
+refused (tests/test_ep_codecs.py: the lossy codecs and hierarchical reduction with ep)."""
 
 import dataclasses
 import json
@@ -286,11 +287,10 @@ def test_ep_bytes_over_an_ep_group_are_the_formula():
 
 @pytest.mark.parametrize("parallel,message", [
     ({"ep": 4, "zero": 1, "zero_shard": 2}, r"zero_shard=2 must be a multiple of ep\*cp = 4 .*; use zero_shard in \[0\]"),
-    ({"grad_codec": "int8"}, r"does not take grad_codec='int8' yet .*; set grad_codec='none' or 'bf16', or ep=1"),
-    ({"hierarchical": True}, r"does not take hierarchical=true yet .*; set hierarchical=false, or ep=1"),
+    ({"ep": 2, "cp": 2, "zero": 3, "zero_shard": 2}, r"multiple of ep\*cp = 4 .*; use zero_shard in \[4, 0\]"),
 ])
-def test_what_this_cut_does_not_take_is_refused_in_one_line(parallel, message):
+def test_a_hybrid_block_that_splits_an_ep_group_is_refused_in_one_line(parallel, message):
     with pytest.raises(ConfigError, match=message) as refused:
         load_config(overrides={"model": {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 128, **MOE},
-                               "parallel": {"dp": 4, "ep": 2, **parallel}})
+                               "parallel": {"dp": 4, **parallel}})
     assert "\n" not in str(refused.value)

@@ -24,32 +24,21 @@ def hierarchical_blocker(parallel) -> str | None:
                 f"grad_codec={parallel.grad_codec!r}")
     if zero_shard(parallel):
         return f"hybrid ZeRO (zero_shard={parallel.zero_shard}) reduces within its shard groups instead"
-    if parallel.ep > 1:
-        return f"expert parallelism (ep={parallel.ep}) reduces the experts' gradients over a group of their own"
     return None
 
 
 def expert_parallel_blocker(parallel) -> str | None:
-    """What this cut of expert parallelism (parallel.ep > 1) does not take, in one line naming the
-    fix, or None: the codecs and the hierarchical reduction that are set for the dense gradient
-    group alone, and a hybrid ZeRO block that splits an EP group (the experts' own blocks must hold
-    whole EP groups: docs/design.md "Expert parallelism"). Config validation refuses it; the planner
-    skips it."""
-    if parallel.ep == 1:
-        return None
-    for setting, used, fix in ((f"grad_codec={parallel.grad_codec!r}", parallel.grad_codec not in ("none", "bf16"),
-                                "set grad_codec='none' or 'bf16'"),
-                               ("hierarchical=true", parallel.hierarchical is True, "set hierarchical=false")):
-        if used:
-            return (f"parallel.ep={parallel.ep} does not take {setting} yet (the experts' gradients reduce over "
-                    f"their own group); {fix}, or ep=1")
+    """What expert parallelism (parallel.ep > 1) does not take, in one line naming the fix, or
+    None: a hybrid ZeRO block that splits an EP group (the experts shard inside the blocks, which
+    must hold whole EP groups: docs/design.md "Expert parallelism"). Config validation refuses it;
+    the planner skips it."""
     whole = parallel.ep * parallel.cp  # dp x cp ranks of one EP group's dp span
-    if zero_shard(parallel) % whole:
-        fits = [s for s in range(whole, parallel.dp * parallel.cp, whole) if not parallel.dp * parallel.cp % s]
-        return (f"parallel.zero_shard={parallel.zero_shard} must be a multiple of ep*cp = {whole} under expert "
-                f"parallelism (each ZeRO shard block holds whole EP groups, so that the experts shard inside it "
-                f"too); use zero_shard in {fits + [0]}")
-    return None
+    if parallel.ep == 1 or not zero_shard(parallel) % whole:
+        return None
+    fits = [s for s in range(whole, parallel.dp * parallel.cp, whole) if not parallel.dp * parallel.cp % s]
+    return (f"parallel.zero_shard={parallel.zero_shard} must be a multiple of ep*cp = {whole} under expert "
+            f"parallelism (each ZeRO shard block holds whole EP groups, so that the experts shard inside it "
+            f"too); use zero_shard in {fits + [0]}")
 
 
 def zero_shard(parallel) -> int:

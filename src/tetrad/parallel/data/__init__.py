@@ -124,7 +124,7 @@ class GradReducer:
         # The dense buckets' codec is sized by the gradient group (under hybrid ZeRO too: its scatter
         # dtype also sets the replicas' sum); the experts' buckets reduce over their own group, with
         # a codec sized by all who hold the same experts (none where that is one rank, which sends
-        # nothing; ep takes bf16 alone, stateless).
+        # nothing) and state of its own (int8's residuals, PowerSGD's Q: codec_state.py).
         codecs = {shard: self.codec}
         if experts != shard:
             codecs[experts] = make_codec(codec, topo.size(experts) * topo.size(expert_replica))
@@ -224,10 +224,10 @@ class GradReducer:
     # ------------------------------------------------------------------ checkpoint, accounting
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's codec state (error feedback, PowerSGD's Q) by bucket (codec_state.py)."""
-        return codec_state_dict(self.codec, self.buckets, self._names)
+        return codec_state_dict(self.sync.codecs, self.buckets, self._names)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_codec_state(self.codec, self.buckets, self._names, state, self.topo.device)
+        load_codec_state(self.sync.codecs, self.buckets, self._names, state, self.topo.device)
 
     def model_state_bytes(self, optimizer) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds now, counted from the

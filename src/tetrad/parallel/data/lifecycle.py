@@ -61,6 +61,10 @@ class GradSync:
         self.buckets, self.topo, self.execution = buckets, topo, execution
         self.replicas = replicas or {}
         self.zero, self.codecs, self.hierarchical = zero, codecs, hierarchical_
+        groups = {b.group for b in buckets}
+        if groups - codecs.keys() or (self.replicas and groups - self.replicas.keys()):  # else a KeyError at its first reduction
+            raise ValueError(f"GradSync needs a codec (and under hybrid ZeRO a replica group) for every bucket group "
+                             f"{sorted(groups)}; got codecs for {sorted(codecs)}, replicas for {sorted(self.replicas)}")
         self.on_complete = on_complete or (lambda bucket: None)
         self.sync = False  # inside `last_microbatch`
         self.in_flight: list[Bucket] = []  # ZeRO >= 2 and hybrid ZeRO: reduce-scatters started, oldest first
@@ -216,7 +220,7 @@ class GradSync:
             self.in_flight.append(bucket)
             while len(self.in_flight) > 1:  # double buffering: one reducing while the next fills
                 self.finish(self.in_flight[0])
-        elif self.hierarchical:
+        elif self.hierarchical and bucket.group == GRAD:  # the experts' smaller group reduces flat
             bucket.pending = hierarchical.all_reduce(bucket.grad, self.topo)
         else:
             bucket.pending = self.codecs[bucket.group].all_reduce(bucket.grad, comm, bucket.group, bucket.index)

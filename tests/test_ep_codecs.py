@@ -1,0 +1,67 @@
+"""Expert parallelism with the lossy gradient codecs and hierarchical reduction: the experts'
+buckets are compressed over their own group by a codec of that group's size (int8's levels,
+PowerSGD's scaling), with state of its own (resumed bitwise: tests/test_checkpoint.py); under
+`hierarchical` the dense buckets reduce by node and the experts' flat over their group."""
+
+from functools import partial
+
+import pytest
+import torch
+
+from conftest import assert_parity, tiny_config, train_layout
+from nccl_collectives import NcclTrainer
+from nccl_semantics import NcclSemantics
+from tetrad.plan.comm_bytes import comm_bytes_per_step
+
+pytestmark = pytest.mark.dist
+
+MOE = {"n_experts": 4, "experts_per_token": 2, "router_aux_loss": 1.0}
+TRAIN = {"micro_batch": 1, "steps": 6}
+RUNS: dict = {}
+
+
+def _config(**parallel):
+    return tiny_config(parallel={"dp": 4, "ep": 2, **parallel}, model=MOE, train=TRAIN)
+
+
+def _run(**parallel):
+    key = tuple(sorted(parallel.items()))
+    if key not in RUNS:
+        RUNS[key] = train_layout(_config(**parallel))
+    return RUNS[key]
+
+
+def _dp_bytes(history):
+    return sum(r["comm_bytes"]["dp"] for r in history)
+
+
+# test_codecs.py's bounds on the losses against the uncompressed run at the same ZeRO stage.
+@pytest.mark.parametrize("codec,zero,tol", [("int8", 0, 0.05), ("int8", 1, 0.05), ("powersgd", 0, 0.3)])
+def test_a_lossy_codec_tracks_the_uncompressed_run_and_sends_the_planners_bytes(codec, zero, tol):
+    losses, _, history = _run(grad_codec=codec, zero=zero)
+    ref_losses, _, ref_history = _run(zero=zero)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=tol)
+    assert losses[-1] < losses[0] - 0.5  # it still learns
+    assert _dp_bytes(history) < _dp_bytes(ref_history)
+    planned = comm_bytes_per_step(_config(grad_codec=codec, zero=zero))["dp"]  # "ep" follows a rank's routing
+    assert [r["comm_bytes"]["dp"] for r in history] == [planned] * len(history)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_hierarchical_reduction_equals_flat_and_sends_the_planners_bytes(zero):
+    """The dense buckets by node (two of two ranks), the experts' flat over their group of two: the
+    same sums in another order, fp32 rounding only."""
+    hier = _run(zero=zero, hierarchical=True, ranks_per_node=2)
+    assert_parity(hier, _run(zero=zero))
+    cfg = _config(zero=zero, hierarchical=True, ranks_per_node=2)
+    assert [r["comm_bytes"]["dp"] for r in hier[2]] == [comm_bytes_per_step(cfg)["dp"]] * len(hier[2])
+
+
+def test_int8_under_nccl_semantics_is_the_gloo_runs():
+    """int8's blocking scale all-reduce and its payload's, over both groups in the buckets' order
+    inside backward, under NCCL's timing of collectives (tests/nccl_collectives.py): the same sums
+    as on gloo, so the same losses and weights."""
+    got = train_layout(_config(grad_codec="int8", zero=1), transport=partial(NcclSemantics, timeout_s=20),
+                       trainer_class=NcclTrainer)
+    got[2][-1].pop("posted")
+    assert_parity(got, _run(grad_codec="int8", zero=1))

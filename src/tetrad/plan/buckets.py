@@ -134,6 +134,7 @@ class RankBuckets(NamedTuple):
     sharded: int  # elements of one shard of every bucket, padding included (ZeRO's part of `padded`)
     expert_padded: int  # elements of the experts' own buckets (ep > 1), padding included
     expert_size: int  # ... their parameters' elements
+    expert_factors: int  # ... and their part of `factors`
 
 
 def rank_buckets(cfg: Config) -> tuple[RankBuckets, ...]:
@@ -211,11 +212,11 @@ def _layout(s: Shapes, stages: tuple, ties: bool, n: int, zero: int, codec: str,
         planned[b] = PlannedBucket(padded, padded // group, kinds[REPLICATED], kinds[HEADS], b.block, b.tied, b.size,
                                    b.expert)
     out = [planned[b] for b in contents]
-    factors = sum(sum(powersgd_shape(b.padded)) for b in out) if codec == "powersgd" else 0
+    factors = [sum(powersgd_shape(b.padded)) if codec == "powersgd" else 0 for b in out]
     return RankBuckets(tuple(out), sum(b.padded for b in out), sum(b.padded for b in out if b.block),
-                       sum(b.replicated for b in out), sum(b.heads for b in out), factors, shard_params(out, 0),
+                       sum(b.replicated for b in out), sum(b.heads for b in out), sum(factors), shard_params(out, 0),
                        sum(b.shard for b in out), sum(b.padded for b in out if b.expert),
-                       sum(b.size for b in out if b.expert))
+                       sum(b.size for b in out if b.expert), sum(f for f, b in zip(factors, out) if b.expert))
 
 
 def shard_params(buckets: Iterable[PlannedBucket], k: int, k_expert: int | None = None) -> int:

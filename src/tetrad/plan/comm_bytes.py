@@ -150,11 +150,10 @@ def _dp_bytes(cfg: Config) -> float:
         return _hybrid_dp_bytes(cfg, buckets, w) + step_sums(cfg)
     alone = buckets.expert_padded if expert_shard_ranks(p) == 1 else 0
     padded = buckets.padded - alone
-    summed = scatter_bytes(cfg)  # bytes a gradient of theirs would have sent: ep takes no codec but bf16
     if p.zero == 0:
-        grads = _all_reduce_bytes(cfg, buckets) - summed * alone
+        grads = _all_reduce_bytes(cfg, buckets)
     elif p.zero == 1:  # the updated shards gathered over whole (padded) buckets
-        grads = _all_reduce_bytes(cfg, buckets) - summed * alone + padded * w
+        grads = _all_reduce_bytes(cfg, buckets) + padded * w
     elif p.zero == 2:
         grads = padded * (micro * scatter_bytes(cfg) + w)
     else:  # (ZeRO-3: the experts' buckets are all blocks')
@@ -192,25 +191,36 @@ def scatter_bytes(cfg: Config) -> int:
 
 def _all_reduce_bytes(cfg: Config, buckets: RankBuckets) -> float:
     """The ZeRO-0/1 gradient all-reduce: flat (gradient_reduce_bytes), or with `hierarchical`
-    (dist/hierarchical.py) a reduce-scatter and an all-gather over rank 0's node and an
-    all-reduce of its 1/k shard between nodes, each skipped over a group of one rank."""
+    (dist/hierarchical.py) the dense buckets' a reduce-scatter and an all-gather over rank 0's node
+    and an all-reduce of its 1/k shard between nodes, each skipped over a group of one rank (the
+    experts' buckets flat over their group, none where it is one rank)."""
     p = cfg.parallel
+    dense, experts = gradient_reduce_bytes(cfg, buckets)
+    experts *= expert_shard_ranks(p) > 1
     if p.hierarchical is not True:  # "auto" resolves by measuring: counted flat, as the time model does
-        return gradient_reduce_bytes(cfg, buckets)
+        return dense + experts
     intra, inter = (next(len(g) for g in half if 0 in g)
                     for half in Layout.of(p).split_by_node(GRAD_DIMS, p.ranks_per_node))
-    return buckets.padded * 4 * (2 * (intra > 1) + (inter > 1) / intra)
+    return (buckets.padded - buckets.expert_padded) * 4 * (2 * (intra > 1) + (inter > 1) / intra) + experts
 
 
-def gradient_reduce_bytes(cfg: Config, buckets: RankBuckets, plain: float = 4) -> float:
+def gradient_reduce_bytes(cfg: Config, buckets: RankBuckets, plain: float = 4) -> tuple[float, float]:
     """Bytes a rank hands to the ZeRO-0/1 gradient all-reduce of its `buckets` (rank_buckets)
     under `parallel.grad_codec` (dist/codecs.py), `plain` bytes a gradient without one: each
-    bucket whole, padding included; PowerSGD's two factors of the bucket's own matrix shape."""
-    codec, padded = cfg.parallel.grad_codec, buckets.padded
+    bucket whole, padding included; PowerSGD's two factors of the bucket's own matrix shape. As
+    (the dense buckets', the experts' own buckets'): each group's codec compresses its own (ep)."""
+    codec, expert = cfg.parallel.grad_codec, buckets.expert_padded
+    return (_coded(codec, buckets.padded - expert, buckets.factors - buckets.expert_factors, plain),
+            _coded(codec, expert, buckets.expert_factors, plain))
+
+
+def _coded(codec: str, padded: int, factors: int, plain: float) -> float:
+    """Bytes of `padded` gradient elements under `codec` (PowerSGD: of buckets whose matrices'
+    rows + cols sum to `factors`)."""
     if codec == "none":
         return padded * plain
     if codec == "bf16":
         return padded * 2
     if codec == "int8":  # a byte a value and an fp32 scale a block
         return padded * (1 + 4 / INT8_BLOCK)
-    return buckets.factors * POWERSGD_RANK * 4  # P, then Q, in fp32
+    return factors * POWERSGD_RANK * 4  # P, then Q, in fp32

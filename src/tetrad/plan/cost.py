@@ -288,8 +288,7 @@ def _reduction_time(cfg: Config, cluster: Cluster, stack: Stack, buckets: RankBu
     p = cfg.parallel
     n, sharded = p.dp * p.cp, shard_ranks(p)
     n_e, stride_e = expert_shard_ranks(p) or 1, expert_shard_stride(cluster.gpus_per_node, p)
-    expert_bytes = buckets.expert_padded * (2 if p.grad_codec == "bf16" else stack.grad_reduce_bytes)  # ep: bf16 alone
-    grad_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes) - expert_bytes
+    grad_bytes, expert_bytes = gradient_reduce_bytes(cfg, buckets, stack.grad_reduce_bytes)
     if not zero_shard(p):
         scatter = p.zero >= 2 or (p.zero == 1 and stack.zero1_reduce_scatter)
         op = "reduce_scatter" if scatter else "all_reduce"

@@ -51,13 +51,14 @@ class _WithBiases:
 
         def reduce_and_keep():
             reduce()
-            self.counted.append(self.expert_bias.counts.clone())
+            if self.expert_bias.counts is not None:  # rate 0: none
+                self.counted.append(self.expert_bias.counts.clone())
         self.expert_bias.reduce = reduce_and_keep
 
     def full_state(self):
         biases = {f"{name}.expert_bias": b.detach().cpu().clone() for name, b in expert_biases(self.model).items()}
-        counts = zip(expert_biases(self.model), torch.stack(self.counted, dim=1))  # [layers, steps, E]
-        return {**super().full_state(), **biases, **{f"{name}.counts": c for name, c in counts}}
+        counts = zip(expert_biases(self.model), torch.stack(self.counted, dim=1)) if self.counted else ()
+        return {**super().full_state(), **biases, **{f"{name}.counts": c for name, c in counts}}  # c: [steps, E]
 
 
 class _Trainer(_WithBiases, Trainer):

@@ -2,6 +2,9 @@
 `n_experts` experts of the model's `mlp` kind; each token goes to its `experts_per_token` (k)
 experts, top-k of the router's softmax (fp32), the k weights renormalised to sum to one
 (normalize_expert_weights; else the softmax's own); dropless (no capacity, no token dropped).
+The k are picked by probs + expert_bias (DeepSeek-V3's auxiliary-loss-free balancing, a buffer that
+train/expert_bias.py moves from the counts each training micro-batch hands over in backward), and
+weighed by probs alone; a zero bias picks as top-k of probs.
 Optionally a shared expert (shared_expert_ffn_hidden: a dense MLP every token goes through, its
 output added to the routed experts'), scaled per token by sigmoid(x w_g) (shared_expert_gate,
 Qwen2-MoE's).

@@ -214,17 +214,17 @@ class MoE(nn.Module):
         gate sigmoid(x w_g) [n, 1] or None, the router's fp32 probabilities [n, E], each token's
         chosen experts [n*k]: token t's at t*k..t*k+k-1, the experts' counts [E], int64). The rows
         are sorted by expert, each expert runs on its own (over the EP group where it spreads
-        them), and the outputs go back to token order to be summed: not by index_add into the tokens, whose backward would keep
-        its [n*k, d] source (for its shape alone), a second copy of the experts' outputs."""
+        them), and the outputs go back to token order to be summed: not by index_add into the
+        tokens, whose backward would keep its [n*k, d] source (for its shape alone), a second
+        copy of the experts' outputs."""
         self.routing = True
         try:
             probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
-            weights, chosen = select_experts(probs, self.expert_bias, self.k if self.weighs else 1)
-            if not self.weighs:  # top-1's w / w = 1: no gradient to the router through it (the
-                # quotient's, zero in exact arithmetic, was rounding noise, which AdamW turns into
-                # steps of the router that differ by layout)
-                weights = None
-            elif self.normalize:
+            chosen = pick_experts(probs, self.expert_bias, self.k if self.weighs else 1)
+            # top-1's w / w = 1: no gradient to the router through it (the quotient's, zero in exact
+            # arithmetic, was rounding noise, which AdamW turns into steps of the router that differ by layout)
+            weights = probs.gather(-1, chosen) if self.weighs else None  # the probabilities, not the bias
+            if weights is not None and self.normalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             chosen = chosen.reshape(-1)
             order = chosen.argsort(stable=True)
@@ -286,12 +286,11 @@ class MoE(nn.Module):
         return (counts * probs.sum(dim=1)).sum() * (n_experts / (self.k * tokens * tokens))
 
 
-def select_experts(probs: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the router's probabilities of each token's k chosen experts [n, k], their indices [n, k]):
-    the k largest of probs + bias (DeepSeek-V3's expert bias picks; no gradient through the
-    choice), weighed by the probabilities alone. A zero bias picks as probs.topk does, bit for bit."""
-    chosen = (probs.detach() + bias).topk(k, dim=-1)[1]
-    return probs.gather(-1, chosen), chosen
+def pick_experts(probs: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's k experts [n, k]: the k largest of probs + bias (DeepSeek-V3's expert bias
+    picks, no gradient through the choice; the probabilities alone weigh them). A zero bias picks
+    as probs.topk does, bit for bit: probs + 0 is probs."""
+    return (probs.detach() + bias).topk(k, dim=-1)[1]
 
 
 def expert_biases(model: nn.Module) -> dict[str, torch.Tensor]:

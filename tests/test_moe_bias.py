@@ -99,12 +99,13 @@ def _assert_one_process_s(got):
 
 
 LAYOUTS = {  # name -> (parallel, train)
-    "dp2": ({"dp": 2}, {}),
+    "dp2-zero3": ({"dp": 2, "zero": 3}, {}),  # the biases are no ZeRO-3 parameter: whole on every rank
     "dp2-ep2": ({"dp": 2, "ep": 2}, {}),
     "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
     "pp2-1f1b": ({"pp": 2}, {}),
     "cp2-full-recompute": ({"cp": 2}, {"recompute": "full"}),  # backward meets each micro-batch once
     "pp2-zb": ({"pp": 2, "schedule": "zb"}, {}),  # and BI once, BW none
+    "tp2-compile": ({"tp": 2}, {"compile": True}),  # the counts leave the eager routing for backward
 }
 
 
@@ -161,15 +162,17 @@ def test_the_planner_counts_the_counts_all_reduce_and_rate_0_adds_no_byte():
 
 
 @pytest.mark.dist
-def test_a_checkpoint_resumes_at_another_layout_with_its_biases():
-    """dp2 ep2's step-3 checkpoint at pp2 tp2 (each stage restores its own layer's bias) continues
-    one process's losses, biases and weights."""
+@pytest.mark.parametrize("saved,resumed", [({"dp": 2, "ep": 2}, {"pp": 2, "tp": 2}), ({"pp": 2}, {"dp": 2, "ep": 2})],
+                         ids=["dp2-ep2-to-pp2-tp2", "pp2-to-dp2-ep2"])
+def test_a_checkpoint_resumes_at_another_layout_with_its_biases(saved, resumed):
+    """A step-3 checkpoint continues one process's losses, biases and weights at another layout:
+    each pipeline stage restores its own layers' biases, and a checkpoint saved by stages holds
+    every layer's."""
     (ref_losses, ref_state, _), _ = _trained()
-    _, step3 = _trained((("dp", 2), ("ep", 2)))
-    saved = read_extras(step3, ExpertBias.NAME)
-    assert sorted(saved) == ["layers.0.mlp", "layers.1.mlp"] and all(b.any() for b in saved.values())
-    losses, state, _ = train_layout(_config({"pp": 2, "tp": 2}, checkpoint={"resume": str(step3)}),
-                                    trainer_class=_Trainer)
+    _, step3 = _trained(tuple(saved.items()))
+    stored = read_extras(step3, ExpertBias.NAME)
+    assert sorted(stored) == ["layers.0.mlp", "layers.1.mlp"] and all(b.any() for b in stored.values())
+    losses, state, _ = train_layout(_config(resumed, checkpoint={"resume": str(step3)}), trainer_class=_Trainer)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
     for name in BIASES:
         assert torch.equal(state[name], ref_state[name]), name

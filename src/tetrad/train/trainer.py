@@ -242,7 +242,7 @@ class Trainer:
         aux = torch.zeros_like(loss_sum) if aux is None or topo.tp_rank else aux.to(loss_sum)
         loss = loss_sum if topo.tp_rank == 0 else torch.zeros_like(loss_sum)
         flags = torch.tensor(self.signals.flags(), device=topo.device)
-        biased = self.cfg.model.router_bias_update_rate > 0
+        biased = self.expert_bias.rate > 0
         loads = [self.expert_bias.loads().to(loss_sum)] if biased else []  # a float per stage
         sums = torch.cat([self.grads.norm_sq().view(1), loss.view(1), *([aux.view(1)] if moe else []), *loads, flags])
         for group in (GRAD, *WEIGHT_SPLIT_DIMS):

@@ -233,7 +233,7 @@ def _decoded_on_this_rank(job: Job, decode: Callable[[Transformer], Any]) -> Any
 def _filled(job: Job, topo: Topology) -> Transformer:
     """The job's model on this rank, or a ConfigError naming what to change where it does not fit."""
     try:
-        return inference_model(job.weights.model, job.weights.reader(), topo, devices.DTYPES[job.dtype])
+        return inference_model(job.weights.model, job.weights.reader(), topo, devices.DTYPES[job.dtype], job.weights.biases())
     except torch.OutOfMemoryError as e:
         raise ConfigError(out_of_memory(job, "filling the model", e)) from None
 

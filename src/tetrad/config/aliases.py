@@ -40,7 +40,9 @@ KEY_ALIASES = {
     **dict.fromkeys(("expert_model_parallel_size", "expert_parallel_size", "ep_size"), "parallel.ep"),
     **dict.fromkeys(("moe_router_topk", "num_experts_per_tok", "top_k"), "model.experts_per_token"),
     **dict.fromkeys(("moe_ffn_hidden_size", "moe_intermediate_size"), "model.expert_ffn_hidden"),
-    **dict.fromkeys(("moe_aux_loss_coeff", "router_aux_loss_coef", "load_balance_coeff"), "model.router_aux_loss"),
+    **dict.fromkeys(("moe_aux_loss_coeff", "router_aux_loss_coef"), "model.router_aux_loss"),
+    # torchtitan's load_balance_coeff is its expert-bias update rate, not an auxiliary loss's coefficient
+    **dict.fromkeys(("moe_router_bias_update_rate", "load_balance_coeff"), "model.router_bias_update_rate"),
     **dict.fromkeys(("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
                     "model.shared_expert_ffn_hidden"),
     "norm_topk_prob": "model.normalize_expert_weights", "mlp_only_layers": "model.dense_layers",

@@ -13,7 +13,8 @@ def check_experts(cfg: Config) -> None:
     m, tp = cfg.model, cfg.parallel.tp
     if not m.n_experts:
         for key, used in (("shared_expert_ffn_hidden", m.shared_expert_ffn_hidden), ("dense_layers", m.dense_layers),
-                          ("shared_expert_gate", m.shared_expert_gate)):
+                          ("shared_expert_gate", m.shared_expert_gate),
+                          ("router_bias_update_rate", m.router_bias_update_rate)):
             if used:
                 raise ConfigError(f"model.{key} shapes mixture-of-experts layers, and this model has none "
                                   f"(model.n_experts=0); unset it, or set model.n_experts")

@@ -155,11 +155,13 @@ class ModelConfig:
     # 0: none. shared_expert_gate: its output scaled per token by sigmoid(x . w) (Qwen2-MoE's).
     # dense_layers: the layers (0-based) whose MLP is a dense ffn_hidden-wide one in an MoE model
     # (Qwen2-MoE's mlp_only_layers and decoder_sparse_step, DeepSeek's first_k_dense_replace); not
-    # every layer (that model is a dense one: n_experts=0).
+    # every layer (that model is a dense one: n_experts=0). router_bias_update_rate: DeepSeek-V3's
+    # expert bias (added to the probabilities to pick the top k alone), moved by it each step (0: kept).
     n_experts: int = 0
     experts_per_token: int = 2
     expert_ffn_hidden: int = 0
     router_aux_loss: float = 0.01
+    router_bias_update_rate: float = 0.0
     normalize_expert_weights: bool = True
     shared_expert_ffn_hidden: int = 0
     shared_expert_gate: bool = False

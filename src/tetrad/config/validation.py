@@ -63,7 +63,7 @@ RANGES: dict[str, Range] = {
     "model.rope_local_base_freq": Range(0), "model.query_pre_attn_scalar": Range(0),  # 0: as the others, head_dim
     "model.n_experts": COUNT, "model.experts_per_token": SIZE, "model.expert_ffn_hidden": COUNT,  # 0: dense; ffn_hidden
     "model.shared_expert_ffn_hidden": COUNT, "model.dense_layers": COUNT,  # 0: no shared expert
-    "model.router_aux_loss": Range(0),
+    "model.router_aux_loss": Range(0), "model.router_bias_update_rate": Range(0),  # 0: no expert bias update
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "ep", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,

@@ -2,6 +2,9 @@
 `n_experts` experts of the model's `mlp` kind; each token goes to its `experts_per_token` (k)
 experts, top-k of the router's softmax (fp32), the k weights renormalised to sum to one
 (normalize_expert_weights; else the softmax's own); dropless (no capacity, no token dropped).
+The k are picked by probs + expert_bias (DeepSeek-V3's auxiliary-loss-free balancing, a buffer that
+train/expert_bias.py moves from the counts each training micro-batch hands over in backward), and
+weighed by probs alone; a zero bias picks as top-k of probs.
 Optionally a shared expert (shared_expert_ffn_hidden: a dense MLP every token goes through, its
 output added to the routed experts'), scaled per token by sigmoid(x w_g) (shared_expert_gate,
 Qwen2-MoE's).
@@ -143,17 +146,21 @@ class _ExpertsFunction(torch.autograd.Function):
 class _RouterLossGradient(torch.autograd.Function):
     """Passes `y` through; in backward gives `aux` (this rank's part of a layer's summed
     per-sequence load-balancing loss) the gradient `router_loss.grad_scale / tp` and tells
-    `router_loss` the value (RouterLoss: model/execution.py)."""
+    `router_loss` the value (RouterLoss: model/execution.py), and `moe` the micro-batch's expert
+    counts where it takes them (MoE.add_counts): backward meets each micro-batch once, under any
+    recompute or split backward, and evaluation runs none."""
 
     @staticmethod
-    def forward(ctx, y, aux, router_loss: RouterLoss, tp: int):
-        ctx.router_loss, ctx.tp, ctx.aux = router_loss, tp, aux.detach()
+    def forward(ctx, y, aux, router_loss: RouterLoss, tp: int, moe: "MoE", counts: torch.Tensor | None):
+        ctx.router_loss, ctx.tp, ctx.aux, ctx.moe, ctx.counts = router_loss, tp, aux.detach(), moe, counts
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.router_loss.add(ctx.aux)
-        return grad, ctx.aux.new_full((), ctx.router_loss.grad_scale / ctx.tp), None, None
+        if ctx.counts is not None:
+            ctx.moe.add_counts(ctx.counts)
+        return grad, ctx.aux.new_full((), ctx.router_loss.grad_scale / ctx.tp), None, None, None, None
 
 
 class MoE(nn.Module):
@@ -170,6 +177,11 @@ class MoE(nn.Module):
         self.shared = MLP(cfg, topo, ex, out_std, width) if width else None
         self.shared_gate = Router(cfg, 1) if cfg.shared_expert_gate else None
         self.routing = False  # inside `_routed` (per-op recompute keeps its matmuls' outputs: llama.py)
+        # DeepSeek-V3's expert bias: added to the probabilities to pick the top k, not to weigh them;
+        # state, not a trained parameter (train/expert_bias.py moves it; checkpoints keep it). fp32.
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        self.moves_bias = cfg.router_bias_update_rate > 0  # backward then hands the counts over
+        self.step_counts: torch.Tensor | None = None  # this step's, summed over its micro-batches
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The routing (router, top-k, dispatch, experts, combine; the shared expert's gate) and the
@@ -179,33 +191,41 @@ class MoE(nn.Module):
         routing (`routing`) outside its count: their number changes with the token counts."""
         total = tp_input(x, self.topo, self.ex)  # [b, s, d]: the whole local sequence
         b, s, d = total.shape
-        y, gate, probs, chosen = run_eagerly(self._routed, total.reshape(b * s, d))
+        y, gate, probs, chosen, counts = run_eagerly(self._routed, total.reshape(b * s, d))
         y = y.view(b, s, d)
         if self.shared is not None:  # its partial output (every tp rank computes the gate whole)
             shared = self.shared.partial(total)
             y = y + (shared if gate is None else shared * gate.view(b, s, 1))
         if torch.is_grad_enabled():
-            y = run_eagerly(self._with_balance_loss, y, probs.view(b, s, -1), chosen.view(b, s * self.k))
+            y = run_eagerly(self._with_balance_loss, y, probs.view(b, s, -1), chosen.view(b, s * self.k), counts)
         return reduce_tp_output(y, self.topo, self.ex)
+
+    def add_counts(self, counts: torch.Tensor) -> None:
+        """Add a training micro-batch's expert counts [E] (int64) to the step's."""
+        self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+
+    def take_counts(self) -> torch.Tensor:
+        """The step's expert counts [E] (zeros where no micro-batch ran backward), and a fresh start."""
+        counts, self.step_counts = self.step_counts, None
+        return torch.zeros_like(self.expert_bias, dtype=torch.int64) if counts is None else counts
 
     def _routed(self, flat: torch.Tensor):
         """(the routed experts' weighted sum for each token of `flat` [n, d], the shared expert's
         gate sigmoid(x w_g) [n, 1] or None, the router's fp32 probabilities [n, E], each token's
-        chosen experts [n*k]: token t's at t*k..t*k+k-1). The rows are sorted by expert, each
-        expert runs on its own (over the EP group where it spreads them), and the outputs go back
-        to token order to be summed: not by index_add into the tokens, whose backward would keep
-        its [n*k, d] source (for its shape alone), a second copy of the experts' outputs."""
+        chosen experts [n*k]: token t's at t*k..t*k+k-1, the experts' counts [E], int64). The rows
+        are sorted by expert, each expert runs on its own (over the EP group where it spreads
+        them), and the outputs go back to token order to be summed: not by index_add into the
+        tokens, whose backward would keep its [n*k, d] source (for its shape alone), a second
+        copy of the experts' outputs."""
         self.routing = True
         try:
             probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
-            if not self.weighs:  # top-1's w / w = 1: no gradient to the router through it (the
-                # quotient's, zero in exact arithmetic, was rounding noise, which AdamW turns into
-                # steps of the router that differ by layout)
-                weights, chosen = None, probs.detach().topk(1, dim=-1)[1]
-            else:
-                weights, chosen = probs.topk(self.k, dim=-1)
-                if self.normalize:
-                    weights = weights / weights.sum(dim=-1, keepdim=True)
+            chosen = pick_experts(probs, self.expert_bias, self.k if self.weighs else 1)
+            # top-1's w / w = 1: no gradient to the router through it (the quotient's, zero in exact
+            # arithmetic, was rounding noise, which AdamW turns into steps of the router that differ by layout)
+            weights = probs.gather(-1, chosen) if self.weighs else None  # the probabilities, not the bias
+            if weights is not None and self.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
             chosen = chosen.reshape(-1)
             order = chosen.argsort(stable=True)
             counts = torch.bincount(chosen, minlength=probs.shape[-1])
@@ -217,18 +237,21 @@ class MoE(nn.Module):
             by_token = out[order.argsort()].view(-1, self.k, out.shape[-1])  # [n, k, d]
             y = by_token[:, 0] if weights is None else (by_token * weights.to(flat.dtype).unsqueeze(-1)).sum(dim=1)
             gate = None if self.shared_gate is None else torch.sigmoid(F.linear(flat, self.shared_gate.weight))
-            return y, gate, probs, chosen
+            return y, gate, probs, chosen, counts
         finally:
             self.routing = False
 
-    def _with_balance_loss(self, y: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """`y`, through the Function that gives the load-balancing loss its gradient in backward.
+    def _with_balance_loss(self, y: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,
+                           counts: torch.Tensor) -> torch.Tensor:
+        """`y`, through the Function that gives the load-balancing loss its gradient in backward
+        (and hands the expert counts over there, where the bias moves: moves_bias).
         Top-1 with normalized weights reaches the router through that loss alone: there it stays
         in the graph at coefficient 0 too, so that the router gets its gradient (zeros) in every
         backward, as the gradient buckets count on (parallel/data/lifecycle.py)."""
         aux = self._balance_loss(probs, chosen)
         attached = self.aux_coefficient or not self.weighs
-        return _RouterLossGradient.apply(y, aux if attached else aux.detach(), self.ex.router_loss, self.topo.tp_size)
+        return _RouterLossGradient.apply(y, aux if attached else aux.detach(), self.ex.router_loss, self.topo.tp_size,
+                                         self, counts if self.moves_bias else None)
 
     def _over_ep(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for `routed` [n*k, d] (the assignment rows in expert order,
@@ -261,3 +284,28 @@ class MoE(nn.Module):
             self.topo.comm.all_reduce(counts, "cp")
         tokens = s * cp
         return (counts * probs.sum(dim=1)).sum() * (n_experts / (self.k * tokens * tokens))
+
+
+def pick_experts(probs: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's k experts [n, k]: the k largest of probs + bias (DeepSeek-V3's expert bias
+    picks, no gradient through the choice; the probabilities alone weigh them). A zero bias picks
+    as probs.topk does, bit for bit: probs + 0 is probs."""
+    return (probs.detach() + bias).topk(k, dim=-1)[1]
+
+
+def expert_biases(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each MoE layer's expert_bias by the layer's name (`layers.3.mlp`: the same in every layout)."""
+    return {name: m.expert_bias for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+@torch.no_grad()
+def set_expert_biases(model: nn.Module, stored: dict[str, torch.Tensor]) -> None:
+    """Each MoE layer's expert_bias: `stored`'s (by layer name) where it holds the layer's, else zero
+    (a fresh model, an HF folder's, a checkpoint saved before biases); fp32 on the layer's device
+    whatever the weights' dtype, in fresh memory (a build on the meta device left none)."""
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            device = m.router.weight.device
+            value = stored.get(name)
+            m.expert_bias = torch.zeros(m.expert_bias.shape, device=device) if value is None else \
+                value.to(device, torch.float32, copy=True)

@@ -21,8 +21,19 @@ STEP_SUMS = 6 * 4
 
 
 def step_sums(cfg: Config) -> int:
-    """Bytes of the step's sums in each group they are all-reduced over (STEP_SUMS; MoE: 4 more)."""
-    return STEP_SUMS + (4 if cfg.model.n_experts else 0)
+    """Bytes of the step's sums in each group they are all-reduced over (STEP_SUMS; MoE: 4 more;
+    moving expert biases: 4 a pipeline stage more, each stage's largest expert load)."""
+    return STEP_SUMS + (4 if cfg.model.n_experts else 0) + (4 * cfg.parallel.pp if _moves_biases(cfg) else 0)
+
+
+def expert_bias_bytes(cfg: Config) -> int:
+    """Moving expert biases (train/expert_bias.py): the step's all-reduce over dp x cp of the int64
+    expert counts [MoE layers, E] of rank 0's stage; nothing at rate 0."""
+    return _moe_layers(cfg) * cfg.model.n_experts * 8 if _moves_biases(cfg) else 0
+
+
+def _moves_biases(cfg: Config) -> bool:
+    return cfg.model.router_bias_update_rate > 0
 
 
 def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
@@ -31,11 +42,13 @@ def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
     the gathered output, reduce-scatter the unscattered input, all-to-all the input,
     point-to-point what it sends. The dp x cp gradient group counts as "dp" (and the experts'
     gradient group under ep); the EP group's all-to-alls as "ep". Each of tp, cp, pp and dp also
-    carries the step's sums (`step_sums`). Gradient traffic is summed over rank 0's buckets as the runtime lays them
-    out (plan/buckets.py), padding included."""
+    carries the step's sums (`step_sums`); dp the expert counts where biases move
+    (`expert_bias_bytes`). Gradient traffic is summed over rank 0's buckets as the runtime lays
+    them out (plan/buckets.py), padding included."""
     p = cfg.parallel
     out = {"tp": _tp_bytes(cfg) if p.tp > 1 else 0, "cp": _cp_bytes(cfg) if p.cp > 1 else 0,
-           "pp": _pp_bytes(cfg) if p.pp > 1 else 0, "dp": _dp_bytes(cfg) if p.dp * p.cp > 1 else 0,
+           "pp": _pp_bytes(cfg) if p.pp > 1 else 0,
+           "dp": _dp_bytes(cfg) + expert_bias_bytes(cfg) if p.dp * p.cp > 1 else 0,
            "ep": _ep_bytes(cfg)}
     return {k: int(v) for k, v in out.items()}
 

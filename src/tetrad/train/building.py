@@ -8,10 +8,11 @@ import torch
 from tetrad.config import Config
 from tetrad.dist.topology import Topology
 from tetrad.model.execution import DeferredWeightGrads, Execution
+from tetrad.model.moe import set_expert_biases
 from tetrad.model.sharding import init_parameters, set_spec, spec_of
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.stages import PipelineStages
-from tetrad.train.init_from import initial_weights
+from tetrad.train.init_from import initial_weights, stored_expert_biases
 
 
 def execution_for(cfg: Config, hold=None) -> Execution:
@@ -41,6 +42,8 @@ def build_model(cfg: Config, topo: Topology, execution: Execution | None = None,
         set_spec(p, *specs[name])
     if materialise:
         init_parameters(model, cfg.train.seed, starting_weights(cfg))
+    # the weights' expert biases (a tetrad checkpoint's), else zero; never ZeRO-sharded
+    set_expert_biases(model, stored_expert_biases(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else {})
     return model
 
 

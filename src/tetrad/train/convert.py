@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from torch.distributed.checkpoint import FileSystemWriter
 
-from tetrad.config import Config, load_config, read_toml
+from tetrad.config import Config, ConfigError, load_config, read_toml
 from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, template_beside
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, keep_generation_config, model_eos, model_pad,
@@ -38,7 +38,8 @@ from tetrad.model.sharding import spec_of
 from tetrad.dist.topology import Topology
 from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, check_shapes, digest_files, publish, resolve,
                                      verify)
-from tetrad.train.checkpoint.store import one_process, read_manifest
+from tetrad.train.checkpoint.store import one_process, read_extras, read_manifest
+from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
                                             hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
 from tetrad.train.hf_gemma import TEXT_TOWER
@@ -161,6 +162,7 @@ def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, d
     weights = StoredWeights(checkpoint)
     m = weights.cfg.model
     check_exportable(m)
+    _refuse_moved_biases(weights.path)
     out.mkdir(parents=True, exist_ok=True)
     _write_safetensors(weights, exported_type(m), out, max_shard_gb, EXPORT_DTYPES.get(dtype))
     tokenizer, source = exported_tokenizer(weights.path, weights.cfg.data.source)
@@ -178,6 +180,16 @@ def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, d
                  **hf_rope_scaling(m.rope_scaling), **(_special_token_ids(tokenizer, source) if tokenizer is not None else {})}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return tokenizer is not None
+
+
+def _refuse_moved_biases(folder: Path) -> None:
+    """The HF MoE formats tetrad exports (Mixtral, Qwen2-MoE, Qwen3-MoE) route by the probabilities
+    alone: a checkpoint whose expert biases moved (model.router_bias_update_rate) routes otherwise."""
+    moved = sorted(name for name, bias in read_extras(folder, ExpertBias.NAME).items() if bias.any())
+    if moved:
+        raise ConfigError(f"{folder} holds expert biases moved from zero ({len(moved)} MoE layers', {moved[0]}'s "
+                          "first: model.router_bias_update_rate) and no Hugging Face MoE format has one, so the "
+                          "export would route otherwise; sample or evaluate this checkpoint with tetrad instead")
 
 
 def exported_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer | None, Path | None]:

@@ -41,19 +41,21 @@ from tetrad.train.convert import StoredWeights, exported_tokenizer, logical_shap
 from tetrad.train.hf_architectures import model_config_from_hf
 from tetrad.train.inference import agreed_line, agreed_token, full_logits, inference_model
 from tetrad.train.init_from import (HF_CONFIG, CheckpointPart, SafetensorsPart, hf_config, hf_weights_problem,
-                                    is_hf_folder, stored_weights)
+                                    is_hf_folder, stored_expert_biases, stored_weights)
 
 
 def single_process_model(model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
-                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                         biases: dict[str, torch.Tensor] | None = None) -> Transformer:
     """The whole model on one `device` in `dtype`, from a state dict of every logical parameter (no
-    more) or a reader of one at a time (stored_weights': `tetrad generate`)."""
+    more) or a reader of one at a time (stored_weights': `tetrad generate`), and its MoE layers'
+    expert biases (inference_model's `biases`)."""
     if isinstance(weights, Mapping):
         extra = sorted(set(weights) - set(logical_shapes(model_cfg)))
         if extra:
             raise ValueError(f"the state holds {extra[0]}, which the model has no parameter for")
         weights = weights.__getitem__
-    return inference_model(model_cfg, weights, Topology.single(device), dtype)
+    return inference_model(model_cfg, weights, Topology.single(device), dtype, biases)
 
 
 class Cache:
@@ -179,6 +181,10 @@ class Weights:
         """name -> a handle to its logical tensor, read when asked by the part a rank keeps."""
         return stored_weights(self.path)
 
+    def biases(self) -> dict[str, torch.Tensor]:
+        """Its MoE layers' expert biases (a checkpoint's; none for an HF folder), which route its tokens."""
+        return stored_expert_biases(self.path)
+
 
 def found_weights(checkpoint: Path) -> Weights:
     """The Weights of a tetrad checkpoint (any layout; its files' checksums and shapes checked) or
@@ -213,7 +219,8 @@ def load_generator(checkpoint: Path, device: torch.device | str = "cpu",
     """The whole model of `checkpoint` (found_weights') on `device` in `dtype`, its tokenizer, and
     where that came from (None: bytes)."""
     found = found_weights(checkpoint)
-    return single_process_model(found.model, found.reader(), device, dtype), found.tokenizer, found.source
+    model = single_process_model(found.model, found.reader(), device, dtype, found.biases())
+    return model, found.tokenizer, found.source
 
 
 def complete(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new: int, sampling: Sampling = Sampling(),

@@ -22,14 +22,16 @@ import torch
 from tetrad.config import ModelConfig
 from tetrad.dist.topology import Topology
 from tetrad.model.llama import Transformer
+from tetrad.model.moe import set_expert_biases
 from tetrad.model.sharding import local_part, set_spec, spec_of
 
 
 def inference_model(model_cfg: ModelConfig, weights: Callable[[str], torch.Tensor], topo: Topology,
-                    dtype: torch.dtype = torch.float32) -> Transformer:
+                    dtype: torch.dtype = torch.float32, biases: dict[str, torch.Tensor] | None = None) -> Transformer:
     """This rank's model (topo's tp shard) in `dtype` on topo.device, its parameters read one by
     one through `weights(name)`: the logical tensor (on the CPU, in any dtype), or a handle to it
-    (init_from.stored_weights') with its `shape`, of which `handle[box]` reads that part alone."""
+    (init_from.stored_weights') with its `shape`, of which `handle[box]` reads that part alone;
+    its MoE layers' expert biases `biases` (init_from.stored_expert_biases': fp32), else zero."""
     with torch.device("meta"):
         model = Transformer(model_cfg, topo)
     specs = {name: spec_of(p) for name, p in model.named_parameters()}
@@ -39,6 +41,7 @@ def inference_model(model_cfg: ModelConfig, weights: Callable[[str], torch.Tenso
         for name, p in model.named_parameters():
             set_spec(p, *specs[name])
             p.copy_(local_part(name, p, weights(name)))
+    set_expert_biases(model, biases or {})
     return model.eval()
 
 

@@ -31,8 +31,9 @@ from tetrad.data import shards
 from tetrad.data.blend import primary_source
 from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
 from tetrad.train.checkpoint import MANIFEST, CheckpointError, SafeReader, saved_model, shape_keys, verify
-from tetrad.train.checkpoint.store import as_built, one_process
+from tetrad.train.checkpoint.store import as_built, one_process, read_extras
 from tetrad.train.convert import checkpoint_folder, hf_mismatches
+from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import fused_rows, hf_name, model_config_from_hf
 from tetrad.train.hf_moe import expert_pieces
 
@@ -155,6 +156,14 @@ def initial_weights(source: str) -> Callable[[str], SafetensorsPart | ExpertPart
     """name -> a handle to that parameter's logical tensor in `source` (checkpoint.init_from), of
     which each rank reads its shard alone (sharding.init_parameters; its shape checked there)."""
     return stored_weights(Path(source))
+
+
+def stored_expert_biases(source: str | Path) -> dict[str, torch.Tensor]:
+    """The MoE layers' expert biases (model/moe.py) a tetrad checkpoint holds, by layer name
+    (train/expert_bias.py's checkpoint state); none for an HF folder (no format tetrad imports has
+    one: routing starts unbiased) or a checkpoint saved without them."""
+    path = Path(source)
+    return {} if is_hf_folder(path) else read_extras(checkpoint_folder(path), ExpertBias.NAME)
 
 
 def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts | CheckpointPart]:

@@ -35,6 +35,7 @@ from tetrad.data.blend import blend_parts
 from tetrad.train.batches import Batches, DataPosition, split_batches
 from tetrad.train.checkpoint import Checkpointer
 from tetrad.train.checkpoint.recovery import schedule_changes
+from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.building import build_model, execution_for, starting_weights
 from tetrad.train.memory import ActivationMeter
 from tetrad.train.metrics import FlopRate, MetricsLog, StepClock, layout_label
@@ -64,6 +65,7 @@ class Trainer:
                                  materialise=p.zero != 3)
         set_execution(self.model, cfg.train.recompute, cfg.train.compile)
         self.dropout = DropoutSeeds(self.model)  # tp-shared masks: a function of (seed, step)
+        self.expert_bias = ExpertBias(self.model, cfg.model.router_bias_update_rate, self.topo)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         dtype = devices.DTYPES[cfg.train.dtype]
         self.run_dir = Path(cfg.run.dir)
@@ -186,7 +188,8 @@ class Trainer:
         with clock.part("optimizer"), devices.phase("grad_reduce", topo.device):
             self.grads.reduce()  # dp x cp (and, under SP, tp for tp-replicated parameters)
         with clock.part("optimizer"), devices.phase("optimizer", topo.device):
-            grad_norm, loss, self.stop_signal, aux = self._step_sums(loss_sum, scale, loss_tokens)
+            self.expert_bias.reduce()
+            grad_norm, loss, self.stop_signal, aux, max_load = self._step_sums(loss_sum, scale, loss_tokens)
             self.grads.clip(grad_norm, cfg.train.grad_clip, loss_scale=scale)
             # The norm is reduced over the whole job: every rank steps, or every rank skips.
             finite = math.isfinite(grad_norm)
@@ -194,6 +197,7 @@ class Trainer:
             stepped = self.scaler.update(finite) and finite
             if stepped:
                 self.optimizer.step()
+            self.expert_bias.update()  # the step's tokens were routed, stepped or not
             model_states = self._model_states(stepped)  # gradients still held: their peak
             # ShardedAdamW's zero_grad clears the buckets too; plain AdamW's (fp32 ZeRO-0) p.grad
             # are the buckets', which GradReducer.zero_grad clears: one of the two, not both.
@@ -218,29 +222,35 @@ class Trainer:
             # saved for backward (train/memory.py); peak: device.peak_memory_bytes.
             "memory_bytes": {"peak": peak, **model_states, "activations": self.activations.peak},
             **({"moe_aux_loss": aux / (cfg.model.moe_layers * batch)} if cfg.model.n_experts else {}),
+            **({"moe_max_load": max_load} if max_load is not None else {}),
             **devices.accelerator_fields(topo.device),
             **(self.telemetry.take() if self.telemetry else {}),
         }
 
-    def _step_sums(self, loss_sum: torch.Tensor, loss_scale: float, loss_tokens: int) -> tuple[float, float, int, float]:
+    def _step_sums(self, loss_sum: torch.Tensor, loss_scale: float,
+                   loss_tokens: int) -> tuple[float, float, int, float, float | None]:
         """The step's numbers that need the whole job, in one all-reduce (over dp x cp, tp, pp)
         and one read: the global gradient norm (unscaled: the same on every rank, non-finite on
         all when any rank's gradient overflowed), the mean token loss (summed from the last
         pipeline stage of each dp x cp replica, once per tp group, over `loss_tokens`), the stop
-        signal any rank received (stopping.py) and the MoE layers' summed load-balancing loss
-        (every layer's, each sequence's: model/execution.py RouterLoss; once per tp group)."""
+        signal any rank received (stopping.py), the MoE layers' summed load-balancing loss
+        (every layer's, each sequence's: model/execution.py RouterLoss; once per tp group) and,
+        where expert biases move, the largest expert load of any stage (ExpertBias.loads; else None)."""
         topo = self.topo
         aux = self.model.execution.router_loss.take()  # None: no MoE layer here (or a pipeline stage without)
         moe = self.cfg.model.n_experts > 0  # a dense model's all-reduce has no place for it (plan/comm_bytes.py)
         aux = torch.zeros_like(loss_sum) if aux is None or topo.tp_rank else aux.to(loss_sum)
         loss = loss_sum if topo.tp_rank == 0 else torch.zeros_like(loss_sum)
         flags = torch.tensor(self.signals.flags(), device=topo.device)
-        sums = torch.cat([self.grads.norm_sq().view(1), loss.view(1), *([aux.view(1)] if moe else []), flags])
+        biased = self.expert_bias.rate > 0
+        loads = [self.expert_bias.loads().to(loss_sum)] if biased else []  # a float per stage
+        sums = torch.cat([self.grads.norm_sq().view(1), loss.view(1), *([aux.view(1)] if moe else []), *loads, flags])
         for group in (GRAD, *WEIGHT_SPLIT_DIMS):
             topo.comm.all_reduce(sums, group)
         norm_sq, loss, *signals = sums.tolist()
         aux = signals.pop(0) if moe else 0.0
-        return math.sqrt(norm_sq) / loss_scale, loss / loss_tokens, self.signals.agreed(signals), aux
+        max_load = max(signals.pop(0) for _ in range(self.cfg.parallel.pp)) if biased else None
+        return math.sqrt(norm_sq) / loss_scale, loss / loss_tokens, self.signals.agreed(signals), aux, max_load
 
     def _activation_meter(self, step: int, microbatches: int):
         """Count saved activations (train/memory.py) on the first step this trainer runs and of each
@@ -263,9 +273,10 @@ class Trainer:
         return self._counted_states
 
     def job_state(self) -> dict:
-        """What a checkpoint keeps beside the model and optimizer, the same on every rank: the
-        loss scale, and the data's place (for a resume under another global batch)."""
-        return {"scaler": self.scaler, DataPosition.NAME: self.data_position}
+        """What a checkpoint keeps beside the model and optimizer, replicated: the loss scale, the
+        data's place (for a resume under another global batch) and the MoE layers' expert biases
+        (each layer's the same on every rank holding it)."""
+        return {"scaler": self.scaler, DataPosition.NAME: self.data_position, ExpertBias.NAME: self.expert_bias}
 
     def fit(self) -> list[dict]:
         cfg, ckpt, is_logger = self.cfg, self.checkpointer, self.topo.rank == 0

@@ -155,12 +155,15 @@ def moe_model(rng: random.Random) -> dict:
     """[model] keys of a mixture of experts: 2 or 4 experts, top-k of any k; a third of the time
     experts of their own width (multiples of 8: every drawn tp splits them, as validation needs;
     the dense widths, 96 to 192, too); no load-balancing loss, the default, or one whose gradient
-    shows (1.0). No draw compiles, MoE or not (tests/test_compile.py compiles MoE layouts)."""
+    shows (1.0); a third of the time expert biases that move (a rate large enough to change the
+    picks within 3 steps). No draw compiles, MoE or not (tests/test_compile.py compiles MoE layouts)."""
     experts = rng.choice([2, 4])
     keys = {"n_experts": experts, "experts_per_token": rng.randint(1, experts),
             "router_aux_loss": rng.choice([0.0, 0.01, 1.0])}
     if rng.random() < 0.33:
         keys["expert_ffn_hidden"] = rng.choice([24, 40, 64])
+    if rng.random() < 0.33:  # drawn last: the draws before it are what they were
+        keys["router_bias_update_rate"] = 0.05
     return keys
 
 

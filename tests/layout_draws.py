@@ -146,7 +146,7 @@ def draw(seed: int, extended: bool = False) -> dict:
     if extended and rng.random() < 0.15:  # a mixture of experts in every layer (model/moe.py)
         model.update(moe_model(rng))
         ep = [e for e in (2, 4) if par["dp"] % e == 0 and model["n_experts"] % e == 0]
-        if ep and rng.random() < 0.5:  # its experts over blocks of dp ranks (refused with int8, PowerSGD, a zero_shard not a multiple of ep x cp, ...)
+        if ep and rng.random() < 0.5:  # its experts over blocks of dp ranks (refused with a zero_shard not a multiple of ep x cp)
             par["ep"] = rng.choice(ep)
     return {"model": model, "parallel": par, "train": train, "data": data}
 

@@ -84,26 +84,25 @@ def test_expert_groups_partition_the_gradient_groups(world):
 
 
 @pytest.mark.parametrize("world", [8, 16])
-def test_expert_blocks_cut_each_expert_group_inside_the_shard_blocks(world):
+def test_expert_shards_cut_each_expert_group_inside_the_shard_blocks(world):
     """Hybrid ZeRO with ep (zero_shard a multiple of ep x cp): EXPERT_SHARD chunks partition each
-    EXPERT_GRAD group into zero_shard/ep ranks of one shard block; EXPERT_REPLICA holds one rank of
-    every chunk; a rank's place among the expert replicas is its place among the dense ones (the
-    norm counts replica 0 of both alike)."""
+    EXPERT_GRAD group into zero_shard/ep ranks of one shard block, and the ranks at one position of
+    every chunk are a dense REPLICA group, over which the experts' shards are then summed too (the
+    norm's "replica 0 counts" holds for both alike)."""
     for base in factorisations(world):
         n = base.dp * base.cp
         for ep in (e for e in range(2, base.dp + 1) if base.dp % e == 0):
             for shard in (s for s in range(ep * base.cp, n, ep * base.cp) if n % s == 0):
                 layout = dataclasses.replace(base, ep=ep)
                 dense_shard, dense_replica = layout.split_in_blocks(GRAD_DIMS, shard)
-                chunks, replicas = layout.expert_blocks(shard)
-                assert sorted(r for g in chunks for r in g) == sorted(r for g in replicas for r in g) == list(range(world))
-                assert {len(g) for g in chunks} == {shard // ep} and {len(g) for g in replicas} == {n // shard}
+                chunks = layout.expert_shards(shard)
+                assert sorted(r for g in chunks for r in g) == list(range(world))
+                assert {len(g) for g in chunks} == {shard // ep}
                 expert_grad = layout.expert_groups()[1]
                 assert all(any(set(c) <= set(g) for g in expert_grad) for c in chunks)
                 assert all(any(set(c) <= set(b) for b in dense_shard) for c in chunks)
-                for r in range(world):
-                    index = [g.index(r) for g in replicas if r in g] + [g.index(r) for g in dense_replica if r in g]
-                    assert index[0] == index[1]
+                replicas = [g[i::shard // ep] for g in expert_grad for i in range(shard // ep)]
+                assert sorted(replicas) == sorted(dense_replica)
 
 
 def test_ep1_has_no_groups_of_its_own():
@@ -288,6 +287,8 @@ def test_ep_bytes_over_an_ep_group_are_the_formula():
 @pytest.mark.parametrize("parallel,message", [
     ({"ep": 4, "zero": 1, "zero_shard": 2}, r"zero_shard=2 must be a multiple of ep\*cp = 4 .*; use zero_shard in \[0\]"),
     ({"ep": 2, "cp": 2, "zero": 3, "zero_shard": 2}, r"multiple of ep\*cp = 4 .*; use zero_shard in \[4, 0\]"),
+    # a multiple that does not divide dp*cp: named here, not by the general rule's list (1, 2, 3, 6)
+    ({"dp": 6, "ep": 2, "zero": 1, "zero_shard": 4}, r"multiple of ep\*cp = 2 dividing dp\*cp = 6 .*; use zero_shard in \[2, 0\]"),
 ])
 def test_a_hybrid_block_that_splits_an_ep_group_is_refused_in_one_line(parallel, message):
     with pytest.raises(ConfigError, match=message) as refused:

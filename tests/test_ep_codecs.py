@@ -8,10 +8,13 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import assert_parity, tiny_config, train_layout
+from conftest import assert_parity, run_ranks, tiny_config, train_layout
 from nccl_collectives import NcclTrainer
 from nccl_semantics import NcclSemantics
+from tetrad.plan.buckets import rank_buckets
 from tetrad.plan.comm_bytes import comm_bytes_per_step
+from tetrad.plan.memory import codec_residual
+from tetrad.train.trainer import Trainer
 
 pytestmark = pytest.mark.dist
 
@@ -73,3 +76,24 @@ def test_int8_under_nccl_semantics_is_the_gloo_runs():
                        trainer_class=NcclTrainer)
     got[2][-1].pop("posted")
     assert_parity(got, _run(grad_codec="int8", zero=1))
+
+
+def _codecs_after_a_step(cfg):
+    """(each bucket group's codec: its kind and the group size it was made for, the elements of
+    error feedback it holds) on this rank after one step."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer.fit()
+    codecs = trainer.grads.sync.codecs
+    kinds = {group: (type(c).__name__, getattr(c, "levels", None) or getattr(c, "n", None)) for group, c in codecs.items()}
+    return kinds, sum(t.numel() for c in codecs.values() for t in getattr(c, "residual", {}).values())
+
+
+@pytest.mark.parametrize("codec,ep,sized", [
+    ("int8", 2, {"dp_cp": ("Int8", 127 // 4), "edp_cp": ("Int8", 127 // 2)}),  # levels: 127 // the group's ranks
+    ("powersgd", 2, {"dp_cp": ("PowerSGD", 4), "edp_cp": ("PowerSGD", 2)}),  # its error feedback's divisor
+    ("int8", 4, {"dp_cp": ("Int8", 127 // 4), "edp_cp": ("Plain", None)})])  # a group of one: sends, keeps nothing
+def test_each_groups_codec_is_made_for_its_group_and_keeps_the_planners_residual(codec, ep, sized):
+    cfg = tiny_config(parallel={"dp": 4, "ep": ep, "grad_codec": codec}, model=MOE, train={**TRAIN, "steps": 1})
+    results = run_ranks(_codecs_after_a_step, 4, cfg)
+    assert all(kinds == sized for kinds, _ in results)
+    assert results[0][1] == codec_residual(cfg.parallel, rank_buckets(cfg)[0]) > 0

@@ -226,7 +226,7 @@ def test_hybrid_zero_bytes_reduce_the_experts_as_dense_buckets(zero, dp, zero_sh
 @pytest.mark.parametrize("per_node", [2, 4, 8, 16])
 def test_expert_shard_groups_are_the_runtimes(per_node):
     """Under hybrid ZeRO (zero_shard a multiple of ep x cp) the runtime's EXPERT_SHARD groups
-    (Layout.expert_blocks) have expert_shard_ranks members, each inside a dense shard block, where a
+    (Layout.expert_shards) have expert_shard_ranks members, each inside a dense shard block, where a
     member's place is moe.expert_shard of its place in the block; rank 0's has the members per node
     and nodes of expert_shard_stride's strided group; its replicas are as many as the blocks and as
     far apart as the dense replicas (tp x zero_shard)."""
@@ -235,8 +235,8 @@ def test_expert_shard_groups_are_the_runtimes(per_node):
         for block in (b for b in range(ep * cp, dp * cp, ep * cp) if dp * cp % b == 0):
             p = ParallelConfig(dp=dp, cp=cp, tp=tp, ep=ep, zero=1, zero_shard=block)
             layout, size, case = Layout(pp=1, dp=dp, cp=cp, tp=tp, ep=ep), expert_shard_ranks(p), (tp, cp, dp, ep, block)
-            chunks, replica_groups = layout.expert_blocks(block)
-            blocks = layout.split_in_blocks(GRAD_DIMS, block)[0]
+            chunks = layout.expert_shards(block)
+            blocks, replica_groups = layout.split_in_blocks(GRAD_DIMS, block)
             for chunk in chunks:
                 dense = next(b for b in blocks if chunk[0] in b)
                 assert len(chunk) == size == block // ep and set(chunk) <= set(dense), case

@@ -44,8 +44,8 @@ def check_experts(cfg: Config) -> None:
 
 
 def _check_expert_parallel(cfg: Config) -> None:
-    """parallel.ep: whole experts per rank, over blocks of dp ranks; not yet with what reduces or
-    shards every gradient over all of dp x cp alike (docs/design.md "Expert parallelism")."""
+    """parallel.ep: whole experts per rank, over blocks of dp ranks; hybrid ZeRO blocks that hold
+    whole EP groups (docs/design.md "Expert parallelism")."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return

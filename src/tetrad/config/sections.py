@@ -32,13 +32,14 @@ def expert_parallel_blocker(parallel) -> str | None:
     None: a hybrid ZeRO block that splits an EP group (the experts shard inside the blocks, which
     must hold whole EP groups: docs/design.md "Expert parallelism"). Config validation refuses it;
     the planner skips it."""
-    whole = parallel.ep * parallel.cp  # dp x cp ranks of one EP group's dp span
-    if parallel.ep == 1 or not zero_shard(parallel) % whole:
+    whole, n = parallel.ep * parallel.cp, parallel.dp * parallel.cp  # whole: an EP group's dp x cp span
+    s = zero_shard(parallel)
+    if parallel.ep == 1 or not s or not (s % whole or n % s):
         return None
-    fits = [s for s in range(whole, parallel.dp * parallel.cp, whole) if not parallel.dp * parallel.cp % s]
-    return (f"parallel.zero_shard={parallel.zero_shard} must be a multiple of ep*cp = {whole} under expert "
-            f"parallelism (each ZeRO shard block holds whole EP groups, so that the experts shard inside it "
-            f"too); use zero_shard in {fits + [0]}")
+    fits = [k for k in range(whole, n, whole) if not n % k]
+    return (f"parallel.zero_shard={parallel.zero_shard} must be a multiple of ep*cp = {whole} dividing dp*cp = {n} "
+            f"under expert parallelism (each ZeRO shard block holds whole EP groups, so that the experts shard "
+            f"inside it too); use zero_shard in {fits + [0]}")
 
 
 def zero_shard(parallel) -> int:
@@ -68,7 +69,7 @@ class ConfigError(ValueError):
 # parallel.comm_options: the groups that take settings (a pipeline link's take "pp"'s) and each
 # setting's type and range: ProcessGroupNCCL.Options' high-priority stream, NCCL's config.
 COMM_GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "dp_cp_intra", "dp_cp_inter", "dp_cp_shard", "dp_cp_replica", "ep",
-               "edp_cp", "edp_cp_shard", "edp_cp_replica", "embed")
+               "edp_cp", "edp_cp_shard", "embed")
 COMM_OPTIONS = {"high_priority_stream": (bool, None), "cga_cluster_size": (int, range(0, 9)),
                 "min_ctas": (int, range(1, 65)), "max_ctas": (int, range(1, 65))}
 

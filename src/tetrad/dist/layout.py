@@ -120,13 +120,13 @@ class Layout:
                 for group in self.groups(GRAD_DIMS) for e in range(self.ep)]
         return ep, grad
 
-    def expert_blocks(self, zero_shard: int) -> tuple[list, list]:
-        """(EXPERT_SHARD, EXPERT_REPLICA) under hybrid ZeRO with blocks of `zero_shard` dp x cp
-        ranks, a multiple of ep x cp: every EXPERT_GRAD group cut into consecutive chunks of
-        zero_shard/ep ranks (those of its ranks inside one shard block, since the block holds whole
-        EP groups) and into the ranks at the same position in every chunk. A rank's chunk is its
-        block, so its place among the expert replicas is its place among the dense ones."""
-        return _blocks(self.expert_groups()[1], zero_shard // self.ep)
+    def expert_shards(self, zero_shard: int) -> list:
+        """EXPERT_SHARD under hybrid ZeRO with blocks of `zero_shard` dp x cp ranks, a multiple of
+        ep x cp: every EXPERT_GRAD group cut into consecutive chunks of zero_shard/ep ranks, those
+        of its ranks inside one shard block (the block holds whole EP groups). The ranks at one
+        position of every chunk are those at one position of every block, so the experts' shards
+        are replicated over the dense REPLICA groups (tests/test_ep.py checks it)."""
+        return _blocks(self.expert_groups()[1], zero_shard // self.ep)[0]
 
     def split_by_node(self, dims: tuple[str, ...], ranks_per_node: int) -> tuple[list, list] | None:
         """(intra, inter): every `dims` group cut into its ranks on one node (node = rank //

@@ -13,8 +13,8 @@ the same weights as dp ranks); INTRA and INTER, its per-node halves for hierarch
 `zero_shard` ranks of it and the ranks at one position in every block (`zero_groups`); under
 expert parallelism (layout.ep > 1) EP ("ep"), the blocks of ep dp ranks an MoE layer's all-to-alls
 run over, EXPERT_GRAD ("edp_cp"), the ranks holding the same experts, whose gradients are summed
-over it (dist/layout.py `expert_groups`), and under hybrid ZeRO its EXPERT_SHARD and EXPERT_REPLICA
-halves (`expert_blocks`); "embed", the first and last rank of each pipeline, which both hold
+over it (dist/layout.py `expert_groups`), and under hybrid ZeRO its chunks inside the shard blocks,
+EXPERT_SHARD (`expert_shards`; their replicas are REPLICA's); "embed", the first and last rank of each pipeline, which both hold
 the tied embedding; "pp:a-b" (`link_name`), the ranks at pipeline positions a and b of each
 pipeline, one per link the schedule sends over (parallel/pipeline/executor.py: on NCCL a link
 needs a communicator of its own). Each group's traffic is reported under one comm_bytes key
@@ -37,7 +37,7 @@ from tetrad.dist.layout import DIMENSIONS, DIMS, EP, EXPERT_GRAD, GRAD, GRAD_DIM
 
 INTRA, INTER = f"{GRAD}_intra", f"{GRAD}_inter"
 SHARD, REPLICA = f"{GRAD}_shard", f"{GRAD}_replica"
-EXPERT_SHARD, EXPERT_REPLICA = f"{EXPERT_GRAD}_shard", f"{EXPERT_GRAD}_replica"
+EXPERT_SHARD = f"{EXPERT_GRAD}_shard"
 
 
 class Topology:
@@ -65,7 +65,7 @@ class Topology:
         # comm_bytes key of each group: a dimension's own; the gradient group's (and its halves')
         # its first dimension's; the tied-embedding pairs' the pipeline's.
         self._reported = {d.name: d.reported_as for d in DIMENSIONS}
-        self._reported.update(dict.fromkeys((GRAD, INTRA, INTER, SHARD, REPLICA, EXPERT_GRAD, EXPERT_SHARD, EXPERT_REPLICA),
+        self._reported.update(dict.fromkeys((GRAD, INTRA, INTER, SHARD, REPLICA, EXPERT_GRAD, EXPERT_SHARD),
                                              self._reported[GRAD_DIMS[0]]),
                               embed="pp", **{EP: EP})
         self._reported.update(dict.fromkeys((link_name(a, b) for a, b in self.pipeline_links), "pp"))
@@ -101,8 +101,7 @@ class Topology:
             for name, groups in zip((EP, EXPERT_GRAD), self.layout.expert_groups()):
                 self._new_groups(name, groups)
             if self.zero_shard:
-                for name, groups in zip((EXPERT_SHARD, EXPERT_REPLICA), self.layout.expert_blocks(self.zero_shard)):
-                    self._new_groups(name, groups)
+                self._new_groups(EXPERT_SHARD, self.layout.expert_shards(self.zero_shard))
         if self.layout.pp > 1:
             self._new_groups("embed", [[ranks[0], ranks[-1]] for ranks in self.layout.groups(("pp",))])
         for a, b in self.pipeline_links:
@@ -156,10 +155,11 @@ class Topology:
     def zero_groups(self, experts: bool = False) -> tuple[str, str | None]:
         """(the group ZeRO shards over, the group its shards are replicated over): (GRAD, None), or
         hybrid ZeRO's (SHARD, REPLICA). With `experts`, the expert parameters' under expert
-        parallelism: (EXPERT_GRAD, None), or hybrid ZeRO's (EXPERT_SHARD, EXPERT_REPLICA); without
-        ep the experts are dense parameters like any other."""
+        parallelism: (EXPERT_GRAD, None), or hybrid ZeRO's (EXPERT_SHARD, REPLICA): a block holds whole
+        EP groups, so the experts' shards are replicated over the dense ones' replicas; without ep
+        the experts are dense parameters like any other."""
         if experts and self.layout.ep > 1:
-            return (EXPERT_SHARD, EXPERT_REPLICA) if self.zero_shard else (EXPERT_GRAD, None)
+            return (EXPERT_SHARD, REPLICA) if self.zero_shard else (EXPERT_GRAD, None)
         return (SHARD, REPLICA) if self.zero_shard else (GRAD, None)
 
     def size(self, name: str) -> int:

@@ -151,11 +151,18 @@ class HostMemory:
         return {k: getattr(self, k) / GIB for k in ("optimizer", "grads", "checkpoint")}
 
 
+def codec_residual(parallel, buckets: RankBuckets) -> int:
+    """Elements of the gradient codecs' error feedback on a rank (int8, PowerSGD: an fp32 residual
+    per element of each bucket, dist/codecs.py): every bucket's whose group has more than one rank
+    (under ep the experts' own group may have one: its codec sends nothing and keeps nothing)."""
+    if parallel.grad_codec not in ("int8", "powersgd") or parallel.dp * parallel.cp == 1:
+        return 0
+    return buckets.padded - (buckets.expert_padded if moe.expert_grad_ranks(parallel) == 1 else 0)
+
+
 def host_memory_by_rank(cfg: Config) -> list[HostMemory]:
     """Host bytes of one rank of each pipeline rank: offloaded optimizer state, checkpoint staging."""
     p, t = cfg.parallel, cfg.train
-    n = p.dp * p.cp
-    residual = n > 1 and p.grad_codec in ("int8", "powersgd")
     out = []
     for params, buckets in zip(rank_params(cfg), rank_buckets(cfg)):
         owned, updated = _updated_elements(cfg, params, buckets, 0)  # shard 0 holds the most
@@ -164,7 +171,7 @@ def host_memory_by_rank(cfg: Config) -> list[HostMemory]:
         if t.offload_optimizer:
             host.optimizer, host.grads = optimizer, 4 * updated
         if cfg.checkpoint.async_save and cfg.checkpoint.every:
-            host.checkpoint = (MOMENT_BYTES + MASTER_BYTES) * owned + (4 * buckets.padded if residual else 0.0)
+            host.checkpoint = (MOMENT_BYTES + MASTER_BYTES) * owned + 4 * codec_residual(p, buckets)
         out.append(host)
     return out
 
@@ -262,7 +269,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool,
         weights, grads, optimizer = _model_states(cfg, params[r], buckets[r], 0)
         if t.offload_optimizer:  # on the host (host_memory_by_rank)
             optimizer = 0.0
-        buffers = _buffers(cfg, stack, tokens, e, buckets[r].padded, r)
+        buffers = _buffers(cfg, stack, tokens, e, buckets[r], r)
         root = 0.0
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
@@ -275,13 +282,13 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool,
     return out
 
 
-def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, padded: int, rank: int) -> float:
+def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, buckets: RankBuckets, rank: int) -> float:
     """Communication buffers alive at the peak on pipeline rank `rank`, whose gradient buckets hold
-    `padded` elements: ZeRO-2's full buckets in flight, ZeRO-3's gathered layers
+    `buckets` (rank_buckets'): ZeRO-2's full buckets in flight, ZeRO-3's gathered layers
     (the current and the prefetched one) and two layers' full gradients (filling, reducing),
     the SP-gathered layer input, CP ring blocks and accumulators, pipeline send/receive buffers."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    hidden = tokens * m.d_model * e
+    hidden, padded = tokens * m.d_model * e, buckets.padded
     out = 0.0
     # ZeRO-0/1 reduce in place in the flat gradient buckets (counted as `grads`); ZeRO-2 keeps only
     # its shard, but a bucket's full gradient lives until its reduce-scatter ends: one bucket
@@ -295,8 +302,7 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, padded: int, rank: 
                     for k, _ in flops.layer_kinds(m)]
         largest = [vocab] * ((rank == 0) + head) + [max(matrices)] * 2
         out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * padded)
-    if p.dp * p.cp > 1 and p.grad_codec in ("int8", "powersgd"):  # error feedback: an fp32 residual per bucket
-        out += 4 * padded
+    out += 4 * codec_residual(p, buckets)
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)
         layer = max(moe.rank_layer_params(k, p.tp, p.ep) for k, _ in flops.layer_kinds(m))  # the larger kind's
         out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)

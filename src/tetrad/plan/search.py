@@ -92,11 +92,9 @@ def layouts(base: Config, world: int, per_node: int):
 
 
 def _expert_parallel(base: Config, dp: int) -> list[int]:
-    """The ep degrees worth trying at `dp`: the divisors of dp that divide the experts (MoE models),
-    where base's settings are not among those expert parallelism refuses (config.sections.expert_parallel_blocker); else 1."""
-    m = base.model
-    ok = m.n_experts and expert_parallel_blocker(dataclasses.replace(base.parallel, ep=2, zero=0, zero_shard=0)) is None
-    return [ep for ep in divisors(dp) if m.n_experts % ep == 0] if ok else [1]
+    """The ep degrees worth trying at `dp`: the divisors of dp that divide the experts (MoE models;
+    a hybrid ZeRO block is checked per stage, `_zero_stages`); else 1."""
+    return [ep for ep in divisors(dp) if base.model.n_experts % ep == 0] if base.model.n_experts else [1]
 
 
 def _schedules(pp: int, micro: int, layers: int, stages: int):

@@ -13,7 +13,7 @@ CP ranks hold the same weights as their DP peers, so both dimensions reduce (and
 together. Under expert parallelism the experts' weights are held by fewer of them (EXPERT_GRAD):
 their buckets are reduced and sharded over that group instead, each bucket over its own `group`
 (under hybrid ZeRO its chunk inside each shard block, EXPERT_SHARD, the shards then summed over
-EXPERT_REPLICA as the dense ones over REPLICA). Each micro-batch's loss is already divided by the global batch's count of labels the
+the same REPLICA groups as the dense ones'). Each micro-batch's loss is already divided by the global batch's count of labels the
 loss counts (every token's without a loss mask), so a SUM of the gradients gives exactly the
 single-device gradient.
 
@@ -44,7 +44,7 @@ import torch.nn as nn
 from tetrad.config.sections import bucket_bytes
 from tetrad.dist.codec_shapes import INT8_BLOCK, sums_elementwise
 from tetrad.dist.codecs import make_codec
-from tetrad.dist.layout import GRAD, GRAD_DIMS
+from tetrad.dist.layout import EXPERT_GRAD, GRAD, GRAD_DIMS
 from tetrad.model.execution import Execution
 from tetrad.model.layers import ColumnParallelLinear, RowParallelLinear
 from tetrad.parallel.data.buffers import Bucket, flatten, initial_shard, lay_out
@@ -88,7 +88,7 @@ class GradReducer:
         self._names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
         self.zero = parallel.zero if parallel else 0
         shard, replica = topo.zero_groups()  # the topology's hybrid block is the config's: none at ZeRO-0
-        experts, expert_replica = topo.zero_groups(experts=True)
+        experts = topo.zero_groups(experts=True)[0]
         n = topo.size(GRAD)
         codec = self.codec_name = parallel.grad_codec if parallel else "none"
         self.codec = make_codec(codec, n)
@@ -127,14 +127,14 @@ class GradReducer:
         # nothing) and state of its own (int8's residuals, PowerSGD's Q: codec_state.py).
         codecs = {shard: self.codec}
         if experts != shard:
-            codecs[experts] = make_codec(codec, topo.size(experts) * topo.size(expert_replica))
+            codecs[experts] = make_codec(codec, topo.size(EXPERT_GRAD))
         self.sync = GradSync(self.buckets, topo, self.execution, self.zero, codecs, hierarchical,
                              on_complete=self.zero3.on_complete if self.zero3 else None,
                              linear_weights=frozenset(id(m.weight) for m in linears if m.weight.numel() >= SINK_MIN_NUMEL),
                              # every linear's but the head's, made in BI (ColumnParallelLinear.grad_in_bi)
                              deferred_weights=frozenset(id(m.weight) for m in linears
                                                         if not getattr(m, "grad_in_bi", False)),
-                             shard=shard, replicas={shard: replica, experts: expert_replica} if replica else {},
+                             shard=shard, replicas=dict.fromkeys((shard, experts), replica) if replica else {},
                              trains=trains)
 
     def last_microbatch(self):

@@ -176,6 +176,7 @@ MIGRATION_MISTAKES = [
     (["--bf16=true"], None, "write --train.dtype=bf16"),
     (["--sequence-parallel"], None, "write --parallel.sequence_parallel=true"),
     (["--use-distributed-optimizer"], None, "write --parallel.zero=1"),
+    (["--moe-router-enable-expert-bias"], None, "write --model.router_bias_update_rate=0.001"),
     (["--recompute-activations"], None, "write --train.recompute=selective"),
     (["--save=ckpt"], None, "write --checkpoint.dir=ckpt"),
     ([], "[model]\nflavor = \"8B\"\n", "unknown key model.flavor (did you mean 'model.preset'?)"),

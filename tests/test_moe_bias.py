@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import TINY, assert_parity, rank_histories, tiny_config, train_layout
 from nccl_collectives import NcclTrainer
@@ -19,6 +20,12 @@ from nccl_semantics import NcclSemantics
 from tetrad.cli import main
 from tetrad.config import ConfigError, load_config
 from tetrad.config.aliases import places_of
+from tetrad.config.validation import idle_settings
+from tetrad.dist.layout import GRAD
+from tetrad.dist.topology import Topology
+from tetrad.model.execution import Execution
+from tetrad.model.layers import activation
+from tetrad.model.moe import MoE
 from tetrad.evaluate import eval_config
 from tetrad.model.moe import expert_biases, pick_experts, set_expert_biases
 from tetrad.plan.comm_bytes import comm_bytes_per_step
@@ -56,6 +63,12 @@ class _WithBiases:
         self.expert_bias.reduce = reduce_and_keep
 
     def full_state(self):
+        for name, bias in expert_biases(self.model).items():  # every rank holding the layer alike
+            for group in (GRAD, "tp"):
+                held = [torch.empty_like(bias) for _ in range(self.topo.size(group))]
+                if len(held) > 1:
+                    dist.all_gather(held, bias, group=self.topo.group(group))
+                    assert all(torch.equal(h, bias) for h in held), (name, group, held)
         biases = {f"{name}.expert_bias": b.detach().cpu().clone() for name, b in expert_biases(self.model).items()}
         counts = zip(expert_biases(self.model), torch.stack(self.counted, dim=1)) if self.counted else ()
         return {**super().full_state(), **biases, **{f"{name}.counts": c for name, c in counts}}  # c: [steps, E]
@@ -106,6 +119,7 @@ LAYOUTS = {  # name -> (parallel, train)
     "cp2-full-recompute": ({"cp": 2}, {"recompute": "full"}),  # backward meets each micro-batch once
     "pp2-zb": ({"pp": 2, "schedule": "zb"}, {}),  # and BI once, BW none
     "tp2-compile": ({"tp": 2}, {"compile": True}),  # the counts leave the eager routing for backward
+    "dp4-ep2-hybrid": ({"dp": 4, "ep": 2, "zero": 2, "zero_shard": 2}, {}),
 }
 
 
@@ -146,19 +160,57 @@ def test_a_zero_bias_picks_as_topk_bit_for_bit(k):
     assert (chosen[:, 0] == 0).all() and (ref_chosen[:, 0] != 0).any()
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_bias_picks_and_the_probabilities_weigh(normalize):
+    """An MoE layer with a bias that changes the picks (expert 3 always first): its output is each
+    token's picked experts' outputs weighed by their softmax probabilities (renormalised or not),
+    none of the bias; a zero bias picks the probabilities' top k."""
+    cfg = load_config(overrides={"model": {"d_model": 16, "n_heads": 2, "n_kv_heads": 2, "ffn_hidden": 32, **MOE,
+                                           "normalize_expert_weights": normalize}}).model
+    moe, gen = MoE(cfg, Topology.single(), Execution(), 0.02), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(12, 16, generator=gen)
+    probs = torch.softmax(x @ moe.router.weight.t(), dim=-1)
+    w1, w3, w2 = moe.experts.w1, moe.experts.w3, moe.experts.w2
+
+    def expert(e, row):
+        return (activation(moe.experts.kind, w1[e] @ row) * (w3[e] @ row)) @ w2[e].t()
+    for bias, first in ((torch.tensor([0.0, 0.0, 0.0, 10.0]), 3), (torch.zeros(4), None)):
+        moe.expert_bias.copy_(bias)
+        with torch.no_grad():
+            y, _, got_probs, chosen, _ = moe._routed(x)
+        picked = (probs + bias).topk(2, dim=-1)[1]
+        assert torch.equal(chosen.view(-1, 2), picked) and torch.allclose(got_probs, probs)
+        assert (picked[:, 0] == first).all() if first is not None else torch.equal(picked, probs.topk(2, dim=-1)[1])
+        weights = probs.gather(-1, picked)
+        weights = weights / weights.sum(dim=-1, keepdim=True) if normalize else weights
+        want = torch.stack([sum(weights[t, j] * expert(picked[t, j], x[t]) for j in range(2)) for t in range(12)])
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)  # outputs of order 10: fp32 sums in another order
+
+
+def test_a_rate_that_picks_nothing_is_noted():
+    notes = idle_settings(load_config(overrides={"model": {"d_model": 64, "n_heads": 4, "n_kv_heads": 4,
+                                                           "ffn_hidden": 128, **MOE, "experts_per_token": 4}}))
+    assert any("router_bias_update_rate=0.01 moves a bias that picks nothing" in n for n in notes)
+
+
 @pytest.mark.dist
-def test_the_planner_counts_the_counts_all_reduce_and_rate_0_adds_no_byte():
-    """dp2 pp2: rank 0's bytes are the planner's, and moving biases adds one stage's MoE layer's
-    int64 counts [1, E] to "dp" and a float per stage to the step's sums (dp and pp); rate 0 none."""
+@pytest.mark.parametrize("parallel,added", [
+    ({"dp": 2, "pp": 2}, {"tp": 0, "cp": 0, "pp": 2 * 4, "dp": 1 * 4 * 8 + 2 * 4, "ep": 0}),
+    ({"tp": 2, "pp": 2}, {"tp": 2 * 4, "cp": 0, "pp": 2 * 4, "dp": 0, "ep": 0})])  # no dp x cp group: no counts sent
+def test_the_planner_counts_the_counts_all_reduce_and_rate_0_adds_no_byte(parallel, added):
+    """Rank 0's bytes are the planner's, and moving biases adds one stage's MoE layer's int64
+    counts [1, E] to "dp" and a float per stage to the step's sums (dp, tp and pp); rate 0 none."""
     got = {}
     for rate in (RATE, 0.0):
-        cfg = _config({"dp": 2, "pp": 2}, {"steps": 2, "eval_every": 0}, rate, checkpoint={"every": 0})
+        cfg = _config(parallel, {"steps": 2, "eval_every": 0}, rate, checkpoint={"every": 0})
         first = next(h for c, h in rank_histories(cfg) if not any(c.values()))
         assert all(r["comm_bytes"] == comm_bytes_per_step(cfg) for r in first), (first[0]["comm_bytes"], rate)
         assert ("moe_max_load" in first[0]) == (rate > 0)
         got[rate] = first[0]["comm_bytes"]
-    added = {g: got[RATE][g] - got[0.0][g] for g in got[0.0]}
-    assert added == {"tp": 0, "cp": 0, "pp": 2 * 4, "dp": 1 * 4 * 8 + 2 * 4, "ep": 0}
+    assert {g: got[RATE][g] - got[0.0][g] for g in got[0.0]} == added
 
 
 @pytest.mark.dist

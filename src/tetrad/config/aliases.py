@@ -51,7 +51,9 @@ KEY_ALIASES = {
 FLAG_ALIASES = {"bf16": "train.dtype=bf16", "fp16": "train.dtype=fp16",
                 "sequence_parallel": "parallel.sequence_parallel=true", "use_distributed_optimizer": "parallel.zero=1", "recompute_activations": "train.recompute=selective",
                 "swiglu": "model.mlp=swiglu", "untie_embeddings_and_output_weights": "model.tie_embeddings=false",
-                "add_qkv_bias": "model.qkv_bias=true", "qk_layernorm": "model.qk_norm=true"}
+                "add_qkv_bias": "model.qkv_bias=true", "qk_layernorm": "model.qk_norm=true",
+                # its bias update rate's default, which that flag turns on
+                "moe_router_enable_expert_bias": "model.router_bias_update_rate=0.001"}
 # torchtitan's tables whose keys live in one of ours.
 SECTION_ALIASES = {"optimizer": "train", "lr_scheduler": "train", "activation_checkpoint": "train",
                    "job": "run", "metrics": "run", "parallelism": "parallel"}

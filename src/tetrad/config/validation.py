@@ -345,6 +345,10 @@ def idle_settings(cfg: Config) -> list[str]:
     elif p.zero_shard and p.zero_shard == replicas and replicas > 1:
         notes.append(f"parallel.zero_shard={p.zero_shard} = dp*cp shards over all of them, as zero_shard=0 does")
     m = cfg.model
+    if m.router_bias_update_rate and m.experts_per_token == m.n_experts:
+        notes.append(f"model.router_bias_update_rate={m.router_bias_update_rate} moves a bias that picks nothing: every "
+                     f"token goes to all {m.n_experts} experts (experts_per_token = n_experts); set it to 0 (one "
+                     f"all-reduce a step fewer)")
     if m.n_experts and not m.weighs_experts and not m.router_aux_loss:
         notes.append("model.router_aux_loss=0 leaves the router as initialised at experts_per_token=1 with "
                      "normalize_expert_weights=true (each token's one weight is 1: no gradient reaches the router "

@@ -15,8 +15,9 @@ from tetrad.plan.memory import activation_bytes, state_bytes_per_param, vocab_sh
 from tetrad.plan.moe import ep_all_to_alls, expert_shard_ranks
 
 # The step's numbers that need the whole job: one all-reduce of 6 fp32 (squared gradient norm,
-# loss, a flag per stop signal and one for a closed stdout) over dp, tp and pp (train/trainer.py's
-# _step_sums); under MoE a 7th, the layers' summed load-balancing loss (`step_sums`).
+# loss, a flag per stop signal and one for a closed stdout) over dp x cp, tp and pp
+# (train/trainer.py's _step_sums); under MoE a 7th, the layers' summed load-balancing loss, and
+# where expert biases move a float per pipeline stage more (`step_sums`).
 STEP_SUMS = 6 * 4
 
 
@@ -41,8 +42,8 @@ def comm_bytes_per_step(cfg: Config) -> dict[str, int]:
     optimizer step, by group, under tetrad.comm's convention: all-reduce the tensor, all-gather
     the gathered output, reduce-scatter the unscattered input, all-to-all the input,
     point-to-point what it sends. The dp x cp gradient group counts as "dp" (and the experts'
-    gradient group under ep); the EP group's all-to-alls as "ep". Each of tp, cp, pp and dp also
-    carries the step's sums (`step_sums`); dp the expert counts where biases move
+    gradient group under ep); the EP group's all-to-alls as "ep". Each of tp, pp and dp (dp x cp's
+    group) also carries the step's sums (`step_sums`); dp the expert counts where biases move
     (`expert_bias_bytes`). Gradient traffic is summed over rank 0's buckets as the runtime lays
     them out (plan/buckets.py), padding included."""
     p = cfg.parallel

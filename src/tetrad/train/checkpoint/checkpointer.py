@@ -239,7 +239,7 @@ class Checkpointer:
             state[f"rng.rank{self.topo.rank}.{kind}"] = value
         for name, obj in stateful.items():
             for key, value in obj.state_dict().items():
-                state[f"extra.{name}.{key}"] = _as_tensor(value)
+                state[f"extra.{name}.{key}"] = own(value) if torch.is_tensor(value) else _as_tensor(value)
         for name, obj in local.items():
             for key, value in obj.state_dict().items():
                 state[f"local.rank{self.topo.rank}.{name}.{key}"] = own(value)
@@ -351,9 +351,7 @@ def _state_entry(loaded: torch.Tensor, param: torch.Tensor, step_on_device: bool
 
 
 def _as_tensor(value) -> torch.Tensor:
-    """A `stateful` value as a tensor (numbers as 0-d tensors, floats in float64: exact)."""
-    if torch.is_tensor(value):
-        return value.detach().clone()
+    """A `stateful` number as a 0-d tensor (floats in float64: exact)."""
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
 
 

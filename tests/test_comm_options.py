@@ -40,8 +40,8 @@ def test_every_group_the_topology_names_takes_settings():
     parallelism's groups included) is a name comm_options accepts, and no other name is."""
     from tetrad.config import COMM_GROUPS
     from tetrad.dist.layout import DIMS, EP, EXPERT_GRAD, GRAD
-    from tetrad.dist.topology import INTER, INTRA, REPLICA, SHARD
-    assert set(COMM_GROUPS) == {*DIMS, GRAD, INTRA, INTER, SHARD, REPLICA, EP, EXPERT_GRAD, "embed"}
+    from tetrad.dist.topology import EXPERT_SHARD, INTER, INTRA, REPLICA, SHARD
+    assert set(COMM_GROUPS) == {*DIMS, GRAD, INTRA, INTER, SHARD, REPLICA, EP, EXPERT_GRAD, EXPERT_SHARD, "embed"}
     options = {name: {"max_ctas": 8} for name in COMM_GROUPS}
     assert load_config(overrides={"parallel": {"comm_options": options}}).parallel.comm_options == options
 

@@ -235,6 +235,36 @@ def test_a_checkpoint_resumes_at_another_layout_with_its_biases(saved, resumed):
 
 
 @pytest.mark.dist
+def test_an_async_save_keeps_the_biases_of_its_step():
+    """checkpoint.async_save copies the biases with the rest before the next step moves them: its
+    step-3 checkpoint resumed by one process continues one process's losses and biases."""
+    (ref_losses, ref_state, _), _ = _trained()
+    saved = _config({"dp": 2}, checkpoint={"every": 3, "async_save": True})
+    train_layout(saved, trainer_class=_Trainer)
+    step3 = Path(saved.run.dir) / "checkpoints" / "step_00000003"
+    losses, state, _ = train_layout(_config({}, checkpoint={"resume": str(step3)}), trainer_class=_Trainer)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[3:]), rtol=1e-5, atol=1e-6)
+    for name in BIASES:
+        assert torch.equal(state[name], ref_state[name]), name
+
+
+@pytest.mark.dist
+def test_interleaved_stages_move_the_biases_one_process_moves():
+    """pp2 vpp2 (four layers, one a chunk): a rank's two chunks' layers each counted once a
+    micro-batch and reduced in the stage's one all-reduce."""
+    model = {**MOE, "n_layers": 4}
+    got = train_layout(tiny_config(parallel={"pp": 2, "vpp": 2, "schedule": "interleaved"}, model=model),
+                       trainer_class=_Trainer)
+    ref = train_layout(tiny_config(model=model), trainer_class=_Trainer)
+    assert_parity(got, ref, atol=1e-4)
+    for layer in range(4):
+        for kind in ("counts", "expert_bias"):
+            name = f"layers.{layer}.mlp.{kind}"
+            assert torch.equal(got[1][name], ref[1][name]), name
+        assert ref[1][f"layers.{layer}.mlp.expert_bias"].any()
+
+
+@pytest.mark.dist
 def test_eval_and_generate_route_with_the_stored_biases(tmp_path, capsys):
     """`tetrad eval` of the step-3 checkpoint gives the val_loss training logged there (after the
     step's bias update); with the biases zeroed it gives another. `tetrad generate`'s model holds them."""

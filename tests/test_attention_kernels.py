@@ -115,6 +115,27 @@ def test_merge_path_matches_sdpa_forward_and_backward():
         assert_all_within(errs, {"fp32": 2e-6, "bf16": 3e-2, "fp16": 5e-3}[dtype])
 
 
+def _math_kernel_of_bf16():
+    """The math kernel's output and gradients from bf16 inputs, and from the same values in fp32."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 8, 8, generator=g).bfloat16() for _ in range(4))
+    wide = [t.float() for t in (q, k, v)]
+    out, lse = attn._block_forward(q, k, v, True, "math")
+    got = [out, lse, *attn._block_backward(dout, q, k, v, out, lse, True, "math")]
+    expected = [*attn._block_forward(*wide, True, "math"),
+                *attn._block_backward(dout.float(), *wide, out, lse, True, "math")]
+    return got, expected
+
+
+def test_math_kernel_hands_on_fp32():
+    """The math kernel (the ring's where no fused one fits) returns what it computes, fp32: the ring
+    merges outputs and sums gradients in fp32, so a bf16 cast here added a rounding per block
+    (measured at cp 2: 20-45% more error in its bf16 output and gradients; fused kernels round theirs)."""
+    got, expected = run_ranks(_math_kernel_of_bf16, 1)[0]  # in a child: see test_cp._in_child
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # (kernel, dtype, kv heads of 4 query heads, cudnn_preferred): every CUDA kernel the ring uses.
 META_CASES = [("flash", torch.bfloat16, 4, False), ("flash", torch.float16, 2, False),
               ("efficient", torch.float32, 4, False), ("efficient", torch.float32, 2, False),

@@ -193,9 +193,10 @@ def _block_forward(q, k, v, causal: bool, kernel: str, visible=None):
 
 
 def _math_forward(q, k, v, causal: bool, visible=None):
+    """In fp32, as its backward's gradients: the ring merges and sums in fp32, so no rounding per block."""
     scores = _scores(q, k, causal, visible)
     lse = scores.logsumexp(-1)
-    return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse
+    return torch.exp(scores - lse[..., None]) @ v.float(), lse
 
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, kernel: str, visible=None):
@@ -226,8 +227,7 @@ def _math_backward(dout, q, k, v, out, lse, causal: bool, visible=None):
     dout = dout.float()
     dv = p.transpose(-1, -2) @ dout
     ds = p * (dout @ v.float().transpose(-1, -2) - (dout * out.float()).sum(-1, keepdim=True))
-    dq, dk = (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, dv
 
 
 def _scores(q, k, causal: bool, visible=None):

@@ -31,8 +31,9 @@ class CountingTrainer(Trainer):
 
 
 # Mixture-of-experts layers: the routing and the load-balancing loss run eagerly between the
-# compiled regions (model/moe.py); the loss's gradient shows if it is dropped or doubled.
-MOE = {"n_experts": 4, "experts_per_token": 2, "router_aux_loss": 1.0}
+# compiled regions (model/moe.py); the loss's gradient shows if it is dropped or doubled, and the
+# expert biases (moved from the counts the eager routing hands over in backward) if they stop moving.
+MOE = {"n_experts": 4, "experts_per_token": 2, "router_aux_loss": 1.0, "router_bias_update_rate": 0.05}
 
 
 @lru_cache(maxsize=None)

@@ -122,7 +122,6 @@ LAYOUTS = {  # name -> (parallel, train)
     "pp2-1f1b": ({"pp": 2}, {}),
     "cp2-full-recompute": ({"cp": 2}, {"recompute": "full"}),  # backward meets each micro-batch once
     "pp2-zb": ({"pp": 2, "schedule": "zb"}, {}),  # and BI once, BW none
-    "tp2-compile": ({"tp": 2}, {"compile": True}),  # the counts leave the eager routing for backward
     "dp4-ep2-hybrid": ({"dp": 4, "ep": 2, "zero": 2, "zero_shard": 2}, {}),
 }
 

@@ -169,7 +169,8 @@ COUNTED_LAYOUTS = [(parallel, train, {}) for parallel, train in [
     ({"pp": 2}, {}), ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}), ({"pp": 2, "schedule": "zb"}, {}),
     ({"cp": 2}, {}), ({"dp": 2, "zero": 3}, {"dtype": "bf16"}), ({"tp": 2}, {"recompute": "full"}),
     ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective-op"}),
-    ({"pp": 2, "schedule": "zb"}, {"recompute": "full"}), ({}, {"dtype": "bf16"}), ({"tp": 2}, {"dtype": "fp16"})]]
+    ({"pp": 2, "schedule": "zb"}, {"recompute": "full"}), ({}, {"dtype": "bf16"}),
+    ({"tp": 2}, {"dtype": "fp16", "global_batch": 4})]]  # fp16 matmuls are slow on CPU: two micro-batches a step
 # Interleaved chunks of unequal size: rank 0 holds more sets of its 3-layer chunk than of its
 # 1-layer one (13 layers' sets at its peak, not 10 for two 2-layer chunks).
 COUNTED_LAYOUTS += [({"pp": 2, "vpp": 2, "schedule": "interleaved", "stage_layers": [3, 1, 1, 1]}, {}, {"n_layers": 6})]

@@ -38,7 +38,9 @@ from tetrad.parallel.pipeline.registry import check_config as check_pipeline  # 
 CODEC_ATOL = {"bf16": 0.02, "int8": 0.05, "powersgd": 0.3}
 # Low precision against one process in the same dtype: rounding order only, but rounding to 8
 # (bf16) or 11 (fp16) bits. Loose bounds of this script's own (the first seen misses were 1.5e-2
-# and 4.4e-3 on a step-3 loss); later losses get three times as much.
+# and 4.4e-3 on a step-3 loss); later losses get three times as much, and so does every validation
+# loss, which follows at least one update: one bf16 process at another micro_batch moved a step-2
+# validation loss by 0.026 (fuzz 65150's model at train.seed 2), ring attention 65150's by 0.033.
 DTYPE_ATOL = {"bf16": 2e-2, "fp16": 1e-2}
 DTYPE_NORM_RTOL = {"bf16": 4e-3, "fp16": 4e-4}
 
@@ -77,7 +79,7 @@ def check(got, ref, overrides: dict, other_order) -> str:
     val, ref_val = ([r.get("val_loss", math.nan) for r in h] for h in (history, ref_history))
     if codec == "none":  # validation of (nearly) the same weights
         torch.testing.assert_close(torch.tensor(val), torch.tensor(ref_val), rtol=2e-5, equal_nan=True,
-                                   atol=DTYPE_ATOL.get(dtype, 0), msg=lambda m: f"val_loss: {m}")
+                                   atol=3 * DTYPE_ATOL.get(dtype, 0), msg=lambda m: f"val_loss: {m}")
     if dtype == "fp32" and codec == "none":
         atol = parity_atol(par)
         try:

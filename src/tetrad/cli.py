@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 from tetrad.config import Config, ConfigError, counted, idle_settings, load_config, split_config_args
-from tetrad.config.sections import did_you_mean
+from tetrad.config.wording import did_you_mean
 
 USAGE = """usage: tetrad COMMAND [ARGS]
 

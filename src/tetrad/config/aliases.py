@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tetrad.config.sections import SECTIONS, did_you_mean
+from tetrad.config.sections import SECTIONS
+from tetrad.config.wording import did_you_mean
 
 # Names users bring from Megatron-LM's arguments and torchtitan's TOML (dashes read as
 # underscores): an unknown one is answered with ours (or several, a tuple). torchtitan's

@@ -17,7 +17,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from tetrad.config.aliases import FLAG_ALIASES, places_of, suggest_key, suggest_section
-from tetrad.config.sections import SECTIONS, Config, ConfigError, ModelConfig, did_you_mean
+from tetrad.config.sections import SECTIONS, Config, ConfigError, ModelConfig
+from tetrad.config.wording import did_you_mean
 from tetrad.config.validation import validate
 from tetrad.presets import PRESETS
 

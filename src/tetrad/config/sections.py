@@ -5,7 +5,6 @@ validation.RANGES, next to the other rules."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
@@ -385,12 +384,3 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)
-
-
-def did_you_mean(word: str, choices, within: str = "") -> str:
-    """' (did you mean ...?)' for the choice `word` differs from only in case, or is close to;
-    `within`: the table the choices are keys of, named in the hint ('model.n_layers', as a user
-    writes the key), not in the match (a shared prefix would make every key look close)."""
-    choices = list(choices)
-    close = [c for c in choices if c.lower() == word.lower()] or difflib.get_close_matches(word.lower(), choices, n=1)
-    return f" (did you mean {within + '.' + close[0] if within else close[0]!r}?)" if close else ""

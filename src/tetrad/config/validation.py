@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from tetrad.config.rampup import BatchRamp
 from tetrad.config.rope import check_rope
 from tetrad.config.experts import check_experts
-from tetrad.config.wording import counted, divisors
+from tetrad.config.wording import counted, did_you_mean, divisors
 from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, Config, ConfigError,
-                                    ParallelConfig, did_you_mean, hierarchical_blocker,
+                                    ParallelConfig, hierarchical_blocker,
                                     zero_shard)
 
 

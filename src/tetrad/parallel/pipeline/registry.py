@@ -16,7 +16,7 @@ from typing import Callable
 
 from tetrad.config import Config, ConfigError
 from tetrad.config.rampup import BatchRamp
-from tetrad.config.sections import did_you_mean
+from tetrad.config.wording import did_you_mean
 from tetrad.parallel.pipeline import generators
 from tetrad.parallel.pipeline.schedules import KINDS, Action, Schedule, ScheduleError, validate_schedule
 

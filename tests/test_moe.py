@@ -33,7 +33,11 @@ from tetrad.train.trainer import Trainer
 MOE = {"n_experts": 4, "experts_per_token": 2}
 AUX = {**MOE, "router_aux_loss": 1.0}  # a gradient that shows: dropped or doubled, parity fails
 FAMILIES = {"moe": MOE, "aux": AUX, "gelu": {**MOE, "mlp": "gelu", "expert_ffn_hidden": 96},
-            "deep": {**AUX, "n_layers": 4}, "top1": {"n_experts": 2, "experts_per_token": 1}}
+            "deep": {**AUX, "n_layers": 4}, "top1": {"n_experts": 2, "experts_per_token": 1},
+            # DeepSeek-V3's routing (model/routing.py) and its ungated shared expert
+            "ds3": {"n_experts": 8, "experts_per_token": 3, "router_score": "sigmoid", "expert_groups": 4,
+                    "expert_groups_per_token": 2, "expert_weight_scale": 2.5, "router_aux_loss": 1.0,
+                    "shared_expert_ffn_hidden": 32}}
 LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "moe-tp2": ({"tp": 2}, {}),
     "moe-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
@@ -55,12 +59,18 @@ LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "deep-pp2-vpp2-interleaved": ({"pp": 2, "vpp": 2, "schedule": "interleaved"}, {}),
     # top-1, normalized, no load-balancing loss: the router's gradient is zero (fuzz_layouts 43172, 53945)
     "top1-cp2-alltoall-zero3": ({"dp": 2, "cp": 2, "cp_algo": "alltoall", "zero": 3}, {}),
+    "ds3-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
+    "ds3-dp2-ep2": ({"dp": 2, "ep": 2}, {}),
+    "ds3-cp2-ring": ({"cp": 2}, {}),
 }
 # The one layout past its bound (tests/layout_draws.py parity_atol, tp's 1e-4), and why it is no bug:
 # on the first step layer 1's experts.w1 gradient matches one process's to 2e-7 of its largest (no
 # reduction is missing), but its element [1, 57, 5] is 4.7e-9 there and 4.1e-9 here, below Adam's eps
 # (1e-8), and that step moves it by lr * g / (|g| + eps): 3% of lr apart, 1.1e-4 after 5 steps.
-WIDER = {"gelu-tp2-sp": 2e-4}
+WIDER = {"gelu-tp2-sp": 2e-4,
+         # test_ep.py's WEIGHTS_ATOL, for its reason: w1[0, 6, 5] of layer 1 ends 2.7e-5 from one process's
+         # (of 65536 elements, the one past 1e-5), the losses to 1e-7
+         "ds3-dp2-ep2": 1e-4}
 
 
 def _config(family: str, parallel: dict, train: dict, **sections):
@@ -194,7 +204,8 @@ def test_the_output_is_the_weighted_sum_of_the_chosen_experts():
 
 
 @pytest.mark.parametrize("model", [{}, {"mlp": "gelu", "experts_per_token": 4, "expert_ffn_hidden": 64},
-                                   {"experts_per_token": 1}, {"experts_per_token": 1, "normalize_expert_weights": False}])
+                                   {"experts_per_token": 1}, {"experts_per_token": 1, "normalize_expert_weights": False},
+                                   {"router_score": "sigmoid", "expert_groups": 2, "expert_weight_scale": 2.5}])
 def test_the_layer_keeps_for_backward_what_the_planner_counts(model):
     """Autograd's saved tensors of one MoE MLP's forward (its weights aside) are the planner's count
     for the layer (plan/moe.py): the MLP's input, the routing's tensors and the experts' hidden ones,
@@ -315,6 +326,13 @@ def test_greedy_decoding_gives_the_full_forwards_argmax(model):
     ({"n_experts": 4, "dense_layers": [0, 4]}, {}, r"model\.dense_layers=\[0, 4\] must name distinct layers in 0\.\.3"),
     ({"n_experts": 4, "dense_layers": [1, 1]}, {}, r"must name distinct layers"),
     ({"n_experts": 4, "dense_layers": [3, 0, 1, 2]}, {}, r"model\.dense_layers names every layer \(n_layers=4\).*set model\.n_experts=0"),
+    ({"router_score": "sigmoid"}, {}, r"model\.router_score shapes mixture-of-experts layers"),
+    ({"n_experts": 4, "expert_weight_scale": 0.0}, {}, r"model\.expert_weight_scale=0\.0 is out of range"),
+    ({"n_experts": 6, "expert_groups": 4}, {}, r"expert_groups=4 must divide n_experts=6 into groups of two .*\[1, 2, 3\]"),
+    ({"n_experts": 4, "expert_groups": 4}, {}, r"expert_groups=4 must divide n_experts=4 into groups of two experts"),
+    ({"n_experts": 8, "expert_groups": 2, "expert_groups_per_token": 3}, {}, r"expert_groups_per_token=3 is more than expert_groups=2"),
+    ({"n_experts": 8, "experts_per_token": 3, "expert_groups": 4}, {},
+     r"experts_per_token=3 is more than the 2 experts of expert_groups_per_token=1 groups of 2; use expert_groups_per_token >= 2"),
 ])
 def test_bad_expert_settings_are_refused_in_one_line(model, parallel, message):
     with pytest.raises(ConfigError, match=message) as refused:

@@ -27,7 +27,8 @@ from tetrad.model.execution import Execution
 from tetrad.model.layers import activation
 from tetrad.model.moe import MoE
 from tetrad.evaluate import eval_config
-from tetrad.model.moe import expert_biases, pick_experts, set_expert_biases
+from tetrad.model.moe import expert_biases, set_expert_biases
+from tetrad.model.routing import pick_experts
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.train.checkpoint.store import read_extras
 from tetrad.train.expert_bias import ExpertBias

@@ -234,7 +234,9 @@ SHARED_EXPERT = {"shared_expert_ffn_hidden": 32, "shared_expert_gate": True}
     ({"shared_expert_ffn_hidden": 32}, "shared_expert_gate=true"),
     ({**SHARED_EXPERT, "qk_norm": True}, "Qwen2MoeForCausalLM .* has no qk-norm"),
     ({"normalize_expert_weights": False}, "MixtralForCausalLM renormalises"),
-    ({"dense_layers": [0]}, "MixtralForCausalLM renormalises")])
+    ({"dense_layers": [0]}, "MixtralForCausalLM renormalises"),
+    ({"router_score": "sigmoid"}, "route by a softmax, unscaled and ungrouped; .*model.router_score='sigmoid'"),
+    ({"expert_groups": 2, "expert_weight_scale": 2.0}, "model.expert_weight_scale=2.0, model.expert_groups=2")])
 def test_a_moe_no_architecture_computes_is_refused_before_export(model, named):
     with pytest.raises(ConfigError, match=named) as e:
         check_exportable(load_config(overrides={"model": {"n_experts": 4, **model}}).model)

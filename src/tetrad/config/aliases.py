@@ -46,7 +46,13 @@ KEY_ALIASES = {
     **dict.fromkeys(("moe_router_bias_update_rate", "load_balance_coeff"), "model.router_bias_update_rate"),
     **dict.fromkeys(("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
                     "model.shared_expert_ffn_hidden"),
-    "norm_topk_prob": "model.normalize_expert_weights", "mlp_only_layers": "model.dense_layers",
+    **dict.fromkeys(("norm_topk_prob", "route_norm"), "model.normalize_expert_weights"),
+    "mlp_only_layers": "model.dense_layers",
+    **dict.fromkeys(("moe_router_score_function", "score_func", "scoring_func"), "model.router_score"),
+    **dict.fromkeys(("moe_router_topk_scaling_factor", "route_scale", "routed_scaling_factor"),
+                    "model.expert_weight_scale"),
+    **dict.fromkeys(("moe_router_num_groups", "num_expert_groups", "n_group"), "model.expert_groups"),
+    **dict.fromkeys(("moe_router_group_topk", "num_limited_groups", "topk_group"), "model.expert_groups_per_token"),
 }
 # Megatron-LM's switches (no value) as the override that does what each asks.
 FLAG_ALIASES = {"bf16": "train.dtype=bf16", "fp16": "train.dtype=fp16",

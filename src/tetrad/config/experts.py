@@ -14,13 +14,16 @@ def check_experts(cfg: Config) -> None:
     if not m.n_experts:
         for key, used in (("shared_expert_ffn_hidden", m.shared_expert_ffn_hidden), ("dense_layers", m.dense_layers),
                           ("shared_expert_gate", m.shared_expert_gate),
-                          ("router_bias_update_rate", m.router_bias_update_rate)):
+                          ("router_bias_update_rate", m.router_bias_update_rate),
+                          ("router_score", m.router_score != "softmax"), ("expert_weight_scale", m.expert_weight_scale != 1),
+                          ("expert_groups", m.expert_groups != 1)):
             if used:
                 raise ConfigError(f"model.{key} shapes mixture-of-experts layers, and this model has none "
                                   f"(model.n_experts=0); unset it, or set model.n_experts")
     if m.n_experts and m.experts_per_token > m.n_experts:
         raise ConfigError(f"model.experts_per_token={m.experts_per_token} is more than n_experts={m.n_experts}; "
                           f"use experts_per_token in 1..{m.n_experts}")
+    _check_expert_groups(m)
     if m.n_experts and m.expert_hidden % tp:
         raise ConfigError(f"tp={tp} does not divide the experts' hidden width {m.expert_hidden} "
                           f"(model.expert_ffn_hidden, or ffn_hidden where 0); use tp in {divisors(m.expert_hidden)}")
@@ -41,6 +44,25 @@ def check_experts(cfg: Config) -> None:
         raise ConfigError(f"tp={tp} does not divide ffn_hidden={m.ffn_hidden}, the dense layers' MLP width "
                           f"(model.dense_layers); use tp in {divisors(m.ffn_hidden)}")
     _check_expert_parallel(cfg)
+
+
+def _check_expert_groups(m) -> None:
+    """Group-limited routing (model/routing.py): equal groups of two experts or more (a group's
+    score sums its best two), each token keeping at most every group and enough experts for its k."""
+    e, groups, kept, k = m.n_experts, m.expert_groups, m.expert_groups_per_token, m.experts_per_token
+    if kept > groups:
+        raise ConfigError(f"model.expert_groups_per_token={kept} is more than expert_groups={groups}; "
+                          f"use expert_groups_per_token in 1..{groups}")
+    if groups == 1 or not e:
+        return
+    if e % groups or e // groups < 2:
+        raise ConfigError(f"model.expert_groups={groups} must divide n_experts={e} into groups of two experts or "
+                          f"more (a group's score is the sum of its best two); use expert_groups in "
+                          f"{[g for g in divisors(e) if e // g >= 2]}")
+    if k > kept * (e // groups):
+        raise ConfigError(f"model.experts_per_token={k} is more than the {kept * (e // groups)} experts of "
+                          f"expert_groups_per_token={kept} groups of {e // groups}; use expert_groups_per_token >= "
+                          f"{-(-k // (e // groups))} or experts_per_token <= {kept * (e // groups)}")
 
 
 def _check_expert_parallel(cfg: Config) -> None:

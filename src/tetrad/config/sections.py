@@ -144,7 +144,7 @@ class ModelConfig:
     hf_model_type: Literal["", "phi3"] = ""
     # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; model/moe.py): every layer's MLP, but
     # dense_layers', is n_experts experts of the model's `mlp` kind and a router sending each token
-    # to experts_per_token of them (top-k of the router's softmax), dropless; 0: a dense MLP in every
+    # to experts_per_token of them (top-k of the router's scores), dropless; 0: a dense MLP in every
     # layer. expert_ffn_hidden: each expert's hidden width (Qwen3-MoE's moe_intermediate_size; 0:
     # ffn_hidden, Mixtral's). router_aux_loss: the coefficient of the sequence-wise load-balancing
     # loss added to the training loss (0: none; not in val_loss). normalize_expert_weights: the k
@@ -156,7 +156,11 @@ class ModelConfig:
     # dense_layers: the layers (0-based) whose MLP is a dense ffn_hidden-wide one in an MoE model
     # (Qwen2-MoE's mlp_only_layers and decoder_sparse_step, DeepSeek's first_k_dense_replace); not
     # every layer (that model is a dense one: n_experts=0). router_bias_update_rate: DeepSeek-V3's
-    # expert bias (added to the probabilities to pick the top k alone), moved by it each step (0: kept).
+    # expert bias (added to the scores to pick the top k alone), moved by it each step (0: kept).
+    # DeepSeek-V3's routing (model/routing.py): router_score "sigmoid" (its scores; top-k weights
+    # renormalised with normalize_expert_weights), expert_weight_scale (the routed experts' weights
+    # times it: its routed_scaling_factor), expert_groups (equal groups of experts, in index order)
+    # of which each token picks within its expert_groups_per_token best (1 group: no limit).
     n_experts: int = 0
     experts_per_token: int = 2
     expert_ffn_hidden: int = 0
@@ -166,6 +170,10 @@ class ModelConfig:
     shared_expert_ffn_hidden: int = 0
     shared_expert_gate: bool = False
     dense_layers: list[int] = field(default_factory=list)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    expert_weight_scale: float = 1.0
+    expert_groups: int = 1
+    expert_groups_per_token: int = 1
 
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:

@@ -64,6 +64,7 @@ RANGES: dict[str, Range] = {
     "model.n_experts": COUNT, "model.experts_per_token": SIZE, "model.expert_ffn_hidden": COUNT,  # 0: dense; ffn_hidden
     "model.shared_expert_ffn_hidden": COUNT, "model.dense_layers": COUNT,  # 0: no shared expert
     "model.router_aux_loss": Range(0), "model.router_bias_update_rate": Range(0),  # 0: no expert bias update
+    "model.expert_weight_scale": POSITIVE, "model.expert_groups": SIZE, "model.expert_groups_per_token": SIZE,
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "ep", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,
@@ -349,6 +350,9 @@ def idle_settings(cfg: Config) -> list[str]:
         notes.append(f"model.router_bias_update_rate={m.router_bias_update_rate} moves a bias that picks nothing: every "
                      f"token goes to all {m.n_experts} experts (experts_per_token = n_experts); set it to 0 (one "
                      f"all-reduce a step fewer)")
+    if m.expert_groups > 1 and m.expert_groups_per_token == m.expert_groups:
+        notes.append(f"model.expert_groups={m.expert_groups} limits nothing with expert_groups_per_token = "
+                     f"expert_groups (every token keeps every group); lower expert_groups_per_token, or set expert_groups=1")
     if m.n_experts and not m.weighs_experts and not m.router_aux_loss:
         notes.append("model.router_aux_loss=0 leaves the router as initialised at experts_per_token=1 with "
                      "normalize_expert_weights=true (each token's one weight is 1: no gradient reaches the router "

@@ -1,10 +1,11 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-MoE's layers): a router and
-`n_experts` experts of the model's `mlp` kind; each token goes to its `experts_per_token` (k)
-experts, top-k of the router's softmax (fp32), the k weights renormalised to sum to one
-(normalize_expert_weights; else the softmax's own); dropless (no capacity, no token dropped).
-The k are picked by probs + expert_bias (DeepSeek-V3's auxiliary-loss-free balancing, a buffer that
-train/expert_bias.py moves from the counts each training micro-batch hands over in backward), and
-weighed by probs alone; a zero bias picks as top-k of probs.
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-MoE's and DeepSeek-V3's
+layers): a router and `n_experts` experts of the model's `mlp` kind; each token goes to its
+`experts_per_token` (k) experts, dropless (no capacity, no token dropped), picked and weighed from
+the router's fp32 scores (softmax or sigmoid) as model/routing.py says: top-k of scores +
+expert_bias (DeepSeek-V3's auxiliary-loss-free balancing, a buffer that train/expert_bias.py moves
+from the counts each training micro-batch hands over in backward), optionally within the best
+groups of experts, weighed by the scores alone (renormalised: normalize_expert_weights; scaled:
+expert_weight_scale); a zero bias and one group pick as top-k of the scores.
 Optionally a shared expert (shared_expert_ffn_hidden: a dense MLP every token goes through, its
 output added to the routed experts'), scaled per token by sigmoid(x w_g) (shared_expert_gate,
 Qwen2-MoE's).
@@ -50,6 +51,7 @@ from tetrad.model.execution import Execution, RouterLoss, run_eagerly
 from tetrad.dist.layout import EP
 from tetrad.model.layers import MLP, activation
 from tetrad.model.mappings import all_to_all, reduce_tp_output, tp_input
+from tetrad.model.routing import balance_probs, expert_weights, pick_experts, router_scores
 from tetrad.model.sharding import new_param
 
 
@@ -171,13 +173,15 @@ class MoE(nn.Module):
         self.topo, self.ex = topo, ex
         self.k, self.aux_coefficient = cfg.experts_per_token, cfg.router_aux_loss
         self.normalize, self.weighs = cfg.normalize_expert_weights, cfg.weighs_experts
+        self.score, self.scale = cfg.router_score, cfg.expert_weight_scale
+        self.groups, self.kept_groups = cfg.expert_groups, cfg.expert_groups_per_token
         self.router = Router(cfg, cfg.n_experts)
         self.experts = Experts(cfg, topo, out_std)
         width = cfg.shared_expert_ffn_hidden
         self.shared = MLP(cfg, topo, ex, out_std, width) if width else None
         self.shared_gate = Router(cfg, 1) if cfg.shared_expert_gate else None
         self.routing = False  # inside `_routed` (per-op recompute keeps its matmuls' outputs: llama.py)
-        # DeepSeek-V3's expert bias: added to the probabilities to pick the top k, not to weigh them;
+        # DeepSeek-V3's expert bias: added to the scores to pick the top k, not to weigh them;
         # state, not a trained parameter (train/expert_bias.py moves it; checkpoints keep it). fp32.
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.moves_bias = cfg.router_bias_update_rate > 0  # backward then hands the counts over
@@ -191,13 +195,13 @@ class MoE(nn.Module):
         routing (`routing`) outside its count: their number changes with the token counts."""
         total = tp_input(x, self.topo, self.ex)  # [b, s, d]: the whole local sequence
         b, s, d = total.shape
-        y, gate, probs, chosen, counts = run_eagerly(self._routed, total.reshape(b * s, d))
+        y, gate, scores, chosen, counts = run_eagerly(self._routed, total.reshape(b * s, d))
         y = y.view(b, s, d)
         if self.shared is not None:  # its partial output (every tp rank computes the gate whole)
             shared = self.shared.partial(total)
             y = y + (shared if gate is None else shared * gate.view(b, s, 1))
         if torch.is_grad_enabled():
-            y = run_eagerly(self._with_balance_loss, y, probs.view(b, s, -1), chosen.view(b, s * self.k), counts)
+            y = run_eagerly(self._with_balance_loss, y, scores.view(b, s, -1), chosen.view(b, s * self.k), counts)
         return reduce_tp_output(y, self.topo, self.ex)
 
     def add_counts(self, counts: torch.Tensor) -> None:
@@ -211,7 +215,7 @@ class MoE(nn.Module):
 
     def _routed(self, flat: torch.Tensor):
         """(the routed experts' weighted sum for each token of `flat` [n, d], the shared expert's
-        gate sigmoid(x w_g) [n, 1] or None, the router's fp32 probabilities [n, E], each token's
+        gate sigmoid(x w_g) [n, 1] or None, the router's fp32 scores [n, E], each token's
         chosen experts [n*k]: token t's at t*k..t*k+k-1, the experts' counts [E], int64). The rows
         are sorted by expert, each expert runs on its own (over the EP group where it spreads
         them), and the outputs go back to token order to be summed: not by index_add into the
@@ -219,36 +223,37 @@ class MoE(nn.Module):
         copy of the experts' outputs."""
         self.routing = True
         try:
-            probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
-            chosen = pick_experts(probs, self.expert_bias, self.k if self.weighs else 1)
+            scores = router_scores(F.linear(flat, self.router.weight), self.score)
+            chosen = pick_experts(scores, self.expert_bias, self.k, self.groups, self.kept_groups)
             # top-1's w / w = 1: no gradient to the router through it (the quotient's, zero in exact
             # arithmetic, was rounding noise, which AdamW turns into steps of the router that differ by layout)
-            weights = probs.gather(-1, chosen) if self.weighs else None  # the probabilities, not the bias
-            if weights is not None and self.normalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = expert_weights(scores, chosen, self.normalize, self.scale) if self.weighs else None
             chosen = chosen.reshape(-1)
             order = chosen.argsort(stable=True)
-            counts = torch.bincount(chosen, minlength=probs.shape[-1])
+            counts = torch.bincount(chosen, minlength=scores.shape[-1])
             rows = order // self.k  # the token of each assignment, in expert order
             if self.topo.size(EP) > 1:
                 out = self._over_ep(flat[rows], counts)
             else:
                 out = self.experts(flat[rows], counts.tolist())
             by_token = out[order.argsort()].view(-1, self.k, out.shape[-1])  # [n, k, d]
-            y = by_token[:, 0] if weights is None else (by_token * weights.to(flat.dtype).unsqueeze(-1)).sum(dim=1)
+            if weights is None:  # the one weight w / w = 1, times the scale
+                y = by_token[:, 0] if self.scale == 1 else by_token[:, 0] * self.scale
+            else:
+                y = (by_token * weights.to(flat.dtype).unsqueeze(-1)).sum(dim=1)
             gate = None if self.shared_gate is None else torch.sigmoid(F.linear(flat, self.shared_gate.weight))
-            return y, gate, probs, chosen, counts
+            return y, gate, scores, chosen, counts
         finally:
             self.routing = False
 
-    def _with_balance_loss(self, y: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,
+    def _with_balance_loss(self, y: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor,
                            counts: torch.Tensor) -> torch.Tensor:
         """`y`, through the Function that gives the load-balancing loss its gradient in backward
         (and hands the expert counts over there, where the bias moves: moves_bias).
         Top-1 with normalized weights reaches the router through that loss alone: there it stays
         in the graph at coefficient 0 too, so that the router gets its gradient (zeros) in every
         backward, as the gradient buckets count on (parallel/data/lifecycle.py)."""
-        aux = self._balance_loss(probs, chosen)
+        aux = self._balance_loss(balance_probs(scores, self.score), chosen)
         attached = self.aux_coefficient or not self.weighs
         return _RouterLossGradient.apply(y, aux if attached else aux.detach(), self.ex.router_loss, self.topo.tp_size,
                                          self, counts if self.moves_bias else None)
@@ -272,10 +277,10 @@ class MoE(nn.Module):
 
     def _balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """This rank's part of the micro-batch's summed per-sequence loss E * sum_e f_e * P_e (f_e:
-        the share of the sequence's T*k assignments expert e got; P_e: the mean of its probability
-        over the sequence's T tokens). Under cp a sequence is split over the cp ranks: its counts
-        are summed over them, and each rank adds E / (k T^2) * sum_e count_e * (its own sum of
-        probs[e]), the sum over ranks being the sequence's loss, gradient included."""
+        the share of the sequence's T*k assignments expert e got; P_e: the mean of its probability,
+        routing.balance_probs', over the sequence's T tokens). Under cp a sequence is split over the
+        cp ranks: its counts are summed over them, and each rank adds E / (k T^2) * sum_e count_e *
+        (its own sum of probs[e]), the sum over ranks being the sequence's loss, gradient included."""
         b, s, n_experts = probs.shape
         counts = torch.zeros((b, n_experts), dtype=probs.dtype, device=probs.device)
         counts.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=probs.dtype))
@@ -284,13 +289,6 @@ class MoE(nn.Module):
             self.topo.comm.all_reduce(counts, "cp")
         tokens = s * cp
         return (counts * probs.sum(dim=1)).sum() * (n_experts / (self.k * tokens * tokens))
-
-
-def pick_experts(probs: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-    """Each token's k experts [n, k]: the k largest of probs + bias (DeepSeek-V3's expert bias
-    picks, no gradient through the choice; the probabilities alone weigh them). A zero bias picks
-    as probs.topk does, bit for bit: probs + 0 is probs."""
-    return (probs.detach() + bias).topk(k, dim=-1)[1]
 
 
 def expert_biases(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -72,9 +72,10 @@ def routing_saved_bytes_per_token(m: ModelConfig, e: int) -> float:
     """Bytes per token an MoE layer keeps for backward beyond its experts' hidden tensors (0 for a
     dense MLP), whole on every tp rank (routing runs on the MLP's whole input), as model/moe.py
     keeps them: the token's hidden state copied to each of its k experts (the experts' input) and
-    the k experts' outputs (kept by their weighing), the router's fp32 probabilities [E] (the
-    softmax's output), three int64 indices per assignment (the top-k's, the dispatch order, each
-    assignment's token), the fp32 top-k weights and their sum (their division's; none where
+    the k experts' outputs (kept by their weighing), the router's fp32 scores [E] (the softmax's
+    or sigmoid's output; a sigmoid's sum too, by which the load-balancing loss divides them),
+    three int64 indices per assignment (the top-k's, the dispatch order, each assignment's token),
+    the fp32 top-k weights and their sum (their division's; none where
     model.normalize_expert_weights is false: the top-k's own weights are cast and kept no more),
     and the weights cast to the activations' dtype (`e` bytes an element) in dispatch order. Top-1
     with normalized weights weighs nothing (each weight is 1): its expert's output, the top-k's
@@ -83,7 +84,8 @@ def routing_saved_bytes_per_token(m: ModelConfig, e: int) -> float:
         return 0.0
     k, weighed = m.experts_per_token, m.weighs_experts
     normalized = 4 if m.normalize_expert_weights and weighed else 0
-    return ((1 + weighed) * k * m.d_model * e + 4 * m.n_experts
+    scores = 4 * m.n_experts + (4 if m.router_score == "sigmoid" else 0)
+    return ((1 + weighed) * k * m.d_model * e + scores
             + k * ((2 + weighed) * INDEX_BYTES + normalized + weighed * e) + normalized)
 
 
@@ -112,7 +114,8 @@ def expert_grad_bytes(m: ModelConfig, tp: int, ep: int, e: int) -> float:
 
 def routing_bytes_per_token(m: ModelConfig, e: int, ep: int = 1) -> float:
     """HBM bytes per token of an MoE layer's routing, forward (0 for a dense MLP): the router's
-    fp32 softmax (read the logits, write the probabilities), top-k over them, the token's hidden
+    fp32 scores (read the logits, write the softmax or sigmoid), top-k over them (with expert
+    groups, first read for the groups' scores and read and written masked), the token's hidden
     state copied to each of its k experts (read, write) and their outputs weighed and summed back
     (read k, write one; none at top-1 with normalized weights, each 1: the output as it is): what a
     gather/scatter dispatch moves at HBM bandwidth. Under ep the rows received are reordered
@@ -122,4 +125,5 @@ def routing_bytes_per_token(m: ModelConfig, e: int, ep: int = 1) -> float:
         return 0.0
     k = m.experts_per_token
     weighed = k + 1 if m.weighs_experts else 0
-    return 3 * 4 * m.n_experts + m.d_model * e * (2 * k + weighed + (4 * k if ep > 1 else 0))
+    scores = (3 + (3 if m.expert_groups > 1 else 0)) * 4 * m.n_experts
+    return scores + m.d_model * e * (2 * k + weighed + (4 * k if ep > 1 else 0))

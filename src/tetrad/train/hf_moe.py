@@ -44,7 +44,8 @@ LATENT = {"deepseek_v2": "DeepSeek-V2 has multi-head latent attention (kv_lora_r
           "deepseek_v3": "DeepSeek-V3 has multi-head latent attention (kv_lora_rank) and grouped routing"}
 # [model] keys of a model without a mixture of experts (or without what its family lacks)
 DENSE = {"n_experts": 0, "expert_ffn_hidden": 0, "normalize_expert_weights": True, "shared_expert_ffn_hidden": 0,
-         "shared_expert_gate": False, "dense_layers": []}
+         "shared_expert_gate": False, "dense_layers": [], "router_score": "softmax", "expert_weight_scale": 1.0,
+         "expert_groups": 1, "expert_groups_per_token": 1}
 
 
 def split_experts(tensors: dict) -> dict:
@@ -172,6 +173,11 @@ def moe_export_problem(m) -> str | None:
                 f"rope; this model has norm={m.norm!r}, mlp={m.mlp!r}, pos={m.pos!r}")
     if m.rope_scaling.get("rope_type") == "longrope" or m.partial_rotary_factor != 1:
         return "LongRoPE and model.partial_rotary_factor are Phi-3's; no transformers mixture of experts has either"
+    deepseek = {"router_score": m.router_score, "expert_weight_scale": m.expert_weight_scale,
+                "expert_groups": m.expert_groups}
+    if deepseek != {"router_score": "softmax", "expert_weight_scale": 1.0, "expert_groups": 1}:
+        return ("MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM route by a softmax, unscaled and "
+                "ungrouped; this model has " + ", ".join(f"model.{k}={v!r}" for k, v in deepseek.items()))
     if m.shared_expert_ffn_hidden:
         if not m.shared_expert_gate:
             return ("Qwen2MoeForCausalLM, the one transformers mixture of experts with a shared expert here, scales it "

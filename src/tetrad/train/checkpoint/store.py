@@ -226,7 +226,8 @@ def saved_model(manifest: dict) -> dict:
 # weights: a resume with another value is allowed (context extension changes rope_theta), and said.
 BEHAVIOUR_KEYS = ("sliding_window", "rope_theta", "rope_scaling", "partial_rotary_factor", "norm_eps", "layer_types",
                   "rope_local_base_freq", "query_pre_attn_scalar", "scale_embeddings", "experts_per_token",
-                  "normalize_expert_weights")
+                  "normalize_expert_weights", "router_score", "expert_weight_scale", "expert_groups",
+                  "expert_groups_per_token")
 
 
 def behaviour_changes(manifest: dict, model_cfg) -> list[str]:

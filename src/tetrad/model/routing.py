@@ -1,0 +1,58 @@
+"""How a mixture-of-experts router's logits pick and weigh a token's k experts (docs/design.md
+"Mixture of experts"): Mixtral's and the Qwens' softmax top-k, and DeepSeek-V3's (GLM-4.5's)
+sigmoid scores, group-limited choice and routed scaling factor, as transformers'
+DeepseekV3TopkRouter computes them.
+
+scores = softmax(logits) or sigmoid(logits) (model.router_score), in fp32. The k experts are the
+k largest of scores + expert_bias (DeepSeek-V3's auxiliary-loss-free bias picks and weighs
+nothing; no gradient through the choice). With model.expert_groups = G > 1 the experts are G
+equal groups in index order, and a token picks among the expert_groups_per_token groups of the
+highest group score, the sum of the group's two largest scores + bias (DeepSeek-V3's, torchtitan's;
+Megatron-Core sums the k / expert_groups_per_token largest, the same at DeepSeek-V3's top-8 of 4
+groups). The weights are the picked scores, over their sum + 1e-20 where
+normalize_expert_weights (DeepSeek-V3's denominator; a softmax's top-k sum is at least 1/E, to
+which 1e-20 adds nothing in fp32), times model.expert_weight_scale (DeepSeek-V3's
+routed_scaling_factor).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# DeepSeek-V3's (and Megatron-Core's, torchtitan's) guard on a sum of sigmoid scores
+EPS = 1e-20
+
+
+def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
+    """The router's scores [n, E] in fp32: softmax or sigmoid of its logits."""
+    logits = logits.float()
+    return torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
+
+
+def pick_experts(scores: torch.Tensor, bias: torch.Tensor, k: int, groups: int = 1, kept: int = 1) -> torch.Tensor:
+    """Each token's k experts [n, k]: the k largest of scores + bias among the `kept` of `groups`
+    groups with the largest sums of their two best (all of them at groups = 1). A zero bias and
+    one group pick as scores.topk does, bit for bit: scores + 0 is scores."""
+    choice = scores.detach() + bias
+    if groups > 1:
+        n, e = choice.shape
+        grouped = choice.view(n, groups, e // groups)
+        best = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [n, groups]
+        dropped = torch.ones_like(best, dtype=torch.bool).scatter_(1, best.topk(kept, dim=-1)[1], False)
+        choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(n, e)
+    return choice.topk(k, dim=-1)[1]
+
+
+def expert_weights(scores: torch.Tensor, chosen: torch.Tensor, normalize: bool, scale: float) -> torch.Tensor:
+    """The chosen experts' weights [n, k], fp32: their scores (not the bias), over their sum where
+    `normalize`, times `scale`."""
+    weights = scores.gather(-1, chosen)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + EPS)
+    return weights if scale == 1 else weights * scale
+
+
+def balance_probs(scores: torch.Tensor, score: str) -> torch.Tensor:
+    """Each token's distribution over the experts that the load-balancing loss averages: the
+    softmax itself; sigmoid scores over their sum (+ EPS), as Megatron-Core and torchtitan take them."""
+    return scores if score == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + EPS)

@@ -1,5 +1,6 @@
 """Mixtures of experts in and out (train/hf_moe.py): a MixtralForCausalLM, a Qwen2MoeForCausalLM
-(a gated shared expert, q, k and v biases) and a Qwen3MoeForCausalLM built here by transformers (fp32, random weights, norms and routers given values), saved as the
+(a gated shared expert, q, k and v biases), a Qwen3MoeForCausalLM and a Glm4MoeForCausalLM (GLM-4.5: partial
+RoPE, DeepSeek-V3's routing and expert biases, an ungated shared expert) built here by transformers (fp32, random weights, norms and routers given values), saved as the
 Hub stores them (each expert's tensors apart), import with transformers' logits, export back to
 the same tensors and logits, start a run under tp2 whose first loss is transformers' and whose
 step is tp1's, each rank reading its part of each expert's tensors, and decode greedily as
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from conftest import TINY, assert_parity, run_ranks, tiny_config, train_layout
 from tetrad.cli import main
@@ -21,11 +23,12 @@ from tetrad.data.tokenizer import byte_tokenizer
 from tetrad.model.sampling import GREEDY
 from tetrad.train import init_from, trainer
 from tetrad.train.batches import split_batches
-from tetrad.train.convert import read_weights
+from tetrad.train.checkpoint.store import read_extras
+from tetrad.train.convert import checkpoint_folder, read_weights
 from tetrad.train.generate import Cache, generate, load_generator, single_process_model
 from tetrad.train.hf_architectures import check_exportable, model_config_from_hf
-from tetrad.train.hf_moe import DEFAULTS
-from tetrad.train.init_from import check_init_from
+from tetrad.train.hf_moe import DEFAULTS, PARTIAL_ROTARY
+from tetrad.train.init_from import check_init_from, stored_expert_biases, stored_weights
 from tetrad.train.inputs import model_keys
 
 transformers = pytest.importorskip("transformers")
@@ -42,13 +45,17 @@ FAMILIES = {
            "norm_topk_prob": True, **k})),
     "qwen2_moe": lambda **k: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
         **{**SHAPE, "intermediate_size": 40, "moe_intermediate_size": 24, "num_experts": 4,
-           "shared_expert_intermediate_size": 36, **k}))}
+           "shared_expert_intermediate_size": 36, **k})),
+    "glm4_moe": lambda **k: transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+        **{**SHAPE, "intermediate_size": 40, "moe_intermediate_size": 12, "n_routed_experts": 8, "head_dim": 12,
+           "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "attention_bias": True, "use_qk_norm": True,
+           **k}))}
 
 
 def write_hf_moe(folder: Path, family: str, **shape) -> None:
     """The family's model as save_pretrained writes it; norms near one, routers and the shared
     expert's gate at std 1 (HF's 0.02 leaves the router's top-k near ties, where a summation order
-    could flip a choice), biases (HF's zeros) at std 0.1."""
+    could flip a choice), biases (HF's zeros; GLM-4.5's expert biases too) at std 0.1."""
     torch.manual_seed(0)
     hf = FAMILIES[family](**shape)
     hf.apply(hf._init_weights)
@@ -60,6 +67,9 @@ def write_hf_moe(folder: Path, family: str, **shape) -> None:
                 p.normal_(0.0, 1.0)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     hf.save_pretrained(folder, safe_serialization=True)
 
 
@@ -124,19 +134,30 @@ QWEN2_MOE_LAYERS = {"shared_expert_ffn_hidden": 32, "shared_expert_gate": True, 
                     "normalize_expert_weights": False}
 
 
-@pytest.mark.parametrize("model", [{"expert_ffn_hidden": 48}, {"qk_norm": True, "head_dim": 24}, QWEN2_MOE_LAYERS])
+GLM_LAYERS = {"router_score": "sigmoid", "n_experts": 8, "expert_ffn_hidden": 32, "shared_expert_ffn_hidden": 64,
+              "dense_layers": [0], "expert_groups": 2, "expert_weight_scale": 2.0, "partial_rotary_factor": 0.5,
+              "qk_norm": True, "router_bias_update_rate": 0.01}
+
+
+@pytest.mark.parametrize("model", [{"expert_ffn_hidden": 48}, {"qk_norm": True, "head_dim": 24}, QWEN2_MOE_LAYERS,
+                                   GLM_LAYERS])
 def test_a_moe_trained_in_tetrad_exports_with_its_logits(tmp_path, model):
     """Mixtral's experts (no qk-norm) are intermediate_size wide, whatever ffn_hidden says;
     Qwen3-MoE's (qk-norm) moe_intermediate_size; a gated shared expert is Qwen2-MoE's, its dense
-    layer intermediate_size wide."""
+    layer intermediate_size wide; sigmoid routing is GLM-4.5's, the expert biases the training
+    moved its e_score_correction_bias."""
     moe = {"n_experts": 4, "experts_per_token": 2, "vocab_size": 256, **model}
     cfg = tiny_config(model=moe, train={"steps": 2}, checkpoint={"every": 2}, run={"dir": str(tmp_path / "run")})
     _, state, _ = train_layout(cfg)
     assert main(["convert", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf")]) == 0
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert exported["model_type"] == ("qwen3_moe" if model.get("qk_norm") else
-                                      "qwen2_moe" if model.get("shared_expert_gate") else "mixtral")
-    torch.testing.assert_close(hf_logits(tmp_path / "hf"), ours(cfg.model, state), **TOL)
+    assert exported["model_type"] == ("glm4_moe" if model.get("router_score") else "qwen3_moe" if model.get("qk_norm")
+                                      else "qwen2_moe" if model.get("shared_expert_gate") else "mixtral")
+    biases = stored_expert_biases(tmp_path / "run")
+    assert all(b.any() for b in biases.values()) == bool(model.get("router_bias_update_rate"))
+    with torch.no_grad():
+        logits = single_process_model(cfg.model, state, biases=biases)(TOKENS, torch.arange(TOKENS.shape[1]))
+    torch.testing.assert_close(hf_logits(tmp_path / "hf"), logits, **TOL)
 
 
 def config(tmp_path, name, steps=1, **sections):
@@ -146,7 +167,7 @@ def config(tmp_path, name, steps=1, **sections):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"])
 def test_an_hf_moe_fine_tunes_from_its_folder_under_tp_as_on_one_process(tmp_path, family):
     """init_from the HF folder: the first loss is transformers' on the same batch, and tp2 with SP
     (every expert split by its rows and columns) takes the steps one process takes."""
@@ -154,7 +175,7 @@ def test_an_hf_moe_fine_tunes_from_its_folder_under_tp_as_on_one_process(tmp_pat
     runs = []
     for parallel in ({}, {"tp": 2, "sequence_parallel": True}):
         cfg = config(tmp_path, f"run{len(runs)}", 2, parallel=parallel, checkpoint={"init_from": str(tmp_path / "hf")})
-        assert cfg.model.n_experts == 4
+        assert cfg.model.n_experts == (8 if family == "glm4_moe" else 4)
         check_init_from(cfg)  # the folder's per-expert tensors fit config.json's model
         runs.append(train_layout(cfg))
     inputs, labels = split_batches(cfg)[0].global_batch_at(0)
@@ -191,6 +212,41 @@ def test_each_tp_rank_reads_its_part_of_every_experts_tensors(tmp_path):
         assert reads["model.layers.0.mlp.gate.weight"] == sizes["model.layers.0.mlp.gate.weight"]  # replicated
 
 
+GLM_VARIANTS = {"grouped": {}, "top1-unnormalised-all-moe": {"num_experts_per_tok": 1, "norm_topk_prob": False,
+                                                             "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1}}
+
+
+@pytest.mark.parametrize("variant", GLM_VARIANTS)
+def test_glm_4_5_imports_with_transformers_logits_and_exports_as_itself(tmp_path, variant, capsys):
+    """GLM-4.5's keys, its e_score_correction_bias as the expert bias (the checkpoint's, the
+    folder's read as init_from and generate read it), transformers' logits; the export writes the
+    Hub's tensors back, biases included, with the same logits. A multi-token-prediction layer's
+    tensor (the Hub's model.layers.N past num_hidden_layers) is left out, with a note."""
+    write_hf_moe(tmp_path / "hf", "glm4_moe", **GLM_VARIANTS[variant])
+    file = tmp_path / "hf" / "model.safetensors"
+    save_file({**load_file(file), "model.layers.2.eh_proj.weight": torch.zeros(32, 64)}, file, metadata={"format": "pt"})
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    assert "left out 1 tensors of layers past num_hidden_layers" in capsys.readouterr().out
+    cfg, state = read_weights(tmp_path / "ckpt")
+    m, grouped = cfg.model, variant == "grouped"
+    assert (m.router_score, m.expert_weight_scale, m.expert_groups, m.expert_groups_per_token) == \
+        ("sigmoid", 2.5, 4, 2) if grouped else ("sigmoid", 2.5, 1, 1)
+    assert (m.partial_rotary_factor, m.qkv_bias, m.qk_norm, m.shared_expert_ffn_hidden, m.shared_expert_gate) == \
+        (0.5, True, True, 12, False) and m.dense_layers == ([0] if grouped else [])
+    biases = read_extras(checkpoint_folder(tmp_path / "ckpt"), "expert_bias")
+    assert sorted(biases) == (["layers.1.mlp"] if grouped else ["layers.0.mlp", "layers.1.mlp"])
+    theirs = hf_logits(tmp_path / "hf")
+    torch.testing.assert_close(single_process_model(m, state, biases=biases)(TOKENS, torch.arange(24)), theirs, **TOL)
+    from_folder = single_process_model(m, stored_weights(tmp_path / "hf"), biases=stored_expert_biases(tmp_path / "hf"))
+    torch.testing.assert_close(from_folder(TOKENS, torch.arange(24)), theirs, **TOL)
+    with torch.no_grad():  # the biases change the picks: without them the logits differ
+        assert (single_process_model(m, state)(TOKENS, torch.arange(24)) - theirs).abs().max() > 1e-3
+
+    assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
+    assert tensor_names(tmp_path / "back") == tensor_names(tmp_path / "hf") - {"model.layers.2.eh_proj.weight"}
+    torch.testing.assert_close(hf_logits(tmp_path / "back"), theirs, **TOL)
+
+
 def test_an_hf_moe_decodes_from_its_folder_as_transformers_full_forward(tmp_path):
     write_hf_moe(tmp_path / "hf", "mixtral")
     byte_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
@@ -218,6 +274,7 @@ QWEN2_MOE = {"model_type": "qwen2_moe", "num_experts": 8, "num_experts_per_tok":
     ({**SHAPE, "model_type": "deepseek_v2", "n_routed_experts": 8, "n_shared_experts": 2}, "multi-head latent attention"),
     ({**SHAPE, "model_type": "deepseek", "n_routed_experts": 8, "n_shared_experts": 2}, "deepseek is a mixture of experts"),
     ({**MIXTRAL, "model_type": "olmoe"}, "olmoe is a mixture of experts"),
+    ({**SHAPE, "model_type": "glm4_moe", "n_routed_experts": 8, "n_shared_experts": 0}, "n_shared_experts=0"),
     ({**MIXTRAL, "router_jitter_noise": 0.1}, "router_jitter_noise=0.1")])
 def test_moe_variants_tetrad_lacks_are_refused_in_one_line(hf, named):
     with pytest.raises(ConfigError, match=named) as e:
@@ -226,6 +283,7 @@ def test_moe_variants_tetrad_lacks_are_refused_in_one_line(hf, named):
 
 
 SHARED_EXPERT = {"shared_expert_ffn_hidden": 32, "shared_expert_gate": True}
+GLM = {"router_score": "sigmoid", "expert_ffn_hidden": 32, "shared_expert_ffn_hidden": 64}
 
 
 @pytest.mark.parametrize("model,named", [
@@ -235,8 +293,11 @@ SHARED_EXPERT = {"shared_expert_ffn_hidden": 32, "shared_expert_gate": True}
     ({**SHARED_EXPERT, "qk_norm": True}, "Qwen2MoeForCausalLM .* has no qk-norm"),
     ({"normalize_expert_weights": False}, "MixtralForCausalLM renormalises"),
     ({"dense_layers": [0]}, "MixtralForCausalLM renormalises"),
-    ({"router_score": "sigmoid"}, "route by a softmax, unscaled and ungrouped; .*model.router_score='sigmoid'"),
-    ({"expert_groups": 2, "expert_weight_scale": 2.0}, "model.expert_weight_scale=2.0, model.expert_groups=2")])
+    ({"expert_groups": 2, "expert_weight_scale": 2.0}, "softmax has model.expert_weight_scale=2.0, expert_groups=2"),
+    ({"partial_rotary_factor": 0.5}, "GLM-4.5's, whose router scores by a sigmoid"),
+    ({"router_score": "sigmoid"}, "Glm4MoeForCausalLM, .* has an ungated shared expert"),
+    ({**GLM, "shared_expert_gate": True}, "Glm4MoeForCausalLM, .* has an ungated shared expert"),
+    ({**GLM, "dense_layers": [1]}, r"dense layers are its first first_k_dense_replace; model.dense_layers=\[1\]")])
 def test_a_moe_no_architecture_computes_is_refused_before_export(model, named):
     with pytest.raises(ConfigError, match=named) as e:
         check_exportable(load_config(overrides={"model": {"n_experts": 4, **model}}).model)
@@ -244,18 +305,22 @@ def test_a_moe_no_architecture_computes_is_refused_before_export(model, named):
 
 
 @pytest.mark.parametrize("model", [{}, {**SHARED_EXPERT, "qkv_bias": True, "normalize_expert_weights": False},
-                                   {"qk_norm": True, "dense_layers": [0], "normalize_expert_weights": False}])
+                                   {"qk_norm": True, "dense_layers": [0], "normalize_expert_weights": False},
+                                   {**GLM, "qk_norm": True, "qkv_bias": True, "dense_layers": [1, 0], "expert_groups": 2,
+                                    "partial_rotary_factor": 0.5}])
 def test_a_moe_an_architecture_computes_exports(model):
     check_exportable(load_config(overrides={"model": {"n_experts": 4, **model}}).model)
 
 
 @pytest.mark.parametrize("family,config_class", [("mixtral", "MixtralConfig"), ("qwen2_moe", "Qwen2MoeConfig"),
-                                                 ("qwen3_moe", "Qwen3MoeConfig")])
+                                                 ("qwen3_moe", "Qwen3MoeConfig"), ("glm4_moe", "Glm4MoeConfig")])
 def test_keys_a_config_json_leaves_out_are_the_config_classes_defaults(family, config_class):
-    """hf_moe.DEFAULTS are transformers' own; a Qwen2-MoE config.json without norm_topk_prob and
-    qkv_bias imports unnormalised, with biases."""
+    """hf_moe.DEFAULTS (and PARTIAL_ROTARY) are transformers' own; a Qwen2-MoE config.json without
+    norm_topk_prob and qkv_bias imports unnormalised, with biases."""
     defaults = getattr(transformers, config_class)()
     assert {key: getattr(defaults, key) for key in DEFAULTS[family]} == DEFAULTS[family]
+    if family == "glm4_moe":  # its RoPE on half of each head, in rope_parameters
+        assert defaults.rope_parameters["partial_rotary_factor"] == PARTIAL_ROTARY[family]
     if family == "qwen2_moe":
         keys = model_config_from_hf(QWEN2_MOE, Path("config.json"))
         assert (keys["normalize_expert_weights"], keys["qkv_bias"], keys["shared_expert_gate"]) == (False, True, True)

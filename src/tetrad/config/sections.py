@@ -142,7 +142,7 @@ class ModelConfig:
     # fused q/k/v and gate/up tensors where Phi-3 has the features (an imported Phi-3 keeps it,
     # fine-tuned too). The same math either way.
     hf_model_type: Literal["", "phi3"] = ""
-    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; model/moe.py): every layer's MLP, but
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; model/moe.py): every layer's MLP, but
     # dense_layers', is n_experts experts of the model's `mlp` kind and a router sending each token
     # to experts_per_token of them (top-k of the router's scores), dropless; 0: a dense MLP in every
     # layer. expert_ffn_hidden: each expert's hidden width (Qwen3-MoE's moe_intermediate_size; 0:

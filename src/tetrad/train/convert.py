@@ -1,11 +1,12 @@
 """`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors of the architectures
 train/hf_architectures.py maps (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM,
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM).
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
-too, a mixture of experts' per-expert tensors stacked or unstacked). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
+too, a mixture of experts' per-expert tensors stacked or unstacked; GLM-4.5's expert biases, its
+e_score_correction_bias buffers, are the checkpoint's `extra.expert_bias`). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
 holds weights only (step 0, no optimizer state) and starts a run with
 `--checkpoint.init_from=CKPT`. The tokenizer travels both ways: the run's (its data's, or bytes)
 is written into the HF folder for `AutoTokenizer`, and an HF folder's tokenizer.json is kept
@@ -43,7 +44,7 @@ from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
                                             hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
 from tetrad.train.hf_gemma import TEXT_TOWER
-from tetrad.train.hf_moe import expert_param, split_experts, stack_experts
+from tetrad.train.hf_moe import beyond_layers, expert_bias_names, expert_param, split_experts, stack_experts
 
 
 def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
@@ -129,11 +130,12 @@ def _shards(sizes: dict[str, int], max_bytes: float) -> list[list[str]]:
 
 
 def _write_safetensors(weights: StoredWeights, model_type: str, out: Path, max_gb: float,
-                       dtype: torch.dtype | None) -> None:
+                       dtype: torch.dtype | None, buffers: dict[str, torch.Tensor]) -> None:
     """The weights as HF's tensors in `out`: model.safetensors, or shards of at most `max_gb` with
     model.safetensors.index.json (as transformers' save_pretrained), read and written one shard at
     a time; in `dtype` (None: as stored). An expert parameter is its experts' tensors (its pieces),
-    read again where a shard boundary falls among them."""
+    read again where a shard boundary falls among them. `buffers` (HF name -> tensor, kept in its
+    own dtype: GLM-4.5's fp32 expert biases) join the last shard."""
     rows, shapes = hf_rows(weights.shapes, model_type), split_experts(weights.shapes)
     parts: dict[str, list[str]] = {}
     for name, (key, _, _) in rows.items():
@@ -146,12 +148,15 @@ def _write_safetensors(weights: StoredWeights, model_type: str, out: Path, max_g
     for keys, file in zip(shards, files):
         state = weights.read(sorted({expert_param(n) for key in keys for n in parts[key]}))
         tensors = {k: v.to(dtype) if dtype else v for k, v in hf_tensors(state, model_type).items() if k in keys}
+        if file == files[-1]:
+            tensors.update(buffers)
         save_file(tensors, out / file, metadata={"format": "pt"})
         (out / file).chmod(0o644)  # safetensors writes 0600; a model folder is for sharing
         del state, tensors
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {key: file for keys, file in zip(shards, files) for key in keys}}
+        index = {"metadata": {"total_size": sum(sizes.values()) + sum(b.nbytes for b in buffers.values())},
+                 "weight_map": {**{key: file for keys, file in zip(shards, files) for key in keys},
+                                **dict.fromkeys(buffers, files[-1])}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -162,9 +167,13 @@ def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, d
     weights = StoredWeights(checkpoint)
     m = weights.cfg.model
     check_exportable(m)
-    _refuse_moved_biases(weights.path)
+    names = expert_bias_names(m, exported_type(m))  # GLM-4.5's; the other families have none
+    if not names:
+        _refuse_moved_biases(weights.path)
+    stored = read_extras(weights.path, ExpertBias.NAME)
+    biases = {key: stored.get(layer, torch.zeros(m.n_experts)).float() for layer, key in names.items()}
     out.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(weights, exported_type(m), out, max_shard_gb, EXPORT_DTYPES.get(dtype))
+    _write_safetensors(weights, exported_type(m), out, max_shard_gb, EXPORT_DTYPES.get(dtype), biases)
     tokenizer, source = exported_tokenizer(weights.path, weights.cfg.data.source)
     if tokenizer is not None:
         write_hf_tokenizer(tokenizer, out, m.context_length, template_beside(source) if source else None, source)
@@ -183,13 +192,14 @@ def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, d
 
 
 def _refuse_moved_biases(folder: Path) -> None:
-    """The HF MoE formats tetrad exports (Mixtral, Qwen2-MoE, Qwen3-MoE) route by the probabilities
+    """The softmax MoE formats tetrad exports (Mixtral, Qwen2-MoE, Qwen3-MoE) route by the probabilities
     alone: a checkpoint whose expert biases moved (model.router_bias_update_rate) routes otherwise."""
     moved = sorted(name for name, bias in read_extras(folder, ExpertBias.NAME).items() if bias.any())
     if moved:
         raise ConfigError(f"{folder} holds expert biases moved from zero ({len(moved)} MoE layers', {moved[0]}'s "
-                          "first: model.router_bias_update_rate) and no Hugging Face MoE format has one, so the "
-                          "export would route otherwise; sample or evaluate this checkpoint with tetrad instead")
+                          "first: model.router_bias_update_rate) and no softmax Hugging Face MoE format has one, so "
+                          "the export would route otherwise (GLM-4.5's, with model.router_score='sigmoid', has); "
+                          "sample or evaluate this checkpoint with tetrad instead")
 
 
 def exported_tokenizer(folder: Path, data_source: str) -> tuple[Tokenizer | None, Path | None]:
@@ -255,10 +265,13 @@ def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
 
 def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
     """How the folder's weights, named as config.json's `model_type` names them, differ from
-    `model_cfg`'s parameters (none: they fit)."""
+    `model_cfg`'s parameters and expert biases (none: they fit). GLM-4.5's multi-token-prediction
+    layers are no part of the model (hf_moe.beyond_layers)."""
     tower = TEXT_TOWER.get(model_type, "")  # a multimodal model's vision tower is not this model's
-    found = {k: shape for k, shape in hf_shapes(hf_dir).items() if k.startswith(tower)}
-    expected = hf_tensor_shapes(logical_shapes(model_cfg), model_type)
+    found = {k: shape for k, shape in hf_shapes(hf_dir).items()
+             if k.startswith(tower) and not beyond_layers(k, model_cfg, model_type)}
+    expected = {**hf_tensor_shapes(logical_shapes(model_cfg), model_type),
+                **dict.fromkeys(expert_bias_names(model_cfg, model_type).values(), (model_cfg.n_experts,))}
     # A tied model's export may hold the head too, the embedding's copy (transformers reads past it)
     extra = {k for k in found if k not in expected} - ({tower + TOP_NAMES["head.weight"]} if model_cfg.tie_embeddings else set())
     problems = [f"{k}: missing" for k in expected if k not in found]
@@ -268,7 +281,9 @@ def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
     return problems
 
 
-def to_tetrad(hf_dir: Path, out: Path) -> None:
+def to_tetrad(hf_dir: Path, out: Path) -> int:
+    """The HF folder as a weights-only checkpoint (GLM-4.5's expert biases as its extra.expert_bias);
+    how many tensors of layers past the model's it left out (GLM-4.5's multi-token prediction)."""
     _refuse_written(out, "--to-tetrad")
     if not (hf_dir / "config.json").is_file():
         tetrad = any((hf_dir / name).exists() for name in ("config.toml", MANIFEST, "checkpoints"))
@@ -285,14 +300,18 @@ def to_tetrad(hf_dir: Path, out: Path) -> None:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    biases = {f"extra.{ExpertBias.NAME}.{layer}": weights[key].float()
+              for layer, key in expert_bias_names(cfg.model, hf.get("model_type", "")).items()}
     with one_process():
         state = stack_experts({n: weights[k][start:stop].contiguous() for n, (k, start, stop) in rows.items()})
-        dcp.save({f"model.{n}": tensor for n, tensor in state.items()}, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        dcp.save({**{f"model.{n}": tensor for n, tensor in state.items()}, **biases},
+                 storage_writer=FileSystemWriter(tmp), no_dist=True)
     for name in (TOKENIZER, CHAT_CONFIG, CHAT_JINJA):  # generate and export find them beside the weights
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, tmp / name)
     keep_generation_config(hf_dir, tmp, hf)
     publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})
+    return sum(beyond_layers(k, cfg.model, hf.get("model_type", "")) for k in weights)
 
 
 def convert_command(argv: list[str]) -> int:
@@ -303,7 +322,8 @@ def convert_command(argv: list[str]) -> int:
                                      "Phi-3 sets, or for LongRoPE or model.partial_rotary_factor; Gemma3ForCausalLM for "
                                      "model.norm=gemma_rmsnorm with sandwich norms, GemmaForCausalLM without; for "
                                      "model.n_experts, Qwen2MoeForCausalLM with a shared expert, Qwen3MoeForCausalLM "
-                                     "with model.qk_norm, MixtralForCausalLM without), on one CPU process.")
+                                     "with model.qk_norm, MixtralForCausalLM without, Glm4MoeForCausalLM for "
+                                     "model.router_score=sigmoid), on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)
@@ -327,7 +347,10 @@ def convert_command(argv: list[str]) -> int:
                 print(f"tetrad: wrote {args.to_hf}/config.json and the weights (*.safetensors); no tokenizer: the weights "
                       f"came without a tokenizer.json (copy the model's own into {args.to_hf})")
         else:
-            to_tetrad(args.source, args.to_tetrad)
+            left_out = to_tetrad(args.source, args.to_tetrad)
+            if left_out:
+                print(f"tetrad: left out {left_out} tensors of layers past num_hidden_layers (GLM-4.5's multi-token "
+                      "prediction, which transformers' Glm4MoeForCausalLM does not load either)")
             tokenizer = args.to_tetrad / TOKENIZER
             print(f"tetrad: wrote {args.to_tetrad}; fine-tune from it with `tetrad train --checkpoint.init_from="
                   f"{args.to_tetrad} --data.source=DATA` (the model's shape follows the weights)"

@@ -5,7 +5,7 @@ and k (Qwen3ForCausalLM), or q, k and v in one tensor and gate and up in another
 (Phi3ForCausalLM: Phi-3 mini and medium, phi-4; with LongRoPE, Phi-3 mini 128k and Phi-3.5 mini;
 RoPE on 3/4 of each head too, phi-4-mini); Gemma's (GemmaForCausalLM, Gemma3ForCausalLM) config
 keys are train/hf_gemma.py's; the mixtures of experts' (MixtralForCausalLM, Qwen2MoeForCausalLM,
-Qwen3MoeForCausalLM) train/hf_moe.py's.
+Qwen3MoeForCausalLM, Glm4MoeForCausalLM) train/hf_moe.py's.
 
 A tetrad parameter is a run of rows of one HF tensor (hf_rows): all of it, or its part of a
 fused one, so that import, init_from and export split and join Phi-3's tensors alike; an expert
@@ -23,7 +23,8 @@ from tetrad.config import ConfigError
 from tetrad.model.flops import hides_keys
 from tetrad.train.hf_gemma import (GEMMA_TYPES, RENAMED, TEXT_TOWER, gemma3_rope, gemma_architecture, gemma_config,
                                    gemma_export_problem, gemma_keys, gemma_type)
-from tetrad.train.hf_moe import moe_architecture, moe_export_problem, moe_hf_name, moe_keys, moe_type, split_experts
+from tetrad.train.hf_moe import (PARTIAL_ROTARY, moe_architecture, moe_export_problem, moe_hf_name, moe_keys, moe_type,
+                                  split_experts)
 
 QWENS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a window only where use_sliding_window says so
 # tetrad name inside layer i -> HF name inside model.layers.i
@@ -115,6 +116,8 @@ def check_exportable(m) -> None:
     if m.n_experts and (m.norm == "gemma_rmsnorm" or moe_export_problem(m)):
         raise ConfigError(moe_export_problem(m) or "no transformers architecture has Gemma's norms with a mixture "
                           "of experts; export a model with model.norm='rmsnorm'")
+    if m.n_experts:  # moe_export_problem's family computes it
+        return
     if m.norm == "gemma_rmsnorm":
         return
     if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
@@ -217,7 +220,8 @@ def _rope_from_hf(hf: dict) -> tuple[float, dict, float]:
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or params)
     theta = float(hf.get("rope_theta", params.get("rope_theta", scaling.get("rope_theta", 1e4))))
-    partial = float(scaling.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    partial = float(scaling.pop("partial_rotary_factor", hf.get("partial_rotary_factor",
+                                                                 PARTIAL_ROTARY.get(hf.get("model_type"), 1.0))))
     scaling.pop("rope_theta", None)
     kind = scaling.pop("rope_type", scaling.pop("type", "default"))
     if hf.get("model_type") == "phi3" and kind in ("su", "yarn"):  # Phi3Config's older names of its LongRoPE
@@ -248,13 +252,15 @@ def _longrope(hf: dict, scaling: dict) -> dict:
 def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
     """The config.json keys whose math tetrad's model lacks, with their values. Phi-3's only
     scaling is LongRoPE (its `su` and `yarn` too), the others' Llama 3.1's; transformers' Phi-3
-    alone rotates part of each head; dropout is training's alone (transformers 5's Phi-3 reads
-    no embd_pdrop; resid_pdrop is model.dropout's place)."""
-    unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias", "attention_dropout") if hf.get(k)}
+    and GLM-4.5 alone rotate part of each head; GLM-4.5's attention_bias is on q, k and v
+    (model.qkv_bias), Llama's on the output projection too; dropout is training's alone
+    (transformers 5's Phi-3 reads no embd_pdrop; resid_pdrop is model.dropout's place)."""
+    unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias", "attention_dropout")
+                   if hf.get(k) and (k, kind) != ("attention_bias", "glm4_moe")}
     if scaling and scaling.get("rope_type") != {"phi3": "longrope", "gemma3_text": "linear"}.get(kind, "llama3"):
         long = any(isinstance(v, list) for v in scaling.values())  # LongRoPE's factor lists: named, not listed
         unsupported["rope_scaling"] = {"rope_type": scaling["rope_type"]} if long else scaling
-    if partial != 1.0 and kind != "phi3":  # RoPE on the first part of each head only
+    if partial != 1.0 and kind not in ("phi3", "glm4_moe"):  # RoPE on the first part of each head only
         unsupported["partial_rotary_factor"] = partial
     if hf.get("hidden_act", "silu") != "silu" and kind not in GEMMA_TYPES:  # gemma_config checks Gemma's
         unsupported["hidden_act"] = hf["hidden_act"]
@@ -262,7 +268,7 @@ def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
 
 
 def model_config_from_hf(hf: dict, source: Path) -> dict:
-    """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen2-MoE or Qwen3-MoE, their
+    """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE or GLM-4.5, their
     sliding windows included) config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k
     and v biases, whatever its config says (it has no key for them); Qwen3 is Llama with qk-norm
     and, often, its own head_dim; Phi-3 is Llama with fused tensors, kept as hf_model_type, and
@@ -276,7 +282,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
         partial = 1.0
     else:
         theta, scaling, partial = _rope_from_hf(hf)
-    experts = moe_keys(hf, kind, source)  # Mixtral's, the Qwens'; other mixtures refused
+    experts = moe_keys(hf, kind, source)  # Mixtral's, the Qwens', GLM-4.5's; other mixtures refused
     unsupported = _unsupported(hf, kind, scaling, partial)
     if unsupported:
         raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")

@@ -1,10 +1,15 @@
 """Hugging Face's mixtures of experts, the part train/hf_architectures.py hands over:
 MixtralForCausalLM (Mistral's attention, a sliding window or none, every layer's MLP Mixtral's
 experts), Qwen3MoeForCausalLM (Qwen3's attention with qk-norm, top-k of moe_intermediate_size-wide
-experts, renormalised or not, dense layers among them: mlp_only_layers, decoder_sparse_step) and
+experts, renormalised or not, dense layers among them: mlp_only_layers, decoder_sparse_step),
 Qwen2MoeForCausalLM (Qwen2's attention, biases on q, k and v; Qwen3-MoE's layers plus a shared
-expert scaled by a sigmoid gate): their config.json keys both ways, their tensor names, and what
-of the MoE families tetrad refuses (DeepSeek's multi-head latent attention, other families).
+expert scaled by a sigmoid gate) and Glm4MoeForCausalLM (GLM-4.5: RoPE on part of each head,
+optional q, k and v biases and qk-norm, its first first_k_dense_replace layers dense, DeepSeek-V3's
+sigmoid routing with expert groups, a scale and e_score_correction_bias, tetrad's expert_bias,
+and an ungated shared expert): their config.json keys both ways, their tensor names, and what of
+the MoE families tetrad refuses (DeepSeek's multi-head latent attention, other families). GLM-4.5's
+multi-token-prediction layers (the Hub's model.layers.N... past num_hidden_layers) are no part of
+the model transformers computes either: left out (beyond_layers).
 
 The Hub stores each expert's matrices separately (model.layers.i.block_sparse_moe.experts.j.w1.weight
 [H, d], the Qwens' mlp.experts.j.gate_proj.weight; transformers 5 fuses them in memory but its
@@ -22,13 +27,16 @@ from pathlib import Path
 import torch
 
 from tetrad.config import ConfigError
+from tetrad.model.flops import hides_keys
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # top-k renormalised or not, dense layers among the MoE ones
-GATED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # the Qwens' MLP tensors
-# model_type -> the MoE block's name in a layer, and each expert's tensors by tetrad's name
-BLOCK = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp"}
-EXPERT = {"mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"}, "qwen2_moe": GATED, "qwen3_moe": GATED}
+GATED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # the Qwens' and GLM's MLP tensors
+# model_type -> the MoE block's name in a layer, each expert's tensors by tetrad's name, the shared expert's module
+BLOCK = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp", "glm4_moe": "mlp"}
+EXPERT = {"mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"}, "qwen2_moe": GATED, "qwen3_moe": GATED, "glm4_moe": GATED}
+SHARED = {"qwen2_moe": "mlp.shared_expert", "glm4_moe": "mlp.shared_experts"}
+CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"  # GLM-4.5's expert bias (a buffer) inside a layer
 EXPERT_PARAM = re.compile(r"layers\.(\d+)\.mlp\.experts\.(w[123])$")
 EXPERT_PIECE = re.compile(r"mlp\.experts\.(\d+)\.(w[123])$")  # inside a layer
 SHARED_PIECE = re.compile(r"mlp\.shared\.(w[123])\.weight$")  # inside a layer: Qwen2-MoE's shared expert
@@ -38,10 +46,15 @@ _QWEN = {"norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [
 DEFAULTS = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
             "qwen2_moe": {**_QWEN, "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                           "shared_expert_intermediate_size": 5632, "qkv_bias": True},
-            "qwen3_moe": {**_QWEN, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}}
+            "qwen3_moe": {**_QWEN, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+            "glm4_moe": {"n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
+                         "n_shared_experts": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                         "first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": False,
+                         "attention_bias": False}}
+PARTIAL_ROTARY = {"glm4_moe": 0.5}  # Glm4MoeConfig's partial_rotary_factor where config.json gives none
 # the MoE families whose attention tetrad's is not
 LATENT = {"deepseek_v2": "DeepSeek-V2 has multi-head latent attention (kv_lora_rank)",
-          "deepseek_v3": "DeepSeek-V3 has multi-head latent attention (kv_lora_rank) and grouped routing"}
+          "deepseek_v3": "DeepSeek-V3 has multi-head latent attention (kv_lora_rank)"}
 # [model] keys of a model without a mixture of experts (or without what its family lacks)
 DENSE = {"n_experts": 0, "expert_ffn_hidden": 0, "normalize_expert_weights": True, "shared_expert_ffn_hidden": 0,
          "shared_expert_gate": False, "dense_layers": [], "router_score": "softmax", "expert_weight_scale": 1.0,
@@ -102,7 +115,7 @@ def moe_hf_name(rest: str, model_type: str) -> str | None:
         return "mlp.shared_expert_gate.weight"
     shared = SHARED_PIECE.match(rest)
     if shared:
-        return f"mlp.shared_expert.{GATED[shared.group(1)]}.weight"
+        return f"{SHARED[model_type]}.{GATED[shared.group(1)]}.weight"
     found = EXPERT_PIECE.match(rest)
     if not found:
         return None
@@ -114,15 +127,17 @@ def moe_refusal(hf: dict, kind: str) -> str | None:
     """Why tetrad cannot import the mixture of experts config.json `hf` describes, in a few
     words (None: a dense model, or one of MOE_TYPES tetrad computes)."""
     if kind in LATENT:
-        return f"{LATENT[kind]}; tetrad's attention is Llama's (it imports Mixtral, Qwen2-MoE and Qwen3-MoE)"
+        return f"{LATENT[kind]}; tetrad's attention is Llama's (it imports Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5)"
     experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
     if (experts or hf.get("n_shared_experts")) and kind not in MOE_TYPES:
         return (f"{kind} is a mixture of experts ({experts} experts) tetrad does not map; it imports "
-                "MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM")
+                "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM and Glm4MoeForCausalLM")
     hf = {**DEFAULTS.get(kind, {}), **hf}
     if kind == "qwen2_moe" and not hf["shared_expert_intermediate_size"]:
         return ("shared_expert_intermediate_size=0 leaves Qwen2-MoE's shared expert and its gate weights of "
                 "nothing; tetrad's model has no such gate without a shared expert")
+    if kind == "glm4_moe" and not hf["n_shared_experts"]:
+        return "n_shared_experts=0 leaves GLM-4.5's shared expert weights of nothing; tetrad maps one of 1 or more"
     if kind in QWEN_MOE and (not isinstance(hf["decoder_sparse_step"], int) or hf["decoder_sparse_step"] < 1):
         return f"decoder_sparse_step={hf['decoder_sparse_step']!r} is no layer step; a positive integer is"
     return None
@@ -144,8 +159,12 @@ def moe_keys(hf: dict, kind: str, source: Path) -> dict:
         raise ConfigError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} (noise on the router's input "
                           "in training) is not tetrad's; set it to 0 to fine-tune without it")
     hf = {**DEFAULTS[kind], **hf}
-    keys = {**DENSE, "n_experts": int(hf.get("num_local_experts") or hf.get("num_experts")),
-            "experts_per_token": int(hf["num_experts_per_tok"]), "router_aux_loss": float(hf["router_aux_loss_coef"])}
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
+    # GLM-4.5 balances without an auxiliary loss: its config has no coefficient
+    keys = {**DENSE, "n_experts": int(experts), "experts_per_token": int(hf["num_experts_per_tok"]),
+            "router_aux_loss": float(hf.get("router_aux_loss_coef", 0.0))}
+    if kind == "glm4_moe":
+        return {**keys, **_glm_keys(hf)}
     if kind not in QWEN_MOE:
         return keys
     dense = [i for i in range(hf["num_hidden_layers"])
@@ -158,9 +177,39 @@ def moe_keys(hf: dict, kind: str, source: Path) -> dict:
     return keys
 
 
+def _glm_keys(hf: dict) -> dict:
+    """GLM-4.5's [model] keys beyond the experts' count and k (config.json with Glm4MoeConfig's
+    defaults): its first first_k_dense_replace layers dense, n_shared_experts experts' width one
+    shared expert without a gate, DeepSeek-V3's routing, its q, k and v biases and qk-norm."""
+    width = int(hf["moe_intermediate_size"])
+    return {"expert_ffn_hidden": width, "normalize_expert_weights": bool(hf["norm_topk_prob"]),
+            "dense_layers": list(range(min(int(hf["first_k_dense_replace"]), hf["num_hidden_layers"]))),
+            "shared_expert_ffn_hidden": int(hf["n_shared_experts"]) * width, "router_score": "sigmoid",
+            "expert_weight_scale": float(hf["routed_scaling_factor"]), "expert_groups": int(hf["n_group"]),
+            "expert_groups_per_token": int(hf["topk_group"]), "qkv_bias": bool(hf["attention_bias"]),
+            "qk_norm": bool(hf["use_qk_norm"])}
+
+
+def expert_bias_names(m, model_type: str) -> dict[str, str]:
+    """The HF buffer holding each MoE layer's expert bias, by the layer's name (model/moe.py
+    expert_biases'): GLM-4.5's e_score_correction_bias; none in another family (they have none)."""
+    if model_type != "glm4_moe":
+        return {}
+    return {f"layers.{i}.mlp": f"model.layers.{i}.{CORRECTION_BIAS}" for i in range(m.n_layers) if m.moe_layer(i)}
+
+
+def beyond_layers(key: str, m, model_type: str) -> bool:
+    """Whether HF tensor `key` is GLM-4.5's multi-token-prediction layers' (model.layers.N..., N at
+    or past num_hidden_layers), which transformers' Glm4MoeForCausalLM does not load either."""
+    found = re.match(r"model\.layers\.(\d+)\.", key)
+    return model_type == "glm4_moe" and found is not None and int(found.group(1)) >= m.n_layers
+
+
 def moe_type(m) -> str:
-    """The MoE architecture that computes model `m` (m.n_experts > 0): Qwen2-MoE's with a shared
-    expert, Qwen3-MoE's with qk-norm, else Mixtral's."""
+    """The MoE architecture that computes model `m` (m.n_experts > 0): GLM-4.5's for sigmoid
+    scores, Qwen2-MoE's with a shared expert, Qwen3-MoE's with qk-norm, else Mixtral's."""
+    if m.router_score == "sigmoid":
+        return "glm4_moe"
     if m.shared_expert_ffn_hidden:
         return "qwen2_moe"
     return "qwen3_moe" if m.qk_norm else "mixtral"
@@ -169,15 +218,19 @@ def moe_type(m) -> str:
 def moe_export_problem(m) -> str | None:
     """Why no MoE architecture computes model `m`, in one line (None: moe_type's does)."""
     if (m.norm, m.mlp, m.pos) != ("rmsnorm", "swiglu", "rope"):
-        return (f"MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM have rmsnorm, swiglu experts and "
-                f"rope; this model has norm={m.norm!r}, mlp={m.mlp!r}, pos={m.pos!r}")
-    if m.rope_scaling.get("rope_type") == "longrope" or m.partial_rotary_factor != 1:
-        return "LongRoPE and model.partial_rotary_factor are Phi-3's; no transformers mixture of experts has either"
-    deepseek = {"router_score": m.router_score, "expert_weight_scale": m.expert_weight_scale,
-                "expert_groups": m.expert_groups}
-    if deepseek != {"router_score": "softmax", "expert_weight_scale": 1.0, "expert_groups": 1}:
-        return ("MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM route by a softmax, unscaled and "
-                "ungrouped; this model has " + ", ".join(f"model.{k}={v!r}" for k, v in deepseek.items()))
+        return (f"transformers' mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5) have rmsnorm, swiglu "
+                f"experts and rope; this model has norm={m.norm!r}, mlp={m.mlp!r}, pos={m.pos!r}")
+    if m.rope_scaling.get("rope_type") == "longrope":
+        return "LongRoPE is Phi-3's; no transformers mixture of experts has it"
+    if m.router_score == "sigmoid":
+        return _glm_export_problem(m)
+    if m.partial_rotary_factor != 1:
+        return ("model.partial_rotary_factor is, among transformers' mixtures of experts, GLM-4.5's, whose router "
+                "scores by a sigmoid; export a model with model.router_score='sigmoid', or without partial RoPE")
+    if m.expert_weight_scale != 1 or m.expert_groups != 1:
+        return (f"MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM route by a softmax, unscaled and "
+                f"ungrouped (Glm4MoeForCausalLM by a sigmoid); this model's softmax has model.expert_weight_scale="
+                f"{m.expert_weight_scale}, expert_groups={m.expert_groups}")
     if m.shared_expert_ffn_hidden:
         if not m.shared_expert_gate:
             return ("Qwen2MoeForCausalLM, the one transformers mixture of experts with a shared expert here, scales it "
@@ -195,14 +248,40 @@ def moe_export_problem(m) -> str | None:
     return None
 
 
+def _glm_export_problem(m) -> str | None:
+    """Why Glm4MoeForCausalLM, the one transformers mixture of experts with sigmoid routing, does
+    not compute model `m` (None: it does)."""
+    width, shared = m.expert_hidden, m.shared_expert_ffn_hidden
+    if not shared or shared % width or m.shared_expert_gate:
+        return (f"Glm4MoeForCausalLM, the one transformers mixture of experts with sigmoid routing, has an ungated "
+                f"shared expert n_shared_experts x moe_intermediate_size wide; export a model with "
+                f"model.shared_expert_ffn_hidden a multiple of the experts' {width} (it is {shared}) and "
+                f"shared_expert_gate=false")
+    if sorted(m.dense_layers) != list(range(len(m.dense_layers))):
+        return (f"Glm4MoeForCausalLM's dense layers are its first first_k_dense_replace; model.dense_layers="
+                f"{m.dense_layers} are not layers 0..{len(m.dense_layers) - 1}")
+    if hides_keys(m.sliding_window, m.context_length):
+        return "Glm4MoeForCausalLM has no sliding window; export a model with model.sliding_window=0"
+    return None
+
+
 def moe_architecture(m, window: int | None) -> dict:
     """config.json's architecture keys of MoE model `m` (moe_type's): Mixtral's (its experts'
     width is its intermediate_size; no dense layers, top-k renormalised), or a Qwen's (dense layers
     by mlp_only_layers, ffn_hidden wide: the exported intermediate_size; `window` in every layer
-    where set: Qwen2-MoE's layer_types all sliding)."""
+    where set: Qwen2-MoE's layer_types all sliding), or GLM-4.5's (its dense layers the first ones,
+    ffn_hidden wide; no window; no multi-token-prediction layer)."""
     common = {"num_experts_per_tok": m.experts_per_token, "router_aux_loss_coef": m.router_aux_loss,
               "output_router_logits": False}
     kind = moe_type(m)
+    if kind == "glm4_moe":
+        return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "n_routed_experts": m.n_experts,
+                "moe_intermediate_size": m.expert_hidden,
+                "n_shared_experts": m.shared_expert_ffn_hidden // m.expert_hidden,
+                "norm_topk_prob": m.normalize_expert_weights, "routed_scaling_factor": m.expert_weight_scale,
+                "n_group": m.expert_groups, "topk_group": m.expert_groups_per_token,
+                "first_k_dense_replace": len(m.dense_layers), "use_qk_norm": m.qk_norm, "attention_bias": m.qkv_bias,
+                "partial_rotary_factor": m.partial_rotary_factor, "num_nextn_predict_layers": 0, **common}
     if kind == "mixtral":
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": m.n_experts,
                 "intermediate_size": m.expert_hidden, "sliding_window": window, "router_jitter_noise": 0.0,

@@ -2,7 +2,7 @@
 pre-training): a tetrad checkpoint (any layout; its folder, its checkpoint root or its run
 folder, as `tetrad generate` and `convert` take) or a Hugging Face model folder (config.json +
 *.safetensors of an architecture train/hf_architectures.py maps: Llama, Mistral, Qwen2, Qwen3,
-Phi-3, Gemma, Mixtral, Qwen2-MoE, Qwen3-MoE). Weights only: the optimizer, the step and the data position start afresh.
+Phi-3, Gemma, Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5). Weights only: the optimizer, the step and the data position start afresh.
 
 The model's shape follows the weights (`weights_model_keys`, below the user's own [model] keys), and
 every rank fills its parameters with its shard of each logical tensor, one at a time, reading that
@@ -35,7 +35,7 @@ from tetrad.train.checkpoint.store import as_built, one_process, read_extras
 from tetrad.train.convert import checkpoint_folder, hf_mismatches
 from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import fused_rows, hf_name, model_config_from_hf
-from tetrad.train.hf_moe import expert_pieces
+from tetrad.train.hf_moe import expert_bias_names, expert_pieces
 
 HF_CONFIG = "config.json"
 Box = tuple[slice, ...]  # one slice per dimension of a logical tensor
@@ -160,10 +160,19 @@ def initial_weights(source: str) -> Callable[[str], SafetensorsPart | ExpertPart
 
 def stored_expert_biases(source: str | Path) -> dict[str, torch.Tensor]:
     """The MoE layers' expert biases (model/moe.py) a tetrad checkpoint holds, by layer name
-    (train/expert_bias.py's checkpoint state); none for an HF folder (no format tetrad imports has
-    one: routing starts unbiased) or a checkpoint saved without them."""
+    (train/expert_bias.py's checkpoint state), or an HF GLM-4.5 folder (its e_score_correction_bias
+    buffers); none for another HF folder (its family has none: routing starts unbiased) or a
+    checkpoint saved without them."""
     path = Path(source)
-    return {} if is_hf_folder(path) else read_extras(checkpoint_folder(path), ExpertBias.NAME)
+    if not is_hf_folder(path):
+        return read_extras(checkpoint_folder(path), ExpertBias.NAME)
+    hf = hf_config(path)
+    names = expert_bias_names(ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG)), hf.get("model_type", ""))
+    wanted, biases = {key: layer for layer, key in names.items()}, {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            biases.update({wanted[key]: f.get_tensor(key).float() for key in f.keys() if key in wanted})
+    return biases
 
 
 def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts | CheckpointPart]:

@@ -168,9 +168,9 @@ def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, d
     m = weights.cfg.model
     check_exportable(m)
     names = expert_bias_names(m, exported_type(m))  # GLM-4.5's; the other families have none
-    if not names:
-        _refuse_moved_biases(weights.path)
     stored = read_extras(weights.path, ExpertBias.NAME)
+    if not names:
+        _refuse_moved_biases(weights.path, stored)
     biases = {key: stored.get(layer, torch.zeros(m.n_experts)).float() for layer, key in names.items()}
     out.mkdir(parents=True, exist_ok=True)
     _write_safetensors(weights, exported_type(m), out, max_shard_gb, EXPORT_DTYPES.get(dtype), biases)
@@ -191,10 +191,10 @@ def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, d
     return tokenizer is not None
 
 
-def _refuse_moved_biases(folder: Path) -> None:
+def _refuse_moved_biases(folder: Path, stored: dict[str, torch.Tensor]) -> None:
     """The softmax MoE formats tetrad exports (Mixtral, Qwen2-MoE, Qwen3-MoE) route by the probabilities
-    alone: a checkpoint whose expert biases moved (model.router_bias_update_rate) routes otherwise."""
-    moved = sorted(name for name, bias in read_extras(folder, ExpertBias.NAME).items() if bias.any())
+    alone: a checkpoint whose expert biases (`stored`) moved (model.router_bias_update_rate) routes otherwise."""
+    moved = sorted(name for name, bias in stored.items() if bias.any())
     if moved:
         raise ConfigError(f"{folder} holds expert biases moved from zero ({len(moved)} MoE layers', {moved[0]}'s "
                           "first: model.router_bias_update_rate) and no softmax Hugging Face MoE format has one, so "

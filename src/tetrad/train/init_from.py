@@ -169,7 +169,7 @@ def stored_expert_biases(source: str | Path) -> dict[str, torch.Tensor]:
     hf = hf_config(path)
     names = expert_bias_names(ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG)), hf.get("model_type", ""))
     wanted, biases = {key: layer for layer, key in names.items()}, {}
-    for file in sorted(path.glob("*.safetensors")):
+    for file in sorted(path.glob("*.safetensors")) if wanted else ():
         with safe_open(file, "pt") as f:
             biases.update({wanted[key]: f.get_tensor(key).float() for key in f.keys() if key in wanted})
     return biases

@@ -230,7 +230,8 @@ def test_glm_4_5_imports_with_transformers_logits_and_exports_as_itself(tmp_path
     cfg, state = read_weights(tmp_path / "ckpt")
     m, grouped = cfg.model, variant == "grouped"
     assert (m.router_score, m.expert_weight_scale, m.expert_groups, m.expert_groups_per_token) == \
-        ("sigmoid", 2.5, 4, 2) if grouped else ("sigmoid", 2.5, 1, 1)
+        (("sigmoid", 2.5, 4, 2) if grouped else ("sigmoid", 2.5, 1, 1))
+    assert (m.experts_per_token, m.normalize_expert_weights) == ((2, True) if grouped else (1, False))
     assert (m.partial_rotary_factor, m.qkv_bias, m.qk_norm, m.shared_expert_ffn_hidden, m.shared_expert_gate) == \
         (0.5, True, True, 12, False) and m.dense_layers == ([0] if grouped else [])
     biases = read_extras(checkpoint_folder(tmp_path / "ckpt"), "expert_bias")

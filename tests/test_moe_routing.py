@@ -16,7 +16,7 @@ from tetrad.dist.topology import Topology
 from tetrad.model.execution import Execution
 from tetrad.model.layers import activation
 from tetrad.model.moe import MoE
-from tetrad.model.routing import expert_weights, pick_experts, router_scores
+from tetrad.model.routing import expert_weights, pick_experts, router_logits, router_scores
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter  # noqa: E402
@@ -41,7 +41,7 @@ def test_the_picks_and_weights_are_transformers_deepseek_v3s(k, groups, kept, no
     router = _router(k, groups, kept, normalize, scale, seed=k + groups)
     x = torch.randn(256, 16, generator=torch.Generator().manual_seed(1))
     _, ref_weights, ref_chosen = router(x)
-    scores = router_scores(F.linear(x, router.weight), "sigmoid")
+    scores = router_scores(router_logits(x, router.weight, "sigmoid"), "sigmoid")
     chosen = pick_experts(scores, router.e_score_correction_bias, k, groups, kept)
     weights = expert_weights(scores, chosen, normalize, scale)
     ref_chosen, order = ref_chosen.sort(dim=-1)  # transformers' top-k is unsorted
@@ -50,6 +50,27 @@ def test_the_picks_and_weights_are_transformers_deepseek_v3s(k, groups, kept, no
     torch.testing.assert_close(weights.gather(-1, mine), ref_weights.gather(-1, order), rtol=1e-6, atol=0)
     if groups > 1:  # the groups limited the picks: without them some token picks otherwise
         assert not torch.equal(pick_experts(scores, router.e_score_correction_bias, k).sort(dim=-1)[0], chosen)
+
+
+def test_a_bf16_sigmoid_router_picks_from_fp32_logits_as_transformers_does():
+    """bf16 input and weight: the sigmoid's logits are transformers' F.linear(h.float(), W.float()),
+    with its picks (logits in bf16 pick otherwise for some tokens), and backward gives what autograd
+    gives through that reference, in bf16; softmax's logits stay F.linear's in bf16."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4096, 64, generator=gen).bfloat16(), torch.randn(16, 64, generator=gen).bfloat16()
+    bias = 0.1 * torch.randn(16, generator=gen)
+    ours, theirs = [(x.clone().requires_grad_(), w.clone().requires_grad_()) for _ in range(2)]
+    scores = router_scores(router_logits(*ours, "sigmoid"), "sigmoid")
+    ref = torch.sigmoid(F.linear(theirs[0].float(), theirs[1].float()))
+    picks = pick_experts(scores, bias, 4, 4, 2)
+    assert torch.equal(picks, pick_experts(ref, bias, 4, 4, 2))
+    assert not torch.equal(picks, pick_experts(router_scores(F.linear(x, w), "sigmoid"), bias, 4, 4, 2))
+    dy = torch.randn(4096, 16, generator=gen)
+    (scores * dy).sum().backward()
+    (ref * dy).sum().backward()
+    for mine, want in zip(ours, theirs):
+        assert mine.grad.dtype == torch.bfloat16 and torch.equal(mine.grad, want.grad)
+    assert torch.equal(router_logits(x, w, "softmax"), F.linear(x, w))
 
 
 def test_a_groups_score_is_the_sum_of_its_best_two():

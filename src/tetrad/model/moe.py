@@ -51,7 +51,7 @@ from tetrad.model.execution import Execution, RouterLoss, run_eagerly
 from tetrad.dist.layout import EP
 from tetrad.model.layers import MLP, activation
 from tetrad.model.mappings import all_to_all, reduce_tp_output, tp_input
-from tetrad.model.routing import balance_probs, expert_weights, pick_experts, router_scores
+from tetrad.model.routing import balance_probs, expert_weights, pick_experts, router_logits, router_scores
 from tetrad.model.sharding import new_param
 
 
@@ -223,7 +223,7 @@ class MoE(nn.Module):
         copy of the experts' outputs."""
         self.routing = True
         try:
-            scores = router_scores(F.linear(flat, self.router.weight), self.score)
+            scores = router_scores(router_logits(flat, self.router.weight, self.score), self.score)
             chosen = pick_experts(scores, self.expert_bias, self.k, self.groups, self.kept_groups)
             # top-1's w / w = 1: no gradient to the router through it (the quotient's, zero in exact
             # arithmetic, was rounding noise, which AdamW turns into steps of the router that differ by layout)

@@ -3,8 +3,15 @@
 sigmoid scores, group-limited choice and routed scaling factor, as transformers'
 DeepseekV3TopkRouter computes them.
 
+logits = x W^T: softmax's in the activations' dtype, cast to fp32 after (as ever); sigmoid's in
+fp32 from the input and weight as they are (`router_logits`: transformers' F.linear(h.float(),
+W.float())), so in bf16 a token's picks are transformers' where W holds the same values: a bf16
+checkpoint's. tetrad's W is the model dtype's (bf16 training keeps fp32 masters in the optimizer
+alone), where transformers keeps the gate fp32 (_keep_in_fp32_modules_strict): a W with bits below
+bf16's (a fine-tune's masters, an fp32 checkpoint's) routes on its bf16 rounding here, not exactly
+as transformers' fp32 gate would.
 scores = softmax(logits) or sigmoid(logits) (model.router_score), in fp32. The k experts are the
-k largest of scores + expert_bias (DeepSeek-V3's auxiliary-loss-free bias picks and weighs
+k largest of scores + expert_bias (DeepSeek-V3's auxiliary-loss-free bias picks but weighs
 nothing; no gradient through the choice). With model.expert_groups = G > 1 the experts are G
 equal groups in index order, and a token picks among the expert_groups_per_token groups of the
 highest group score, the sum of the group's two largest scores + bias (DeepSeek-V3's, torchtitan's;
@@ -18,9 +25,32 @@ routed_scaling_factor).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # DeepSeek-V3's (and Megatron-Core's, torchtitan's) guard on a sum of sigmoid scores
 EPS = 1e-20
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """x W^T in fp32 from x and W in their own dtypes; keeps them as they are (no fp32 copy of x
+    for backward: it casts there) and gives their gradients back in their dtypes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = grad.t().matmul(x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, score: str) -> torch.Tensor:
+    """The router's logits [n, E]: softmax's F.linear in x's dtype; sigmoid's in fp32 (`_Fp32Linear`)."""
+    return F.linear(x, weight) if score == "softmax" else _Fp32Linear.apply(x, weight)
 
 
 def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:

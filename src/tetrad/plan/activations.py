@@ -69,7 +69,9 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
         # before its all-reduce or reduce-scatter), the attention's output and fp32 log-sum-exp (under
         # ring cp the ring's merged ones, once: model/replay.py RingReplay)
         kept = sum(n * rows if row else n * rows / tp for _, n, row, rows in flops.op_checkpoint_saved_matmuls(m))
-        return hidden / div + tokens * e * (kept + q) + 4 * m.n_heads / tp * tokens
+        # a sigmoid router's logits leave their matmul in fp32 (model/routing.py router_logits)
+        fp32_logits = (4 - e) * m.n_experts if m.router_score == "sigmoid" else 0
+        return hidden / div + tokens * (e * (kept + q) + fp32_logits) + 4 * m.n_heads / tp * tokens
     f = flops.mlp_hidden(m, active=True) / tp  # MoE: each token's k experts' hidden tensors, k·H
     dropout = m.dropout > 0
     # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after

@@ -226,7 +226,7 @@ def test_glm_4_5_imports_with_transformers_logits_and_exports_as_itself(tmp_path
     file = tmp_path / "hf" / "model.safetensors"
     save_file({**load_file(file), "model.layers.2.eh_proj.weight": torch.zeros(32, 64)}, file, metadata={"format": "pt"})
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
-    assert "left out 1 tensors of layers past num_hidden_layers" in capsys.readouterr().out
+    assert "left out 1 tensor of layers past num_hidden_layers" in capsys.readouterr().out
     cfg, state = read_weights(tmp_path / "ckpt")
     m, grouped = cfg.model, variant == "grouped"
     assert (m.router_score, m.expert_weight_scale, m.expert_groups, m.expert_groups_per_token) == \
@@ -245,6 +245,7 @@ def test_glm_4_5_imports_with_transformers_logits_and_exports_as_itself(tmp_path
 
     assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
     assert tensor_names(tmp_path / "back") == tensor_names(tmp_path / "hf") - {"model.layers.2.eh_proj.weight"}
+    assert "router_aux_loss_coef" not in json.loads((tmp_path / "back" / "config.json").read_text())  # not Glm4MoeConfig's
     torch.testing.assert_close(hf_logits(tmp_path / "back"), theirs, **TOL)
 
 

@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 from torch.distributed.checkpoint import FileSystemWriter
 
 from tetrad.config import Config, ConfigError, load_config, read_toml
+from tetrad.config.wording import counted
 from tetrad.data.chat import CONFIG as CHAT_CONFIG, JINJA as CHAT_JINJA, ChatTemplate, template_beside
 from tetrad.data.shards import TOKENIZER
 from tetrad.data.tokenizer import (GENERATION_CONFIG, document_prefix, keep_generation_config, model_eos, model_pad,
@@ -349,7 +350,7 @@ def convert_command(argv: list[str]) -> int:
         else:
             left_out = to_tetrad(args.source, args.to_tetrad)
             if left_out:
-                print(f"tetrad: left out {left_out} tensors of layers past num_hidden_layers (GLM-4.5's multi-token "
+                print(f"tetrad: left out {counted(left_out, 'tensor')} of layers past num_hidden_layers (GLM-4.5's multi-token "
                       "prediction, which transformers' Glm4MoeForCausalLM does not load either)")
             tokenizer = args.to_tetrad / TOKENIZER
             print(f"tetrad: wrote {args.to_tetrad}; fine-tune from it with `tetrad train --checkpoint.init_from="

@@ -271,10 +271,9 @@ def moe_architecture(m, window: int | None) -> dict:
     by mlp_only_layers, ffn_hidden wide: the exported intermediate_size; `window` in every layer
     where set: Qwen2-MoE's layer_types all sliding), or GLM-4.5's (its dense layers the first ones,
     ffn_hidden wide; no window; no multi-token-prediction layer)."""
-    common = {"num_experts_per_tok": m.experts_per_token, "router_aux_loss_coef": m.router_aux_loss,
-              "output_router_logits": False}
+    common = {"num_experts_per_tok": m.experts_per_token, "output_router_logits": False}
     kind = moe_type(m)
-    if kind == "glm4_moe":
+    if kind == "glm4_moe":  # Glm4MoeConfig has no router_aux_loss_coef: GLM-4.5 balances by its biases
         return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "n_routed_experts": m.n_experts,
                 "moe_intermediate_size": m.expert_hidden,
                 "n_shared_experts": m.shared_expert_ffn_hidden // m.expert_hidden,
@@ -282,6 +281,7 @@ def moe_architecture(m, window: int | None) -> dict:
                 "n_group": m.expert_groups, "topk_group": m.expert_groups_per_token,
                 "first_k_dense_replace": len(m.dense_layers), "use_qk_norm": m.qk_norm, "attention_bias": m.qkv_bias,
                 "partial_rotary_factor": m.partial_rotary_factor, "num_nextn_predict_layers": 0, **common}
+    common["router_aux_loss_coef"] = m.router_aux_loss
     if kind == "mixtral":
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": m.n_experts,
                 "intermediate_size": m.expert_hidden, "sliding_window": window, "router_jitter_noise": 0.0,

@@ -1,5 +1,5 @@
 """DeepSeek-V3's auxiliary-loss-free load balancing (model.router_bias_update_rate; docs/design.md
-"Mixture of experts"). Each MoE layer picks its top-k experts by probability + expert_bias
+"Mixture of experts"). Each MoE layer picks its top-k experts by score + expert_bias
 (model/moe.py); after each optimizer step the bias moves toward balance,
 bias_e += rate * sign(mean_e(count) - count_e), from the step's expert counts: every training
 micro-batch's, taken in backward (once per micro-batch under any recompute or split backward),

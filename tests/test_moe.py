@@ -331,6 +331,8 @@ def test_greedy_decoding_gives_the_full_forwards_argmax(model):
     ({"n_experts": 6, "expert_groups": 4}, {}, r"expert_groups=4 must divide n_experts=6 into groups of two .*\[1, 2, 3\]"),
     ({"n_experts": 4, "expert_groups": 4}, {}, r"expert_groups=4 must divide n_experts=4 into groups of two experts"),
     ({"n_experts": 8, "expert_groups": 2, "expert_groups_per_token": 3}, {}, r"expert_groups_per_token=3 is more than expert_groups=2"),
+    ({"n_experts": 8, "expert_groups_per_token": 2}, {}, r"in 1\.\.1, or set model\.expert_groups \(to 2 or more\)"),
+    ({"expert_groups_per_token": 2}, {}, r"model\.expert_groups_per_token shapes mixture-of-experts layers"),
     ({"n_experts": 8, "experts_per_token": 3, "expert_groups": 4}, {},
      r"experts_per_token=3 is more than the 2 experts of expert_groups_per_token=1 groups of 2; use expert_groups_per_token >= 2"),
 ])

@@ -16,7 +16,8 @@ def check_experts(cfg: Config) -> None:
                           ("shared_expert_gate", m.shared_expert_gate),
                           ("router_bias_update_rate", m.router_bias_update_rate),
                           ("router_score", m.router_score != "softmax"), ("expert_weight_scale", m.expert_weight_scale != 1),
-                          ("expert_groups", m.expert_groups != 1)):
+                          ("expert_groups", m.expert_groups != 1),
+                          ("expert_groups_per_token", m.expert_groups_per_token != 1)):
             if used:
                 raise ConfigError(f"model.{key} shapes mixture-of-experts layers, and this model has none "
                                   f"(model.n_experts=0); unset it, or set model.n_experts")
@@ -52,7 +53,8 @@ def _check_expert_groups(m) -> None:
     e, groups, kept, k = m.n_experts, m.expert_groups, m.expert_groups_per_token, m.experts_per_token
     if kept > groups:
         raise ConfigError(f"model.expert_groups_per_token={kept} is more than expert_groups={groups}; "
-                          f"use expert_groups_per_token in 1..{groups}")
+                          f"use expert_groups_per_token in 1..{groups}, or set model.expert_groups "
+                          f"(to {kept} or more)")
     if groups == 1 or not e:
         return
     if e % groups or e // groups < 2:

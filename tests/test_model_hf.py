@@ -140,3 +140,13 @@ def test_llama31_rope_frequencies_are_transformers_own():
     assert attention_factor == 1.0  # llama3 scaling leaves the angles' cos/sin unscaled
     plain = rope_frequencies(load_config(overrides={"model": {"preset": "llama3-8b"}}).model, torch.device("cpu"))
     assert (ours < plain).sum() > 16 and (ours == plain).sum() > 16  # slowed and kept bands both exist
+
+
+@pytest.mark.parametrize("model", [{}, {"n_experts": 4}, {"n_experts": 4, "router_score": "sigmoid"}])
+def test_linear_rope_scaling_outside_gemma_3_is_refused_before_export(model):
+    """hf_rope_scaling writes 'linear' in Gemma 3's keys alone: elsewhere the export would drop it."""
+    from tetrad.config import ConfigError
+    from tetrad.train.hf_architectures import check_exportable
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ConfigError, match="model.rope_scaling's 'linear' is Gemma 3's alone here"):
+        check_exportable(load_config(overrides={"model": {**model, "rope_scaling": scaling}}).model)

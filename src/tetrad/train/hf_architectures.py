@@ -113,6 +113,9 @@ def check_exportable(m) -> None:
     problem = gemma_export_problem(m)
     if problem:
         raise ConfigError(problem)
+    if m.rope_scaling.get("rope_type") == "linear" and m.norm != "gemma_rmsnorm":  # hf_rope_scaling would drop it
+        raise ConfigError("model.rope_scaling's 'linear' is Gemma 3's alone here: tetrad imports and exports it for no "
+                          "other architecture; export a model without it, or with Llama 3.1's 'llama3'")
     if m.n_experts and (m.norm == "gemma_rmsnorm" or moe_export_problem(m)):
         raise ConfigError(moe_export_problem(m) or "no transformers architecture has Gemma's norms with a mixture "
                           "of experts; export a model with model.norm='rmsnorm'")

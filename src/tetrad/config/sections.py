@@ -160,7 +160,9 @@ class ModelConfig:
     # DeepSeek-V3's routing (model/routing.py): router_score "sigmoid" (its scores; top-k weights
     # renormalised with normalize_expert_weights), expert_weight_scale (the routed experts' weights
     # times it: its routed_scaling_factor), expert_groups (equal groups of experts, in index order)
-    # of which each token picks within its expert_groups_per_token best (1 group: no limit).
+    # of which each token picks within its expert_groups_per_token best (1 group: no limit), a
+    # group scored by its two best scores (Megatron-Core's moe_router_group_topk: by its k / topk
+    # best, the same at DeepSeek-V3's top-8 of 4 groups).
     n_experts: int = 0
     experts_per_token: int = 2
     expert_ffn_hidden: int = 0

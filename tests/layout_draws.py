@@ -158,14 +158,18 @@ def moe_model(rng: random.Random) -> dict:
     experts of their own width (multiples of 8: every drawn tp splits them, as validation needs;
     the dense widths, 96 to 192, too); no load-balancing loss, the default, or one whose gradient
     shows (1.0); a third of the time expert biases that move (a rate large enough to change the
-    picks within 3 steps). No draw compiles, MoE or not (tests/test_compile.py compiles MoE layouts)."""
+    picks within 3 steps), and a third sigmoid scores, scaled, picked in groups where k fits one. No draw compiles, MoE or not (tests/test_compile.py compiles MoE layouts)."""
     experts = rng.choice([2, 4])
     keys = {"n_experts": experts, "experts_per_token": rng.randint(1, experts),
             "router_aux_loss": rng.choice([0.0, 0.01, 1.0])}
     if rng.random() < 0.33:
         keys["expert_ffn_hidden"] = rng.choice([24, 40, 64])
-    if rng.random() < 0.33:  # drawn last: the draws before it are what they were
+    if rng.random() < 0.33:  # drawn after the keys above: their draws are what they were
         keys["router_bias_update_rate"] = 0.05
+    if rng.random() < 0.33:  # DeepSeek-V3's routing (model/routing.py), in two groups of 2 where k fits one
+        keys.update(router_score="sigmoid", expert_weight_scale=2.5)
+        if experts == 4 and keys["experts_per_token"] <= 2:
+            keys.update(expert_groups=2, expert_groups_per_token=1)
     return keys
 
 

@@ -54,6 +54,15 @@ def test_mixtral_8x7b_has_its_published_total_and_active_parameters():
     assert flops.parameter_count(m, active=True) / 1e9 == pytest.approx(12.9, abs=0.05)
 
 
+def test_glm_4_5_air_has_its_published_total_and_active_parameters():
+    """GLM-4.5-Air (Zhipu's model card): 106B parameters, 12B active, both rounded down; the active
+    ones without the embedding and the head (8 of 128 experts and the shared one, 45 MoE layers)."""
+    m = _cfg({"preset": "glm-4.5-air"}).model
+    embeddings = 2 * m.vocab_size * m.d_model
+    assert 106 <= flops.parameter_count(m) / 1e9 < 107
+    assert 12 <= (flops.parameter_count(m, active=True) - embeddings) / 1e9 < 12.5
+
+
 @pytest.mark.parametrize("model", [{"mlp": "swiglu"}, {"mlp": "gelu"}, {"mlp": "geglu", "expert_ffn_hidden": 512},
                                    {"n_experts": 4, "experts_per_token": 1, "expert_ffn_hidden": 768}])
 def test_parameter_counts_follow_the_spec(model):

@@ -5,7 +5,8 @@ one line naming what to change."""
 
 from __future__ import annotations
 
-from tetrad.config.sections import LONGROPE_KEYS, ROPE_SCALING_KEYS, ConfigError, ModelConfig
+from tetrad.config.model_section import LONGROPE_KEYS, ROPE_SCALING_KEYS, ModelConfig
+from tetrad.config.sections import ConfigError
 
 
 LAYER_TYPES = ("sliding_attention", "full_attention")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tetrad.config.rampup import BatchRamp
 from tetrad.config.rope import check_rope
 from tetrad.config.experts import check_experts
+from tetrad.config.latent import check_latent_attention
 from tetrad.config.wording import counted, did_you_mean, divisors
 from tetrad.config.sections import (COMM_GROUPS, COMM_OPTIONS, Config, ConfigError,
                                     ParallelConfig, hierarchical_blocker,
@@ -64,6 +65,8 @@ RANGES: dict[str, Range] = {
     "model.n_experts": COUNT, "model.experts_per_token": SIZE, "model.expert_ffn_hidden": COUNT,  # 0: dense; ffn_hidden
     "model.shared_expert_ffn_hidden": COUNT, "model.dense_layers": COUNT,  # 0: no shared expert
     "model.router_aux_loss": Range(0), "model.router_bias_update_rate": Range(0),  # 0: no expert bias update
+    "model.kv_lora_rank": COUNT, "model.q_lora_rank": COUNT,  # 0: no latent attention; a full query projection
+    **{f"model.{k}": SIZE for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     "model.expert_weight_scale": POSITIVE, "model.expert_groups": SIZE, "model.expert_groups_per_token": SIZE,
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "ep", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
@@ -127,6 +130,7 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True, r
     _check_heads(cfg)
     check_experts(cfg)
     check_rope(cfg.model)
+    check_latent_attention(cfg.model)
     _check_pipeline(cfg, runtime)
     _check_sequence(cfg)
     _check_gradients(cfg)

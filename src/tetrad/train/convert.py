@@ -1,12 +1,13 @@
 """`tetrad convert`: tetrad checkpoints <-> Hugging Face safetensors of the architectures
 train/hf_architectures.py maps (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM,
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM).
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM).
 
 One CPU process, whatever layout the checkpoint was trained under: checkpoints hold the logical
 (unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
-too, a mixture of experts' per-expert tensors stacked or unstacked; GLM-4.5's expert biases, its
-e_score_correction_bias buffers, are the checkpoint's `extra.expert_bias`). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
+too, a mixture of experts' per-expert tensors stacked or unstacked, DeepSeek's RoPE rows
+de-interleaved or interleaved (hf_deepseek.rope_orders); GLM-4.5's and DeepSeek-V3's expert biases,
+their e_score_correction_bias buffers, are the checkpoint's `extra.expert_bias`). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
 holds weights only (step 0, no optimizer state) and starts a run with
 `--checkpoint.init_from=CKPT`. The tokenizer travels both ways: the run's (its data's, or bytes)
 is written into the HF folder for `AutoTokenizer`, and an HF folder's tokenizer.json is kept
@@ -44,6 +45,7 @@ from tetrad.train.checkpoint.store import one_process, read_extras, read_manifes
 from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
                                             hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
+from tetrad.train.hf_deepseek import rope_interleaved, rope_orders
 from tetrad.train.hf_gemma import TEXT_TOWER
 from tetrad.train.hf_moe import beyond_layers, expert_bias_names, expert_param, split_experts, stack_experts
 
@@ -135,9 +137,11 @@ def _write_safetensors(weights: StoredWeights, model_type: str, out: Path, max_g
     """The weights as HF's tensors in `out`: model.safetensors, or shards of at most `max_gb` with
     model.safetensors.index.json (as transformers' save_pretrained), read and written one shard at
     a time; in `dtype` (None: as stored). An expert parameter is its experts' tensors (its pieces),
-    read again where a shard boundary falls among them. `buffers` (HF name -> tensor, kept in its
-    own dtype: GLM-4.5's fp32 expert biases) join the last shard."""
+    read again where a shard boundary falls among them; RoPE rows in the order config.json's says
+    (DeepSeek's interleaved). `buffers` (HF name -> tensor, kept in its own dtype: the fp32 expert
+    biases) join the last shard."""
     rows, shapes = hf_rows(weights.shapes, model_type), split_experts(weights.shapes)
+    orders = rope_orders(weights.cfg.model, rope_interleaved(hf_architecture(weights.cfg.model)))
     parts: dict[str, list[str]] = {}
     for name, (key, _, _) in rows.items():
         parts.setdefault(key, []).append(name)
@@ -148,6 +152,7 @@ def _write_safetensors(weights: StoredWeights, model_type: str, out: Path, max_g
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for keys, file in zip(shards, files):
         state = weights.read(sorted({expert_param(n) for key in keys for n in parts[key]}))
+        state = {n: v[orders[n].argsort()] if n in orders else v for n, v in state.items()}
         tensors = {k: v.to(dtype) if dtype else v for k, v in hf_tensors(state, model_type).items() if k in keys}
         if file == files[-1]:
             tensors.update(buffers)
@@ -168,7 +173,7 @@ def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, d
     weights = StoredWeights(checkpoint)
     m = weights.cfg.model
     check_exportable(m)
-    names = expert_bias_names(m, exported_type(m))  # GLM-4.5's; the other families have none
+    names = expert_bias_names(m, exported_type(m))  # GLM-4.5's and DeepSeek-V3's; the other families have none
     stored = read_extras(weights.path, ExpertBias.NAME)
     if not names:
         _refuse_moved_biases(weights.path, stored)
@@ -267,7 +272,7 @@ def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
 def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
     """How the folder's weights, named as config.json's `model_type` names them, differ from
     `model_cfg`'s parameters and expert biases (none: they fit). GLM-4.5's multi-token-prediction
-    layers are no part of the model (hf_moe.beyond_layers)."""
+    layers, and DeepSeek-V3's, are no part of the model (hf_moe.beyond_layers)."""
     tower = TEXT_TOWER.get(model_type, "")  # a multimodal model's vision tower is not this model's
     found = {k: shape for k, shape in hf_shapes(hf_dir).items()
              if k.startswith(tower) and not beyond_layers(k, model_cfg, model_type)}
@@ -283,8 +288,9 @@ def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
 
 
 def to_tetrad(hf_dir: Path, out: Path) -> int:
-    """The HF folder as a weights-only checkpoint (GLM-4.5's expert biases as its extra.expert_bias);
-    how many tensors of layers past the model's it left out (GLM-4.5's multi-token prediction)."""
+    """The HF folder as a weights-only checkpoint (GLM-4.5's and DeepSeek-V3's expert biases as its
+    extra.expert_bias); how many tensors of layers past the model's it left out (their multi-token
+    prediction)."""
     _refuse_written(out, "--to-tetrad")
     if not (hf_dir / "config.json").is_file():
         tetrad = any((hf_dir / name).exists() for name in ("config.toml", MANIFEST, "checkpoints"))
@@ -298,13 +304,15 @@ def to_tetrad(hf_dir: Path, out: Path) -> int:
         raise CheckpointError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems[:20]))
     weights = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
     rows = hf_rows(logical_shapes(cfg.model), hf.get("model_type", ""))
+    orders = rope_orders(cfg.model, rope_interleaved(hf))  # DeepSeek's RoPE rows, de-interleaved
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     biases = {f"extra.{ExpertBias.NAME}.{layer}": weights[key].float()
               for layer, key in expert_bias_names(cfg.model, hf.get("model_type", "")).items()}
     with one_process():
-        state = stack_experts({n: weights[k][start:stop].contiguous() for n, (k, start, stop) in rows.items()})
+        state = stack_experts({n: weights[k][start:stop][orders.get(n, slice(None))].contiguous()
+                               for n, (k, start, stop) in rows.items()})
         dcp.save({**{f"model.{n}": tensor for n, tensor in state.items()}, **biases},
                  storage_writer=FileSystemWriter(tmp), no_dist=True)
     for name in (TOKENIZER, CHAT_CONFIG, CHAT_JINJA):  # generate and export find them beside the weights
@@ -324,7 +332,9 @@ def convert_command(argv: list[str]) -> int:
                                      "model.norm=gemma_rmsnorm with sandwich norms, GemmaForCausalLM without; for "
                                      "model.n_experts, Qwen2MoeForCausalLM with a shared expert, Qwen3MoeForCausalLM "
                                      "with model.qk_norm, MixtralForCausalLM without, Glm4MoeForCausalLM for "
-                                     "model.router_score=sigmoid), on one CPU process.")
+                                     "model.router_score=sigmoid; for model.kv_lora_rank (latent attention), "
+                                     "DeepseekV2ForCausalLM with a softmax router, DeepseekV3ForCausalLM otherwise), "
+                                     "on one CPU process.")
     parser.add_argument("source", type=Path, help="a tetrad checkpoint (or checkpoint dir with `latest`, or a run "
                         "dir), or an HF dir")
     direction = parser.add_mutually_exclusive_group(required=True)
@@ -350,8 +360,8 @@ def convert_command(argv: list[str]) -> int:
         else:
             left_out = to_tetrad(args.source, args.to_tetrad)
             if left_out:
-                print(f"tetrad: left out {counted(left_out, 'tensor')} of layers past num_hidden_layers (GLM-4.5's multi-token "
-                      "prediction, which transformers' Glm4MoeForCausalLM does not load either)")
+                print(f"tetrad: left out {counted(left_out, 'tensor')} of layers past num_hidden_layers (GLM-4.5's or "
+                      "DeepSeek-V3's multi-token prediction, which transformers does not load either)")
             tokenizer = args.to_tetrad / TOKENIZER
             print(f"tetrad: wrote {args.to_tetrad}; fine-tune from it with `tetrad train --checkpoint.init_from="
                   f"{args.to_tetrad} --data.source=DATA` (the model's shape follows the weights)"

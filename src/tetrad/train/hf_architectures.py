@@ -5,7 +5,8 @@ and k (Qwen3ForCausalLM), or q, k and v in one tensor and gate and up in another
 (Phi3ForCausalLM: Phi-3 mini and medium, phi-4; with LongRoPE, Phi-3 mini 128k and Phi-3.5 mini;
 RoPE on 3/4 of each head too, phi-4-mini); Gemma's (GemmaForCausalLM, Gemma3ForCausalLM) config
 keys are train/hf_gemma.py's; the mixtures of experts' (MixtralForCausalLM, Qwen2MoeForCausalLM,
-Qwen3MoeForCausalLM, Glm4MoeForCausalLM) train/hf_moe.py's.
+Qwen3MoeForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
+train/hf_moe.py's, DeepSeek's latent attention train/hf_deepseek.py's.
 
 A tetrad parameter is a run of rows of one HF tensor (hf_rows): all of it, or its part of a
 fused one, so that import, init_from and export split and join Phi-3's tensors alike; an expert
@@ -21,6 +22,8 @@ import torch
 
 from tetrad.config import ConfigError
 from tetrad.model.flops import hides_keys
+from tetrad.train.hf_deepseek import (DEEPSEEK_TYPES, LATENT_NAMES, deepseek_architecture, deepseek_export_problem,
+                                      deepseek_type, latent_keys)
 from tetrad.train.hf_gemma import (GEMMA_TYPES, RENAMED, TEXT_TOWER, gemma3_rope, gemma_architecture, gemma_config,
                                    gemma_export_problem, gemma_keys, gemma_type)
 from tetrad.train.hf_moe import (PARTIAL_ROTARY, moe_architecture, moe_export_problem, moe_hf_name, moe_keys, moe_type,
@@ -53,7 +56,7 @@ def hf_name(name: str, model_type: str = "") -> str:
         return f"{tower}model.layers.{index}.{moe_hf_name(rest, model_type)}"
     module, _, leaf = rest.rpartition(".")
     fused = {part: tensor for tensor, parts in FUSED.get(model_type, {}).items() for part in parts}
-    names = {**LAYER_NAMES, **RENAMED.get(model_type, {})}
+    names = {**LAYER_NAMES, **LATENT_NAMES, **RENAMED.get(model_type, {})}
     return f"{tower}model.layers.{index}.{fused.get(module, names[module])}.{leaf}"
 
 
@@ -110,12 +113,14 @@ def _phi3_only(m) -> list[str]:
 
 def check_exportable(m) -> None:
     """Refuse a model no transformers architecture computes (one line, what to change)."""
-    problem = gemma_export_problem(m)
+    problem = deepseek_export_problem(m) if m.latent_attention else gemma_export_problem(m)
     if problem:
         raise ConfigError(problem)
     if m.rope_scaling.get("rope_type") == "linear" and m.norm != "gemma_rmsnorm":  # hf_rope_scaling would drop it
         raise ConfigError("model.rope_scaling's 'linear' is Gemma 3's alone here: tetrad imports and exports it for no "
                           "other architecture; export a model without it, or with Llama 3.1's 'llama3'")
+    if m.latent_attention:
+        return
     if m.n_experts and (m.norm == "gemma_rmsnorm" or moe_export_problem(m)):
         raise ConfigError(moe_export_problem(m) or "no transformers architecture has Gemma's norms with a mixture "
                           "of experts; export a model with model.norm='rmsnorm'")
@@ -142,7 +147,10 @@ def exported_type(m) -> str:
     """The model_type `--to-hf` writes model `m` as: model.hf_model_type's where that architecture
     computes `m` (Phi-3 has no qk-norm, no q, k and v biases and no Llama 3.1 scaling, which a
     fine-tune may have added), else "": the one hf_architecture picks from the model's features;
-    Phi-3's for a model only it computes (_phi3_only), whatever model.hf_model_type says."""
+    Phi-3's for a model only it computes (_phi3_only), whatever model.hf_model_type says; DeepSeek's
+    for latent attention."""
+    if m.latent_attention:
+        return deepseek_type(m)
     if m.norm == "gemma_rmsnorm":
         return gemma_type(m)
     if m.n_experts:
@@ -163,6 +171,8 @@ def hf_architecture(m) -> dict:
     every layer from max_window_layers = 0 on; Phi-3 and Mistral in every layer where sliding_window is set."""
     if exported_type(m) in GEMMA_TYPES:
         return gemma_architecture(m)
+    if exported_type(m) in DEEPSEEK_TYPES:
+        return deepseek_architecture(m)
     window = m.sliding_window if hides_keys(m.sliding_window, m.context_length) else None
     qwen = {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
     if m.n_experts:
@@ -254,25 +264,29 @@ def _longrope(hf: dict, scaling: dict) -> dict:
 
 def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
     """The config.json keys whose math tetrad's model lacks, with their values. Phi-3's only
-    scaling is LongRoPE (its `su` and `yarn` too), the others' Llama 3.1's; transformers' Phi-3
+    scaling is LongRoPE (its `su` and `yarn` too), DeepSeek's YaRN or Llama 3.1's, the others' Llama
+    3.1's; quantized weights (DeepSeek-V3's fp8 release) are not tetrad's to read; transformers' Phi-3
     and GLM-4.5 alone rotate part of each head; GLM-4.5's attention_bias is on q, k and v
     (model.qkv_bias), Llama's on the output projection too; dropout is training's alone
     (transformers 5's Phi-3 reads no embd_pdrop; resid_pdrop is model.dropout's place)."""
     unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias", "attention_dropout")
                    if hf.get(k) and (k, kind) != ("attention_bias", "glm4_moe")}
-    if scaling and scaling.get("rope_type") != {"phi3": "longrope", "gemma3_text": "linear"}.get(kind, "llama3"):
+    scalings = {"phi3": ("longrope",), "gemma3_text": ("linear",), **dict.fromkeys(DEEPSEEK_TYPES, ("llama3", "yarn"))}
+    if scaling and scaling.get("rope_type") not in scalings.get(kind, ("llama3",)):
         long = any(isinstance(v, list) for v in scaling.values())  # LongRoPE's factor lists: named, not listed
         unsupported["rope_scaling"] = {"rope_type": scaling["rope_type"]} if long else scaling
     if partial != 1.0 and kind not in ("phi3", "glm4_moe"):  # RoPE on the first part of each head only
         unsupported["partial_rotary_factor"] = partial
     if hf.get("hidden_act", "silu") != "silu" and kind not in GEMMA_TYPES:  # gemma_config checks Gemma's
         unsupported["hidden_act"] = hf["hidden_act"]
+    if hf.get("quantization_config"):  # its method alone: the rest is the quantizer's detail
+        unsupported["quantization_config"] = {"quant_method": hf["quantization_config"].get("quant_method")}
     return unsupported
 
 
 def model_config_from_hf(hf: dict, source: Path) -> dict:
-    """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE or GLM-4.5, their
-    sliding windows included) config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k
+    """[model] keys of an HF Llama (or Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5,
+    DeepSeek-V2 or DeepSeek-V3, their sliding windows included) config.json; refuse what tetrad's model cannot represent. Qwen2 is Llama with q, k
     and v biases, whatever its config says (it has no key for them); Qwen3 is Llama with qk-norm
     and, often, its own head_dim; Phi-3 is Llama with fused tensors, kept as hf_model_type, and
     maybe LongRoPE (_longrope) and RoPE on part of each head (model.partial_rotary_factor)."""
@@ -285,7 +299,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
         partial = 1.0
     else:
         theta, scaling, partial = _rope_from_hf(hf)
-    experts = moe_keys(hf, kind, source)  # Mixtral's, the Qwens', GLM-4.5's; other mixtures refused
+    experts = moe_keys(hf, kind, source)  # Mixtral's, the Qwens', GLM-4.5's, DeepSeek's; other mixtures refused
     unsupported = _unsupported(hf, kind, scaling, partial)
     if unsupported:
         raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
@@ -299,6 +313,6 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
             "rope_scaling": _longrope(hf, scaling) if scaling.get("rope_type") == "longrope" else scaling,
             "partial_rotary_factor": partial, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
-            **experts,
+            **experts, **(latent_keys(hf, kind) if kind in DEEPSEEK_TYPES else {}),
             **({"hf_model_type": kind, "dropout": float(hf.get("resid_pdrop") or 0.0)} if kind in FUSED else {}),
             **(gemma_keys(hf, local_theta) if kind in GEMMA_TYPES else {})}

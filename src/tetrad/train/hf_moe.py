@@ -6,10 +6,11 @@ Qwen2MoeForCausalLM (Qwen2's attention, biases on q, k and v; Qwen3-MoE's layers
 expert scaled by a sigmoid gate) and Glm4MoeForCausalLM (GLM-4.5: RoPE on part of each head,
 optional q, k and v biases and qk-norm, its first first_k_dense_replace layers dense, DeepSeek-V3's
 sigmoid routing with expert groups, a scale and e_score_correction_bias, tetrad's expert_bias,
-and an ungated shared expert): their config.json keys both ways, their tensor names, and what of
-the MoE families tetrad refuses (DeepSeek's multi-head latent attention, other families). GLM-4.5's
-multi-token-prediction layers (the Hub's model.layers.N... past num_hidden_layers) are no part of
-the model transformers computes either: left out (beyond_layers).
+and an ungated shared expert), and DeepSeek-V2's and V3's experts (GLM-4.5's, V2's routed by a
+softmax; their latent attention is train/hf_deepseek.py's): their config.json keys both ways, their
+tensor names, and what of the MoE families tetrad refuses (other families). GLM-4.5's and
+DeepSeek-V3's multi-token-prediction layers (the Hub's model.layers.N... past num_hidden_layers)
+are no part of the model transformers computes either: left out (beyond_layers).
 
 The Hub stores each expert's matrices separately (model.layers.i.block_sparse_moe.experts.j.w1.weight
 [H, d], the Qwens' mlp.experts.j.gate_proj.weight; transformers 5 fuses them in memory but its
@@ -28,15 +29,17 @@ import torch
 
 from tetrad.config import ConfigError
 from tetrad.model.flops import hides_keys
+from tetrad.train.hf_deepseek import DEEPSEEK_TYPES, DEFAULTS as DEEPSEEK_DEFAULTS, deepseek_moe_keys, deepseek_refusal
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", *DEEPSEEK_TYPES)
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # top-k renormalised or not, dense layers among the MoE ones
 GATED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # the Qwens' and GLM's MLP tensors
 # model_type -> the MoE block's name in a layer, each expert's tensors by tetrad's name, the shared expert's module
-BLOCK = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp", "glm4_moe": "mlp"}
-EXPERT = {"mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"}, "qwen2_moe": GATED, "qwen3_moe": GATED, "glm4_moe": GATED}
-SHARED = {"qwen2_moe": "mlp.shared_expert", "glm4_moe": "mlp.shared_experts"}
-CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"  # GLM-4.5's expert bias (a buffer) inside a layer
+BLOCK = {"mixtral": "block_sparse_moe", **dict.fromkeys(MOE_TYPES[1:], "mlp")}
+EXPERT = {"mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"}, **dict.fromkeys(MOE_TYPES[1:], GATED)}
+SHARED = {"qwen2_moe": "mlp.shared_expert", **dict.fromkeys(("glm4_moe", *DEEPSEEK_TYPES), "mlp.shared_experts")}
+CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"  # GLM-4.5's and DeepSeek-V3's expert bias (a buffer) in a layer
+BIASED = ("glm4_moe", "deepseek_v3")  # the families with one
 EXPERT_PARAM = re.compile(r"layers\.(\d+)\.mlp\.experts\.(w[123])$")
 EXPERT_PIECE = re.compile(r"mlp\.experts\.(\d+)\.(w[123])$")  # inside a layer
 SHARED_PIECE = re.compile(r"mlp\.shared\.(w[123])\.weight$")  # inside a layer: Qwen2-MoE's shared expert
@@ -50,11 +53,9 @@ DEFAULTS = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "route
             "glm4_moe": {"n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
                          "n_shared_experts": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
                          "first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": False,
-                         "attention_bias": False}}
+                         "attention_bias": False},
+            **DEEPSEEK_DEFAULTS}
 PARTIAL_ROTARY = {"glm4_moe": 0.5}  # Glm4MoeConfig's partial_rotary_factor where config.json gives none
-# the MoE families whose attention tetrad's is not
-LATENT = {"deepseek_v2": "DeepSeek-V2 has multi-head latent attention (kv_lora_rank)",
-          "deepseek_v3": "DeepSeek-V3 has multi-head latent attention (kv_lora_rank)"}
 # [model] keys of a model without a mixture of experts (or without what its family lacks)
 DENSE = {"n_experts": 0, "expert_ffn_hidden": 0, "normalize_expert_weights": True, "shared_expert_ffn_hidden": 0,
          "shared_expert_gate": False, "dense_layers": [], "router_score": "softmax", "expert_weight_scale": 1.0,
@@ -126,13 +127,14 @@ def moe_hf_name(rest: str, model_type: str) -> str | None:
 def moe_refusal(hf: dict, kind: str) -> str | None:
     """Why tetrad cannot import the mixture of experts config.json `hf` describes, in a few
     words (None: a dense model, or one of MOE_TYPES tetrad computes)."""
-    if kind in LATENT:
-        return f"{LATENT[kind]}; tetrad's attention is Llama's (it imports Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5)"
     experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
     if (experts or hf.get("n_shared_experts")) and kind not in MOE_TYPES:
         return (f"{kind} is a mixture of experts ({experts} experts) tetrad does not map; it imports "
-                "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM and Glm4MoeForCausalLM")
+                "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM, "
+                "DeepseekV2ForCausalLM and DeepseekV3ForCausalLM")
     hf = {**DEFAULTS.get(kind, {}), **hf}
+    if kind in DEEPSEEK_TYPES:
+        return deepseek_refusal(hf, kind)
     if kind == "qwen2_moe" and not hf["shared_expert_intermediate_size"]:
         return ("shared_expert_intermediate_size=0 leaves Qwen2-MoE's shared expert and its gate weights of "
                 "nothing; tetrad's model has no such gate without a shared expert")
@@ -149,7 +151,7 @@ def moe_keys(hf: dict, kind: str, source: Path) -> dict:
     Qwens' moe_intermediate_size (their intermediate_size is their dense layers' width). A Qwen's
     layer i is dense where i is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (as
     transformers builds it). Mixtral's router_jitter_noise (training's noise on the router's
-    input) tetrad has not."""
+    input) tetrad has not. A DeepSeek whose first_k_dense_replace covers every layer is dense."""
     problem = moe_refusal(hf, kind)
     if problem:
         raise ConfigError(f"{source}: {problem}")
@@ -159,12 +161,16 @@ def moe_keys(hf: dict, kind: str, source: Path) -> dict:
         raise ConfigError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} (noise on the router's input "
                           "in training) is not tetrad's; set it to 0 to fine-tune without it")
     hf = {**DEFAULTS[kind], **hf}
+    if kind in DEEPSEEK_TYPES and hf["first_k_dense_replace"] >= hf["num_hidden_layers"]:
+        return dict(DENSE)
     experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
     # GLM-4.5 balances without an auxiliary loss: its config has no coefficient
     keys = {**DENSE, "n_experts": int(experts), "experts_per_token": int(hf["num_experts_per_tok"]),
             "router_aux_loss": float(hf.get("router_aux_loss_coef", 0.0))}
     if kind == "glm4_moe":
         return {**keys, **_glm_keys(hf)}
+    if kind in DEEPSEEK_TYPES:
+        return {**keys, **deepseek_moe_keys(hf, kind)}
     if kind not in QWEN_MOE:
         return keys
     dense = [i for i in range(hf["num_hidden_layers"])
@@ -192,17 +198,17 @@ def _glm_keys(hf: dict) -> dict:
 
 def expert_bias_names(m, model_type: str) -> dict[str, str]:
     """The HF buffer holding each MoE layer's expert bias, by the layer's name (model/moe.py
-    expert_biases'): GLM-4.5's e_score_correction_bias; none in another family (they have none)."""
-    if model_type != "glm4_moe":
+    expert_biases'): GLM-4.5's and DeepSeek-V3's e_score_correction_bias; none in another family (they have none)."""
+    if model_type not in BIASED:
         return {}
     return {f"layers.{i}.mlp": f"model.layers.{i}.{CORRECTION_BIAS}" for i in range(m.n_layers) if m.moe_layer(i)}
 
 
 def beyond_layers(key: str, m, model_type: str) -> bool:
-    """Whether HF tensor `key` is GLM-4.5's multi-token-prediction layers' (model.layers.N..., N at
-    or past num_hidden_layers), which transformers' Glm4MoeForCausalLM does not load either."""
+    """Whether HF tensor `key` is GLM-4.5's or DeepSeek-V3's multi-token-prediction layers'
+    (model.layers.N..., N at or past num_hidden_layers), which transformers does not load either."""
     found = re.match(r"model\.layers\.(\d+)\.", key)
-    return model_type == "glm4_moe" and found is not None and int(found.group(1)) >= m.n_layers
+    return model_type in BIASED and found is not None and int(found.group(1)) >= m.n_layers
 
 
 def moe_type(m) -> str:

@@ -2,7 +2,7 @@
 pre-training): a tetrad checkpoint (any layout; its folder, its checkpoint root or its run
 folder, as `tetrad generate` and `convert` take) or a Hugging Face model folder (config.json +
 *.safetensors of an architecture train/hf_architectures.py maps: Llama, Mistral, Qwen2, Qwen3,
-Phi-3, Gemma, Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5). Weights only: the optimizer, the step and the data position start afresh.
+Phi-3, Gemma, Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek-V2, DeepSeek-V3). Weights only: the optimizer, the step and the data position start afresh.
 
 The model's shape follows the weights (`weights_model_keys`, below the user's own [model] keys), and
 every rank fills its parameters with its shard of each logical tensor, one at a time, reading that
@@ -35,6 +35,7 @@ from tetrad.train.checkpoint.store import as_built, one_process, read_extras
 from tetrad.train.convert import checkpoint_folder, hf_mismatches
 from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import fused_rows, hf_name, model_config_from_hf
+from tetrad.train.hf_deepseek import rope_interleaved, rope_orders
 from tetrad.train.hf_moe import expert_bias_names, expert_pieces
 
 HF_CONFIG = "config.json"
@@ -160,8 +161,8 @@ def initial_weights(source: str) -> Callable[[str], SafetensorsPart | ExpertPart
 
 def stored_expert_biases(source: str | Path) -> dict[str, torch.Tensor]:
     """The MoE layers' expert biases (model/moe.py) a tetrad checkpoint holds, by layer name
-    (train/expert_bias.py's checkpoint state), or an HF GLM-4.5 folder (its e_score_correction_bias
-    buffers); none for another HF folder (its family has none: routing starts unbiased) or a
+    (train/expert_bias.py's checkpoint state), or an HF GLM-4.5 or DeepSeek-V3 folder (its
+    e_score_correction_bias buffers); none for another HF folder (its family has none: routing starts unbiased) or a
     checkpoint saved without them."""
     path = Path(source)
     if not is_hf_folder(path):
@@ -193,6 +194,7 @@ def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts 
     model_type = hf.get("model_type", "")
     model_cfg = ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG))
     rows = fused_rows(model_cfg, model_type)
+    orders = rope_orders(model_cfg, rope_interleaved(hf))  # DeepSeek's RoPE rows, read de-interleaved
     files = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
@@ -207,28 +209,38 @@ def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts 
         if key not in files:
             raise CheckpointError(f"{path} has no {key}, which model.{name} needs")
         file, shape = files[key]
-        return SafetensorsPart(file, key, start, (shape[0] if stop is None else stop) - start, shape[1:])
+        order = tuple(orders[name].tolist()) if name in orders else None
+        return SafetensorsPart(file, key, start, (shape[0] if stop is None else stop) - start, shape[1:], order)
     return in_folder
 
 
 @dataclass(frozen=True)
 class SafetensorsPart:
     """Rows [start, start + rows) of tensor `key` of a safetensors file (a fused tensor's part, or
-    all of it), read by the box indexed (safetensors reads that slice alone)."""
+    all of it), read by the box indexed (safetensors reads that slice alone); its row r being the
+    file's row order[r] where `order` is given (DeepSeek's RoPE rows: the span the box's rows
+    cover is read, a head's rows at most beyond them)."""
     file: Path
     key: str
     start: int
     rows: int
     rest: tuple[int, ...]
+    order: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.rows, *self.rest)
 
     def __getitem__(self, box: Box) -> torch.Tensor:
-        first = slice(self.start + box[0].start, self.start + box[0].stop)
+        if self.order is None or box[0].start == box[0].stop:
+            return self._read(box[0].start, box[0].stop, box[1:])
+        rows = torch.tensor(self.order[box[0]])
+        low = int(rows.min())
+        return self._read(low, int(rows.max()) + 1, box[1:])[rows - low]
+
+    def _read(self, start: int, stop: int, rest: Box) -> torch.Tensor:
         with safe_open(self.file, "pt") as f:
-            return f.get_slice(self.key)[(first, *box[1:])]
+            return f.get_slice(self.key)[(slice(self.start + start, self.start + stop), *rest)]
 
 
 @dataclass(frozen=True)

@@ -205,8 +205,8 @@ def test_rope_read_from_either_transformers_config_form():
         assert (keys["rope_theta"], keys["rope_scaling"]) == (5e5, LLAMA31_SCALING), form
     plain = model_config_from_hf({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}, Path("c"))
     assert (plain["rope_theta"], plain["rope_scaling"]) == (5e5, {})
-    with pytest.raises(ConfigError, match="tetrad's Llama has no {'rope_scaling': {'rope_type': 'yarn'"):
-        model_config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, Path("config.json"))
+    with pytest.raises(ConfigError, match="tetrad's Llama has no {'rope_scaling': {'rope_type': 'dynamic'"):
+        model_config_from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, Path("config.json"))
 
 
 def test_an_hf_model_without_a_tokenizer_exports_back_without_one(tmp_path, capsys):
@@ -406,7 +406,7 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] 
     ({"model_type": "llama", "rope_scaling": LONGROPE}, "{'rope_scaling': {'rope_type': 'longrope'}}"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "{'partial_rotary_factor': 0.5}"),
-    ({"model_type": "llama", "rope_scaling": {**LONGROPE, "type": "yarn"}}, "{'rope_scaling': {'rope_type': 'yarn'}}"),
+    ({"model_type": "llama", "rope_scaling": {**LONGROPE, "type": "dynamic"}}, "{'rope_scaling': {'rope_type': 'dynamic'}}"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 16}}, "{'rope_scaling': {'rope_type': 'llama3'"),
     ({"attention_dropout": 0.1}, "{'attention_dropout': 0.1}"),
@@ -414,7 +414,7 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] 
 def test_phi3_keys_that_tetrad_lacks_are_refused_by_name(keys, named):
     """What would make a model another than tetrad's is refused in one line naming the key:
     LongRoPE or RoPE over part of each head on an architecture whose transformers class has neither
-    (its factor lists left out of the line; `yarn` is YaRN there, LongRoPE's old name on Phi-3 only),
+    (its factor lists left out of the line; `yarn`, LongRoPE's old name on Phi-3, is YaRN elsewhere),
     scaling that transformers' Phi-3 itself has not, dropout on attention probabilities, another
     activation."""
     from tetrad.config import ConfigError

@@ -37,6 +37,8 @@ TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(
 TOL = {"atol": 1e-5, "rtol": 1e-5}  # fp32, the same math in another order
 SHAPE = {"vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 4096, "num_experts_per_tok": 2}
+DEEPSEEK = {**SHAPE, "num_key_value_heads": 4, "intermediate_size": 40, "moe_intermediate_size": 12, "kv_lora_rank": 8,
+            "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 7, "first_k_dense_replace": 1}
 FAMILIES = {
     "mixtral": lambda **k: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **{**SHAPE, "intermediate_size": 48, "num_local_experts": 4, **k})),
@@ -49,7 +51,13 @@ FAMILIES = {
     "glm4_moe": lambda **k: transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
         **{**SHAPE, "intermediate_size": 40, "moe_intermediate_size": 12, "n_routed_experts": 8, "head_dim": 12,
            "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "attention_bias": True, "use_qk_norm": True,
-           **k}))}
+           **k})),
+    # latent attention (tests/test_deepseek_hf.py): V3's q through a q_lora_rank-wide latent, V2's
+    # a full projection (V2-Lite's), routed by a scaled softmax
+    "deepseek_v3": lambda **k: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{**DEEPSEEK, "n_routed_experts": 8, "q_lora_rank": 16, "n_group": 4, "topk_group": 2, **k})),
+    "deepseek_v2": lambda **k: transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+        **{**DEEPSEEK, "n_routed_experts": 4, "q_lora_rank": None, "routed_scaling_factor": 1.5, **k}))}
 
 
 def write_hf_moe(folder: Path, family: str, **shape) -> None:
@@ -272,8 +280,6 @@ QWEN2_MOE = {"model_type": "qwen2_moe", "num_experts": 8, "num_experts_per_tok":
     ({**QWEN2_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step=0 is no layer step"),
     ({**QWEN2_MOE, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2},  # layer 0 of 2 slides
      r"sliding_window=5 applies to 1 of 2 layers"),
-    ({**SHAPE, "model_type": "deepseek_v3", "n_routed_experts": 8, "n_shared_experts": 1}, "multi-head latent attention"),
-    ({**SHAPE, "model_type": "deepseek_v2", "n_routed_experts": 8, "n_shared_experts": 2}, "multi-head latent attention"),
     ({**SHAPE, "model_type": "deepseek", "n_routed_experts": 8, "n_shared_experts": 2}, "deepseek is a mixture of experts"),
     ({**MIXTRAL, "model_type": "olmoe"}, "olmoe is a mixture of experts"),
     ({**SHAPE, "model_type": "glm4_moe", "n_routed_experts": 8, "n_shared_experts": 0}, "n_shared_experts=0"),

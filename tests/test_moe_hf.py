@@ -175,15 +175,16 @@ def config(tmp_path, name, steps=1, **sections):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v2"])
 def test_an_hf_moe_fine_tunes_from_its_folder_under_tp_as_on_one_process(tmp_path, family):
     """init_from the HF folder: the first loss is transformers' on the same batch, and tp2 with SP
-    (every expert split by its rows and columns) takes the steps one process takes."""
+    (every expert split by its rows and columns; DeepSeek's heads, each rank reading its heads'
+    RoPE rows de-interleaved) takes the steps one process takes."""
     write_hf_moe(tmp_path / "hf", family)
     runs = []
     for parallel in ({}, {"tp": 2, "sequence_parallel": True}):
         cfg = config(tmp_path, f"run{len(runs)}", 2, parallel=parallel, checkpoint={"init_from": str(tmp_path / "hf")})
-        assert cfg.model.n_experts == (8 if family == "glm4_moe" else 4)
+        assert cfg.model.n_experts == (8 if family in ("glm4_moe", "deepseek_v3") else 4)
         check_init_from(cfg)  # the folder's per-expert tensors fit config.json's model
         runs.append(train_layout(cfg))
     inputs, labels = split_batches(cfg)[0].global_batch_at(0)
@@ -257,8 +258,9 @@ def test_glm_4_5_imports_with_transformers_logits_and_exports_as_itself(tmp_path
     torch.testing.assert_close(hf_logits(tmp_path / "back"), theirs, **TOL)
 
 
-def test_an_hf_moe_decodes_from_its_folder_as_transformers_full_forward(tmp_path):
-    write_hf_moe(tmp_path / "hf", "mixtral")
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
+def test_an_hf_moe_decodes_from_its_folder_as_transformers_full_forward(tmp_path, family):
+    write_hf_moe(tmp_path / "hf", family)
     byte_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
     net, _, _ = load_generator(tmp_path / "hf")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()

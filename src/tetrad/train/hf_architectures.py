@@ -283,7 +283,7 @@ def _yarn(hf: dict, scaling: dict) -> dict:
 def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
     """The config.json keys whose math tetrad's model lacks, with their values. Phi-3's only
     scaling is LongRoPE (its `su` and `yarn` too), Gemma 3's linear, the others' Llama 3.1's or
-    YaRN; quantized weights (DeepSeek-V3's fp8 release) are not tetrad's to read; transformers' Phi-3
+    YaRN; transformers' Phi-3
     and GLM-4.5 alone rotate part of each head; GLM-4.5's attention_bias is on q, k and v
     (model.qkv_bias), Llama's on the output projection too; dropout is training's alone
     (transformers 5's Phi-3 reads no embd_pdrop; resid_pdrop is model.dropout's place)."""
@@ -297,8 +297,6 @@ def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
         unsupported["partial_rotary_factor"] = partial
     if hf.get("hidden_act", "silu") != "silu" and kind not in GEMMA_TYPES:  # gemma_config checks Gemma's
         unsupported["hidden_act"] = hf["hidden_act"]
-    if hf.get("quantization_config"):  # its method alone: the rest is the quantizer's detail
-        unsupported["quantization_config"] = {"quant_method": hf["quantization_config"].get("quant_method")}
     return unsupported
 
 
@@ -319,6 +317,11 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
         theta, scaling, partial = _rope_from_hf(hf)
     experts = moe_keys(hf, kind, source)  # Mixtral's, the Qwens', GLM-4.5's, DeepSeek's; other mixtures refused
     unsupported = _unsupported(hf, kind, scaling, partial)
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method")
+        raise ConfigError(f"{source}: its weights are quantized (quantization_config: {method}); tetrad reads bf16, fp16 "
+                          "or fp32 weights: dequantize them first (DeepSeek-V3's fp8 release: its inference/"
+                          "fp8_cast_bf16.py)")
     if unsupported:
         raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
     resolve = {"longrope": _longrope, "yarn": _yarn}.get(scaling.get("rope_type"))

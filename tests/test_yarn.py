@@ -32,12 +32,13 @@ CASES = {"deepseek-v3": (64, 1e4, 1.0, DEEPSEEK_V3),  # its qk_rope_head_dim, th
 def model_and_hf(case: str):
     """tetrad's [model] and transformers' LlamaConfig of one CASES entry."""
     head_dim, theta, partial, scaling = CASES[case]
-    model = load_config(overrides={"model": {"d_model": 2 * head_dim, "n_heads": 2, "n_kv_heads": 2, "head_dim": head_dim,
-                                             "rope_theta": theta, "partial_rotary_factor": partial,
-                                             "rope_scaling": dict(scaling)}}, runtime=False).model
+    model = load_config(overrides={"model": {
+        "d_model": 2 * head_dim, "n_heads": 2, "n_kv_heads": 2, "head_dim": head_dim, "rope_theta": theta,
+        "partial_rotary_factor": partial, "rope_scaling": dict(scaling)}}, runtime=False).model
+    longest = int(scaling["original_max_position_embeddings"] * scaling["factor"])
     hf = transformers.LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim, rope_theta=theta,
                                   partial_rotary_factor=partial, rope_scaling=dict(scaling),
-                                  max_position_embeddings=int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+                                  max_position_embeddings=longest)
     return model, hf
 
 
@@ -89,7 +90,8 @@ def test_the_softmax_factor_is_transformers_yarn_apply_mscale():
 
 
 REFUSALS = [
-    ({"rope_type": "yarn", "factor": 4.0}, "model.rope_scaling needs rope_type, factor, original_max_position_embeddings "
+    ({"rope_type": "yarn", "factor": 4.0},
+     "model.rope_scaling needs rope_type, factor, original_max_position_embeddings "
      "(and may have beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate); missing "
      "original_max_position_embeddings"),
     ({**QWEN, "low_freq_factor": 1.0}, "; unknown low_freq_factor"),
@@ -138,8 +140,8 @@ def test_yarn_keys_are_what_transformers_computes_with():
                {**hf, "original_max_position_embeddings": 16384, "rope_scaling": {**QWEN, "truncate": None}}]
     for config in configs:
         keys = model_config_from_hf(config, Path("config.json"))
-        model = load_config(overrides={"model": {k: keys[k] for k in ("d_model", "n_heads", "n_kv_heads", "head_dim",
-                                                                       "rope_theta", "rope_scaling")}}, runtime=False).model
+        shape = ("d_model", "n_heads", "n_kv_heads", "head_dim", "rope_theta", "rope_scaling")
+        model = load_config(overrides={"model": {k: keys[k] for k in shape}}, runtime=False).model
         theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen2Config(**config), "cpu")
         assert torch.equal(rope_frequencies(model, torch.device("cpu")), theirs) and attention_factor(model) == factor
     assert keys["rope_scaling"] == {**QWEN, "truncate": False, "original_max_position_embeddings": 16384}

@@ -52,6 +52,10 @@ LLAMA31_ROPE = {"rope_theta": 500000.0, "rope_scaling": LLAMA31_SCALING}
 PARTIAL_LONGROPE = {"partial_rotary_factor": 0.5, "rope_scaling": {
     "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 4.0, 8.0, 16.0],
     "original_max_position_embeddings": 16, "attention_factor": 1.2}}
+# YaRN over an original context of 4096 (kept, blended and interpolated pairs in a head of 16),
+# cos and sin times mscale(4, 1) / mscale(4, 0.5) = 1.066
+YARN_ROPE = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                              "beta_fast": 16.0, "mscale": 1.0, "mscale_all_dim": 0.5}}
 
 # fp32, the same math in a different order (as in test_model_hf): 1e-4 catches any real mismatch.
 TOL = {"atol": 1e-4, "rtol": 1e-4}
@@ -67,6 +71,7 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
                                             ({"tp": 2}, {"vocab_size": 251, "qk_norm": True, "head_dim": 24}),
                                             # sliding windows shorter than the 32 tokens: Mistral's, Qwen's
                                             ({"cp": 2}, {"vocab_size": 251, "sliding_window": 5}),
+                                            ({"cp": 2}, {"vocab_size": 251, **YARN_ROPE}),
                                             ({"dp": 2}, {"vocab_size": 251, "qkv_bias": True, "sliding_window": 5}),
                                             ({"dp": 2}, {"vocab_size": 251, "qk_norm": True, "head_dim": 24,
                                                          "sliding_window": 5}),

@@ -27,9 +27,9 @@ def rope_frequencies(cfg: ModelConfig, device: torch.device, long: bool = False,
     """RoPE's angle per position of each pair of rotated dims: theta^(-2i/d) over d = rotary_dim;
     under LongRoPE those divided by its factors, long_factor's where `long` (uses_long_factors),
     else short_factor's; under linear scaling all divided by `factor`; under YaRN, `_yarn`'s;
-    under Llama 3.1's `rope_scaling` remapped by how many turns they make over the context it was first trained on:
-    fewer than low_freq_factor, slowed by `factor` (long context); more than high_freq_factor,
-    kept (local order); in between, a linear blend. `local`: a sliding layer's under
+    under Llama 3.1's `rope_scaling` remapped by how many turns they make over the context it was
+    first trained on: fewer than low_freq_factor, slowed by `factor` (long context); more than
+    high_freq_factor, kept (local order); in between, a linear blend. `local`: a sliding layer's under
     model.rope_local_base_freq (its theta, no scaling: Gemma 3's)."""
     d, s = cfg.rotary_dim, {} if local else cfg.rope_scaling
     theta = cfg.rope_local_base_freq if local else cfg.rope_theta
@@ -113,7 +113,7 @@ def _yarn(s: dict, d: int, theta: float, powers: torch.Tensor) -> torch.Tensor:
     low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001  # a step, not a division by zero
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(powers.device)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=powers.device) - low) / (high - low)).clamp(0, 1)
     kept = 1 - ramp
     return 1.0 / (s["factor"] * powers) * (1 - kept) + 1.0 / powers * kept
 

@@ -3,7 +3,8 @@ config.json keys and tensor names, both ways: Llama's math throughout, with a sl
 (MistralForCausalLM), biases on q, k and v (Qwen2ForCausalLM), an RMSNorm over each head of q
 and k (Qwen3ForCausalLM), or q, k and v in one tensor and gate and up in another
 (Phi3ForCausalLM: Phi-3 mini and medium, phi-4; with LongRoPE, Phi-3 mini 128k and Phi-3.5 mini;
-RoPE on 3/4 of each head too, phi-4-mini); Gemma's (GemmaForCausalLM, Gemma3ForCausalLM) config
+RoPE on 3/4 of each head too, phi-4-mini), Llama 3.1's or YaRN's RoPE scaling (the long-context
+Qwen2.5 and Qwen3) elsewhere; Gemma's (GemmaForCausalLM, Gemma3ForCausalLM) config
 keys are train/hf_gemma.py's; the mixtures of experts' (MixtralForCausalLM, Qwen2MoeForCausalLM,
 Qwen3MoeForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
 train/hf_moe.py's, DeepSeek's latent attention train/hf_deepseek.py's.

@@ -34,6 +34,7 @@ from tetrad.plan.activations import (activation_bytes, after_bi_weight, as_run,
                                      chunk_weights, mask_bias_bytes, norm_saved_bytes, rebuilt_bytes)
 from tetrad.plan.buckets import RankBuckets, rank_buckets, shard_params
 from tetrad.plan import moe
+from tetrad.plan.latent import widths
 from tetrad.plan.pipeline import inflight
 from tetrad.plan.stacks import Stack
 
@@ -309,8 +310,9 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, buckets: RankBucket
     if p.tp > 1 and p.sequence_parallel and not stack.sp_saves_gathered_input:  # gathered again in backward
         out += 2 * hidden
     if p.cp > 1:
-        q, kv = m.n_heads * m.head_dim / p.tp, 2 * m.n_kv_heads * m.head_dim / p.tp
-        out += tokens * (2 * kv * e + 2 * kv * 4 + 4 * q)  # K/V in flight, dK/dV fp32, output/dq fp32
+        w = widths(m, p.tp)
+        kv = w.k + w.v
+        out += tokens * (2 * kv * e + 2 * kv * 4 + 4 * w.q)  # K/V in flight, dK/dV fp32, output/dq fp32
     if p.pp > 1:
         out += 2 * hidden / (p.tp if p.sequence_parallel else 1)
     return out

@@ -1,6 +1,7 @@
 """Tensor-parallel layers (Megatron-style): column-, row- and vocab-parallel linears and
-embedding, dropout on the residual stream, and vocab-parallel cross-entropy. With tp = 1 each is a
-plain linear or embedding. Their communication is model/mappings.py's.
+embedding, dropout on the residual stream, and vocab-parallel cross-entropy; and the norms, which
+every tp rank holds whole. With tp = 1 each is a plain linear or embedding. Their communication is
+model/mappings.py's.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tetrad.config import ModelConfig
 from tetrad.model.execution import Execution, run_eagerly
 from tetrad.model.mappings import column_parallel_linear, column_parallel_linears, linear, reduce_tp_output
 from tetrad.model.sharding import new_param
@@ -38,6 +40,27 @@ class ColumnParallelLinear(nn.Module):
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         """y + the bias, where there is one (a fused input collective gives the product alone)."""
         return y if self.bias is None else y + self.bias
+
+
+class Norm(nn.Module):
+    """RMSNorm, LayerNorm (with bias) or Gemma's RMSNorm (fp32, times 1 + weight: its weight an
+    offset, zero at init) over the last dimension (d_model, or `width`); replicated over tp.
+    `per_head`: qk-norm's, over each head, its gradient split over tp (ParamSpec)."""
+
+    def __init__(self, cfg: ModelConfig, width: int | None = None, per_head: bool = False):
+        super().__init__()
+        width = width or cfg.d_model
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        init = "zeros" if cfg.norm == "gemma_rmsnorm" else "ones"
+        self.weight = new_param((width,), init=init, grad_split_over_tp=per_head)
+        self.bias = new_param((width,), init="zeros", grad_split_over_tp=per_head) if cfg.norm == "layernorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rmsnorm":
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if self.kind == "gemma_rmsnorm":  # HF's Gemma3RMSNorm: (x * w) rounded once, not x rounded, then * w
+            return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * (1.0 + self.weight.float())).type_as(x)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
 class RowParallelLinear(nn.Module):

@@ -1,0 +1,147 @@
+"""Multi-head latent attention (model.kv_lora_rank > 0, model/latent_attention.py): its output is
+transformers' DeepseekV3Attention's with the same weights (with and without the q latent); every
+layout trains it as one process does (its replicated down projections and latent norms, under tp
+with and without SP; values padded to the q/k width through the ring and all-to-all); decoding
+over the cached latents gives the full forward's logits; the keys it does not take are refused
+in one line. YaRN's softmax factor (mscale_all_dim) is not compared with transformers here:
+config/rope.py does not take rope_type 'yarn' yet."""
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+from conftest import assert_parity, tiny_config, train_layout
+from tetrad.config import ConfigError
+from tetrad.dist.topology import Topology
+from tetrad.model.flops import parameter_count
+from tetrad.model.llama import Transformer
+from tetrad.model.sharding import init_parameters
+
+# 4 heads of q/k width 12 + 4 = 16 over d_model 64; values 12 wide (padded to 16 in the core)
+MLA = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 12,
+       "n_kv_heads": 4}
+FULL_Q = {**MLA, "q_lora_rank": 0}  # DeepSeek-V2-Lite's: no q latent
+FAMILIES = {"mla": MLA, "mlaq": FULL_Q}
+LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
+    "mla-tp2": ({"tp": 2}, {}),  # the replicated weights' gradients whole on every rank without SP
+    "mla-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),  # the latents gathered; those gradients summed
+    "mlaq-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
+    "mla-cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {}),
+    "mla-cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}),
+    "mla-pp2": ({"pp": 2}, {}),
+    "mla-dp2-zero3": ({"dp": 2, "zero": 3}, {}),
+    "mla-cp2-ring-selective-op": ({"cp": 2, "cp_algo": "ring"}, {"recompute": "selective-op"}),
+    "mla-tp2-sp-selective": ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective"}),
+    "mla-tp2-compile": ({"tp": 2}, {"compile": True}),
+}
+
+
+def _model(model: dict, seed: int = 1) -> Transformer:
+    net = Transformer(tiny_config(model=model).model, Topology.single())
+    init_parameters(net, seed=seed)
+    return net
+
+
+@pytest.mark.parametrize("model", [MLA, FULL_Q])
+def test_the_attention_is_transformers_deepseek_v3s(model):
+    """One layer's attention with the same weights (norm weights made unequal to one, so a latent
+    norm on the wrong slice shows), causal over 10 tokens at positions 3..12."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+    net = _model({**model, "norm_eps": 1e-6})  # transformers' latent norms take 1e-6 whatever rms_norm_eps says
+    attn = net.layers["0"].attn
+    with torch.no_grad():
+        for name in ("q_a_norm", "kv_a_norm"):
+            if hasattr(attn, name):
+                getattr(attn, name).weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
+    hf_cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                              q_lora_rank=model["q_lora_rank"] or None, kv_lora_rank=16, qk_nope_head_dim=12,
+                              qk_rope_head_dim=4, v_head_dim=12, rope_interleave=False, rms_norm_eps=1e-6,
+                              max_position_embeddings=64, attn_implementation="sdpa")
+    hf = DeepseekV3Attention(hf_cfg, 0)
+    names = {"kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_a_norm", "kv_b_proj": "wkv_b", "o_proj": "wo",
+             **({"q_a_proj": "wq_a", "q_a_layernorm": "q_a_norm", "q_b_proj": "wq_b"} if model["q_lora_rank"]
+                else {"q_proj": "wq"})}
+    hf.load_state_dict({f"{theirs}.weight": getattr(attn, ours).weight for theirs, ours in names.items()})
+    x = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(3, 13)
+    with torch.no_grad():
+        ours = attn(x, net.rope(positions))
+        theirs, _ = hf(x, DeepseekV3RotaryEmbedding(hf_cfg)(x, positions[None]), None)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert theirs.abs().max() > 1e-2
+
+
+def test_the_parameters_are_the_specs_and_the_planners_count():
+    """Names and logical shapes as the HF import writes them (docs/design.md); the count flops.py
+    gives the planner and MFU is the built model's."""
+    for model in (MLA, FULL_Q):
+        net = _model(model)
+        shapes = {name.removeprefix("layers.0.attn."): tuple(p.shape) for name, p in net.named_parameters()
+                  if name.startswith("layers.0.attn.")}
+        q = {"wq_a.weight": (24, 64), "q_a_norm.weight": (24,), "wq_b.weight": (64, 24)} if model["q_lora_rank"] \
+            else {"wq.weight": (64, 64)}
+        assert shapes == {**q, "wkv_a.weight": (20, 64), "kv_a_norm.weight": (16,), "wkv_b.weight": (96, 16),
+                          "wo.weight": (64, 48)}
+        assert parameter_count(net.cfg) == sum(p.numel() for p in net.parameters())
+
+
+@pytest.mark.parametrize("model", [MLA, FULL_Q, {**MLA, "sliding_window": 5}])
+def test_decoding_over_the_cached_latents_gives_the_full_forward_logits(model):
+    """The prompt at once, then a token at a time, attending in the latent space (up projections
+    absorbed); a window's layer keeps two windows of latents and moves them as it fills."""
+    net = _model(model).eval()
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = net(tokens, torch.arange(20))
+        cache = {}
+        steps = [net(tokens[:, :7], torch.arange(7), cache=cache)]
+        steps += [net(tokens[:, i:i + 1], torch.tensor([i]), cache=cache) for i in range(7, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert full.abs().max() > 1e-2
+    held = cache["0"]
+    assert held.v is None and held.k.shape[1:] == (1, held.k.shape[2], 16 + 4)  # one latent per token
+
+
+@pytest.mark.parametrize("change,fix", [
+    ({"n_kv_heads": 2}, "set model.n_kv_heads=4"),
+    ({"head_dim": 32}, "set model.head_dim=16 or leave it 0"),
+    ({"qk_rope_head_dim": 3, "qk_nope_head_dim": 13}, "make it even"),
+    ({"qk_nope_head_dim": 11}, "make qk_nope_head_dim even"),
+    ({"v_head_dim": 17}, "set model.v_head_dim <= 16"),
+    ({"pos": "learned"}, "set model.pos='rope'"),
+    ({"partial_rotary_factor": 0.5}, "set model.partial_rotary_factor=1"),
+    ({"qk_norm": True}, "set model.qk_norm=false"),
+    ({"qkv_bias": True}, "set model.qkv_bias=false"),
+    ({"norm": "layernorm"}, "set model.norm='rmsnorm'"),
+    ({"query_pre_attn_scalar": 20.0}, "set model.query_pre_attn_scalar=0"),
+])
+def test_what_latent_attention_does_not_take_is_refused_in_one_line(change, fix):
+    with pytest.raises(ConfigError, match=r"^[^\n]*" + fix.replace("(", r"\(").replace(")", r"\)") + r"[^\n]*$"):
+        tiny_config(model={**MLA, **change})
+
+
+@lru_cache(maxsize=None)
+def _one_process(family: str):
+    return train_layout(tiny_config(model=FAMILIES[family]))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_single_process(name):
+    parallel, train = LAYOUTS[name]
+    family = name.split("-")[0]
+    got = train_layout(tiny_config(parallel=parallel, model=FAMILIES[family], train=train),
+                       timeout_s=900 if "compile" in name else 300)
+    assert_parity(got, _one_process(family), atol=1e-4)  # tp's bound (tests/test_tp.py)
+
+
+def test_the_latent_weights_train():
+    """The latent norms start at one and the down projections from their init: a layout that
+    dropped their gradients shows in the parity above; here they move at all."""
+    _, state, _ = _one_process("mla")
+    start = _model(MLA, seed=0).state_dict()
+    for leaf in ("wq_a.weight", "q_a_norm.weight", "wkv_a.weight", "kv_a_norm.weight"):
+        name = f"layers.1.attn.{leaf}"
+        assert (state[name] - start[name]).abs().min() > 0, name

@@ -98,6 +98,12 @@ def _latent_attention(m: ModelConfig, tp: int) -> list[tuple[int, int]]:
                     (kv_up, SPLIT), (d * _local(heads * m.v_head_dim, tp), SPLIT)]
 
 
+def layer_params_on_rank(m: ModelConfig, tp: int, ep: int) -> int:
+    """Parameters of one layer on a rank, of its experts E/ep: `layer_parameters`' elements (the
+    planner's own count, latent attention's replicated down projections whole)."""
+    return sum(n for n, _ in layer_parameters(m, tp, ep))
+
+
 class Shapes(NamedTuple):
     """What a rank's parameter list depends on, hashable (the layout is cached by it)."""
     layer: tuple[tuple[int, int], ...]  # layer_parameters of an MoE layer (of every layer in a dense model)

@@ -23,8 +23,8 @@ from tetrad.plan.kernels import masked_attention
 from tetrad.plan.latent import latents, projections, regathered_inputs, tp_inputs, widths
 from tetrad.plan.links import all_to_all_time, expert_shard_stride, group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
-from tetrad.plan.moe import (ep_all_to_alls, expert_grad_bytes, expert_shard_ranks, rank_layer_params,
-                             routing_bytes_per_token)
+from tetrad.plan.buckets import layer_params_on_rank
+from tetrad.plan.moe import ep_all_to_alls, expert_grad_bytes, expert_shard_ranks, routing_bytes_per_token
 from tetrad.plan.stacks import EAGER_ELEMENTWISE, Stack
 
 GEMM_HALF_DIM = 128  # a GEMM dimension this small reaches half the large-GEMM efficiency (tile quantisation)
@@ -83,7 +83,7 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     # under FSDP's ZeRO-3, which reduce-scatters every micro-batch and accumulates only its shard.
     fsdp = p.zero == 3 and stack.zero3_impl != "buckets"
     if not stack.fused_grad_accumulation and cfg.microbatches > 1 and not fsdp:
-        params = rank_layer_params(m, p.tp, p.ep)
+        params = layer_params_on_rank(m, p.tp, p.ep)
         compute_bw += params * 12 / cluster.gpu.hbm_bytes_per_s  # fp32 accumulator: read it and the new gradient, write it
     e = activation_bytes(t.dtype)
     tp_f, tp_b, tp_again = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
@@ -335,7 +335,7 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
         return 0.0, 0.0
     experts = flops.mlp_matrix_params(m) / p.tp / p.ep if p.ep > 1 and m.n_experts else 0.0
     n_e = expert_shard_ranks(p)
-    groups = [(rank_layer_params(m, p.tp, p.ep) - experts, sharded, group_link(cluster, p.tp, sharded)),
+    groups = [(layer_params_on_rank(m, p.tp, p.ep) - experts, sharded, group_link(cluster, p.tp, sharded)),
               (experts, n_e, group_link(cluster, expert_shard_stride(cluster.gpus_per_node, p), n_e))]
     gather, scatter = (sum(ring_time(op, params * nbytes, ranks, *link) for params, ranks, link in groups if params)
                        for op, nbytes in (("all_gather", state_bytes_per_param(t.dtype)[0]),
@@ -362,7 +362,7 @@ def _zero3_copies(cfg: Config, gpu: GPU, stack: Stack) -> tuple[float, float, fl
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.zero < 3 or p.dp * p.cp == 1 or stack.zero3_impl == "buckets":
         return 0.0, 0.0, 0.0
-    params = rank_layer_params(m, p.tp, p.ep)
+    params = layer_params_on_rank(m, p.tp, p.ep)
     e, r = state_bytes_per_param(t.dtype)[0], stack.grad_reduce_bytes
     per_byte = params / gpu.hbm_bytes_per_s
     if stack.zero3_impl == "fsdp1":

@@ -21,7 +21,7 @@ from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_chunk_layers
 from tetrad.plan import moe
 from tetrad.plan.kernels import masked_attention
-from tetrad.plan.latent import latents, projections, widths
+from tetrad.plan.latent import core_inputs, latents, projections, widths
 from tetrad.plan.stacks import STACKS, Stack
 
 
@@ -86,7 +86,10 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
     mlp = stack.swiglu_saved if m.gated_mlp else 2  # GELU: its input and the fc2 input
     mlp = moe.expert_hidden_saved(m) if m.n_experts else mlp
-    split = tokens * e * (w.q + w.k + w.v + w.out + (stack.attn_out_copies - 1) * w.wo + mlp * f)
+    attention = w.q + w.k + w.v + w.out + (stack.attn_out_copies - 1) * w.wo
+    if recompute == "selective" and m.latent_attention:  # the core's inputs, and the sliced output wo keeps
+        attention = core_inputs(m, tp) + w.wo
+    split = tokens * e * (attention + mlp * f)
     replicated += latent_saved_bytes(m, tokens, tp, sp, e, stack)
     # MoE: the routing's tensors; a shared expert's as a dense MLP of its width, and its gate's
     replicated += tokens * moe.routing_saved_bytes_per_token(m, e)

@@ -63,6 +63,16 @@ def projections(m: ModelConfig, tp: int) -> list[tuple[float, float, bool]]:
     return [(h, kv_latent, True), *query, (m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim) / tp, False)]
 
 
+def core_inputs(m: ModelConfig, tp: int) -> float:
+    """Width of what selective recompute keeps of the attention core's inputs on one tp rank: q, k
+    and v; under latent attention q and the up-projected [k_nope, v] (the shared rotated key is
+    the latents', kept already): the core builds the keys and pads the values again."""
+    w = widths(m, tp)
+    if not m.latent_attention:
+        return w.q + w.k + w.v
+    return w.q + m.n_heads * (m.qk_nope_head_dim + m.v_head_dim) / tp
+
+
 def tp_inputs(m: ModelConfig) -> list[int]:
     """Widths of the attention's input collectives over tp (SP's all-gathers forward; the
     gradient's all-reduce or reduce-scatter backward): d_model for q, k and v; latent attention's

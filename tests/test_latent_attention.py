@@ -19,6 +19,8 @@ from tetrad.model import flops
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import init_parameters
 from tetrad.train.batched import generate_batch
+from tetrad.train.checkpoint import CheckpointError
+from tetrad.train.trainer import Trainer
 
 # 4 heads of q/k width 12 + 4 = 16 over d_model 64; values 12 wide (padded to 16 in the core)
 MLA = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 12,
@@ -148,6 +150,22 @@ def test_a_left_padded_batch_and_tp2_decode_each_prompt_as_alone():
 def test_what_latent_attention_does_not_take_is_refused_in_one_line(change, fix):
     with pytest.raises(ConfigError, match=r"^[^\n]*" + fix.replace("(", r"\(").replace(")", r"\)") + r"[^\n]*$"):
         tiny_config(model={**MLA, **change})
+
+
+def _run(run_dir, steps: int, model: dict) -> None:
+    Trainer(tiny_config(model=model, train={"steps": steps}, checkpoint={"every": 1}, run={"dir": str(run_dir)}),
+            torch.device("cpu")).fit()
+
+
+def test_resuming_with_another_latent_width_is_refused_by_name(tmp_path):
+    """The latent widths decide the weights' shapes: a resume with another is refused naming it,
+    as any shape key; a model without latent attention ignores them (not a shape)."""
+    _run(tmp_path / "mla", 1, MLA)
+    with pytest.raises(CheckpointError, match=r"model\.kv_lora_rank = 16 in the checkpoint, 8 here"):
+        _run(tmp_path / "mla", 2, {**MLA, "kv_lora_rank": 8})
+    _run(tmp_path / "plain", 1, {})
+    _run(tmp_path / "plain", 2, {"v_head_dim": 7})
+    assert (tmp_path / "plain" / "checkpoints" / "step_00000002").is_dir()
 
 
 @lru_cache(maxsize=None)

@@ -11,12 +11,16 @@ from functools import lru_cache
 import pytest
 import torch
 
-from conftest import assert_parity, tiny_config, train_layout
+from conftest import assert_parity, run_ranks, tiny_config, train_layout
+from test_generate_batch import PROMPTS, SAMPLINGS, _alone, _batch_on_this_rank, _early_stop, _sharp
 from tetrad.config import ConfigError
 from tetrad.dist.topology import Topology
-from tetrad.model.flops import parameter_count
+from tetrad.model import flops
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import init_parameters
+from tetrad.train.batched import generate_batch
+from tetrad.train.checkpoint import CheckpointError
+from tetrad.train.trainer import Trainer
 
 # 4 heads of q/k width 12 + 4 = 16 over d_model 64; values 12 wide (padded to 16 in the core)
 MLA = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 12,
@@ -84,24 +88,50 @@ def test_the_parameters_are_the_specs_and_the_planners_count():
             else {"wq.weight": (64, 64)}
         assert shapes == {**q, "wkv_a.weight": (20, 64), "kv_a_norm.weight": (16,), "wkv_b.weight": (96, 16),
                           "wo.weight": (64, 48)}
-        assert parameter_count(net.cfg) == sum(p.numel() for p in net.parameters())
+        assert flops.parameter_count(net.cfg) == sum(p.numel() for p in net.parameters())
+
+
+@pytest.mark.parametrize("model", [MLA, FULL_Q])
+def test_the_training_flops_count_every_weight_and_the_value_width(model):
+    """MFU's numerator (model/flops.py): 2 FLOPs per token for each weight of a layer's matrices,
+    the replicated down projections as the split ones; QK^T at the q/k width 16, AV at v_head_dim
+    12 (not the core's padding)."""
+    net = _model(model)
+    weights = sum(p.numel() for name, p in net.named_parameters() if name.startswith("layers.0.") and p.dim() == 2)
+    assert flops.layer_matmul_flops(net.cfg) == 2 * weights
+    assert flops.attention_core_flops(net.cfg, 32) == 2 * 32 * 4 * (16 + 12)
 
 
 @pytest.mark.parametrize("model", [MLA, FULL_Q, {**MLA, "sliding_window": 5}])
 def test_decoding_over_the_cached_latents_gives_the_full_forward_logits(model):
-    """The prompt at once, then a token at a time, attending in the latent space (up projections
-    absorbed); a window's layer keeps two windows of latents and moves them as it fills."""
+    """The prompt at once, three tokens after it (a chat turn's), then a token at a time, attending
+    in the latent space (up projections absorbed); a window's layer keeps two windows of latents
+    and moves them as it fills."""
     net = _model(model).eval()
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = net(tokens, torch.arange(20))
         cache = {}
-        steps = [net(tokens[:, :7], torch.arange(7), cache=cache)]
-        steps += [net(tokens[:, i:i + 1], torch.tensor([i]), cache=cache) for i in range(7, 20)]
+        steps = [net(tokens[:, :7], torch.arange(7), cache=cache),
+                 net(tokens[:, 7:10], torch.arange(7, 10), cache=cache)]
+        steps += [net(tokens[:, i:i + 1], torch.tensor([i]), cache=cache) for i in range(10, 20)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
     assert full.abs().max() > 1e-2
     held = cache["0"]
     assert held.v is None and held.k.shape[1:] == (1, held.k.shape[2], 16 + 4)  # one latent per token
+
+
+def test_a_left_padded_batch_and_tp2_decode_each_prompt_as_alone():
+    """Prompts of 1 to 27 tokens left-padded in one batch (the cached latents' pad columns hidden),
+    seeded, one row stopping at an EOS: each row's tokens are its own alone; so on two tp ranks,
+    each with half the heads (its slice of wkv_b absorbed) and the whole latent cache."""
+    net, sampling = _sharp(MLA), SAMPLINGS["seeded"]
+    stop = _early_stop(net, sampling)
+    alone = _alone(net, PROMPTS, 10, sampling, stop)
+    assert len({tuple(new[:3]) for new, _ in alone}) == len(PROMPTS), alone  # each row its own tokens
+    assert generate_batch(net, PROMPTS, 10, sampling, seed=3, stop=stop) == alone
+    state = {name: p.detach().clone() for name, p in net.named_parameters()}
+    assert run_ranks(_batch_on_this_rank, 2, net.cfg, state, sampling, stop) == [alone, alone]
 
 
 @pytest.mark.parametrize("change,fix", [
@@ -120,6 +150,22 @@ def test_decoding_over_the_cached_latents_gives_the_full_forward_logits(model):
 def test_what_latent_attention_does_not_take_is_refused_in_one_line(change, fix):
     with pytest.raises(ConfigError, match=r"^[^\n]*" + fix.replace("(", r"\(").replace(")", r"\)") + r"[^\n]*$"):
         tiny_config(model={**MLA, **change})
+
+
+def _run(run_dir, steps: int, model: dict) -> None:
+    Trainer(tiny_config(model=model, train={"steps": steps}, checkpoint={"every": 1}, run={"dir": str(run_dir)}),
+            torch.device("cpu")).fit()
+
+
+def test_resuming_with_another_latent_width_is_refused_by_name(tmp_path):
+    """The latent widths decide the weights' shapes: a resume with another is refused naming it,
+    as any shape key; a model without latent attention ignores them (not a shape)."""
+    _run(tmp_path / "mla", 1, MLA)
+    with pytest.raises(CheckpointError, match=r"model\.kv_lora_rank = 16 in the checkpoint, 8 here"):
+        _run(tmp_path / "mla", 2, {**MLA, "kv_lora_rank": 8})
+    _run(tmp_path / "plain", 1, {})
+    _run(tmp_path / "plain", 2, {"v_head_dim": 7})
+    assert (tmp_path / "plain" / "checkpoints" / "step_00000002").is_dir()
 
 
 @lru_cache(maxsize=None)

@@ -34,7 +34,8 @@ LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "mlaq-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
     "mla-cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {}),
     "mla-cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}),
-    "mla-pp2": ({"pp": 2}, {}),
+    "mla-pp2-zb": ({"pp": 2, "schedule": "zb"}, {}),  # the down projections' weight gradients deferred to BW
+    "mla-dp2-tp2-sp-zero1": ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}),
     "mla-dp2-zero3": ({"dp": 2, "zero": 3}, {}),
     "mla-cp2-ring-selective-op": ({"cp": 2, "cp_algo": "ring"}, {"recompute": "selective-op"}),
     "mla-tp2-sp-selective": ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective"}),

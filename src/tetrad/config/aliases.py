@@ -55,6 +55,10 @@ KEY_ALIASES = {
     # torchtitan's) its two best: the same at DeepSeek-V3's top-8 of 4 groups, another choice elsewhere
     **dict.fromkeys(("moe_router_num_groups", "num_expert_groups", "n_group"), "model.expert_groups"),
     **dict.fromkeys(("moe_router_group_topk", "num_limited_groups", "topk_group"), "model.expert_groups_per_token"),
+    # Megatron-Core's latent attention: its switch (kv_lora_rank > 0 is ours), qk_head_dim the unrotated
+    # dims (q_lora_rank, kv_lora_rank, v_head_dim and torchtitan's/HF's qk_*_head_dim are our names)
+    "multi_latent_attention": "model.kv_lora_rank", "qk_head_dim": "model.qk_nope_head_dim",
+    "qk_pos_emb_head_dim": "model.qk_rope_head_dim",
 }
 # Megatron-LM's switches (no value) as the override that does what each asks.
 FLAG_ALIASES = {"bf16": "train.dtype=bf16", "fp16": "train.dtype=fp16",
@@ -62,7 +66,8 @@ FLAG_ALIASES = {"bf16": "train.dtype=bf16", "fp16": "train.dtype=fp16",
                 "swiglu": "model.mlp=swiglu", "untie_embeddings_and_output_weights": "model.tie_embeddings=false",
                 "add_qkv_bias": "model.qkv_bias=true", "qk_layernorm": "model.qk_norm=true",
                 # its bias update rate's default, which that flag turns on
-                "moe_router_enable_expert_bias": "model.router_bias_update_rate=0.001"}
+                "moe_router_enable_expert_bias": "model.router_bias_update_rate=0.001",
+                "multi_latent_attention": "model.kv_lora_rank=512"}  # Megatron-Core's default rank
 # torchtitan's tables whose keys live in one of ours.
 SECTION_ALIASES = {"optimizer": "train", "lr_scheduler": "train", "activation_checkpoint": "train",
                    "job": "run", "metrics": "run", "parallelism": "parallel"}

@@ -129,8 +129,8 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True, r
     _check_world(cfg.parallel, world_size)
     _check_heads(cfg)
     check_experts(cfg)
+    check_latent_attention(cfg.model)  # before RoPE's: its head_dim is nope + rope
     check_rope(cfg.model)
-    check_latent_attention(cfg.model)
     _check_pipeline(cfg, runtime)
     _check_sequence(cfg)
     _check_gradients(cfg)

@@ -18,6 +18,11 @@ is the active FLOPs' share of the peak, as Mixtral's and DeepSeek's reports coun
 expert (model.shared_expert_ffn_hidden, and its gate) is a dense MLP every token runs: active.
 Layers differ where model.dense_layers names some: each is a dense model's layer (`layer_model`),
 and the model's counts sum over its layers' kinds (`layer_kinds`).
+
+Latent attention (model.kv_lora_rank > 0, model/latent_attention.py): its up projections (wq_b or
+wq, wkv_b) and wo are split over tp, its down projections (wq_a, wkv_a) and their norms are
+replicated; QK^T counts the q/k width (nope + rope), AV the value width v_head_dim (the core's
+zero padding of the values to the q/k width is not the model's arithmetic).
 """
 
 from __future__ import annotations
@@ -62,12 +67,22 @@ def over_layers(m: ModelConfig, per_layer, chunks: Sequence[range] | None = None
 def layer_matmul_flops(m: ModelConfig) -> float:
     """Forward FLOPs per token of one layer's weight matmuls (q, k, v, o projections and the MLP:
     under MoE the router and the token's k experts alone, the shared expert and its gate)."""
-    return 2 * (attention_matrix_params(m) + mlp_matrix_params(m, active=True) + router_params(m)
-                + shared_expert_matrix_params(m) + shared_gate_params(m))
+    return 2 * (attention_matrix_params(m) + latent_down_params(m) + mlp_matrix_params(m, active=True)
+                + router_params(m) + shared_expert_matrix_params(m) + shared_gate_params(m))
 
 
 def attention_matrix_params(m: ModelConfig) -> int:
-    return m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+    """Weights of one layer's attention linears split over tp: q, k, v and o; under latent
+    attention q's (from the q latent, or d_model), wkv_b and wo."""
+    if not m.latent_attention:
+        return m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+    return m.n_heads * ((m.q_lora_rank or m.d_model) * m.head_dim
+                        + m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) + m.v_head_dim * m.d_model)
+
+
+def latent_down_params(m: ModelConfig) -> int:
+    """Latent attention's down projections wq_a and wkv_a, replicated over tp (0 without it)."""
+    return m.d_model * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) if m.latent_attention else 0
 
 
 def mlp_hidden(m: ModelConfig, active: bool = False) -> int:
@@ -114,7 +129,7 @@ def layer_params(m: ModelConfig, tp: int) -> float:
     """Parameters of one layer on a tp rank: its share of the linears' weights and biases, and
     the norms, which every rank holds whole."""
     return ((layer_matrix_params(m) + layer_bias_params(m)) / tp + layer_norm_params(m) + router_params(m)
-            + shared_gate_params(m))
+            + shared_gate_params(m) + latent_down_params(m))
 
 
 def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
@@ -122,10 +137,21 @@ def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
     row-parallel, rows per token): q, k, v, the output projection, then gate, up and down (SwiGLU)
     or fc1 and fc2, under MoE the experts' (k rows a token, H wide; the router, small and
     replicated, left out). Row-parallel ones split their input over tp and give the whole
-    hidden state."""
-    h, q, kv = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    hidden state. Latent attention's are wkv_a, wq_a, wq_b (or wq), wkv_b and wo; its down
+    projections, replicated, are listed as row-parallel (whole outputs), though their input is whole
+    too (not split over tp)."""
     f, k = (m.expert_hidden, m.experts_per_token) if m.n_experts else (m.ffn_hidden, 1)
-    return [(h, q, False, 1), (h, kv, False, 1), (h, kv, False, 1), (q, h, True, 1), *_mlp_matmuls(m, f, k)]
+    return [*_attention_matmuls(m), *_mlp_matmuls(m, f, k)]
+
+
+def _attention_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
+    h, q, kv = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    if not m.latent_attention:
+        return [(h, q, False, 1), (h, kv, False, 1), (h, kv, False, 1), (q, h, True, 1)]
+    down = [(h, m.kv_lora_rank + m.qk_rope_head_dim, True, 1)]
+    down += [(h, m.q_lora_rank, True, 1), (m.q_lora_rank, q, False, 1)] if m.q_lora_rank else [(h, q, False, 1)]
+    return [*down, (m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim), False, 1),
+            (m.n_heads * m.v_head_dim, h, True, 1)]
 
 
 def _mlp_matmuls(m: ModelConfig, f: int, rows: int) -> list[tuple[int, int, bool, int]]:
@@ -141,7 +167,7 @@ def op_checkpoint_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
     if not m.n_experts:
         return layer_matmuls(m)
     shared = _mlp_matmuls(m, m.shared_expert_ffn_hidden, 1) if m.shared_expert_ffn_hidden else []
-    return layer_matmuls(m)[:4] + shared
+    return _attention_matmuls(m) + shared
 
 
 def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
@@ -157,8 +183,11 @@ def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, in
 
 def layer_norm_params(m: ModelConfig) -> int:
     """Weights of one layer's norms, replicated over tp: the two before attention and the MLP (and
-    the sandwich norms after them: Gemma 3), and qk-norm's (`layer_qk_norm_params`)."""
-    return (4 if m.sandwich_norm else 2) * m.d_model * (2 if m.norm == "layernorm" else 1) + layer_qk_norm_params(m)
+    the sandwich norms after them: Gemma 3), qk-norm's (`layer_qk_norm_params`) and latent
+    attention's over its latents."""
+    latent = m.q_lora_rank + m.kv_lora_rank if m.latent_attention else 0
+    return (4 if m.sandwich_norm else 2) * m.d_model * (2 if m.norm == "layernorm" else 1) + layer_qk_norm_params(m) \
+        + latent
 
 
 def layer_qk_norm_params(m: ModelConfig) -> int:
@@ -173,7 +202,7 @@ def attention_core_flops(m: ModelConfig, seq_len: int) -> float:
     the layers where model.layer_types gives them different windows."""
     windows = layer_windows(m)
     keys = sum(min(seq_len, w) if w else seq_len for w in windows) / len(windows)
-    return 2 * 2 * keys * m.n_heads * m.head_dim
+    return 2 * keys * m.n_heads * (m.head_dim + (m.v_head_dim if m.latent_attention else m.head_dim))
 
 
 def hides_keys(window: int, length: int) -> bool:

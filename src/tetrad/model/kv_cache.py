@@ -46,18 +46,21 @@ class LayerCache:
         last window - 1 before the new ones and the new ones (all any of their queries sees)."""
         return (min(self.length, self.window - 1) if self.window else self.length) + new
 
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the new tokens' k, v ([b, s, kv_heads, head_dim]); the keys and values of the
-        `keys_with(s)` last tokens, [b, kv_heads, tokens, head_dim] views of the buffers."""
-        self._make_room(k, k.shape[1])
+        `keys_with(s)` last tokens, [b, kv_heads, tokens, head_dim] views of the buffers. `v` None:
+        keys alone, returned as both (latent attention's latents, model/latent_attention.py)."""
+        self._make_room(k, k.shape[1], v is not None)
         at, end = self.length - self.start, self.length + k.shape[1] - self.start  # buffer columns
         self.k[:, :, at:end] = k.transpose(1, 2)
-        self.v[:, :, at:end] = v.transpose(1, 2)
+        if v is not None:
+            self.v[:, :, at:end] = v.transpose(1, 2)
         first = end - self.keys_with(k.shape[1])
         self.length += k.shape[1]
-        return self.k[:, :, first:end], self.v[:, :, first:end]
+        values = self.k if self.v is None else self.v
+        return self.k[:, :, first:end], values[:, :, first:end]
 
-    def _make_room(self, like: torch.Tensor, new: int) -> None:
+    def _make_room(self, like: torch.Tensor, new: int, values: bool = True) -> None:
         """Buffers that hold the tokens kept and `new` more: where they do not, a window's layer
         forgets what no query from here on sees (but the quarter window to go back over), and
         buffers of the size below hold the rest at their front (the same ones where that fits)."""
@@ -71,20 +74,24 @@ class LayerCache:
             size = self.reserved if self.reserved >= end else max(end, 2 * capacity)
         kept, first = self.length - start, start - self.start  # tokens kept, and their first column
         if size == capacity:  # they move to the buffers' front; cloned, as the two may overlap
-            self.k[:, :, :kept] = self.k[:, :, first:first + kept].clone()
-            self.v[:, :, :kept] = self.v[:, :, first:first + kept].clone()
+            for buffer in self._buffers():
+                buffer[:, :, :kept] = buffer[:, :, first:first + kept].clone()
         else:
             b, _, kv_heads, head_dim = like.shape
-            k, v = (like.new_empty(b, kv_heads, size, head_dim) for _ in range(2))
-            if self.k is not None:
-                k[:, :, :kept], v[:, :, :kept] = self.k[:, :, first:first + kept], self.v[:, :, first:first + kept]
-            self.k, self.v = k, v
+            new = [like.new_empty(b, kv_heads, size, head_dim) for _ in range(2 if values else 1)]
+            for old, buffer in zip(self._buffers(), new):
+                buffer[:, :, :kept] = old[:, :, first:first + kept]
+            self.k, self.v = new[0], new[1] if values else None
         self.start = start
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep the batch rows `rows` alone (a batch whose other rows finished): a copy of theirs,
         after which the finished rows cost no more compute."""
-        self.k, self.v = self.k[rows], self.v[rows]
+        self.k, self.v = (None if t is None else t[rows] for t in (self.k, self.v))
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """The buffers held: keys and values, or keys alone (`extend`)."""
+        return [t for t in (self.k, self.v) if t is not None]
 
     def can_keep(self, tokens: int) -> bool:
         """Whether `keep(tokens)` leaves every key the next token sees: a window's layer has

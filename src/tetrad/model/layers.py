@@ -1,6 +1,7 @@
 """Tensor-parallel layers (Megatron-style): column-, row- and vocab-parallel linears and
-embedding, dropout on the residual stream, and vocab-parallel cross-entropy. With tp = 1 each is a
-plain linear or embedding. Their communication is model/mappings.py's.
+embedding, dropout on the residual stream, and vocab-parallel cross-entropy; and the norms, which
+every tp rank holds whole. With tp = 1 each is a plain linear or embedding. Their communication is
+model/mappings.py's.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tetrad.config import ModelConfig
 from tetrad.model.execution import Execution, run_eagerly
 from tetrad.model.mappings import column_parallel_linear, column_parallel_linears, linear, reduce_tp_output
 from tetrad.model.sharding import new_param
@@ -40,6 +42,27 @@ class ColumnParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Norm(nn.Module):
+    """RMSNorm, LayerNorm (with bias) or Gemma's RMSNorm (fp32, times 1 + weight: its weight an
+    offset, zero at init) over the last dimension (d_model, or `width`); replicated over tp.
+    `per_head`: qk-norm's, over each head, its gradient split over tp (ParamSpec)."""
+
+    def __init__(self, cfg: ModelConfig, width: int | None = None, per_head: bool = False):
+        super().__init__()
+        width = width or cfg.d_model
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        init = "zeros" if cfg.norm == "gemma_rmsnorm" else "ones"
+        self.weight = new_param((width,), init=init, grad_split_over_tp=per_head)
+        self.bias = new_param((width,), init="zeros", grad_split_over_tp=per_head) if cfg.norm == "layernorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rmsnorm":
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if self.kind == "gemma_rmsnorm":  # HF's Gemma3RMSNorm: (x * w) rounded once, not x rounded, then * w
+            return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * (1.0 + self.weight.float())).type_as(x)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
 class RowParallelLinear(nn.Module):
     """y = sum over tp of x_local W_local^T, W split by input columns; the output is complete
     (under SP: complete for this rank's sequence chunk)."""
@@ -52,6 +75,21 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_tp_output(linear(x, self.weight, self.ex), self.topo, self.ex)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T, W [out, in] whole on every tp rank, no communication (latent attention's down
+    projections); its gradient, where each tp rank's covers part of the tokens (SP), is summed over
+    tp as the norms' are (parallel/data/finalize.py). Its weight gradient goes through `linear`,
+    as the parallel linears' do (sinks, zero-bubble's BW)."""
+
+    def __init__(self, in_features: int, out_features: int, ex: Execution):
+        super().__init__()
+        self.ex = ex
+        self.weight = new_param((out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.ex)
 
 
 class MLP(nn.Module):

@@ -19,7 +19,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tetrad.config import ModelConfig
@@ -32,30 +31,10 @@ from tetrad.model.replay import RingReplay
 from tetrad.model.rope import apply_rope, rope_frequencies, rope_tables, uses_long_factors
 from tetrad.model.execution import Execution
 from tetrad.model.sharding import new_param
-from tetrad.model.layers import (MLP, ColumnParallelLinear, ResidualDropout, RowParallelLinear, VocabParallelEmbedding,
-                                 vocab_parallel_cross_entropy)
+from tetrad.model.latent_attention import LatentAttention
+from tetrad.model.layers import (MLP, ColumnParallelLinear, Norm, ResidualDropout, RowParallelLinear,
+                                 VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from tetrad.model.mappings import column_parallel_linear, column_parallel_linears, sequence_shard
-
-
-class Norm(nn.Module):
-    """RMSNorm, LayerNorm (with bias) or Gemma's RMSNorm (fp32, times 1 + weight: its weight an
-    offset, zero at init) over the last dimension (d_model, or `width`); replicated over tp.
-    `per_head`: qk-norm's, over each head, its gradient split over tp (ParamSpec)."""
-
-    def __init__(self, cfg: ModelConfig, width: int | None = None, per_head: bool = False):
-        super().__init__()
-        width = width or cfg.d_model
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
-        init = "zeros" if cfg.norm == "gemma_rmsnorm" else "ones"
-        self.weight = new_param((width,), init=init, grad_split_over_tp=per_head)
-        self.bias = new_param((width,), init="zeros", grad_split_over_tp=per_head) if cfg.norm == "layernorm" else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "rmsnorm":
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        if self.kind == "gemma_rmsnorm":  # HF's Gemma3RMSNorm: (x * w) rounded once, not x rounded, then * w
-            return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * (1.0 + self.weight.float())).type_as(x)
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
 class Attention(nn.Module):
@@ -163,7 +142,8 @@ class Block(nn.Module):
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2/Megatron scaling of residual outputs
         self.local_rope = cfg.local_rope(index)  # the sliding layers' RoPE (model.rope_local_base_freq)
         self.attn_norm = Norm(cfg)
-        self.attn = Attention(cfg, topo, ex, out_std, cfg.window_of(index))
+        attention_kind = LatentAttention if cfg.latent_attention else Attention
+        self.attn = attention_kind(cfg, topo, ex, out_std, cfg.window_of(index))
         self.mlp_norm = Norm(cfg)
         self.mlp = MoE(cfg, topo, ex, out_std) if cfg.moe_layer(index) else MLP(cfg, topo, ex, out_std)
         self.attn_out_norm = Norm(cfg) if cfg.sandwich_norm else nn.Identity()

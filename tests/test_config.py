@@ -41,9 +41,9 @@ ERRORS = [
     ({"model": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}}, None,
      "model.rope_scaling needs exactly rope_type, factor, low_freq_factor, high_freq_factor, "
      "original_max_position_embeddings; missing low_freq_factor, high_freq_factor, original_max_position_embeddings"),
-    ({"model": {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 8192}}}, None,
-     "model.rope_scaling.rope_type='yarn': tetrad has Llama 3.1's 'llama3', 'linear' (Gemma 3's) and Phi-3's 'longrope' scaling only"),
+    ({"model": {"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}}, None,
+     "model.rope_scaling.rope_type='dynamic': tetrad has Llama 3.1's 'llama3', 'linear' (Gemma 3's), Phi-3's 'longrope' "
+     "and 'yarn' (DeepSeek's, Qwen's) scaling only"),
     ({"model": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
                                  "original_max_position_embeddings": 8192}}}, None,
      "model.rope_scaling needs factor >= 1, 0 <= low_freq_factor < high_freq_factor"),

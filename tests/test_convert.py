@@ -52,6 +52,10 @@ LLAMA31_ROPE = {"rope_theta": 500000.0, "rope_scaling": LLAMA31_SCALING}
 PARTIAL_LONGROPE = {"partial_rotary_factor": 0.5, "rope_scaling": {
     "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 4.0, 8.0, 16.0],
     "original_max_position_embeddings": 16, "attention_factor": 1.2}}
+# YaRN over an original context of 4096 (kept, blended and interpolated pairs in a head of 16),
+# cos and sin times mscale(4, 1) / mscale(4, 0.5) = 1.066
+YARN_ROPE = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                              "beta_fast": 16.0, "mscale": 1.0, "mscale_all_dim": 0.5}}
 
 # fp32, the same math in a different order (as in test_model_hf): 1e-4 catches any real mismatch.
 TOL = {"atol": 1e-4, "rtol": 1e-4}
@@ -67,6 +71,7 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}
                                             ({"tp": 2}, {"vocab_size": 251, "qk_norm": True, "head_dim": 24}),
                                             # sliding windows shorter than the 32 tokens: Mistral's, Qwen's
                                             ({"cp": 2}, {"vocab_size": 251, "sliding_window": 5}),
+                                            ({"cp": 2}, {"vocab_size": 251, **YARN_ROPE}),
                                             ({"dp": 2}, {"vocab_size": 251, "qkv_bias": True, "sliding_window": 5}),
                                             ({"dp": 2}, {"vocab_size": 251, "qk_norm": True, "head_dim": 24,
                                                          "sliding_window": 5}),
@@ -205,8 +210,8 @@ def test_rope_read_from_either_transformers_config_form():
         assert (keys["rope_theta"], keys["rope_scaling"]) == (5e5, LLAMA31_SCALING), form
     plain = model_config_from_hf({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}, Path("c"))
     assert (plain["rope_theta"], plain["rope_scaling"]) == (5e5, {})
-    with pytest.raises(ConfigError, match="tetrad's Llama has no {'rope_scaling': {'rope_type': 'yarn'"):
-        model_config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, Path("config.json"))
+    with pytest.raises(ConfigError, match="tetrad's Llama has no {'rope_scaling': {'rope_type': 'dynamic'"):
+        model_config_from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, Path("config.json"))
 
 
 def test_an_hf_model_without_a_tokenizer_exports_back_without_one(tmp_path, capsys):
@@ -406,7 +411,7 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] 
     ({"model_type": "llama", "rope_scaling": LONGROPE}, "{'rope_scaling': {'rope_type': 'longrope'}}"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "{'partial_rotary_factor': 0.5}"),
-    ({"model_type": "llama", "rope_scaling": {**LONGROPE, "type": "yarn"}}, "{'rope_scaling': {'rope_type': 'yarn'}}"),
+    ({"model_type": "llama", "rope_scaling": {**LONGROPE, "type": "dynamic"}}, "{'rope_scaling': {'rope_type': 'dynamic'}}"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 16}}, "{'rope_scaling': {'rope_type': 'llama3'"),
     ({"attention_dropout": 0.1}, "{'attention_dropout': 0.1}"),
@@ -414,7 +419,7 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] 
 def test_phi3_keys_that_tetrad_lacks_are_refused_by_name(keys, named):
     """What would make a model another than tetrad's is refused in one line naming the key:
     LongRoPE or RoPE over part of each head on an architecture whose transformers class has neither
-    (its factor lists left out of the line; `yarn` is YaRN there, LongRoPE's old name on Phi-3 only),
+    (its factor lists left out of the line; `yarn`, LongRoPE's old name on Phi-3, is YaRN elsewhere),
     scaling that transformers' Phi-3 itself has not, dropout on attention probabilities, another
     activation."""
     from tetrad.config import ConfigError

@@ -95,6 +95,9 @@ CASES = {  # name -> (family, config keys, the layers tetrad makes dense)
     "qwen3_moe": ("qwen3_moe", {}, []),
     "qwen3_moe-window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 5}, []),
     "qwen3_moe-dense-unnormalised": ("qwen3_moe", {"mlp_only_layers": [1], "norm_topk_prob": False}, [1]),
+    # Qwen3-30B-A3B's long-context YaRN, over an original 1024 (kept, blended, interpolated pairs of 6)
+    "qwen3_moe-yarn": ("qwen3_moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 1024}}, []),
     "qwen2_moe": ("qwen2_moe", {}, []),  # norm_topk_prob false: Qwen2MoeConfig's default
     "qwen2_moe-mlp-only": ("qwen2_moe", {"mlp_only_layers": [0], "num_hidden_layers": 3}, [0]),
     "qwen2_moe-sparse-step-2": ("qwen2_moe", {"decoder_sparse_step": 2, "norm_topk_prob": True, "num_hidden_layers": 3,

@@ -43,6 +43,7 @@ CODEC_ATOL = {"bf16": 0.02, "int8": 0.05, "powersgd": 0.3}
 # validation loss by 0.026 (fuzz 65150's model at train.seed 2), ring attention 65150's by 0.033.
 DTYPE_ATOL = {"bf16": 2e-2, "fp16": 1e-2}
 DTYPE_NORM_RTOL = {"bf16": 4e-3, "fp16": 4e-4}
+LOSS_ATOL = 1e-6  # assert_parity's on fp32 losses (its rtol 1e-5 beside it)
 
 
 def alternative_micro_batch(overrides: dict) -> int | None:
@@ -68,6 +69,25 @@ def norm_drift(a, b) -> float:
     return float(((na - nb).abs() / nb.abs()).max()) if len(nb) else 0.0
 
 
+def later_loss_drift(got, ref, other_order) -> str | None:
+    """None where every loss is within assert_parity's bound of one process's; else why the miss
+    is summation order's: the first loss within it, and no later one further from one process's
+    than four times one process's own drift at another micro_batch (AssertionError otherwise).
+    Fuzz 69511 (top-1 sigmoid routing over two experts, tp2 SP to pp2) moved its third loss by
+    6.9e-5, and one process at micro_batch 1 instead of 2 by the same: a near tie that the order
+    of sums tips, as Adam's sign-steps tip a parameter (the drift `check` excuses there)."""
+    losses, ref_losses = torch.tensor(got[0]), torch.tensor(ref[0])
+    off = (losses - ref_losses).abs()
+    if bool((off <= LOSS_ATOL + 1e-5 * ref_losses.abs()).all()):
+        return None
+    assert off[0] <= LOSS_ATOL + 1e-5 * ref_losses[0].abs(), f"first loss {got[0][0]} vs {ref[0][0]}"
+    other = other_order()  # None for global_batch 1: nothing excuses the miss
+    own = math.inf if other is None else float((torch.tensor(other[0]) - ref_losses).abs().max())
+    assert other is not None and float(off.max()) <= 4 * own + LOSS_ATOL, \
+        f"losses {got[0]} vs {ref[0]}: {float(off.max()):.2e} off, one process's own drift {own:.2e}"
+    return f"losses drift {float(off.max()):.2e}, one process {own:.2e}"
+
+
 def check(got, ref, overrides: dict, other_order) -> str:
     """'ok', or why `got` is within what summation order alone moves one process; AssertionError
     otherwise. `other_order()` trains the one-process run again with another micro_batch."""
@@ -81,7 +101,9 @@ def check(got, ref, overrides: dict, other_order) -> str:
         torch.testing.assert_close(torch.tensor(val), torch.tensor(ref_val), rtol=2e-5, equal_nan=True,
                                    atol=3 * DTYPE_ATOL.get(dtype, 0), msg=lambda m: f"val_loss: {m}")
     if dtype == "fp32" and codec == "none":
-        atol = parity_atol(par)
+        atol, loss_note = parity_atol(par), later_loss_drift(got, ref, other_order)
+        if loss_note:  # the parameters and norms are compared below as if the losses matched
+            got = (ref_losses, *got[1:])
         try:
             assert_parity(got, ref, atol=atol)
         except AssertionError as e:
@@ -105,8 +127,8 @@ def check(got, ref, overrides: dict, other_order) -> str:
                 why += f"; later grad norms drift {norms:.2e}"
                 assert norms <= 1e-2 and share > 0, f"{e}: {why}"
             assert drift <= 4 * own + atol or share <= 1e-3, f"{e}: {why}"
-            return f"summation order: {why}"
-        return "ok"
+            return f"summation order: {why}" + (f"; {loss_note}" if loss_note else "")
+        return f"summation order: {loss_note}" if loss_note else "ok"
     first_atol = 1e-5 if dtype == "fp32" else DTYPE_ATOL[dtype]
     assert abs(losses[0] - ref_losses[0]) <= first_atol, f"first loss {losses[0]} vs {ref_losses[0]}"
     rtol = {"none": 0, "bf16": 1e-2, "int8": 2e-2}.get(codec)

@@ -42,8 +42,12 @@ class ModelConfig:
     # mini 128k, Phi-3.5, phi-4-mini): {rope_type = "longrope", short_factor = [...], long_factor =
     # [...], original_max_position_embeddings = 4096, attention_factor = 1.19}, a factor per
     # rotated pair (rotary_dim / 2 of them) dividing its frequency, long_factor's for a sequence
-    # longer than original_max_position_embeddings, cos and sin times attention_factor.
-    rope_scaling: dict[str, Union[str, float, list[float]]] = field(default_factory=dict)
+    # longer than original_max_position_embeddings, cos and sin times attention_factor. YaRN
+    # (DeepSeek-V2/V3, Qwen2.5/Qwen3 long context, gpt-oss): {rope_type = "yarn", factor = 4.0,
+    # original_max_position_embeddings = 32768} and, as HF's, beta_fast (32), beta_slow (1),
+    # mscale, mscale_all_dim, attention_factor (cos and sin's multiplier; else inferred from
+    # factor and the two mscales) and truncate (true) where wanted; factor is required.
+    rope_scaling: dict[str, Union[str, float, bool, list[float]]] = field(default_factory=dict)
     # RoPE on the first rotary_dim = int(head_dim * partial_rotary_factor) dims of each head
     # (phi-4-mini: 0.75); the others pass through unrotated.
     partial_rotary_factor: float = 1.0

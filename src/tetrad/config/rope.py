@@ -1,5 +1,5 @@
 """Validation of RoPE's keys: the rotated dims of each head (model.partial_rotary_factor), the
-frequency scaling (model.rope_scaling: Llama 3.1's, linear or Phi-3's LongRoPE, by HF's names) and
+frequency scaling (model.rope_scaling: Llama 3.1's, linear, Phi-3's LongRoPE or YaRN, by HF's names) and
 the per-layer attention of model.layer_types (Gemma 3: windows and RoPE per layer), each refusal
 one line naming what to change."""
 
@@ -10,6 +10,9 @@ from tetrad.config.sections import ConfigError
 
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# YaRN's keys as transformers reads them: these three required, the others with its defaults
+YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings")
+YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
 def check_layer_types(m: ModelConfig) -> None:
@@ -42,22 +45,27 @@ def check_rope(m: ModelConfig) -> None:
     if not m.rope_scaling:
         return
     kind = m.rope_scaling.get("rope_type")
-    if kind not in ("llama3", "longrope", "linear") and "rope_type" in m.rope_scaling:
+    if kind not in ("llama3", "longrope", "linear", "yarn") and "rope_type" in m.rope_scaling:
         raise ConfigError(f"model.rope_scaling.rope_type={kind!r}: tetrad has Llama 3.1's 'llama3', 'linear' (Gemma "
-                          "3's) and Phi-3's 'longrope' scaling only")
+                          "3's), Phi-3's 'longrope' and 'yarn' (DeepSeek's, Qwen's) scaling only")
     if kind == "linear":
         _check_keys(m.rope_scaling, ("rope_type", "factor"))
         if not _number(m.rope_scaling["factor"]) or m.rope_scaling["factor"] <= 0:
             raise ConfigError(f"model.rope_scaling.factor must be a number above 0, got {m.rope_scaling['factor']!r}")
         return
+    if kind == "yarn":
+        _check_keys(m.rope_scaling, YARN_KEYS, YARN_OPTIONAL)
+        _check_yarn(m.rope_scaling)
+        return
     _check_keys(m.rope_scaling, LONGROPE_KEYS if kind == "longrope" else ROPE_SCALING_KEYS)
     (_check_longrope if kind == "longrope" else _check_llama3)(m)
 
 
-def _check_keys(s: dict, keys: tuple[str, ...]) -> None:
-    missing, unknown = [k for k in keys if k not in s], [k for k in s if k not in keys]
+def _check_keys(s: dict, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    missing, unknown = [k for k in keys if k not in s], [k for k in s if k not in keys + optional]
     if missing or unknown:
-        raise ConfigError(f"model.rope_scaling needs exactly {', '.join(keys)}"
+        may = f" (and may have {', '.join(optional)})" if optional else ""
+        raise ConfigError(f"model.rope_scaling needs {'' if optional else 'exactly '}{', '.join(keys)}{may}"
                           + (f"; missing {', '.join(missing)}" if missing else "")
                           + (f"; unknown {', '.join(unknown)}" if unknown else ""))
 
@@ -72,6 +80,22 @@ def _check_llama3(m: ModelConfig) -> None:
             and s["original_max_position_embeddings"] > 0):
         raise ConfigError(f"model.rope_scaling needs factor >= 1, 0 <= low_freq_factor < high_freq_factor and "
                           f"original_max_position_embeddings > 0, got {numbers}")
+
+
+def _check_yarn(s: dict) -> None:
+    """YaRN: numbers that make a ramp (beta_fast > beta_slow > 0 turns), a context stretched, not
+    shrunk (factor >= 1, as transformers asks), temperatures that are not negative."""
+    numbers = {k: s[k] for k in YARN_KEYS[1:] + YARN_OPTIONAL[:-1] if k in s}
+    if not all(_number(v) for v in numbers.values()):
+        raise ConfigError(f"model.rope_scaling's {', '.join(numbers)} must be numbers, got {numbers}")
+    if not isinstance(s.get("truncate", True), bool):
+        raise ConfigError(f"model.rope_scaling.truncate must be true or false, got {s['truncate']!r}")
+    fast, slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
+    if not (s["factor"] >= 1 and s["original_max_position_embeddings"] > 0 and fast > slow > 0
+            and s.get("mscale", 0) >= 0 and s.get("mscale_all_dim", 0) >= 0 and s.get("attention_factor", 1) > 0):
+        raise ConfigError(f"YaRN's model.rope_scaling needs factor >= 1, original_max_position_embeddings > 0, "
+                          f"beta_fast > beta_slow > 0 (32 and 1 where not given), mscale and mscale_all_dim >= 0 and "
+                          f"attention_factor > 0, got {numbers}")
 
 
 def _check_longrope(m: ModelConfig) -> None:

@@ -3,7 +3,8 @@ config.json keys and tensor names, both ways: Llama's math throughout, with a sl
 (MistralForCausalLM), biases on q, k and v (Qwen2ForCausalLM), an RMSNorm over each head of q
 and k (Qwen3ForCausalLM), or q, k and v in one tensor and gate and up in another
 (Phi3ForCausalLM: Phi-3 mini and medium, phi-4; with LongRoPE, Phi-3 mini 128k and Phi-3.5 mini;
-RoPE on 3/4 of each head too, phi-4-mini); Gemma's (GemmaForCausalLM, Gemma3ForCausalLM) config
+RoPE on 3/4 of each head too, phi-4-mini), Llama 3.1's or YaRN's RoPE scaling (the long-context
+Qwen2.5 and Qwen3) elsewhere; Gemma's (GemmaForCausalLM, Gemma3ForCausalLM) config
 keys are train/hf_gemma.py's; the mixtures of experts' (MixtralForCausalLM, Qwen2MoeForCausalLM,
 Qwen3MoeForCausalLM, Glm4MoeForCausalLM) train/hf_moe.py's.
 
@@ -127,7 +128,8 @@ def check_exportable(m) -> None:
         raise ConfigError(f"LlamaForCausalLM has rmsnorm, swiglu and rope; this model has norm={m.norm!r}, "
                           f"mlp={m.mlp!r}, pos={m.pos!r}")
     lacks = [name for name, used in (("model.qk_norm", m.qk_norm), ("model.qkv_bias", m.qkv_bias),
-                                     ("Llama 3.1's model.rope_scaling", m.rope_scaling.get("rope_type") == "llama3"))
+                                     ("Llama 3.1's model.rope_scaling", m.rope_scaling.get("rope_type") == "llama3"),
+                                     ("YaRN (model.rope_scaling)", m.rope_scaling.get("rope_type") == "yarn"))
              if used]
     if _phi3_only(m) and lacks:
         raise ConfigError(f"Phi3ForCausalLM, the one transformers architecture with {' and '.join(_phi3_only(m))}, "
@@ -182,8 +184,8 @@ def hf_architecture(m) -> dict:
 
 
 def hf_rope_scaling(scaling: dict) -> dict:
-    """config.json's `rope_scaling` for model.rope_scaling (Llama 3.1's, or LongRoPE's with its
-    attention_factor, which transformers then takes as given), in the form every transformers reads."""
+    """config.json's `rope_scaling` for model.rope_scaling (Llama 3.1's, YaRN's, or LongRoPE's with
+    its attention_factor, which transformers then takes as given), in the form every transformers reads."""
     if not scaling or scaling.get("rope_type") == "linear":  # Gemma 3's: hf_gemma.gemma_architecture's keys
         return {}
     return {"rope_scaling": {**scaling, "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}}
@@ -252,15 +254,34 @@ def _longrope(hf: dict, scaling: dict) -> dict:
             "original_max_position_embeddings": original, "attention_factor": attention}
 
 
+def _yarn(hf: dict, scaling: dict) -> dict:
+    """model.rope_scaling of YaRN as transformers reads it: original_max_position_embeddings is
+    config.json's top-level one where given (standardize_rope_params: it wins over the scaling's),
+    else the scaling's, else max_position_embeddings; `factor`, where not given,
+    max_position_embeddings / original; keys given as null are transformers' defaults, so left out
+    (truncate's as transformers tests it: null is false).
+    Resolved once, as _longrope's: the model keeps the numbers. What does not compute comes back
+    as it is: validation names it."""
+    kept = {k: bool(v) if k == "truncate" else v for k, v in scaling.items() if v is not None or k == "truncate"}
+    longest = hf.get("max_position_embeddings", 2048)
+    original = hf.get("original_max_position_embeddings", kept.get("original_max_position_embeddings", longest))
+    factor = kept.get("factor")
+    if factor is None and isinstance(original, (int, float)) and original > 0:
+        factor = longest / original
+    return {**kept, "factor": factor, "original_max_position_embeddings": original}
+
+
 def _unsupported(hf: dict, kind: str, scaling: dict, partial: float) -> dict:
     """The config.json keys whose math tetrad's model lacks, with their values. Phi-3's only
-    scaling is LongRoPE (its `su` and `yarn` too), the others' Llama 3.1's; transformers' Phi-3
+    scaling is LongRoPE (its `su` and `yarn` too), Gemma 3's linear, the others' Llama 3.1's or
+    YaRN; transformers' Phi-3
     and GLM-4.5 alone rotate part of each head; GLM-4.5's attention_bias is on q, k and v
     (model.qkv_bias), Llama's on the output projection too; dropout is training's alone
     (transformers 5's Phi-3 reads no embd_pdrop; resid_pdrop is model.dropout's place)."""
     unsupported = {k: hf[k] for k in ("attention_bias", "mlp_bias", "attention_dropout")
                    if hf.get(k) and (k, kind) != ("attention_bias", "glm4_moe")}
-    if scaling and scaling.get("rope_type") != {"phi3": "longrope", "gemma3_text": "linear"}.get(kind, "llama3"):
+    if scaling and scaling.get("rope_type") not in {"phi3": ("longrope",), "gemma3_text": ("linear",)}.get(
+            kind, ("llama3", "yarn")):
         long = any(isinstance(v, list) for v in scaling.values())  # LongRoPE's factor lists: named, not listed
         unsupported["rope_scaling"] = {"rope_type": scaling["rope_type"]} if long else scaling
     if partial != 1.0 and kind not in ("phi3", "glm4_moe"):  # RoPE on the first part of each head only
@@ -289,6 +310,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
     unsupported = _unsupported(hf, kind, scaling, partial)
     if unsupported:
         raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
+    resolve = {"longrope": _longrope, "yarn": _yarn}.get(scaling.get("rope_type"))
     return {"n_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"], "n_heads": hf["num_attention_heads"],
             "n_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
             "ffn_hidden": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
@@ -297,7 +319,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
             "qk_norm": kind in ("qwen3", "qwen3_moe"), "sandwich_norm": False, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             "rope_theta": theta, "sliding_window": _window_from_hf(hf, kind, source),
-            "rope_scaling": _longrope(hf, scaling) if scaling.get("rope_type") == "longrope" else scaling,
+            "rope_scaling": resolve(hf, scaling) if resolve else scaling,
             "partial_rotary_factor": partial, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
             **experts,
             **({"hf_model_type": kind, "dropout": float(hf.get("resid_pdrop") or 0.0)} if kind in FUSED else {}),

@@ -11,7 +11,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from conftest import assert_parity, run_ranks, tiny_config, train_layout
+from conftest import assert_parity, doc_shards, run_ranks, tiny_config, train_layout
 from test_generate_batch import PROMPTS, SAMPLINGS, _alone, _batch_on_this_rank, _early_stop, _sharp
 from tetrad.config import ConfigError
 from tetrad.dist.topology import Topology
@@ -19,23 +19,28 @@ from tetrad.model import flops
 from tetrad.model.llama import Transformer
 from tetrad.model.sharding import init_parameters
 from tetrad.train.batched import generate_batch
+from tetrad.train.checkpoint import CheckpointError
+from tetrad.train.trainer import Trainer
 
 # 4 heads of q/k width 12 + 4 = 16 over d_model 64; values 12 wide (padded to 16 in the core)
 MLA = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 12,
        "n_kv_heads": 4}
 FULL_Q = {**MLA, "q_lora_rank": 0}  # DeepSeek-V2-Lite's: no q latent
-FAMILIES = {"mla": MLA, "mlaq": FULL_Q}
+# family (a layout name's first word) -> (model, train keys that change the training: its reference's)
+FAMILIES = {"mla": (MLA, {}), "mlaq": (FULL_Q, {}), "mladocs": (MLA, {"document_mask": True})}
 LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "mla-tp2": ({"tp": 2}, {}),  # the replicated weights' gradients whole on every rank without SP
     "mla-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),  # the latents gathered; those gradients summed
     "mlaq-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
     "mla-cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {}),
     "mla-cp2-alltoall": ({"cp": 2, "cp_algo": "alltoall"}, {}),
-    "mla-pp2": ({"pp": 2}, {}),
+    "mla-pp2-zb": ({"pp": 2, "schedule": "zb"}, {}),  # the down projections' weight gradients deferred to BW
+    "mla-dp2-tp2-sp-zero1": ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, {}),
     "mla-dp2-zero3": ({"dp": 2, "zero": 3}, {}),
     "mla-cp2-ring-selective-op": ({"cp": 2, "cp_algo": "ring"}, {"recompute": "selective-op"}),
     "mla-tp2-sp-selective": ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective"}),
     "mla-tp2-compile": ({"tp": 2}, {"compile": True}),
+    "mladocs-cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {}),  # the ring's masked blocks, values padded
 }
 
 
@@ -150,9 +155,31 @@ def test_what_latent_attention_does_not_take_is_refused_in_one_line(change, fix)
         tiny_config(model={**MLA, **change})
 
 
+def _run(run_dir, steps: int, model: dict) -> None:
+    Trainer(tiny_config(model=model, train={"steps": steps}, checkpoint={"every": 1}, run={"dir": str(run_dir)}),
+            torch.device("cpu")).fit()
+
+
+def test_resuming_with_another_latent_width_is_refused_by_name(tmp_path):
+    """The latent widths decide the weights' shapes: a resume with another is refused naming it,
+    as any shape key; a model without latent attention ignores them (not a shape)."""
+    _run(tmp_path / "mla", 1, MLA)
+    with pytest.raises(CheckpointError, match=r"model\.kv_lora_rank = 16 in the checkpoint, 8 here"):
+        _run(tmp_path / "mla", 2, {**MLA, "kv_lora_rank": 8})
+    _run(tmp_path / "plain", 1, {})
+    _run(tmp_path / "plain", 2, {"v_head_dim": 7})
+    assert (tmp_path / "plain" / "checkpoints" / "step_00000002").is_dir()
+
+
+def _config(family: str, parallel: dict, train: dict):
+    model, changes = FAMILIES[family]
+    data = {"source": doc_shards()} if changes.get("document_mask") else {}
+    return tiny_config(parallel=parallel, model=model, train={**changes, **train}, data=data)
+
+
 @lru_cache(maxsize=None)
 def _one_process(family: str):
-    return train_layout(tiny_config(model=FAMILIES[family]))
+    return train_layout(_config(family, {}, {}))
 
 
 @pytest.mark.dist
@@ -160,9 +187,9 @@ def _one_process(family: str):
 def test_layout_matches_single_process(name):
     parallel, train = LAYOUTS[name]
     family = name.split("-")[0]
-    got = train_layout(tiny_config(parallel=parallel, model=FAMILIES[family], train=train),
-                       timeout_s=900 if "compile" in name else 300)
-    assert_parity(got, _one_process(family), atol=1e-4)  # tp's bound (tests/test_tp.py)
+    got = train_layout(_config(family, parallel, train), timeout_s=900 if "compile" in name else 300)
+    # tp's bound (tests/test_tp.py); with documents test_document_mask's
+    assert_parity(got, _one_process(family), atol=2e-4 if family == "mladocs" else 1e-4)
 
 
 def test_the_latent_weights_train():

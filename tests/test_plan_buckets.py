@@ -52,6 +52,13 @@ CASES += [({"dp": 4, "ep": 2, "zero": 2, "zero_shard": 2, "grad_bucket_mb": 0.01
           ({"dp": 4, "cp": 2, "ep": 2, "zero": 3, "zero_shard": 4}, {"n_experts": 4, "expert_ffn_hidden": 96}),
           ({"dp": 12, "ep": 2, "zero": 1, "zero_shard": 6, "grad_bucket_mb": 0.01}, {"n_experts": 4, "expert_ffn_hidden": 97})]
 
+# Latent attention (plan/latent.py): the down projections and latent norms replicated over tp (summed
+# under SP), the up projections split by heads; with and without a query latent
+LATENT = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 12,
+          "n_kv_heads": 4}
+CASES += [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, LATENT),
+          ({"tp": 2, "pp": 2, "dp": 2, "zero": 3}, {**LATENT, "q_lora_rank": 0, "n_experts": 4, "dense_layers": [0]})]
+
 
 def _runtime(cfg, rank: int) -> list[PlannedBucket]:
     """lay_out of pipeline rank `rank`'s model (tp rank 0, ep rank 0), summarised as rank_buckets does."""

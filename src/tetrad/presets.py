@@ -1,7 +1,7 @@
 """Model presets: named shapes that fill the `[model]` section before the user's own keys apply.
 
-Shapes follow the published model cards (Llama 3 paper, Table 3; GPT-3 paper, Table 2.1; Mixtral's
-and GLM-4.5-Air's config.json).
+Shapes follow the published model cards (Llama 3 paper, Table 3; GPT-3 paper, Table 2.1; Mixtral's,
+GLM-4.5-Air's and DeepSeek's config.json).
 """
 
 from __future__ import annotations
@@ -36,6 +36,32 @@ PRESETS: dict[str, dict] = {
                         tie_embeddings=False, rope_theta=1000000.0, norm_eps=1e-5, partial_rotary_factor=0.5,
                         qkv_bias=True, n_experts=128, experts_per_token=8, expert_ffn_hidden=1408,
                         shared_expert_ffn_hidden=1408, dense_layers=[0], router_score="sigmoid"),
+    # DeepSeek-V3 (its config.json; DeepSeek-V3 technical report, arXiv 2412.19437): multi-head latent
+    # attention (128 heads, q and kv latents of 1536 and 512, heads of 128 + 64 rotated, values of
+    # 128), the first 3 layers dense (18432), then 256 SwiGLU experts of 2048 and a shared one, top-8
+    # of sigmoid scores within 4 of 8 groups, normalised and scaled by 2.5; expert biases moved by
+    # 0.001 a step and a sequence-wise balance loss of 0.0001 (the report's pre-training values). Its
+    # 4096 pre-training context: config.json's YaRN rope_scaling (factor 40, to 160k) is left out
+    # (the planner needs none). The multi-token-prediction module (14B) is not part of the model:
+    # 671.0B parameters, 37.6B active (the card's 671B and 37B; a test).
+    "deepseek-v3": dict(n_layers=61, d_model=7168, n_heads=128, n_kv_heads=128, ffn_hidden=18432,
+                        vocab_size=129280, seq_len=4096, norm="rmsnorm", mlp="swiglu", pos="rope",
+                        tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6, kv_lora_rank=512,
+                        q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        n_experts=256, experts_per_token=8, expert_ffn_hidden=2048, shared_expert_ffn_hidden=2048,
+                        dense_layers=[0, 1, 2], router_score="sigmoid", expert_weight_scale=2.5, expert_groups=8,
+                        expert_groups_per_token=4, router_bias_update_rate=0.001, router_aux_loss=0.0001),
+    # DeepSeek-V2-Lite (its config.json; DeepSeek-V2 paper, arXiv 2405.04434): latent attention without
+    # a query latent (16 heads), the first layer dense (10944), then 64 SwiGLU experts of 1408 and two
+    # shared (one of 2816), top-6 of the softmax, not renormalised; balance loss 0.001. YaRN left out as
+    # DeepSeek-V3's. 15.7B parameters, 2.66B active (the card's 15.7B and 2.4B, which leaves the
+    # embedding out: 2.45B; a test).
+    "deepseek-v2-lite": dict(n_layers=27, d_model=2048, n_heads=16, n_kv_heads=16, ffn_hidden=10944,
+                             vocab_size=102400, seq_len=4096, norm="rmsnorm", mlp="swiglu", pos="rope",
+                             tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6, kv_lora_rank=512,
+                             q_lora_rank=0, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                             n_experts=64, experts_per_token=6, expert_ffn_hidden=1408, shared_expert_ffn_hidden=2816,
+                             dense_layers=[0], normalize_expert_weights=False, router_aux_loss=0.001),
     "gpt3-175b": dict(n_layers=96, d_model=12288, n_heads=96, n_kv_heads=96, ffn_hidden=49152, vocab_size=50257,
                       seq_len=2048, norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True,
                       rope_theta=10000.0, norm_eps=1e-5),

@@ -44,11 +44,10 @@ from tetrad.config import ModelConfig
 from tetrad.model.attention import attention
 from tetrad.model.execution import Execution
 from tetrad.model.kv_cache import LayerCache, cached_attention
-from tetrad.model.layers import ColumnParallelLinear, Norm, RowParallelLinear
+from tetrad.model.layers import ColumnParallelLinear, Norm, ReplicatedLinear, RowParallelLinear
 from tetrad.model.mappings import linear, tp_input
 from tetrad.model.replay import RingReplay
 from tetrad.model.rope import apply_rope
-from tetrad.model.sharding import new_param
 
 
 def softmax_factor(cfg: ModelConfig) -> float:
@@ -59,18 +58,6 @@ def softmax_factor(cfg: ModelConfig) -> float:
     if s.get("rope_type") != "yarn" or not s.get("mscale_all_dim") or s["factor"] <= 1:
         return 1.0
     return (0.1 * s["mscale_all_dim"] * math.log(s["factor"]) + 1.0) ** 2
-
-
-class ReplicatedLinear(nn.Module):
-    """x W^T, W [out, in] whole on every tp rank (the down projections)."""
-
-    def __init__(self, in_features: int, out_features: int, ex: Execution):
-        super().__init__()
-        self.ex = ex
-        self.weight = new_param((out_features, in_features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.ex)
 
 
 class LatentAttention(nn.Module):

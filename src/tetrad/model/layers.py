@@ -77,6 +77,21 @@ class RowParallelLinear(nn.Module):
         return reduce_tp_output(linear(x, self.weight, self.ex), self.topo, self.ex)
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x W^T, W [out, in] whole on every tp rank, no communication (latent attention's down
+    projections); its gradient, where each tp rank's covers part of the tokens (SP), is summed over
+    tp as the norms' are (parallel/data/finalize.py). Its weight gradient goes through `linear`,
+    as the parallel linears' do (sinks, zero-bubble's BW)."""
+
+    def __init__(self, in_features: int, out_features: int, ex: Execution):
+        super().__init__()
+        self.ex = ex
+        self.weight = new_param((out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.ex)
+
+
 class MLP(nn.Module):
     """SwiGLU (w2(silu(w1 x) * w3 x)), GeGLU (Gemma's: gelu's tanh form for silu) or GELU
     (w2(gelu(w1 x))); column then row parallel. `width`: its hidden width (ffn_hidden where

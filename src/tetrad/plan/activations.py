@@ -21,6 +21,7 @@ from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_chunk_layers
 from tetrad.plan import moe
 from tetrad.plan.kernels import masked_attention
+from tetrad.plan.latent import core_inputs, latents, projections, widths
 from tetrad.plan.stacks import STACKS, Stack
 
 
@@ -64,14 +65,14 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     norm_input = norm_saved_bytes(m, tokens, e, stack)
     if recompute == "full":
         return hidden / div  # only the layer's input (Korthikanti: 2sbh in 16 bit)
-    q, kv = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp
+    w = widths(m, tp)
     if recompute == "selective-op":  # the input, the kept matmul outputs (a row-parallel one whole,
         # before its all-reduce or reduce-scatter), the attention's output and fp32 log-sum-exp (under
         # ring cp the ring's merged ones, once: model/replay.py RingReplay)
         kept = sum(n * rows if row else n * rows / tp for _, n, row, rows in flops.op_checkpoint_saved_matmuls(m))
         # a sigmoid router's logits leave their matmul in fp32 (model/routing.py router_logits)
         fp32_logits = (4 - e) * m.n_experts if m.router_score == "sigmoid" else 0
-        return hidden / div + tokens * (e * (kept + q) + fp32_logits) + 4 * m.n_heads / tp * tokens
+        return hidden / div + tokens * (e * (kept + w.out) + fp32_logits) + 4 * m.n_heads / tp * tokens
     f = flops.mlp_hidden(m, active=True) / tp  # MoE: each token's k experts' hidden tensors, k·H
     dropout = m.dropout > 0
     # Replicated over tp unless SP: both norms' inputs and the 1-byte dropout masks after
@@ -79,17 +80,22 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
     # them all-gathered under SP.
     norms = (4 if m.sandwich_norm else 2) * norm_input + (2 * tokens * m.d_model if dropout else 0)
     routed = bool(m.n_experts)  # the router keeps the MLP's input whole (gathered under SP)
-    inputs = (2 - routed) * hidden / (1 if sp and stack.sp_saves_gathered_input else div) + routed * hidden
+    gathered = hidden / (1 if sp and stack.sp_saves_gathered_input else div)
+    inputs = (1 - routed) * gathered + routed * hidden + _attention_input_bytes(m, hidden / div, gathered)
     replicated = norms / div + inputs
     # Split over tp: q, k, v (after RoPE), the attention output, the MLP's hidden tensors.
     mlp = stack.swiglu_saved if m.gated_mlp else 2  # GELU: its input and the fc2 input
     mlp = moe.expert_hidden_saved(m) if m.n_experts else mlp
-    split = tokens * e * (q + 2 * kv + stack.attn_out_copies * q + mlp * f)
+    attention = w.q + w.k + w.v + w.out + (stack.attn_out_copies - 1) * w.wo
+    if recompute == "selective" and m.latent_attention:  # the core's inputs, and the sliced output wo keeps
+        attention = core_inputs(m, tp) + w.wo
+    split = tokens * e * (attention + mlp * f)
+    replicated += latent_saved_bytes(m, tokens, tp, sp, e, stack)
     # MoE: the routing's tensors; a shared expert's as a dense MLP of its width, and its gate's
     replicated += tokens * moe.routing_saved_bytes_per_token(m, e)
     replicated += tokens * moe.shared_expert_saved_bytes_per_token(m, tp, e, stack.swiglu_saved if m.gated_mlp else 2)
     if m.qk_norm:  # q's and k's norms keep their inputs, as the layer's norms do theirs
-        split += tokens * (q + kv) * _norm_bytes(m, e, stack)
+        split += tokens * (w.q + w.k) * _norm_bytes(m, e, stack)
     core = 0.0
     if recompute != "selective":
         heads = m.n_heads / tp
@@ -98,6 +104,30 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
         else:  # softmax output, and with dropout its mask and output: Korthikanti's 5as^2b
             core = (e + (e + 1 if dropout else 0)) * heads * tokens * m.seq_len
     return replicated + split + core
+
+
+def _attention_input_bytes(m: ModelConfig, chunk: float, gathered: float) -> float:
+    """Bytes of the attention's input its projections keep: q, k and v's, gathered under SP where
+    the stack keeps it so (`gathered`); latent attention's down projections' the rank's own
+    tokens (`chunk`: under SP its sequence chunk), and without a query latent q's projection's
+    (gathered) too, unless that is the same tensor (no SP)."""
+    if not m.latent_attention:
+        return gathered
+    return chunk + (gathered if not m.q_lora_rank and gathered != chunk else 0.0)
+
+
+def latent_saved_bytes(m: ModelConfig, tokens: int, tp: int, sp: bool, e: int, stack: Stack) -> float:
+    """Bytes latent attention's latents keep, whole on every tp rank (0 without it): their norms'
+    inputs over the rank's own tokens (under SP its chunk; the kv latent's a slice of its down
+    projection's output, whose storage holds the rope dims too where the norm keeps the input
+    itself), and the normed latents with the rotated key's dims, gathered, which the up
+    projections keep (one tensor: model/latent_attention.py)."""
+    q_latent, kv_latent = latents(m)
+    if not kv_latent:
+        return 0.0
+    norm, own = _norm_bytes(m, e, stack), tokens / (tp if sp else 1)
+    rope = m.qk_rope_head_dim * e if e == 4 or norm == e else 0  # the input itself kept: its storage
+    return own * ((q_latent + m.kv_lora_rank) * norm + rope) + tokens * (q_latent + kv_latent) * e
 
 
 def mask_bias_bytes(cfg: Config, is_cpu: bool = False) -> float:
@@ -119,7 +149,7 @@ def mask_bias_bytes(cfg: Config, is_cpu: bool = False) -> float:
     return len(biases) * rows * m.seq_len ** 2 * activation_bytes(t.dtype)
 
 
-def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e: int) -> float:
+def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e: int, sp: bool = False) -> float:
     """What one layer still holds between its input-gradient and weight-gradient passes
     (zero-bubble's BI and BW): each linear's input and output gradient. Column-parallel linears
     (qkv, gate/up) take the whole hidden state (gathered under SP) and give 1/tp outputs;
@@ -128,12 +158,13 @@ def deferred_weight_grad_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, e
     (model/moe.py); its shared expert's linears hold what a dense MLP's do."""
     h = m.d_model
     width = m.shared_expert_ffn_hidden if m.n_experts else m.ffn_hidden
-    q, kv, f = m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, width / tp
+    f = width / tp
     up = 2 * f if m.gated_mlp else f
-    mlp_inputs, mlp_grads = (h + f, up + h) if width else (0, 0)  # gate/up's and down's
-    inputs = h + q + mlp_inputs  # qkv's and the output projection's inputs
-    grads = (q + 2 * kv) + h + mlp_grads
-    return tokens * e * (inputs + grads)
+    mlp = (h + f) + (up + h) if width else 0  # gate/up's and down's inputs and output gradients
+    # the attention's input projections' (qkv's; latent attention's down projections' over the
+    # rank's own tokens, a chunk under SP, and up projections') and the output projection's
+    attention = sum((k + n) / (tp if own and sp else 1) for k, n, own in projections(m, tp)) + widths(m, tp).wo + h
+    return tokens * e * (attention + mlp)
 
 
 def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
@@ -148,7 +179,7 @@ def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
     stack = as_run(cfg, stack, is_cpu)
     full = flops.over_layers(m, lambda k: activation_bytes_per_layer(k, tokens, p.tp, p.sequence_parallel,
                                                                      t.recompute, e, stack))
-    return round(flops.over_layers(m, lambda k: deferred_weight_grad_bytes_per_layer(k, tokens, p.tp, e)) / full, 2)
+    return round(flops.over_layers(m, lambda k: deferred_weight_grad_bytes_per_layer(k, tokens, p.tp, e, p.sequence_parallel)) / full, 2)
 
 
 def chunk_weights(cfg: Config, stack: Stack, tokens: int, e: int) -> tuple[float, tuple[tuple[float, ...], ...]]:
@@ -178,7 +209,7 @@ def rebuilt_bytes(cfg: Config, stack: Stack, tokens: int, e: int, is_cpu: bool) 
         if t.recompute in ("full", "selective-op"):
             counted = activation_bytes_per_layer(k, tokens, p.tp, p.sequence_parallel, t.recompute, e, stack)
             if schedule_spec(p.schedule).splits_backward:
-                counted = max(counted, deferred_weight_grad_bytes_per_layer(k, tokens, p.tp, e))
+                counted = max(counted, deferred_weight_grad_bytes_per_layer(k, tokens, p.tp, e, p.sequence_parallel))
             out += (activation_bytes_per_layer(k, tokens, p.tp, p.sequence_parallel, "none", e, stack)
                     + mask_bias_bytes(cfg, is_cpu) - counted)
         return out

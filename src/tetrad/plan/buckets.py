@@ -63,10 +63,13 @@ def layer_parameters(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, in
     (flops.layer_model)."""
     d, hd = m.d_model, m.head_dim
     out = _norm(m, d, REPLICATED)
-    for heads in (m.n_heads, m.n_kv_heads, m.n_kv_heads):
-        rows = _local(heads * hd, tp)
-        out += [(rows * d, SPLIT)] + ([(rows, SPLIT)] if m.qkv_bias else [])
-    out.append((d * _local(m.n_heads * hd, tp), SPLIT))
+    if m.latent_attention:
+        out += _latent_attention(m, tp)
+    else:
+        for heads in (m.n_heads, m.n_kv_heads, m.n_kv_heads):
+            rows = _local(heads * hd, tp)
+            out += [(rows * d, SPLIT)] + ([(rows, SPLIT)] if m.qkv_bias else [])
+        out.append((d * _local(m.n_heads * hd, tp), SPLIT))
     out += _norm(m, hd, HEADS) * 2 if m.qk_norm else []
     out += _norm(m, d, REPLICATED)
     matrices = 3 if m.gated_mlp else 2
@@ -78,6 +81,27 @@ def layer_parameters(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, in
     else:
         out += [(_local(m.ffn_hidden, tp) * d, SPLIT)] * matrices
     return out + (_norm(m, d, REPLICATED) * 2 if m.sandwich_norm else [])
+
+
+def _latent_attention(m: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """Latent attention's parameters as model/latent_attention.py registers them: the query's down
+    projection, its norm and up projection (or its full projection), the kv down projection and
+    norm, the kv up projection, the output projection. The down projections and norms are
+    replicated over tp: under SP each rank's gradient covers its own tokens, summed over tp as
+    the layer norms' are."""
+    d, heads = m.d_model, m.n_heads
+    q_rows = _local(heads * m.head_dim, tp)
+    query = [(m.q_lora_rank * d, REPLICATED), *_norm(m, m.q_lora_rank, REPLICATED), (q_rows * m.q_lora_rank, SPLIT)] \
+        if m.q_lora_rank else [(q_rows * d, SPLIT)]
+    kv_up = _local(heads * (m.qk_nope_head_dim + m.v_head_dim), tp) * m.kv_lora_rank
+    return query + [((m.kv_lora_rank + m.qk_rope_head_dim) * d, REPLICATED), *_norm(m, m.kv_lora_rank, REPLICATED),
+                    (kv_up, SPLIT), (d * _local(heads * m.v_head_dim, tp), SPLIT)]
+
+
+def layer_params_on_rank(m: ModelConfig, tp: int, ep: int) -> int:
+    """Parameters of one layer on a rank, of its experts E/ep: `layer_parameters`' elements (the
+    planner's own count, latent attention's replicated down projections whole)."""
+    return sum(n for n, _ in layer_parameters(m, tp, ep))
 
 
 class Shapes(NamedTuple):

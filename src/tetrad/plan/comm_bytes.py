@@ -11,6 +11,7 @@ from tetrad.model import flops
 from tetrad.parallel.bucketing import padded_size
 from tetrad.parallel.pipeline.split import rank_chunk_layers, rank_layers
 from tetrad.plan.buckets import RankBuckets, rank_buckets
+from tetrad.plan.latent import regathered_inputs, tp_inputs, widths
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param, vocab_shard
 from tetrad.plan.moe import ep_all_to_alls, expert_shard_ranks
 
@@ -89,16 +90,19 @@ def _tp_bytes(cfg: Config) -> float:
     holds whichever parameters the layout puts there, not an even part). The step's sums."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
-    per_layer = 2 * hidden * (2 if sp else 1)
+    # latent attention's input collectives (its latents'; plan/latent.py) beyond q, k and v's one:
+    # forward under SP (all-gathers), backward always (reduce-scatters, all-reduces)
+    inputs = _tokens(cfg) * sum(tp_inputs(m)) * activation_bytes(t.dtype) - hidden
+    forward = 2 * hidden * (2 if sp else 1) + (inputs if sp else 0)
     last = hidden if recompute_reduces_output(m) else 0
-    recomputed = per_layer - hidden + last if t.recompute in ("full", "selective-op") else 0
-    per_micro = layers * (2 * per_layer + recomputed) + hidden * (2 if sp else 1)
+    recomputed = forward - hidden + last if t.recompute in ("full", "selective-op") else 0
+    per_micro = layers * (2 * forward + (0 if sp else inputs) + recomputed) + hidden * (2 if sp else 1)
     if p.pp == 1:
         per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4
     if sp and p.sp_regather:  # each column-parallel input gathered again in backward: qkv, fc1, the head
         # (an MoE layer's input is gathered once, by tp_input, and kept: no fc1 regather; a shared
-        # expert reads that one too)
-        per_micro += hidden * (2 * layers - _moe_layers(cfg) + (p.pp == 1))
+        # expert reads that one too; so are latent attention's latents: plan/latent.py)
+        per_micro += hidden * ((regathered_inputs(m) + 1) * layers - _moe_layers(cfg) + (p.pp == 1))
     averaged = not sums_elementwise(p.grad_codec, p.dp * p.cp)
     buckets = rank_buckets(cfg)[0]
     summed = buckets.heads + (buckets.replicated if sp or averaged else 0)  # qk-norm: always
@@ -129,14 +133,14 @@ def _cp_bytes(cfg: Config) -> float:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e, tokens = activation_bytes(t.dtype), _tokens(cfg)
     per_micro = cfg.microbatches * rank_layers(cfg)[0]
-    kv = 2 * tokens * m.n_kv_heads // p.tp * m.head_dim
+    w = widths(m, p.tp)
+    kv = tokens * (w.k + w.v)  # latent attention: every head's k and v (padded): more than GQA's
     counts = cfg.microbatches * _moe_layers(cfg) * m.n_experts * t.micro_batch * 4 \
         * (2 if t.recompute in ("full", "selective-op") else 1)  # MoE layers' alone
     if p.cp_algo == "ring":
         forwards = 2 if t.recompute in ("selective", "full") else 1
         return per_micro * ((p.cp - 1) * kv * e * forwards + (p.cp - 1) * kv * e + p.cp * kv * 4) + counts
-    qkv = tokens * (m.n_heads + 2 * m.n_kv_heads) // p.tp * m.head_dim * e
-    out = tokens * m.n_heads // p.tp * m.head_dim * e
+    qkv, out = tokens * (w.q + w.k + w.v) * e, tokens * w.out * e
     recomputed = {"none": 0, "selective": qkv, "full": qkv + out, "selective-op": qkv + out}[t.recompute]
     return per_micro * (2 * (qkv + out) + recomputed) + counts
 

@@ -20,10 +20,11 @@ from tetrad.model.flops import hides_keys
 from tetrad.plan.comm_bytes import recompute_reduces_output, scatter_bytes
 from tetrad.plan.hardware import GPU, Cluster
 from tetrad.plan.kernels import masked_attention
+from tetrad.plan.latent import latents, projections, regathered_inputs, tp_inputs, widths
 from tetrad.plan.links import all_to_all_time, expert_shard_stride, group_link, overlap_slowdown, ring_time
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param
-from tetrad.plan.moe import (ep_all_to_alls, expert_grad_bytes, expert_shard_ranks, rank_layer_params,
-                             routing_bytes_per_token)
+from tetrad.plan.buckets import layer_params_on_rank
+from tetrad.plan.moe import ep_all_to_alls, expert_grad_bytes, expert_shard_ranks, routing_bytes_per_token
 from tetrad.plan.stacks import EAGER_ELEMENTWISE, Stack
 
 GEMM_HALF_DIM = 128  # a GEMM dimension this small reaches half the large-GEMM efficiency (tile quantisation)
@@ -82,7 +83,7 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
     # under FSDP's ZeRO-3, which reduce-scatters every micro-batch and accumulates only its shard.
     fsdp = p.zero == 3 and stack.zero3_impl != "buckets"
     if not stack.fused_grad_accumulation and cfg.microbatches > 1 and not fsdp:
-        params = rank_layer_params(m, p.tp, p.ep)
+        params = layer_params_on_rank(m, p.tp, p.ep)
         compute_bw += params * 12 / cluster.gpu.hbm_bytes_per_s  # fp32 accumulator: read it and the new gradient, write it
     e = activation_bytes(t.dtype)
     tp_f, tp_b, tp_again = _tp_exposed(cfg, cluster, stack, tokens, e, gemm)
@@ -105,24 +106,21 @@ def layer_cost(cfg: Config, cluster: Cluster, stack: Stack) -> LayerCost:
                      tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b, zero3_comm=z_f + z_b, ep_comm=ep_f + ep_b)
 
 
-def _widths(cfg: Config) -> tuple[float, float, float]:
-    """(q, kv, ffn) widths of one layer on one tp rank; under MoE ffn is a token's k experts' k·H."""
-    m, tp = cfg.model, cfg.parallel.tp
-    return m.n_heads * m.head_dim / tp, m.n_kv_heads * m.head_dim / tp, flops.mlp_hidden(m, active=True) / tp
-
-
 def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, float]:
-    """Seconds of each weight GEMM (K, N): qkv, out-projection, fc1 (gate and up for SwiGLU),
-    fc2; the two backward GEMMs have the same FLOPs and dimensions as the forward one. With fp8
+    """Seconds of each weight GEMM (K, N): the attention's input projections together (q, k, v;
+    latent attention's down and up projections: plan/latent.py), out-projection, fc1 (gate and up
+    for SwiGLU), fc2; the two backward GEMMs have the same FLOPs and dimensions as the forward one. With fp8
     also the dynamic-scaling casts, (forward, backward): inputs and weights forward,
     grad-outputs and both again backward. Under MoE fc1 and fc2 are the experts' (E GEMMs each,
     `_gemm_time`), fc1 with the router's (and the shared expert gate's); a shared expert's fc1 and
     fc2 follow, dense GEMMs over every token (their weight gradients in BW, as a dense MLP's)."""
     m, t = cfg.model, cfg.train
-    h = m.d_model
-    q, kv, f = _widths(cfg)
+    h, tp = m.d_model, cfg.parallel.tp
+    f = flops.mlp_hidden(m, active=True) / tp  # under MoE a token's k experts' k·H
     # (rows, K, N, matrices): a dense layer's GEMMs each one matrix over the micro-batch's tokens
-    shapes = [(tokens, h, q + 2 * kv, 1), (tokens, q, h, 1)]
+    own = tokens / tp if cfg.parallel.sequence_parallel else tokens  # latent attention's down projections' rows
+    inputs = [(own if chunk else tokens, k, n, 1) for k, n, chunk in projections(m, tp)]
+    shapes = inputs + [(tokens, widths(m, tp).wo, h, 1)]
     if m.n_experts:  # each local expert's rows (E/ep of them): the balanced share of the k·tokens assignments
         e = m.n_experts // cfg.parallel.ep
         rows, width = tokens * m.experts_per_token / e, m.expert_hidden / cfg.parallel.tp
@@ -133,6 +131,7 @@ def _gemms(cfg: Config, gpu: GPU, tokens: int) -> tuple[list[float], float, floa
         shapes += [(tokens, h, f * (2 if m.gated_mlp else 1), 1), (tokens, f, h, 1)]
     peak = gpu.matmul_peak(t.dtype, t.tf32)
     gemm = [_gemm_time(gpu, peak, t.dtype, *shape) for shape in shapes]
+    gemm = [sum(gemm[:len(inputs)])] + gemm[len(inputs):]
     if m.n_experts:
         gemm[2] += _gemm_time(gpu, peak, t.dtype, tokens, h, m.n_experts + m.shared_expert_gate, 1)  # the router
         # (and the shared expert's gate), replicated over tp
@@ -212,16 +211,18 @@ def _attention_keys(cfg: Config, stack: Stack, is_cpu: bool) -> tuple[float, boo
 
 def _elementwise(cfg: Config, gpu: GPU, stack: Stack, tokens: int) -> tuple[float, float]:
     """(forward, backward) seconds of element-wise work: norms and residual adds over h (split by
-    SP), the activation over f, RoPE on q and k, fused kernels reading and writing each once
-    forward, twice backward; the ring's log-sum-exp merges of partial outputs under CP."""
+    SP), the activation over f, RoPE on q and k (latent attention: their assembly from the nope and
+    rope parts, and the latents' norms), fused kernels reading and writing each once forward,
+    twice backward; the ring's log-sum-exp merges of partial outputs under CP."""
     m, p = cfg.model, cfg.parallel
     e, hbm = activation_bytes(cfg.train.dtype), gpu.hbm_bytes_per_s
-    q, kv, f = _widths(cfg)
+    w, f = widths(m, p.tp), flops.mlp_hidden(m, active=True) / p.tp
     div = p.tp if p.sequence_parallel else 1
     act = 3 if m.gated_mlp else 2
     norms = 14 if m.sandwich_norm else 10  # each sandwich norm one more read and write of h
     shared = m.shared_expert_ffn_hidden / p.tp if m.n_experts else 0.0  # an MoE layer's shared expert
-    elem_bytes = tokens * e * (norms * m.d_model / div + act * shared + (2 * (q + kv) if m.pos == "rope" else 0))
+    rope = 2 * (w.q + w.k) + 2 * sum(latents(m)) if m.pos == "rope" else 0
+    elem_bytes = tokens * e * (norms * m.d_model / div + act * shared + rope)
     # a dense MLP's activation, or the routed experts' and their dispatch and combine
     mlp_bytes = tokens * (e * act * f + routing_bytes_per_token(m, e, p.ep))
     mlp_factor = EAGER_ELEMENTWISE if m.n_experts and stack.eager_routing else stack.elementwise_factor
@@ -236,9 +237,9 @@ def _ring_merges(cfg: Config, gpu: GPU, tokens: int) -> tuple[float, float]:
     p = cfg.parallel
     if p.cp == 1 or p.cp_algo != "ring":
         return 0.0, 0.0
-    q, kv, _ = _widths(cfg)
+    w = widths(cfg.model, p.tp)
     per_width = p.cp * tokens * RING_MERGE_BYTES / gpu.hbm_bytes_per_s
-    return per_width * q, per_width * (q + 2 * kv)
+    return per_width * w.out, per_width * (w.q + w.k + w.v)
 
 
 def _shape(d: float) -> float:
@@ -249,28 +250,34 @@ def _tp_exposed(cfg: Config, cluster: Cluster, stack: Stack, tokens: int, e: int
                 gemm: list) -> tuple[float, float, float]:
     """Exposed TP time per layer per micro-batch, (forward, backward, the forward's again under full
     and per-op recompute): two all-reduces of the hidden states each way (with SP an all-gather and
-    a reduce-scatter each, the same ring time); a recompute runs the output's reduction (SP: its
+    a reduce-scatter each, the same ring time), latent attention's input collectives at their
+    widths (plan/latent.py: its latents'); a recompute runs the output's reduction (SP: its
     reduce-scatter, half the MLP's pair) again only where it reaches it
     (comm_bytes.recompute_reduces_output), as `comm_bytes` counts."""
-    p = cfg.parallel
+    m, p = cfg.model, cfg.parallel
     if p.tp == 1:
         return 0.0, 0.0, 0.0
     alpha, bw = group_link(cluster, 1, p.tp)
-    one = ring_time("all_reduce", tokens * cfg.model.d_model * e, p.tp, alpha, bw)
-    skipped = 0.0 if recompute_reduces_output(cfg.model) else 0.5 if p.sequence_parallel else 1.0  # of the MLP's
+    one = ring_time("all_reduce", tokens * m.d_model * e, p.tp, alpha, bw)
+    inputs = ring_time("all_reduce", tokens * sum(tp_inputs(m)) * e, p.tp, alpha, bw)  # one for q, k and v's
+    # the attention's collectives each way: SP's input gather and output reduce-scatter forward,
+    # their mirrors backward; without SP the output's all-reduce forward, the input's backward
+    attn_f, attn_b = ((inputs + one) / 2,) * 2 if p.sequence_parallel else (one, inputs)
+    skipped = 0.0 if recompute_reduces_output(m) else 0.5 if p.sequence_parallel else 1.0  # of the MLP's
     # Under SP a stack that does not keep the gathered input gathers the qkv and fc1 inputs again
     # in backward, started before (and hidden behind) those linears' input-gradient GEMMs.
-    regather = ring_time("all_gather", tokens * cfg.model.d_model * e, p.tp, alpha, bw) \
+    regather = ring_time("all_gather", tokens * m.d_model * e, p.tp, alpha, bw) \
         if p.sequence_parallel and not stack.sp_saves_gathered_input else 0.0
+    again = regathered_inputs(m)  # the attention's inputs gathered again (latents: none)
     if stack.tp_overlap == "none":
-        return 2 * one, 2 * one + 2 * regather, (2 - skipped) * one
+        return attn_f + one, attn_b + one + (again + 1) * regather, attn_f + (1 - skipped) * one
     # The qkv and fc1 input gradients' all-reduces hide behind those linears' weight-gradient GEMMs.
-    backward = max(0.0, one - gemm[0]) + max(0.0, one - gemm[2])
-    backward += max(0.0, regather - gemm[0]) + max(0.0, regather - gemm[2])
+    backward = max(0.0, attn_b - gemm[0]) + max(0.0, one - gemm[2])
+    backward += again * max(0.0, regather - gemm[0]) + max(0.0, regather - gemm[2])
     if stack.tp_overlap == "bwd":
-        return 2 * one, backward, (2 - skipped) * one
+        return attn_f + one, backward, attn_f + (1 - skipped) * one
     # Async TP also hides the forward's reductions behind the row-parallel GEMMs they follow.
-    attention, mlp = max(0.0, one - gemm[1]), max(0.0, one - gemm[3])
+    attention, mlp = max(0.0, attn_f - gemm[1]), max(0.0, one - gemm[3])
     return attention + mlp, backward, attention + (1 - skipped) * mlp
 
 
@@ -287,7 +294,8 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return 0.0, 0.0
-    kv = 2 * tokens * m.n_kv_heads * m.head_dim / p.tp
+    w = widths(m, p.tp)
+    kv = tokens * (w.k + w.v)  # latent attention: every head's k and v (padded): more than GQA's
     if p.cp_algo == "ring":
         alpha, bw = group_link(cluster, p.tp, p.cp)
         send_f = ring_time("p2p", kv * e, 2, alpha, bw)
@@ -295,10 +303,9 @@ def _cp_exposed(cfg: Config, cluster: Cluster, tokens: int, e: int, attn_f: floa
         forward = (p.cp - 1) * max(0.0, send_f - attn_f / p.cp)
         backward = (p.cp - 1) * max(0.0, send_b - attn_b / p.cp) + ring_time("p2p", kv * 4, 2, alpha, bw)
         return forward, backward + (forward if cfg.train.recompute in ("selective", "full") else 0.0)
-    q = all_to_all_time(tokens * m.n_heads * m.head_dim / p.tp * e, p.cp, cluster, p.tp)  # q or the output
-    k = all_to_all_time(kv / 2 * e, p.cp, cluster, p.tp)  # k or v
-    one_way = 2 * q + 2 * k
-    recomputed = {"none": 0.0, "selective": q + 2 * k}.get(cfg.train.recompute, one_way)
+    q, k, v, out = (all_to_all_time(tokens * x * e, p.cp, cluster, p.tp) for x in (w.q, w.k, w.v, w.out))
+    one_way = q + k + v + out
+    recomputed = {"none": 0.0, "selective": q + k + v}.get(cfg.train.recompute, one_way)
     return one_way, one_way + recomputed
 
 
@@ -328,7 +335,7 @@ def _zero3_exposed(cfg: Config, cluster: Cluster, forward: float, backward: floa
         return 0.0, 0.0
     experts = flops.mlp_matrix_params(m) / p.tp / p.ep if p.ep > 1 and m.n_experts else 0.0
     n_e = expert_shard_ranks(p)
-    groups = [(rank_layer_params(m, p.tp, p.ep) - experts, sharded, group_link(cluster, p.tp, sharded)),
+    groups = [(layer_params_on_rank(m, p.tp, p.ep) - experts, sharded, group_link(cluster, p.tp, sharded)),
               (experts, n_e, group_link(cluster, expert_shard_stride(cluster.gpus_per_node, p), n_e))]
     gather, scatter = (sum(ring_time(op, params * nbytes, ranks, *link) for params, ranks, link in groups if params)
                        for op, nbytes in (("all_gather", state_bytes_per_param(t.dtype)[0]),
@@ -355,7 +362,7 @@ def _zero3_copies(cfg: Config, gpu: GPU, stack: Stack) -> tuple[float, float, fl
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.zero < 3 or p.dp * p.cp == 1 or stack.zero3_impl == "buckets":
         return 0.0, 0.0, 0.0
-    params = rank_layer_params(m, p.tp, p.ep)
+    params = layer_params_on_rank(m, p.tp, p.ep)
     e, r = state_bytes_per_param(t.dtype)[0], stack.grad_reduce_bytes
     per_byte = params / gpu.hbm_bytes_per_s
     if stack.zero3_impl == "fsdp1":

@@ -32,8 +32,9 @@ from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_chunk_layers
 from tetrad.plan.activations import (activation_bytes, after_bi_weight, as_run,
                                      chunk_weights, mask_bias_bytes, norm_saved_bytes, rebuilt_bytes)
-from tetrad.plan.buckets import RankBuckets, rank_buckets, shard_params
+from tetrad.plan.buckets import RankBuckets, layer_params_on_rank, rank_buckets, shard_params
 from tetrad.plan import moe
+from tetrad.plan.latent import widths
 from tetrad.plan.pipeline import inflight
 from tetrad.plan.stacks import Stack
 
@@ -200,7 +201,7 @@ def rank_layer_params(cfg: Config) -> list[float]:
     """Parameters of each pipeline rank's layers on one tp rank, each of its kind (MoE: E/ep experts);
     each kind's counted once, the ranks' kinds counted by range: the planner weighs many layouts."""
     m, p = cfg.model, cfg.parallel
-    per_layer = {kind: moe.rank_layer_params(flops.layer_model(m, kind), p.tp, p.ep) for kind in flops.kind_counts(m)}
+    per_layer = {kind: layer_params_on_rank(flops.layer_model(m, kind), p.tp, p.ep) for kind in flops.kind_counts(m)}
     return [sum(n * per_layer[kind] for kind, n in flops.kind_counts(m, chunks).items())
             for chunks in rank_chunk_layers(cfg)]
 
@@ -304,13 +305,14 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, buckets: RankBucket
         out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * padded)
     out += 4 * codec_residual(p, buckets)
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)
-        layer = max(moe.rank_layer_params(k, p.tp, p.ep) for k, _ in flops.layer_kinds(m))  # the larger kind's
+        layer = max(layer_params_on_rank(k, p.tp, p.ep) for k, _ in flops.layer_kinds(m))  # the larger kind's
         out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)
     if p.tp > 1 and p.sequence_parallel and not stack.sp_saves_gathered_input:  # gathered again in backward
         out += 2 * hidden
     if p.cp > 1:
-        q, kv = m.n_heads * m.head_dim / p.tp, 2 * m.n_kv_heads * m.head_dim / p.tp
-        out += tokens * (2 * kv * e + 2 * kv * 4 + 4 * q)  # K/V in flight, dK/dV fp32, output/dq fp32
+        w = widths(m, p.tp)
+        kv = w.k + w.v
+        out += tokens * (2 * kv * e + 2 * kv * 4 + 4 * w.q)  # K/V in flight, dK/dV fp32, output/dq fp32
     if p.pp > 1:
         out += 2 * hidden / (p.tp if p.sequence_parallel else 1)
     return out

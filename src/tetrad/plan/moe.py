@@ -50,11 +50,6 @@ def expert_shard(parallel, shard: int) -> int:
     return dp // parallel.ep * parallel.cp + cp
 
 
-def rank_layer_params(m: ModelConfig, tp: int, ep: int) -> float:
-    """Parameters of one layer on a rank (flops.layer_params), of its experts E/ep."""
-    return flops.layer_params(m, tp) - (flops.mlp_matrix_params(m) / tp * (ep - 1) / ep if ep > 1 and m.n_experts else 0.0)
-
-
 def ep_all_to_alls(m: ModelConfig, tokens: int, ep: int, e: int) -> tuple[list[float], list[float]]:
     """The payloads (bytes, tetrad.comm's count: the input, the part the rank keeps included) of one
     MoE layer's all-to-alls over the EP group per micro-batch of `tokens` tokens on the rank, `e`

@@ -46,7 +46,7 @@ from tetrad.dist.codec_shapes import INT8_BLOCK, sums_elementwise
 from tetrad.dist.codecs import make_codec
 from tetrad.dist.layout import EXPERT_GRAD, GRAD, GRAD_DIMS
 from tetrad.model.execution import Execution
-from tetrad.model.layers import ColumnParallelLinear, RowParallelLinear
+from tetrad.model.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tetrad.parallel.data.buffers import Bucket, flatten, initial_shard, lay_out
 from tetrad.parallel.data.codec_state import codec_state_dict, load_codec_state
 from tetrad.parallel.data.finalize import reduce_replicated, split_over_tp, sum_tied
@@ -120,7 +120,7 @@ class GradReducer:
                                      layout.block_buckets, layout.roots, prefetch, shard)
             self.zero3.install(model, layout.blocks)
         linears = [m for m in model.modules()
-                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear))] if model is not None else []
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))] if model is not None else []
         # The dense buckets' codec is sized by the gradient group (under hybrid ZeRO too: its scatter
         # dtype also sets the replicas' sum); the experts' buckets reduce over their own group, with
         # a codec sized by all who hold the same experts (none where that is one rank, which sends

@@ -34,7 +34,8 @@ SET_ASIDE = ".bad"  # a published checkpoint that failed its integrity check on 
 # Keys of [model] that decide tensor shapes; the others (dropout, ...) may change on resume.
 SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "norm", "mlp", "pos",
               "tie_embeddings", "qkv_bias", "head_dim", "qk_norm", "sandwich_norm", "n_experts", "expert_ffn_hidden",
-              "shared_expert_ffn_hidden", "shared_expert_gate", "dense_layers")
+              "shared_expert_ffn_hidden", "shared_expert_gate", "dense_layers", "kv_lora_rank", "q_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def shape_keys(model_cfg) -> tuple[str, ...]:
@@ -250,10 +251,13 @@ def check_model(manifest: dict, model_cfg, path: Path) -> None:
 
 def as_built(model: dict) -> dict:
     """`model` with expert_ffn_hidden as the width it gives (0 means ffn_hidden; a dense model has
-    no experts), so a checkpoint written with 0 resumes with that width named, and back; and
-    dense_layers as a set of layers (the order it is listed in builds the same model)."""
+    no experts), so a checkpoint written with 0 resumes with that width named, and back;
+    dense_layers as a set of layers (the order it is listed in builds the same model); and latent
+    attention's widths 0 without it (kv_lora_rank 0: unused)."""
     width = (model.get("expert_ffn_hidden") or model.get("ffn_hidden")) if model.get("n_experts") else 0
-    return {**model, "expert_ffn_hidden": width, "dense_layers": sorted(model.get("dense_layers") or [])}
+    latent = {} if model.get("kv_lora_rank") else dict.fromkeys(
+        ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), 0)
+    return {**model, "expert_ffn_hidden": width, "dense_layers": sorted(model.get("dense_layers") or []), **latent}
 
 
 # ---------------------------------------------------------------------------------------- metadata

@@ -3,8 +3,8 @@ transformers' DeepseekV3Attention's with the same weights (with and without the 
 layout trains it as one process does (its replicated down projections and latent norms, under tp
 with and without SP; values padded to the q/k width through the ring and all-to-all); decoding
 over the cached latents gives the full forward's logits; the keys it does not take are refused
-in one line. YaRN's softmax factor (mscale_all_dim) is not compared with transformers here:
-config/rope.py does not take rope_type 'yarn' yet."""
+in one line; under DeepSeek-V3's YaRN its softmax scale is transformers' (tests/test_deepseek_hf.py imports
+YaRN models whole)."""
 
 from functools import lru_cache
 
@@ -50,22 +50,36 @@ def _model(model: dict, seed: int = 1) -> Transformer:
     return net
 
 
-@pytest.mark.parametrize("model", [MLA, FULL_Q])
-def test_the_attention_is_transformers_deepseek_v3s(model):
+# DeepSeek-V3's YaRN: the softmax scale times mscale(40, 1) ** 2 = 1.8738 (rope.yarn_softmax_factor)
+V3_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+           "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+ATTENTIONS = {"q-latent": MLA, "full-q": FULL_Q, "v3-yarn": {**MLA, "rope_scaling": V3_YARN}}
+
+
+@pytest.mark.parametrize("case", ATTENTIONS)
+def test_the_attention_is_transformers_deepseek_v3s(case):
     """One layer's attention with the same weights (norm weights made unequal to one, so a latent
-    norm on the wrong slice shows), causal over 10 tokens at positions 3..12."""
+    norm on the wrong slice shows; the up projections' weights scaled up, so the scores are far
+    from uniform and the softmax scale shows), causal over 10 tokens at positions 3..12."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+    model = ATTENTIONS[case]
     net = _model({**model, "norm_eps": 1e-6})  # transformers' latent norms take 1e-6 whatever rms_norm_eps says
     attn = net.layers["0"].attn
     with torch.no_grad():
         for name in ("q_a_norm", "kv_a_norm"):
             if hasattr(attn, name):
                 getattr(attn, name).weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
+        for name in ("wq_b", "wq", "wkv_b"):
+            if hasattr(attn, name):
+                getattr(attn, name).weight.mul_(20)
+    scaling = {"rope_parameters": {**model["rope_scaling"], "rope_theta": net.cfg.rope_theta}} \
+        if "rope_scaling" in model else {}
     hf_cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                              q_lora_rank=model["q_lora_rank"] or None, kv_lora_rank=16, qk_nope_head_dim=12,
-                              qk_rope_head_dim=4, v_head_dim=12, rope_interleave=False, rms_norm_eps=1e-6,
-                              max_position_embeddings=64, attn_implementation="sdpa")
+                              q_lora_rank=model["q_lora_rank"] or None, kv_lora_rank=model["kv_lora_rank"],
+                              qk_nope_head_dim=model["qk_nope_head_dim"], qk_rope_head_dim=model["qk_rope_head_dim"],
+                              v_head_dim=model["v_head_dim"], rope_interleave=False, max_position_embeddings=64,
+                              attn_implementation="sdpa", **scaling)
     hf = DeepseekV3Attention(hf_cfg, 0)
     names = {"kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_a_norm", "kv_b_proj": "wkv_b", "o_proj": "wo",
              **({"q_a_proj": "wq_a", "q_a_layernorm": "q_a_norm", "q_b_proj": "wq_b"} if model["q_lora_rank"]
@@ -76,8 +90,10 @@ def test_the_attention_is_transformers_deepseek_v3s(model):
     with torch.no_grad():
         ours = attn(x, net.rope(positions))
         theirs, _ = hf(x, DeepseekV3RotaryEmbedding(hf_cfg)(x, positions[None]), None)
+        attn.q_scale = 1.0 if attn.q_scale != 1.0 else 2.0  # another softmax scale: not theirs
+        other = attn(x, net.rope(positions))
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
-    assert theirs.abs().max() > 1e-2
+    assert theirs.abs().max() > 1e-2 and (other - theirs).abs().max() > 1e-3
 
 
 def test_the_parameters_are_the_specs_and_the_planners_count():

@@ -7,7 +7,7 @@ v]; a head's key is [k_nope, RoPE(k_rope)], k_rope one vector every head shares.
 [q_nope, RoPE(q_rope)], from x through wq, or through the q latent (wq_a, q_a_norm, wq_b) where
 model.q_lora_rank > 0. RoPE rotates the rope dims alone (apply_rope's pairing, no interleave: an
 import de-interleaves DeepSeek's weights). Softmax scale (nope + rope) ** -0.5, times YaRN's
-mscale ** 2 (`softmax_factor`).
+mscale ** 2 (model/rope.py's `yarn_softmax_factor`).
 
 Tensor parallelism: the down projections (wq_a, wkv_a) and their norms are replicated, the up
 projections column-parallel by heads, wo row-parallel. The latents are made from this rank's
@@ -33,8 +33,6 @@ values the same cached tensor), and the values' rows of wkv_b map its output bac
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -47,17 +45,7 @@ from tetrad.model.kv_cache import LayerCache, cached_attention
 from tetrad.model.layers import ColumnParallelLinear, Norm, ReplicatedLinear, RowParallelLinear
 from tetrad.model.mappings import linear, tp_input
 from tetrad.model.replay import RingReplay
-from tetrad.model.rope import apply_rope
-
-
-def softmax_factor(cfg: ModelConfig) -> float:
-    """What the queries are multiplied by so that the kernels' (nope + rope) ** -0.5 becomes the
-    model's softmax scale: YaRN's mscale ** 2 where model.rope_scaling has mscale_all_dim
-    (DeepSeek's; transformers' yarn_apply_mscale), mscale = 0.1 mscale_all_dim ln(factor) + 1."""
-    s = cfg.rope_scaling
-    if s.get("rope_type") != "yarn" or not s.get("mscale_all_dim") or s["factor"] <= 1:
-        return 1.0
-    return (0.1 * s["mscale_all_dim"] * math.log(s["factor"]) + 1.0) ** 2
+from tetrad.model.rope import apply_rope, yarn_softmax_factor
 
 
 class LatentAttention(nn.Module):
@@ -68,7 +56,7 @@ class LatentAttention(nn.Module):
         super().__init__()
         self.cfg, self.topo, self.ex, self.window = cfg, topo, ex, window
         self.heads = cfg.n_heads // topo.tp_size
-        self.q_scale = softmax_factor(cfg)
+        self.q_scale = yarn_softmax_factor(cfg)  # the kernels scale by (nope + rope) ** -0.5
         hd, r = cfg.head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank:
             self.wq_a = ReplicatedLinear(cfg.d_model, cfg.q_lora_rank, ex)

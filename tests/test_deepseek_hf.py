@@ -115,9 +115,8 @@ def test_rope_rows_read_de_interleaved_give_transformers_attention_scores(family
     assert (_attention_scores(q_plain, k_plain) - _attention_scores(q_hf, k_hf)).abs().max() > 1e-2
 
 
-# norm_eps 1e-6: transformers' DeepSeek norms its latents (q_a_layernorm, kv_a_layernorm) with eps 1e-6
-# whatever rms_norm_eps says, tetrad's latent norms take model.norm_eps (the releases' 1e-6 either way)
-MLA = {"norm_eps": 1e-6, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_kv_heads": 4}
+# at tetrad's default norm_eps (1e-5): the latent norms take transformers' 1e-6 whatever it is
+MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_kv_heads": 4}
 V3_LAYERS = {**MLA, "q_lora_rank": 24, "n_experts": 8, "router_score": "sigmoid", "expert_ffn_hidden": 32,
              "shared_expert_ffn_hidden": 64, "dense_layers": [0], "expert_groups": 2, "expert_weight_scale": 2.0,
              "router_bias_update_rate": 0.01}

@@ -51,7 +51,7 @@ class ModelConfig:
     # RoPE on the first rotary_dim = int(head_dim * partial_rotary_factor) dims of each head
     # (phi-4-mini: 0.75); the others pass through unrotated.
     partial_rotary_factor: float = 1.0
-    norm_eps: float = 1e-5
+    norm_eps: float = 1e-5  # every norm's but latent attention's two latent norms (1e-6, as DeepSeek's)
     dropout: float = 0.0
     # Width of each attention head; 0: d_model / n_heads. Qwen3 and Mistral NeMo set their own
     # (Qwen3-4B: 32 heads of 128 over d_model 2560), so q and the attention output are

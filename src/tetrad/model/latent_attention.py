@@ -5,9 +5,10 @@ Each token's keys and values come from one small latent: wkv_a maps x to [c (kv_
 k_rope (qk_rope_head_dim)], c is normed (kv_a_norm) and wkv_b maps it to every head's [k_nope,
 v]; a head's key is [k_nope, RoPE(k_rope)], k_rope one vector every head shares. Its query is
 [q_nope, RoPE(q_rope)], from x through wq, or through the q latent (wq_a, q_a_norm, wq_b) where
-model.q_lora_rank > 0. RoPE rotates the rope dims alone (apply_rope's pairing, no interleave: an
-import de-interleaves DeepSeek's weights). Softmax scale (nope + rope) ** -0.5, times YaRN's
-mscale ** 2 (model/rope.py's `yarn_softmax_factor`).
+model.q_lora_rank > 0; the latent norms' eps is 1e-6 whatever model.norm_eps is (LATENT_NORM_EPS).
+RoPE rotates the rope dims alone (apply_rope's pairing, no interleave: an import de-interleaves
+DeepSeek's weights). Softmax scale (nope + rope) ** -0.5, times YaRN's mscale ** 2 (model/rope.py's
+`yarn_softmax_factor`).
 
 Tensor parallelism: the down projections (wq_a, wkv_a) and their norms are replicated, the up
 projections column-parallel by heads, wo row-parallel. The latents are made from this rank's
@@ -47,6 +48,10 @@ from tetrad.model.mappings import linear, tp_input
 from tetrad.model.replay import RingReplay
 from tetrad.model.rope import apply_rope, yarn_softmax_factor
 
+# The latent norms' epsilon, whatever model.norm_eps is: transformers' DeepSeek-V2/V3 build
+# q_a_layernorm and kv_a_layernorm with their RMSNorm's default 1e-6, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
 
 class LatentAttention(nn.Module):
     """Model/llama.py's Block builds it for Attention where cfg.latent_attention; the same calls.
@@ -60,12 +65,12 @@ class LatentAttention(nn.Module):
         hd, r = cfg.head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank:
             self.wq_a = ReplicatedLinear(cfg.d_model, cfg.q_lora_rank, ex)
-            self.q_a_norm = Norm(cfg, cfg.q_lora_rank)
+            self.q_a_norm = Norm(cfg, cfg.q_lora_rank, eps=LATENT_NORM_EPS)
             self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * hd, topo, ex)
         else:
             self.wq = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, topo, ex)
         self.wkv_a = ReplicatedLinear(cfg.d_model, r + cfg.qk_rope_head_dim, ex)
-        self.kv_a_norm = Norm(cfg, r)
+        self.kv_a_norm = Norm(cfg, r, eps=LATENT_NORM_EPS)
         self.wkv_b = ColumnParallelLinear(r, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), topo, ex)
         self.wo = RowParallelLinear(cfg.n_heads * cfg.v_head_dim, cfg.d_model, topo, ex, std=out_std)
         self.recompute_core = False  # selective recompute (see `core`)

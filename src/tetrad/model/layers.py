@@ -45,12 +45,13 @@ class ColumnParallelLinear(nn.Module):
 class Norm(nn.Module):
     """RMSNorm, LayerNorm (with bias) or Gemma's RMSNorm (fp32, times 1 + weight: its weight an
     offset, zero at init) over the last dimension (d_model, or `width`); replicated over tp.
-    `per_head`: qk-norm's, over each head, its gradient split over tp (ParamSpec)."""
+    `per_head`: qk-norm's, over each head, its gradient split over tp (ParamSpec). `eps`: its own
+    epsilon (model.norm_eps where None)."""
 
-    def __init__(self, cfg: ModelConfig, width: int | None = None, per_head: bool = False):
+    def __init__(self, cfg: ModelConfig, width: int | None = None, per_head: bool = False, eps: float | None = None):
         super().__init__()
         width = width or cfg.d_model
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.kind, self.eps = cfg.norm, cfg.norm_eps if eps is None else eps
         init = "zeros" if cfg.norm == "gemma_rmsnorm" else "ones"
         self.weight = new_param((width,), init=init, grad_split_over_tp=per_head)
         self.bias = new_param((width,), init="zeros", grad_split_over_tp=per_head) if cfg.norm == "layernorm" else None

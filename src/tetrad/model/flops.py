@@ -132,35 +132,36 @@ def layer_params(m: ModelConfig, tp: int) -> float:
             + shared_gate_params(m) + latent_down_params(m))
 
 
-def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
+def layer_matmuls(m: ModelConfig) -> list[tuple[int, int, str, int]]:
     """One layer's matmuls in the order its forward runs them, as (input width, output width,
-    row-parallel, rows per token): q, k, v, the output projection, then gate, up and down (SwiGLU)
-    or fc1 and fc2, under MoE the experts' (k rows a token, H wide; the router, small and
-    replicated, left out). Row-parallel ones split their input over tp and give the whole
-    hidden state. Latent attention's are wkv_a, wq_a, wq_b (or wq), wkv_b and wo; its down
-    projections, replicated, are listed as row-parallel (whole outputs), though their input is whole
-    too (not split over tp)."""
+    split over tp, rows per token): q, k, v, the output projection, then gate, up and down
+    (SwiGLU) or fc1 and fc2, under MoE the experts' (k rows a token, H wide; the router, small and
+    replicated, left out). Latent attention's are wkv_a, wq_a, wq_b (or wq), wkv_b and wo. The
+    split: "column" splits the output over tp (the input whole), "row" the input (the output
+    whole), "chunk" neither: the weight whole over the rank's own tokens, under sequence
+    parallelism its sequence chunk (latent attention's replicated down projections)."""
     f, k = (m.expert_hidden, m.experts_per_token) if m.n_experts else (m.ffn_hidden, 1)
     return [*_attention_matmuls(m), *_mlp_matmuls(m, f, k)]
 
 
-def _attention_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
+def _attention_matmuls(m: ModelConfig) -> list[tuple[int, int, str, int]]:
     h, q, kv = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     if not m.latent_attention:
-        return [(h, q, False, 1), (h, kv, False, 1), (h, kv, False, 1), (q, h, True, 1)]
-    down = [(h, m.kv_lora_rank + m.qk_rope_head_dim, True, 1)]
-    down += [(h, m.q_lora_rank, True, 1), (m.q_lora_rank, q, False, 1)] if m.q_lora_rank else [(h, q, False, 1)]
-    return [*down, (m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim), False, 1),
-            (m.n_heads * m.v_head_dim, h, True, 1)]
+        return [(h, q, "column", 1), (h, kv, "column", 1), (h, kv, "column", 1), (q, h, "row", 1)]
+    down = [(h, m.kv_lora_rank + m.qk_rope_head_dim, "chunk", 1)]
+    down += [(h, m.q_lora_rank, "chunk", 1), (m.q_lora_rank, q, "column", 1)] if m.q_lora_rank \
+        else [(h, q, "column", 1)]
+    return [*down, (m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim), "column", 1),
+            (m.n_heads * m.v_head_dim, h, "row", 1)]
 
 
-def _mlp_matmuls(m: ModelConfig, f: int, rows: int) -> list[tuple[int, int, bool, int]]:
+def _mlp_matmuls(m: ModelConfig, f: int, rows: int) -> list[tuple[int, int, str, int]]:
     h = m.d_model
-    return [(h, f, False, rows), (h, f, False, rows), (f, h, True, rows)] if m.gated_mlp else \
-        [(h, f, False, rows), (f, h, True, rows)]
+    return [(h, f, "column", rows), (h, f, "column", rows), (f, h, "row", rows)] if m.gated_mlp else \
+        [(h, f, "column", rows), (f, h, "row", rows)]
 
 
-def op_checkpoint_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
+def op_checkpoint_matmuls(m: ModelConfig) -> list[tuple[int, int, str, int]]:
     """The matmuls `selective-op`'s policy counts, in forward order (model/llama.py): the
     attention's and the MLP's; under MoE the shared expert's as a dense MLP of its width, the
     routing's (router, routed experts, the shared expert's gate) left out: all kept."""
@@ -170,13 +171,13 @@ def op_checkpoint_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
     return _attention_matmuls(m) + shared
 
 
-def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, bool, int]]:
+def op_checkpoint_saved_matmuls(m: ModelConfig) -> list[tuple[int, int, str, int]]:
     """The matmuls whose outputs `selective-op` keeps: every other one it counts, from the first,
     and under MoE every one of the routing: the router's and the shared expert's gate's (whole on
     every tp rank, as a row-parallel output), each of a token's k experts'; the rest it recomputes."""
     kept = op_checkpoint_matmuls(m)[0::2]
     if m.n_experts:
-        kept += [(m.d_model, m.n_experts + m.shared_expert_gate, True, 1),
+        kept += [(m.d_model, m.n_experts + m.shared_expert_gate, "row", 1),
                  *_mlp_matmuls(m, m.expert_hidden, m.experts_per_token)]
     return kept
 

@@ -67,9 +67,11 @@ def activation_bytes_per_layer(m: ModelConfig, tokens: int, tp: int, sp: bool, r
         return hidden / div  # only the layer's input (Korthikanti: 2sbh in 16 bit)
     w = widths(m, tp)
     if recompute == "selective-op":  # the input, the kept matmul outputs (a row-parallel one whole,
-        # before its all-reduce or reduce-scatter), the attention's output and fp32 log-sum-exp (under
-        # ring cp the ring's merged ones, once: model/replay.py RingReplay)
-        kept = sum(n * rows if row else n * rows / tp for _, n, row, rows in flops.op_checkpoint_saved_matmuls(m))
+        # before its all-reduce or reduce-scatter; a "chunk" one over the rank's own tokens), the
+        # attention's output and fp32 log-sum-exp (under ring cp the ring's merged ones, once:
+        # model/replay.py RingReplay)
+        share = {"column": 1 / tp, "row": 1, "chunk": 1 / div}  # of each token's output (flops.layer_matmuls)
+        kept = sum(n * rows * share[split] for _, n, split, rows in flops.op_checkpoint_saved_matmuls(m))
         # a sigmoid router's logits leave their matmul in fp32 (model/routing.py router_logits)
         fp32_logits = (4 - e) * m.n_experts if m.router_score == "sigmoid" else 0
         return hidden / div + tokens * (e * (kept + w.out) + fp32_logits) + 4 * m.n_heads / tp * tokens

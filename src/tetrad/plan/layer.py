@@ -156,10 +156,11 @@ def _op_recomputed_gemms(cfg: Config, gpu: GPU, tokens: int) -> float:
     (flops.op_checkpoint_matmuls; an MoE layer's routing keeps all of its own)."""
     m, tp, dtype = cfg.model, cfg.parallel.tp, cfg.train.dtype
     peak = gpu.matmul_peak(dtype, cfg.train.tf32)
+    own = tokens / tp if cfg.parallel.sequence_parallel else tokens  # a "chunk" matmul's (flops.layer_matmuls)
     out = 0.0
-    for k, n, row, rows in flops.op_checkpoint_matmuls(m)[1::2]:
-        k, n = (k / tp, n) if row else (k, n / tp)
-        out += _gemm_time(gpu, peak, dtype, tokens * rows, k, n, 1)
+    for k, n, split, rows in flops.op_checkpoint_matmuls(m)[1::2]:
+        r, k, n = {"column": (tokens, k, n / tp), "row": (tokens, k / tp, n), "chunk": (own, k, n)}[split]
+        out += _gemm_time(gpu, peak, dtype, r * rows, k, n, 1)
     return out
 
 

@@ -26,8 +26,6 @@ def _unsupported(m: ModelConfig) -> str:
                            "or leave it 0"),
         (m.qk_rope_head_dim % 2, f"rotates qk_rope_head_dim={m.qk_rope_head_dim} dims, which RoPE pairs: "
                                  "make it even"),
-        (qk % 2, f"needs an even qk_nope_head_dim + qk_rope_head_dim (RoPE's head_dim check), got {qk}: "
-                 "make qk_nope_head_dim even"),
         (m.v_head_dim > qk, f"pads values to the query/key width {qk}: set model.v_head_dim <= {qk}"),
         (m.pos != "rope", "takes RoPE on its qk_rope_head_dim dims: set model.pos='rope'"),
         (m.partial_rotary_factor != 1, "rotates qk_rope_head_dim dims of its own: set model.partial_rotary_factor=1"),

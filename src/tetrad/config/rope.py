@@ -35,7 +35,8 @@ def check_rope(m: ModelConfig) -> None:
             if not unset:
                 raise ConfigError(f"model.{key} {does}, and model.pos='learned' has none; remove it")
         return
-    if m.partial_rotary_factor == 1 and m.head_dim % 2:
+    # latent attention rotates its qk_rope_head_dim alone (config/latent.py): its head_dim may be odd
+    if m.partial_rotary_factor == 1 and m.head_dim % 2 and not m.latent_attention:
         raise ConfigError(f"RoPE needs an even head_dim, got {m.head_dim}; use a d_model that is a "
                           f"multiple of 2*n_heads = {2 * m.n_heads}, or model.pos='learned'")
     if m.rotary_dim % 2 or m.rotary_dim < 2:

@@ -3,8 +3,8 @@ dp/tp/pp/cp (2, 4 or 8 ranks) with ZeRO 0-3, the four schedules and virtual stag
 parallelism and its regather, both cp algorithms, codecs, bucket sizes, hierarchical reduction
 ("auto" included), the tiny model's shapes varied (GQA, odd vocabularies, tied, GPT-style,
 uneven stage splits), micro/global batches and their ramp-up, clipping, dtypes, recompute, offload,
-validation and document masking, and (the fuzzers') hybrid ZeRO's blocks and mixtures of experts
-(with expert parallelism half the time dp allows it).
+validation and document masking, and (the fuzzers') hybrid ZeRO's blocks, mixtures of experts
+(with expert parallelism half the time dp allows it) and multi-head latent attention.
 Each draw is a pure function of its seed; a few are invalid on purpose (validation must refuse
 them with one line that names the fix)."""
 
@@ -150,7 +150,21 @@ def draw(seed: int, extended: bool = False) -> dict:
         ep = [e for e in (2, 4) if par["dp"] % e == 0 and model["n_experts"] % e == 0]
         if ep and rng.random() < 0.5:  # its experts over blocks of dp ranks (refused with a zero_shard not a multiple of ep x cp)
             par["ep"] = rng.choice(ep)
+    if extended and rng.random() < 0.2:  # DeepSeek's multi-head latent attention (model/latent_attention.py)
+        model.update(latent_model(rng, model["n_heads"]))
+        model.pop("head_dim", None)
     return {"model": model, "parallel": par, "train": train, "data": data}
+
+
+def latent_model(rng: random.Random, heads: int) -> dict:
+    """[model] keys of multi-head latent attention: a query latent or none (DeepSeek-V2-Lite's),
+    latents and head widths of a few sizes, an odd q/k width among them, values no wider; and what
+    it refuses set to what it takes (a key per query head, RoPE, RMSNorm, no qk-norm or biases: a
+    GPT-style or Gemma 3 draw keeps the rest of its block)."""
+    nope, rope = rng.choice([4, 8, 12, 5]), rng.choice([2, 4, 8])
+    return {"kv_lora_rank": rng.choice([8, 16, 32]), "q_lora_rank": rng.choice([0, 16, 24]), "qk_nope_head_dim": nope,
+            "qk_rope_head_dim": rope, "v_head_dim": rng.randint(2, nope + rope), "n_kv_heads": heads,
+            "pos": "rope", "norm": "rmsnorm", "qk_norm": False, "qkv_bias": False, "query_pre_attn_scalar": 0.0}
 
 
 def moe_model(rng: random.Random) -> dict:

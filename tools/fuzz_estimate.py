@@ -1,5 +1,5 @@
 """Seeded fuzzer of the planner against the runtime: draws a layout and model variant
-(tests/layout_draws.py, mixtures of experts included, plus residual dropout and uneven stage
+(tests/layout_draws.py, mixtures of experts and latent attention included, plus residual dropout and uneven stage
 splits more often), trains it
 two steps on gloo ranks and compares, rank by rank, what the planner predicts with what the
 trainer counts:
@@ -158,6 +158,7 @@ def describe(overrides: dict) -> str:
              "drop" if m.get("dropout") else "", "tied" if m["tie_embeddings"] else "",
              "gpt" if m.get("mlp") == "gelu" else "", f"stages{p['stage_layers']}" if p.get("stage_layers") else "",
              f"moe{m['n_experts']}k{m['experts_per_token']}" if m.get("n_experts") else "",
+             f"mla{m['kv_lora_rank']}q{m['q_lora_rank']}" if m.get("kv_lora_rank") else "",
              f"mb{t['micro_batch']}x{t['global_batch'] // (t['micro_batch'] * p['dp'])}"]
     return " ".join([dims, *(x for x in extra if x)])
 

@@ -6,6 +6,7 @@ import torch
 
 from conftest import assert_parity, run_ranks, tiny_config, train_layout
 from tetrad.dist.codec_shapes import powersgd_shape
+from tetrad.dist.codecs import PowerSGD
 from tetrad.model.sharding import spec_of
 from tetrad.plan.comm_bytes import comm_bytes_per_step
 from tetrad.train.trainer import Trainer
@@ -89,6 +90,27 @@ def test_powersgd_compresses_whatever_the_bucket_size(n):
     assert rows * cols >= n > (rows - 1) * cols  # exact, or zero padding of less than one row
     assert (rows + cols) * 4 < n / 4  # P and Q (rank 4) send under a quarter of the bucket
     assert powersgd_shape(106816) == (1669, 64)  # an exact factorisation where one compresses
+
+
+class _OneRank:
+    """A comm of one rank: the sum is the tensor itself."""
+
+    def all_reduce(self, t, group, async_op=False):
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("n", [1, 8, 12, 13, 16])
+def test_powersgd_takes_a_bucket_of_few_values(n):
+    """A bucket of under 13 values (latent attention's 8-wide latent norm alone in a small bucket:
+    fuzz seed 69630) gives a matrix of fewer rows than the rank, which crashed the codec; now it
+    has `rank` rows at least, and rank-4 factors of a matrix at most 4 wide are exact."""
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    flat = grad.clone()
+    PowerSGD(1).all_reduce(flat, _OneRank(), "dp", 0).wait()
+    torch.testing.assert_close(flat, grad)
 
 
 def test_hierarchical_equals_flat():

@@ -22,11 +22,13 @@ def sums_elementwise(name: str, group_size: int) -> bool:
 def powersgd_shape(n: int, rank: int = POWERSGD_RANK) -> tuple[int, int]:
     """(rows, cols) of the matrix PowerSGD sees a bucket of n values as: the factorisation of n
     nearest a square below it, or, where that would not compress (a prime n gives [n, 1], and P
-    alone would send `rank` times the bucket), a near-square one, zero-padded."""
+    alone would send `rank` times the bucket), a near-square one, zero-padded, of `rank` rows at
+    least: P's orthonormal basis (its QR) has min(rows, rank) columns, and Q must keep `rank` (a
+    bucket of under 13 values, e.g. latent attention's 8-wide latent norm alone, crashed the codec)."""
     cols = max(1, math.isqrt(n))
     while n % cols:
         cols -= 1
     if (n // cols + cols) * rank < n:
         return n // cols, cols
     cols = math.isqrt(n - 1) + 1 if n > 1 else 1  # ceil(sqrt(n))
-    return -(-n // cols), cols
+    return max(-(-n // cols), rank), cols

@@ -134,8 +134,10 @@ def check(got, ref, overrides: dict, other_order) -> str:
     rtol = {"none": 0, "bf16": 1e-2, "int8": 2e-2}.get(codec)
     if rtol is not None:  # powersgd's first step is a rank-4 approximation
         rtol += DTYPE_NORM_RTOL.get(dtype, 1e-5)
+        # NaN in both: fp16's first loss scale (2^16) overflowed in both runs, which skipped the
+        # step alike (seed 69688: latent attention under Gemma 3's scaled embeddings)
         torch.testing.assert_close(grad_norms(history)[0], grad_norms(ref_history)[0], rtol=rtol, atol=0,
-                                   msg=lambda m: f"first grad_norm: {m}")
+                                   equal_nan=True, msg=lambda m: f"first grad_norm: {m}")
     if codec == "none":  # later steps of a lossy codec follow their own curve (tests/test_codecs.py)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=3 * first_atol)
     if dtype != "fp16":

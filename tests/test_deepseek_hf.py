@@ -75,9 +75,9 @@ def test_deepseek_imports_with_transformers_logits_and_exports_as_itself(tmp_pat
     torch.testing.assert_close(got, theirs, **TOL)
     assert theirs.abs().max() > 0.3  # a non-trivial comparison
     print(f"{case}: max |logit difference| {(got - theirs).abs().max():.2e}")
-    if grouped:  # the groups scored by their best two instead route some token otherwise
+    if grouped:  # the groups scored by their best two instead route some token otherwise: far past TOL
         other = single_process_model(dataclasses.replace(m, expert_group_score_top=2), state)
-        assert (other(TOKENS, torch.arange(TOKENS.shape[1])).detach() - theirs).abs().max() > 1e-2
+        assert (other(TOKENS, torch.arange(TOKENS.shape[1])).detach() - theirs).abs().max() > 100 * TOL["atol"]
     from_folder = single_process_model(m, stored_weights(tmp_path / "hf"), biases=stored_expert_biases(tmp_path / "hf"))
     torch.testing.assert_close(from_folder(TOKENS, torch.arange(TOKENS.shape[1])).detach(), theirs, **TOL)
 

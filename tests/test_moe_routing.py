@@ -58,8 +58,9 @@ def test_the_picks_and_weights_are_transformers_deepseek_v3s(k, groups, kept, no
 def test_the_picks_and_weights_are_transformers_deepseek_v2s_group_limited_greedy(experts, k, groups, kept, scale):
     """Softmax scores, groups scored by their best expert (expert_group_score_top=1), the weights the
     picked scores times the scale, not renormalised; the groups by their best two pick otherwise."""
-    cfg = transformers.DeepseekV2Config(hidden_size=16, n_routed_experts=experts, num_experts_per_tok=k, n_group=groups,
-                                        topk_group=kept, topk_method="group_limited_greedy", routed_scaling_factor=scale)
+    cfg = transformers.DeepseekV2Config(hidden_size=16, num_attention_heads=4, n_routed_experts=experts,
+                                        num_experts_per_tok=k, n_group=groups, topk_group=kept,
+                                        topk_method="group_limited_greedy", routed_scaling_factor=scale)
     router, gen = DeepseekV2TopkRouter(cfg), torch.Generator().manual_seed(experts)
     with torch.no_grad():
         router.weight.copy_(torch.randn(router.weight.shape, generator=gen))

@@ -223,7 +223,9 @@ def test_deepseek_config_keys_map_as_their_config_classes_say():
                                                  "sum of their best two scores"),
     ({**V3_LAYERS, "shared_expert_ffn_hidden": 0}, "DeepseekV3ForCausalLM has an ungated shared expert"),
     ({**V3_LAYERS, "dense_layers": [1]}, r"first first_k_dense_replace; model.dense_layers=\[1\]"),
-    ({**MLA, "sliding_window": 8}, "DeepseekV3ForCausalLM has no sliding window")])
+    ({**MLA, "sliding_window": 8}, "DeepseekV3ForCausalLM has no sliding window"),
+    ({**MLA, "sandwich_norm": True}, "DeepseekV3ForCausalLM has neither Gemma's sandwich norms"),
+    ({**MLA, "scale_embeddings": True}, "DeepseekV3ForCausalLM has neither Gemma's .* scale_embeddings=True")])
 def test_a_latent_attention_model_no_architecture_computes_is_refused_before_export(model, named):
     with pytest.raises(ConfigError, match=named) as e:
         check_exportable(load_config(overrides={"model": model}).model)

@@ -147,6 +147,9 @@ def deepseek_export_problem(m) -> str | None:
         return (f"{name}, the one transformers architecture with latent attention, has rmsnorm, swiglu and rope, no "
                 f"qk-norm and no biases; this model has norm={m.norm!r}, mlp={m.mlp!r}, pos={m.pos!r}, "
                 f"qk_norm={m.qk_norm}, qkv_bias={m.qkv_bias}")
+    if m.sandwich_norm or m.scale_embeddings:  # Gemma's, which no DeepSeek computes
+        return (f"{name} has neither Gemma's sandwich norms nor its scaled embeddings; this model has "
+                f"sandwich_norm={m.sandwich_norm}, scale_embeddings={m.scale_embeddings}")
     if hides_keys(m.sliding_window, m.context_length) or m.layer_types:
         return f"{name} has no sliding window or layer_types; export a model without them"
     if m.rope_scaling.get("rope_type") in ("longrope", "linear"):

@@ -2,8 +2,7 @@
 transformers' DeepseekV3Attention's with the same weights (with and without the q latent); every
 layout trains it as one process does (its replicated down projections and latent norms, under tp
 with and without SP; values padded to the q/k width through the ring and all-to-all); decoding
-over the cached latents gives the full forward's logits and makes no tensor of heads x tokens x
-latent width, whatever the SDPA kernel; the keys it does not take are refused
+over the cached latents gives the full forward's logits; the keys it does not take are refused
 in one line. YaRN's softmax factor (mscale_all_dim) is not compared with transformers here:
 config/rope.py does not take rope_type 'yarn' yet."""
 

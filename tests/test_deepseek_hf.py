@@ -3,9 +3,11 @@ transformers (fp32, random weights; tests/test_moe_hf.py's write_hf_moe) import 
 transformers' logits, read as a checkpoint and as the folder itself (init_from and generate's
 reader: the RoPE rows de-interleaved as they are read), and export back to the Hub's tensors with
 the same logits; V3 with a q latent, its expert groups and biases, interleaved RoPE or not, YaRN;
-V2-Lite's full query projection and scaled softmax; a latent-attention model trained in tetrad
-exports with its logits; what tetrad does not compute is refused in one line."""
+V2-Lite's full query projection and scaled softmax; V2's (V2.5's, Coder-V2's) group_limited_greedy
+expert groups, scored by their best expert; a latent-attention model trained in tetrad exports with
+its logits; what tetrad does not compute is refused in one line."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -37,7 +39,11 @@ CASES = {  # name -> (family, config keys)
                                                        "topk_group": 1}),
     "v2-lite": ("deepseek_v2", {}),
     "v2-q-latent-yarn": ("deepseek_v2", {"q_lora_rank": 16, "rope_parameters": YARN}),
+    # DeepSeek-V2's, V2.5's and Coder-V2's routing (8 groups, 3 kept), at 4 groups of 2, 2 kept
+    "v2-group-limited-greedy": ("deepseek_v2", {"n_routed_experts": 8, "num_experts_per_tok": 3,
+                                                "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}),
 }
+ROUTER_KEYS = ("topk_method", "n_group", "topk_group")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -59,6 +65,9 @@ def test_deepseek_imports_with_transformers_logits_and_exports_as_itself(tmp_pat
     assert m.router_score == ("sigmoid" if v3 else "softmax") and not m.shared_expert_gate
     assert m.dense_layers == ([] if shape.get("first_k_dense_replace") == 0 else [0])
     assert m.rope_scaling.get("rope_type") == shape.get("rope_parameters", {}).get("rope_type")
+    grouped = shape.get("topk_method") == "group_limited_greedy"
+    assert (m.expert_groups, m.expert_groups_per_token, m.expert_group_score_top) == \
+        ((4, 2, 1) if grouped else (4, 2, 2) if v3 and shape.get("n_group") != 1 else (1, 1, 2))
     biases = read_extras(checkpoint_folder(tmp_path / "ckpt"), "expert_bias")
     assert bool(biases) == v3 and all(b.abs().max() > 0 for b in biases.values())
     theirs = hf_logits(tmp_path / "hf")
@@ -66,12 +75,17 @@ def test_deepseek_imports_with_transformers_logits_and_exports_as_itself(tmp_pat
     torch.testing.assert_close(got, theirs, **TOL)
     assert theirs.abs().max() > 0.3  # a non-trivial comparison
     print(f"{case}: max |logit difference| {(got - theirs).abs().max():.2e}")
+    if grouped:  # the groups scored by their best two instead route some token otherwise: far past TOL
+        other = single_process_model(dataclasses.replace(m, expert_group_score_top=2), state)
+        assert (other(TOKENS, torch.arange(TOKENS.shape[1])).detach() - theirs).abs().max() > 100 * TOL["atol"]
     from_folder = single_process_model(m, stored_weights(tmp_path / "hf"), biases=stored_expert_biases(tmp_path / "hf"))
     torch.testing.assert_close(from_folder(TOKENS, torch.arange(TOKENS.shape[1])).detach(), theirs, **TOL)
 
     assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
     exported = json.loads((tmp_path / "back" / "config.json").read_text())
     assert exported["model_type"] == family and exported.get("rope_interleave", True)  # the Hub's layout
+    if grouped:
+        assert [exported[k] for k in ROUTER_KEYS] == ["group_limited_greedy", 4, 2]
     assert tensor_names(tmp_path / "back") == tensor_names(tmp_path / "hf") - {"model.layers.2.eh_proj.weight"}
     original, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     rope_rows_moved = not shape.get("rope_interleave", True)  # written interleaved, read as they were not
@@ -122,18 +136,23 @@ V3_LAYERS = {**MLA, "q_lora_rank": 24, "n_experts": 8, "router_score": "sigmoid"
              "router_bias_update_rate": 0.01}
 V2_LAYERS = {**MLA, "n_experts": 4, "expert_ffn_hidden": 32, "shared_expert_ffn_hidden": 32,
              "normalize_expert_weights": False, "expert_weight_scale": 1.5}
+V2_GROUPED = {**V2_LAYERS, "n_experts": 8, "experts_per_token": 3, "expert_groups": 4, "expert_groups_per_token": 2,
+              "expert_group_score_top": 1}
 
 
-@pytest.mark.parametrize("model", [MLA, V3_LAYERS, V2_LAYERS])
-def test_a_latent_attention_model_trained_in_tetrad_exports_with_its_logits(tmp_path, model):
+@pytest.mark.parametrize("model,topk_method", [(MLA, None), (V3_LAYERS, "noaux_tc"), (V2_LAYERS, "greedy"),
+                                               (V2_GROUPED, "group_limited_greedy")])
+def test_a_latent_attention_model_trained_in_tetrad_exports_with_its_logits(tmp_path, model, topk_method):
     """Sigmoid routing exports as DeepSeek-V3 (its moved expert biases the e_score_correction_bias),
-    a softmax as V2, no experts as V3 with every layer dense."""
+    a softmax as V2 (groups scored by their best as its group_limited_greedy), no experts as V3
+    with every layer dense."""
     cfg = tiny_config(model={"vocab_size": 256, **model}, train={"steps": 2}, checkpoint={"every": 2},
                       run={"dir": str(tmp_path / "run")})
     _, state, _ = train_layout(cfg)
     assert main(["convert", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf")]) == 0
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert exported["model_type"] == ("deepseek_v2" if model is V2_LAYERS else "deepseek_v3")
+    assert exported["model_type"] == ("deepseek_v2" if "greedy" in str(topk_method) else "deepseek_v3")
+    assert exported.get("topk_method") == topk_method
     biases = stored_expert_biases(tmp_path / "run")
     assert [bool(b.any()) for b in biases.values()] == [bool(model.get("router_bias_update_rate"))] * cfg.model.moe_layers
     with torch.no_grad():
@@ -155,8 +174,8 @@ V2_CONFIG = {**V3_CONFIG, "model_type": "deepseek_v2", "num_experts_per_tok": 2}
     ({**V3_CONFIG, "n_shared_experts": 0}, "n_shared_experts=0"),
     ({**V3_CONFIG, "moe_layer_freq": 2}, "moe_layer_freq=2"),
     ({**V3_CONFIG, "aux_loss_alpha": 0.001, "seq_aux": False}, "seq_aux=false"),
-    ({**V2_CONFIG, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3},
-     "scores a group by its best expert"),
+    ({**V2_CONFIG, "topk_method": "group_limited_greedy", "n_group": None, "topk_group": 3},
+     "group_limited_greedy' with n_group=None, topk_group=3: its expert groups need both"),
     ({**V2_CONFIG, "norm_topk_prob": True}, "norm_topk_prob=true"),
     ({**V2_CONFIG, "num_experts_per_tok": None}, "num_experts_per_tok=None"),
     ({**V2_CONFIG, "mlp_bias": True}, "'mlp_bias': True")])
@@ -169,6 +188,7 @@ def test_deepseek_variants_tetrad_lacks_are_refused_in_one_line(hf, named):
 def test_deepseek_config_keys_map_as_their_config_classes_say():
     """DEFAULTS are transformers' own; DeepSeek-V3's released keys (rope_scaling's older `type`,
     its router's names, aux_loss_alpha) map; V2's group_limited_greedy without a limit is greedy;
+    V2's released group_limited_greedy (n_group 8, topk_group 3) is groups scored by their best;
     first_k_dense_replace past the layers is a dense model."""
     for family, config_class in (("deepseek_v2", "DeepseekV2Config"), ("deepseek_v3", "DeepseekV3Config")):
         defaults = getattr(transformers, config_class)()
@@ -185,16 +205,26 @@ def test_deepseek_config_keys_map_as_their_config_classes_say():
                                      Path("config.json"))
     assert (unlimited["expert_groups"], unlimited["router_score"], unlimited["normalize_expert_weights"]) == \
         (1, "softmax", False)
+    v2 = model_config_from_hf({**V2_CONFIG, "n_routed_experts": 160, "num_experts_per_tok": 6,
+                               "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}, Path("config.json"))
+    assert (v2["expert_groups"], v2["expert_groups_per_token"], v2["expert_group_score_top"], v2["router_score"]) == \
+        (8, 3, 1, "softmax")
+    assert "expert_group_score_top" not in unlimited
     dense = model_config_from_hf({**V3_CONFIG, "first_k_dense_replace": 2}, Path("config.json"))
     assert (dense["n_experts"], dense["dense_layers"], dense["kv_lora_rank"]) == (0, [], 512)
 
 
 @pytest.mark.parametrize("model,named", [
-    ({**V2_LAYERS, "normalize_expert_weights": True}, "DeepseekV2ForCausalLM, .* neither renormalises"),
-    ({**V2_LAYERS, "expert_groups": 2}, "DeepseekV2ForCausalLM, .* neither renormalises"),
+    ({**V2_LAYERS, "normalize_expert_weights": True}, "DeepseekV2ForCausalLM, .* never renormalises"),
+    ({**V2_LAYERS, "expert_groups": 2}, "DeepseekV2ForCausalLM scores a softmax router's expert groups by their best "
+                                        r"score; export a model with model.expert_group_score_top=1 \(it has 2\)"),
+    ({**V3_LAYERS, "expert_group_score_top": 1}, "DeepseekV3ForCausalLM scores a sigmoid router's expert groups by the "
+                                                 "sum of their best two scores"),
     ({**V3_LAYERS, "shared_expert_ffn_hidden": 0}, "DeepseekV3ForCausalLM has an ungated shared expert"),
     ({**V3_LAYERS, "dense_layers": [1]}, r"first first_k_dense_replace; model.dense_layers=\[1\]"),
-    ({**MLA, "sliding_window": 8}, "DeepseekV3ForCausalLM has no sliding window")])
+    ({**MLA, "sliding_window": 8}, "DeepseekV3ForCausalLM has no sliding window"),
+    ({**MLA, "sandwich_norm": True}, "DeepseekV3ForCausalLM has neither Gemma's sandwich norms"),
+    ({**MLA, "scale_embeddings": True}, "DeepseekV3ForCausalLM has neither Gemma's .* scale_embeddings=True")])
 def test_a_latent_attention_model_no_architecture_computes_is_refused_before_export(model, named):
     with pytest.raises(ConfigError, match=named) as e:
         check_exportable(load_config(overrides={"model": model}).model)

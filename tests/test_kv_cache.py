@@ -5,16 +5,20 @@ decoding step copies no part of it (no concatenation, no grouped-query heads rep
 what was reserved the cache grows geometrically and still holds every token, as does a chat's
 kept start. A windowed layer holds two windows however long the generation, and a windowed model
 decodes as transformers' generate and as its full forward past its window, a chat's next turn too
-(one going back past what the window kept runs again); that the outputs are the full forward's and transformers' elsewhere is tests/test_generate.py's,
+(one going back past what the window kept runs again). Decoding's attention folds each key
+head's query heads into its rows and is grouped-query attention, a masked call bounded in rows.
+That the outputs are the full forward's and transformers' elsewhere is tests/test_generate.py's,
 test_init_from.py's, test_longrope.py's and test_generate_placement.py's."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_generate import random_model
 from tetrad.data.tokenizer import byte_tokenizer
+from tetrad.model import kv_cache
 from tetrad.model.kv_cache import LayerCache
 from tetrad.model.sampling import GREEDY
 from tetrad.train.generate import Cache, continuation_loss, generate, load_generator
@@ -216,3 +220,21 @@ def test_a_long_generation_holds_two_windows_in_each_local_layer_and_decodes_as_
     one_back = back + again[:-2] + [9]
     generate(net, one_back, 5, GREEDY, cache=cache)
     assert cache.reused == len(back) + len(again) - 2
+
+
+@pytest.mark.parametrize("rows,calls", [(1024, 1), (4, 5)])
+def test_folded_heads_attend_as_grouped_query_attention_a_bounded_number_of_rows_a_call(monkeypatch, rows, calls):
+    """Each key head's 3 query heads folded into its query rows, over a mask of each of 5
+    positions and values of another width: SDPA's grouped-query attention's output; with
+    FOLDED_ROWS 4 one position's 3 rows a call (5 calls), so a call's mask never holds more."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=generator) for shape in ((2, 5, 6, 8), (2, 2, 9, 8), (2, 2, 9, 12)))
+    visible = torch.rand(2, 1, 5, 9, generator=generator) < 0.6
+    visible[..., 0] = True  # every query sees a key
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible, enable_gqa=True)
+    sdpa, masks = F.scaled_dot_product_attention, []
+    monkeypatch.setattr(kv_cache, "FOLDED_ROWS", rows)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: masks.append(kw["attn_mask"].shape) or sdpa(*a, **kw))
+    out = kv_cache.folded_attention(q, k, v, visible)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-6, rtol=1e-6)
+    assert len(masks) == calls and max(shape[2] for shape in masks) <= rows

@@ -10,6 +10,9 @@ from functools import lru_cache
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_parity, doc_shards, run_ranks, tiny_config, train_layout
 from test_generate_batch import PROMPTS, SAMPLINGS, _alone, _batch_on_this_rank, _early_stop, _sharp
@@ -139,6 +142,43 @@ def test_decoding_over_the_cached_latents_gives_the_full_forward_logits(model):
     assert full.abs().max() > 1e-2
     held = cache["0"]
     assert held.v is None and held.k.shape[1:] == (1, held.k.shape[2], 16 + 4)  # one latent per token
+
+
+class OutputShapes(TorchDispatchMode):
+    """Records the shape of every tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("kernel", [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+@pytest.mark.parametrize("padded", [False, True])
+def test_decoding_never_makes_a_tensor_of_heads_by_tokens_by_the_latent_width(kernel, padded):
+    """The cache's point: a prompt, a chat turn of 3 tokens and single tokens, unpadded and as a
+    left-padded batch (a mask), make no tensor with a dimension of each: the 4 heads, the t keys
+    so far and a latent width (kv_lora_rank 32, or with rope 36), as grouped-query SDPA repeating
+    the latent per head would ([2, 4, t, 36]); so under the math kernel, where CUDA falls to for a
+    576-wide latent, which repeats any grouped key heads. The logits stay the full forward's."""
+    net = _model({**MLA, "kv_lora_rank": 32}).eval()
+    tokens = torch.randint(0, 256, (2, 46), generator=torch.Generator().manual_seed(0))
+    pads = torch.tensor([0, 5 if padded else 0])
+    cache, made, steps = {}, [], []
+    with torch.no_grad(), sdpa_kernel(kernel):
+        full = net(tokens, torch.arange(46))
+        for start, end in ((0, 41), (41, 44), (44, 45), (45, 46)):  # no t a width
+            positions = (torch.arange(start, end) - pads[:, None]).clamp(min=0) if padded else torch.arange(start, end)
+            with OutputShapes() as meter:
+                steps.append(net(tokens[:, start:end], positions, cache=cache))
+            made += [shape for shape in meter.shapes if 4 in shape and end in shape and {32, 36} & set(shape)]
+    assert not made, made
+    if not padded:
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
 def test_a_left_padded_batch_and_tp2_decode_each_prompt_as_alone():

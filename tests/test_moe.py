@@ -37,7 +37,11 @@ FAMILIES = {"moe": MOE, "aux": AUX, "gelu": {**MOE, "mlp": "gelu", "expert_ffn_h
             # DeepSeek-V3's routing (model/routing.py) and its ungated shared expert
             "ds3": {"n_experts": 8, "experts_per_token": 3, "router_score": "sigmoid", "expert_groups": 4,
                     "expert_groups_per_token": 2, "expert_weight_scale": 2.5, "router_aux_loss": 1.0,
-                    "shared_expert_ffn_hidden": 32}}
+                    "shared_expert_ffn_hidden": 32},
+            # DeepSeek-V2's: a scaled softmax, not renormalised, groups scored by their best expert
+            "ds2": {"n_experts": 8, "experts_per_token": 3, "expert_groups": 4, "expert_groups_per_token": 2,
+                    "expert_group_score_top": 1, "normalize_expert_weights": False, "expert_weight_scale": 1.5,
+                    "router_aux_loss": 1.0, "shared_expert_ffn_hidden": 32}}
 LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "moe-tp2": ({"tp": 2}, {}),
     "moe-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
@@ -62,6 +66,7 @@ LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "ds3-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
     "ds3-dp2-ep2": ({"dp": 2, "ep": 2}, {}),
     "ds3-cp2-ring": ({"cp": 2}, {}),
+    "ds2-dp2-ep2": ({"dp": 2, "ep": 2}, {}),
 }
 # The one layout past its bound (tests/layout_draws.py parity_atol, tp's 1e-4), and why it is no bug:
 # on the first step layer 1's experts.w1 gradient matches one process's to 2e-7 of its largest (no
@@ -328,11 +333,17 @@ def test_greedy_decoding_gives_the_full_forwards_argmax(model):
     ({"n_experts": 4, "dense_layers": [3, 0, 1, 2]}, {}, r"model\.dense_layers names every layer \(n_layers=4\).*set model\.n_experts=0"),
     ({"router_score": "sigmoid"}, {}, r"model\.router_score shapes mixture-of-experts layers"),
     ({"n_experts": 4, "expert_weight_scale": 0.0}, {}, r"model\.expert_weight_scale=0\.0 is out of range"),
-    ({"n_experts": 6, "expert_groups": 4}, {}, r"expert_groups=4 must divide n_experts=6 into groups of two .*\[1, 2, 3\]"),
-    ({"n_experts": 4, "expert_groups": 4}, {}, r"expert_groups=4 must divide n_experts=4 into groups of two experts"),
+    ({"n_experts": 6, "expert_groups": 4}, {}, r"expert_groups=4 must divide n_experts=6 into groups of 2 .*\[1, 2, 3\]"),
+    ({"n_experts": 4, "expert_groups": 4}, {}, r"expert_groups=4 must divide n_experts=4 into groups of 2 experts"),
     ({"n_experts": 8, "expert_groups": 2, "expert_groups_per_token": 3}, {}, r"expert_groups_per_token=3 is more than expert_groups=2"),
     ({"n_experts": 8, "expert_groups_per_token": 2}, {}, r"in 1\.\.1, or set model\.expert_groups \(to 2 or more\)"),
     ({"expert_groups_per_token": 2}, {}, r"model\.expert_groups_per_token shapes mixture-of-experts layers"),
+    ({"expert_group_score_top": 1}, {}, r"model\.expert_group_score_top shapes mixture-of-experts layers"),
+    ({"n_experts": 8, "expert_group_score_top": 1}, {},
+     r"expert_group_score_top=1 scores expert groups, and this model has none \(model\.expert_groups=1\)"),
+    ({"n_experts": 8, "expert_groups": 4, "expert_group_score_top": 3}, {},
+     r"expert_groups=4 must divide n_experts=8 into groups of 3 experts or more .*\[1, 2\]"),
+    ({"n_experts": 8, "expert_groups": 4, "expert_group_score_top": 0}, {}, r"model\.expert_group_score_top=0 is out of range"),
     ({"n_experts": 8, "experts_per_token": 3, "expert_groups": 4}, {},
      r"experts_per_token=3 is more than the 2 experts of expert_groups_per_token=1 groups of 2; use expert_groups_per_token >= 2"),
 ])

@@ -310,7 +310,9 @@ GLM = {"router_score": "sigmoid", "expert_ffn_hidden": 32, "shared_expert_ffn_hi
     ({"partial_rotary_factor": 0.5}, "GLM-4.5's, whose router scores by a sigmoid"),
     ({"router_score": "sigmoid"}, "Glm4MoeForCausalLM, .* has an ungated shared expert"),
     ({**GLM, "shared_expert_gate": True}, "Glm4MoeForCausalLM, .* has an ungated shared expert"),
-    ({**GLM, "dense_layers": [1]}, r"dense layers are its first first_k_dense_replace; model.dense_layers=\[1\]")])
+    ({**GLM, "dense_layers": [1]}, r"dense layers are its first first_k_dense_replace; model.dense_layers=\[1\]"),
+    ({**GLM, "expert_groups": 2, "expert_group_score_top": 1},
+     "Glm4MoeForCausalLM scores a sigmoid router's expert groups by the sum of their best two")])
 def test_a_moe_no_architecture_computes_is_refused_before_export(model, named):
     with pytest.raises(ConfigError, match=named) as e:
         check_exportable(load_config(overrides={"model": {"n_experts": 4, **model}}).model)

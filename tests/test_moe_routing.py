@@ -1,6 +1,7 @@
-"""DeepSeek-V3's routing (model/routing.py: model.router_score, expert_weight_scale, expert_groups,
-expert_groups_per_token): the picks and weights are transformers' DeepseekV3TopkRouter's, a
-group's score is the sum of its best two, a layer weighs its experts by them (the shared expert
+"""DeepSeek's routing (model/routing.py: model.router_score, expert_weight_scale, expert_groups,
+expert_groups_per_token, expert_group_score_top): the picks and weights are transformers'
+DeepseekV3TopkRouter's, and DeepseekV2TopkRouter's group_limited_greedy ones, a group's score is
+the sum of its best two (or its best), a layer weighs its experts by them (the shared expert
 unscaled), the router's gradient follows the weights but at top-1 renormalised, the
 load-balancing loss takes the sigmoid's scores normalised per token; the idle setting and the
 Megatron-LM, torchtitan and Hugging Face names (tests/test_moe.py: the layouts, the refusals)."""
@@ -19,6 +20,7 @@ from tetrad.model.moe import MoE
 from tetrad.model.routing import expert_weights, pick_experts, router_logits, router_scores
 
 transformers = pytest.importorskip("transformers")
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter  # noqa: E402
 
 DEEPSEEK = {"router_score": "sigmoid", "expert_groups": 4, "expert_groups_per_token": 2, "expert_weight_scale": 2.5}
@@ -52,6 +54,29 @@ def test_the_picks_and_weights_are_transformers_deepseek_v3s(k, groups, kept, no
         assert not torch.equal(pick_experts(scores, router.e_score_correction_bias, k).sort(dim=-1)[0], chosen)
 
 
+@pytest.mark.parametrize("experts,k,groups,kept,scale", [(8, 3, 4, 2, 2.0), (16, 4, 8, 3, 1.0)])
+def test_the_picks_and_weights_are_transformers_deepseek_v2s_group_limited_greedy(experts, k, groups, kept, scale):
+    """Softmax scores, groups scored by their best expert (expert_group_score_top=1), the weights the
+    picked scores times the scale, not renormalised; the groups by their best two pick otherwise."""
+    cfg = transformers.DeepseekV2Config(hidden_size=16, num_attention_heads=4, n_routed_experts=experts,
+                                        num_experts_per_tok=k, n_group=groups, topk_group=kept,
+                                        topk_method="group_limited_greedy", routed_scaling_factor=scale)
+    router, gen = DeepseekV2TopkRouter(cfg), torch.Generator().manual_seed(experts)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+    x = torch.randn(256, 16, generator=gen)
+    _, ref_weights, ref_chosen = router(x)
+    scores = router_scores(router_logits(x, router.weight, "softmax"), "softmax")
+    chosen = pick_experts(scores, torch.zeros(experts), k, groups, kept, group_top=1)
+    weights = expert_weights(scores, chosen, False, scale)
+    ref_chosen, order = ref_chosen.sort(dim=-1)  # transformers' top-k is unsorted
+    chosen, mine = chosen.sort(dim=-1)
+    assert torch.equal(chosen, ref_chosen)
+    torch.testing.assert_close(weights.gather(-1, mine), ref_weights.gather(-1, order), rtol=1e-6, atol=0)
+    for other in (pick_experts(scores, torch.zeros(experts), k), pick_experts(scores, torch.zeros(experts), k, groups, kept)):
+        assert not torch.equal(other.sort(dim=-1)[0], chosen)
+
+
 def test_a_bf16_sigmoid_router_picks_from_fp32_logits_as_transformers_does():
     """bf16 input and weight: the sigmoid's logits are transformers' F.linear(h.float(), W.float()),
     with its picks (logits in bf16 pick otherwise for some tokens), and backward gives what autograd
@@ -73,11 +98,12 @@ def test_a_bf16_sigmoid_router_picks_from_fp32_logits_as_transformers_does():
     assert torch.equal(router_logits(x, w, "softmax"), F.linear(x, w))
 
 
-def test_a_groups_score_is_the_sum_of_its_best_two():
+def test_a_groups_score_is_the_sum_of_its_best_two_or_its_best():
     """Expert 0 is the best, but its group's two sum to less than the other group's: top-1 within
-    one group of two picks expert 2, where a group's maximum would pick expert 0."""
+    one group of two picks expert 2, where a group's maximum (expert_group_score_top=1) picks expert 0."""
     scores = torch.tensor([[0.5, 0.0, 0.35, 0.3]])
     assert pick_experts(scores, torch.zeros(4), 1, groups=2, kept=1).tolist() == [[2]]
+    assert pick_experts(scores, torch.zeros(4), 1, groups=2, kept=1, group_top=1).tolist() == [[0]]
     assert pick_experts(scores, torch.tensor([0.0, 0.2, 0.0, 0.0]), 1, groups=2, kept=1).tolist() == [[0]]
 
 

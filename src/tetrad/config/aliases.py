@@ -51,8 +51,8 @@ KEY_ALIASES = {
     **dict.fromkeys(("moe_router_score_function", "score_func", "scoring_func"), "model.router_score"),
     **dict.fromkeys(("moe_router_topk_scaling_factor", "route_scale", "routed_scaling_factor"),
                     "model.expert_weight_scale"),
-    # Megatron-Core's group score sums a group's k / moe_router_group_topk best scores, tetrad's (DeepSeek-V3's,
-    # torchtitan's) its two best: the same at DeepSeek-V3's top-8 of 4 groups, another choice elsewhere
+    # Megatron-Core's group score sums a group's k / moe_router_group_topk best scores, tetrad's its
+    # model.expert_group_score_top best (2 by default, DeepSeek-V3's and torchtitan's): set it to that quotient
     **dict.fromkeys(("moe_router_num_groups", "num_expert_groups", "n_group"), "model.expert_groups"),
     **dict.fromkeys(("moe_router_group_topk", "num_limited_groups", "topk_group"), "model.expert_groups_per_token"),
     # Megatron-Core's latent attention: its switch (kv_lora_rank > 0 is ours), qk_head_dim the unrotated

@@ -17,7 +17,8 @@ def check_experts(cfg: Config) -> None:
                           ("router_bias_update_rate", m.router_bias_update_rate),
                           ("router_score", m.router_score != "softmax"), ("expert_weight_scale", m.expert_weight_scale != 1),
                           ("expert_groups", m.expert_groups != 1),
-                          ("expert_groups_per_token", m.expert_groups_per_token != 1)):
+                          ("expert_groups_per_token", m.expert_groups_per_token != 1),
+                          ("expert_group_score_top", m.expert_group_score_top != 2)):
             if used:
                 raise ConfigError(f"model.{key} shapes mixture-of-experts layers, and this model has none "
                                   f"(model.n_experts=0); unset it, or set model.n_experts")
@@ -48,19 +49,24 @@ def check_experts(cfg: Config) -> None:
 
 
 def _check_expert_groups(m) -> None:
-    """Group-limited routing (model/routing.py): equal groups of two experts or more (a group's
-    score sums its best two), each token keeping at most every group and enough experts for its k."""
-    e, groups, kept, k = m.n_experts, m.expert_groups, m.expert_groups_per_token, m.experts_per_token
+    """Group-limited routing (model/routing.py): equal groups of expert_group_score_top experts or
+    more (a group's score sums its best that many), each token keeping at most every group and
+    enough experts for its k; expert_group_score_top set only where there are groups."""
+    e, groups, kept, k, top = m.n_experts, m.expert_groups, m.expert_groups_per_token, m.experts_per_token, \
+        m.expert_group_score_top
     if kept > groups:
         raise ConfigError(f"model.expert_groups_per_token={kept} is more than expert_groups={groups}; "
                           f"use expert_groups_per_token in 1..{groups}, or set model.expert_groups "
                           f"(to {kept} or more)")
+    if groups == 1 and top != 2 and e:
+        raise ConfigError(f"model.expert_group_score_top={top} scores expert groups, and this model has none "
+                          f"(model.expert_groups=1); unset it, or set model.expert_groups")
     if groups == 1 or not e:
         return
-    if e % groups or e // groups < 2:
-        raise ConfigError(f"model.expert_groups={groups} must divide n_experts={e} into groups of two experts or "
-                          f"more (a group's score is the sum of its best two); use expert_groups in "
-                          f"{[g for g in divisors(e) if e // g >= 2]}")
+    if e % groups or e // groups < top:
+        raise ConfigError(f"model.expert_groups={groups} must divide n_experts={e} into groups of {top} experts or "
+                          f"more (a group's score is the sum of its best {top}: model.expert_group_score_top); use "
+                          f"expert_groups in {[g for g in divisors(e) if e // g >= top]}")
     if k > kept * (e // groups):
         raise ConfigError(f"model.experts_per_token={k} is more than the {kept * (e // groups)} experts of "
                           f"expert_groups_per_token={kept} groups of {e // groups}; use expert_groups_per_token >= "

@@ -99,8 +99,10 @@ class ModelConfig:
     # renormalised with normalize_expert_weights), expert_weight_scale (the routed experts' weights
     # times it: its routed_scaling_factor), expert_groups (equal groups of experts, in index order)
     # of which each token picks within its expert_groups_per_token best (1 group: no limit), a
-    # group scored by its two best scores (Megatron-Core's moe_router_group_topk: by its k / topk
-    # best, the same at DeepSeek-V3's top-8 of 4 groups).
+    # group scored by the sum of its expert_group_score_top best scores (+ bias): 2, DeepSeek-V3's
+    # (torchtitan's); 1, its best expert: DeepSeek-V2's softmax group_limited_greedy (V2, V2.5,
+    # Coder-V2); Megatron-Core sums k / moe_router_group_topk of them, which is that number here
+    # (2 at DeepSeek-V3's top-8 of 4 groups). It scores groups: with expert_groups 1 it stays 2.
     n_experts: int = 0
     experts_per_token: int = 2
     expert_ffn_hidden: int = 0
@@ -114,6 +116,7 @@ class ModelConfig:
     expert_weight_scale: float = 1.0
     expert_groups: int = 1
     expert_groups_per_token: int = 1
+    expert_group_score_top: int = 2
     # Multi-head latent attention (DeepSeek-V2/V3; Megatron-Core's multi_latent_attention):
     # kv_lora_rank > 0 makes every head's keys and values from one kv_lora_rank-wide latent of the
     # token, and its queries from a q_lora_rank-wide one (0: a full query projection, as

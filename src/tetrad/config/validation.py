@@ -68,6 +68,7 @@ RANGES: dict[str, Range] = {
     "model.kv_lora_rank": COUNT, "model.q_lora_rank": COUNT,  # 0: no latent attention; a full query projection
     **{f"model.{k}": SIZE for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     "model.expert_weight_scale": POSITIVE, "model.expert_groups": SIZE, "model.expert_groups_per_token": SIZE,
+    "model.expert_group_score_top": SIZE,
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "ep", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,

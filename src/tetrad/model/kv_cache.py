@@ -126,22 +126,55 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
                      visible: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the newest q.shape[1] tokens over all k.shape[2] cached ones
     (decoding: no sequence or context parallelism; under tp this rank's heads), within the sliding
-    `window` (0: none). Grouped-query heads attend as they are (SDPA's enable_gqa: no copy of the
-    cache per query head). A new token alone needs no mask: it sees every cached key, or the
-    window's last ones, which it attends over alone; a prompt with nothing cached before it is the
-    training forward's attention (flash kernels where the device has them).
+    `window` (0: none). A prompt with nothing cached before it is the training forward's attention
+    (flash kernels where the device has them); the rest `folded_attention`. A new token alone needs
+    no mask: it sees every cached key, or the window's last ones, which it attends over alone.
     `visible`: a left-padded batch's mask (padded_visibility: the window is in it).
-    q: [b, s, heads, d]; k, v: [b, kv_heads, t, d]; returns [b, s, heads, d]."""
+    q: [b, s, heads, d]; k, v: [b, kv_heads, t, d or dv]; returns [b, s, heads, d or dv]."""
     s, t = q.shape[1], k.shape[2]
     if visible is not None:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible, enable_gqa=True)
-        return out.transpose(1, 2)
+        return folded_attention(q, k, v, visible)
     if s == t:
         return local_attention(q, k.transpose(1, 2), v.transpose(1, 2), window=window)
-    mask = None
     if s == 1:
         k, v = (x[:, :, -window:] if hides_keys(window, t) else x for x in (k, v))
-    else:  # a chat turn's new tokens after its cached start
-        mask = visibility(torch.arange(t - s, t, device=q.device), torch.arange(t, device=q.device), window)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
-    return out.transpose(1, 2)
+        return folded_attention(q, k, v)
+    # a chat turn's new tokens after its cached start
+    return folded_attention(q, k, v, visibility(torch.arange(t - s, t, device=q.device),
+                                                torch.arange(t, device=q.device), window))
+
+
+FOLDED_ROWS = 1024  # query rows per attention call that takes a mask (folded_attention)
+
+
+def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with each key head's query heads folded into its query rows (position-major: row
+    i * groups + j is position i's j-th head of the group), so every call has as many key heads
+    as query heads and no kernel copies the cache per query head. SDPA's grouped-query calls do:
+    on CUDA only flash and the math kernel take them, flash no head dim above 256, so latent
+    attention's 576-wide single key head (kv_lora_rank + rope, model/latent_attention.py) or a
+    mask would fall to the math kernel, which repeats keys and values per head in fp32. Folded,
+    one key head of 576 runs the memory-efficient kernel on CUDA (any multiple of 8 wide) and
+    the flash kernel on CPU, both tiled over the keys. `visible` [b or 1, 1, s, t] (bool) is each
+    position's, repeated over its rows; with more than one position the calls take FOLDED_ROWS
+    rows at a time, so that repetition holds at most FOLDED_ROWS x t.
+    q: [b, s, heads, d]; k, v: [b, kv_heads, t, d or dv]; returns [b, s, heads, d or dv]."""
+    b, s, heads, d = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    rows = q.view(b, s, kv_heads, groups, d).transpose(1, 2).reshape(b, kv_heads, s * groups, d)
+    step = s if visible is None or s == 1 else max(1, FOLDED_ROWS // groups)  # positions per call
+    out = []
+    for i in range(0, s, step):
+        mask = None if visible is None else _repeat_rows(visible[:, :, i:i + step], groups)
+        out.append(F.scaled_dot_product_attention(rows[:, :, i * groups:(i + step) * groups], k, v, attn_mask=mask))
+    out = torch.cat(out, dim=2) if len(out) > 1 else out[0]
+    return out.reshape(b, kv_heads, s, groups, -1).transpose(1, 2).reshape(b, s, heads, -1)
+
+
+def _repeat_rows(visible: torch.Tensor, groups: int) -> torch.Tensor:
+    """[b, 1, s, t] -> [b, 1, s * groups, t]: each position's row once per head of its group; a
+    single position's stays one row, which SDPA broadcasts over the group (no copy)."""
+    b, _, s, t = visible.shape
+    return visible if s == 1 else visible[:, :, :, None].expand(b, 1, s, groups, t).reshape(b, 1, s * groups, t)

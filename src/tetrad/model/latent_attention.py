@@ -29,7 +29,14 @@ Decoding caches the latent alone, [c, RoPE(k_rope)] per token (kv_lora_rank + ro
 for DeepSeek-V3 where per-head keys and values are 128 x 2 x 192), and attends in the latent
 space (the up projections absorbed): q_nope times each head's k rows of wkv_b gives the head a
 query over c, so every head attends over the one latent as over a single shared key (keys and
-values the same cached tensor), and the values' rows of wkv_b map its output back to v.
+values the same cached tensor), and the values' rows of wkv_b map its output back to v. That
+one key head is what kv_cache.folded_attention takes with the heads folded into the query rows,
+so no kernel copies the cache per head (there: which kernel runs). A prompt with nothing cached
+before it (its first pass, or a chat's after keep(0)) runs the training forward's attention
+instead, per-head keys of nope + rope (DeepSeek-V3: 192, flash's on CUDA, against the absorbed
+576, which no flash kernel takes) whose memory is the prompt's alone, and caches only the
+latents: a prompt is compute-bound, and the absorbed form costs a query head 2 kv_lora_rank +
+rope multiply-adds per key (1088) where this one costs 2 (nope + rope) with the padded values (384).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from tetrad.model.execution import Execution
 from tetrad.model.kv_cache import LayerCache, cached_attention
 from tetrad.model.layers import ColumnParallelLinear, Norm, ReplicatedLinear, RowParallelLinear
 from tetrad.model.mappings import linear, tp_input
+from tetrad.model.masks import additive_bias
 from tetrad.model.replay import RingReplay
 from tetrad.model.rope import apply_rope, yarn_softmax_factor
 
@@ -82,9 +90,12 @@ class LatentAttention(nn.Module):
         documents or mask bias, or with a cache a left-padded batch's visibility."""
         q, latent, k_rope = self._project(x)
         b, s = q.shape[:2]
-        if cache is not None:
+        if cache is not None and cache.length:
             out = self._decode(q, latent, k_rope, rope, cache, docs)
         else:
+            if cache is not None:  # a prompt (module docstring): the training forward's attention
+                cache.extend(self._latent_keys(latent, k_rope, rope))
+                docs = None if docs is None else additive_bias(docs, q.dtype)
             kv = linear(latent, self.wkv_b.weight, self.ex).view(b, s, self.heads, -1)
             if self.recompute_core and torch.is_grad_enabled():
                 out = checkpoint(self.core, q, kv, k_rope, rope, docs, use_reentrant=False)
@@ -120,6 +131,10 @@ class LatentAttention(nn.Module):
         out = attention(q, k, value, self.topo, self.ex.cp_algo, self.ring_replay, docs, self.window)
         return out[..., :v]
 
+    def _latent_keys(self, latent, k_rope, rope) -> torch.Tensor:
+        """What the cache holds of each token: [c, RoPE(k_rope)], [b, s, 1, kv_lora_rank + rope]."""
+        return torch.cat([latent[:, :, None], apply_rope(k_rope, *rope)], dim=-1)
+
     def _decode(self, q, latent, k_rope, rope, cache: LayerCache, visible=None) -> torch.Tensor:
         """The newest tokens' attention over the cached latents, the up projections absorbed
         (module docstring); the kernels scale by the latent query's width, so q is rescaled to
@@ -129,7 +144,6 @@ class LatentAttention(nn.Module):
         q_latent = torch.einsum("bshn,hnr->bshr", q[..., :nope], w[:, :nope])
         q = torch.cat([q_latent, apply_rope(q[..., nope:], *rope)], dim=-1)
         q = q * (q.shape[-1] / self.cfg.head_dim) ** 0.5
-        keys = torch.cat([latent[:, :, None], apply_rope(k_rope, *rope)], dim=-1)  # [b, s, 1, r + rope]
-        keys, _ = cache.extend(keys)
+        keys, _ = cache.extend(self._latent_keys(latent, k_rope, rope))
         out = cached_attention(q, keys, keys, self.window, visible)[..., :r]  # values: the latent's c
         return torch.einsum("bshr,hvr->bshv", out, w[:, nope:])

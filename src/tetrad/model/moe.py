@@ -175,6 +175,7 @@ class MoE(nn.Module):
         self.normalize, self.weighs = cfg.normalize_expert_weights, cfg.weighs_experts
         self.score, self.scale = cfg.router_score, cfg.expert_weight_scale
         self.groups, self.kept_groups = cfg.expert_groups, cfg.expert_groups_per_token
+        self.group_top = cfg.expert_group_score_top
         self.router = Router(cfg, cfg.n_experts)
         self.experts = Experts(cfg, topo, out_std)
         width = cfg.shared_expert_ffn_hidden
@@ -224,7 +225,7 @@ class MoE(nn.Module):
         self.routing = True
         try:
             scores = router_scores(router_logits(flat, self.router.weight, self.score), self.score)
-            chosen = pick_experts(scores, self.expert_bias, self.k, self.groups, self.kept_groups)
+            chosen = pick_experts(scores, self.expert_bias, self.k, self.groups, self.kept_groups, self.group_top)
             # top-1's w / w = 1: no gradient to the router through it (the quotient's, zero in exact
             # arithmetic, was rounding noise, which AdamW turns into steps of the router that differ by layout)
             weights = expert_weights(scores, chosen, self.normalize, self.scale) if self.weighs else None

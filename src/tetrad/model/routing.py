@@ -1,7 +1,8 @@
 """How a mixture-of-experts router's logits pick and weigh a token's k experts (docs/design.md
-"Mixture of experts"): Mixtral's and the Qwens' softmax top-k, and DeepSeek-V3's (GLM-4.5's)
+"Mixture of experts"): Mixtral's and the Qwens' softmax top-k, DeepSeek-V3's (GLM-4.5's)
 sigmoid scores, group-limited choice and routed scaling factor, as transformers'
-DeepseekV3TopkRouter computes them.
+DeepseekV3TopkRouter computes them, and DeepSeek-V2's softmax group-limited choice
+(group_limited_greedy), as its DeepseekV2TopkRouter does.
 
 logits = x W^T: softmax's in the activations' dtype, cast to fp32 after (as ever); sigmoid's in
 fp32 from the input and weight as they are (`router_logits`: transformers' F.linear(h.float(),
@@ -14,11 +15,11 @@ scores = softmax(logits) or sigmoid(logits) (model.router_score), in fp32. The k
 k largest of scores + expert_bias (DeepSeek-V3's auxiliary-loss-free bias picks but weighs
 nothing; no gradient through the choice). With model.expert_groups = G > 1 the experts are G
 equal groups in index order, and a token picks among the expert_groups_per_token groups of the
-highest group score, the sum of the group's two largest scores + bias (DeepSeek-V3's, torchtitan's;
-Megatron-Core sums the k / expert_groups_per_token largest, the same at DeepSeek-V3's top-8 of 4
-groups). The weights are the picked scores, over their sum + 1e-20 where
-normalize_expert_weights (DeepSeek-V3's denominator; a softmax's top-k sum is at least 1/E, to
-which 1e-20 adds nothing in fp32), times model.expert_weight_scale (DeepSeek-V3's
+highest group score, the sum of the group's model.expert_group_score_top = n largest scores +
+bias: n = 2 DeepSeek-V3's (torchtitan's), n = 1 DeepSeek-V2's (its group's best expert), n =
+k / expert_groups_per_token Megatron-Core's. The weights are the picked scores, over their sum +
+1e-20 where normalize_expert_weights (DeepSeek-V3's denominator; a softmax's top-k sum is at
+least 1/E, to which 1e-20 adds nothing in fp32), times model.expert_weight_scale (DeepSeek's
 routed_scaling_factor).
 """
 
@@ -59,15 +60,16 @@ def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
     return torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
 
 
-def pick_experts(scores: torch.Tensor, bias: torch.Tensor, k: int, groups: int = 1, kept: int = 1) -> torch.Tensor:
+def pick_experts(scores: torch.Tensor, bias: torch.Tensor, k: int, groups: int = 1, kept: int = 1,
+                 group_top: int = 2) -> torch.Tensor:
     """Each token's k experts [n, k]: the k largest of scores + bias among the `kept` of `groups`
-    groups with the largest sums of their two best (all of them at groups = 1). A zero bias and
-    one group pick as scores.topk does, bit for bit: scores + 0 is scores."""
+    groups with the largest sums of their `group_top` best (all of them at groups = 1). A zero bias
+    and one group pick as scores.topk does, bit for bit: scores + 0 is scores."""
     choice = scores.detach() + bias
     if groups > 1:
         n, e = choice.shape
         grouped = choice.view(n, groups, e // groups)
-        best = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [n, groups]
+        best = grouped.topk(group_top, dim=-1)[0].sum(dim=-1)  # [n, groups]
         dropped = torch.ones_like(best, dtype=torch.bool).scatter_(1, best.topk(kept, dim=-1)[1], False)
         choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(n, e)
     return choice.topk(k, dim=-1)[1]

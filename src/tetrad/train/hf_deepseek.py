@@ -8,8 +8,10 @@ is null: DeepSeek-V2-Lite) over the first first_k_dense_replace layers dense and
 mixture of experts with an ungated shared expert n_shared_experts x moe_intermediate_size wide.
 V3 routes as GLM-4.5 (sigmoid scores, expert groups scored by their two best, a scale, its
 e_score_correction_bias: tetrad's expert bias); V2 by a softmax top-k, scaled, never renormalised
-(transformers' DeepseekV2TopkRouter reads no norm_topk_prob), its group_limited_greedy scoring a
-group by its best expert where tetrad's groups sum their two best: refused where it limits the groups.
+(transformers' DeepseekV2TopkRouter reads no norm_topk_prob), its topk_method
+'group_limited_greedy' (DeepSeek-V2, V2.5, Coder-V2: 8 groups, 3 kept) a token's experts from
+the topk_group of n_group groups with the best single expert: tetrad's expert_group_score_top = 1,
+written back as that topk_method.
 
 RoPE's pairs: DeepSeek's checkpoints rotate interleaved pairs of a head's rope dims, (0, 1), (2,
 3), ... (V2 always, by complex multiplication; V3 where rope_interleave is true, its config
@@ -58,10 +60,9 @@ def deepseek_refusal(hf: dict, kind: str) -> str | None:
     said = {key: hf[key] for key in ROUTING[kind] if hf.get(key) not in (None, ROUTING[kind][key])}
     if kind == "deepseek_v2" and hf["topk_method"] == "group_limited_greedy":
         groups, kept = hf["n_group"], hf["topk_group"]
-        if not (isinstance(groups, int) and isinstance(kept, int) and kept >= groups >= 1):
-            return (f"topk_method='group_limited_greedy' with n_group={groups}, topk_group={kept} scores a group by "
-                    "its best expert, tetrad's expert groups by their two best; only topk_group >= n_group (no limit) "
-                    "converts")
+        if not (isinstance(groups, int) and isinstance(kept, int) and min(groups, kept) >= 1):
+            return (f"topk_method='group_limited_greedy' with n_group={groups}, topk_group={kept}: its expert groups "
+                    "need both, integers of 1 or more")
         said.pop("topk_method")
     if said:
         return f"{said} is not {kind}'s router; tetrad maps {ROUTING[kind]}"
@@ -96,15 +97,18 @@ def deepseek_moe_keys(hf: dict, kind: str) -> dict:
     """The [model] keys of DeepSeek's experts (config.json with its config class's defaults),
     beyond their count and k; none where first_k_dense_replace leaves every layer dense.
     router_aux_loss: aux_loss_alpha, DeepSeek's per-sequence balance loss (seq_aux) as tetrad's;
-    0 where absent (transformers' configs have none)."""
+    0 where absent (transformers' configs have none). V2's groups (group_limited_greedy) are
+    scored by their best expert, and are none where a token keeps them all (topk_group >= n_group)."""
     width = int(hf["moe_intermediate_size"])
     v3 = kind == "deepseek_v3"
+    v2_groups = not v3 and hf["topk_method"] == "group_limited_greedy" and hf["topk_group"] < hf["n_group"]
     return {"expert_ffn_hidden": width, "normalize_expert_weights": bool(hf["norm_topk_prob"]),
             "dense_layers": list(range(min(int(hf["first_k_dense_replace"]), hf["num_hidden_layers"]))),
             "shared_expert_ffn_hidden": int(hf["n_shared_experts"]) * width,
             "router_score": "sigmoid" if v3 else "softmax", "expert_weight_scale": float(hf["routed_scaling_factor"]),
-            "expert_groups": int(hf["n_group"] or 1) if v3 else 1,
-            "expert_groups_per_token": int(hf["topk_group"] or 1) if v3 else 1,
+            "expert_groups": int(hf["n_group"] or 1) if v3 or v2_groups else 1,
+            "expert_groups_per_token": int(hf["topk_group"] or 1) if v3 or v2_groups else 1,
+            **({"expert_group_score_top": 1} if v2_groups else {}),
             "router_aux_loss": float(hf.get("aux_loss_alpha") or 0.0)}
 
 
@@ -143,6 +147,9 @@ def deepseek_export_problem(m) -> str | None:
         return (f"{name}, the one transformers architecture with latent attention, has rmsnorm, swiglu and rope, no "
                 f"qk-norm and no biases; this model has norm={m.norm!r}, mlp={m.mlp!r}, pos={m.pos!r}, "
                 f"qk_norm={m.qk_norm}, qkv_bias={m.qkv_bias}")
+    if m.sandwich_norm or m.scale_embeddings:  # Gemma's, which no DeepSeek computes
+        return (f"{name} has neither Gemma's sandwich norms nor its scaled embeddings; this model has "
+                f"sandwich_norm={m.sandwich_norm}, scale_embeddings={m.scale_embeddings}")
     if hides_keys(m.sliding_window, m.context_length) or m.layer_types:
         return f"{name} has no sliding window or layer_types; export a model without them"
     if m.rope_scaling.get("rope_type") in ("longrope", "linear"):
@@ -157,12 +164,23 @@ def deepseek_export_problem(m) -> str | None:
     if sorted(m.dense_layers) != list(range(len(m.dense_layers))):
         return (f"{name}'s dense layers are its first first_k_dense_replace; model.dense_layers={m.dense_layers} are "
                 f"not layers 0..{len(m.dense_layers) - 1}")
-    if m.router_score == "softmax" and (m.normalize_expert_weights or m.expert_groups != 1):
-        return ("DeepseekV2ForCausalLM, the latent-attention architecture with a softmax router, neither renormalises "
-                "the top-k weights nor groups experts as tetrad does; export a model with "
-                f"model.normalize_expert_weights=false and expert_groups=1 (it has {m.normalize_expert_weights}, "
-                f"{m.expert_groups}), or model.router_score='sigmoid' (DeepSeek-V3's)")
-    return None
+    if m.router_score == "softmax" and m.normalize_expert_weights:
+        return ("DeepseekV2ForCausalLM, the latent-attention architecture with a softmax router, never renormalises "
+                "the top-k weights; export a model with model.normalize_expert_weights=false, or "
+                "model.router_score='sigmoid' (DeepSeek-V3's)")
+    return group_score_problem(m, name)
+
+
+def group_score_problem(m, name: str) -> str | None:
+    """Why architecture `name` does not score MoE model `m`'s expert groups as `m` does, in one line
+    (None: it does): a sigmoid router's (DeepSeek-V3's, GLM-4.5's) by their two best scores' sum, a
+    softmax router's (DeepSeek-V2's group_limited_greedy) by their best."""
+    want = 2 if m.router_score == "sigmoid" else 1
+    if m.expert_groups == 1 or m.expert_group_score_top == want:
+        return None
+    by = "the sum of their best two scores" if want == 2 else "their best score"
+    return (f"{name} scores a {m.router_score} router's expert groups by {by}; export a model with "
+            f"model.expert_group_score_top={want} (it has {m.expert_group_score_top}), or expert_groups=1")
 
 
 def deepseek_architecture(m) -> dict:
@@ -183,5 +201,12 @@ def deepseek_architecture(m) -> dict:
             "moe_intermediate_size": m.expert_hidden, "n_shared_experts": m.shared_expert_ffn_hidden // m.expert_hidden,
             "first_k_dense_replace": len(m.dense_layers), "moe_layer_freq": 1, "norm_topk_prob": m.normalize_expert_weights,
             "routed_scaling_factor": m.expert_weight_scale, "n_group": m.expert_groups,
-            "topk_group": m.expert_groups_per_token, **ROUTING[kind], "aux_loss_alpha": m.router_aux_loss,
+            "topk_group": m.expert_groups_per_token, **_router_keys(m, kind), "aux_loss_alpha": m.router_aux_loss,
             "seq_aux": True, "output_router_logits": False}
+
+
+def _router_keys(m, kind: str) -> dict:
+    """DeepSeek's own scoring_func and topk_method of MoE model `m`: V2's group_limited_greedy
+    where its softmax router limits each token's expert groups."""
+    limited = kind == "deepseek_v2" and m.expert_groups > 1
+    return {**ROUTING[kind], **({"topk_method": "group_limited_greedy"} if limited else {})}

@@ -29,7 +29,8 @@ import torch
 
 from tetrad.config import ConfigError
 from tetrad.model.flops import hides_keys
-from tetrad.train.hf_deepseek import DEEPSEEK_TYPES, DEFAULTS as DEEPSEEK_DEFAULTS, deepseek_moe_keys, deepseek_refusal
+from tetrad.train.hf_deepseek import (DEEPSEEK_TYPES, DEFAULTS as DEEPSEEK_DEFAULTS, deepseek_moe_keys, deepseek_refusal,
+                                      group_score_problem)
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", *DEEPSEEK_TYPES)
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # top-k renormalised or not, dense layers among the MoE ones
@@ -268,7 +269,7 @@ def _glm_export_problem(m) -> str | None:
                 f"{m.dense_layers} are not layers 0..{len(m.dense_layers) - 1}")
     if hides_keys(m.sliding_window, m.context_length):
         return "Glm4MoeForCausalLM has no sliding window; export a model with model.sliding_window=0"
-    return None
+    return group_score_problem(m, "Glm4MoeForCausalLM")
 
 
 def moe_architecture(m, window: int | None) -> dict:

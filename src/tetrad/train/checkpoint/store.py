@@ -228,7 +228,7 @@ def saved_model(manifest: dict) -> dict:
 BEHAVIOUR_KEYS = ("sliding_window", "rope_theta", "rope_scaling", "partial_rotary_factor", "norm_eps", "layer_types",
                   "rope_local_base_freq", "query_pre_attn_scalar", "scale_embeddings", "experts_per_token",
                   "normalize_expert_weights", "router_score", "expert_weight_scale", "expert_groups",
-                  "expert_groups_per_token")
+                  "expert_groups_per_token", "expert_group_score_top")
 
 
 def behaviour_changes(manifest: dict, model_cfg) -> list[str]:

@@ -30,7 +30,10 @@ MLA = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_h
        "n_kv_heads": 4}
 FULL_Q = {**MLA, "q_lora_rank": 0}  # DeepSeek-V2-Lite's: no q latent
 # family (a layout name's first word) -> (model, train keys that change the training: its reference's)
-FAMILIES = {"mla": (MLA, {}), "mlaq": (FULL_Q, {}), "mladocs": (MLA, {"document_mask": True})}
+# DeepSeek-V3's whole layer: latent attention over an MoE with its routing and shared expert
+DS3 = {**MLA, "n_experts": 4, "experts_per_token": 2, "router_score": "sigmoid", "expert_groups": 2,
+       "expert_groups_per_token": 1, "expert_weight_scale": 2.5, "router_aux_loss": 1.0, "shared_expert_ffn_hidden": 32}
+FAMILIES = {"mla": (MLA, {}), "mlaq": (FULL_Q, {}), "mladocs": (MLA, {"document_mask": True}), "mlads3": (DS3, {})}
 LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "mla-tp2": ({"tp": 2}, {}),  # the replicated weights' gradients whole on every rank without SP
     "mla-tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),  # the latents gathered; those gradients summed
@@ -44,6 +47,8 @@ LAYOUTS = {  # name -> (parallel, train keys that leave the training alone)
     "mla-tp2-sp-selective": ({"tp": 2, "sequence_parallel": True}, {"recompute": "selective"}),
     "mla-tp2-compile": ({"tp": 2}, {"compile": True}),
     "mladocs-cp2-ring": ({"cp": 2, "cp_algo": "ring"}, {}),  # the ring's masked blocks, values padded
+    # the replicated weights beside sharded experts: ZeRO-3 gathers, SP's sums, EP's all-to-alls
+    "mlads3-dp2-tp2-sp-ep2-zero3": ({"dp": 2, "tp": 2, "sequence_parallel": True, "ep": 2, "zero": 3}, {}),
 }
 
 

@@ -24,7 +24,7 @@ commands:
   generate CHECKPOINT --prompt TEXT          sample text (KV cache, the run's tokenizer) on a device, or over --tp ranks
   generate RUN --chat [--system TEXT]        answer in the run's chat template: --prompt, or a conversation on stdin
   eval WEIGHTS [CONFIG] [--section.key=value ...]   validation loss of a checkpoint, run or HF model on held-out data
-  convert SRC --to-hf OUT | --to-tetrad CKPT  tetrad checkpoint <-> HF safetensors (Llama, Mistral, Qwen2, Qwen3, Phi-3)
+  convert SRC --to-hf OUT | --to-tetrad CKPT  tetrad checkpoint <-> HF safetensors (Llama, Mistral, Qwen2/3, Phi-3, Gemma, Mixtral, Qwen-MoE, GLM-4.5, DeepSeek-V2/V3)
   bench [comm|gemm] [--out DIR]               measure matmul and collective rates; write a hardware profile
   schedule --pp P --microbatches M --schedule S [--vpp V] [--out x.png]   simulate and draw a pipeline schedule
   report RUN_DIR [--cluster C]                loss, step-time breakdown, comm bytes, timelines as HTML + PNGs

@@ -108,6 +108,12 @@ def test_deepseek_v3_has_its_published_parameters():
     assert total == pytest.approx(671.03, abs=0.005) and 37 <= active < 38, (total, active)
 
 
+def test_deepseek_v2_has_its_published_parameters():
+    """DeepSeek-V2's card: 236B parameters, 21B active; counted with the embedding and the head."""
+    total, active = _counts(_preset("deepseek-v2"))
+    assert total == pytest.approx(235.74, abs=0.005) and 21 <= active < 22, (total, active)
+
+
 def test_deepseek_v2_lite_has_its_published_parameters():
     """DeepSeek-V2-Lite's card: 15.7B parameters, 2.4B active, which leaves out the embedding's 0.21B
     (2.66B with it)."""

@@ -51,6 +51,18 @@ PRESETS: dict[str, dict] = {
                         n_experts=256, experts_per_token=8, expert_ffn_hidden=2048, shared_expert_ffn_hidden=2048,
                         dense_layers=[0, 1, 2], router_score="sigmoid", expert_weight_scale=2.5, expert_groups=8,
                         expert_groups_per_token=4, router_bias_update_rate=0.001, router_aux_loss=0.0001),
+    # DeepSeek-V2 (its config.json; arXiv 2405.04434): latent attention as DeepSeek-V3's over d_model
+    # 5120, the first layer dense (12288), then 160 SwiGLU experts of 1536 and two shared (one of
+    # 3072), top-6 of the softmax within 3 of 8 groups each scored by its best expert
+    # (group_limited_greedy), not renormalised, scaled by 16; balance loss 0.003. YaRN left out as
+    # DeepSeek-V3's. 235.7B parameters, 21.4B active (the card's 236B and 21B; a test).
+    "deepseek-v2": dict(n_layers=60, d_model=5120, n_heads=128, n_kv_heads=128, ffn_hidden=12288,
+                        vocab_size=102400, seq_len=4096, norm="rmsnorm", mlp="swiglu", pos="rope",
+                        tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6, kv_lora_rank=512,
+                        q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        n_experts=160, experts_per_token=6, expert_ffn_hidden=1536, shared_expert_ffn_hidden=3072,
+                        dense_layers=[0], normalize_expert_weights=False, expert_weight_scale=16.0, expert_groups=8,
+                        expert_groups_per_token=3, expert_group_score_top=1, router_aux_loss=0.003),
     # DeepSeek-V2-Lite (its config.json; DeepSeek-V2 paper, arXiv 2405.04434): latent attention without
     # a query latent (16 heads), the first layer dense (10944), then 64 SwiGLU experts of 1408 and two
     # shared (one of 2816), top-6 of the softmax, not renormalised; balance loss 0.001. YaRN left out as

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes
@@ -189,7 +190,12 @@ def rank_params(cfg: Config) -> list[float]:
     """Parameters each pipeline rank holds on one tp rank: its layers' linears split over tp,
     their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
     the head on the last (its own head unless tied on a single stage), both padded to tp rows."""
-    params = rank_layer_params(cfg)
+    return _with_ends(cfg, rank_layer_params(cfg))
+
+
+def _with_ends(cfg: Config, layer_params: list[float]) -> list[float]:
+    """`rank_params` from each rank's layers' parameters (`rank_layer_params`)."""
+    params = list(layer_params)
     m, p = cfg.model, cfg.parallel
     params[0] += vocab_shard(m, p.tp) * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
     separate = not m.tie_embeddings or p.pp * p.vpp > 1
@@ -253,29 +259,49 @@ def activations_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[tuple[f
     return out
 
 
-def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool,
-                   activations: list[tuple[float, float]] | None = None) -> list[Memory]:
-    """Peak bytes of one GPU of each pipeline rank: model states, `activations_by_rank` (given, the
-    layout's, or counted here), communication buffers and the rest."""
+class Held(NamedTuple):
+    """What a layout's pipeline ranks hold whatever its ZeRO stage and optimizer offload: the
+    parameters of each (`rank_params`), of its layers alone (`rank_layer_params`), its activations
+    (`activations_by_rank`), and its layers' largest matrix and per-layer parameters (the larger
+    kind's, `_buffers`'). The planner counts it once for a layout's ZeRO stages."""
+    params: list[float]
+    layer_params: list[float]
+    activations: list[tuple[float, float]]
+    matrix: float  # fp32 bytes of a layer's largest MLP matrix on a rank (MoE: [E/ep, H, d])
+    layer: int  # parameters of the larger kind of layer on a rank
+
+
+def held_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> Held:
+    """`Held` of `cfg`'s layout."""
+    m, p = cfg.model, cfg.parallel
+    kinds = [k for k, _ in flops.layer_kinds(m)]
+    layer_params = rank_layer_params(cfg)
+    matrix = max(4 * m.d_model * flops.mlp_hidden(k) / p.tp / (p.ep if k.n_experts else 1) for k in kinds)
+    return Held(_with_ends(cfg, layer_params), layer_params, activations_by_rank(cfg, stack, is_cpu), matrix,
+                max(layer_params_on_rank(k, p.tp, p.ep) for k in kinds))
+
+
+def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool, held: Held | None = None) -> list[Memory]:
+    """Peak bytes of one GPU of each pipeline rank: model states, activations, communication
+    buffers and the rest; `held`: the layout's (`held_by_rank`, counted here if not given)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e = activation_bytes(t.dtype)
     tokens = t.micro_batch * m.seq_len // p.cp
-    activations = activations or activations_by_rank(cfg, stack, is_cpu)
+    held = held or held_by_rank(cfg, stack, is_cpu)
     stack = as_run(cfg, stack, is_cpu)
-    params, buckets = rank_params(cfg), rank_buckets(cfg)
+    params, buckets = held.params, rank_buckets(cfg)
     per_param = state_bytes_per_param(t.dtype)
     out = []
-    layer_params = rank_layer_params(cfg) if p.zero >= 3 else None
     for r in range(p.pp):
         weights, grads, optimizer = _model_states(cfg, params[r], buckets[r], 0)
         if t.offload_optimizer:  # on the host (host_memory_by_rank)
             optimizer = 0.0
-        buffers = _buffers(cfg, stack, tokens, e, buckets[r], r)
+        buffers = _buffers(cfg, stack, tokens, e, buckets[r], r, held)
         root = 0.0
         if p.zero >= 3:  # the parameters outside the blocks (embedding, head, norms): one bucket,
             # gathered for the whole step, its full fp32 gradient alive through backward
-            root = (params[r] - layer_params[r]) * (per_param[0] + 4)
-        acts, transient = activations[r]
+            root = (params[r] - held.layer_params[r]) * (per_param[0] + 4)
+        acts, transient = held.activations[r]
         # Communication buffers are transient, not activations kept for backward: with the
         # allocator's fragmentation they make up `other`.
         other = buffers + root + FRAGMENTATION * (acts + buffers + root) + (CPU_RANK_BASELINE_BYTES if is_cpu else 0.0)
@@ -283,9 +309,9 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool,
     return out
 
 
-def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, buckets: RankBuckets, rank: int) -> float:
+def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, buckets: RankBuckets, rank: int, held: Held) -> float:
     """Communication buffers alive at the peak on pipeline rank `rank`, whose gradient buckets hold
-    `buckets` (rank_buckets'): ZeRO-2's full buckets in flight, ZeRO-3's gathered layers
+    `buckets` (rank_buckets'), of a layout holding `held`: ZeRO-2's full buckets in flight, ZeRO-3's gathered layers
     (the current and the prefetched one) and two layers' full gradients (filling, reducing),
     the SP-gathered layer input, CP ring blocks and accumulators, pipeline send/receive buffers."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -299,14 +325,11 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, buckets: RankBucket
         # only where they are, the layers' largest matrix anywhere
         vocab = 4 * m.d_model * vocab_shard(m, p.tp)
         head = rank == p.pp - 1 and (not m.tie_embeddings or p.pp * p.vpp > 1)
-        matrices = [4 * m.d_model * flops.mlp_hidden(k) / p.tp / (p.ep if k.n_experts else 1)  # MoE: [E/ep, H, d]
-                    for k, _ in flops.layer_kinds(m)]
-        largest = [vocab] * ((rank == 0) + head) + [max(matrices)] * 2
+        largest = [vocab] * ((rank == 0) + head) + [held.matrix] * 2
         out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * padded)
     out += 4 * codec_residual(p, buckets)
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)
-        layer = max(layer_params_on_rank(k, p.tp, p.ep) for k, _ in flops.layer_kinds(m))  # the larger kind's
-        out += layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)
+        out += held.layer * (2 * state_bytes_per_param(t.dtype)[0] + 2 * 4)
     if p.tp > 1 and p.sequence_parallel and not stack.sp_saves_gathered_input:  # gathered again in backward
         out += 2 * hidden
     if p.cp > 1:

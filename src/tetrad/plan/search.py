@@ -31,7 +31,7 @@ from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
 from tetrad.parallel.pipeline.split import rank_layers, stage_layers
 from tetrad.plan.cost import Estimate, estimate, layer_costs
 from tetrad.plan.hardware import Cluster, offload_unknown
-from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, activations_by_rank, host_memory_by_rank, memory_by_rank
+from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, held_by_rank, host_memory_by_rank, memory_by_rank
 from tetrad.config.sections import expert_parallel_blocker
 from tetrad.plan.stacks import Stack, load_stack
 
@@ -213,11 +213,11 @@ def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, u
     composes = composes and expert_parallel_blocker(hybrid) is None  # ep: a block of whole EP groups over cp
     blocks = (0, node) if composes and 1 < node < n and n % node == 0 else (0,)
     offload = offload and not base.train.offload_optimizer and offload_unknown(cluster) is None
-    candidates, activations = [], None
+    candidates, held = [], None
     for zero, shard in ((z, b) for z in zeros for b in blocks if z or not b):
         cfg = config_of(base, layout, zero, shard)
-        activations = activations or activations_by_rank(cfg, stack, cluster.gpu.is_cpu)  # the layout's
-        memory = memory_by_rank(cfg, stack, cluster.gpu.is_cpu, activations)
+        held = held or held_by_rank(cfg, stack, cluster.gpu.is_cpu)  # the layout's, whatever its ZeRO
+        memory = memory_by_rank(cfg, stack, cluster.gpu.is_cpu, held)
         peak = max(x.total for x in memory) / GIB
         candidates.append((cfg, peak))
         offloaded = max(x.total - x.optimizer for x in memory) / GIB  # offload moves only the optimizer's part

@@ -161,11 +161,12 @@ class RankBuckets(NamedTuple):
     expert_factors: int  # ... and their part of `factors`
 
 
-def rank_buckets(cfg: Config) -> tuple[RankBuckets, ...]:
+def rank_buckets(cfg: Config, s: Shapes | None = None) -> tuple[RankBuckets, ...]:
     """Each pipeline rank's buckets, at dp x cp coordinate 0, laid out over the ranks ZeRO shards
-    over (hybrid ZeRO's block, or all of dp x cp; the experts' over `expert_shard_ranks`)."""
+    over (hybrid ZeRO's block, or all of dp x cp; the experts' over `expert_shard_ranks`).
+    `s`: `cfg`'s shapes, if known (the same for every ZeRO stage of a layout)."""
     p = cfg.parallel
-    return _pipeline(shapes(cfg), tuple(layer_split(cfg)), p.pp, p.vpp, shard_ranks(p), p.zero, p.grad_codec,
+    return _pipeline(s or shapes(cfg), tuple(layer_split(cfg)), p.pp, p.vpp, shard_ranks(p), p.zero, p.grad_codec,
                      bucket_bytes(p), expert_shard_ranks(p))
 
 

@@ -33,7 +33,7 @@ from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_chunk_layers
 from tetrad.plan.activations import (activation_bytes, after_bi_weight, as_run,
                                      chunk_weights, mask_bias_bytes, norm_saved_bytes, rebuilt_bytes)
-from tetrad.plan.buckets import RankBuckets, layer_params_on_rank, rank_buckets, shard_params
+from tetrad.plan.buckets import RankBuckets, Shapes, layer_params_on_rank, rank_buckets, shapes, shard_params
 from tetrad.plan import moe
 from tetrad.plan.latent import widths
 from tetrad.plan.pipeline import inflight
@@ -269,6 +269,7 @@ class Held(NamedTuple):
     activations: list[tuple[float, float]]
     matrix: float  # fp32 bytes of a layer's largest MLP matrix on a rank (MoE: [E/ep, H, d])
     layer: int  # parameters of the larger kind of layer on a rank
+    shapes: Shapes  # what its gradient buckets are laid out from (buckets.shapes)
 
 
 def held_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> Held:
@@ -278,7 +279,7 @@ def held_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> Held:
     layer_params = rank_layer_params(cfg)
     matrix = max(4 * m.d_model * flops.mlp_hidden(k) / p.tp / (p.ep if k.n_experts else 1) for k in kinds)
     return Held(_with_ends(cfg, layer_params), layer_params, activations_by_rank(cfg, stack, is_cpu), matrix,
-                max(layer_params_on_rank(k, p.tp, p.ep) for k in kinds))
+                max(layer_params_on_rank(k, p.tp, p.ep) for k in kinds), shapes(cfg))
 
 
 def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool, held: Held | None = None) -> list[Memory]:
@@ -289,7 +290,7 @@ def memory_by_rank(cfg: Config, stack: Stack, is_cpu: bool, held: Held | None = 
     tokens = t.micro_batch * m.seq_len // p.cp
     held = held or held_by_rank(cfg, stack, is_cpu)
     stack = as_run(cfg, stack, is_cpu)
-    params, buckets = held.params, rank_buckets(cfg)
+    params, buckets = held.params, rank_buckets(cfg, held.shapes)
     per_param = state_bytes_per_param(t.dtype)
     out = []
     for r in range(p.pp):

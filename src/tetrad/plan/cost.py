@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from tetrad.config import Config
 from tetrad.config.sections import bucket_bytes, shard_ranks, zero_shard
@@ -118,25 +119,12 @@ def mfu_peak(gpu: GPU, dtype: str, tf32: bool) -> float:
     return gpu.matmul_peak("fp32" if dtype == "fp32" else "bf16", tf32)
 
 
-def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simulate_pipeline: bool = True) -> Estimate:
-    """Predict one layout on `cluster` under software `stack` (stacks.py; default tetrad itself).
-    `simulate_pipeline=False` gives a lower bound of the step time instead, without simulating:
-    the pipeline's critical path and no data-parallel exposure (the search prunes with it)."""
-    if cfg.train.offload_optimizer and offload_unknown(cluster):
-        raise HardwareError(offload_unknown(cluster))
-    stack = as_run(cfg, load_stack(stack) if isinstance(stack, str) else stack, cluster.gpu.is_cpu)
+def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad") -> Estimate:
+    """Predict one layout on `cluster` under software `stack` (stacks.py; default tetrad itself)."""
     asked = cfg
-    if stack.zero3_held_under_pp and cfg.parallel.zero == 3 and cfg.parallel.pp > 1:
-        cfg = replace(cfg, parallel=replace(cfg.parallel, zero=1))
+    cfg, stack, layers, embed, head, st, pipe, (dp_exposed, opt, host_copies) = _step(cfg, cluster, stack, True)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     gpu, micro = cluster.gpu, cfg.microbatches
-    layers = layer_costs(cfg, cluster, stack)
-    embed, head = end_costs(cfg, cluster)
-    if stack.head_weight_grad_in_bi:
-        head = (head[0], head[1] + head[2], 0.0)
-    st = _stage_costs(cfg, cluster, stack, layers, embed, head)
-    pipe, tail = _pipeline_time(cfg, st, simulate_pipeline)
-    dp_exposed, opt, host_copies = _data_parallel_time(cfg, cluster, stack, st, tail)
     step = pipe + dp_exposed + opt + host_copies
     bubble = 1.0 - micro * sum(st.busy) / (p.pp * pipe)  # share of rank-time not computing
 
@@ -160,6 +148,43 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad", simul
                     hw_flops * per_gpu / peak, bubble, max(memory, key=lambda x: x.total), memory, gpu.hbm_gib,
                     gpu.hbm_gib - (0.0 if gpu.is_cpu else GPU_RESERVED_GIB), breakdown, host,
                     cluster.gpus_per_node, cluster.host_memory_gib)
+
+
+def step_time_bound(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad") -> float:
+    """A lower bound of `estimate`'s step time, without simulating the pipeline or counting memory:
+    the pipeline's critical path and no data-parallel exposure (the search prunes with it)."""
+    *_, pipe, (dp_exposed, opt, host_copies) = _step(cfg, cluster, stack, False)
+    return pipe + dp_exposed + opt + host_copies
+
+
+class _Step(NamedTuple):
+    """A step's parts (`_step`): the config and stack as run, the costs of a layer of each kind,
+    of the embedding and the head, of each stage; the pipeline's seconds, then (exposed
+    data-parallel communication, optimizer, offload's host copies)."""
+    cfg: Config
+    stack: Stack
+    layers: dict
+    embed: tuple
+    head: tuple
+    st: _StageCosts
+    pipe: float
+    rest: tuple[float, float, float]
+
+
+def _step(cfg: Config, cluster: Cluster, stack: str | Stack, simulate: bool) -> _Step:
+    """`estimate`'s step, the pipeline simulated or (not `simulate`) bounded by its critical path."""
+    if cfg.train.offload_optimizer and offload_unknown(cluster):
+        raise HardwareError(offload_unknown(cluster))
+    stack = as_run(cfg, load_stack(stack) if isinstance(stack, str) else stack, cluster.gpu.is_cpu)
+    if stack.zero3_held_under_pp and cfg.parallel.zero == 3 and cfg.parallel.pp > 1:
+        cfg = replace(cfg, parallel=replace(cfg.parallel, zero=1))
+    layers = layer_costs(cfg, cluster, stack)
+    embed, head = end_costs(cfg, cluster)
+    if stack.head_weight_grad_in_bi:
+        head = (head[0], head[1] + head[2], 0.0)
+    st = _stage_costs(cfg, cluster, stack, layers, embed, head)
+    pipe, tail = _pipeline_time(cfg, st, simulate)
+    return _Step(cfg, stack, layers, embed, head, st, pipe, _data_parallel_time(cfg, cluster, stack, st, tail))
 
 
 @dataclass

@@ -29,7 +29,7 @@ from tetrad.config.rampup import BatchRamp
 from tetrad.config.wording import divisors
 from tetrad.parallel.pipeline.registry import SCHEDULES, check_config
 from tetrad.parallel.pipeline.split import rank_layers, stage_layers
-from tetrad.plan.cost import Estimate, estimate, layer_costs
+from tetrad.plan.cost import Estimate, estimate, layer_costs, step_time_bound
 from tetrad.plan.hardware import Cluster, offload_unknown
 from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, held_by_rank, host_memory_by_rank, memory_by_rank
 from tetrad.config.sections import expert_parallel_blocker
@@ -155,7 +155,7 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
         for cfg, peak, last in _zero_stages(base, item, cluster, stack, usable, offload):
             if peak <= usable and _host_fits(cfg, cluster):
                 tie += 1
-                rough = estimate(cfg, cluster, stack, simulate_pipeline=False).step_time_s
+                rough = step_time_bound(cfg, cluster, stack)
                 heapq.heappush(queue, (rough, tie, cfg))
                 points.append((peak, rough, False))
                 continue

@@ -12,7 +12,7 @@ from tetrad.model import flops
 from tetrad.plan.cost import estimate
 from tetrad.plan.hardware import load_cluster
 from tetrad.plan.activations import activation_bytes_per_layer
-from tetrad.plan.memory import ZERO_PAPER_BYTES, model_state_bytes
+from tetrad.plan.memory import ZERO_PAPER_BYTES, held_by_rank, memory_by_rank, model_state_bytes
 from tetrad.plan.search import config_of, layouts
 from tetrad.plan.stacks import STACKS
 
@@ -120,3 +120,20 @@ def test_zero2_holds_a_vocabulary_sized_bucket_only_where_the_vocabulary_is():
     for layout in found[::max(1, len(found) // 150)]:
         zero1, zero2 = (estimate(config_of(base, layout, z), cluster).memory_by_rank for z in (1, 2))
         assert all(b.total <= a.total for a, b in zip(zero1, zero2)), (layout, zero1, zero2)
+
+
+def test_held_is_the_same_for_every_zero_stage():
+    """The planner counts a layout's parameters, activations and layer sizes (memory.Held) once for
+    all its ZeRO stages: each stage's memory with its zero-0 Held is the memory counted alone."""
+    model = {"preset": "tiny", "n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
+             "vocab_size": 256, "seq_len": 64, "n_experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 32,
+             "dense_layers": [0]}
+    base = _cfg(model=model, train={"dtype": "bf16", "global_batch": 16})
+    layout = next(x for x in layouts(base, 16, 8) if (x.pp, x.ep, x.dp) == (2, 2, 8))
+    held, peaks = held_by_rank(config_of(base, layout), STACKS["tetrad"], False), set()
+    for zero, shard in ((0, 0), (1, 0), (2, 0), (3, 0), (1, 4), (3, 4)):
+        cfg = config_of(base, layout, zero, shard)
+        alone = memory_by_rank(cfg, STACKS["tetrad"], False)
+        assert memory_by_rank(cfg, STACKS["tetrad"], False, held) == alone
+        peaks.add(max(m.total for m in alone))
+    assert len(peaks) >= 4  # the stages hold different amounts: what differs between them is counted

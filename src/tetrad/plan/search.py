@@ -133,7 +133,7 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
     usable = cluster.gpu.hbm_gib - (0.0 if cluster.gpu.is_cpu else GPU_RESERVED_GIB)
     bound = _LayoutBound(base, cluster, stack)
     # Heap entries (lower bound, tie-break, layout or config): a Layout bounded by its layer
-    # costs, then each of its ZeRO stages that fits, bounded by the unsimulated estimate.
+    # costs, then each of its ZeRO stages that fits, bounded by cost.step_time_bound.
     queue = [(bound(x), i, x) for i, x in enumerate(layouts(base, cluster.world, cluster.gpus_per_node))]
     heapq.heapify(queue)
     considered, tie = len(queue), len(queue)

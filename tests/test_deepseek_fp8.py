@@ -2,7 +2,7 @@
 transformers (tests/test_moe_hf.py's write_hf_moe), its Linear weights quantized here to
 float8_e4m3fn with an inverse scale per 8x8 block (the last blocks of a 12-row or 28-column weight
 partial), reads exactly as the folder of its dequantized fp32 weights does: every tensor and part
-of one, the logits (transformers' on that folder), convert --to-tetrad (in bf16) and a fine-tune
+of one, the logits (transformers' on that folder; tetrad generate's model), convert --to-tetrad (in bf16) and a fine-tune
 under tp2 reading each rank's rows and their blocks' scales alone; other quantizations are refused."""
 
 import json
@@ -18,9 +18,10 @@ from conftest import assert_parity, train_layout
 from test_moe_hf import TOKENS, TOL, config, hf_logits, write_hf_moe
 from tetrad.cli import main
 from tetrad.config import ConfigError, ModelConfig
+from tetrad.data.tokenizer import byte_tokenizer
 from tetrad.train.batches import split_batches
 from tetrad.train.convert import read_weights
-from tetrad.train.generate import single_process_model
+from tetrad.train.generate import load_generator, single_process_model
 from tetrad.train.hf_architectures import model_config_from_hf
 from tetrad.train.init_from import check_init_from, stored_expert_biases, stored_weights
 
@@ -88,6 +89,10 @@ def test_an_fp8_folder_reads_and_converts_as_its_dequantized_weights(tmp_path):
     m = ModelConfig(**m_cfg)
     got, expected = _logits(m, fp8), hf_logits(plain)
     assert torch.equal(got, _logits(m, plain))
+    byte_tokenizer().save(str(fp8 / "tokenizer.json"))  # tetrad generate's reader, its checks passed
+    generator, _, _ = load_generator(fp8)
+    with torch.no_grad():
+        assert torch.equal(generator(TOKENS, torch.arange(TOKENS.shape[1])), got)
     torch.testing.assert_close(got, expected, **TOL)
     assert (expected - hf_logits(tmp_path / "hf")).abs().max() > 100 * TOL["atol"]  # the weights were quantized
 

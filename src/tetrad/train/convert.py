@@ -7,7 +7,8 @@ One CPU process, whatever layout the checkpoint was trained under: checkpoints h
 (unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
 too, a mixture of experts' per-expert tensors stacked or unstacked, DeepSeek's RoPE rows
 de-interleaved or interleaved (hf_deepseek.rope_orders); GLM-4.5's and DeepSeek-V3's expert biases,
-their e_score_correction_bias buffers, are the checkpoint's `extra.expert_bias`). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
+their e_score_correction_bias buffers, are the checkpoint's `extra.expert_bias`; DeepSeek-V3's fp8
+weights dequantized to bf16, hf_fp8). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
 holds weights only (step 0, no optimizer state) and starts a run with
 `--checkpoint.init_from=CKPT`. The tokenizer travels both ways: the run's (its data's, or bytes)
 is written into the HF folder for `AutoTokenizer`, and an HF folder's tokenizer.json is kept

@@ -23,6 +23,7 @@ from tetrad.train.batches import split_batches
 from tetrad.train.convert import read_weights
 from tetrad.train.generate import load_generator, single_process_model
 from tetrad.train.hf_architectures import model_config_from_hf
+from tetrad.train.checkpoint import CheckpointError
 from tetrad.train.init_from import check_init_from, stored_expert_biases, stored_weights
 
 pytest.importorskip("transformers")
@@ -138,3 +139,16 @@ def test_quantizations_tetrad_cannot_dequantize_are_refused_in_one_line(quantiza
     with pytest.raises(ConfigError, match=named + ".*tetrad dequantizes quant_method 'fp8' with fmt 'e4m3'") as e:
         model_config_from_hf(hf, Path("config.json"))
     assert "\n" not in str(e.value)
+
+
+def test_an_fp8_weight_without_its_scale_is_refused_by_name(tmp_path, capsys):
+    """Its fp8 values alone are not the weight: reading them as they are would train on garbage."""
+    fp8, _ = write_fp8_folders(tmp_path)
+    tensors = load_file(fp8 / "model.safetensors")
+    del tensors["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]
+    save_file(tensors, fp8 / "model.safetensors", metadata={"format": "pt"})
+    named = r"kv_a_proj_with_mqa.weight is stored in fp8 with no .*_scale_inv beside it"
+    with pytest.raises(CheckpointError, match=named):
+        stored_weights(fp8)("layers.1.attn.wkv_a.weight")
+    assert main(["convert", str(fp8), "--to-tetrad", str(tmp_path / "ckpt")]) != 0
+    assert "is stored in fp8 with no" in capsys.readouterr().err

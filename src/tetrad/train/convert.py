@@ -47,7 +47,7 @@ from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
                                             hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
 from tetrad.train.hf_deepseek import rope_interleaved, rope_orders
-from tetrad.train.hf_fp8 import SCALE, dequantized, fp8_block
+from tetrad.train.hf_fp8 import SCALE, dequantized, fp8_block, unscaled
 from tetrad.train.hf_gemma import TEXT_TOWER
 from tetrad.train.hf_moe import beyond_layers, expert_bias_names, expert_param, split_experts, stack_experts
 
@@ -310,6 +310,9 @@ def to_tetrad(hf_dir: Path, out: Path) -> int:
         raise CheckpointError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems[:20]))
     weights = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
     weights = dequantized(weights, fp8_block(hf, hf_dir / "config.json"), DEQUANTIZED_DTYPE)
+    raw = next((k for k, v in weights.items() if v.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)), None)
+    if raw is not None:
+        raise CheckpointError(unscaled(hf_dir, raw))
     rows = hf_rows(logical_shapes(cfg.model), hf.get("model_type", ""))
     orders = rope_orders(cfg.model, rope_interleaved(hf))  # DeepSeek's RoPE rows, de-interleaved
     tmp = out.with_name(out.name + ".partial")

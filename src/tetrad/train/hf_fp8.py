@@ -73,3 +73,8 @@ def dequantized(weights: dict[str, torch.Tensor], block: tuple[int, int] | None,
     for key in [k for k in weights if k + SCALE in weights]:
         weights[key] = dequantize(weights[key], weights.pop(key + SCALE), block).to(dtype)
     return weights
+
+
+def unscaled(source, key: str) -> str:
+    """Why fp8 tensor `key` cannot be read: no inverse scale beside it (its values alone mean nothing)."""
+    return f"{source}: {key} is stored in fp8 with no {key + SCALE} beside it; a complete fp8 release has one"

@@ -36,7 +36,7 @@ from tetrad.train.convert import checkpoint_folder, hf_mismatches
 from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import fused_rows, hf_name, model_config_from_hf
 from tetrad.train.hf_deepseek import rope_interleaved, rope_orders
-from tetrad.train.hf_fp8 import SCALE, fp8_block, read_part
+from tetrad.train.hf_fp8 import SCALE, fp8_block, read_part, unscaled
 from tetrad.train.hf_moe import expert_bias_names, expert_pieces
 
 HF_CONFIG = "config.json"
@@ -200,7 +200,8 @@ def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts 
     files = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
-            files.update({key: (file, tuple(f.get_slice(key).get_shape())) for key in f.keys()})
+            files.update({key: (file, tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype())
+                          for key in f.keys()})
 
     def in_folder(name: str) -> SafetensorsPart | ExpertParts:
         pieces = expert_pieces(name, model_cfg.n_experts)  # [E, ...]: one HF tensor per expert
@@ -210,9 +211,11 @@ def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts 
         key, start, stop = rows.get(name, (hf_name(name, model_type), 0, None))  # a fused one's part: its rows
         if key not in files:
             raise CheckpointError(f"{path} has no {key}, which model.{name} needs")
-        file, shape = files[key]
+        file, shape, dtype = files[key]
         order = tuple(orders[name].tolist()) if name in orders else None
         scales = files[key + SCALE][0] if block and key + SCALE in files else None
+        if scales is None and dtype.startswith("F8"):
+            raise CheckpointError(unscaled(path, key))
         return SafetensorsPart(file, key, start, (shape[0] if stop is None else stop) - start, shape[1:], order,
                                scales, block)
     return in_folder

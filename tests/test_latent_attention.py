@@ -6,7 +6,7 @@ over the cached latents gives the full forward's logits; the keys it does not ta
 in one line; under DeepSeek-V3's YaRN its softmax scale is transformers' (tests/test_deepseek_hf.py
 imports YaRN models whole); heads of an odd width train."""
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import pytest
 import torch
@@ -15,6 +15,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_parity, doc_shards, run_ranks, tiny_config, train_layout
+from nccl_collectives import NcclTrainer
+from nccl_semantics import NcclSemantics
 from test_generate_batch import PROMPTS, SAMPLINGS, _alone, _batch_on_this_rank, _early_stop, _sharp
 from tetrad.config import ConfigError
 from tetrad.dist.topology import Topology
@@ -263,6 +265,27 @@ def test_layout_matches_single_process(name):
     got = train_layout(_config(family, parallel, train), timeout_s=900 if "compile" in name else 300)
     # tp's bound (tests/test_tp.py); with documents test_document_mask's
     assert_parity(got, _one_process(family), atol=2e-4 if family == "mladocs" else 1e-4)
+
+
+NCCL_LAYOUTS = {  # name -> parallel
+    # the latents' gather and its backward's sum among zero-bubble's deferred weight gradients and the
+    # pipeline's transfers
+    "mla-tp2-sp-pp2-zb": {"tp": 2, "sequence_parallel": True, "pp": 2, "schedule": "zb"},
+    # ZeRO-3's prefetched gathers of replicated and expert weights around the experts' all-to-alls
+    "mlads3-dp2-ep2-zero3": {"dp": 2, "ep": 2, "zero": 3},
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", NCCL_LAYOUTS)
+def test_layout_under_nccl_semantics_matches_single_process(name):
+    """Under NCCL's ordering of point-to-point (tests/nccl_semantics.py) and its timing of
+    collectives (tests/nccl_collectives.py), as a cluster runs them."""
+    family = name.split("-")[0]
+    got = train_layout(_config(family, NCCL_LAYOUTS[name], {}), transport=partial(NcclSemantics, timeout_s=20),
+                       trainer_class=NcclTrainer)
+    got[2][-1].pop("posted")
+    assert_parity(got, _one_process(family), atol=1e-4)
 
 
 def test_the_latent_weights_train():

@@ -7,7 +7,8 @@ One CPU process, whatever layout the checkpoint was trained under: checkpoints h
 (unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
 too, a mixture of experts' per-expert tensors stacked or unstacked, DeepSeek's RoPE rows
 de-interleaved or interleaved (hf_deepseek.rope_orders); GLM-4.5's and DeepSeek-V3's expert biases,
-their e_score_correction_bias buffers, are the checkpoint's `extra.expert_bias`). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
+their e_score_correction_bias buffers, are the checkpoint's `extra.expert_bias`; DeepSeek-V3's fp8
+weights dequantized to bf16, hf_fp8). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
 holds weights only (step 0, no optimizer state) and starts a run with
 `--checkpoint.init_from=CKPT`. The tokenizer travels both ways: the run's (its data's, or bytes)
 is written into the HF folder for `AutoTokenizer`, and an HF folder's tokenizer.json is kept
@@ -46,6 +47,7 @@ from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
                                             hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
 from tetrad.train.hf_deepseek import rope_interleaved, rope_orders
+from tetrad.train.hf_fp8 import SCALE, dequantized, fp8_block, unscaled
 from tetrad.train.hf_gemma import TEXT_TOWER
 from tetrad.train.hf_moe import beyond_layers, expert_bias_names, expert_param, split_experts, stack_experts
 
@@ -255,7 +257,7 @@ def write_hf_tokenizer(tokenizer, out: Path, max_length: int, chat: ChatTemplate
 
 def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
     """Every weight's shape in the folder's *.safetensors files, from their headers (no tensor
-    is read); RoPE tables some exports carry are not weights."""
+    is read); RoPE tables some exports carry are not weights, nor fp8 weights' scales (hf_fp8)."""
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{hf_dir} holds no *.safetensors file")
@@ -263,7 +265,8 @@ def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
     for file in files:
         try:
             with safe_open(file, "pt") as f:
-                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if "rotary_emb" not in k})
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()
+                               if "rotary_emb" not in k and not k.endswith(SCALE)})
         except SafetensorError as e:
             raise CheckpointError(f"{file} is not a readable safetensors file ({e})") from None
     return shapes
@@ -287,6 +290,9 @@ def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
     return problems
 
 
+DEQUANTIZED_DTYPE = torch.bfloat16  # fp8 weights' (hf_fp8): the release's other tensors' type, half of fp32's disk
+
+
 def to_tetrad(hf_dir: Path, out: Path) -> int:
     """The HF folder as a weights-only checkpoint (GLM-4.5's and DeepSeek-V3's expert biases as its
     extra.expert_bias); how many tensors of layers past the model's it left out (their multi-token
@@ -303,6 +309,10 @@ def to_tetrad(hf_dir: Path, out: Path) -> int:
     if problems:
         raise CheckpointError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems[:20]))
     weights = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    weights = dequantized(weights, fp8_block(hf, hf_dir / "config.json"), DEQUANTIZED_DTYPE)
+    raw = next((k for k, v in weights.items() if v.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)), None)
+    if raw is not None:
+        raise CheckpointError(unscaled(hf_dir, raw))
     rows = hf_rows(logical_shapes(cfg.model), hf.get("model_type", ""))
     orders = rope_orders(cfg.model, rope_interleaved(hf))  # DeepSeek's RoPE rows, de-interleaved
     tmp = out.with_name(out.name + ".partial")

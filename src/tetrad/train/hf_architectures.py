@@ -25,6 +25,7 @@ from tetrad.config import ConfigError
 from tetrad.model.flops import hides_keys
 from tetrad.train.hf_deepseek import (DEEPSEEK_TYPES, LATENT_NAMES, deepseek_architecture, deepseek_export_problem,
                                       deepseek_type, latent_keys)
+from tetrad.train.hf_fp8 import fp8_block
 from tetrad.train.hf_gemma import (GEMMA_TYPES, RENAMED, TEXT_TOWER, gemma3_rope, gemma_architecture, gemma_config,
                                    gemma_export_problem, gemma_keys, gemma_type)
 from tetrad.train.hf_moe import (PARTIAL_ROTARY, moe_architecture, moe_export_problem, moe_hf_name, moe_keys, moe_type,
@@ -318,11 +319,7 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
         theta, scaling, partial = _rope_from_hf(hf)
     experts = moe_keys(hf, kind, source)  # Mixtral's, the Qwens', GLM-4.5's, DeepSeek's; other mixtures refused
     unsupported = _unsupported(hf, kind, scaling, partial)
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method")
-        raise ConfigError(f"{source}: its weights are quantized (quantization_config: {method}); tetrad reads bf16, fp16 "
-                          "or fp32 weights: dequantize them first (DeepSeek-V3's fp8 release: its inference/"
-                          "fp8_cast_bf16.py)")
+    fp8_block(hf, source)  # DeepSeek-V3's fp8 weights are dequantized as read; other quantizations refused
     if unsupported:
         raise ConfigError(f"{source}: tetrad's Llama has no {unsupported}")
     resolve = {"longrope": _longrope, "yarn": _yarn}.get(scaling.get("rope_type"))

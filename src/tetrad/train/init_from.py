@@ -36,6 +36,7 @@ from tetrad.train.convert import checkpoint_folder, hf_mismatches
 from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import fused_rows, hf_name, model_config_from_hf
 from tetrad.train.hf_deepseek import rope_interleaved, rope_orders
+from tetrad.train.hf_fp8 import SCALE, fp8_block, read_part, unscaled
 from tetrad.train.hf_moe import expert_bias_names, expert_pieces
 
 HF_CONFIG = "config.json"
@@ -195,10 +196,12 @@ def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts 
     model_cfg = ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG))
     rows = fused_rows(model_cfg, model_type)
     orders = rope_orders(model_cfg, rope_interleaved(hf))  # DeepSeek's RoPE rows, read de-interleaved
+    block = fp8_block(hf, path / HF_CONFIG)
     files = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
-            files.update({key: (file, tuple(f.get_slice(key).get_shape())) for key in f.keys()})
+            files.update({key: (file, tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype())
+                          for key in f.keys()})
 
     def in_folder(name: str) -> SafetensorsPart | ExpertParts:
         pieces = expert_pieces(name, model_cfg.n_experts)  # [E, ...]: one HF tensor per expert
@@ -208,9 +211,13 @@ def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts 
         key, start, stop = rows.get(name, (hf_name(name, model_type), 0, None))  # a fused one's part: its rows
         if key not in files:
             raise CheckpointError(f"{path} has no {key}, which model.{name} needs")
-        file, shape = files[key]
+        file, shape, dtype = files[key]
         order = tuple(orders[name].tolist()) if name in orders else None
-        return SafetensorsPart(file, key, start, (shape[0] if stop is None else stop) - start, shape[1:], order)
+        scales = files[key + SCALE][0] if block and key + SCALE in files else None
+        if scales is None and dtype.startswith("F8"):
+            raise CheckpointError(unscaled(path, key))
+        return SafetensorsPart(file, key, start, (shape[0] if stop is None else stop) - start, shape[1:], order,
+                               scales, block)
     return in_folder
 
 
@@ -219,13 +226,16 @@ class SafetensorsPart:
     """Rows [start, start + rows) of tensor `key` of a safetensors file (a fused tensor's part, or
     all of it), read by the box indexed (safetensors reads that slice alone); its row r being the
     file's row order[r] where `order` is given (DeepSeek's RoPE rows: the span the box's rows
-    cover is read, a head's rows at most beyond them)."""
+    cover is read, a head's rows at most beyond them); dequantized to fp32 where `scales` is given
+    (DeepSeek-V3's fp8 release: hf_fp8), from the scales of the blocks the box touches alone."""
     file: Path
     key: str
     start: int
     rows: int
     rest: tuple[int, ...]
     order: tuple[int, ...] | None = None
+    scales: Path | None = None  # the file holding a quantized tensor's key + SCALE (hf_fp8), read by `block`
+    block: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -239,8 +249,12 @@ class SafetensorsPart:
         return self._read(low, int(rows.max()) + 1, box[1:])[rows - low]
 
     def _read(self, start: int, stop: int, rest: Box) -> torch.Tensor:
+        rows = slice(self.start + start, self.start + stop)
         with safe_open(self.file, "pt") as f:
-            return f.get_slice(self.key)[(slice(self.start + start, self.start + stop), *rest)]
+            if self.scales is None:
+                return f.get_slice(self.key)[(rows, *rest)]
+            with safe_open(self.scales, "pt") as scales:
+                return read_part(f, scales, self.key, rows, slice(*rest[0].indices(self.rest[0])[:2]), self.block)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ KEY_ALIASES = {
     # dims (q_lora_rank, kv_lora_rank, v_head_dim and torchtitan's/HF's qk_*_head_dim are our names)
     "multi_latent_attention": "model.kv_lora_rank", "qk_head_dim": "model.qk_nope_head_dim",
     "qk_pos_emb_head_dim": "model.qk_rope_head_dim",
+    # multi-token prediction: Megatron-Core's and HF's names
+    "mtp_num_layers": "model.mtp_layers", "num_nextn_predict_layers": "model.mtp_layers",
+    "mtp_loss_scaling_factor": "model.mtp_loss_weight",
 }
 # Megatron-LM's switches (no value) as the override that does what each asks.
 FLAG_ALIASES = {"bf16": "train.dtype=bf16", "fp16": "train.dtype=fp16",

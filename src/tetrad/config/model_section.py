@@ -129,6 +129,16 @@ class ModelConfig:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    # Multi-token prediction (DeepSeek-V3's MTP; Megatron-Core's mtp_num_layers, HF's
+    # num_nextn_predict_layers): mtp_layers sequential modules after the last layer, the k-th
+    # predicting the token k + 1 ahead of each position from the (k-1)-th's hidden state and the
+    # embedding of the token k ahead, through one transformer layer of its own (index n_layers +
+    # k - 1: an MoE one where the model's last layers are) and the model's embedding and head.
+    # Their losses, each a mean over its counted targets, join the training loss times
+    # mtp_loss_weight / mtp_layers (Megatron's mtp_loss_scaling_factor; DeepSeek-V3 0.3, then 0.1);
+    # not in `loss` or val_loss, reported as metrics' mtp_loss. 0: none.
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.1
 
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:

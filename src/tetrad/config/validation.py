@@ -69,6 +69,7 @@ RANGES: dict[str, Range] = {
     **{f"model.{k}": SIZE for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     "model.expert_weight_scale": POSITIVE, "model.expert_groups": SIZE, "model.expert_groups_per_token": SIZE,
     "model.expert_group_score_top": SIZE,
+    "model.mtp_layers": COUNT, "model.mtp_loss_weight": Range(0),  # 0: no multi-token prediction
     **{f"parallel.{k}": SIZE for k in ("dp", "tp", "pp", "cp", "ep", "vpp", "ranks_per_node")},
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,

@@ -96,16 +96,27 @@ def _counts(cfg) -> tuple[float, float]:
     model/flops.py's count (MFU's, the model line's)."""
     m = cfg.model
     total = sum(rank_params(cfg))
-    idle = m.moe_layers * (m.n_experts - m.experts_per_token) * m.expert_hidden * m.d_model * 3
+    moe_layers = m.moe_layers + flops.mtp_kind_counts(m).get(True, 0)  # the multi-token prediction's too
+    idle = moe_layers * (m.n_experts - m.experts_per_token) * m.expert_hidden * m.d_model * 3
     assert (total, total - idle) == (flops.parameter_count(m), flops.parameter_count(m, active=True))
     return total / 1e9, (total - idle) / 1e9
 
 
 def test_deepseek_v3_has_its_published_parameters():
-    """DeepSeek-V3's card: 671B parameters, 37B active, the multi-token-prediction module's 14B left
-    out (the preset has none); counted with the embedding and the head: 671.03B and 37.55B."""
-    total, active = _counts(_preset("deepseek-v3"))
-    assert total == pytest.approx(671.03, abs=0.005) and 37 <= active < 38, (total, active)
+    """DeepSeek-V3's card: 671B parameters, 37B active, and a multi-token-prediction module of 14B
+    (685B in all). The preset has that module (mtp_layers 1), counted apart: the main model with the
+    embedding and the head 671.03B and 37.55B active; the module 11.61B, which with its own copies of
+    the embedding and the head, as DeepSeek's checkpoint stores them (tetrad shares the model's), is
+    the card's 14B (13.46B): 684.5B, the card's 685B of 671B + 14B."""
+    cfg = _preset("deepseek-v3")
+    m = cfg.model
+    total, active = _counts(cfg)
+    main, mtp = flops.main_parameter_count(m) / 1e9, flops.mtp_parameter_count(m) / 1e9
+    assert main == pytest.approx(671.03, abs=0.005) and 37 <= flops.main_parameter_count(m, True) / 1e9 < 38
+    assert mtp == pytest.approx(11.61, abs=0.005) and total == pytest.approx(main + mtp, abs=1e-9)
+    copies = 2 * m.vocab_size * m.d_model / 1e9
+    assert mtp + copies == pytest.approx(13.46, abs=0.005) and total + copies == pytest.approx(684.49, abs=0.005)
+    assert 38 <= active < 39, active
 
 
 def test_deepseek_v2_has_its_published_parameters():

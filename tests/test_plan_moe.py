@@ -56,11 +56,14 @@ def test_mixtral_8x7b_has_its_published_total_and_active_parameters():
 
 def test_glm_4_5_air_has_its_published_total_and_active_parameters():
     """GLM-4.5-Air (Zhipu's model card): 106B parameters, 12B active, both rounded down; the active
-    ones without the embedding and the head (8 of 128 experts and the shared one, 45 MoE layers)."""
+    ones without the embedding and the head (8 of 128 experts and the shared one, 45 MoE layers).
+    Both leave out its multi-token-prediction module (mtp_layers 1, an MoE layer: 2.38B more)."""
     m = _cfg({"preset": "glm-4.5-air"}).model
     embeddings = 2 * m.vocab_size * m.d_model
-    assert 106 <= flops.parameter_count(m) / 1e9 < 107
-    assert 12 <= (flops.parameter_count(m, active=True) - embeddings) / 1e9 < 12.5
+    assert m.mtp_layers == 1 and 2.37 <= flops.mtp_parameter_count(m) / 1e9 < 2.38
+    assert 106 <= flops.main_parameter_count(m) / 1e9 < 107
+    assert 12 <= (flops.main_parameter_count(m, active=True) - embeddings) / 1e9 < 12.5
+    assert flops.parameter_count(m) == flops.main_parameter_count(m) + flops.mtp_parameter_count(m)
 
 
 @pytest.mark.parametrize("model", [{"mlp": "swiglu"}, {"mlp": "gelu"}, {"mlp": "geglu", "expert_ffn_hidden": 512},

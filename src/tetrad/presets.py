@@ -30,27 +30,32 @@ PRESETS: dict[str, dict] = {
     # GLM-4.5-Air (Zhipu's config.json; transformers' Glm4MoeConfig defaults): 128 SwiGLU experts of
     # 1408, top-8 of sigmoid scores, an ungated shared expert of 1408, the first layer dense (10944),
     # heads of 128 (96 of them over d 4096), RoPE on half of each, biases on q, k and v; its
-    # pre-training context, 4096 (the 32k and 128k stages extend it).
+    # pre-training context, 4096 (the 32k and 128k stages extend it). One multi-token-prediction module
+    # (num_nextn_predict_layers 1), an MoE layer: 2.38B more, 109.2B in all; the card's 106B total and
+    # 12B active leave it out (a test).
     "glm-4.5-air": dict(n_layers=46, d_model=4096, n_heads=96, n_kv_heads=8, head_dim=128, ffn_hidden=10944,
                         vocab_size=151552, seq_len=4096, norm="rmsnorm", mlp="swiglu", pos="rope",
                         tie_embeddings=False, rope_theta=1000000.0, norm_eps=1e-5, partial_rotary_factor=0.5,
                         qkv_bias=True, n_experts=128, experts_per_token=8, expert_ffn_hidden=1408,
-                        shared_expert_ffn_hidden=1408, dense_layers=[0], router_score="sigmoid"),
+                        shared_expert_ffn_hidden=1408, dense_layers=[0], router_score="sigmoid", mtp_layers=1),
     # DeepSeek-V3 (its config.json; DeepSeek-V3 technical report, arXiv 2412.19437): multi-head latent
     # attention (128 heads, q and kv latents of 1536 and 512, heads of 128 + 64 rotated, values of
     # 128), the first 3 layers dense (18432), then 256 SwiGLU experts of 2048 and a shared one, top-8
     # of sigmoid scores within 4 of 8 groups, normalised and scaled by 2.5; expert biases moved by
     # 0.001 a step and a sequence-wise balance loss of 0.0001 (the report's pre-training values). Its
     # 4096 pre-training context: config.json's YaRN rope_scaling (factor 40, to 160k) is left out
-    # (the planner needs none). The multi-token-prediction module (14B) is not part of the model:
-    # 671.0B parameters, 37.6B active (the card's 671B and 37B; a test).
+    # (the planner needs none). One multi-token-prediction module (num_nextn_predict_layers 1; the
+    # report's D = 1), an MoE layer: 671.0B parameters and 11.6B of it, 682.6B (37.6B and 38.2B active;
+    # the card's 671B + 14B = 685B counts the module's own copies of the embedding and the head, 1.85B,
+    # which tetrad shares with the model's; a test).
     "deepseek-v3": dict(n_layers=61, d_model=7168, n_heads=128, n_kv_heads=128, ffn_hidden=18432,
                         vocab_size=129280, seq_len=4096, norm="rmsnorm", mlp="swiglu", pos="rope",
                         tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6, kv_lora_rank=512,
                         q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                         n_experts=256, experts_per_token=8, expert_ffn_hidden=2048, shared_expert_ffn_hidden=2048,
                         dense_layers=[0, 1, 2], router_score="sigmoid", expert_weight_scale=2.5, expert_groups=8,
-                        expert_groups_per_token=4, router_bias_update_rate=0.001, router_aux_loss=0.0001),
+                        expert_groups_per_token=4, router_bias_update_rate=0.001, router_aux_loss=0.0001,
+                        mtp_layers=1),
     # DeepSeek-V2 (its config.json; arXiv 2405.04434): latent attention as DeepSeek-V3's over d_model
     # 5120, the first layer dense (12288), then 160 SwiGLU experts of 1536 and two shared (one of
     # 3072), top-6 of the softmax within 3 of 8 groups each scored by its best expert

@@ -19,6 +19,13 @@ expert (model.shared_expert_ffn_hidden, and its gate) is a dense MLP every token
 Layers differ where model.dense_layers names some: each is a dense model's layer (`layer_model`),
 and the model's counts sum over its layers' kinds (`layer_kinds`).
 
+Multi-token prediction (model.mtp_layers = D > 0, model/mtp.py): D modules after the last layer,
+each two norms, eh_proj [d, 2d] (replicated over tp), a transformer layer of global index
+n_layers + k (MoE where ModelConfig.moe_layer says) and a final norm, sharing the model's embedding
+and head. They count as parameters (`mtp_parameter_count`; DeepSeek-V3: 671B + 14B) and in the
+FLOPs as Megatron's num_floating_point_operations counts mtp_num_layers: each depth's layer, its
+eh_proj and its pass through the head (`mtp_matmul_flops`), its attention core as a main layer's.
+
 Latent attention (model.kv_lora_rank > 0, model/latent_attention.py): its up projections (wq_b or
 wq, wkv_b) and wo are split over tp, its down projections (wq_a, wkv_a) and their norms are
 replicated; QK^T counts the q/k width (nope + rope), AV the value width v_head_dim (the core's
@@ -62,6 +69,17 @@ def layer_kinds(m: ModelConfig, chunks: Sequence[range] | None = None) -> list[t
 def over_layers(m: ModelConfig, per_layer, chunks: Sequence[range] | None = None) -> float:
     """The sum of `per_layer`(layer_model) over the layers of `chunks` (default: all) of `m`."""
     return sum(n * per_layer(kind) for kind, n in layer_kinds(m, chunks))
+
+
+def mtp_chunks(m: ModelConfig) -> list[range]:
+    """The global indices of the multi-token prediction modules' layers, n_layers .. n_layers + D - 1,
+    as `chunks` for the functions above (empty at D = 0)."""
+    return [range(m.n_layers, m.n_layers + m.mtp_layers)]
+
+
+def mtp_kind_counts(m: ModelConfig) -> dict[bool, int]:
+    """`kind_counts` of the multi-token prediction modules' layers ({} without them)."""
+    return kind_counts(m, mtp_chunks(m)) if m.mtp_layers else {}
 
 
 def layer_matmul_flops(m: ModelConfig) -> float:
@@ -221,9 +239,26 @@ def head_flops(m: ModelConfig) -> float:
     return 2 * m.d_model * m.vocab_size
 
 
+def eh_proj_params(m: ModelConfig) -> int:
+    """A multi-token prediction module's eh_proj [d, 2d], replicated over tp."""
+    return 2 * m.d_model * m.d_model
+
+
+def mtp_matmul_flops(m: ModelConfig) -> float:
+    """Forward FLOPs per token of the multi-token prediction modules' matmuls (0 without them):
+    each depth's layer, eh_proj and head; what the last pipeline stage runs beside the main head."""
+    return over_layers(m, layer_matmul_flops, mtp_chunks(m)) + m.mtp_layers * (2 * eh_proj_params(m) + head_flops(m))
+
+
+def all_layers(m: ModelConfig) -> int:
+    """The model's transformer layers, the multi-token prediction modules' included."""
+    return m.n_layers + m.mtp_layers
+
+
 def forward_flops_per_token(m: ModelConfig, seq_len: int | None = None) -> float:
     s = seq_len or m.seq_len
-    return over_layers(m, layer_matmul_flops) + m.n_layers * attention_core_flops(m, s) + head_flops(m)
+    return (over_layers(m, layer_matmul_flops) + all_layers(m) * attention_core_flops(m, s) + head_flops(m)
+            + mtp_matmul_flops(m))
 
 
 def model_flops_per_token(m: ModelConfig, seq_len: int | None = None) -> float:
@@ -236,10 +271,11 @@ def hardware_flops_per_token(m: ModelConfig, recompute: str, seq_len: int | None
     attention core ("selective") or the matmuls per-op checkpointing does not keep
     ("selective-op"); the numerator of HFU."""
     s = seq_len or m.seq_len
-    core = m.n_layers * attention_core_flops(m, s)
-    extra = {"none": 0.0, "selective": core, "full": over_layers(m, layer_matmul_flops) + core,
+    core = all_layers(m) * attention_core_flops(m, s)
+    chunks = [range(all_layers(m))]  # the modules' layers recompute as the main ones do
+    extra = {"none": 0.0, "selective": core, "full": over_layers(m, layer_matmul_flops, chunks) + core,
              "selective-op": over_layers(m, lambda k: layer_matmul_flops(k) - sum(
-                 2 * a * b * rows for a, b, _, rows in op_checkpoint_saved_matmuls(k)))}[recompute]
+                 2 * a * b * rows for a, b, _, rows in op_checkpoint_saved_matmuls(k)), chunks)}[recompute]
     return model_flops_per_token(m, s) + extra
 
 
@@ -248,19 +284,47 @@ def embedding_params(m: ModelConfig) -> int:
     return m.vocab_size * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
 
 
+def norm_params(m: ModelConfig) -> int:
+    """One d_model-wide norm's weights (and LayerNorm's bias)."""
+    return m.d_model * (2 if m.norm == "layernorm" else 1)
+
+
 def head_params(m: ModelConfig, separate: bool) -> int:
     """The last stage's final norm and, unless it shares the embedding's weight, its head."""
-    norm = m.d_model * (2 if m.norm == "layernorm" else 1)
-    return norm + (m.vocab_size * m.d_model if separate else 0)
+    return norm_params(m) + (m.vocab_size * m.d_model if separate else 0)
+
+
+def mtp_module_params(m: ModelConfig) -> int:
+    """One multi-token prediction module's parameters beside its layer: its three norms (enorm,
+    hnorm, the final one) and eh_proj."""
+    return 3 * norm_params(m) + eh_proj_params(m)
+
+
+def _layer_count(active: bool):
+    """A layer's parameters, or (`active`) under MoE those one token uses."""
+    def per_layer(k: ModelConfig) -> float:
+        return layer_params(k, 1) - (mlp_matrix_params(k) - mlp_matrix_params(k, active=True) if active else 0)
+    return per_layer
+
+
+def main_parameter_count(m: ModelConfig, active: bool = False) -> int:
+    """`parameter_count` without the multi-token prediction modules: the model a checkpoint's
+    card usually quotes (DeepSeek-V3's 671B)."""
+    return int(over_layers(m, _layer_count(active))) + embedding_params(m) + head_params(m, not m.tie_embeddings)
+
+
+def mtp_parameter_count(m: ModelConfig, active: bool = False) -> int:
+    """The multi-token prediction modules' own parameters (their layers, norms and eh_proj; the
+    embedding and head are the model's), or (`active`) those one token uses; 0 without them."""
+    return int(over_layers(m, _layer_count(active), mtp_chunks(m))) + m.mtp_layers * mtp_module_params(m)
 
 
 def parameter_count(m: ModelConfig, active: bool = False) -> int:
     """The model's parameters (all experts': what memory holds), or (`active`) those one token
     uses: under MoE only its k experts of each MoE layer's E (Mixtral 8x7B: 46.7B and 12.9B;
-    Qwen1.5-MoE-A2.7B: 14.3B and 2.7B, its shared expert active)."""
-    def per_layer(k: ModelConfig) -> float:
-        return layer_params(k, 1) - (mlp_matrix_params(k) - mlp_matrix_params(k, active=True) if active else 0)
-    return int(over_layers(m, per_layer)) + embedding_params(m) + head_params(m, separate=not m.tie_embeddings)
+    Qwen1.5-MoE-A2.7B: 14.3B and 2.7B, its shared expert active); the multi-token prediction
+    modules' included (`main_parameter_count` leaves them out)."""
+    return main_parameter_count(m, active) + mtp_parameter_count(m, active)
 
 
 def narayanan_eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:

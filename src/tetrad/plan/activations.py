@@ -219,3 +219,23 @@ def rebuilt_bytes(cfg: Config, stack: Stack, tokens: int, e: int, is_cpu: bool) 
     return [max(map(per_kind.__getitem__, flops.kind_counts(m, rank))) for rank in rank_chunk_layers(cfg)]
 
 
+
+
+def mtp_saved_bytes(cfg: Config, stack: Stack, tokens: int, e: int, vocab_rows: int) -> float:
+    """Bytes the multi-token prediction modules (model.mtp_layers) keep for the backward of one
+    micro-batch of `tokens` tokens on the last stage, from its forward there until its backward,
+    as the head's output is (memory.activations_by_rank): each depth's layer what a layer of its
+    kind keeps; the inputs of its enorm, hnorm, eh_proj (2d wide: replicated over tp, on the
+    rank's own tokens, under SP its chunk) and final norm; the head's input and the fp32 softmax
+    of its cross-entropy over this rank's `vocab_rows`, as the main head's. The logits' gradient
+    (and 16-bit copies) are transient, one depth's at a time: the main head's count covers them."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not m.mtp_layers:
+        return 0.0
+    div = p.tp if p.sequence_parallel else 1
+    hidden = tokens * m.d_model * e
+    layers = flops.over_layers(m, lambda k: activation_bytes_per_layer(k, tokens, p.tp, p.sequence_parallel,
+                                                                       t.recompute, e, stack), flops.mtp_chunks(m))
+    own = (3 * norm_saved_bytes(m, tokens, e, stack) + 2 * hidden) / div
+    head_input = hidden / (p.tp if p.sequence_parallel and not stack.sp_saves_gathered_input else 1)
+    return layers + m.mtp_layers * (own + head_input + 4 * tokens * vocab_rows)

@@ -9,6 +9,10 @@ which an even split over dp x cp misses by up to a whole norm. Under expert para
 of their own after the dense ones (ZeRO-3: one per block, gathered with the block's), padded for
 and sharded over the expert gradient group, or under hybrid ZeRO its zero_shard/ep ranks inside the
 block (plan/moe.py `expert_shard_ranks`); at ep = 1 they are dense parameters like any other.
+Multi-token prediction (model.mtp_layers) adds its modules after the last stage's head
+(`mtp_parameters`), outside ZeRO-3's blocks (model.layers holds the main layers alone); over
+several stages the last one holds a copy of the embedding for them, tied to the first stage's as
+a tied embedding's head is (the "embed" group).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import NamedTuple
 from tetrad.config import Config, ModelConfig
 from tetrad.config.sections import bucket_bytes, shard_ranks
 from tetrad.dist.codec_shapes import INT8_BLOCK, powersgd_shape
-from tetrad.model.flops import layer_model
+from tetrad.model.flops import layer_model, mtp_chunks
 from tetrad.parallel.bucketing import bucket_contents, padded_size
 from tetrad.parallel.pipeline.split import layer_split, rank_stages
 from tetrad.plan.moe import expert_shard_ranks
@@ -104,6 +108,18 @@ def layer_params_on_rank(m: ModelConfig, tp: int, ep: int) -> int:
     return sum(n for n, _ in layer_parameters(m, tp, ep))
 
 
+def mtp_parameters(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, int]]:
+    """(elements on a tp rank, kind) of the multi-token prediction modules' parameters (none
+    without them), in the order model/mtp.py registers them, depth by depth: enorm, hnorm,
+    eh_proj [d, 2d] (replicated over tp, its gradient summed over tp under SP as latent
+    attention's down projections'), the layer of global index n_layers + k, the final norm."""
+    out = []
+    for i in mtp_chunks(m)[0]:
+        out += _norm(m, m.d_model, REPLICATED) * 2 + [(2 * m.d_model * m.d_model, REPLICATED)]
+        out += layer_parameters(layer_model(m, m.moe_layer(i)), tp, ep) + _norm(m, m.d_model, REPLICATED)
+    return out
+
+
 class Shapes(NamedTuple):
     """What a rank's parameter list depends on, hashable (the layout is cached by it)."""
     layer: tuple[tuple[int, int], ...]  # layer_parameters of an MoE layer (of every layer in a dense model)
@@ -113,6 +129,7 @@ class Shapes(NamedTuple):
     positions: int  # learned positions' elements (0 under RoPE)
     norm: tuple[tuple[int, int], ...]  # the final norm's
     tie: bool  # tied embeddings
+    mtp: tuple[tuple[int, int], ...] = ()  # mtp_parameters
 
 
 def shapes(cfg: Config) -> Shapes:
@@ -120,7 +137,14 @@ def shapes(cfg: Config) -> Shapes:
     moe, dense = (tuple(layer_parameters(layer_model(m, kind), tp, cfg.parallel.ep)) for kind in (True, False))
     return Shapes(moe, dense, frozenset(m.dense_layers) if m.n_experts else frozenset(), _local(m.vocab_size, tp) * m.d_model,
                   m.seq_len * m.d_model if m.pos == "learned" else 0, tuple(_norm(m, m.d_model, REPLICATED)),
-                  m.tie_embeddings)
+                  m.tie_embeddings, tuple(mtp_parameters(m, tp, cfg.parallel.ep)))
+
+
+def ties_embedding(m: ModelConfig, stages: int) -> bool:
+    """Whether the last of `stages` global stages holds a copy of the embedding, kept equal with
+    the first's over the "embed" group: as the head of tied embeddings, or for the multi-token
+    prediction modules (model.mtp_layers)."""
+    return (m.tie_embeddings or m.mtp_layers > 0) and stages > 1
 
 
 def stage_parameters(s: Shapes, stages: tuple[tuple[range, bool, bool], ...], ties: bool):
@@ -142,6 +166,7 @@ def stage_parameters(s: Shapes, stages: tuple[tuple[range, bool, bool], ...], ti
         if last:
             chunk += [(n, kind, None) for n, kind in s.norm]
             chunk += [] if s.tie else [vocab]  # tied on one stage: the embedding's weight
+            chunk += [(n, kind, None) for n, kind in s.mtp]
             tied = vocab if ties else tied
         chunks.append(chunk)
     return chunks, tied
@@ -166,15 +191,15 @@ def rank_buckets(cfg: Config, s: Shapes | None = None) -> tuple[RankBuckets, ...
     over (hybrid ZeRO's block, or all of dp x cp; the experts' over `expert_shard_ranks`).
     `s`: `cfg`'s shapes, if known (the same for every ZeRO stage of a layout)."""
     p = cfg.parallel
-    return _pipeline(s or shapes(cfg), tuple(layer_split(cfg)), p.pp, p.vpp, shard_ranks(p), p.zero, p.grad_codec,
-                     bucket_bytes(p), expert_shard_ranks(p))
+    return _pipeline(s or shapes(cfg), tuple(layer_split(cfg)), p.pp, p.vpp, ties_embedding(cfg.model, p.pp * p.vpp),
+                     shard_ranks(p), p.zero, p.grad_codec, bucket_bytes(p), expert_shard_ranks(p))
 
 
 # Cached, as the functions below: the search estimates many layouts with the same parameters on a rank.
 @lru_cache(maxsize=4096)
-def _pipeline(s: Shapes, split: tuple[range, ...], pp: int, vpp: int, n: int, zero: int, codec: str,
+def _pipeline(s: Shapes, split: tuple[range, ...], pp: int, vpp: int, ties: bool, n: int, zero: int, codec: str,
               limit: float, experts: int) -> tuple[RankBuckets, ...]:
-    ties, last = s.tie and len(split) > 1, len(split) - 1
+    last = len(split) - 1
     # where every layer is alike only a stage's count matters: stages of one size share a layout
     split = split if s.dense_layers else tuple(range(len(layers)) for layers in split)
     return tuple(_layout(s, tuple((split[g], g == 0, g == last) for g in rank_stages(pp, vpp, r)), ties, n, zero,

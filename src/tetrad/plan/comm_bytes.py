@@ -10,7 +10,7 @@ from tetrad.dist.layout import GRAD_DIMS, Layout
 from tetrad.model import flops
 from tetrad.parallel.bucketing import padded_size
 from tetrad.parallel.pipeline.split import rank_chunk_layers, rank_layers
-from tetrad.plan.buckets import RankBuckets, rank_buckets
+from tetrad.plan.buckets import RankBuckets, rank_buckets, ties_embedding
 from tetrad.plan.latent import regathered_inputs, tp_inputs, widths
 from tetrad.plan.memory import activation_bytes, state_bytes_per_param, vocab_shard
 from tetrad.plan.moe import ep_all_to_alls, expert_shard_ranks
@@ -18,14 +18,18 @@ from tetrad.plan.moe import ep_all_to_alls, expert_shard_ranks
 # The step's numbers that need the whole job: one all-reduce of 6 fp32 (squared gradient norm,
 # loss, a flag per stop signal and one for a closed stdout) over dp x cp, tp and pp
 # (train/trainer.py's _step_sums); under MoE a 7th, the layers' summed load-balancing loss, and
-# where expert biases move a float per pipeline stage more (`step_sums`).
+# where expert biases move a float per pipeline stage more; under multi-token prediction two per
+# depth, its loss sum and count (`step_sums`).
 STEP_SUMS = 6 * 4
 
 
 def step_sums(cfg: Config) -> int:
     """Bytes of the step's sums in each group they are all-reduced over (STEP_SUMS; MoE: 4 more;
-    moving expert biases: 4 a pipeline stage more, each stage's largest expert load)."""
-    return STEP_SUMS + (4 if cfg.model.n_experts else 0) + (4 * cfg.parallel.pp if _moves_biases(cfg) else 0)
+    moving expert biases: 4 a pipeline stage more, each stage's largest expert load; multi-token
+    prediction: 8 a depth more)."""
+    m = cfg.model
+    return STEP_SUMS + (4 if m.n_experts else 0) + (4 * cfg.parallel.pp if _moves_biases(cfg) else 0) \
+        + 8 * m.mtp_layers
 
 
 def expert_bias_bytes(cfg: Config) -> int:
@@ -65,9 +69,21 @@ def _hidden(cfg: Config) -> float:
     return _tokens(cfg) * cfg.model.d_model * activation_bytes(cfg.train.dtype)
 
 
+def _mtp_on_rank0(cfg: Config) -> int:
+    """The multi-token prediction modules rank 0 runs: all of them on a single stage, else none."""
+    return cfg.model.mtp_layers if cfg.parallel.pp == 1 else 0
+
+
+def _layers(cfg: Config) -> int:
+    """Rank 0's transformer layers, the multi-token prediction modules' included."""
+    return rank_layers(cfg)[0] + _mtp_on_rank0(cfg)
+
+
 def _moe_layers(cfg: Config) -> int:
-    """How many of rank 0's layers are MoE layers (ModelConfig.moe_layer; model.dense_layers' are not)."""
-    return flops.kind_counts(cfg.model, rank_chunk_layers(cfg)[0]).get(True, 0)
+    """How many of rank 0's layers are MoE layers (ModelConfig.moe_layer; model.dense_layers' are
+    not), the multi-token prediction modules' included."""
+    mtp = flops.mtp_kind_counts(cfg.model).get(True, 0) if _mtp_on_rank0(cfg) else 0
+    return flops.kind_counts(cfg.model, rank_chunk_layers(cfg)[0]).get(True, 0) + mtp
 
 
 def recompute_reduces_output(m) -> bool:
@@ -83,13 +99,14 @@ def _tp_bytes(cfg: Config) -> float:
     all-gathers and two reduce-scatters, each counted at the full size. The embedding's
     all-reduce (SP: reduce-scatter forward, all-gather of its gradient backward). On a single
     stage also the head's input collective and the cross-entropy's max, sum-exp and target logit
-    (fp32 per token). With `sp_regather`, the column-parallel inputs' all-gathers again in backward.
+    (fp32 per token), and each multi-token prediction depth's layer, embedding, head input and
+    cross-entropy likewise. With `sp_regather`, the column-parallel inputs' all-gathers again in backward.
     Under SP, or after a codec that mixes elements (finalize.reduce_replicated), one all-reduce
     of the replicated (norm) weights' fp32 gradients per step, otherwise of qk-norm's alone: those
     in the rank's buckets under ZeRO-0, in its shard of each under ZeRO (rank_buckets: the shard
     holds whichever parameters the layout puts there, not an even part). The step's sums."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    hidden, layers, sp = _hidden(cfg), rank_layers(cfg)[0], p.sequence_parallel
+    hidden, layers, sp, mtp = _hidden(cfg), _layers(cfg), p.sequence_parallel, _mtp_on_rank0(cfg)
     # latent attention's input collectives (its latents'; plan/latent.py) beyond q, k and v's one:
     # forward under SP (all-gathers), backward always (reduce-scatters, all-reduces)
     inputs = _tokens(cfg) * sum(tp_inputs(m)) * activation_bytes(t.dtype) - hidden
@@ -97,12 +114,12 @@ def _tp_bytes(cfg: Config) -> float:
     last = hidden if recompute_reduces_output(m) else 0
     recomputed = forward - hidden + last if t.recompute in ("full", "selective-op") else 0
     per_micro = layers * (2 * forward + (0 if sp else inputs) + recomputed) + hidden * (2 if sp else 1)
-    if p.pp == 1:
-        per_micro += hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4
+    if p.pp == 1:  # the head's (and each depth's embedding and head)
+        per_micro += (1 + mtp) * (hidden * (2 if sp else 1) + 3 * _tokens(cfg) * 4) + mtp * hidden * (2 if sp else 1)
     if sp and p.sp_regather:  # each column-parallel input gathered again in backward: qkv, fc1, the head
         # (an MoE layer's input is gathered once, by tp_input, and kept: no fc1 regather; a shared
         # expert reads that one too; so are latent attention's latents: plan/latent.py)
-        per_micro += hidden * ((regathered_inputs(m) + 1) * layers - _moe_layers(cfg) + (p.pp == 1))
+        per_micro += hidden * ((regathered_inputs(m) + 1) * layers - _moe_layers(cfg) + (p.pp == 1) * (1 + mtp))
     averaged = not sums_elementwise(p.grad_codec, p.dp * p.cp)
     buckets = rank_buckets(cfg)[0]
     summed = buckets.heads + (buckets.replicated if sp or averaged else 0)  # qk-norm: always
@@ -112,11 +129,12 @@ def _tp_bytes(cfg: Config) -> float:
 def _pp_bytes(cfg: Config) -> float:
     """Rank 0 sends each micro-batch's activations on from every chunk, and the gradients of its
     chunks after the first back to the previous rank (the last one); the step's sums. Tied
-    embeddings: the embedding's fp32 gradient summed with its head copy's (its shard under ZeRO-2)."""
+    embeddings, or multi-token prediction's copy of it (buckets.ties_embedding): the embedding's
+    fp32 gradient summed with the last stage's copy's (its shard under ZeRO-2)."""
     m, p = cfg.model, cfg.parallel
     sent = _hidden(cfg) / (p.tp if p.sequence_parallel else 1)
     out = cfg.microbatches * (2 * p.vpp - 1) * sent + step_sums(cfg)
-    if m.tie_embeddings:  # rank 0's shard of the embedding's bucket, its padding left out (GradReducer.reduce)
+    if ties_embedding(m, p.pp * p.vpp):  # rank 0's shard of the embedding's bucket, its padding left out (GradReducer.reduce)
         size = vocab_shard(m, p.tp) * m.d_model
         out += 4 * (padded_size(size, shard_ranks(p), 1) // shard_ranks(p) if p.zero >= 2 else size)
     return out
@@ -132,7 +150,7 @@ def _cp_bytes(cfg: Config) -> float:
     for the load-balancing loss (model/moe.py _balance_loss), again under full and per-op recompute."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     e, tokens = activation_bytes(t.dtype), _tokens(cfg)
-    per_micro = cfg.microbatches * rank_layers(cfg)[0]
+    per_micro = cfg.microbatches * _layers(cfg)
     w = widths(m, p.tp)
     kv = tokens * (w.k + w.v)  # latent attention: every head's k and v (padded): more than GQA's
     counts = cfg.microbatches * _moe_layers(cfg) * m.n_experts * t.micro_batch * 4 \

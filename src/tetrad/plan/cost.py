@@ -1,6 +1,7 @@
 """The estimate of one layout: step time and its breakdown, memory per rank, MFU and HFU.
 
-Per-stage costs from the layer's (layer.py) and the embedding's and head's; the pipeline's time,
+Per-stage costs from the layer's (layer.py) and the embedding's and head's (on the last stage
+also the multi-token prediction modules': `_mtp_end_costs` and their layers); the pipeline's time,
 bubble and in-flight activations from the schedule simulator (pipeline.py); data-parallel
 gradient reduction and weight gathering over the links (links.py), exposed where neither the
 last backward nor the pipeline's idle tail hides them; the optimizer as bytes / HBM bandwidth, or
@@ -19,7 +20,7 @@ from tetrad.config.sections import bucket_bytes, shard_ranks, zero_shard
 from tetrad.model import flops
 from tetrad.parallel.pipeline.split import layer_split, rank_chunk_layers, rank_stages
 from tetrad.plan.hardware import GPU, Cluster, HardwareError, offload_unknown
-from tetrad.plan.layer import LayerCost, end_costs, layer_cost
+from tetrad.plan.layer import LayerCost, end_costs, gemm_efficiency, layer_cost
 from tetrad.plan.links import (LINK_EFFICIENCY, expert_shard_stride, group_link, hybrid_reduction_time,
                                overlap_slowdown, reduction_time, ring_time)
 from tetrad.plan.memory import (
@@ -130,8 +131,9 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad") -> Es
 
     memory = memory_by_rank(cfg, stack, gpu.is_cpu)
     busiest = max(range(p.pp), key=lambda r: st.busy[r])
-    held = flops.kind_counts(m, rank_chunk_layers(cfg)[busiest])
-    per_step = {k: micro * sum(n * getattr(layers[kind], k) for kind, n in held.items())
+    held = list(flops.kind_counts(m, rank_chunk_layers(cfg)[busiest]).items())
+    held += list(flops.mtp_kind_counts(m).items()) if busiest == p.pp - 1 else []
+    per_step = {k: micro * sum(n * getattr(layers[kind], k) for kind, n in held)
                 for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm")}
     ends = (sum(embed) if busiest == 0 else 0.0) + (sum(head) if busiest == p.pp - 1 else 0.0)
     breakdown = {**per_step, "compute": per_step["compute"] + micro * ends,
@@ -182,6 +184,7 @@ def _step(cfg: Config, cluster: Cluster, stack: str | Stack, simulate: bool) -> 
     embed, head = end_costs(cfg, cluster)
     if stack.head_weight_grad_in_bi:
         head = (head[0], head[1] + head[2], 0.0)
+    head = tuple(a + b for a, b in zip(head, _mtp_end_costs(cfg, cluster, embed, head)))
     st = _stage_costs(cfg, cluster, stack, layers, embed, head)
     pipe, tail = _pipeline_time(cfg, st, simulate)
     return _Step(cfg, stack, layers, embed, head, st, pipe, _data_parallel_time(cfg, cluster, stack, st, tail))
@@ -203,9 +206,23 @@ class _StageCosts:
 
 def layer_costs(cfg: Config, cluster: Cluster, stack: Stack) -> dict[bool, LayerCost]:
     """Each kind of layer's costs (layer.layer_cost), keyed by ModelConfig.moe_layer: an MoE
-    model's MoE and dense layers (model.dense_layers) differ; a dense model's are all False."""
+    model's MoE and dense layers (model.dense_layers) differ; a dense model's are all False. The
+    multi-token prediction modules' layers (model.mtp_layers) are of these kinds."""
     m = cfg.model
-    return {k: layer_cost(replace(cfg, model=flops.layer_model(m, k)), cluster, stack) for k in flops.kind_counts(m)}
+    kinds = {**flops.kind_counts(m), **flops.mtp_kind_counts(m)}
+    return {k: layer_cost(replace(cfg, model=flops.layer_model(m, k)), cluster, stack) for k in kinds}
+
+
+def _mtp_end_costs(cfg: Config, cluster: Cluster, embed: tuple, head: tuple) -> tuple[float, ...]:
+    """(forward, backward_input, backward_weight) seconds per micro-batch of the multi-token
+    prediction modules beside their layers, from the embedding's and the head's as the stack runs
+    them: each depth an embedding lookup, a head and an eh_proj matmul each way (replicated over
+    tp, on the rank's own tokens: under SP its chunk). Nothing without them."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    rows = t.micro_batch * m.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)
+    peak = cluster.gpu.matmul_peak(t.dtype, t.tf32)
+    proj = 2 * rows * flops.eh_proj_params(m) / (peak * gemm_efficiency(cluster.gpu, rows, m.d_model, 2 * m.d_model))
+    return tuple(m.mtp_layers * (a + b + proj) for a, b in zip(embed, head))
 
 
 def _stage_costs(cfg: Config, cluster: Cluster, stack: Stack, layers: dict[bool, LayerCost], embed: tuple,
@@ -215,6 +232,7 @@ def _stage_costs(cfg: Config, cluster: Cluster, stack: Stack, layers: dict[bool,
     where the stack blocks on it, part of the sending action (and so of the bubble)."""
     p, m = cfg.parallel, cfg.model
     stages = [[(n, layers[kind]) for kind, n in flops.kind_counts(m, [split]).items()] for split in layer_split(cfg)]
+    stages[-1] += [(n, layers[kind]) for kind, n in flops.mtp_kind_counts(m).items()]  # after the head
     f = [sum(n * c.forward for n, c in stage) for stage in stages]
     bi = [sum(n * (c.backward_input + c.recompute) for n, c in stage) for stage in stages]
     bw = [sum(n * c.backward_weight for n, c in stage) for stage in stages]

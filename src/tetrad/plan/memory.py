@@ -31,9 +31,10 @@ from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_chunk_layers
-from tetrad.plan.activations import (activation_bytes, after_bi_weight, as_run,
-                                     chunk_weights, mask_bias_bytes, norm_saved_bytes, rebuilt_bytes)
-from tetrad.plan.buckets import RankBuckets, Shapes, layer_params_on_rank, rank_buckets, shapes, shard_params
+from tetrad.plan.activations import (activation_bytes, after_bi_weight, as_run, chunk_weights, mask_bias_bytes,
+                                     mtp_saved_bytes, norm_saved_bytes, rebuilt_bytes)
+from tetrad.plan.buckets import (RankBuckets, Shapes, layer_params_on_rank, mtp_parameters, rank_buckets, shapes,
+                                 shard_params, ties_embedding)
 from tetrad.plan import moe
 from tetrad.plan.latent import widths
 from tetrad.plan.pipeline import inflight
@@ -189,8 +190,17 @@ def vocab_shard(m: ModelConfig, tp: int) -> int:
 def rank_params(cfg: Config) -> list[float]:
     """Parameters each pipeline rank holds on one tp rank: its layers' linears split over tp,
     their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
-    the head on the last (its own head unless tied on a single stage), both padded to tp rows."""
+    the head on the last (its own head unless tied on a single stage), both padded to tp rows,
+    and there the multi-token prediction modules (buckets.mtp_parameters) and, over several
+    stages, the embedding's copy they read (`embedding_copy`)."""
     return _with_ends(cfg, rank_layer_params(cfg))
+
+
+def embedding_copy(cfg: Config) -> int:
+    """Elements of the embedding's copy the last stage holds on one tp rank for the multi-token
+    prediction modules: over several stages, unless the head is one (tied embeddings)."""
+    m, p = cfg.model, cfg.parallel
+    return vocab_shard(m, p.tp) * m.d_model if ties_embedding(m, p.pp * p.vpp) and not m.tie_embeddings else 0
 
 
 def _with_ends(cfg: Config, layer_params: list[float]) -> list[float]:
@@ -200,6 +210,7 @@ def _with_ends(cfg: Config, layer_params: list[float]) -> list[float]:
     params[0] += vocab_shard(m, p.tp) * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
     separate = not m.tie_embeddings or p.pp * p.vpp > 1
     params[-1] += flops.head_params(m, separate=False) + (vocab_shard(m, p.tp) * m.d_model if separate else 0)
+    params[-1] += sum(n for n, _ in mtp_parameters(m, p.tp, p.ep)) + embedding_copy(cfg)
     return params
 
 
@@ -237,7 +248,7 @@ def activations_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[tuple[f
     # saved part alone (the softmax kept, the rest transient): their difference is the head's
     # transient at the peak, which may come when no loss waits (zero-bubble's after a BI).
     head_input = hidden / (p.tp if p.sequence_parallel and not stack.sp_saves_gathered_input else 1)
-    saved_head = final_norm + head_input + 4 * logits
+    saved_head = final_norm + head_input + 4 * logits + mtp_saved_bytes(cfg, stack, tokens, e, vocab_shard(m, p.tp))
     shared_bias = mask_bias_bytes(cfg, is_cpu) if t.recompute == "none" else 0.0
     held = partial(inflight, p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu), chunks)
     whole, saved = (held(h / per_layer, shared_bias / per_layer) for h in (saved_head + (logit_bytes - 4) * logits,
@@ -326,7 +337,8 @@ def _buffers(cfg: Config, stack: Stack, tokens: int, e: int, buckets: RankBucket
         # only where they are, the layers' largest matrix anywhere
         vocab = 4 * m.d_model * vocab_shard(m, p.tp)
         head = rank == p.pp - 1 and (not m.tie_embeddings or p.pp * p.vpp > 1)
-        largest = [vocab] * ((rank == 0) + head) + [held.matrix] * 2
+        copy = rank == p.pp - 1 and embedding_copy(cfg) > 0  # the multi-token prediction's embedding
+        largest = [vocab] * ((rank == 0) + head + copy) + [held.matrix] * 2
         out += min(sum(max(bucket_bytes(cfg.parallel), b) for b in sorted(largest)[-2:]), 4 * padded)
     out += 4 * codec_residual(p, buckets)
     if p.zero >= 3:  # two gathered layers; two layers' fp32 gradients (one filling, one reducing)

@@ -3,7 +3,9 @@
 
 `parallel.stage_layers` lists the layers of each global stage when the user fixes them;
 otherwise they are balanced by FLOPs: the last stage also runs the final norm, head and loss,
-worth head/layer FLOPs of a layer, so it gets fewer layers (every stage keeps at least one).
+worth head/layer FLOPs of a layer, and the multi-token prediction modules (model.mtp_layers:
+each depth's layer, eh_proj and pass through the head, flops.mtp_matmul_flops), so it gets fewer
+layers (every stage keeps at least one).
 Global stage g = chunk·pp + rank (schedules.stage_of), so a rank holds stages rank, rank + pp, ...
 """
 
@@ -18,8 +20,10 @@ from tetrad.parallel.pipeline.schedules import stage_of
 
 
 def balanced_layers(m: ModelConfig, stages: int) -> list[int]:
-    """Layers per global stage, balanced by FLOPs with the head counted on the last stage."""
-    return list(_balanced(m.n_layers, stages, round(flops.head_flops(m) / flops.layer_matmul_flops(m), 2)))
+    """Layers per global stage, balanced by FLOPs with the head (and the multi-token prediction
+    modules) counted on the last stage, in layers' matmul FLOPs."""
+    last = flops.head_flops(m) + flops.mtp_matmul_flops(m)
+    return list(_balanced(m.n_layers, stages, round(last / flops.layer_matmul_flops(m), 2)))
 
 
 @lru_cache(maxsize=4096)

@@ -136,10 +136,11 @@ def test_deepseek_v2_lite_has_its_published_parameters():
 
 def test_deepseek_v3_fits_the_layout_the_planner_proposes():
     """`tetrad plan --model deepseek-v3 --cluster h100x1024 --gpus 256 --global-batch 4096` ranks this
-    layout first (51 s on the 2-core VM): it fits."""
+    layout first (43 s on the 2-core VM): it fits. (Interleaved, vpp 2, came first before the preset
+    had its multi-token-prediction module, which weighs on the last of the 32 stages.)"""
     cfg = _preset("deepseek-v3")
     cfg = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, pp=16, dp=16, ep=8, zero=1, schedule="interleaved", vpp=2),
+        cfg, parallel=dataclasses.replace(cfg.parallel, pp=16, dp=16, ep=8, zero=1, schedule="1f1b", vpp=1),
         train=dataclasses.replace(cfg.train, global_batch=4096, micro_batch=2, recompute="full", dtype="bf16",
                                   offload_optimizer=True))
     est = estimate(cfg, cluster_of("H100-SXM", 256))

@@ -247,7 +247,10 @@ def eh_proj_params(m: ModelConfig) -> int:
 def mtp_matmul_flops(m: ModelConfig) -> float:
     """Forward FLOPs per token of the multi-token prediction modules' matmuls (0 without them):
     each depth's layer, eh_proj and head; what the last pipeline stage runs beside the main head."""
-    return over_layers(m, layer_matmul_flops, mtp_chunks(m)) + m.mtp_layers * (2 * eh_proj_params(m) + head_flops(m))
+    if not m.mtp_layers:  # the split asks it of every layout the planner weighs: kept cheap
+        return 0.0
+    layers = sum(layer_matmul_flops(layer_model(m, m.moe_layer(i))) for i in mtp_chunks(m)[0])
+    return layers + m.mtp_layers * (2 * eh_proj_params(m) + head_flops(m))
 
 
 def all_layers(m: ModelConfig) -> int:

@@ -83,9 +83,12 @@ def describe(e: Estimate) -> str:
 
 
 def model_line(m: ModelConfig) -> str:
-    """The model's parameters, and under MoE the share a token uses (what its FLOPs count), the
-    shared expert and the dense layers named where the model has them."""
+    """The model's parameters (the multi-token prediction modules' named apart where it has them),
+    and under MoE the share a token uses (what its FLOPs count), the shared expert and the dense
+    layers named where the model has them."""
     line = f"  model          {flops.parameter_count(m) / 1e9:.4g}B parameters"
+    if m.mtp_layers:
+        line += f" ({flops.mtp_parameter_count(m) / 1e9:.4g}B of them {counted(m.mtp_layers, 'multi-token prediction module')})"
     if m.n_experts:
         shared = (f" + a shared expert of {m.shared_expert_ffn_hidden}{' (gated)' if m.shared_expert_gate else ''}"
                   if m.shared_expert_ffn_hidden else "")

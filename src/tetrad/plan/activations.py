@@ -219,8 +219,6 @@ def rebuilt_bytes(cfg: Config, stack: Stack, tokens: int, e: int, is_cpu: bool) 
     return [max(map(per_kind.__getitem__, flops.kind_counts(m, rank))) for rank in rank_chunk_layers(cfg)]
 
 
-
-
 def mtp_saved_bytes(cfg: Config, stack: Stack, tokens: int, e: int, vocab_rows: int) -> float:
     """Bytes the multi-token prediction modules (model.mtp_layers) keep for the backward of one
     micro-batch of `tokens` tokens on the last stage, from its forward there until its backward,

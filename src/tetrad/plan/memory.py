@@ -16,7 +16,9 @@ alone. Optimizer offload moves the optimizer's part to host memory, counted apar
 Activations per layer are plan/activations.py's; here the schedule's peak of them (the pipeline
 simulator's count of held sets) and what a rank's backward holds beside them. Where layers differ
 (model.dense_layers) a rank holds its own layers' parameters and activation sets
-(split.rank_chunk_layers).
+(split.rank_chunk_layers). The last stage also holds the multi-token prediction modules
+(model.mtp_layers; docs/planner.md): their parameters, an embedding's copy over several stages,
+and what each waiting micro-batch keeps for their backward beside the head's.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ and the model's counts sum over its layers' kinds (`layer_kinds`).
 Multi-token prediction (model.mtp_layers = D > 0, model/mtp.py): D modules after the last layer,
 each two norms, eh_proj [d, 2d] (replicated over tp), a transformer layer of global index
 n_layers + k (MoE where ModelConfig.moe_layer says) and a final norm, sharing the model's embedding
-and head. They count as parameters (`mtp_parameter_count`; DeepSeek-V3: 671B + 14B) and in the
+and head. They count as parameters (`mtp_parameter_count`; DeepSeek-V3's 11.6B beside 671B: its
+card's 14B adds its checkpoint's own copies of the embedding and head) and in the
 FLOPs as Megatron's num_floating_point_operations counts mtp_num_layers: each depth's layer, its
 eh_proj and its pass through the head (`mtp_matmul_flops`), its attention core as a main layer's.
 

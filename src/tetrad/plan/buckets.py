@@ -129,7 +129,7 @@ class Shapes(NamedTuple):
     positions: int  # learned positions' elements (0 under RoPE)
     norm: tuple[tuple[int, int], ...]  # the final norm's
     tie: bool  # tied embeddings
-    mtp: tuple[tuple[int, int], ...] = ()  # mtp_parameters
+    mtp: tuple[tuple[int, int], ...]  # mtp_parameters (the last stage's, after the head)
 
 
 def shapes(cfg: Config) -> Shapes:

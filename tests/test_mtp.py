@@ -5,6 +5,7 @@ trains as one process does (the depths on the last stage, the embedding's copy t
 packed before cp sharding) and reports the same mtp_loss; what it cannot take is refused in one
 line; generation from an MTP run's checkpoint is the main model's."""
 
+import json
 from functools import lru_cache, partial
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import assert_parity, doc_shards, first_step_gradients, tiny_confi
 from nccl_collectives import NcclTrainer
 from nccl_semantics import NcclSemantics
 from test_latent_attention import DS3
+from tetrad.cli import main
 from tetrad.config import ConfigError
 from tetrad.dist.topology import Topology
 from tetrad.model.layers import IGNORED_LABEL
@@ -118,7 +120,8 @@ FAMILIES = {"mtp": (MTP, {}), "mtpdocs": (MTP, {"document_mask": True}),
             "mtpds3": ({**MTP, **DS3}, {})}
 LAYOUTS = {
     "mtp-dp2": {"dp": 2},
-    "mtp-tp2-sp": {"tp": 2, "sequence_parallel": True},  # eh_proj's gradient summed over tp
+    "mtp-tp2": {"tp": 2},  # eh_proj's gradient whole on every tp rank
+    "mtp-tp2-sp": {"tp": 2, "sequence_parallel": True},  # ... summed over tp
     "mtpdocs-cp2-ring": {"cp": 2, "cp_algo": "ring"},  # the targets rolled before sharding
     "mtpdocs-cp2-alltoall": {"cp": 2, "cp_algo": "alltoall"},
     "mtp-pp2-1f1b": {"pp": 2, "schedule": "1f1b"},  # the embedding's copy on the last stage
@@ -214,3 +217,19 @@ def test_generation_from_an_mtp_checkpoint_is_the_main_models(tmp_path):
     prompt = [3, 1, 4, 1, 5]
     tokens, _ = generate(model, prompt, 8)
     assert len(tokens) == 8 and tokens == generate(plain, prompt, 8)[0]
+
+
+def test_eval_of_an_mtp_checkpoint_is_its_val_loss_at_pp2(tmp_path, capsys):
+    """`tetrad eval` of an MTP run (the main loss alone) at pp2, the last stage loading its
+    embedding copy, is the val_loss its last step logged."""
+    run = tmp_path / "run"
+    flags = ["--model.n_layers=2", "--model.d_model=64", "--model.n_heads=4", "--model.n_kv_heads=2",
+             "--model.ffn_hidden=128", "--model.seq_len=32", "--model.mtp_layers=1", "--train.global_batch=4",
+             "--train.micro_batch=2"]
+    assert main(["train", *flags, "--train.steps=2", "--train.eval_every=2", "--data.val_fraction=0.1",
+                 "--checkpoint.every=2", f"--run.dir={run}"]) == 0
+    logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    capsys.readouterr()
+    assert main(["eval", str(run), "--parallel.pp=2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"]
+    assert len(logged["mtp_loss"]) == 1 and got == pytest.approx(logged["val_loss"], rel=1e-5)

@@ -91,7 +91,7 @@ def lay_out(params: list[nn.Parameter], model: nn.Module | None, zero: int, n: i
     blocks, block = [], None
     if zero == 3:
         # multi-token prediction's blocks last: the last stage runs them after its layers
-        blocks = [*model.layers.values(), *(depth.block for depth in getattr(model, "mtp", ()))]
+        blocks = [*model.layers.values(), *(depth.block for depth in getattr(model, "mtp", None) or ())]
         block_of = {id(p): k for k, b in enumerate(blocks) for p in b.parameters()}
         block = block_of.get
         chunks = [[p for p in params if id(p) in wanted]]

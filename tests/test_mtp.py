@@ -130,6 +130,7 @@ LAYOUTS = {
     "mtp-dp2-zero3": {"dp": 2, "zero": 3},  # the depths' blocks gathered as blocks
     "mtp-dp2-pp2-zero3": {"dp": 2, "pp": 2, "zero": 3},
     "mtptied-dp2-pp2-zero1": {"dp": 2, "pp": 2, "zero": 1},  # one copy: the head's and the depths' inputs
+    "mtptied-tp2-sp-pp2-zb": {"tp": 2, "sequence_parallel": True, "pp": 2, "schedule": "zb"},
     "mtpmoe-dp2-ep2": {"dp": 2, "ep": 2},
     "mtpds3-pp2": {"pp": 2},
     "mtpds3-tp2-sp": {"tp": 2, "sequence_parallel": True},

@@ -191,7 +191,8 @@ def test_the_depths_train_and_the_loss_is_the_main_ones():
     _, state, history = _one_process("mtp")
     start = Transformer(tiny_config(model=MTP).model, Topology.single())
     init_parameters(start, seed=0)
-    moved = {name: (state[name] - p).abs().max() > 0 for name, p in start.state_dict().items() if name.startswith("mtp.")}
+    moved = {name: (state[name] - p).abs().max() > 0 for name, p in start.state_dict().items()
+             if name.startswith("mtp.")}
     assert len(moved) == 2 * 13 and all(moved.values())
     plain = Trainer(tiny_config(model={**MTP, "mtp_layers": 0}, train={"steps": 1}), torch.device("cpu")).fit()
     assert history[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)

@@ -2,13 +2,14 @@
 
 The model is cut into pp·vpp global stages of consecutive layers; stage g = chunk·pp + rank
 (Megatron's interleaved placement, as in schedules.py), the embedding on stage 0, the final
-norm, head and loss on the last. Layers are split by split.py, as the planner splits them
-(balanced by FLOPs, the head counted as part of a layer, unless `parallel.stage_layers` lists them).
+norm, head and loss (and multi-token prediction's depths, model/mtp.py) on the last. Layers are
+split by split.py, as the planner splits them (balanced by FLOPs, the head counted as part of a
+layer, unless `parallel.stage_layers` lists them).
 
 `PipelineStages` registers the chunks' modules directly (`layers.<global index>`, `embed`,
-`norm`, `head`, `mtp`: multi-token prediction's depths, model/mtp.py), so a parameter has the same name in every layout and a single-process model's
-state dict covers the union of every rank's; the chunks themselves are kept in a plain list and
-only used to run forward.
+`norm`, `head`, `mtp`), so a parameter has the same name in every layout and a single-process
+model's state dict covers the union of every rank's; the chunks themselves are kept in a plain
+list and only used to run forward.
 """
 
 from __future__ import annotations

@@ -235,3 +235,13 @@ def test_eval_of_an_mtp_checkpoint_is_its_val_loss_at_pp2(tmp_path, capsys):
     assert main(["eval", str(run), "--parallel.pp=2", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"]
     assert len(logged["mtp_loss"]) == 1 and got == pytest.approx(logged["val_loss"], rel=1e-5)
+
+
+def test_the_depths_moe_layers_join_the_load_balancing_mean():
+    """A depth's MoE layer counts in the load-balancing loss's mean (model.routed_layers), as
+    Megatron-LM counts mtp_num_layers: near its balanced value 1 at initialisation, where dividing
+    the depths' sums by the main layers' count alone gives (n_layers + D) / n_layers of it."""
+    m = _config("mtpmoe", {}).model
+    assert (m.moe_layers, m.routed_layers) == (m.n_layers, m.n_layers + m.mtp_layers)
+    _, _, history = _one_process("mtpmoe")
+    assert 0.9 < history[0]["moe_aux_loss"] < 1.3

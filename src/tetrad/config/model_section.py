@@ -173,6 +173,13 @@ class ModelConfig:
         return sum(map(self.moe_layer, range(self.n_layers)))
 
     @property
+    def routed_layers(self) -> int:
+        """How many mixture-of-experts layers a training step runs: moe_layers and multi-token
+        prediction's depths' (their layers n_layers + k), as Megatron-LM counts them for the
+        load-balancing loss's mean."""
+        return sum(map(self.moe_layer, range(self.n_layers + self.mtp_layers)))
+
+    @property
     def weighs_experts(self) -> bool:
         """Whether a token's experts' outputs are weighed by the router: not at top-1 with normalized
         weights, each w / w = 1 (model/moe.py takes the one output as it is; the router then learns

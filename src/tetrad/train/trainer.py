@@ -110,10 +110,10 @@ class Trainer:
         m, execution = self.cfg.model, self.model.execution
         local = self._sequence_shards(microbatches, m.mtp_layers)
         self.pipeline = self.pipelines(len(microbatches))
-        # Mixture of experts: the load-balancing loss's mean over MoE layers and the global batch's sequences
+        # Mixture of experts: the load-balancing loss's mean over MoE layers (MTP's too) and the global batch's sequences
         # (a dense model has none, and no layer reads it)
         sequences = len(microbatches) * self.cfg.train.micro_batch * self.cfg.parallel.dp
-        execution.router_loss.grad_scale = grad_scale * m.router_aux_loss / (max(m.moe_layers, 1) * sequences)
+        execution.router_loss.grad_scale = grad_scale * m.router_aux_loss / (max(m.routed_layers, 1) * sequences)
         # Multi-token prediction: each depth's summed loss over the step's counted labels, weighed (model/mtp.py)
         execution.mtp_loss.grad_scale = grad_scale * m.mtp_loss_weight / (max(m.mtp_layers, 1) * loss_tokens)
         return self.pipeline.run(local, grad_scale / loss_tokens)
@@ -227,7 +227,7 @@ class Trainer:
             # Model states counted from this rank's tensors; activations: the peak of what autograd
             # saved for backward (train/memory.py); peak: device.peak_memory_bytes.
             "memory_bytes": {"peak": peak, **model_states, "activations": self.activations.peak},
-            **({"moe_aux_loss": aux / (cfg.model.moe_layers * batch)} if cfg.model.n_experts else {}),
+            **({"moe_aux_loss": aux / (cfg.model.routed_layers * batch)} if cfg.model.n_experts else {}),
             **({"moe_max_load": max_load} if max_load is not None else {}),
             **({"mtp_loss": mtp.mean_losses(ahead)} if ahead else {}),
             **devices.accelerator_fields(topo.device),

@@ -265,6 +265,8 @@ RESHARD_CASES = [
     # Tied embeddings over two stages: both hold "embed.weight" (the last as its head), one tensor stored.
     ({"dp": 2, "pp": 2, "zero": 1, "tie": True}, {}),
     ({"pp": 2, "tie": True}, {"dp": 2, "pp": 2, "zero": 2, "tie": True}),
+    # Multi-token prediction: the last stage's embedding copy and its depths, named as one process's.
+    ({"pp": 2, "mtp": 1}, {"mtp": 1}),
 ]
 
 
@@ -272,9 +274,9 @@ RESHARD_CASES = [
 def test_reshard_and_continue(source, target):
     # vocab 251 is padded to 252 under tp=2: the checkpoint must hold the unpadded logical tensors.
     # One sequence per micro-batch: dp=4 x pp=2 still has the 2 micro-batches a pipeline needs.
-    tie = source.get("tie", False)
-    source, target = ({k: v for k, v in d.items() if k != "tie"} for d in (source, target))
-    model, train = {"vocab_size": 251, "tie_embeddings": tie}, {"steps": STEPS, "micro_batch": 1}
+    tie, mtp = source.get("tie", False), source.get("mtp", 0)
+    source, target = ({k: v for k, v in d.items() if k not in ("tie", "mtp")} for d in (source, target))
+    model, train = {"vocab_size": 251, "tie_embeddings": tie, "mtp_layers": mtp}, {"steps": STEPS, "micro_batch": 1}
     src = tiny_config(parallel=source, model=model, train=train, checkpoint={"every": 3})
     ref_losses, ref_state, ref_history = train_layout(src)
     saved = Path(src.run.dir) / "checkpoints"

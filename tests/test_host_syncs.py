@@ -32,6 +32,9 @@ LAYOUTS = {  # name -> (parallel, train, model), every one under document maskin
     "tp2-sp-gemma3": ({"tp": 2, "sequence_parallel": True}, {}, {
         "norm": "gemma_rmsnorm", "mlp": "geglu", "scale_embeddings": True, "sandwich_norm": True, "qk_norm": True,
         "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "rope_local_base_freq": 100.0}),
+    # Multi-token prediction: the depths' counted targets and the injected gradient, on the last stage
+    "cp2-ring-mtp": ({"cp": 2, "cp_algo": "ring"}, {}, {"mtp_layers": 2}),
+    "pp2-zb-mtp": ({"pp": 2, "schedule": "zb"}, {}, {"mtp_layers": 1}),
 }
 
 
@@ -41,7 +44,7 @@ class _CountingTrainer(Trainer):
     does: that is host work on host tensors (the data), which the double cannot tell apart."""
 
     def forward_backward(self, microbatches, loss_tokens: int, grad_scale: float = 1.0) -> torch.Tensor:
-        local = self._sequence_shards(microbatches)
+        local = self._sequence_shards(microbatches, self.cfg.model.mtp_layers)
         self.pipeline = self.pipelines(len(microbatches))
         with HostReads() as counted:
             loss = self.pipeline.run(local, grad_scale / loss_tokens)

@@ -134,9 +134,10 @@ class ModelConfig:
     # predicting the token k + 1 ahead of each position from the (k-1)-th's hidden state and the
     # embedding of the token k ahead, through one transformer layer of its own (index n_layers +
     # k - 1: an MoE one where the model's last layers are) and the model's embedding and head.
-    # Their losses, each a mean over its counted targets, join the training loss times
-    # mtp_loss_weight / mtp_layers (Megatron's mtp_loss_scaling_factor; DeepSeek-V3 0.3, then 0.1);
-    # not in `loss` or val_loss, reported as metrics' mtp_loss. 0: none.
+    # Their summed token losses, over the step's loss_tokens as the main loss, join the training
+    # objective times mtp_loss_weight / mtp_layers (Megatron's mtp_loss_scaling_factor; DeepSeek-V3
+    # 0.3, then 0.1); not in `loss` or val_loss; metrics' mtp_loss: each depth's mean token loss.
+    # On the last pipeline stage, which then holds a copy of the embedding. Not with layer_types. 0: none.
     mtp_layers: int = 0
     mtp_loss_weight: float = 0.1
 
@@ -170,6 +171,13 @@ class ModelConfig:
     def moe_layers(self) -> int:
         """How many layers' MLP is a mixture of experts (moe_layer)."""
         return sum(map(self.moe_layer, range(self.n_layers)))
+
+    @property
+    def routed_layers(self) -> int:
+        """How many mixture-of-experts layers a training step runs: moe_layers and multi-token
+        prediction's depths' (their layers n_layers + k), as Megatron-LM counts them for the
+        load-balancing loss's mean."""
+        return sum(map(self.moe_layer, range(self.n_layers + self.mtp_layers)))
 
     @property
     def weighs_experts(self) -> bool:

@@ -133,11 +133,20 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True, r
     check_experts(cfg)
     check_latent_attention(cfg.model)  # before RoPE's: its head_dim is nope + rope
     check_rope(cfg.model)
+    _check_mtp(cfg.model)
     _check_pipeline(cfg, runtime)
     _check_sequence(cfg)
     _check_gradients(cfg)
     _check_comm_options(cfg.parallel.comm_options)
     _check_training(cfg, runtime)
+
+
+def _check_mtp(m) -> None:
+    """Multi-token prediction's depth k is layer n_layers + k, whose attention kind (window, RoPE)
+    per-layer kinds do not name."""
+    if m.mtp_layers and m.layer_types:
+        raise ConfigError(f"model.mtp_layers={m.mtp_layers} adds layers past model.layer_types' {len(m.layer_types)}, "
+                          "whose attention kind it does not name; unset model.layer_types or set model.mtp_layers=0")
 
 
 def _check_world(p: ParallelConfig, world_size: int | None) -> None:

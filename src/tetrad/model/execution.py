@@ -132,14 +132,9 @@ def _run_eagerly_untraced(fn: Callable, *args):
     return fn(*args)
 
 
-class RouterLoss:
-    """The mixture-of-experts load-balancing loss of one model's steps (model/moe.py). No layer
-    returns it: each injects its gradient in backward (Megatron-Core's MoEAuxLossAutoScaler), so
-    it joins the training loss on every pipeline stage, none of which but the last has a loss.
-    `grad_scale`: what the trainer scales a layer's summed per-sequence loss by for backward,
-    router_aux_loss / (MoE layers x the global batch's sequences), times fp16's loss scale, set each
-    step; `seen`: those sums as backward met them (once per micro-batch and layer, recompute or
-    not; evaluation, without backward, adds none) until `take()`."""
+class InjectedLoss:
+    """A loss no layer returns, whose gradient is injected in backward: `grad_scale`, set by the
+    trainer each step, and `seen`, the detached sums recorded since the last `take()`."""
 
     def __init__(self):
         self.grad_scale = 0.0
@@ -153,6 +148,24 @@ class RouterLoss:
         return seen
 
 
+class RouterLoss(InjectedLoss):
+    """The mixture-of-experts load-balancing loss of one model's steps (model/moe.py). No layer
+    returns it: each injects its gradient in backward (Megatron-Core's MoEAuxLossAutoScaler), so
+    it joins the training loss on every pipeline stage, none of which but the last has a loss.
+    `grad_scale`: what the trainer scales a layer's summed per-sequence loss by for backward,
+    router_aux_loss / (MoE layers x the global batch's sequences), times fp16's loss scale, set each
+    step; `seen`: those sums as backward met them (once per micro-batch and layer, recompute or
+    not; evaluation, without backward, adds none) until `take()`."""
+
+
+class MTPLoss(InjectedLoss):
+    """Multi-token prediction's depth losses (model/mtp.py), joined to the training objective in
+    backward, not to the returned loss. `grad_scale`: the gradient of a depth's summed token loss,
+    mtp_loss_weight / (mtp_layers x the step's loss_tokens), times fp16's loss scale, set each step;
+    `seen`: [2, depths], the summed losses and counted targets of the training forwards (this
+    rank's shard) until `take()`."""
+
+
 @dataclass
 class Execution:
     """cp_algo: "ring" or "alltoall" (model/attention.py). sequence_parallel: tp also splits
@@ -161,9 +174,9 @@ class Execution:
     keeping it gathered.
     split_backward: linear layers route their weight gradients through `weight_grads`, which
     the pipeline executor opens (BI) and applies (BW). router_loss: mixture-of-experts layers'
-    load-balancing loss (RouterLoss). op_recompute: blocks run under per-op recompute
-    (`selective-op`, set by llama.set_execution), which may keep a row linear's output: tp's
-    all-reduce of it then runs into a copy (mappings._ReduceFromTP)."""
+    load-balancing loss (RouterLoss); mtp_loss: multi-token prediction's (MTPLoss). op_recompute:
+    blocks run under per-op recompute (`selective-op`, set by llama.set_execution), which may keep
+    a row linear's output: tp's all-reduce of it then runs into a copy (mappings._ReduceFromTP)."""
 
     cp_algo: str = "ring"
     sequence_parallel: bool = False
@@ -172,3 +185,4 @@ class Execution:
     op_recompute: bool = False
     weight_grads: DeferredWeightGrads = field(default_factory=DeferredWeightGrads)
     router_loss: RouterLoss = field(default_factory=RouterLoss)
+    mtp_loss: MTPLoss = field(default_factory=MTPLoss)

@@ -35,6 +35,7 @@ from tetrad.model.latent_attention import LatentAttention
 from tetrad.model.layers import (MLP, ColumnParallelLinear, Norm, ResidualDropout, RowParallelLinear,
                                  VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from tetrad.model.mappings import column_parallel_linear, column_parallel_linears, sequence_shard
+from tetrad.model.mtp import MTPDepth, MultiTokenPrediction, unpack_targets, with_mtp_gradient
 
 
 class Attention(nn.Module):
@@ -224,8 +225,10 @@ def set_execution(model: nn.Module, recompute: str = "none", compile: bool = Fal
 
 
 class Transformer(nn.Module):
-    """Layers `layers` (global indices) of the model; `first`/`last` add embedding and head.
-    `execution` says how its layers run (model/execution.py; default: plainly)."""
+    """Layers `layers` (global indices) of the model; `first`/`last` add embedding and head, `last`
+    also multi-token prediction's depths (`mtp`, model/mtp.py), which read the embedding: a last
+    chunk that is not the first then holds a copy of it (pipeline/stages.py), which a tied head
+    shares. `execution` says how its layers run (model/execution.py; default: plainly)."""
 
     def __init__(self, cfg: ModelConfig, topo, layers: range | None = None, first: bool = True, last: bool = True,
                  execution: Execution | None = None):
@@ -234,14 +237,16 @@ class Transformer(nn.Module):
         self.cfg, self.topo = cfg, topo
         self.first, self.last = first, last
         layers = range(cfg.n_layers) if layers is None else layers
-        if first:
+        if first or (last and cfg.mtp_layers):
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, topo, ex)
+        if first:
             if cfg.pos == "learned":
                 self.pos_embed = new_param((cfg.seq_len, cfg.d_model), std=0.01)
         self.layers = nn.ModuleDict({str(i): Block(cfg, topo, ex, i) for i in layers})
+        self.mtp = None
         if last:
             self.norm = Norm(cfg)
-            if cfg.tie_embeddings and first:
+            if cfg.tie_embeddings and hasattr(self, "embed"):
                 self.head = None  # logits from the embedding's weight
             else:
                 # Its weight gradient is made in BI under zero-bubble: queued, it would hold the
@@ -249,6 +254,8 @@ class Transformer(nn.Module):
                 # micro-batch 2; test_plan_runtime).
                 self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, topo, ex, pad_to=topo.tp_size,
                                                  grad_in_bi=True)
+            self.mtp = MultiTokenPrediction(MTPDepth(cfg, ex, Block(cfg, topo, ex, cfg.n_layers + k))
+                                            for k in range(cfg.mtp_layers)) if cfg.mtp_layers else None
         self._rope: dict[bool, tuple] = {}  # local -> (positions, their version, tables): see `rope`
         self._inv_freq: dict[tuple[torch.device, bool, bool], torch.Tensor] = {}  # see `_frequencies`
 
@@ -288,14 +295,12 @@ class Transformer(nn.Module):
             raise ValueError(f"tail={tail} takes the sequence's last positions, and under sequence or context "
                              "parallelism this rank holds a shard of it; run the model with neither")
         if self.first:
-            h = self.embed(x)
-            if self.cfg.scale_embeddings:  # sqrt(d_model) in h's dtype first, as HF's Gemma rounds it
-                h = h * h.new_full((), self.cfg.d_model ** 0.5)
+            h = self._embed(x)
             if self.cfg.pos == "learned":
                 h = h + self.pos_embed[sequence_shard(positions, self.topo, self.execution, dim=-1)]  # SP: h is a chunk
         else:
             h = x
-        blocks = self.layers.values()
+        blocks = [*self.layers.values(), *(depth.block for depth in self.mtp or ())]
         ropes = {local: self.rope(positions, cache is not None, local) for local in {b.local_rope for b in blocks}
                  if self.cfg.pos == "rope"}  # the global layers' RoPE, and the sliding layers' where it differs
         windows = {b.attn.window for b in blocks}
@@ -312,12 +317,32 @@ class Transformer(nn.Module):
                 block(h, rope, layers[name], mask)
         if not self.last:
             return h
-        h = self.norm(h[:, -tail:] if tail else h)
-        weight = self.embed.weight if self.head is None else self.head.weight
-        logits = column_parallel_linear(h, weight, self.topo, self.execution, in_bi=True)  # as self.head's
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.topo).sum()
+            return self._logits(self.norm(h[:, -tail:] if tail else h))
+        ahead = None
+        if labels.dim() == 3:  # multi-token prediction's targets beside the labels (model/mtp.py)
+            labels, ahead = unpack_targets(labels)
+        loss = self._token_loss(self.norm(h[:, -tail:] if tail else h), labels)
+        if ahead is None or self.mtp is None or not torch.is_grad_enabled():  # validation: the main loss alone
+            return loss
+        state, docs = self.execution.mtp_loss, {w: docs if masks.get(w) is None else masks[w] for w in windows}
+        sums = self.mtp.losses(h, ahead, self._embed, self._token_loss, ropes, docs, state)
+        return with_mtp_gradient(loss, sums, state)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        if self.cfg.scale_embeddings:  # sqrt(d_model) in h's dtype first, as HF's Gemma rounds it
+            h = h * h.new_full((), self.cfg.d_model ** 0.5)
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits of normed hidden states `h`."""
+        weight = self.embed.weight if self.head is None else self.head.weight
+        return column_parallel_linear(h, weight, self.topo, self.execution, in_bi=True)  # as self.head's
+
+    def _token_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed token loss of normed hidden states `h` against `labels`."""
+        return vocab_parallel_cross_entropy(self._logits(h), labels, self.cfg.vocab_size, self.topo).sum()
 
     def rope(self, positions: torch.Tensor, decoding: bool = False, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope_tables` of `positions` (`local`: the sliding layers' own, Block.local_rope), kept

@@ -228,10 +228,13 @@ def layout_label(p) -> str:
 
 def progress_line(record: dict) -> str:
     """Loss, throughput, MFU and the time split, e.g.
-    "loss 4.2107, 812 tok/s, mfu 3.1% | compute 41% comm 30% bubble 22% opt 6% data 0%"."""
+    "loss 4.2107, 812 tok/s, mfu 3.1% | compute 41% comm 30% bubble 22% opt 6% data 0%"
+    (", val_loss ..." on evaluation steps and ", mtp 4.5012 4.9821" under multi-token prediction after the loss)."""
     step = record["step_time_s"]
     mfu = f", mfu {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
     val = f", val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+    if "mtp_loss" in record:  # multi-token prediction's depths, 1 first
+        val += ", mtp " + " ".join(f"{loss:.4f}" for loss in record["mtp_loss"])
     split = " ".join(f"{name} {100 * record[key] / step:.0f}%" for name, key in
                      (("compute", "compute_s"), ("comm", "exposed_comm_s"), ("bubble", "bubble_s"),
                       ("opt", "optimizer_s"), ("data", "data_s")) if key in record)
@@ -239,10 +242,13 @@ def progress_line(record: dict) -> str:
 
 
 def scalars(record: dict, prefix: str = ""):
-    """(tag, number) for every numeric field, nested dicts as "comm_bytes/tp"."""
+    """(tag, number) for every numeric field, nested dicts as "comm_bytes/tp", lists by 1-based
+    place ("mtp_loss/1": depth 1's)."""
     for key, value in record.items():
         if key == "step":
             continue
+        if isinstance(value, list):
+            value = {str(i): v for i, v in enumerate(value, 1)}
         if isinstance(value, dict):
             yield from scalars(value, f"{prefix}{key}/")
         elif isinstance(value, (int, float)):

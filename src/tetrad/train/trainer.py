@@ -29,6 +29,7 @@ from tetrad.dist.topology import Topology
 from tetrad.model.llama import set_execution
 from tetrad.model.sharding import full_state_dict, initial_value
 from tetrad.model.layers import DropoutSeeds
+from tetrad.model import mtp
 from tetrad.parallel.data import GradReducer, ShardedAdamW
 from tetrad.parallel.pipeline.registry import check_config
 from tetrad.data.blend import blend_parts
@@ -106,29 +107,34 @@ class Trainer:
         """Summed token loss of this rank's micro-batches (zero off the last pipeline stage); gradients
         (of the loss times `grad_scale`, fp16's loss scale, over the global batch's `loss_tokens`:
         Batches.loss_tokens) accumulate in the reducer's buckets. Every dp rank runs as many."""
-        local = self._sequence_shards(microbatches)
+        m, execution = self.cfg.model, self.model.execution
+        local = self._sequence_shards(microbatches, m.mtp_layers)
         self.pipeline = self.pipelines(len(microbatches))
-        # Mixture of experts: the load-balancing loss's mean over MoE layers and the global batch's sequences
+        # Mixture of experts: the load-balancing loss's mean over MoE layers (MTP's too) and the global batch's sequences
         # (a dense model has none, and no layer reads it)
         sequences = len(microbatches) * self.cfg.train.micro_batch * self.cfg.parallel.dp
-        self.model.execution.router_loss.grad_scale = grad_scale * self.cfg.model.router_aux_loss / \
-            (max(self.cfg.model.moe_layers, 1) * sequences)
+        execution.router_loss.grad_scale = grad_scale * m.router_aux_loss / (max(m.routed_layers, 1) * sequences)
+        # Multi-token prediction: each depth's summed loss over the step's counted labels, weighed (model/mtp.py)
+        execution.mtp_loss.grad_scale = grad_scale * m.mtp_loss_weight / (max(m.mtp_layers, 1) * loss_tokens)
         return self.pipeline.run(local, grad_scale / loss_tokens)
 
-    def _sequence_shards(self, microbatches) -> list[tuple]:
+    def _sequence_shards(self, microbatches, ahead: int = 0) -> list[tuple]:
         """Context parallel: this rank's two load-balanced chunks of every sequence (context.py);
         beside them the whole window's document ids (or None: no masking) and the chunks'
         positions: the one shared tensor (its RoPE tables stay cached), or under
-        train.reset_positions the micro-batch's own offsets within documents, [b, s]."""
+        train.reset_positions the micro-batch's own offsets within documents, [b, s]. `ahead`
+        (training, model.mtp_layers): the labels carry multi-token prediction's targets, made from
+        the whole windows (mtp.pack_targets)."""
         cp, cp_rank, device = self.topo.size("cp"), self.topo.local_rank("cp"), self.topo.device
 
         def shard(t: torch.Tensor) -> torch.Tensor:
             return shard_sequence(t.to(device), cp, cp_rank)
         local = []
         for x, y in microbatches:
-            reset = self.batches.positions(x)
-            local.append((shard(x), shard(y), self.batches.documents(x, device),
-                          self.positions if reset is None else shard(reset)))
+            reset, docs = self.batches.positions(x), self.batches.documents(x, device)
+            if ahead:
+                y = mtp.pack_targets(x, y, ahead, None if docs is None else torch.from_numpy(docs.host))
+            local.append((shard(x), shard(y), docs, self.positions if reset is None else shard(reset)))
         return local
 
     def evaluate(self) -> dict:
@@ -189,7 +195,7 @@ class Trainer:
             self.grads.reduce()  # dp x cp (and, under SP, tp for tp-replicated parameters)
         with clock.part("optimizer"), devices.phase("optimizer", topo.device):
             self.expert_bias.reduce()
-            grad_norm, loss, self.stop_signal, aux, max_load = self._step_sums(loss_sum, scale, loss_tokens)
+            grad_norm, loss, self.stop_signal, aux, max_load, ahead = self._step_sums(loss_sum, scale, loss_tokens)
             self.grads.clip(grad_norm, cfg.train.grad_clip, loss_scale=scale)
             # The norm is reduced over the whole job: every rank steps, or every rank skips.
             finite = math.isfinite(grad_norm)
@@ -221,21 +227,23 @@ class Trainer:
             # Model states counted from this rank's tensors; activations: the peak of what autograd
             # saved for backward (train/memory.py); peak: device.peak_memory_bytes.
             "memory_bytes": {"peak": peak, **model_states, "activations": self.activations.peak},
-            **({"moe_aux_loss": aux / (cfg.model.moe_layers * batch)} if cfg.model.n_experts else {}),
+            **({"moe_aux_loss": aux / (cfg.model.routed_layers * batch)} if cfg.model.n_experts else {}),
             **({"moe_max_load": max_load} if max_load is not None else {}),
+            **({"mtp_loss": mtp.mean_losses(ahead)} if ahead else {}),
             **devices.accelerator_fields(topo.device),
             **(self.telemetry.take() if self.telemetry else {}),
         }
 
     def _step_sums(self, loss_sum: torch.Tensor, loss_scale: float,
-                   loss_tokens: int) -> tuple[float, float, int, float, float | None]:
+                   loss_tokens: int) -> tuple[float, float, int, float, float | None, list[float]]:
         """The step's numbers that need the whole job, in one all-reduce (over dp x cp, tp, pp)
         and one read: the global gradient norm (unscaled: the same on every rank, non-finite on
         all when any rank's gradient overflowed), the mean token loss (summed from the last
         pipeline stage of each dp x cp replica, once per tp group, over `loss_tokens`), the stop
         signal any rank received (stopping.py), the MoE layers' summed load-balancing loss
-        (every layer's, each sequence's: model/execution.py RouterLoss; once per tp group) and,
-        where expert biases move, the largest expert load of any stage (ExpertBias.loads; else None)."""
+        (every layer's, each sequence's: model/execution.py RouterLoss; once per tp group),
+        where expert biases move, the largest expert load of any stage (ExpertBias.loads; else None)
+        and multi-token prediction's summed depth losses and counted targets (mtp.step_sums; else [])."""
         topo = self.topo
         aux = self.model.execution.router_loss.take()  # None: no MoE layer here (or a pipeline stage without)
         moe = self.cfg.model.n_experts > 0  # a dense model's all-reduce has no place for it (plan/comm_bytes.py)
@@ -244,13 +252,17 @@ class Trainer:
         flags = torch.tensor(self.signals.flags(), device=topo.device)
         biased = self.expert_bias.rate > 0
         loads = [self.expert_bias.loads().to(loss_sum)] if biased else []  # a float per stage
-        sums = torch.cat([self.grads.norm_sq().view(1), loss.view(1), *([aux.view(1)] if moe else []), *loads, flags])
+        depths = self.cfg.model.mtp_layers
+        ahead = mtp.step_sums(self.model.execution.mtp_loss, depths, loss_sum, topo.tp_rank == 0)  # 2 floats a depth
+        sums = torch.cat([self.grads.norm_sq().view(1), loss.view(1), *([aux.view(1)] if moe else []), *loads, ahead,
+                          flags])
         for group in (GRAD, *WEIGHT_SPLIT_DIMS):
             topo.comm.all_reduce(sums, group)
         norm_sq, loss, *signals = sums.tolist()
         aux = signals.pop(0) if moe else 0.0
         max_load = max(signals.pop(0) for _ in range(self.cfg.parallel.pp)) if biased else None
-        return math.sqrt(norm_sq) / loss_scale, loss / loss_tokens, self.signals.agreed(signals), aux, max_load
+        ahead, signals = signals[:2 * depths], signals[2 * depths:]
+        return math.sqrt(norm_sq) / loss_scale, loss / loss_tokens, self.signals.agreed(signals), aux, max_load, ahead
 
     def _activation_meter(self, step: int, microbatches: int):
         """Count saved activations (train/memory.py) on the first step this trainer runs and of each

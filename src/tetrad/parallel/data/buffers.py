@@ -90,7 +90,8 @@ def lay_out(params: list[nn.Parameter], model: nn.Module | None, zero: int, n: i
     wanted = {id(p) for p in params if p is not tied and id(p) not in apart}
     blocks, block = [], None
     if zero == 3:
-        blocks = list(model.layers.values())
+        # multi-token prediction's blocks last: the last stage runs them after its layers
+        blocks = [*model.layers.values(), *(depth.block for depth in getattr(model, "mtp", None) or ())]
         block_of = {id(p): k for k, b in enumerate(blocks) for p in b.parameters()}
         block = block_of.get
         chunks = [[p for p in params if id(p) in wanted]]

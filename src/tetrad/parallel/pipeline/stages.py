@@ -2,13 +2,14 @@
 
 The model is cut into pp·vpp global stages of consecutive layers; stage g = chunk·pp + rank
 (Megatron's interleaved placement, as in schedules.py), the embedding on stage 0, the final
-norm, head and loss on the last. Layers are split by split.py, as the planner splits them
-(balanced by FLOPs, the head counted as part of a layer, unless `parallel.stage_layers` lists them).
+norm, head and loss (and multi-token prediction's depths, model/mtp.py) on the last. Layers are
+split by split.py, as the planner splits them (balanced by FLOPs, the head counted as part of a
+layer, unless `parallel.stage_layers` lists them).
 
 `PipelineStages` registers the chunks' modules directly (`layers.<global index>`, `embed`,
-`norm`, `head`), so a parameter has the same name in every layout and a single-process model's
-state dict covers the union of every rank's; the chunks themselves are kept in a plain list and
-only used to run forward.
+`norm`, `head`, `mtp`), so a parameter has the same name in every layout and a single-process
+model's state dict covers the union of every rank's; the chunks themselves are kept in a plain
+list and only used to run forward.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ class PipelineStages(nn.Module):
         # (embedding, layers, norm and head), which is also the order of gradient buckets.
         self.chunks = [Transformer(cfg.model, topo, layers=split[g], first=g == 0, last=g == len(split) - 1,
                                    execution=self.execution) for g in self.stage_ids]
-        # Tied embeddings over several stages: the last stage's head is a copy of the embedding,
-        # registered under the same logical name, so it starts equal; the reducer sums the two
-        # copies' gradients over the "embed" group (data.py), so they stay equal.
-        tied = cfg.model.tie_embeddings and len(split) > 1
-        self.holds_tied_weight = False  # a copy of the tied embedding, kept equal over "embed"
-        self.holds_tied_copy = False  # that copy is the head's (the norm counts it on the first stage)
+        # The embedding over several stages, where the last stage reads it too (tied embeddings:
+        # the head's weight; multi-token prediction: its depths' inputs, and a tied head's weight):
+        # the last stage holds a copy, its chunk's head or (MTP) its own embedding, registered
+        # under the same logical name, so it starts equal; the reducer sums the two copies'
+        # gradients over the "embed" group (data.py), so they stay equal.
+        tied = (cfg.model.tie_embeddings or cfg.model.mtp_layers > 0) and len(split) > 1
+        self.holds_tied_weight = False  # a copy of the embedding, kept equal over "embed"
+        self.holds_tied_copy = False  # that copy is the last stage's (the norm counts it on the first stage)
         for chunk in self.chunks:
             if chunk.first:
                 self.embed = chunk.embed
@@ -49,15 +52,17 @@ class PipelineStages(nn.Module):
                     self.pos_embed = chunk.pos_embed
                 self.holds_tied_weight = tied
             elif chunk.last and tied:
-                self.embed = chunk.head
+                self.embed = chunk.embed if chunk.mtp is not None else chunk.head
                 self.holds_tied_weight = self.holds_tied_copy = True
         self.layers = nn.ModuleDict()
         for chunk in self.chunks:
             self.layers.update(chunk.layers)
             if chunk.last:
                 self.norm = chunk.norm
-                if not self.holds_tied_copy:
+                if chunk.head is not getattr(self, "embed", None):
                     self.head = chunk.head
+                if chunk.mtp is not None:
+                    self.mtp = chunk.mtp
 
     def _apply(self, fn, recurse=True):
         """`to_empty()` and `.to()` replace Parameters registered directly on a module: point the

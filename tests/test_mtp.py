@@ -1,0 +1,247 @@
+"""Multi-token prediction (model.mtp_layers > 0, model/mtp.py): a depth's loss is the spec's (the
+embedding first in the concat, the target k + 1 ahead), computed here in plain torch from the
+module's weights; the step's gradient is that of main / N + w / D * sum_k Loss_k / N; every layout
+trains as one process does (the depths on the last stage, the embedding's copy there, the targets
+packed before cp sharding) and reports the same mtp_loss; what it cannot take is refused in one
+line; generation from an MTP run's checkpoint is the main model's."""
+
+import json
+from functools import lru_cache, partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_parity, doc_shards, first_step_gradients, tiny_config, train_layout
+from nccl_collectives import NcclTrainer
+from nccl_semantics import NcclSemantics
+from test_latent_attention import DS3
+from tetrad.cli import main
+from tetrad.config import ConfigError
+from tetrad.dist.topology import Topology
+from tetrad.model.layers import IGNORED_LABEL
+from tetrad.model.llama import Transformer
+from tetrad.model.mtp import pack_targets
+from tetrad.model.sharding import init_parameters
+from tetrad.train.generate import generate, load_generator
+from tetrad.train.trainer import Trainer
+
+MTP = {"mtp_layers": 2, "mtp_loss_weight": 0.5, "n_layers": 4}
+
+
+def _model(seed: int = 1, **model) -> Transformer:
+    net = Transformer(tiny_config(model={**MTP, **model}).model, Topology.single())
+    init_parameters(net, seed=seed)
+    with torch.no_grad():  # norms unequal to one and to each other: a swapped concat shows
+        for i, p in enumerate(q for name, q in net.named_parameters() if name.endswith("norm.weight")):
+            p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(i))
+    return net
+
+
+def _rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _reference_losses(net: Transformer, seq: torch.Tensor, swapped: bool = False) -> list[torch.Tensor]:
+    """Each depth's summed loss by the spec, from `seq` [b, s + 1] (inputs seq[:, :-1]): h^0 from
+    the main layers, then per depth in plain torch but for its block."""
+    x, eps, s = seq[:, :-1], net.cfg.norm_eps, seq.shape[1] - 1
+    rope = net.rope(torch.arange(s))
+    h = F.embedding(x, net.embed.weight)
+    for block in net.layers.values():
+        h = block(h, rope)
+    losses = []
+    for k, depth in enumerate(net.mtp, 1):
+        e = F.embedding(torch.cat([seq[:, k:s], seq.new_zeros(seq.shape[0], k)], 1), net.embed.weight)
+        parts = [_rms(e, depth.enorm.weight, eps), _rms(h, depth.hnorm.weight, eps)]
+        h = depth.block(torch.cat(parts[::-1] if swapped else parts, -1) @ depth.eh_proj.weight.T, rope)
+        logits = _rms(h, depth.norm.weight, eps) @ net.head.weight.T
+        # position i predicts seq[i + k + 1]: positions 0 .. s - k - 1 have one
+        losses.append(F.cross_entropy(logits[:, :s - k].flatten(0, 1), seq[:, k + 1:].flatten(), reduction="sum"))
+    return losses
+
+
+def _tokens(b=2, s=16, seed=0):
+    return torch.randint(0, 256, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_depths_loss_is_the_specs():
+    """The recorded sums are the plain-torch ones, and not those of the hidden state first."""
+    net, seq = _model(), _tokens()
+    labels = pack_targets(seq[:, :-1], seq[:, 1:], 2)
+    net(seq[:, :-1], torch.arange(16), labels)
+    sums, counts = net.execution.mtp_loss.take()
+    with torch.no_grad():
+        ref, swapped = _reference_losses(net, seq), _reference_losses(net, seq, swapped=True)
+    torch.testing.assert_close(sums, torch.stack(ref), rtol=1e-5, atol=1e-5)
+    assert counts.tolist() == [2 * 15, 2 * 14]
+    assert (torch.stack(swapped) - sums).abs().min() > 1e-3
+
+
+def test_packed_targets_roll_the_inputs_and_labels_and_mask_past_the_window_and_documents():
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    y = torch.tensor([[6, IGNORED_LABEL, 8, 9, 10]])  # a masked label (SFT's prompt) stays masked
+    docs = torch.tensor([[0, 0, 0, 1, 1]])
+    packed = pack_targets(x, y, 2, docs)
+    assert packed.shape == (1, 5, 5) and packed.dtype == torch.int64
+    n = IGNORED_LABEL
+    assert packed[0].tolist() == [[6, n, 8, 9, 10],
+                                  [6, 7, 8, 9, 0], [n, 8, n, 10, n],  # depth 1: 2 -> 3 crosses a document
+                                  [7, 8, 9, 0, 0], [8, n, n, n, n]]
+
+
+def test_the_steps_gradient_is_the_objectives():
+    """One process's first-step gradient (fp32, ZeRO-0: p.grad) is autograd's of main / N +
+    w / D * sum_k Loss_k / N over the step's micro-batches, the depths' losses the reference's."""
+    cfg = tiny_config(model=MTP)
+    trainer = Trainer(cfg, torch.device("cpu"))
+    net = _model()
+    net.load_state_dict({name: p.detach() for name, p in trainer.model.named_parameters()})
+    micro = trainer.batches.microbatches(0, 0, 1, cfg.train.micro_batch)
+    n = trainer.batches.loss_tokens(0)
+    trainer.forward_backward(micro, n)
+    trainer.grads.reduce()
+    objective = 0
+    for x, y in micro:
+        seq = torch.cat([x, y[:, -1:]], 1)
+        objective = objective + net(x, torch.arange(x.shape[1]), y) / n \
+            + 0.5 / 2 * sum(_reference_losses(net, seq)) / n
+    objective.backward()
+    ours = dict(trainer.model.named_parameters())
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(ours[name].grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert net.mtp[1].eh_proj.weight.grad.abs().max() > 0
+
+
+# family -> (model, train, data)
+FAMILIES = {"mtp": (MTP, {}), "mtpdocs": (MTP, {"document_mask": True}),
+            "mtptied": ({**MTP, "tie_embeddings": True}, {}),
+            "mtpmoe": ({**MTP, "n_experts": 4, "experts_per_token": 2, "router_aux_loss": 0.1}, {}),
+            "mtpds3": ({**MTP, **DS3}, {})}
+LAYOUTS = {
+    "mtp-dp2": {"dp": 2},
+    "mtp-tp2": {"tp": 2},  # eh_proj's gradient whole on every tp rank
+    "mtp-tp2-sp": {"tp": 2, "sequence_parallel": True},  # ... summed over tp
+    "mtpdocs-cp2-ring": {"cp": 2, "cp_algo": "ring"},  # the targets rolled before sharding
+    "mtpdocs-cp2-alltoall": {"cp": 2, "cp_algo": "alltoall"},
+    "mtp-pp2-1f1b": {"pp": 2, "schedule": "1f1b"},  # the embedding's copy on the last stage
+    "mtp-pp2-zb": {"pp": 2, "schedule": "zb"},
+    "mtp-pp2-vpp2": {"pp": 2, "vpp": 2, "schedule": "interleaved"},
+    "mtp-dp2-zero3": {"dp": 2, "zero": 3},  # the depths' blocks gathered as blocks
+    "mtp-dp2-pp2-zero3": {"dp": 2, "pp": 2, "zero": 3},
+    "mtptied-dp2-pp2-zero1": {"dp": 2, "pp": 2, "zero": 1},  # one copy: the head's and the depths' inputs
+    "mtptied-tp2-sp-pp2-zb": {"tp": 2, "sequence_parallel": True, "pp": 2, "schedule": "zb"},
+    "mtpmoe-dp2-ep2": {"dp": 2, "ep": 2},
+    "mtpds3-pp2": {"pp": 2},
+    "mtpds3-tp2-sp": {"tp": 2, "sequence_parallel": True},
+}
+
+
+def _config(family: str, parallel: dict):
+    model, train = FAMILIES[family]
+    data = {"source": doc_shards()} if train.get("document_mask") else {}
+    return tiny_config(parallel=parallel, model=model, train=train, data=data)
+
+
+@lru_cache(maxsize=None)
+def _one_process(family: str):
+    return train_layout(_config(family, {}))
+
+
+def _assert_parity_and_mtp_loss(got, ref, atol):
+    assert_parity(got, ref, atol=atol)
+    ahead = torch.tensor([r["mtp_loss"] for r in got[2]])
+    assert ahead.shape == (len(got[2]), 2)
+    torch.testing.assert_close(ahead, torch.tensor([r["mtp_loss"] for r in ref[2]]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_single_process(name):
+    family = name.split("-")[0]
+    got = train_layout(_config(family, LAYOUTS[name]))
+    # mtpdocs: an embedding row first used at step 3 has gradient elements near Adam's eps, where
+    # the ring's order of sums (3e-8 on that row) moves the update by up to 4e-4; its first-step
+    # gradients are compared tightly below
+    _assert_parity_and_mtp_loss(got, _one_process(family), 5e-4 if family == "mtpdocs" else 1e-4)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("cp_algo", ["ring", "alltoall"])
+def test_cp2_with_documents_gives_one_process_first_gradient(cp_algo):
+    """The targets rolled over the whole window before sharding, masked across documents."""
+    got = first_step_gradients(_config("mtpdocs", {"cp": 2, "cp_algo": cp_algo}))
+    ref = first_step_gradients(_config("mtpdocs", {}))
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.dist
+def test_pp2_under_nccl_semantics_matches_single_process():
+    """The embedding copy's sum over "embed" and the last stage's extra work under NCCL's ordering of
+    point-to-point and timing of collectives (tests/nccl_semantics.py, nccl_collectives.py)."""
+    cfg = _config("mtp", {"dp": 2, "pp": 2, "schedule": "zb", "zero": 1})
+    got = train_layout(cfg, transport=partial(NcclSemantics, timeout_s=20), trainer_class=NcclTrainer)
+    got[2][-1].pop("posted")
+    _assert_parity_and_mtp_loss(got, _one_process("mtp"), 1e-4)
+
+
+def test_the_depths_train_and_the_loss_is_the_main_ones():
+    """Every MTP weight moves; `loss` is the main LM loss: the same first-step loss as without MTP."""
+    _, state, history = _one_process("mtp")
+    start = Transformer(tiny_config(model=MTP).model, Topology.single())
+    init_parameters(start, seed=0)
+    moved = {name: (state[name] - p).abs().max() > 0 for name, p in start.state_dict().items()
+             if name.startswith("mtp.")}
+    assert len(moved) == 2 * 13 and all(moved.values())
+    plain = Trainer(tiny_config(model={**MTP, "mtp_layers": 0}, train={"steps": 1}), torch.device("cpu")).fit()
+    assert history[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
+    assert all(last < first for first, last in zip(history[0]["mtp_loss"], history[-1]["mtp_loss"]))
+
+
+def test_layer_types_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^[^\n]*unset model.layer_types or set model.mtp_layers=0$"):
+        tiny_config(model={**MTP, "layer_types": ["full_attention"] * 4})
+
+
+def test_generation_from_an_mtp_checkpoint_is_the_main_models(tmp_path):
+    """`tetrad generate`'s model of an MTP run holds the trained depths and gives the text of the
+    same weights without them."""
+    cfg = tiny_config(model=MTP, train={"steps": 2}, checkpoint={"every": 2}, run={"dir": str(tmp_path)})
+    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer.fit()
+    trained = trainer.full_state()
+    model, _, _ = load_generator(tmp_path)
+    loaded = dict(model.named_parameters())
+    assert all(torch.equal(loaded[name], p) for name, p in trained.items())
+    plain = Transformer(tiny_config(model={**MTP, "mtp_layers": 0}).model, Topology.single()).eval()
+    plain.load_state_dict({name: p for name, p in trained.items() if not name.startswith("mtp.")})
+    prompt = [3, 1, 4, 1, 5]
+    tokens, _ = generate(model, prompt, 8)
+    assert len(tokens) == 8 and tokens == generate(plain, prompt, 8)[0]
+
+
+def test_eval_of_an_mtp_checkpoint_is_its_val_loss_at_pp2(tmp_path, capsys):
+    """`tetrad eval` of an MTP run (the main loss alone) at pp2, the last stage loading its
+    embedding copy, is the val_loss its last step logged."""
+    run = tmp_path / "run"
+    flags = ["--model.n_layers=2", "--model.d_model=64", "--model.n_heads=4", "--model.n_kv_heads=2",
+             "--model.ffn_hidden=128", "--model.seq_len=32", "--model.mtp_layers=1", "--train.global_batch=4",
+             "--train.micro_batch=2"]
+    assert main(["train", *flags, "--train.steps=2", "--train.eval_every=2", "--data.val_fraction=0.1",
+                 "--checkpoint.every=2", f"--run.dir={run}"]) == 0
+    logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    capsys.readouterr()
+    assert main(["eval", str(run), "--parallel.pp=2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"]
+    assert len(logged["mtp_loss"]) == 1 and got == pytest.approx(logged["val_loss"], rel=1e-5)
+
+
+def test_the_depths_moe_layers_join_the_load_balancing_mean():
+    """A depth's MoE layer counts in the load-balancing loss's mean (model.routed_layers), as
+    Megatron-LM counts mtp_num_layers: near its balanced value 1 at initialisation, where dividing
+    the depths' sums by the main layers' count alone gives (n_layers + D) / n_layers of it."""
+    m = _config("mtpmoe", {}).model
+    assert (m.moe_layers, m.routed_layers) == (m.n_layers, m.n_layers + m.mtp_layers)
+    _, _, history = _one_process("mtpmoe")
+    assert 0.9 < history[0]["moe_aux_loss"] < 1.3

@@ -59,6 +59,15 @@ LATENT = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rop
 CASES += [({"tp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, LATENT),
           ({"tp": 2, "pp": 2, "dp": 2, "zero": 3}, {**LATENT, "q_lora_rank": 0, "n_experts": 4, "dense_layers": [0]})]
 
+# Multi-token prediction (model/mtp.py): each depth's norms, eh_proj (replicated over tp) and block after
+# the last stage's head, the block one of ZeRO-3's after the main layers'; over several stages the last
+# one's copy of the untied embedding in a bucket of its own, as a tied head's
+MTP_MOE = {"mtp_layers": 1, "n_experts": 4, "expert_ffn_hidden": 96, "dense_layers": [0]}
+CASES += [({"tp": 2, "pp": 2, "dp": 2, "zero": 1, "grad_bucket_mb": 0.01}, {"mtp_layers": 2}),
+          ({"tp": 2, "pp": 2, "dp": 2, "zero": 3}, {"mtp_layers": 2, "tie_embeddings": True, "norm": "layernorm"}),
+          ({"pp": 2, "dp": 4, "ep": 2, "zero": 3}, MTP_MOE),
+          ({"tp": 2, "dp": 2, "zero": 2, "grad_bucket_mb": 0.01}, {**MTP_MOE, "mtp_layers": 2})]
+
 
 def _runtime(cfg, rank: int) -> list[PlannedBucket]:
     """lay_out of pipeline rank `rank`'s model (tp rank 0, ep rank 0), summarised as rank_buckets does."""

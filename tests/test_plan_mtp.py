@@ -2,18 +2,23 @@
 spec's formula (helpers/mtp_spec.md: per depth two norms, eh_proj [d, 2d], a layer of global index
 n_layers + k, a final norm; the embedding and head shared), the split giving the last stage fewer
 layers, the last stage's memory and time growing by the modules, the step's sums by two floats a
-depth. The model itself is compared with these counts where it is built (tests/test_mtp.py)."""
+depth; the parameters against the model model/mtp.py builds, on one process and per pipeline rank
+(tests/test_plan_buckets.py compares the gradient buckets)."""
 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
+import torch
 
 from tetrad.config import load_config
 from tetrad.model import flops
+from tetrad.model.execution import Execution
+from tetrad.parallel.pipeline.stages import PipelineStages
 from tetrad.parallel.pipeline.split import balanced_layers, stage_layers
-from tetrad.plan.activations import as_run, mtp_saved_bytes
+from tetrad.plan.activations import activation_bytes_per_layer, as_run, mtp_saved_bytes
 from tetrad.plan.buckets import mtp_parameters, rank_buckets
 from tetrad.plan.comm_bytes import comm_bytes_per_step, step_sums
 from tetrad.plan.cost import estimate
@@ -41,7 +46,8 @@ def _block(m, moe: bool) -> int:
     return attn + mlp + 2 * m.d_model
 
 
-@pytest.mark.parametrize("model", [{"mtp_layers": 1}, {"mtp_layers": 2, **MOE}, {"mtp_layers": 2, "tie_embeddings": True}])
+@pytest.mark.parametrize("model", [{"mtp_layers": 1}, {"mtp_layers": 2, **MOE},
+                                   {"mtp_layers": 2, "tie_embeddings": True}])
 def test_mtp_parameter_count_is_the_spec_formula(model):
     """Per depth: enorm and hnorm (d each), eh_proj (2d x d), its block (MoE where moe_layer(n_layers
     + k) says), the final norm (d); nothing for the embedding or head. The planner's per-rank list
@@ -52,9 +58,33 @@ def test_mtp_parameter_count_is_the_spec_formula(model):
     main = dataclasses.replace(m, mtp_layers=0)
     assert flops.mtp_parameter_count(m) == mtp > 0
     assert flops.parameter_count(m) == flops.parameter_count(main) + mtp == flops.main_parameter_count(m) + mtp
-    assert sum(n for n, _ in mtp_parameters(m, 1)) == mtp
-    idle = (m.n_experts - m.experts_per_token) * 3 * m.expert_ffn_hidden * d * sum(map(m.moe_layer, range(4, 4 + m.mtp_layers)))
+    assert sum(n for n, *_ in mtp_parameters(m, 1)) == mtp
+    routed = sum(map(m.moe_layer, range(4, 4 + m.mtp_layers)))  # the depths' MoE layers
+    idle = (m.n_experts - m.experts_per_token) * 3 * m.expert_ffn_hidden * d * routed
     assert flops.parameter_count(m, active=True) == flops.parameter_count(main, active=True) + mtp - idle
+
+
+def _built(cfg, rank: int):
+    """Pipeline rank `rank`'s model (tp and ep rank 0) on the meta device."""
+    p = cfg.parallel
+    topo = types.SimpleNamespace(tp_size=p.tp, tp_rank=0, ep_size=p.ep, ep_rank=0, coords={"pp": rank},
+                                 device=torch.device("cpu"))
+    with torch.device("meta"):
+        return PipelineStages(cfg, topo, Execution())
+
+
+@pytest.mark.parametrize("parallel,model", [({}, {"mtp_layers": 2, **MOE}),
+                                            ({"pp": 2, "tp": 2, "dp": 2, "ep": 2}, {"mtp_layers": 1, **MOE}),
+                                            ({"pp": 2, "vpp": 2}, {"mtp_layers": 1, "tie_embeddings": True})])
+def test_the_counts_are_the_built_models(parallel, model):
+    """The model model/mtp.py builds: one process holds parameter_count; each pipeline rank of a
+    layout (tp and ep rank 0) what the planner says it holds (rank_params: the last one the
+    modules and, over several stages, the embedding's copy)."""
+    cfg = _cfg(model, parallel)
+    if not parallel:
+        assert sum(q.numel() for q in _built(cfg, 0).parameters()) == flops.parameter_count(cfg.model)
+    for rank in range(cfg.parallel.pp):
+        assert sum(q.numel() for q in _built(cfg, rank).parameters()) == rank_params(cfg)[rank], rank
 
 
 def test_mtp_flops_add_each_depths_layer_eh_proj_and_head():
@@ -93,7 +123,7 @@ def test_the_last_stages_memory_grows_by_the_modules_states(zero):
     what the module keeps for one micro-batch (1F1B's last stage holds one waiting)."""
     without, with_mtp = _pair({"pp": 2, "dp": 2, "zero": zero})
     m = with_mtp.model
-    module = sum(n for n, _ in mtp_parameters(m, 1)) + m.vocab_size * m.d_model
+    module = sum(n for n, *_ in mtp_parameters(m, 1)) + m.vocab_size * m.d_model
     assert rank_params(with_mtp)[0] == rank_params(without)[0]
     assert rank_params(with_mtp)[1] == rank_params(without)[1] + module
     cluster = cluster_of("H100-SXM", 4)
@@ -102,8 +132,10 @@ def test_the_last_stages_memory_grows_by_the_modules_states(zero):
     grown = (b[1].weights + b[1].grads + b[1].optimizer) - (a[1].weights + a[1].grads + a[1].optimizer)
     per_param = {0: 2 + 4 + 12, 1: 2 + 4 + 12 / 2, 3: 18 / 2}[zero]
     assert grown == pytest.approx(module * per_param, rel=1e-9), (grown, module * per_param)
-    kept = mtp_saved_bytes(with_mtp, as_run(with_mtp, STACKS["tetrad"]), m.seq_len, 2, m.vocab_size)
-    assert kept > 0 and b[1].activations - a[1].activations == pytest.approx(kept, rel=1e-9)
+    stack = as_run(with_mtp, STACKS["tetrad"])
+    layer = activation_bytes_per_layer(m, m.seq_len, 1, False, "none", 2, stack)  # the depth's: an MoE layer
+    kept = layer + mtp_saved_bytes(with_mtp, stack, m.seq_len, 2, m.vocab_size)
+    assert b[1].activations - a[1].activations == pytest.approx(kept, rel=1e-9)
     assert b[0].activations == a[0].activations
 
 
@@ -126,7 +158,7 @@ def test_on_one_stage_rank_0_runs_the_modules():
     head; without pipeline stages there is no embedding copy."""
     without, with_mtp = (_cfg({**MOE, "mtp_layers": d}, {"tp": 2, "ep": 2, "dp": 2}) for d in (0, 1))
     m = with_mtp.model
-    module = sum(n for n, _ in mtp_parameters(m, 2, 2))
+    module = sum(n for n, *_ in mtp_parameters(m, 2, 2))
     assert rank_params(with_mtp)[0] == rank_params(without)[0] + module
     a, b = comm_bytes_per_step(without), comm_bytes_per_step(with_mtp)
     assert b["tp"] > a["tp"] and b["ep"] == pytest.approx(a["ep"] * 4 / 3)  # 3 MoE layers, then 4

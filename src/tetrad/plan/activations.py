@@ -186,16 +186,21 @@ def after_bi_weight(cfg: Config, stack: Stack, is_cpu: bool = False) -> float:
 
 def chunk_weights(cfg: Config, stack: Stack, tokens: int, e: int) -> tuple[float, tuple[tuple[float, ...], ...]]:
     """(the unit: an MoE layer's activation set, every layer's in a dense model; what each pipeline
-    rank's chunks' sets weigh in it, their layers' sets summed): the simulator's `chunk_layers`."""
+    rank's chunks' sets weigh in it, their layers' sets summed, the last stage's with its
+    multi-token prediction modules' layers, which it runs as its own): the simulator's `chunk_layers`."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    mtp = flops.mtp_kind_counts(m)
     sets = {kind: activation_bytes_per_layer(flops.layer_model(m, kind), tokens, p.tp, p.sequence_parallel,
                                              t.recompute, e, stack)
-            for kind in flops.kind_counts(m)}  # each kind's once: the planner weighs many layouts
+            for kind in {**flops.kind_counts(m), **mtp}}  # each kind's once: the planner weighs many layouts
     unit = sets.get(True, sets.get(False))
     if len(sets) == 1:  # one kind: a chunk weighs its layer count, counted without a call per chunk
-        return unit, tuple(tuple(map(len, rank)) for rank in rank_chunk_layers(cfg))
-    return unit, tuple(tuple(sum(n * (sets[k] / unit) for k, n in flops.kind_counts(m, [layers]).items())
-                             for layers in rank) for rank in rank_chunk_layers(cfg))
+        weights = [list(map(len, rank)) for rank in rank_chunk_layers(cfg)]
+    else:
+        weights = [[sum(n * (sets[k] / unit) for k, n in flops.kind_counts(m, [layers]).items()) for layers in rank]
+                   for rank in rank_chunk_layers(cfg)]
+    weights[-1][-1] += sum(n * (sets[k] / unit) for k, n in mtp.items())
+    return unit, tuple(map(tuple, weights))
 
 
 def rebuilt_bytes(cfg: Config, stack: Stack, tokens: int, e: int, is_cpu: bool) -> list[float]:
@@ -215,25 +220,24 @@ def rebuilt_bytes(cfg: Config, stack: Stack, tokens: int, e: int, is_cpu: bool) 
             out += (activation_bytes_per_layer(k, tokens, p.tp, p.sequence_parallel, "none", e, stack)
                     + mask_bias_bytes(cfg, is_cpu) - counted)
         return out
-    per_kind = {kind: rebuilt(flops.layer_model(m, kind)) for kind in flops.kind_counts(m)}
-    return [max(map(per_kind.__getitem__, flops.kind_counts(m, rank))) for rank in rank_chunk_layers(cfg)]
+    mtp = flops.mtp_kind_counts(m)  # the last rank's modules' layers too
+    per_kind = {kind: rebuilt(flops.layer_model(m, kind)) for kind in {**flops.kind_counts(m), **mtp}}
+    ranks = [list(flops.kind_counts(m, rank)) for rank in rank_chunk_layers(cfg)]
+    ranks[-1] += list(mtp)
+    return [max(map(per_kind.__getitem__, kinds)) for kinds in ranks]
 
 
 def mtp_saved_bytes(cfg: Config, stack: Stack, tokens: int, e: int, vocab_rows: int) -> float:
-    """Bytes the multi-token prediction modules (model.mtp_layers) keep for the backward of one
-    micro-batch of `tokens` tokens on the last stage, from its forward there until its backward,
-    as the head's output is (memory.activations_by_rank): each depth's layer what a layer of its
-    kind keeps; the inputs of its enorm, hnorm, eh_proj (2d wide: replicated over tp, on the
-    rank's own tokens, under SP its chunk) and final norm; the head's input and the fp32 softmax
-    of its cross-entropy over this rank's `vocab_rows`, as the main head's. The logits' gradient
-    (and 16-bit copies) are transient, one depth's at a time: the main head's count covers them."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not m.mtp_layers:
-        return 0.0
-    div = p.tp if p.sequence_parallel else 1
+    """Bytes the multi-token prediction modules (model.mtp_layers) keep beside their layers' sets
+    (`chunk_weights` counts those) for the backward of one micro-batch of `tokens` tokens on the
+    last stage, from its forward there until its backward, as the head's output is
+    (memory.activations_by_rank): each depth's inputs of its enorm, hnorm, eh_proj (2d wide:
+    replicated over tp, on the rank's own tokens, under SP its chunk) and final norm; the head's
+    input and the fp32 softmax of its cross-entropy over this rank's `vocab_rows`, as the main
+    head's. The logits' gradient (and 16-bit copies) are transient, one depth's at a time: the main
+    head's count covers them."""
+    m, p = cfg.model, cfg.parallel
     hidden = tokens * m.d_model * e
-    layers = flops.over_layers(m, lambda k: activation_bytes_per_layer(k, tokens, p.tp, p.sequence_parallel,
-                                                                       t.recompute, e, stack), flops.mtp_chunks(m))
-    own = (3 * norm_saved_bytes(m, tokens, e, stack) + 2 * hidden) / div
+    own = (3 * norm_saved_bytes(m, tokens, e, stack) + 2 * hidden) / (p.tp if p.sequence_parallel else 1)
     head_input = hidden / (p.tp if p.sequence_parallel and not stack.sp_saves_gathered_input else 1)
-    return layers + m.mtp_layers * (own + head_input + 4 * tokens * vocab_rows)
+    return m.mtp_layers * (own + head_input + 4 * tokens * vocab_rows)

@@ -10,7 +10,7 @@ of their own after the dense ones (ZeRO-3: one per block, gathered with the bloc
 and sharded over the expert gradient group, or under hybrid ZeRO its zero_shard/ep ranks inside the
 block (plan/moe.py `expert_shard_ranks`); at ep = 1 they are dense parameters like any other.
 Multi-token prediction (model.mtp_layers) adds its modules after the last stage's head
-(`mtp_parameters`), outside ZeRO-3's blocks (model.layers holds the main layers alone); over
+(`mtp_parameters`), their blocks ZeRO-3's last blocks (parallel/data/buffers.lay_out); over
 several stages the last one holds a copy of the embedding for them, tied to the first stage's as
 a tied embedding's head is (the "embed" group).
 """
@@ -108,15 +108,19 @@ def layer_params_on_rank(m: ModelConfig, tp: int, ep: int) -> int:
     return sum(n for n, _ in layer_parameters(m, tp, ep))
 
 
-def mtp_parameters(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, int]]:
-    """(elements on a tp rank, kind) of the multi-token prediction modules' parameters (none
-    without them), in the order model/mtp.py registers them, depth by depth: enorm, hnorm,
-    eh_proj [d, 2d] (replicated over tp, its gradient summed over tp under SP as latent
-    attention's down projections'), the layer of global index n_layers + k, the final norm."""
+def mtp_parameters(m: ModelConfig, tp: int, ep: int = 1) -> list[tuple[int, int, int | None]]:
+    """(elements on a tp rank, kind, the depth whose block holds it or None) of the multi-token
+    prediction modules' parameters (none without them), in the order model/mtp.py registers them,
+    depth by depth: enorm, hnorm, eh_proj [d, 2d] (replicated over tp, its gradient summed over tp
+    under SP as latent attention's down projections'), the block of global index n_layers + k
+    (ZeRO-3 gathers it as a block, after the main layers: parallel/data/buffers.lay_out), the final
+    norm."""
     out = []
-    for i in mtp_chunks(m)[0]:
-        out += _norm(m, m.d_model, REPLICATED) * 2 + [(2 * m.d_model * m.d_model, REPLICATED)]
-        out += layer_parameters(layer_model(m, m.moe_layer(i)), tp, ep) + _norm(m, m.d_model, REPLICATED)
+    for k, i in enumerate(mtp_chunks(m)[0]):
+        out += [(n, kind, None) for n, kind in _norm(m, m.d_model, REPLICATED) * 2]
+        out += [(2 * m.d_model * m.d_model, REPLICATED, None)]
+        out += [(n, kind, k) for n, kind in layer_parameters(layer_model(m, m.moe_layer(i)), tp, ep)]
+        out += [(n, kind, None) for n, kind in _norm(m, m.d_model, REPLICATED)]
     return out
 
 
@@ -129,7 +133,7 @@ class Shapes(NamedTuple):
     positions: int  # learned positions' elements (0 under RoPE)
     norm: tuple[tuple[int, int], ...]  # the final norm's
     tie: bool  # tied embeddings
-    mtp: tuple[tuple[int, int], ...]  # mtp_parameters (the last stage's, after the head)
+    mtp: tuple[tuple[int, int, int | None], ...]  # mtp_parameters (the last stage's, after the head)
 
 
 def shapes(cfg: Config) -> Shapes:
@@ -166,7 +170,8 @@ def stage_parameters(s: Shapes, stages: tuple[tuple[range, bool, bool], ...], ti
         if last:
             chunk += [(n, kind, None) for n, kind in s.norm]
             chunk += [] if s.tie else [vocab]  # tied on one stage: the embedding's weight
-            chunk += [(n, kind, None) for n, kind in s.mtp]
+            # the last chunk is the rank's last: its modules' blocks come after every layer's
+            chunk += [(n, kind, None if k is None else blocks + k) for n, kind, k in s.mtp]
             tied = vocab if ties else tied
         chunks.append(chunk)
     return chunks, tied

@@ -35,8 +35,8 @@ from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_chunk_layers
 from tetrad.plan.activations import (activation_bytes, after_bi_weight, as_run, chunk_weights, mask_bias_bytes,
                                      mtp_saved_bytes, norm_saved_bytes, rebuilt_bytes)
-from tetrad.plan.buckets import (RankBuckets, Shapes, layer_params_on_rank, mtp_parameters, rank_buckets, shapes,
-                                 shard_params, ties_embedding)
+from tetrad.plan.buckets import (RankBuckets, Shapes, layer_params_on_rank, rank_buckets, shapes, shard_params,
+                                 ties_embedding)
 from tetrad.plan import moe
 from tetrad.plan.latent import widths
 from tetrad.plan.pipeline import inflight
@@ -193,7 +193,8 @@ def rank_params(cfg: Config) -> list[float]:
     """Parameters each pipeline rank holds on one tp rank: its layers' linears split over tp,
     their norms replicated, the embedding (vocab-parallel) on the first stage, the final norm and
     the head on the last (its own head unless tied on a single stage), both padded to tp rows,
-    and there the multi-token prediction modules (buckets.mtp_parameters) and, over several
+    and there the multi-token prediction modules (their layers `rank_layer_params`', their norms and
+    eh_proj: flops.mtp_module_params) and, over several
     stages, the embedding's copy they read (`embedding_copy`)."""
     return _with_ends(cfg, rank_layer_params(cfg))
 
@@ -212,17 +213,22 @@ def _with_ends(cfg: Config, layer_params: list[float]) -> list[float]:
     params[0] += vocab_shard(m, p.tp) * m.d_model + (m.seq_len * m.d_model if m.pos == "learned" else 0)
     separate = not m.tie_embeddings or p.pp * p.vpp > 1
     params[-1] += flops.head_params(m, separate=False) + (vocab_shard(m, p.tp) * m.d_model if separate else 0)
-    params[-1] += sum(n for n, _ in mtp_parameters(m, p.tp, p.ep)) + embedding_copy(cfg)
+    params[-1] += m.mtp_layers * flops.mtp_module_params(m) + embedding_copy(cfg)  # their layers: the rank's
     return params
 
 
 def rank_layer_params(cfg: Config) -> list[float]:
-    """Parameters of each pipeline rank's layers on one tp rank, each of its kind (MoE: E/ep experts);
-    each kind's counted once, the ranks' kinds counted by range: the planner weighs many layouts."""
+    """Parameters of each pipeline rank's layers on one tp rank, each of its kind (MoE: E/ep experts),
+    the last rank's multi-token prediction modules' layers included (ZeRO-3's blocks); each kind's
+    counted once, the ranks' kinds counted by range: the planner weighs many layouts."""
     m, p = cfg.model, cfg.parallel
-    per_layer = {kind: layer_params_on_rank(flops.layer_model(m, kind), p.tp, p.ep) for kind in flops.kind_counts(m)}
-    return [sum(n * per_layer[kind] for kind, n in flops.kind_counts(m, chunks).items())
-            for chunks in rank_chunk_layers(cfg)]
+    mtp = flops.mtp_kind_counts(m)
+    per_layer = {kind: layer_params_on_rank(flops.layer_model(m, kind), p.tp, p.ep)
+                 for kind in {**flops.kind_counts(m), **mtp}}
+    out = [sum(n * per_layer[kind] for kind, n in flops.kind_counts(m, chunks).items())
+           for chunks in rank_chunk_layers(cfg)]
+    out[-1] += sum(n * per_layer[kind] for kind, n in mtp.items())
+    return out
 
 
 def activations_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[tuple[float, float]]:

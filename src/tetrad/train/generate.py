@@ -193,7 +193,9 @@ def found_weights(checkpoint: Path) -> Weights:
     if is_hf_folder(checkpoint):
         hf = hf_config(checkpoint)
         try:  # hf_architectures' refusals are still ValueErrors (being converted elsewhere): the user's config.json
-            hf_model = model_config_from_hf(hf, checkpoint / HF_CONFIG)
+            # generation computes no multi-token-prediction depth: their weights (the Hub's DeepSeek-V3's
+            # and GLM-4.5's, or none where config.json names them and transformers saved none) go unread
+            hf_model = {**model_config_from_hf(hf, checkpoint / HF_CONFIG), "mtp_layers": 0}
         except ConfigError:
             raise
         except ValueError as e:

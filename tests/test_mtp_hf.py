@@ -129,7 +129,8 @@ def test_a_resume_with_other_depths_is_refused_naming_the_key(tmp_path):
 
 
 def test_a_stale_copy_of_the_head_is_said_and_the_models_own_kept(tmp_path, capsys):
-    """A fine-tune by code that computes no depth (transformers') trains the head, not its copy."""
+    """A fine-tune by code that computes no depth (transformers') trains the head, not its copy:
+    convert and init_from say so in one line and keep the model's own (tetrad's depths share it)."""
     hub = write_hf_mtp(tmp_path / "hf", "deepseek_v3")
     save_file({**hub, "model.layers.2.shared_head.head.weight": torch.zeros_like(hub["lm_head.weight"])},
               tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
@@ -139,6 +140,9 @@ def test_a_stale_copy_of_the_head_is_said_and_the_models_own_kept(tmp_path, caps
     assert out.count("\n") == 2  # that line, and the one saying where the checkpoint is
     _, state = read_weights(tmp_path / "ckpt")
     assert torch.equal(state["head.weight"], hub["lm_head.weight"])
+    check_init_from(config(tmp_path, tmp_path / "hf"))  # init_from says it too, before any rank starts
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "shared_head.head.weight differ from the model's own embedding or head" in err
 
 
 def test_transformers_save_pretrained_folder_names_depths_it_has_not(tmp_path, capsys):

@@ -369,7 +369,7 @@ def to_tetrad(hf_dir: Path, out: Path) -> list[str]:
     keep_generation_config(hf_dir, tmp, hf)
     publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})
     left_out = sum(beyond_layers(k, cfg.model, hf.get("model_type", "")) for k in weights)
-    return [line for line in (note, stale_copies(hf_dir, cfg.model, weights.__getitem__, weights)) if line] + \
+    return [line for line in (note, stale_copies(hf_dir, cfg.model, weights.__getitem__, weights.keys())) if line] + \
         [f"left out {counted(left_out, 'tensor')} of multi-token-prediction layers past model.mtp_layers="
          f"{cfg.model.mtp_layers}"] * bool(left_out)
 

@@ -33,7 +33,7 @@ from tetrad.data.blend import primary_source
 from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
 from tetrad.train.checkpoint import MANIFEST, CheckpointError, SafeReader, saved_model, shape_keys, verify
 from tetrad.train.checkpoint.store import as_built, one_process, read_extras
-from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_model_keys
+from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_model_keys, stale_copies
 from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import fused_rows, hf_name
 from tetrad.train.hf_deepseek import rope_interleaved, rope_orders
@@ -120,7 +120,23 @@ def check_init_from(cfg: Config) -> None:
             raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
         if problem:
             raise ConfigError(f"checkpoint.init_from={source!r}: {problem}; export the folder again, or name another")
+        for note in (hf_model_keys(path, hf_config(path))[1], stale_copies(path, cfg.model, *_folder_reader(path))):
+            if note:
+                print(f"tetrad: {note}", file=sys.stderr)
     _check_tokenizer(cfg, path)
+
+
+def _folder_reader(path: Path) -> tuple[Callable[[str], torch.Tensor], dict[str, Path]]:
+    """A reader of an HF folder's tensors by name, whole, and the file of each name."""
+    files: dict[str, Path] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            files.update(dict.fromkeys(f.keys(), file))
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(files[key], "pt") as f:
+            return f.get_tensor(key)
+    return read, files
 
 
 def _check_depths(source: str, saved: int, here: int) -> None:

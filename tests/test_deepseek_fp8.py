@@ -20,7 +20,8 @@ from tetrad.cli import main
 from tetrad.config import ConfigError, ModelConfig
 from tetrad.data.tokenizer import byte_tokenizer
 from tetrad.train.batches import split_batches
-from tetrad.train.convert import hf_model_keys, read_weights
+from tetrad.train.convert import read_weights
+from tetrad.train.hf_folder import hf_model_keys
 from tetrad.train.generate import load_generator, single_process_model
 from tetrad.train.hf_architectures import model_config_from_hf
 from tetrad.train.checkpoint import CheckpointError

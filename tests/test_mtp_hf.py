@@ -136,13 +136,13 @@ def test_a_stale_copy_of_the_head_is_said_and_the_models_own_kept(tmp_path, caps
               tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
-    assert "model.layers.2.shared_head.head.weight differ from the model's own embedding or head" in out
+    assert "model.layers.2.shared_head.head.weight is not a copy of the model's own embedding or head" in out
     assert out.count("\n") == 2  # that line, and the one saying where the checkpoint is
     _, state = read_weights(tmp_path / "ckpt")
     assert torch.equal(state["head.weight"], hub["lm_head.weight"])
     check_init_from(config(tmp_path, tmp_path / "hf"))  # init_from says it too, before any rank starts
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "shared_head.head.weight differ from the model's own embedding or head" in err
+    assert err.count("\n") == 1 and "shared_head.head.weight is not a copy of the model's own embedding or head" in err
 
 
 def test_transformers_save_pretrained_folder_names_depths_it_has_not(tmp_path, capsys):

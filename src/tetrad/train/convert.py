@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from torch.distributed.checkpoint import FileSystemWriter
@@ -47,12 +46,13 @@ from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, chec
 from tetrad.train.checkpoint.store import one_process, read_extras, read_manifest
 from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
-                                            hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
+                                            hf_rows, hf_tensor_shapes, hf_tensors)
 from tetrad.train.hf_deepseek import rope_interleaved, rope_orders
-from tetrad.train.hf_fp8 import SCALE, dequantized, fp8_block, unscaled
+from tetrad.train.hf_fp8 import dequantized, fp8_block, unscaled
 from tetrad.train.hf_gemma import TEXT_TOWER
 from tetrad.train.hf_moe import beyond_layers, expert_bias_names, expert_param, split_experts, stack_experts
-from tetrad.train.hf_mtp import MTP_TYPES, copies, held_depths
+from tetrad.train.hf_folder import hf_model_keys, hf_shapes, stale_copies
+from tetrad.train.hf_mtp import MTP_TYPES, copies
 
 
 def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
@@ -274,39 +274,6 @@ def write_hf_tokenizer(tokenizer, out: Path, max_length: int, chat: ChatTemplate
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Every weight's shape in the folder's *.safetensors files, from their headers (no tensor
-    is read); RoPE tables some exports carry are not weights, nor fp8 weights' scales (hf_fp8)."""
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{hf_dir} holds no *.safetensors file")
-    shapes = {}
-    for file in files:
-        try:
-            with safe_open(file, "pt") as f:
-                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()
-                               if "rotary_emb" not in k and not k.endswith(SCALE)})
-        except SafetensorError as e:
-            raise CheckpointError(f"{file} is not a readable safetensors file ({e})") from None
-    return shapes
-
-
-def hf_model_keys(hf_dir: Path, hf: dict) -> tuple[dict, str]:
-    """[model] keys of HF folder `hf_dir` with config.json `hf`, model.mtp_layers the
-    multi-token-prediction layers its weights hold of the num_nextn_predict_layers config.json
-    names (transformers' save_pretrained writes that key and none of those layers), and a note
-    where they are fewer ("" where not)."""
-    keys = model_config_from_hf(hf, hf_dir / "config.json")
-    said = keys["mtp_layers"]
-    if said:
-        keys["mtp_layers"] = min(said, held_depths(hf_shapes(hf_dir), keys["n_layers"]))
-    if keys["mtp_layers"] == said:
-        return keys, ""
-    return keys, (f"{hf_dir} holds {keys['mtp_layers']} of the num_nextn_predict_layers={said} multi-token-prediction "
-                  f"layers its config.json names (transformers' save_pretrained writes none): model.mtp_layers="
-                  f"{keys['mtp_layers']}")
-
-
 def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
     """How the folder's weights, named as config.json's `model_type` names them, differ from
     `model_cfg`'s parameters and expert biases (none: they fit). GLM-4.5's and DeepSeek-V3's
@@ -372,18 +339,6 @@ def to_tetrad(hf_dir: Path, out: Path) -> list[str]:
     return [line for line in (note, stale_copies(hf_dir, cfg.model, weights.__getitem__, weights.keys())) if line] + \
         [f"left out {counted(left_out, 'tensor')} of multi-token-prediction layers past model.mtp_layers="
          f"{cfg.model.mtp_layers}"] * bool(left_out)
-
-
-def stale_copies(hf_dir: Path, m, read, keys) -> str:
-    """A note where the multi-token-prediction layers' copies of the embedding or head among HF
-    tensor names `keys` (read by `read`) differ from the model's own ("" where they are copies):
-    tetrad's depths share the model's, as DeepSeek-V3's design does, so the model's own are kept;
-    a fine-tune by code that computes no depth (transformers') leaves the copies stale."""
-    differ = [key for key, name in copies(m).items() if key in keys and not torch.equal(read(key), read(TOP_NAMES[name]))]
-    if not differ:
-        return ""
-    return (f"{hf_dir}: {differ[0]}" + (f" and {len(differ) - 1} more" if len(differ) > 1 else "") + " differ from the "
-            "model's own embedding or head, which tetrad's multi-token prediction shares: left out, the model's used")
 
 
 def convert_command(argv: list[str]) -> int:

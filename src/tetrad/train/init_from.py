@@ -33,7 +33,8 @@ from tetrad.data.blend import primary_source
 from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
 from tetrad.train.checkpoint import MANIFEST, CheckpointError, SafeReader, saved_model, shape_keys, verify
 from tetrad.train.checkpoint.store import as_built, one_process, read_extras
-from tetrad.train.convert import checkpoint_folder, hf_mismatches, hf_model_keys, stale_copies
+from tetrad.train.convert import checkpoint_folder, hf_mismatches
+from tetrad.train.hf_folder import hf_model_keys, stale_copies
 from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import fused_rows, hf_name
 from tetrad.train.hf_deepseek import rope_interleaved, rope_orders

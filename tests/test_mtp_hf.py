@@ -14,13 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemWriter
 
+from conftest import TINY, assert_parity, train_layout
 from test_deepseek_fp8 import FP8, _quantized, _spread
 from test_moe_hf import TOKENS, TOL, hf_logits, tensor_names, write_hf_moe
 from tetrad.cli import main
 from tetrad.config import ConfigError, load_config
+from tetrad.train.batches import split_batches
 from tetrad.train.checkpoint import CheckpointError, digest_files, publish
 from tetrad.train.checkpoint.store import check_model, one_process, read_extras
 from tetrad.train.convert import checkpoint_folder, logical_shapes, read_weights
@@ -120,6 +123,29 @@ def test_init_from_keeps_fewer_depths_with_a_note_and_refuses_more(tmp_path, cap
                                               r"the 1 .* set model.mtp_layers to 1 or fewer") as e:
             check_init_from(config(tmp_path, source, mtp_layers=2))
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.dist
+def test_a_fine_tune_from_the_hubs_mtp_layer_under_tp_is_one_process_s(tmp_path):
+    """init_from the folder with its depth: tp2 with SP (each rank reading its part of the depth's
+    experts and de-interleaved RoPE rows) takes one process's steps and mtp_loss; the first loss is
+    transformers' (the depth does not touch it), and a run leaving the depth out starts with it too."""
+    write_hf_mtp(tmp_path / "hf", "deepseek_v3")
+    runs = []
+    for name, parallel, model in (("tp1", {}, {}), ("tp2", {"tp": 2, "sequence_parallel": True}, {}),
+                                  ("none", {}, {"mtp_layers": 0})):
+        cfg = load_config(overrides={"train": {**TINY["train"], "steps": 2}, "run": {"dir": str(tmp_path / name)},
+                                     "model": {"seq_len": 32, **model}, "parallel": parallel,
+                                     "checkpoint": {"init_from": str(tmp_path / "hf")}}, model_from_inputs=model_keys)
+        assert cfg.model.mtp_layers == model.get("mtp_layers", 1)
+        runs.append(train_layout(cfg))
+    assert_parity(runs[1], runs[0], atol=1e-4)
+    torch.testing.assert_close(torch.tensor([r["mtp_loss"] for r in runs[1][2]]),
+                               torch.tensor([r["mtp_loss"] for r in runs[0][2]]), rtol=1e-5, atol=1e-6)
+    inputs, labels = split_batches(cfg)[0].global_batch_at(0)
+    first = float(F.cross_entropy(hf_logits(tmp_path / "hf", inputs).flatten(0, 1), labels.flatten()))
+    assert runs[0][0][0] == pytest.approx(first, rel=1e-5) and runs[2][0][0] == pytest.approx(first, rel=1e-5)
+    assert "mtp_loss" not in runs[2][2][0] and len(runs[0][2][0]["mtp_loss"]) == 1
 
 
 def test_a_resume_with_other_depths_is_refused_naming_the_key(tmp_path):

@@ -2,10 +2,12 @@
 with a multi-token-prediction layer as the Hub stores one (model.layers.N: a decoder layer's tensors,
 enorm, hnorm, eh_proj, shared_head.norm and copies of the embedding and head) import as
 model.mtp_layers = 1 with each tensor in its place (RoPE rows de-interleaved, experts stacked, its
-expert bias), read alike by init_from, export back to the same tensors (transformers loads the export
-and computes the same logits), as the fp8 release's dequantized; fewer depths leave some out with a
-note, more are refused; a stale copy of the head is said and left out; an architecture without
-such layers exports without them, said; a resume with another mtp_layers is refused naming it."""
+expert bias), read alike by init_from (a tp2 fine-tune from the folder is one process's), export
+back to the same tensors (transformers loads the export and computes the same logits), as the fp8
+release's dequantized; fewer depths leave some out with a note, more are refused; layers past
+config.json's depths are counted and left out; a stale copy of the head is said and left out; an
+architecture without such layers exports without them, said; a resume with another mtp_layers is
+refused naming it."""
 
 import dataclasses
 import json
@@ -178,6 +180,17 @@ def test_transformers_save_pretrained_folder_names_depths_it_has_not(tmp_path, c
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
     assert "holds 0 of the num_nextn_predict_layers=1 multi-token-prediction layers its config.json names" \
         in capsys.readouterr().out
+    assert read_weights(tmp_path / "ckpt")[0].model.mtp_layers == 0
+
+
+def test_layers_past_the_depths_config_json_names_are_left_out_and_counted(tmp_path, capsys):
+    hub = write_hf_mtp(tmp_path / "hf", "glm4_moe")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 0}))
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    layer = sum(".layers.2." in k for k in hub)
+    assert f"tetrad: left out {layer} tensors of multi-token-prediction layers past model.mtp_layers=0\n" \
+        in capsys.readouterr().out and layer > 20
     assert read_weights(tmp_path / "ckpt")[0].model.mtp_layers == 0
 
 

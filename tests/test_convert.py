@@ -173,7 +173,7 @@ def test_attention_that_tetrad_lacks_is_refused_by_name():
     7B v0.1's window (4096 of 32768) and a Qwen2 window over every layer convert; windows that
     cover the whole context, or that the config switches off or puts in no layer, are none."""
     from tetrad.config import ConfigError
-    from tetrad.train.convert import model_config_from_hf
+    from tetrad.train.hf_architectures import model_config_from_hf
     base = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
             "vocab_size": 251, "max_position_embeddings": 32768}
     qwen = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}
@@ -198,7 +198,7 @@ def test_rope_read_from_either_transformers_config_form():
     """transformers 4 writes `rope_theta` and `rope_scaling` (its older key `type`) at the top;
     transformers 5 writes `rope_parameters`. Other scalings are refused by name."""
     from tetrad.config import ConfigError
-    from tetrad.train.convert import model_config_from_hf
+    from tetrad.train.hf_architectures import model_config_from_hf
     base = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
             "vocab_size": 251}
     forms = [{"rope_theta": 5e5, "rope_scaling": LLAMA31_SCALING},

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from conftest import TINY, assert_parity, run_ranks, tiny_config, train_layout
 from tetrad.cli import main
@@ -232,13 +231,12 @@ GLM_VARIANTS = {"grouped": {}, "top1-unnormalised-all-moe": {"num_experts_per_to
 def test_glm_4_5_imports_with_transformers_logits_and_exports_as_itself(tmp_path, variant, capsys):
     """GLM-4.5's keys, its e_score_correction_bias as the expert bias (the checkpoint's, the
     folder's read as init_from and generate read it), transformers' logits; the export writes the
-    Hub's tensors back, biases included, with the same logits. A multi-token-prediction layer's
-    tensor (the Hub's model.layers.N past num_hidden_layers) is left out, with a note."""
+    Hub's tensors back, biases included, with the same logits. save_pretrained writes
+    num_nextn_predict_layers=1 and no such layer: the model follows the weights (mtp_layers 0),
+    with a note (the Hub's multi-token-prediction layers import: tests/test_mtp_hf.py)."""
     write_hf_moe(tmp_path / "hf", "glm4_moe", **GLM_VARIANTS[variant])
-    file = tmp_path / "hf" / "model.safetensors"
-    save_file({**load_file(file), "model.layers.2.eh_proj.weight": torch.zeros(32, 64)}, file, metadata={"format": "pt"})
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
-    assert "left out 1 tensor of layers past num_hidden_layers" in capsys.readouterr().out
+    assert "holds 0 of the num_nextn_predict_layers=1 multi-token-prediction layers" in capsys.readouterr().out
     cfg, state = read_weights(tmp_path / "ckpt")
     m, grouped = cfg.model, variant == "grouped"
     assert (m.router_score, m.expert_weight_scale, m.expert_groups, m.expert_groups_per_token) == \
@@ -256,7 +254,7 @@ def test_glm_4_5_imports_with_transformers_logits_and_exports_as_itself(tmp_path
         assert (single_process_model(m, state)(TOKENS, torch.arange(24)) - theirs).abs().max() > 1e-3
 
     assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "back")]) == 0
-    assert tensor_names(tmp_path / "back") == tensor_names(tmp_path / "hf") - {"model.layers.2.eh_proj.weight"}
+    assert tensor_names(tmp_path / "back") == tensor_names(tmp_path / "hf")
     assert "router_aux_loss_coef" not in json.loads((tmp_path / "back" / "config.json").read_text())  # not Glm4MoeConfig's
     torch.testing.assert_close(hf_logits(tmp_path / "back"), theirs, **TOL)
 

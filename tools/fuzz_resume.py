@@ -204,9 +204,10 @@ def check_export(model: dict, saved: Path, tmp: Path) -> list[str]:
     if main(["convert", str(saved), "--to-hf", str(out)]) != 0:
         return ["convert --to-hf failed"]
     exported = load_file(out / "model.safetensors")
-    kind = exported_type(tiny_config(model=model).model)
+    m = tiny_config(model=model).model
+    kind = exported_type(m)
     state = split_experts({k[len("model."):]: v for k, v in read_logical(saved).items() if k.startswith("model.")})
-    logical = {hf_name(k, kind): v for k, v in state.items()}
+    logical = {hf_name(k, kind, m.n_layers): v for k, v in state.items()}
     if exported.keys() != logical.keys():
         return [f"export keys differ: {sorted(set(exported) ^ set(logical))[:6]}"]
     return [f"export of {k} differs" for k in logical if not torch.equal(exported[k], logical[k].to(exported[k].dtype))

@@ -7,7 +7,8 @@ One CPU process, whatever layout the checkpoint was trained under: checkpoints h
 (unsharded, unpadded) tensors, so conversion is renaming (Phi-3's fused tensors split or joined
 too, a mixture of experts' per-expert tensors stacked or unstacked, DeepSeek's RoPE rows
 de-interleaved or interleaved (hf_deepseek.rope_orders); GLM-4.5's and DeepSeek-V3's expert biases,
-their e_score_correction_bias buffers, are the checkpoint's `extra.expert_bias`; DeepSeek-V3's fp8
+their e_score_correction_bias buffers, are the checkpoint's `extra.expert_bias`; their
+multi-token-prediction layers are model.mtp_layers' depths (hf_mtp); DeepSeek-V3's fp8
 weights dequantized to bf16, hf_fp8). Reading HF weights goes through safetensors (no pickle); a converted tetrad checkpoint
 holds weights only (step 0, no optimizer state) and starts a run with
 `--checkpoint.init_from=CKPT`. The tokenizer travels both ways: the run's (its data's, or bytes)
@@ -18,6 +19,7 @@ beside the converted weights.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -26,7 +28,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from torch.distributed.checkpoint import FileSystemWriter
@@ -45,11 +46,13 @@ from tetrad.train.checkpoint import (MANIFEST, CheckpointError, SafeReader, chec
 from tetrad.train.checkpoint.store import one_process, read_extras, read_manifest
 from tetrad.train.expert_bias import ExpertBias
 from tetrad.train.hf_architectures import (TOP_NAMES, check_exportable, exported_type, hf_architecture, hf_rope_scaling,
-                                            hf_rows, hf_tensor_shapes, hf_tensors, model_config_from_hf)
+                                            hf_rows, hf_tensor_shapes, hf_tensors)
 from tetrad.train.hf_deepseek import rope_interleaved, rope_orders
-from tetrad.train.hf_fp8 import SCALE, dequantized, fp8_block, unscaled
+from tetrad.train.hf_fp8 import dequantized, fp8_block, unscaled
 from tetrad.train.hf_gemma import TEXT_TOWER
 from tetrad.train.hf_moe import beyond_layers, expert_bias_names, expert_param, split_experts, stack_experts
+from tetrad.train.hf_folder import hf_model_keys, hf_shapes, stale_copies
+from tetrad.train.hf_mtp import MTP_TYPES, copies
 
 
 def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
@@ -134,19 +137,24 @@ def _shards(sizes: dict[str, int], max_bytes: float) -> list[list[str]]:
     return shards
 
 
-def _write_safetensors(weights: StoredWeights, model_type: str, out: Path, max_gb: float,
+def _write_safetensors(weights: StoredWeights, m, model_type: str, out: Path, max_gb: float,
                        dtype: torch.dtype | None, buffers: dict[str, torch.Tensor]) -> None:
-    """The weights as HF's tensors in `out`: model.safetensors, or shards of at most `max_gb` with
+    """The weights of model `m` (the checkpoint's, or it without its multi-token-prediction depths)
+    as HF's tensors in `out`: model.safetensors, or shards of at most `max_gb` with
     model.safetensors.index.json (as transformers' save_pretrained), read and written one shard at
     a time; in `dtype` (None: as stored). An expert parameter is its experts' tensors (its pieces),
     read again where a shard boundary falls among them; RoPE rows in the order config.json's says
     (DeepSeek's interleaved). `buffers` (HF name -> tensor, kept in its own dtype: the fp32 expert
-    biases) join the last shard."""
-    rows, shapes = hf_rows(weights.shapes, model_type), split_experts(weights.shapes)
-    orders = rope_orders(weights.cfg.model, rope_interleaved(hf_architecture(weights.cfg.model)))
+    biases) join the last shard; the multi-token-prediction layers' copies of the embedding and
+    head (hf_mtp.copies) are read as those parameters."""
+    kept = {n: shape for n, shape in weights.shapes.items() if m.mtp_layers or not n.startswith("mtp.")}
+    rows, shapes = hf_rows(kept, model_type, m.n_layers), split_experts(kept)
+    orders = rope_orders(m, rope_interleaved(hf_architecture(m)))
     parts: dict[str, list[str]] = {}
     for name, (key, _, _) in rows.items():
         parts.setdefault(key, []).append(name)
+    copied = copies(m)
+    parts.update({key: [name] for key, name in copied.items()})
     sizes = {key: sum(math.prod(shapes[n]) * (dtype or weights.dtypes[expert_param(n)]).itemsize for n in names)
              for key, names in parts.items()}
     shards = _shards(sizes, max_gb * 2**30)
@@ -155,7 +163,8 @@ def _write_safetensors(weights: StoredWeights, model_type: str, out: Path, max_g
     for keys, file in zip(shards, files):
         state = weights.read(sorted({expert_param(n) for key in keys for n in parts[key]}))
         state = {n: v[orders[n].argsort()] if n in orders else v for n, v in state.items()}
-        tensors = {k: v.to(dtype) if dtype else v for k, v in hf_tensors(state, model_type).items() if k in keys}
+        tensors = {k: v.to(dtype) if dtype else v for k, v in hf_tensors(state, model_type, m.n_layers).items() if k in keys}
+        tensors.update({k: (state[copied[k]].to(dtype) if dtype else state[copied[k]]).clone() for k in keys if k in copied})
         if file == files[-1]:
             tensors.update(buffers)
         save_file(tensors, out / file, metadata={"format": "pt"})
@@ -168,20 +177,30 @@ def _write_safetensors(weights: StoredWeights, model_type: str, out: Path, max_g
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, dtype: str = "") -> bool:
+def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, dtype: str = "") -> tuple[bool, str]:
     """Write the HF folder `out` (weights in `dtype`, one of EXPORT_DTYPES; "": as stored); whether
-    it holds a tokenizer (one is known)."""
+    it holds a tokenizer (one is known), and a note of multi-token-prediction depths left out
+    ("" where none): an architecture without such layers (all but DeepSeek-V3 and GLM-4.5) gets
+    the model without them, whose logits they never touch (a training aid: refusing would leave
+    such a run no export at all)."""
     _refuse_written(out, "--to-hf")
     weights = StoredWeights(checkpoint)
     m = weights.cfg.model
     check_exportable(m)
-    names = expert_bias_names(m, exported_type(m))  # GLM-4.5's and DeepSeek-V3's; the other families have none
     stored = read_extras(weights.path, ExpertBias.NAME)
+    note = ""
+    if m.mtp_layers and exported_type(m) not in MTP_TYPES:
+        note = (f"left out the {counted(m.mtp_layers, 'multi-token-prediction depth')} (model.mtp_layers): "
+                f"{hf_architecture(m)['architectures'][0]} has no such layers (DeepseekV3ForCausalLM and "
+                "Glm4MoeForCausalLM have); the export computes the same logits")
+        m = dataclasses.replace(m, mtp_layers=0)
+        stored = {layer: bias for layer, bias in stored.items() if not layer.startswith("mtp.")}
+    names = expert_bias_names(m, exported_type(m))  # GLM-4.5's and DeepSeek-V3's; the other families have none
     if not names:
         _refuse_moved_biases(weights.path, stored)
     biases = {key: stored.get(layer, torch.zeros(m.n_experts)).float() for layer, key in names.items()}
     out.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(weights, exported_type(m), out, max_shard_gb, EXPORT_DTYPES.get(dtype), biases)
+    _write_safetensors(weights, m, exported_type(m), out, max_shard_gb, EXPORT_DTYPES.get(dtype), biases)
     tokenizer, source = exported_tokenizer(weights.path, weights.cfg.data.source)
     if tokenizer is not None:
         write_hf_tokenizer(tokenizer, out, m.context_length, template_beside(source) if source else None, source)
@@ -196,7 +215,7 @@ def to_hf(checkpoint: Path, out: Path, max_shard_gb: float = DEFAULT_SHARD_GB, d
                  "torch_dtype": str(written).removeprefix("torch."), **hf_architecture(m),  # Gemma's activation its own
                  **hf_rope_scaling(m.rope_scaling), **(_special_token_ids(tokenizer, source) if tokenizer is not None else {})}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    return tokenizer is not None
+    return tokenizer is not None, note
 
 
 def _refuse_moved_biases(folder: Path, stored: dict[str, torch.Tensor]) -> None:
@@ -255,34 +274,19 @@ def write_hf_tokenizer(tokenizer, out: Path, max_length: int, chat: ChatTemplate
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def hf_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Every weight's shape in the folder's *.safetensors files, from their headers (no tensor
-    is read); RoPE tables some exports carry are not weights, nor fp8 weights' scales (hf_fp8)."""
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{hf_dir} holds no *.safetensors file")
-    shapes = {}
-    for file in files:
-        try:
-            with safe_open(file, "pt") as f:
-                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()
-                               if "rotary_emb" not in k and not k.endswith(SCALE)})
-        except SafetensorError as e:
-            raise CheckpointError(f"{file} is not a readable safetensors file ({e})") from None
-    return shapes
-
-
 def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
     """How the folder's weights, named as config.json's `model_type` names them, differ from
-    `model_cfg`'s parameters and expert biases (none: they fit). GLM-4.5's multi-token-prediction
-    layers, and DeepSeek-V3's, are no part of the model (hf_moe.beyond_layers)."""
+    `model_cfg`'s parameters and expert biases (none: they fit). GLM-4.5's and DeepSeek-V3's
+    multi-token-prediction layers past model.mtp_layers are no part of the model
+    (hf_moe.beyond_layers); those it keeps may hold copies of the embedding and head (hf_mtp.copies)."""
     tower = TEXT_TOWER.get(model_type, "")  # a multimodal model's vision tower is not this model's
     found = {k: shape for k, shape in hf_shapes(hf_dir).items()
              if k.startswith(tower) and not beyond_layers(k, model_cfg, model_type)}
-    expected = {**hf_tensor_shapes(logical_shapes(model_cfg), model_type),
+    expected = {**hf_tensor_shapes(logical_shapes(model_cfg), model_type, model_cfg.n_layers),
                 **dict.fromkeys(expert_bias_names(model_cfg, model_type).values(), (model_cfg.n_experts,))}
     # A tied model's export may hold the head too, the embedding's copy (transformers reads past it)
-    extra = {k for k in found if k not in expected} - ({tower + TOP_NAMES["head.weight"]} if model_cfg.tie_embeddings else set())
+    extra = {k for k in found if k not in expected} - set(copies(model_cfg)) - \
+        ({tower + TOP_NAMES["head.weight"]} if model_cfg.tie_embeddings else set())
     problems = [f"{k}: missing" for k in expected if k not in found]
     problems += [f"{k}: not a weight of this model" for k in sorted(extra)]
     problems += [f"{k}: {found[k]} in the file, {shape} for config.json's model"
@@ -293,10 +297,10 @@ def hf_mismatches(hf_dir: Path, model_cfg, model_type: str) -> list[str]:
 DEQUANTIZED_DTYPE = torch.bfloat16  # fp8 weights' (hf_fp8): the release's other tensors' type, half of fp32's disk
 
 
-def to_tetrad(hf_dir: Path, out: Path) -> int:
+def to_tetrad(hf_dir: Path, out: Path) -> list[str]:
     """The HF folder as a weights-only checkpoint (GLM-4.5's and DeepSeek-V3's expert biases as its
-    extra.expert_bias); how many tensors of layers past the model's it left out (their multi-token
-    prediction)."""
+    extra.expert_bias, their multi-token-prediction layers as model.mtp_layers' depths); notes of
+    what it left out, one line each."""
     _refuse_written(out, "--to-tetrad")
     if not (hf_dir / "config.json").is_file():
         tetrad = any((hf_dir / name).exists() for name in ("config.toml", MANIFEST, "checkpoints"))
@@ -304,7 +308,8 @@ def to_tetrad(hf_dir: Path, out: Path) -> int:
                               "config.json and *.safetensors" + (" (a tetrad run or checkpoint needs no conversion: "
                               f"train from it with --checkpoint.init_from={hf_dir})" if tetrad else ""))
     hf = json.loads((hf_dir / "config.json").read_text())
-    cfg = load_config(overrides={"model": model_config_from_hf(hf, hf_dir / "config.json")})
+    keys, note = hf_model_keys(hf_dir, hf)
+    cfg = load_config(overrides={"model": keys})
     problems = hf_mismatches(hf_dir, cfg.model, hf.get("model_type", ""))
     if problems:
         raise CheckpointError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems[:20]))
@@ -313,7 +318,7 @@ def to_tetrad(hf_dir: Path, out: Path) -> int:
     raw = next((k for k, v in weights.items() if v.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)), None)
     if raw is not None:
         raise CheckpointError(unscaled(hf_dir, raw))
-    rows = hf_rows(logical_shapes(cfg.model), hf.get("model_type", ""))
+    rows = hf_rows(logical_shapes(cfg.model), hf.get("model_type", ""), cfg.model.n_layers)
     orders = rope_orders(cfg.model, rope_interleaved(hf))  # DeepSeek's RoPE rows, de-interleaved
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -330,7 +335,10 @@ def to_tetrad(hf_dir: Path, out: Path) -> int:
             shutil.copyfile(hf_dir / name, tmp / name)
     keep_generation_config(hf_dir, tmp, hf)
     publish(tmp, out, cfg, 0, digest_files(tmp, 0, 1), optimizer=False, layout={})
-    return sum(beyond_layers(k, cfg.model, hf.get("model_type", "")) for k in weights)
+    left_out = sum(beyond_layers(k, cfg.model, hf.get("model_type", "")) for k in weights)
+    return [line for line in (note, stale_copies(hf_dir, cfg.model, weights.__getitem__, weights.keys())) if line] + \
+        [f"left out {counted(left_out, 'tensor')} of multi-token-prediction layers past model.mtp_layers="
+         f"{cfg.model.mtp_layers}"] * bool(left_out)
 
 
 def convert_command(argv: list[str]) -> int:
@@ -362,16 +370,17 @@ def convert_command(argv: list[str]) -> int:
         if args.max_shard_gb <= 0:
             raise ValueError(f"--max-shard-gb must be above 0, got {args.max_shard_gb}")
         if args.to_hf is not None:
-            if to_hf(args.source, args.to_hf, args.max_shard_gb, args.dtype or ""):
+            tokenizer, note = to_hf(args.source, args.to_hf, args.max_shard_gb, args.dtype or "")
+            if note:
+                print(f"tetrad: {note}")
+            if tokenizer:
                 print(f"tetrad: wrote {args.to_hf}/config.json, the weights (*.safetensors) and the tokenizer")
             else:
                 print(f"tetrad: wrote {args.to_hf}/config.json and the weights (*.safetensors); no tokenizer: the weights "
                       f"came without a tokenizer.json (copy the model's own into {args.to_hf})")
         else:
-            left_out = to_tetrad(args.source, args.to_tetrad)
-            if left_out:
-                print(f"tetrad: left out {counted(left_out, 'tensor')} of layers past num_hidden_layers (GLM-4.5's or "
-                      "DeepSeek-V3's multi-token prediction, which transformers does not load either)")
+            for note in to_tetrad(args.source, args.to_tetrad):
+                print(f"tetrad: {note}")
             tokenizer = args.to_tetrad / TOKENIZER
             print(f"tetrad: wrote {args.to_tetrad}; fine-tune from it with `tetrad train --checkpoint.init_from="
                   f"{args.to_tetrad} --data.source=DATA` (the model's shape follows the weights)"

@@ -18,6 +18,7 @@ turns each render the whole history and reuse the last turn's KV cache where it 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 from collections.abc import Callable, Mapping
@@ -193,7 +194,9 @@ def found_weights(checkpoint: Path) -> Weights:
     if is_hf_folder(checkpoint):
         hf = hf_config(checkpoint)
         try:  # hf_architectures' refusals are still ValueErrors (being converted elsewhere): the user's config.json
-            hf_model = model_config_from_hf(hf, checkpoint / HF_CONFIG)
+            # as a run's below: the Hub's DeepSeek-V3's and GLM-4.5's depths (or none where config.json
+            # names them and transformers saved none) go unread
+            hf_model = {**model_config_from_hf(hf, checkpoint / HF_CONFIG), "mtp_layers": 0}
         except ConfigError:
             raise
         except ValueError as e:
@@ -206,7 +209,8 @@ def found_weights(checkpoint: Path) -> Weights:
             if (checkpoint / TOKENIZER).is_file() else (None, None)
     else:
         stored = StoredWeights(checkpoint)
-        model_cfg, checkpoint = stored.cfg.model, stored.path
+        # generation computes no multi-token-prediction depth: its weights (a run's mtp.*) go unread
+        model_cfg, checkpoint = dataclasses.replace(stored.cfg.model, mtp_layers=0), stored.path
         tokenizer, source = exported_tokenizer(checkpoint, stored.cfg.data.source)
     if tokenizer is None:
         raise ConfigError(f"{checkpoint} holds weights without a tokenizer.json, so no tokenizer is known for its "

@@ -28,6 +28,7 @@ from tetrad.train.hf_deepseek import (DEEPSEEK_TYPES, LATENT_NAMES, deepseek_arc
 from tetrad.train.hf_fp8 import fp8_block
 from tetrad.train.hf_gemma import (GEMMA_TYPES, RENAMED, TEXT_TOWER, gemma3_rope, gemma_architecture, gemma_config,
                                    gemma_export_problem, gemma_keys, gemma_type)
+from tetrad.train.hf_mtp import MTP_TYPES, layer_of
 from tetrad.train.hf_moe import (PARTIAL_ROTARY, moe_architecture, moe_export_problem, moe_hf_name, moe_keys, moe_type,
                                   split_experts)
 
@@ -48,12 +49,15 @@ EXPORTED = {"phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
                      "eos_token_id": None, "pad_token_id": None, "attention_dropout": 0.0, "embd_pdrop": 0.0}}
 
 
-def hf_name(name: str, model_type: str = "") -> str:
-    """The HF tensor that holds tetrad parameter `name` (a fused one's, for `model_type`'s)."""
+def hf_name(name: str, model_type: str, n_layers: int) -> str:
+    """The HF tensor that holds tetrad parameter `name` (a fused one's, for `model_type`'s) of a
+    model of `n_layers` (a multi-token-prediction depth's are layer n_layers + k's: hf_mtp)."""
     tower = TEXT_TOWER.get(model_type, "")  # a multimodal model's text tower's prefix
     if name in TOP_NAMES:
         return tower + TOP_NAMES[name]
-    _, index, rest = name.split(".", 2)  # layers.I.attn.wq.weight
+    index, rest = layer_of(name, n_layers)  # layers.I.attn.wq.weight: I, attn.wq.weight
+    if name.startswith("mtp.") and ".block." not in name:  # a depth's own enorm, hnorm, eh_proj, norm
+        return f"{tower}model.layers.{index}.{rest}"
     if moe_hf_name(rest, model_type):  # the router, an expert's piece
         return f"{tower}model.layers.{index}.{moe_hf_name(rest, model_type)}"
     module, _, leaf = rest.rpartition(".")
@@ -62,7 +66,7 @@ def hf_name(name: str, model_type: str = "") -> str:
     return f"{tower}model.layers.{index}.{fused.get(module, names[module])}.{leaf}"
 
 
-def hf_rows(shapes: dict[str, tuple[int, ...]], model_type: str = "") -> dict[str, tuple[str, int, int]]:
+def hf_rows(shapes: dict[str, tuple[int, ...]], model_type: str, n_layers: int) -> dict[str, tuple[str, int, int]]:
     """tetrad parameter (by its logical shape) -> (the HF tensor holding it, its first row there,
     the row after its last): the whole tensor, or its part of a fused one; an expert parameter's
     pieces (split_experts) by their own names."""
@@ -70,7 +74,7 @@ def hf_rows(shapes: dict[str, tuple[int, ...]], model_type: str = "") -> dict[st
     order = {part: i for parts in FUSED.get(model_type, {}).values() for i, part in enumerate(parts)}
     rows, filled = {}, {}
     for name in sorted(shapes, key=lambda n: order.get(n.split(".", 2)[-1].rpartition(".")[0], 0)):
-        key = hf_name(name, model_type)
+        key = hf_name(name, model_type, n_layers)
         start = filled.get(key, 0)
         filled[key] = start + shapes[name][0]
         rows[name] = (key, start, filled[key])
@@ -83,23 +87,24 @@ def fused_rows(m, model_type: str) -> dict[str, tuple[str, int, int]]:
     rows_of = {"attn.wq": m.n_heads * m.head_dim, "attn.wk": m.n_kv_heads * m.head_dim,
                "attn.wv": m.n_kv_heads * m.head_dim, "mlp.w1": m.ffn_hidden, "mlp.w3": m.ffn_hidden}
     return hf_rows({f"layers.{i}.{part}.weight": (rows_of[part],) for i in range(m.n_layers)
-                    for parts in FUSED.get(model_type, {}).values() for part in parts}, model_type)
+                    for parts in FUSED.get(model_type, {}).values() for part in parts}, model_type, m.n_layers)
 
 
-def hf_tensor_shapes(shapes: dict[str, tuple[int, ...]], model_type: str = "") -> dict[str, tuple[int, ...]]:
-    """The shape of every HF tensor of a model whose parameters have `shapes`."""
+def hf_tensor_shapes(shapes: dict[str, tuple[int, ...]], model_type: str, n_layers: int) -> dict[str, tuple[int, ...]]:
+    """The shape of every HF tensor of a model of `n_layers` whose parameters have `shapes`."""
     found: dict[str, tuple[int, ...]] = {}
     shapes = split_experts(shapes)
-    for name, (key, _, stop) in hf_rows(shapes, model_type).items():
+    for name, (key, _, stop) in hf_rows(shapes, model_type, n_layers).items():
         if stop > found.get(key, (0,))[0]:
             found[key] = (stop, *shapes[name][1:])
     return found
 
 
-def hf_tensors(state: dict[str, torch.Tensor], model_type: str = "") -> dict[str, torch.Tensor]:
-    """The HF tensors of tetrad's logical parameters `state`: each one's, a fused one's parts joined."""
+def hf_tensors(state: dict[str, torch.Tensor], model_type: str, n_layers: int) -> dict[str, torch.Tensor]:
+    """The HF tensors of tetrad's logical parameters `state` (of a model of `n_layers`): each
+    one's, a fused one's parts joined."""
     state = split_experts(state)
-    rows = hf_rows({name: tuple(p.shape) for name, p in state.items()}, model_type)
+    rows = hf_rows({name: tuple(p.shape) for name, p in state.items()}, model_type, n_layers)
     parts: dict[str, list[torch.Tensor]] = {}
     for name, (key, _, _) in sorted(rows.items(), key=lambda item: item[1][1]):
         parts.setdefault(key, []).append(state[name])
@@ -334,5 +339,6 @@ def model_config_from_hf(hf: dict, source: Path) -> dict:
             "rope_scaling": resolve(hf, scaling) if resolve else scaling,
             "partial_rotary_factor": partial, "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
             **experts, **(latent_keys(hf, kind) if kind in DEEPSEEK_TYPES else {}),
+            "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0) if kind in MTP_TYPES else 0,
             **({"hf_model_type": kind, "dropout": float(hf.get("resid_pdrop") or 0.0)} if kind in FUSED else {}),
             **(gemma_keys(hf, local_theta) if kind in GEMMA_TYPES else {})}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from tetrad.model.flops import hides_keys
+from tetrad.train.hf_mtp import blocks
 
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 # tetrad's latent attention inside a layer -> HF's (wq, wo: Llama's names, hf_architectures.LAYER_NAMES)
@@ -120,8 +121,9 @@ def rope_interleaved(hf: dict) -> bool:
 
 def rope_orders(m, interleaved: bool) -> dict[str, torch.Tensor]:
     """tetrad parameter -> `order`, tetrad's row r being the HF tensor's row order[r]: the query
-    and the shared key rope rows of latent-attention model `m`'s wq (wq_b) and wkv_a, read
-    de-interleaved; none where the checkpoint's pairs are tetrad's already."""
+    and the shared key rope rows of latent-attention model `m`'s wq (wq_b) and wkv_a (its main
+    layers' and its multi-token-prediction depths' blocks'), read de-interleaved; none where the
+    checkpoint's pairs are tetrad's already."""
     if not (interleaved and m.latent_attention):
         return {}
     nope, rope, latent = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
@@ -130,8 +132,8 @@ def rope_orders(m, interleaved: bool) -> dict[str, torch.Tensor]:
     query = torch.cat([h * (nope + rope) + head for h in range(m.n_heads)])
     key = torch.cat([torch.arange(latent), latent + pairs])
     q_name = "attn.wq_b" if m.q_lora_rank else "attn.wq"
-    return {name: order for i in range(m.n_layers)
-            for name, order in ((f"layers.{i}.{q_name}.weight", query), (f"layers.{i}.attn.wkv_a.weight", key))}
+    return {name: order for prefix, _ in blocks(m)
+            for name, order in ((f"{prefix}.{q_name}.weight", query), (f"{prefix}.attn.wkv_a.weight", key))}
 
 
 def deepseek_type(m) -> str:
@@ -186,7 +188,8 @@ def group_score_problem(m, name: str) -> str | None:
 def deepseek_architecture(m) -> dict:
     """config.json's architecture keys of latent-attention model `m` (deepseek_type's), beside
     convert's common ones: head_dim as HF writes it (the RoPE width), DeepSeek's own router keys
-    for readers other than transformers, no multi-token-prediction layer; with no experts, V3's
+    for readers other than transformers, V3's model.mtp_layers multi-token-prediction layers (V2
+    has none: convert leaves them out); with no experts, V3's
     with every layer dense (first_k_dense_replace = num_hidden_layers)."""
     kind = deepseek_type(m)
     keys = {"architectures": ["DeepseekV2ForCausalLM" if kind == "deepseek_v2" else "DeepseekV3ForCausalLM"],
@@ -194,7 +197,7 @@ def deepseek_architecture(m) -> dict:
             "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
             "v_head_dim": m.v_head_dim, "head_dim": m.qk_rope_head_dim, "num_key_value_heads": m.n_heads,
             "attention_bias": False, "mlp_bias": False, "bos_token_id": None, "eos_token_id": None,
-            **({"rope_interleave": True, "num_nextn_predict_layers": 0} if kind == "deepseek_v3" else {})}
+            **({"rope_interleave": True, "num_nextn_predict_layers": m.mtp_layers} if kind == "deepseek_v3" else {})}
     if not m.n_experts:
         return {**keys, "first_k_dense_replace": m.n_layers}
     return {**keys, "n_routed_experts": m.n_experts, "num_experts_per_tok": m.experts_per_token,

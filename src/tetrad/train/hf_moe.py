@@ -10,13 +10,13 @@ and an ungated shared expert), and DeepSeek-V2's and V3's experts (GLM-4.5's, V2
 softmax; their latent attention is train/hf_deepseek.py's): their config.json keys both ways, their
 tensor names, and what of the MoE families tetrad refuses (other families). GLM-4.5's and
 DeepSeek-V3's multi-token-prediction layers (the Hub's model.layers.N... past num_hidden_layers)
-are no part of the model transformers computes either: left out (beyond_layers).
+are train/hf_mtp.py's; those past the depths a model keeps are left out (beyond_layers).
 
 The Hub stores each expert's matrices separately (model.layers.i.block_sparse_moe.experts.j.w1.weight
 [H, d], the Qwens' mlp.experts.j.gate_proj.weight; transformers 5 fuses them in memory but its
 save_pretrained writes these names), where tetrad keeps one [E, H, d] tensor: an expert parameter
 is E HF tensors stacked. `split_experts` names expert j's part of `layers.i.mlp.experts.w1`
-`layers.i.mlp.experts.j.w1` (a piece), which hf_name maps to the Hub's name, so that import,
+`layers.i.mlp.experts.j.w1` (a piece; a depth's block's alike, mtp.k.block.mlp.experts.j.w1), which hf_name maps to the Hub's name, so that import,
 init_from and export treat a piece as they treat a dense parameter.
 """
 
@@ -31,6 +31,7 @@ from tetrad.config import ConfigError
 from tetrad.model.flops import hides_keys
 from tetrad.train.hf_deepseek import (DEEPSEEK_TYPES, DEFAULTS as DEEPSEEK_DEFAULTS, deepseek_moe_keys, deepseek_refusal,
                                       group_score_problem)
+from tetrad.train.hf_mtp import MTP_TYPES, beyond, blocks
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", *DEEPSEEK_TYPES)
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")  # top-k renormalised or not, dense layers among the MoE ones
@@ -41,7 +42,8 @@ EXPERT = {"mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"}, **dict.fromkeys(MOE_T
 SHARED = {"qwen2_moe": "mlp.shared_expert", **dict.fromkeys(("glm4_moe", *DEEPSEEK_TYPES), "mlp.shared_experts")}
 CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"  # GLM-4.5's and DeepSeek-V3's expert bias (a buffer) in a layer
 BIASED = ("glm4_moe", "deepseek_v3")  # the families with one
-EXPERT_PARAM = re.compile(r"layers\.(\d+)\.mlp\.experts\.(w[123])$")
+BLOCK_PREFIX = r"(?:layers\.\d+|mtp\.\d+\.block)"  # a main layer's, a multi-token-prediction depth's block
+EXPERT_PARAM = re.compile(rf"({BLOCK_PREFIX}\.mlp\.experts)\.(w[123])$")
 EXPERT_PIECE = re.compile(r"mlp\.experts\.(\d+)\.(w[123])$")  # inside a layer
 SHARED_PIECE = re.compile(r"mlp\.shared\.(w[123])\.weight$")  # inside a layer: Qwen2-MoE's shared expert
 # MixtralConfig's, Qwen2MoeConfig's and Qwen3MoeConfig's defaults (transformers 5.25) for the keys a
@@ -72,16 +74,16 @@ def split_experts(tensors: dict) -> dict:
         if not found:
             split[name] = value
             continue
-        layer, leaf = found.groups()
+        experts, leaf = found.groups()
         # a tensor's pieces copied: safetensors writes no tensors that share memory
         pieces = [p.clone() for p in value.unbind(0)] if isinstance(value, torch.Tensor) else [tuple(value[1:])] * value[0]
-        split.update({f"layers.{layer}.mlp.experts.{j}.{leaf}": piece for j, piece in enumerate(pieces)})
+        split.update({f"{experts}.{j}.{leaf}": piece for j, piece in enumerate(pieces)})
     return split
 
 
 def expert_param(name: str) -> str:
     """The parameter piece `name` is part of (`name` itself where it is a parameter)."""
-    return re.sub(r"(layers\.\d+\.mlp\.experts)\.\d+\.(w[123])$", r"\1.\2", name)
+    return re.sub(rf"({BLOCK_PREFIX}\.mlp\.experts)\.\d+\.(w[123])$", r"\1.\2", name)
 
 
 def expert_pieces(name: str, n_experts: int) -> list[str]:
@@ -89,20 +91,20 @@ def expert_pieces(name: str, n_experts: int) -> list[str]:
     found = EXPERT_PARAM.match(name)
     if not found:
         return []
-    layer, leaf = found.groups()
-    return [f"layers.{layer}.mlp.experts.{j}.{leaf}" for j in range(n_experts)]
+    experts, leaf = found.groups()
+    return [f"{experts}.{j}.{leaf}" for j in range(n_experts)]
 
 
 def stack_experts(pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """split_experts undone: each expert parameter's pieces stacked in expert order."""
     whole, parts = {}, {}
     for name, value in pieces.items():
-        found = re.match(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])$", name)
+        found = re.match(rf"({BLOCK_PREFIX}\.mlp\.experts)\.(\d+)\.(w[123])$", name)
         if not found:
             whole[name] = value
             continue
-        layer, expert, leaf = found.groups()
-        parts.setdefault(f"layers.{layer}.mlp.experts.{leaf}", {})[int(expert)] = value
+        experts, expert, leaf = found.groups()
+        parts.setdefault(f"{experts}.{leaf}", {})[int(expert)] = value
     return {**whole, **{name: torch.stack([got[j] for j in range(len(got))]) for name, got in parts.items()}}
 
 
@@ -199,17 +201,18 @@ def _glm_keys(hf: dict) -> dict:
 
 def expert_bias_names(m, model_type: str) -> dict[str, str]:
     """The HF buffer holding each MoE layer's expert bias, by the layer's name (model/moe.py
-    expert_biases'): GLM-4.5's and DeepSeek-V3's e_score_correction_bias; none in another family (they have none)."""
+    expert_biases': a depth's block's mtp.k.block.mlp is HF layer N + k's): GLM-4.5's and
+    DeepSeek-V3's e_score_correction_bias; none in another family (they have none)."""
     if model_type not in BIASED:
         return {}
-    return {f"layers.{i}.mlp": f"model.layers.{i}.{CORRECTION_BIAS}" for i in range(m.n_layers) if m.moe_layer(i)}
+    return {f"{prefix}.mlp": f"model.layers.{index}.{CORRECTION_BIAS}" for prefix, index in blocks(m)
+            if m.moe_layer(index)}
 
 
 def beyond_layers(key: str, m, model_type: str) -> bool:
-    """Whether HF tensor `key` is GLM-4.5's or DeepSeek-V3's multi-token-prediction layers'
-    (model.layers.N..., N at or past num_hidden_layers), which transformers does not load either."""
-    found = re.match(r"model\.layers\.(\d+)\.", key)
-    return model_type in BIASED and found is not None and int(found.group(1)) >= m.n_layers
+    """Whether HF tensor `key` is of GLM-4.5's or DeepSeek-V3's multi-token-prediction layers past
+    the depths model `m` keeps (model.mtp_layers): left out, as transformers leaves them all."""
+    return model_type in MTP_TYPES and beyond(key, m)
 
 
 def moe_type(m) -> str:
@@ -277,7 +280,7 @@ def moe_architecture(m, window: int | None) -> dict:
     width is its intermediate_size; no dense layers, top-k renormalised), or a Qwen's (dense layers
     by mlp_only_layers, ffn_hidden wide: the exported intermediate_size; `window` in every layer
     where set: Qwen2-MoE's layer_types all sliding), or GLM-4.5's (its dense layers the first ones,
-    ffn_hidden wide; no window; no multi-token-prediction layer)."""
+    ffn_hidden wide; no window; model.mtp_layers multi-token-prediction layers)."""
     common = {"num_experts_per_tok": m.experts_per_token, "output_router_logits": False}
     kind = moe_type(m)
     if kind == "glm4_moe":  # Glm4MoeConfig has no router_aux_loss_coef: GLM-4.5 balances by its biases
@@ -287,7 +290,7 @@ def moe_architecture(m, window: int | None) -> dict:
                 "norm_topk_prob": m.normalize_expert_weights, "routed_scaling_factor": m.expert_weight_scale,
                 "n_group": m.expert_groups, "topk_group": m.expert_groups_per_token,
                 "first_k_dense_replace": len(m.dense_layers), "use_qk_norm": m.qk_norm, "attention_bias": m.qkv_bias,
-                "partial_rotary_factor": m.partial_rotary_factor, "num_nextn_predict_layers": 0, **common}
+                "partial_rotary_factor": m.partial_rotary_factor, "num_nextn_predict_layers": m.mtp_layers, **common}
     common["router_aux_loss_coef"] = m.router_aux_loss
     if kind == "mixtral":
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": m.n_experts,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +34,9 @@ from tetrad.data.tokenizer import load_tokenizer, run_tokenizer
 from tetrad.train.checkpoint import MANIFEST, CheckpointError, SafeReader, saved_model, shape_keys, verify
 from tetrad.train.checkpoint.store import as_built, one_process, read_extras
 from tetrad.train.convert import checkpoint_folder, hf_mismatches
+from tetrad.train.hf_folder import hf_model_keys, stale_copies
 from tetrad.train.expert_bias import ExpertBias
-from tetrad.train.hf_architectures import fused_rows, hf_name, model_config_from_hf
+from tetrad.train.hf_architectures import fused_rows, hf_name
 from tetrad.train.hf_deepseek import rope_interleaved, rope_orders
 from tetrad.train.hf_fp8 import SCALE, fp8_block, read_part, unscaled
 from tetrad.train.hf_moe import expert_bias_names, expert_pieces
@@ -73,7 +75,7 @@ def _source_model(path: Path) -> dict:
     way the model keeps its context (max_position_embeddings) when a fine-tune sets a shorter
     seq_len: a tetrad model's is its own context_length, seq_len where it set none."""
     if is_hf_folder(path):
-        keys = model_config_from_hf(hf_config(path), path / HF_CONFIG)
+        keys = hf_model_keys(path, hf_config(path))[0]
         del keys["seq_len"]  # the context it was trained to (often 8k-128k), not what fine-tuning needs
         return keys
     keys = saved_model(json.loads((checkpoint_folder(path) / MANIFEST).read_text()))
@@ -106,10 +108,12 @@ def check_init_from(cfg: Config) -> None:
         saved, here = as_built(_source_model(path)), as_built(dataclasses.asdict(cfg.model))
     except (CheckpointError, OSError, ValueError, KeyError) as e:
         raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
-    differ = [f"{k}={saved.get(k)!r} there, {here[k]!r} here" for k in shape_keys(cfg.model) if saved.get(k) != here[k]]
+    differ = [f"{k}={saved.get(k)!r} there, {here[k]!r} here" for k in shape_keys(cfg.model)
+              if saved.get(k) != here[k] and k != "mtp_layers"]
     if differ:
         raise ConfigError(f"checkpoint.init_from={source!r} holds a model of another shape ({'; '.join(differ)}); "
                           "drop those [model] keys: they follow the weights")
+    _check_depths(source, saved.get("mtp_layers", 0), cfg.model.mtp_layers)
     if is_hf_folder(path):  # config.json fits [model]; the weights the ranks will read must fit it too
         try:
             problem = hf_weights_problem(path, cfg.model)
@@ -117,7 +121,34 @@ def check_init_from(cfg: Config) -> None:
             raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
         if problem:
             raise ConfigError(f"checkpoint.init_from={source!r}: {problem}; export the folder again, or name another")
+        for note in (hf_model_keys(path, hf_config(path))[1], stale_copies(path, cfg.model, *_folder_reader(path))):
+            if note:
+                print(f"tetrad: {note}", file=sys.stderr)
     _check_tokenizer(cfg, path)
+
+
+def _folder_reader(path: Path) -> tuple[Callable[[str], torch.Tensor], dict[str, Path]]:
+    """A reader of an HF folder's tensors by name, whole, and the file of each name."""
+    files: dict[str, Path] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            files.update(dict.fromkeys(f.keys(), file))
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(files[key], "pt") as f:
+            return f.get_tensor(key)
+    return read, files
+
+
+def _check_depths(source: str, saved: int, here: int) -> None:
+    """Fewer multi-token-prediction depths than the weights hold start without the others (said
+    in one line); more than they hold would start some untrained: refused."""
+    if here > saved:
+        raise ConfigError(f"model.mtp_layers={here} asks for more multi-token-prediction depths than the {saved} "
+                          f"checkpoint.init_from={source!r} holds; set model.mtp_layers to {saved} or fewer")
+    if here < saved:
+        print(f"tetrad: checkpoint.init_from={source!r}: left out {saved - here} of its {saved} multi-token-prediction "
+              f"depths (model.mtp_layers={here})", file=sys.stderr)
 
 
 def _tokenizer_file(path: Path) -> Path | None:
@@ -169,7 +200,7 @@ def stored_expert_biases(source: str | Path) -> dict[str, torch.Tensor]:
     if not is_hf_folder(path):
         return read_extras(checkpoint_folder(path), ExpertBias.NAME)
     hf = hf_config(path)
-    names = expert_bias_names(ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG)), hf.get("model_type", ""))
+    names = expert_bias_names(ModelConfig(**hf_model_keys(path, hf)[0]), hf.get("model_type", ""))
     wanted, biases = {key: layer for layer, key in names.items()}, {}
     for file in sorted(path.glob("*.safetensors")) if wanted else ():
         with safe_open(file, "pt") as f:
@@ -193,7 +224,7 @@ def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts 
         return in_checkpoint
     hf = hf_config(path)
     model_type = hf.get("model_type", "")
-    model_cfg = ModelConfig(**model_config_from_hf(hf, path / HF_CONFIG))
+    model_cfg = ModelConfig(**hf_model_keys(path, hf)[0])
     rows = fused_rows(model_cfg, model_type)
     orders = rope_orders(model_cfg, rope_interleaved(hf))  # DeepSeek's RoPE rows, read de-interleaved
     block = fp8_block(hf, path / HF_CONFIG)
@@ -208,7 +239,7 @@ def stored_weights(path: Path) -> Callable[[str], SafetensorsPart | ExpertParts 
         return ExpertParts(tuple(map(in_file, pieces))) if pieces else in_file(name)
 
     def in_file(name: str) -> SafetensorsPart:
-        key, start, stop = rows.get(name, (hf_name(name, model_type), 0, None))  # a fused one's part: its rows
+        key, start, stop = rows.get(name, (hf_name(name, model_type, model_cfg.n_layers), 0, None))  # a fused one's part: its rows
         if key not in files:
             raise CheckpointError(f"{path} has no {key}, which model.{name} needs")
         file, shape, dtype = files[key]

@@ -35,7 +35,7 @@ SET_ASIDE = ".bad"  # a published checkpoint that failed its integrity check on 
 SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "norm", "mlp", "pos",
               "tie_embeddings", "qkv_bias", "head_dim", "qk_norm", "sandwich_norm", "n_experts", "expert_ffn_hidden",
               "shared_expert_ffn_hidden", "shared_expert_gate", "dense_layers", "kv_lora_rank", "q_lora_rank",
-              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers")
 
 
 def shape_keys(model_cfg) -> tuple[str, ...]:

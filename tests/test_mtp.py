@@ -42,14 +42,17 @@ def _rms(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _reference_losses(net: Transformer, seq: torch.Tensor, swapped: bool = False) -> list[torch.Tensor]:
-    """Each depth's summed loss by the spec, from `seq` [b, s + 1] (inputs seq[:, :-1]): h^0 from
-    the main layers, then per depth in plain torch but for its block."""
+def _reference_losses(net: Transformer, seq: torch.Tensor, swapped: bool = False,
+                      unnormed: bool = False) -> list[torch.Tensor]:
+    """Each depth's summed loss by the spec, from `seq` [b, s + 1] (inputs seq[:, :-1]): h^0 the
+    main model's output (after the final norm; `unnormed`: before it), then per depth in plain
+    torch but for its block."""
     x, eps, s = seq[:, :-1], net.cfg.norm_eps, seq.shape[1] - 1
     rope = net.rope(torch.arange(s))
     h = F.embedding(x, net.embed.weight)
     for block in net.layers.values():
         h = block(h, rope)
+    h = h if unnormed else _rms(h, net.norm.weight, eps)
     losses = []
     for k, depth in enumerate(net.mtp, 1):
         e = F.embedding(torch.cat([seq[:, k:s], seq.new_zeros(seq.shape[0], k)], 1), net.embed.weight)
@@ -66,7 +69,8 @@ def _tokens(b=2, s=16, seed=0):
 
 
 def test_a_depths_loss_is_the_specs():
-    """The recorded sums are the plain-torch ones, and not those of the hidden state first."""
+    """The recorded sums are the plain-torch ones, and not those of the hidden state first or of
+    the main model's output before its final norm."""
     net, seq = _model(), _tokens()
     labels = pack_targets(seq[:, :-1], seq[:, 1:], 2)
     net(seq[:, :-1], torch.arange(16), labels)
@@ -76,6 +80,9 @@ def test_a_depths_loss_is_the_specs():
     torch.testing.assert_close(sums, torch.stack(ref), rtol=1e-5, atol=1e-5)
     assert counts.tolist() == [2 * 15, 2 * 14]
     assert (torch.stack(swapped) - sums).abs().min() > 1e-3
+    with torch.no_grad():
+        unnormed = _reference_losses(net, seq, unnormed=True)
+    assert (torch.stack(unnormed) - sums).abs().min() > 1e-3
 
 
 def test_packed_targets_roll_the_inputs_and_labels_and_mask_past_the_window_and_documents():
@@ -199,9 +206,11 @@ def test_the_depths_train_and_the_loss_is_the_main_ones():
     assert all(last < first for first, last in zip(history[0]["mtp_loss"], history[-1]["mtp_loss"]))
 
 
-def test_layer_types_are_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"^[^\n]*unset model.layer_types or set model.mtp_layers=0$"):
-        tiny_config(model={**MTP, "layer_types": ["full_attention"] * 4})
+@pytest.mark.parametrize("keys, fix", [({"layer_types": ["full_attention"] * 4}, "unset model.layer_types"),
+                                       ({"pos": "learned"}, "set model.pos='rope'")])
+def test_what_the_depths_cannot_take_is_refused_in_one_line(keys, fix):
+    with pytest.raises(ConfigError, match=rf"^[^\n]*{fix} or set model.mtp_layers=0$"):
+        tiny_config(model={**MTP, **keys})
 
 
 def test_generation_from_an_mtp_checkpoint_is_the_main_models(tmp_path):

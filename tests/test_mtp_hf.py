@@ -30,7 +30,7 @@ from tetrad.train.checkpoint import CheckpointError, digest_files, publish
 from tetrad.train.checkpoint.store import check_model, one_process, read_extras
 from tetrad.train.convert import checkpoint_folder, logical_shapes, read_weights
 from tetrad.train.generate import single_process_model
-from tetrad.train.hf_deepseek import rope_orders
+from tetrad.train.hf_deepseek import deepseek_architecture, rope_orders
 from tetrad.train.init_from import check_init_from, stored_expert_biases, stored_weights
 from tetrad.train.inputs import model_keys
 
@@ -249,3 +249,13 @@ def test_an_architecture_without_mtp_layers_exports_the_model_without_them(tmp_p
     m = load_config(overrides={"model": model}).model
     ours = single_process_model(m, state)(TOKENS, torch.arange(TOKENS.shape[1])).detach()
     torch.testing.assert_close(hf_logits(tmp_path / "hf"), ours, **TOL)
+
+
+def test_a_dense_latent_models_depths_export_as_dense_layers():
+    """A DeepSeek-V3 export without experts makes every layer dense by first_k_dense_replace, the
+    depths' layers (n_layers + k) too: else a reader of the config would build them MoE."""
+    m = load_config(overrides={"model": {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12,
+                                         "qk_rope_head_dim": 4, "v_head_dim": 12, "n_kv_heads": 4,
+                                         "mtp_layers": 2}}).model
+    keys = deepseek_architecture(m)
+    assert (keys["first_k_dense_replace"], keys["num_nextn_predict_layers"]) == (m.n_layers + 2, 2)

@@ -131,13 +131,14 @@ class ModelConfig:
     v_head_dim: int = 128
     # Multi-token prediction (DeepSeek-V3's MTP; Megatron-Core's mtp_num_layers, HF's
     # num_nextn_predict_layers): mtp_layers sequential modules after the last layer, the k-th
-    # predicting the token k + 1 ahead of each position from the (k-1)-th's hidden state and the
-    # embedding of the token k ahead, through one transformer layer of its own (index n_layers +
-    # k - 1: an MoE one where the model's last layers are) and the model's embedding and head.
+    # predicting the token k + 1 ahead of each position from the (k-1)-th's hidden state (the
+    # first's: the model's output, after the final norm) and the embedding of the token k ahead,
+    # through one transformer layer of its own (index n_layers + k - 1: an MoE one where the
+    # model's last layers are) and the model's embedding and head.
     # Their summed token losses, over the step's loss_tokens as the main loss, join the training
     # objective times mtp_loss_weight / mtp_layers (Megatron's mtp_loss_scaling_factor; DeepSeek-V3
     # 0.3, then 0.1); not in `loss` or val_loss; metrics' mtp_loss: each depth's mean token loss.
-    # On the last pipeline stage, which then holds a copy of the embedding. Not with layer_types. 0: none.
+    # On the last pipeline stage, which then holds a copy of the embedding. RoPE only; not with layer_types. 0: none.
     mtp_layers: int = 0
     mtp_loss_weight: float = 0.1
 

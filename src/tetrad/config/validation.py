@@ -143,10 +143,14 @@ def validate(cfg: Config, world_size: int | None = None, runtime: bool = True, r
 
 def _check_mtp(m) -> None:
     """Multi-token prediction's depth k is layer n_layers + k, whose attention kind (window, RoPE)
-    per-layer kinds do not name."""
+    per-layer kinds do not name; its input is a token's embedding alone, which learned positions
+    would leave without a position (Megatron-Core adds them; tetrad's depths take RoPE's)."""
     if m.mtp_layers and m.layer_types:
         raise ConfigError(f"model.mtp_layers={m.mtp_layers} adds layers past model.layer_types' {len(m.layer_types)}, "
                           "whose attention kind it does not name; unset model.layer_types or set model.mtp_layers=0")
+    if m.mtp_layers and m.pos != "rope":
+        raise ConfigError(f"model.mtp_layers={m.mtp_layers} takes positions from RoPE, and model.pos={m.pos!r} gives "
+                          "its depths' token embeddings none; set model.pos='rope' or model.mtp_layers=0")
 
 
 def _check_world(p: ParallelConfig, world_size: int | None) -> None:

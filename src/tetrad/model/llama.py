@@ -322,11 +322,12 @@ class Transformer(nn.Module):
         ahead = None
         if labels.dim() == 3:  # multi-token prediction's targets beside the labels (model/mtp.py)
             labels, ahead = unpack_targets(labels)
-        loss = self._token_loss(self.norm(h[:, -tail:] if tail else h), labels)
+        normed = self.norm(h[:, -tail:] if tail else h)  # the main model's output: the head's and depth 1's input
+        loss = self._token_loss(normed, labels)
         if ahead is None or self.mtp is None or not torch.is_grad_enabled():  # validation: the main loss alone
             return loss
         state, docs = self.execution.mtp_loss, {w: docs if masks.get(w) is None else masks[w] for w in windows}
-        sums = self.mtp.losses(h, ahead, self._embed, self._token_loss, ropes, docs, state)
+        sums = self.mtp.losses(normed, ahead, self._embed, self._token_loss, ropes, docs, state)
         return with_mtp_gradient(loss, sums, state)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:

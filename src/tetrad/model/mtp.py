@@ -1,6 +1,8 @@
 """Multi-token prediction (model.mtp_layers = D > 0; DeepSeek-V3 sec. 2.2): D sequential modules
 after the main layers, on the last pipeline stage. Depth k (1..D) at position i reads h^{k-1}_i (h^0:
-the last layer's output, before the final norm) and the embedding of the token k ahead, t_{i+k}:
+the main model's output, the last layer's after the final norm, as Megatron-Core, vLLM and SGLang feed
+it: the Hub's DeepSeek-V3 and GLM-4.5 depths were trained on it) and the embedding of the token k
+ahead, t_{i+k}:
 
     h^k = block_k(eh_proj([enorm_k(embed(t_{i+k})), hnorm_k(h^{k-1}_i)]))   (the embedding first)
     Loss_k = sum over counted i of CE(head(norm_k(h^k_i)), t_{i+k+1})
@@ -51,7 +53,7 @@ class MultiTokenPrediction(nn.ModuleList):
 
     def losses(self, h: torch.Tensor, ahead: list[tuple[torch.Tensor, torch.Tensor]], embed: Callable,
                token_loss: Callable, ropes: dict, docs: dict, state: MTPLoss) -> list[torch.Tensor]:
-        """Each depth's summed token loss from h (the last layer's output) and `ahead` (per depth,
+        """Each depth's summed token loss from h (the main model's normed output) and `ahead` (per depth,
         the input tokens and targets: `unpack_targets`); `embed(tokens)` and `token_loss(h, labels)`
         are the model's; `ropes` and `docs` by Block.local_rope and window, as the main layers take
         them. Records each depth's loss and counted targets (this rank's) in `state`."""

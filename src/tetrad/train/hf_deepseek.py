@@ -190,7 +190,7 @@ def deepseek_architecture(m) -> dict:
     convert's common ones: head_dim as HF writes it (the RoPE width), DeepSeek's own router keys
     for readers other than transformers, V3's model.mtp_layers multi-token-prediction layers (V2
     has none: convert leaves them out); with no experts, V3's
-    with every layer dense (first_k_dense_replace = num_hidden_layers)."""
+    with every layer dense (first_k_dense_replace = num_hidden_layers + the depths)."""
     kind = deepseek_type(m)
     keys = {"architectures": ["DeepseekV2ForCausalLM" if kind == "deepseek_v2" else "DeepseekV3ForCausalLM"],
             "model_type": kind, "kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank or None,
@@ -199,7 +199,7 @@ def deepseek_architecture(m) -> dict:
             "attention_bias": False, "mlp_bias": False, "bos_token_id": None, "eos_token_id": None,
             **({"rope_interleave": True, "num_nextn_predict_layers": m.mtp_layers} if kind == "deepseek_v3" else {})}
     if not m.n_experts:
-        return {**keys, "first_k_dense_replace": m.n_layers}
+        return {**keys, "first_k_dense_replace": m.n_layers + m.mtp_layers}  # the depths' layers dense too
     return {**keys, "n_routed_experts": m.n_experts, "num_experts_per_tok": m.experts_per_token,
             "moe_intermediate_size": m.expert_hidden, "n_shared_experts": m.shared_expert_ffn_hidden // m.expert_hidden,
             "first_k_dense_replace": len(m.dense_layers), "moe_layer_freq": 1, "norm_topk_prob": m.normalize_expert_weights,

@@ -171,17 +171,16 @@ def test_a_fine_tune_adding_a_depth_is_one_process_s(tmp_path, family, parallel)
         assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf")]) == 0
     else:
         write_hf_moe(tmp_path / "hf", family)
-    runs = []
-    for name, layout in (("one", {}), ("layout", parallel)):
-        cfg = load_config(overrides={"train": {**TINY["train"], "steps": 2}, "run": {"dir": str(tmp_path / name)},
-                                     "model": {"seq_len": 32, "mtp_layers": 1}, "parallel": layout,
-                                     "checkpoint": {"init_from": str(tmp_path / "hf")}}, model_from_inputs=model_keys)
-        runs.append(train_layout(cfg))
-    assert_parity(runs[1], runs[0], atol=1e-4)
-    torch.testing.assert_close(torch.tensor([r["mtp_loss"] for r in runs[1][2]]),
-                               torch.tensor([r["mtp_loss"] for r in runs[0][2]]), rtol=1e-5, atol=1e-6)
-    start = build_model(cfg, Topology.single()).state_dict()
-    assert (runs[0][1]["mtp.0.eh_proj.weight"] - start["mtp.0.eh_proj.weight"]).abs().max() > 0
+    cfgs = [load_config(overrides={"train": {**TINY["train"], "steps": 2}, "run": {"dir": str(tmp_path / name)},
+                                   "model": {"seq_len": 32, "mtp_layers": 1}, "parallel": layout,
+                                   "checkpoint": {"init_from": str(tmp_path / "hf")}}, model_from_inputs=model_keys)
+            for name, layout in (("one", {}), ("layout", parallel))]
+    ref, got = map(train_layout, cfgs)
+    assert_parity(got, ref, atol=1e-4)
+    torch.testing.assert_close(torch.tensor([r["mtp_loss"] for r in got[2]]),
+                               torch.tensor([r["mtp_loss"] for r in ref[2]]), rtol=1e-5, atol=1e-6)
+    start = build_model(cfgs[0], Topology.single()).state_dict()
+    assert (ref[1]["mtp.0.eh_proj.weight"] - start["mtp.0.eh_proj.weight"]).abs().max() > 0
 
 
 @pytest.mark.dist

@@ -150,7 +150,7 @@ def _check_mtp(m) -> None:
                           "whose attention kind it does not name; unset model.layer_types or set model.mtp_layers=0")
     if m.mtp_layers and m.pos != "rope":
         raise ConfigError(f"model.mtp_layers={m.mtp_layers} takes positions from RoPE, and model.pos={m.pos!r} gives "
-                          "its depths' token embeddings none; set model.pos='rope' or model.mtp_layers=0")
+                          "its depths' token embeddings none; set model.pos='rope' or set model.mtp_layers=0")
 
 
 def _check_world(p: ParallelConfig, world_size: int | None) -> None:

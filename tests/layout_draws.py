@@ -4,7 +4,8 @@ parallelism and its regather, both cp algorithms, codecs, bucket sizes, hierarch
 ("auto" included), the tiny model's shapes varied (GQA, odd vocabularies, tied, GPT-style,
 uneven stage splits), micro/global batches and their ramp-up, clipping, dtypes, recompute, offload,
 validation and document masking, and (the fuzzers') hybrid ZeRO's blocks, mixtures of experts
-(with expert parallelism half the time dp allows it) and multi-head latent attention.
+(with expert parallelism half the time dp allows it), multi-head latent attention and
+multi-token prediction.
 Each draw is a pure function of its seed; a few are invalid on purpose (validation must refuse
 them with one line that names the fix)."""
 
@@ -153,6 +154,9 @@ def draw(seed: int, extended: bool = False) -> dict:
     if extended and rng.random() < 0.2:  # DeepSeek's multi-head latent attention (model/latent_attention.py)
         model.update(latent_model(rng, model["n_heads"]))
         model.pop("head_dim", None)
+    if extended and not model.get("layer_types") and rng.random() < 0.2:  # DeepSeek-V3's multi-token prediction
+        # (model/mtp.py; refused with per-layer kinds, Gemma 3's): 1 or 2 depths after the last layer
+        model.update(mtp_layers=rng.choice([1, 2]), mtp_loss_weight=rng.choice([0.1, 0.3, 1.0]))
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 

@@ -3,7 +3,8 @@ combine with them, trains each for a few steps and compares it with one process.
 
 Each draw is a pure function of its seed. A draw that validation refuses is recorded with its
 message; one that runs is compared with the one-process run of the same model and train config
-(fp32 without a codec: assert_parity; codecs and bf16/fp16: loosely). A low-precision mixture
+(fp32 without a codec: assert_parity; codecs and bf16/fp16: loosely), its multi-token prediction
+depths' mtp_loss as its loss. A low-precision mixture
 of experts past its bound that passes with every expert chosen and in fp32 is recorded as
 "routing-flip", not "mismatch" (`routing_flip`). Each draw prints a line, and with --log appends
 a JSON line to that file. Run from the repository root:
@@ -69,31 +70,55 @@ def norm_drift(a, b) -> float:
     return float(((na - nb).abs() / nb.abs()).max()) if len(nb) else 0.0
 
 
-def later_loss_drift(got, ref, other_order) -> str | None:
-    """None where every loss is within assert_parity's bound of one process's; else why the miss
-    is summation order's: the first loss within it, and no later one further from one process's
-    than four times one process's own drift at another micro_batch (AssertionError otherwise).
+def loss_series(run) -> dict[str, list[float]]:
+    """A run's per-step losses by name: "losses", then each multi-token prediction depth's
+    mtp_loss ("mtp_loss 1": depth 1's; model/mtp.py), which the checks hold to the same bounds."""
+    history = run[2] or [{}]
+    depths = len(history[0].get("mtp_loss", ()))
+    return {"losses": run[0], **{f"mtp_loss {k + 1}": [r["mtp_loss"][k] for r in history] for k in range(depths)}}
+
+
+def paired_series(got, ref) -> list[tuple[str, list[float], list[float]]]:
+    """(name, got's, ref's) of every loss series, each finite; AssertionError where `got` reports
+    other series than `ref`."""
+    ours, theirs = loss_series(got), loss_series(ref)
+    assert ours.keys() == theirs.keys(), f"loss series {list(ours)} vs one process's {list(theirs)}"
+    for name, series in ours.items():
+        assert all(math.isfinite(x) for x in series), f"non-finite {name} {series}"
+    return [(name, ours[name], theirs[name]) for name in theirs]
+
+
+def loss_drifts(got, ref, other_order) -> str | None:
+    """later_loss_drift of every loss series, the notes of those that drift joined (None: none)."""
+    notes = [later_loss_drift(got, ref, other_order, name) for name, _, _ in paired_series(got, ref)]
+    return "; ".join(note for note in notes if note) or None
+
+
+def later_loss_drift(got, ref, other_order, name: str = "losses") -> str | None:
+    """None where every loss of series `name` (loss_series) is within assert_parity's bound of one
+    process's; else why the miss is summation order's: the first loss within it, and no later one
+    further from one process's than four times one process's own drift at another micro_batch
+    (AssertionError otherwise).
     Fuzz 69511 (top-1 sigmoid routing over two experts, tp2 SP to pp2) moved its third loss by
     6.9e-5, and one process at micro_batch 1 instead of 2 by the same: a near tie that the order
     of sums tips, as Adam's sign-steps tip a parameter (the drift `check` excuses there)."""
-    losses, ref_losses = torch.tensor(got[0]), torch.tensor(ref[0])
+    losses, ref_losses = (torch.tensor(loss_series(run)[name]) for run in (got, ref))
     off = (losses - ref_losses).abs()
     if bool((off <= LOSS_ATOL + 1e-5 * ref_losses.abs()).all()):
         return None
-    assert off[0] <= LOSS_ATOL + 1e-5 * ref_losses[0].abs(), f"first loss {got[0][0]} vs {ref[0][0]}"
+    assert off[0] <= LOSS_ATOL + 1e-5 * ref_losses[0].abs(), f"first of {name} {losses[0]} vs {ref_losses[0]}"
     other = other_order()  # None for global_batch 1: nothing excuses the miss
-    own = math.inf if other is None else float((torch.tensor(other[0]) - ref_losses).abs().max())
+    own = math.inf if other is None else float((torch.tensor(loss_series(other)[name]) - ref_losses).abs().max())
     assert other is not None and float(off.max()) <= 4 * own + LOSS_ATOL, \
-        f"losses {got[0]} vs {ref[0]}: {float(off.max()):.2e} off, one process's own drift {own:.2e}"
-    return f"losses drift {float(off.max()):.2e}, one process {own:.2e}"
+        f"{name} {losses.tolist()} vs {ref_losses.tolist()}: {float(off.max()):.2e} off, one process's own {own:.2e}"
+    return f"{name} drift {float(off.max()):.2e}, one process {own:.2e}"
 
 
 def check(got, ref, overrides: dict, other_order) -> str:
     """'ok', or why `got` is within what summation order alone moves one process; AssertionError
     otherwise. `other_order()` trains the one-process run again with another micro_batch."""
     par, dtype = overrides["parallel"], overrides["train"]["dtype"]
-    losses, _, history = got
-    assert all(math.isfinite(x) for x in losses), f"non-finite losses {losses}"
+    history, series = got[2], paired_series(got, ref)
     codec = par.get("grad_codec", "none")
     ref_losses, ref_state, ref_history = ref
     val, ref_val = ([r.get("val_loss", math.nan) for r in h] for h in (history, ref_history))
@@ -101,7 +126,7 @@ def check(got, ref, overrides: dict, other_order) -> str:
         torch.testing.assert_close(torch.tensor(val), torch.tensor(ref_val), rtol=2e-5, equal_nan=True,
                                    atol=3 * DTYPE_ATOL.get(dtype, 0), msg=lambda m: f"val_loss: {m}")
     if dtype == "fp32" and codec == "none":
-        atol, loss_note = parity_atol(par), later_loss_drift(got, ref, other_order)
+        atol, loss_note = parity_atol(par), loss_drifts(got, ref, other_order)
         if loss_note:  # the parameters and norms are compared below as if the losses matched
             got = (ref_losses, *got[1:])
         try:
@@ -130,7 +155,11 @@ def check(got, ref, overrides: dict, other_order) -> str:
             return f"summation order: {why}" + (f"; {loss_note}" if loss_note else "")
         return f"summation order: {loss_note}" if loss_note else "ok"
     first_atol = 1e-5 if dtype == "fp32" else DTYPE_ATOL[dtype]
-    assert abs(losses[0] - ref_losses[0]) <= first_atol, f"first loss {losses[0]} vs {ref_losses[0]}"
+    for name, ours, theirs in series:
+        assert abs(ours[0] - theirs[0]) <= first_atol, f"first of {name} {ours[0]} vs {theirs[0]}"
+        if codec == "none":  # later steps of a lossy codec follow their own curve (tests/test_codecs.py)
+            torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=3 * first_atol,
+                                       msg=lambda m, name=name: f"{name}: {m}")
     rtol = {"none": 0, "bf16": 1e-2, "int8": 2e-2}.get(codec)
     if rtol is not None:  # powersgd's first step is a rank-4 approximation
         rtol += DTYPE_NORM_RTOL.get(dtype, 1e-5)
@@ -138,8 +167,6 @@ def check(got, ref, overrides: dict, other_order) -> str:
         # step alike (seed 69688: latent attention under Gemma 3's scaled embeddings)
         torch.testing.assert_close(grad_norms(history)[0], grad_norms(ref_history)[0], rtol=rtol, atol=0,
                                    equal_nan=True, msg=lambda m: f"first grad_norm: {m}")
-    if codec == "none":  # later steps of a lossy codec follow their own curve (tests/test_codecs.py)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=3 * first_atol)
     if dtype != "fp16":
         assert not any(r["skipped"] for r in history), "skipped steps"
     return "ok"
@@ -187,7 +214,7 @@ def dropout_pair(seed: int) -> dict:
 
 
 def check_same(got, ref) -> str:
-    assert got[0] == ref[0], f"losses {got[0]} vs {ref[0]} without recompute"
+    assert loss_series(got) == loss_series(ref), f"losses {loss_series(got)} vs {loss_series(ref)} without recompute"
     assert [r["grad_norm"] for r in got[2]] == [r["grad_norm"] for r in ref[2]], "grad norms differ"
     differ = [k for k in ref[1] if not torch.equal(got[1][k], ref[1][k])]
     assert not differ, f"parameters differ without recompute: {differ[:4]}"

@@ -2,7 +2,8 @@
 embedding first in the concat, the target k + 1 ahead), computed here in plain torch from the
 module's weights; the step's gradient is that of main / N + w / D * sum_k Loss_k / N; every layout
 trains as one process does (the depths on the last stage, the embedding's copy there, the targets
-packed before cp sharding) and reports the same mtp_loss; what it cannot take is refused in one
+packed before cp sharding, recomputed, their MoE layers' expert biases moved, fp16's loss scale
+reaching them) and reports the same mtp_loss; what it cannot take is refused in one
 line; generation from an MTP run's checkpoint is the main model's."""
 
 import json
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_parity, doc_shards, first_step_gradients, tiny_config, train_layout
+from conftest import assert_parity, doc_shards, first_step_gradients, grad_norms, sft_shards, tiny_config, train_layout
 from nccl_collectives import NcclTrainer
 from nccl_semantics import NcclSemantics
 from test_latent_attention import DS3
@@ -21,6 +22,7 @@ from tetrad.config import ConfigError
 from tetrad.dist.topology import Topology
 from tetrad.model.layers import IGNORED_LABEL
 from tetrad.model.llama import Transformer
+from tetrad.model.moe import expert_biases
 from tetrad.model.mtp import pack_targets
 from tetrad.model.sharding import init_parameters
 from tetrad.train.generate import generate, load_generator
@@ -42,12 +44,13 @@ def _rms(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _reference_losses(net: Transformer, seq: torch.Tensor, swapped: bool = False,
+def _reference_losses(net: Transformer, x: torch.Tensor, y: torch.Tensor, swapped: bool = False,
                       unnormed: bool = False) -> list[torch.Tensor]:
-    """Each depth's summed loss by the spec, from `seq` [b, s + 1] (inputs seq[:, :-1]): h^0 the
-    main model's output (after the final norm; `unnormed`: before it), then per depth in plain
-    torch but for its block."""
-    x, eps, s = seq[:, :-1], net.cfg.norm_eps, seq.shape[1] - 1
+    """Each depth's summed loss by the spec, from inputs `x` and labels `y` [b, s] (IGNORED_LABEL
+    where the loss leaves one out): h^0 the main model's output (after the final norm; `unnormed`:
+    before it), then per depth in plain torch but for its block, the head the embedding where tied."""
+    eps, s = net.cfg.norm_eps, x.shape[1]
+    head = net.embed.weight if net.head is None else net.head.weight
     rope = net.rope(torch.arange(s))
     h = F.embedding(x, net.embed.weight)
     for block in net.layers.values():
@@ -55,12 +58,13 @@ def _reference_losses(net: Transformer, seq: torch.Tensor, swapped: bool = False
     h = h if unnormed else _rms(h, net.norm.weight, eps)
     losses = []
     for k, depth in enumerate(net.mtp, 1):
-        e = F.embedding(torch.cat([seq[:, k:s], seq.new_zeros(seq.shape[0], k)], 1), net.embed.weight)
+        e = F.embedding(torch.cat([x[:, k:], x.new_zeros(x.shape[0], k)], 1), net.embed.weight)
         parts = [_rms(e, depth.enorm.weight, eps), _rms(h, depth.hnorm.weight, eps)]
         h = depth.block(torch.cat(parts[::-1] if swapped else parts, -1) @ depth.eh_proj.weight.T, rope)
-        logits = _rms(h, depth.norm.weight, eps) @ net.head.weight.T
-        # position i predicts seq[i + k + 1]: positions 0 .. s - k - 1 have one
-        losses.append(F.cross_entropy(logits[:, :s - k].flatten(0, 1), seq[:, k + 1:].flatten(), reduction="sum"))
+        logits = _rms(h, depth.norm.weight, eps) @ head.T
+        # position i predicts y[i + k] (token i + k + 1): positions 0 .. s - k - 1 have one
+        losses.append(F.cross_entropy(logits[:, :s - k].flatten(0, 1), y[:, k:].flatten(), reduction="sum",
+                                      ignore_index=IGNORED_LABEL))
     return losses
 
 
@@ -68,20 +72,22 @@ def _tokens(b=2, s=16, seed=0):
     return torch.randint(0, 256, (b, s + 1), generator=torch.Generator().manual_seed(seed))
 
 
-def test_a_depths_loss_is_the_specs():
-    """The recorded sums are the plain-torch ones, and not those of the hidden state first or of
-    the main model's output before its final norm."""
-    net, seq = _model(), _tokens()
-    labels = pack_targets(seq[:, :-1], seq[:, 1:], 2)
-    net(seq[:, :-1], torch.arange(16), labels)
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_depths_loss_is_the_specs(tied):
+    """The recorded sums are the plain-torch ones (tied: the embedding the depths' head), and not
+    those of the hidden state first or of the main model's output before its final norm."""
+    net, seq = _model(tie_embeddings=tied), _tokens()
+    x, y = seq[:, :-1], seq[:, 1:]
+    assert (net.head is None) == tied
+    net(x, torch.arange(16), pack_targets(x, y, 2))
     sums, counts = net.execution.mtp_loss.take()
     with torch.no_grad():
-        ref, swapped = _reference_losses(net, seq), _reference_losses(net, seq, swapped=True)
+        ref, swapped = _reference_losses(net, x, y), _reference_losses(net, x, y, swapped=True)
     torch.testing.assert_close(sums, torch.stack(ref), rtol=1e-5, atol=1e-5)
     assert counts.tolist() == [2 * 15, 2 * 14]
     assert (torch.stack(swapped) - sums).abs().min() > 1e-3
     with torch.no_grad():
-        unnormed = _reference_losses(net, seq, unnormed=True)
+        unnormed = _reference_losses(net, x, y, unnormed=True)
     assert (torch.stack(unnormed) - sums).abs().min() > 1e-3
 
 
@@ -97,22 +103,23 @@ def test_packed_targets_roll_the_inputs_and_labels_and_mask_past_the_window_and_
                                   [7, 8, 9, 0, 0], [8, n, n, n, n]]
 
 
-def test_the_steps_gradient_is_the_objectives():
+@pytest.mark.parametrize("data", ["bytes", "sft"])
+def test_the_steps_gradient_is_the_objectives(data):
     """One process's first-step gradient (fp32, ZeRO-0: p.grad) is autograd's of main / N +
-    w / D * sum_k Loss_k / N over the step's micro-batches, the depths' losses the reference's."""
-    cfg = tiny_config(model=MTP)
+    w / D * sum_k Loss_k / N over the step's micro-batches, the depths' losses the reference's; N
+    the step's loss_tokens, fewer than its tokens where the loss masks prompts (sft)."""
+    cfg = tiny_config(model=MTP, data={"source": sft_shards()} if data == "sft" else {})
     trainer = Trainer(cfg, torch.device("cpu"))
     net = _model()
     net.load_state_dict({name: p.detach() for name, p in trainer.model.named_parameters()})
     micro = trainer.batches.microbatches(0, 0, 1, cfg.train.micro_batch)
     n = trainer.batches.loss_tokens(0)
+    assert (n < cfg.train.global_batch * cfg.model.seq_len) == (data == "sft")
     trainer.forward_backward(micro, n)
     trainer.grads.reduce()
     objective = 0
     for x, y in micro:
-        seq = torch.cat([x, y[:, -1:]], 1)
-        objective = objective + net(x, torch.arange(x.shape[1]), y) / n \
-            + 0.5 / 2 * sum(_reference_losses(net, seq)) / n
+        objective = objective + (net(x, torch.arange(x.shape[1]), y) + 0.5 / 2 * sum(_reference_losses(net, x, y))) / n
     objective.backward()
     ours = dict(trainer.model.named_parameters())
     for name, p in net.named_parameters():
@@ -124,7 +131,9 @@ def test_the_steps_gradient_is_the_objectives():
 FAMILIES = {"mtp": (MTP, {}), "mtpdocs": (MTP, {"document_mask": True}),
             "mtptied": ({**MTP, "tie_embeddings": True}, {}),
             "mtpmoe": ({**MTP, "n_experts": 4, "experts_per_token": 2, "router_aux_loss": 0.1}, {}),
-            "mtpds3": ({**MTP, **DS3}, {})}
+            "mtpds3": ({**MTP, **DS3}, {}),
+            "mtpbias": ({**MTP, "n_experts": 4, "experts_per_token": 2, "router_bias_update_rate": 0.01}, {}),
+            "mtpfp16": (MTP, {"dtype": "fp16"})}
 LAYOUTS = {
     "mtp-dp2": {"dp": 2},
     "mtp-tp2": {"tp": 2},  # eh_proj's gradient whole on every tp rank
@@ -134,6 +143,9 @@ LAYOUTS = {
     "mtp-pp2-1f1b": {"pp": 2, "schedule": "1f1b"},  # the embedding's copy on the last stage
     "mtp-pp2-zb": {"pp": 2, "schedule": "zb"},
     "mtp-pp2-vpp2": {"pp": 2, "vpp": 2, "schedule": "interleaved"},
+    "mtp-dp2-pp2-zb-zero2": {"dp": 2, "pp": 2, "schedule": "zb", "zero": 2},
+    "mtp-tp2-sp-full": {"tp": 2, "sequence_parallel": True},  # recompute (RECOMPUTE): the depths' forward again
+    "mtp-dp2-selop": {"dp": 2},
     "mtp-dp2-zero3": {"dp": 2, "zero": 3},  # the depths' blocks gathered as blocks
     "mtp-dp2-pp2-zero3": {"dp": 2, "pp": 2, "zero": 3},
     "mtptied-dp2-pp2-zero1": {"dp": 2, "pp": 2, "zero": 1},  # one copy: the head's and the depths' inputs
@@ -144,15 +156,26 @@ LAYOUTS = {
 }
 
 
-def _config(family: str, parallel: dict):
+RECOMPUTE = {"mtp-tp2-sp-full": "full", "mtp-dp2-selop": "selective-op"}  # layout -> train.recompute
+
+
+def _config(family: str, parallel: dict, recompute: str = "none"):
     model, train = FAMILIES[family]
     data = {"source": doc_shards()} if train.get("document_mask") else {}
-    return tiny_config(parallel=parallel, model=model, train=train, data=data)
+    return tiny_config(parallel=parallel, model=model, train={**train, "recompute": recompute}, data=data)
+
+
+class _WithBiases(Trainer):
+    """full_state with each MoE layer's expert bias (`<layer>.expert_bias`)."""
+
+    def full_state(self):
+        biases = {f"{name}.expert_bias": b.cpu().clone() for name, b in expert_biases(self.model).items()}
+        return {**super().full_state(), **biases}
 
 
 @lru_cache(maxsize=None)
 def _one_process(family: str):
-    return train_layout(_config(family, {}))
+    return train_layout(_config(family, {}), trainer_class=_WithBiases)
 
 
 def _assert_parity_and_mtp_loss(got, ref, atol):
@@ -166,13 +189,40 @@ def _assert_parity_and_mtp_loss(got, ref, atol):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_single_process(name):
     family = name.split("-")[0]
-    got = train_layout(_config(family, LAYOUTS[name]))
+    got = train_layout(_config(family, LAYOUTS[name], RECOMPUTE.get(name, "none")), trainer_class=_WithBiases)
     # Gradient elements near Adam's eps, whose updates amplify another order of sums: mtpdocs, an
     # embedding row first used at step 3 (the ring's sums differ by 3e-8 on it, the update by up to
     # 4e-4); mtpds3 under tp2 SP, experts with gradient elements down to 3e-9 (the first step's
     # gradients differ by 2e-8 at most, the state after 5 steps by up to 1.5e-4). Their first-step
     # gradients are compared tightly below.
     _assert_parity_and_mtp_loss(got, _one_process(family), {"mtpdocs": 5e-4, "mtpds3": 2e-4}.get(family, 1e-4))
+
+
+@pytest.mark.dist
+def test_the_depths_expert_bias_moves_as_one_process_s():
+    """router_bias_update_rate > 0: each depth's MoE layer's expert bias moves, under dp2 x ep2
+    exactly as in one process (its counts summed over the job), the weights and mtp_loss alike."""
+    got = train_layout(_config("mtpbias", {"dp": 2, "ep": 2}), trainer_class=_WithBiases)
+    ref = _one_process("mtpbias")
+    _assert_parity_and_mtp_loss(got, ref, 1e-4)
+    for k in range(MTP["mtp_layers"]):
+        name = f"mtp.{k}.block.mlp.expert_bias"
+        assert torch.equal(got[1][name], ref[1][name]) and ref[1][name].abs().min() > 0, name
+
+
+@pytest.mark.dist
+def test_fp16_s_loss_scale_reaches_the_depths():
+    """train.dtype fp16: a dp2 ZeRO-1 layout takes one fp16 process's steps and mtp_loss, whose first
+    gradient norm is fp32's (test_precision's bound): the depths' injected gradient carries the loss
+    scale (MTPLoss.grad_scale) that unscaling divides by, else it would be 2^-16 of theirs."""
+    got, ref = train_layout(_config("mtpfp16", {"dp": 2, "zero": 1})), _one_process("mtpfp16")
+    scales = [(r["loss_scale"], r["skipped"]) for r in got[2]]
+    assert scales == [(r["loss_scale"], r["skipped"]) for r in ref[2]] and scales[0] == (2.0**16, False)
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=0, atol=2e-3)
+    torch.testing.assert_close(torch.tensor([r["mtp_loss"] for r in got[2]]),
+                               torch.tensor([r["mtp_loss"] for r in ref[2]]), rtol=0, atol=2e-3)
+    torch.testing.assert_close(grad_norms(got[2])[0], grad_norms(ref[2])[0], rtol=2e-4, atol=0)
+    torch.testing.assert_close(grad_norms(ref[2])[0], grad_norms(_one_process("mtp")[2])[0], rtol=2e-4, atol=0)
 
 
 @pytest.mark.dist

@@ -4,7 +4,8 @@ enorm, hnorm, eh_proj, shared_head.norm and copies of the embedding and head) im
 model.mtp_layers = 1 with each tensor in its place (RoPE rows de-interleaved, experts stacked, its
 expert bias), read alike by init_from (a tp2 fine-tune from the folder is one process's), export
 back to the same tensors (transformers loads the export and computes the same logits), as the fp8
-release's dequantized; fewer depths leave some out with a note, more are refused; layers past
+release's dequantized; fewer depths leave some out with a note, more start those past the
+weights' as a fresh run draws them, with a note, alike in every layout; layers past
 config.json's depths are counted and left out; a stale copy of the head is said and left out; an
 architecture without such layers exports without them, said; a resume with another mtp_layers is
 refused naming it."""
@@ -24,8 +25,11 @@ from conftest import TINY, assert_parity, train_layout
 from test_deepseek_fp8 import FP8, _quantized, _spread
 from test_moe_hf import TOKENS, TOL, hf_logits, tensor_names, write_hf_moe
 from tetrad.cli import main
-from tetrad.config import ConfigError, load_config
+from tetrad.config import load_config
+from tetrad.dist.topology import Topology
+from tetrad.model.moe import expert_biases
 from tetrad.train.batches import split_batches
+from tetrad.train.building import build_model
 from tetrad.train.checkpoint import CheckpointError, digest_files, publish
 from tetrad.train.checkpoint.store import check_model, one_process, read_extras
 from tetrad.train.convert import checkpoint_folder, logical_shapes, read_weights
@@ -109,9 +113,10 @@ def test_the_hubs_mtp_layer_imports_in_place_and_exports_back(tmp_path, family, 
     torch.testing.assert_close(hf_logits(tmp_path / "back"), theirs, **TOL)
 
 
-def test_init_from_keeps_fewer_depths_with_a_note_and_refuses_more(tmp_path, capsys):
+def test_init_from_keeps_fewer_depths_and_more_with_a_note(tmp_path, capsys):
     """An HF folder and a tetrad checkpoint alike: model.mtp_layers follows the weights; fewer
-    leave the others unread (the folder's weights still fit), more are refused in one line."""
+    leave the others unread, more start the others fresh (the folder's weights still fit), said in
+    one line."""
     write_hf_mtp(tmp_path / "hf", "deepseek_v3")
     assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
     for source in (tmp_path / "hf", tmp_path / "ckpt"):
@@ -121,10 +126,62 @@ def test_init_from_keeps_fewer_depths_with_a_note_and_refuses_more(tmp_path, cap
         check_init_from(config(tmp_path, source, mtp_layers=0))
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "left out 1 of its 1 multi-token-prediction depths (model.mtp_layers=0)" in err
-        with pytest.raises(ConfigError, match=r"model.mtp_layers=2 asks for more multi-token-prediction depths than "
-                                              r"the 1 .* set model.mtp_layers to 1 or fewer") as e:
-            check_init_from(config(tmp_path, source, mtp_layers=2))
-        assert "\n" not in str(e.value)
+        check_init_from(config(tmp_path, source, mtp_layers=3))
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"model.mtp_layers=3 and checkpoint.init_from={str(source)!r} holds 1 " \
+            "multi-token-prediction depth: depths 2-3 start fresh" in err
+
+
+def _without_init_from(cfg):
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, init_from=""))
+
+
+def test_depths_past_the_weights_start_as_a_fresh_run_s(tmp_path, capsys):
+    """Continued pre-training adding depths: from a transformers-saved DeepSeek-V3 (config.json names
+    a depth, the files hold none) and from a checkpoint of one depth, at model.mtp_layers=2 the depths
+    the weights hold are theirs, the others (their MoE layer's expert bias too) those a fresh run of
+    the config draws, said in one line."""
+    write_hf_mtp(tmp_path / "hf", "deepseek_v3")
+    assert main(["convert", str(tmp_path / "hf"), "--to-tetrad", str(tmp_path / "ckpt")]) == 0
+    write_hf_moe(tmp_path / "saved", "deepseek_v3")
+    for source, held, fresh in ((tmp_path / "saved", 0, "depths 1-2 start"), (tmp_path / "ckpt", 1, "depth 2 starts")):
+        cfg = config(tmp_path, source, mtp_layers=2)
+        capsys.readouterr()
+        check_init_from(cfg)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"holds {held} multi-token-prediction depth" in err and f"{fresh} fresh" in err
+        model, new = build_model(cfg, Topology.single()), build_model(_without_init_from(cfg), Topology.single())
+        weights, drawn = stored_weights(source), dict(new.named_parameters())
+        for name, p in model.named_parameters():
+            theirs = not name.startswith("mtp.") or int(name.split(".")[1]) < held
+            assert torch.equal(p, whole(weights(name)).to(p.dtype) if theirs else drawn[name]), name
+        biases, stored = expert_biases(model), stored_expert_biases(source)
+        assert not biases["mtp.1.block.mlp"].any() and biases.keys() == expert_biases(new).keys()
+        assert set(stored) == {layer for layer in biases if not layer.startswith("mtp.") or int(layer[4]) < held}
+        assert all(torch.equal(biases[layer], bias) for layer, bias in stored.items())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family, parallel", [("deepseek_v3", {"tp": 2, "sequence_parallel": True}),
+                                              ("llama", {"pp": 2})])
+def test_a_fine_tune_adding_a_depth_is_one_process_s(tmp_path, family, parallel):
+    """A depth the weights lack (a transformers-saved DeepSeek-V3, an exported Llama) starts alike in
+    every layout: tp2 with SP and pp2 take one process's steps and mtp_loss, and the depth trains."""
+    if family == "llama":
+        _checkpoint(tmp_path / "ckpt", {**TINY["model"], "d_model": 32, "ffn_hidden": 48, "vocab_size": 256})
+        assert main(["convert", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf")]) == 0
+    else:
+        write_hf_moe(tmp_path / "hf", family)
+    cfgs = [load_config(overrides={"train": {**TINY["train"], "steps": 2}, "run": {"dir": str(tmp_path / name)},
+                                   "model": {"seq_len": 32, "mtp_layers": 1}, "parallel": layout,
+                                   "checkpoint": {"init_from": str(tmp_path / "hf")}}, model_from_inputs=model_keys)
+            for name, layout in (("one", {}), ("layout", parallel))]
+    ref, got = map(train_layout, cfgs)
+    assert_parity(got, ref, atol=1e-4)
+    torch.testing.assert_close(torch.tensor([r["mtp_loss"] for r in got[2]]),
+                               torch.tensor([r["mtp_loss"] for r in ref[2]]), rtol=1e-5, atol=1e-6)
+    start = build_model(cfgs[0], Topology.single()).state_dict()
+    assert (ref[1]["mtp.0.eh_proj.weight"] - start["mtp.0.eh_proj.weight"]).abs().max() > 0
 
 
 @pytest.mark.dist

@@ -123,7 +123,7 @@ def logical_init(name: str, spec: ParamSpec, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, weights: Callable[[str], torch.Tensor] | None = None) -> None:
+def init_parameters(model: nn.Module, seed: int, weights: Callable[[str], torch.Tensor | None] | None = None) -> None:
     """Fill every local parameter with its shard of the logical initial tensor (or of
     `weights(name)`, weights a run starts from, read by that shard alone), one parameter at a time,
     so a model too large for one device is never materialised whole, nor read whole by a rank."""
@@ -132,11 +132,13 @@ def init_parameters(model: nn.Module, seed: int, weights: Callable[[str], torch.
 
 
 def initial_value(name: str, param: torch.Tensor, seed: int,
-                  weights: Callable[[str], torch.Tensor] | None = None) -> torch.Tensor:
+                  weights: Callable[[str], torch.Tensor | None] | None = None) -> torch.Tensor:
     """This rank's (tp) shard of parameter `name`'s logical initial tensor, or of `weights(name)`
-    (weights a run starts from: a tensor, or a handle of which that shard alone is read), on the CPU."""
+    (weights a run starts from: a tensor, or a handle of which that shard alone is read; None where
+    they lack it and it starts at the logical init: init_from.initial_weights), on the CPU."""
     spec = spec_of(param)[0]
-    return local_part(name, param, logical_init(name, spec, seed) if weights is None else weights(name))
+    stored = None if weights is None else weights(name)
+    return local_part(name, param, logical_init(name, spec, seed) if stored is None else stored)
 
 
 @torch.no_grad()

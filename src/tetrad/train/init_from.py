@@ -113,15 +113,18 @@ def check_init_from(cfg: Config) -> None:
     if differ:
         raise ConfigError(f"checkpoint.init_from={source!r} holds a model of another shape ({'; '.join(differ)}); "
                           "drop those [model] keys: they follow the weights")
-    _check_depths(source, saved.get("mtp_layers", 0), cfg.model.mtp_layers)
+    held = saved.get("mtp_layers", 0)
+    _check_depths(source, held, cfg.model.mtp_layers)
     if is_hf_folder(path):  # config.json fits [model]; the weights the ranks will read must fit it too
+        read = dataclasses.replace(cfg.model, mtp_layers=min(held, cfg.model.mtp_layers))  # the depths read
         try:
-            problem = hf_weights_problem(path, cfg.model)
+            problem = hf_weights_problem(path, read)
         except CheckpointError as e:
             raise ConfigError(f"checkpoint.init_from={source!r}: {e}") from None
         if problem:
             raise ConfigError(f"checkpoint.init_from={source!r}: {problem}; export the folder again, or name another")
-        for note in (hf_model_keys(path, hf_config(path))[1], stale_copies(path, cfg.model, *_folder_reader(path))):
+        held_note = hf_model_keys(path, hf_config(path))[1] if cfg.model.mtp_layers <= held else ""
+        for note in (held_note, stale_copies(path, read, *_folder_reader(path))):
             if note:
                 print(f"tetrad: {note}", file=sys.stderr)
     _check_tokenizer(cfg, path)
@@ -141,11 +144,14 @@ def _folder_reader(path: Path) -> tuple[Callable[[str], torch.Tensor], dict[str,
 
 
 def _check_depths(source: str, saved: int, here: int) -> None:
-    """Fewer multi-token-prediction depths than the weights hold start without the others (said
-    in one line); more than they hold would start some untrained: refused."""
+    """Fewer multi-token-prediction depths than the weights hold start without the others; more
+    start those past them fresh (`initial_weights`: continued pre-training adding MTP, as
+    Megatron-LM's users do); either said in one line."""
     if here > saved:
-        raise ConfigError(f"model.mtp_layers={here} asks for more multi-token-prediction depths than the {saved} "
-                          f"checkpoint.init_from={source!r} holds; set model.mtp_layers to {saved} or fewer")
+        fresh = f"depth {here} starts" if here == saved + 1 else f"depths {saved + 1}-{here} start"
+        print(f"tetrad: model.mtp_layers={here} and checkpoint.init_from={source!r} holds {saved} multi-token-"
+              f"prediction depth{'' if saved == 1 else 's'}: {fresh} fresh (the model's own initialisation)",
+              file=sys.stderr)
     if here < saved:
         print(f"tetrad: checkpoint.init_from={source!r}: left out {saved - here} of its {saved} multi-token-prediction "
               f"depths (model.mtp_layers={here})", file=sys.stderr)
@@ -185,10 +191,14 @@ def _check_tokenizer(cfg: Config, path: Path) -> None:
                           f"TEXT --tokenizer {theirs} --out DATA`")
 
 
-def initial_weights(source: str) -> Callable[[str], SafetensorsPart | ExpertParts | CheckpointPart]:
+def initial_weights(source: str) -> Callable[[str], SafetensorsPart | ExpertParts | CheckpointPart | None]:
     """name -> a handle to that parameter's logical tensor in `source` (checkpoint.init_from), of
-    which each rank reads its shard alone (sharding.init_parameters; its shape checked there)."""
-    return stored_weights(Path(source))
+    which each rank reads its shard alone (sharding.init_parameters; its shape checked there);
+    None for a multi-token-prediction depth past those the weights hold (`mtp.<k>.*`, k at or past
+    their count), which starts at the model's own initialisation, as a fresh run's (its expert
+    biases at zero: set_expert_biases)."""
+    weights, held = stored_weights(Path(source)), weights_model_keys(source).get("mtp_layers", 0)
+    return lambda name: None if name.startswith("mtp.") and int(name.split(".")[1]) >= held else weights(name)
 
 
 def stored_expert_biases(source: str | Path) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_parity, doc_shards, first_step_gradients, grad_norms, sft_shards, tiny_config, train_layout
+from conftest import assert_parity, doc_shards, first_step_gradients, grad_norms, run_ranks, sft_shards, tiny_config, train_layout
 from nccl_collectives import NcclTrainer
 from nccl_semantics import NcclSemantics
 from test_latent_attention import DS3
@@ -310,3 +310,29 @@ def test_the_depths_moe_layers_join_the_load_balancing_mean():
     assert (m.moe_layers, m.routed_layers) == (m.n_layers, m.n_layers + m.mtp_layers)
     _, _, history = _one_process("mtpmoe")
     assert 0.9 < history[0]["moe_aux_loss"] < 1.3
+
+
+def _gathered_depth_buckets(cfg) -> tuple[set, set]:
+    """This rank's ZeRO-3 buckets of the depths' blocks gathered (started or awaited) in a training
+    step, and in a validation pass after it."""
+    trainer = Trainer(cfg, torch.device("cpu"))
+    gather = trainer.grads.zero3
+    depths = {i for k in range(len(trainer.model.layers), len(gather.block_buckets)) for i in gather.block_buckets[k]}
+    seen = set()
+    for name in ("start", "gather"):
+        original = getattr(gather, name)
+        setattr(gather, name, lambda i, original=original: (seen.add(i), original(i))[1])
+    trainer.train_step(0)
+    trained, seen = seen & depths, set()
+    trainer.evaluate()
+    return trained, seen & depths
+
+
+@pytest.mark.dist
+def test_zero3_validation_gathers_no_depth_block():
+    """The depths run in training alone: validation's forward prefetches none of their blocks
+    (whose all-gathers it would hold to its end), where a training step gathers them all."""
+    cfg = tiny_config(model=MTP, parallel={"dp": 2, "zero": 3}, train={"steps": 1, "eval_steps": 1},
+                      data={"val_fraction": 0.1})
+    for trained, evaluated in run_ranks(_gathered_depth_buckets, 2, cfg):
+        assert trained and not evaluated

@@ -119,8 +119,11 @@ class ParamGather:
     def install(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         """Gather and free around every block of `model`, and the root around the whole forward."""
         model.register_forward_pre_hook(self._before_model)
+        # multi-token prediction's blocks (after the layers) run in training alone: a forward without
+        # grad (validation) prefetches none of them, which it would only free at its end
+        evaluated = len(getattr(model, "layers", blocks))
         for k, block in enumerate(blocks):
-            block.register_forward_pre_hook(self._before_block(k, len(blocks)))
+            block.register_forward_pre_hook(self._before_block(k, len(blocks), evaluated))
             block.register_forward_hook(self._after_block(k))
 
     def _before_model(self, module, args) -> None:
@@ -138,9 +141,11 @@ class ParamGather:
         for i in self.block_buckets[k]:
             self.free(i)
 
-    def _before_block(self, k: int, n_blocks: int):
+    def _before_block(self, k: int, n_blocks: int, evaluated: int):
+        """`evaluated`: the blocks a forward without grad runs (the first ones)."""
         def hook(module, args):
-            self._gather_block(k, range(k + 1, min(k + 1 + self.prefetch, n_blocks)))
+            end = n_blocks if torch.is_grad_enabled() else evaluated
+            self._gather_block(k, range(k + 1, min(k + 1 + self.prefetch, end)))
             x = args[0]
             if self.execution.split_backward and torch.is_grad_enabled() and x.requires_grad:
                 x.register_hook(lambda grad: self._free_block(k))

@@ -218,9 +218,10 @@ def test_fp16_s_loss_scale_reaches_the_depths():
     got, ref = train_layout(_config("mtpfp16", {"dp": 2, "zero": 1})), _one_process("mtpfp16")
     scales = [(r["loss_scale"], r["skipped"]) for r in got[2]]
     assert scales == [(r["loss_scale"], r["skipped"]) for r in ref[2]] and scales[0] == (2.0**16, False)
-    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=0, atol=2e-3)
+    # fp16 activations summed in another order over dp: 1.8e-5 apart at most (measured), bound at 2e-4
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=0, atol=2e-4)
     torch.testing.assert_close(torch.tensor([r["mtp_loss"] for r in got[2]]),
-                               torch.tensor([r["mtp_loss"] for r in ref[2]]), rtol=0, atol=2e-3)
+                               torch.tensor([r["mtp_loss"] for r in ref[2]]), rtol=0, atol=2e-4)
     torch.testing.assert_close(grad_norms(got[2])[0], grad_norms(ref[2])[0], rtol=2e-4, atol=0)
     torch.testing.assert_close(grad_norms(ref[2])[0], grad_norms(_one_process("mtp")[2])[0], rtol=2e-4, atol=0)
 

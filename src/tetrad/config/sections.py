@@ -141,6 +141,11 @@ class TrainConfig:
     seed: int = 0
     dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     recompute: Literal["none", "selective", "selective-op", "full"] = "none"
+    # The output head and its cross-entropy fused, this many tokens of logits at a time
+    # (model/chunked_loss.py: Liger's fused linear cross-entropy): the vocabulary-sized logits of
+    # a whole micro-batch, its largest activation, never exist, for one more head GEMM in backward.
+    # 0: off, the head's logits made whole.
+    loss_chunk_tokens: int = 0
     device: Literal["cpu", "cuda", "auto"] = "auto"
     # fp32 master weights and AdamW state in CPU memory instead of the accelerator's.
     offload_optimizer: bool = False

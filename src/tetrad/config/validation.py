@@ -74,7 +74,7 @@ RANGES: dict[str, Range] = {
     "parallel.stage_layers": SIZE, "parallel.zero": Range(0, 3, high_open=False), "parallel.zero_shard": COUNT,
     "parallel.grad_bucket_mb": POSITIVE, "parallel.collective_timeout_s": POSITIVE, "parallel.startup_timeout_s": POSITIVE,
     "train.steps": SIZE, "train.global_batch": SIZE, "train.micro_batch": SIZE, "train.batch_rampup": SIZE,
-    "train.warmup": COUNT,
+    "train.warmup": COUNT, "train.loss_chunk_tokens": COUNT,  # 0: the head's logits made whole
     "train.eval_every": COUNT, "train.eval_steps": SIZE,  # eval_every 0: no validation
     "train.lr": POSITIVE, "train.min_lr_ratio": FRACTION, "train.decay_fraction": Range(0, 1, low_open=True,
                                                                                          high_open=False),

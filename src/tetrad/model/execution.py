@@ -174,13 +174,16 @@ class Execution:
     keeping it gathered.
     split_backward: linear layers route their weight gradients through `weight_grads`, which
     the pipeline executor opens (BI) and applies (BW). router_loss: mixture-of-experts layers'
-    load-balancing loss (RouterLoss); mtp_loss: multi-token prediction's (MTPLoss). op_recompute:
+    load-balancing loss (RouterLoss); mtp_loss: multi-token prediction's (MTPLoss). loss_chunk: the
+    head and its cross-entropy run fused, this many tokens at a time (model/chunked_loss.py; 0:
+    the head's logits of a whole micro-batch at once). op_recompute:
     blocks run under per-op recompute (`selective-op`, set by llama.set_execution), which may keep
     a row linear's output: tp's all-reduce of it then runs into a copy (mappings._ReduceFromTP)."""
 
     cp_algo: str = "ring"
     sequence_parallel: bool = False
     sp_regather: bool = False
+    loss_chunk: int = 0
     split_backward: bool = False
     op_recompute: bool = False
     weight_grads: DeferredWeightGrads = field(default_factory=DeferredWeightGrads)

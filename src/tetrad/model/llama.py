@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from tetrad.config import ModelConfig
 from tetrad.model.attention import attention, sequence_mask, uses_varlen
+from tetrad.model.chunked_loss import chunked_head_loss
 from tetrad.model.documents import Documents
 from tetrad.model.kv_cache import LayerCache, cached_attention, padded_visibility
 from tetrad.model.flops import hides_keys
@@ -343,6 +344,10 @@ class Transformer(nn.Module):
 
     def _token_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed token loss of normed hidden states `h` against `labels`."""
+        if self.execution.loss_chunk:
+            weight = self.embed.weight if self.head is None else self.head.weight
+            return chunked_head_loss(h, weight, labels, self.cfg.vocab_size, self.topo, self.execution,
+                                     self.execution.loss_chunk)
         return vocab_parallel_cross_entropy(self._logits(h), labels, self.cfg.vocab_size, self.topo).sum()
 
     def rope(self, positions: torch.Tensor, decoding: bool = False, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

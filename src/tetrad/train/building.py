@@ -20,6 +20,7 @@ def execution_for(cfg: Config, hold=None) -> Execution:
     tensors (an ActivationMeter's)."""
     p = cfg.parallel
     return Execution(cp_algo=p.cp_algo, sequence_parallel=p.sequence_parallel and p.tp > 1, sp_regather=p.sp_regather,
+                     loss_chunk=cfg.train.loss_chunk_tokens,
                      split_backward=p.pp > 1 and schedule_spec(p.schedule).splits_backward,
                      weight_grads=DeferredWeightGrads(hold))
 

@@ -157,6 +157,9 @@ def draw(seed: int, extended: bool = False) -> dict:
     if extended and not model.get("layer_types") and rng.random() < 0.2:  # DeepSeek-V3's multi-token prediction
         # (model/mtp.py; refused with per-layer kinds, Gemma 3's): 1 or 2 depths after the last layer
         model.update(mtp_layers=rng.choice([1, 2]), mtp_loss_weight=rng.choice([0.1, 0.3, 1.0]))
+    if extended and rng.random() < 0.2:  # the head and its loss fused, a few tokens of logits at a time
+        # (model/chunked_loss.py), against the unfused one process (`reference_of`)
+        train["loss_chunk_tokens"] = rng.choice([7, 24, 64])
     return {"model": model, "parallel": par, "train": train, "data": data}
 
 
@@ -192,8 +195,9 @@ def moe_model(rng: random.Random) -> dict:
 
 
 def reference_of(overrides: dict) -> dict:
-    """The one-process config of the same model and train settings (no offload: same arithmetic)."""
-    train = {k: v for k, v in overrides["train"].items() if k != "offload_optimizer"}
+    """The one-process config of the same model and train settings (no offload: same arithmetic;
+    the head's logits made whole, as the fused, chunked loss must match)."""
+    train = {k: v for k, v in overrides["train"].items() if k not in ("offload_optimizer", "loss_chunk_tokens")}
     return {"model": overrides["model"], "train": train, "data": overrides.get("data", {})}
 
 

@@ -16,6 +16,8 @@
   refuse when called directly (100, 200, 288) running a block;
 - the user's commands: `tetrad train` (the demo config on one rank) and `tetrad generate` (on the
   GPU by default; its greedy fp32 text there against the CPU's);
+- chunked loss: the ~1B model with train.loss_chunk_tokens against the unfused head (losses, peak
+  memory against the estimate, step time);
 - varlen: masked attention (documents with and without a sliding window, bf16, GQA) through
   flash's varlen kernel against the masked SDPA path, outputs and gradients, both times, and that per-op
   recompute keeps its output (bench/varlen_check.py).
@@ -286,6 +288,32 @@ def planner_points(device_type: str = "cuda", gpu: str = "H200", steps: int = 5)
     return rows
 
 
+def chunked_loss(device_type: str = "cuda", gpu: str = "H200", steps: int = 4, model: dict = LLAMA_1B,
+                 chunk: int = 4096) -> list[tuple]:
+    """The ~1B model (a 128k vocabulary, tied) with the head's loss fused in chunks of 4096 tokens
+    (train.loss_chunk_tokens) against the unfused head: the same losses (bf16: within 1e-2), the
+    measured peak against `tetrad estimate`'s for each, and the step-time ratio (one more head GEMM)."""
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for tokens in (0, chunk):
+            cfg = config({"model": model}, f"{tmp}/{tokens}", steps=steps, dtype="bf16", global_batch=4,
+                         micro_batch=2, warmup=1, loss_chunk_tokens=tokens, device=device_type)
+            runs[tokens] = cfg, train_run(cfg, device_type)
+    rows = []
+    for tokens, (cfg, records) in runs.items():
+        measured, peak = records[-1]["peak_memory_gib"], predicted_peak_gib(cfg, gpu)
+        rows.append((f"seq {cfg.model.seq_len} vocab {cfg.model.vocab_size} loss_chunk_tokens={tokens}", near(measured, peak, ESTIMATE_TOLERANCE[1]),
+                     f"peak {measured:.1f} GiB, predicted {peak:.1f}; "
+                     f"{statistics.median(r['step_time_s'] for r in records[1:]):.3f} s a step"))
+    (_, plain), (_, fused) = runs.values()
+    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(plain, fused))
+    ratio = statistics.median(r["step_time_s"] for r in fused[1:]) / statistics.median(r["step_time_s"] for r in plain[1:])
+    rows.append(("fused chunked loss against unfused", diff < 1e-2,
+                 f"max |Δloss| {diff:.1e} over {steps} steps; step time x{ratio:.3f}; peak "
+                 f"{fused[-1]['peak_memory_gib'] - plain[-1]['peak_memory_gib']:+.1f} GiB"))
+    return rows
+
+
 def resume_round_trip(name: str, device_type: str = "cuda", **train) -> list[tuple]:
     """Four steps straight, against two steps, a checkpoint, and two steps resumed from it, all with
     the `train` keys (and `checkpoint.async_save` where `train` asks for it)."""
@@ -421,7 +449,7 @@ PARTS = {"cli": lambda gpu: cli_round_trip(), "parity": lambda gpu: loss_parity(
          "attention": lambda gpu: attention_kernels(), "varlen": lambda gpu: varlen_attention(),
          "offload": lambda gpu: offload_resume() + offload_memory(gpu=gpu),
          "async_save": lambda gpu: async_checkpoint_resume(),
-         "ring": lambda gpu: ring_blocks()}
+         "ring": lambda gpu: ring_blocks(), "chunked_loss": lambda gpu: chunked_loss(gpu=gpu)}
 
 
 if __name__ == "__main__":

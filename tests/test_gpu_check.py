@@ -75,3 +75,11 @@ def test_async_checkpoint_part_runs_on_the_cpu():
     straight run's losses on the CPU too."""
     ((name, ok, detail),) = gpu_check.async_checkpoint_resume("cpu")
     assert name == "async save -> resume" and ok, detail
+
+
+def test_the_chunked_loss_part_runs_on_a_cpu():
+    """Its rows on a tiny model: one per run, then the fused run's losses against the unfused
+    run's (bf16 rounding in another order: within 1e-2), which pass."""
+    rows = gpu_check.chunked_loss("cpu", "H200", steps=2, model={"preset": "tiny", "seq_len": 64}, chunk=24)
+    assert [label.split()[-1] for label, _, _ in rows[:2]] == ["loss_chunk_tokens=0", "loss_chunk_tokens=24"]
+    assert rows[2][0] == "fused chunked loss against unfused" and rows[2][1], rows[2]

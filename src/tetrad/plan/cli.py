@@ -129,9 +129,10 @@ def plan_command(argv: list[str], model_from_inputs: Callable[[dict], dict] | No
         print(f"tetrad plan: {e}", file=sys.stderr)
         return 2
     base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, ranks_per_node=cluster.gpus_per_node))
-    # Offload where only it fits, unless the user set train.offload_optimizer (then as set).
-    offload = "train.offload_optimizer" not in _user_keys(args, overrides)
-    result = plan(base, cluster, args.top, args.stack, offload=offload)
+    # Offload, and the head's loss in chunks, where only they fit, unless the user set them (then as set).
+    user = _user_keys(args, overrides)
+    result = plan(base, cluster, args.top, args.stack, offload="train.offload_optimizer" not in user,
+                  chunk_loss="train.loss_chunk_tokens" not in user)
     if not result.considered:  # the global batch does not split over these GPUs: bad input
         print(f"tetrad plan: {why_no_layout(base, cluster)}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """`tetrad plan`: every legal layout of a model on a cluster, ranked by predicted step time.
 
 Enumerates (tp, pp, cp, dp, ep, cp_algo, micro_batch, recompute, schedule, vpp, zero, zero_shard) under
-config.validate's rules (mirrored here as a cheap pre-filter; validate has the last word), and
-optimizer offload for a ZeRO stage that fits on the GPU only with it (offload only adds time).
+config.validate's rules (mirrored here as a cheap pre-filter; validate has the last word), and,
+for a ZeRO stage that fits on the GPU only with them, the head's loss fused in chunks
+(train.loss_chunk_tokens: one more head GEMM) and optimizer offload (both only add time).
 Sequence parallelism is on whenever tp > 1 (it only saves memory); schedules come from the
 registry, less those another one dominates (GPipe: 1F1B has its time with less memory).
 
@@ -38,6 +39,10 @@ from tetrad.plan.stacks import Stack, load_stack
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 RECOMPUTE = ("none", "selective", "selective-op", "full")
+# train.loss_chunk_tokens where a layout fits only with the head's loss chunked: at a 128k
+# vocabulary a chunk's fp32 logits are 1 GiB, a GEMM of 2048 rows still large enough to run at
+# its GPU's full rate, and the micro-batch's logits (16 GiB at 32k tokens) never exist.
+PLANNED_LOSS_CHUNK = 2048
 
 
 class Layout(NamedTuple):
@@ -125,10 +130,12 @@ def config_of(base: Config, layout: Layout, zero: int = 0, zero_shard: int = 0) 
     return cfg
 
 
-def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "tetrad", offload: bool = True) -> Plan:
+def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "tetrad", offload: bool = True,
+         chunk_loss: bool = True) -> Plan:
     """The `top` fastest layouts of `base`'s model and global batch that fit in memory on
     `cluster`, best first; if none fits, the `top` closest to fitting, so the user sees why.
-    `offload`: also with optimizer offload where only that fits (base's own setting otherwise)."""
+    `offload`: also with optimizer offload where only that fits (base's own setting otherwise);
+    `chunk_loss`: also with the head's loss chunked (PLANNED_LOSS_CHUNK) where only that fits."""
     stack = load_stack(stack) if isinstance(stack, str) else stack
     usable = cluster.gpu.hbm_gib - (0.0 if cluster.gpu.is_cpu else GPU_RESERVED_GIB)
     bound = _LayoutBound(base, cluster, stack)
@@ -152,7 +159,7 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
             ranked.sort(key=lambda e: e.step_time_s)
             del ranked[top:]
             continue
-        for cfg, peak, last in _zero_stages(base, item, cluster, stack, usable, offload):
+        for cfg, peak, last in _zero_stages(base, item, cluster, stack, usable, offload, chunk_loss):
             if peak <= usable and _host_fits(cfg, cluster):
                 tie += 1
                 rough = step_time_bound(cfg, cluster, stack)
@@ -199,12 +206,14 @@ class _LayoutBound:
         return max(r * hops + micro * per_layer * n for r, n in enumerate(layers))
 
 
-def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, usable: float, offload: bool):
+def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, usable: float, offload: bool,
+                 chunk_loss: bool):
     """(config, peak GiB per GPU, whether it is the last) of each ZeRO stage `layout` can run,
     ZeRO 1-3 also hybrid (sharded over the dp x cp ranks of one node, where dp x cp spans several
     and, under ep, expert parallelism takes that block), each followed, where it exceeds `usable`
-    GiB and would fit with optimizer offload, by the same with offload (where `offload`, the
-    cluster can cost it and `base` does not offload already)."""
+    GiB, by those of the same that would fit with the head's loss chunked (where `chunk_loss` and
+    `base` does not chunk already), with optimizer offload (where `offload`, the cluster can cost
+    it and `base` does not offload already), or, where neither alone fits, with both."""
     n = layout.dp * layout.cp
     zeros = (0, 1, 2, 3) if n > 1 else (0,)
     node = cluster.gpus_per_node // layout.tp if cluster.gpus_per_node % layout.tp == 0 else 0  # tp innermost
@@ -213,19 +222,37 @@ def _zero_stages(base: Config, layout: Layout, cluster: Cluster, stack: Stack, u
     composes = composes and expert_parallel_blocker(hybrid) is None  # ep: a block of whole EP groups over cp
     blocks = (0, node) if composes and 1 < node < n and n % node == 0 else (0,)
     offload = offload and not base.train.offload_optimizer and offload_unknown(cluster) is None
-    candidates, held = [], None
+    chunk_loss = chunk_loss and not base.train.loss_chunk_tokens
+    candidates, held = [], {}  # held: the layout's, whatever its ZeRO, unchunked and chunked
     for zero, shard in ((z, b) for z in zeros for b in blocks if z or not b):
         cfg = config_of(base, layout, zero, shard)
-        held = held or held_by_rank(cfg, stack, cluster.gpu.is_cpu)  # the layout's, whatever its ZeRO
-        memory = memory_by_rank(cfg, stack, cluster.gpu.is_cpu, held)
-        peak = max(x.total for x in memory) / GIB
+        peak, offloaded = _peaks(cfg, stack, cluster, held)
         candidates.append((cfg, peak))
-        offloaded = max(x.total - x.optimizer for x in memory) / GIB  # offload moves only the optimizer's part
-        if offload and peak > usable >= offloaded:
-            candidates.append((dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, offload_optimizer=True)),
-                               offloaded))
+        if peak <= usable:
+            continue
+        chunked = _with_train(cfg, loss_chunk_tokens=PLANNED_LOSS_CHUNK) if chunk_loss else None
+        chunked_peak, chunked_offloaded = _peaks(chunked, stack, cluster, held) if chunked else (math.inf, math.inf)
+        if chunked_peak <= usable:
+            candidates.append((chunked, chunked_peak))
+        if offload and offloaded <= usable:
+            candidates.append((_with_train(cfg, offload_optimizer=True), offloaded))
+        elif offload and chunked_peak > usable >= chunked_offloaded:
+            candidates.append((_with_train(chunked, offload_optimizer=True), chunked_offloaded))
     for i, (cfg, peak) in enumerate(candidates):
         yield cfg, peak, i == len(candidates) - 1
+
+
+def _peaks(cfg: Config, stack: Stack, cluster: Cluster, held: dict) -> tuple[float, float]:
+    """`cfg`'s peak GiB per GPU, and its peak with the optimizer's states offloaded (offload moves
+    only those); `held` keeps each loss_chunk_tokens' Held (the same for every ZeRO stage)."""
+    key = cfg.train.loss_chunk_tokens
+    held[key] = held.get(key) or held_by_rank(cfg, stack, cluster.gpu.is_cpu)
+    memory = memory_by_rank(cfg, stack, cluster.gpu.is_cpu, held[key])
+    return max(x.total for x in memory) / GIB, max(x.total - x.optimizer for x in memory) / GIB
+
+
+def _with_train(cfg: Config, **train) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
 
 
 def _host_fits(cfg: Config, cluster: Cluster) -> bool:

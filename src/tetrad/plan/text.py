@@ -26,7 +26,8 @@ def layout_label(e: Estimate) -> str:
     shard = f" zero_shard={zero_shard(p)}" if zero_shard(p) else ""
     ep = f" ep={p.ep}" if p.ep > 1 else ""
     return (f"tp={p.tp} pp={p.pp}{cp} dp={p.dp}{ep} zero={p.zero}{shard} {sched} mb={t.micro_batch} "
-            f"recompute={t.recompute}" + (" offload" if t.offload_optimizer else ""))
+            f"recompute={t.recompute}" + (f" loss_chunk={t.loss_chunk_tokens}" if t.loss_chunk_tokens else "")
+            + (" offload" if t.offload_optimizer else ""))
 
 
 def decimals(seconds: float) -> int:

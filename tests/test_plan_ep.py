@@ -286,7 +286,7 @@ def test_search_tries_hybrid_zero_where_ep_takes_the_block():
         for ep in (1, 2, 4, 8):
             layout = Candidate(tp, 2, cp, dp, ep, "ring", 1, "1f1b", 1, "full")
             tried = {(c.parallel.zero, c.parallel.zero_shard)
-                     for c, _, _ in _zero_stages(base, layout, cluster, STACKS["tetrad"], 1e9, False)}
+                     for c, _, _ in _zero_stages(base, layout, cluster, STACKS["tetrad"], 1e9, False, False)}
             flat = {(0, 0), (1, 0), (2, 0), (3, 0)}
             assert tried == flat | ({(1, node), (2, node), (3, node)} if ep in eps else set()), (tp, cp, ep)
 

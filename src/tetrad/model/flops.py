@@ -270,17 +270,20 @@ def model_flops_per_token(m: ModelConfig, seq_len: int | None = None) -> float:
     return 3 * forward_flops_per_token(m, seq_len)
 
 
-def hardware_flops_per_token(m: ModelConfig, recompute: str, seq_len: int | None = None) -> float:
+def hardware_flops_per_token(m: ModelConfig, recompute: str, seq_len: int | None = None,
+                             loss_chunked: bool = False) -> float:
     """Model FLOPs plus what recomputation repeats: each layer's whole forward ("full"), its
     attention core ("selective") or the matmuls per-op checkpointing does not keep
-    ("selective-op"); the numerator of HFU."""
+    ("selective-op"), and with the head's loss fused in chunks (`loss_chunked`,
+    train.loss_chunk_tokens) every head's logits, made again in backward; the numerator of HFU."""
     s = seq_len or m.seq_len
     core = all_layers(m) * attention_core_flops(m, s)
     chunks = [range(all_layers(m))]  # the modules' layers recompute as the main ones do
     extra = {"none": 0.0, "selective": core, "full": over_layers(m, layer_matmul_flops, chunks) + core,
              "selective-op": over_layers(m, lambda k: layer_matmul_flops(k) - sum(
                  2 * a * b * rows for a, b, _, rows in op_checkpoint_saved_matmuls(k)), chunks)}[recompute]
-    return model_flops_per_token(m, s) + extra
+    heads = (1 + m.mtp_layers) * head_flops(m) if loss_chunked else 0.0
+    return model_flops_per_token(m, s) + extra + heads
 
 
 def embedding_params(m: ModelConfig) -> int:

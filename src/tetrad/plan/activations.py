@@ -227,17 +227,40 @@ def rebuilt_bytes(cfg: Config, stack: Stack, tokens: int, e: int, is_cpu: bool) 
     return [max(map(per_kind.__getitem__, kinds)) for kinds in ranks]
 
 
+# What the fused loss keeps per token for backward: its fp32 log-sum-exp, the label as this rank's
+# int64 vocabulary row, and two masks (the label on this rank; counted by the loss).
+CHUNKED_SAVED_PER_TOKEN = 4 + 8 + 1 + 1
+
+
+def loss_bytes(cfg: Config, tokens: int, vocab_rows: int) -> tuple[float, float]:
+    """(kept, transient) bytes of one head's cross-entropy on `tokens` rows of its input over this
+    rank's `vocab_rows`, beside that input. Unfused: the fp32 softmax kept; the logits and their
+    gradient in passing (without tp torch's cross-entropy takes an fp32 copy of 16-bit logits while
+    they are still held, beside its fp32 log-softmax: the logits once more, seen on an H200,
+    docs/gpu.md). Fused: a few bytes a token kept; one chunk's logits in passing (the 16-bit
+    product, its fp32 copy and logsumexp's or the softmax's fp32 work), and over several chunks
+    the 16-bit weight's fp32 gradient sum."""
+    e = activation_bytes(cfg.train.dtype)
+    chunk = cfg.train.loss_chunk_tokens
+    sixteen = e if e < 4 else 0
+    if not chunk:
+        logits = tokens * vocab_rows
+        return 4 * logits, (4 + (sixteen if cfg.parallel.tp == 1 else 0)) * logits
+    rows = min(chunk, tokens)
+    weight_sum = 4 * vocab_rows * cfg.model.d_model if sixteen and rows < tokens else 0
+    return CHUNKED_SAVED_PER_TOKEN * tokens, rows * vocab_rows * (8 + sixteen) + weight_sum
+
+
 def mtp_saved_bytes(cfg: Config, stack: Stack, tokens: int, e: int, vocab_rows: int) -> float:
     """Bytes the multi-token prediction modules (model.mtp_layers) keep beside their layers' sets
     (`chunk_weights` counts those) for the backward of one micro-batch of `tokens` tokens on the
     last stage, from its forward there until its backward, as the head's output is
     (memory.activations_by_rank): each depth's inputs of its enorm, hnorm, eh_proj (2d wide:
     replicated over tp, on the rank's own tokens, under SP its chunk) and final norm; the head's
-    input and the fp32 softmax of its cross-entropy over this rank's `vocab_rows`, as the main
-    head's. The logits' gradient (and 16-bit copies) are transient, one depth's at a time: the main
-    head's count covers them."""
+    input and what its cross-entropy over this rank's `vocab_rows` keeps, as the main head's
+    (`loss_bytes`). The loss's transients come one depth's at a time: the main head's count covers them."""
     m, p = cfg.model, cfg.parallel
     hidden = tokens * m.d_model * e
     own = (3 * norm_saved_bytes(m, tokens, e, stack) + 2 * hidden) / (p.tp if p.sequence_parallel else 1)
     head_input = hidden / (p.tp if p.sequence_parallel and not stack.sp_saves_gathered_input else 1)
-    return m.mtp_layers * (own + head_input + 4 * tokens * vocab_rows)
+    return m.mtp_layers * (own + head_input + loss_bytes(cfg, tokens, vocab_rows)[0])

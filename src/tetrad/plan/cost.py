@@ -20,7 +20,8 @@ from tetrad.config.sections import bucket_bytes, shard_ranks, zero_shard
 from tetrad.model import flops
 from tetrad.parallel.pipeline.split import layer_split, rank_chunk_layers, rank_stages
 from tetrad.plan.hardware import GPU, Cluster, HardwareError, offload_unknown
-from tetrad.plan.layer import LayerCost, end_costs, gemm_efficiency, layer_cost
+from tetrad.plan.ends import end_costs
+from tetrad.plan.layer import LayerCost, gemm_efficiency, layer_cost
 from tetrad.plan.links import (LINK_EFFICIENCY, expert_shard_stride, group_link, hybrid_reduction_time,
                                overlap_slowdown, reduction_time, ring_time)
 from tetrad.plan.memory import (
@@ -110,7 +111,8 @@ class Estimate:
                 "node_host_memory_gib": self.node_host_memory_gib, "node_ram_gib": self.node_ram_gib,
                 "host_fits": self.host_fits,
                 "train": {"micro_batch": t.micro_batch, "global_batch": t.global_batch, "recompute": t.recompute,
-                          "dtype": t.dtype, "offload_optimizer": t.offload_optimizer}}
+                          "dtype": t.dtype, "offload_optimizer": t.offload_optimizer,
+                          "loss_chunk_tokens": t.loss_chunk_tokens}}
 
 
 def mfu_peak(gpu: GPU, dtype: str, tf32: bool) -> float:
@@ -144,7 +146,8 @@ def estimate(cfg: Config, cluster: Cluster, stack: str | Stack = "tetrad") -> Es
     global_tokens = t.global_batch * m.seq_len
     per_gpu = global_tokens / step / p.world_size  # tokens per second per GPU
     peak = mfu_peak(gpu, t.dtype, t.tf32)
-    model_flops, hw_flops = flops.model_flops_per_token(m), flops.hardware_flops_per_token(m, t.recompute)
+    model_flops = flops.model_flops_per_token(m)
+    hw_flops = flops.hardware_flops_per_token(m, t.recompute, loss_chunked=t.loss_chunk_tokens > 0)
     host = max(host_memory_by_rank(cfg), key=lambda x: x.total)
     return Estimate(asked, step, global_tokens / step, model_flops * per_gpu / 1e12, model_flops * per_gpu / peak,
                     hw_flops * per_gpu / peak, bubble, max(memory, key=lambda x: x.total), memory, gpu.hbm_gib,

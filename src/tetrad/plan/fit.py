@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from tetrad.config import Config, ConfigError, validate
 from tetrad.plan.memory import GIB, GPU_RESERVED_GIB, memory_by_rank
-from tetrad.plan.search import RECOMPUTE
+from tetrad.plan.search import PLANNED_LOSS_CHUNK, RECOMPUTE
 from tetrad.plan.stacks import load_stack
 
 
@@ -43,12 +43,15 @@ def host_memory_warning(cfg: Config, ranks: int, available_gib: float, rank_base
 
 
 def _one_key_changes(cfg: Config, on_host: bool = False) -> list[tuple[str, Config]]:
-    """Changes of one key that lower memory and keep the training the same: more recomputation,
-    a higher ZeRO stage, the optimizer on the host (unless it is there already: `on_host`),
-    smaller micro-batches, sequence parallelism."""
+    """Changes of one key that lower memory and keep the training the same: the head's loss fused
+    in chunks (the cheapest in time: one more head GEMM), more recomputation, a higher ZeRO stage,
+    the optimizer on the host (unless it is there already: `on_host`), smaller micro-batches,
+    sequence parallelism."""
     p, t = cfg.parallel, cfg.train
-    out = [(f"--train.recompute={mode}", replace(cfg, train=replace(t, recompute=mode)))
-           for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:]]
+    out = [] if t.loss_chunk_tokens else [(f"--train.loss_chunk_tokens={PLANNED_LOSS_CHUNK}",
+                                           replace(cfg, train=replace(t, loss_chunk_tokens=PLANNED_LOSS_CHUNK)))]
+    out += [(f"--train.recompute={mode}", replace(cfg, train=replace(t, recompute=mode)))
+            for mode in RECOMPUTE[RECOMPUTE.index(t.recompute) + 1:]]
     if p.dp * p.cp > 1:
         out += [(f"--parallel.zero={zero}", replace(cfg, parallel=replace(p, zero=zero))) for zero in range(p.zero + 1, 4)]
     if not t.offload_optimizer and not on_host:
@@ -69,7 +72,7 @@ def _one_key_changes(cfg: Config, on_host: bool = False) -> list[tuple[str, Conf
 
 def memory_warning(cfg: Config, device_gib: float) -> str | None:
     """A warning when the predicted peak exceeds the usable part of a `device_gib` device (None
-    when it fits), naming each one-key change that would fit, least recomputation first."""
+    when it fits), naming each one-key change that would fit, the cheapest in time first."""
     usable = device_gib - GPU_RESERVED_GIB
     peak = peak_gib(cfg)
     if peak <= usable:

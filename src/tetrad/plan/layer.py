@@ -1,4 +1,4 @@
-"""What one transformer layer costs, per micro-batch on one rank, and the embedding and head.
+"""What one transformer layer costs, per micro-batch on one rank (the embedding's and the head's: ends.py).
 
 Compute: GEMM FLOPs / (peak x the efficiency of that GEMM's shape); the attention core at the
 GPU's flash-attention efficiency (a causal kernel executes half the square; tetrad's masked
@@ -369,31 +369,3 @@ def _zero3_copies(cfg: Config, gpu: GPU, stack: Stack) -> tuple[float, float, fl
     if stack.zero3_impl == "fsdp1":
         return 0.0, 0.0, per_byte * (2 * e + (e + r if r != e else 0) + 2 * r)
     return per_byte * 2 * e, per_byte * 2 * e, per_byte * (e + r)
-
-
-def end_costs(cfg: Config, cluster: Cluster) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
-    """(forward, backward_input, backward_weight) seconds per micro-batch of the embedding (first
-    stage) and of the final norm, head and cross-entropy (last stage)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    gpu = cluster.gpu
-    e = activation_bytes(t.dtype)
-    hbm = gpu.hbm_bytes_per_s
-    tokens = t.micro_batch * m.seq_len // p.cp
-    hidden = tokens * m.d_model * e
-    tp_alpha, tp_bw = group_link(cluster, 1, p.tp)
-    embed_ar = ring_time("all_reduce", hidden, p.tp, tp_alpha, tp_bw)
-    # The lookup; backward materialises a dense (vocab/tp x h) gradient (zeroed, scattered into)
-    # and adds it to the fp32 gradient buffer.
-    table = m.vocab_size / p.tp * m.d_model
-    embed = (hidden / hbm + embed_ar, 0.0, (tokens * m.d_model * (e + 4) + table * (2 * e + 12)) / hbm)
-    vocab = m.vocab_size / p.tp
-    peak = gpu.matmul_peak(t.dtype, t.tf32)
-    logits = 2 * tokens * m.d_model * vocab / (peak * gemm_efficiency(gpu, tokens, m.d_model, vocab))
-    ce = tokens * vocab * (3 * e + 8) / hbm  # read logits (max, sum-exp, target), fp32 softmax out, grad
-    norm = 4 * hidden / hbm
-    ce_ar = 3 * ring_time("all_reduce", tokens * 4, p.tp, tp_alpha, tp_bw)  # max, sum-exp, target logit
-    input_grad_ar = ring_time("all_reduce", hidden, p.tp, tp_alpha, tp_bw)
-    head = (logits + ce / 2 + norm + ce_ar, logits + ce / 2 + 2 * norm + input_grad_ar, logits)
-    return embed, head
-
-

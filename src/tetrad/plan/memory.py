@@ -33,7 +33,7 @@ from tetrad.config.sections import bucket_bytes
 from tetrad.model import flops
 from tetrad.parallel.pipeline.registry import schedule_spec
 from tetrad.parallel.pipeline.split import rank_chunk_layers
-from tetrad.plan.activations import (activation_bytes, after_bi_weight, as_run, chunk_weights, mask_bias_bytes,
+from tetrad.plan.activations import (activation_bytes, after_bi_weight, as_run, chunk_weights, loss_bytes, mask_bias_bytes,
                                      mtp_saved_bytes, norm_saved_bytes, rebuilt_bytes)
 from tetrad.plan.buckets import (RankBuckets, Shapes, layer_params_on_rank, rank_buckets, shapes, shard_params,
                                  ties_embedding)
@@ -245,22 +245,19 @@ def activations_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[tuple[f
     per_layer, chunks = chunk_weights(cfg, stack, tokens, e)  # sets counted in MoE layers' (a dense model's layers')
     rebuilt = rebuilt_bytes(cfg, stack, tokens, e, is_cpu)
     # Final norm and head inputs (under SP the norm's a sequence chunk, the head's gathered unless
-    # the stack gathers it again in backward, as every column-parallel input); the fp32 softmax of the vocab-parallel cross-entropy and the
-    # logits' gradient, for the micro-batches whose loss waits for backward (all under GPipe).
-    # Without tp, torch's cross-entropy takes an fp32 copy of 16-bit logits while they are still
-    # held, beside its fp32 log-softmax: the logits once more (seen on an H200, docs/gpu.md).
-    logit_bytes = 8 + (e if p.tp == 1 and e < 4 else 0)
-    logits = tokens * vocab_shard(m, p.tp)
+    # the stack gathers it again in backward, as every column-parallel input); what the
+    # cross-entropy keeps and makes in passing (`loss_bytes`: unfused, the fp32 softmax and the
+    # logits' gradient), for the micro-batches whose loss waits for backward (all under GPipe).
+    loss_kept, loss_transient = loss_bytes(cfg, tokens, vocab_shard(m, p.tp))
     final_norm = norm_saved_bytes(m, tokens, e, stack) / (p.tp if p.sequence_parallel else 1)  # SP: a chunk
     # The schedule's peak, in layers' sets, with a waiting micro-batch's head whole and with its
     # saved part alone (the softmax kept, the rest transient): their difference is the head's
     # transient at the peak, which may come when no loss waits (zero-bubble's after a BI).
     head_input = hidden / (p.tp if p.sequence_parallel and not stack.sp_saves_gathered_input else 1)
-    saved_head = final_norm + head_input + 4 * logits + mtp_saved_bytes(cfg, stack, tokens, e, vocab_shard(m, p.tp))
+    saved_head = final_norm + head_input + loss_kept + mtp_saved_bytes(cfg, stack, tokens, e, vocab_shard(m, p.tp))
     shared_bias = mask_bias_bytes(cfg, is_cpu) if t.recompute == "none" else 0.0
     held = partial(inflight, p.schedule, p.pp, cfg.microbatches, p.vpp, after_bi_weight(cfg, stack, is_cpu), chunks)
-    whole, saved = (held(h / per_layer, shared_bias / per_layer) for h in (saved_head + (logit_bytes - 4) * logits,
-                                                                            saved_head))
+    whole, saved = (held(h / per_layer, shared_bias / per_layer) for h in (saved_head + loss_transient, saved_head))
     if not schedule_spec(p.schedule).splits_backward:
         return [(per_layer * whole[r] + rebuilt[r], rebuilt[r] + per_layer * (whole[r] - saved[r])) for r in range(p.pp)]
     # A BI ends holding its chunk's first layer's input beside the remainder it made for BW (its
@@ -270,7 +267,7 @@ def activations_by_rank(cfg: Config, stack: Stack, is_cpu: bool) -> list[tuple[f
     first_input = (hidden if t.recompute in ("full", "selective-op") else norm_saved_bytes(m, tokens, e, stack)) \
         / (p.tp if p.sequence_parallel else 1)
     whole_end, saved_end = (held(h / per_layer, shared_bias / per_layer, first_input / per_layer)
-                            for h in (saved_head + (logit_bytes - 4) * logits, saved_head))
+                            for h in (saved_head + loss_transient, saved_head))
     out = []
     for r in range(p.pp):
         peak = max(per_layer * whole[r] + rebuilt[r], per_layer * whole_end[r])

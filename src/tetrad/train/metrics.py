@@ -116,7 +116,8 @@ class FlopRate:
         m, t = cfg.model, cfg.train
         per_sample = m.seq_len / cfg.parallel.world_size  # a rank's share of one sample's tokens
         self.model_flops = flops.model_flops_per_token(m) * per_sample
-        self.hardware_flops = flops.hardware_flops_per_token(m, t.recompute) * per_sample
+        self.hardware_flops = flops.hardware_flops_per_token(m, t.recompute,
+                                                             loss_chunked=t.loss_chunk_tokens > 0) * per_sample
         gpu = device_profile(device)
         cores = torch.get_num_threads() if device.type == "cpu" else 1  # the CPU profile is one core's
         self.peak = mfu_peak(gpu, t.dtype, t.tf32) * cores if gpu else None

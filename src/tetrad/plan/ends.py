@@ -5,10 +5,11 @@ a time (`train.loss_chunk_tokens`, model/chunked_loss.py; the bytes it holds: ac
 from __future__ import annotations
 
 from tetrad.config import Config
+from tetrad.plan.activations import activation_bytes
 from tetrad.plan.hardware import Cluster
 from tetrad.plan.layer import gemm_efficiency
 from tetrad.plan.links import group_link, ring_time
-from tetrad.plan.activations import activation_bytes
+
 
 def end_costs(cfg: Config, cluster: Cluster) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
     """(forward, backward_input, backward_weight) seconds per micro-batch of the embedding (first

@@ -35,6 +35,8 @@ LAYOUTS = {  # name -> (parallel, train, model), every one under document maskin
     # Multi-token prediction: the depths' counted targets and the injected gradient, on the last stage
     "cp2-ring-mtp": ({"cp": 2, "cp_algo": "ring"}, {}, {"mtp_layers": 2}),
     "pp2-zb-mtp": ({"pp": 2, "schedule": "zb"}, {}, {"mtp_layers": 1}),
+    # The head's loss fused in chunks (model/chunked_loss.py): its spans cut on the host, from shapes
+    "tp2-sp-chunked-loss": ({"tp": 2, "sequence_parallel": True}, {"loss_chunk_tokens": 24}, {"mtp_layers": 1}),
 }
 
 

@@ -75,7 +75,8 @@ def describe(e: Estimate) -> str:
     lines += [f"    {k:<12} {v:9.2f} GiB" for k, v in e.memory.gib().items()]
     lines += _host_lines(e)
     if e.peak_memory_gib > e.usable_gib:
-        lines.append("  to fit: more recompute, a higher ZeRO stage, a smaller micro-batch, more tp/pp, or "
+        chunk = "" if e.cfg.train.loss_chunk_tokens else "the head's loss in chunks (train.loss_chunk_tokens), "
+        lines.append(f"  to fit: {chunk}more recompute, a higher ZeRO stage, a smaller micro-batch, more tp/pp, or "
                      "train.offload_optimizer (`tetrad plan` ranks the layouts that fit)")
     elif e.host_fits is False:
         lines.append("  to fit the host: a higher ZeRO stage or more GPUs (fewer parameters updated per rank), "

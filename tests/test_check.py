@@ -15,6 +15,7 @@ import torch
 from conftest import run_ranks, tiny_config
 from tetrad.check import check_runs
 from tetrad.cli import main
+from tetrad.plan.search import PLANNED_LOSS_CHUNK
 from tetrad.config import ConfigError, load_config
 
 SMALL = ["--model.n_layers=2", "--model.d_model=32", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -39,6 +40,7 @@ def test_reference_is_data_parallel_over_the_same_ranks(tmp_path):
     p = reference.parallel
     assert (p.dp, p.tp, p.pp, p.cp, p.zero, p.sequence_parallel) == (4, 1, 1, 1, 3, False)
     assert reference.train.recompute == "full" and reference.train.micro_batch == 3
+    assert (layout.train.loss_chunk_tokens, reference.train.loss_chunk_tokens) == (0, PLANNED_LOSS_CHUNK)
     assert reference.run.dir == str(tmp_path / "check" / "reference")
     assert (reference.model, reference.data, reference.train.lr) == (cfg.model, cfg.data, cfg.train.lr)
 
@@ -79,6 +81,7 @@ def test_tp_and_pp_agree_with_data_parallel(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "parallel.dp: 1 -> 4" in out and "parallel.zero: 0 -> 3" in out and "train.recompute: none -> full" in out
+    assert f"train.loss_chunk_tokens: 0 -> {PLANNED_LOSS_CHUNK}" in out  # how the reference runs, not what
     assert "training keys that differ" not in out and "BEYOND" not in out
     assert out.rstrip().endswith("dp1 tp2 pp2 cp1 zero0 agrees with dp4 tp1 pp1 cp1 zero3")
     for run in ("layout", "reference"):

@@ -4,8 +4,9 @@ on this machine or cluster, with this model, data and precision?
 tetrad's test suite holds every layout to one process on tiny models on CPUs; a user's layout
 runs other kernels, another backend and other shapes. The check trains a few steps of the user's
 config twice from the same seed, as `tetrad train` would: once in its own layout, once in the
-simplest layout over the same ranks (data parallelism with ZeRO-3, every layer recomputed, so
-it holds the fewest bytes a rank can; every rank runs every expert: ep = 1), then judges the two
+simplest layout over the same ranks (data parallelism with ZeRO-3, every layer recomputed, the
+head's loss in chunks, so it holds the fewest bytes a rank can; every rank runs every expert:
+ep = 1; a layout with the loss unfused is so checked against the fused one too), then judges the two
 runs as `tetrad compare` does (step 1's loss and gradient norm to the precision's rounding, later
 steps' drift). Neither run keeps
 a checkpoint or validates, and both run `train.global_batch` from the first step (a batch ramp-up
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from tetrad.config import Config, ConfigError, counted, load_config, split_config_args, validate
 from tetrad.config.arguments import non_negative
+from tetrad.plan.search import PLANNED_LOSS_CHUNK
 
 CHECK_STEPS = 4
 
@@ -51,7 +53,8 @@ def check_runs(cfg: Config, steps: int, world_size: int | None) -> tuple[Config,
     layout = replace(cfg, train=replace(t, **short), checkpoint=checkpoint, run=replace(run, dir=str(root / "layout")))
     reference = replace(
         layout, run=replace(run, dir=str(root / "reference")),
-        train=replace(layout.train, recompute="full", micro_batch=math.gcd(t.micro_batch, t.global_batch // dp)),
+        train=replace(layout.train, recompute="full", micro_batch=math.gcd(t.micro_batch, t.global_batch // dp),
+                      loss_chunk_tokens=t.loss_chunk_tokens or PLANNED_LOSS_CHUNK),
         parallel=replace(p, dp=dp, tp=1, pp=1, cp=1, ep=1, vpp=1, schedule="1f1b", stage_layers=[],
                          zero=3 if dp > 1 else 0, zero_shard=0, sequence_parallel=False, sp_regather=False,
                          hierarchical=False))

@@ -23,8 +23,9 @@ from tetrad.config.arguments import non_negative
 
 # Keys that change how a step is computed, not what: the layout and how it runs.
 EXECUTION_SECTIONS = ("parallel", "run", "checkpoint")
-EXECUTION_KEYS = {"train.micro_batch", "train.recompute", "train.device", "train.offload_optimizer",
-                  "train.compile", "train.eval_every", "train.eval_steps", "train.tf32", "train.profile"}
+EXECUTION_KEYS = {"train.micro_batch", "train.recompute", "train.loss_chunk_tokens", "train.device",
+                  "train.offload_optimizer", "train.compile", "train.eval_every", "train.eval_steps", "train.tf32",
+                  "train.profile"}
 TRAINING_KEYS_INSIDE = {"parallel.grad_codec", "checkpoint.init_from"}  # in those sections, but change the math
 # First-step tolerances by precision, as tools/fuzz_layouts.py holds layouts to one process:
 # (loss, absolute; gradient norm, relative). fp32 matmuls on TF32 tensor cores (CUDA's train.tf32)

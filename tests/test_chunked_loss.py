@@ -22,6 +22,7 @@ from tetrad.dist.topology import Topology
 from tetrad.model.chunked_loss import chunked_head_loss
 from tetrad.model.execution import GRAD_SINK, Execution
 from tetrad.model.layers import IGNORED_LABEL, vocab_parallel_cross_entropy
+from tetrad.parallel.data import SINK_MIN_NUMEL
 
 
 def _inputs(dtype=torch.float32, tokens=30, d=16, vocab=50, seed=0):
@@ -149,14 +150,23 @@ def _one_process(dtype: str):
 
 # (Compiled blocks leave the head outside them: the fused loss runs eagerly, as the unfused head does.)
 # A padded vocabulary trained: a padding row that got a gradient would move and then leak into the
-# logits (its first-step gradient alone reads as the unpadded one: the row starts at zero).
+# logits (its first-step gradient alone reads as the unpadded one: the row starts at zero). A
+# vocabulary of 1024 makes the head (1024 x 64) large enough for the reducer's GRAD_SINK
+# (SINK_MIN_NUMEL): its weight gradient written into the bucket chunk by chunk, counted once.
+SUNK = {"vocab_size": 1024}
 TRAINED = {"dp2-zero3": ({"dp": 2, "zero": 3}, {}), "dp2-zero2": ({"dp": 2, "zero": 2}, {}),
-           "tp2-padded-vocab": ({"tp": 2}, {"vocab_size": 257})}
+           "tp2-padded-vocab": ({"tp": 2}, {"vocab_size": 257}), "dp2-sink": ({"dp": 2}, SUNK),
+           "dp2-pp2-zb-sink": ({"dp": 2, "pp": 2, "schedule": "zb"}, SUNK),
+           "dp2-mtp-sink": ({"dp": 2}, {**SUNK, **MTP})}
 
 
 @lru_cache(maxsize=None)
 def _one_process_of(model: tuple):
     return train_layout(_layout_config({}, dict(model), {}, {}))
+
+
+def test_the_sink_cases_head_is_large_enough_for_a_sink():
+    assert SUNK["vocab_size"] * tiny_config().model.d_model >= SINK_MIN_NUMEL
 
 
 @pytest.mark.dist

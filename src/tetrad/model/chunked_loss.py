@@ -5,9 +5,10 @@ model's dtype, the cross-entropy takes an fp32 copy and keeps its softmax for ba
 sequence and a 128k vocabulary 2 + 4 GiB held, plus the gradient's copy in backward, the largest
 activation of a large-vocabulary model. Fused (as Liger's and Cut Cross-Entropy's linear
 cross-entropy, here with tensor parallelism), the logits exist for one chunk of tokens at a time:
-forward keeps each token's log-sum-exp alone (4 bytes) beside the head's input, which it keeps
-anyway, and backward makes each chunk's logits again (one more head GEMM) for its softmax, input
-and weight gradients. The loss and gradients are the unfused ones, summed in another order.
+forward keeps 14 bytes a token (its fp32 log-sum-exp, its label as this rank's int64 row, two
+masks) beside the head's input, which it keeps anyway, and backward makes each chunk's logits
+again (one more head GEMM) for its softmax, input and weight gradients. The loss and gradients
+are the unfused ones, summed in another order.
 
 Under tp the vocabulary is split: each rank reduces its own slice to one log-sum-exp and target
 logit per token, and three all-reduces of [tokens] floats (max, sum, target: the unfused path's
@@ -70,6 +71,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             z = _chunk_logits(flat[a:b], weight, start, vocab_size)
             target[a:b] = z.gather(-1, local[a:b].unsqueeze(-1)).squeeze(-1)
             lse[a:b] = torch.logsumexp(z, dim=-1)
+            del z  # before the next chunk's are made: one chunk's logits at a time
         target.masked_fill_(~mine, 0.0)
         if topo.tp_size > 1:  # log-sum-exp over the ranks' slices: max, then the sum of exp under it
             top = lse.clone()
@@ -97,15 +99,13 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         several = len(spans) > 1
         weight_parts = []  # (logits' gradient, input rows) of the chunk the input's reduction overlaps
         for i, (a, b) in enumerate(spans):
-            z = _chunk_logits(flat[a:b], weight, start, ctx.vocab_size)
-            g = z.sub_(lse[a:b].unsqueeze(-1)).exp_()  # this slice's softmax
-            g.scatter_add_(-1, local[a:b].unsqueeze(-1), -mine[a:b].unsqueeze(-1).to(g.dtype))
-            g = g.mul_(scale[a:b].unsqueeze(-1)).to(weight.dtype)
+            g = _logits_grad(flat[a:b], weight, start, ctx.vocab_size, lse[a:b], local[a:b], mine[a:b], scale[a:b])
             torch.mm(g, weight, out=grad_flat[a:b])
             if i == len(spans) - 1:
                 weight_parts.append((g, flat[a:b]))
             else:
                 grad_weight = _add_weight_grad(grad_weight, ctx.sink, g, flat[a:b], several)
+            del g  # before the next chunk's logits are made
         grad_input = grad_flat.view_as(total)
         pending = None
         if topo.tp_size > 1:
@@ -120,6 +120,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_input, grad_weight, None, None, None, None, None
+
+
+def _logits_grad(x, weight, start: int, vocab_size: int, lse, local, mine, scale) -> torch.Tensor:
+    """The gradient of the token losses (times `scale`) with respect to the logits of the rows `x`,
+    made again from `lse`, in the weight's dtype: the softmax less the one-hot of the labels this
+    rank holds (`local` rows where `mine`). The fp32 logits die here, before the caller's GEMMs."""
+    g = _chunk_logits(x, weight, start, vocab_size).sub_(lse.unsqueeze(-1)).exp_()
+    g.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
+    return g.mul_(scale.unsqueeze(-1)).to(weight.dtype)
 
 
 def _add_weight_grad(acc: torch.Tensor | None, sink, g: torch.Tensor, rows: torch.Tensor,

@@ -237,9 +237,12 @@ def loss_bytes(cfg: Config, tokens: int, vocab_rows: int) -> tuple[float, float]
     rank's `vocab_rows`, beside that input. Unfused: the fp32 softmax kept; the logits and their
     gradient in passing (without tp torch's cross-entropy takes an fp32 copy of 16-bit logits while
     they are still held, beside its fp32 log-softmax: the logits once more, seen on an H200,
-    docs/gpu.md). Fused: a few bytes a token kept; one chunk's logits in passing (the 16-bit
-    product, its fp32 copy and logsumexp's or the softmax's fp32 work), and over several chunks
-    the 16-bit weight's fp32 gradient sum."""
+    docs/gpu.md). Fused (model/chunked_loss.py): 14 bytes a token kept; in passing one chunk's
+    logits at a time: forward, 6 bytes a logit (measured on CPU: a 16-bit product and its fp32
+    copy, or fp32 logits and logsumexp's work); backward in 16 bits, over several chunks, beside the fp32 sum of
+    the head's weight gradient, either the fp32 logits and their 16-bit gradient at the cast, or
+    that gradient and the chunk's 16-bit weight part as it is summed. An fp32 head's backward holds
+    4 bytes a logit, its weight gradient made as the unfused head's (uncounted there too)."""
     e = activation_bytes(cfg.train.dtype)
     chunk = cfg.train.loss_chunk_tokens
     sixteen = e if e < 4 else 0
@@ -247,8 +250,10 @@ def loss_bytes(cfg: Config, tokens: int, vocab_rows: int) -> tuple[float, float]
         logits = tokens * vocab_rows
         return 4 * logits, (4 + (sixteen if cfg.parallel.tp == 1 else 0)) * logits
     rows = min(chunk, tokens)
-    weight_sum = 4 * vocab_rows * cfg.model.d_model if sixteen and rows < tokens else 0
-    return CHUNKED_SAVED_PER_TOKEN * tokens, rows * vocab_rows * (8 + sixteen) + weight_sum
+    logits = rows * vocab_rows
+    weights = vocab_rows * cfg.model.d_model if sixteen and rows < tokens else 0
+    backward = max((4 + sixteen) * logits + 4 * weights, sixteen * logits + (4 + sixteen) * weights)
+    return CHUNKED_SAVED_PER_TOKEN * tokens, max(6 * logits, backward)
 
 
 def mtp_saved_bytes(cfg: Config, stack: Stack, tokens: int, e: int, vocab_rows: int) -> float:

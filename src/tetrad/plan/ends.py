@@ -36,5 +36,9 @@ def end_costs(cfg: Config, cluster: Cluster) -> tuple[tuple[float, float, float]
     ce_ar = 3 * ring_time("all_reduce", tokens * 4, p.tp, tp_alpha, tp_bw)  # max, sum-exp, target logit
     input_grad_ar = ring_time("all_reduce", hidden, p.tp, tp_alpha, tp_bw)
     again = logits + ce / 2 if t.loss_chunk_tokens else 0.0  # the fused loss's backward: each chunk's logits again
-    head = (logits + ce / 2 + norm + ce_ar, logits + ce / 2 + 2 * norm + input_grad_ar + again, logits)
+    # ... and over several chunks a 16-bit weight's gradient summed in fp32: each later chunk's part
+    # written and read, the sum read and written (12 bytes an element), then cast once (6)
+    chunks = -(-tokens // rows)
+    summed = (12 * (chunks - 1) + 6) * vocab * m.d_model / hbm if e < 4 and chunks > 1 else 0.0
+    head = (logits + ce / 2 + norm + ce_ar, logits + ce / 2 + 2 * norm + input_grad_ar + again, logits + summed)
     return embed, head

@@ -128,6 +128,8 @@ def test_plan_chunks_the_loss_where_a_layout_fits_only_so():
     unchunked = plan(base, cluster, top=3, chunk_loss=False).ranked
     assert not any(e.cfg.train.loss_chunk_tokens for e in unchunked)
     assert unchunked[0].step_time_s > best[0].step_time_s
+    # Another stack's plan is that stack's: it has no fused loss to reach for.
+    assert not any(e.cfg.train.loss_chunk_tokens for e in plan(base, cluster, top=3, stack="deepspeed").ranked)
 
 
 def test_plan_command_keeps_a_loss_chunk_the_user_set(capsys):

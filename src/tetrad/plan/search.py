@@ -137,6 +137,7 @@ def plan(base: Config, cluster: Cluster, top: int = 10, stack: str | Stack = "te
     `offload`: also with optimizer offload where only that fits (base's own setting otherwise);
     `chunk_loss`: also with the head's loss chunked (PLANNED_LOSS_CHUNK) where only that fits."""
     stack = load_stack(stack) if isinstance(stack, str) else stack
+    chunk_loss = chunk_loss and stack.name.startswith("tetrad")  # tetrad's fused loss, not another stack's
     usable = cluster.gpu.hbm_gib - (0.0 if cluster.gpu.is_cpu else GPU_RESERVED_GIB)
     bound = _LayoutBound(base, cluster, stack)
     # Heap entries (lower bound, tie-break, layout or config): a Layout bounded by its layer

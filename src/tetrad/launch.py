@@ -84,9 +84,9 @@ def speaks_for_the_job() -> bool:
 
 def says_refusal(message: str, wait_s: float = 20.0) -> bool:
     """Whether this process prints `message`, the job's refusal: every process outside torchrun;
-    under it rank 0, which posts it in torchrun's agent store (and stays until the other ranks have
-    read it, REFUSAL_READ_WAIT_S at most), and another rank only where rank 0's differs or has not
-    come within `wait_s` (rank 0 passed). A refusal every rank meets is one
+    under it rank 0, which posts it in torchrun's agent store (and waits, 5 s at most, for the others
+    to read it), and another rank only where rank 0's differs or has not come within `wait_s` (rank
+    0 passed). A refusal every rank meets is one
     line, not one per rank; one that only some meet (a file missing on one node) is still said.
     Under torchrun every refusing rank also writes it to its error file (`_tell_torchrun`)."""
     if not in_torchrun():
@@ -98,9 +98,11 @@ def says_refusal(message: str, wait_s: float = 20.0) -> bool:
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               timeout=datetime.timedelta(seconds=wait_s))
-        if is_job_rank_zero():
+        if is_job_rank_zero():  # stays until the others read it: torchrun stops them once one exits
             store.set(key, message)
-            _until_the_others_read_it(store, key, min(wait_s, REFUSAL_READ_WAIT_S))
+            others, deadline = int(os.environ.get("WORLD_SIZE", "1")) - 1, time.monotonic() + min(wait_s, 5.0)
+            while store.add(f"{key}/read", 0) < others and time.monotonic() < deadline:
+                time.sleep(0.02)  # ranks that met no refusal never read it: 5 s at most
             return True
         deadline, pause = time.monotonic() + wait_s, 0.05
         while not store.check([key]):  # polled: store.wait's timeout logs two c10d warnings on stderr
@@ -114,18 +116,6 @@ def says_refusal(message: str, wait_s: float = 20.0) -> bool:
     except (KeyError, ValueError, RuntimeError):  # no store to reach (DistError)
         return True
 
-
-# How long rank 0, refusing, waits for the other ranks to read its refusal before it exits: torchrun
-# stops every rank once one has exited, and a rank with a refusal of its own must have said it by
-# then (it came too late once in the suite: test_launch's per-rank refusal). Ranks that met no
-# refusal never read it; they cost rank 0 this wait.
-REFUSAL_READ_WAIT_S = 5.0
-
-
-def _until_the_others_read_it(store, key: str, wait_s: float) -> None:
-    others, deadline = int(os.environ.get("WORLD_SIZE", "1")) - 1, time.monotonic() + wait_s
-    while store.add(f"{key}/read", 0) < others and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def _tell_torchrun(line: str) -> None:
